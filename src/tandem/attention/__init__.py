@@ -1,0 +1,43 @@
+"""Attention over the paged KV cache, behind one small interface."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens sit in the paged cache; device tensors plus host copies for eager paths."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot per token, -1 writes nothing
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cu_seqlens of the query tokens
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length after this step
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
+    decode_only: bool  # every sequence has exactly one query token
+    query_start_loc_host: list[int] | None = None  # host copies; None inside CUDA graphs
+    seq_lens_host: list[int] | None = None
+
+
+class AttentionBackend(Protocol):
+    def __call__(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write this step's K/V into the cache, then attend causally over each sequence's context."""
+        ...
+
+
+def get_backend(name: str) -> AttentionBackend:
+    if name == "torch":
+        from tandem.attention.torch_ref import torch_attention
+
+        return torch_attention
+    raise ValueError(f"unknown attention_backend {name!r}; supported: 'torch'")

@@ -1,0 +1,151 @@
+"""StepPlan -> the host buffers of one IO slot, with vectorized numpy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tandem.io_slot import MAX_BANNED_IDS, IOSlot
+from tandem.request import Request
+from tandem.sampling import fold_seed
+from tandem.scheduler import StepPlan
+
+
+@dataclass
+class StepBatch:
+    """What the CPU remembers about one launched step until its outputs are read back."""
+
+    step: int
+    slot: IOSlot
+    requests: list[Request]
+    samples: np.ndarray  # [num_seqs] bool: this row's last token ends the known sequence
+    num_tokens: int
+    decode_only: bool
+    use_filters: bool
+    num_top_logprobs: int | None  # None when no request asked for logprobs
+    seq_lens: list[int]
+    query_start_loc: list[int]
+
+
+class BlockTableRows:
+    """Block tables of running requests kept as numpy rows, appended to as the scheduler grows them."""
+
+    def __init__(self, max_seqs: int, max_blocks: int):
+        self.table = np.zeros((max_seqs, max_blocks), dtype=np.int32)  # [rows, max_blocks_per_seq]
+        self.length = np.zeros(max_seqs, dtype=np.int32)
+        self.free_rows = list(range(max_seqs - 1, -1, -1))
+        self.row_of: dict[str, int] = {}
+
+    def rows(self, requests: list[Request]) -> np.ndarray:
+        rows = np.empty(len(requests), dtype=np.int64)
+        for i, request in enumerate(requests):
+            row = self.row_of.get(request.request_id)
+            if row is None:
+                row = self.row_of[request.request_id] = self.free_rows.pop()
+                self.length[row] = 0
+            known, blocks = self.length[row], request.block_table
+            if len(blocks) > known:
+                self.table[row, known : len(blocks)] = blocks[known:]
+                self.length[row] = len(blocks)
+            rows[i] = row
+        return rows
+
+    def release(self, request: Request) -> None:
+        row = self.row_of.pop(request.request_id, None)
+        if row is not None:
+            self.free_rows.append(row)
+
+
+class BatchBuilder:
+    def __init__(self, block_size: int, max_seqs: int, max_blocks: int, eos_ids: tuple[int, ...]):
+        self.block_size = block_size
+        self.block_rows = BlockTableRows(max_seqs, max_blocks)
+        self.eos_ids = eos_ids
+
+    def build(self, plan: StepPlan, slot: IOSlot, step: int) -> StepBatch:
+        """Fill `slot`'s host inputs for `plan`. Pending tokens become placeholders plus a carry index."""
+        x = slot.np_in
+        requests = plan.requests
+        num_seqs = len(requests)
+        num_new = np.asarray(plan.num_new_tokens, dtype=np.int64)
+        # scheduler already advanced num_computed_tokens past this step
+        computed_after = np.fromiter((r.num_computed_tokens for r in requests), np.int64, num_seqs)
+        start = computed_after - num_new
+        num_tokens = int(num_new.sum())
+
+        qsl = x["query_start_loc"]
+        qsl[0] = 0
+        np.cumsum(num_new, out=qsl[1 : num_seqs + 1])
+        # E.g. num_new [2, 3] -> seq_of_token [0, 0, 1, 1, 1], offset [0, 1, 0, 1, 2]
+        seq_of_token = np.repeat(np.arange(num_seqs), num_new)
+        offset = np.arange(num_tokens) - qsl[seq_of_token]
+        positions = start[seq_of_token] + offset
+        x["positions"][:num_tokens] = positions
+
+        rows = self.block_rows.rows(requests)
+        tables = self.block_rows.table[rows]  # [num_seqs, max_blocks]
+        x["block_tables"][:num_seqs] = tables
+        blocks = tables[seq_of_token, positions // self.block_size]
+        x["slot_mapping"][:num_tokens] = blocks * self.block_size + positions % self.block_size
+        x["seq_lens"][:num_seqs] = computed_after
+        x["logits_indices"][:num_seqs] = qsl[1 : num_seqs + 1] - 1
+
+        self._fill_token_ids(x, requests, start, num_new, qsl)
+        samples = computed_after == np.fromiter(
+            (r.num_tokens for r in requests), np.int64, num_seqs
+        )
+        use_filters, num_top_logprobs = self._fill_sampling(x, requests)
+        return StepBatch(
+            step=step,
+            slot=slot,
+            requests=requests,
+            samples=samples,
+            num_tokens=num_tokens,
+            decode_only=num_tokens == num_seqs,
+            use_filters=use_filters,
+            num_top_logprobs=num_top_logprobs,
+            seq_lens=computed_after.tolist(),
+            query_start_loc=qsl[: num_seqs + 1].tolist(),
+        )
+
+    def _fill_token_ids(self, x, requests: list[Request], start, num_new, qsl) -> None:
+        """Known tokens are copied; a token still in flight is 0 plus its row in the previous output."""
+        num_tokens = int(qsl[len(requests)])
+        ids, carry = x["input_ids"], x["carry_index"]
+        carry[:num_tokens] = -1
+        for i, request in enumerate(requests):
+            first = int(qsl[i])
+            if request.num_pending_tokens:
+                assert num_new[i] == 1, (
+                    "a request with a token in flight computes exactly that token"
+                )
+                ids[first] = 0
+                carry[first] = request.pending_row
+            else:
+                tokens = request.prompt_token_ids + request.output_token_ids
+                ids[first : first + num_new[i]] = tokens[start[i] : start[i] + num_new[i]]
+
+    def _fill_sampling(self, x, requests: list[Request]) -> tuple[bool, int | None]:
+        n = len(requests)
+        params = [r.params for r in requests]
+        x["temperature"][:n] = [p.temperature for p in params]
+        x["top_k"][:n] = [p.top_k for p in params]
+        x["top_p"][:n] = [p.top_p for p in params]
+        x["min_p"][:n] = [p.min_p for p in params]
+        x["seeds"][:n] = [fold_seed(r.seed) for r in requests]
+        x["sample_positions"][:n] = [r.num_output_tokens for r in requests]
+        x["ban_rows"][:n] = 0
+        for i, request in enumerate(requests):
+            if request.num_output_tokens < request.params.min_tokens:
+                eos = () if request.params.ignore_eos else self.eos_ids
+                banned = (*eos, *request.params.stop_token_ids)
+                if not banned:
+                    continue
+                assert len(banned) <= MAX_BANNED_IDS
+                x["banned_ids"][i, :] = banned[0]
+                x["banned_ids"][i, : len(banned)] = banned
+                x["ban_rows"][i] = 1
+        use_filters = any(p.needs_filter for p in params)
+        num_top_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        return use_filters, num_top_logprobs

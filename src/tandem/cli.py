@@ -1,0 +1,143 @@
+"""The `tandem` command: make-tiny-model, generate, chat."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import fields
+
+from tandem.config import EngineConfig
+from tandem.sampling import SamplingParams
+
+ENGINE_ARGS = {f.name for f in fields(EngineConfig)} - {"model"}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model", help="a Hugging Face model folder, or a preset name with --load-format dummy"
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"])
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"]
+    )
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--attention-backend", default="torch")
+    parser.add_argument("--async-batching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None)
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--sampling-seed", type=int)
+    parser.add_argument("--stop", action="append", default=[])
+    parser.add_argument("--ignore-eos", action="store_true")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {name: getattr(args, name) for name in ENGINE_ARGS if hasattr(args, name)}
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> None:
+    from tandem.model.tiny import make_tiny_model
+
+    print(make_tiny_model(args.out_dir, args.arch, seed=args.seed))
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from tandem.llm import LLM
+
+    params = sampling_params(args)
+    llm = LLM(args.model, **engine_kwargs(args))
+    start = time.perf_counter()
+    outputs = llm.generate(args.prompts, params, use_tqdm=not args.quiet)
+    elapsed = time.perf_counter() - start
+    for out in outputs:
+        completion = out.outputs[0]
+        print(
+            f"--- prompt: {out.prompt!r}\n{completion.text!r}  [{completion.finish_reason}, {len(completion.token_ids)} tokens]"
+        )
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    mode = "async" if llm.engine.async_batching else "sync"
+    print(
+        f"{len(outputs)} requests, {num_out} tokens in {elapsed:.2f} s ({num_out / elapsed:.0f} tok/s, {mode})"
+    )
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    from tandem.llm import LLM
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = sampling_params(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("chat: empty line or Ctrl-D to quit")
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line.strip()})
+        reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        messages.append({"role": "assistant", "content": reply})
+        print(f"assistant: {reply}", flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tiny = sub.add_parser(
+        "make-tiny-model", help="write a small random checkpoint in Hugging Face format"
+    )
+    tiny.add_argument("out_dir")
+    tiny.add_argument("--arch", choices=["llama", "mistral", "qwen2", "qwen3"], default="llama")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=cmd_make_tiny_model)
+
+    gen = sub.add_parser("generate", help="generate completions for prompts")
+    add_engine_args(gen)
+    gen.add_argument("prompts", nargs="+")
+    add_sampling_args(gen)
+    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="chat on stdin with the model's chat template")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.add_argument("--system", default="")
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as error:
+        sys.exit(f"tandem: error: {error}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,373 @@
+"""The step loop: schedule, build, launch, read back, process, with or without overlap."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from tandem.attention import AttentionMetadata, get_backend
+from tandem.batch import BatchBuilder, StepBatch
+from tandem.config import EngineConfig, ModelConfig, cdiv
+from tandem.io_slot import MAX_BANNED_IDS
+from tandem.kv_cache import BlockAllocator, allocate_kv_cache, bytes_per_block
+from tandem.model.loader import build_model, read_hf_config
+from tandem.request import Request
+from tandem.runner import Runner
+from tandem.sampling import SamplingParams, SamplingTensors, sample
+from tandem.scheduler import Scheduler
+from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
+
+CPU_KV_CACHE_BYTES = 2 << 30
+
+
+class Engine:
+    """Continuous batching over a paged KV cache.
+
+    With `async_batching`, step N+1 is scheduled, built and launched before step N's sampled
+    tokens are read: a request in both steps gets a placeholder plus a carry-over index, and
+    the device substitutes step N's token. Without it, each step is read back before the next
+    is built. Both modes run the same functions; only the moment of `_process` differs.
+    """
+
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        hf_config, folder = read_hf_config(config.model)
+        self.model_config = cfg = ModelConfig.from_hf(hf_config)
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(cfg, self.device)
+        self.max_model_len = config.resolve_max_model_len(cfg)
+        self.tokenizer = (
+            Tokenizer.from_dir(folder) if folder and (folder / "tokenizer.json").is_file() else None
+        )
+        self.eos_token_ids = _eos_token_ids(cfg, folder, self.tokenizer)
+        self.model = build_model(
+            cfg,
+            hf_config,
+            folder,
+            config.load_format,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            config.seed,
+        )
+        self.num_blocks = self._num_blocks()
+        self.block_size = config.block_size
+        max_blocks_per_seq = cdiv(self.max_model_len, config.block_size)
+        self.kv_caches = allocate_kv_cache(
+            cfg, self.num_blocks, config.block_size, self.dtype, self.device
+        )
+        self.allocator = BlockAllocator(self.num_blocks)
+        max_tokens = config.max_num_batched_tokens
+        self.scheduler = Scheduler(
+            self.allocator, config.block_size, config.max_num_seqs, max_tokens, self.max_model_len
+        )
+        self.builder = BatchBuilder(
+            config.block_size, config.max_num_seqs, max_blocks_per_seq, self.eos_token_ids
+        )
+        self.runner = Runner(
+            self.model,
+            self.kv_caches,
+            get_backend(config.attention_backend),
+            self.device,
+            max_tokens,
+            config.max_num_seqs,
+            max_blocks_per_seq,
+        )
+        self.async_batching = config.async_batching
+        self.in_flight: deque[StepBatch] = deque()
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.seed_rng = random.Random(config.seed)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def enqueue(self, request: Request) -> None:
+        """Queue a request made by `make_request`; nothing is queued before validation passes."""
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+
+    def make_request(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> Request:
+        """A validated Request, not yet queued."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params.validate()
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str):
+                raise ValueError(
+                    f"prompt must be a string or token ids, got {type(prompt).__name__}"
+                )
+            if self.tokenizer is None:
+                raise ValueError(
+                    "this model has no tokenizer.json; pass prompt_token_ids instead of text"
+                )
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        prompt_token_ids = self._check_token_ids(list(prompt_token_ids))
+        for token_id in params.stop_token_ids:
+            if token_id >= self.model_config.vocab_size:
+                raise ValueError(
+                    f"stop_token_ids must be in [0, {self.model_config.vocab_size}), got {token_id}"
+                )
+        if (
+            params.min_tokens
+            and len(self.eos_token_ids) + len(params.stop_token_ids) > MAX_BANNED_IDS
+        ):
+            raise ValueError(
+                f"with min_tokens, at most {MAX_BANNED_IDS - len(self.eos_token_ids)} stop_token_ids are supported"
+            )
+        seed = params.seed if params.seed is not None else self.seed_rng.getrandbits(63)
+        request = Request(request_id, prompt_token_ids, params, seed, prompt=prompt)
+        if params.stop:
+            request.detokenizer = self._detokenizer(request)
+        return request
+
+    def _check_token_ids(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise ValueError("prompt is empty; give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next(
+            (t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab),
+            None,
+        )
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {bad!r}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
+                f"shorten it to at most {self.max_model_len - 1} tokens or raise max_model_len"
+            )
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is not None and not request.finished:
+            self._finish(request, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self.in_flight)
+
+    # ---- the step loop --------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """Launch the next step; read back the oldest one in flight when it is due.
+
+        Sync: launch N, read N. Async: launch N+1, then read N, so the device always has
+        the next step queued while the CPU processes tokens. Returns the requests that got a
+        token or finished.
+        """
+        launched = self._launch_next()
+        due = not self.async_batching or len(self.in_flight) > 1 or not launched
+        if self.in_flight and due:
+            return self._process(self.in_flight.popleft())
+        return []
+
+    def _launch_next(self) -> bool:
+        plan = self.scheduler.schedule()
+        for request in plan.preempted:
+            self.builder.block_rows.release(request)
+        if not plan.requests:
+            return False
+        slot = self.runner.slots[self.num_steps % 2]
+        self.runner.wait_inputs_free(slot)
+        batch = self.builder.build(plan, slot, self.num_steps)
+        self.runner.launch(batch)
+        for row, request in enumerate(batch.requests):
+            if batch.samples[row]:
+                request.num_pending_tokens += 1
+                request.pending_row = row
+        self.in_flight.append(batch)
+        self.num_steps += 1
+        return True
+
+    def _process(self, batch: StepBatch) -> list[Request]:
+        out = self.runner.wait(batch)
+        num_seqs = len(batch.requests)
+        sampled = out["sampled"][:num_seqs].tolist()
+        updated = []
+        for row, request in enumerate(batch.requests):
+            if not batch.samples[row]:
+                continue
+            request.num_pending_tokens -= 1
+            if request.finished:
+                continue  # stopped or aborted while this step was in flight: discard
+            request.output_token_ids.append(sampled[row])
+            if batch.num_top_logprobs is not None and request.params.logprobs is not None:
+                self._append_logprobs(request, out, row)
+            self._check_stop(request)
+            updated.append(request)
+        return updated
+
+    def _append_logprobs(self, request: Request, out, row: int) -> None:
+        n = request.params.logprobs
+        entry = dict(
+            zip(
+                out["top_ids"][row, :n].tolist(), out["top_logprobs"][row, :n].tolist(), strict=True
+            )
+        )
+        entry[request.output_token_ids[-1]] = float(out["sampled_logprob"][row])
+        if request.logprobs is None:
+            request.logprobs = []
+        request.logprobs.append(entry)
+
+    def _check_stop(self, request: Request) -> None:
+        params, token = request.params, request.output_token_ids[-1]
+        num_out = len(request.output_token_ids)
+        if num_out >= params.min_tokens and (
+            (not params.ignore_eos and token in self.eos_token_ids)
+            or token in params.stop_token_ids
+        ):
+            return self._finish(request, "stop")
+        if request.detokenizer is not None:
+            delta = request.detokenizer.add([token])
+            request.output_text += delta
+            if num_out >= params.min_tokens and truncate_at_stop(request, len(delta)):
+                return self._finish(request, "stop", text_is_final=True)
+        if num_out >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            self._finish(request, "length")
+        return None
+
+    def _finish(self, request: Request, reason: str, text_is_final: bool = False) -> None:
+        self.scheduler.finish(request, reason)
+        self.builder.block_rows.release(request)
+        self.requests.pop(request.request_id, None)
+        if text_is_final:
+            return
+        if request.detokenizer is not None:
+            request.output_text += request.detokenizer.flush()
+        elif self.tokenizer is not None:
+            request.output_text = self.tokenizer.decode(
+                request.output_token_ids, skip_special_tokens=request.params.skip_special_tokens
+            )
+
+    def _detokenizer(self, request: Request) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            request.prompt_token_ids,
+            skip_special_tokens=request.params.skip_special_tokens,
+        )
+
+    # ---- sizing ---------------------------------------------------------------------------
+
+    def _num_blocks(self) -> int:
+        config, cfg = self.config, self.model_config
+        per_block = bytes_per_block(cfg, config.block_size, self.dtype)
+        if config.num_blocks is not None:
+            num_blocks = config.num_blocks
+        elif self.device.type == "cuda":
+            num_blocks = self._profile_num_blocks(per_block)
+        else:
+            wanted = cdiv(self.max_model_len, config.block_size) * config.max_num_seqs
+            num_blocks = min(wanted, CPU_KV_CACHE_BYTES // per_block)
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * config.block_size} tokens, fewer than "
+                f"max_model_len={self.max_model_len}; lower max_model_len or raise num_blocks / "
+                "gpu_memory_utilization"
+            )
+        return num_blocks
+
+    def _profile_num_blocks(self, per_block: int) -> int:
+        """Blocks that fit in gpu_memory_utilization of the device after weights and a peak-size step."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        _, total = torch.cuda.mem_get_info(self.device)
+        peak = self._profile_step_memory()
+        budget = int(total * self.config.gpu_memory_utilization) - peak
+        if budget < per_block:
+            raise ValueError(
+                f"no memory left for the KV cache: the model and one step take {peak / 2**30:.1f} GiB of "
+                f"{total / 2**30:.1f} GiB; raise gpu_memory_utilization or lower max_num_batched_tokens"
+            )
+        return budget // per_block
+
+    @torch.inference_mode()
+    def _profile_step_memory(self) -> int:
+        """Peak device memory of a forward pass plus filtered sampling at the largest step size."""
+        config, cfg, device = self.config, self.model_config, self.device
+        num_tokens, seq_len = (
+            config.max_num_batched_tokens,
+            min(config.max_num_batched_tokens, self.max_model_len - 1),
+        )
+        seq_lens = [seq_len] * (num_tokens // seq_len) + [num_tokens % seq_len] * (
+            num_tokens % seq_len > 0
+        )
+        blocks_per_seq = cdiv(seq_len, config.block_size)
+        kv_caches = allocate_kv_cache(
+            cfg, len(seq_lens) * blocks_per_seq, config.block_size, self.dtype, device
+        )
+        starts = [0, *itertools.accumulate(seq_lens)]
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(
+                [
+                    torch.arange(n) + i * blocks_per_seq * config.block_size
+                    for i, n in enumerate(seq_lens)
+                ]
+            ).to(device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.arange(
+                len(seq_lens) * blocks_per_seq, dtype=torch.int32, device=device
+            ).view(len(seq_lens), -1),
+            decode_only=False,
+            query_start_loc_host=starts,
+            seq_lens_host=seq_lens,
+        )
+        ids = torch.randint(0, cfg.vocab_size, (num_tokens,), device=device)
+        positions = torch.cat([torch.arange(n) for n in seq_lens]).to(device)
+        hidden = self.model(ids, positions, kv_caches, meta, get_backend(config.attention_backend))
+        rows = min(config.max_num_seqs, num_tokens)
+        logits = self.model.compute_logits(
+            hidden[:rows].repeat(cdiv(config.max_num_seqs, rows), 1)[: config.max_num_seqs]
+        )
+        ones = torch.ones(config.max_num_seqs, device=device)
+        params = SamplingTensors(ones, ones.int(), ones * 0.9, ones * 0.1, ones.int(), ones.int())
+        sample(logits, params, use_filters=True)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        del kv_caches, hidden, logits
+        torch.cuda.empty_cache()
+        return peak
+
+
+def _eos_token_ids(
+    cfg: ModelConfig, folder: Path | None, tokenizer: Tokenizer | None
+) -> tuple[int, ...]:
+    """EOS ids from generation_config.json when present, else config.json, else the tokenizer."""
+    path = folder / "generation_config.json" if folder else None
+    if path is not None and path.is_file():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        if eos is not None:
+            return tuple(eos) if isinstance(eos, list) else (eos,)
+    if cfg.eos_token_ids:
+        return cfg.eos_token_ids
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return (tokenizer.eos_token_id,)
+    return ()
+
+
+def truncate_at_stop(request: Request, delta_len: int) -> bool:
+    """If a stop string ends in the newest text, cut the output there and return True."""
+    params, text = request.params, request.output_text
+    longest = max(len(s) for s in params.stop)
+    window_start = max(0, len(text) - delta_len - longest + 1)
+    hits = [(i, s) for s in params.stop if (i := text.find(s, window_start)) >= 0]
+    if not hits:
+        return False
+    index, stop = min(hits)
+    request.output_text = (
+        text[: index + len(stop)] if params.include_stop_str_in_output else text[:index]
+    )
+    return True

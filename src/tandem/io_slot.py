@@ -1,0 +1,109 @@
+"""One IO slot: every per-step input and output, packed so each direction is one copy.
+
+A slot owns a pinned host buffer and a device twin for the step inputs (one int32 and one
+float32 block, carved into named views) and the same pair for the sampled outputs. Two slots
+alternate so that preparing batch N+1 never touches memory batch N is still reading.
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+import numpy as np
+import torch
+
+from tandem.sampling import MAX_LOGPROBS
+
+MAX_BANNED_IDS = 32  # EOS ids plus stop_token_ids suppressed while a request is under min_tokens
+
+
+def input_fields(
+    max_tokens: int, max_seqs: int, max_blocks: int
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    t, b = max_tokens, max_seqs
+    return {
+        "input_ids": ((t,), torch.int32),  # 0 where the token is carried over
+        "positions": ((t,), torch.int32),
+        "slot_mapping": ((t,), torch.int32),  # -1 for padding rows
+        "carry_index": ((t,), torch.int32),  # row of the previous step's output, or -1
+        "query_start_loc": ((b + 1,), torch.int32),
+        "seq_lens": ((b,), torch.int32),
+        "logits_indices": ((b,), torch.int32),
+        "block_tables": ((b, max_blocks), torch.int32),
+        "top_k": ((b,), torch.int32),
+        "seeds": ((b,), torch.int32),
+        "sample_positions": ((b,), torch.int32),
+        "banned_ids": ((b, MAX_BANNED_IDS), torch.int32),
+        "ban_rows": ((b,), torch.int32),
+        "temperature": ((b,), torch.float32),
+        "top_p": ((b,), torch.float32),
+        "min_p": ((b,), torch.float32),
+    }
+
+
+def output_fields(max_seqs: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    b = max_seqs
+    return {
+        "sampled": ((b,), torch.int32),
+        "top_ids": ((b, MAX_LOGPROBS), torch.int32),
+        "sampled_logprob": ((b,), torch.float32),
+        "top_logprobs": ((b, MAX_LOGPROBS), torch.float32),
+    }
+
+
+class PackedBuffers:
+    """Named tensors carved out of one int32 and one float32 allocation (views share storage)."""
+
+    def __init__(
+        self,
+        fields: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        device: torch.device,
+        pin: bool,
+    ):
+        sizes = {dtype: 0 for dtype in (torch.int32, torch.float32)}
+        for shape, dtype in fields.values():
+            sizes[dtype] += prod(shape)
+        self.blocks = {
+            dtype: torch.zeros(size, dtype=dtype, device=device, pin_memory=pin)
+            for dtype, size in sizes.items()
+        }
+        offsets = dict.fromkeys(sizes, 0)
+        self.views: dict[str, torch.Tensor] = {}
+        for name, (shape, dtype) in fields.items():
+            n = prod(shape)
+            self.views[name] = self.blocks[dtype][offsets[dtype] : offsets[dtype] + n].view(shape)
+            offsets[dtype] += n
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.views[name]
+
+    def copy_from(self, other: PackedBuffers) -> None:
+        """One non-blocking copy per block, on the current stream."""
+        for dtype, block in self.blocks.items():
+            block.copy_(other.blocks[dtype], non_blocking=True)
+
+    def numpy(self) -> dict[str, np.ndarray]:
+        """NumPy views of host buffers (writes land in the pinned memory)."""
+        return {name: view.numpy() for name, view in self.views.items()}
+
+
+class IOSlot:
+    def __init__(
+        self, index: int, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device
+    ):
+        pin = device.type == "cuda"
+        self.index = index
+        self.host_in = PackedBuffers(
+            input_fields(max_tokens, max_seqs, max_blocks), torch.device("cpu"), pin
+        )
+        self.dev_in = (
+            PackedBuffers(input_fields(max_tokens, max_seqs, max_blocks), device, False)
+            if pin
+            else self.host_in
+        )
+        self.host_out = PackedBuffers(output_fields(max_seqs), torch.device("cpu"), pin)
+        self.dev_out = (
+            PackedBuffers(output_fields(max_seqs), device, False) if pin else self.host_out
+        )
+        self.np_in = self.host_in.numpy()
+        self.np_out = self.host_out.numpy()

@@ -1,0 +1,144 @@
+"""Offline batch generation, shaped like vLLM's `LLM` so switching is one import."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tqdm import tqdm
+
+from tandem.config import EngineConfig
+from tandem.engine import Engine
+from tandem.request import Request
+from tandem.sampling import SamplingParams
+
+Prompt = str | dict[str, Any]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+
+class LLM:
+    """`LLM(model=folder_or_preset, **engine_args)`; see EngineConfig for the arguments."""
+
+    def __init__(self, model: str, **engine_args: Any):
+        self.engine = Engine(EngineConfig(model=model, **engine_args))
+        self._next_id = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or {"prompt_token_ids": [...]}); outputs in input order."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        groups = self._make_requests(prompts, params)
+        self._run([r for _, group in groups for r in group], use_tqdm)
+        return [_request_output(rid, group) for rid, group in groups]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text}
+            for text in (tokenizer.apply_chat_template(c) for c in conversations)
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _params_per_prompt(self, sampling_params, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        if len(sampling_params) != count:
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {count} prompts")
+        return list(sampling_params)
+
+    def _make_requests(
+        self, prompts: Sequence[Prompt], params: list[SamplingParams]
+    ) -> list[tuple[str, list[Request]]]:
+        """Validate everything before queueing anything: one bad prompt rejects the whole call."""
+        groups = []
+        engine = self.engine
+        for prompt, p in zip(prompts, params, strict=True):
+            text, ids = _split_prompt(prompt)
+            base = str(self._next_id)
+            self._next_id += 1
+            group = []
+            for k in range(p.n):
+                sibling = p if p.seed is None or k == 0 else replace(p, seed=p.seed + k)
+                rid = base if p.n == 1 else f"{base}-{k}"
+                group.append(engine.make_request(rid, sibling, prompt=text, prompt_token_ids=ids))
+                ids = ids if ids is not None else group[0].prompt_token_ids
+            groups.append((base, group))
+        return groups
+
+    def _run(self, requests: list[Request], use_tqdm: bool) -> None:
+        for request in requests:
+            self.engine.enqueue(request)
+        bar = tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm)
+        start, num_out = time.perf_counter(), 0
+        with bar:
+            while self.engine.has_unfinished():
+                updated = self.engine.step()
+                num_out += len(updated)
+                finished = sum(r.finished for r in updated)
+                if finished or updated:
+                    bar.update(finished)
+                    bar.set_postfix_str(
+                        f"{num_out / (time.perf_counter() - start):.0f} tok/s", refresh=False
+                    )
+
+
+def _split_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None]:
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return prompt.get("prompt"), prompt["prompt_token_ids"]
+    raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {prompt!r:.80}")
+
+
+def _request_output(request_id: str, group: list[Request]) -> RequestOutput:
+    first = group[0]
+    return RequestOutput(
+        request_id=request_id,
+        prompt=first.prompt,
+        prompt_token_ids=first.prompt_token_ids,
+        outputs=[
+            CompletionOutput(
+                k, r.output_text, list(r.output_token_ids), r.finish_reason, r.logprobs
+            )
+            for k, r in enumerate(group)
+        ],
+    )

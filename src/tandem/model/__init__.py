@@ -1,0 +1,1 @@
+"""Model definition and checkpoint loading."""

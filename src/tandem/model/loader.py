@@ -1,0 +1,143 @@
+"""Hugging Face checkpoint folders (or named shape presets) -> a Decoder with weights in place."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tandem.config import ModelConfig
+from tandem.model.decoder import Decoder
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+
+# HF tensor name suffix -> (our parameter suffix, index of its slice in a stacked matrix)
+STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
+
+
+def read_hf_config(model: str) -> tuple[dict, Path | None]:
+    """config.json of a folder, or of a preset name; returns (config, folder or None for a preset)."""
+    folder = Path(model).expanduser()
+    if folder.is_dir():
+        path = folder / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{folder} has no config.json; is it a Hugging Face model folder?"
+            )
+        return json.loads(path.read_text()), folder
+    preset = PRESETS_DIR / f"{model}.json"
+    if preset.is_file():
+        return json.loads(preset.read_text()), None
+    raise FileNotFoundError(
+        f"model {model!r} is neither a folder nor a preset; presets: {', '.join(preset_names())}"
+    )
+
+
+def build_model(
+    cfg: ModelConfig,
+    hf_config: dict,
+    folder: Path | None,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_position: int,
+    seed: int,
+) -> Decoder:
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Decoder(cfg, max_position)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    if load_format == "dummy":
+        from tandem.model.tiny import random_weights
+
+        tensors = random_weights(hf_config, seed=seed, dtype=dtype, device=device).items()
+    elif folder is None:
+        raise ValueError(
+            "a preset has shapes but no weights; pass load_format='dummy' to use random weights"
+        )
+    else:
+        tensors = iter_safetensors(folder)
+    load_weights(model, tensors)
+    return model.eval()
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / name for name in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{folder} lacks shards named in its index: {', '.join(missing)}"
+            )
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{folder} has no model.safetensors (nor a sharded index)")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: Decoder, tensors) -> None:
+    """Copy HF-named tensors into the model, stacking q/k/v and gate/up; every parameter must be set."""
+    params = dict(model.named_parameters())
+    cfg = model.cfg
+    stacked_sizes = {
+        "qkv_proj": [cfg.q_size, cfg.kv_size, cfg.kv_size],
+        "gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size],
+    }
+    loaded: set[str] = set()
+    for hf_name, tensor in tensors:
+        name = hf_name.removeprefix("model.")
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        module, _, kind = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        if leaf in STACKED:
+            target, index = STACKED[leaf]
+            name = f"{parent}.{target}.{kind}"
+            sizes = stacked_sizes[target]
+            offset = sum(sizes[:index])
+            dest = params[name].data.narrow(0, offset, sizes[index]) if name in params else None
+            loaded.add(f"{name}#{index}")
+        else:
+            dest = params[name].data if name in params else None
+            loaded.add(name)
+        if dest is None:
+            raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {cfg.architecture}")
+        if dest.shape != tensor.shape:
+            raise ValueError(
+                f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+            )
+        dest.copy_(tensor)
+    expected = set()
+    for name in params:
+        target = name.split(".")[-2]
+        if target in stacked_sizes:
+            expected.update(f"{name}#{i}" for i in range(len(stacked_sizes[target])))
+        else:
+            expected.add(name)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(
+            f"checkpoint lacks weights for: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+        )

@@ -1,0 +1,275 @@
+"""Tiny random Hugging Face checkpoints (config, safetensors, byte-level BPE tokenizer) for tests."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer as BpeTokenizer
+
+from tandem.config import ModelConfig, cdiv
+
+BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [BOS, EOS, IM_START, IM_END]
+NUM_MERGED_TOKENS = 640  # byte alphabet plus merges; the special tokens come after
+VOCAB_PADDING = 64  # config.json's vocab_size is the tokenizer's size rounded up to this
+LOGIT_STD = 6.0  # std of the logits at init, so greedy picks are far from ties
+# o_proj and down_proj write into the residual stream; a large gain there keeps a tied model's input
+# embedding from dominating its own logits (greedy output would then repeat one token).
+RESIDUAL_GAIN = 6.0
+
+CHAT_TEMPLATE = """{{- bos_token | default('') }}
+{%- for message in messages %}
+{%- if message['role'] not in ['system', 'user', 'assistant'] %}
+{{- raise_exception('unknown role ' + message['role'] + '; use system, user or assistant') }}
+{%- endif %}
+{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+# Pre-tokenizer regexes of the two tokenizer.json families: Llama-3 groups digits by three, Qwen
+# splits every digit.
+LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+QWEN_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+COMMON_CONFIG: dict[str, Any] = {
+    "hidden_act": "silu",
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 1024,
+    "initializer_range": 0.02,
+    "use_cache": True,
+    "torch_dtype": "float32",
+}
+ARCH_CONFIGS: dict[str, dict[str, Any]] = {
+    # GQA, untied, llama3 rope scaling, a Llama-3 style tokenizer that prepends BOS
+    "llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+    },
+    # MQA, untied, no sliding window
+    "mistral": {
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "intermediate_size": 160,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 1,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+    },
+    # bias on q/k/v only, tied, GQA, a Qwen style tokenizer (NFC, no BOS)
+    "qwen2": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "intermediate_size": 96,
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "tie_word_embeddings": True,
+    },
+    # q_norm/k_norm, head_dim 32 != 64 / 4, tied
+    "qwen3": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "tie_word_embeddings": True,
+    },
+}
+QWEN_STYLE = {"qwen2", "qwen3"}
+
+PARAGRAPHS = [
+    "The quick brown fox jumps over the lazy dog. It's a sentence that uses every letter.",
+    "We'll meet at the café at 10:30, won't we? I'd rather be early than late; they're never on time.",
+    "A naïve approach to caching is to keep everything in memory until the machine runs out of it.",
+    "日本 is the name of Japan in Japanese, and 東京 is its capital. Ünïcödé text needs care: 🙂 ✓.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # prints 5\n",
+    "Prices rose 3.5% in 2023, from $1,234.56 to $1,277.77 per unit (see table 12-B).",
+    "Résumé, jalapeño, façade and über are borrowed words; Zürich and São Paulo are cities.",
+    '{"name": "tandem", "version": [0, 1, 0], "tags": ["llm", "inference"]}',
+    "Line one\nLine two\n\n\tIndented with a tab\n    indented with spaces\r\nWindows line end",
+]
+# a generated sentence picks one phrase from each of these, in order
+SENTENCE_PARTS = [
+    "the model|a small engine|our scheduler|the old server|every request|the cat|she|they",
+    "reads|writes|caches|samples|sends|finds|keeps|moves|builds|checks|prints|ignores",
+    "the tokens|a batch of prompts|two blocks|the answer|ten numbers|a long story|some café au lait",
+    "quickly.|before noon.|on the GPU.|in 12 steps.|with care!|again?|without a sound.|for 1000 users.",
+]
+
+
+def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0) -> Path:
+    """Write a complete random Hugging Face checkpoint folder of a tiny `arch` model; return its path."""
+    if arch not in ARCH_CONFIGS:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose one of {sorted(ARCH_CONFIGS)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    qwen_style = arch in QWEN_STYLE
+    tokenizer = train_tokenizer(qwen_style)
+    tokenizer.save(str(out / "tokenizer.json"))
+    token_id = tokenizer.token_to_id
+    eos_ids = [token_id(EOS), token_id(IM_END)]
+    size = tokenizer.get_vocab_size()
+    config = {
+        **COMMON_CONFIG,
+        **ARCH_CONFIGS[arch],
+        "vocab_size": cdiv(size, VOCAB_PADDING) * VOCAB_PADDING,
+        "bos_token_id": token_id(BOS),
+        "eos_token_id": eos_ids if arch == "llama" else token_id(IM_END),
+    }
+    write_json(out / "config.json", config)
+    write_json(
+        out / "generation_config.json", {"bos_token_id": token_id(BOS), "eos_token_id": eos_ids}
+    )
+    write_json(out / "tokenizer_config.json", tokenizer_config(qwen_style))
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    save_file(
+        random_weights(config, seed, torch.float32), out / "model.safetensors", {"format": "pt"}
+    )
+    return out
+
+
+def random_weights(
+    hf_config: dict[str, Any], seed: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Random weights under Hugging Face names for a config.json dict, made on `device`."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    weights = {}
+    for name, (shape, std, mean) in weight_specs(ModelConfig.from_hf(hf_config)).items():
+        tensor = torch.randn(shape, generator=generator, device=device, dtype=dtype)
+        weights[name] = tensor.mul_(std).add_(mean)
+    return weights
+
+
+def weight_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], float, float]]:
+    # name -> (shape, std, mean); matrices get std 1/sqrt(fan_in) so activations stay O(1)
+    h, vocab = cfg.hidden_size, cfg.vocab_size
+    q, kv, d, ffn = cfg.q_size, cfg.kv_size, cfg.head_dim, cfg.intermediate_size
+    embed_std = LOGIT_STD / h**0.5
+
+    def matrix(rows: int, cols: int, gain: float = 1.0) -> tuple[tuple[int, ...], float, float]:
+        return (rows, cols), gain * cols**-0.5, 0.0
+
+    def norm(size: int) -> tuple[tuple[int, ...], float, float]:
+        return (size,), 0.1, 1.0
+
+    specs = {"model.embed_tokens.weight": ((vocab, h), embed_std, 0.0)}
+    for i in range(cfg.num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        specs |= {
+            f"{attn}.q_proj.weight": matrix(q, h),
+            f"{attn}.k_proj.weight": matrix(kv, h),
+            f"{attn}.v_proj.weight": matrix(kv, h),
+            f"{attn}.o_proj.weight": matrix(h, q, RESIDUAL_GAIN),
+        }
+        if cfg.qkv_bias:
+            specs |= {
+                f"{attn}.{p}_proj.bias": ((n,), 0.1, 0.0)
+                for p, n in (("q", q), ("k", kv), ("v", kv))
+            }
+        if cfg.o_proj_bias:
+            specs[f"{attn}.o_proj.bias"] = ((h,), 0.1, 0.0)
+        if cfg.qk_norm:
+            specs |= {f"{attn}.q_norm.weight": norm(d), f"{attn}.k_norm.weight": norm(d)}
+        specs |= {
+            f"{mlp}.gate_proj.weight": matrix(ffn, h),
+            f"{mlp}.up_proj.weight": matrix(ffn, h),
+            f"{mlp}.down_proj.weight": matrix(h, ffn, RESIDUAL_GAIN),
+            f"model.layers.{i}.input_layernorm.weight": norm(h),
+            f"model.layers.{i}.post_attention_layernorm.weight": norm(h),
+        }
+    specs["model.norm.weight"] = norm(h)
+    if not cfg.tie_word_embeddings:
+        specs["lm_head.weight"] = ((vocab, h), embed_std, 0.0)
+    return specs
+
+
+def train_tokenizer(qwen_style: bool) -> BpeTokenizer:
+    """A byte-level BPE trained on the built-in corpus, special tokens after the merged ones."""
+    tokenizer = BpeTokenizer(models.BPE(ignore_merges=not qwen_style))
+    split = pre_tokenizers.Split(Regex(QWEN_SPLIT if qwen_style else LLAMA3_SPLIT), "isolated")
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    byte_level = processors.ByteLevel(trim_offsets=False)
+    if qwen_style:
+        tokenizer.normalizer = normalizers.NFC()
+        tokenizer.post_processor = byte_level
+    else:
+        prepend_bos = processors.TemplateProcessing(
+            single=f"{BOS}:0 $A:0",
+            pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1",
+            special_tokens=[(BOS, NUM_MERGED_TOKENS)],
+        )
+        tokenizer.post_processor = processors.Sequence([byte_level, prepend_bos])
+    trainer = trainers.BpeTrainer(
+        vocab_size=NUM_MERGED_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus(), trainer)
+    assert tokenizer.get_vocab_size() == NUM_MERGED_TOKENS, "corpus too small for the merges"
+    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    assert tokenizer.token_to_id(BOS) == NUM_MERGED_TOKENS
+    return tokenizer
+
+
+def corpus() -> list[str]:
+    """A few KB of varied text: the paragraphs plus generated sentences, the same every call."""
+    rng = random.Random(0)
+    phrases = [part.split("|") for part in SENTENCE_PARTS]
+    sentences = [" ".join(rng.choice(options) for options in phrases) for _ in range(300)]
+    sentences = [sentence[0].upper() + sentence[1:] for sentence in sentences]
+    return PARAGRAPHS * 4 + [" ".join(sentences[i : i + 5]) for i in range(0, len(sentences), 5)]
+
+
+def tokenizer_config(qwen_style: bool) -> dict[str, Any]:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None if qwen_style else BOS,
+        "eos_token": IM_END if qwen_style else EOS,
+        "pad_token": EOS if qwen_style else None,
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": COMMON_CONFIG["max_position_embeddings"],
+    }
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -1,0 +1,62 @@
+"""A generation request as the scheduler and the engine see it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tandem.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.tokenizer import IncrementalDetokenizer
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the sampling seed, params.seed or one drawn for this request
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    # Tokens whose KV is in the cache or being written by a step already launched.
+    num_computed_tokens: int = 0
+    # Sampled by a launched step, not yet read back (async batching: at most one).
+    num_pending_tokens: int = 0
+    # Row of this request in the previous step's sampled ids (the carry-over source).
+    pending_row: int = -1
+    block_table: list[int] = field(default_factory=list)
+    output_text: str = ""
+    detokenizer: IncrementalDetokenizer | None = None  # kept only when text is needed per token
+    logprobs: list[dict[int, float]] | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens plus those sampled but not yet read back."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]

@@ -1,0 +1,165 @@
+"""SamplingParams (validated on the host) and the on-device sampler."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.config import check_int
+
+MAX_LOGPROBS = 20
+MAX_SEED = 2**63 - 1
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples and when it stops; mirrors vLLM's fields."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        check_int("n", self.n, 1)
+        if (
+            not isinstance(self.temperature, int | float)
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        check_int("top_k", self.top_k, 0, "(0 or -1 disables it)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None:
+            check_int("seed", self.seed, 0)
+            if self.seed > MAX_SEED:
+                raise ValueError(f"seed must be <= {MAX_SEED}, got {self.seed}")
+        check_int("max_tokens", self.max_tokens, 1)
+        check_int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        for token_id in self.stop_token_ids:
+            check_int("stop_token_ids", token_id, 0)
+        if self.logprobs is not None:
+            check_int("logprobs", self.logprobs, 0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_filter(self) -> bool:
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+
+def fold_seed(seed: int) -> int:
+    """A 64-bit seed as a signed 32-bit value for the int32 input buffer."""
+    folded = (seed ^ (seed >> 32)) & 0xFFFFFFFF
+    return folded - (1 << 32) if folded >= 1 << 31 else folded
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """(h * c) mod 2**32 for h in [0, 2**32), without overflowing int64."""
+    return ((h & 0xFFFF) * c + ((((h >> 16) * c) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finalizer with full avalanche (murmur3's constants)."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def gumbel_noise(
+    seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor
+) -> torch.Tensor:
+    """Gumbel(0, 1) noise that depends only on (seed, output position, token id).
+
+    A counter-based hash instead of a generator keeps a seeded request's tokens independent of
+    its batch neighbours and of preemption, and needs no host synchronization.
+    seeds, positions: [rows] int, 32-bit values; token_ids: [rows, vocab] or [vocab] int64.
+    """
+    row_key = _mix32((seeds.long() & 0xFFFFFFFF) ^ _mix32(positions.long() & 0xFFFFFFFF))[:, None]
+    h = _mix32((row_key + _mul32(token_ids.long(), 0x9E3779B9)) & 0xFFFFFFFF)
+    u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1)
+    return -torch.log(-torch.log(u))
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters on the device: [rows] each."""
+
+    temperature: torch.Tensor  # float32, 0 means greedy
+    top_k: torch.Tensor  # int32, 0 means off
+    top_p: torch.Tensor  # float32
+    min_p: torch.Tensor  # float32
+    seeds: torch.Tensor  # int32, the request's seed folded to 32 bits (see `fold_seed`)
+    positions: torch.Tensor  # int32, index of the output token being sampled
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors, use_filters: bool) -> torch.Tensor:
+    """[rows, vocab] float32 logits -> [rows] int64 token ids; greedy rows take the argmax."""
+    greedy = t.temperature == 0
+    scaled = logits / torch.where(greedy, 1.0, t.temperature)[:, None]
+    if use_filters:
+        scaled, token_ids = scaled.sort(dim=-1, descending=True)
+        scaled = _filter_sorted(scaled, t)
+    else:
+        token_ids = torch.arange(logits.shape[-1], device=logits.device)
+    choice = (scaled + gumbel_noise(t.seeds, t.positions, token_ids)).argmax(dim=-1)
+    sampled = (
+        token_ids[choice] if token_ids.dim() == 1 else token_ids.gather(1, choice[:, None])[:, 0]
+    )
+    return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def _filter_sorted(scaled: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Mask (to -inf) tokens outside top-k, top-p and min-p; `scaled` is sorted descending per row."""
+    vocab = scaled.shape[-1]
+    ranks = torch.arange(vocab, device=scaled.device)
+    top_k = torch.where(t.top_k > 0, t.top_k, vocab)
+    probs = scaled.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # E.g. [0.5, 0.3, 0.2] -> [0, 0.5, 0.8]
+    keep = (ranks < top_k[:, None]) & ((mass_before < t.top_p[:, None]) | (t.top_p[:, None] >= 1))
+    keep &= probs >= t.min_p[:, None] * probs[:, :1]
+    return scaled.masked_fill(~keep, float("-inf"))
+
+
+def compute_logprobs(logits: torch.Tensor, sampled: torch.Tensor, num_top: int):
+    """Log-probabilities of the model's distribution: of each sampled token, and the top `num_top`."""
+    logprobs = logits.log_softmax(dim=-1)
+    sampled_logprob = logprobs.gather(1, sampled[:, None])[:, 0]
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
+    return sampled_logprob, top_ids, top_logprobs

@@ -1,0 +1,140 @@
+"""Continuous batching policy: which requests run this step, and how many tokens each."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tandem.config import cdiv
+from tandem.kv_cache import BlockAllocator
+from tandem.request import Request, Status
+
+
+@dataclass
+class StepPlan:
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(
+        default_factory=list
+    )  # per request, tokens computed this step
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    """FIFO admission, decode and chunked prefill mixed under a token budget, preemption by recompute.
+
+    Running requests are served first, oldest first. When blocks run out, the most recently
+    admitted running request is preempted: its blocks are freed and it returns to the front of
+    the queue to recompute everything it has so far.
+    """
+
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ):
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_num_batched_tokens
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(self.num_to_compute(request), budget)
+            if num_new == 0:
+                continue
+            if not self._reserve_blocks(request, num_new, plan):
+                continue
+            plan.requests.append(request)
+            plan.num_new_tokens.append(num_new)
+            budget -= num_new
+        if not plan.preempted:
+            self._admit(plan, budget)
+        for request, num_new in zip(plan.requests, plan.num_new_tokens, strict=True):
+            request.num_computed_tokens += num_new
+        return plan
+
+    def num_to_compute(self, request: Request) -> int:
+        """Tokens still to be fed through the model; 0 once nothing more can be sampled."""
+        if (
+            request.num_output_tokens >= request.params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            return 0
+        return request.num_tokens - request.num_computed_tokens
+
+    def _admit(self, plan: StepPlan, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if request.num_pending_tokens:
+                break  # preempted with a token still in flight; admit once it is read back
+            num_new = min(self.num_to_compute(request), budget)
+            if not self.allocator.can_allocate(cdiv(num_new, self.block_size)):
+                break
+            self.waiting.popleft()
+            request.block_table = self.allocator.allocate(cdiv(num_new, self.block_size))
+            request.status = Status.RUNNING
+            self.running.append(request)
+            plan.requests.append(request)
+            plan.num_new_tokens.append(num_new)
+            budget -= num_new
+
+    def _reserve_blocks(self, request: Request, num_new: int, plan: StepPlan) -> bool:
+        """Grow the request's block table to cover this step, preempting the newest requests if needed."""
+        needed = cdiv(request.num_computed_tokens + num_new, self.block_size) - len(
+            request.block_table
+        )
+        while not self.allocator.can_allocate(needed):
+            victim = self.running[-1]
+            self.preempt(victim)
+            plan.preempted.append(victim)
+            if victim is request:
+                return False
+        request.block_table.extend(self.allocator.allocate(needed))
+        return True
+
+    def preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.allocator.free(request.block_table)
+        request.block_table = []
+        request.num_computed_tokens = 0
+        request.status = Status.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Retire a request (stop, length or abort) and return its blocks."""
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+            self.allocator.free(request.block_table)
+            request.block_table = []
+        elif request.status is Status.WAITING:
+            self.waiting.remove(request)
+        request.status = Status.FINISHED
+        request.finish_reason = reason

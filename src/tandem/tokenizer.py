@@ -1,0 +1,182 @@
+"""Text <-> token ids from a Hugging Face tokenizer.json, chat templates, and streaming detokenization."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, NoReturn
+
+import jinja2
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+DETOKENIZE_CONTEXT = 5  # prompt tokens a detokenizer window starts with, so spacing decodes right
+
+
+class Tokenizer:
+    """A `tokenizers` tokenizer plus the special tokens and chat template of a model folder."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        self.backend = backend
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.chat_template = chat_template
+        self._compiled_template = compile_chat_template(chat_template) if chat_template else None
+        added = backend.get_added_tokens_decoder()
+        # the ids decode(skip_special_tokens=True) drops: every added token marked special
+        self.all_special_ids = sorted(i for i, token in added.items() if token.special)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load tokenizer.json, tokenizer_config.json and chat_template.jinja the way transformers does."""
+        folder = Path(path)
+        tokenizer_file = folder / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(
+                f"{tokenizer_file} not found; tandem needs a model folder with a tokenizer.json"
+            )
+        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        config_file = folder / "tokenizer_config.json"
+        config = (
+            json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        )
+        special = {name: token_text(config.get(name)) for name in NAMED_SPECIAL_TOKENS}
+        # Like transformers: named special tokens are special (added if the vocab lacks them), and
+        # add_bos_token/add_eos_token are ignored: tokenizer.json's post-processor decides.
+        backend.add_special_tokens([t for t in dict.fromkeys(special.values()) if t is not None])
+        template_file = folder / "chat_template.jinja"
+        if template_file.is_file():
+            chat_template = template_file.read_text(encoding="utf-8")
+        else:
+            chat_template = default_template(config.get("chat_template"))
+        return cls(backend, special["bos_token"], special["eos_token"], chat_template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; add_special_tokens runs tokenizer.json's post-processor (e.g. BOS)."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; ids past the tokenizer's vocab decode to nothing."""
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows, added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return None if self.bos_token is None else self.backend.token_to_id(self.bos_token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return None if self.eos_token is None else self.backend.token_to_id(self.eos_token)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render chat messages to the prompt text; encode it with add_special_tokens=False."""
+        if self._compiled_template is None:
+            raise ValueError(
+                "this model has no chat template (no chat_template.jinja and no chat_template in "
+                "tokenizer_config.json); send a plain text prompt instead of chat messages"
+            )
+        # like transformers, special tokens that are unset stay undefined in the template
+        specials = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        return self._compiled_template.render(
+            messages=messages,
+            tools=None,
+            add_generation_prompt=add_generation_prompt,
+            **{name: value for name, value in specials.items() if value is not None},
+        )
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into text deltas that never split a character."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.text = ""  # the deltas returned so far, concatenated
+        context = list(prompt_token_ids[-DETOKENIZE_CONTEXT:])
+        if self._decode(context).endswith("\ufffd"):
+            context = []  # the prompt ends inside a character: decode the output on its own
+        # window = [tokens already emitted (left context) | tokens whose text is held back]
+        self._window = context
+        self._read_offset = len(context)
+
+    def add(self, new_token_ids: list[int]) -> str:
+        """Append output tokens; return the newly completed text ("" while a character is partial)."""
+        self._window.extend(new_token_ids)
+        delta = self._pending_text()
+        if not delta or delta.endswith("\ufffd"):
+            return ""
+        return self._emit(delta)
+
+    def flush(self) -> str:
+        """Return the held-back text (a partial character, as U+FFFD) once the output has ended."""
+        return self._emit(self._pending_text())
+
+    def _pending_text(self) -> str:
+        emitted_text = self._decode(self._window[: self._read_offset])
+        return self._decode(self._window)[len(emitted_text) :]
+
+    def _emit(self, delta: str) -> str:
+        # E.g. window [a, b | c, d] with c, d just emitted -> [c, d |]
+        del self._window[: self._read_offset]
+        self._read_offset = len(self._window)
+        self.text += delta
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in a sandbox with the globals and filters transformers provides."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = to_json
+    env.globals["raise_exception"] = raise_template_error
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def to_json(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # jinja's own tojson escapes HTML characters, which chat prompts must keep verbatim
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def raise_template_error(message: str) -> NoReturn:
+    raise ValueError(f"chat template rejected the messages: {message}")
+
+
+def token_text(value: str | dict[str, Any] | None) -> str | None:
+    # tokenizer_config.json spells a token as a string or as a serialized AddedToken
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def default_template(value: str | list[dict[str, str]] | None) -> str | None:
+    # older tokenizer_config.json files hold a list of named templates
+    if isinstance(value, list):
+        return next((t["template"] for t in value if t.get("name") == "default"), None)
+    return value

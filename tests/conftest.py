@@ -1,0 +1,23 @@
+"""Shared test fixtures."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tandem.model.tiny import make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def make_tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """make_tiny(arch) -> folder of that arch's tiny random checkpoint, written once per session."""
+    folders: dict[str, Path] = {}
+
+    def make(arch: str) -> Path:
+        if arch not in folders:
+            folders[arch] = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch)
+        return folders[arch]
+
+    return make

@@ -1,0 +1,261 @@
+"""Tokenizer and IncrementalDetokenizer, checked against transformers' AutoTokenizer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
+
+from tandem.model.tiny import CHAT_TEMPLATE, IM_END, IM_START
+from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+TEXTS = [
+    "",
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "café naïve Zürich 日本 東京 🙂 ✓",
+    "語彙 is not in the corpus, nor is Ελληνικά or русский.",
+    "e\u0301 and é look alike but differ before NFC",
+    f"{IM_START}user\nHi there!{IM_END}\n{IM_START}assistant\n",
+    "<|begin_of_text|> in the middle <|end_of_text|>",
+    "  leading spaces\n\n\ttabs\r\nand 1234567 digits, it's we'll THEY'RE",
+    "def add(a, b):\n    return a + b  # 3.5% of $1,234.56",
+]
+CHATS = [
+    [{"role": "user", "content": "Hi café"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 日本?"},
+        {"role": "assistant", "content": "Japan."},
+        {"role": "user", "content": "Thanks"},
+    ],
+]
+
+
+@cache
+def hf_tokenizer(folder: Path) -> Any:
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def variant(source: Path, dest: Path, drop_template: bool = False, **config: Any) -> Path:
+    """Copy a model folder, update its tokenizer_config.json, optionally without the .jinja."""
+    shutil.copytree(source, dest)
+    config_file = dest / "tokenizer_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **config}))
+    if drop_template:
+        (dest / "chat_template.jinja").unlink()
+    return dest
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_encode_matches_transformers(make_tiny, arch, add_special_tokens):
+    folder = make_tiny(arch)
+    ours, reference = Tokenizer.from_dir(folder), hf_tokenizer(folder)
+    for text in TEXTS:
+        expected = reference(text, add_special_tokens=add_special_tokens).input_ids
+        assert ours.encode(text, add_special_tokens=add_special_tokens) == expected, text
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_llama_style_prepends_bos_and_qwen_style_does_not(make_tiny, arch):
+    tokenizer = Tokenizer.from_dir(make_tiny(arch))
+    ids = tokenizer.encode("Hello")
+    assert (ids[0] == tokenizer.bos_token_id) == (arch == "llama")
+    assert tokenizer.encode("Hello", add_special_tokens=False) == ids[(arch == "llama") :]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_matches_transformers(make_tiny, arch, skip_special_tokens):
+    folder = make_tiny(arch)
+    ours, reference = Tokenizer.from_dir(folder), hf_tokenizer(folder)
+    for text in TEXTS:
+        ids = ours.encode(text)
+        expected = reference.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert ours.decode(ids, skip_special_tokens=skip_special_tokens) == expected
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_vocab_size_and_special_ids_match_transformers(make_tiny, arch):
+    folder = make_tiny(arch)
+    ours, reference = Tokenizer.from_dir(folder), hf_tokenizer(folder)
+    assert ours.vocab_size == len(reference)
+    assert ours.bos_token_id == reference.bos_token_id
+    assert ours.eos_token_id == reference.eos_token_id
+    assert set(reference.all_special_ids) <= set(ours.all_special_ids)
+    for token_id in ours.all_special_ids:
+        assert ours.decode([token_id]) == ""
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(make_tiny, arch, add_generation_prompt):
+    folder = make_tiny(arch)
+    ours, reference = Tokenizer.from_dir(folder), hf_tokenizer(folder)
+    for chat in CHATS:
+        expected = reference.apply_chat_template(
+            chat, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        assert ours.apply_chat_template(chat, add_generation_prompt) == expected
+
+
+def test_chat_template_from_tokenizer_config_with_tojson_and_strftime(make_tiny, tmp_path):
+    template = (
+        "{{ bos_token }}{% for m in messages %}{{ m | tojson }}{% endfor %}"
+        "{{ strftime_now('%Y') | length }}"
+    )
+    folder = variant(make_tiny("llama"), tmp_path / "m", drop_template=True, chat_template=template)
+    chat = [{"role": "user", "content": "<b>café</b> & 日本"}]
+    expected = hf_tokenizer(folder).apply_chat_template(chat, tokenize=False)
+    assert Tokenizer.from_dir(folder).apply_chat_template(chat) == expected
+    assert "<b>café</b>" in expected
+
+
+def test_chat_template_jinja_file_takes_precedence_over_config(make_tiny, tmp_path):
+    folder = variant(make_tiny("qwen2"), tmp_path / "m", chat_template="IGNORED")
+    assert Tokenizer.from_dir(folder).chat_template == CHAT_TEMPLATE
+
+
+def test_named_default_template_is_picked_from_a_template_list(make_tiny, tmp_path):
+    templates = [
+        {"name": "tool_use", "template": "tools"},
+        {"name": "default", "template": "{{ messages[0]['content'] }}"},
+    ]
+    folder = variant(
+        make_tiny("qwen2"), tmp_path / "m", drop_template=True, chat_template=templates
+    )
+    assert (
+        Tokenizer.from_dir(folder).apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
+    )
+
+
+def test_chat_template_rejects_unknown_role_with_value_error(make_tiny):
+    tokenizer = Tokenizer.from_dir(make_tiny("llama"))
+    with pytest.raises(ValueError, match="unknown role tool"):
+        tokenizer.apply_chat_template([{"role": "tool", "content": "42"}])
+
+
+def test_model_without_chat_template_raises_value_error(make_tiny, tmp_path):
+    folder = variant(make_tiny("mistral"), tmp_path / "m", drop_template=True)
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer.from_dir(folder).apply_chat_template(CHATS[0])
+
+
+def test_missing_tokenizer_json_raises_file_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
+        Tokenizer.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("arch", "config"),
+    [
+        ("llama", {"add_bos_token": False}),
+        ("llama", {"add_bos_token": True, "add_eos_token": True}),
+        ("qwen2", {"bos_token": "<|begin_of_text|>", "add_bos_token": True}),
+        ("qwen3", {"add_eos_token": True, "eos_token": "<|new_eos|>"}),
+        (
+            "mistral",
+            {"pad_token": "fox", "unk_token": {"__type": "AddedToken", "content": "<unk>"}},
+        ),
+    ],
+)
+def test_tokenizer_config_variants_encode_like_transformers(make_tiny, tmp_path, arch, config):
+    folder = variant(make_tiny(arch), tmp_path / "m", **config)
+    ours, reference = Tokenizer.from_dir(folder), AutoTokenizer.from_pretrained(folder)
+    assert ours.vocab_size == len(reference)
+    assert ours.eos_token_id == reference.eos_token_id
+    for text in [*TEXTS, "the fox <unk> <|new_eos|>"]:
+        assert ours.encode(text) == reference(text).input_ids
+        ids = reference(text).input_ids
+        assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+
+
+@cache
+def tiny_tokenizer(folder: Path) -> Tokenizer:
+    return Tokenizer.from_dir(folder)
+
+
+def stream(
+    detokenizer: IncrementalDetokenizer, ids: list[int], chunk_sizes: list[int]
+) -> list[str]:
+    deltas, start = [], 0
+    for size in chunk_sizes:
+        deltas.append(detokenizer.add(ids[start : start + size]))
+        start += size
+    deltas.append(detokenizer.add(ids[start:]))
+    return deltas
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_detokenizer_deltas_concatenate_to_full_decode(make_tiny, arch, data):
+    tokenizer = tiny_tokenizer(make_tiny(arch))
+    # ids past the tokenizer's size (config.json pads the vocab) decode to nothing
+    ids = data.draw(st.lists(st.integers(0, tokenizer.vocab_size + 8), max_size=40))
+    prompt = tokenizer.encode(data.draw(st.sampled_from(TEXTS)))
+    skip = data.draw(st.booleans())
+    chunk_sizes = data.draw(st.lists(st.integers(1, 4), max_size=20))
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip)
+    deltas = [*stream(detokenizer, ids, chunk_sizes), detokenizer.flush()]
+    assert "".join(deltas) == detokenizer.text == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(max_size=30), data=st.data())
+def test_detokenizer_never_emits_a_partial_character(make_tiny, arch, text, data):
+    tokenizer = tiny_tokenizer(make_tiny(arch))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    full_text = tokenizer.decode(ids)
+    chunk_sizes = data.draw(st.lists(st.integers(1, 3), max_size=len(ids)))
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"))
+    deltas = stream(detokenizer, ids, chunk_sizes)
+    if "\ufffd" not in full_text:
+        assert not any("\ufffd" in delta for delta in deltas)
+    assert "".join(deltas) == full_text
+    assert detokenizer.flush() == ""
+
+
+def test_detokenizer_holds_a_split_character_until_it_completes(make_tiny):
+    tokenizer = tiny_tokenizer(make_tiny("llama"))
+    ids = tokenizer.encode("語", add_special_tokens=False)
+    assert len(ids) == 3  # one byte per token: the character is not in the training corpus
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hi"))
+    assert [detokenizer.add([token_id]) for token_id in ids] == ["", "", "語"]
+
+
+def test_detokenizer_output_starting_inside_a_prompt_character_matches_decode(make_tiny):
+    tokenizer = tiny_tokenizer(make_tiny("qwen2"))
+    split = tokenizer.encode("a語 ok")
+    prompt, output = split[:2], split[2:]  # the prompt ends after the first byte of 語
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    deltas = [detokenizer.add([token_id]) for token_id in output]
+    assert "".join(deltas) + detokenizer.flush() == tokenizer.decode(output)
+
+
+def test_detokenizer_decodes_only_a_small_window_per_step(make_tiny):
+    tokenizer = tiny_tokenizer(make_tiny("llama"))
+    window_sizes = []
+
+    class SpyTokenizer(Tokenizer):
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            window_sizes.append(len(ids))
+            return super().decode(ids, skip_special_tokens)
+
+    spy = SpyTokenizer(tokenizer.backend, tokenizer.bos_token, tokenizer.eos_token)
+    ids = tokenizer.encode(" ".join(TEXTS[1:4]) * 20, add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(spy, tokenizer.encode("Hello"))
+    for token_id in ids:
+        detokenizer.add([token_id])
+    assert detokenizer.text == tokenizer.decode(ids)
+    assert max(window_sizes) <= 8

@@ -21,11 +21,13 @@ class StepBatch:
     requests: list[Request]
     samples: np.ndarray  # [num_seqs] bool: this row's last token ends the known sequence
     num_tokens: int
+    num_seqs_padded: int  # rows the device computes: a graph's size, or num_seqs when eager
     decode_only: bool
     use_filters: bool
     num_top_logprobs: int | None  # None when no request asked for logprobs
     seq_lens: list[int]
     query_start_loc: list[int]
+    graphed: bool  # replays a CUDA graph of num_seqs_padded rows
 
 
 class BlockTableRows:
@@ -63,8 +65,12 @@ class BatchBuilder:
         self.block_rows = BlockTableRows(max_seqs, max_blocks)
         self.eos_ids = eos_ids
 
-    def build(self, plan: StepPlan, slot: IOSlot, step: int) -> StepBatch:
-        """Fill `slot`'s host inputs for `plan`. Pending tokens become placeholders plus a carry index."""
+    def build(self, plan: StepPlan, slot: IOSlot, step: int, graph_size: int | None) -> StepBatch:
+        """Fill `slot`'s host inputs for `plan`. Pending tokens become placeholders plus a carry index.
+
+        With `graph_size`, rows past the plan are filled as padding: they write no KV (slot -1),
+        attend to one slot, and sample greedily; nothing reads their output.
+        """
         x = slot.np_in
         requests = plan.requests
         num_seqs = len(requests)
@@ -96,17 +102,21 @@ class BatchBuilder:
             (r.num_tokens for r in requests), np.int64, num_seqs
         )
         use_filters, num_top_logprobs = self._fill_sampling(x, requests)
+        if graph_size is not None:
+            fill_padding(x, num_seqs, graph_size)
         return StepBatch(
             step=step,
             slot=slot,
             requests=requests,
             samples=samples,
             num_tokens=num_tokens,
+            num_seqs_padded=graph_size or num_seqs,
             decode_only=num_tokens == num_seqs,
             use_filters=use_filters,
             num_top_logprobs=num_top_logprobs,
             seq_lens=computed_after.tolist(),
             query_start_loc=qsl[: num_seqs + 1].tolist(),
+            graphed=graph_size is not None,
         )
 
     def _fill_token_ids(self, x, requests: list[Request], start, num_new, qsl) -> None:
@@ -149,3 +159,18 @@ class BatchBuilder:
         use_filters = any(p.needs_filter for p in params)
         num_top_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         return use_filters, num_top_logprobs
+
+
+def fill_padding(x: dict[str, np.ndarray], start: int, end: int) -> None:
+    """Rows [start, end) of a decode-only step padded up to a graph's size."""
+    x["input_ids"][start:end] = 0
+    x["positions"][start:end] = 0
+    x["slot_mapping"][start:end] = -1
+    x["carry_index"][start:end] = -1
+    x["seq_lens"][start:end] = 1
+    x["logits_indices"][start:end] = np.arange(start, end)
+    x["temperature"][start:end] = 0.0
+    x["top_k"][start:end] = 0
+    x["top_p"][start:end] = 1.0
+    x["min_p"][start:end] = 0.0
+    x["ban_rows"][start:end] = 0

@@ -13,10 +13,12 @@ from tandem.sampling import SamplingParams
 ENGINE_ARGS = {f.name for f in fields(EngineConfig)} - {"model"}
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model", help="a Hugging Face model folder, or a preset name with --load-format dummy"
-    )
+def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -> None:
+    model_help = "a Hugging Face model folder, or a preset name with --load-format dummy"
+    if model_flag:
+        parser.add_argument("--model", required=True, help=model_help)
+    else:
+        parser.add_argument("model", help=model_help)
     parser.add_argument("--device", choices=["cpu", "cuda"])
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"]
@@ -104,6 +106,12 @@ def cmd_chat(args: argparse.Namespace) -> None:
         print(f"assistant: {reply}", flush=True)
 
 
+def cmd_bench(args: argparse.Namespace) -> None:
+    from tandem.bench import cmd_bench
+
+    cmd_bench(args, engine_kwargs(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -128,6 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(chat)
     chat.add_argument("--system", default="")
     chat.set_defaults(func=cmd_chat)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="mode", required=True)
+    throughput = bench.add_parser(
+        "throughput", help="offline throughput on a random-token workload"
+    )
+    add_engine_args(throughput, model_flag=True)
+    from tandem.bench import add_bench_args
+
+    add_bench_args(throughput)
+    throughput.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -78,7 +78,10 @@ class Engine:
             max_tokens,
             config.max_num_seqs,
             max_blocks_per_seq,
+            cuda_graphs=self._use_cuda_graphs(),
         )
+        if self.runner.graph_sizes:
+            self.runner.capture_graphs()
         self.async_batching = config.async_batching
         self.in_flight: deque[StepBatch] = deque()
         self.requests: dict[str, Request] = {}
@@ -179,8 +182,14 @@ class Engine:
         if not plan.requests:
             return False
         slot = self.runner.slots[self.num_steps % 2]
-        self.runner.wait_inputs_free(slot)
-        batch = self.builder.build(plan, slot, self.num_steps)
+        # the slot's last step was read back, so its H2D copy and compute are done
+        assert all(b.slot is not slot for b in self.in_flight)
+        graph_size = self.runner.padded_size(
+            len(plan.requests),
+            decode_only=plan.num_tokens == len(plan.requests),
+            wants_logprobs=any(r.params.logprobs is not None for r in plan.requests),
+        )
+        batch = self.builder.build(plan, slot, self.num_steps, graph_size)
         self.runner.launch(batch)
         for row, request in enumerate(batch.requests):
             if batch.samples[row]:
@@ -258,6 +267,11 @@ class Engine:
             request.prompt_token_ids,
             skip_special_tokens=request.params.skip_special_tokens,
         )
+
+    def _use_cuda_graphs(self) -> bool:
+        if self.config.cuda_graphs and self.device.type != "cuda":
+            raise ValueError("cuda_graphs=True needs device='cuda'")
+        return self.device.type == "cuda" and self.config.cuda_graphs is not False
 
     # ---- sizing ---------------------------------------------------------------------------
 

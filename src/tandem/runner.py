@@ -19,7 +19,7 @@ import torch
 
 from tandem.attention import AttentionBackend, AttentionMetadata
 from tandem.batch import StepBatch
-from tandem.io_slot import IOSlot, PackedBuffers
+from tandem.io_slot import IOSlot
 from tandem.model.decoder import Decoder
 from tandem.sampling import SamplingTensors, compute_logprobs, sample
 
@@ -34,14 +34,17 @@ class Runner:
         max_tokens: int,
         max_seqs: int,
         max_blocks: int,
+        cuda_graphs: bool,
     ):
         self.model = model
         self.kv_caches = kv_caches
         self.attend = attend
         self.device = device
         self.slots = [IOSlot(i, max_tokens, max_seqs, max_blocks, device) for i in range(2)]
-        self.prev_out: PackedBuffers | None = None  # device outputs of the last launched step
         self.cuda = device.type == "cuda"
+        # decode-only steps of up to max_seqs rows replay a graph captured for the next size up
+        self.graph_sizes = graph_batch_sizes(min(max_seqs, max_tokens)) if cuda_graphs else []
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         if self.cuda:
             self.h2d_stream, self.compute_stream, self.d2h_stream = (
                 torch.cuda.Stream(device) for _ in range(3)
@@ -49,28 +52,41 @@ class Runner:
             self.h2d_done = [torch.cuda.Event() for _ in self.slots]
             self.compute_done = [torch.cuda.Event() for _ in self.slots]
             self.d2h_done = [torch.cuda.Event() for _ in self.slots]
+            torch.cuda.synchronize(
+                device
+            )  # weights, cache and buffers were written on the default stream
+
+    def padded_size(self, num_seqs: int, decode_only: bool, wants_logprobs: bool) -> int | None:
+        """Rows of the graph that will run a step, or None when the step runs eagerly."""
+        if (
+            not decode_only
+            or wants_logprobs
+            or not self.graph_sizes
+            or num_seqs > self.graph_sizes[-1]
+        ):
+            return None
+        return next(size for size in self.graph_sizes if size >= num_seqs)
 
     def launch(self, batch: StepBatch) -> None:
         """Enqueue the step's copies and compute; returns without waiting for the device."""
         slot = batch.slot
         if not self.cuda:
-            self._compute(batch, self.prev_out)
-        else:
-            i = slot.index
-            with torch.cuda.stream(self.h2d_stream):
-                self.h2d_stream.wait_event(self.compute_done[i])  # last reader of dev_in
-                slot.dev_in.copy_from(slot.host_in)
-                self.h2d_done[i].record()
-            with torch.cuda.stream(self.compute_stream):
-                self.compute_stream.wait_event(self.h2d_done[i])
-                self.compute_stream.wait_event(self.d2h_done[i])  # last reader of dev_out
-                self._compute(batch, self.prev_out)
-                self.compute_done[i].record()
-            with torch.cuda.stream(self.d2h_stream):
-                self.d2h_stream.wait_event(self.compute_done[i])
-                slot.host_out.copy_from(slot.dev_out)
-                self.d2h_done[i].record()
-        self.prev_out = slot.dev_out
+            self._compute(batch)
+            return
+        i = slot.index
+        with torch.cuda.stream(self.h2d_stream):
+            self.h2d_stream.wait_event(self.compute_done[i])  # last reader of dev_in
+            slot.dev_in.copy_from(slot.host_in)
+            self.h2d_done[i].record()
+        with torch.cuda.stream(self.compute_stream):
+            self.compute_stream.wait_event(self.h2d_done[i])
+            self.compute_stream.wait_event(self.d2h_done[i])  # last reader of dev_out
+            self._compute(batch)
+            self.compute_done[i].record()
+        with torch.cuda.stream(self.d2h_stream):
+            self.d2h_stream.wait_event(self.compute_done[i])
+            slot.host_out.copy_from(slot.dev_out)
+            self.d2h_done[i].record()
 
     def wait(self, batch: StepBatch) -> dict[str, np.ndarray]:
         """Block until the step's outputs are in host memory; the step loop's only CPU wait."""
@@ -78,26 +94,47 @@ class Runner:
             self.d2h_done[batch.slot.index].synchronize()
         return batch.slot.np_out
 
-    def wait_inputs_free(self, slot: IOSlot) -> None:
-        """Host inputs of `slot` may be overwritten once its last H2D copy has finished."""
-        if self.cuda:
-            self.h2d_done[slot.index].synchronize()
+    def _compute(self, batch: StepBatch) -> None:
+        if batch.graphed:
+            self.graphs[(batch.slot.index, batch.num_seqs_padded, batch.use_filters)].replay()
+            return
+        self._forward_and_sample(
+            batch.slot,
+            batch.num_tokens,
+            len(batch.requests),
+            batch.decode_only,
+            batch.use_filters,
+            batch.num_top_logprobs,
+            batch.query_start_loc,
+            batch.seq_lens,
+        )
 
     @torch.inference_mode()
-    def _compute(self, batch: StepBatch, prev_out: PackedBuffers | None) -> None:
-        x, out = batch.slot.dev_in, batch.slot.dev_out
-        num_tokens, num_seqs = batch.num_tokens, len(batch.requests)
-        input_ids = x["input_ids"][:num_tokens]
-        if prev_out is not None:
-            input_ids = carry_over(input_ids, x["carry_index"][:num_tokens], prev_out["sampled"])
+    def _forward_and_sample(
+        self,
+        slot: IOSlot,
+        num_tokens: int,
+        num_seqs: int,
+        decode_only: bool,
+        use_filters: bool,
+        num_top_logprobs: int | None,
+        query_start_loc_host: list[int] | None,
+        seq_lens_host: list[int] | None,
+    ) -> None:
+        """Everything the device does for one step; fixed shapes given its arguments, so capturable."""
+        x, out = slot.dev_in, slot.dev_out
+        prev_sampled = self.slots[1 - slot.index].dev_out["sampled"]  # slots alternate every step
+        input_ids = carry_over(
+            x["input_ids"][:num_tokens], x["carry_index"][:num_tokens], prev_sampled
+        )
         meta = AttentionMetadata(
             slot_mapping=x["slot_mapping"][:num_tokens].long(),
             query_start_loc=x["query_start_loc"][: num_seqs + 1],
             seq_lens=x["seq_lens"][:num_seqs],
             block_tables=x["block_tables"][:num_seqs],
-            decode_only=batch.decode_only,
-            query_start_loc_host=batch.query_start_loc,
-            seq_lens_host=batch.seq_lens,
+            decode_only=decode_only,
+            query_start_loc_host=query_start_loc_host,
+            seq_lens_host=seq_lens_host,
         )
         hidden = self.model(
             input_ids, x["positions"][:num_tokens], self.kv_caches, meta, self.attend
@@ -112,15 +149,40 @@ class Runner:
             seeds=x["seeds"][:num_seqs],
             positions=x["sample_positions"][:num_seqs],
         )
-        sampled = sample(logits, params, batch.use_filters)
+        sampled = sample(logits, params, use_filters)
         out["sampled"][:num_seqs].copy_(sampled)
-        if batch.num_top_logprobs is not None:
+        if num_top_logprobs is not None:
             sampled_logprob, top_ids, top_logprobs = compute_logprobs(
-                logits, sampled, batch.num_top_logprobs
+                logits, sampled, num_top_logprobs
             )
             out["sampled_logprob"][:num_seqs].copy_(sampled_logprob)
-            out["top_ids"][:num_seqs, : batch.num_top_logprobs].copy_(top_ids)
-            out["top_logprobs"][:num_seqs, : batch.num_top_logprobs].copy_(top_logprobs)
+            out["top_ids"][:num_seqs, :num_top_logprobs].copy_(top_ids)
+            out["top_logprobs"][:num_seqs, :num_top_logprobs].copy_(top_logprobs)
+
+    def capture_graphs(self) -> None:
+        """One graph per (slot, padded size, filters on/off), all from one shared memory pool.
+
+        Sharing is safe because graphs never run concurrently: every step runs on the compute
+        stream after the previous one. Largest first, so smaller graphs fit in the pool it sized.
+        """
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.graph_sizes):
+            for slot in self.slots:
+                for use_filters in (False, True):
+                    args = (slot, size, size, True, use_filters, None, None, None)
+                    with torch.cuda.stream(self.compute_stream):
+                        self._forward_and_sample(*args)  # warm-up: kernels chosen, workspaces made
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=self.compute_stream):
+                        self._forward_and_sample(*args)
+                    self.graphs[(slot.index, size, use_filters)] = graph
+        torch.cuda.synchronize(self.device)
+
+
+def graph_batch_sizes(max_seqs: int) -> list[int]:
+    """E.g. 40 -> [1, 2, 4, 8, 16, 32, 40]: powers of two to 16, then multiples of 16, then the max."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_seqs] + list(range(16, max_seqs, 16))
+    return [*sizes, max_seqs]
 
 
 def carry_over(

@@ -44,12 +44,12 @@ def decode_attention(
     num_kv_heads = kv_cache.shape[3]
     # [2, num_seqs, max_blocks * block_size, num_kv_heads, head_dim]
     kv = kv_cache[:, block_tables.long()].flatten(2, 3)
-    qg = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("bhgd,bshd->bhgs", qg, kv[0].float()) * scale
+    qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("bhgd,bshd->bhgs", qg, kv[0]).float() * scale
     past_end = torch.arange(kv.shape[2], device=q.device) >= seq_lens[:, None]  # [num_seqs, slots]
     scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
-    out = torch.einsum("bhgs,bshd->bhgd", scores.softmax(dim=-1), kv[1].float())
-    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+    out = torch.einsum("bhgs,bshd->bhgd", scores.softmax(dim=-1).to(kv.dtype), kv[1])
+    return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def prefill_attention(

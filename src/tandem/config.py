@@ -112,6 +112,9 @@ class ModelConfig:
         """Parameters of the weights a forward pass reads (the LM head counted once)."""
         h, d = self.hidden_size, self.head_dim
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        attn += (self.q_size + 2 * self.kv_size if self.qkv_bias else 0) + (
+            h if self.o_proj_bias else 0
+        )
         mlp = 3 * h * self.intermediate_size
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * (attn + mlp + 2 * h + (2 * d if self.qk_norm else 0)) + embed + h

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import numbers
 import random
 from collections import deque
 from pathlib import Path
@@ -139,12 +140,10 @@ class Engine:
         if not ids:
             raise ValueError("prompt is empty; give at least one token")
         vocab = self.model_config.vocab_size
-        bad = next(
-            (t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab),
-            None,
-        )
+        bad = next((t for t in ids if not _is_token_id(t) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {bad!r}")
+        ids = [int(t) for t in ids]
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
@@ -242,7 +241,8 @@ class Engine:
             request.output_text += delta
             if num_out >= params.min_tokens and truncate_at_stop(request, len(delta)):
                 return self._finish(request, "stop", text_is_final=True)
-        if num_out >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        num_known = request.num_prompt_tokens + num_out  # not the token still in flight
+        if num_out >= params.max_tokens or num_known >= self.max_model_len:
             self._finish(request, "length")
         return None
 
@@ -354,6 +354,10 @@ class Engine:
         del kv_caches, hidden, logits
         torch.cuda.empty_cache()
         return peak
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _eos_token_ids(

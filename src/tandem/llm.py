@@ -12,7 +12,7 @@ from tqdm import tqdm
 from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.request import Request
-from tandem.sampling import SamplingParams
+from tandem.sampling import MAX_SEED, SamplingParams
 
 Prompt = str | dict[str, Any]
 
@@ -92,12 +92,17 @@ class LLM:
         groups = []
         engine = self.engine
         for prompt, p in zip(prompts, params, strict=True):
+            p.validate()  # n=0 would otherwise make no request to validate
             text, ids = _split_prompt(prompt)
             base = str(self._next_id)
             self._next_id += 1
             group = []
             for k in range(p.n):
-                sibling = p if p.seed is None or k == 0 else replace(p, seed=p.seed + k)
+                sibling = (
+                    p
+                    if p.seed is None or k == 0
+                    else replace(p, seed=(p.seed + k) % (MAX_SEED + 1))
+                )
                 rid = base if p.n == 1 else f"{base}-{k}"
                 group.append(engine.make_request(rid, sibling, prompt=text, prompt_token_ids=ids))
                 ids = ids if ids is not None else group[0].prompt_token_ids

@@ -44,15 +44,15 @@ class SamplingParams:
     def validate(self) -> None:
         check_int("n", self.n, 1)
         if (
-            not isinstance(self.temperature, int | float)
+            not _is_number(self.temperature)
             or not math.isfinite(self.temperature)
             or self.temperature < 0
         ):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        check_int("top_k", self.top_k, 0, "(0 or -1 disables it)")
-        if not 0.0 <= self.min_p <= 1.0:
+        check_int("top_k", self.top_k, -1, "(0 or -1 disables it)")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None:
             check_int("seed", self.seed, 0)
@@ -80,6 +80,10 @@ class SamplingParams:
     @property
     def needs_filter(self) -> bool:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def fold_seed(seed: int) -> int:

@@ -13,6 +13,7 @@ from tandem.config import ModelConfig
 from tandem.model.decoder import Decoder
 
 PRESETS_DIR = Path(__file__).parent / "presets"
+DUMMY_SEED_SALT = 0x5EED
 
 # HF tensor name suffix -> (our parameter suffix, index of its slice in a stacked matrix)
 STACKED = {
@@ -56,6 +57,10 @@ def build_model(
     max_position: int,
     seed: int,
 ) -> Decoder:
+    if folder is None and load_format != "dummy":
+        raise ValueError(
+            "a preset has shapes but no weights; pass load_format='dummy' to use random weights"
+        )
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -66,11 +71,9 @@ def build_model(
     if load_format == "dummy":
         from tandem.model.tiny import random_weights
 
-        tensors = random_weights(hf_config, seed=seed, dtype=dtype, device=device).items()
-    elif folder is None:
-        raise ValueError(
-            "a preset has shapes but no weights; pass load_format='dummy' to use random weights"
-        )
+        # salted, so dummy weights never equal a tiny checkpoint written with the same seed
+        dummy_seed = seed ^ DUMMY_SEED_SALT
+        tensors = random_weights(hf_config, seed=dummy_seed, dtype=dtype, device=device).items()
     else:
         tensors = iter_safetensors(folder)
     load_weights(model, tensors)
@@ -108,6 +111,8 @@ def load_weights(model: Decoder, tensors) -> None:
     loaded: set[str] = set()
     for hf_name, tensor in tensors:
         name = hf_name.removeprefix("model.")
+        if name.endswith("rotary_emb.inv_freq"):
+            continue  # older checkpoints store the rope table; it is recomputed from the config
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         module, _, kind = name.rpartition(".")
@@ -136,8 +141,19 @@ def load_weights(model: Decoder, tensors) -> None:
             expected.update(f"{name}#{i}" for i in range(len(stacked_sizes[target])))
         else:
             expected.add(name)
-    missing = sorted(expected - loaded)
+    missing = sorted(checkpoint_name(name) for name in expected - loaded)
     if missing:
         raise ValueError(
             f"checkpoint lacks weights for: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
         )
+
+
+def checkpoint_name(name: str) -> str:
+    """Our parameter name, '#i' marking slice i of a stacked one -> the checkpoint's tensor name."""
+    name, _, index = name.partition("#")
+    if index:
+        module, _, kind = name.rpartition(".")
+        parent, _, target = module.rpartition(".")
+        leaf = next(hf for hf, slot in STACKED.items() if slot == (target, int(index)))
+        name = f"{parent}.{leaf}.{kind}"
+    return name if name.startswith("lm_head.") else f"model.{name}"

@@ -1,0 +1,308 @@
+"""Every user mistake is a ValueError naming the field and what it allows, raised before anything runs;
+the engine keeps serving afterwards."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+
+MAX_LEN = 32
+GOOD_PROMPT = "The quick brown fox"
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folder(make_tiny) -> Path:
+    return make_tiny("qwen3")  # its tokenizer adds no BOS, so "" encodes to no tokens
+
+
+@pytest.fixture(scope="module")
+def llm(folder) -> LLM:
+    return LLM(str(folder), max_model_len=MAX_LEN, block_size=8)
+
+
+@cache
+def transformers_greedy(folder: Path, prompt_ids: tuple[int, ...], max_tokens: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    out = model.generate(
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def assert_names(error: pytest.ExceptionInfo[ValueError], *words: str) -> None:
+    message = str(error.value)
+    assert all(word in message for word in words), f"{message!r} lacks one of {words}"
+
+
+def assert_still_serving(llm: LLM, folder: Path) -> None:
+    """Nothing of the rejected call was queued, and a good call gives transformers' greedy tokens."""
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.requests == {}
+    [out] = llm.generate(GOOD_PROMPT, GREEDY, use_tqdm=False)
+    prompt_ids = tuple(llm.get_tokenizer().encode(GOOD_PROMPT))
+    assert out.outputs[0].token_ids == transformers_greedy(folder, prompt_ids, GREEDY.max_tokens)
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.allocator.num_free == llm.engine.num_blocks
+
+
+def vocab_size(llm: LLM) -> int:
+    return llm.engine.model_config.vocab_size
+
+
+# ---- sampling parameters ------------------------------------------------------------------------
+
+# (fields, the field the message must name, the allowed range it must state)
+BAD_SAMPLING = {
+    "temperature_negative": ({"temperature": -0.1}, "temperature", ">= 0"),
+    "temperature_nan": ({"temperature": math.nan}, "temperature", ">= 0"),
+    "temperature_inf": ({"temperature": math.inf}, "temperature", "finite"),
+    "top_p_zero": ({"top_p": 0.0}, "top_p", "(0, 1]"),
+    "top_p_above_one": ({"top_p": 1.01}, "top_p", "(0, 1]"),
+    "top_p_nan": ({"top_p": math.nan}, "top_p", "(0, 1]"),
+    "top_k_below_minus_one": ({"top_k": -2}, "top_k", "-1"),
+    "top_k_float": ({"top_k": 2.5}, "top_k", "integer"),
+    "min_p_negative": ({"min_p": -0.01}, "min_p", "[0, 1]"),
+    "min_p_above_one": ({"min_p": 1.5}, "min_p", "[0, 1]"),
+    "max_tokens_zero": ({"max_tokens": 0}, "max_tokens", ">= 1"),
+    "min_tokens_above_max_tokens": ({"max_tokens": 4, "min_tokens": 5}, "min_tokens", "max_tokens"),
+    "min_tokens_negative": ({"min_tokens": -1}, "min_tokens", ">= 0"),
+    "seed_negative": ({"seed": -1}, "seed", ">= 0"),
+    "seed_above_63_bits": ({"seed": 2**63}, "seed", str(2**63 - 1)),
+    "logprobs_above_20": ({"logprobs": 21}, "logprobs", "[0, 20]"),
+    "logprobs_negative": ({"logprobs": -1}, "logprobs", ">= 0"),
+    "n_zero": ({"n": 0}, "n must", ">= 1"),
+    "stop_empty_string": ({"stop": [""]}, "stop", "non-empty"),
+    "stop_bare_empty_string": ({"stop": ""}, "stop", "non-empty"),
+    "stop_token_ids_negative": ({"stop_token_ids": [-1]}, "stop_token_ids", ">= 0"),
+}
+
+
+@pytest.mark.parametrize(("fields", "field", "allowed"), BAD_SAMPLING.values(), ids=BAD_SAMPLING)
+def test_sampling_params_reject_out_of_range_values_naming_field_and_range(fields, field, allowed):
+    with pytest.raises(ValueError, match=field.split()[0]) as error:
+        SamplingParams(**fields)
+    assert_names(error, field, allowed)
+
+
+def test_boundary_sampling_values_are_accepted():
+    SamplingParams(temperature=0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, logprobs=0)
+    SamplingParams(top_p=1e-6, min_p=1.0, min_tokens=3, max_tokens=3, seed=2**63 - 1, logprobs=20)
+
+
+def test_largest_seed_is_accepted_with_several_samples_per_prompt(llm):
+    params = SamplingParams(n=2, seed=2**63 - 1, max_tokens=3)
+    [out] = llm.generate(GOOD_PROMPT, params, use_tqdm=False)
+    assert [len(o.token_ids) for o in out.outputs] == [3, 3]
+
+
+def test_top_k_minus_one_disables_top_k_even_when_set_after_construction(llm, folder):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    params.top_k = -1  # the documented "off" value, so the engine's re-validation must allow it
+    [out] = llm.generate(GOOD_PROMPT, params, use_tqdm=False)
+    prompt_ids = tuple(llm.get_tokenizer().encode(GOOD_PROMPT))
+    assert out.outputs[0].token_ids == transformers_greedy(folder, prompt_ids, 6)
+
+
+# ---- a rejected generate call queues nothing and the engine keeps serving -----------------------
+
+
+def too_long(llm: LLM) -> dict[str, Any]:
+    return {"prompt_token_ids": [5] * MAX_LEN}  # exactly max_model_len: no room for one token
+
+
+BAD_PROMPTS = {
+    "exactly_max_model_len": (too_long, "max_model_len"),
+    "longer_than_max_model_len": (
+        lambda llm: {"prompt_token_ids": [5] * (3 * MAX_LEN)},
+        "max_model_len",
+    ),
+    "long_text": (lambda llm: "the cat reads the tokens " * 20, "max_model_len"),
+    "empty_text": (lambda llm: "", "empty"),
+    "empty_token_list": (lambda llm: {"prompt_token_ids": []}, "empty"),
+    "negative_token_id": (lambda llm: {"prompt_token_ids": [1, -1, 2]}, "prompt_token_ids"),
+    "token_id_equal_to_vocab": (
+        lambda llm: {"prompt_token_ids": [1, vocab_size(llm)]},
+        "prompt_token_ids",
+    ),
+    "float_token_id": (lambda llm: {"prompt_token_ids": [1, 2.0]}, "prompt_token_ids"),
+    "string_token_id": (lambda llm: {"prompt_token_ids": [1, "2"]}, "prompt_token_ids"),
+    "bool_token_id": (lambda llm: {"prompt_token_ids": [1, True]}, "prompt_token_ids"),
+    "dict_without_token_ids": (lambda llm: {"text": "hello"}, "prompt_token_ids"),
+}
+
+
+@pytest.mark.parametrize(("make_prompt", "field"), BAD_PROMPTS.values(), ids=BAD_PROMPTS)
+def test_bad_prompt_rejects_the_whole_call_and_the_engine_keeps_serving(
+    llm, folder, make_prompt, field
+):
+    with pytest.raises(ValueError, match=field):
+        llm.generate([GOOD_PROMPT, make_prompt(llm)], GREEDY, use_tqdm=False)
+    assert_still_serving(llm, folder)
+
+
+def test_prompt_too_long_message_says_how_long_a_prompt_may_be(llm):
+    with pytest.raises(ValueError, match="max_model_len") as error:
+        llm.generate(too_long(llm), GREEDY, use_tqdm=False)
+    assert_names(error, f"max_model_len is {MAX_LEN}", f"at most {MAX_LEN - 1} tokens")
+
+
+def test_token_id_out_of_vocab_message_states_the_vocab_range(llm):
+    with pytest.raises(ValueError, match="prompt_token_ids") as error:
+        llm.generate({"prompt_token_ids": [vocab_size(llm)]}, GREEDY, use_tqdm=False)
+    assert_names(error, f"[0, {vocab_size(llm)})", str(vocab_size(llm)))
+
+
+def test_prompt_one_token_short_of_max_model_len_gets_exactly_one_token(llm):
+    [out] = llm.generate({"prompt_token_ids": [5] * (MAX_LEN - 1)}, GREEDY, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 1
+    assert out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+def test_max_tokens_past_max_model_len_is_cut_at_max_model_len_not_rejected(folder, async_batching):
+    llm = LLM(str(folder), max_model_len=MAX_LEN, block_size=8, async_batching=async_batching)
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    [out] = llm.generate({"prompt_token_ids": [5] * 10}, params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == MAX_LEN - 10
+    assert out.outputs[0].finish_reason == "length"
+
+
+def bad_after_construction(**fields: Any) -> SamplingParams:
+    """Params that were valid when made and were then edited into a bad state."""
+    params = SamplingParams(temperature=0, max_tokens=6)
+    for name, value in fields.items():
+        setattr(params, name, value)
+    return params
+
+
+BAD_PARAMS_IN_CALL = {
+    "stop_token_id_equal_to_vocab": (
+        lambda llm: SamplingParams(stop_token_ids=[vocab_size(llm)]),
+        "stop_token_ids",
+    ),
+    "stop_token_id_far_out_of_vocab": (
+        lambda llm: SamplingParams(stop_token_ids=[1, 10**9]),
+        "stop_token_ids",
+    ),
+    "top_p_edited_to_zero": (lambda llm: bad_after_construction(top_p=0.0), "top_p"),
+    "temperature_edited_to_nan": (
+        lambda llm: bad_after_construction(temperature=math.nan),
+        "temperature",
+    ),
+    "max_tokens_edited_to_zero": (lambda llm: bad_after_construction(max_tokens=0), "max_tokens"),
+    "n_edited_to_zero": (lambda llm: bad_after_construction(n=0), "n must"),
+}
+
+
+@pytest.mark.parametrize(
+    ("make_params", "field"), BAD_PARAMS_IN_CALL.values(), ids=BAD_PARAMS_IN_CALL
+)
+def test_bad_sampling_params_for_one_prompt_reject_the_whole_call(llm, folder, make_params, field):
+    with pytest.raises(ValueError, match=field) as error:
+        llm.generate([GOOD_PROMPT, GOOD_PROMPT], [GREEDY, make_params(llm)], use_tqdm=False)
+    if field == "stop_token_ids":
+        assert_names(error, f"[0, {vocab_size(llm)})")
+    assert_still_serving(llm, folder)
+
+
+@pytest.mark.parametrize("num_params", [1, 3])
+def test_sampling_params_list_of_the_wrong_length_rejects_the_call(llm, folder, num_params):
+    with pytest.raises(ValueError, match="sampling_params") as error:
+        llm.generate([GOOD_PROMPT, GOOD_PROMPT], [GREEDY] * num_params, use_tqdm=False)
+    assert_names(error, f"{num_params} sampling_params", "2 prompts")
+    assert_still_serving(llm, folder)
+
+
+def test_text_prompt_to_a_model_without_tokenizer_asks_for_token_ids(folder, tmp_path):
+    bare = tmp_path / "no-tokenizer"
+    bare.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(folder / name, bare / name)
+    llm = LLM(str(bare), max_model_len=MAX_LEN, block_size=8)
+    with pytest.raises(ValueError, match="tokenizer") as error:
+        llm.generate(["hello"], GREEDY, use_tqdm=False)
+    assert_names(error, "prompt_token_ids")
+    assert not llm.engine.has_unfinished()
+    [out] = llm.generate({"prompt_token_ids": [1, 2, 3]}, GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == transformers_greedy(folder, (1, 2, 3), GREEDY.max_tokens)
+
+
+# ---- engine arguments ---------------------------------------------------------------------------
+
+# (engine args, the field the message must name, the allowed range it must state); checked before
+# the model folder is read, so a folder that does not exist still gets the ValueError
+BAD_ENGINE_ARGS = {
+    "block_size_not_power_of_two": ({"block_size": 24}, "block_size", "power of two"),
+    "block_size_zero": ({"block_size": 0}, "block_size", ">= 1"),
+    "max_num_seqs_zero": ({"max_num_seqs": 0}, "max_num_seqs", ">= 1"),
+    "max_num_batched_tokens_zero": (
+        {"max_num_batched_tokens": 0},
+        "max_num_batched_tokens",
+        ">= 1",
+    ),
+    "num_blocks_zero": ({"num_blocks": 0}, "num_blocks", ">= 1"),
+    "max_model_len_zero": ({"max_model_len": 0}, "max_model_len", ">= 1"),
+    "gpu_memory_utilization_zero": (
+        {"gpu_memory_utilization": 0.0},
+        "gpu_memory_utilization",
+        "(0, 1]",
+    ),
+    "gpu_memory_utilization_above_one": (
+        {"gpu_memory_utilization": 1.5},
+        "gpu_memory_utilization",
+        "(0, 1]",
+    ),
+    "unknown_dtype": ({"dtype": "float8"}, "dtype", "bfloat16"),
+    "unknown_load_format": ({"load_format": "pt"}, "load_format", "'dummy'"),
+    "unknown_device": ({"device": "tpu"}, "device", "'cuda'"),
+    "unknown_attention_backend": ({"attention_backend": "flash"}, "attention_backend", "'torch'"),
+}
+
+
+@pytest.mark.parametrize(
+    ("args", "field", "allowed"), BAD_ENGINE_ARGS.values(), ids=BAD_ENGINE_ARGS
+)
+def test_bad_engine_args_are_rejected_before_the_model_is_read(tmp_path, args, field, allowed):
+    with pytest.raises(ValueError, match=field) as error:
+        LLM(str(tmp_path / "no-such-model"), **args)
+    assert_names(error, field, allowed)
+
+
+def test_cuda_graphs_on_cpu_are_rejected(folder):
+    with pytest.raises(ValueError, match="cuda_graphs") as error:
+        LLM(str(folder), device="cpu", cuda_graphs=True, max_model_len=MAX_LEN)
+    assert_names(error, "device='cuda'")
+
+
+def test_max_model_len_above_max_position_embeddings_is_rejected(folder):
+    with pytest.raises(ValueError, match="max_model_len") as error:
+        LLM(str(folder), max_model_len=2048)
+    assert_names(error, "max_model_len=2048", "max_position_embeddings=1024")
+
+
+def test_kv_cache_smaller_than_max_model_len_is_rejected(folder):
+    with pytest.raises(ValueError, match="max_model_len") as error:
+        LLM(str(folder), max_model_len=64, block_size=8, num_blocks=7)  # 56 token slots
+    assert_names(error, "56 tokens", "max_model_len=64", "num_blocks")
+
+
+def test_kv_cache_of_exactly_max_model_len_is_accepted(folder):
+    llm = LLM(str(folder), max_model_len=64, block_size=8, num_blocks=8, async_batching=False)
+    [out] = llm.generate({"prompt_token_ids": [5] * 60}, GREEDY, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4

@@ -1,0 +1,147 @@
+"""The `tandem` command: make-tiny-model, generate and chat print what the LLM API returns."""
+
+from __future__ import annotations
+
+import io
+import re
+import shutil
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from tandem import LLM, SamplingParams
+from tandem.cli import main
+
+ENGINE_ARGS = {"max_model_len": 128, "block_size": 8}
+CLI_ENGINE_ARGS = ["--max-model-len", "128", "--block-size", "8"]
+RESULT_LINE = re.compile(r"^--- prompt: (.*)\n(.*)  \[(\w+), (\d+) tokens\]$", re.MULTILINE)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out_dir = tmp_path_factory.mktemp("cli") / "tiny-qwen2"
+    with pytest.MonkeyPatch.context() as patch:
+        captured = io.StringIO()
+        patch.setattr(sys, "stdout", captured)
+        main(["make-tiny-model", str(out_dir), "--arch", "qwen2"])
+    assert captured.getvalue().strip() == str(out_dir)
+    return out_dir
+
+
+@cache
+def reference_llm(folder: Path) -> LLM:
+    return LLM(str(folder), **ENGINE_ARGS)
+
+
+def expected_greedy(folder: Path, prompt: str, max_tokens: int) -> tuple[str, int]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    [out] = reference_llm(folder).generate(prompt, params, use_tqdm=False)
+    return out.outputs[0].text, len(out.outputs[0].token_ids)
+
+
+def assistant_replies(out: str) -> list[str]:
+    """The replies `tandem chat` printed; a reply may itself span lines."""
+    return [reply.removesuffix("\n") for reply in re.split(r"^assistant: ", out, flags=re.M)[1:]]
+
+
+def test_make_tiny_model_writes_a_qwen2_checkpoint_folder(tiny_dir):
+    names = {p.name for p in tiny_dir.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= names
+    assert '"Qwen2ForCausalLM"' in (tiny_dir / "config.json").read_text()
+
+
+def test_generate_prints_the_greedy_completion_of_each_prompt(tiny_dir, capsys):
+    main(["generate", str(tiny_dir), "hello", "--max-tokens", "5", "--quiet", *CLI_ENGINE_ARGS])
+    out, err = capsys.readouterr()
+    [(prompt, text, reason, num_tokens)] = RESULT_LINE.findall(out)
+    expected_text, expected_num = expected_greedy(tiny_dir, "hello", 5)
+    assert (prompt, text, int(num_tokens)) == ("'hello'", repr(expected_text), expected_num)
+    assert reason in ("length", "stop")
+    assert re.search(rf"^1 requests, {expected_num} tokens in [\d.]+ s", out, re.MULTILINE)
+    assert "generate:" not in err  # --quiet: no progress bar
+
+
+def test_generate_prints_every_prompt_in_order(tiny_dir, capsys):
+    prompts = ["hello", "The cat reads", "日本"]
+    main(["generate", str(tiny_dir), *prompts, "--max-tokens", "3", "--quiet", *CLI_ENGINE_ARGS])
+    results = RESULT_LINE.findall(capsys.readouterr().out)
+    assert [prompt for prompt, *_ in results] == [repr(p) for p in prompts]
+    for (_, text, _, _), prompt in zip(results, prompts, strict=True):
+        assert text == repr(expected_greedy(tiny_dir, prompt, 3)[0])
+
+
+def test_installed_console_script_generates_in_a_real_process(tiny_dir):
+    script = shutil.which("tandem", path=str(Path(sys.executable).parent))
+    assert script is not None, "the tandem console script is not installed next to python"
+    result = subprocess.run(
+        [script, "generate", str(tiny_dir), "hello", "--max-tokens", "5", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    [(prompt, text, _, num_tokens)] = RESULT_LINE.findall(result.stdout)
+    expected_text, expected_num = expected_greedy(tiny_dir, "hello", 5)
+    assert (prompt, text, int(num_tokens)) == ("'hello'", repr(expected_text), expected_num)
+
+
+@pytest.mark.parametrize(
+    ("bad_args", "named"),
+    [
+        (["--top-p", "2"], "top_p"),
+        (["--temperature", "-1"], "temperature"),
+        (["--max-tokens", "0"], "max_tokens"),
+        (["--block-size", "24"], "block_size"),
+        (["--max-model-len", "4096"], "max_model_len"),
+    ],
+)
+def test_generate_with_a_bad_value_exits_non_zero_naming_it(tiny_dir, capsys, bad_args, named):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", str(tiny_dir), "hello", "--quiet", *bad_args])
+    message = exit_info.value.code
+    assert message not in (0, None)
+    assert isinstance(message, str) and message.startswith("tandem: error:")
+    assert named in message
+    assert RESULT_LINE.search(capsys.readouterr().out) is None
+
+
+def test_generate_with_an_unknown_model_exits_non_zero_listing_presets(tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", str(tmp_path / "nothing-here"), "hello"])
+    assert "presets:" in str(exit_info.value.code)
+
+
+def test_generate_with_an_unknown_dtype_is_an_argparse_usage_error(tiny_dir, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", str(tiny_dir), "hello", "--dtype", "float8"])
+    assert exit_info.value.code == 2
+    assert "--dtype" in capsys.readouterr().err
+
+
+def test_chat_answers_each_line_of_stdin_with_the_conversation_so_far(
+    tiny_dir, capsys, monkeypatch
+):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi there\nWhat is 日本?\n"))
+    main(["chat", str(tiny_dir), "--max-tokens", "6", *CLI_ENGINE_ARGS])
+    replies = assistant_replies(capsys.readouterr().out)
+    assert len(replies) == 2 and all(replies)
+
+    llm = reference_llm(tiny_dir)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    messages = [{"role": "user", "content": "Hi there"}]
+    first = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+    messages += [
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "What is 日本?"},
+    ]
+    second = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+    assert replies == [first, second]
+
+
+def test_chat_stops_at_an_empty_line(tiny_dir, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi there\n\nnever read\n"))
+    main(["chat", str(tiny_dir), "--max-tokens", "2", *CLI_ENGINE_ARGS])
+    assert len(assistant_replies(capsys.readouterr().out)) == 1

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run in its CPU interpreter; this must be set before triton is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tandem.model.tiny import make_tiny_model
 

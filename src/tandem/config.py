@@ -135,7 +135,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     load_format: str = "auto"
     seed: int = 0
-    attention_backend: str = "torch"
+    attention_backend: str | None = None  # "triton" on CUDA, "torch" elsewhere
     async_batching: bool = True
     cuda_graphs: bool | None = None
 
@@ -159,8 +159,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be None, 'cpu' or 'cuda', got {self.device!r}")
-        if self.attention_backend not in ("torch",):
-            raise ValueError(f"attention_backend must be 'torch', got {self.attention_backend!r}")
+        if self.attention_backend not in (None, "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}"
+            )
 
     def resolve_device(self) -> torch.device:
         if self.device is None:
@@ -175,6 +177,13 @@ class EngineConfig:
         if device.type == "cpu":
             return torch.float32
         return DTYPES.get(model_config.torch_dtype or "", torch.bfloat16)
+
+    def resolve_attention_backend(self, model_config: ModelConfig, device: torch.device) -> str:
+        if self.attention_backend is not None:
+            return self.attention_backend
+        d = model_config.head_dim
+        usable = device.type == "cuda" and d >= 16 and d & (d - 1) == 0
+        return "triton" if usable else "torch"
 
     def resolve_max_model_len(self, model_config: ModelConfig) -> int:
         limit = model_config.max_position_embeddings

@@ -57,6 +57,15 @@ class Engine:
             self.max_model_len,
             config.seed,
         )
+        self.attention_backend = config.resolve_attention_backend(cfg, self.device)
+        self.attend = get_backend(
+            self.attention_backend,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            config.max_num_seqs,
+            self.device,
+        )
         self.num_blocks = self._num_blocks()
         self.block_size = config.block_size
         max_blocks_per_seq = cdiv(self.max_model_len, config.block_size)
@@ -74,7 +83,7 @@ class Engine:
         self.runner = Runner(
             self.model,
             self.kv_caches,
-            get_backend(config.attention_backend),
+            self.attend,
             self.device,
             max_tokens,
             config.max_num_seqs,
@@ -341,7 +350,7 @@ class Engine:
         )
         ids = torch.randint(0, cfg.vocab_size, (num_tokens,), device=device)
         positions = torch.cat([torch.arange(n) for n in seq_lens]).to(device)
-        hidden = self.model(ids, positions, kv_caches, meta, get_backend(config.attention_backend))
+        hidden = self.model(ids, positions, kv_caches, meta, self.attend)
         rows = min(config.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(
             hidden[:rows].repeat(cdiv(config.max_num_seqs, rows), 1)[: config.max_num_seqs]

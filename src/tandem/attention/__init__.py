@@ -35,9 +35,15 @@ class AttentionBackend(Protocol):
         ...
 
 
-def get_backend(name: str) -> AttentionBackend:
+def get_backend(
+    name: str, num_heads: int, num_kv_heads: int, head_dim: int, max_seqs: int, device: torch.device
+) -> AttentionBackend:
     if name == "torch":
         from tandem.attention.torch_ref import torch_attention
 
         return torch_attention
-    raise ValueError(f"unknown attention_backend {name!r}; supported: 'torch'")
+    if name == "triton":
+        from tandem.attention.triton_backend import TritonAttention
+
+        return TritonAttention(num_heads, num_kv_heads, head_dim, max_seqs, device)
+    raise ValueError(f"unknown attention_backend {name!r}; supported: 'torch', 'triton'")

@@ -1,0 +1,120 @@
+"""Triton attention backend: launches the paged kernels with fixed scratch, so decode is graph-safe."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import triton
+
+from tandem.attention import AttentionMetadata
+from tandem.attention.triton_kernels import (
+    decode_kernel,
+    prefill_kernel,
+    reduce_kernel,
+    write_kv_kernel,
+)
+
+MAX_SPLITS = 32
+BLOCK_N = 64
+
+
+class TritonAttention:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_seqs: int,
+        device: torch.device,
+        num_splits: int | None = None,
+    ):
+        assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
+            "head_dim must be a power of two >= 16"
+        )
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.group = num_heads // num_kv_heads
+        self.fixed_splits = num_splits
+        self.num_sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda"
+            else 8
+        )
+        # split-KV decode partials: [max_seqs, num_heads, MAX_SPLITS, head_dim] and (max, sum) pairs
+        self.partial_out = torch.empty(
+            max_seqs, num_heads, MAX_SPLITS, head_dim, dtype=torch.float32, device=device
+        )
+        self.partial_ml = torch.empty(
+            max_seqs, num_heads, MAX_SPLITS, 2, dtype=torch.float32, device=device
+        )
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        if meta.decode_only:
+            self.decode(q, out, kv_cache, meta, scale)
+        else:
+            self.prefill(q, out, kv_cache, meta, scale)
+        return out
+
+    def num_splits(self, num_seqs: int) -> int:
+        """Enough programs to fill the device twice over; small batches split each context more."""
+        if self.fixed_splits is not None:
+            return self.fixed_splits
+        return max(1, min(MAX_SPLITS, triton.cdiv(2 * self.num_sms, num_seqs * self.num_kv_heads)))
+
+    def decode(self, q, out, kv_cache, meta: AttentionMetadata, scale: float) -> None:
+        assert q.stride(2) == 1 and q.stride(1) == self.head_dim
+        num_seqs = q.shape[0]
+        splits = self.num_splits(num_seqs)
+        decode_kernel[(num_seqs, self.num_kv_heads, splits)](
+            q, self.partial_out, self.partial_ml, kv_cache, meta.block_tables, meta.seq_lens,
+            q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale, splits,
+            GROUP=self.group, GROUP_PAD=max(16, triton.next_power_of_2(self.group)),
+            NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2],
+            BLOCK_N=BLOCK_N, MAX_SPLITS=MAX_SPLITS,
+        )  # fmt: skip
+        reduce_kernel[(num_seqs * self.num_heads,)](
+            self.partial_out,
+            self.partial_ml,
+            out,
+            splits,
+            HEAD_DIM=self.head_dim,
+            MAX_SPLITS=MAX_SPLITS,
+        )
+
+    def prefill(self, q, out, kv_cache, meta: AttentionMetadata, scale: float) -> None:
+        starts = meta.query_start_loc_host
+        assert starts is not None, "prefill needs host query lengths (it runs eagerly)"
+        assert q.stride(2) == 1 and q.stride(1) == self.head_dim
+        max_query_len = max(b - a for a, b in itertools.pairwise(starts))
+        group_pad = triton.next_power_of_2(self.group)
+        block_m = max(1, 64 // group_pad)
+        grid = (len(starts) - 1, triton.cdiv(max_query_len, block_m), self.num_kv_heads)
+        prefill_kernel[grid](
+            q, out, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+            q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale,
+            GROUP=self.group, GROUP_PAD=group_pad, NUM_KV_HEADS=self.num_kv_heads,
+            HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        )  # fmt: skip
+
+
+def write_kv(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store each token's K and V rows at its cache slot; rows with slot -1 are skipped."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    assert k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == head_dim
+    row = num_kv_heads * head_dim
+    write_kv_kernel[(k.shape[0],)](
+        k, v, kv_cache, slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0),
+        ROW=row, ROW_PAD=triton.next_power_of_2(row),
+    )  # fmt: skip

@@ -1,0 +1,211 @@
+"""Triton kernels over the paged KV cache: KV write, prefill (ragged, causal) and split-KV decode.
+
+Cache layout per layer: [2, num_blocks + 1, block_size, num_kv_heads, head_dim]. Keys and
+values are read a tile of BLOCK_N positions at a time, each position's block looked up in the
+block table, so any block size works. The query heads that share a KV head are processed by
+one program as extra rows of the same tile (GQA packing), so the tiles feed tensor cores.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def write_kv_kernel(
+    k_ptr,
+    v_ptr,
+    cache_ptr,
+    slot_ptr,
+    k_token_stride,
+    v_token_stride,
+    kv_half_stride,  # elements from a layer's K half to its V half
+    ROW: tl.constexpr,  # num_kv_heads * head_dim
+    ROW_PAD: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:
+        cols = tl.arange(0, ROW_PAD)
+        mask = cols < ROW
+        k = tl.load(k_ptr + token * k_token_stride + cols, mask=mask)
+        v = tl.load(v_ptr + token * v_token_stride + cols, mask=mask)
+        tl.store(cache_ptr + slot * ROW + cols, k, mask=mask)
+        tl.store(cache_ptr + kv_half_stride + slot * ROW + cols, v, mask=mask)
+
+
+@triton.jit
+def _attend_tile(
+    q,  # [ROWS, HEAD_DIM]
+    row_max,  # [ROWS] running max
+    row_sum,  # [ROWS] running sum
+    acc,  # [ROWS, HEAD_DIM] running numerator
+    cache_ptr,
+    table_ptr,  # this sequence's block table row
+    kv_half_stride,
+    kv_head,
+    key_start,
+    query_pos,  # [ROWS] position of each row's query token (keys past it are masked)
+    seq_len,
+    scale,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One online-softmax update over keys [key_start, key_start + BLOCK_N)."""
+    key_pos = key_start + tl.arange(0, BLOCK_N)
+    in_seq = key_pos < seq_len
+    block = tl.load(table_ptr + key_pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
+    slot = block * BLOCK_SIZE + key_pos % BLOCK_SIZE
+    dims = tl.arange(0, HEAD_DIM)
+    offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
+    k = tl.load(cache_ptr + offsets, mask=in_seq[:, None], other=0.0)
+    v = tl.load(cache_ptr + kv_half_stride + offsets, mask=in_seq[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k)) * scale  # [ROWS, BLOCK_N] float32
+    visible = in_seq[None, :] & (key_pos[None, :] <= query_pos[:, None])
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(row_max, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(row_max - m_safe)
+    row_sum = row_sum * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, row_sum, acc
+
+
+@triton.jit
+def prefill_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim], heads contiguous
+    out_ptr,  # same shape, contiguous
+    cache_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    q_token_stride,
+    block_table_stride,
+    kv_half_stride,
+    scale,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # next power of two
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # query tokens per program; rows = BLOCK_M * GROUP_PAD
+    BLOCK_N: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if tile * BLOCK_M < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        # row r is query token tile * BLOCK_M + r // GROUP_PAD, head kv_head * GROUP + r % GROUP_PAD
+        rows = tl.arange(0, BLOCK_M * GROUP_PAD)
+        token = tile * BLOCK_M + rows // GROUP_PAD
+        head = kv_head * GROUP + rows % GROUP_PAD
+        row_valid = (token < q_len) & (rows % GROUP_PAD < GROUP)
+        dims = tl.arange(0, HEAD_DIM)
+        token_offset = (q_start + token).to(tl.int64)
+        q_offsets = (token_offset * q_token_stride + head * HEAD_DIM)[:, None] + dims[None, :]
+        q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None], other=0.0)
+        query_pos = seq_len - q_len + token
+        row_max = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
+        row_sum = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
+        acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM], tl.float32)
+        table = block_tables_ptr + seq.to(tl.int64) * block_table_stride
+        # keys up to the tile's last query position (causal)
+        last_key = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)
+        for key_start in range(0, last_key, BLOCK_N):
+            row_max, row_sum, acc = _attend_tile(
+                q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head, key_start,
+                query_pos, seq_len, scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
+            )  # fmt: skip
+        out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+        out_offsets = (token_offset * (GROUP * NUM_KV_HEADS * HEAD_DIM) + head * HEAD_DIM)[:, None]
+        out_ptrs = out_ptr + out_offsets + dims[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+@triton.jit
+def decode_kernel(
+    q_ptr,  # [num_seqs, num_heads, head_dim]
+    partial_out_ptr,  # [num_seqs, num_heads, MAX_SPLITS, head_dim] float32
+    partial_ml_ptr,  # [num_seqs, num_heads, MAX_SPLITS, 2] float32: running max, running sum
+    cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    q_token_stride,
+    block_table_stride,
+    kv_half_stride,
+    scale,
+    num_splits,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,  # >= 16 rows for tl.dot
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+):
+    """Split s of a sequence covers an equal share of its key tiles; `reduce_kernel` merges them."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    first_tile = split * tiles_per_split
+    last_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
+    rows = tl.arange(0, GROUP_PAD)
+    head = kv_head * GROUP + rows
+    row_valid = rows < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * q_token_stride + head[:, None] * HEAD_DIM + dims[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )
+    query_pos = tl.full([GROUP_PAD], seq_len - 1, tl.int32)
+    row_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    row_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * block_table_stride
+    for t in range(first_tile, last_tile):
+        row_max, row_sum, acc = _attend_tile(
+            q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head, t * BLOCK_N, query_pos,
+            seq_len, scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
+        )  # fmt: skip
+    base = (seq.to(tl.int64) * (GROUP * NUM_KV_HEADS) + head) * MAX_SPLITS + split
+    tl.store(
+        partial_out_ptr + base[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None]
+    )
+    tl.store(partial_ml_ptr + base * 2, row_max, mask=row_valid)
+    tl.store(partial_ml_ptr + base * 2 + 1, row_sum, mask=row_valid)
+
+
+@triton.jit
+def reduce_kernel(
+    partial_out_ptr,
+    partial_ml_ptr,
+    out_ptr,  # [num_seqs, num_heads, head_dim]
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+):
+    """out = sum_s exp(m_s - M) * acc_s / sum_s exp(m_s - M) * l_s over the splits of one head."""
+    row = tl.program_id(0)  # seq * num_heads + head
+    splits = tl.arange(0, MAX_SPLITS)
+    used = splits < num_splits
+    base = row.to(tl.int64) * MAX_SPLITS + splits
+    row_max = tl.load(partial_ml_ptr + base * 2, mask=used, other=float("-inf"))
+    row_sum = tl.load(partial_ml_ptr + base * 2 + 1, mask=used, other=0.0)
+    weight = tl.where(row_max == float("-inf"), 0.0, tl.exp(row_max - tl.max(row_max, axis=0)))
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.load(
+        partial_out_ptr + base[:, None] * HEAD_DIM + dims[None, :], mask=used[:, None], other=0.0
+    )
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(row_sum * weight, axis=0)
+    tl.store(out_ptr + row.to(tl.int64) * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))

@@ -244,7 +244,7 @@ class Engine:
             (not params.ignore_eos and token in self.eos_token_ids)
             or token in params.stop_token_ids
         ):
-            return self._finish(request, "stop")
+            return self._finish(request, "stop", stopped_by_token=True)
         if request.detokenizer is not None:
             delta = request.detokenizer.add([token])
             request.output_text += delta
@@ -255,7 +255,13 @@ class Engine:
             self._finish(request, "length")
         return None
 
-    def _finish(self, request: Request, reason: str, text_is_final: bool = False) -> None:
+    def _finish(
+        self,
+        request: Request,
+        reason: str,
+        text_is_final: bool = False,
+        stopped_by_token: bool = False,
+    ) -> None:
         self.scheduler.finish(request, reason)
         self.builder.block_rows.release(request)
         self.requests.pop(request.request_id, None)
@@ -264,8 +270,10 @@ class Engine:
         if request.detokenizer is not None:
             request.output_text += request.detokenizer.flush()
         elif self.tokenizer is not None:
+            # as with the detokenizer: a stop token stays in token_ids but not in the text
+            ids = request.output_token_ids[:-1] if stopped_by_token else request.output_token_ids
             request.output_text = self.tokenizer.decode(
-                request.output_token_ids, skip_special_tokens=request.params.skip_special_tokens
+                ids, skip_special_tokens=request.params.skip_special_tokens
             )
 
     def _detokenizer(self, request: Request) -> IncrementalDetokenizer | None:

@@ -21,7 +21,7 @@ from tandem.attention import AttentionBackend, AttentionMetadata
 from tandem.batch import StepBatch
 from tandem.io_slot import IOSlot
 from tandem.model.decoder import Decoder
-from tandem.sampling import SamplingTensors, compute_logprobs, sample
+from tandem.sampling import SamplingTensors, sample, top_logprobs_of
 
 
 class Runner:
@@ -140,6 +140,8 @@ class Runner:
             input_ids, x["positions"][:num_tokens], self.kv_caches, meta, self.attend
         )
         logits = self.model.compute_logits(hidden[x["logits_indices"][:num_seqs].long()])
+        # logprobs describe the model's own distribution, before min_tokens bans and filters
+        logprobs = logits.log_softmax(dim=-1) if num_top_logprobs is not None else None
         ban_tokens(logits, x["banned_ids"][:num_seqs], x["ban_rows"][:num_seqs])
         params = SamplingTensors(
             temperature=x["temperature"][:num_seqs],
@@ -151,9 +153,9 @@ class Runner:
         )
         sampled = sample(logits, params, use_filters)
         out["sampled"][:num_seqs].copy_(sampled)
-        if num_top_logprobs is not None:
-            sampled_logprob, top_ids, top_logprobs = compute_logprobs(
-                logits, sampled, num_top_logprobs
+        if logprobs is not None:
+            sampled_logprob, top_ids, top_logprobs = top_logprobs_of(
+                logprobs, sampled, num_top_logprobs
             )
             out["sampled_logprob"][:num_seqs].copy_(sampled_logprob)
             out["top_ids"][:num_seqs, :num_top_logprobs].copy_(top_ids)

@@ -154,16 +154,17 @@ def _filter_sorted(scaled: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     vocab = scaled.shape[-1]
     ranks = torch.arange(vocab, device=scaled.device)
     top_k = torch.where(t.top_k > 0, t.top_k, vocab)
-    probs = scaled.softmax(dim=-1)
+    in_top_k = ranks < top_k[:, None]
+    # top-p measures mass within what top-k keeps
+    probs = scaled.masked_fill(~in_top_k, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # E.g. [0.5, 0.3, 0.2] -> [0, 0.5, 0.8]
-    keep = (ranks < top_k[:, None]) & ((mass_before < t.top_p[:, None]) | (t.top_p[:, None] >= 1))
+    keep = in_top_k & ((mass_before < t.top_p[:, None]) | (t.top_p[:, None] >= 1))
     keep &= probs >= t.min_p[:, None] * probs[:, :1]
     return scaled.masked_fill(~keep, float("-inf"))
 
 
-def compute_logprobs(logits: torch.Tensor, sampled: torch.Tensor, num_top: int):
-    """Log-probabilities of the model's distribution: of each sampled token, and the top `num_top`."""
-    logprobs = logits.log_softmax(dim=-1)
+def top_logprobs_of(logprobs: torch.Tensor, sampled: torch.Tensor, num_top: int):
+    """[rows, vocab] log-probabilities -> (of each sampled token, top `num_top` ids, their values)."""
     sampled_logprob = logprobs.gather(1, sampled[:, None])[:, 0]
     top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
     return sampled_logprob, top_ids, top_logprobs

@@ -14,6 +14,7 @@ import torch
 
 from tandem.llm import LLM
 from tandem.sampling import SamplingParams
+from tandem.trace import summarize
 
 
 @dataclass
@@ -88,6 +89,7 @@ def run_throughput(args: argparse.Namespace, engine_args: dict) -> dict:
         elapsed = statistics.median(r[0] for r in runs)
         steps = statistics.median(r[1] for r in runs)
         results[mode] = {
+            **(trace_run(llm, workload, args, mode) if args.trace else {}),
             "seconds": elapsed,
             "seconds_all": [r[0] for r in runs],
             "steps": steps,
@@ -119,6 +121,23 @@ def run_throughput(args: argparse.Namespace, engine_args: dict) -> dict:
     return report
 
 
+def trace_run(llm: LLM, workload: Workload, args: argparse.Namespace, mode: str) -> dict:
+    """One more run with the timeline on; saves the trace and returns its summary."""
+    llm.engine.start_trace()
+    elapsed, _ = time_generate(llm, workload, args.temperature)
+    timeline = llm.engine.stop_trace()
+    path = args.trace if args.compare is None else args.trace.replace(".json", f"_{mode}.json")
+    trace = timeline.to_chrome_trace({"mode": mode, "model": args.model})
+    with open(path, "w") as f:
+        json.dump(trace, f)
+    return {
+        "trace": path,
+        "trace_seconds": elapsed,
+        "trace_overhead_pct": 100 * timeline.overhead_ns / 1e9 / elapsed,
+        "timeline": summarize(trace),
+    }
+
+
 def environment() -> dict:
     env = {
         "torch": torch.__version__,
@@ -131,11 +150,15 @@ def environment() -> dict:
 
 
 def print_report(report: dict) -> None:
-    print(f"{'mode':6} {'out tok/s':>10} {'req/s':>8} {'ms/step':>8} {'steps':>6} {'seconds':>8}")
+    print(
+        f"{'mode':6} {'out tok/s':>10} {'req/s':>8} {'ms/step':>8} {'steps':>6} {'seconds':>8} {'GPU active':>10}"
+    )
     for mode, r in report["results"].items():
+        active = r.get("timeline", {}).get("gpu_active_pct")
         print(
             f"{mode:6} {r['output_tokens_per_s']:10.0f} {r['requests_per_s']:8.2f} "
-            f"{r['ms_per_step']:8.2f} {r['steps']:6.0f} {r['seconds']:8.2f}"
+            f"{r['ms_per_step']:8.2f} {r['steps']:6.0f} {r['seconds']:8.2f} "
+            f"{'-' if active is None else f'{active:.2f}%':>10}"
         )
     if "async_speedup" in report:
         print(f"async / sync throughput: {report['async_speedup']:.3f}")
@@ -152,6 +175,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         "--compare", choices=["sync"], help="also run our sync mode on the same engine"
     )
     parser.add_argument("--output-json")
+    parser.add_argument(
+        "--trace", help="also record one traced run per mode to this Chrome trace path"
+    )
 
 
 def cmd_bench(args: argparse.Namespace, engine_args: dict) -> None:

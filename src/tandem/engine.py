@@ -9,6 +9,7 @@ import random
 from collections import deque
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tandem.attention import AttentionMetadata, get_backend
@@ -17,6 +18,7 @@ from tandem.config import EngineConfig, ModelConfig, cdiv
 from tandem.io_slot import MAX_BANNED_IDS
 from tandem.kv_cache import BlockAllocator, allocate_kv_cache, bytes_per_block
 from tandem.model.loader import build_model, read_hf_config
+from tandem.profiler import NoTimeline, Timeline
 from tandem.request import Request
 from tandem.runner import Runner
 from tandem.sampling import SamplingParams, SamplingTensors, sample
@@ -97,6 +99,16 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.seed_rng = random.Random(config.seed)
+        self.timeline: Timeline | NoTimeline = NoTimeline()
+
+    def start_trace(self) -> None:
+        """Record CPU phases and GPU stream intervals of every following step."""
+        self.timeline = Timeline(cuda=self.device.type == "cuda")
+
+    def stop_trace(self) -> Timeline:
+        timeline, self.timeline = self.timeline, NoTimeline()
+        assert isinstance(timeline, Timeline), "start_trace was not called"
+        return timeline
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -184,21 +196,26 @@ class Engine:
         return []
 
     def _launch_next(self) -> bool:
-        plan = self.scheduler.schedule()
-        for request in plan.preempted:
-            self.builder.block_rows.release(request)
+        step, timeline = self.num_steps, self.timeline
+        with timeline.phase("schedule", step):
+            plan = self.scheduler.schedule()
+            for request in plan.preempted:
+                self.builder.block_rows.release(request)
         if not plan.requests:
             return False
-        slot = self.runner.slots[self.num_steps % 2]
+        slot = self.runner.slots[step % 2]
         # the slot's last step was read back, so its H2D copy and compute are done
         assert all(b.slot is not slot for b in self.in_flight)
-        graph_size = self.runner.padded_size(
-            len(plan.requests),
-            decode_only=plan.num_tokens == len(plan.requests),
-            wants_logprobs=any(r.params.logprobs is not None for r in plan.requests),
-        )
-        batch = self.builder.build(plan, slot, self.num_steps, graph_size)
-        self.runner.launch(batch)
+        with timeline.phase("build", step):
+            graph_size = self.runner.padded_size(
+                len(plan.requests),
+                decode_only=plan.num_tokens == len(plan.requests),
+                wants_logprobs=any(r.params.logprobs is not None for r in plan.requests),
+            )
+            batch = self.builder.build(plan, slot, step, graph_size)
+        with timeline.phase("launch", step):
+            timeline.record_step(step, len(batch.requests), batch.num_tokens)
+            self.runner.launch(batch, timeline)
         for row, request in enumerate(batch.requests):
             if batch.samples[row]:
                 request.num_pending_tokens += 1
@@ -208,7 +225,13 @@ class Engine:
         return True
 
     def _process(self, batch: StepBatch) -> list[Request]:
-        out = self.runner.wait(batch)
+        with self.timeline.phase("wait", batch.step):
+            out = self.runner.wait(batch)
+        self.timeline.read_gpu(batch.slot.index, batch.step)
+        with self.timeline.phase("process", batch.step):
+            return self._append_outputs(batch, out)
+
+    def _append_outputs(self, batch: StepBatch, out: dict[str, np.ndarray]) -> list[Request]:
         num_seqs = len(batch.requests)
         sampled = out["sampled"][:num_seqs].tolist()
         updated = []

@@ -21,6 +21,7 @@ from tandem.attention import AttentionBackend, AttentionMetadata
 from tandem.batch import StepBatch
 from tandem.io_slot import IOSlot
 from tandem.model.decoder import Decoder
+from tandem.profiler import NoTimeline, Timeline
 from tandem.sampling import SamplingTensors, sample, top_logprobs_of
 
 
@@ -67,25 +68,32 @@ class Runner:
             return None
         return next(size for size in self.graph_sizes if size >= num_seqs)
 
-    def launch(self, batch: StepBatch) -> None:
+    def launch(self, batch: StepBatch, timeline: Timeline | NoTimeline) -> None:
         """Enqueue the step's copies and compute; returns without waiting for the device."""
         slot = batch.slot
         if not self.cuda:
             self._compute(batch)
             return
         i = slot.index
+        timing = timeline.slot_events[i]
         with torch.cuda.stream(self.h2d_stream):
             self.h2d_stream.wait_event(self.compute_done[i])  # last reader of dev_in
+            timing.start(0)
             slot.dev_in.copy_from(slot.host_in)
+            timing.end(0)
             self.h2d_done[i].record()
         with torch.cuda.stream(self.compute_stream):
             self.compute_stream.wait_event(self.h2d_done[i])
             self.compute_stream.wait_event(self.d2h_done[i])  # last reader of dev_out
+            timing.start(1)
             self._compute(batch)
+            timing.end(1)
             self.compute_done[i].record()
         with torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(self.compute_done[i])
+            timing.start(2)
             slot.host_out.copy_from(slot.dev_out)
+            timing.end(2)
             self.d2h_done[i].record()
 
     def wait(self, batch: StepBatch) -> dict[str, np.ndarray]:

@@ -1,0 +1,106 @@
+"""Per-kernel benchmark of the Triton paged attention on a CUDA device (bf16, Llama-3-8B heads).
+
+Decode: bytes of K and V read per second against the measured copy ceiling.
+Prefill: causal attention FLOP/s against the measured bf16 GEMM ceiling.
+Usage: PYTHONPATH=src python benchmarks/kernels.py [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton.testing
+
+from tandem.attention import AttentionMetadata
+from tandem.attention.triton_backend import TritonAttention
+
+COPY_CEILING = 4.22e12  # bytes/s, device-to-device copy, read + write (DESIGN.md)
+GEMM_CEILING = 760e12  # bf16 FLOP/s, 8192^3 GEMM (DESIGN.md)
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+
+
+def paged_setup(seq_lens: list[int], dtype=torch.bfloat16):
+    blocks_per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq)
+    cache = torch.randn(
+        2, num_blocks + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=dtype
+    )
+    perm = torch.randperm(num_blocks, device="cuda").to(
+        torch.int32
+    )  # scattered blocks, like a busy cache
+    tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32, device="cuda")
+    used = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = perm[used : used + n]
+        used += n
+    return cache, tables
+
+
+def bench_decode(batch: int, context: int) -> dict:
+    cache, tables = paged_setup([context] * batch)
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    backend = TritonAttention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, batch, torch.device("cuda"))
+    meta = AttentionMetadata(lens, lens, lens, tables, decode_only=True)
+    ms = triton.testing.do_bench(
+        lambda: backend.decode(q, out, cache, meta, HEAD_DIM**-0.5), return_mode="median"
+    )
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
+    rate = kv_bytes / (ms / 1e3)
+    return {"kernel": f"decode B={batch} ctx={context}", "ms": ms, "TB/s": rate / 1e12, "ceiling_pct": 100 * rate / COPY_CEILING,
+            "splits": backend.num_splits(batch)}  # fmt: skip
+
+
+def bench_prefill(length: int) -> dict:
+    cache, tables = paged_setup([length])
+    q = torch.randn(length, NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    backend = TritonAttention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, 1, torch.device("cuda"))
+    starts = [0, length]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(length, device="cuda"),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor([length], dtype=torch.int32, device="cuda"),
+        block_tables=tables,
+        decode_only=False,
+        query_start_loc_host=starts,
+        seq_lens_host=[length],
+    )
+    ms = triton.testing.do_bench(
+        lambda: backend.prefill(q, out, cache, meta, HEAD_DIM**-0.5), return_mode="median"
+    )
+    flops = 2 * 2 * NUM_HEADS * HEAD_DIM * length * length / 2  # QK^T and PV over the causal half
+    rate = flops / (ms / 1e3)
+    return {
+        "kernel": f"prefill L={length}",
+        "ms": ms,
+        "TFLOP/s": rate / 1e12,
+        "ceiling_pct": 100 * rate / GEMM_CEILING,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    rows = [
+        bench_decode(32, 4096),
+        bench_decode(256, 1024),
+        bench_decode(1, 4096),
+        bench_prefill(4096),
+    ]
+    for row in rows:
+        rate = f"{row['TB/s']:.2f} TB/s" if "TB/s" in row else f"{row['TFLOP/s']:.0f} TFLOP/s"
+        print(
+            f"{row['kernel']:28} {row['ms']:8.3f} ms  {rate:>14}  {row['ceiling_pct']:5.1f}% of ceiling"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

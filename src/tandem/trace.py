@@ -1,0 +1,131 @@
+"""Summaries of a Chrome trace written by the profiler: GPU-active %, idle gaps, CPU/GPU overlap."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from tandem.profiler import CPU_PHASES, GPU_STREAMS
+
+GAP_BUCKETS_US = (0, 10, 50, 100, 500, 1000, 5000, float("inf"))
+
+
+def intervals(trace: dict) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(CPU phase -> [n, 2] start/end µs, GPU stream -> [n, 2]) from a trace's complete events."""
+    cpu, gpu = defaultdict(list), defaultdict(list)
+    for event in trace["traceEvents"]:
+        if event.get("ph") != "X":
+            continue
+        lanes = cpu if event["pid"] == 1 else gpu
+        lanes[event["name"]].append((event["ts"], event["ts"] + event["dur"]))
+    return _as_arrays(cpu), _as_arrays(gpu)
+
+
+def _as_arrays(lanes: dict[str, list]) -> dict[str, np.ndarray]:
+    return {
+        name: np.asarray(spans, dtype=np.float64).reshape(-1, 2) for name, spans in lanes.items()
+    }
+
+
+def union(spans: np.ndarray) -> np.ndarray:
+    """Merge overlapping [start, end] rows. E.g. [[0, 2], [1, 3], [5, 6]] -> [[0, 3], [5, 6]]."""
+    if len(spans) == 0:
+        return spans.reshape(0, 2)
+    spans = spans[np.argsort(spans[:, 0], kind="stable")]
+    merged = [list(spans[0])]
+    for start, end in spans[1:]:
+        if start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return np.asarray(merged)
+
+
+def clip(spans: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    clipped = np.clip(spans, lo, hi)
+    return clipped[clipped[:, 1] > clipped[:, 0]]
+
+
+def length(spans: np.ndarray) -> float:
+    return float((spans[:, 1] - spans[:, 0]).sum()) if len(spans) else 0.0
+
+
+def intersection_length(a: np.ndarray, b: np.ndarray) -> float:
+    """Total length covered by both unions a and b (each sorted and disjoint)."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i, 1], b[j, 1]) - max(a[i, 0], b[j, 0]))
+        if a[i, 1] < b[j, 1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def summarize(trace: dict) -> dict:
+    """Window: from the first launch to the last D2H copy's end (or the last CPU phase on CPU)."""
+    cpu, gpu = intervals(trace)
+    empty = np.zeros((0, 2))
+    launches = cpu.get("launch", empty)
+    start = float(launches[:, 0].min()) if len(launches) else 0.0
+    last = (
+        gpu.get("d2h", empty)
+        if len(gpu.get("d2h", empty))
+        else np.concatenate([empty, *cpu.values()])
+    )
+    end = float(last[:, 1].max()) if len(last) else start
+    window = max(end - start, 1e-9)
+    gpu_busy = clip(union(np.concatenate([gpu.get(s, empty) for s in GPU_STREAMS])), start, end)
+    cpu_busy = clip(
+        union(np.concatenate([cpu.get(p, empty) for p in CPU_PHASES if p != "wait"])), start, end
+    )
+    gaps = (gpu_busy[1:, 0] - gpu_busy[:-1, 1]) if len(gpu_busy) > 1 else np.zeros(0)
+    histogram = (
+        np.histogram(gaps, bins=GAP_BUCKETS_US)[0]
+        if len(gaps)
+        else np.zeros(len(GAP_BUCKETS_US) - 1)
+    )
+    steps = max(len(launches), 1)
+    return {
+        "window_ms": window / 1e3,
+        "steps": steps,
+        "gpu_active_pct": 100 * length(gpu_busy) / window if gpu else None,
+        "gpu_idle_gaps": {
+            "count": len(gaps),
+            "total_ms": float(gaps.sum()) / 1e3,
+            "histogram_us": {
+                f"{lo}-{hi}": int(n)
+                for lo, hi, n in zip(GAP_BUCKETS_US, GAP_BUCKETS_US[1:], histogram, strict=False)
+            },
+        },
+        "cpu_busy_pct": 100 * length(cpu_busy) / window,
+        "cpu_gpu_overlap_pct": 100 * intersection_length(cpu_busy, gpu_busy) / window
+        if gpu
+        else None,
+        "cpu_phase_ms_per_step": {
+            phase: {
+                "median": float(np.median(d := (spans[:, 1] - spans[:, 0]) / 1e3)),
+                "p99": float(np.percentile(d, 99)),
+            }
+            for phase, spans in cpu.items()
+        },
+        "gpu_stream_ms_per_step": {
+            stream: float(np.median((spans[:, 1] - spans[:, 0]) / 1e3))
+            for stream, spans in gpu.items()
+        },
+    }
+
+
+def format_summary(summary: dict) -> str:
+    lines = [f"window {summary['window_ms']:.1f} ms over {summary['steps']} steps"]
+    if summary["gpu_active_pct"] is not None:
+        gaps = summary["gpu_idle_gaps"]
+        lines.append(
+            f"GPU active {summary['gpu_active_pct']:.2f}%  idle gaps {gaps['count']} "
+            f"({gaps['total_ms']:.2f} ms)  CPU/GPU overlap {summary['cpu_gpu_overlap_pct']:.1f}%"
+        )
+    lines.append(f"CPU busy {summary['cpu_busy_pct']:.1f}%")
+    for phase, ms in summary["cpu_phase_ms_per_step"].items():
+        lines.append(f"  {phase:8} median {ms['median']:.3f} ms  p99 {ms['p99']:.3f} ms")
+    return "\n".join(lines)

@@ -133,8 +133,9 @@ class BatchBuilder:
                 ids[first] = 0
                 carry[first] = request.pending_row
             else:
-                tokens = request.prompt_token_ids + request.output_token_ids
-                ids[first : first + num_new[i]] = tokens[start[i] : start[i] + num_new[i]]
+                ids[first : first + num_new[i]] = request.tokens(
+                    int(start[i]), int(start[i] + num_new[i])
+                )
 
     def _fill_sampling(self, x, requests: list[Request]) -> tuple[bool, int | None]:
         n = len(requests)

@@ -31,7 +31,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--attention-backend", choices=["torch", "triton"], help="default: triton on CUDA")
+    parser.add_argument(
+        "--attention-backend", choices=["torch", "triton"], help="default: triton on CUDA"
+    )
     parser.add_argument("--async-batching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None)
 

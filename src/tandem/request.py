@@ -57,6 +57,11 @@ class Request:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def token_at(self, index: int) -> int:
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Known tokens [start, end) of prompt + outputs, without copying the whole sequence."""
         n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]

@@ -169,13 +169,14 @@ class Runner:
             out["top_ids"][:num_seqs, :num_top_logprobs].copy_(top_ids)
             out["top_logprobs"][:num_seqs, :num_top_logprobs].copy_(top_logprobs)
 
-    def capture_graphs(self) -> None:
+    def capture_graphs(self, shared_pool: bool = True) -> None:
         """One graph per (slot, padded size, filters on/off), all from one shared memory pool.
 
         Sharing is safe because graphs never run concurrently: every step runs on the compute
         stream after the previous one. Largest first, so smaller graphs fit in the pool it sized.
+        (`shared_pool=False` gives each graph its own pool; benchmarks/graph_memory.py compares.)
         """
-        pool = torch.cuda.graph_pool_handle()
+        shared = torch.cuda.graph_pool_handle()
         for size in reversed(self.graph_sizes):
             for slot in self.slots:
                 for use_filters in (False, True):
@@ -183,6 +184,7 @@ class Runner:
                     with torch.cuda.stream(self.compute_stream):
                         self._forward_and_sample(*args)  # warm-up: kernels chosen, workspaces made
                     graph = torch.cuda.CUDAGraph()
+                    pool = shared if shared_pool else None
                     with torch.cuda.graph(graph, pool=pool, stream=self.compute_stream):
                         self._forward_and_sample(*args)
                     self.graphs[(slot.index, size, use_filters)] = graph

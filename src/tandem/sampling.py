@@ -135,6 +135,10 @@ class SamplingTensors:
 
 def sample(logits: torch.Tensor, t: SamplingTensors, use_filters: bool) -> torch.Tensor:
     """[rows, vocab] float32 logits -> [rows] int64 token ids; greedy rows take the argmax."""
+    if not use_filters and logits.is_cuda:
+        from tandem.sampling_kernel import gumbel_argmax
+
+        return gumbel_argmax(logits, t.temperature, t.seeds, t.positions)
     greedy = t.temperature == 0
     scaled = logits / torch.where(greedy, 1.0, t.temperature)[:, None]
     if use_filters:

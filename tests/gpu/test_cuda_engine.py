@@ -165,3 +165,26 @@ def test_async_loop_is_clean_under_the_stream_sanitizer(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     assert "CSAN" not in result.stderr, result.stderr[-4000:]
     assert result.stdout.count("ok") == 2
+
+
+@pytest.mark.parametrize(("batch", "context"), [(8, 2000), (64, 700), (1, 4096)])
+def test_triton_decode_in_bfloat16_at_llama_3_8b_sizes(batch, context):
+    from tandem.attention import AttentionMetadata
+    from tandem.attention.torch_ref import decode_attention
+    from tandem.attention.triton_backend import TritonAttention
+
+    heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
+    blocks = batch * -(-context // block_size)
+    cache = torch.randn(
+        2, blocks + 1, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16
+    )
+    tables = torch.randperm(blocks, device="cuda").to(torch.int32).view(batch, -1)
+    lens = torch.randint(context // 2, context + 1, (batch,), device="cuda", dtype=torch.int32)
+    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    meta = AttentionMetadata(lens, lens, lens, tables, decode_only=True)
+    TritonAttention(heads, kv_heads, head_dim, batch, torch.device("cuda")).decode(
+        q, out, cache, meta, head_dim**-0.5
+    )
+    expected = decode_attention(q.float(), cache.float(), tables, lens, head_dim**-0.5)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)

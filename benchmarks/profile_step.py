@@ -37,7 +37,9 @@ def main() -> None:
         for _ in range(args.steps):
             engine.step()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60)
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60
+    )
     print(table)
 
 

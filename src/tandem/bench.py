@@ -1,128 +1,315 @@
-"""`tandem bench throughput`: random-token workloads, sync and async on one engine, medians."""
+"""`tandem bench throughput|latency`: workloads on one engine, medians, roofline, transformers alongside."""
 
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.metadata
 import json
 import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from tandem.config import EngineConfig, ModelConfig
+from tandem.engine import Engine
 from tandem.llm import LLM
+from tandem.model.loader import read_hf_config
+from tandem.roofline import roofline_summary
 from tandem.sampling import SamplingParams
+from tandem.tokenizer import Tokenizer
 from tandem.trace import summarize
+from tandem.workload import SHAREGPT_SAMPLE, Workload, random_workload, sharegpt_workload
+
+DEFAULT_OUTPUT_LEN = 128
+DEFAULT_NUM_PROMPTS = 32
+LATENCY_KEYS = ("ttft", "tpot", "itl", "e2e")
 
 
 @dataclass
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
+class Run:
+    """One timed pass over a workload."""
 
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(map(len, self.prompts))
+    seconds: float
+    steps: int
+    latencies: dict[str, list[float]] | None = None  # LATENCY_KEYS -> seconds, latency mode
 
 
-def random_workload(
-    num_prompts: int, input_len: int, output_len: int, range_ratio: float, vocab: int, seed: int
-) -> Workload:
-    """Lengths uniform in [len * (1 - range_ratio), len * (1 + range_ratio)], random token ids."""
-    rng = np.random.default_rng(seed)
+def waves(num_requests: int, batch_size: int | None) -> list[range]:
+    """Requests submitted together, each wave once the previous one finished; None: all at once."""
+    size = batch_size or num_requests
+    return [range(i, min(i + size, num_requests)) for i in range(0, num_requests, size)]
 
-    def lengths(n: int) -> np.ndarray:
-        low, high = max(1, round(n * (1 - range_ratio))), max(1, round(n * (1 + range_ratio)))
-        return rng.integers(low, high + 1, size=num_prompts)
 
-    input_lens, output_lens = lengths(input_len), lengths(output_len)
-    prompts = [rng.integers(0, vocab, size=n).tolist() for n in input_lens]
-    return Workload(prompts, output_lens.tolist())
+def request_latencies(
+    arrivals: list[float], token_times: list[list[float]]
+) -> dict[str, list[float]]:
+    """Per request TTFT, TPOT and end-to-end seconds; ITL: every gap between two tokens."""
+    return {
+        "ttft": [times[0] - t for t, times in zip(arrivals, token_times, strict=True)],
+        "tpot": [(ts[-1] - ts[0]) / (len(ts) - 1) for ts in token_times if len(ts) > 1],
+        "itl": np.concatenate([np.diff(ts) for ts in token_times]).tolist(),
+        "e2e": [times[-1] - t for t, times in zip(arrivals, token_times, strict=True)],
+    }
+
+
+def percentiles_ms(seconds: list[float]) -> dict[str, float | None]:
+    if not seconds:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    ms = 1000 * np.asarray(seconds)
+    p50, p90, p99 = np.percentile(ms, [50, 90, 99]).tolist()
+    return {"mean": float(ms.mean()), "p50": p50, "p90": p90, "p99": p99}
+
+
+def time_engine(
+    engine: Engine,
+    workload: Workload,
+    temperature: float,
+    batch_size: int | None = None,
+    record_tokens: bool = False,
+) -> Run:
+    """Submit `workload` in waves of `batch_size` and step until every token is out.
+
+    With `record_tokens`, each token is stamped when `step` hands it back on the host.
+    """
+    requests = [
+        engine.make_request(
+            f"bench-{i}",
+            SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i),
+            prompt_token_ids=prompt,
+        )
+        for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True))
+    ]
+    index_of = {r.request_id: i for i, r in enumerate(requests)}
+    arrivals = [0.0] * len(requests)
+    token_times: list[list[float]] = [[] for _ in requests]
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    steps_before = engine.num_steps
+    start = time.perf_counter()
+    for wave in waves(len(requests), batch_size):
+        for i in wave:
+            arrivals[i] = time.perf_counter()
+            engine.enqueue(requests[i])
+        while engine.has_unfinished():
+            updated = engine.step()
+            if record_tokens:
+                now = time.perf_counter()
+                for request in updated:
+                    token_times[index_of[request.request_id]].append(now)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(r.output_token_ids) for r in requests)
+    assert produced == workload.num_output_tokens, "a benchmark run must produce every token"
+    latencies = request_latencies(arrivals, token_times) if record_tokens else None
+    return Run(elapsed, engine.num_steps - steps_before, latencies)
 
 
 def time_generate(llm: LLM, workload: Workload, temperature: float) -> tuple[float, int]:
-    """Wall seconds and engine steps for the whole workload."""
-    params = [
-        SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i)
-        for i, n in enumerate(workload.output_lens)
-    ]
-    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
-    if llm.engine.device.type == "cuda":
-        torch.cuda.synchronize()
-    steps_before = llm.engine.num_steps
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-    assert produced == workload.num_output_tokens, "a benchmark run must produce every token"
-    return elapsed, llm.engine.num_steps - steps_before
+    """Wall seconds and engine steps for the whole workload submitted at once."""
+    run = time_engine(llm.engine, workload, temperature)
+    return run.seconds, run.steps
 
 
-def run_throughput(args: argparse.Namespace, engine_args: dict) -> dict:
-    max_len = round(args.input_len * (1 + args.range_ratio)) + round(
-        args.output_len * (1 + args.range_ratio)
+def load_workload(args: argparse.Namespace, cfg: ModelConfig, folder: Path | None) -> Workload:
+    num_prompts = num_prompts_of(args)
+    if args.dataset == "random":
+        output_len = args.output_len or DEFAULT_OUTPUT_LEN
+        return random_workload(
+            num_prompts, args.input_len, output_len, args.range_ratio, cfg.vocab_size, args.seed
+        )
+    if folder is None or not (folder / "tokenizer.json").is_file():
+        raise ValueError(
+            "--dataset sharegpt tokenizes with the model's tokenizer.json; give a model folder "
+            "that has one (a preset has none), or use --dataset random"
+        )
+    return sharegpt_workload(
+        args.dataset_path or SHAREGPT_SAMPLE,
+        num_prompts,
+        Tokenizer.from_dir(folder).encode,
+        args.output_len,
+        args.max_model_len or cfg.max_position_embeddings,
+        args.seed,
+    )
+
+
+def num_prompts_of(args: argparse.Namespace) -> int:
+    if args.num_prompts is not None:
+        return args.num_prompts
+    return args.batch_size if args.mode == "latency" else DEFAULT_NUM_PROMPTS
+
+
+def summarize_runs(runs: list[Run], workload: Workload) -> dict:
+    """Medians over the runs; latency percentiles over every request of every run."""
+    elapsed = statistics.median(r.seconds for r in runs)
+    steps = statistics.median(r.steps for r in runs)
+    result = {
+        "seconds": elapsed,
+        "seconds_all": [r.seconds for r in runs],
+        "steps": steps,
+        "requests_per_s": len(workload.prompts) / elapsed,
+        "output_tokens_per_s": workload.num_output_tokens / elapsed,
+        "total_tokens_per_s": (workload.num_output_tokens + workload.num_prompt_tokens) / elapsed,
+        "ms_per_step": 1000 * elapsed / steps if steps else None,
+    }
+    if runs[0].latencies is not None:
+        for key in LATENCY_KEYS:
+            pooled = [x for r in runs for x in r.latencies[key]]
+            result[f"{key}_ms"] = percentiles_ms(pooled)
+    return result
+
+
+def run_bench(args: argparse.Namespace, engine_args: dict) -> dict:
+    hf_config, folder = read_hf_config(args.model)
+    cfg = ModelConfig.from_hf(hf_config)
+    workload = load_workload(args, cfg, folder)
+    warmup = random_workload(
+        min(4, len(workload.prompts)), 16, 16, 0.0, cfg.vocab_size, args.seed + 1
     )
     if engine_args.get("max_model_len") is None:
-        engine_args["max_model_len"] = max_len
+        engine_args["max_model_len"] = max(workload.max_len, warmup.max_len)
     llm = LLM(args.model, **engine_args)
-    vocab = llm.engine.model_config.vocab_size
-    workload = random_workload(
-        args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab, args.seed
-    )
-    warmup = random_workload(min(4, args.num_prompts), 16, 16, 0.0, vocab, args.seed + 1)
-    modes = (
-        ["sync", "async"]
-        if args.compare == "sync"
-        else ["async" if llm.engine.async_batching else "sync"]
-    )
-    results = {}
+    engine = llm.engine
+    compare = set(args.compare or ())
+    primary, other = ("async", "sync") if engine.async_batching else ("sync", "async")
+    modes = [primary, other] if "sync" in compare else [primary]
+    batch_size = args.batch_size if args.mode == "latency" else None
+    results, rooflines = {}, {}
     for mode in modes:
-        llm.engine.async_batching = mode == "async"
-        time_generate(llm, warmup, args.temperature)
-        runs = [time_generate(llm, workload, args.temperature) for _ in range(args.repeats)]
-        elapsed = statistics.median(r[0] for r in runs)
-        steps = statistics.median(r[1] for r in runs)
+        engine.async_batching = mode == "async"
+        time_engine(engine, warmup, args.temperature)
+        runs = []
+        for _ in range(args.repeats):
+            engine.step_work = []
+            runs.append(
+                time_engine(engine, workload, args.temperature, batch_size, args.mode == "latency")
+            )
+        rooflines[mode] = roofline_summary(cfg, engine.dtype.itemsize, np.array(engine.step_work))
+        engine.step_work = None
         results[mode] = {
             **(trace_run(llm, workload, args, mode) if args.trace else {}),
-            "seconds": elapsed,
-            "seconds_all": [r[0] for r in runs],
-            "steps": steps,
-            "requests_per_s": len(workload.prompts) / elapsed,
-            "output_tokens_per_s": workload.num_output_tokens / elapsed,
-            "total_tokens_per_s": (workload.num_output_tokens + workload.num_prompt_tokens)
-            / elapsed,
-            "ms_per_step": 1000 * elapsed / steps,
+            **summarize_runs(runs, workload),
+            "roofline_seconds": rooflines[mode]["seconds"],
         }
     report = {
-        "workload": {
-            "model": args.model,
-            "num_prompts": args.num_prompts,
-            "input_len": args.input_len,
-            "output_len": args.output_len,
-            "range_ratio": args.range_ratio,
-            "temperature": args.temperature,
-            "prompt_tokens": workload.num_prompt_tokens,
-            "output_tokens": workload.num_output_tokens,
-        },
-        "engine": {k: v for k, v in asdict(llm.engine.config).items()},
+        "mode": args.mode,
+        "workload": workload_info(args, workload, batch_size),
+        "engine": engine_info(engine),
         "environment": environment(),
+        "roofline": rooflines[primary],
         "results": results,
     }
-    if "sync" in results and "async" in results:
-        report["async_speedup"] = (
-            results["async"]["output_tokens_per_s"] / results["sync"]["output_tokens_per_s"]
+    if "transformers" in compare:
+        device, dtype, config = engine.device, engine.dtype, engine.config
+        del llm, engine
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        report["transformers"] = compare_transformers(
+            args, hf_config, folder, device, dtype, config, workload, warmup, batch_size
         )
+        results.update(report["transformers"].pop("results"))
+    for result in results.values():
+        result["roofline_fraction"] = rooflines[primary]["seconds"] / result["seconds"]
+    report["ratios"] = throughput_ratios(results)
+    if "sync" in results and "async" in results:
+        report["async_speedup"] = report["ratios"]["async/sync"]
     return report
 
 
+def compare_transformers(
+    args: argparse.Namespace,
+    hf_config: dict,
+    folder: Path | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    config: EngineConfig,
+    workload: Workload,
+    warmup: Workload,
+    batch_size: int | None,
+) -> dict:
+    """transformers' continuous batching, sync and (on CUDA) async, on the same weights and requests."""
+    from tandem.bench_transformers import best_attention, build_hf_model, run_transformers
+
+    attention = best_attention(device)
+    model = build_hf_model(hf_config, folder, dtype, device, config.seed, attention)
+    results, configs, skipped = {}, {}, {}
+    for async_batching in (False, True):
+        name = f"transformers_{'async' if async_batching else 'sync'}"
+        if async_batching and device.type != "cuda":
+            skipped[name] = "transformers' async batching needs CUDA"
+            continue
+        runs, configs[name] = run_transformers(
+            model,
+            workload,
+            warmup,
+            async_batching=async_batching,
+            temperature=args.temperature,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            batch_size=batch_size,
+            record_tokens=args.mode == "latency",
+            repeats=args.repeats,
+            seed=config.seed,
+        )
+        results[name] = summarize_runs(runs, workload)
+    return {"results": results, "configs": configs, "skipped": skipped}
+
+
+def throughput_ratios(results: dict) -> dict[str, float]:
+    """Output tokens/s of each of our modes over each other result's."""
+    ours = [m for m in ("async", "sync") if m in results]
+    return {
+        f"{mine}/{other}": results[mine]["output_tokens_per_s"]
+        / results[other]["output_tokens_per_s"]
+        for mine in ours
+        for other in results
+        if other != mine and not (mine == "sync" and other == "async")
+    }
+
+
+def workload_info(args: argparse.Namespace, workload: Workload, batch_size: int | None) -> dict:
+    return {
+        "model": args.model,
+        "dataset": args.dataset,
+        "dataset_path": str(args.dataset_path or SHAREGPT_SAMPLE)
+        if args.dataset == "sharegpt"
+        else None,
+        "num_prompts": len(workload.prompts),
+        "input_len": args.input_len if args.dataset == "random" else None,
+        "output_len": args.output_len,
+        "range_ratio": args.range_ratio if args.dataset == "random" else None,
+        "batch_size": batch_size,
+        "temperature": args.temperature,
+        "repeats": args.repeats,
+        "prompt_tokens": workload.num_prompt_tokens,
+        "output_tokens": workload.num_output_tokens,
+        "max_len": workload.max_len,
+    }
+
+
+def engine_info(engine: Engine) -> dict:
+    """The EngineConfig as given, plus what it resolved to on this machine."""
+    return {
+        **asdict(engine.config),
+        "resolved": {
+            "device": str(engine.device),
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "attention_backend": engine.attention_backend,
+            "max_model_len": engine.max_model_len,
+            "num_blocks": engine.num_blocks,
+            "cuda_graph_sizes": list(engine.runner.graph_sizes),
+        },
+    }
+
+
 def trace_run(llm: LLM, workload: Workload, args: argparse.Namespace, mode: str) -> dict:
-    """One more run with the timeline on; saves the trace and returns its summary."""
+    """One more run with the timeline on; saves the trace and its PNG, returns its summary."""
+    from tandem.plot import plot_timeline  # matplotlib only when tracing
+
     llm.engine.start_trace()
     elapsed, _ = time_generate(llm, workload, args.temperature)
     timeline = llm.engine.stop_trace()
@@ -130,8 +317,11 @@ def trace_run(llm: LLM, workload: Workload, args: argparse.Namespace, mode: str)
     trace = timeline.to_chrome_trace({"mode": mode, "model": args.model})
     with open(path, "w") as f:
         json.dump(trace, f)
+    plot_path = str(Path(path).with_suffix(".png"))
+    plot_timeline(trace, plot_path)
     return {
         "trace": path,
+        "plot": plot_path,
         "trace_seconds": elapsed,
         "trace_overhead_pct": 100 * timeline.overhead_ns / 1e9 / elapsed,
         "timeline": summarize(trace),
@@ -141,38 +331,106 @@ def trace_run(llm: LLM, workload: Workload, args: argparse.Namespace, mode: str)
 def environment() -> dict:
     env = {
         "torch": torch.__version__,
+        "numpy": np.__version__,
         "python": platform.python_version(),
+        "platform": platform.platform(),
         "date": time.strftime("%Y-%m-%d"),
     }
+    for name in ("tandem", "transformers", "triton"):
+        try:
+            env[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:  # e.g. tandem run from src/ uninstalled
+            env[name] = None
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
     return env
 
 
 def print_report(report: dict) -> None:
     print(
-        f"{'mode':6} {'out tok/s':>10} {'req/s':>8} {'ms/step':>8} {'steps':>6} {'seconds':>8} {'GPU active':>10}"
+        f"{'mode':18} {'out tok/s':>10} {'req/s':>8} {'ms/step':>8} {'steps':>6} {'seconds':>8} "
+        f"{'roofline':>8} {'GPU active':>10}"
     )
     for mode, r in report["results"].items():
         active = r.get("timeline", {}).get("gpu_active_pct")
+        ms_per_step = "-" if r["ms_per_step"] is None else f"{r['ms_per_step']:.2f}"
         print(
-            f"{mode:6} {r['output_tokens_per_s']:10.0f} {r['requests_per_s']:8.2f} "
-            f"{r['ms_per_step']:8.2f} {r['steps']:6.0f} {r['seconds']:8.2f} "
-            f"{'-' if active is None else f'{active:.2f}%':>10}"
+            f"{mode:18} {r['output_tokens_per_s']:10.0f} {r['requests_per_s']:8.2f} "
+            f"{ms_per_step:>8} {r['steps']:6.0f} {r['seconds']:8.2f} "
+            f"{100 * r['roofline_fraction']:7.3g}% {'-' if active is None else f'{active:.2f}%':>10}"
         )
-    if "async_speedup" in report:
-        print(f"async / sync throughput: {report['async_speedup']:.3f}")
+    roofline = report["roofline"]
+    output_tokens = report["workload"]["output_tokens"]
+    print(
+        f"roofline of this work on {roofline['hardware']}: {roofline['seconds']:.4g} s "
+        f"({output_tokens / roofline['seconds']:.0f} output tok/s, {roofline['steps']} steps, "
+        f"{roofline['bytes_bound_steps']} bound by bytes); 'roofline' = its share of the time"
+    )
+    if report["mode"] == "latency":
+        print(f"{'mode':18} {'ms':6} {'p50':>9} {'p90':>9} {'p99':>9}")
+        for mode, r in report["results"].items():
+            for key in LATENCY_KEYS[:3]:
+                stats = r[f"{key}_ms"]
+                print(
+                    f"{mode:18} {key.upper():6} "
+                    + " ".join(
+                        f"{'-' if stats[p] is None else f'{stats[p]:.2f}':>9}"
+                        for p in ("p50", "p90", "p99")
+                    )
+                )
+    for name, reason in report.get("transformers", {}).get("skipped", {}).items():
+        print(f"{name}: skipped ({reason})")
+    for name, ratio in report["ratios"].items():
+        print(f"{name} output tok/s: {ratio:.3f}")
 
 
-def add_bench_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--range-ratio", type=float, default=0.0)
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=3)
+def add_bench_args(parser: argparse.ArgumentParser, latency: bool = False) -> None:
+    parser.add_argument("--dataset", choices=["random", "sharegpt"], default="random")
     parser.add_argument(
-        "--compare", choices=["sync"], help="also run our sync mode on the same engine"
+        "--dataset-path", help="ShareGPT JSON file (default: the small sample tandem ships)"
+    )
+    parser.add_argument("--input-len", type=int, default=128, help="random dataset only")
+    parser.add_argument(
+        "--output-len",
+        type=int,
+        help=f"default: {DEFAULT_OUTPUT_LEN} (random), the gpt turn's length (sharegpt)",
+    )
+    parser.add_argument("--range-ratio", type=float, default=0.0, help="random dataset only")
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        help="default: one batch" if latency else f"default: {DEFAULT_NUM_PROMPTS}",
+    )
+    if latency:
+        parser.add_argument(
+            "--batch-size",
+            type=int,
+            default=1,
+            help="requests that arrive together; the next batch arrives when this one is done",
+        )
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up")
+    parser.add_argument(
+        "--async",
+        dest="async_batching",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="same as --async-batching",
+    )
+    parser.add_argument(
+        "--sync",
+        dest="async_batching",
+        action="store_false",
+        default=argparse.SUPPRESS,
+        help="same as --no-async-batching",
+    )
+    parser.add_argument(
+        "--compare",
+        nargs="+",
+        choices=["sync", "transformers"],
+        help="also run our other batching mode on the same engine, and/or transformers' "
+        "continuous batching on the same weights and requests",
     )
     parser.add_argument("--output-json")
     parser.add_argument(
@@ -181,7 +439,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench(args: argparse.Namespace, engine_args: dict) -> None:
-    report = run_throughput(args, engine_args)
+    report = run_bench(args, engine_args)
     print_report(report)
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import fields
 
 from tandem.config import EngineConfig
+from tandem.profiler import Timeline
 from tandem.sampling import SamplingParams
 
 ENGINE_ARGS = {f.name for f in fields(EngineConfig)} - {"model"}
@@ -77,6 +79,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     params = sampling_params(args)
     llm = LLM(args.model, **engine_kwargs(args))
+    if args.trace:
+        llm.engine.start_trace()
     start = time.perf_counter()
     outputs = llm.generate(args.prompts, params, use_tqdm=not args.quiet)
     elapsed = time.perf_counter() - start
@@ -90,6 +94,36 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print(
         f"{len(outputs)} requests, {num_out} tokens in {elapsed:.2f} s ({num_out / elapsed:.0f} tok/s, {mode})"
     )
+    if args.trace:
+        metadata = {"mode": mode, "model": args.model}
+        save_trace(llm.engine.stop_trace(), args.trace, elapsed, metadata)
+
+
+def save_trace(timeline: Timeline, path: str, elapsed: float, metadata: dict) -> None:
+    """Write a recorded timeline as a Chrome trace; print its summary and recording overhead."""
+    from tandem.trace import format_summary, summarize
+
+    trace = timeline.to_chrome_trace(metadata)
+    with open(path, "w") as f:
+        json.dump(trace, f)
+    print(format_summary(summarize(trace)))
+    overhead_pct = 100 * timeline.overhead_ns / 1e9 / elapsed
+    print(f"trace: {path} (recording overhead {overhead_pct:.2f}% of {elapsed:.2f} s wall time)")
+
+
+def cmd_trace_summarize(args: argparse.Namespace) -> None:
+    from tandem.trace import format_summary, load_trace, summarize
+
+    summary = summarize(load_trace(args.path))
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+
+
+def cmd_trace_plot(args: argparse.Namespace) -> None:
+    from tandem.plot import plot_timeline
+    from tandem.trace import load_trace
+
+    plot_timeline(load_trace(args.path), args.output, args.window_steps)
+    print(args.output)
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
@@ -114,6 +148,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
     cmd_bench(args, engine_kwargs(args))
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from tandem.async_llm import AsyncLLM
+    from tandem.server.app import serve
+
+    llm = AsyncLLM.from_model(args.model, **engine_kwargs(args))
+    serve(llm, args.served_model_name or args.model, args.host, args.port, args.api_key)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -131,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompts", nargs="+")
     add_sampling_args(gen)
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    gen.add_argument("--trace", metavar="PATH", help="record a CPU/GPU timeline to this JSON")
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="chat on stdin with the model's chat template")
@@ -138,15 +181,48 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(chat)
     chat.add_argument("--system", default="")
     chat.set_defaults(func=cmd_chat)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
+    serve.add_argument("--served-model-name", help="the model name clients send (default: MODEL)")
+    serve.set_defaults(func=cmd_serve)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="mode", required=True)
-    throughput = bench.add_parser(
-        "throughput", help="offline throughput on a random-token workload"
-    )
-    add_engine_args(throughput, model_flag=True)
     from tandem.bench import add_bench_args
 
+    throughput = bench.add_parser(
+        "throughput", help="offline throughput: every request submitted at once"
+    )
+    add_engine_args(throughput, model_flag=True)
     add_bench_args(throughput)
     throughput.set_defaults(func=cmd_bench)
+    bench_serve = bench.add_parser(
+        "serve", help="concurrent streaming requests to a running server"
+    )
+    from tandem.server.bench import add_bench_serve_args, cmd_bench_serve
+
+    add_bench_serve_args(bench_serve)
+    bench_serve.set_defaults(func=cmd_bench_serve)
+    latency = bench.add_parser(
+        "latency", help="TTFT / TPOT / ITL percentiles, requests arriving --batch-size at a time"
+    )
+    add_engine_args(latency, model_flag=True)
+    add_bench_args(latency, latency=True)
+    latency.set_defaults(func=cmd_bench)
+
+    trace = sub.add_parser("trace", help="read a Chrome trace written with --trace")
+    actions = trace.add_subparsers(dest="action", required=True)
+    summarize = actions.add_parser("summarize", help="GPU-active %%, idle gaps, CPU phase times")
+    summarize.add_argument("path")
+    summarize.add_argument("--json", action="store_true", help="print the summary dict as JSON")
+    summarize.set_defaults(func=cmd_trace_summarize)
+    plot = actions.add_parser("plot", help="PNG: whole-run GPU busy vs idle, a few steps zoomed")
+    plot.add_argument("path")
+    plot.add_argument("-o", "--output", required=True, metavar="PNG")
+    plot.add_argument("--window-steps", type=int, default=6, help="steps in the zoomed window")
+    plot.set_defaults(func=cmd_trace_plot)
     return parser
 
 

@@ -20,6 +20,7 @@ from tandem.kv_cache import BlockAllocator, allocate_kv_cache, bytes_per_block
 from tandem.model.loader import build_model, read_hf_config
 from tandem.profiler import NoTimeline, Timeline
 from tandem.request import Request
+from tandem.roofline import step_work
 from tandem.runner import Runner
 from tandem.sampling import SamplingParams, SamplingTensors, sample
 from tandem.scheduler import Scheduler
@@ -100,6 +101,9 @@ class Engine:
         self.num_steps = 0
         self.seed_rng = random.Random(config.seed)
         self.timeline: Timeline | NoTimeline = NoTimeline()
+        # (num_seqs, num_tokens, context_tokens, attention_pairs) per launched step, for the
+        # roofline; recorded only while a caller holds a list here (the benchmark does)
+        self.step_work: list[tuple[int, int, int, int]] | None = None
 
     def start_trace(self) -> None:
         """Record CPU phases and GPU stream intervals of every following step."""
@@ -123,8 +127,9 @@ class Engine:
         params: SamplingParams,
         prompt: str | None = None,
         prompt_token_ids: list[int] | None = None,
+        stream_text: bool = False,
     ) -> Request:
-        """A validated Request, not yet queued."""
+        """A validated Request, not yet queued; `stream_text` grows output_text with every token."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params.validate()
@@ -153,7 +158,7 @@ class Engine:
             )
         seed = params.seed if params.seed is not None else self.seed_rng.getrandbits(63)
         request = Request(request_id, prompt_token_ids, params, seed, prompt=prompt)
-        if params.stop:
+        if params.stop or stream_text:
             request.detokenizer = self._detokenizer(request)
         return request
 
@@ -213,6 +218,8 @@ class Engine:
                 wants_logprobs=any(r.params.logprobs is not None for r in plan.requests),
             )
             batch = self.builder.build(plan, slot, step, graph_size)
+            if self.step_work is not None:
+                self.step_work.append(step_work(batch.seq_lens, batch.query_start_loc))
         with timeline.phase("launch", step):
             timeline.record_step(step, len(batch.requests), batch.num_tokens)
             self.runner.launch(batch, timeline)
@@ -419,6 +426,8 @@ def _eos_token_ids(
 def truncate_at_stop(request: Request, delta_len: int) -> bool:
     """If a stop string ends in the newest text, cut the output there and return True."""
     params, text = request.params, request.output_text
+    if not params.stop:
+        return False
     longest = max(len(s) for s in params.stop)
     window_start = max(0, len(text) - delta_len - longest + 1)
     hits = [(i, s) for s in params.stop if (i := text.find(s, window_start)) >= 0]

@@ -99,21 +99,12 @@ class Timeline:
         """Chrome trace JSON: process 1 holds a lane per CPU phase, process 2 a lane per stream."""
         starts = [int(log.view()[:, 2].min()) for log in (self.cpu, self.gpu) if log.size]
         t0 = min(starts, default=0)
-        events = [
-            {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "CPU"}},
-            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "GPU"}},
+        events = [_metadata("process_name", pid, 0, name) for pid, name in ((1, "CPU"), (2, "GPU"))]
+        events += [
+            _metadata("thread_name", pid, tid, name)
+            for pid, names in ((1, CPU_PHASES), (2, GPU_STREAMS))
+            for tid, name in enumerate(names)
         ]
-        for pid, names in ((1, CPU_PHASES), (2, GPU_STREAMS)):
-            for tid, name in enumerate(names):
-                events.append(
-                    {
-                        "ph": "M",
-                        "name": "thread_name",
-                        "pid": pid,
-                        "tid": tid,
-                        "args": {"name": name},
-                    }
-                )
         for pid, log, names in ((1, self.cpu, CPU_PHASES), (2, self.gpu, GPU_STREAMS)):
             for kind, step, start, end in log.view().tolist():
                 events.append({
@@ -122,13 +113,17 @@ class Timeline:
                 })  # fmt: skip
         for step, num_seqs, num_tokens, launch_ns in self.steps:
             events.append({
-                "ph": "C", "pid": 1, "name": "batch", "ts": (launch_ns - t0) / 1e3,
+                "ph": "C", "pid": 1, "tid": 0, "name": "batch", "ts": (launch_ns - t0) / 1e3,
                 "args": {"num_seqs": num_seqs, "num_tokens": num_tokens, "step": step},
             })  # fmt: skip
         return {"traceEvents": events, "displayTimeUnit": "ms", "metadata": metadata}
 
     def save(self, path: str | Path, metadata: dict) -> None:
         Path(path).write_text(json.dumps(self.to_chrome_trace(metadata)))
+
+
+def _metadata(kind: str, pid: int, tid: int, name: str) -> dict:
+    return {"ph": "M", "name": kind, "pid": pid, "tid": tid, "ts": 0, "args": {"name": name}}
 
 
 class NoEvents:

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 
 from tandem.profiler import CPU_PHASES, GPU_STREAMS
 
 GAP_BUCKETS_US = (0, 10, 50, 100, 500, 1000, 5000, float("inf"))
+
+
+def load_trace(path: str | Path) -> dict:
+    """A Chrome trace JSON file as written by `Timeline.save` or `--trace`."""
+    trace = json.loads(Path(path).read_text())
+    if not isinstance(trace, dict) or "traceEvents" not in trace:
+        raise ValueError(f"{path} is not a Chrome trace: it has no traceEvents")
+    return trace
 
 
 def intervals(trace: dict) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -63,9 +73,8 @@ def intersection_length(a: np.ndarray, b: np.ndarray) -> float:
     return total
 
 
-def summarize(trace: dict) -> dict:
-    """Window: from the first launch to the last D2H copy's end (or the last CPU phase on CPU)."""
-    cpu, gpu = intervals(trace)
+def run_window(cpu: dict[str, np.ndarray], gpu: dict[str, np.ndarray]) -> tuple[float, float]:
+    """From the first launch to the last D2H copy's end (or the last CPU phase on CPU), in µs."""
     empty = np.zeros((0, 2))
     launches = cpu.get("launch", empty)
     start = float(launches[:, 0].min()) if len(launches) else 0.0
@@ -75,6 +84,15 @@ def summarize(trace: dict) -> dict:
         else np.concatenate([empty, *cpu.values()])
     )
     end = float(last[:, 1].max()) if len(last) else start
+    return start, end
+
+
+def summarize(trace: dict) -> dict:
+    """GPU-active %, idle gaps, CPU busy % and overlap over `run_window`; per-phase times."""
+    cpu, gpu = intervals(trace)
+    empty = np.zeros((0, 2))
+    launches = cpu.get("launch", empty)
+    start, end = run_window(cpu, gpu)
     window = max(end - start, 1e-9)
     gpu_busy = clip(union(np.concatenate([gpu.get(s, empty) for s in GPU_STREAMS])), start, end)
     cpu_busy = clip(

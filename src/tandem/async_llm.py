@@ -1,0 +1,368 @@
+"""Streaming API: the engine loop on its own thread, outputs delivered to asyncio streams.
+
+Only the engine thread touches the Engine. The asyncio side talks to it through one queue of
+commands (add, abort, stop) that the thread drains between steps, blocking on it when idle;
+outputs go back per step with `loop.call_soon_threadsafe`, one call per event loop:
+
+    asyncio: add_request ──put──> commands ──> engine thread: make_request, enqueue, step
+    asyncio: RequestStream.outputs <──call_soon_threadsafe── StreamOutput deltas of the step
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.config import EngineConfig
+from tandem.engine import Engine
+from tandem.request import Request
+from tandem.sampling import SamplingParams
+from tandem.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (it raised, or `shutdown` was called); nothing more is served."""
+
+
+@dataclass(frozen=True)
+class StreamOutput:
+    """What one request gained in one step: deltas, not the whole output so far."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    num_prompt_tokens: int
+    num_output_tokens: int  # all tokens so far
+    time: float  # time.perf_counter() when the engine thread produced it
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot the engine thread publishes after every step (read from any thread)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0  # of requests that produced a first token
+    num_generation_tokens: int = 0
+    num_finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+class RequestStream:
+    """The asyncio end of one request: iterate it for StreamOutputs until one is finished."""
+
+    def __init__(
+        self, request_id: str, loop: asyncio.AbstractEventLoop, abort: Callable[[str], None]
+    ):
+        self.request_id = request_id
+        self.loop = loop
+        self.outputs: asyncio.Queue[StreamOutput | BaseException] = asyncio.Queue()
+        self.finished = False  # its last output (or error) has been read
+        self._abort = abort
+
+    def abort(self) -> None:
+        """Stop the request unless its last output was read; returns at once."""
+        if not self.finished:
+            self._abort(self.request_id)
+
+    def __aiter__(self) -> AsyncIterator[StreamOutput]:
+        return self
+
+    async def __anext__(self) -> StreamOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.outputs.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+
+@dataclass
+class _Add:
+    request_id: str
+    params: SamplingParams
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    stream: RequestStream
+    accepted: asyncio.Future[None]
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+@dataclass
+class _Sent:
+    """How much of a request the engine thread has already put into StreamOutputs."""
+
+    stream: RequestStream
+    num_tokens: int = 0
+    num_chars: int = 0
+
+
+class AsyncLLM:
+    """`async for out in llm.generate(prompt, params, request_id)` over an engine thread."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine  # the engine thread's from here on; read only what never changes
+        self.tokenizer: Tokenizer | None = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.stats = EngineStats(num_blocks=engine.num_blocks, num_free_blocks=engine.num_blocks)
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # orders submissions against the thread's death
+        self._dead: EngineDeadError | None = None
+        self._sent: dict[str, _Sent] = {}  # engine thread only, as are the two counters
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._num_finished: Counter[str] = Counter()
+        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_model(cls, model: str, **engine_args: Any) -> AsyncLLM:
+        """`AsyncLLM.from_model(folder_or_preset, **engine_args)`; see EngineConfig."""
+        return cls(Engine(EngineConfig(model=model, **engine_args)))
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None
+
+    # ---- asyncio side ---------------------------------------------------------------------
+
+    async def add_request(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> RequestStream:
+        """Queue a request once the engine thread has validated it (ValueError if invalid)."""
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, loop, self._abort_soon)
+        accepted = loop.create_future()
+        self._submit(_Add(request_id, params, prompt, prompt_token_ids, stream, accepted))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self._abort_soon(request_id)  # it may have been queued already
+            raise
+        return stream
+
+    async def generate(
+        self,
+        prompt: str | dict[str, Any],
+        sampling_params: SamplingParams,
+        request_id: str,
+    ) -> AsyncIterator[StreamOutput]:
+        """Stream one request's deltas; leaving the loop early aborts the request.
+
+        `prompt` is text or {"prompt_token_ids": [...]}; raises ValueError if the engine rejects it.
+        """
+        if isinstance(prompt, str):
+            text, ids = prompt, None
+        else:
+            text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        stream = await self.add_request(request_id, sampling_params, text, ids)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.abort()
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; its stream ends with finish_reason "abort". Unknown ids are ignored."""
+        self._abort_soon(request_id)
+
+    def shutdown(self) -> None:
+        """Stop the engine thread; streams still open get EngineDeadError."""
+        with contextlib.suppress(EngineDeadError):  # already dead: nothing to stop
+            self._submit(_Stop())
+        self._thread.join()
+
+    def _abort_soon(self, request_id: str) -> None:
+        with contextlib.suppress(EngineDeadError):  # a dead engine has nothing left to abort
+            self._submit(_Abort(request_id))
+
+    def _submit(self, command: _Add | _Abort | _Stop) -> None:
+        with self._lock:
+            if self._dead is not None:
+                raise self._dead
+            self._commands.put(command)
+
+    # ---- engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._apply_commands(block=not self.engine.has_unfinished()):
+                if self.engine.has_unfinished():
+                    self._publish(self.engine.step())
+                self.stats = self._snapshot()
+            self._die(EngineDeadError("the engine was shut down"))
+        except BaseException as error:
+            logger.exception("the engine thread failed")
+            dead = EngineDeadError(f"the engine thread failed: {error!r}")
+            dead.__cause__ = error
+            self._die(dead)
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply every queued command, waiting for one if `block`; False once told to stop."""
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(command, _Stop):
+                return False
+            if isinstance(command, _Add):
+                self._add(command)
+            else:
+                self._abort(command.request_id)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, add: _Add) -> None:
+        try:
+            request = self.engine.make_request(
+                add.request_id, add.params, add.prompt, add.prompt_token_ids, stream_text=True
+            )
+        except Exception as error:  # a request the engine rejects must not stop the engine
+            _post(add.stream.loop, _resolve, [(add.accepted, error)])
+            return
+        self.engine.enqueue(request)
+        self._sent[request.request_id] = _Sent(add.stream)
+        _post(add.stream.loop, _resolve, [(add.accepted, None)])
+
+    def _abort(self, request_id: str) -> None:
+        request = self.engine.requests.get(request_id)
+        if request is None:
+            return
+        self.engine.abort(request_id)
+        self._publish([request])
+
+    def _publish(self, updated: list[Request]) -> None:
+        """Turn what each updated request gained into StreamOutputs, one post per event loop."""
+        now = time.perf_counter()
+        per_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        for request in updated:
+            sent = self._sent.get(request.request_id)
+            if sent is None:
+                continue
+            output = self._delta(request, sent, now)
+            if request.finished:
+                del self._sent[request.request_id]
+                self._num_finished[request.finish_reason] += 1
+            per_loop[sent.stream.loop].append((sent.stream, output))
+        for loop, items in per_loop.items():
+            _post(loop, _deliver, items)
+
+    def _delta(self, request: Request, sent: _Sent, now: float) -> StreamOutput:
+        tokens = request.output_token_ids
+        if sent.num_tokens == 0 and tokens:
+            self._num_prompt_tokens += request.num_prompt_tokens
+        text_end = len(request.output_text) if request.finished else streamable_text_end(request)
+        assert text_end >= sent.num_chars, "text already streamed was trimmed"
+        logprobs = request.logprobs[sent.num_tokens :] if request.logprobs is not None else None
+        output = StreamOutput(
+            request_id=request.request_id,
+            text=request.output_text[sent.num_chars : text_end],
+            token_ids=tokens[sent.num_tokens :],
+            logprobs=logprobs,
+            finished=request.finished,
+            finish_reason=request.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=len(tokens),
+            time=now,
+        )
+        self._num_generation_tokens += len(tokens) - sent.num_tokens
+        sent.num_tokens, sent.num_chars = len(tokens), text_end
+        return output
+
+    def _snapshot(self) -> EngineStats:
+        scheduler = self.engine.scheduler
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_blocks=self.engine.num_blocks,
+            num_free_blocks=self.engine.allocator.num_free,
+            num_preemptions=scheduler.num_preemptions,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generation_tokens=self._num_generation_tokens,
+            num_finished=dict(self._num_finished),
+        )
+
+    def _die(self, error: EngineDeadError) -> None:
+        """Fail every open stream and every command still queued; later submissions raise."""
+        with self._lock:
+            self._dead = error
+        per_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        for sent in self._sent.values():
+            per_loop[sent.stream.loop].append((sent.stream, error))
+        self._sent.clear()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add):
+                _post(command.stream.loop, _resolve, [(command.accepted, error)])
+        for loop, items in per_loop.items():
+            _post(loop, _deliver, items)
+
+
+def streamable_text_end(request: Request) -> int:
+    """How much of an unfinished request's text can be streamed without a later stop-string cut.
+
+    A stop string found later ends in text not yet seen, so it starts at most
+    len(longest stop) - 1 characters before the current end: hold those back.
+    """
+    stop = request.params.stop
+    held_back = max(map(len, stop)) - 1 if stop else 0
+    return max(0, len(request.output_text) - held_back)
+
+
+def _post(loop: asyncio.AbstractEventLoop, callback, items: list) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
+        loop.call_soon_threadsafe(callback, items)
+
+
+def _deliver(items: list[tuple[RequestStream, StreamOutput | BaseException]]) -> None:
+    for stream, item in items:
+        stream.outputs.put_nowait(item)
+
+
+def _resolve(items: list[tuple[asyncio.Future[None], BaseException | None]]) -> None:
+    for future, error in items:
+        if future.done():
+            continue  # the caller was cancelled
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)

@@ -1,0 +1,218 @@
+"""`tandem bench serve`: many concurrent streaming completions against a running server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# /tokenize turns this into the token ids random prompts are drawn from, so every id is valid
+SAMPLE_TEXT = (
+    "The CPU prepares the next batch while the GPU computes the current one; continuous "
+    "batching admits and retires requests every step over a paged key-value cache. 0123456789"
+)
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    start: float = 0.0
+    ttft: float = 0.0
+    end: float = 0.0
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)  # seconds between consecutive token chunks
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.num_output_tokens < 2:
+            return None
+        return (self.end - self.start - self.ttft) / (self.num_output_tokens - 1)
+
+
+def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", help="default: the first model the server lists")
+    parser.add_argument("--api-key")
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument(
+        "--max-concurrency", type=int, help="requests in flight at once (default: all)"
+    )
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--range-ratio", type=float, default=0.0)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-json")
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> None:
+    report = asyncio.run(run_bench(args))
+    print_report(report)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+async def run_bench(args: argparse.Namespace) -> dict:
+    import httpx  # only this command needs an HTTP client
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    concurrency = args.max_concurrency or args.num_prompts
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(
+        base_url=args.base_url, headers=headers, timeout=None, limits=limits
+    ) as client:
+        model = args.model or (await checked(client.get("/v1/models")))["data"][0]["id"]
+        vocabulary = sorted(
+            set((await checked(client.post("/tokenize", json={"prompt": SAMPLE_TEXT})))["tokens"])
+        )
+        prompts, output_lens = random_requests(args, vocabulary)
+        slots = asyncio.Semaphore(concurrency)
+
+        async def limited(prompt: list[int], max_tokens: int, seed: int) -> RequestResult:
+            async with slots:
+                return await stream_completion(
+                    client, model, prompt, max_tokens, args.temperature, seed
+                )
+
+        start = time.perf_counter()
+        results = await asyncio.gather(
+            *(
+                limited(p, n, args.seed + i)
+                for i, (p, n) in enumerate(zip(prompts, output_lens, strict=True))
+            )
+        )
+        duration = time.perf_counter() - start
+    return summarize(results, duration, model, args)
+
+
+def random_requests(
+    args: argparse.Namespace, vocabulary: list[int]
+) -> tuple[list[list[int]], list[int]]:
+    """Token-id prompts and output lengths uniform in [len * (1 - ratio), len * (1 + ratio)]."""
+    rng = np.random.default_rng(args.seed)
+
+    def lengths(n: int) -> list[int]:
+        low, high = (
+            max(1, round(n * (1 - args.range_ratio))),
+            max(1, round(n * (1 + args.range_ratio))),
+        )
+        return rng.integers(low, high + 1, size=args.num_prompts).tolist()
+
+    prompts = [rng.choice(vocabulary, size=n).tolist() for n in lengths(args.input_len)]
+    return prompts, lengths(args.output_len)
+
+
+async def stream_completion(
+    client, model: str, prompt: list[int], max_tokens: int, temperature: float, seed: int
+) -> RequestResult:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "seed": seed,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,  # a chunk per token, even while text is held back
+    }
+    result = RequestResult(start=time.perf_counter(), num_prompt_tokens=len(prompt))
+    last = result.start
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                if "error" in chunk:
+                    result.error = chunk["error"]["message"]
+                    return result
+                if chunk.get("usage"):
+                    result.num_output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk["choices"]:
+                    now = time.perf_counter()
+                    if result.ttft == 0.0:
+                        result.ttft = now - result.start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+    except Exception as error:  # a benchmark counts failures instead of stopping at the first
+        result.error = repr(error)
+        return result
+    result.end = last
+    result.ok = result.num_output_tokens == max_tokens
+    if not result.ok:
+        result.error = f"got {result.num_output_tokens} of {max_tokens} tokens"
+    return result
+
+
+def summarize(
+    results: list[RequestResult], duration: float, model: str, args: argparse.Namespace
+) -> dict:
+    done = [r for r in results if r.ok]
+    output_tokens = sum(r.num_output_tokens for r in done)
+    prompt_tokens = sum(r.num_prompt_tokens for r in done)
+
+    def stats_ms(values: list[float]) -> dict[str, float]:
+        if not values:
+            return {}
+        ms = np.asarray(values) * 1000
+        return {"mean": float(ms.mean())} | {
+            f"p{p}": float(np.percentile(ms, p)) for p in PERCENTILES
+        }
+
+    return {
+        "model": model,
+        "base_url": args.base_url,
+        "num_prompts": len(results),
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "max_concurrency": args.max_concurrency or args.num_prompts,
+        "duration_s": duration,
+        "requests_per_s": len(done) / duration,
+        "output_tokens_per_s": output_tokens / duration,
+        "total_tokens_per_s": (output_tokens + prompt_tokens) / duration,
+        "ttft_ms": stats_ms([r.ttft for r in done]),
+        "tpot_ms": stats_ms([t for r in done if (t := r.tpot) is not None]),
+        "itl_ms": stats_ms([x for r in done for x in r.itl]),
+        "e2e_ms": stats_ms([r.end - r.start for r in done]),
+    }
+
+
+def print_report(report: dict) -> None:
+    print(
+        f"completed {report['completed']}/{report['num_prompts']} requests "
+        f"({report['failed']} failed) in {report['duration_s']:.2f} s, "
+        f"concurrency {report['max_concurrency']}"
+    )
+    for error in report["errors"]:
+        print(f"  error: {error}")
+    print(
+        f"{report['requests_per_s']:.2f} req/s, {report['output_tokens_per_s']:.0f} output tok/s, "
+        f"{report['total_tokens_per_s']:.0f} total tok/s"
+    )
+    print(f"{'ms':6} {'mean':>9} " + " ".join(f"{f'p{p}':>9}" for p in PERCENTILES))
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        stats = report[f"{name}_ms"]
+        if stats:
+            values = " ".join(f"{stats[f'p{p}']:9.2f}" for p in PERCENTILES)
+            print(f"{name.upper():6} {stats['mean']:9.2f} {values}")
+
+
+async def checked(response_awaitable) -> dict:
+    response = await response_awaitable
+    response.raise_for_status()
+    return response.json()

@@ -1,0 +1,98 @@
+"""Prometheus metrics: engine gauges and counters read at scrape time, request latency histograms."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tandem.async_llm import AsyncLLM, StreamOutput
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class EngineCollector(Collector):
+    """The engine thread's latest EngineStats as gauges and counters."""
+
+    def __init__(self, llm: AsyncLLM):
+        self.llm = llm
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.llm.stats
+        yield GaugeMetricFamily(
+            "tandem_num_requests_running", "Requests in the running batch", stats.num_running
+        )
+        yield GaugeMetricFamily(
+            "tandem_num_requests_waiting", "Requests queued for admission", stats.num_waiting
+        )
+        yield GaugeMetricFamily(
+            "tandem_kv_cache_usage_perc", "Fraction of KV cache blocks in use", stats.kv_cache_usage
+        )
+        yield CounterMetricFamily(
+            "tandem_prompt_tokens",
+            "Prompt tokens of requests that started",
+            stats.num_prompt_tokens,
+        )
+        yield CounterMetricFamily(
+            "tandem_generation_tokens", "Generated tokens", stats.num_generation_tokens
+        )
+        yield CounterMetricFamily(
+            "tandem_num_preemptions", "Requests preempted for KV blocks", stats.num_preemptions
+        )
+        finished = CounterMetricFamily(
+            "tandem_requests_finished", "Finished requests by finish reason", labels=["reason"]
+        )
+        for reason, count in sorted(stats.num_finished.items()):
+            finished.add_metric([reason], count)
+        yield finished
+
+
+class ServerMetrics:
+    """One registry per server, so several servers can live in one process (tests)."""
+
+    def __init__(self, llm: AsyncLLM):
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(llm))
+        self.time_to_first_token = Histogram(
+            "tandem_time_to_first_token_seconds",
+            "From request arrival to its first token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "tandem_inter_token_latency_seconds",
+            "Between consecutive tokens of a request",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e_request_latency = Histogram(
+            "tandem_e2e_request_latency_seconds",
+            "From request arrival to its last token",
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class LatencyTracker:
+    """Feeds one engine request's outputs into the latency histograms."""
+
+    def __init__(self, metrics: ServerMetrics, arrival: float):
+        self.metrics = metrics
+        self.arrival = arrival
+        self.last_token_time: float | None = None
+
+    def observe(self, output: StreamOutput) -> None:
+        if output.token_ids:
+            if self.last_token_time is None:
+                self.metrics.time_to_first_token.observe(output.time - self.arrival)
+            else:
+                self.metrics.inter_token_latency.observe(output.time - self.last_token_time)
+            self.last_token_time = output.time
+        if output.finished:
+            self.metrics.e2e_request_latency.observe(output.time - self.arrival)

@@ -1,0 +1,433 @@
+"""The generation endpoints: an OpenAI request -> engine requests -> one JSON body or SSE chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tandem.async_llm import AsyncLLM, EngineDeadError, RequestStream, StreamOutput
+from tandem.sampling import MAX_SEED, SamplingParams
+from tandem.server.metrics import LatencyTracker, ServerMetrics
+from tandem.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    SamplingRequest,
+)
+from tandem.tokenizer import Tokenizer
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass
+class Choice:
+    """One engine request behind a choice, and what it has produced so far."""
+
+    stream: RequestStream
+    tracker: LatencyTracker
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    started: bool = False  # a chunk was sent (chat sends the role first)
+
+    def add(self, output: StreamOutput) -> None:
+        self.tracker.observe(output)
+        self.text += output.text
+        self.token_ids += output.token_ids
+        self.logprobs += output.logprobs or []
+        self.finish_reason = output.finish_reason
+
+
+@dataclass
+class Generation:
+    """The engine requests of one API call; choice index i * n + k is prompt i's k-th sample."""
+
+    id: str
+    created: int
+    choices: list[Choice]
+    num_prompt_tokens: int
+    num_top_logprobs: int | None
+    return_token_ids: bool
+
+    def usage(self) -> dict[str, int]:
+        completion_tokens = sum(len(c.token_ids) for c in self.choices)
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.num_prompt_tokens + completion_tokens,
+        }
+
+    def abort_unfinished(self) -> None:
+        for choice in self.choices:
+            choice.stream.abort()
+
+
+class OpenAIServing:
+    def __init__(self, llm: AsyncLLM, model_name: str, metrics: ServerMetrics):
+        self.llm = llm
+        self.model_name = model_name
+        self.metrics = metrics
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise OpenAIError(
+                f"model {model!r} is not served here; use {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def tokenizer(self) -> Tokenizer:
+        if self.llm.tokenizer is None:
+            raise OpenAIError("this model has no tokenizer.json; send token ids as the prompt")
+        return self.llm.tokenizer
+
+    async def completions(self, body: CompletionRequest, http: HttpRequest) -> Response:
+        self.check_model(body.model)
+        prompts = self._completion_prompts(body.prompt)
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+        generation = await self._start("cmpl", prompts, params, body)
+        return await self._respond(generation, CompletionFormat, body, http)
+
+    async def chat(self, body: ChatCompletionRequest, http: HttpRequest) -> Response:
+        self.check_model(body.model)
+        tokenizer = self.tokenizer()
+        messages = [m.as_template_input() for m in body.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages)
+        except ValueError as error:
+            raise invalid_request(error, body) from error
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        max_tokens = next(
+            (m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
+            max(1, self.llm.max_model_len - len(ids)),
+        )
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
+        generation = await self._start("chatcmpl", [(text, ids)], params, body)
+        return await self._respond(generation, ChatFormat, body, http)
+
+    def _completion_prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
+        """A prompt or a batch of them, as (text, token ids) pairs."""
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            prompt = [prompt]  # one prompt, as text or as token ids
+        if all(isinstance(p, list) for p in prompt):
+            return [(None, p) for p in prompt]
+        tokenizer = self.tokenizer()
+        return [(p, tokenizer.encode(p)) for p in prompt]
+
+    async def _start(
+        self,
+        kind: str,
+        prompts: list[tuple[str | None, list[int]]],
+        params: SamplingParams,
+        body: SamplingRequest,
+    ) -> Generation:
+        """Queue n engine requests per prompt, all validated by the engine, or none."""
+        arrival, call_id = time.perf_counter(), f"{kind}-{uuid.uuid4().hex}"
+        requests = [
+            (f"{call_id}-{i}-{k}", seeded(params, k), text, ids)
+            for i, (text, ids) in enumerate(prompts)
+            for k in range(params.n)
+        ]
+        results = await asyncio.gather(
+            *(self.llm.add_request(*request) for request in requests), return_exceptions=True
+        )
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        if len(streams) < len(results):
+            for stream in streams:
+                stream.abort()
+            error = next(r for r in results if not isinstance(r, RequestStream))
+            if isinstance(error, ValueError):
+                raise invalid_request(error, body) from error
+            raise error
+        choices = [Choice(s, LatencyTracker(self.metrics, arrival)) for s in streams]
+        return Generation(
+            id=call_id,
+            created=int(time.time()),
+            choices=choices,
+            num_prompt_tokens=sum(len(ids) for _, ids in prompts),
+            num_top_logprobs=params.logprobs,
+            return_token_ids=bool(body.return_token_ids),
+        )
+
+    async def _respond(
+        self,
+        generation: Generation,
+        format_type: type[Format],
+        body: SamplingRequest,
+        http: HttpRequest,
+    ) -> Response:
+        fmt = format_type(self.model_name, self.llm.tokenizer, generation)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = self._events(generation, fmt, include_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
+        collect = asyncio.ensure_future(self._collect(generation, fmt))
+        disconnect = asyncio.ensure_future(until_disconnected(http))
+        try:
+            await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            disconnect.cancel()
+            if not collect.done():
+                collect.cancel()  # the client left, or this handler was cancelled
+                with contextlib.suppress(asyncio.CancelledError):
+                    await collect
+        if collect.cancelled():
+            return Response(status_code=499)
+        return JSONResponse(collect.result())
+
+    async def _collect(self, generation: Generation, fmt: Format) -> dict[str, Any]:
+        try:
+            async for index, output in merge([c.stream for c in generation.choices]):
+                generation.choices[index].add(output)
+        finally:
+            generation.abort_unfinished()
+        return {
+            **fmt.envelope(chunk=False),
+            "choices": [fmt.final_choice(i, c) for i, c in enumerate(generation.choices)],
+            "usage": generation.usage(),
+        }
+
+    async def _events(
+        self, generation: Generation, fmt: Format, include_usage: bool
+    ) -> AsyncIterator[str]:
+        chunk_envelope = fmt.envelope(chunk=True)
+        usage_field = {"usage": None} if include_usage else {}
+        try:
+            async for index, output in merge([c.stream for c in generation.choices]):
+                choice = generation.choices[index]
+                choice.add(output)
+                delta = fmt.delta_choice(index, choice, output)
+                if delta is not None:
+                    choice.started = True
+                    yield sse({**chunk_envelope, "choices": [delta], **usage_field})
+            if include_usage:
+                yield sse({**chunk_envelope, "choices": [], "usage": generation.usage()})
+        except EngineDeadError as error:
+            yield sse(OpenAIError(str(error), 500, "server_error").body())
+        finally:
+            generation.abort_unfinished()  # e.g. the client disconnected: free the KV blocks
+        yield "data: [DONE]\n\n"
+
+
+class Format:
+    """How one endpoint spells its envelope, its choices and its logprobs."""
+
+    object: str
+    chunk_object: str
+
+    def __init__(self, model_name: str, tokenizer: Tokenizer | None, generation: Generation):
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.generation = generation
+
+    def envelope(self, chunk: bool) -> dict[str, Any]:
+        return {
+            "id": self.generation.id,
+            "object": self.chunk_object if chunk else self.object,
+            "created": self.generation.created,
+            "model": self.model_name,
+        }
+
+    def delta_choice(self, index: int, choice: Choice, output: StreamOutput) -> dict | None:
+        """The chunk choice for one output, or None when it has nothing to show."""
+        raise NotImplementedError
+
+    def final_choice(self, index: int, choice: Choice) -> dict:
+        raise NotImplementedError
+
+    def piece(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def token_ids(self, token_ids: list[int]) -> dict[str, list[int]]:
+        return {"token_ids": token_ids} if self.generation.return_token_ids else {}
+
+    def shows(self, output: StreamOutput) -> bool:
+        wants_ids = self.generation.return_token_ids and output.token_ids
+        return bool(output.text or output.finished or output.logprobs or wants_ids)
+
+
+class CompletionFormat(Format):
+    object = chunk_object = "text_completion"
+
+    def delta_choice(self, index: int, choice: Choice, output: StreamOutput) -> dict | None:
+        if not self.shows(output):
+            return None
+        text_offset = len(choice.text) - len(output.text)
+        return self._choice(
+            index, output.text, output.token_ids, output.logprobs, output.finish_reason, text_offset
+        )
+
+    def final_choice(self, index: int, choice: Choice) -> dict:
+        return self._choice(
+            index, choice.text, choice.token_ids, choice.logprobs, choice.finish_reason, 0
+        )
+
+    def _choice(
+        self,
+        index: int,
+        text: str,
+        token_ids: list[int],
+        logprobs: list[dict[int, float]] | None,
+        finish_reason: str | None,
+        text_offset: int,
+    ) -> dict[str, Any]:
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": self._logprobs(token_ids, logprobs, text_offset) if logprobs else None,
+            "finish_reason": finish_reason,
+            **self.token_ids(token_ids),
+        }
+
+    def _logprobs(
+        self, token_ids: list[int], entries: list[dict[int, float]], text_offset: int
+    ) -> dict[str, list]:
+        tokens = [self.piece(t) for t in token_ids]
+        offsets = []
+        for token in tokens:
+            offsets.append(text_offset)
+            text_offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e[t] for t, e in zip(token_ids, entries, strict=True)],
+            "top_logprobs": [{self.piece(i): lp for i, lp in e.items()} for e in entries],
+            "text_offset": offsets,
+        }
+
+
+class ChatFormat(Format):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def delta_choice(self, index: int, choice: Choice, output: StreamOutput) -> dict | None:
+        delta = {} if choice.started else {"role": "assistant", "content": ""}
+        if output.text:
+            delta["content"] = output.text
+        if not (delta or self.shows(output)):
+            return None
+        return {
+            "index": index,
+            "delta": delta,
+            "logprobs": self._logprobs(output.token_ids, output.logprobs),
+            "finish_reason": output.finish_reason,
+            **self.token_ids(output.token_ids),
+        }
+
+    def final_choice(self, index: int, choice: Choice) -> dict:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": choice.text},
+            "logprobs": self._logprobs(choice.token_ids, choice.logprobs),
+            "finish_reason": choice.finish_reason,
+            **self.token_ids(choice.token_ids),
+        }
+
+    def _logprobs(
+        self, token_ids: list[int], entries: list[dict[int, float]] | None
+    ) -> dict[str, list] | None:
+        if not entries:
+            return None
+        # an entry holds the top ids in rank order, then the sampled id if it ranked lower
+        num_top = self.generation.num_top_logprobs or 0
+        content = [
+            {
+                **self._token(t, e[t]),
+                "top_logprobs": [self._token(i, lp) for i, lp in list(e.items())[:num_top]],
+            }
+            for t, e in zip(token_ids, entries, strict=True)
+        ]
+        return {"content": content}
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        piece = self.piece(token_id)
+        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+
+
+def sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The request's sampling fields as SamplingParams; unset fields take SamplingParams' defaults."""
+    names = (
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "min_tokens",
+    )
+    given = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
+    try:
+        return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs)
+    except ValueError as error:
+        raise invalid_request(error, body) from error
+
+
+def seeded(params: SamplingParams, k: int) -> SamplingParams:
+    """The k-th of n samples: seed + k when seeded, as the offline LLM does."""
+    if params.seed is None or k == 0:
+        return params
+    return replace(params, seed=(params.seed + k) % (MAX_SEED + 1))
+
+
+def invalid_request(error: ValueError, body: SamplingRequest) -> OpenAIError:
+    """A 400 for a ValueError; its message starts with the field it is about."""
+    word, fields = str(error).split(" ", 1)[0], type(body).model_fields
+    if word.startswith("prompt"):  # prompt, prompt_token_ids: what the prompt or messages made
+        word = "prompt" if "prompt" in fields else "messages"
+    param = word if word in fields else None
+    return OpenAIError(str(error), param=param)
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, StreamOutput]]:
+    """Outputs of several streams as they arrive, with the index of their stream."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    arrived: asyncio.Queue[tuple[int, StreamOutput | BaseException]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                arrived.put_nowait((index, output))
+        except Exception as error:
+            arrived.put_nowait((index, error))
+
+    pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item = await arrived.get()
+            if isinstance(item, BaseException):
+                raise item
+            remaining -= item.finished
+            yield index, item
+    finally:
+        for task in pumps:
+            task.cancel()
+
+
+async def until_disconnected(http: HttpRequest) -> None:
+    """Return once the client has gone (the body has been read, so only a disconnect comes)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

@@ -1,0 +1,223 @@
+"""AsyncLLM: the engine on its own thread, streamed deltas, aborts, failures and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tandem import LLM, SamplingParams
+from tandem.async_llm import AsyncLLM, EngineDeadError, StreamOutput
+from tandem.config import EngineConfig
+from tandem.engine import Engine
+
+ENGINE_ARGS = {"max_model_len": 256, "block_size": 8}
+PROMPTS = ["Our scheduler reads", "The quick brown fox", "Paged attention", "Hello"]
+
+
+@pytest.fixture(scope="module")
+def folder(make_tiny) -> str:
+    return str(make_tiny("llama"))
+
+
+@pytest.fixture(scope="module")
+def llm(folder) -> Iterator[AsyncLLM]:
+    llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline(folder) -> LLM:
+    return LLM(folder, **ENGINE_ARGS)
+
+
+async def collect(llm: AsyncLLM, prompt, params: SamplingParams, request_id: str):
+    outputs = [out async for out in llm.generate(prompt, params, request_id)]
+    return outputs
+
+
+def joined(outputs: list[StreamOutput]) -> tuple[str, list[int], str | None]:
+    text = "".join(o.text for o in outputs)
+    tokens = [t for o in outputs for t in o.token_ids]
+    return text, tokens, outputs[-1].finish_reason
+
+
+async def wait_until_idle(llm: AsyncLLM, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while llm.stats.num_running or llm.stats.num_free_blocks != llm.stats.num_blocks:
+        assert time.monotonic() < deadline, f"engine still busy: {llm.stats}"
+        await asyncio.sleep(0.01)
+
+
+def test_concurrent_streams_match_the_offline_api_token_for_token(llm, offline):
+    params = [
+        SamplingParams(temperature=0.8, seed=i, max_tokens=8 + i % 7, ignore_eos=i % 2 == 0)
+        for i in range(24)
+    ]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(24)]
+
+    async def main():
+        return await asyncio.gather(
+            *(
+                collect(llm, p, sp, f"concurrent-{i}")
+                for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+            )
+        )
+
+    streamed = asyncio.run(main())
+    expected = offline.generate(prompts, params, use_tqdm=False)
+    for outputs, want in zip(streamed, expected, strict=True):
+        completion = want.outputs[0]
+        assert joined(outputs) == (completion.text, completion.token_ids, completion.finish_reason)
+        assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+        assert outputs[-1].num_output_tokens == len(completion.token_ids)
+
+
+def test_streamed_text_never_includes_text_a_stop_string_later_trims(llm, offline):
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    text = offline.generate(PROMPTS[0], greedy, use_tqdm=False)[0].outputs[0].text
+    # stop strings of several lengths, each first seen at a different place in the text
+    stops = [
+        text[i : i + n]
+        for n, i in itertools.product((2, 5, 9), (3, 11, 20))
+        if text[i : i + n].strip() and text.find(text[i : i + n]) == i
+    ]
+    assert len(stops) >= 5
+    params = [SamplingParams(temperature=0, max_tokens=40, stop=[s, "never seen"]) for s in stops]
+
+    async def main():
+        return await asyncio.gather(
+            *(collect(llm, PROMPTS[0], p, f"stop-{i}") for i, p in enumerate(params))
+        )
+
+    streamed = asyncio.run(main())
+    for stop, outputs in zip(stops, streamed, strict=True):
+        assert joined(outputs)[0] == text[: text.find(stop)], stop
+        assert outputs[-1].finish_reason == "stop"
+
+
+def test_abort_ends_the_stream_with_abort_and_frees_every_block(llm):
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+
+    async def main():
+        outputs = []
+        async for out in llm.generate(PROMPTS[1], params, "to-abort"):
+            outputs.append(out)
+            if len(outputs) == 3:
+                await llm.abort("to-abort")
+        await wait_until_idle(llm)
+        return outputs
+
+    outputs = asyncio.run(main())
+    assert outputs[-1].finished and outputs[-1].finish_reason == "abort"
+    assert outputs[-1].num_output_tokens < 200
+
+
+def test_leaving_generate_early_aborts_the_request(llm):
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+
+    async def close_after_two_outputs():
+        generator = llm.generate(PROMPTS[2], params, "closed-early")
+        await anext(generator)
+        await anext(generator)
+        await generator.aclose()
+        await wait_until_idle(llm)
+
+    async def cancel_the_consumer():
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in llm.generate(PROMPTS[2], params, "cancelled"):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_until_idle(llm)
+
+    asyncio.run(close_after_two_outputs())
+    asyncio.run(cancel_the_consumer())
+
+
+def test_an_invalid_request_raises_value_error_and_others_still_run(llm):
+    async def main():
+        with pytest.raises(ValueError, match="max_model_len"):
+            await collect(llm, {"prompt_token_ids": [1] * 300}, SamplingParams(), "too-long")
+        with pytest.raises(ValueError, match="already in use"):
+            await asyncio.gather(
+                collect(llm, PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True), "twice"),
+                collect(llm, PROMPTS[0], SamplingParams(), "twice"),
+            )
+        return await collect(llm, PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True), "ok")
+
+    assert asyncio.run(main())[-1].num_output_tokens == 4
+
+
+def test_the_idle_engine_thread_waits_on_its_queue(folder):
+    engine = Engine(EngineConfig(model=folder, **ENGINE_ARGS))
+    calls = itertools.count()
+    has_unfinished = engine.has_unfinished
+    engine.has_unfinished = lambda: next(calls) >= 0 and has_unfinished()
+    llm = AsyncLLM(engine)
+    try:
+        asyncio.run(collect(llm, PROMPTS[0], SamplingParams(max_tokens=4), "before-idle"))
+        time.sleep(0.05)
+        before = next(calls)
+        time.sleep(0.2)
+        assert next(calls) - before <= 2
+    finally:
+        llm.shutdown()
+
+
+def test_an_engine_failure_reaches_every_pending_request(folder):
+    engine = Engine(EngineConfig(model=folder, **ENGINE_ARGS))
+    steps = itertools.count()
+    step = engine.step
+
+    def failing_step():
+        if next(steps) == 5:
+            raise RuntimeError("device lost")
+        return step()
+
+    engine.step = failing_step
+    llm = AsyncLLM(engine)
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+
+    async def main():
+        results = await asyncio.gather(
+            *(collect(llm, PROMPTS[i % 4], params, f"doomed-{i}") for i in range(8)),
+            return_exceptions=True,
+        )
+        with pytest.raises(EngineDeadError):
+            await collect(llm, PROMPTS[0], params, "after-death")
+        return results
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, EngineDeadError) for r in results)
+    assert isinstance(results[0].__cause__, RuntimeError)
+    assert not llm.is_running
+    llm.shutdown()  # a dead engine shuts down without hanging
+
+
+def test_shutdown_fails_open_streams_and_refuses_new_requests(folder):
+    llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+
+    async def main():
+        generator = llm.generate(PROMPTS[0], params, "open")
+        await anext(generator)
+        llm.shutdown()
+        with pytest.raises(EngineDeadError, match="shut down"):
+            async for _ in generator:
+                pass
+        with pytest.raises(EngineDeadError):
+            await collect(llm, PROMPTS[0], params, "late")
+
+    asyncio.run(main())
+    assert not llm._thread.is_alive()

@@ -1,0 +1,343 @@
+"""`tandem bench throughput|latency`: JSON reports, the roofline arithmetic, ShareGPT workloads, and
+transformers' continuous batching on the same weights."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+
+import numpy as np
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.bench import request_latencies, waves
+from tandem.cli import build_parser, main
+from tandem.config import EngineConfig, ModelConfig
+from tandem.model.loader import read_hf_config
+from tandem.roofline import H200, ModelCost, roofline_summary, step_rooflines, step_work
+from tandem.tokenizer import Tokenizer
+from tandem.workload import SHAREGPT_SAMPLE, sharegpt_workload
+
+ENGINE_FLAGS = ["--max-num-seqs", "4", "--block-size", "8"]
+WORKLOAD_KEYS = {
+    "model",
+    "dataset",
+    "dataset_path",
+    "num_prompts",
+    "input_len",
+    "output_len",
+    "range_ratio",
+    "batch_size",
+    "temperature",
+    "repeats",
+    "prompt_tokens",
+    "output_tokens",
+    "max_len",
+}
+RESOLVED_KEYS = {
+    "device",
+    "dtype",
+    "attention_backend",
+    "max_model_len",
+    "num_blocks",
+    "cuda_graph_sizes",
+}
+ENVIRONMENT_KEYS = {
+    "tandem",
+    "torch",
+    "transformers",
+    "triton",
+    "numpy",
+    "python",
+    "platform",
+    "date",
+}
+ROOFLINE_KEYS = {
+    "hardware",
+    "bandwidth_bytes_per_s",
+    "peak_flops_per_s",
+    "dtype_bytes",
+    "weight_bytes",
+    "seconds",
+    "steps",
+    "bytes_bound_steps",
+    "bytes",
+    "flops",
+}
+RESULT_KEYS = {
+    "seconds",
+    "seconds_all",
+    "steps",
+    "requests_per_s",
+    "output_tokens_per_s",
+    "total_tokens_per_s",
+    "ms_per_step",
+    "roofline_fraction",
+}
+LATENCY_KEYS = {"ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"}
+
+
+def preset(name: str) -> ModelConfig:
+    return ModelConfig.from_hf(read_hf_config(name)[0])
+
+
+def ideal_schedule(num_requests: int, prompt_len: int, output_len: int) -> np.ndarray:
+    """step_work rows when every prompt is prefilled in step 0, which samples the first token."""
+    prefill = (num_requests, num_requests * prompt_len, num_requests * prompt_len)
+    pairs = num_requests * prompt_len * (prompt_len + 1) // 2
+    decode = [
+        (num_requests, num_requests, num_requests * c, num_requests * c)
+        for c in range(prompt_len + 1, prompt_len + output_len)
+    ]
+    return np.array([(*prefill, pairs), *decode])
+
+
+def run_bench(tmp_path, *argv: str) -> dict:
+    out = tmp_path / "bench.json"
+    main(["bench", *argv, "--repeats", "1", *ENGINE_FLAGS, "--output-json", str(out)])
+    return json.loads(out.read_text())
+
+
+def check_report(report: dict, modes: set[str], latency: bool) -> None:
+    assert {"mode", "workload", "engine", "environment", "roofline", "results", "ratios"} <= set(
+        report
+    )
+    assert set(report["workload"]) == WORKLOAD_KEYS
+    config_fields = {f.name for f in fields(EngineConfig)}
+    assert set(report["engine"]) == config_fields | {"resolved"}
+    assert set(report["engine"]["resolved"]) == RESOLVED_KEYS
+    assert set(report["environment"]) >= ENVIRONMENT_KEYS
+    assert report["environment"]["transformers"] == "5.17.0"
+    assert set(report["roofline"]) == ROOFLINE_KEYS
+    assert set(report["results"]) == modes
+    for mode, result in report["results"].items():
+        ours = mode in ("sync", "async")
+        expected = RESULT_KEYS | ({"roofline_seconds"} if ours else set())
+        assert set(result) == expected | (LATENCY_KEYS if latency else set()), mode
+        assert result["output_tokens_per_s"] > 0 and result["steps"] > 0
+        for key in LATENCY_KEYS & set(result):
+            stats = result[key]
+            assert set(stats) == {"mean", "p50", "p90", "p99"}
+            assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"], (mode, key, stats)
+
+
+# ---- roofline arithmetic -----------------------------------------------------------------------
+
+
+def test_roofline_of_a_llama_3_8b_decode_step_matches_a_hand_computation():
+    cfg, bf16 = preset("llama-3-8b"), 2
+    # per layer: qkv 4096 x (4096 + 2 x 1024), o 4096 x 4096, gate/up/down 3 x 4096 x 14336
+    layer_params = 32 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336)
+    lm_head_params = 128256 * 4096
+    assert (layer_params + lm_head_params) * bf16 == 15_009_316_864  # "15.0 GB incl. LM head"
+    kv_bytes_per_token = 2 * 32 * 8 * 128 * bf16  # K and V, 32 layers, 8 KV heads of 128
+    # batch 1, one new token at position 999: 1,000 KV tokens read, 1 written
+    moved = 15_009_316_864 + 4096 * bf16 + (1000 + 1) * kv_bytes_per_token
+    flops = 2 * layer_params + 2 * lm_head_params + 4 * 32 * 128 * 32 * 1000
+    expected = max(moved / 4.22e12, flops / 760e12)
+
+    seconds, got_bytes, got_flops = step_rooflines(
+        ModelCost.of(cfg, bf16), [step_work([1000], [0, 1])]
+    )
+    assert (got_bytes[0], got_flops[0]) == (moved, flops)
+    assert seconds[0] == pytest.approx(expected, rel=1e-12)
+    assert 3.58e-3 < seconds[0] < 3.59e-3  # bound by bytes: 15.1 GB / 4.22 TB/s
+    # with ~no KV, the weights alone: DESIGN.md's 3.56-3.57 ms per decode step at batch 1
+    empty_kv = step_rooflines(ModelCost.of(cfg, bf16), [step_work([1], [0, 1])])[0][0]
+    assert empty_kv == pytest.approx(3.557e-3, abs=1e-6)
+
+
+def test_a_large_prefill_chunk_is_bound_by_flops():
+    cost = ModelCost.of(preset("llama-3-8b"), 2)
+    seconds, moved, flops = step_rooflines(cost, [step_work([4096], [0, 4096])])
+    assert flops[0] / H200.flops > moved[0] / H200.bandwidth
+    assert seconds[0] == flops[0] / H200.flops
+
+
+def test_step_work_counts_causal_pairs_for_prefill_and_plain_pairs_for_decode():
+    # a 3-token prefill from scratch (1 + 2 + 3 pairs), a decode at context 5, a 2-token chunk
+    # after 4 cached tokens (5 + 6 pairs)
+    assert step_work([3, 5, 6], [0, 3, 4, 6]) == (3, 6, 14, 6 + 5 + 11)
+
+
+@pytest.mark.parametrize(
+    ("workload", "expected_seconds"),
+    [
+        ((1, 128, 512), 512 * 3.57e-3),  # latency: 3.57 ms/token by bytes
+        ((32, 128, 1024), 4.38),  # seed
+        ((32, 128, 8192), 63.6),  # seed at 8K new tokens
+    ],
+    ids=["latency", "seed", "seed-8k"],
+)
+def test_ideal_schedule_rooflines_match_design_md(workload, expected_seconds):
+    summary = roofline_summary(preset("llama-3-8b"), 2, ideal_schedule(*workload))
+    assert summary["seconds"] == pytest.approx(expected_seconds, rel=5e-3)
+
+
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+def test_engine_records_each_steps_tokens_and_context(make_tiny, async_batching):
+    llm = LLM(str(make_tiny("llama")), block_size=8, async_batching=async_batching)
+    llm.engine.step_work = []
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [1] * 5}, {"prompt_token_ids": [2] * 3}], params, False)
+    assert llm.engine.step_work == [
+        (2, 8, 8, 15 + 6),  # both prompts whole, causal
+        (2, 2, 6 + 4, 6 + 4),  # decode at contexts 6 and 4
+        (2, 2, 7 + 5, 7 + 5),
+    ]
+
+
+def test_request_latencies_from_token_times():
+    stats = request_latencies([0.0, 1.0], [[0.5, 0.7, 1.0], [1.25]])
+    assert stats["ttft"] == [0.5, 0.25]
+    assert stats["tpot"] == pytest.approx([0.25])  # a one-token request has no TPOT
+    assert stats["itl"] == pytest.approx([0.2, 0.3])
+    assert stats["e2e"] == [1.0, 0.25]
+    assert waves(5, 2) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert waves(5, None) == [range(0, 5)]
+
+
+# ---- workloads ---------------------------------------------------------------------------------
+
+
+def test_sharegpt_prompts_are_human_turns_and_output_lengths_the_gpt_turns(make_tiny):
+    tokenizer = Tokenizer.from_dir(make_tiny("llama"))
+    conversations = json.loads(SHAREGPT_SAMPLE.read_text(encoding="utf-8"))
+    assert len(conversations) >= 20
+    expected = {
+        tuple(tokenizer.encode(c["conversations"][0]["value"])): len(
+            tokenizer.encode(c["conversations"][1]["value"], add_special_tokens=False)
+        )
+        for c in conversations
+    }
+    workload = sharegpt_workload(SHAREGPT_SAMPLE, 30, tokenizer.encode, None, 10_000, seed=0)
+    assert len(workload.prompts) == 30  # more than the file has: conversations repeat
+    assert set(map(tuple, workload.prompts)) == set(expected)
+    for prompt, output_len in zip(workload.prompts, workload.output_lens, strict=True):
+        assert output_len == expected[tuple(prompt)]
+
+    fixed = sharegpt_workload(SHAREGPT_SAMPLE, 5, tokenizer.encode, 7, 10_000, seed=0)
+    assert fixed.output_lens == [7] * 5
+    assert fixed.prompts == workload.prompts[:5]  # the same shuffle for the same seed
+
+
+def test_sharegpt_skips_conversations_longer_than_max_len(make_tiny):
+    encode = Tokenizer.from_dir(make_tiny("llama")).encode
+    workload = sharegpt_workload(SHAREGPT_SAMPLE, 40, encode, None, 64, seed=1)
+    assert workload.max_len <= 64
+    with pytest.raises(ValueError, match="fits in 4 tokens"):
+        sharegpt_workload(SHAREGPT_SAMPLE, 4, encode, None, 4, seed=1)
+
+
+def test_sharegpt_file_without_conversations_is_an_error(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps([{"conversations": [{"from": "gpt", "value": "hi"}]}]))
+    with pytest.raises(ValueError, match="human turn"):
+        sharegpt_workload(path, 4, lambda text, special: [1, 2], None, 100, seed=0)
+
+
+def test_sharegpt_on_a_preset_without_tokenizer_exits_with_a_message(tmp_path):
+    with pytest.raises(SystemExit, match=r"tokenizer\.json"):
+        main(
+            [
+                "bench",
+                "throughput",
+                "--model",
+                "llama-3-8b",
+                "--load-format",
+                "dummy",
+                "--dataset",
+                "sharegpt",
+            ]
+        )
+
+
+# ---- end to end --------------------------------------------------------------------------------
+
+
+def test_sync_and_async_flags_set_the_batching_mode():
+    parser = build_parser()
+    base = ["bench", "throughput", "--model", "m"]
+    assert parser.parse_args(base).async_batching is True
+    assert parser.parse_args([*base, "--sync"]).async_batching is False
+    assert parser.parse_args([*base, "--sync", "--async"]).async_batching is True
+    assert parser.parse_args([*base, "--no-async-batching"]).async_batching is False
+
+
+def test_throughput_runs_sync_and_async_and_writes_every_field(make_tiny, tmp_path, capsys):
+    args = ["--num-prompts", "3", "--input-len", "8", "--output-len", "6", "--compare", "sync"]
+    report = run_bench(tmp_path, "throughput", "--model", str(make_tiny("llama")), *args)
+    check_report(report, {"sync", "async"}, latency=False)
+    assert report["mode"] == "throughput"
+    assert report["workload"]["output_tokens"] == 3 * 6
+    assert report["roofline"]["steps"] == report["results"]["async"]["steps"]
+    assert report["async_speedup"] == report["ratios"]["async/sync"]
+    out = capsys.readouterr().out
+    assert "roofline of this work" in out and "async/sync output tok/s" in out
+
+
+@pytest.mark.parametrize("mode_flag", ["--sync", "--async"])
+def test_latency_reports_ttft_tpot_itl_percentiles(make_tiny, tmp_path, capsys, mode_flag):
+    args = ["--num-prompts", "4", "--batch-size", "2", "--input-len", "8", "--output-len", "5"]
+    report = run_bench(tmp_path, "latency", "--model", str(make_tiny("qwen3")), *args, mode_flag)
+    mode = mode_flag.removeprefix("--")
+    check_report(report, {mode}, latency=True)
+    assert report["workload"]["batch_size"] == 2
+    assert report["engine"]["async_batching"] is (mode == "async")
+    result = report["results"][mode]
+    assert result["e2e_ms"]["p50"] >= result["ttft_ms"]["p50"]
+    assert "TTFT" in capsys.readouterr().out
+
+
+def test_throughput_on_sharegpt_uses_the_gpt_turn_lengths(make_tiny, tmp_path):
+    folder = make_tiny("llama")
+    report = run_bench(tmp_path, "throughput", "--model", str(folder), "--dataset", "sharegpt")
+    encode = Tokenizer.from_dir(folder).encode
+    expected = sharegpt_workload(SHAREGPT_SAMPLE, 32, encode, None, 1024, seed=0)
+    assert report["workload"]["output_tokens"] == expected.num_output_tokens
+    assert report["workload"]["dataset_path"] == str(SHAREGPT_SAMPLE)
+
+
+def test_compare_transformers_runs_its_continuous_batching_on_the_same_requests(
+    make_tiny, tmp_path
+):
+    args = ["--num-prompts", "3", "--input-len", "8", "--output-len", "4", "--range-ratio", "0.5"]
+    report = run_bench(
+        tmp_path,
+        "throughput",
+        "--model",
+        str(make_tiny("llama")),
+        *args,
+        "--compare",
+        "transformers",
+    )
+    theirs = {"transformers_sync", "transformers_async"}
+    ran = theirs if torch.cuda.is_available() else {"transformers_sync"}
+    check_report(report, {"async"} | ran, latency=False)
+    assert set(report["transformers"]["skipped"]) == theirs - ran
+    config = report["transformers"]["configs"]["transformers_sync"]
+    assert config["use_async_batching"] is False
+    assert config["attn_implementation"].startswith("paged|")
+    assert set(report["ratios"]) == {f"async/{name}" for name in ran}
+
+
+def test_transformers_model_for_dummy_weights_computes_what_tandem_computes(make_tiny):
+    from tandem.bench_transformers import build_hf_model
+
+    folder = make_tiny("qwen2")
+    hf_config, _ = read_hf_config(str(folder))
+    model = build_hf_model(hf_config, None, torch.float32, torch.device("cpu"), 3, "sdpa")
+    prompt = list(range(10, 30))
+    theirs = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=6,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
+    llm = LLM(str(folder), device="cpu", load_format="dummy", seed=3, block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    [ours] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    assert ours.outputs[0].token_ids == theirs

@@ -1,0 +1,527 @@
+"""The OpenAI-compatible server, over real HTTP on 127.0.0.1, serving the tiny model.
+
+Answers are checked against the offline `LLM` with the same seeds: seeded sampling does not
+depend on what else is in the batch, so a server busy with other requests must agree exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from tandem import LLM, SamplingParams
+from tandem.async_llm import AsyncLLM
+from tandem.cli import main
+from tandem.config import EngineConfig
+from tandem.engine import Engine
+from tandem.server.app import build_app
+
+ENGINE_ARGS = {"max_model_len": 512, "block_size": 8}
+MODEL = "tiny-llama"
+API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+PROMPT = "Our scheduler reads"
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name a cache."},
+    {"role": "assistant", "content": "KV."},
+    {"role": "user", "content": "Another?"},
+]
+
+
+@dataclass
+class Server:
+    url: str
+    llm: AsyncLLM
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics by name and labels, e.g. 'x_total{reason="abort"}'."""
+        text = httpx.get(f"{self.url}/metrics").text
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return samples
+
+    def wait_until_idle(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        stats = self.llm.stats
+        while stats.num_running or stats.num_waiting or stats.num_free_blocks != stats.num_blocks:
+            assert time.monotonic() < deadline, f"requests still hold blocks: {stats}"
+            time.sleep(0.01)
+            stats = self.llm.stats
+
+
+@pytest.fixture(scope="module")
+def folder(make_tiny) -> str:
+    return str(make_tiny("llama"))
+
+
+@contextmanager
+def running(app) -> Iterator[str]:
+    """Serve `app` with uvicorn on a free port of 127.0.0.1 in a thread; yields its URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(folder) -> Iterator[Server]:
+    llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
+    with running(build_app(llm, MODEL, api_key=API_KEY)) as url:
+        assert httpx.get(f"{url}/health").status_code == 200
+        yield Server(url, llm)
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(folder) -> LLM:
+    return LLM(folder, **ENGINE_ARGS)
+
+
+def offline_completion(offline: LLM, prompt, **params):
+    return offline.generate(prompt, SamplingParams(**params), use_tqdm=False)[0].outputs
+
+
+# ---- the official client ------------------------------------------------------------------
+
+
+def test_completion_matches_the_offline_api(client, offline):
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.7, seed=5
+    )
+    [want] = offline_completion(offline, PROMPT, max_tokens=12, temperature=0.7, seed=5)
+    choice = response.choices[0]
+    assert (choice.text, choice.finish_reason) == (want.text, want.finish_reason)
+    assert response.object == "text_completion" and response.model == MODEL
+    prompt_tokens = len(offline.get_tokenizer().encode(PROMPT))
+    assert response.usage.prompt_tokens == prompt_tokens
+    assert response.usage.completion_tokens == len(want.token_ids)
+    assert response.usage.total_tokens == prompt_tokens + len(want.token_ids)
+
+
+def test_chat_applies_the_chat_template_to_system_user_and_assistant_messages(client, offline):
+    response = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0
+    )
+    want = offline.chat(MESSAGES, SamplingParams(max_tokens=10, temperature=0), use_tqdm=False)
+    message = response.choices[0].message
+    assert (message.role, message.content) == ("assistant", want[0].outputs[0].text)
+    assert response.object == "chat.completion"
+    assert response.usage.prompt_tokens == len(want[0].prompt_token_ids)
+
+
+def test_chat_without_max_tokens_may_fill_the_context(client):
+    response = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, extra_body={"ignore_eos": True}
+    )
+    usage = response.usage
+    assert usage.total_tokens == ENGINE_ARGS["max_model_len"]
+    assert response.choices[0].finish_reason == "length"
+
+
+def test_streamed_completion_joins_to_the_full_completion_and_reports_usage(client):
+    args = {"model": MODEL, "prompt": PROMPT, "max_tokens": 20, "temperature": 1.0, "seed": 11}
+    full = client.completions.create(**args)
+    chunks = list(
+        client.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_streamed_chat_sends_the_role_first_then_content_deltas(client):
+    args = {"model": MODEL, "messages": MESSAGES, "max_tokens": 16, "temperature": 0}
+    full = client.chat.completions.create(**args)
+    chunks = list(client.chat.completions.create(**args, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert content == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+
+
+def test_n_choices_are_seed_plus_k_like_the_offline_api(client, offline):
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=21, n=3
+    )
+    want = offline_completion(offline, PROMPT, max_tokens=8, temperature=1.0, seed=21, n=3)
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert [c.text for c in response.choices] == [w.text for w in want]
+    assert len({c.text for c in response.choices}) > 1
+    assert response.usage.completion_tokens == sum(len(w.token_ids) for w in want)
+    streamed = ["", "", ""]
+    for chunk in client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=21, n=3, stream=True
+    ):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == [w.text for w in want]
+
+
+def test_a_batch_of_prompts_gets_n_choices_each(client, offline):
+    prompts = [PROMPT, "Hello there"]
+    response = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=5, temperature=0, n=2
+    )
+    want = offline.generate(prompts, SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)
+    texts = [c.text for c in response.choices]
+    assert texts == [w.outputs[0].text for w in want for _ in range(2)]
+
+
+def test_stop_string_cuts_the_text_and_streaming_never_shows_what_is_cut(client, offline):
+    [greedy] = offline_completion(offline, PROMPT, max_tokens=30, temperature=0, ignore_eos=True)
+    stop = greedy.text[12:16]
+    assert stop.strip() and greedy.text.find(stop) == 12
+    args = {"model": MODEL, "prompt": PROMPT, "max_tokens": 30, "temperature": 0, "stop": [stop]}
+    full = client.completions.create(**args)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**args, stream=True))
+    assert full.choices[0].text == streamed == greedy.text[:12]
+    assert full.choices[0].finish_reason == "stop"
+
+
+def test_a_seed_reproduces_the_same_sample(client):
+    def sample(seed: int) -> str:
+        args = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 1.0}
+        return client.completions.create(**args, seed=seed).choices[0].text
+
+    assert sample(7) == sample(7)
+    assert len({sample(seed) for seed in range(4)}) > 1
+
+
+def test_logprobs_cover_every_generated_token(client):
+    completion = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2
+    )
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 6
+    assert "".join(logprobs.tokens) == completion.choices[0].text
+    assert all(
+        max(top.values()) == lp
+        for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs, strict=True)
+    )
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 6 and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.top_logprobs[0].logprob == t.logprob for t in content)  # greedy takes the top
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+# ---- raw HTTP: tokenizer endpoints, SSE framing, errors -------------------------------------
+
+
+def test_tokenize_and_detokenize_round_trip(server, offline):
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}, headers=AUTH).json()
+    assert tokens["tokens"] == offline.get_tokenizer().encode(PROMPT)
+    assert tokens["count"] == len(tokens["tokens"])
+    text = httpx.post(
+        f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}, headers=AUTH
+    ).json()
+    assert text["prompt"] == offline.get_tokenizer().decode(tokens["tokens"])
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}, headers=AUTH).json()
+    tokenizer = offline.get_tokenizer()
+    template = tokenizer.apply_chat_template(MESSAGES)
+    assert chat["tokens"] == tokenizer.encode(template, add_special_tokens=False)
+
+
+def test_a_stream_is_server_sent_events_ending_with_done(server):
+    body = {"prompt": PROMPT, "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    assert all(json.loads(e[6:])["object"] == "text_completion" for e in events[:-1])
+
+
+def post(server: Server, path: str, body, headers=AUTH) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(
+            f"{server.url}{path}",
+            content=body,
+            headers={**headers, "Content-Type": "application/json"},
+        )
+    return httpx.post(f"{server.url}{path}", json=body, headers=headers)
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> str:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["type"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error["message"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -1),
+        ("top_p", 0),
+        ("top_k", -2),
+        ("min_p", 1.5),
+        ("n", 0),
+        ("max_tokens", 0),
+        ("min_tokens", 99),
+        ("seed", -1),
+        ("stop", [""]),
+        ("stop_token_ids", [10**6]),
+        ("logprobs", 50),
+        ("max_tokens", "many"),
+        ("stream", "sometimes"),
+    ],
+)
+def test_an_invalid_value_is_a_400_naming_the_field(server, field, value):
+    body = {"model": MODEL, "prompt": PROMPT, field: value}
+    message = assert_openai_error(post(server, "/v1/completions", body), 400, param=field)
+    assert field in message
+
+
+def test_an_unknown_model_is_a_400(server):
+    body = {"model": "gpt-4", "prompt": PROMPT}
+    message = assert_openai_error(post(server, "/v1/completions", body), 400, param="model")
+    assert MODEL in message
+    chat = {"model": "gpt-4", "messages": MESSAGES}
+    assert_openai_error(post(server, "/v1/chat/completions", chat), 400, param="model")
+
+
+def test_a_prompt_longer_than_the_context_is_a_400(server):
+    body = {"prompt": [5] * ENGINE_ARGS["max_model_len"]}
+    message = assert_openai_error(post(server, "/v1/completions", body), 400, param="prompt")
+    assert "max_model_len" in message
+    long_chat = {"messages": [{"role": "user", "content": "cache " * 600}]}
+    assert "max_model_len" in assert_openai_error(
+        post(server, "/v1/chat/completions", long_chat), 400
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", b'{"prompt": "unterminated'),
+        ("/v1/completions", b"[1, 2"),
+        ("/v1/chat/completions", b"not json at all"),
+    ],
+)
+def test_malformed_json_is_a_400(server, path, body):
+    assert "JSON" in assert_openai_error(post(server, path, body), 400)
+
+
+def test_malformed_requests_are_400s(server):
+    assert_openai_error(post(server, "/v1/completions", {"max_tokens": 3}), 400, param="prompt")
+    bad_role = {"messages": [{"role": "robot", "content": "hi"}]}
+    assert_openai_error(post(server, "/v1/chat/completions", bad_role), 400)
+    assert_openai_error(post(server, "/tokenize", {}), 400)
+
+
+def test_a_missing_or_wrong_api_key_is_a_401(server):
+    body = {"prompt": PROMPT, "max_tokens": 2}
+    assert_openai_error(post(server, "/v1/completions", body, headers={}), 401)
+    wrong = {"Authorization": "Bearer nope"}
+    assert_openai_error(post(server, "/v1/completions", body, headers=wrong), 401)
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/metrics").status_code == 200
+
+
+# ---- disconnects, concurrency, metrics ----------------------------------------------------
+
+
+def test_a_client_that_disconnects_mid_stream_aborts_and_frees_its_blocks(server):
+    server.wait_until_idle()
+    aborted = server.metrics().get('tandem_requests_finished_total{reason="abort"}', 0)
+    body = {"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        assert server.llm.stats.num_running == 1
+    server.wait_until_idle()
+    metrics = server.metrics()
+    assert metrics['tandem_requests_finished_total{reason="abort"}'] == aborted + 1
+    assert metrics["tandem_kv_cache_usage_perc"] == 0.0
+
+
+def test_a_client_that_leaves_a_non_streaming_request_aborts_it(server):
+    server.wait_until_idle()
+    aborted = server.metrics().get('tandem_requests_finished_total{reason="abort"}', 0)
+    body = {"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        timeout = httpx.Timeout(10.0, read=0.1)  # 480 tokens take far longer than 0.1 s
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=timeout)
+    server.wait_until_idle()
+    metrics = server.metrics()
+    assert metrics['tandem_requests_finished_total{reason="abort"}'] == aborted + 1
+
+
+def test_a_hundred_concurrent_streams_get_the_offline_tokens_for_their_seeds(server, offline):
+    num_requests, max_tokens = 100, 12
+    prompts = [f"{PROMPT} {i}" for i in range(num_requests)]
+
+    async def stream(client: httpx.AsyncClient, i: int) -> tuple[list[int], str, dict]:
+        body = {
+            "prompt": prompts[i],
+            "max_tokens": max_tokens,
+            "temperature": 0.9,
+            "seed": 1000 + i,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+        }
+        tokens, text, usage = [], "", {}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                usage = chunk["usage"] or usage
+                for choice in chunk["choices"]:
+                    tokens += choice["token_ids"]
+                    text += choice["text"]
+        return tokens, text, usage
+
+    async def main():
+        limits = httpx.Limits(max_connections=num_requests)
+        async with httpx.AsyncClient(
+            base_url=server.url, headers=AUTH, limits=limits, timeout=60
+        ) as client:
+            return await asyncio.gather(*(stream(client, i) for i in range(num_requests)))
+
+    results = asyncio.run(main())
+    params = [
+        SamplingParams(max_tokens=max_tokens, temperature=0.9, seed=1000 + i, ignore_eos=True)
+        for i in range(num_requests)
+    ]
+    want = offline.generate(prompts, params, use_tqdm=False)
+    for (tokens, text, usage), w in zip(results, want, strict=True):
+        assert tokens == w.outputs[0].token_ids
+        assert text == w.outputs[0].text
+        assert usage["completion_tokens"] == max_tokens
+    server.wait_until_idle()
+
+
+def test_metrics_parse_and_count_what_was_served(server, client, offline):
+    tokenizer = offline.get_tokenizer()
+    server.wait_until_idle()
+    before = server.metrics()
+    client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, extra_body={"ignore_eos": True}
+    )
+    server.wait_until_idle()
+    after = server.metrics()
+    for name in (
+        "tandem_num_requests_running",
+        "tandem_num_requests_waiting",
+        "tandem_kv_cache_usage_perc",
+        "tandem_num_preemptions_total",
+    ):
+        assert name in after
+    grew = {
+        "tandem_prompt_tokens_total": len(tokenizer.encode(PROMPT)),
+        "tandem_generation_tokens_total": 5,
+        "tandem_time_to_first_token_seconds_count": 1,
+        "tandem_inter_token_latency_seconds_count": 4,
+        "tandem_e2e_request_latency_seconds_count": 1,
+        'tandem_requests_finished_total{reason="length"}': 1,
+    }
+    for name, delta in grew.items():
+        assert after[name] - before.get(name, 0) == delta, name
+
+
+def test_a_dead_engine_fails_health_and_requests_with_a_500(folder):
+    engine = Engine(EngineConfig(model=folder, **ENGINE_ARGS))
+    steps, step = itertools.count(), engine.step
+
+    def failing_step():
+        if next(steps) == 3:
+            raise RuntimeError("device lost")
+        return step()
+
+    engine.step = failing_step
+    llm = AsyncLLM(engine)
+    with running(build_app(llm, MODEL)) as url:
+        body = {"prompt": PROMPT, "max_tokens": 50, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body) as r:
+            events = [line for line in r.iter_lines() if line]
+        assert "device lost" in json.loads(events[-2][6:])["error"]["message"]
+        assert events[-1] == "data: [DONE]"
+        assert httpx.get(f"{url}/health").status_code == 503
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT})
+        assert_openai_error(response, 500)
+    llm.shutdown()
+
+
+def test_bench_serve_completes_every_request(server, capsys):
+    args = f"--base-url {server.url} --api-key {API_KEY} --num-prompts 24 --max-concurrency 8"
+    main(["bench", "serve", *args.split(), "--input-len", "16", "--output-len", "6"])
+    out = capsys.readouterr().out
+    assert "completed 24/24 requests (0 failed)" in out
+    assert all(name in out for name in ("TTFT", "TPOT", "ITL", "output tok/s"))
+    server.wait_until_idle()
+
+
+def test_tandem_serve_starts_a_server_from_the_command_line(folder):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "tandem.cli", "serve", folder, "--port", str(port)]
+    command += ["--max-model-len", "128", "--api-key", API_KEY, "--served-model-name", MODEL]
+    url = f"http://127.0.0.1:{port}"
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as process:
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                assert process.poll() is None, process.stdout.read().decode()
+                assert time.monotonic() < deadline, "tandem serve did not come up"
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(f"{url}/health").status_code == 200:
+                        break
+                time.sleep(0.1)
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+            response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3)
+            assert response.usage.completion_tokens <= 3
+        finally:
+            process.send_signal(signal.SIGINT)
+            assert process.wait(timeout=30) == 0

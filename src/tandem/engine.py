@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import numbers
 import random
@@ -10,23 +9,21 @@ from collections import deque
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from tandem.attention import AttentionMetadata, get_backend
+from tandem.attention import get_backend
 from tandem.batch import BatchBuilder, StepBatch
 from tandem.config import EngineConfig, ModelConfig, cdiv
 from tandem.io_slot import MAX_BANNED_IDS
-from tandem.kv_cache import BlockAllocator, allocate_kv_cache, bytes_per_block
+from tandem.kv_cache import BlockAllocator, allocate_kv_cache
+from tandem.memory import num_kv_blocks
 from tandem.model.loader import build_model, read_hf_config
 from tandem.profiler import NoTimeline, Timeline
 from tandem.request import Request
 from tandem.roofline import step_work
 from tandem.runner import Runner
-from tandem.sampling import SamplingParams, SamplingTensors, sample
+from tandem.sampling import SamplingParams
 from tandem.scheduler import Scheduler
 from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
-
-CPU_KV_CACHE_BYTES = 2 << 30
 
 
 class Engine:
@@ -69,7 +66,9 @@ class Engine:
             config.max_num_seqs,
             self.device,
         )
-        self.num_blocks = self._num_blocks()
+        self.num_blocks = num_kv_blocks(
+            config, cfg, self.dtype, self.device, self.max_model_len, self.model, self.attend
+        )
         self.block_size = config.block_size
         max_blocks_per_seq = cdiv(self.max_model_len, config.block_size)
         self.kv_caches = allocate_kv_cache(
@@ -319,88 +318,6 @@ class Engine:
         if self.config.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs device='cuda'")
         return self.device.type == "cuda" and self.config.cuda_graphs is not False
-
-    # ---- sizing ---------------------------------------------------------------------------
-
-    def _num_blocks(self) -> int:
-        config, cfg = self.config, self.model_config
-        per_block = bytes_per_block(cfg, config.block_size, self.dtype)
-        if config.num_blocks is not None:
-            num_blocks = config.num_blocks
-        elif self.device.type == "cuda":
-            num_blocks = self._profile_num_blocks(per_block)
-        else:
-            wanted = cdiv(self.max_model_len, config.block_size) * config.max_num_seqs
-            num_blocks = min(wanted, CPU_KV_CACHE_BYTES // per_block)
-        if num_blocks * config.block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {num_blocks * config.block_size} tokens, fewer than "
-                f"max_model_len={self.max_model_len}; lower max_model_len or raise num_blocks / "
-                "gpu_memory_utilization"
-            )
-        return num_blocks
-
-    def _profile_num_blocks(self, per_block: int) -> int:
-        """Blocks that fit in gpu_memory_utilization of the device after weights and a peak-size step."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        _, total = torch.cuda.mem_get_info(self.device)
-        peak = self._profile_step_memory()
-        budget = int(total * self.config.gpu_memory_utilization) - peak
-        if budget < per_block:
-            raise ValueError(
-                f"no memory left for the KV cache: the model and one step take {peak / 2**30:.1f} GiB of "
-                f"{total / 2**30:.1f} GiB; raise gpu_memory_utilization or lower max_num_batched_tokens"
-            )
-        return budget // per_block
-
-    @torch.inference_mode()
-    def _profile_step_memory(self) -> int:
-        """Peak device memory of a forward pass plus filtered sampling at the largest step size."""
-        config, cfg, device = self.config, self.model_config, self.device
-        num_tokens, seq_len = (
-            config.max_num_batched_tokens,
-            min(config.max_num_batched_tokens, self.max_model_len - 1),
-        )
-        seq_lens = [seq_len] * (num_tokens // seq_len) + [num_tokens % seq_len] * (
-            num_tokens % seq_len > 0
-        )
-        blocks_per_seq = cdiv(seq_len, config.block_size)
-        kv_caches = allocate_kv_cache(
-            cfg, len(seq_lens) * blocks_per_seq, config.block_size, self.dtype, device
-        )
-        starts = [0, *itertools.accumulate(seq_lens)]
-        meta = AttentionMetadata(
-            slot_mapping=torch.cat(
-                [
-                    torch.arange(n) + i * blocks_per_seq * config.block_size
-                    for i, n in enumerate(seq_lens)
-                ]
-            ).to(device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.arange(
-                len(seq_lens) * blocks_per_seq, dtype=torch.int32, device=device
-            ).view(len(seq_lens), -1),
-            decode_only=False,
-            query_start_loc_host=starts,
-            seq_lens_host=seq_lens,
-        )
-        ids = torch.randint(0, cfg.vocab_size, (num_tokens,), device=device)
-        positions = torch.cat([torch.arange(n) for n in seq_lens]).to(device)
-        hidden = self.model(ids, positions, kv_caches, meta, self.attend)
-        rows = min(config.max_num_seqs, num_tokens)
-        logits = self.model.compute_logits(
-            hidden[:rows].repeat(cdiv(config.max_num_seqs, rows), 1)[: config.max_num_seqs]
-        )
-        ones = torch.ones(config.max_num_seqs, device=device)
-        params = SamplingTensors(ones, ones.int(), ones * 0.9, ones * 0.1, ones.int(), ones.int())
-        sample(logits, params, use_filters=True)
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device)
-        del kv_caches, hidden, logits
-        torch.cuda.empty_cache()
-        return peak
 
 
 def _is_token_id(value: object) -> bool:

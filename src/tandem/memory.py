@@ -1,0 +1,106 @@
+"""How many KV blocks: as asked, from a CPU budget, or from device memory left after a peak step."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from tandem.attention import AttentionBackend, AttentionMetadata
+from tandem.config import EngineConfig, ModelConfig, cdiv
+from tandem.kv_cache import allocate_kv_cache, bytes_per_block
+from tandem.model.decoder import Decoder
+from tandem.sampling import SamplingTensors, sample
+
+CPU_KV_CACHE_BYTES = 2 << 30
+
+
+def num_kv_blocks(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    model: Decoder,
+    attend: AttentionBackend,
+) -> int:
+    per_block = bytes_per_block(cfg, config.block_size, dtype)
+    if config.num_blocks is not None:
+        num_blocks = config.num_blocks
+    elif device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        _, total = torch.cuda.mem_get_info(device)
+        peak = peak_step_memory(config, cfg, dtype, device, max_model_len, model, attend)
+        budget = int(total * config.gpu_memory_utilization) - peak
+        if budget < per_block:
+            raise ValueError(
+                f"no memory left for the KV cache: the model and one step take {peak / 2**30:.1f} "
+                f"GiB of {total / 2**30:.1f} GiB; raise gpu_memory_utilization or lower "
+                "max_num_batched_tokens"
+            )
+        num_blocks = budget // per_block
+    else:
+        wanted = cdiv(max_model_len, config.block_size) * config.max_num_seqs
+        num_blocks = min(wanted, CPU_KV_CACHE_BYTES // per_block)
+    if num_blocks * config.block_size < max_model_len:
+        raise ValueError(
+            f"the KV cache holds {num_blocks * config.block_size} tokens, fewer than "
+            f"max_model_len={max_model_len}; lower max_model_len or raise num_blocks / "
+            "gpu_memory_utilization"
+        )
+    return num_blocks
+
+
+@torch.inference_mode()
+def peak_step_memory(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    model: Decoder,
+    attend: AttentionBackend,
+) -> int:
+    """Peak device memory (weights included) of a forward pass plus filtered sampling at the
+    largest step: max_num_batched_tokens prompt tokens, then max_num_seqs rows of logits."""
+    num_tokens = config.max_num_batched_tokens
+    seq_len = min(num_tokens, max_model_len - 1)
+    # E.g. 10 tokens, sequences of at most 4 -> [4, 4, 2]
+    seq_lens = [seq_len] * (num_tokens // seq_len) + [num_tokens % seq_len] * (
+        num_tokens % seq_len > 0
+    )
+    blocks_per_seq = cdiv(seq_len, config.block_size)
+    num_seqs = len(seq_lens)
+    kv_caches = allocate_kv_cache(cfg, num_seqs * blocks_per_seq, config.block_size, dtype, device)
+    starts = [0, *itertools.accumulate(seq_lens)]
+    slots_per_seq = blocks_per_seq * config.block_size
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(
+            [torch.arange(n) + i * slots_per_seq for i, n in enumerate(seq_lens)]
+        ).to(device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32, device=device).view(
+            num_seqs, -1
+        ),
+        decode_only=False,
+        query_start_loc_host=starts,
+        seq_lens_host=seq_lens,
+    )
+    ids = torch.randint(0, cfg.vocab_size, (num_tokens,), device=device)
+    positions = torch.cat([torch.arange(n) for n in seq_lens]).to(device)
+    hidden = model(ids, positions, kv_caches, meta, attend)
+    rows = torch.arange(config.max_num_seqs, device=device) % num_tokens
+    logits = model.compute_logits(hidden[rows])
+    ones = torch.ones(config.max_num_seqs, device=device)
+    sample(
+        logits,
+        SamplingTensors(ones, ones.int(), ones * 0.9, ones * 0.1, ones.int(), ones.int()),
+        use_filters=True,
+    )
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del kv_caches, hidden, logits
+    torch.cuda.empty_cache()
+    return peak

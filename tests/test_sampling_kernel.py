@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tandem import sampling_kernel as kernel
 from tandem.sampling import SamplingTensors, sample
 
-kernel = pytest.importorskip("tandem.sampling_kernel")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 

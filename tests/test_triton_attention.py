@@ -5,11 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.attention import AttentionMetadata
+from tandem.attention import AttentionMetadata, triton_backend
 from tandem.attention.torch_ref import decode_attention, prefill_attention
 from tandem.attention.torch_ref import write_kv as reference_write_kv
-
-triton_backend = pytest.importorskip("tandem.attention.triton_backend")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16] if DEVICE.type == "cpu" else [torch.bfloat16, torch.float16]

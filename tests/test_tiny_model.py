@@ -127,10 +127,10 @@ def test_same_seed_writes_identical_files_quickly(tmp_path, arch):
 
 def test_random_weights_follow_the_config_in_any_dtype(make_tiny):
     config = read_json(make_tiny("qwen3") / "config.json")
-    weights = random_weights(config, seed=0, dtype=torch.bfloat16)
+    weights = dict(random_weights(config, seed=0, dtype=torch.bfloat16))
     assert {n: tuple(t.shape) for n, t in weights.items()} == checkpoint_shapes(make_tiny("qwen3"))
     assert all(t.dtype == torch.bfloat16 for t in weights.values())
-    again = random_weights(config, seed=0, dtype=torch.bfloat16)
+    again = dict(random_weights(config, seed=0, dtype=torch.bfloat16))
     assert all(torch.equal(weights[name], again[name]) for name in weights)
 
 

@@ -54,7 +54,9 @@ def build_hf_model(
     config = AutoConfig.for_model(hf_config["model_type"], **fields)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
-    weights = random_weights(hf_config, seed=seed ^ DUMMY_SEED_SALT, dtype=dtype, device=device)
+    weights = dict(
+        random_weights(hf_config, seed=seed ^ DUMMY_SEED_SALT, dtype=dtype, device=device)
+    )
     missing, unexpected = model.load_state_dict(weights, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     return model.eval()

@@ -73,7 +73,7 @@ def build_model(
 
         # salted, so dummy weights never equal a tiny checkpoint written with the same seed
         dummy_seed = seed ^ DUMMY_SEED_SALT
-        tensors = random_weights(hf_config, seed=dummy_seed, dtype=dtype, device=device).items()
+        tensors = random_weights(hf_config, seed=dummy_seed, dtype=dtype, device=device)
     else:
         tensors = iter_safetensors(folder)
     load_weights(model, tensors)

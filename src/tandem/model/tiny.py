@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -159,21 +160,22 @@ def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0) -> Path:
     write_json(out / "tokenizer_config.json", tokenizer_config(qwen_style))
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     save_file(
-        random_weights(config, seed, torch.float32), out / "model.safetensors", {"format": "pt"}
+        dict(random_weights(config, seed, torch.float32)),
+        out / "model.safetensors",
+        {"format": "pt"},
     )
     return out
 
 
 def random_weights(
     hf_config: dict[str, Any], seed: int, dtype: torch.dtype, device: torch.device | str = "cpu"
-) -> dict[str, torch.Tensor]:
-    """Random weights under Hugging Face names for a config.json dict, made on `device`."""
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random weights under Hugging Face names for a config.json dict, made on `device` one
+    tensor at a time (a sharded load keeps only its slice of each)."""
     generator = torch.Generator(device=device).manual_seed(seed)
-    weights = {}
     for name, (shape, std, mean) in weight_specs(ModelConfig.from_hf(hf_config)).items():
         tensor = torch.randn(shape, generator=generator, device=device, dtype=dtype)
-        weights[name] = tensor.mul_(std).add_(mean)
-    return weights
+        yield name, tensor.mul_(std).add_(mean)
 
 
 def weight_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], float, float]]:

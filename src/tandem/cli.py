@@ -38,6 +38,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
     )
     parser.add_argument("--async-batching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="GPUs (processes) per model"
+    )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

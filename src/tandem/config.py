@@ -138,9 +138,11 @@ class EngineConfig:
     attention_backend: str | None = None  # "triton" on CUDA, "torch" elsewhere
     async_batching: bool = True
     cuda_graphs: bool | None = None
+    tensor_parallel_size: int = 1
 
     def validate(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_int("block_size", self.block_size, 1)
         if self.block_size & (self.block_size - 1):
@@ -164,12 +166,24 @@ class EngineConfig:
                 f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}"
             )
 
-    def resolve_device(self) -> torch.device:
+    def resolve_device(self, rank: int = 0) -> torch.device:
+        """The device of tensor-parallel rank `rank` (GPU `rank` on CUDA)."""
+        cuda = torch.cuda.is_available()
         if self.device is None:
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            device = torch.device("cuda" if cuda else "cpu")
+        elif self.device.startswith("cuda") and not cuda:
             raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
-        return torch.device(self.device)
+        else:
+            device = torch.device(self.device)
+        if device.type == "cuda" and self.tensor_parallel_size > 1:
+            if self.tensor_parallel_size > torch.cuda.device_count():
+                raise ValueError(
+                    f"tensor_parallel_size={self.tensor_parallel_size} needs that many GPUs; "
+                    f"torch sees {torch.cuda.device_count()}"
+                )
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+        return device
 
     def resolve_dtype(self, model_config: ModelConfig, device: torch.device) -> torch.dtype:
         if self.dtype != "auto":

@@ -6,6 +6,7 @@ import json
 import numbers
 import random
 from collections import deque
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,14 @@ from tandem.io_slot import MAX_BANNED_IDS
 from tandem.kv_cache import BlockAllocator, allocate_kv_cache
 from tandem.memory import num_kv_blocks
 from tandem.model.loader import build_model, read_hf_config
+from tandem.parallel import (
+    TensorParallel,
+    Workers,
+    check_shardable,
+    free_port,
+    init_process_group,
+    leave_process_group,
+)
 from tandem.profiler import NoTimeline, Timeline
 from tandem.request import Request
 from tandem.roofline import step_work
@@ -35,12 +44,21 @@ class Engine:
     is built. Both modes run the same functions; only the moment of `_process` differs.
     """
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, rank: int = 0, port: int | None = None):
         config.validate()
         self.config = config
         hf_config, folder = read_hf_config(config.model)
         self.model_config = cfg = ModelConfig.from_hf(hf_config)
-        self.device = config.resolve_device()
+        check_shardable(cfg, config.tensor_parallel_size)
+        self.tp = TensorParallel(rank, config.tensor_parallel_size)
+        self.device = config.resolve_device(rank)
+        self.workers: Workers | None = None
+        self.commands: list[tuple] = []  # for the other ranks, sent with the next step
+        if self.tp.size > 1:
+            if rank == 0:
+                port = free_port()
+                self.workers = Workers(config, port)
+            init_process_group(rank, self.tp.size, port, self.device)
         self.dtype = config.resolve_dtype(cfg, self.device)
         self.max_model_len = config.resolve_max_model_len(cfg)
         self.tokenizer = (
@@ -56,23 +74,26 @@ class Engine:
             self.device,
             self.max_model_len,
             config.seed,
+            self.tp,
         )
+        local = self.model.cfg  # this rank's heads and MLP slice
         self.attention_backend = config.resolve_attention_backend(cfg, self.device)
         self.attend = get_backend(
             self.attention_backend,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
+            local.num_heads,
+            local.num_kv_heads,
+            local.head_dim,
             config.max_num_seqs,
             self.device,
         )
-        self.num_blocks = num_kv_blocks(
-            config, cfg, self.dtype, self.device, self.max_model_len, self.model, self.attend
+        num_blocks = num_kv_blocks(
+            config, local, self.dtype, self.device, self.max_model_len, self.model, self.attend
         )
+        self.num_blocks = self.tp.min(num_blocks, self.device)  # every rank schedules alike
         self.block_size = config.block_size
         max_blocks_per_seq = cdiv(self.max_model_len, config.block_size)
         self.kv_caches = allocate_kv_cache(
-            cfg, self.num_blocks, config.block_size, self.dtype, self.device
+            local, self.num_blocks, config.block_size, self.dtype, self.device
         )
         self.allocator = BlockAllocator(self.num_blocks)
         max_tokens = config.max_num_batched_tokens
@@ -91,6 +112,7 @@ class Engine:
             config.max_num_seqs,
             max_blocks_per_seq,
             cuda_graphs=self._use_cuda_graphs(),
+            tp=self.tp,
         )
         if self.runner.graph_sizes:
             self.runner.capture_graphs()
@@ -103,6 +125,14 @@ class Engine:
         # (num_seqs, num_tokens, context_tokens, attention_pairs) per launched step, for the
         # roofline; recorded only while a caller holds a list here (the benchmark does)
         self.step_work: list[tuple[int, int, int, int]] | None = None
+
+    def shutdown(self) -> None:
+        """Stop the other ranks' processes (tensor parallelism) and leave the process group."""
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
+        if self.tp.size > 1:
+            leave_process_group()
 
     def start_trace(self) -> None:
         """Record CPU phases and GPU stream intervals of every following step."""
@@ -119,6 +149,9 @@ class Engine:
         """Queue a request made by `make_request`; nothing is queued before validation passes."""
         self.requests[request.request_id] = request
         self.scheduler.add(request)
+        if self.workers is not None:
+            params = replace(request.params, seed=request.seed)
+            self.commands.append(("add", request.request_id, params, request.prompt_token_ids))
 
     def make_request(
         self,
@@ -177,6 +210,8 @@ class Engine:
         return ids
 
     def abort(self, request_id: str) -> None:
+        if self.workers is not None:
+            self.commands.append(("abort", request_id))
         request = self.requests.pop(request_id, None)
         if request is not None and not request.finished:
             self._finish(request, "abort")
@@ -193,6 +228,9 @@ class Engine:
         the next step queued while the CPU processes tokens. Returns the requests that got a
         token or finished.
         """
+        if self.workers is not None:
+            self.workers.step(self.commands)
+            self.commands = []
         launched = self._launch_next()
         due = not self.async_batching or len(self.in_flight) > 1 or not launched
         if self.in_flight and due:

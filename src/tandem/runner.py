@@ -21,6 +21,7 @@ from tandem.attention import AttentionBackend, AttentionMetadata
 from tandem.batch import StepBatch
 from tandem.io_slot import IOSlot
 from tandem.model.decoder import Decoder
+from tandem.parallel import TensorParallel
 from tandem.profiler import NoTimeline, Timeline
 from tandem.sampling import SamplingTensors, sample, top_logprobs_of
 
@@ -36,8 +37,10 @@ class Runner:
         max_seqs: int,
         max_blocks: int,
         cuda_graphs: bool,
+        tp: TensorParallel,
     ):
         self.model = model
+        self.tp = tp
         self.kv_caches = kv_caches
         self.attend = attend
         self.device = device
@@ -159,7 +162,7 @@ class Runner:
             seeds=x["seeds"][:num_seqs],
             positions=x["sample_positions"][:num_seqs],
         )
-        sampled = sample(logits, params, use_filters)
+        sampled = self.tp.broadcast(sample(logits, params, use_filters))  # rank 0's tokens rule
         out["sampled"][:num_seqs].copy_(sampled)
         if logprobs is not None:
             sampled_logprob, top_ids, top_logprobs = top_logprobs_of(

@@ -9,6 +9,7 @@ from torch import nn
 from tandem.attention import AttentionBackend, AttentionMetadata
 from tandem.config import ModelConfig
 from tandem.model.rope import RotaryEmbedding
+from tandem.parallel import TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -23,9 +24,36 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """A matmul whose input features are split across ranks: partial sums, all-reduced, + bias."""
+    if tp.size == 1:
+        return linear(x)
+    y = tp.all_reduce(F.linear(x, linear.weight))
+    return y if linear.bias is None else y + linear.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds rows [r * per_rank, (r + 1) * per_rank) of the (padded) vocabulary."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel):
         super().__init__()
+        self.tp = tp
+        self.first, self.per_rank = tp.part(vocab_size)
+        self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden_size))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.first
+        mine = (local >= 0) & (local < self.per_rank)
+        x = F.embedding(local * mine, self.weight) * mine[:, None]
+        return self.tp.all_reduce(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
             cfg.num_kv_heads,
@@ -56,28 +84,29 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(positions, q, k)
         out = attend(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.flatten(1))
+        return row_parallel(self.o_proj, out.flatten(1), self.tp)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
+        self.tp = tp
         # gate and up projections stacked: [2 * intermediate, hidden]
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return row_parallel(self.down_proj, F.silu(gate) * up, self.tp)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rope)
+        self.self_attn = Attention(cfg, rope, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x, positions, kv_cache, meta, attend) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta, attend)
@@ -85,19 +114,23 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Token ids of a ragged batch -> final hidden states; logits only for the rows that sample."""
+    """Token ids of a ragged batch -> final hidden states; logits only for the rows that sample.
 
-    def __init__(self, cfg: ModelConfig, max_position: int):
+    `cfg` holds this rank's shapes (its heads, KV heads and MLP slice; see parallel.shard_config).
+    """
+
+    def __init__(self, cfg: ModelConfig, max_position: int, tp: TensorParallel | None = None):
         super().__init__()
         self.cfg = cfg
+        self.tp = tp = tp or TensorParallel()
         rope = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            else nn.Linear(cfg.hidden_size, self.embed_tokens.per_rank, bias=False)
         )
 
     def forward(
@@ -116,6 +149,7 @@ class Decoder(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, hidden] -> [rows, vocab] float32."""
+        """[rows, hidden] -> [rows, vocab] float32 (each rank's vocabulary slice gathered)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = self.tp.gather_columns(F.linear(hidden, weight).float())
+        return logits[:, : self.cfg.vocab_size]

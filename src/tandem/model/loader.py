@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from tandem.config import ModelConfig
 from tandem.model.decoder import Decoder
+from tandem.parallel import TensorParallel, shard_config, shard_tensor
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 DUMMY_SEED_SALT = 0x5EED
@@ -56,7 +57,9 @@ def build_model(
     device: torch.device,
     max_position: int,
     seed: int,
+    tp: TensorParallel,
 ) -> Decoder:
+    """`cfg` is the whole model; each rank builds and loads only its shard."""
     if folder is None and load_format != "dummy":
         raise ValueError(
             "a preset has shapes but no weights; pass load_format='dummy' to use random weights"
@@ -65,7 +68,7 @@ def build_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = Decoder(cfg, max_position)
+            model = Decoder(shard_config(cfg, tp), max_position, tp)
     finally:
         torch.set_default_dtype(default_dtype)
     if load_format == "dummy":
@@ -76,7 +79,7 @@ def build_model(
         tensors = random_weights(hf_config, seed=dummy_seed, dtype=dtype, device=device)
     else:
         tensors = iter_safetensors(folder)
-    load_weights(model, tensors)
+    load_weights(model, ((name, shard_tensor(name, t, cfg, tp)) for name, t in tensors))
     return model.eval()
 
 
@@ -129,6 +132,10 @@ def load_weights(model: Decoder, tensors) -> None:
             loaded.add(name)
         if dest is None:
             raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {cfg.architecture}")
+        if model.tp.size > 1 and name in ("embed_tokens.weight", "lm_head.weight"):
+            dest = dest.narrow(
+                0, 0, tensor.shape[0]
+            )  # the last rank's rows past the vocabulary stay 0
         if dest.shape != tensor.shape:
             raise ValueError(
                 f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"

@@ -1,0 +1,78 @@
+"""Tensor parallelism over gloo on the CPU: 2 processes give the tokens of 1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+
+PROMPTS = [{"prompt_token_ids": list(range(3 + 7 * i, 20 + 9 * i))} for i in range(5)]
+MAX_TOKENS = [14, 6, 20, 9, 16]
+
+
+def run(
+    folder, tensor_parallel_size: int, temperature: float = 0.0, **engine_args
+) -> list[list[int]]:
+    llm = LLM(str(folder), max_model_len=96, num_blocks=12, block_size=8, max_num_batched_tokens=24,
+              tensor_parallel_size=tensor_parallel_size, **engine_args)  # fmt: skip
+    params = [
+        SamplingParams(temperature=temperature, top_p=0.9, max_tokens=n, ignore_eos=True, seed=i)
+        for i, n in enumerate(MAX_TOKENS)
+    ]
+    try:
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0  # 96 token slots for ~190 tokens
+        assert llm.engine.allocator.num_free == llm.engine.num_blocks
+    finally:
+        llm.engine.shutdown()
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_two_ranks_give_the_greedy_tokens_of_one_with_chunking_and_preemption(make_tiny, arch):
+    # mistral's single KV head is replicated on both ranks; the others split their KV heads
+    assert run(make_tiny(arch), 2) == run(make_tiny(arch), 1)
+
+
+def test_two_ranks_in_sync_mode_give_the_tokens_of_one(make_tiny):
+    assert run(make_tiny("llama"), 2, async_batching=False) == run(make_tiny("llama"), 1)
+
+
+def test_two_ranks_draw_the_seeded_samples_of_one(make_tiny):
+    assert run(make_tiny("qwen3"), 2, temperature=0.8) == run(
+        make_tiny("qwen3"), 1, temperature=0.8
+    )
+
+
+def test_ranks_each_hold_their_shard_of_the_weights(make_tiny):
+    from tandem.config import ModelConfig
+    from tandem.model.loader import build_model, read_hf_config
+    from tandem.parallel import TensorParallel
+
+    hf_config, folder = read_hf_config(str(make_tiny("llama")))
+    cfg = ModelConfig.from_hf(hf_config)
+    full = build_model(
+        cfg, hf_config, folder, "auto", torch.float32, torch.device("cpu"), 64, 0, TensorParallel()
+    )
+    for rank in range(2):
+        shard = build_model(cfg, hf_config, folder, "auto", torch.float32, torch.device("cpu"), 64, 0,
+                            TensorParallel(rank, 2))  # fmt: skip
+        attn, whole = shard.layers[0].self_attn, full.layers[0].self_attn
+        q_rows = cfg.q_size // 2
+        assert torch.equal(
+            attn.qkv_proj.weight[:q_rows],
+            whole.qkv_proj.weight[rank * q_rows : (rank + 1) * q_rows],
+        )
+        o_cols = whole.o_proj.weight[:, rank * q_rows : (rank + 1) * q_rows]
+        assert torch.equal(attn.o_proj.weight, o_cols)
+        vocab_rows = -(-cfg.vocab_size // 2)
+        assert torch.equal(
+            shard.embed_tokens.weight,
+            full.embed_tokens.weight[rank * vocab_rows : (rank + 1) * vocab_rows],
+        )
+
+
+def test_a_size_that_does_not_divide_the_heads_is_rejected(make_tiny):
+    with pytest.raises(ValueError, match="tensor_parallel_size=3"):
+        LLM(str(make_tiny("llama")), tensor_parallel_size=3)

@@ -8,6 +8,7 @@ from torch import nn
 
 from tandem.attention import AttentionBackend, AttentionMetadata
 from tandem.config import ModelConfig
+from tandem.model.fused import add_rms_norm, silu_and_mul
 from tandem.model.rope import RotaryEmbedding
 from tandem.parallel import TensorParallel
 
@@ -19,9 +20,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return add_rms_norm(x.reshape(-1, x.shape[-1]), None, self.weight, self.eps)[0].view(
+            x.shape
+        )
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual stream advances in the same kernel."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -96,8 +103,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return row_parallel(self.down_proj, F.silu(gate) * up, self.tp)
+        return row_parallel(self.down_proj, silu_and_mul(self.gate_up_proj(x)), self.tp)
 
 
 class DecoderLayer(nn.Module):
@@ -108,9 +114,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, x, positions, kv_cache, meta, attend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, kv_cache, meta, attend):
+        """(this layer's output, the residual stream before it); the caller adds the two."""
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, positions, kv_cache, meta, attend)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class Decoder(nn.Module):
@@ -143,10 +152,10 @@ class Decoder(nn.Module):
         meta: AttentionMetadata,
         attend: AttentionBackend,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, kv_cache, meta, attend)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, kv_cache, meta, attend)
+        return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab] float32 (each rank's vocabulary slice gathered)."""

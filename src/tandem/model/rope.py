@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from tandem.model.fused import rotate
+
 
 def inverse_frequencies(
     head_dim: int, theta: float, scaling: dict[str, Any] | None
@@ -44,11 +46,5 @@ class RotaryEmbedding(torch.nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, num_heads, head_dim]; k: [T, num_kv_heads, head_dim]
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the two halves of each head (the "rotate_half" layout of HF checkpoints)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [T, head_dim // 2] each
+        return rotate(q, cos, sin), rotate(k, cos, sin)

@@ -16,10 +16,11 @@ BLOCK = 2048
 
 @triton.jit
 def _mix32(h):
+    # every product is cut back to 32 bits, whatever width the constant promotes it to
     h = h ^ (h >> 16)
-    h = h * 0x85EBCA6B
+    h = (h * 0x85EBCA6B).to(tl.uint32)
     h = h ^ (h >> 13)
-    h = h * 0xC2B2AE35
+    h = (h * 0xC2B2AE35).to(tl.uint32)
     return h ^ (h >> 16)
 
 
@@ -51,7 +52,7 @@ def gumbel_argmax_kernel(
             mask=in_vocab,
             other=float("-inf"),
         )
-        h = _mix32(row_key + token.to(tl.uint32) * 0x9E3779B9)
+        h = _mix32((row_key + (token.to(tl.uint32) * 0x9E3779B9).to(tl.uint32)).to(tl.uint32))
         u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
         noise = -tl.log(-tl.log(u))
         score = tl.where(greedy, logit, logit / divisor + noise)

@@ -36,7 +36,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding in the "rotate half" layout. x: [tokens, heads, head_dim];
     cos, sin: [tokens, head_dim // 2] float32."""
-    if x.is_cuda:
+    half = x.shape[-1] // 2
+    if x.is_cuda and half & (half - 1) == 0:  # the kernel's tiles need a power-of-two half
         return _rotate_triton(x, cos, sin)
     x1, x2 = x.float().chunk(2, dim=-1)
     c, s = cos[:, None, :], sin[:, None, :]

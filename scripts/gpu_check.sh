@@ -1,24 +1,29 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call: GPU tests (incl. the stream sanitizer run), kernel benchmark,
-# then the named workloads (seed, small, latency), sync vs async with a traced run of each.
-# Usage on the device machine: scripts/gpu_check.sh [workload...]; results go to $OUT (or ./out).
+# graph memory, then the named workloads sync vs async (plus COMPARE, e.g. "sync transformers"),
+# each with a traced run. Results go to $OUT (or ./out); print a short table last.
+# Usage on the device machine: [SKIP_TESTS=1] [REPEATS=2] scripts/gpu_check.sh seed small latency
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT" /tmp/traces
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 if [ -z "${SKIP_TESTS:-}" ]; then
-  python3 -m pytest -q tests/gpu tests/test_triton_attention.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+  python3 -m pytest -q tests/gpu tests/test_triton_attention.py tests/test_fused_ops.py \
+    tests/test_sampling_kernel.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
 fi
 python3 benchmarks/kernels.py --json "$OUT/kernels.json"
+[ -n "${GRAPH_MEMORY:-}" ] && python3 benchmarks/graph_memory.py --model qwen3-0.6b --max-num-seqs 256
 for name in "$@"; do
   case $name in
     seed) args="--model llama-3-8b --input-len 128 --output-len 1024 --num-prompts 32 --max-num-seqs 32" ;;
     small) args="--model qwen3-0.6b --input-len 562 --output-len 562 --range-ratio 0.822 --num-prompts 256" ;;
     latency) args="--model llama-3-8b --input-len 128 --output-len 512 --num-prompts 1 --max-num-seqs 1" ;;
+    *) echo "unknown workload $name"; continue ;;
   esac
   echo "== $name"
-  python3 -m tandem.cli bench throughput $args --load-format dummy --compare sync --repeats "${REPEATS:-3}" \
-    --output-json "$OUT/bench_$name.json" --trace "/tmp/traces/trace_$name.json" 2>&1 | tail -4
+  python3 -m tandem.cli bench throughput $args --load-format dummy --compare ${COMPARE:-sync} \
+    --repeats "${REPEATS:-3}" --output-json "$OUT/bench_$name.json" \
+    --trace "/tmp/traces/trace_$name.json" 2>&1 | tail -6
 done
 tar -czf "$OUT/traces.tar.gz" -C /tmp traces

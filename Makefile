@@ -17,9 +17,10 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/tandem make-tiny-model $(TINY) --arch llama
 	$(VENV)/bin/tandem generate $(TINY) "The engine" "Once upon a time" "café au lait" \
-		--max-tokens 32 --num-blocks 256 --quiet
+		--max-tokens 32 --num-blocks 256 --quiet --trace out/demo_trace.json
 	$(VENV)/bin/tandem generate $(TINY) "The engine" "Once upon a time" "café au lait" \
 		--max-tokens 32 --num-blocks 256 --quiet --no-async-batching
+	$(VENV)/bin/tandem trace plot out/demo_trace.json -o out/demo_timeline.png
 
 test: setup
 	$(VENV)/bin/pytest -q -x

@@ -76,3 +76,25 @@ def test_ranks_each_hold_their_shard_of_the_weights(make_tiny):
 def test_a_size_that_does_not_divide_the_heads_is_rejected(make_tiny):
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):
         LLM(str(make_tiny("llama")), tensor_parallel_size=3)
+
+
+def test_the_streaming_api_drives_two_ranks(make_tiny):
+    import asyncio
+
+    from tandem.async_llm import AsyncLLM
+
+    expected = run(make_tiny("qwen2"), 1)
+    llm = AsyncLLM.from_model(str(make_tiny("qwen2")), max_model_len=96, num_blocks=12, block_size=8,
+                              max_num_batched_tokens=24, tensor_parallel_size=2)  # fmt: skip
+
+    async def one(i: int) -> list[int]:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i], ignore_eos=True)
+        return [t async for out in llm.generate(PROMPTS[i], params, f"r{i}") for t in out.token_ids]
+
+    async def all_requests() -> list[list[int]]:
+        return await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+
+    try:
+        assert asyncio.run(all_requests()) == expected
+    finally:
+        llm.shutdown()

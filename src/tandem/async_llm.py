@@ -229,6 +229,8 @@ class AsyncLLM:
             dead = EngineDeadError(f"the engine thread failed: {error!r}")
             dead.__cause__ = error
             self._die(dead)
+        finally:
+            self.engine.shutdown()  # tensor-parallel workers, if any
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply every queued command, waiting for one if `block`; False once told to stop."""

@@ -42,6 +42,10 @@ class LLM:
         self.engine = Engine(EngineConfig(model=model, **engine_args))
         self._next_id = 0
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (nothing to do on one device)."""
+        self.engine.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

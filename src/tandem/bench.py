@@ -18,6 +18,7 @@ import torch
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine import Engine
 from tandem.llm import LLM
+from tandem.model import fused
 from tandem.model.loader import read_hf_config
 from tandem.roofline import roofline_summary
 from tandem.sampling import SamplingParams
@@ -335,6 +336,7 @@ def environment() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "date": time.strftime("%Y-%m-%d"),
+        "fused_kernels": fused.KERNELS,
     }
     for name in ("tandem", "transformers", "triton"):
         try:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.config import check_int
+from tandem.model import fused
 
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
@@ -135,7 +136,7 @@ class SamplingTensors:
 
 def sample(logits: torch.Tensor, t: SamplingTensors, use_filters: bool) -> torch.Tensor:
     """[rows, vocab] float32 logits -> [rows] int64 token ids; greedy rows take the argmax."""
-    if not use_filters and logits.is_cuda:
+    if not use_filters and logits.is_cuda and fused.KERNELS:
         from tandem.sampling_kernel import gumbel_argmax
 
         return gumbel_argmax(logits, t.temperature, t.seeds, t.positions)

@@ -7,17 +7,23 @@ same points as the torch version (values agree up to float32 rounding inside).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+# On CUDA the Triton kernels run (here and in the sampler) unless TANDEM_FUSED_KERNELS=0, which
+# keeps the torch versions: the "before" side of a fusion measurement.
+KERNELS = os.environ.get("TANDEM_FUSED_KERNELS", "1") != "0"
 
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) * weight, x + residual); x: [rows, hidden]. Without a residual, x."""
-    if x.is_cuda:
+    if x.is_cuda and KERNELS:
         return _add_rms_norm_triton(x, residual, weight, eps)
     summed = x if residual is None else x + residual
     xf = summed.float()
@@ -27,7 +33,7 @@ def add_rms_norm(
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[rows, 2 * inter] -> [rows, inter]: SiLU of the first half times the second half."""
-    if gate_up.is_cuda:
+    if gate_up.is_cuda and KERNELS:
         return _silu_and_mul_triton(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -37,7 +43,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """Rotary embedding in the "rotate half" layout. x: [tokens, heads, head_dim];
     cos, sin: [tokens, head_dim // 2] float32."""
     half = x.shape[-1] // 2
-    if x.is_cuda and half & (half - 1) == 0:  # the kernel's tiles need a power-of-two half
+    if (
+        x.is_cuda and KERNELS and half & (half - 1) == 0
+    ):  # the kernel's tiles need a power-of-two half
         return _rotate_triton(x, cos, sin)
     x1, x2 = x.float().chunk(2, dim=-1)
     c, s = cos[:, None, :], sin[:, None, :]

@@ -2,7 +2,8 @@
 
 Decode: bytes of K and V read per second against the measured copy ceiling.
 Prefill: causal attention FLOP/s against the measured bf16 GEMM ceiling.
-Usage: PYTHONPATH=src python benchmarks/kernels.py [--json PATH]
+Usage: PYTHONPATH=src python benchmarks/kernels.py [--json PATH] [--sweep-prefill]
+(--sweep-prefill: every prefill tile shape, each checked against the torch reference first)
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 import triton.testing
 
 from tandem.attention import AttentionMetadata
-from tandem.attention.triton_backend import TritonAttention
+from tandem.attention.torch_ref import prefill_attention
+from tandem.attention.triton_backend import PrefillTiles, TritonAttention
 
 COPY_CEILING = 4.22e12  # bytes/s, device-to-device copy, read + write (DESIGN.md)
 GEMM_CEILING = 760e12  # bf16 FLOP/s, 8192^3 GEMM (DESIGN.md)
@@ -54,11 +56,12 @@ def bench_decode(batch: int, context: int) -> dict:
             "splits": backend.num_splits(batch)}  # fmt: skip
 
 
-def bench_prefill(length: int) -> dict:
+def bench_prefill(length: int, tiles: PrefillTiles | None = None, check: bool = False) -> dict:
     cache, tables = paged_setup([length])
     q = torch.randn(length, NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     backend = TritonAttention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, 1, torch.device("cuda"))
+    backend.prefill_tiles = tiles or backend.prefill_tiles
     starts = [0, length]
     meta = AttentionMetadata(
         slot_mapping=torch.arange(length, device="cuda"),
@@ -69,6 +72,10 @@ def bench_prefill(length: int) -> dict:
         query_start_loc_host=starts,
         seq_lens_host=[length],
     )
+    if check:
+        backend.prefill(q, out, cache, meta, HEAD_DIM**-0.5)
+        expected = prefill_attention(q.float(), cache.float(), meta, HEAD_DIM**-0.5)
+        torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
     ms = triton.testing.do_bench(
         lambda: backend.prefill(q, out, cache, meta, HEAD_DIM**-0.5), return_mode="median"
     )
@@ -79,12 +86,31 @@ def bench_prefill(length: int) -> dict:
         "ms": ms,
         "TFLOP/s": rate / 1e12,
         "ceiling_pct": 100 * rate / GEMM_CEILING,
+        "tiles": backend.prefill_tiles._asdict(),
     }
+
+
+def sweep_prefill(length: int) -> None:
+    """Each tile shape: checked on a 1K prompt against the reference, timed on `length`."""
+    for rows in (64, 128):
+        for block_n in (32, 64, 128):
+            for num_warps in (4, 8):
+                for num_stages in (2, 3):
+                    tiles = PrefillTiles(rows, block_n, num_warps, num_stages)
+                    try:
+                        bench_prefill(1024, tiles, check=True)
+                        row = bench_prefill(length, tiles)
+                    except Exception as error:  # out of shared memory, or a wrong result
+                        print(f"{tiles}  failed: {str(error).splitlines()[0][:80]}", flush=True)
+                        continue
+                    print(f"{tiles}  {row['ms']:.3f} ms  {row['TFLOP/s']:.0f} TFLOP/s  "
+                          f"{row['ceiling_pct']:.1f}%", flush=True)  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
+    parser.add_argument("--sweep-prefill", action="store_true")
     args = parser.parse_args()
     rows = [
         bench_decode(32, 4096),
@@ -95,11 +121,14 @@ def main() -> None:
     for row in rows:
         rate = f"{row['TB/s']:.2f} TB/s" if "TB/s" in row else f"{row['TFLOP/s']:.0f} TFLOP/s"
         print(
-            f"{row['kernel']:28} {row['ms']:8.3f} ms  {rate:>14}  {row['ceiling_pct']:5.1f}% of ceiling"
+            f"{row['kernel']:28} {row['ms']:8.3f} ms  {rate:>14}  {row['ceiling_pct']:5.1f}% of ceiling",
+            flush=True,
         )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
+    if args.sweep_prefill:
+        sweep_prefill(4096)
 
 
 if __name__ == "__main__":

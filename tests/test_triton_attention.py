@@ -8,6 +8,7 @@ import torch
 from tandem.attention import AttentionMetadata, triton_backend
 from tandem.attention.torch_ref import decode_attention, prefill_attention
 from tandem.attention.torch_ref import write_kv as reference_write_kv
+from tandem.attention.triton_backend import PrefillTiles
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16] if DEVICE.type == "cpu" else [torch.bfloat16, torch.float16]
@@ -100,7 +101,7 @@ PREFILL_CASES = [
     ("num_kv_heads", "group", "head_dim", "block_size", "cached", "new"), PREFILL_CASES
 )
 def test_prefill_with_cached_prefix_matches_reference(
-    dtype, num_kv_heads, group, head_dim, block_size, cached, new
+    dtype, num_kv_heads, group, head_dim, block_size, cached, new, tiles=None
 ):
     num_blocks, max_blocks = 48, 16
     seq_lens = [c + n for c, n in zip(cached, new, strict=True)]
@@ -121,9 +122,21 @@ def test_prefill_with_cached_prefix_matches_reference(
     )
     scale = head_dim**-0.5
     out = torch.empty_like(q)
-    attention(num_kv_heads, group, head_dim).prefill(q, out, cache, meta, scale)
+    backend = attention(num_kv_heads, group, head_dim)
+    backend.prefill_tiles = tiles or backend.prefill_tiles
+    backend.prefill(q, out, cache, meta, scale)
     expected = prefill_attention(q.float(), cache.float(), meta, scale)
     torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize(
+    "tiles", [PrefillTiles(32, 16, 4, 2), PrefillTiles(128, 32, 8, 3), PrefillTiles(16, 64, 4, 3)]
+)
+def test_prefill_tile_shapes_match_reference(tiles):
+    """Unmasked key tiles before each query tile's diagonal, masked ones on it, for several shapes."""
+    test_prefill_with_cached_prefix_matches_reference(
+        torch.float32, 2, 4, 64, 16, [40, 0, 7], [90, 61, 1], tiles
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

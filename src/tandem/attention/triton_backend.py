@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -17,6 +18,15 @@ from tandem.attention.triton_kernels import (
 
 MAX_SPLITS = 32
 BLOCK_N = 64
+
+
+class PrefillTiles(NamedTuple):
+    """Launch shape of the prefill kernel (`benchmarks/kernels.py --sweep-prefill` compares them)."""
+
+    rows: int = 64  # query rows per program: query tokens x padded GQA group
+    block_n: int = 64  # keys per tile
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 class TritonAttention:
@@ -35,6 +45,7 @@ class TritonAttention:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.fixed_splits = num_splits
+        self.prefill_tiles = PrefillTiles()
         self.num_sms = (
             torch.cuda.get_device_properties(device).multi_processor_count
             if device.type == "cuda"
@@ -97,13 +108,15 @@ class TritonAttention:
         assert q.stride(2) == 1 and q.stride(1) == self.head_dim
         max_query_len = max(b - a for a, b in itertools.pairwise(starts))
         group_pad = triton.next_power_of_2(self.group)
-        block_m = max(1, 64 // group_pad)
+        tiles = self.prefill_tiles
+        block_m = max(1, tiles.rows // group_pad)
         grid = (len(starts) - 1, triton.cdiv(max_query_len, block_m), self.num_kv_heads)
         prefill_kernel[grid](
             q, out, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
             q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale,
             GROUP=self.group, GROUP_PAD=group_pad, NUM_KV_HEADS=self.num_kv_heads,
-            HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+            HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=block_m,
+            BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )  # fmt: skip
 
 

@@ -38,7 +38,7 @@ def write_kv_kernel(
 @triton.jit
 def _attend_tile(
     q,  # [ROWS, HEAD_DIM]
-    row_max,  # [ROWS] running max
+    row_max,  # [ROWS] running max, in log2 units
     row_sum,  # [ROWS] running sum
     acc,  # [ROWS, HEAD_DIM] running numerator
     cache_ptr,
@@ -48,28 +48,37 @@ def _attend_tile(
     key_start,
     query_pos,  # [ROWS] position of each row's query token (keys past it are masked)
     seq_len,
-    scale,
+    qk_scale,  # softmax scale * log2(e): scores in log2 units, so exp2 does the exponent
     BLOCK_SIZE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,  # False when every key of the tile is in the sequence and visible to every row
 ):
     """One online-softmax update over keys [key_start, key_start + BLOCK_N)."""
     key_pos = key_start + tl.arange(0, BLOCK_N)
     in_seq = key_pos < seq_len
-    block = tl.load(table_ptr + key_pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
+    if MASKED:
+        block = tl.load(table_ptr + key_pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
+    else:
+        block = tl.load(table_ptr + key_pos // BLOCK_SIZE).to(tl.int64)
     slot = block * BLOCK_SIZE + key_pos % BLOCK_SIZE
     dims = tl.arange(0, HEAD_DIM)
     offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
-    k = tl.load(cache_ptr + offsets, mask=in_seq[:, None], other=0.0)
-    v = tl.load(cache_ptr + kv_half_stride + offsets, mask=in_seq[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k)) * scale  # [ROWS, BLOCK_N] float32
-    visible = in_seq[None, :] & (key_pos[None, :] <= query_pos[:, None])
-    s = tl.where(visible, s, float("-inf"))
+    if MASKED:
+        k = tl.load(cache_ptr + offsets, mask=in_seq[:, None], other=0.0)
+        v = tl.load(cache_ptr + kv_half_stride + offsets, mask=in_seq[:, None], other=0.0)
+    else:
+        k = tl.load(cache_ptr + offsets)
+        v = tl.load(cache_ptr + kv_half_stride + offsets)
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # [ROWS, BLOCK_N] float32
+    if MASKED:
+        visible = in_seq[None, :] & (key_pos[None, :] <= query_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(row_max, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
-    p = tl.exp(s - m_safe[:, None])
-    alpha = tl.exp(row_max - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(row_max - m_safe)
     row_sum = row_sum * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, row_sum, acc
@@ -96,7 +105,7 @@ def prefill_kernel(
     BLOCK_N: tl.constexpr,
 ):
     seq = tl.program_id(0)
-    tile = tl.program_id(1)
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest (last) tiles start first
     kv_head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -116,12 +125,21 @@ def prefill_kernel(
         row_sum = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
         acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM], tl.float32)
         table = block_tables_ptr + seq.to(tl.int64) * block_table_stride
-        # keys up to the tile's last query position (causal)
-        last_key = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)
-        for key_start in range(0, last_key, BLOCK_N):
+        qk_scale = scale * 1.4426950408889634
+        # keys up to the tile's first query position are visible to every row: no mask there;
+        # the rest, up to its last query position (causal), are masked
+        first_query = seq_len - q_len + tile * BLOCK_M
+        unmasked_end = (first_query + 1) // BLOCK_N * BLOCK_N
+        last_key = tl.minimum(seq_len, first_query + BLOCK_M)
+        for key_start in range(0, unmasked_end, BLOCK_N):
             row_max, row_sum, acc = _attend_tile(
                 q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head, key_start,
-                query_pos, seq_len, scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
+                query_pos, seq_len, qk_scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, False,
+            )  # fmt: skip
+        for key_start in range(unmasked_end, last_key, BLOCK_N):
+            row_max, row_sum, acc = _attend_tile(
+                q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head, key_start,
+                query_pos, seq_len, qk_scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, True,
             )  # fmt: skip
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
         out_offsets = (token_offset * (GROUP * NUM_KV_HEADS * HEAD_DIM) + head * HEAD_DIM)[:, None]
@@ -133,7 +151,7 @@ def prefill_kernel(
 def decode_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
     partial_out_ptr,  # [num_seqs, num_heads, MAX_SPLITS, head_dim] float32
-    partial_ml_ptr,  # [num_seqs, num_heads, MAX_SPLITS, 2] float32: running max, running sum
+    partial_ml_ptr,  # [num_seqs, num_heads, MAX_SPLITS, 2] float32: running max (log2), sum
     cache_ptr,
     block_tables_ptr,
     seq_lens_ptr,
@@ -173,10 +191,17 @@ def decode_kernel(
     row_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * block_table_stride
-    for t in range(first_tile, last_tile):
+    qk_scale = scale * 1.4426950408889634
+    full_tiles = seq_len // BLOCK_N  # tiles with no position past the end: no mask
+    for t in range(first_tile, tl.minimum(last_tile, full_tiles)):
         row_max, row_sum, acc = _attend_tile(
             q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head, t * BLOCK_N, query_pos,
-            seq_len, scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
+            seq_len, qk_scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, False,
+        )  # fmt: skip
+    for t in range(tl.maximum(first_tile, full_tiles), last_tile):
+        row_max, row_sum, acc = _attend_tile(
+            q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head, t * BLOCK_N, query_pos,
+            seq_len, qk_scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, True,
         )  # fmt: skip
     base = (seq.to(tl.int64) * (GROUP * NUM_KV_HEADS) + head) * MAX_SPLITS + split
     tl.store(
@@ -195,14 +220,14 @@ def reduce_kernel(
     HEAD_DIM: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
 ):
-    """out = sum_s exp(m_s - M) * acc_s / sum_s exp(m_s - M) * l_s over the splits of one head."""
+    """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits of one head (m in log2 units)."""
     row = tl.program_id(0)  # seq * num_heads + head
     splits = tl.arange(0, MAX_SPLITS)
     used = splits < num_splits
     base = row.to(tl.int64) * MAX_SPLITS + splits
     row_max = tl.load(partial_ml_ptr + base * 2, mask=used, other=float("-inf"))
     row_sum = tl.load(partial_ml_ptr + base * 2 + 1, mask=used, other=0.0)
-    weight = tl.where(row_max == float("-inf"), 0.0, tl.exp(row_max - tl.max(row_max, axis=0)))
+    weight = tl.where(row_max == float("-inf"), 0.0, tl.exp2(row_max - tl.max(row_max, axis=0)))
     dims = tl.arange(0, HEAD_DIM)
     acc = tl.load(
         partial_out_ptr + base[:, None] * HEAD_DIM + dims[None, :], mask=used[:, None], other=0.0

@@ -23,9 +23,9 @@ BLOCK_N = 64
 class PrefillTiles(NamedTuple):
     """Launch shape of the prefill kernel (`benchmarks/kernels.py --sweep-prefill` compares them)."""
 
-    rows: int = 64  # query rows per program: query tokens x padded GQA group
-    block_n: int = 64  # keys per tile
-    num_warps: int = 4
+    rows: int = 128  # query rows per program: query tokens x padded GQA group
+    block_n: int = 128  # keys per tile
+    num_warps: int = 8
     num_stages: int = 3
 
 

@@ -44,16 +44,25 @@ def test_silu_and_mul_matches_torch(dtype, inter):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("heads", "head_dim"), [(4, 16), (3, 64), (8, 128)])
-def test_rotate_matches_torch_on_strided_heads(dtype, heads, head_dim):
-    g = torch.Generator().manual_seed(heads * head_dim)
-    tokens = 6
-    # q as the engine sees it: a view into the stacked qkv output, rows wider than the heads
-    qkv = torch.randn(tokens, 3 * heads * head_dim, generator=g).to(dtype).to(DEVICE)
-    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
-    angles = torch.rand(tokens, head_dim // 2, generator=g) * 50
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 16), (3, 1, 64), (8, 2, 128)])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_rope_qk_matches_torch_on_strided_heads(dtype, heads, kv_heads, head_dim, with_norm):
+    g = torch.Generator().manual_seed(heads * head_dim + with_norm)
+    tokens, max_position = 6, 40
+    # q and k as the engine sees them: views into the stacked qkv output
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = (torch.randn(tokens, q_size + 2 * kv_size, generator=g) * 3).to(dtype).to(DEVICE)
+    q = qkv[:, :q_size].view(tokens, heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, head_dim)
+    angles = torch.rand(max_position, head_dim // 2, generator=g) * 50
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(DEVICE)
-    cos, sin = cos_sin.chunk(2, dim=-1)
-    out = fused._rotate_triton(q, cos, sin)
-    tol = 1e-6 if dtype == torch.float32 else 2e-3
-    torch.testing.assert_close(out, reference(fused.rotate, q, cos, sin), atol=tol, rtol=tol)
+    positions = torch.tensor([0, 39, 7, 7, 12, 3], dtype=torch.int32, device=DEVICE)
+    weights = [
+        (1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype).to(DEVICE) if with_norm else None
+        for _ in range(2)
+    ]
+    q_out, k_out = fused._rope_qk_triton(q, k, positions, cos_sin, *weights, 1e-6)
+    q_ref, k_ref = reference(fused.rope_qk, q, k, positions.long(), cos_sin, *weights, 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(q_out, q_ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(k_out, k_ref, atol=tol, rtol=tol)

@@ -90,15 +90,19 @@ def run_transformers(
     )
     max_len = max(workload.max_len, warmup.max_len)
     in_flight = min(max_num_seqs, len(workload.prompts))
-    on_gpu = model.device.type == "cuda"
+    # Sized from the workload, not from free memory: with a masked attention (paged|sdpa) each
+    # step builds a [max_batch_tokens, cache tokens + max_batch_tokens] mask, and its async mode
+    # copies that mask from pinned host memory every step, so a cache filling the GPU costs it
+    # gigabytes of copies per step. Twice what the requests in flight need keeps its scheduler's
+    # safety margin (free blocks held for decode) from holding back a prompt tandem would admit;
+    # all prompts in flight still fit in one step's token budget.
+    num_blocks = 2 * in_flight * cdiv(max_len, HF_BLOCK_SIZE)
+    prompt_tokens = sorted(map(len, workload.prompts), reverse=True)[:in_flight]
     cb_config = ContinuousBatchingConfig(
         use_async_batching=async_batching,
         max_requests_per_batch=max_num_seqs,
-        max_batch_tokens=max_num_batched_tokens,
-        # on a GPU the KV cache takes the free memory; elsewhere twice what the requests in flight
-        # need, so its scheduler's safety margin (free blocks kept for decode) never holds back a
-        # prompt that tandem would admit
-        num_blocks=None if on_gpu else 2 * in_flight * cdiv(max_len, HF_BLOCK_SIZE),
+        max_batch_tokens=min(max_num_batched_tokens, max(sum(prompt_tokens), 1)),
+        num_blocks=num_blocks,
         block_size=HF_BLOCK_SIZE,
         allow_block_sharing=False,  # tandem has no prefix caching: both do the same work
         seed=seed,

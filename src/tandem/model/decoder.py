@@ -87,9 +87,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
+        q, k = self.rope(positions, q, k, self.q_norm, self.k_norm)
         out = attend(q, k, v, kv_cache, meta, self.scale)
         return row_parallel(self.o_proj, out.flatten(1), self.tp)
 

@@ -1,4 +1,4 @@
-"""Small fused ops of the decoder: residual add + RMSNorm, SiLU(gate) * up, rotary embedding.
+"""Small fused ops of the decoder: residual add + RMSNorm, SiLU(gate) * up, and q/k norm + rotary.
 
 Each has a torch version (CPU, and the reference) and a Triton kernel used on CUDA that does
 the same arithmetic in one launch instead of five to twenty, rounding to the model dtype at the
@@ -39,14 +39,35 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def rope_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q and k (when norm weights are given, as in Qwen3), then the rotary
+    embedding in the "rotate half" layout. q: [tokens, heads, head_dim], k: [tokens, kv_heads,
+    head_dim], either may be a strided view; cos_sin: [max_position, head_dim] float32, cos in
+    the first half, sin in the second, looked up by `positions` [tokens]. New contiguous q, k."""
+    half = q.shape[-1] // 2
+    if q.is_cuda and KERNELS and half & (half - 1) == 0:  # the kernel's tiles need a power of two
+        return _rope_qk_triton(q, k, positions, cos_sin, q_norm_weight, k_norm_weight, eps)
+    cos, sin = cos_sin[positions].chunk(2, dim=-1)
+    if q_norm_weight is not None:
+        q, k = _head_norm(q, q_norm_weight, eps), _head_norm(k, k_norm_weight, eps)
+    return rotate(q, cos, sin), rotate(k, cos, sin)
+
+
+def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return add_rms_norm(x.reshape(-1, x.shape[-1]), None, weight, eps)[0].view(x.shape)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in the "rotate half" layout. x: [tokens, heads, head_dim];
+    """Rotary embedding in the "rotate half" layout (torch). x: [tokens, heads, head_dim];
     cos, sin: [tokens, head_dim // 2] float32."""
-    half = x.shape[-1] // 2
-    if (
-        x.is_cuda and KERNELS and half & (half - 1) == 0
-    ):  # the kernel's tiles need a power-of-two half
-        return _rotate_triton(x, cos, sin)
     x1, x2 = x.float().chunk(2, dim=-1)
     c, s = cos[:, None, :], sin[:, None, :]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
@@ -116,31 +137,60 @@ def _silu_and_mul_triton(gate_up):
 
 
 @triton.jit
-def rotate_kernel(
-    x_ptr, cos_ptr, sin_ptr, out_ptr, token_stride, head_stride, num_heads, cos_stride,
-    HALF: tl.constexpr, HEADS: tl.constexpr,
+def _norm_rotate_heads(
+    x_ptr, out_ptr, weight_ptr, cos_sin_ptr, token, position, token_stride, head_stride,
+    num_heads, eps, HALF: tl.constexpr, HEADS: tl.constexpr, HAS_NORM: tl.constexpr,
 ):  # fmt: skip
-    token = tl.program_id(0).to(tl.int64)
+    """One token's heads: [HEADS, HALF] tiles for the two halves of each head."""
     heads = tl.arange(0, HEADS)[:, None]
     dims = tl.arange(0, HALF)[None, :]
     mask = heads < num_heads
     base = x_ptr + token * token_stride + heads * head_stride + dims
-    x1 = tl.load(base, mask=mask, other=0.0)
-    x2 = tl.load(base + HALF, mask=mask, other=0.0)
-    c = tl.load(cos_ptr + token * cos_stride + dims)
-    s = tl.load(sin_ptr + token * cos_stride + dims)
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    a = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:  # rounded to the model dtype where the torch RMSNorm rounds
+        inv_rms = 1.0 / tl.sqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)
+        a = (a * inv_rms[:, None]).to(dtype).to(tl.float32)
+        b = (b * inv_rms[:, None]).to(dtype).to(tl.float32)
+        a = (tl.load(weight_ptr + dims).to(tl.float32) * a).to(dtype).to(tl.float32)
+        b = (tl.load(weight_ptr + HALF + dims).to(tl.float32) * b).to(dtype).to(tl.float32)
+    c = tl.load(cos_sin_ptr + position * (2 * HALF) + dims)
+    s = tl.load(cos_sin_ptr + position * (2 * HALF) + HALF + dims)
     out = out_ptr + token * num_heads * 2 * HALF + heads * 2 * HALF + dims
-    tl.store(out, (a * c - b * s).to(x1.dtype), mask=mask)
-    tl.store(out + HALF, (b * c + a * s).to(x1.dtype), mask=mask)
+    tl.store(out, (a * c - b * s).to(dtype), mask=mask)
+    tl.store(out + HALF, (b * c + a * s).to(dtype), mask=mask)
 
 
-def _rotate_triton(x, cos, sin):
-    tokens, heads, head_dim = x.shape
-    assert x.stride(2) == 1 and cos.stride(1) == 1 and sin.stride(0) == cos.stride(0)
-    out = torch.empty((tokens, heads, head_dim), dtype=x.dtype, device=x.device)
-    rotate_kernel[(tokens,)](
-        x, cos, sin, out, x.stride(0), x.stride(1), heads, cos.stride(0),
-        HALF=head_dim // 2, HEADS=triton.next_power_of_2(heads),
+@triton.jit
+def rope_qk_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_weight_ptr, positions_ptr, cos_sin_ptr,
+    q_token_stride, q_head_stride, k_token_stride, k_head_stride, num_q_heads, num_k_heads, eps,
+    HALF: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    _norm_rotate_heads(
+        q_ptr, q_out_ptr, q_weight_ptr, cos_sin_ptr, token, position, q_token_stride,
+        q_head_stride, num_q_heads, eps, HALF, Q_HEADS, HAS_NORM,
     )  # fmt: skip
-    return out
+    _norm_rotate_heads(
+        k_ptr, k_out_ptr, k_weight_ptr, cos_sin_ptr, token, position, k_token_stride,
+        k_head_stride, num_k_heads, eps, HALF, K_HEADS, HAS_NORM,
+    )  # fmt: skip
+
+
+def _rope_qk_triton(q, k, positions, cos_sin, q_norm_weight, k_norm_weight, eps):
+    tokens, q_heads, head_dim = q.shape
+    k_heads = k.shape[1]
+    assert q.stride(2) == 1 and k.stride(2) == 1 and cos_sin.is_contiguous()
+    q_out = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((tokens, k_heads, head_dim), dtype=k.dtype, device=k.device)
+    has_norm = q_norm_weight is not None
+    rope_qk_kernel[(tokens,)](
+        q, k, q_out, k_out, q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,
+        positions, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_heads, k_heads,
+        eps, HALF=head_dim // 2, Q_HEADS=triton.next_power_of_2(q_heads),
+        K_HEADS=triton.next_power_of_2(k_heads), HAS_NORM=has_norm,
+    )  # fmt: skip
+    return q_out, k_out

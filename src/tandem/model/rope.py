@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from tandem.model.fused import rotate
+from tandem.model.fused import rope_qk
 
 
 def inverse_frequencies(
@@ -43,8 +43,14 @@ class RotaryEmbedding(torch.nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self,
+        positions: torch.Tensor,  # [T]
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        q_norm: torch.nn.Module | None = None,
+        k_norm: torch.nn.Module | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T]; q: [T, num_heads, head_dim]; k: [T, num_kv_heads, head_dim]
-        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [T, head_dim // 2] each
-        return rotate(q, cos, sin), rotate(k, cos, sin)
+        """Rotated q and k, each head RMS-normalized first when the model has q/k norms."""
+        if q_norm is None:
+            return rope_qk(q, k, positions, self.cos_sin)
+        return rope_qk(q, k, positions, self.cos_sin, q_norm.weight, k_norm.weight, q_norm.eps)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,6 +21,10 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     scale=st.floats(0.1, 8.0),
 )
 def test_fused_kernel_matches_the_torch_sampler(rows, vocab, seed, scale):
+    check_matches_torch(rows, vocab, seed, scale, num_chunks=None)
+
+
+def check_matches_torch(rows, vocab, seed, scale, num_chunks):
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(rows, vocab, generator=g) * scale).to(DEVICE)
     temperature = torch.tensor([0.0, 1.0, 0.3, 1.7, 1.0, 0.0][:rows], device=DEVICE)
@@ -32,17 +37,26 @@ def test_fused_kernel_matches_the_torch_sampler(rows, vocab, seed, scale):
     reference = sample(
         logits.cpu(), SamplingTensors(*(x.cpu() for x in vars(params).values())), use_filters=False
     )
-    fused = kernel.gumbel_argmax(logits, temperature, seeds, positions)
+    fused = kernel.gumbel_argmax(logits, temperature, seeds, positions, num_chunks)
     assert fused.cpu().tolist() == reference.tolist()
 
 
-def test_greedy_rows_take_the_first_maximum():
+@pytest.mark.parametrize("num_chunks", [1, 2, 3, 5, 64])
+def test_any_vocabulary_split_draws_the_same_tokens(num_chunks):
+    """One chunk per row, uneven chunks, more chunks asked for than blocks: the same draws."""
+    check_matches_torch(rows=4, vocab=9000, seed=num_chunks, scale=2.0, num_chunks=num_chunks)
+
+
+@pytest.mark.parametrize("num_chunks", [1, 3])
+def test_greedy_rows_take_the_first_maximum(num_chunks):
     logits = torch.zeros(2, 4100, device=DEVICE)
-    logits[:, [5, 3000, 4099]] = 1.0  # equal maxima in different blocks
+    logits[:, [3000, 4099]] = 1.0  # equal maxima in different blocks (and chunks)
+    logits[1, 5] = 1.0
     out = kernel.gumbel_argmax(
         logits,
         torch.zeros(2, device=DEVICE),
         torch.zeros(2, dtype=torch.int32, device=DEVICE),
         torch.zeros(2, dtype=torch.int32, device=DEVICE),
+        num_chunks,
     )
-    assert out.tolist() == [5, 5]
+    assert out.tolist() == [3000, 5]

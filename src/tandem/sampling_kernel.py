@@ -2,10 +2,13 @@
 
 Computes, per row, argmax(logits / temperature + gumbel(seed, position, token)) with the same
 counter-based hash as `sampling.gumbel_noise`, or the plain argmax for temperature 0, without
-materializing the [rows, vocab] noise.
+materializing the [rows, vocab] noise. Each row's vocabulary is cut into chunks so that a few
+rows still fill the device; a second, small kernel picks each row's best chunk.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -27,50 +30,95 @@ def _mix32(h):
 @triton.jit
 def gumbel_argmax_kernel(
     logits_ptr,  # [rows, vocab] float32
-    out_ptr,  # [rows] int64
+    best_score_ptr,  # [rows, num_chunks] float32: each chunk's best score
+    best_token_ptr,  # [rows, num_chunks] int32: and its token
     temperature_ptr,
     seeds_ptr,
     positions_ptr,
     logits_stride,
     vocab,
+    chunk_len,  # a multiple of BLOCK
+    num_chunks,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
+    chunk = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
     greedy = temperature == 0.0
     divisor = tl.where(greedy, 1.0, temperature)
     seed = tl.load(seeds_ptr + row).to(tl.uint32)
     position = tl.load(positions_ptr + row).to(tl.uint32)
     row_key = _mix32(seed ^ _mix32(position))
+    first = chunk * chunk_len
+    end = tl.minimum(first + chunk_len, vocab)
     best_score = float("-inf")
-    best_token = 0
-    for start in range(0, vocab, BLOCK):
+    best_token = first
+    for start in range(first, end, BLOCK):
         token = start + tl.arange(0, BLOCK)
-        in_vocab = token < vocab
+        in_chunk = token < end
         logit = tl.load(
             logits_ptr + row.to(tl.int64) * logits_stride + token,
-            mask=in_vocab,
+            mask=in_chunk,
             other=float("-inf"),
         )
         h = _mix32((row_key + (token.to(tl.uint32) * 0x9E3779B9).to(tl.uint32)).to(tl.uint32))
         u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
         noise = -tl.log(-tl.log(u))
         score = tl.where(greedy, logit, logit / divisor + noise)
-        score = tl.where(in_vocab, score, float("-inf"))
+        score = tl.where(in_chunk, score, float("-inf"))
         block_best = tl.max(score, axis=0)
         block_token = tl.argmax(score, axis=0) + start
         better = block_best > best_score  # strictly: the first maximum wins, as in torch.argmax
         best_token = tl.where(better, block_token, best_token)
         best_score = tl.where(better, block_best, best_score)
-    tl.store(out_ptr + row, best_token.to(tl.int64))
+    tl.store(best_score_ptr + row * num_chunks + chunk, best_score)
+    tl.store(best_token_ptr + row * num_chunks + chunk, best_token)
+
+
+@triton.jit
+def pick_best_chunk_kernel(
+    best_score_ptr, best_token_ptr, out_ptr, num_chunks, CHUNKS: tl.constexpr
+):  # fmt: skip
+    row = tl.program_id(0)
+    chunks = tl.arange(0, CHUNKS)
+    used = chunks < num_chunks
+    score = tl.load(best_score_ptr + row * num_chunks + chunks, mask=used, other=float("-inf"))
+    token = tl.load(best_token_ptr + row * num_chunks + chunks, mask=used, other=0)
+    best = tl.argmax(score, axis=0, tie_break_left=True)  # the earliest chunk among equals
+    tl.store(out_ptr + row, tl.sum(tl.where(chunks == best, token, 0), axis=0).to(tl.int64))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter: a few chunks, so CPU tests cover the split
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def gumbel_argmax(
-    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    num_chunks: int | None = None,
 ) -> torch.Tensor:
-    """[rows, vocab] float32 -> [rows] int64 sampled (or greedy) token ids."""
-    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    gumbel_argmax_kernel[(logits.shape[0],)](
-        logits, out, temperature, seeds, positions, logits.stride(0), logits.shape[1], BLOCK=BLOCK
+    """[rows, vocab] float32 -> [rows] int64 sampled (or greedy) token ids.
+
+    `num_chunks` per row defaults to enough programs to fill the device twice over."""
+    rows, vocab = logits.shape
+    blocks = triton.cdiv(vocab, BLOCK)
+    if num_chunks is None:
+        num_chunks = triton.cdiv(2 * _num_sms(logits.device), rows)
+    chunk_len = triton.cdiv(blocks, max(1, min(num_chunks, blocks))) * BLOCK
+    num_chunks = triton.cdiv(vocab, chunk_len)
+    best_score = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
+    best_token = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
+    gumbel_argmax_kernel[(rows, num_chunks)](
+        logits, best_score, best_token, temperature, seeds, positions, logits.stride(0), vocab,
+        chunk_len, num_chunks, BLOCK=BLOCK,
+    )  # fmt: skip
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    pick_best_chunk_kernel[(rows,)](
+        best_score, best_token, out, num_chunks, CHUNKS=triton.next_power_of_2(num_chunks)
     )
     return out

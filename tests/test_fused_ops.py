@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.attention.torch_ref import write_kv as reference_write_kv
 from tandem.model import fused
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -66,3 +67,57 @@ def test_rope_qk_matches_torch_on_strided_heads(dtype, heads, kv_heads, head_dim
     tol = 1e-5 if dtype == torch.float32 else 4e-3
     torch.testing.assert_close(q_out, q_ref, atol=tol, rtol=tol)
     torch.testing.assert_close(k_out, k_ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_rope_qk_stores_k_and_v_in_the_paged_cache(dtype, with_norm):
+    """With `store`, rotated k and v land at each token's slot (-1: nowhere) and q is as without."""
+    g = torch.Generator().manual_seed(11 + with_norm)
+    tokens, heads, kv_heads, head_dim, blocks, block_size = 5, 8, 2, 64, 4, 4
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = (torch.randn(tokens, q_size + 2 * kv_size, generator=g) * 3).to(dtype).to(DEVICE)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k, v = (x.view(tokens, -1, head_dim) for x in (q, k, v))
+    angles = torch.rand(32, head_dim // 2, generator=g) * 50
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(DEVICE)
+    positions = torch.tensor([3, 4, 31, 0, 9], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([6, 7, -1, 0, 13], dtype=torch.int64, device=DEVICE)
+    weights = [
+        (1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype).to(DEVICE) if with_norm else None
+        for _ in range(2)
+    ]
+    cache = torch.zeros(2, blocks + 1, block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    q_out, k_none = fused._rope_qk_triton(
+        q, k, positions, cos_sin, *weights, 1e-6, store=(v, cache, slots)
+    )
+    q_ref, k_ref = reference(fused.rope_qk, q, k, positions.long(), cos_sin, *weights, 1e-6)
+    expected = torch.zeros_like(cache)
+    reference_write_kv(expected, k_ref, v, slots)
+    expected[:, -1] = 0  # the torch version parks slot -1 in the spare last block
+    tol = 1e-5 if dtype == torch.float32 else 4e-3
+    assert k_none is None
+    torch.testing.assert_close(q_out, q_ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(cache, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_engine_with_every_kernel_gives_the_torch_tokens(make_tiny, arch, monkeypatch):
+    """The fused ops, the in-kernel K/V store, one-split decode and the chunked sampler, wired
+    through the whole engine (interpreted on CPU), against the torch ops: the same tokens."""
+    from tandem import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": list(range(3 + 5 * i, 20 + 9 * i))} for i in range(3)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=5, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=5, ignore_eos=True),
+    ]
+    tokens = {}
+    for kernels in (False, True):
+        monkeypatch.setattr(fused, "use_kernels", lambda x, on=kernels: on)
+        llm = LLM(str(make_tiny(arch)), attention_backend="triton", max_model_len=128,
+                  num_blocks=32, max_num_batched_tokens=24)  # fmt: skip
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        tokens[kernels] = [o.outputs[0].token_ids for o in outputs]
+    assert tokens[True] == tokens[False]

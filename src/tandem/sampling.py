@@ -136,7 +136,7 @@ class SamplingTensors:
 
 def sample(logits: torch.Tensor, t: SamplingTensors, use_filters: bool) -> torch.Tensor:
     """[rows, vocab] float32 logits -> [rows] int64 token ids; greedy rows take the argmax."""
-    if not use_filters and logits.is_cuda and fused.KERNELS:
+    if not use_filters and fused.use_kernels(logits):
         from tandem.sampling_kernel import gumbel_argmax
 
         return gumbel_argmax(logits, t.temperature, t.seeds, t.positions)

@@ -62,13 +62,14 @@ class TritonAttention:
     def __call__(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        if k is not None:
+            write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.decode_only:
             self.decode(q, out, kv_cache, meta, scale)
@@ -87,12 +88,14 @@ class TritonAttention:
         num_seqs = q.shape[0]
         splits = self.num_splits(num_seqs)
         decode_kernel[(num_seqs, self.num_kv_heads, splits)](
-            q, self.partial_out, self.partial_ml, kv_cache, meta.block_tables, meta.seq_lens,
+            q, out, self.partial_out, self.partial_ml, kv_cache, meta.block_tables, meta.seq_lens,
             q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale, splits,
             GROUP=self.group, GROUP_PAD=max(16, triton.next_power_of_2(self.group)),
             NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2],
-            BLOCK_N=BLOCK_N, MAX_SPLITS=MAX_SPLITS,
+            BLOCK_N=BLOCK_N, MAX_SPLITS=MAX_SPLITS, DIRECT=splits == 1,
         )  # fmt: skip
+        if splits == 1:
+            return
         reduce_kernel[(num_seqs * self.num_heads,)](
             self.partial_out,
             self.partial_ml,

@@ -150,6 +150,7 @@ def prefill_kernel(
 @triton.jit
 def decode_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
+    out_ptr,  # [num_seqs, num_heads, head_dim], written here when DIRECT
     partial_out_ptr,  # [num_seqs, num_heads, MAX_SPLITS, head_dim] float32
     partial_ml_ptr,  # [num_seqs, num_heads, MAX_SPLITS, 2] float32: running max (log2), sum
     cache_ptr,
@@ -167,6 +168,7 @@ def decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
+    DIRECT: tl.constexpr,  # one split: normalize and write the output, no reduce step
 ):
     """Split s of a sequence covers an equal share of its key tiles; `reduce_kernel` merges them."""
     seq = tl.program_id(0)
@@ -203,12 +205,21 @@ def decode_kernel(
             q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head, t * BLOCK_N, query_pos,
             seq_len, qk_scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, True,
         )  # fmt: skip
-    base = (seq.to(tl.int64) * (GROUP * NUM_KV_HEADS) + head) * MAX_SPLITS + split
-    tl.store(
-        partial_out_ptr + base[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None]
-    )
-    tl.store(partial_ml_ptr + base * 2, row_max, mask=row_valid)
-    tl.store(partial_ml_ptr + base * 2 + 1, row_sum, mask=row_valid)
+    if DIRECT:
+        out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+        row = seq.to(tl.int64) * (GROUP * NUM_KV_HEADS) + head
+        tl.store(
+            out_ptr + row[:, None] * HEAD_DIM + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None],
+        )
+    else:
+        base = (seq.to(tl.int64) * (GROUP * NUM_KV_HEADS) + head) * MAX_SPLITS + split
+        tl.store(
+            partial_out_ptr + base[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None]
+        )
+        tl.store(partial_ml_ptr + base * 2, row_max, mask=row_valid)
+        tl.store(partial_ml_ptr + base * 2 + 1, row_sum, mask=row_valid)
 
 
 @triton.jit

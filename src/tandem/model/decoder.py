@@ -87,8 +87,10 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(positions, q, k, self.q_norm, self.k_norm)
-        out = attend(q, k, v, kv_cache, meta, self.scale)
+        q, k = self.rope(
+            positions, q, k, self.q_norm, self.k_norm, store=(v, kv_cache, meta.slot_mapping)
+        )
+        out = attend(q, k, v, kv_cache, meta, self.scale)  # k is None when already stored
         return row_parallel(self.o_proj, out.flatten(1), self.tp)
 
 

@@ -19,11 +19,16 @@ import triton.language as tl
 KERNELS = os.environ.get("TANDEM_FUSED_KERNELS", "1") != "0"
 
 
+def use_kernels(x: torch.Tensor) -> bool:
+    """Whether ops on `x` run as Triton kernels (tests patch this to run them interpreted on CPU)."""
+    return KERNELS and x.is_cuda
+
+
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) * weight, x + residual); x: [rows, hidden]. Without a residual, x."""
-    if x.is_cuda and KERNELS:
+    if use_kernels(x):
         return _add_rms_norm_triton(x, residual, weight, eps)
     summed = x if residual is None else x + residual
     xf = summed.float()
@@ -33,7 +38,7 @@ def add_rms_norm(
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[rows, 2 * inter] -> [rows, inter]: SiLU of the first half times the second half."""
-    if gate_up.is_cuda and KERNELS:
+    if use_kernels(gate_up):
         return _silu_and_mul_triton(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -47,14 +52,19 @@ def rope_qk(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-head RMSNorm of q and k (when norm weights are given, as in Qwen3), then the rotary
     embedding in the "rotate half" layout. q: [tokens, heads, head_dim], k: [tokens, kv_heads,
     head_dim], either may be a strided view; cos_sin: [max_position, head_dim] float32, cos in
-    the first half, sin in the second, looked up by `positions` [tokens]. New contiguous q, k."""
+    the first half, sin in the second, looked up by `positions` [tokens]. New contiguous q, k.
+
+    `store` = (v, kv_cache, slot_mapping): the kernel also writes k and v into the paged cache
+    (layout [2, blocks, block_size, kv_heads, head_dim]; slot -1 writes nothing) and returns
+    (q, None). The torch version ignores it and returns k for the attention backend to store."""
     half = q.shape[-1] // 2
-    if q.is_cuda and KERNELS and half & (half - 1) == 0:  # the kernel's tiles need a power of two
-        return _rope_qk_triton(q, k, positions, cos_sin, q_norm_weight, k_norm_weight, eps)
+    if use_kernels(q) and half & (half - 1) == 0:  # the kernel's tiles need a power of two
+        return _rope_qk_triton(q, k, positions, cos_sin, q_norm_weight, k_norm_weight, eps, store)
     cos, sin = cos_sin[positions].chunk(2, dim=-1)
     if q_norm_weight is not None:
         q, k = _head_norm(q, q_norm_weight, eps), _head_norm(k, k_norm_weight, eps)
@@ -138,10 +148,11 @@ def _silu_and_mul_triton(gate_up):
 
 @triton.jit
 def _norm_rotate_heads(
-    x_ptr, out_ptr, weight_ptr, cos_sin_ptr, token, position, token_stride, head_stride,
-    num_heads, eps, HALF: tl.constexpr, HEADS: tl.constexpr, HAS_NORM: tl.constexpr,
+    x_ptr, out_ptr, weight_ptr, cos_sin_ptr, token, out_row, write, position, token_stride,
+    head_stride, num_heads, eps, HALF: tl.constexpr, HEADS: tl.constexpr, HAS_NORM: tl.constexpr,
 ):  # fmt: skip
-    """One token's heads: [HEADS, HALF] tiles for the two halves of each head."""
+    """One token's heads, [HEADS, HALF] tiles for the two halves of each head, to row `out_row`
+    of a contiguous [rows, num_heads, 2 * HALF] output (nothing stored unless `write`)."""
     heads = tl.arange(0, HEADS)[:, None]
     dims = tl.arange(0, HALF)[None, :]
     mask = heads < num_heads
@@ -157,40 +168,66 @@ def _norm_rotate_heads(
         b = (tl.load(weight_ptr + HALF + dims).to(tl.float32) * b).to(dtype).to(tl.float32)
     c = tl.load(cos_sin_ptr + position * (2 * HALF) + dims)
     s = tl.load(cos_sin_ptr + position * (2 * HALF) + HALF + dims)
-    out = out_ptr + token * num_heads * 2 * HALF + heads * 2 * HALF + dims
-    tl.store(out, (a * c - b * s).to(dtype), mask=mask)
-    tl.store(out + HALF, (b * c + a * s).to(dtype), mask=mask)
+    out = out_ptr + out_row * num_heads * 2 * HALF + heads * 2 * HALF + dims
+    tl.store(out, (a * c - b * s).to(dtype), mask=mask & write)
+    tl.store(out + HALF, (b * c + a * s).to(dtype), mask=mask & write)
 
 
 @triton.jit
 def rope_qk_kernel(
-    q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_weight_ptr, positions_ptr, cos_sin_ptr,
-    q_token_stride, q_head_stride, k_token_stride, k_head_stride, num_q_heads, num_k_heads, eps,
+    q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_weight_ptr, positions_ptr,
+    cos_sin_ptr, slot_ptr, q_token_stride, q_head_stride, k_token_stride, k_head_stride,
+    v_token_stride, v_head_stride, kv_half_stride, num_q_heads, num_k_heads, eps,
     HALF: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, HAS_NORM: tl.constexpr,
+    STORE: tl.constexpr,  # k and v go to the cache at the token's slot; k_out_ptr is the cache
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     _norm_rotate_heads(
-        q_ptr, q_out_ptr, q_weight_ptr, cos_sin_ptr, token, position, q_token_stride,
-        q_head_stride, num_q_heads, eps, HALF, Q_HEADS, HAS_NORM,
+        q_ptr, q_out_ptr, q_weight_ptr, cos_sin_ptr, token, token, True, position,
+        q_token_stride, q_head_stride, num_q_heads, eps, HALF, Q_HEADS, HAS_NORM,
     )  # fmt: skip
-    _norm_rotate_heads(
-        k_ptr, k_out_ptr, k_weight_ptr, cos_sin_ptr, token, position, k_token_stride,
-        k_head_stride, num_k_heads, eps, HALF, K_HEADS, HAS_NORM,
-    )  # fmt: skip
+    if STORE:
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        _norm_rotate_heads(
+            k_ptr, k_out_ptr, k_weight_ptr, cos_sin_ptr, token, slot, slot >= 0, position,
+            k_token_stride, k_head_stride, num_k_heads, eps, HALF, K_HEADS, HAS_NORM,
+        )  # fmt: skip
+        heads = tl.arange(0, K_HEADS)[:, None]
+        dims = tl.arange(0, 2 * HALF)[None, :]
+        mask = (heads < num_k_heads) & (slot >= 0)
+        v = tl.load(v_ptr + token * v_token_stride + heads * v_head_stride + dims, mask=mask)
+        row = k_out_ptr + kv_half_stride + slot * num_k_heads * 2 * HALF
+        tl.store(row + heads * 2 * HALF + dims, v, mask=mask)
+    else:
+        _norm_rotate_heads(
+            k_ptr, k_out_ptr, k_weight_ptr, cos_sin_ptr, token, token, True, position,
+            k_token_stride, k_head_stride, num_k_heads, eps, HALF, K_HEADS, HAS_NORM,
+        )  # fmt: skip
 
 
-def _rope_qk_triton(q, k, positions, cos_sin, q_norm_weight, k_norm_weight, eps):
+def _rope_qk_triton(q, k, positions, cos_sin, q_norm_weight, k_norm_weight, eps, store=None):
     tokens, q_heads, head_dim = q.shape
     k_heads = k.shape[1]
     assert q.stride(2) == 1 and k.stride(2) == 1 and cos_sin.is_contiguous()
     q_out = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((tokens, k_heads, head_dim), dtype=k.dtype, device=k.device)
+    if store is None:
+        v, slot_mapping = k, positions  # unused
+        k_out = torch.empty((tokens, k_heads, head_dim), dtype=k.dtype, device=k.device)
+        kv_half_stride = 0
+    else:
+        v, k_out, slot_mapping = store  # k_out: the cache
+        assert k_out.dtype == k.dtype and k_out.is_contiguous() and v.stride(2) == 1
+        assert k_out.shape[-2:] == (k_heads, head_dim), (
+            "cache layout [2, blocks, block, heads, dim]"
+        )
+        kv_half_stride = k_out.stride(0)
     has_norm = q_norm_weight is not None
     rope_qk_kernel[(tokens,)](
-        q, k, q_out, k_out, q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,
-        positions, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_heads, k_heads,
-        eps, HALF=head_dim // 2, Q_HEADS=triton.next_power_of_2(q_heads),
-        K_HEADS=triton.next_power_of_2(k_heads), HAS_NORM=has_norm,
+        q, k, v, q_out, k_out, q_norm_weight if has_norm else q,
+        k_norm_weight if has_norm else k, positions, cos_sin, slot_mapping, q.stride(0),
+        q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_half_stride, q_heads,
+        k_heads, eps, HALF=head_dim // 2, Q_HEADS=triton.next_power_of_2(q_heads),
+        K_HEADS=triton.next_power_of_2(k_heads), HAS_NORM=has_norm, STORE=store is not None,
     )  # fmt: skip
-    return q_out, k_out
+    return q_out, None if store is not None else k_out

@@ -49,8 +49,12 @@ class RotaryEmbedding(torch.nn.Module):
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         q_norm: torch.nn.Module | None = None,
         k_norm: torch.nn.Module | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated q and k, each head RMS-normalized first when the model has q/k norms."""
+        store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rotated q and k, each head RMS-normalized first when the model has q/k norms; with
+        `store` = (v, kv_cache, slot_mapping), k may go straight to the cache (then k is None)."""
         if q_norm is None:
-            return rope_qk(q, k, positions, self.cos_sin)
-        return rope_qk(q, k, positions, self.cos_sin, q_norm.weight, k_norm.weight, q_norm.eps)
+            return rope_qk(q, k, positions, self.cos_sin, store=store)
+        return rope_qk(
+            q, k, positions, self.cos_sin, q_norm.weight, k_norm.weight, q_norm.eps, store
+        )

@@ -30,7 +30,9 @@ def main() -> None:
     for i, p in enumerate(prompts):
         params = SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True, seed=i)
         engine.enqueue(engine.make_request(f"r{i}", params, prompt_token_ids=p["prompt_token_ids"]))
-    for _ in range(4):  # prefill plus a few decode steps
+    # every prompt prefilled (in chunks of the token budget), then a few decode steps
+    prefill_steps = -(-args.batch * args.input_len // engine.config.max_num_batched_tokens)
+    for _ in range(prefill_steps + 3):
         engine.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -184,7 +184,7 @@ def rope_qk_kernel(
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     _norm_rotate_heads(
-        q_ptr, q_out_ptr, q_weight_ptr, cos_sin_ptr, token, token, True, position,
+        q_ptr, q_out_ptr, q_weight_ptr, cos_sin_ptr, token, token, token >= 0, position,
         q_token_stride, q_head_stride, num_q_heads, eps, HALF, Q_HEADS, HAS_NORM,
     )  # fmt: skip
     if STORE:
@@ -201,7 +201,7 @@ def rope_qk_kernel(
         tl.store(row + heads * 2 * HALF + dims, v, mask=mask)
     else:
         _norm_rotate_heads(
-            k_ptr, k_out_ptr, k_weight_ptr, cos_sin_ptr, token, token, True, position,
+            k_ptr, k_out_ptr, k_weight_ptr, cos_sin_ptr, token, token, token >= 0, position,
             k_token_stride, k_head_stride, num_k_heads, eps, HALF, K_HEADS, HAS_NORM,
         )  # fmt: skip
 

@@ -2,8 +2,9 @@
 
 Decode: bytes of K and V read per second against the measured copy ceiling.
 Prefill: causal attention FLOP/s against the measured bf16 GEMM ceiling.
-Usage: PYTHONPATH=src python benchmarks/kernels.py [--json PATH] [--sweep-prefill]
-(--sweep-prefill: every prefill tile shape, each checked against the torch reference first)
+Usage: PYTHONPATH=src python benchmarks/kernels.py [--json PATH] [--sweep-prefill] [--sweep-decode]
+(--sweep-prefill: every prefill tile shape, each checked against the torch reference first;
+--sweep-decode: decode time, reduce included, for each split count against the default's choice)
 """
 
 from __future__ import annotations
@@ -40,12 +41,14 @@ def paged_setup(seq_lens: list[int], dtype=torch.bfloat16):
     return cache, tables
 
 
-def bench_decode(batch: int, context: int) -> dict:
+def bench_decode(batch: int, context: int, splits: int | None = None) -> dict:
     cache, tables = paged_setup([context] * batch)
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    backend = TritonAttention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, batch, torch.device("cuda"))
+    backend = TritonAttention(
+        NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, batch, torch.device("cuda"), num_splits=splits
+    )
     meta = AttentionMetadata(lens, lens, lens, tables, decode_only=True)
     ms = triton.testing.do_bench(
         lambda: backend.decode(q, out, cache, meta, HEAD_DIM**-0.5), return_mode="median"
@@ -90,6 +93,23 @@ def bench_prefill(length: int, tiles: PrefillTiles | None = None, check: bool = 
     }
 
 
+def sweep_decode() -> None:
+    """Each split count at a few batch sizes and contexts; * marks the default heuristic's pick."""
+    for batch in (1, 8, 32, 64, 256):
+        default = TritonAttention(
+            NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, batch, torch.device("cuda")
+        ).num_splits(batch)
+        for context in (512, 1024, 4096):
+            times = []
+            for splits in (1, 2, 4, 8, 16, 32):
+                row = bench_decode(batch, context, splits)
+                times.append(f"{splits}{'*' if splits == default else ''}:{1000 * row['ms']:.1f}")
+            print(
+                f"decode B={batch:<3} ctx={context:<5} us by splits  " + "  ".join(times),
+                flush=True,
+            )
+
+
 def sweep_prefill(length: int) -> None:
     """Each tile shape: checked on a 1K prompt against the reference, timed on `length`."""
     for rows in (64, 128):
@@ -111,6 +131,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
     parser.add_argument("--sweep-prefill", action="store_true")
+    parser.add_argument("--sweep-decode", action="store_true")
     args = parser.parse_args()
     rows = [
         bench_decode(32, 4096),
@@ -127,6 +148,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
+    if args.sweep_decode:
+        sweep_decode()
     if args.sweep_prefill:
         sweep_prefill(4096)
 

@@ -4,6 +4,7 @@
 # each with a traced run. Results and logs go to $OUT (or ./out); a short table is printed last.
 #   SKIP_TESTS=1        no tests
 #   REPEATS=N           timed runs per mode (default 3)
+#   SWEEP=1             kernel sweeps: decode split counts, prefill tile shapes
 #   GRAPH_MEMORY=1      graph memory with and without the shared pool
 #   PROFILE="seed small"  torch.profiler of decode steps of those shapes, fused kernels on and off
 #   UNFUSED=1           each workload again (async only) with TANDEM_FUSED_KERNELS=0
@@ -28,7 +29,8 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -q tests/gpu tests/test_triton_attention.py tests/test_fused_ops.py \
     tests/test_sampling_kernel.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
 fi
-python3 benchmarks/kernels.py --json "$OUT/kernels.json"
+python3 benchmarks/kernels.py --json "$OUT/kernels.json" ${SWEEP:+--sweep-decode --sweep-prefill} \
+  2>&1 | tee "$OUT/kernels.txt"
 [ -n "${GRAPH_MEMORY:-}" ] && python3 benchmarks/graph_memory.py --model qwen3-0.6b --max-num-seqs 256 \
   | tee "$OUT/graph_memory.txt"
 for shape in ${PROFILE:-}; do

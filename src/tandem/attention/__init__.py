@@ -25,14 +25,12 @@ class AttentionBackend(Protocol):
     def __call__(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]; None: already stored
-        v: torch.Tensor | None,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write this step's K/V into the cache (unless the caller has, see `fused.rope_qk`),
-        then attend causally over each sequence's context."""
+        """Attend causally over each sequence's context; this step's K/V are already in the
+        cache (the decoder stores them, see `fused.rope_qk`)."""
         ...
 
 

@@ -19,15 +19,8 @@ def write_kv(
 
 
 def torch_attention(
-    q: torch.Tensor,
-    k: torch.Tensor | None,
-    v: torch.Tensor | None,
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    if k is not None:
-        write_kv(kv_cache, k, v, meta.slot_mapping)
     if meta.decode_only:
         return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale)
     return prefill_attention(q, kv_cache, meta, scale)

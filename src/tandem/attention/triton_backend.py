@@ -9,12 +9,7 @@ import torch
 import triton
 
 from tandem.attention import AttentionMetadata
-from tandem.attention.triton_kernels import (
-    decode_kernel,
-    prefill_kernel,
-    reduce_kernel,
-    write_kv_kernel,
-)
+from tandem.attention.triton_kernels import decode_kernel, prefill_kernel, reduce_kernel
 
 MAX_SPLITS = 32
 BLOCK_N = 64
@@ -60,16 +55,8 @@ class TritonAttention:
         )
 
     def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        if k is not None:
-            write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.decode_only:
             self.decode(q, out, kv_cache, meta, scale)
@@ -121,16 +108,3 @@ class TritonAttention:
             HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=block_m,
             BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )  # fmt: skip
-
-
-def write_kv(
-    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Store each token's K and V rows at its cache slot; rows with slot -1 are skipped."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    assert k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == head_dim
-    row = num_kv_heads * head_dim
-    write_kv_kernel[(k.shape[0],)](
-        k, v, kv_cache, slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0),
-        ROW=row, ROW_PAD=triton.next_power_of_2(row),
-    )  # fmt: skip

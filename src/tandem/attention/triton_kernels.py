@@ -1,4 +1,4 @@
-"""Triton kernels over the paged KV cache: KV write, prefill (ragged, causal) and split-KV decode.
+"""Triton kernels over the paged KV cache: prefill (ragged, causal) and split-KV decode.
 
 Cache layout per layer: [2, num_blocks + 1, block_size, num_kv_heads, head_dim]. Keys and
 values are read a tile of BLOCK_N positions at a time, each position's block looked up in the
@@ -10,29 +10,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def write_kv_kernel(
-    k_ptr,
-    v_ptr,
-    cache_ptr,
-    slot_ptr,
-    k_token_stride,
-    v_token_stride,
-    kv_half_stride,  # elements from a layer's K half to its V half
-    ROW: tl.constexpr,  # num_kv_heads * head_dim
-    ROW_PAD: tl.constexpr,
-):
-    token = tl.program_id(0)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    if slot >= 0:
-        cols = tl.arange(0, ROW_PAD)
-        mask = cols < ROW
-        k = tl.load(k_ptr + token * k_token_stride + cols, mask=mask)
-        v = tl.load(v_ptr + token * v_token_stride + cols, mask=mask)
-        tl.store(cache_ptr + slot * ROW + cols, k, mask=mask)
-        tl.store(cache_ptr + kv_half_stride + slot * ROW + cols, v, mask=mask)
 
 
 @triton.jit

@@ -8,7 +8,7 @@ from torch import nn
 
 from tandem.attention import AttentionBackend, AttentionMetadata
 from tandem.config import ModelConfig
-from tandem.model.fused import add_rms_norm, silu_and_mul
+from tandem.model.fused import add_rms_norm, rope_qk, silu_and_mul
 from tandem.model.rope import RotaryEmbedding
 from tandem.parallel import TensorParallel
 
@@ -87,10 +87,9 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(
-            positions, q, k, self.q_norm, self.k_norm, store=(v, kv_cache, meta.slot_mapping)
-        )
-        out = attend(q, k, v, kv_cache, meta, self.scale)  # k is None when already stored
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm else ()
+        q = rope_qk(q, k, v, positions, self.rope.cos_sin, kv_cache, meta.slot_mapping, *norms)
+        out = attend(q, kv_cache, meta, self.scale)
         return row_parallel(self.o_proj, out.flatten(1), self.tp)
 
 

@@ -1,4 +1,5 @@
-"""Small fused ops of the decoder: residual add + RMSNorm, SiLU(gate) * up, and q/k norm + rotary.
+"""Small fused ops of the decoder: residual add + RMSNorm, SiLU(gate) * up, and q/k norm + rotary
++ the K/V cache store.
 
 Each has a torch version (CPU, and the reference) and a Triton kernel used on CUDA that does
 the same arithmetic in one launch instead of five to twenty, rounding to the model dtype at the
@@ -13,6 +14,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from tandem.attention.torch_ref import write_kv
 
 # On CUDA the Triton kernels run (here and in the sampler) unless TANDEM_FUSED_KERNELS=0, which
 # keeps the torch versions: the "before" side of a fusion measurement.
@@ -47,28 +50,30 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rope_qk(
     q: torch.Tensor,
     k: torch.Tensor,
+    v: torch.Tensor,
     positions: torch.Tensor,
     cos_sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
-    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> torch.Tensor:
     """Per-head RMSNorm of q and k (when norm weights are given, as in Qwen3), then the rotary
-    embedding in the "rotate half" layout. q: [tokens, heads, head_dim], k: [tokens, kv_heads,
-    head_dim], either may be a strided view; cos_sin: [max_position, head_dim] float32, cos in
-    the first half, sin in the second, looked up by `positions` [tokens]. New contiguous q, k.
-
-    `store` = (v, kv_cache, slot_mapping): the kernel also writes k and v into the paged cache
-    (layout [2, blocks, block_size, kv_heads, head_dim]; slot -1 writes nothing) and returns
-    (q, None). The torch version ignores it and returns k for the attention backend to store."""
+    embedding ("rotate half" layout); k and v are stored at their slots of the paged cache
+    ([2, blocks, block_size, kv_heads, head_dim]; slot -1 stores nothing that is read) and the
+    new contiguous q is returned. q, k, v: [tokens, heads, head_dim], possibly strided views;
+    cos_sin: [max_position, head_dim] float32, cos | sin, looked up by `positions` [tokens]."""
     half = q.shape[-1] // 2
     if use_kernels(q) and half & (half - 1) == 0:  # the kernel's tiles need a power of two
-        return _rope_qk_triton(q, k, positions, cos_sin, q_norm_weight, k_norm_weight, eps, store)
+        return _rope_qk_triton(
+            q, k, v, positions, cos_sin, kv_cache, slot_mapping, q_norm_weight, k_norm_weight, eps
+        )
     cos, sin = cos_sin[positions].chunk(2, dim=-1)
     if q_norm_weight is not None:
         q, k = _head_norm(q, q_norm_weight, eps), _head_norm(k, k_norm_weight, eps)
-    return rotate(q, cos, sin), rotate(k, cos, sin)
+    write_kv(kv_cache, rotate(k, cos, sin), v, slot_mapping)
+    return rotate(q, cos, sin)
 
 
 def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -175,59 +180,46 @@ def _norm_rotate_heads(
 
 @triton.jit
 def rope_qk_kernel(
-    q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_weight_ptr, positions_ptr,
+    q_ptr, k_ptr, v_ptr, q_out_ptr, cache_ptr, q_weight_ptr, k_weight_ptr, positions_ptr,
     cos_sin_ptr, slot_ptr, q_token_stride, q_head_stride, k_token_stride, k_head_stride,
     v_token_stride, v_head_stride, kv_half_stride, num_q_heads, num_k_heads, eps,
     HALF: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, HAS_NORM: tl.constexpr,
-    STORE: tl.constexpr,  # k and v go to the cache at the token's slot; k_out_ptr is the cache
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
     _norm_rotate_heads(
         q_ptr, q_out_ptr, q_weight_ptr, cos_sin_ptr, token, token, token >= 0, position,
         q_token_stride, q_head_stride, num_q_heads, eps, HALF, Q_HEADS, HAS_NORM,
     )  # fmt: skip
-    if STORE:
-        slot = tl.load(slot_ptr + token).to(tl.int64)
-        _norm_rotate_heads(
-            k_ptr, k_out_ptr, k_weight_ptr, cos_sin_ptr, token, slot, slot >= 0, position,
-            k_token_stride, k_head_stride, num_k_heads, eps, HALF, K_HEADS, HAS_NORM,
-        )  # fmt: skip
-        heads = tl.arange(0, K_HEADS)[:, None]
-        dims = tl.arange(0, 2 * HALF)[None, :]
-        mask = (heads < num_k_heads) & (slot >= 0)
-        v = tl.load(v_ptr + token * v_token_stride + heads * v_head_stride + dims, mask=mask)
-        row = k_out_ptr + kv_half_stride + slot * num_k_heads * 2 * HALF
-        tl.store(row + heads * 2 * HALF + dims, v, mask=mask)
-    else:
-        _norm_rotate_heads(
-            k_ptr, k_out_ptr, k_weight_ptr, cos_sin_ptr, token, token, token >= 0, position,
-            k_token_stride, k_head_stride, num_k_heads, eps, HALF, K_HEADS, HAS_NORM,
-        )  # fmt: skip
+    # k and v to the cache rows of this token's slot (the K half, then the V half)
+    _norm_rotate_heads(
+        k_ptr, cache_ptr, k_weight_ptr, cos_sin_ptr, token, slot, slot >= 0, position,
+        k_token_stride, k_head_stride, num_k_heads, eps, HALF, K_HEADS, HAS_NORM,
+    )  # fmt: skip
+    heads = tl.arange(0, K_HEADS)[:, None]
+    dims = tl.arange(0, 2 * HALF)[None, :]
+    mask = (heads < num_k_heads) & (slot >= 0)
+    v = tl.load(v_ptr + token * v_token_stride + heads * v_head_stride + dims, mask=mask)
+    row = cache_ptr + kv_half_stride + slot * num_k_heads * 2 * HALF
+    tl.store(row + heads * 2 * HALF + dims, v, mask=mask)
 
 
-def _rope_qk_triton(q, k, positions, cos_sin, q_norm_weight, k_norm_weight, eps, store=None):
+def _rope_qk_triton(
+    q, k, v, positions, cos_sin, kv_cache, slot_mapping, q_norm_weight, k_norm_weight, eps
+):
     tokens, q_heads, head_dim = q.shape
     k_heads = k.shape[1]
-    assert q.stride(2) == 1 and k.stride(2) == 1 and cos_sin.is_contiguous()
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and cos_sin.is_contiguous()
+    assert kv_cache.dtype == k.dtype and kv_cache.is_contiguous()
+    assert kv_cache.shape[-2:] == (k_heads, head_dim), "cache layout [2, blocks, block, heads, dim]"
     q_out = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)
-    if store is None:
-        v, slot_mapping = k, positions  # unused
-        k_out = torch.empty((tokens, k_heads, head_dim), dtype=k.dtype, device=k.device)
-        kv_half_stride = 0
-    else:
-        v, k_out, slot_mapping = store  # k_out: the cache
-        assert k_out.dtype == k.dtype and k_out.is_contiguous() and v.stride(2) == 1
-        assert k_out.shape[-2:] == (k_heads, head_dim), (
-            "cache layout [2, blocks, block, heads, dim]"
-        )
-        kv_half_stride = k_out.stride(0)
     has_norm = q_norm_weight is not None
     rope_qk_kernel[(tokens,)](
-        q, k, v, q_out, k_out, q_norm_weight if has_norm else q,
+        q, k, v, q_out, kv_cache, q_norm_weight if has_norm else q,
         k_norm_weight if has_norm else k, positions, cos_sin, slot_mapping, q.stride(0),
-        q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_half_stride, q_heads,
-        k_heads, eps, HALF=head_dim // 2, Q_HEADS=triton.next_power_of_2(q_heads),
-        K_HEADS=triton.next_power_of_2(k_heads), HAS_NORM=has_norm, STORE=store is not None,
+        q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_cache.stride(0),
+        q_heads, k_heads, eps, HALF=head_dim // 2, Q_HEADS=triton.next_power_of_2(q_heads),
+        K_HEADS=triton.next_power_of_2(k_heads), HAS_NORM=has_norm,
     )  # fmt: skip
-    return q_out, None if store is not None else k_out
+    return q_out

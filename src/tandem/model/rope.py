@@ -1,4 +1,4 @@
-"""Rotary position embedding: a cos/sin table built once, gathered by position each step."""
+"""Rotary position embedding: the cos/sin table, built once (`fused.rope_qk` applies it)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ import math
 from typing import Any
 
 import torch
-
-from tandem.model.fused import rope_qk
 
 
 def inverse_frequencies(
@@ -40,21 +38,4 @@ class RotaryEmbedding(torch.nn.Module):
         # [max_position, head_dim] float32: cos in the first half, sin in the second
         self.register_buffer(
             "cos_sin", torch.cat([angles.cos(), angles.sin()], dim=-1), persistent=False
-        )
-
-    def forward(
-        self,
-        positions: torch.Tensor,  # [T]
-        q: torch.Tensor,  # [T, num_heads, head_dim]
-        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        q_norm: torch.nn.Module | None = None,
-        k_norm: torch.nn.Module | None = None,
-        store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rotated q and k, each head RMS-normalized first when the model has q/k norms; with
-        `store` = (v, kv_cache, slot_mapping), k may go straight to the cache (then k is None)."""
-        if q_norm is None:
-            return rope_qk(q, k, positions, self.cos_sin, store=store)
-        return rope_qk(
-            q, k, positions, self.cos_sin, q_norm.weight, k_norm.weight, q_norm.eps, store
         )

@@ -16,8 +16,8 @@ import torch
 import triton.testing
 
 from tandem.attention import AttentionMetadata
-from tandem.attention.torch_ref import prefill_attention
-from tandem.attention.triton_backend import PrefillTiles, TritonAttention
+from tandem.attention.torch_ref import decode_attention, prefill_attention
+from tandem.attention.triton_backend import DecodeTiles, PrefillTiles, TritonAttention
 
 COPY_CEILING = 4.22e12  # bytes/s, device-to-device copy, read + write (DESIGN.md)
 GEMM_CEILING = 760e12  # bf16 FLOP/s, 8192^3 GEMM (DESIGN.md)
@@ -41,7 +41,14 @@ def paged_setup(seq_lens: list[int], dtype=torch.bfloat16):
     return cache, tables
 
 
-def bench_decode(batch: int, context: int, splits: int | None = None) -> dict:
+def bench_decode(
+    batch: int,
+    context: int,
+    splits: int | None = None,
+    tiles: DecodeTiles | None = None,
+    check: bool = False,
+) -> dict:
+    """GPU time of one decode call, reduce included, replayed from a CUDA graph as the engine does."""
     cache, tables = paged_setup([context] * batch)
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -49,14 +56,20 @@ def bench_decode(batch: int, context: int, splits: int | None = None) -> dict:
     backend = TritonAttention(
         NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, batch, torch.device("cuda"), num_splits=splits
     )
+    backend.decode_tiles = tiles or backend.decode_tiles
     meta = AttentionMetadata(lens, lens, lens, tables, decode_only=True)
-    ms = triton.testing.do_bench(
+    if check:
+        backend.decode(q, out, cache, meta, HEAD_DIM**-0.5)
+        expected = decode_attention(q.float(), cache.float(), tables, lens, HEAD_DIM**-0.5)
+        torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+    torch.cuda.synchronize()  # the timing runs on a side stream: the set-up above must be done
+    ms = triton.testing.do_bench_cudagraph(
         lambda: backend.decode(q, out, cache, meta, HEAD_DIM**-0.5), return_mode="median"
     )
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
     rate = kv_bytes / (ms / 1e3)
     return {"kernel": f"decode B={batch} ctx={context}", "ms": ms, "TB/s": rate / 1e12, "ceiling_pct": 100 * rate / COPY_CEILING,
-            "splits": backend.num_splits(batch)}  # fmt: skip
+            "splits": backend.num_splits(batch), "tiles": backend.decode_tiles._asdict()}  # fmt: skip
 
 
 def bench_prefill(length: int, tiles: PrefillTiles | None = None, check: bool = False) -> dict:
@@ -94,7 +107,8 @@ def bench_prefill(length: int, tiles: PrefillTiles | None = None, check: bool = 
 
 
 def sweep_decode() -> None:
-    """Each split count at a few batch sizes and contexts; * marks the default heuristic's pick."""
+    """Each split count at a few batch sizes and contexts (* marks the heuristic's pick), then
+    each tile shape at the heuristic's split count, checked against the reference first."""
     for batch in (1, 8, 32, 64, 256):
         default = TritonAttention(
             NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, batch, torch.device("cuda")
@@ -108,6 +122,21 @@ def sweep_decode() -> None:
                 f"decode B={batch:<3} ctx={context:<5} us by splits  " + "  ".join(times),
                 flush=True,
             )
+    shapes = ((1, 512), (8, 1024), (32, 512), (32, 1024), (32, 4096), (256, 1024))
+    for block_n in (32, 64, 128):
+        for num_warps in (2, 4, 8):
+            for num_stages in (1, 2, 3, 4):
+                tiles = DecodeTiles(block_n, num_warps, num_stages)
+                try:
+                    bench_decode(4, 1000, tiles=tiles, check=True)
+                    times = [bench_decode(b, n, tiles=tiles)["ms"] for b, n in shapes]
+                except Exception as error:  # out of shared memory, or a wrong result
+                    print(f"{tiles}  failed: {str(error).splitlines()[0][:80]}", flush=True)
+                    continue
+                cells = "  ".join(
+                    f"B{b}xctx{n}:{1000 * ms:.1f}" for (b, n), ms in zip(shapes, times, strict=True)
+                )
+                print(f"{tiles}  us  {cells}", flush=True)
 
 
 def sweep_prefill(length: int) -> None:

@@ -6,7 +6,7 @@
 #   REPEATS=N           timed runs per mode (default 3)
 #   SWEEP=1             kernel sweeps: decode split counts, prefill tile shapes
 #   GRAPH_MEMORY=1      graph memory with and without the shared pool
-#   PROFILE="seed small"  torch.profiler of decode steps of those shapes, fused kernels on and off
+#   PROFILE="seed small latency"  torch.profiler of decode steps of those shapes, fused kernels on and off
 #   UNFUSED=1           each workload again (async only) with TANDEM_FUSED_KERNELS=0
 #   TRANSFORMERS="seed latency"  those workloads with --compare transformers, one timed run each
 # Usage on the device machine: [VAR=...] scripts/gpu_check.sh seed small latency
@@ -37,6 +37,7 @@ for shape in ${PROFILE:-}; do
   case $shape in
     seed) args="--model llama-3-8b --batch 32 --input-len 1000" ;;
     small) args="--model qwen3-0.6b --batch 256 --input-len 600" ;;
+    latency) args="--model llama-3-8b --batch 1 --input-len 400" ;;
     *) echo "unknown profile shape $shape"; continue ;;
   esac
   for fused in 1 0; do

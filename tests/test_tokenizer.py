@@ -222,8 +222,10 @@ def test_detokenizer_never_emits_a_partial_character(make_tiny, arch, text, data
     deltas = stream(detokenizer, ids, chunk_sizes)
     if "\ufffd" not in full_text:
         assert not any("\ufffd" in delta for delta in deltas)
-    assert "".join(deltas) == full_text
-    assert detokenizer.flush() == ""
+    # a text that itself ends in U+FFFD looks like a partial character: it comes out at the end
+    held = detokenizer.flush()
+    assert "".join(deltas) + held == full_text
+    assert held == "" or full_text.endswith("\ufffd")
 
 
 def test_detokenizer_holds_a_split_character_until_it_completes(make_tiny):

@@ -7,7 +7,7 @@ import torch
 
 from tandem.attention import AttentionMetadata, triton_backend
 from tandem.attention.torch_ref import decode_attention, prefill_attention
-from tandem.attention.triton_backend import PrefillTiles
+from tandem.attention.triton_backend import DecodeTiles, PrefillTiles
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16] if DEVICE.type == "cpu" else [torch.bfloat16, torch.float16]
@@ -55,7 +55,7 @@ DECODE_CASES = [
     ("num_kv_heads", "group", "head_dim", "block_size", "seq_lens", "splits"), DECODE_CASES
 )
 def test_decode_matches_reference(
-    dtype, num_kv_heads, group, head_dim, block_size, seq_lens, splits
+    dtype, num_kv_heads, group, head_dim, block_size, seq_lens, splits, tiles=None
 ):
     num_blocks, max_blocks = 64, 24
     cache = make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
@@ -64,11 +64,29 @@ def test_decode_matches_reference(
     q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim).to(dtype).to(DEVICE)
     scale = head_dim**-0.5
     backend = attention(num_kv_heads, group, head_dim, num_splits=splits)
+    backend.decode_tiles = tiles or backend.decode_tiles
     out = torch.empty_like(q)
     meta = AttentionMetadata(lens, lens, lens, tables, decode_only=True)
     backend.decode(q, out, cache, meta, scale)
     expected = decode_attention(q.float(), cache.float(), tables, lens, scale)
     torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("tiles", [DecodeTiles(16, 2, 1), DecodeTiles(64, 8, 4)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_tile_shapes_match_reference(tiles, splits):
+    """Tiles smaller and larger than a block, partial last tiles, split and direct outputs."""
+    test_decode_matches_reference(torch.float32, 2, 4, 64, 16, [300, 3, 64, 129], splits, tiles)
+
+
+def test_split_count_fills_the_device_once():
+    backend = attention(8, 4, 128, max_seqs=256)
+    backend.num_sms = 132
+    splits = {batch: backend.num_splits(batch) for batch in (1, 8, 16, 17, 32, 256)}
+    assert splits == {1: 32, 8: 4, 16: 2, 17: 1, 32: 1, 256: 1}
+    for batch, count in splits.items():  # enough programs for every SM, never twice too many
+        assert batch * 8 * count >= 132 or count == triton_backend.MAX_SPLITS
+        assert count == 1 or batch * 8 * count // 2 < 132
 
 
 PREFILL_CASES = [

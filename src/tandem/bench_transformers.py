@@ -19,6 +19,7 @@ from tandem.model.loader import DUMMY_SEED_SALT
 from tandem.workload import Workload
 
 HF_BLOCK_SIZE = 256  # transformers' default, its best setting
+HF_SAFETY_MARGIN_PCT = 15  # its FIFO scheduler's default safety margin
 
 
 def best_attention(device: torch.device) -> str:
@@ -93,10 +94,12 @@ def run_transformers(
     # Sized from the workload, not from free memory: with a masked attention (paged|sdpa) each
     # step builds a [max_batch_tokens, cache tokens + max_batch_tokens] mask, and its async mode
     # copies that mask from pinned host memory every step, so a cache filling the GPU costs it
-    # gigabytes of copies per step. Twice what the requests in flight need keeps its scheduler's
-    # safety margin (free blocks held for decode) from holding back a prompt tandem would admit;
-    # all prompts in flight still fit in one step's token budget.
-    num_blocks = 2 * in_flight * cdiv(max_len, HF_BLOCK_SIZE)
+    # gigabytes of copies per step. What the requests in flight need, grown past its FIFO
+    # scheduler's safety margin (no new prefill while under 15% of blocks are free) plus a spare
+    # block each, keeps it from holding back a prompt tandem would admit; all prompts in flight
+    # still fit in one step's token budget.
+    needed = in_flight * cdiv(max_len, HF_BLOCK_SIZE)
+    num_blocks = cdiv(needed * 100, 100 - HF_SAFETY_MARGIN_PCT) + in_flight
     prompt_tokens = sorted(map(len, workload.prompts), reverse=True)[:in_flight]
     cb_config = ContinuousBatchingConfig(
         use_async_batching=async_batching,

@@ -24,9 +24,9 @@ def test_fused_kernel_matches_the_torch_sampler(rows, vocab, seed, scale):
     check_matches_torch(rows, vocab, seed, scale, num_chunks=None)
 
 
-def check_matches_torch(rows, vocab, seed, scale, num_chunks):
+def check_matches_torch(rows, vocab, seed, scale, num_chunks, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    logits = (torch.randn(rows, vocab, generator=g) * scale).to(DEVICE)
+    logits = (torch.randn(rows, vocab, generator=g) * scale).to(dtype).to(DEVICE)
     temperature = torch.tensor([0.0, 1.0, 0.3, 1.7, 1.0, 0.0][:rows], device=DEVICE)
     seeds = torch.randint(-(2**31), 2**31 - 1, (rows,), generator=g, dtype=torch.int32).to(DEVICE)
     positions = torch.randint(0, 10_000, (rows,), generator=g, dtype=torch.int32).to(DEVICE)
@@ -47,16 +47,40 @@ def test_any_vocabulary_split_draws_the_same_tokens(num_chunks):
     check_matches_torch(rows=4, vocab=9000, seed=num_chunks, scale=2.0, num_chunks=num_chunks)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_logits_are_read_as_they_are(dtype):
+    """The model's own dtype, no float32 copy: the draws of the torch sampler on the same values."""
+    if DEVICE.type == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("bf16 loads are not reliable in Triton's interpreter")
+    check_matches_torch(rows=5, vocab=9000, seed=7, scale=3.0, num_chunks=3, dtype=dtype)
+
+
 @pytest.mark.parametrize("num_chunks", [1, 3])
 def test_greedy_rows_take_the_first_maximum(num_chunks):
-    logits = torch.zeros(2, 4100, device=DEVICE)
-    logits[:, [3000, 4099]] = 1.0  # equal maxima in different blocks (and chunks)
+    logits = torch.zeros(4, 4100, device=DEVICE)
+    logits[:2, [3000, 4099]] = 1.0  # equal maxima in different blocks (and chunks)
     logits[1, 5] = 1.0
+    logits[2, [2148, 100]] = 1.0  # the same lane of two blocks
+    logits[3, [20, 10]] = 1.0  # two lanes of one block
     out = kernel.gumbel_argmax(
         logits,
-        torch.zeros(2, device=DEVICE),
-        torch.zeros(2, dtype=torch.int32, device=DEVICE),
-        torch.zeros(2, dtype=torch.int32, device=DEVICE),
+        torch.zeros(4, device=DEVICE),
+        torch.zeros(4, dtype=torch.int32, device=DEVICE),
+        torch.zeros(4, dtype=torch.int32, device=DEVICE),
         num_chunks,
     )
-    assert out.tolist() == [3000, 5]
+    assert out.tolist() == [3000, 5, 100, 10]
+
+
+def test_a_chunk_of_banned_tokens_keeps_the_row_s_best():
+    """-inf everywhere in the first chunk (banned or masked) must not win over real scores."""
+    logits = torch.full((1, 6000), float("-inf"), device=DEVICE)
+    logits[0, 5000] = -3.0
+    out = kernel.gumbel_argmax(
+        logits,
+        torch.ones(1, device=DEVICE),
+        torch.zeros(1, dtype=torch.int32, device=DEVICE),
+        torch.zeros(1, dtype=torch.int32, device=DEVICE),
+        3,
+    )
+    assert out.tolist() == [5000]

@@ -152,7 +152,11 @@ class Runner:
         )
         logits = self.model.compute_logits(hidden[x["logits_indices"][:num_seqs].long()])
         # logprobs describe the model's own distribution, before min_tokens bans and filters
-        logprobs = logits.log_softmax(dim=-1) if num_top_logprobs is not None else None
+        logprobs = (
+            logits.log_softmax(dim=-1, dtype=torch.float32)
+            if num_top_logprobs is not None
+            else None
+        )
         ban_tokens(logits, x["banned_ids"][:num_seqs], x["ban_rows"][:num_seqs])
         params = SamplingTensors(
             temperature=x["temperature"][:num_seqs],

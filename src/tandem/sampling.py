@@ -135,11 +135,13 @@ class SamplingTensors:
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors, use_filters: bool) -> torch.Tensor:
-    """[rows, vocab] float32 logits -> [rows] int64 token ids; greedy rows take the argmax."""
+    """[rows, vocab] logits (any float dtype, computed in float32) -> [rows] int64 token ids;
+    greedy rows take the argmax."""
     if not use_filters and fused.use_kernels(logits):
         from tandem.sampling_kernel import gumbel_argmax
 
         return gumbel_argmax(logits, t.temperature, t.seeds, t.positions)
+    logits = logits.float()
     greedy = t.temperature == 0
     scaled = logits / torch.where(greedy, 1.0, t.temperature)[:, None]
     if use_filters:

@@ -29,7 +29,7 @@ def _mix32(h):
 
 @triton.jit
 def gumbel_argmax_kernel(
-    logits_ptr,  # [rows, vocab] float32
+    logits_ptr,  # [rows, vocab], any float dtype (read as float32)
     best_score_ptr,  # [rows, num_chunks] float32: each chunk's best score
     best_token_ptr,  # [rows, num_chunks] int32: and its token
     temperature_ptr,
@@ -51,28 +51,33 @@ def gumbel_argmax_kernel(
     row_key = _mix32(seed ^ _mix32(position))
     first = chunk * chunk_len
     end = tl.minimum(first + chunk_len, vocab)
-    best_score = float("-inf")
-    best_token = first
+    lane = tl.arange(0, BLOCK)
+    # each lane keeps its own best over the blocks (no reduction inside the loop); a lane's
+    # tokens only grow, so strict > keeps its first maximum
+    best_score = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_token = first + lane
     for start in range(first, end, BLOCK):
-        token = start + tl.arange(0, BLOCK)
+        token = start + lane
         in_chunk = token < end
         logit = tl.load(
             logits_ptr + row.to(tl.int64) * logits_stride + token,
             mask=in_chunk,
             other=float("-inf"),
-        )
+        ).to(tl.float32)
         h = _mix32((row_key + (token.to(tl.uint32) * 0x9E3779B9).to(tl.uint32)).to(tl.uint32))
         u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
         noise = -tl.log(-tl.log(u))
         score = tl.where(greedy, logit, logit / divisor + noise)
         score = tl.where(in_chunk, score, float("-inf"))
-        block_best = tl.max(score, axis=0)
-        block_token = tl.argmax(score, axis=0) + start
-        better = block_best > best_score  # strictly: the first maximum wins, as in torch.argmax
-        best_token = tl.where(better, block_token, best_token)
-        best_score = tl.where(better, block_best, best_score)
-    tl.store(best_score_ptr + row * num_chunks + chunk, best_score)
-    tl.store(best_token_ptr + row * num_chunks + chunk, best_token)
+        better = score > best_score
+        best_token = tl.where(better, token, best_token)
+        best_score = tl.where(better, score, best_score)
+    # the chunk's first maximum, as in torch.argmax: the smallest token among the lanes holding it
+    chunk_best = tl.max(best_score, axis=0)
+    is_best = best_score == chunk_best
+    chunk_token = tl.min(tl.where(is_best, best_token, end), axis=0)
+    tl.store(best_score_ptr + row * num_chunks + chunk, chunk_best)
+    tl.store(best_token_ptr + row * num_chunks + chunk, chunk_token)
 
 
 @triton.jit
@@ -102,7 +107,7 @@ def gumbel_argmax(
     positions: torch.Tensor,
     num_chunks: int | None = None,
 ) -> torch.Tensor:
-    """[rows, vocab] float32 -> [rows] int64 sampled (or greedy) token ids.
+    """[rows, vocab] logits (bf16, fp16 or fp32) -> [rows] int64 sampled (or greedy) token ids.
 
     `num_chunks` per row defaults to enough programs to fill the device twice over."""
     rows, vocab = logits.shape

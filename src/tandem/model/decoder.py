@@ -157,7 +157,9 @@ class Decoder(nn.Module):
         return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, hidden] -> [rows, vocab] float32 (each rank's vocabulary slice gathered)."""
+        """[rows, hidden] -> [rows, vocab] in the model's dtype (each rank's vocabulary slice
+        gathered). The sampler reads them as they are; a float32 copy of [rows, vocab] would be
+        a full extra pass over the largest tensor of a decode step."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self.tp.gather_columns(F.linear(hidden, weight).float())
+        logits = self.tp.gather_columns(F.linear(hidden, weight))
         return logits[:, : self.cfg.vocab_size]

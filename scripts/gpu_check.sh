@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call: GPU tests (incl. the stream sanitizer run), kernel benchmark,
 # graph memory, then the named workloads sync vs async (plus COMPARE, e.g. "sync transformers"),
-# each with a traced run. Results and logs go to $OUT (or ./out); a short table is printed last.
+# each with a traced run. Results and logs go to $OUT (or ./out) as results.tar.gz; a short table
+# is printed last.
 #   SKIP_TESTS=1        no tests
 #   REPEATS=N           timed runs per mode (default 3)
 #   SWEEP=1             kernel sweeps: decode split counts, prefill tile shapes
 #   GRAPH_MEMORY=1      graph memory with and without the shared pool
+#   GEMM=1              each decode GEMM of both presets against the copy ceiling (GEMM=autotune:
+#                       Inductor's max-autotune too)
 #   PROFILE="seed small latency"  torch.profiler of decode steps of those shapes, fused kernels on and off
 #   UNFUSED=1           each workload again (async only) with TANDEM_FUSED_KERNELS=0
 #   TRANSFORMERS="seed latency"  those workloads with --compare transformers, one timed run each
@@ -31,6 +34,13 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 python3 benchmarks/kernels.py --json "$OUT/kernels.json" ${SWEEP:+--sweep-decode --sweep-prefill} \
   2>&1 | tee "$OUT/kernels.txt"
+if [ -n "${GEMM:-}" ]; then
+  gemm_args=$([ "$GEMM" = autotune ] && echo --autotune)
+  for model in llama-3-8b qwen3-0.6b; do
+    python3 benchmarks/gemm.py --model $model $gemm_args --json "$OUT/gemm_$model.json" \
+      2>&1 | grep -v Warning | tee "$OUT/gemm_$model.txt"
+  done
+fi
 [ -n "${GRAPH_MEMORY:-}" ] && python3 benchmarks/graph_memory.py --model qwen3-0.6b --max-num-seqs 256 \
   | tee "$OUT/graph_memory.txt"
 for shape in ${PROFILE:-}; do
@@ -69,4 +79,6 @@ done
 shopt -s nullglob
 reports=("$OUT"/bench_*.json)
 [ ${#reports[@]} -gt 0 ] && python3 scripts/bench_table.py "${reports[@]}"
+# the device returns at most 8 files: everything travels in one archive
+(cd "$OUT" && files=(*) && [ ${#files[@]} -gt 0 ] && tar -czf results.tar.gz --remove-files "${files[@]}")
 exit 0

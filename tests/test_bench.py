@@ -4,6 +4,7 @@ transformers' continuous batching on the same weights."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 from dataclasses import fields
 
 import numpy as np
@@ -15,7 +16,14 @@ from tandem.bench import request_latencies, waves
 from tandem.cli import build_parser, main
 from tandem.config import EngineConfig, ModelConfig
 from tandem.model.loader import read_hf_config
-from tandem.roofline import H200, ModelCost, roofline_summary, step_rooflines, step_work
+from tandem.roofline import (
+    H200,
+    ModelCost,
+    on_devices,
+    roofline_summary,
+    step_rooflines,
+    step_work,
+)
 from tandem.tokenizer import Tokenizer
 from tandem.workload import SHAREGPT_SAMPLE, sharegpt_workload
 
@@ -275,6 +283,27 @@ def test_throughput_runs_sync_and_async_and_writes_every_field(make_tiny, tmp_pa
     assert report["async_speedup"] == report["ratios"]["async/sync"]
     out = capsys.readouterr().out
     assert "roofline of this work" in out and "async/sync output tok/s" in out
+
+
+def test_roofline_of_two_devices_is_half_the_time_of_one():
+    work = ideal_schedule(32, 128, 64)
+    one = roofline_summary(preset("llama-3-8b"), 2, work)
+    two = roofline_summary(preset("llama-3-8b"), 2, work, on_devices(H200, 2))
+    assert two["seconds"] == pytest.approx(one["seconds"] / 2, rel=1e-12)
+    assert two["hardware"] == f"2 x {H200.name}"
+    assert (two["bytes"], two["flops"]) == (one["bytes"], one["flops"])
+
+
+def test_tensor_parallel_bench_counts_both_devices_and_stops_its_worker(make_tiny, tmp_path, capfd):
+    args = ["--num-prompts", "2", "--input-len", "8", "--output-len", "4"]
+    model = str(make_tiny("llama"))
+    report = run_bench(
+        tmp_path, "throughput", "--model", model, *args, "--tensor-parallel-size", "2"
+    )
+    assert report["engine"]["tensor_parallel_size"] == 2
+    assert report["roofline"]["hardware"] == f"2 x {H200.name}"
+    assert not multiprocessing.active_children()  # the worker got its stop order and ended
+    assert "Traceback" not in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("mode_flag", ["--sync", "--async"])

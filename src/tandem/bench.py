@@ -20,7 +20,7 @@ from tandem.engine import Engine
 from tandem.llm import LLM
 from tandem.model import fused
 from tandem.model.loader import read_hf_config
-from tandem.roofline import roofline_summary
+from tandem.roofline import H200, on_devices, roofline_summary
 from tandem.sampling import SamplingParams
 from tandem.tokenizer import Tokenizer
 from tandem.trace import summarize
@@ -188,7 +188,10 @@ def run_bench(args: argparse.Namespace, engine_args: dict) -> dict:
             runs.append(
                 time_engine(engine, workload, args.temperature, batch_size, args.mode == "latency")
             )
-        rooflines[mode] = roofline_summary(cfg, engine.dtype.itemsize, np.array(engine.step_work))
+        hardware = on_devices(H200, engine.config.tensor_parallel_size)
+        rooflines[mode] = roofline_summary(
+            cfg, engine.dtype.itemsize, np.array(engine.step_work), hardware
+        )
         engine.step_work = None
         results[mode] = {
             **(trace_run(llm, workload, args, mode) if args.trace else {}),
@@ -203,6 +206,7 @@ def run_bench(args: argparse.Namespace, engine_args: dict) -> dict:
         "roofline": rooflines[primary],
         "results": results,
     }
+    llm.shutdown()  # tensor-parallel workers
     if "transformers" in compare:
         device, dtype, config = engine.device, engine.dtype, engine.config
         del llm, engine

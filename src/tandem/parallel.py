@@ -189,7 +189,10 @@ def worker_main(
 
     engine = Engine(config, rank=rank, port=port)
     while True:
-        order, commands = pipe.recv()
+        try:
+            order, commands = pipe.recv()
+        except EOFError:  # rank 0's process ended without a stop order: nothing more will come
+            break
         if order == "stop":
             break
         for command in commands:

@@ -27,6 +27,16 @@ class Hardware:
 H200 = Hardware("NVIDIA H200 (measured: 4.22 TB/s copy, 760 TFLOP/s bf16 GEMM)", 4.22e12, 760e12)
 
 
+def on_devices(hardware: Hardware, count: int) -> Hardware:
+    """`count` of `hardware` working as one (tensor parallel): bandwidth and peak add up, and the
+    all-reduces are left out, so the roofline stays a bound."""
+    if count == 1:
+        return hardware
+    return Hardware(
+        f"{count} x {hardware.name}", count * hardware.bandwidth, count * hardware.flops
+    )
+
+
 @dataclass(frozen=True)
 class ModelCost:
     """Per-shape constants of the roofline, in bytes and FLOPs."""

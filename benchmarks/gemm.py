@@ -5,6 +5,10 @@ For each matrix of a model preset and each row count, three ways to run it, time
 graph replay as the engine runs them:
   linear    F.linear(x, W) with W stored [out, in], what the decoder does;
   nn        x @ Wt with the weight stored transposed, [in, out] (cuBLAS picks other kernels);
+  stream    (rows <= 64) a candidate Triton kernel: each program streams a band of weight rows
+            over the whole input dimension, no split-K and so no reduce launch; its tile shape
+            is autotuned per matrix. If it matches cuBLAS, the decoder's neighbouring small
+            kernels (RMSNorm before, residual add after, SiLU*up before down) could fold into it;
   autotune  (--autotune) torch.compile max-autotune of F.linear: Inductor times its Triton
             GEMM templates against cuBLAS and keeps the fastest; slow to compile.
 Usage: PYTHONPATH=src python benchmarks/gemm.py [--model llama-3-8b] [--rows 1 32 256] [--autotune]
@@ -17,6 +21,8 @@ import json
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 import triton.testing
 
 from tandem.config import ModelConfig
@@ -37,12 +43,49 @@ def matrices(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
-def variants(weight: torch.Tensor, autotune: bool) -> dict:
+@triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=4, num_stages=s)
+        for n in (16, 32, 64)
+        for k in (128, 256, 512)
+        for s in (3, 4)
+    ],
+    key=["N", "K", "M_PAD"],
+)
+@triton.jit
+def stream_kernel(x_ptr, w_ptr, y_ptr, M, N, K, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):  # fmt: skip
+    """y[:, band] = x @ W[band, :]^T for one band of BLOCK_N weight rows, K read in full."""
+    band = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, M_PAD)
+    acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+    for start in range(0, K, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + band[:, None].to(tl.int64) * K + cols[None, :],
+                    mask=(band[:, None] < N) & (cols[None, :] < K), other=0.0)  # fmt: skip
+        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :],
+                    mask=(rows[:, None] < M) & (cols[None, :] < K), other=0.0)  # fmt: skip
+        acc += tl.dot(x, tl.trans(w))
+    tl.store(y_ptr + rows[:, None] * N + band[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rows[:, None] < M) & (band[None, :] < N))  # fmt: skip
+
+
+def stream(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    (m, k), n = x.shape, weight.shape[0]
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    stream_kernel[grid](x, weight, y, m, n, k, M_PAD=max(16, triton.next_power_of_2(m)))
+    return y
+
+
+def variants(weight: torch.Tensor, rows: int, autotune: bool) -> dict:
     transposed = weight.t().contiguous()
     ways = {
         "linear": lambda x: F.linear(x, weight),
         "nn": lambda x: x @ transposed,
     }
+    if rows <= 64:
+        ways["stream"] = lambda x: stream(x, weight)
     if autotune:
         ways["autotune"] = torch.compile(
             lambda x: F.linear(x, weight), mode="max-autotune-no-cudagraphs", dynamic=False
@@ -62,8 +105,8 @@ def main() -> None:
     for name, (out_features, in_features) in matrices(cfg).items():
         weight = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16)
         weight_bytes = weight.numel() * weight.element_size()
-        ways = variants(weight, args.autotune)
         for rows in args.rows:
+            ways = variants(weight, rows, args.autotune)
             x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
             expected = F.linear(x, weight).float()
             cells = []
@@ -79,7 +122,7 @@ def main() -> None:
                 cells.append(f"{way} {us:7.1f} us {100 * rate / COPY_CEILING:5.1f}%")
             print(f"{name:8} {out_features:>6}x{in_features:<6} M={rows:<4} " + "  ".join(cells),
                   flush=True)  # fmt: skip
-        del weight, ways
+        del weight
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "results": results}, f, indent=1)

@@ -77,6 +77,7 @@ BAD_SAMPLING = {
     "top_p_nan": ({"top_p": math.nan}, "top_p", "(0, 1]"),
     "top_k_below_minus_one": ({"top_k": -2}, "top_k", "-1"),
     "top_k_float": ({"top_k": 2.5}, "top_k", "integer"),
+    "top_k_past_int32": ({"top_k": 2**31}, "top_k", str(2**31 - 1)),
     "min_p_negative": ({"min_p": -0.01}, "min_p", "[0, 1]"),
     "min_p_above_one": ({"min_p": 1.5}, "min_p", "[0, 1]"),
     "max_tokens_zero": ({"max_tokens": 0}, "max_tokens", ">= 1"),
@@ -103,6 +104,13 @@ def test_sampling_params_reject_out_of_range_values_naming_field_and_range(field
 def test_boundary_sampling_values_are_accepted():
     SamplingParams(temperature=0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, logprobs=0)
     SamplingParams(top_p=1e-6, min_p=1.0, min_tokens=3, max_tokens=3, seed=2**63 - 1, logprobs=20)
+
+
+def test_largest_top_k_keeps_the_whole_vocabulary(llm):
+    params = SamplingParams(top_k=2**31 - 1, seed=3, max_tokens=4)
+    [out] = llm.generate(GOOD_PROMPT, params, use_tqdm=False)
+    [unfiltered] = llm.generate(GOOD_PROMPT, SamplingParams(seed=3, max_tokens=4), use_tqdm=False)
+    assert out.outputs[0].token_ids == unfiltered.outputs[0].token_ids
 
 
 def test_largest_seed_is_accepted_with_several_samples_per_prompt(llm):

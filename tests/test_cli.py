@@ -108,6 +108,16 @@ def test_generate_with_a_bad_value_exits_non_zero_naming_it(tiny_dir, capsys, ba
     assert RESULT_LINE.search(capsys.readouterr().out) is None
 
 
+def test_generate_with_a_trace_path_that_is_a_directory_exits_with_a_clean_error(
+    tiny_dir, tmp_path
+):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", str(tiny_dir), "hello", "--quiet", "--trace", str(tmp_path)])
+    message = exit_info.value.code
+    assert isinstance(message, str) and message.startswith("tandem: error:")
+    assert str(tmp_path) in message
+
+
 def test_generate_with_an_unknown_model_exits_non_zero_listing_presets(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", str(tmp_path / "nothing-here"), "hello"])

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,6 +33,7 @@ from tandem.cli import main
 from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.server.app import build_app
+from tandem.server.serving import sse
 
 ENGINE_ARGS = {"max_model_len": 512, "block_size": 8}
 MODEL = "tiny-llama"
@@ -274,6 +276,13 @@ def test_a_stream_is_server_sent_events_ending_with_done(server):
     assert all(json.loads(e[6:])["object"] == "text_completion" for e in events[:-1])
 
 
+def test_a_stream_event_stays_one_line_for_clients_that_split_on_unicode_line_breaks():
+    text = "line\u2028separator, next\x85line"  # httpx's iter_lines splits at both
+    lines = sse({"choices": [{"text": text}]}).splitlines()
+    assert lines[1:] == [""]
+    assert json.loads(lines[0].removeprefix("data: "))["choices"][0]["text"] == text
+
+
 def post(server: Server, path: str, body, headers=AUTH) -> httpx.Response:
     if isinstance(body, bytes):
         return httpx.post(
@@ -302,6 +311,7 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
         ("top_k", -2),
         ("min_p", 1.5),
         ("n", 0),
+        ("n", 129),
         ("max_tokens", 0),
         ("min_tokens", 99),
         ("seed", -1),
@@ -348,11 +358,128 @@ def test_malformed_json_is_a_400(server, path, body):
     assert "JSON" in assert_openai_error(post(server, path, body), 400)
 
 
+@pytest.mark.parametrize(
+    ("body", "content_type"),
+    [
+        (b"[1, 2]", "application/json"),
+        (b"", "application/json"),
+        (b'{"prompt": "hi"}', "application/x-www-form-urlencoded"),  # curl -d without -H
+    ],
+)
+def test_a_body_that_is_not_a_json_object_is_a_400_saying_so(server, body, content_type):
+    headers = {**AUTH, "Content-Type": content_type}
+    response = httpx.post(f"{server.url}/v1/completions", content=body, headers=headers)
+    message = assert_openai_error(response, 400)
+    assert "JSON object" in message and "Content-Type" in message
+
+
 def test_malformed_requests_are_400s(server):
     assert_openai_error(post(server, "/v1/completions", {"max_tokens": 3}), 400, param="prompt")
     bad_role = {"messages": [{"role": "robot", "content": "hi"}]}
     assert_openai_error(post(server, "/v1/chat/completions", bad_role), 400)
     assert_openai_error(post(server, "/tokenize", {}), 400)
+
+
+def test_a_top_k_past_the_samplers_int32_range_is_a_400_and_the_engine_keeps_serving(server):
+    body = {"prompt": PROMPT, "max_tokens": 2, "ignore_eos": True, "top_k": 2**31}
+    assert_openai_error(post(server, "/v1/completions", body), 400, param="top_k")
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    largest = post(server, "/v1/completions", {**body, "top_k": 2**31 - 1})
+    assert largest.status_code == 200 and largest.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", 1.0),
+        ("logit_bias", {"5": 100}),
+        ("echo", True),
+        ("best_of", 3),
+        ("suffix", " end"),
+        ("max_token", 50),  # a misspelt field must not fall back to the default silently
+    ],
+)
+def test_a_field_the_server_does_not_implement_is_a_400_naming_it(server, field, value):
+    body = {"prompt": PROMPT, "max_tokens": 2, field: value}
+    message = assert_openai_error(post(server, "/v1/completions", body), 400, param=field)
+    assert field in message
+
+
+def test_chat_rejects_tools_and_response_formats_it_cannot_honour(client):
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, tools=tools)
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=2, response_format={"type": "json_object"}
+        )
+
+
+def test_unimplemented_fields_at_values_that_ask_for_nothing_are_accepted(server):
+    neutral = {
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "logit_bias": {},
+        "echo": False,
+        "best_of": 1,
+        "suffix": None,
+        "skip_special_tokens": True,
+        "user": "alice",
+    }
+    body = {"prompt": PROMPT, "max_tokens": 2, "ignore_eos": True, **neutral}
+    completion = post(server, "/v1/completions", body)
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["usage"]["completion_tokens"] == 2
+    chat = {"messages": MESSAGES, "max_tokens": 2, "tools": [], "tool_choice": "none"}
+    chat |= {"response_format": {"type": "text"}, "parallel_tool_calls": False}
+    assert post(server, "/v1/chat/completions", chat).status_code == 200
+
+
+def test_chat_top_logprobs_needs_logprobs_and_is_at_most_20(server):
+    body = {"messages": MESSAGES, "max_tokens": 2}
+    without_logprobs = {**body, "top_logprobs": 3}
+    assert_openai_error(post(server, "/v1/chat/completions", without_logprobs), 400, "top_logprobs")
+    too_many = {**body, "logprobs": True, "top_logprobs": 21}
+    assert_openai_error(post(server, "/v1/chat/completions", too_many), 400, "top_logprobs")
+
+
+def test_chat_without_messages_is_a_400(server):
+    assert_openai_error(post(server, "/v1/chat/completions", {"messages": []}), 400, "messages")
+
+
+def test_a_chat_template_that_fails_on_the_messages_is_a_400_and_the_engine_keeps_serving(
+    folder, tmp_path
+):
+    # like real templates that read messages[0]["role"] unguarded: jinja raises UndefinedError
+    model = shutil.copytree(folder, tmp_path / "model")
+    (model / "chat_template.jinja").write_text("{{ messages[1]['role'] }}", encoding="utf-8")
+    llm = AsyncLLM.from_model(str(model), **ENGINE_ARGS)
+    with running(build_app(llm, MODEL)) as url:
+        one_message = {"messages": MESSAGES[1:2], "max_tokens": 2}
+        response = httpx.post(f"{url}/v1/chat/completions", json=one_message)
+        assert "chat template" in assert_openai_error(response, 400, param="messages")
+        response = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES[1:2]})
+        assert_openai_error(response, 400, param="messages")
+        two_or_more = {**one_message, "messages": MESSAGES}
+        assert httpx.post(f"{url}/v1/chat/completions", json=two_or_more).status_code == 200
+        assert httpx.get(f"{url}/health").status_code == 200
+    llm.shutdown()
+
+
+def test_detokenize_rejects_ids_past_32_bits_with_a_400(server):
+    assert_openai_error(post(server, "/detokenize", {"tokens": [1, 2**32]}), 400, "tokens.1")
+
+
+def test_an_unexpected_failure_is_still_a_500_in_openai_error_json(server, monkeypatch):
+    def explode(*args, **kwargs):
+        raise RuntimeError("tokenizer exploded")
+
+    server.wait_until_idle()
+    monkeypatch.setattr(server.llm.tokenizer, "decode", explode)
+    response = post(server, "/detokenize", {"tokens": [1, 2]})
+    assert "tokenizer exploded" in assert_openai_error(response, 500)
+    assert response.json()["error"]["type"] == "server_error"
 
 
 def test_a_missing_or_wrong_api_key_is_a_401(server):

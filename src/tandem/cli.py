@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:
         sys.exit(f"tandem: error: {error}")
 
 

@@ -208,6 +208,11 @@ class EngineConfig:
                 f"max_model_len={self.max_model_len} exceeds the model's "
                 f"max_position_embeddings={limit}"
             )
+        if self.max_model_len < 2:
+            raise ValueError(
+                "max_model_len must be >= 2 (one prompt token and one output token), "
+                f"got {self.max_model_len}"
+            )
         return self.max_model_len
 
 

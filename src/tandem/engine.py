@@ -147,6 +147,8 @@ class Engine:
 
     def enqueue(self, request: Request) -> None:
         """Queue a request made by `make_request`; nothing is queued before validation passes."""
+        if request.seed is None:  # drawn here, so a request made but never queued draws nothing
+            request.seed = self.seed_rng.getrandbits(63)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
         if self.workers is not None:
@@ -165,6 +167,10 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params.validate()
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                "stop strings need the model's tokenizer.json; pass stop_token_ids instead"
+            )
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise ValueError(
@@ -188,8 +194,7 @@ class Engine:
             raise ValueError(
                 f"with min_tokens, at most {MAX_BANNED_IDS - len(self.eos_token_ids)} stop_token_ids are supported"
             )
-        seed = params.seed if params.seed is not None else self.seed_rng.getrandbits(63)
-        request = Request(request_id, prompt_token_ids, params, seed, prompt=prompt)
+        request = Request(request_id, prompt_token_ids, params, params.seed, prompt=prompt)
         if params.stop or stream_text:
             request.detokenizer = self._detokenizer(request)
         return request

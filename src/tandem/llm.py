@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import jinja2
 from tqdm import tqdm
 
 from tandem.config import EngineConfig
@@ -74,9 +75,13 @@ class LLM:
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        try:
+            texts = [tokenizer.apply_chat_template(c) for c in conversations]
+        except jinja2.TemplateError as error:  # e.g. a message without "role" or "content"
+            raise ValueError(f"chat template failed on the messages: {error}") from error
         prompts = [
             {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text}
-            for text in (tokenizer.apply_chat_template(c) for c in conversations)
+            for text in texts
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -118,16 +123,22 @@ class LLM:
             self.engine.enqueue(request)
         bar = tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm)
         start, num_out = time.perf_counter(), 0
-        with bar:
-            while self.engine.has_unfinished():
-                updated = self.engine.step()
-                num_out += len(updated)
-                finished = sum(r.finished for r in updated)
-                if finished or updated:
-                    bar.update(finished)
-                    bar.set_postfix_str(
-                        f"{num_out / (time.perf_counter() - start):.0f} tok/s", refresh=False
-                    )
+        try:
+            with bar:
+                while self.engine.has_unfinished():
+                    updated = self.engine.step()
+                    num_out += len(updated)
+                    finished = sum(r.finished for r in updated)
+                    if finished or updated:
+                        bar.update(finished)
+                        bar.set_postfix_str(
+                            f"{num_out / (time.perf_counter() - start):.0f} tok/s", refresh=False
+                        )
+        except BaseException:
+            # e.g. Ctrl-C: the call's requests must not run on inside the next call
+            for request in requests:
+                self.engine.abort(request.request_id)
+            raise
 
 
 def _split_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None]:

@@ -23,7 +23,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    seed: int  # the sampling seed, params.seed or one drawn for this request
+    seed: int | None  # the sampling seed: params.seed, or drawn by the engine when queued
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING

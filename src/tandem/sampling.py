@@ -12,6 +12,7 @@ from tandem.model import fused
 
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
+MAX_TOP_K = 2**31 - 1
 
 
 @dataclass
@@ -53,6 +54,8 @@ class SamplingParams:
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         check_int("top_k", self.top_k, -1, "(0 or -1 disables it)")
+        if self.top_k > MAX_TOP_K:  # it travels in an int32; past the vocabulary it keeps all
+            raise ValueError(f"top_k must be <= {MAX_TOP_K}, got {self.top_k}")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None:

@@ -23,7 +23,7 @@ from tandem.server.protocol import (
     OpenAIError,
     TokenizeRequest,
 )
-from tandem.server.serving import OpenAIServing
+from tandem.server.serving import OpenAIServing, chat_prompt
 
 OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key
 
@@ -72,11 +72,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError("give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            messages = [m.as_template_input() for m in body.messages]
-            try:
-                text = tokenizer.apply_chat_template(messages, body.add_generation_prompt)
-            except ValueError as error:
-                raise OpenAIError(str(error), param="messages") from error
+            text = chat_prompt(tokenizer, body.messages, body.add_generation_prompt)
             tokens = tokenizer.encode(text, add_special_tokens=False)
         else:
             tokens = tokenizer.encode(body.prompt, body.add_special_tokens)
@@ -100,8 +96,11 @@ def add_error_handlers(app: FastAPI) -> None:
         problems = error.errors()
         if any(p["type"] == "json_invalid" for p in problems):
             return OpenAIError("the request body is not valid JSON").response()
+        if not location(problems[0]):  # no body, or one that is not a JSON object
+            message = "the request body must be a JSON object (Content-Type: application/json)"
+            return OpenAIError(message).response()
         message = "; ".join(f"{location(p)}: {p['msg']}" for p in problems)
-        return OpenAIError(message, param=location(problems[0]) or None).response()
+        return OpenAIError(message, param=location(problems[0])).response()
 
     @app.exception_handler(HTTPException)
     async def http_error(_: HttpRequest, error: HTTPException) -> JSONResponse:
@@ -110,6 +109,10 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: HttpRequest, error: EngineDeadError) -> JSONResponse:
         return OpenAIError(str(error), 500, "server_error").response()
+
+    @app.exception_handler(Exception)  # after the response, starlette re-raises it to be logged
+    async def unexpected(_: HttpRequest, error: Exception) -> JSONResponse:
+        return OpenAIError(f"internal error: {error!r}", 500, "server_error").response()
 
 
 def location(problem: dict[str, Any]) -> str:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import jinja2
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -19,6 +20,7 @@ from tandem.sampling import MAX_SEED, SamplingParams
 from tandem.server.metrics import LatencyTracker, ServerMetrics
 from tandem.server.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     OpenAIError,
     SamplingRequest,
@@ -93,6 +95,7 @@ class OpenAIServing:
 
     async def completions(self, body: CompletionRequest, http: HttpRequest) -> Response:
         self.check_model(body.model)
+        check_supported(body)
         prompts = self._completion_prompts(body.prompt)
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
@@ -101,12 +104,11 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, http: HttpRequest) -> Response:
         self.check_model(body.model)
+        check_supported(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise OpenAIError("top_logprobs needs logprobs set to true", param="top_logprobs")
         tokenizer = self.tokenizer()
-        messages = [m.as_template_input() for m in body.messages]
-        try:
-            text = tokenizer.apply_chat_template(messages)
-        except ValueError as error:
-            raise invalid_request(error, body) from error
+        text = chat_prompt(tokenizer, body.messages)
         ids = tokenizer.encode(text, add_special_tokens=False)
         max_tokens = next(
             (m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
@@ -357,6 +359,31 @@ class ChatFormat(Format):
         return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
 
 
+def check_supported(body: SamplingRequest) -> None:
+    name = body.unsupported_field()
+    if name is not None:
+        raise OpenAIError(
+            f"{name} is not supported by this server; remove it from the request",
+            param=name,
+            code="unsupported_parameter",
+        )
+
+
+def chat_prompt(
+    tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True
+) -> str:
+    """The messages rendered by the chat template; a 400 if the template refuses them."""
+    try:
+        return tokenizer.apply_chat_template(
+            [m.as_template_input() for m in messages], add_generation_prompt
+        )
+    except ValueError as error:  # no template, or the template's raise_exception
+        raise OpenAIError(str(error), param="messages") from error
+    except jinja2.TemplateError as error:  # e.g. the template reads messages it was not given
+        message = f"the chat template failed on these messages: {error}"
+        raise OpenAIError(message, param="messages") from error
+
+
 def sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
     """The request's sampling fields as SamplingParams; unset fields take SamplingParams' defaults."""
     names = (
@@ -430,4 +457,5 @@ async def until_disconnected(http: HttpRequest) -> None:
 
 
 def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    # ASCII escapes keep the event on one line for clients that also split on U+2028, U+0085 (httpx)
+    return f"data: {json.dumps(payload)}\n\n"

@@ -250,7 +250,7 @@ def assert_blocks_rows_and_pending_consistent(engine: Engine, requests: list[Req
     for r in scheduler.waiting:
         assert r.status is Status.WAITING and not r.block_table and r.num_computed_tokens == 0
     assert all(not r.block_table for r in requests if r.finished)
-    rows = engine.builder.block_rows
+    rows = engine.builder.running_rows
     assert set(rows.row_of) <= {r.request_id for r in scheduler.running}
     assert sorted(rows.free_rows + list(rows.row_of.values())) == list(
         range(scheduler.max_num_seqs)
@@ -265,7 +265,7 @@ def assert_nothing_leaked(engine: Engine) -> None:
     assert not engine.has_unfinished() and not engine.requests
     assert engine.allocator.num_free == engine.num_blocks
     assert not engine.allocator.ref_counts.any()
-    rows = engine.builder.block_rows
+    rows = engine.builder.running_rows
     assert sorted(rows.free_rows) == list(range(engine.config.max_num_seqs)) and not rows.row_of
 
 

@@ -30,12 +30,23 @@ class StepBatch:
     graphed: bool  # replays a CUDA graph of num_seqs_padded rows
 
 
-class BlockTableRows:
-    """Block tables of running requests kept as numpy rows, appended to as the scheduler grows them."""
+class RunningRows:
+    """A numpy row per running request: its block table, appended to as the scheduler grows it,
+    and what never changes while it runs (prompt length, sampling inputs), written once when it
+    takes the row. A step then gathers its requests' rows instead of reading each request."""
 
     def __init__(self, max_seqs: int, max_blocks: int):
         self.table = np.zeros((max_seqs, max_blocks), dtype=np.int32)  # [rows, max_blocks_per_seq]
         self.length = np.zeros(max_seqs, dtype=np.int32)
+        self.prompt_len = np.zeros(max_seqs, dtype=np.int64)
+        self.temperature = np.zeros(max_seqs, dtype=np.float32)
+        self.top_p = np.zeros(max_seqs, dtype=np.float32)
+        self.min_p = np.zeros(max_seqs, dtype=np.float32)
+        self.top_k = np.zeros(max_seqs, dtype=np.int32)
+        self.seed = np.zeros(max_seqs, dtype=np.int32)  # folded to 32 bits
+        self.logprobs = np.zeros(max_seqs, dtype=np.int32)  # -1 when not asked for
+        self.min_tokens = np.zeros(max_seqs, dtype=np.int64)
+        self.needs_filter = np.zeros(max_seqs, dtype=bool)
         self.free_rows = list(range(max_seqs - 1, -1, -1))
         self.row_of: dict[str, int] = {}
 
@@ -46,6 +57,7 @@ class BlockTableRows:
             if row is None:
                 row = self.row_of[request.request_id] = self.free_rows.pop()
                 self.length[row] = 0
+                self._write_constants(row, request)
             known, blocks = self.length[row], request.block_table
             if len(blocks) > known:
                 self.table[row, known : len(blocks)] = blocks[known:]
@@ -58,11 +70,24 @@ class BlockTableRows:
         if row is not None:
             self.free_rows.append(row)
 
+    def _write_constants(self, row: int, request: Request) -> None:
+        params = request.params
+        assert request.seed is not None, "the engine draws the seed when it queues the request"
+        self.prompt_len[row] = request.num_prompt_tokens
+        self.temperature[row] = params.temperature
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        self.top_k[row] = params.top_k
+        self.seed[row] = fold_seed(request.seed)
+        self.logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.min_tokens[row] = params.min_tokens
+        self.needs_filter[row] = params.needs_filter
+
 
 class BatchBuilder:
     def __init__(self, block_size: int, max_seqs: int, max_blocks: int, eos_ids: tuple[int, ...]):
         self.block_size = block_size
-        self.block_rows = BlockTableRows(max_seqs, max_blocks)
+        self.running_rows = RunningRows(max_seqs, max_blocks)
         self.eos_ids = eos_ids
 
     def build(self, plan: StepPlan, slot: IOSlot, step: int, graph_size: int | None) -> StepBatch:
@@ -89,8 +114,8 @@ class BatchBuilder:
         positions = start[seq_of_token] + offset
         x["positions"][:num_tokens] = positions
 
-        rows = self.block_rows.rows(requests)
-        tables = self.block_rows.table[rows]  # [num_seqs, max_blocks]
+        rows = self.running_rows.rows(requests)
+        tables = self.running_rows.table[rows]  # [num_seqs, max_blocks]
         x["block_tables"][:num_seqs] = tables
         blocks = tables[seq_of_token, positions // self.block_size]
         x["slot_mapping"][:num_tokens] = blocks * self.block_size + positions % self.block_size
@@ -98,10 +123,9 @@ class BatchBuilder:
         x["logits_indices"][:num_seqs] = qsl[1 : num_seqs + 1] - 1
 
         self._fill_token_ids(x, requests, start, num_new, qsl)
-        samples = computed_after == np.fromiter(
-            (r.num_tokens for r in requests), np.int64, num_seqs
-        )
-        use_filters, num_top_logprobs = self._fill_sampling(x, requests)
+        num_outputs = np.fromiter((r.num_output_tokens for r in requests), np.int64, num_seqs)
+        samples = computed_after == self.running_rows.prompt_len[rows] + num_outputs
+        use_filters, num_top_logprobs = self._fill_sampling(x, requests, rows, num_outputs)
         if graph_size is not None:
             fill_padding(x, num_seqs, graph_size)
         return StepBatch(
@@ -137,29 +161,28 @@ class BatchBuilder:
                     int(start[i]), int(start[i] + num_new[i])
                 )
 
-    def _fill_sampling(self, x, requests: list[Request]) -> tuple[bool, int | None]:
-        n = len(requests)
-        params = [r.params for r in requests]
-        x["temperature"][:n] = [p.temperature for p in params]
-        x["top_k"][:n] = [p.top_k for p in params]
-        x["top_p"][:n] = [p.top_p for p in params]
-        x["min_p"][:n] = [p.min_p for p in params]
-        x["seeds"][:n] = [fold_seed(r.seed) for r in requests]
-        x["sample_positions"][:n] = [r.num_output_tokens for r in requests]
+    def _fill_sampling(
+        self, x, requests: list[Request], rows: np.ndarray, num_outputs: np.ndarray
+    ) -> tuple[bool, int | None]:
+        n, kept = len(requests), self.running_rows
+        x["temperature"][:n] = kept.temperature[rows]
+        x["top_k"][:n] = kept.top_k[rows]
+        x["top_p"][:n] = kept.top_p[rows]
+        x["min_p"][:n] = kept.min_p[rows]
+        x["seeds"][:n] = kept.seed[rows]
+        x["sample_positions"][:n] = num_outputs
         x["ban_rows"][:n] = 0
-        for i, request in enumerate(requests):
-            if request.num_output_tokens < request.params.min_tokens:
-                eos = () if request.params.ignore_eos else self.eos_ids
-                banned = (*eos, *request.params.stop_token_ids)
-                if not banned:
-                    continue
-                assert len(banned) <= MAX_BANNED_IDS
-                x["banned_ids"][i, :] = banned[0]
-                x["banned_ids"][i, : len(banned)] = banned
-                x["ban_rows"][i] = 1
-        use_filters = any(p.needs_filter for p in params)
-        num_top_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        return use_filters, num_top_logprobs
+        for i in np.flatnonzero(num_outputs < kept.min_tokens[rows]).tolist():
+            params = requests[i].params
+            banned = (*(() if params.ignore_eos else self.eos_ids), *params.stop_token_ids)
+            if not banned:
+                continue
+            assert len(banned) <= MAX_BANNED_IDS
+            x["banned_ids"][i, :] = banned[0]
+            x["banned_ids"][i, : len(banned)] = banned
+            x["ban_rows"][i] = 1
+        most_logprobs = int(kept.logprobs[rows].max(initial=-1))
+        return bool(kept.needs_filter[rows].any()), (most_logprobs if most_logprobs >= 0 else None)
 
 
 def fill_padding(x: dict[str, np.ndarray], start: int, end: int) -> None:

@@ -247,7 +247,7 @@ class Engine:
         with timeline.phase("schedule", step):
             plan = self.scheduler.schedule()
             for request in plan.preempted:
-                self.builder.block_rows.release(request)
+                self.builder.running_rows.release(request)
         if not plan.requests:
             return False
         slot = self.runner.slots[step % 2]
@@ -335,7 +335,7 @@ class Engine:
         stopped_by_token: bool = False,
     ) -> None:
         self.scheduler.finish(request, reason)
-        self.builder.block_rows.release(request)
+        self.builder.running_rows.release(request)
         self.requests.pop(request.request_id, None)
         if text_is_final:
             return

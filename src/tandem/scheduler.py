@@ -81,12 +81,12 @@ class Scheduler:
 
     def num_to_compute(self, request: Request) -> int:
         """Tokens still to be fed through the model; 0 once nothing more can be sampled."""
-        if (
-            request.num_output_tokens >= request.params.max_tokens
-            or request.num_tokens >= self.max_model_len
-        ):
+        num_tokens = request.num_tokens
+        # max_tokens outputs, or max_model_len in all, whichever comes first
+        limit = min(len(request.prompt_token_ids) + request.params.max_tokens, self.max_model_len)
+        if num_tokens >= limit:
             return 0
-        return request.num_tokens - request.num_computed_tokens
+        return num_tokens - request.num_computed_tokens
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -109,6 +109,8 @@ class Scheduler:
         needed = cdiv(request.num_computed_tokens + num_new, self.block_size) - len(
             request.block_table
         )
+        if needed <= 0:
+            return True  # most decode steps: the last block still has room
         while not self.allocator.can_allocate(needed):
             victim = self.running[-1]
             self.preempt(victim)

@@ -109,13 +109,27 @@ def test_generate_with_a_bad_value_exits_non_zero_naming_it(tiny_dir, capsys, ba
 
 
 def test_generate_with_a_trace_path_that_is_a_directory_exits_with_a_clean_error(
-    tiny_dir, tmp_path
+    tiny_dir, tmp_path, capsys
 ):
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", str(tiny_dir), "hello", "--quiet", "--trace", str(tmp_path)])
     message = exit_info.value.code
     assert isinstance(message, str) and message.startswith("tandem: error:")
     assert str(tmp_path) in message
+    assert RESULT_LINE.search(capsys.readouterr().out) is None  # refused before generating
+
+
+@pytest.mark.parametrize("command", ["throughput", "serve"])
+def test_bench_output_in_a_missing_directory_is_refused_before_the_run(
+    tiny_dir, tmp_path, capsys, command
+):
+    target = tmp_path / "no-such-dir" / "report.json"
+    model = ["--model", str(tiny_dir)] if command == "throughput" else []
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", command, *model, "--num-prompts", "2", "--output-json", str(target)])
+    message = exit_info.value.code
+    assert isinstance(message, str) and "does not exist" in message
+    assert "tok/s" not in capsys.readouterr().out
 
 
 def test_generate_with_an_unknown_model_exits_non_zero_listing_presets(tmp_path):

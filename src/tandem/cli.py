@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from dataclasses import fields
+from pathlib import Path
 
 from tandem.config import EngineConfig
 from tandem.profiler import Timeline
@@ -54,6 +55,17 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true")
 
 
+def check_output_path(flag: str, path: str | None) -> None:
+    """Fail before a run, not after it, when its output file cannot be written where asked."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; give a file path")
+    if not target.parent.is_dir():
+        raise ValueError(f"{flag} {path}: the directory {target.parent} does not exist")
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in ENGINE_ARGS if hasattr(args, name)}
 
@@ -81,6 +93,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from tandem.llm import LLM
 
     params = sampling_params(args)
+    check_output_path("--trace", args.trace)
     llm = LLM(args.model, **engine_kwargs(args))
     if args.trace:
         llm.engine.start_trace()
@@ -148,6 +161,8 @@ def cmd_chat(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from tandem.bench import cmd_bench
 
+    check_output_path("--output-json", getattr(args, "output_json", None))
+    check_output_path("--trace", getattr(args, "trace", None))
     cmd_bench(args, engine_kwargs(args))
 
 

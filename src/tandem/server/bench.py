@@ -54,6 +54,9 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> None:
+    from tandem.cli import check_output_path
+
+    check_output_path("--output-json", args.output_json)
     report = asyncio.run(run_bench(args))
     print_report(report)
     if args.output_json:

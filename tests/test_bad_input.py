@@ -276,6 +276,11 @@ BAD_ENGINE_ARGS = {
         "gpu_memory_utilization",
         "(0, 1]",
     ),
+    "gpu_memory_utilization_string": (
+        {"gpu_memory_utilization": "0.5"},
+        "gpu_memory_utilization",
+        "number",
+    ),
     "unknown_dtype": ({"dtype": "float8"}, "dtype", "bfloat16"),
     "unknown_load_format": ({"load_format": "pt"}, "load_format", "'dummy'"),
     "unknown_device": ({"device": "tpu"}, "device", "'cuda'"),

@@ -151,9 +151,11 @@ class EngineConfig:
             check_int("num_blocks", self.num_blocks, 1)
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 1)
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        utilization = self.gpu_memory_utilization
+        is_number = isinstance(utilization, int | float) and not isinstance(utilization, bool)
+        if not is_number or not 0.0 < utilization <= 1.0:
             raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+                f"gpu_memory_utilization must be a number in (0, 1], got {utilization!r}"
             )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")

@@ -128,11 +128,14 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop the other ranks' processes (tensor parallelism) and leave the process group."""
+        self.runner.release_graphs()
         if self.workers is not None:
-            self.workers.shutdown()
-            self.workers = None
+            self.workers.stop()
         if self.tp.size > 1:
-            leave_process_group()
+            leave_process_group()  # may wait for the other ranks to leave too
+        if self.workers is not None:
+            self.workers.join()
+            self.workers = None
 
     def start_trace(self) -> None:
         """Record CPU phases and GPU stream intervals of every following step."""

@@ -174,9 +174,11 @@ class Workers:
         for pipe in self.pipes:
             pipe.send(("step", commands))
 
-    def shutdown(self) -> None:
+    def stop(self) -> None:
         for pipe in self.pipes:
             pipe.send(("stop", []))
+
+    def join(self) -> None:
         for process in self.processes:
             process.join(timeout=30)
 

@@ -60,6 +60,16 @@ class Runner:
                 device
             )  # weights, cache and buffers were written on the default stream
 
+    def release_graphs(self) -> None:
+        """Free the captured graphs. Graphs that hold NCCL collectives keep the communicator
+        busy: a process group cannot be destroyed while they live."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.graph_sizes = []  # any later step runs eagerly
+
     def padded_size(self, num_seqs: int, decode_only: bool, wants_logprobs: bool) -> int | None:
         """Rows of the graph that will run a step, or None when the step runs eagerly."""
         if (

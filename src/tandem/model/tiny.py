@@ -171,11 +171,12 @@ def random_weights(
     hf_config: dict[str, Any], seed: int, dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Random weights under Hugging Face names for a config.json dict, made on `device` one
-    tensor at a time (a sharded load keeps only its slice of each)."""
+    tensor at a time (a sharded load keeps only its slice of each). Drawn in float32 and then
+    rounded, so a bf16 model is its float32 twin with every weight rounded."""
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, (shape, std, mean) in weight_specs(ModelConfig.from_hf(hf_config)).items():
-        tensor = torch.randn(shape, generator=generator, device=device, dtype=dtype)
-        yield name, tensor.mul_(std).add_(mean)
+        tensor = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+        yield name, tensor.mul_(std).add_(mean).to(dtype)
 
 
 def weight_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], float, float]]:

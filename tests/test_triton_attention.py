@@ -142,6 +142,38 @@ def test_prefill_tile_shapes_match_reference(tiles):
     )
 
 
+H200_SHARED_MEMORY = 232_448  # Triton's limit per program on the H200
+
+
+def test_shared_memory_estimate_matches_what_triton_asked_for_on_the_h200():
+    # fp32 prefill, 128 query rows x 128 keys, 3 stages, head_dim 128: Triton asked for 328,704
+    assert triton_backend.shared_memory_bytes(128, 128, 3, 128, 4) == 328_704
+
+
+@pytest.mark.parametrize("tiles", [DecodeTiles(), PrefillTiles()])
+def test_tuned_bf16_tiles_are_kept_and_fp32_ones_shrunk_to_fit(tiles):
+    q_rows = tiles.rows if isinstance(tiles, PrefillTiles) else 16
+    fit = triton_backend.fit_tiles
+    assert fit(tiles, q_rows, 128, 2, H200_SHARED_MEMORY) == tiles
+    assert fit(tiles, q_rows, 128, 4, None) == tiles  # no limit (the interpreter)
+    shrunk = fit(tiles, q_rows, 128, 4, H200_SHARED_MEMORY)
+    assert shrunk != tiles and shrunk.num_warps == tiles.num_warps
+    assert triton_backend.shared_memory_bytes(
+        q_rows, shrunk.block_n, shrunk.num_stages, 128, 4
+    ) <= (H200_SHARED_MEMORY)
+    assert shrunk.block_n == tiles.block_n  # one stage fewer is enough
+    assert fit(tiles, q_rows, 256, 4, H200_SHARED_MEMORY).block_n < tiles.block_n
+
+
+def test_float32_at_head_dim_128_runs_with_the_default_tiles():
+    """The engine's dtype="float32" on a Llama-shaped head: the tiles must fit the device."""
+    test_decode_matches_reference(torch.float32, 2, 4, 128, 16, [300, 3, 64], 1)
+    test_decode_matches_reference(torch.float32, 2, 4, 128, 16, [300, 3, 64], 4)
+    test_prefill_with_cached_prefix_matches_reference(
+        torch.float32, 2, 4, 128, 16, [40, 0, 7], [90, 61, 1]
+    )
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_engine_with_triton_backend_gives_the_torch_backend_tokens(make_tiny, arch):
     from tandem import LLM, SamplingParams

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 import triton
@@ -31,6 +31,32 @@ class PrefillTiles(NamedTuple):
     num_stages: int = 3
 
 
+Tiles = TypeVar("Tiles", DecodeTiles, PrefillTiles)
+
+
+def shared_memory_bytes(
+    q_rows: int, block_n: int, num_stages: int, head_dim: int, elem: int
+) -> int:
+    """Shared memory Triton asks for one attention program: the query tile, plus a K and a V
+    tile for every pipelined stage but one. (Fp32, 128 query rows, 128 keys, 3 stages and
+    head_dim 128 asked for 328,704 bytes on the H200, whose limit is 232,448.)"""
+    return elem * head_dim * (q_rows + 2 * block_n * max(1, num_stages - 1)) + 1024
+
+
+def fit_tiles(tiles: Tiles, q_rows: int, head_dim: int, elem: int, limit: int | None) -> Tiles:
+    """`tiles` with fewer stages, then fewer keys per tile, until a program fits in `limit`
+    bytes of shared memory (4-byte values or wide heads; bf16 at head_dim 128 fits as tuned)."""
+    while limit is not None and shared_memory_bytes(q_rows, tiles.block_n, tiles.num_stages,
+                                                    head_dim, elem) > limit:  # fmt: skip
+        if tiles.num_stages > 2:
+            tiles = tiles._replace(num_stages=tiles.num_stages - 1)
+        elif tiles.block_n > 16:
+            tiles = tiles._replace(block_n=tiles.block_n // 2)
+        else:
+            break
+    return tiles
+
+
 class TritonAttention:
     def __init__(
         self,
@@ -53,6 +79,14 @@ class TritonAttention:
             torch.cuda.get_device_properties(device).multi_processor_count
             if device.type == "cuda"
             else 8
+        )
+        # the bound Triton checks at compile time; the interpreter has none
+        self.shared_memory: int | None = (
+            triton.runtime.driver.active.utils.get_device_properties(device.index or 0)[
+                "max_shared_mem"
+            ]
+            if device.type == "cuda"
+            else None
         )
         # split-KV decode partials: [max_seqs, num_heads, MAX_SPLITS, head_dim] and (max, sum) pairs
         self.partial_out = torch.empty(
@@ -87,11 +121,13 @@ class TritonAttention:
         assert q.stride(2) == 1 and q.stride(1) == self.head_dim
         num_seqs = q.shape[0]
         splits = self.num_splits(num_seqs)
-        tiles = self.decode_tiles
+        group_pad = max(16, triton.next_power_of_2(self.group))
+        tiles = fit_tiles(self.decode_tiles, group_pad, self.head_dim, q.element_size(),
+                          self.shared_memory)  # fmt: skip
         decode_kernel[(num_seqs, self.num_kv_heads, splits)](
             q, out, self.partial_out, self.partial_ml, kv_cache, meta.block_tables, meta.seq_lens,
             q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale, splits,
-            GROUP=self.group, GROUP_PAD=max(16, triton.next_power_of_2(self.group)),
+            GROUP=self.group, GROUP_PAD=group_pad,
             NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2],
             BLOCK_N=tiles.block_n, MAX_SPLITS=MAX_SPLITS, DIRECT=splits == 1,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
@@ -115,6 +151,8 @@ class TritonAttention:
         group_pad = triton.next_power_of_2(self.group)
         tiles = self.prefill_tiles
         block_m = max(1, tiles.rows // group_pad)
+        tiles = fit_tiles(tiles, block_m * group_pad, self.head_dim, q.element_size(),
+                          self.shared_memory)  # fmt: skip
         grid = (len(starts) - 1, triton.cdiv(max_query_len, block_m), self.num_kv_heads)
         prefill_kernel[grid](
             q, out, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,

@@ -56,7 +56,8 @@ def bench_decode(
     backend = TritonAttention(
         NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, batch, torch.device("cuda"), num_splits=splits
     )
-    backend.decode_tiles = tiles or backend.decode_tiles
+    if tiles:
+        backend.decode_tiles = backend.single_sequence_tiles = tiles
     meta = AttentionMetadata(lens, lens, lens, tables, decode_only=True)
     if check:
         backend.decode(q, out, cache, meta, HEAD_DIM**-0.5)
@@ -69,7 +70,7 @@ def bench_decode(
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
     rate = kv_bytes / (ms / 1e3)
     return {"kernel": f"decode B={batch} ctx={context}", "ms": ms, "TB/s": rate / 1e12, "ceiling_pct": 100 * rate / COPY_CEILING,
-            "splits": backend.num_splits(batch), "tiles": backend.decode_tiles._asdict()}  # fmt: skip
+            "splits": backend.num_splits(batch), "tiles": backend.tiles_for(batch)._asdict()}  # fmt: skip
 
 
 def bench_prefill(length: int, tiles: PrefillTiles | None = None, check: bool = False) -> dict:
@@ -166,6 +167,7 @@ def main() -> None:
         bench_decode(32, 4096),
         bench_decode(256, 1024),
         bench_decode(1, 4096),
+        bench_decode(1, 512),
         bench_prefill(4096),
     ]
     for row in rows:

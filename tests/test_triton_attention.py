@@ -47,6 +47,8 @@ DECODE_CASES = [
     (2, 4, 128, 32, [97, 128], 2),
     (4, 2, 64, 8, [9, 70, 1, 129], None),
     (2, 4, 128, 16, [300, 3, 64], 1),  # one split: written directly, no reduce
+    (2, 4, 128, 16, [300], None),  # one sequence: its own short tiles over 32 splits
+    (8, 4, 128, 64, [1000], None),
 ]
 
 
@@ -64,7 +66,8 @@ def test_decode_matches_reference(
     q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim).to(dtype).to(DEVICE)
     scale = head_dim**-0.5
     backend = attention(num_kv_heads, group, head_dim, num_splits=splits)
-    backend.decode_tiles = tiles or backend.decode_tiles
+    if tiles:
+        backend.decode_tiles = backend.single_sequence_tiles = tiles
     out = torch.empty_like(q)
     meta = AttentionMetadata(lens, lens, lens, tables, decode_only=True)
     backend.decode(q, out, cache, meta, scale)

@@ -75,6 +75,9 @@ class TritonAttention:
         self.fixed_splits = num_splits
         self.prefill_tiles = PrefillTiles()
         self.decode_tiles = DecodeTiles()
+        # one sequence is spread over the SMs by its splits; short tiles give each split work
+        # (batch 1 x 512 context: 32-key tiles 5.2 µs, 128-key 7.4 µs, graph-timed on the H200)
+        self.single_sequence_tiles = DecodeTiles(block_n=32, num_warps=4, num_stages=1)
         self.num_sms = (
             torch.cuda.get_device_properties(device).multi_processor_count
             if device.type == "cuda"
@@ -117,12 +120,15 @@ class TritonAttention:
         wanted = triton.cdiv(self.num_sms, num_seqs * self.num_kv_heads)
         return min(MAX_SPLITS, triton.next_power_of_2(wanted))
 
+    def tiles_for(self, num_seqs: int) -> DecodeTiles:
+        return self.single_sequence_tiles if num_seqs == 1 else self.decode_tiles
+
     def decode(self, q, out, kv_cache, meta: AttentionMetadata, scale: float) -> None:
         assert q.stride(2) == 1 and q.stride(1) == self.head_dim
         num_seqs = q.shape[0]
         splits = self.num_splits(num_seqs)
         group_pad = max(16, triton.next_power_of_2(self.group))
-        tiles = fit_tiles(self.decode_tiles, group_pad, self.head_dim, q.element_size(),
+        tiles = fit_tiles(self.tiles_for(num_seqs), group_pad, self.head_dim, q.element_size(),
                           self.shared_memory)  # fmt: skip
         decode_kernel[(num_seqs, self.num_kv_heads, splits)](
             q, out, self.partial_out, self.partial_ml, kv_cache, meta.block_tables, meta.seq_lens,

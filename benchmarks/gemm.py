@@ -1,14 +1,14 @@
 """The decode step's GEMMs on a CUDA device: how close each weight matrix comes to the copy ceiling.
 
 A decode step reads every weight once for a few rows, so each GEMM is bound by its weight bytes.
-For each matrix of a model preset and each row count, three ways to run it, timed from a CUDA
-graph replay as the engine runs them, each call on a cold copy of the weight (`Rotation`):
-  linear    F.linear(x, W) with W stored [out, in], what the decoder does;
+For each matrix of a model preset and each row count, ways to run it, timed from a CUDA graph
+replay as the engine runs them, each call on a cold copy of the weight (`Rotation`):
+  linear    F.linear(x, W) with W stored [out, in], what the decoder does by default;
   nn        x @ Wt with the weight stored transposed, [in, out] (cuBLAS picks other kernels);
-  stream    (rows <= 64) a candidate Triton kernel: each program streams a band of weight rows
-            over the whole input dimension, no split-K and so no reduce launch; its tile shape
-            is autotuned per matrix. If it matches cuBLAS, the decoder's neighbouring small
-            kernels (RMSNorm before, residual add after, SiLU*up before down) could fold into it;
+  gemv      (rows <= 64) the engine's Triton kernel (tandem/model/gemv.py): each program
+            streams a band of weight rows over the whole input, no split-K; autotuned;
+  unfused / fused   (rows <= 64; qkv and gate_up: residual add + RMSNorm before the matmul,
+            down: SiLU * up) the separate kernel plus F.linear, against gemv with the op folded in;
   autotune  (--autotune) torch.compile max-autotune of F.linear: Inductor times its Triton
             GEMM templates against cuBLAS and keeps the fastest; slow to compile.
 Usage: PYTHONPATH=src python benchmarks/gemm.py [--model llama-3-8b] [--rows 1 32 256] [--autotune]
@@ -22,11 +22,13 @@ import json
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 import triton.testing
 
 from tandem.config import ModelConfig
+from tandem.model import fused, gemv
 from tandem.model.loader import read_hf_config
+
+gemv.ENABLED = True  # the kernel whatever TANDEM_DECODE_GEMV says
 
 COPY_CEILING = 4.22e12  # bytes/s, device-to-device copy (DESIGN.md)
 
@@ -41,41 +43,6 @@ def matrices(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
         "down": (h, cfg.intermediate_size),
         "lm_head": (cfg.vocab_size, h),
     }
-
-
-@triton.autotune(
-    configs=[
-        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=4, num_stages=s)
-        for n in (16, 32, 64)
-        for k in (128, 256, 512)
-        for s in (3, 4)
-    ],
-    key=["N", "K", "M_PAD"],
-)
-@triton.jit
-def stream_kernel(x_ptr, w_ptr, y_ptr, M, N, K, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):  # fmt: skip
-    """y[:, band] = x @ W[band, :]^T for one band of BLOCK_N weight rows, K read in full."""
-    band = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.arange(0, M_PAD)
-    acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
-    for start in range(0, K, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + band[:, None].to(tl.int64) * K + cols[None, :],
-                    mask=(band[:, None] < N) & (cols[None, :] < K), other=0.0)  # fmt: skip
-        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :],
-                    mask=(rows[:, None] < M) & (cols[None, :] < K), other=0.0)  # fmt: skip
-        acc += tl.dot(x, tl.trans(w))
-    tl.store(y_ptr + rows[:, None] * N + band[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rows[:, None] < M) & (band[None, :] < N))  # fmt: skip
-
-
-def stream(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    (m, k), n = x.shape, weight.shape[0]
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    stream_kernel[grid](x, weight, y, m, n, k, M_PAD=max(16, triton.next_power_of_2(m)))
-    return y
 
 
 class Rotation:
@@ -96,19 +63,34 @@ class Rotation:
         return (self.transposed if transposed else self.copies)[self.turn]
 
 
-def variants(weight: torch.Tensor, rows: int, autotune: bool) -> dict:
+PROLOGUES = {"qkv": "norm", "gate_up": "norm", "down": "silu"}
+
+
+def variants(name: str, weight: torch.Tensor, rows: int, autotune: bool) -> dict:
+    """way -> (function of the input batch, whether it applies the matrix's prologue)."""
     rotation = Rotation(weight)
     ways = {
-        "linear": lambda x: F.linear(x, rotation.next()),
-        "nn": lambda x: x @ rotation.next(transposed=True),
+        "linear": (lambda x: F.linear(x, rotation.next()), False),
+        "nn": (lambda x: x @ rotation.next(transposed=True), False),
     }
-    if rows <= 64:
-        ways["stream"] = lambda x: stream(x, rotation.next())
+    if rows <= gemv.MAX_ROWS:
+        ways["gemv"] = (lambda x: gemv.linear(x, rotation.next()), False)
+        prologue = PROLOGUES.get(name)
+        if prologue == "norm":
+            norm = torch.ones(weight.shape[1], device="cuda", dtype=weight.dtype)
+            ways["unfused"] = (
+                lambda x: F.linear(fused.add_rms_norm(x, x, norm, 1e-5)[0], rotation.next()),
+                True,
+            )
+            ways["fused"] = (lambda x: gemv.norm_linear(x, x, norm, 1e-5, rotation.next())[0], True)
+        elif prologue == "silu":
+            ways["unfused"] = (lambda x: F.linear(fused.silu_and_mul(x), rotation.next()), True)
+            ways["fused"] = (lambda x: gemv.silu_linear(x, rotation.next()), True)
     if autotune:
         compiled = torch.compile(
             lambda x, w: F.linear(x, w), mode="max-autotune-no-cudagraphs", dynamic=False
         )
-        ways["autotune"] = lambda x: compiled(x, rotation.next())
+        ways["autotune"] = (lambda x: compiled(x, rotation.next()), False)
     return ways
 
 
@@ -125,15 +107,25 @@ def main() -> None:
         weight = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16)
         weight_bytes = weight.numel() * weight.element_size()
         for rows in args.rows:
-            ways = variants(weight, rows, args.autotune)
+            ways = variants(name, weight, rows, args.autotune)
             x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
-            expected = F.linear(x, weight).float()
+            # the input before the prologue: the summand of x + x, or gate | up
+            pre = (
+                x / 2
+                if PROLOGUES.get(name) == "norm"
+                else torch.randn(rows, 2 * in_features, device="cuda", dtype=torch.bfloat16)
+            )
+            expected = {False: F.linear(x, weight).float()}
+            if "unfused" in ways:
+                expected[True] = ways["unfused"][0](pre).float()
             cells = []
-            for way, fn in ways.items():
-                torch.testing.assert_close(fn(x).float(), expected, atol=0.5, rtol=2e-2)
+            for way, (fn, with_prologue) in ways.items():
+                arg = pre if with_prologue else x
+                torch.testing.assert_close(fn(arg).float(), expected[with_prologue], atol=0.5,
+                                           rtol=2e-2)  # fmt: skip
                 torch.cuda.synchronize()  # the timing runs on a side stream
                 us = 1000 * triton.testing.do_bench_cudagraph(
-                    lambda fn=fn, x=x: fn(x), return_mode="median"
+                    lambda fn=fn, arg=arg: fn(arg), return_mode="median"
                 )
                 rate = weight_bytes / (us / 1e6)
                 results.append({"matrix": name, "rows": rows, "way": way, "us": us,

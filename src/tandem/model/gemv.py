@@ -1,0 +1,189 @@
+"""Decode-sized matmuls (a few rows) as one Triton kernel each, with the small op before the
+matmul folded into its loads: residual add + RMSNorm before qkv_proj and gate_up_proj,
+SiLU(gate) * up before down_proj.
+
+A decode step's matmuls read every weight once for a few rows, so they are bound by weight
+bytes. Each program here streams a band of weight rows over the whole input dimension (no
+split-K, so no reduce launch) and recomputes its small input tile on the way: the norm needs
+only each row's sum of squares, which the same loop gathers, since
+W (g * x / rms) = (W (g * x)) / rms. That removes the add + RMSNorm and SiLU * up launches of a
+layer (three of its ~12 at batch 1).
+
+Off unless TANDEM_DECODE_GEMV=1: `benchmarks/gemm.py` measured cuBLAS beaten at one row (gate_up
+and down_proj by 2 µs each) but not at 32, so the engine-level effect is still to be measured
+(`DECODE_GEMV=1 scripts/gpu_check.sh`). Only fp16/bf16 models with at most MAX_ROWS rows use it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+import triton.testing
+
+from tandem.model import fused
+
+MAX_ROWS = 64
+ENABLED = os.environ.get("TANDEM_DECODE_GEMV", "0") == "1"
+
+PLAIN, NORM, SILU = 0, 1, 2  # what the kernel does to its input before the matmul
+
+
+def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `x` ([rows, in], rows of a decode step) times `weight` runs as the kernel here."""
+    return (
+        ENABLED
+        and fused.use_kernels(x)
+        and x.shape[0] <= MAX_ROWS
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and weight.is_contiguous()
+    )
+
+
+@triton.jit
+def gemv_kernel(
+    x_ptr, residual_ptr, norm_ptr, w_ptr, bias_ptr, y_ptr, summed_ptr, rows, n, k, x_stride,
+    residual_stride, eps, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """y[:, band] = prologue(x) @ W[band, :]^T (+ bias) for one band of BLOCK_N weight rows.
+
+    NORM: the input is RMSNorm(x + residual) * norm (program 0 also stores x + residual to
+    summed_ptr); SILU: x is [rows, 2k], gate | up, and the input is SiLU(gate) * up. Values are
+    rounded to the model dtype where the torch versions in fused.py round them.
+    """
+    pid = tl.program_id(0)
+    band = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    band_ok = band < n
+    r = tl.arange(0, ROWS)
+    row_ok = r < rows
+    dtype = y_ptr.dtype.element_ty
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    sum_sq = tl.zeros([ROWS], tl.float32)
+    for start in range(0, k, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        col_ok = cols < k
+        mask = row_ok[:, None] & col_ok[None, :]
+        x_at = x_ptr + r[:, None] * x_stride + cols[None, :]
+        if PROLOGUE == 2:
+            gate = tl.load(x_at, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(x_at + k, mask=mask, other=0.0).to(tl.float32)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            xs = (silu * up).to(dtype)
+        else:
+            xs = tl.load(x_at, mask=mask, other=0.0)
+        if PROLOGUE == 1:
+            if HAS_RESIDUAL:
+                residual = tl.load(
+                    residual_ptr + r[:, None] * residual_stride + cols[None, :],
+                    mask=mask,
+                    other=0.0,
+                )
+                xs = (xs.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+                tl.store(summed_ptr + r[:, None] * k + cols[None, :], xs, mask=mask & (pid == 0))
+            xf = xs.to(tl.float32)
+            sum_sq += tl.sum(xf * xf, axis=1)
+            g = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            xs = (xf * g[None, :]).to(dtype)
+        w = tl.load(
+            w_ptr + band[:, None].to(tl.int64) * k + cols[None, :],
+            mask=band_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
+        acc += tl.dot(xs, tl.trans(w))
+    if PROLOGUE == 1:
+        acc = acc * (1.0 / tl.sqrt(sum_sq / k + eps))[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + band, mask=band_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        y_ptr + r[:, None] * n + band[None, :],
+        acc.to(dtype),
+        mask=row_ok[:, None] & band_ok[None, :],
+    )
+
+
+CONFIGS = [
+    triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=4, num_stages=stages)
+    for block_n in (16, 32, 64)
+    for block_k in (128, 256)
+    for stages in (3, 4)
+]
+# on a GPU each (matrix shape, row tile, prologue) gets the fastest of CONFIGS, timed at its
+# first call (the engine's warm-up before graph capture); the interpreter runs one fixed shape
+_tuned = triton.autotune(
+    CONFIGS,
+    key=["n", "k", "ROWS", "PROLOGUE"],
+    do_bench=lambda call, quantiles: triton.testing.do_bench(call, 5, 20, quantiles=quantiles),
+)(gemv_kernel)
+INTERPRETED = {"BLOCK_N": 16, "BLOCK_K": 32}
+
+
+def _launch(
+    prologue: int,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    k: int,
+    residual: torch.Tensor | None = None,
+    norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    rows, n = x.shape[0], weight.shape[0]
+    assert weight.shape[1] == k and x.stride(-1) == 1
+    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    summed = (
+        torch.empty((rows, k), dtype=x.dtype, device=x.device) if residual is not None else None
+    )
+    args = (
+        x, residual if residual is not None else x, norm if norm is not None else weight, weight,
+        bias if bias is not None else weight, y, summed if summed is not None else y, rows, n, k,
+        x.stride(0), residual.stride(0) if residual is not None else 0, eps,
+    )  # fmt: skip
+    flags = dict(
+        PROLOGUE=prologue,
+        HAS_RESIDUAL=residual is not None,
+        HAS_BIAS=bias is not None,
+        ROWS=max(16, triton.next_power_of_2(rows)),
+    )
+    if x.is_cuda:
+        _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
+    else:
+        grid = (triton.cdiv(n, INTERPRETED["BLOCK_N"]),)
+        gemv_kernel[grid](*args, **flags, **INTERPRETED)
+    return y, summed
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), as the kernel when `use_gemv(x)`."""
+    if not use_gemv(x, weight):
+        return F.linear(x, weight, bias)
+    return _launch(PLAIN, x, weight, bias, x.shape[1])[0]
+
+
+def norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(F.linear(RMSNorm(x + residual) * norm, weight, bias), x + residual); without a
+    residual, x is the sum."""
+    if not use_gemv(x, weight):
+        normed, summed = fused.add_rms_norm(x, residual, norm, eps)
+        return F.linear(normed, weight, bias), summed
+    y, summed = _launch(NORM, x, weight, bias, x.shape[1], residual, norm, eps)
+    return y, x if summed is None else summed
+
+
+def silu_linear(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """F.linear(SiLU(gate) * up, weight, bias) for gate_up = [rows, 2 * inter], gate | up."""
+    if not use_gemv(gate_up, weight):
+        return F.linear(fused.silu_and_mul(gate_up), weight, bias)
+    return _launch(SILU, gate_up, weight, bias, gate_up.shape[1] // 2)[0]

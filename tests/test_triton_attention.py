@@ -145,6 +145,59 @@ def test_prefill_tile_shapes_match_reference(tiles):
     )
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_in_longest_first_order_matches_reference(dtype):
+    """A ragged batch launched in `seq_order`: every sequence's output still lands in its row."""
+    seq_lens = [40, 300, 7, 129, 300, 64]
+    num_kv_heads, group, head_dim, block_size = 2, 4, 64, 16
+    cache = make_cache(64, block_size, num_kv_heads, head_dim, dtype)
+    tables = block_tables_for(seq_lens, block_size, 24, 64)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    order = torch.argsort(-lens.long(), stable=True).to(torch.int32)
+    q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim).to(dtype).to(DEVICE)
+    for splits in (1, 4):
+        backend = attention(num_kv_heads, group, head_dim, num_splits=splits)
+        out = torch.full_like(q, float("nan"))
+        meta = AttentionMetadata(lens, lens, lens, tables, decode_only=True, seq_order=order)
+        backend.decode(q, out, cache, meta, head_dim**-0.5)
+        expected = decode_attention(q.float(), cache.float(), tables, lens, head_dim**-0.5)
+        torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+    # the kernel does follow the order: one listing sequence 0 everywhere fills only its row
+    backend = attention(num_kv_heads, group, head_dim, num_splits=1)
+    out = torch.full_like(q, float("nan"))
+    meta = AttentionMetadata(lens, lens, lens, tables, decode_only=True, seq_order=order * 0)
+    backend.decode(q, out, cache, meta, head_dim**-0.5)
+    assert not out[0].isnan().any() and out[1:].isnan().all()
+
+
+def test_decode_steps_list_their_sequences_longest_context_first(make_tiny, monkeypatch):
+    from tandem import LLM, SamplingParams
+
+    llm = LLM(str(make_tiny("llama")), attention_backend="triton", max_model_len=128,
+              num_blocks=64, max_num_batched_tokens=64)  # fmt: skip
+    engine = llm.engine
+    launched = []
+    launch = engine.runner.launch
+
+    def record(batch, timeline):
+        x, n = batch.slot.np_in, batch.num_seqs_padded
+        if batch.decode_only:
+            launched.append((x["seq_order"][:n].copy(), x["seq_lens"][:n].copy()))
+        launch(batch, timeline)
+
+    monkeypatch.setattr(engine.runner, "launch", record)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for i, n in enumerate([5, 30, 12, 30, 1]):
+        engine.enqueue(engine.make_request(str(i), params, prompt_token_ids=list(range(1, n + 1))))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(launched) >= 4
+    for order, lens in launched:
+        assert sorted(order.tolist()) == list(range(len(lens)))
+        assert (lens[order][:-1] >= lens[order][1:]).all()
+    assert any((order != range(len(order))).any() for order, _ in launched)  # some were reordered
+
+
 H200_SHARED_MEMORY = 232_448  # Triton's limit per program on the H200
 
 

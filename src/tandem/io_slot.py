@@ -28,6 +28,7 @@ def input_fields(
         "carry_index": ((t,), torch.int32),  # row of the previous step's output, or -1
         "query_start_loc": ((b + 1,), torch.int32),
         "seq_lens": ((b,), torch.int32),
+        "seq_order": ((b,), torch.int32),  # decode: rows by context length, longest first
         "logits_indices": ((b,), torch.int32),
         "block_tables": ((b, max_blocks), torch.int32),
         "top_k": ((b,), torch.int32),

@@ -130,12 +130,14 @@ class TritonAttention:
         group_pad = max(16, triton.next_power_of_2(self.group))
         tiles = fit_tiles(self.tiles_for(num_seqs), group_pad, self.head_dim, q.element_size(),
                           self.shared_memory)  # fmt: skip
-        decode_kernel[(num_seqs, self.num_kv_heads, splits)](
+        order = meta.seq_order
+        decode_kernel[(self.num_kv_heads, num_seqs, splits)](
             q, out, self.partial_out, self.partial_ml, kv_cache, meta.block_tables, meta.seq_lens,
-            q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale, splits,
+            meta.seq_lens if order is None else order, q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale, splits,
             GROUP=self.group, GROUP_PAD=group_pad,
             NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2],
             BLOCK_N=tiles.block_n, MAX_SPLITS=MAX_SPLITS, DIRECT=splits == 1,
+            ORDERED=order is not None,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )  # fmt: skip
         if splits == 1:

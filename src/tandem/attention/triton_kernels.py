@@ -133,6 +133,7 @@ def decode_kernel(
     cache_ptr,
     block_tables_ptr,
     seq_lens_ptr,
+    seq_order_ptr,  # [num_seqs] int32: the sequences in launch order (longest first), if ORDERED
     q_token_stride,
     block_table_stride,
     kv_half_stride,
@@ -146,10 +147,18 @@ def decode_kernel(
     BLOCK_N: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: normalize and write the output, no reduce step
+    ORDERED: tl.constexpr,
 ):
-    """Split s of a sequence covers an equal share of its key tiles; `reduce_kernel` merges them."""
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    """Split s of a sequence covers an equal share of its key tiles; `reduce_kernel` merges them.
+
+    Programs start in grid order, the KV heads of one sequence together, sequences in
+    `seq_order`: longest first, so a ragged batch does not end on one long sequence's programs
+    running alone.
+    """
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
+    if ORDERED:
+        seq = tl.load(seq_order_ptr + seq)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)

@@ -5,9 +5,9 @@ For each matrix of a model preset and each row count, ways to run it, timed from
 replay as the engine runs them, each call on a cold copy of the weight (`Rotation`):
   linear    F.linear(x, W) with W stored [out, in], what the decoder does by default;
   nn        x @ Wt with the weight stored transposed, [in, out] (cuBLAS picks other kernels);
-  gemv      (rows <= 64) the engine's Triton kernel (tandem/model/gemv.py): each program
+  gemv      (rows <= 256) the engine's Triton kernel (tandem/model/gemv.py): each program
             streams a band of weight rows over the whole input, no split-K; autotuned;
-  unfused / fused   (rows <= 64; qkv and gate_up: residual add + RMSNorm before the matmul,
+  unfused / fused   (rows <= 256; qkv and gate_up: residual add + RMSNorm before the matmul,
             down: SiLU * up) the separate kernel plus F.linear, against gemv with the op folded in;
   autotune  (--autotune) torch.compile max-autotune of F.linear: Inductor times its Triton
             GEMM templates against cuBLAS and keeps the fastest; slow to compile.

@@ -30,7 +30,7 @@ def close(actual, expected, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    ("rows", "n", "k"), [(1, 48, 64), (5, 100, 200), (17, 16, 96), (64, 33, 40)]
+    ("rows", "n", "k"), [(1, 48, 64), (5, 100, 200), (17, 16, 96), (64, 33, 40), (130, 20, 48)]
 )
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_matches_torch(kernels_on, dtype, rows, n, k, with_bias):
@@ -43,7 +43,9 @@ def test_linear_matches_torch(kernels_on, dtype, rows, n, k, with_bias):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("rows", "n", "k"), [(1, 48, 64), (7, 100, 200), (32, 64, 72)])
+@pytest.mark.parametrize(
+    ("rows", "n", "k"), [(1, 48, 64), (7, 100, 200), (32, 64, 72), (100, 40, 64)]
+)
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_norm_linear_matches_add_rms_norm_then_linear(kernels_on, dtype, rows, n, k, with_residual):
     g = torch.Generator().manual_seed(rows + n + k + with_residual)
@@ -60,7 +62,9 @@ def test_norm_linear_matches_add_rms_norm_then_linear(kernels_on, dtype, rows, n
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("rows", "n", "inter"), [(1, 64, 96), (9, 40, 160), (64, 16, 48)])
+@pytest.mark.parametrize(
+    ("rows", "n", "inter"), [(1, 64, 96), (9, 40, 160), (64, 16, 48), (70, 32, 32)]
+)
 def test_silu_linear_matches_silu_and_mul_then_linear(kernels_on, dtype, rows, n, inter):
     g = torch.Generator().manual_seed(rows * inter + n)
     gate_up = rand(g, rows, 2 * inter, dtype=dtype, scale=3.0)

@@ -1,11 +1,11 @@
-"""Decode-sized matmuls (a few rows) as one Triton kernel each, with the small op before the
+"""Decode-step matmuls (up to 256 rows) as one Triton kernel each, with the small op before the
 matmul folded into its loads: residual add + RMSNorm before qkv_proj and gate_up_proj,
 SiLU(gate) * up before down_proj.
 
-A decode step's matmuls read every weight once for a few rows, so they are bound by weight
-bytes. Each program here streams a band of weight rows over the whole input dimension (no
-split-K, so no reduce launch) and recomputes its small input tile on the way: the norm needs
-only each row's sum of squares, which the same loop gathers, since
+A decode step's matmuls read every weight once for a few rows, so at small batches they are bound
+by weight bytes. Each program here streams a band of weight rows over the whole input dimension
+(no split-K, so no reduce launch) for a block of rows, and recomputes its input tile on the way:
+the norm needs only each row's sum of squares, which the same loop gathers, since
 W (g * x / rms) = (W (g * x)) / rms. That removes the add + RMSNorm and SiLU * up launches of a
 layer (three of its ~12 at batch 1).
 
@@ -26,7 +26,8 @@ import triton.testing
 
 from tandem.model import fused
 
-MAX_ROWS = 64
+MAX_ROWS = 256  # a decode step's rows; the kernel tiles them by BLOCK_M
+BLOCK_M = 64
 ENABLED = os.environ.get("TANDEM_DECODE_GEMV", "0") == "1"
 
 PLAIN, NORM, SILU = 0, 1, 2  # what the kernel does to its input before the matmul
@@ -47,22 +48,26 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def gemv_kernel(
     x_ptr, residual_ptr, norm_ptr, w_ptr, bias_ptr, y_ptr, summed_ptr, rows, n, k, x_stride,
     residual_stride, eps, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """y[:, band] = prologue(x) @ W[band, :]^T (+ bias) for one band of BLOCK_N weight rows.
+    """y[rows, band] = prologue(x) @ W[band, :]^T (+ bias) for BLOCK_M rows of x and one band
+    of BLOCK_N weight rows. The row blocks of one band are neighbours in the grid, so a band
+    read by one of them is still in L2 for the others (one block when ROWS <= 64).
 
-    NORM: the input is RMSNorm(x + residual) * norm (program 0 also stores x + residual to
-    summed_ptr); SILU: x is [rows, 2k], gate | up, and the input is SiLU(gate) * up. Values are
-    rounded to the model dtype where the torch versions in fused.py round them.
+    NORM: the input is RMSNorm(x + residual) * norm (the first band's programs also store
+    x + residual to summed_ptr); SILU: x is [rows, 2k], gate | up, and the input is
+    SiLU(gate) * up. Values are rounded to the model dtype where the torch versions in fused.py
+    round them.
     """
-    pid = tl.program_id(0)
-    band = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    first_band = tl.program_id(1) == 0
+    band = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     band_ok = band < n
-    r = tl.arange(0, ROWS)
+    r = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_ok = r < rows
     dtype = y_ptr.dtype.element_ty
-    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    sum_sq = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    sum_sq = tl.zeros([BLOCK_M], tl.float32)
     for start in range(0, k, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         col_ok = cols < k
@@ -83,7 +88,7 @@ def gemv_kernel(
                     other=0.0,
                 )
                 xs = (xs.to(tl.float32) + residual.to(tl.float32)).to(dtype)
-                tl.store(summed_ptr + r[:, None] * k + cols[None, :], xs, mask=mask & (pid == 0))
+                tl.store(summed_ptr + r[:, None] * k + cols[None, :], xs, mask=mask & first_band)
             xf = xs.to(tl.float32)
             sum_sq += tl.sum(xf * xf, axis=1)
             g = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -111,7 +116,7 @@ CONFIGS = [
     for block_k in (128, 256)
     for stages in (3, 4)
 ]
-# on a GPU each (matrix shape, row tile, prologue) gets the fastest of CONFIGS, timed at its
+# on a GPU each (matrix shape, row count, prologue) gets the fastest of CONFIGS, timed at its
 # first call (the engine's warm-up before graph capture); the interpreter runs one fixed shape
 _tuned = triton.autotune(
     CONFIGS,
@@ -142,16 +147,20 @@ def _launch(
         bias if bias is not None else weight, y, summed if summed is not None else y, rows, n, k,
         x.stride(0), residual.stride(0) if residual is not None else 0, eps,
     )  # fmt: skip
+    padded = max(16, triton.next_power_of_2(rows))
+    block_m = min(padded, BLOCK_M)
     flags = dict(
         PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None,
-        ROWS=max(16, triton.next_power_of_2(rows)),
+        ROWS=padded,
+        BLOCK_M=block_m,
     )
+    row_blocks = triton.cdiv(rows, block_m)
     if x.is_cuda:
-        _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
+        _tuned[lambda meta: (row_blocks, triton.cdiv(n, meta["BLOCK_N"]))](*args, **flags)
     else:
-        grid = (triton.cdiv(n, INTERPRETED["BLOCK_N"]),)
+        grid = (row_blocks, triton.cdiv(n, INTERPRETED["BLOCK_N"]))
         gemv_kernel[grid](*args, **flags, **INTERPRETED)
     return y, summed
 

@@ -46,14 +46,13 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 @triton.jit
 def gemv_kernel(
-    x_ptr, residual_ptr, norm_ptr, w_ptr, bias_ptr, y_ptr, summed_ptr, rows, n, k, x_stride,
-    residual_stride, eps, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    x_ptr, residual_ptr, norm_ptr, w_ptr, bias_ptr, y_ptr, summed_ptr, rows, rows_bucket, n, k,
+    x_stride, residual_stride, eps, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """y[rows, band] = prologue(x) @ W[band, :]^T (+ bias) for BLOCK_M rows of x and one band
     of BLOCK_N weight rows. The row blocks of one band are neighbours in the grid, so a band
-    read by one of them is still in L2 for the others (one block when ROWS <= 64).
+    read by one of them is still in L2 for the others (one block up to 64 rows).
 
     NORM: the input is RMSNorm(x + residual) * norm (the first band's programs also store
     x + residual to summed_ptr); SILU: x is [rows, 2k], gate | up, and the input is
@@ -117,10 +116,11 @@ CONFIGS = [
     for stages in (3, 4)
 ]
 # on a GPU each (matrix shape, row count, prologue) gets the fastest of CONFIGS, timed at its
-# first call (the engine's warm-up before graph capture); the interpreter runs one fixed shape
+# first call (the engine's warm-up before graph capture); row counts are bucketed by powers of
+# two, so eager steps of new sizes rarely pay for tuning; the interpreter runs one fixed shape
 _tuned = triton.autotune(
     CONFIGS,
-    key=["n", "k", "ROWS", "PROLOGUE"],
+    key=["n", "k", "rows_bucket", "PROLOGUE"],
     do_bench=lambda call, quantiles: triton.testing.do_bench(call, 5, 20, quantiles=quantiles),
 )(gemv_kernel)
 INTERPRETED = {"BLOCK_N": 16, "BLOCK_K": 32}
@@ -144,16 +144,14 @@ def _launch(
     )
     args = (
         x, residual if residual is not None else x, norm if norm is not None else weight, weight,
-        bias if bias is not None else weight, y, summed if summed is not None else y, rows, n, k,
-        x.stride(0), residual.stride(0) if residual is not None else 0, eps,
+        bias if bias is not None else weight, y, summed if summed is not None else y, rows,
+        triton.next_power_of_2(rows), n, k, x.stride(0), residual.stride(0) if residual is not None else 0, eps,
     )  # fmt: skip
-    padded = max(16, triton.next_power_of_2(rows))
-    block_m = min(padded, BLOCK_M)
+    block_m = min(max(16, triton.next_power_of_2(rows)), BLOCK_M)  # tl.dot wants >= 16
     flags = dict(
         PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None,
-        ROWS=padded,
         BLOCK_M=block_m,
     )
     row_blocks = triton.cdiv(rows, block_m)

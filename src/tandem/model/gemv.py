@@ -112,7 +112,7 @@ def gemv_kernel(
 CONFIGS = [
     triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=4, num_stages=stages)
     for block_n in (16, 32, 64)
-    for block_k in (128, 256)
+    for block_k in (128, 256, 512)
     for stages in (3, 4)
 ]
 # on a GPU each (matrix shape, row count, prologue) gets the fastest of CONFIGS, timed at its

@@ -319,3 +319,17 @@ def test_kv_cache_of_exactly_max_model_len_is_accepted(folder):
     llm = LLM(str(folder), max_model_len=64, block_size=8, num_blocks=8, async_batching=False)
     [out] = llm.generate({"prompt_token_ids": [5] * 60}, GREEDY, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_two_requests_made_under_one_id_cannot_both_be_queued(llm, folder):
+    engine = llm.engine
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    first = engine.make_request("twin", params, prompt_token_ids=[1, 2, 3])
+    second = engine.make_request("twin", params, prompt_token_ids=[4, 5])
+    engine.enqueue(first)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.enqueue(second)
+    while engine.has_unfinished():
+        engine.step()
+    assert first.finished and len(first.output_token_ids) == 3  # the queued one is not lost
+    assert_still_serving(llm, folder)

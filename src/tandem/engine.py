@@ -150,6 +150,8 @@ class Engine:
 
     def enqueue(self, request: Request) -> None:
         """Queue a request made by `make_request`; nothing is queued before validation passes."""
+        if request.request_id in self.requests:  # two requests made under one id, both queued
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
         if request.seed is None:  # drawn here, so a request made but never queued draws nothing
             request.seed = self.seed_rng.getrandbits(63)
         self.requests[request.request_id] = request

@@ -10,7 +10,8 @@
 #   GEMM=1              each decode GEMM of both presets against the copy ceiling (GEMM=autotune:
 #                       Inductor's max-autotune too)
 #   PROFILE="seed small latency"  torch.profiler of decode steps of those shapes, fused kernels on
-#                       and off (and with the decode GEMV kernel when DECODE_GEMV is set)
+#                       and off (and with the decode GEMV kernel when DECODE_GEMV is set);
+#                       "small-prefill": the prefill steps of the small workload's prompts
 #   UNFUSED=1           each workload again (async only) with TANDEM_FUSED_KERNELS=0
 #   DECODE_GEMV=1       each workload again (async only) with TANDEM_DECODE_GEMV=1
 #   TRANSFORMERS="seed latency"  those workloads with --compare transformers, one timed run each
@@ -50,6 +51,7 @@ for shape in ${PROFILE:-}; do
     seed) args="--model llama-3-8b --batch 32 --input-len 1000" ;;
     small) args="--model qwen3-0.6b --batch 256 --input-len 600" ;;
     latency) args="--model llama-3-8b --batch 1 --input-len 400" ;;
+    small-prefill) args="--model qwen3-0.6b --batch 256 --input-len 562 --prefill" ;;
     *) echo "unknown profile shape $shape"; continue ;;
   esac
   for variant in fused1 fused0 ${DECODE_GEMV:+gemv}; do
@@ -58,7 +60,7 @@ for shape in ${PROFILE:-}; do
       TANDEM_DECODE_GEMV=$([ $variant = gemv ] && echo 1 || echo 0) \
       python3 benchmarks/profile_step.py --cuda-graphs $args --rows 16 \
       > "$OUT/profile_${shape}_$variant.txt" 2>&1
-    grep -E "Self CUDA time total" "$OUT/profile_${shape}_$variant.txt"
+    grep -E "Self (CPU|CUDA) time total" "$OUT/profile_${shape}_$variant.txt"
   done
 done
 for name in "$@"; do

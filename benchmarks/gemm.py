@@ -136,7 +136,10 @@ def main() -> None:
         del weight
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "results": results}, f, indent=1)
+            # the tile shape the autotuner kept for each (n, k, row bucket, prologue, ...) key
+            chosen = {str(key): str(config) for key, config in gemv._tuned.cache.items()}
+            json.dump({"model": args.model, "results": results, "gemv_configs": chosen}, f,
+                      indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

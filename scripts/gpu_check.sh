@@ -15,6 +15,7 @@
 #   UNFUSED=1           each workload again (async only) with TANDEM_FUSED_KERNELS=0
 #   DECODE_GEMV=1       each workload again (async only) with TANDEM_DECODE_GEMV=1
 #   TRANSFORMERS="seed latency"  those workloads with --compare transformers, one timed run each
+#                       (each stopped after TRANSFORMERS_LIMIT seconds, default 540)
 # Usage on the device machine: [VAR=...] scripts/gpu_check.sh seed small latency
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -81,7 +82,9 @@ done
 for name in ${TRANSFORMERS:-}; do
   args=$(workload_args "$name") || { echo "unknown workload $name"; continue; }
   echo "== $name with transformers"
-  python3 -m tandem.cli bench throughput $args --load-format dummy --compare transformers \
+  # its own limit, so the archive and the table still come back if transformers is slow
+  timeout -k 5 "${TRANSFORMERS_LIMIT:-540}" python3 -m tandem.cli bench throughput $args \
+    --load-format dummy --compare transformers \
     --repeats 1 --output-json "$OUT/bench_${name}_transformers.json" 2>&1 \
     | tee "$OUT/bench_${name}_transformers.log" | tail -8
 done

@@ -98,3 +98,29 @@ def test_the_streaming_api_drives_two_ranks(make_tiny):
         assert asyncio.run(all_requests()) == expected
     finally:
         llm.shutdown()
+
+
+def test_a_rank_that_died_is_named_and_the_engine_still_shuts_down(make_tiny):
+    import os
+    import signal
+
+    from tandem.parallel import RankExited
+
+    folder = make_tiny("llama")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm = LLM(str(folder), max_model_len=96, num_blocks=12, block_size=8, tensor_parallel_size=2)
+    try:
+        expected = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids
+        worker = llm.engine.workers.processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join()
+        with pytest.raises(RankExited, match="rank 1 exited"):
+            llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    # the process group was left: a new engine forms one again
+    llm = LLM(str(folder), max_model_len=96, num_blocks=12, block_size=8, tensor_parallel_size=2)
+    try:
+        assert llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids == expected
+    finally:
+        llm.engine.shutdown()

@@ -128,10 +128,14 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop the other ranks' processes (tensor parallelism) and leave the process group."""
-        self.runner.release_graphs()
+        # on a GPU, a rank that died mid-step leaves this one's collectives waiting forever: then
+        # neither a synchronize nor the NCCL group's teardown would return (gloo raises instead)
+        whole = self.workers is None or self.workers.alive() or self.device.type != "cuda"
+        if whole:
+            self.runner.release_graphs()
         if self.workers is not None:
             self.workers.stop()
-        if self.tp.size > 1:
+        if self.tp.size > 1 and whole:
             leave_process_group()  # may wait for the other ranks to leave too
         if self.workers is not None:
             self.workers.join()
@@ -241,7 +245,12 @@ class Engine:
         if self.workers is not None:
             self.workers.step(self.commands)
             self.commands = []
-        launched = self._launch_next()
+        try:
+            launched = self._launch_next()
+        except RuntimeError:
+            if self.workers is not None:  # a collective failed (gloo): was it a rank dying?
+                self.workers.check()
+            raise
         due = not self.async_batching or len(self.in_flight) > 1 or not launched
         if self.in_flight and due:
             return self._process(self.in_flight.popleft())
@@ -280,7 +289,7 @@ class Engine:
 
     def _process(self, batch: StepBatch) -> list[Request]:
         with self.timeline.phase("wait", batch.step):
-            out = self.runner.wait(batch)
+            out = self.runner.wait(batch, self.workers.check if self.workers else None)
         self.timeline.read_gpu(batch.slot.index, batch.step)
         with self.timeline.phase("process", batch.step):
             return self._append_outputs(batch, out)

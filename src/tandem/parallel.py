@@ -11,6 +11,7 @@ vocab-parallel embedding, an all-gather of the logits, a broadcast of the sample
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.connection
 import os
 import socket
@@ -153,6 +154,10 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
+class RankExited(RuntimeError):
+    """A tensor-parallel rank's process is gone; the engine it belonged to cannot step again."""
+
+
 class Workers:
     """Rank 0's handle on ranks 1..size-1: their processes and the pipes that drive them."""
 
@@ -171,12 +176,32 @@ class Workers:
 
     def step(self, commands: list[tuple[Any, ...]]) -> None:
         """Apply `commands` (("add", request_id, params, prompt_token_ids) or ("abort", id)), then step."""
+        self.check()
         for pipe in self.pipes:
-            pipe.send(("step", commands))
+            try:
+                pipe.send(("step", commands))
+            except (BrokenPipeError, ConnectionResetError):
+                self.check()  # it died since the check above
+                raise
+
+    def check(self) -> None:
+        """Raise if a rank's process is gone: the others would wait for it at their next collective."""
+        for rank, process in enumerate(self.processes, start=1):
+            if not process.is_alive():
+                raise RankExited(
+                    f"tensor-parallel rank {rank} exited (exit code {process.exitcode}); "
+                    "this engine cannot go on, start a new one"
+                )
+
+    def alive(self) -> bool:
+        return all(process.is_alive() for process in self.processes)
 
     def stop(self) -> None:
-        for pipe in self.pipes:
-            pipe.send(("stop", []))
+        for pipe, process in zip(self.pipes, self.processes, strict=True):
+            # one that exits meanwhile has closed its pipe
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                if process.is_alive():
+                    pipe.send(("stop", []))
 
     def join(self) -> None:
         for process in self.processes:
@@ -193,8 +218,8 @@ def worker_main(
     while True:
         try:
             order, commands = pipe.recv()
-        except EOFError:  # rank 0's process ended without a stop order: nothing more will come
-            break
+        except EOFError:  # rank 0 is gone: leave at once, without a shutdown whose device work
+            os._exit(0)  # could wait forever on a collective rank 0 never joins
         if order == "stop":
             break
         for command in commands:

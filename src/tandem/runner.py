@@ -14,6 +14,9 @@ On CPU the same calls run eagerly in program order.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -24,6 +27,8 @@ from tandem.model.decoder import Decoder
 from tandem.parallel import TensorParallel
 from tandem.profiler import NoTimeline, Timeline
 from tandem.sampling import SamplingTensors, sample, top_logprobs_of
+
+WAIT_POLL_S = 50e-6  # tensor parallelism: how often the step wait looks at the other ranks
 
 
 class Runner:
@@ -109,10 +114,19 @@ class Runner:
             timing.end(2)
             self.d2h_done[i].record()
 
-    def wait(self, batch: StepBatch) -> dict[str, np.ndarray]:
-        """Block until the step's outputs are in host memory; the step loop's only CPU wait."""
+    def wait(
+        self, batch: StepBatch, check: Callable[[], None] | None = None
+    ) -> dict[str, np.ndarray]:
+        """Block until the step's outputs are in host memory; the step loop's only CPU wait.
+        With `check` (tensor parallelism: are the other ranks alive?), poll and call it meanwhile,
+        so a rank that died mid-step raises instead of leaving this wait stuck forever."""
         if self.cuda:
-            self.d2h_done[batch.slot.index].synchronize()
+            done = self.d2h_done[batch.slot.index]
+            if check is None:
+                done.synchronize()
+            while check is not None and not done.query():
+                check()
+                time.sleep(WAIT_POLL_S)
         return batch.slot.np_out
 
     def _compute(self, batch: StepBatch) -> None:

@@ -142,10 +142,12 @@ def _launch(
     summed = (
         torch.empty((rows, k), dtype=x.dtype, device=x.device) if residual is not None else None
     )
+    # absent operands get a stand-in pointer the kernel never reads (its flags say so)
     args = (
-        x, residual if residual is not None else x, norm if norm is not None else weight, weight,
-        bias if bias is not None else weight, y, summed if summed is not None else y, rows,
-        triton.next_power_of_2(rows), n, k, x.stride(0), residual.stride(0) if residual is not None else 0, eps,
+        x, x if residual is None else residual, weight if norm is None else norm, weight,
+        weight if bias is None else bias, y, y if summed is None else summed, rows,
+        triton.next_power_of_2(rows), n, k, x.stride(0),
+        0 if residual is None else residual.stride(0), eps,
     )  # fmt: skip
     block_m = min(max(16, triton.next_power_of_2(rows)), BLOCK_M)  # tl.dot wants >= 16
     flags = dict(
@@ -164,7 +166,7 @@ def _launch(
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), as the kernel when `use_gemv(x)`."""
+    """F.linear(x, weight, bias), as the kernel when `use_gemv(x, weight)`."""
     if not use_gemv(x, weight):
         return F.linear(x, weight, bias)
     return _launch(PLAIN, x, weight, bias, x.shape[1])[0]

@@ -14,6 +14,11 @@ DTYPES = [torch.float16] if DEVICE.type == "cpu" else [torch.bfloat16, torch.flo
 TOL = {torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
 
+@pytest.fixture(autouse=True)
+def one_tile_shape(monkeypatch):
+    monkeypatch.setattr(gemv, "AUTOTUNE", False)  # on a GPU, tuning would compile every config
+
+
 @pytest.fixture
 def kernels_on(monkeypatch):
     monkeypatch.setattr(gemv, "ENABLED", True)
@@ -107,3 +112,13 @@ def test_engine_with_the_gemv_kernel_gives_the_tokens_of_torch_matmuls(
         tokens[enabled] = [o.outputs[0].token_ids for o in outputs]
     assert tokens[True] == tokens[False]
     assert {gemv.PLAIN, gemv.NORM, gemv.SILU} <= set(calls)  # every kind ran
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="autotuning times configs on a GPU")
+def test_autotuned_kernel_matches_torch(kernels_on, monkeypatch):
+    monkeypatch.setattr(gemv, "AUTOTUNE", True)
+    g = torch.Generator().manual_seed(0)
+    gate_up = rand(g, 4, 2 * 512, dtype=torch.bfloat16, scale=3.0)
+    w = rand(g, 256, 512, dtype=torch.bfloat16, scale=512**-0.5)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    close(gemv.silu_linear(gate_up, w), F.linear(F.silu(gate) * up, w.float()), torch.bfloat16)

@@ -66,6 +66,23 @@ def test_norm_linear_matches_add_rms_norm_then_linear(kernels_on, dtype, rows, n
     close(y, F.linear(normed, w.float(), bias.float()), dtype)
 
 
+def test_norm_linear_normalizes_before_the_norm_weight_as_torch_does(kernels_on):
+    """fp16: a residual value of 30,000 times a norm weight of 4 is past fp16's range; the norm
+    must divide by the RMS first, as add_rms_norm does, or the row turns to inf."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 64, generator=g).half()
+    x[0, 3] = 30_000.0
+    norm = torch.ones(64, dtype=torch.float16)
+    norm[3] = 4.0
+    w = (torch.randn(32, 64, generator=g) * 64**-0.5).half()
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).half().float() * 4.0 ** (
+        torch.arange(64) == 3
+    )
+    y, _ = gemv.norm_linear(x.to(DEVICE), None, norm.to(DEVICE), 1e-6, w.to(DEVICE))
+    close(y, F.linear(normed, w.float()).to(DEVICE), torch.float16)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("rows", "n", "inter"), [(1, 64, 96), (9, 40, 160), (64, 16, 48), (70, 32, 32)]

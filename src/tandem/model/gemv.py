@@ -4,10 +4,10 @@ SiLU(gate) * up before down_proj.
 
 A decode step's matmuls read every weight once for a few rows, so at small batches they are bound
 by weight bytes. Each program here streams a band of weight rows over the whole input dimension
-(no split-K, so no reduce launch) for a block of rows, and recomputes its input tile on the way:
-the norm needs only each row's sum of squares, which the same loop gathers, since
-W (g * x / rms) = (W (g * x)) / rms. That removes the add + RMSNorm and SiLU * up launches of a
-layer (three of its ~12 at batch 1).
+(no split-K, so no reduce launch) for a block of rows, and computes its input tile on the way:
+for the norm, a first pass over the block's rows (a few KB, read from L2 by every program) gives
+each row's RMS. That removes the add + RMSNorm and SiLU * up launches of a layer (three of its
+~12 at batch 1).
 
 Off unless TANDEM_DECODE_GEMV=1: `benchmarks/gemm.py` measured cuBLAS beaten at one row (gate_up
 and down_proj by 2 µs each) but not at 32, so the engine-level effect is still to be measured
@@ -39,9 +39,25 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
         ENABLED
         and fused.use_kernels(x)
         and x.shape[0] <= MAX_ROWS
+        and x.stride(-1) == 1
         and x.dtype in (torch.float16, torch.bfloat16)
         and weight.is_contiguous()
     )
+
+
+@triton.jit
+def _summed_tile(
+    x_ptr, residual_ptr, r, cols, mask, x_stride, residual_stride, dtype: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    """Rows r, columns cols of x (+ residual), rounded to the model dtype."""
+    xs = tl.load(x_ptr + r[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(
+            residual_ptr + r[:, None] * residual_stride + cols[None, :], mask=mask, other=0.0
+        )
+        xs = (xs.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+    return xs
 
 
 @triton.jit
@@ -66,40 +82,41 @@ def gemv_kernel(
     row_ok = r < rows
     dtype = y_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    sum_sq = tl.zeros([BLOCK_M], tl.float32)
+    if PROLOGUE == 1:  # each row's RMS first, so the matmul reads norm(x) * g rounded as torch
+        sum_sq = tl.zeros([BLOCK_M], tl.float32)  # rounds it (g * x alone can overflow fp16)
+        for start in range(0, k, BLOCK_K):
+            cols = start + tl.arange(0, BLOCK_K)
+            mask = row_ok[:, None] & (cols < k)[None, :]
+            xs = _summed_tile(x_ptr, residual_ptr, r, cols, mask, x_stride, residual_stride,
+                              dtype, HAS_RESIDUAL)  # fmt: skip
+            if HAS_RESIDUAL:
+                tl.store(summed_ptr + r[:, None] * k + cols[None, :], xs, mask=mask & first_band)
+            xf = xs.to(tl.float32)
+            sum_sq += tl.sum(xf * xf, axis=1)
+        inv_rms = 1.0 / tl.sqrt(sum_sq / k + eps)
     for start in range(0, k, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         col_ok = cols < k
         mask = row_ok[:, None] & col_ok[None, :]
-        x_at = x_ptr + r[:, None] * x_stride + cols[None, :]
         if PROLOGUE == 2:
+            x_at = x_ptr + r[:, None] * x_stride + cols[None, :]
             gate = tl.load(x_at, mask=mask, other=0.0).to(tl.float32)
             up = tl.load(x_at + k, mask=mask, other=0.0).to(tl.float32)
             silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
             xs = (silu * up).to(dtype)
         else:
-            xs = tl.load(x_at, mask=mask, other=0.0)
+            xs = _summed_tile(x_ptr, residual_ptr, r, cols, mask, x_stride, residual_stride,
+                              dtype, HAS_RESIDUAL and PROLOGUE == 1)  # fmt: skip
         if PROLOGUE == 1:
-            if HAS_RESIDUAL:
-                residual = tl.load(
-                    residual_ptr + r[:, None] * residual_stride + cols[None, :],
-                    mask=mask,
-                    other=0.0,
-                )
-                xs = (xs.to(tl.float32) + residual.to(tl.float32)).to(dtype)
-                tl.store(summed_ptr + r[:, None] * k + cols[None, :], xs, mask=mask & first_band)
-            xf = xs.to(tl.float32)
-            sum_sq += tl.sum(xf * xf, axis=1)
+            normed = (xs.to(tl.float32) * inv_rms[:, None]).to(dtype).to(tl.float32)
             g = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            xs = (xf * g[None, :]).to(dtype)
+            xs = (normed * g[None, :]).to(dtype)
         w = tl.load(
             w_ptr + band[:, None].to(tl.int64) * k + cols[None, :],
             mask=band_ok[:, None] & col_ok[None, :],
             other=0.0,
         )
         acc += tl.dot(xs, tl.trans(w))
-    if PROLOGUE == 1:
-        acc = acc * (1.0 / tl.sqrt(sum_sq / k + eps))[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + band, mask=band_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(

@@ -124,3 +124,34 @@ def test_a_rank_that_died_is_named_and_the_engine_still_shuts_down(make_tiny):
         assert llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids == expected
     finally:
         llm.engine.shutdown()
+
+
+def test_a_second_shutdown_does_nothing_and_a_shut_engine_refuses_to_step(make_tiny):
+    folder = make_tiny("llama")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    old = LLM(str(folder), max_model_len=96, num_blocks=12, block_size=8, tensor_parallel_size=2)
+    old.engine.shutdown()
+    new = LLM(str(folder), max_model_len=96, num_blocks=12, block_size=8, tensor_parallel_size=2)
+    try:
+        old.engine.shutdown()  # must not leave the new engine's process group
+        with pytest.raises(RuntimeError, match="shut down"):
+            old.generate(PROMPTS[:1], params, use_tqdm=False)
+        assert len(new.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    finally:
+        new.engine.shutdown()
+
+
+def test_ranks_that_do_not_leave_in_time_are_killed(monkeypatch):
+    import multiprocessing
+    import time
+
+    from tandem import parallel
+
+    monkeypatch.setattr(parallel, "JOIN_TIMEOUT_S", 0.5)
+    stuck = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+    stuck.start()
+    workers = object.__new__(parallel.Workers)  # its processes, without the engines they run
+    workers.pipes, workers.processes = [], [stuck]
+    start = time.monotonic()
+    workers.join()
+    assert not stuck.is_alive() and time.monotonic() - start < 10

@@ -6,6 +6,7 @@ import json
 import numbers
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from tandem.parallel import (
     free_port,
     init_process_group,
     leave_process_group,
+    rank0_check,
 )
 from tandem.profiler import NoTimeline, Timeline
 from tandem.request import Request
@@ -54,10 +56,16 @@ class Engine:
         self.device = config.resolve_device(rank)
         self.workers: Workers | None = None
         self.commands: list[tuple] = []  # for the other ranks, sent with the next step
+        self.closed = False  # shutdown ran: a second call does nothing, a step raises
+        # what the step wait calls while it polls (tensor parallelism): are the other ranks alive?
+        self.check_ranks: Callable[[], None] | None = None
         if self.tp.size > 1:
             if rank == 0:
                 port = free_port()
                 self.workers = Workers(config, port)
+                self.check_ranks = self.workers.check
+            else:
+                self.check_ranks = rank0_check()
             init_process_group(rank, self.tp.size, port, self.device)
         self.dtype = config.resolve_dtype(cfg, self.device)
         self.max_model_len = config.resolve_max_model_len(cfg)
@@ -128,6 +136,9 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop the other ranks' processes (tensor parallelism) and leave the process group."""
+        if self.closed:  # again: must not sync a stuck device or leave a newer engine's group
+            return
+        self.closed = True
         # on a GPU, a rank that died mid-step leaves this one's collectives waiting forever: then
         # neither a synchronize nor the NCCL group's teardown would return (gloo raises instead)
         whole = self.workers is None or self.workers.alive() or self.device.type != "cuda"
@@ -242,6 +253,8 @@ class Engine:
         the next step queued while the CPU processes tokens. Returns the requests that got a
         token or finished.
         """
+        if self.closed:
+            raise RuntimeError("this engine was shut down")
         if self.workers is not None:
             self.workers.step(self.commands)
             self.commands = []
@@ -289,7 +302,7 @@ class Engine:
 
     def _process(self, batch: StepBatch) -> list[Request]:
         with self.timeline.phase("wait", batch.step):
-            out = self.runner.wait(batch, self.workers.check if self.workers else None)
+            out = self.runner.wait(batch, self.check_ranks)
         self.timeline.read_gpu(batch.slot.index, batch.step)
         with self.timeline.phase("process", batch.step):
             return self._append_outputs(batch, out)

@@ -15,6 +15,8 @@ import contextlib
 import multiprocessing.connection
 import os
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -143,15 +145,35 @@ def init_process_group(rank: int, size: int, port: int, device: torch.device) ->
         ("NVSHMEM_DISABLE_NVLS", "1"),
     ):
         os.environ.setdefault(name, value)
+    if dist.is_initialized():
+        raise RuntimeError(
+            "a tensor-parallel process group is still open in this process: an earlier engine "
+            "lost a rank on the GPU, and its NCCL group cannot be torn down; start a new process"
+        )
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
     )
 
 
+def rank0_check() -> Callable[[], None]:
+    """For a rank > 0: a check that ends this process at once when rank 0's (its parent) is gone,
+    rather than leave it waiting on the device for a collective rank 0 will never join."""
+    parent = os.getppid()
+
+    def check() -> None:
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return check
+
+
 def leave_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+JOIN_TIMEOUT_S = 30  # shutdown: how long the other ranks get to leave before they are killed
 
 
 class RankExited(RuntimeError):
@@ -190,7 +212,7 @@ class Workers:
             if not process.is_alive():
                 raise RankExited(
                     f"tensor-parallel rank {rank} exited (exit code {process.exitcode}); "
-                    "this engine cannot go on, start a new one"
+                    "this engine cannot go on"
                 )
 
     def alive(self) -> bool:
@@ -204,8 +226,12 @@ class Workers:
                     pipe.send(("stop", []))
 
     def join(self) -> None:
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
         for process in self.processes:
-            process.join(timeout=30)
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if process.is_alive():  # stuck in a collective that cannot complete: free its GPU
+                process.kill()
+                process.join()
 
 
 def worker_main(

@@ -122,11 +122,10 @@ class Runner:
         so a rank that died mid-step raises instead of leaving this wait stuck forever."""
         if self.cuda:
             done = self.d2h_done[batch.slot.index]
-            if check is None:
-                done.synchronize()
             while check is not None and not done.query():
                 check()
                 time.sleep(WAIT_POLL_S)
+            done.synchronize()  # at once, if polled to completion
         return batch.slot.np_out
 
     def _compute(self, batch: StepBatch) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import NamedTuple, TypeVar
 
@@ -43,6 +44,7 @@ def shared_memory_bytes(
     return elem * head_dim * (q_rows + 2 * block_n * max(1, num_stages - 1)) + 1024
 
 
+@functools.cache  # asked once per layer call, with a handful of distinct arguments
 def fit_tiles(tiles: Tiles, q_rows: int, head_dim: int, elem: int, limit: int | None) -> Tiles:
     """`tiles` with fewer stages, then fewer keys per tile, until a program fits in `limit`
     bytes of shared memory (4-byte values or wide heads; bf16 at head_dim 128 fits as tuned)."""
@@ -133,12 +135,11 @@ class TritonAttention:
         order = meta.seq_order
         decode_kernel[(self.num_kv_heads, num_seqs, splits)](
             q, out, self.partial_out, self.partial_ml, kv_cache, meta.block_tables, meta.seq_lens,
-            meta.seq_lens if order is None else order, q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale, splits,
-            GROUP=self.group, GROUP_PAD=group_pad,
+            meta.seq_lens if order is None else order, q.stride(0), meta.block_tables.stride(0),
+            kv_cache.stride(0), scale, splits, GROUP=self.group, GROUP_PAD=group_pad,
             NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2],
             BLOCK_N=tiles.block_n, MAX_SPLITS=MAX_SPLITS, DIRECT=splits == 1,
-            ORDERED=order is not None,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            ORDERED=order is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )  # fmt: skip
         if splits == 1:
             return

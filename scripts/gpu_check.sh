@@ -10,10 +10,8 @@
 #   GEMM=1              each decode GEMM of both presets against the copy ceiling (GEMM=autotune:
 #                       Inductor's max-autotune too)
 #   PROFILE="seed small latency"  torch.profiler of decode steps of those shapes, fused kernels on
-#                       and off (and with the decode GEMV kernel when DECODE_GEMV is set);
-#                       "small-prefill": the prefill steps of the small workload's prompts
+#                       and off; "small-prefill": the prefill steps of the small workload's prompts
 #   UNFUSED=1           each workload again (async only) with TANDEM_FUSED_KERNELS=0
-#   DECODE_GEMV=1       each workload again (async only) with TANDEM_DECODE_GEMV=1
 #   TRANSFORMERS="seed latency"  those workloads with --compare transformers, one timed run each
 #                       (each stopped after TRANSFORMERS_LIMIT seconds, default 540)
 # Usage on the device machine: [VAR=...] scripts/gpu_check.sh seed small latency
@@ -34,7 +32,7 @@ workload_args() {
 
 if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -q tests/gpu tests/test_triton_attention.py tests/test_fused_ops.py \
-    tests/test_sampling_kernel.py tests/test_gemv.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+    tests/test_sampling_kernel.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
 fi
 python3 benchmarks/kernels.py --json "$OUT/kernels.json" ${SWEEP:+--sweep-decode --sweep-prefill} \
   2>&1 | tee "$OUT/kernels.txt"
@@ -55,10 +53,9 @@ for shape in ${PROFILE:-}; do
     small-prefill) args="--model qwen3-0.6b --batch 256 --input-len 562 --prefill" ;;
     *) echo "unknown profile shape $shape"; continue ;;
   esac
-  for variant in fused1 fused0 ${DECODE_GEMV:+gemv}; do
+  for variant in fused1 fused0; do
     echo "== decode step profile $shape, $variant"
     TANDEM_FUSED_KERNELS=$([ $variant = fused0 ] && echo 0 || echo 1) \
-      TANDEM_DECODE_GEMV=$([ $variant = gemv ] && echo 1 || echo 0) \
       python3 benchmarks/profile_step.py --cuda-graphs $args --rows 16 \
       > "$OUT/profile_${shape}_$variant.txt" 2>&1
     grep -E "Self (CPU|CUDA) time total" "$OUT/profile_${shape}_$variant.txt"
@@ -73,10 +70,6 @@ for name in "$@"; do
   if [ -n "${UNFUSED:-}" ]; then
     TANDEM_FUSED_KERNELS=0 python3 -m tandem.cli bench throughput $args --load-format dummy \
       --repeats "${REPEATS:-3}" --output-json "$OUT/bench_${name}_unfused.json" 2>&1 | tail -3
-  fi
-  if [ -n "${DECODE_GEMV:-}" ]; then
-    TANDEM_DECODE_GEMV=1 python3 -m tandem.cli bench throughput $args --load-format dummy \
-      --repeats "${REPEATS:-3}" --output-json "$OUT/bench_${name}_gemv.json" 2>&1 | tail -3
   fi
 done
 for name in ${TRANSFORMERS:-}; do

@@ -198,27 +198,39 @@ def test_decode_steps_list_their_sequences_longest_context_first(make_tiny, monk
     assert any((order != range(len(order))).any() for order, _ in launched)  # some were reordered
 
 
-H200_SHARED_MEMORY = 232_448  # Triton's limit per program on the H200
-
-
-def test_shared_memory_estimate_matches_what_triton_asked_for_on_the_h200():
-    # fp32 prefill, 128 query rows x 128 keys, 3 stages, head_dim 128: Triton asked for 328,704
-    assert triton_backend.shared_memory_bytes(128, 128, 3, 128, 4) == 328_704
-
-
 @pytest.mark.parametrize("tiles", [DecodeTiles(), PrefillTiles()])
-def test_tuned_bf16_tiles_are_kept_and_fp32_ones_shrunk_to_fit(tiles):
-    q_rows = tiles.rows if isinstance(tiles, PrefillTiles) else 16
-    fit = triton_backend.fit_tiles
-    assert fit(tiles, q_rows, 128, 2, H200_SHARED_MEMORY) == tiles
-    assert fit(tiles, q_rows, 128, 4, None) == tiles  # no limit (the interpreter)
-    shrunk = fit(tiles, q_rows, 128, 4, H200_SHARED_MEMORY)
-    assert shrunk != tiles and shrunk.num_warps == tiles.num_warps
-    assert triton_backend.shared_memory_bytes(
-        q_rows, shrunk.block_n, shrunk.num_stages, 128, 4
-    ) <= (H200_SHARED_MEMORY)
-    assert shrunk.block_n == tiles.block_n  # one stage fewer is enough
-    assert fit(tiles, q_rows, 256, 4, H200_SHARED_MEMORY).block_n < tiles.block_n
+def test_tiles_that_do_not_fit_are_shrunk_until_they_do_and_the_fit_is_remembered(tiles):
+    """A launch Triton refuses (OutOfResources, raised before anything is enqueued) is retried
+    with fewer stages, then fewer keys; the first shape that launches is kept for the key."""
+    from triton.runtime.errors import OutOfResources
+
+    tried = []
+
+    def launch(t):  # a device that fits 32 keys in one stage and nothing larger
+        tried.append(t)
+        if t.num_stages > 1 or t.block_n > 32:
+            raise OutOfResources(300_000, 232_448, "shared memory")
+
+    fitted = {}
+    triton_backend.launch_fitting(fitted, "k", tiles, launch)
+    assert tried[-1] == tiles._replace(num_stages=1, block_n=32)
+    assert len(tried) == tiles.num_stages + 2  # 3, 2, 1 stages; then 64, 32 keys
+    tried.clear()
+    triton_backend.launch_fitting(fitted, "k", tiles, launch)
+    assert tried == [tiles._replace(num_stages=1, block_n=32)]  # straight to the fit
+    tried.clear()
+    triton_backend.launch_fitting(fitted, "other", tiles, lambda t: tried.append(t))
+    assert tried == [tiles]  # a shape that fits is launched as it is
+
+
+def test_a_kernel_too_large_at_the_smallest_tiles_raises():
+    from triton.runtime.errors import OutOfResources
+
+    def launch(t):
+        raise OutOfResources(300_000, 232_448, "shared memory")
+
+    with pytest.raises(OutOfResources):
+        triton_backend.launch_fitting({}, "k", DecodeTiles(), launch)
 
 
 def test_float32_at_head_dim_128_runs_with_the_default_tiles():

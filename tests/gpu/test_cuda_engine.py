@@ -117,10 +117,10 @@ def test_step_loop_blocks_only_on_the_d2h_event(make_tiny, monkeypatch):
     waits = []
     original_wait = Runner.wait
 
-    def counted_wait(self, batch):
+    def counted_wait(self, batch, check=None):
         torch.cuda.set_sync_debug_mode("default")
         try:
-            return original_wait(self, batch)
+            return original_wait(self, batch, check)
         finally:
             waits.append(batch.step)
             torch.cuda.set_sync_debug_mode("error")

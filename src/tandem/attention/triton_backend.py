@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
+from collections.abc import Callable
 from typing import NamedTuple, TypeVar
 
 import torch
@@ -35,28 +35,34 @@ class PrefillTiles(NamedTuple):
 Tiles = TypeVar("Tiles", DecodeTiles, PrefillTiles)
 
 
-def shared_memory_bytes(
-    q_rows: int, block_n: int, num_stages: int, head_dim: int, elem: int
-) -> int:
-    """Shared memory Triton asks for one attention program: the query tile, plus a K and a V
-    tile for every pipelined stage but one. (Fp32, 128 query rows, 128 keys, 3 stages and
-    head_dim 128 asked for 328,704 bytes on the H200, whose limit is 232,448.)"""
-    return elem * head_dim * (q_rows + 2 * block_n * max(1, num_stages - 1)) + 1024
+def smaller(tiles: Tiles) -> Tiles | None:
+    """The next tile shape to try where a program does not fit the device's shared memory:
+    fewer pipeline stages, then fewer keys per tile (None: nothing left to drop)."""
+    if tiles.num_stages > 1:
+        return tiles._replace(num_stages=tiles.num_stages - 1)
+    if tiles.block_n > 16:
+        return tiles._replace(block_n=tiles.block_n // 2)
+    return None
 
 
-@functools.cache  # asked once per layer call, with a handful of distinct arguments
-def fit_tiles(tiles: Tiles, q_rows: int, head_dim: int, elem: int, limit: int | None) -> Tiles:
-    """`tiles` with fewer stages, then fewer keys per tile, until a program fits in `limit`
-    bytes of shared memory (4-byte values or wide heads; bf16 at head_dim 128 fits as tuned)."""
-    while limit is not None and shared_memory_bytes(q_rows, tiles.block_n, tiles.num_stages,
-                                                    head_dim, elem) > limit:  # fmt: skip
-        if tiles.num_stages > 2:
-            tiles = tiles._replace(num_stages=tiles.num_stages - 1)
-        elif tiles.block_n > 16:
-            tiles = tiles._replace(block_n=tiles.block_n // 2)
-        else:
-            break
-    return tiles
+def launch_fitting(fitted: dict, key, tiles: Tiles, launch: Callable[[Tiles], None]) -> None:
+    """launch(tiles), or with the first of smaller(tiles), ... that fits the device, remembered
+    in fitted[key]. Triton compiles a kernel at its first launch and raises OutOfResources before
+    it enqueues anything when the program asks for more shared memory than a block may have
+    (fp32 prefill at head_dim 128 and 128x128 tiles asked for 327,680 bytes on the H200, whose
+    limit is 232,448, with 2 or 3 stages alike), so a shape that does not fit costs nothing but
+    its compile."""
+    tiles = fitted.get(key, tiles)
+    while True:
+        try:
+            launch(tiles)
+        except triton.runtime.errors.OutOfResources:
+            tiles = smaller(tiles)
+            if tiles is None:
+                raise
+            continue
+        fitted[key] = tiles
+        return
 
 
 class TritonAttention:
@@ -85,14 +91,7 @@ class TritonAttention:
             if device.type == "cuda"
             else 8
         )
-        # the bound Triton checks at compile time; the interpreter has none
-        self.shared_memory: int | None = (
-            triton.runtime.driver.active.utils.get_device_properties(device.index or 0)[
-                "max_shared_mem"
-            ]
-            if device.type == "cuda"
-            else None
-        )
+        self.fitted: dict[tuple, DecodeTiles | PrefillTiles] = {}  # see launch_fitting
         # split-KV decode partials: [max_seqs, num_heads, MAX_SPLITS, head_dim] and (max, sum) pairs
         self.partial_out = torch.empty(
             max_seqs, num_heads, MAX_SPLITS, head_dim, dtype=torch.float32, device=device
@@ -130,17 +129,20 @@ class TritonAttention:
         num_seqs = q.shape[0]
         splits = self.num_splits(num_seqs)
         group_pad = max(16, triton.next_power_of_2(self.group))
-        tiles = fit_tiles(self.tiles_for(num_seqs), group_pad, self.head_dim, q.element_size(),
-                          self.shared_memory)  # fmt: skip
-        order = meta.seq_order
-        decode_kernel[(self.num_kv_heads, num_seqs, splits)](
-            q, out, self.partial_out, self.partial_ml, kv_cache, meta.block_tables, meta.seq_lens,
-            meta.seq_lens if order is None else order, q.stride(0), meta.block_tables.stride(0),
-            kv_cache.stride(0), scale, splits, GROUP=self.group, GROUP_PAD=group_pad,
-            NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2],
-            BLOCK_N=tiles.block_n, MAX_SPLITS=MAX_SPLITS, DIRECT=splits == 1,
-            ORDERED=order is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        )  # fmt: skip
+        tiles, order = self.tiles_for(num_seqs), meta.seq_order
+
+        def launch(tiles: DecodeTiles) -> None:
+            decode_kernel[(self.num_kv_heads, num_seqs, splits)](
+                q, out, self.partial_out, self.partial_ml, kv_cache, meta.block_tables,
+                meta.seq_lens, meta.seq_lens if order is None else order, q.stride(0),
+                meta.block_tables.stride(0), kv_cache.stride(0), scale, splits,
+                GROUP=self.group, GROUP_PAD=group_pad, NUM_KV_HEADS=self.num_kv_heads,
+                HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2], BLOCK_N=tiles.block_n,
+                MAX_SPLITS=MAX_SPLITS, DIRECT=splits == 1, ORDERED=order is not None,
+                num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            )  # fmt: skip
+
+        launch_fitting(self.fitted, (tiles, q.dtype), tiles, launch)
         if splits == 1:
             return
         reduce_kernel[(num_seqs * self.num_heads,)](
@@ -158,15 +160,16 @@ class TritonAttention:
         assert q.stride(2) == 1 and q.stride(1) == self.head_dim
         max_query_len = max(b - a for a, b in itertools.pairwise(starts))
         group_pad = triton.next_power_of_2(self.group)
-        tiles = self.prefill_tiles
-        block_m = max(1, tiles.rows // group_pad)
-        tiles = fit_tiles(tiles, block_m * group_pad, self.head_dim, q.element_size(),
-                          self.shared_memory)  # fmt: skip
+        block_m = max(1, self.prefill_tiles.rows // group_pad)
         grid = (len(starts) - 1, triton.cdiv(max_query_len, block_m), self.num_kv_heads)
-        prefill_kernel[grid](
-            q, out, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-            q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale,
-            GROUP=self.group, GROUP_PAD=group_pad, NUM_KV_HEADS=self.num_kv_heads,
-            HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=block_m,
-            BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        )  # fmt: skip
+
+        def launch(tiles: PrefillTiles) -> None:
+            prefill_kernel[grid](
+                q, out, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale,
+                GROUP=self.group, GROUP_PAD=group_pad, NUM_KV_HEADS=self.num_kv_heads,
+                HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=block_m,
+                BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            )  # fmt: skip
+
+        launch_fitting(self.fitted, (self.prefill_tiles, q.dtype), self.prefill_tiles, launch)

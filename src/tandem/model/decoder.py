@@ -8,8 +8,7 @@ from torch import nn
 
 from tandem.attention import AttentionBackend, AttentionMetadata
 from tandem.config import ModelConfig
-from tandem.model import gemv
-from tandem.model.fused import add_rms_norm, rope_qk
+from tandem.model.fused import add_rms_norm, rope_qk, silu_and_mul
 from tandem.model.rope import RotaryEmbedding
 from tandem.parallel import TensorParallel
 
@@ -31,21 +30,12 @@ class RMSNorm(nn.Module):
         """(norm(x + residual), x + residual): the residual stream advances in the same kernel."""
         return add_rms_norm(x, residual, self.weight, self.eps)
 
-    def add_linear(
-        self, x: torch.Tensor, residual: torch.Tensor | None, linear: nn.Linear
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(linear(norm(x + residual)), x + residual), in one kernel for decode-sized batches."""
-        return gemv.norm_linear(x, residual, self.weight, self.eps, linear.weight, linear.bias)
 
-
-def row_parallel(
-    linear: nn.Linear, x: torch.Tensor, tp: TensorParallel, matmul=gemv.linear
-) -> torch.Tensor:
-    """A matmul whose input features are split across ranks: partial sums, all-reduced, + bias.
-    `matmul(x, weight, bias)` is the product (gemv.silu_linear folds SiLU * up into it)."""
+def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """A matmul whose input features are split across ranks: partial sums, all-reduced, + bias."""
     if tp.size == 1:
-        return matmul(x, linear.weight, linear.bias)
-    y = tp.all_reduce(matmul(x, linear.weight, None))
+        return linear(x)
+    y = tp.all_reduce(F.linear(x, linear.weight))
     return y if linear.bias is None else y + linear.bias
 
 
@@ -87,14 +77,13 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        qkv: torch.Tensor,
+        x: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         attend: AttentionBackend,
     ) -> torch.Tensor:
-        """qkv_proj's output (the layer computes it with the norm before) -> o_proj's output."""
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -112,9 +101,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up_proj's output (the layer computes it with the norm before) -> down_proj's."""
-        return row_parallel(self.down_proj, gate_up, self.tp, matmul=gemv.silu_linear)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return row_parallel(self.down_proj, silu_and_mul(self.gate_up_proj(x)), self.tp)
 
 
 class DecoderLayer(nn.Module):
@@ -127,11 +115,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, positions, kv_cache, meta, attend):
         """(this layer's output, the residual stream before it); the caller adds the two."""
-        attn, mlp = self.self_attn, self.mlp
-        qkv, residual = self.input_layernorm.add_linear(x, residual, attn.qkv_proj)
-        h = attn(qkv, positions, kv_cache, meta, attend)
-        gate_up, residual = self.post_attention_layernorm.add_linear(h, residual, mlp.gate_up_proj)
-        return mlp(gate_up), residual
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, positions, kv_cache, meta, attend)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class Decoder(nn.Module):
@@ -174,5 +161,5 @@ class Decoder(nn.Module):
         gathered). The sampler reads them as they are; a float32 copy of [rows, vocab] would be
         a full extra pass over the largest tensor of a decode step."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self.tp.gather_columns(gemv.linear(hidden, weight))
+        logits = self.tp.gather_columns(F.linear(hidden, weight))
         return logits[:, : self.cfg.vocab_size]

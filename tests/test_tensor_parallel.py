@@ -155,3 +155,43 @@ def test_ranks_that_do_not_leave_in_time_are_killed(monkeypatch):
     start = time.monotonic()
     workers.join()
     assert not stuck.is_alive() and time.monotonic() - start < 10
+
+
+def test_rank_0_failing_alone_mid_step_still_shuts_down_and_a_new_engine_works(
+    make_tiny, monkeypatch
+):
+    """Rank 0 raises after the workers were told to step (they wait in a collective for it):
+    the error reaches the caller, shutdown returns, no rank is left behind, and the process
+    group was left, so the next engine forms one."""
+    import time
+
+    from tandem import parallel
+
+    monkeypatch.setattr(parallel, "JOIN_TIMEOUT_S", 5)
+    folder = make_tiny("llama")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm = LLM(str(folder), max_model_len=96, num_blocks=12, block_size=8, tensor_parallel_size=2)
+    processes = llm.engine.workers.processes
+    build = llm.engine.builder.build
+    calls = []
+
+    def failing_build(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("rank 0 alone failed")
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.builder, "build", failing_build)
+    try:
+        with pytest.raises(RuntimeError, match="rank 0 alone failed"):
+            llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    finally:
+        start = time.monotonic()
+        llm.engine.shutdown()
+    assert time.monotonic() - start < 30
+    assert not any(p.is_alive() for p in processes)
+    new = LLM(str(folder), max_model_len=96, num_blocks=12, block_size=8, tensor_parallel_size=2)
+    try:
+        assert len(new.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    finally:
+        new.engine.shutdown()

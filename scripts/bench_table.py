@@ -11,15 +11,17 @@ import sys
 
 
 def main() -> None:
-    print(f"{'file':28} {'mode':20} {'tok/s':>9} {'ms/step':>8} {'GPU act':>8} {'roofline':>8}")
+    print(f"{'file':28} {'mode':20} {'tok/s':>9} {'ms/step':>8} {'GPU act':>8} {'roofline':>8} "
+          f"{'copy TB/s':>9}")  # fmt: skip
     for path in sys.argv[1:]:
         report = json.loads(pathlib.Path(path).read_text())
+        copy = report["environment"].get("copy_tb_per_s")  # this machine's, where measured
         for mode, r in report["results"].items():
             active = r.get("timeline", {}).get("gpu_active_pct")
             print(
                 f"{pathlib.Path(path).stem:28} {mode:20} {r['output_tokens_per_s']:9.0f} "
                 f"{r.get('ms_per_step') or 0:8.2f} {'' if active is None else f'{active:.2f}%':>8} "
-                f"{100 * r['roofline_fraction']:7.1f}%"
+                f"{100 * r['roofline_fraction']:7.1f}% {'' if copy is None else f'{copy:.2f}':>9}"
             )
 
 

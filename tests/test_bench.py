@@ -60,6 +60,7 @@ ENVIRONMENT_KEYS = {
     "python",
     "platform",
     "date",
+    "copy_tb_per_s",  # None on the CPU
 }
 ROOFLINE_KEYS = {
     "hardware",

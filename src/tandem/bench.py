@@ -202,7 +202,7 @@ def run_bench(args: argparse.Namespace, engine_args: dict) -> dict:
         "mode": args.mode,
         "workload": workload_info(args, workload, batch_size),
         "engine": engine_info(engine),
-        "environment": environment(),
+        "environment": {**environment(), "copy_tb_per_s": copy_tb_per_s(engine.device)},
         "roofline": rooflines[primary],
         "results": results,
     }
@@ -353,6 +353,26 @@ def environment() -> dict:
     return env
 
 
+def copy_tb_per_s(device: torch.device, nbytes: int = 1 << 28, repeats: int = 10) -> float | None:
+    """TB moved per second (read + write, as the roofline's 4.22 TB/s) by a device-to-device
+    copy of `nbytes`, median of `repeats`; None off CUDA. Lent machines of one kind differ: the
+    same code ran the latency workload at 4.42 and 4.80 ms per token on two H200s."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / statistics.median(seconds) / 1e12
+
+
 def print_report(report: dict) -> None:
     print(
         f"{'mode':18} {'out tok/s':>10} {'req/s':>8} {'ms/step':>8} {'steps':>6} {'seconds':>8} "
@@ -373,6 +393,9 @@ def print_report(report: dict) -> None:
         f"({output_tokens / roofline['seconds']:.0f} output tok/s, {roofline['steps']} steps, "
         f"{roofline['bytes_bound_steps']} bound by bytes); 'roofline' = its share of the time"
     )
+    copy = report["environment"].get("copy_tb_per_s")
+    if copy is not None:
+        print(f"this machine's device copy: {copy:.2f} TB/s (read + write)")
     if report["mode"] == "latency":
         print(f"{'mode':18} {'ms':6} {'p50':>9} {'p90':>9} {'p99':>9}")
         for mode, r in report["results"].items():

@@ -188,3 +188,23 @@ def test_triton_decode_in_bfloat16_at_llama_3_8b_sizes(batch, context):
     )
     expected = decode_attention(q.float(), cache.float(), tables, lens, head_dim**-0.5)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_bench_copy_rate_agrees_with_a_wall_clock_timed_copy():
+    """The bench's event-timed copy rate against 20 copies timed with the wall clock."""
+    import time
+
+    from tandem.bench import copy_tb_per_s
+
+    device = torch.device("cuda")
+    rate = copy_tb_per_s(device)
+    src = torch.empty(1 << 28, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    wall = 2 * 20 * src.numel() / (time.perf_counter() - start) / 1e12
+    assert 0.5 * wall < rate < 1.5 * wall

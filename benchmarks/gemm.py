@@ -5,6 +5,8 @@ For each matrix of a model preset and each row count, ways to run it, timed from
 replay as the engine runs them, each call on a cold copy of the weight (`Rotation`):
   linear    F.linear(x, W) with W stored [out, in], what the decoder does by default;
   nn        x @ Wt with the weight stored transposed, [in, out] (cuBLAS picks other kernels);
+  lt        F.linear with torch's preferred BLAS library set to cuBLASLt for the call (its
+            heuristics choose split-K for short, wide products differently);
   autotune  (--autotune) torch.compile max-autotune of F.linear: Inductor times its Triton
             GEMM templates against cuBLAS and keeps the fastest; slow to compile.
 Usage: PYTHONPATH=src python benchmarks/gemm.py [--model llama-3-8b] [--rows 1 8 32] [--autotune]
@@ -56,12 +58,24 @@ class Rotation:
         return (self.transposed if transposed else self.copies)[self.turn]
 
 
+def with_cublaslt(fn, *args):
+    """fn(*args) with cuBLASLt as torch's preferred BLAS library (a graph captures the kernel
+    it picked), the setting restored after."""
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        return fn(*args)
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
+
+
 def variants(weight: torch.Tensor, autotune: bool) -> dict:
     """way -> function of the input batch."""
     rotation = Rotation(weight)
     ways = {
         "linear": lambda x: F.linear(x, rotation.next()),
         "nn": lambda x: x @ rotation.next(transposed=True),
+        "lt": lambda x: with_cublaslt(F.linear, x, rotation.next()),
     }
     if autotune:
         compiled = torch.compile(

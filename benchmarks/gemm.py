@@ -5,8 +5,8 @@ For each matrix of a model preset and each row count, ways to run it, timed from
 replay as the engine runs them, each call on a cold copy of the weight (`Rotation`):
   linear    F.linear(x, W) with W stored [out, in], what the decoder does by default;
   nn        x @ Wt with the weight stored transposed, [in, out] (cuBLAS picks other kernels);
-  lt        F.linear with torch's preferred BLAS library set to cuBLASLt for the call (its
-            heuristics choose split-K for short, wide products differently);
+  lt        F.linear with torch's preferred BLAS library set to cuBLASLt for the call (its own
+            heuristics pick the kernel);
   autotune  (--autotune) torch.compile max-autotune of F.linear: Inductor times its Triton
             GEMM templates against cuBLAS and keeps the fastest; slow to compile.
 Usage: PYTHONPATH=src python benchmarks/gemm.py [--model llama-3-8b] [--rows 1 8 32] [--autotune]

@@ -12,6 +12,7 @@
 #   PROFILE="seed small latency"  torch.profiler of decode steps of those shapes, fused kernels on
 #                       and off; "small-prefill": the prefill steps of the small workload's prompts
 #   UNFUSED=1           each workload again (async only) with TANDEM_FUSED_KERNELS=0
+#   NO_PDL=1            each workload again (async only) with TANDEM_PDL=0
 #   TRANSFORMERS="seed latency"  those workloads with --compare transformers, one timed run each
 #                       (each stopped after TRANSFORMERS_LIMIT seconds, default 540)
 # Usage on the device machine: [VAR=...] scripts/gpu_check.sh seed small latency
@@ -32,7 +33,7 @@ workload_args() {
 
 if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -q tests/gpu tests/test_triton_attention.py tests/test_fused_ops.py \
-    tests/test_sampling_kernel.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+    tests/test_sampling_kernel.py tests/test_pdl.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
 fi
 python3 benchmarks/kernels.py --json "$OUT/kernels.json" ${SWEEP:+--sweep-decode --sweep-prefill} \
   2>&1 | tee "$OUT/kernels.txt"
@@ -70,6 +71,10 @@ for name in "$@"; do
   if [ -n "${UNFUSED:-}" ]; then
     TANDEM_FUSED_KERNELS=0 python3 -m tandem.cli bench throughput $args --load-format dummy \
       --repeats "${REPEATS:-3}" --output-json "$OUT/bench_${name}_unfused.json" 2>&1 | tail -3
+  fi
+  if [ -n "${NO_PDL:-}" ]; then
+    TANDEM_PDL=0 python3 -m tandem.cli bench throughput $args --load-format dummy \
+      --repeats "${REPEATS:-3}" --output-json "$OUT/bench_${name}_nopdl.json" 2>&1 | tail -3
   fi
 done
 for name in ${TRANSFORMERS:-}; do

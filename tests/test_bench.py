@@ -61,6 +61,7 @@ ENVIRONMENT_KEYS = {
     "platform",
     "date",
     "copy_tb_per_s",  # None on the CPU
+    "pdl",
 }
 ROOFLINE_KEYS = {
     "hardware",

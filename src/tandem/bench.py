@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tandem import pdl
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine import Engine
 from tandem.llm import LLM
@@ -341,6 +342,7 @@ def environment() -> dict:
         "platform": platform.platform(),
         "date": time.strftime("%Y-%m-%d"),
         "fused_kernels": fused.KERNELS,
+        "pdl": pdl.ENABLED,
     }
     for name in ("tandem", "transformers", "triton"):
         try:

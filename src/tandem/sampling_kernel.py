@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem import pdl
+
 BLOCK = 2048
 
 
@@ -40,7 +42,10 @@ def gumbel_argmax_kernel(
     chunk_len,  # a multiple of BLOCK
     num_chunks,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # the kernel before this one has finished writing (see tandem/pdl.py)
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
@@ -82,8 +87,10 @@ def gumbel_argmax_kernel(
 
 @triton.jit
 def pick_best_chunk_kernel(
-    best_score_ptr, best_token_ptr, out_ptr, num_chunks, CHUNKS: tl.constexpr
+    best_score_ptr, best_token_ptr, out_ptr, num_chunks, CHUNKS: tl.constexpr, PDL: tl.constexpr
 ):  # fmt: skip
+    if PDL:  # the kernel before this one has finished writing (see tandem/pdl.py)
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     chunks = tl.arange(0, CHUNKS)
     used = chunks < num_chunks
@@ -120,10 +127,15 @@ def gumbel_argmax(
     best_token = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
     gumbel_argmax_kernel[(rows, num_chunks)](
         logits, best_score, best_token, temperature, seeds, positions, logits.stride(0), vocab,
-        chunk_len, num_chunks, BLOCK=BLOCK,
+        chunk_len, num_chunks, BLOCK=BLOCK, **pdl.launch_args(logits.device),
     )  # fmt: skip
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     pick_best_chunk_kernel[(rows,)](
-        best_score, best_token, out, num_chunks, CHUNKS=triton.next_power_of_2(num_chunks)
+        best_score,
+        best_token,
+        out,
+        num_chunks,
+        CHUNKS=triton.next_power_of_2(num_chunks),
+        **pdl.launch_args(logits.device),
     )
     return out

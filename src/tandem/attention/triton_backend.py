@@ -9,6 +9,7 @@ from typing import NamedTuple, TypeVar
 import torch
 import triton
 
+from tandem import pdl
 from tandem.attention import AttentionMetadata
 from tandem.attention.triton_kernels import decode_kernel, prefill_kernel, reduce_kernel
 
@@ -140,6 +141,7 @@ class TritonAttention:
                 HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2], BLOCK_N=tiles.block_n,
                 MAX_SPLITS=MAX_SPLITS, DIRECT=splits == 1, ORDERED=order is not None,
                 num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                **pdl.launch_args(q.device),
             )  # fmt: skip
 
         launch_fitting(self.fitted, (tiles, q.dtype), tiles, launch)
@@ -152,6 +154,7 @@ class TritonAttention:
             splits,
             HEAD_DIM=self.head_dim,
             MAX_SPLITS=MAX_SPLITS,
+            **pdl.launch_args(q.device),
         )
 
     def prefill(self, q, out, kv_cache, meta: AttentionMetadata, scale: float) -> None:
@@ -170,6 +173,7 @@ class TritonAttention:
                 GROUP=self.group, GROUP_PAD=group_pad, NUM_KV_HEADS=self.num_kv_heads,
                 HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=block_m,
                 BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                **pdl.launch_args(q.device),
             )  # fmt: skip
 
         launch_fitting(self.fitted, (self.prefill_tiles, q.dtype), self.prefill_tiles, launch)

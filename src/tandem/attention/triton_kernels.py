@@ -80,7 +80,10 @@ def prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query tokens per program; rows = BLOCK_M * GROUP_PAD
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # the kernel before this one has finished writing (see tandem/pdl.py)
+        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest (last) tiles start first
     kv_head = tl.program_id(2)
@@ -148,6 +151,7 @@ def decode_kernel(
     MAX_SPLITS: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: normalize and write the output, no reduce step
     ORDERED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Split s of a sequence covers an equal share of its key tiles; `reduce_kernel` merges them.
 
@@ -155,6 +159,8 @@ def decode_kernel(
     `seq_order`: longest first, so a ragged batch does not end on one long sequence's programs
     running alone.
     """
+    if PDL:  # the kernel before this one has finished writing (see tandem/pdl.py)
+        tl.extra.cuda.gdc_wait()
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     if ORDERED:
@@ -216,8 +222,11 @@ def reduce_kernel(
     num_splits,
     HEAD_DIM: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits of one head (m in log2 units)."""
+    if PDL:  # the kernel before this one has finished writing (see tandem/pdl.py)
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)  # seq * num_heads + head
     splits = tl.arange(0, MAX_SPLITS)
     used = splits < num_splits

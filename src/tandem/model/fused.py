@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from tandem import pdl
 from tandem.attention.torch_ref import write_kv
 
 # On CUDA the Triton kernels run (here and in the sampler) unless TANDEM_FUSED_KERNELS=0, which
@@ -91,8 +92,10 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 @triton.jit
 def add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr, x_stride, residual_stride, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # the kernel before this one has finished writing (see tandem/pdl.py)
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -121,12 +124,17 @@ def _add_rms_norm_triton(x, residual, weight, eps):
         x, residual if residual is not None else x, weight, out, summed, x.stride(0),
         (residual if residual is not None else x).stride(0), hidden, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden),
+        **pdl.launch_args(x.device),
     )  # fmt: skip
     return out, summed
 
 
 @triton.jit
-def silu_and_mul_kernel(gate_up_ptr, out_ptr, stride, inter, BLOCK: tl.constexpr):
+def silu_and_mul_kernel(
+    gate_up_ptr, out_ptr, stride, inter, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    if PDL:  # the kernel before this one has finished writing (see tandem/pdl.py)
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -146,7 +154,7 @@ def _silu_and_mul_triton(gate_up):
     out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), inter, BLOCK=block
+        gate_up, out, gate_up.stride(0), inter, BLOCK=block, **pdl.launch_args(gate_up.device)
     )
     return out
 
@@ -184,7 +192,10 @@ def rope_qk_kernel(
     cos_sin_ptr, slot_ptr, q_token_stride, q_head_stride, k_token_stride, k_head_stride,
     v_token_stride, v_head_stride, kv_half_stride, num_q_heads, num_k_heads, eps,
     HALF: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # the kernel before this one has finished writing (see tandem/pdl.py)
+        tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -220,6 +231,6 @@ def _rope_qk_triton(
         k_norm_weight if has_norm else k, positions, cos_sin, slot_mapping, q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_cache.stride(0),
         q_heads, k_heads, eps, HALF=head_dim // 2, Q_HEADS=triton.next_power_of_2(q_heads),
-        K_HEADS=triton.next_power_of_2(k_heads), HAS_NORM=has_norm,
+        K_HEADS=triton.next_power_of_2(k_heads), HAS_NORM=has_norm, **pdl.launch_args(q.device),
     )  # fmt: skip
     return q_out

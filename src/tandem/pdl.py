@@ -1,0 +1,31 @@
+"""Programmatic dependent launch (PDL) for the Triton kernels, on Hopper and newer.
+
+A kernel launched with PDL may be scheduled while the kernel before it on the stream is still
+finishing, so the gap between two kernels shrinks; each of its programs first waits
+(`tl.extra.cuda.gdc_wait()`, under the kernel's PDL flag) until that kernel has completed and
+its writes are visible, and only then reads or writes memory. Every Triton kernel here waits as
+its first statement. TANDEM_PDL=0 launches them plainly, for comparisons.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+ENABLED = os.environ.get("TANDEM_PDL", "1") != "0"
+
+
+@functools.cache
+def _supported(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def launch_args(device: torch.device) -> dict:
+    """Keyword arguments for a kernel launch on `device`: the kernel's PDL flag, and Triton's
+    `launch_pdl` where the device has PDL (the interpreter gets neither)."""
+    if not ENABLED or device.type != "cuda":
+        return {"PDL": False}
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return {"PDL": True, "launch_pdl": True} if _supported(index) else {"PDL": False}

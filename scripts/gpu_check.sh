@@ -14,7 +14,8 @@
 #   UNFUSED=1           each workload again (async only) with TANDEM_FUSED_KERNELS=0
 #   NO_PDL=1            each workload again (async only) with TANDEM_PDL=0
 #   TRANSFORMERS="seed latency"  those workloads with --compare transformers, one timed run each
-#                       (each stopped after TRANSFORMERS_LIMIT seconds, default 540)
+#                       (each stopped after TRANSFORMERS_LIMIT seconds, default 540; async first,
+#                       TRANSFORMERS_COMPARE=transformers-sync for its sync mode alone)
 # Usage on the device machine: [VAR=...] scripts/gpu_check.sh seed small latency
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -82,7 +83,7 @@ for name in ${TRANSFORMERS:-}; do
   echo "== $name with transformers"
   # its own limit, so the archive and the table still come back if transformers is slow
   timeout -k 5 "${TRANSFORMERS_LIMIT:-540}" python3 -m tandem.cli bench throughput $args \
-    --load-format dummy --compare transformers \
+    --load-format dummy --compare "${TRANSFORMERS_COMPARE:-transformers}" \
     --repeats 1 --output-json "$OUT/bench_${name}_transformers.json" 2>&1 \
     | tee "$OUT/bench_${name}_transformers.log" | tail -8
 done

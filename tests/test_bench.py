@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.bench import request_latencies, waves
+from tandem.bench import request_latencies, transformers_modes, waves
 from tandem.cli import build_parser, main
 from tandem.config import EngineConfig, ModelConfig
 from tandem.model.loader import read_hf_config
@@ -351,6 +351,36 @@ def test_compare_transformers_runs_its_continuous_batching_on_the_same_requests(
     assert config["use_async_batching"] is False
     assert config["attn_implementation"].startswith("paged|")
     assert set(report["ratios"]) == {f"async/{name}" for name in ran}
+
+
+def test_transformers_modes_run_async_first_and_only_those_named():
+    assert transformers_modes({"sync", "transformers"}) == [True, False]
+    assert transformers_modes({"transformers-sync"}) == [False]
+    assert transformers_modes({"transformers-async", "transformers-sync"}) == [True, False]
+    assert transformers_modes({"sync"}) == []
+
+
+def test_a_comparison_stopped_midway_leaves_the_finished_results_in_the_json(
+    make_tiny, tmp_path, monkeypatch
+):
+    asked = []
+
+    def stopped(model, workload, warmup, *, async_batching, **kwargs):
+        asked.append(async_batching)
+        raise RuntimeError("stopped")
+
+    monkeypatch.setattr("tandem.bench_transformers.run_transformers", stopped)
+    out = tmp_path / "bench.json"
+    model = ["--model", str(make_tiny("llama")), "--repeats", "1", *ENGINE_FLAGS]
+    argv = ["--num-prompts", "3", "--input-len", "8", "--output-len", "4", *model]
+    compare = ["--compare", "sync", "transformers-sync", "--output-json", str(out)]
+    with pytest.raises(RuntimeError, match="stopped"):
+        main(["bench", "throughput", *argv, *compare])
+    assert asked == [False]
+    report = json.loads(out.read_text())
+    check_report(report, {"async", "sync"}, latency=False)
+    assert report["transformers"] == {"configs": {}, "skipped": {}}
+    assert set(report["ratios"]) == {"async/sync"}
 
 
 def test_transformers_model_for_dummy_weights_computes_what_tandem_computes(make_tiny):

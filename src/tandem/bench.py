@@ -9,6 +9,7 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -164,7 +165,11 @@ def summarize_runs(runs: list[Run], workload: Workload) -> dict:
     return result
 
 
-def run_bench(args: argparse.Namespace, engine_args: dict) -> dict:
+def run_bench(
+    args: argparse.Namespace, engine_args: dict, save: Callable[[dict], None] | None = None
+) -> dict:
+    """The workload on our engine (and the comparisons asked for); `save` gets the report after
+    each finished part."""
     hf_config, folder = read_hf_config(args.model)
     cfg = ModelConfig.from_hf(hf_config)
     workload = load_workload(args, cfg, folder)
@@ -208,22 +213,57 @@ def run_bench(args: argparse.Namespace, engine_args: dict) -> dict:
         "results": results,
     }
     llm.shutdown()  # tensor-parallel workers
-    if "transformers" in compare:
+    theirs = transformers_modes(compare)
+    if theirs:
+        report["transformers"] = {"configs": {}, "skipped": {}}
+    if engine.device.type != "cuda" and True in theirs:
+        report["transformers"]["skipped"]["transformers_async"] = (
+            "transformers' async batching needs CUDA"
+        )
+        theirs.remove(True)
+    finish(report, rooflines[primary], save)
+    if theirs:
         device, dtype, config = engine.device, engine.dtype, engine.config
         del llm, engine
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        report["transformers"] = compare_transformers(
-            args, hf_config, folder, device, dtype, config, workload, warmup, batch_size
-        )
-        results.update(report["transformers"].pop("results"))
+        for name, result, resolved in compare_transformers(
+            args, hf_config, folder, device, dtype, config, workload, warmup, batch_size, theirs
+        ):
+            results[name] = result
+            report["transformers"]["configs"][name] = resolved
+            print(
+                f"{name}: {result['output_tokens_per_s']:.0f} output tok/s, "
+                f"{result['seconds']:.2f} s, {result['steps']:.0f} steps",
+                flush=True,
+            )
+            finish(report, rooflines[primary], save)
+    return report
+
+
+def transformers_modes(compare: set[str]) -> list[bool]:
+    """transformers' modes asked for, as `async_batching` values, async first: the mode the
+    targets compare with and the faster one, so a comparison stopped early still has it."""
+    both = "transformers" in compare
+    return [
+        async_batching
+        for async_batching, name in ((True, "transformers-async"), (False, "transformers-sync"))
+        if both or name in compare
+    ]
+
+
+def finish(report: dict, roofline: dict, save: Callable[[dict], None] | None) -> None:
+    """Roofline shares and ratios of the results so far; then `save` the report as it stands, so
+    a long comparison stopped midway keeps what finished."""
+    results = report["results"]
     for result in results.values():
-        result["roofline_fraction"] = rooflines[primary]["seconds"] / result["seconds"]
+        result["roofline_fraction"] = roofline["seconds"] / result["seconds"]
     report["ratios"] = throughput_ratios(results)
     if "sync" in results and "async" in results:
         report["async_speedup"] = report["ratios"]["async/sync"]
-    return report
+    if save is not None:
+        save(report)
 
 
 def compare_transformers(
@@ -236,20 +276,16 @@ def compare_transformers(
     workload: Workload,
     warmup: Workload,
     batch_size: int | None,
-) -> dict:
-    """transformers' continuous batching, sync and (on CUDA) async, on the same weights and requests."""
+    modes: list[bool],
+) -> Iterator[tuple[str, dict, dict]]:
+    """transformers' continuous batching in each of `modes` (`async_batching` values) on the same
+    weights and requests: its name, summarized runs and resolved config, one mode at a time."""
     from tandem.bench_transformers import best_attention, build_hf_model, run_transformers
 
     attention = best_attention(device)
     model = build_hf_model(hf_config, folder, dtype, device, config.seed, attention)
-    results, configs, skipped = {}, {}, {}
-    if device.type != "cuda":
-        skipped["transformers_async"] = "transformers' async batching needs CUDA"
-    # async first: the mode the targets compare with, and the faster one, so a comparison stopped
-    # early still has it; each mode prints its line when done
-    for async_batching in (True, False) if device.type == "cuda" else (False,):
-        name = f"transformers_{'async' if async_batching else 'sync'}"
-        runs, configs[name] = run_transformers(
+    for async_batching in modes:
+        runs, resolved = run_transformers(
             model,
             workload,
             warmup,
@@ -262,14 +298,11 @@ def compare_transformers(
             repeats=args.repeats,
             seed=config.seed,
         )
-        results[name] = summarize_runs(runs, workload)
-        r = results[name]
-        print(
-            f"{name}: {r['output_tokens_per_s']:.0f} output tok/s, {r['seconds']:.2f} s, "
-            f"{r['steps']:.0f} steps",
-            flush=True,
+        yield (
+            f"transformers_{'async' if async_batching else 'sync'}",
+            summarize_runs(runs, workload),
+            resolved,
         )
-    return {"results": results, "configs": configs, "skipped": skipped}
 
 
 def throughput_ratios(results: dict) -> dict[str, float]:
@@ -466,9 +499,9 @@ def add_bench_args(parser: argparse.ArgumentParser, latency: bool = False) -> No
     parser.add_argument(
         "--compare",
         nargs="+",
-        choices=["sync", "transformers"],
+        choices=["sync", "transformers", "transformers-async", "transformers-sync"],
         help="also run our other batching mode on the same engine, and/or transformers' "
-        "continuous batching on the same weights and requests",
+        "continuous batching (both its modes, or the one named) on the same weights and requests",
     )
     parser.add_argument("--output-json")
     parser.add_argument(
@@ -477,8 +510,11 @@ def add_bench_args(parser: argparse.ArgumentParser, latency: bool = False) -> No
 
 
 def cmd_bench(args: argparse.Namespace, engine_args: dict) -> None:
-    report = run_bench(args, engine_args)
-    print_report(report)
+    save = None
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
+
+        def save(report: dict) -> None:
+            with open(args.output_json, "w") as f:
+                json.dump(report, f, indent=2, default=str)
+
+    print_report(run_bench(args, engine_args, save))

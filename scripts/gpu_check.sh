@@ -9,10 +9,11 @@
 #   GRAPH_MEMORY=1      graph memory with and without the shared pool
 #   GEMM=1              each decode GEMM of both presets against the copy ceiling (GEMM=autotune:
 #                       Inductor's max-autotune too)
-#   PROFILE="seed small latency"  torch.profiler of decode steps of those shapes, fused kernels on
-#                       and off; "small-prefill": the prefill steps of the small workload's prompts
-#   UNFUSED=1           each workload again (async only) with TANDEM_FUSED_KERNELS=0
-#   NO_PDL=1            each workload again (async only) with TANDEM_PDL=0
+#   PROFILE="seed small latency"  torch.profiler of decode steps of those shapes ("small-prefill":
+#                       the prefill steps of the small workload's prompts)
+#   VARIANTS="TANDEM_PDL=0 TORCH_BLAS_PREFER_CUBLASLT=1"  each workload again (async only) under
+#                       each of these environment settings, right after its own run: A/B in one call
+#                       (e.g. TANDEM_FUSED_KERNELS=0: torch ops instead of the fused kernels)
 #   TRANSFORMERS="seed latency"  those workloads with --compare transformers, one timed run each
 #                       (each stopped after TRANSFORMERS_LIMIT seconds, default 540; async first,
 #                       TRANSFORMERS_COMPARE=transformers-sync for its sync mode alone)
@@ -55,13 +56,9 @@ for shape in ${PROFILE:-}; do
     small-prefill) args="--model qwen3-0.6b --batch 256 --input-len 562 --prefill" ;;
     *) echo "unknown profile shape $shape"; continue ;;
   esac
-  for variant in fused1 fused0; do
-    echo "== decode step profile $shape, $variant"
-    TANDEM_FUSED_KERNELS=$([ $variant = fused0 ] && echo 0 || echo 1) \
-      python3 benchmarks/profile_step.py --cuda-graphs $args --rows 16 \
-      > "$OUT/profile_${shape}_$variant.txt" 2>&1
-    grep -E "Self (CPU|CUDA) time total" "$OUT/profile_${shape}_$variant.txt"
-  done
+  echo "== step profile $shape"
+  python3 benchmarks/profile_step.py --cuda-graphs $args --rows 16 > "$OUT/profile_$shape.txt" 2>&1
+  grep -E "Self (CPU|CUDA) time total" "$OUT/profile_$shape.txt"
 done
 for name in "$@"; do
   args=$(workload_args "$name") || { echo "unknown workload $name"; continue; }
@@ -69,14 +66,11 @@ for name in "$@"; do
   python3 -m tandem.cli bench throughput $args --load-format dummy --compare ${COMPARE:-sync} \
     --repeats "${REPEATS:-3}" --output-json "$OUT/bench_$name.json" \
     --trace "/tmp/traces/trace_$name.json" 2>&1 | tee "$OUT/bench_$name.log" | tail -6
-  if [ -n "${UNFUSED:-}" ]; then
-    TANDEM_FUSED_KERNELS=0 python3 -m tandem.cli bench throughput $args --load-format dummy \
-      --repeats "${REPEATS:-3}" --output-json "$OUT/bench_${name}_unfused.json" 2>&1 | tail -3
-  fi
-  if [ -n "${NO_PDL:-}" ]; then
-    TANDEM_PDL=0 python3 -m tandem.cli bench throughput $args --load-format dummy \
-      --repeats "${REPEATS:-3}" --output-json "$OUT/bench_${name}_nopdl.json" 2>&1 | tail -3
-  fi
+  for setting in ${VARIANTS:-}; do
+    tag=${setting//=/_}
+    env "$setting" python3 -m tandem.cli bench throughput $args --load-format dummy \
+      --repeats "${REPEATS:-3}" --output-json "$OUT/bench_${name}_${tag,,}.json" 2>&1 | tail -3
+  done
 done
 for name in ${TRANSFORMERS:-}; do
   args=$(workload_args "$name") || { echo "unknown workload $name"; continue; }

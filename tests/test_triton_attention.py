@@ -102,17 +102,12 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    ("num_kv_heads", "group", "head_dim", "block_size", "cached", "new"), PREFILL_CASES
-)
-def test_prefill_with_cached_prefix_matches_reference(
-    dtype, num_kv_heads, group, head_dim, block_size, cached, new, tiles=None
-):
-    num_blocks, max_blocks = 48, 16
+def ragged_step(dtype, num_kv_heads, group, head_dim, block_size, cached, new):
+    """Queries, a shuffled cache and the metadata of a step whose sequences have `cached` tokens
+    in the cache before it and `new` query tokens in it."""
     seq_lens = [c + n for c, n in zip(cached, new, strict=True)]
-    cache = make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
-    tables = block_tables_for(seq_lens, block_size, max_blocks, num_blocks)
+    cache = make_cache(48, block_size, num_kv_heads, head_dim, dtype)
+    tables = block_tables_for(seq_lens, block_size, 16, 48)
     starts = [0]
     for n in new:
         starts.append(starts[-1] + n)
@@ -126,11 +121,55 @@ def test_prefill_with_cached_prefix_matches_reference(
         query_start_loc_host=starts,
         seq_lens_host=seq_lens,
     )
+    return q, cache, meta
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("num_kv_heads", "group", "head_dim", "block_size", "cached", "new"), PREFILL_CASES
+)
+def test_prefill_with_cached_prefix_matches_reference(
+    dtype, num_kv_heads, group, head_dim, block_size, cached, new, tiles=None
+):
+    q, cache, meta = ragged_step(dtype, num_kv_heads, group, head_dim, block_size, cached, new)
     scale = head_dim**-0.5
     out = torch.empty_like(q)
     backend = attention(num_kv_heads, group, head_dim)
     backend.prefill_tiles = tiles or backend.prefill_tiles
     backend.prefill(q, out, cache, meta, scale)
+    expected = prefill_attention(q.float(), cache.float(), meta, scale)
+    torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_leading_single_tokens_counts_the_one_token_rows_before_the_first_longer_one():
+    assert triton_backend.leading_single_tokens([0, 1, 2, 5, 6]) == 2
+    assert triton_backend.leading_single_tokens([0, 4, 5]) == 0
+    assert triton_backend.leading_single_tokens([0, 1, 2, 3]) == 3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_mixed_step_sends_its_leading_decodes_to_the_decode_kernel_and_matches_reference(
+    dtype, splits
+):
+    """Decode rows, then chunks of prompts, then a one-token row after them (left to the prefill
+    kernel): every row's output against the reference, and each kernel ran on its own rows."""
+    num_kv_heads, group, head_dim = 2, 4, 64
+    cached, new = [40, 17, 63, 0, 30, 9], [1, 1, 1, 50, 7, 1]
+    q, cache, meta = ragged_step(dtype, num_kv_heads, group, head_dim, 16, cached, new)
+    backend = attention(num_kv_heads, group, head_dim, num_splits=splits)
+    calls = []
+    for kind in ("decode", "prefill"):
+        run = getattr(backend, kind)
+
+        def recorded(*args, run=run, kind=kind, **kwargs):
+            calls.append((kind, kwargs))
+            run(*args, **kwargs)
+
+        setattr(backend, kind, recorded)
+    scale = head_dim**-0.5
+    out = backend(q, cache, meta, scale)
+    assert calls == [("decode", {"num_seqs": 3}), ("prefill", {"first_seq": 3})]
     expected = prefill_attention(q.float(), cache.float(), meta, scale)
     torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
 

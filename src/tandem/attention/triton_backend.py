@@ -107,8 +107,14 @@ class TritonAttention:
         out = torch.empty_like(q)
         if meta.decode_only:
             self.decode(q, out, kv_cache, meta, scale)
-        else:
-            self.prefill(q, out, kv_cache, meta, scale)
+            return out
+        # A step with prefill still leads with the running requests' one-token rows. They go to the
+        # decode kernel: in the prefill kernel each would fill a tile of query rows to use one.
+        decodes = leading_single_tokens(meta.query_start_loc_host)
+        if decodes:
+            self.decode(q, out, kv_cache, meta, scale, num_seqs=decodes)
+        if decodes < len(meta.query_start_loc_host) - 1:
+            self.prefill(q, out, kv_cache, meta, scale, first_seq=decodes)
         return out
 
     def num_splits(self, num_seqs: int) -> int:
@@ -125,9 +131,12 @@ class TritonAttention:
     def tiles_for(self, num_seqs: int) -> DecodeTiles:
         return self.single_sequence_tiles if num_seqs == 1 else self.decode_tiles
 
-    def decode(self, q, out, kv_cache, meta: AttentionMetadata, scale: float) -> None:
+    def decode(
+        self, q, out, kv_cache, meta: AttentionMetadata, scale: float, num_seqs: int | None = None
+    ) -> None:
+        """The first `num_seqs` sequences (all by default), one query token each, in q's first rows."""
         assert q.stride(2) == 1 and q.stride(1) == self.head_dim
-        num_seqs = q.shape[0]
+        num_seqs = q.shape[0] if num_seqs is None else num_seqs
         splits = self.num_splits(num_seqs)
         group_pad = max(16, triton.next_power_of_2(self.group))
         tiles, order = self.tiles_for(num_seqs), meta.seq_order
@@ -157,19 +166,22 @@ class TritonAttention:
             **pdl.launch_args(q.device),
         )
 
-    def prefill(self, q, out, kv_cache, meta: AttentionMetadata, scale: float) -> None:
+    def prefill(
+        self, q, out, kv_cache, meta: AttentionMetadata, scale: float, first_seq: int = 0
+    ) -> None:
+        """Sequences from `first_seq` on, any number of query tokens each."""
         starts = meta.query_start_loc_host
         assert starts is not None, "prefill needs host query lengths (it runs eagerly)"
         assert q.stride(2) == 1 and q.stride(1) == self.head_dim
-        max_query_len = max(b - a for a, b in itertools.pairwise(starts))
+        max_query_len = max(b - a for a, b in itertools.pairwise(starts[first_seq:]))
         group_pad = triton.next_power_of_2(self.group)
         block_m = max(1, self.prefill_tiles.rows // group_pad)
-        grid = (len(starts) - 1, triton.cdiv(max_query_len, block_m), self.num_kv_heads)
+        grid = (len(starts) - 1 - first_seq, triton.cdiv(max_query_len, block_m), self.num_kv_heads)
 
         def launch(tiles: PrefillTiles) -> None:
             prefill_kernel[grid](
                 q, out, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale,
+                first_seq, q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale,
                 GROUP=self.group, GROUP_PAD=group_pad, NUM_KV_HEADS=self.num_kv_heads,
                 HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=block_m,
                 BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
@@ -177,3 +189,13 @@ class TritonAttention:
             )  # fmt: skip
 
         launch_fitting(self.fitted, (self.prefill_tiles, q.dtype), self.prefill_tiles, launch)
+
+
+def leading_single_tokens(starts: list[int]) -> int:
+    """How many sequences at the front of a step have one query token each, from the step's
+    query start offsets: [0, 1, 2, 5, 6] -> 2 (the fourth sequence's one token comes after a
+    longer one, so it stays with the prefill)."""
+    count = 0
+    while count + 1 < len(starts) and starts[count + 1] == count + 1:
+        count += 1
+    return count

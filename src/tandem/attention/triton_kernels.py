@@ -69,6 +69,7 @@ def prefill_kernel(
     block_tables_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
+    first_seq,  # the sequences before it are left to the decode kernel
     q_token_stride,
     block_table_stride,
     kv_half_stride,
@@ -84,7 +85,7 @@ def prefill_kernel(
 ):
     if PDL:  # the kernel before this one has finished writing (see tandem/pdl.py)
         tl.extra.cuda.gdc_wait()
-    seq = tl.program_id(0)
+    seq = first_seq + tl.program_id(0)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest (last) tiles start first
     kv_head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)

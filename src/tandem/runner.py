@@ -174,7 +174,9 @@ class Runner:
         hidden = self.model(
             input_ids, x["positions"][:num_tokens], self.kv_caches, meta, self.attend
         )
-        logits = self.model.compute_logits(hidden[x["logits_indices"][:num_seqs].long()])
+        # a decode step's rows are its sequences' last tokens already: no gather
+        last = hidden if decode_only else hidden[x["logits_indices"][:num_seqs].long()]
+        logits = self.model.compute_logits(last)
         # logprobs describe the model's own distribution, before min_tokens bans and filters
         logprobs = (
             logits.log_softmax(dim=-1, dtype=torch.float32)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call: GPU tests (incl. the stream sanitizer run), kernel benchmark,
-# graph memory, then the named workloads sync vs async (plus COMPARE, e.g. "sync transformers"),
-# each with a traced run. Results and logs go to $OUT (or ./out) as results.tar.gz; a short table
-# is printed last.
+# graph memory, then the named workloads async (with COMPARE="sync" by default, or e.g. "sync
+# transformers"; COMPARE= for async alone), each with a traced run. Results and logs go to $OUT
+# (or ./out) as results.tar.gz; a short table is printed last.
 #   SKIP_TESTS=1        no tests
 #   REPEATS=N           timed runs per mode (default 3)
 #   SWEEP=1             kernel sweeps: decode split counts, prefill tile shapes
@@ -14,6 +14,9 @@
 #   VARIANTS="TANDEM_PDL=0 TORCH_BLAS_PREFER_CUBLASLT=1"  each workload again (async only) under
 #                       each of these environment settings, right after its own run: A/B in one call
 #                       (e.g. TANDEM_FUSED_KERNELS=0: torch ops instead of the fused kernels)
+#   BASELINE=DIR        each workload again (async only) with the tandem package of DIR/src, e.g.
+#                       main's beside a branch: git archive main src | tar -x -C .ab/main (a
+#                       folder .git/info/exclude ignores, carried along): A/B of two trees in one call
 #   TRANSFORMERS="seed latency"  those workloads with --compare transformers, one timed run each
 #                       (each stopped after TRANSFORMERS_LIMIT seconds, default 540; async first,
 #                       TRANSFORMERS_COMPARE=transformers-sync for its sync mode alone)
@@ -63,9 +66,15 @@ done
 for name in "$@"; do
   args=$(workload_args "$name") || { echo "unknown workload $name"; continue; }
   echo "== $name"
-  python3 -m tandem.cli bench throughput $args --load-format dummy --compare ${COMPARE:-sync} \
+  compare=${COMPARE-sync}
+  python3 -m tandem.cli bench throughput $args --load-format dummy ${compare:+--compare $compare} \
     --repeats "${REPEATS:-3}" --output-json "$OUT/bench_$name.json" \
     --trace "/tmp/traces/trace_$name.json" 2>&1 | tee "$OUT/bench_$name.log" | tail -6
+  if [ -n "${BASELINE:-}" ]; then
+    PYTHONPATH=$(realpath "$BASELINE")/src python3 -m tandem.cli bench throughput $args \
+      --load-format dummy --repeats "${REPEATS:-3}" --output-json "$OUT/bench_${name}_baseline.json" \
+      2>&1 | tail -3
+  fi
   for setting in ${VARIANTS:-}; do
     tag=${setting//=/_}
     env "$setting" python3 -m tandem.cli bench throughput $args --load-format dummy \

@@ -354,10 +354,14 @@ def test_compare_transformers_runs_its_continuous_batching_on_the_same_requests(
 
 
 def test_transformers_modes_run_async_first_and_only_those_named():
-    assert transformers_modes({"sync", "transformers"}) == [True, False]
-    assert transformers_modes({"transformers-sync"}) == [False]
-    assert transformers_modes({"transformers-async", "transformers-sync"}) == [True, False]
-    assert transformers_modes({"sync"}) == []
+    assert transformers_modes({"sync", "transformers"}, cuda=True) == ([True, False], {})
+    assert transformers_modes({"transformers-sync"}, cuda=True) == ([False], {})
+    both = {"transformers-async", "transformers-sync"}
+    assert transformers_modes(both, cuda=True) == ([True, False], {})
+    assert transformers_modes({"sync"}, cuda=True) == ([], {})
+    skipped = {"transformers_async": "transformers' async batching needs CUDA"}
+    assert transformers_modes({"transformers"}, cuda=False) == ([False], skipped)
+    assert transformers_modes({"transformers-async"}, cuda=False) == ([], skipped)
 
 
 def test_a_comparison_stopped_midway_leaves_the_finished_results_in_the_json(

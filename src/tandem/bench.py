@@ -213,14 +213,9 @@ def run_bench(
         "results": results,
     }
     llm.shutdown()  # tensor-parallel workers
-    theirs = transformers_modes(compare)
-    if theirs:
-        report["transformers"] = {"configs": {}, "skipped": {}}
-    if engine.device.type != "cuda" and True in theirs:
-        report["transformers"]["skipped"]["transformers_async"] = (
-            "transformers' async batching needs CUDA"
-        )
-        theirs.remove(True)
+    theirs, skipped = transformers_modes(compare, engine.device.type == "cuda")
+    if theirs or skipped:
+        report["transformers"] = {"configs": {}, "skipped": skipped}
     finish(report, rooflines[primary], save)
     if theirs:
         device, dtype, config = engine.device, engine.dtype, engine.config
@@ -242,15 +237,20 @@ def run_bench(
     return report
 
 
-def transformers_modes(compare: set[str]) -> list[bool]:
-    """transformers' modes asked for, as `async_batching` values, async first: the mode the
-    targets compare with and the faster one, so a comparison stopped early still has it."""
+def transformers_modes(compare: set[str], cuda: bool) -> tuple[list[bool], dict[str, str]]:
+    """transformers' modes to run, as `async_batching` values, async first (the mode the targets
+    compare with and the faster one, so a comparison stopped early still has it), and the ones
+    asked for that cannot run here, with why."""
     both = "transformers" in compare
-    return [
+    asked = [
         async_batching
         for async_batching, name in ((True, "transformers-async"), (False, "transformers-sync"))
         if both or name in compare
     ]
+    if cuda or True not in asked:
+        return asked, {}
+    sync_only = [async_batching for async_batching in asked if not async_batching]
+    return sync_only, {"transformers_async": "transformers' async batching needs CUDA"}
 
 
 def finish(report: dict, roofline: dict, save: Callable[[dict], None] | None) -> None:

@@ -282,6 +282,29 @@ def test_min_tokens_bans_a_stop_token_that_would_fire_earlier(folder, reference,
     assert out.finish_reason == "length" or out.token_ids[-1] == stop_token
 
 
+def test_only_steps_with_a_banning_row_take_the_general_sampler(folder, reference, monkeypatch):
+    """Bans are applied in the general sampler's steps (and graphs) alone: a step whose rows ban
+    nothing takes the plain one, so it runs no ban."""
+    ref = reference[PROMPT]
+    stop_token = ref.token_ids[first_new_token(ref, start=2)]
+    llm = make_llm(folder, async_batching=True)
+    built = []
+    build = llm.engine.builder.build
+
+    def recording(plan, *args):
+        batch = build(plan, *args)
+        built.append((len(batch.requests), batch.use_filters))
+        return batch
+
+    monkeypatch.setattr(llm.engine.builder, "build", recording)
+    params = [greedy(stop_token_ids=[stop_token], min_tokens=4, max_tokens=8), greedy(max_tokens=8)]
+    llm.generate([PROMPT, PROMPT], params, use_tqdm=False)
+    # both requests run together for 4 steps (outputs 0-3 are under min_tokens), then one
+    # banning nothing, then the other alone
+    assert [use for rows, use in built if rows == 2][:4] == [True] * 4
+    assert not any(use for _, use in built[4:])
+
+
 @modes
 def test_min_tokens_bans_eos_that_would_fire_earlier(folder, reference, async_batching):
     ref = reference[PROMPT_WITH_EOS]

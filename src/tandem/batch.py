@@ -23,7 +23,9 @@ class StepBatch:
     num_tokens: int
     num_seqs_padded: int  # rows the device computes: a graph's size, or num_seqs when eager
     decode_only: bool
-    use_filters: bool
+    use_filters: (
+        bool  # some row filters (top-k/p, min-p) or bans ids (min_tokens): the general sampler
+    )
     num_top_logprobs: int | None  # None when no request asked for logprobs
     seq_lens: list[int]
     query_start_loc: list[int]
@@ -175,6 +177,7 @@ class BatchBuilder:
         x["seeds"][:n] = kept.seed[rows]
         x["sample_positions"][:n] = num_outputs
         x["ban_rows"][:n] = 0
+        bans = False
         for i in np.flatnonzero(num_outputs < kept.min_tokens[rows]).tolist():
             params = requests[i].params
             banned = (*(() if params.ignore_eos else self.eos_ids), *params.stop_token_ids)
@@ -184,8 +187,10 @@ class BatchBuilder:
             x["banned_ids"][i, :] = banned[0]
             x["banned_ids"][i, : len(banned)] = banned
             x["ban_rows"][i] = 1
+            bans = True
         most_logprobs = int(kept.logprobs[rows].max(initial=-1))
-        return bool(kept.needs_filter[rows].any()), (most_logprobs if most_logprobs >= 0 else None)
+        use_filters = bans or bool(kept.needs_filter[rows].any())
+        return use_filters, (most_logprobs if most_logprobs >= 0 else None)
 
 
 def fill_padding(x: dict[str, np.ndarray], start: int, end: int) -> None:

@@ -183,7 +183,8 @@ class Runner:
             if num_top_logprobs is not None
             else None
         )
-        ban_tokens(logits, x["banned_ids"][:num_seqs], x["ban_rows"][:num_seqs])
+        if use_filters:  # the only steps with min_tokens bans (see StepBatch.use_filters)
+            ban_tokens(logits, x["banned_ids"][:num_seqs], x["ban_rows"][:num_seqs])
         params = SamplingTensors(
             temperature=x["temperature"][:num_seqs],
             top_k=x["top_k"][:num_seqs],

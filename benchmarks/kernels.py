@@ -1,10 +1,13 @@
-"""Per-kernel benchmark of the Triton paged attention on a CUDA device (bf16, Llama-3-8B heads).
+"""Per-kernel benchmark of the Triton kernels on a CUDA device (bf16, Llama-3-8B heads).
 
 Decode: bytes of K and V read per second against the measured copy ceiling.
 Prefill: causal attention FLOP/s against the measured bf16 GEMM ceiling.
+Sampler: the Gumbel-max sampler's logits read per second against the copy ceiling.
 Usage: PYTHONPATH=src python benchmarks/kernels.py [--json PATH] [--sweep-prefill] [--sweep-decode]
+[--sweep-sampler]
 (--sweep-prefill: every prefill tile shape, each checked against the torch reference first;
---sweep-decode: decode time, reduce included, for each split count against the default's choice)
+--sweep-decode: decode time, reduce included, for each split count against the default's choice;
+--sweep-sampler: the sampler's chunks per row and warps per program)
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import triton.testing
 from tandem.attention import AttentionMetadata
 from tandem.attention.torch_ref import decode_attention, prefill_attention
 from tandem.attention.triton_backend import DecodeTiles, PrefillTiles, TritonAttention
+from tandem.sampling_kernel import gumbel_argmax
 
 COPY_CEILING = 4.22e12  # bytes/s, device-to-device copy, read + write (DESIGN.md)
 GEMM_CEILING = 760e12  # bf16 FLOP/s, 8192^3 GEMM (DESIGN.md)
@@ -159,6 +163,43 @@ def bench_mixed(decodes: int, context: int, prompt: int, split: bool) -> dict:
             "ceiling_pct": 100 * bound / (ms / 1e3)}  # fmt: skip
 
 
+def bench_sampler(rows: int, vocab: int, num_chunks: int | None = None, num_warps: int = 4) -> dict:
+    """One Gumbel-max draw over [rows, vocab] bf16 logits at temperature 1, graph-replayed; its
+    tokens checked against the default launch's first."""
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16, generator=g)
+    temperature = torch.ones(rows, device="cuda")
+    seeds = torch.arange(rows, dtype=torch.int32, device="cuda")
+    positions = torch.full((rows,), 700, dtype=torch.int32, device="cuda")
+    expected = gumbel_argmax(logits, temperature, seeds, positions)
+    assert torch.equal(
+        gumbel_argmax(logits, temperature, seeds, positions, num_chunks, num_warps), expected
+    )
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench_cudagraph(
+        lambda: gumbel_argmax(logits, temperature, seeds, positions, num_chunks, num_warps),
+        return_mode="median",
+    )
+    rate = logits.numel() * logits.element_size() / (ms / 1e3)
+    return {"kernel": f"sampler rows={rows} vocab={vocab}", "ms": ms, "TB/s": rate / 1e12,
+            "ceiling_pct": 100 * rate / COPY_CEILING}  # fmt: skip
+
+
+def sweep_sampler() -> None:
+    """Chunks per row (programs = rows x chunks) and warps per program, in µs per draw."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for rows in (1, 32, 256):
+        for vocab in (128256, 151936):
+            for num_warps in (4, 8, 16):
+                cells = []
+                for per_sm in (1, 2, 4, 8, 16):
+                    chunks = -(-per_sm * sms // rows)
+                    ms = bench_sampler(rows, vocab, chunks, num_warps)["ms"]
+                    cells.append(f"{per_sm}/SM ({chunks}):{1000 * ms:.1f}")
+                print(f"sampler rows={rows:<3} vocab={vocab} warps={num_warps:<2} us  "
+                      + "  ".join(cells), flush=True)  # fmt: skip
+
+
 def sweep_decode() -> None:
     """Each split count at a few batch sizes and contexts (* marks the heuristic's pick), then
     each tile shape at the heuristic's split count, checked against the reference first."""
@@ -214,6 +255,7 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--sweep-prefill", action="store_true")
     parser.add_argument("--sweep-decode", action="store_true")
+    parser.add_argument("--sweep-sampler", action="store_true")
     args = parser.parse_args()
     rows = [
         bench_decode(32, 4096),
@@ -225,6 +267,9 @@ def main() -> None:
         bench_prefill(4096),
         bench_mixed(240, 600, 2048, split=True),  # like the small workload's admission steps
         bench_mixed(240, 600, 2048, split=False),
+        bench_sampler(1, 128256),  # the latency workload's draw
+        bench_sampler(32, 128256),  # seed's
+        bench_sampler(256, 151936),  # small's
     ]
     for row in rows:
         rate = f"{row['TFLOP/s']:.0f} TFLOP/s" if "TFLOP/s" in row else ""
@@ -240,6 +285,8 @@ def main() -> None:
         sweep_decode()
     if args.sweep_prefill:
         sweep_prefill(4096)
+    if args.sweep_sampler:
+        sweep_sampler()
 
 
 if __name__ == "__main__":

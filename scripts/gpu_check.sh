@@ -5,7 +5,8 @@
 # (or ./out) as results.tar.gz; a short table is printed last.
 #   SKIP_TESTS=1        no tests
 #   REPEATS=N           timed runs per mode (default 3)
-#   SWEEP=1             kernel sweeps: decode split counts, prefill tile shapes
+#   SWEEP=1             kernel sweeps: decode split counts, prefill tile shapes, sampler launch
+#                       (SWEEP=sampler: the sampler's alone)
 #   GRAPH_MEMORY=1      graph memory with and without the shared pool
 #   GEMM=1              each decode GEMM of both presets against the copy ceiling (GEMM=autotune:
 #                       Inductor's max-autotune too)
@@ -40,7 +41,8 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -q --durations=8 tests/gpu tests/test_triton_attention.py tests/test_fused_ops.py \
     tests/test_sampling_kernel.py tests/test_pdl.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
 fi
-python3 benchmarks/kernels.py --json "$OUT/kernels.json" ${SWEEP:+--sweep-decode --sweep-prefill} \
+sweeps=$([ "${SWEEP:-}" = sampler ] && echo --sweep-sampler || echo ${SWEEP:+--sweep-decode --sweep-prefill --sweep-sampler})
+python3 benchmarks/kernels.py --json "$OUT/kernels.json" $sweeps \
   2>&1 | tee "$OUT/kernels.txt"
 if [ -n "${GEMM:-}" ]; then
   gemm_args=$([ "$GEMM" = autotune ] && echo --autotune)

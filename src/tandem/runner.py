@@ -14,8 +14,10 @@ On CPU the same calls run eagerly in program order.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -29,6 +31,26 @@ from tandem.profiler import NoTimeline, Timeline
 from tandem.sampling import SamplingTensors, sample, top_logprobs_of
 
 WAIT_POLL_S = 50e-6  # tensor parallelism: how often the step wait looks at the other ranks
+# The library torch's CUDA matmuls go through in a step (a graph keeps the kernels it picked at
+# capture). At 32 rows cuBLASLt's kernels read Llama-3-8B's o and down weights 8-17% faster
+# than cuBLAS's (BENCHMARKS.md, seventh run). TANDEM_BLAS=cublas for comparisons.
+BLAS_LIBRARY = os.environ.get("TANDEM_BLAS", "cublaslt")
+if BLAS_LIBRARY not in ("cublas", "cublaslt"):
+    raise ValueError(f"TANDEM_BLAS={BLAS_LIBRARY!r}: expected 'cublaslt' or 'cublas'")
+
+
+@contextlib.contextmanager
+def preferred_blas(cuda: bool) -> Iterator[None]:
+    """On CUDA, torch's preferred BLAS library is BLAS_LIBRARY inside and as it was after."""
+    if not cuda:
+        yield
+        return
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(BLAS_LIBRARY)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
 
 
 class Runner:
@@ -132,16 +154,17 @@ class Runner:
         if batch.graphed:
             self.graphs[(batch.slot.index, batch.num_seqs_padded, batch.use_filters)].replay()
             return
-        self._forward_and_sample(
-            batch.slot,
-            batch.num_tokens,
-            len(batch.requests),
-            batch.decode_only,
-            batch.use_filters,
-            batch.num_top_logprobs,
-            batch.query_start_loc,
-            batch.seq_lens,
-        )
+        with preferred_blas(self.cuda):
+            self._forward_and_sample(
+                batch.slot,
+                batch.num_tokens,
+                len(batch.requests),
+                batch.decode_only,
+                batch.use_filters,
+                batch.num_top_logprobs,
+                batch.query_start_loc,
+                batch.seq_lens,
+            )
 
     @torch.inference_mode()
     def _forward_and_sample(
@@ -215,11 +238,14 @@ class Runner:
             for slot in self.slots:
                 for use_filters in (False, True):
                     args = (slot, size, size, True, use_filters, None, None, None)
-                    with torch.cuda.stream(self.compute_stream):
+                    with torch.cuda.stream(self.compute_stream), preferred_blas(True):
                         self._forward_and_sample(*args)  # warm-up: kernels chosen, workspaces made
                     graph = torch.cuda.CUDAGraph()
                     pool = shared if shared_pool else None
-                    with torch.cuda.graph(graph, pool=pool, stream=self.compute_stream):
+                    with (
+                        torch.cuda.graph(graph, pool=pool, stream=self.compute_stream),
+                        preferred_blas(True),
+                    ):
                         self._forward_and_sample(*args)
                     self.graphs[(slot.index, size, use_filters)] = graph
         torch.cuda.synchronize(self.device)

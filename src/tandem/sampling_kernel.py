@@ -113,6 +113,7 @@ def gumbel_argmax(
     seeds: torch.Tensor,
     positions: torch.Tensor,
     num_chunks: int | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """[rows, vocab] logits (bf16, fp16 or fp32) -> [rows] int64 sampled (or greedy) token ids.
 
@@ -127,7 +128,7 @@ def gumbel_argmax(
     best_token = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
     gumbel_argmax_kernel[(rows, num_chunks)](
         logits, best_score, best_token, temperature, seeds, positions, logits.stride(0), vocab,
-        chunk_len, num_chunks, BLOCK=BLOCK, **pdl.launch_args(logits.device),
+        chunk_len, num_chunks, BLOCK=BLOCK, num_warps=num_warps, **pdl.launch_args(logits.device),
     )  # fmt: skip
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     pick_best_chunk_kernel[(rows,)](

@@ -110,6 +110,22 @@ def test_bfloat16_graph_logprobs_close_to_eager(make_tiny):
             assert abs(first_a[token] - first_b[token]) < 0.05
 
 
+def test_steps_prefer_cublaslt_and_leave_torchs_setting_as_it_was(make_tiny, monkeypatch):
+    """Eager steps and graph captures run under cuBLASLt; the caller's choice is back after."""
+    seen = []
+    original = Runner._forward_and_sample
+
+    def recorded(self, *args):
+        seen.append(torch.backends.cuda.preferred_blas_library())
+        return original(self, *args)
+
+    monkeypatch.setattr(Runner, "_forward_and_sample", recorded)
+    before = torch.backends.cuda.preferred_blas_library()
+    generate(make_tiny("qwen3"), dtype="bfloat16", cuda_graphs=True)
+    assert seen and set(seen) == {torch._C._BlasBackend.Cublaslt}
+    assert torch.backends.cuda.preferred_blas_library() == before
+
+
 def test_step_loop_blocks_only_on_the_d2h_event(make_tiny, monkeypatch):
     """Under sync debug mode "error", any synchronizing call in the loop raises; the one allowed
     wait (Runner.wait on d2h_done) runs with the check lifted and is counted."""

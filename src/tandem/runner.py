@@ -31,20 +31,19 @@ from tandem.profiler import NoTimeline, Timeline
 from tandem.sampling import SamplingTensors, sample, top_logprobs_of
 
 WAIT_POLL_S = 50e-6  # tensor parallelism: how often the step wait looks at the other ranks
-# The library torch's CUDA matmuls go through in a step (a graph keeps the kernels it picked at
-# capture). At 32 rows cuBLASLt's kernels read Llama-3-8B's o and down weights 8-17% faster
-# than cuBLAS's (BENCHMARKS.md, seventh run). TANDEM_BLAS=cublas for comparisons.
+# The library torch's CUDA matmuls go through in the captured decode graphs. At 32 rows
+# cuBLASLt's kernels read Llama-3-8B's o and down weights 8-17% faster than cuBLAS's; the seed
+# workload's steps are 2% shorter (BENCHMARKS.md, seventh run). Eager steps (prefill) keep torch's
+# own choice: under cuBLASLt the small workload's prefill steps left the GPU idle 1-5 ms each.
+# TANDEM_BLAS=cublas for comparisons.
 BLAS_LIBRARY = os.environ.get("TANDEM_BLAS", "cublaslt")
 if BLAS_LIBRARY not in ("cublas", "cublaslt"):
     raise ValueError(f"TANDEM_BLAS={BLAS_LIBRARY!r}: expected 'cublaslt' or 'cublas'")
 
 
 @contextlib.contextmanager
-def preferred_blas(cuda: bool) -> Iterator[None]:
-    """On CUDA, torch's preferred BLAS library is BLAS_LIBRARY inside and as it was after."""
-    if not cuda:
-        yield
-        return
+def preferred_blas() -> Iterator[None]:
+    """torch's preferred BLAS library is BLAS_LIBRARY inside and as it was after."""
     before = torch.backends.cuda.preferred_blas_library()
     torch.backends.cuda.preferred_blas_library(BLAS_LIBRARY)
     try:
@@ -154,17 +153,16 @@ class Runner:
         if batch.graphed:
             self.graphs[(batch.slot.index, batch.num_seqs_padded, batch.use_filters)].replay()
             return
-        with preferred_blas(self.cuda):
-            self._forward_and_sample(
-                batch.slot,
-                batch.num_tokens,
-                len(batch.requests),
-                batch.decode_only,
-                batch.use_filters,
-                batch.num_top_logprobs,
-                batch.query_start_loc,
-                batch.seq_lens,
-            )
+        self._forward_and_sample(
+            batch.slot,
+            batch.num_tokens,
+            len(batch.requests),
+            batch.decode_only,
+            batch.use_filters,
+            batch.num_top_logprobs,
+            batch.query_start_loc,
+            batch.seq_lens,
+        )
 
     @torch.inference_mode()
     def _forward_and_sample(
@@ -233,22 +231,23 @@ class Runner:
         stream after the previous one. Largest first, so smaller graphs fit in the pool it sized.
         (`shared_pool=False` gives each graph its own pool; benchmarks/graph_memory.py compares.)
         """
+        with preferred_blas():
+            self._capture_graphs(shared_pool)
+        torch.cuda.synchronize(self.device)
+
+    def _capture_graphs(self, shared_pool: bool) -> None:
         shared = torch.cuda.graph_pool_handle()
         for size in reversed(self.graph_sizes):
             for slot in self.slots:
                 for use_filters in (False, True):
                     args = (slot, size, size, True, use_filters, None, None, None)
-                    with torch.cuda.stream(self.compute_stream), preferred_blas(True):
+                    with torch.cuda.stream(self.compute_stream):
                         self._forward_and_sample(*args)  # warm-up: kernels chosen, workspaces made
                     graph = torch.cuda.CUDAGraph()
                     pool = shared if shared_pool else None
-                    with (
-                        torch.cuda.graph(graph, pool=pool, stream=self.compute_stream),
-                        preferred_blas(True),
-                    ):
+                    with torch.cuda.graph(graph, pool=pool, stream=self.compute_stream):
                         self._forward_and_sample(*args)
                     self.graphs[(slot.index, size, use_filters)] = graph
-        torch.cuda.synchronize(self.device)
 
 
 def graph_batch_sizes(max_seqs: int) -> list[int]:

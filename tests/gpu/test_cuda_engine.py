@@ -110,19 +110,23 @@ def test_bfloat16_graph_logprobs_close_to_eager(make_tiny):
             assert abs(first_a[token] - first_b[token]) < 0.05
 
 
-def test_steps_prefer_cublaslt_and_leave_torchs_setting_as_it_was(make_tiny, monkeypatch):
-    """Eager steps and graph captures run under cuBLASLt; the caller's choice is back after."""
+def test_graphs_capture_cublaslt_and_eager_steps_keep_torchs_setting(make_tiny, monkeypatch):
+    """Captured graphs run their matmuls through cuBLASLt; eager steps (prefill) run under the
+    caller's choice, which is back after capture."""
     seen = []
     original = Runner._forward_and_sample
 
     def recorded(self, *args):
-        seen.append(torch.backends.cuda.preferred_blas_library())
+        capturing = torch.cuda.is_current_stream_capturing()
+        seen.append((capturing, torch.backends.cuda.preferred_blas_library()))
         return original(self, *args)
 
     monkeypatch.setattr(Runner, "_forward_and_sample", recorded)
     before = torch.backends.cuda.preferred_blas_library()
     generate(make_tiny("qwen3"), dtype="bfloat16", cuda_graphs=True)
-    assert seen and set(seen) == {torch._C._BlasBackend.Cublaslt}
+    captured = {library for capturing, library in seen if capturing}
+    assert captured == {torch._C._BlasBackend.Cublaslt}
+    assert (False, before) in seen  # an eager prefill step
     assert torch.backends.cuda.preferred_blas_library() == before
 
 

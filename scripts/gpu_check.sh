@@ -12,7 +12,7 @@
 #                       Inductor's max-autotune too)
 #   PROFILE="seed small latency"  torch.profiler of decode steps of those shapes ("small-prefill":
 #                       the prefill steps of the small workload's prompts)
-#   VARIANTS="TANDEM_PDL=0 TORCH_BLAS_PREFER_CUBLASLT=1"  each workload again (async only) under
+#   VARIANTS="TANDEM_PDL=0 TANDEM_BLAS=cublaslt"  each workload again (async only) under
 #                       each of these environment settings, right after its own run: A/B in one call
 #                       (e.g. TANDEM_FUSED_KERNELS=0: torch ops instead of the fused kernels)
 #   BASELINE=DIR        each workload again (async only) with the tandem package of DIR/src, e.g.

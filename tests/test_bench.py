@@ -123,7 +123,7 @@ def check_report(report: dict, modes: set[str], latency: bool) -> None:
     assert set(report["results"]) == modes
     for mode, result in report["results"].items():
         ours = mode in ("sync", "async")
-        expected = RESULT_KEYS | ({"roofline_seconds"} if ours else set())
+        expected = RESULT_KEYS | ({"roofline_seconds", "allocator_retries"} if ours else set())
         assert set(result) == expected | (LATENCY_KEYS if latency else set()), mode
         assert result["output_tokens_per_s"] > 0 and result["steps"] > 0
         for key in LATENCY_KEYS & set(result):

@@ -165,6 +165,14 @@ def summarize_runs(runs: list[Run], workload: Workload) -> dict:
     return result
 
 
+def allocator_retries(device: torch.device) -> int:
+    """How often torch's CUDA allocator found no free memory, emptied its cache (a device-wide
+    sync) and retried; 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+
+
 def run_bench(
     args: argparse.Namespace, engine_args: dict, save: Callable[[dict], None] | None = None
 ) -> dict:
@@ -188,6 +196,7 @@ def run_bench(
     for mode in modes:
         engine.async_batching = mode == "async"
         time_engine(engine, warmup, args.temperature)
+        retries = allocator_retries(engine.device)
         runs = []
         for _ in range(args.repeats):
             engine.step_work = []
@@ -203,6 +212,7 @@ def run_bench(
             **(trace_run(llm, workload, args, mode) if args.trace else {}),
             **summarize_runs(runs, workload),
             "roofline_seconds": rooflines[mode]["seconds"],
+            "allocator_retries": allocator_retries(engine.device) - retries,
         }
     report = {
         "mode": args.mode,

@@ -31,12 +31,12 @@ from tandem.profiler import NoTimeline, Timeline
 from tandem.sampling import SamplingTensors, sample, top_logprobs_of
 
 WAIT_POLL_S = 50e-6  # tensor parallelism: how often the step wait looks at the other ranks
-# The library torch's CUDA matmuls go through in the captured decode graphs. At 32 rows
-# cuBLASLt's kernels read Llama-3-8B's o and down weights 8-17% faster than cuBLAS's; the seed
-# workload's steps are 2% shorter (BENCHMARKS.md, seventh run). Eager steps (prefill) keep torch's
-# own choice: under cuBLASLt the small workload's prefill steps left the GPU idle 1-5 ms each.
-# TANDEM_BLAS=cublas for comparisons.
-BLAS_LIBRARY = os.environ.get("TANDEM_BLAS", "cublaslt")
+# The library torch's CUDA matmuls go through in the captured decode graphs; eager steps
+# (prefill) keep torch's own choice. TANDEM_BLAS=cublaslt: at 32 rows cuBLASLt's kernels read
+# Llama-3-8B's o and down weights 8-17% faster than cuBLAS's, and the seed workload's steps were
+# 2% shorter; but each small-workload process under it had a first timed run 50-90% slower
+# than the rest, unexplained (BENCHMARKS.md, seventh run), so it is not the default.
+BLAS_LIBRARY = os.environ.get("TANDEM_BLAS", "cublas")
 if BLAS_LIBRARY not in ("cublas", "cublaslt"):
     raise ValueError(f"TANDEM_BLAS={BLAS_LIBRARY!r}: expected 'cublaslt' or 'cublas'")
 

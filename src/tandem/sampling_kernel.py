@@ -119,7 +119,7 @@ def gumbel_argmax(
 
     `num_chunks` per row defaults to eight programs per SM: the hash and two logs per token
     make the kernel compute-bound, and more, wider programs hide their latency (BENCHMARKS.md,
-    seventh run: 128 -> 116 µs for 256 rows of Qwen3's vocabulary)."""
+    seventh run: 128 -> 119 µs for 256 rows of Qwen3's vocabulary)."""
     rows, vocab = logits.shape
     blocks = triton.cdiv(vocab, BLOCK)
     if num_chunks is None:

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from tandem import LLM, SamplingParams
+from tandem import LLM, SamplingParams, runner
 from tandem.runner import Runner
 
 pytestmark = [
@@ -110,9 +110,13 @@ def test_bfloat16_graph_logprobs_close_to_eager(make_tiny):
             assert abs(first_a[token] - first_b[token]) < 0.05
 
 
-def test_graphs_capture_cublaslt_and_eager_steps_keep_torchs_setting(make_tiny, monkeypatch):
-    """Captured graphs run their matmuls through cuBLASLt; eager steps (prefill) run under the
-    caller's choice, which is back after capture."""
+@pytest.mark.parametrize("library", ["cublas", "cublaslt"])
+def test_graphs_capture_the_chosen_blas_and_eager_steps_keep_torchs(
+    make_tiny, monkeypatch, library
+):
+    """Captured graphs run their matmuls through TANDEM_BLAS's library; eager steps (prefill)
+    run under the caller's choice, which is back after capture."""
+    monkeypatch.setattr(runner, "BLAS_LIBRARY", library)
     seen = []
     original = Runner._forward_and_sample
 
@@ -123,9 +127,9 @@ def test_graphs_capture_cublaslt_and_eager_steps_keep_torchs_setting(make_tiny, 
 
     monkeypatch.setattr(Runner, "_forward_and_sample", recorded)
     before = torch.backends.cuda.preferred_blas_library()
-    generate(make_tiny("qwen3"), dtype="bfloat16", cuda_graphs=True)
-    captured = {library for capturing, library in seen if capturing}
-    assert captured == {torch._C._BlasBackend.Cublaslt}
+    generate(make_tiny("qwen3"), cuda_graphs=True)
+    captured = {chosen for capturing, chosen in seen if capturing}
+    assert captured == {torch.backends.cuda._BlasBackends[library]}
     assert (False, before) in seen  # an eager prefill step
     assert torch.backends.cuda.preferred_blas_library() == before
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.bench import request_latencies, transformers_modes, waves
+from tandem.bench import request_latencies, transformers_modes, warmup_workload, waves
 from tandem.cli import build_parser, main
 from tandem.config import EngineConfig, ModelConfig
 from tandem.model.loader import read_hf_config
@@ -25,7 +25,7 @@ from tandem.roofline import (
     step_work,
 )
 from tandem.tokenizer import Tokenizer
-from tandem.workload import SHAREGPT_SAMPLE, sharegpt_workload
+from tandem.workload import SHAREGPT_SAMPLE, Workload, sharegpt_workload
 
 ENGINE_FLAGS = ["--max-num-seqs", "4", "--block-size", "8"]
 WORKLOAD_KEYS = {
@@ -351,6 +351,17 @@ def test_compare_transformers_runs_its_continuous_batching_on_the_same_requests(
     assert config["use_async_batching"] is False
     assert config["attn_implementation"].startswith("paged|")
     assert set(report["ratios"]) == {f"async/{name}" for name in ran}
+
+
+def test_warmup_takes_the_first_prompts_that_fill_one_step():
+    prompts = [[1] * n for n in (300, 500, 200, 100, 400, 600)]
+    workload = Workload(prompts, [20, 8, 30, 16, 40, 50])
+    warmup = warmup_workload(workload, step_tokens=1200)
+    assert warmup.prompts == prompts[:5]  # 300 + 500 + 200 + 100 + 400 >= 1200
+    assert warmup.output_lens == [16, 8, 16, 16, 16]
+    assert warmup_workload(workload, step_tokens=100).prompts == prompts[:4]  # at least four
+    assert warmup_workload(workload, step_tokens=10**6).prompts == prompts  # all there are
+    assert warmup_workload(Workload(prompts[:1], [5]), step_tokens=8192).prompts == prompts[:1]
 
 
 def test_transformers_modes_run_async_first_and_only_those_named():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.metadata
+import itertools
 import json
 import platform
 import statistics
@@ -165,6 +166,16 @@ def summarize_runs(runs: list[Run], workload: Workload) -> dict:
     return result
 
 
+def warmup_workload(workload: Workload, step_tokens: int) -> Workload:
+    """The warm-up run: the workload's first prompts, as many as fill one step of `step_tokens`
+    prompt tokens (at least four), with at most 16 output tokens each. The widest prefill steps'
+    first-call costs (library heuristics, allocator growth) fall in it, not in the first timed run."""
+    filled = itertools.accumulate(map(len, workload.prompts))
+    count = next((i + 1 for i, total in enumerate(filled) if total >= step_tokens), None)
+    count = max(4, count or len(workload.prompts))
+    return Workload(workload.prompts[:count], [min(16, n) for n in workload.output_lens[:count]])
+
+
 def allocator_retries(device: torch.device) -> int:
     """How often torch's CUDA allocator found no free memory, emptied its cache (a device-wide
     sync) and retried; 0 off CUDA."""
@@ -181,13 +192,11 @@ def run_bench(
     hf_config, folder = read_hf_config(args.model)
     cfg = ModelConfig.from_hf(hf_config)
     workload = load_workload(args, cfg, folder)
-    warmup = random_workload(
-        min(4, len(workload.prompts)), 16, 16, 0.0, cfg.vocab_size, args.seed + 1
-    )
     if engine_args.get("max_model_len") is None:
-        engine_args["max_model_len"] = max(workload.max_len, warmup.max_len)
+        engine_args["max_model_len"] = workload.max_len
     llm = LLM(args.model, **engine_args)
     engine = llm.engine
+    warmup = warmup_workload(workload, engine.config.max_num_batched_tokens)
     compare = set(args.compare or ())
     primary, other = ("async", "sync") if engine.async_batching else ("sync", "async")
     modes = [primary, other] if "sync" in compare else [primary]

@@ -9,7 +9,8 @@
 #                       (SWEEP=sampler: the sampler's alone)
 #   GRAPH_MEMORY=1      graph memory with and without the shared pool
 #   GEMM=1              each decode GEMM of both presets against the copy ceiling (GEMM=autotune:
-#                       Inductor's max-autotune too)
+#                       Inductor's max-autotune too; GEMM=splitk: then a sweep of the split-K
+#                       kernel's tiles on the o and down matrices)
 #   PROFILE="seed small latency"  torch.profiler of decode steps of those shapes ("small-prefill":
 #                       the prefill steps of the small workload's prompts)
 #   VARIANTS="TANDEM_PDL=0 TANDEM_BLAS=cublaslt"  each workload again (async only) under
@@ -45,7 +46,7 @@ sweeps=$([ "${SWEEP:-}" = sampler ] && echo --sweep-sampler || echo ${SWEEP:+--s
 python3 benchmarks/kernels.py --json "$OUT/kernels.json" $sweeps \
   2>&1 | tee "$OUT/kernels.txt"
 if [ -n "${GEMM:-}" ]; then
-  gemm_args=$([ "$GEMM" = autotune ] && echo --autotune)
+  gemm_args=$(case $GEMM in autotune) echo --autotune ;; splitk) echo --sweep-splitk ;; esac)
   for model in llama-3-8b qwen3-0.6b; do
     python3 benchmarks/gemm.py --model $model $gemm_args --json "$OUT/gemm_$model.json" \
       2>&1 | grep -v Warning | tee "$OUT/gemm_$model.txt"

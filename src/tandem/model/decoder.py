@@ -8,6 +8,7 @@ from torch import nn
 
 from tandem.attention import AttentionBackend, AttentionMetadata
 from tandem.config import ModelConfig
+from tandem.model import fused, splitk
 from tandem.model.fused import add_rms_norm, rope_qk, silu_and_mul
 from tandem.model.rope import RotaryEmbedding
 from tandem.parallel import TensorParallel
@@ -32,8 +33,13 @@ class RMSNorm(nn.Module):
 
 
 def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """A matmul whose input features are split across ranks: partial sums, all-reduced, + bias."""
+    """A matmul whose input features are split across ranks: partial sums, all-reduced, + bias.
+
+    Its output always goes to a residual add + RMSNorm next, so on one device, at decode sizes,
+    it may be split-K partial sums [splits, rows, out] that the norm adds up (`splitk`)."""
     if tp.size == 1:
+        if splitk.ENABLED and linear.bias is None and fused.use_kernels(x):
+            return splitk.linear_partials(x, linear.weight)
         return linear(x)
     y = tp.all_reduce(F.linear(x, linear.weight))
     return y if linear.bias is None else y + linear.bias

@@ -23,9 +23,8 @@ class StepBatch:
     num_tokens: int
     num_seqs_padded: int  # rows the device computes: a graph's size, or num_seqs when eager
     decode_only: bool
-    use_filters: (
-        bool  # some row filters (top-k/p, min-p) or bans ids (min_tokens): the general sampler
-    )
+    # some row filters (top-k/p, min-p) or bans ids (min_tokens): the general sampler's step
+    use_filters: bool
     num_top_logprobs: int | None  # None when no request asked for logprobs
     seq_lens: list[int]
     query_start_loc: list[int]

@@ -111,7 +111,9 @@ def add_rms_norm_kernel(
     else:  # a split-K matmul's float32 partial sums, rounded as its output would be
         parts = tl.zeros([BLOCK], tl.float32)
         for part in tl.static_range(PARTS):
-            parts += tl.load(x_ptr + part * part_stride + row * x_stride + cols, mask=mask)
+            parts += tl.load(
+                x_ptr + part * part_stride + row * x_stride + cols, mask=mask, other=0.0
+            )
         x = parts.to(residual_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         x = (

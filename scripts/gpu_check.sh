@@ -40,7 +40,7 @@ workload_args() {
 
 if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -q --durations=8 tests/gpu tests/test_triton_attention.py tests/test_fused_ops.py \
-    tests/test_sampling_kernel.py tests/test_pdl.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+    tests/test_sampling_kernel.py tests/test_pdl.py tests/test_splitk.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
 fi
 sweeps=$([ "${SWEEP:-}" = sampler ] && echo --sweep-sampler || echo ${SWEEP:+--sweep-decode --sweep-prefill --sweep-sampler})
 python3 benchmarks/kernels.py --json "$OUT/kernels.json" $sweeps \

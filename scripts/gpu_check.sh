@@ -4,6 +4,7 @@
 # transformers"; COMPARE= for async alone), each with a traced run. Results and logs go to $OUT
 # (or ./out) as results.tar.gz; a short table is printed last.
 #   SKIP_TESTS=1        no tests
+#   SKIP_KERNELS=1      no kernel benchmark
 #   REPEATS=N           timed runs per mode (default 3)
 #   SWEEP=1             kernel sweeps: decode split counts, prefill tile shapes, sampler launch
 #                       (SWEEP=sampler: the sampler's alone)
@@ -42,9 +43,10 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -q --durations=8 tests/gpu tests/test_triton_attention.py tests/test_fused_ops.py \
     tests/test_sampling_kernel.py tests/test_pdl.py tests/test_splitk.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
 fi
-sweeps=$([ "${SWEEP:-}" = sampler ] && echo --sweep-sampler || echo ${SWEEP:+--sweep-decode --sweep-prefill --sweep-sampler})
-python3 benchmarks/kernels.py --json "$OUT/kernels.json" $sweeps \
-  2>&1 | tee "$OUT/kernels.txt"
+if [ -z "${SKIP_KERNELS:-}" ]; then
+  sweeps=$([ "${SWEEP:-}" = sampler ] && echo --sweep-sampler || echo ${SWEEP:+--sweep-decode --sweep-prefill --sweep-sampler})
+  python3 benchmarks/kernels.py --json "$OUT/kernels.json" $sweeps 2>&1 | tee "$OUT/kernels.txt"
+fi
 if [ -n "${GEMM:-}" ]; then
   gemm_args=$(case $GEMM in autotune) echo --autotune ;; splitk) echo --sweep-splitk ;; esac)
   for model in llama-3-8b qwen3-0.6b; do

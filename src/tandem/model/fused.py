@@ -94,8 +94,7 @@ def add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr, x_stride, residual_stride, hidden, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    if PDL:  # the kernel before this one has finished writing (see tandem/pdl.py)
-        tl.extra.cuda.gdc_wait()
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -133,8 +132,7 @@ def _add_rms_norm_triton(x, residual, weight, eps):
 def silu_and_mul_kernel(
     gate_up_ptr, out_ptr, stride, inter, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):
-    if PDL:  # the kernel before this one has finished writing (see tandem/pdl.py)
-        tl.extra.cuda.gdc_wait()
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -194,8 +192,7 @@ def rope_qk_kernel(
     HALF: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, HAS_NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    if PDL:  # the kernel before this one has finished writing (see tandem/pdl.py)
-        tl.extra.cuda.gdc_wait()
+    pdl.wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)

@@ -2,9 +2,9 @@
 
 A kernel launched with PDL may be scheduled while the kernel before it on the stream is still
 finishing, so the gap between two kernels shrinks; each of its programs first waits
-(`tl.extra.cuda.gdc_wait()`, under the kernel's PDL flag) until that kernel has completed and
-its writes are visible, and only then reads or writes memory. Every Triton kernel here waits as
-its first statement. TANDEM_PDL=0 launches them plainly, for comparisons.
+(`wait`, under the kernel's PDL flag) until that kernel has completed and its writes are
+visible, and only then reads or writes memory. Every Triton kernel here waits as its first
+statement. TANDEM_PDL=0 launches them plainly, for comparisons.
 """
 
 from __future__ import annotations
@@ -13,8 +13,18 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 ENABLED = os.environ.get("TANDEM_PDL", "1") != "0"
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """A kernel's first statement (PDL from `launch_args`): the kernel before it has finished
+    writing."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
 
 
 @functools.cache

@@ -44,8 +44,7 @@ def gumbel_argmax_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:  # the kernel before this one has finished writing (see tandem/pdl.py)
-        tl.extra.cuda.gdc_wait()
+    pdl.wait(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
@@ -89,8 +88,7 @@ def gumbel_argmax_kernel(
 def pick_best_chunk_kernel(
     best_score_ptr, best_token_ptr, out_ptr, num_chunks, CHUNKS: tl.constexpr, PDL: tl.constexpr
 ):  # fmt: skip
-    if PDL:  # the kernel before this one has finished writing (see tandem/pdl.py)
-        tl.extra.cuda.gdc_wait()
+    pdl.wait(PDL)
     row = tl.program_id(0)
     chunks = tl.arange(0, CHUNKS)
     used = chunks < num_chunks

@@ -11,6 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tandem import pdl
+
 
 @triton.jit
 def _attend_tile(
@@ -83,8 +85,7 @@ def prefill_kernel(
     BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:  # the kernel before this one has finished writing (see tandem/pdl.py)
-        tl.extra.cuda.gdc_wait()
+    pdl.wait(PDL)
     seq = first_seq + tl.program_id(0)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest (last) tiles start first
     kv_head = tl.program_id(2)
@@ -160,8 +161,7 @@ def decode_kernel(
     `seq_order`: longest first, so a ragged batch does not end on one long sequence's programs
     running alone.
     """
-    if PDL:  # the kernel before this one has finished writing (see tandem/pdl.py)
-        tl.extra.cuda.gdc_wait()
+    pdl.wait(PDL)
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     if ORDERED:
@@ -226,8 +226,7 @@ def reduce_kernel(
     PDL: tl.constexpr,
 ):
     """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits of one head (m in log2 units)."""
-    if PDL:  # the kernel before this one has finished writing (see tandem/pdl.py)
-        tl.extra.cuda.gdc_wait()
+    pdl.wait(PDL)
     row = tl.program_id(0)  # seq * num_heads + head
     splits = tl.arange(0, MAX_SPLITS)
     used = splits < num_splits

@@ -101,8 +101,7 @@ def add_rms_norm_kernel(
     part_stride, HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    if PDL:  # the kernel before this one has finished writing (see tandem/pdl.py)
-        tl.extra.cuda.gdc_wait()
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -159,8 +158,7 @@ def silu_mul(gate, up):
 def silu_and_mul_kernel(
     gate_up_ptr, out_ptr, stride, inter, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):
-    if PDL:  # the kernel before this one has finished writing (see tandem/pdl.py)
-        tl.extra.cuda.gdc_wait()
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -214,8 +212,7 @@ def rope_qk_kernel(
     HALF: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, HAS_NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    if PDL:  # the kernel before this one has finished writing (see tandem/pdl.py)
-        tl.extra.cuda.gdc_wait()
+    pdl.wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)

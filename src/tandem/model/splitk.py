@@ -44,8 +44,7 @@ def partials_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
     IEEE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    if PDL:  # the kernel before this one has finished writing (see tandem/pdl.py)
-        tl.extra.cuda.gdc_wait()
+    pdl.wait(PDL)
     tile_n, tile_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -33,6 +33,7 @@ from tandem.config import ModelConfig
 from tandem.model.fused import silu_and_mul
 from tandem.model.loader import read_hf_config
 from tandem.model.splitk import MAX_ROWS, SplitTiles, linear_partials, plan
+from tandem.runner import preferred_blas
 
 COPY_CEILING = 4.22e12  # bytes/s, device-to-device copy (DESIGN.md)
 
@@ -67,15 +68,11 @@ class Rotation:
         return (self.transposed if transposed else self.copies)[self.turn]
 
 
-def with_cublaslt(fn, *args):
-    """fn(*args) with cuBLASLt as torch's preferred BLAS library (a graph captures the kernel
-    it picked), the setting restored after."""
-    previous = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    try:
-        return fn(*args)
-    finally:
-        torch.backends.cuda.preferred_blas_library(previous)
+def with_cublaslt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear with cuBLASLt as torch's preferred BLAS library (a graph captures the kernel it
+    picked), as the engine's graphs under TANDEM_BLAS=cublaslt."""
+    with preferred_blas("cublaslt"):
+        return F.linear(x, weight)
 
 
 def variants(weight: torch.Tensor, autotune: bool) -> dict:
@@ -84,7 +81,7 @@ def variants(weight: torch.Tensor, autotune: bool) -> dict:
     ways = {
         "linear": lambda x: F.linear(x, rotation.next()),
         "nn": lambda x: x @ rotation.next(transposed=True),
-        "lt": lambda x: with_cublaslt(F.linear, x, rotation.next()),
+        "lt": lambda x: with_cublaslt(x, rotation.next()),
         "splitk": lambda x: linear_partials(x, rotation.next()),
     }
     if autotune:

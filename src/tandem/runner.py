@@ -42,10 +42,11 @@ if BLAS_LIBRARY not in ("cublas", "cublaslt"):
 
 
 @contextlib.contextmanager
-def preferred_blas() -> Iterator[None]:
-    """torch's preferred BLAS library is BLAS_LIBRARY inside and as it was after."""
+def preferred_blas(library: str | None = None) -> Iterator[None]:
+    """torch's preferred BLAS library is `library` (BLAS_LIBRARY by default) inside and as it
+    was after."""
     before = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library(BLAS_LIBRARY)
+    torch.backends.cuda.preferred_blas_library(library or BLAS_LIBRARY)
     try:
         yield
     finally:

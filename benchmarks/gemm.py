@@ -9,11 +9,9 @@ replay as the engine runs them, each call on a cold copy of the weight (`Rotatio
             heuristics pick the kernel);
   splitk    tandem's split-K kernel (`model/splitk.py`): float32 partial sums over slices of
             the input features, which the engine's residual add + RMSNorm adds up (not timed
-            here); F.linear where its plan declines (more than 256 rows).
+            here); F.linear where its plan declines (more than MAX_ROWS rows).
   autotune  (--autotune) torch.compile max-autotune of F.linear: Inductor times its Triton
             GEMM templates against cuBLAS and keeps the fastest; slow to compile.
-Then the down projection from the gate/up output both ways: the SiLU * up kernel and F.linear,
-and the split-K kernel taking SiLU * up on its loads.
 Usage: PYTHONPATH=src python benchmarks/gemm.py [--model llama-3-8b] [--rows 1 8 32] [--autotune]
 [--sweep-splitk]  (--sweep-splitk: the o and down matrices under each split-K tile shape and
 split count, after the table; * marks the plan's pick)
@@ -30,7 +28,6 @@ import triton
 import triton.testing
 
 from tandem.config import ModelConfig
-from tandem.model.fused import silu_and_mul
 from tandem.model.loader import read_hf_config
 from tandem.model.splitk import MAX_ROWS, SplitTiles, linear_partials, plan
 from tandem.runner import preferred_blas
@@ -97,28 +94,6 @@ def time_us(fn, x) -> float:
     return 1000 * triton.testing.do_bench_cudagraph(lambda: fn(x), return_mode="median")
 
 
-def bench_gated(cfg: ModelConfig, rows_list: list[int]) -> list[dict]:
-    """The down projection from the gate/up output: the SiLU * up kernel then F.linear, against
-    the split-K kernel taking SiLU * up on its loads; µs per call, cold."""
-    out_features, in_features = matrices(cfg)["down"]
-    weight = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16)
-    rotation = Rotation(weight)
-    ways = {
-        "silu+linear": lambda gu: F.linear(silu_and_mul(gu), rotation.next()),
-        "splitk gated": lambda gu: linear_partials(gu, rotation.next(), gated=True),
-    }
-    results = []
-    for rows in rows_list:
-        gate_up = torch.randn(rows, 2 * in_features, device="cuda", dtype=torch.bfloat16)
-        times = {way: time_us(fn, gate_up) for way, fn in ways.items()}
-        results += [
-            {"matrix": "down+silu", "rows": rows, "way": w, "us": us} for w, us in times.items()
-        ]
-        print(f"down+silu M={rows:<4} " + "  ".join(f"{w} {us:7.1f} us" for w, us in times.items()),
-              flush=True)  # fmt: skip
-    return results
-
-
 def sweep_splitk(cfg: ModelConfig, rows_list: list[int]) -> None:
     """µs per call of the o and down matrices, cold, under each output tile width, pipeline
     depth and split count the input allows."""
@@ -138,7 +113,7 @@ def sweep_splitk(cfg: ModelConfig, rows_list: list[int]) -> None:
                             pick.block_m, block_n, pick.block_k, splits, 4, num_stages
                         )
                         us = time_us(
-                            lambda x, t=tiles, r=rotation: linear_partials(x, r.next(), t), x
+                            lambda x, t=tiles, r=rotation: linear_partials(x, r.next(), tiles=t), x
                         )
                         cells.append(f"{splits}{'*' if tiles == pick else ''}:{us:.1f}")
                     print(f"splitk {name:5} M={rows:<4} block_n={block_n:<3} stages={num_stages} "
@@ -176,7 +151,6 @@ def main() -> None:
             print(f"{name:8} {out_features:>6}x{in_features:<6} M={rows:<4} " + "  ".join(cells),
                   flush=True)  # fmt: skip
         del weight
-    results += bench_gated(cfg, args.rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "results": results}, f, indent=1)

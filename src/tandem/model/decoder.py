@@ -32,15 +32,12 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def to_residual(
-    linear: nn.Linear, x: torch.Tensor, tp: TensorParallel, gated: bool = False
-) -> torch.Tensor:
-    """The o or the down projection (`gated`: of SiLU(gate) * up, x being gate | up). Its output
-    always goes to a residual add + RMSNorm next, so on one device it may be split-K partial
-    sums [splits, rows, out] that the norm adds up (`splitk`)."""
+def to_residual(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The o or the down projection. Its output always goes to a residual add + RMSNorm next,
+    so on one device it may be split-K partial sums [splits, rows, out] that the norm adds up
+    (`splitk`)."""
     if tp.size == 1 and linear.bias is None and splitk.ENABLED and fused.use_kernels(x):
-        return splitk.linear_partials(x, linear.weight, gated)
-    x = silu_and_mul(x) if gated else x
+        return splitk.linear_partials(x, linear.weight)
     if tp.size == 1:
         return linear(x)
     # the input features are split across ranks: partial sums, all-reduced, then the bias
@@ -111,7 +108,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return to_residual(self.down_proj, self.gate_up_proj(x), self.tp, gated=True)
+        return to_residual(self.down_proj, silu_and_mul(self.gate_up_proj(x)), self.tp)
 
 
 class DecoderLayer(nn.Module):

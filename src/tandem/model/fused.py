@@ -146,15 +146,6 @@ def _add_rms_norm_triton(x, residual, weight, eps):
 
 
 @triton.jit
-def silu_mul(gate, up):
-    """SiLU(gate) * up in gate's dtype, rounded where F.silu(gate) * up rounds (also folded into
-    the split-K down projection's loads, `splitk.partials_kernel`)."""
-    g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    return (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
-
-
-@triton.jit
 def silu_and_mul_kernel(
     gate_up_ptr, out_ptr, stride, inter, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):
@@ -164,7 +155,13 @@ def silu_and_mul_kernel(
     mask = cols < inter
     gate = tl.load(gate_up_ptr + row * stride + cols, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + row * stride + inter + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * inter + cols, silu_mul(gate, up), mask=mask)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    tl.store(
+        out_ptr + row * inter + cols,
+        (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype),
+        mask=mask,
+    )
 
 
 def _silu_and_mul_triton(gate_up):

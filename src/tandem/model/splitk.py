@@ -5,9 +5,7 @@ At decode sizes the o and down projections have few output tiles: 16 for Qwen3-0
 well below the copy rate. Here each program computes one output tile over one slice of the
 input features, and writes float32 partial sums [splits, rows, out]; the residual add + RMSNorm
 kernel that always follows (`fused.add_rms_norm`) adds the slices up as it reads them, so the
-split costs no extra launch. The down projection also takes SiLU(gate) * up on its loads from
-the gate/up projection's output (`gated`), one launch fewer again. TANDEM_SPLITK=0 keeps
-F.linear (and the separate SiLU * up), for comparisons.
+split costs no extra launch. TANDEM_SPLITK=0 keeps F.linear, for comparisons.
 """
 
 from __future__ import annotations
@@ -22,10 +20,9 @@ import triton
 import triton.language as tl
 
 from tandem import pdl
-from tandem.model.fused import silu_and_mul, silu_mul
 
 ENABLED = os.environ.get("TANDEM_SPLITK", "1") != "0"
-MAX_ROWS = 256  # wider steps (prefill) fill the device with output tiles alone
+MAX_ROWS = 64  # wider steps fill the device with output tiles alone (cuBLAS won at 256 rows)
 
 
 class SplitTiles(NamedTuple):
@@ -40,9 +37,8 @@ class SplitTiles(NamedTuple):
 @triton.jit
 def partials_kernel(
     x_ptr, w_ptr, out_ptr, rows, out_features, x_stride, w_stride, k_per_split,
-    up_offset,  # GATED: x is [rows, 2 * in], gate | up, and the product is of SiLU(gate) * up
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.wait(PDL)
     tile_n, tile_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -54,8 +50,6 @@ def partials_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for _ in range(0, k_per_split, BLOCK_K):
         a = tl.load(x_ptrs, mask=m[:, None] < rows, other=0.0)
-        if GATED:
-            a = silu_mul(a, tl.load(x_ptrs + up_offset, mask=m[:, None] < rows, other=0.0))
         b = tl.load(w_ptrs, mask=n[None, :] < out_features, other=0.0)
         # float32 weights: no TF32 rounding, as F.linear by default
         acc = tl.dot(a, b, acc, input_precision="ieee") if IEEE else tl.dot(a, b, acc)
@@ -89,15 +83,14 @@ def plan(rows: int, out_features: int, in_features: int, device: torch.device) -
 
 
 def linear_partials(
-    x: torch.Tensor, weight: torch.Tensor, gated: bool = False, tiles: SplitTiles | None = None
+    x: torch.Tensor, weight: torch.Tensor, tiles: SplitTiles | None = None
 ) -> torch.Tensor:
     """[rows, in] x [out, in]^T -> [splits, rows, out] float32 partial sums (sum(0) is the
-    product); F.linear's [rows, out] where `plan` says no. `gated`: x is [rows, 2 * in], gate |
-    up, and the product is of SiLU(gate) * up. `tiles` overrides the plan (sweeps)."""
+    product); F.linear's [rows, out] where `plan` says no. `tiles` overrides the plan (sweeps)."""
     rows, out_features, in_features = x.shape[0], weight.shape[0], weight.shape[1]
     tiles = tiles or plan(rows, out_features, in_features, x.device)
     if tiles is None or x.stride(1) != 1 or not weight.is_contiguous():
-        return F.linear(silu_and_mul(x) if gated else x, weight)
+        return F.linear(x, weight)
     out = torch.empty(tiles.splits, rows, out_features, dtype=torch.float32, device=x.device)
     grid = (
         triton.cdiv(out_features, tiles.block_n),
@@ -106,8 +99,8 @@ def linear_partials(
     )
     partials_kernel[grid](
         x, weight, out, rows, out_features, x.stride(0), weight.stride(0),
-        in_features // tiles.splits, in_features, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, GATED=gated, IEEE=x.dtype == torch.float32,
+        in_features // tiles.splits, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, IEEE=x.dtype == torch.float32,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.launch_args(x.device),
     )  # fmt: skip
     return out

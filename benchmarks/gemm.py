@@ -7,9 +7,14 @@ replay as the engine runs them, each call on a cold copy of the weight (`Rotatio
   nn        x @ Wt with the weight stored transposed, [in, out] (cuBLAS picks other kernels);
   lt        F.linear with torch's preferred BLAS library set to cuBLASLt for the call (its own
             heuristics pick the kernel);
+  splitk    tandem's split-K kernel (`model/splitk.py`): float32 partial sums over slices of
+            the input features, which the engine's residual add + RMSNorm adds up (not timed
+            here); F.linear where its plan declines (more than MAX_ROWS rows).
   autotune  (--autotune) torch.compile max-autotune of F.linear: Inductor times its Triton
             GEMM templates against cuBLAS and keeps the fastest; slow to compile.
 Usage: PYTHONPATH=src python benchmarks/gemm.py [--model llama-3-8b] [--rows 1 8 32] [--autotune]
+[--sweep-splitk]  (--sweep-splitk: the o and down matrices under each split-K tile shape and
+split count, after the table; * marks the plan's pick)
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import triton.testing
 
 from tandem.config import ModelConfig
 from tandem.model.loader import read_hf_config
+from tandem.model.splitk import MAX_ROWS, SplitTiles, linear_partials, plan
 from tandem.runner import preferred_blas
 
 COPY_CEILING = 4.22e12  # bytes/s, device-to-device copy (DESIGN.md)
@@ -73,6 +79,7 @@ def variants(weight: torch.Tensor, autotune: bool) -> dict:
         "linear": lambda x: F.linear(x, rotation.next()),
         "nn": lambda x: x @ rotation.next(transposed=True),
         "lt": lambda x: with_cublaslt(x, rotation.next()),
+        "splitk": lambda x: linear_partials(x, rotation.next()),
     }
     if autotune:
         compiled = torch.compile(
@@ -82,12 +89,45 @@ def variants(weight: torch.Tensor, autotune: bool) -> dict:
     return ways
 
 
+def time_us(fn, x) -> float:
+    torch.cuda.synchronize()  # the timing runs on a side stream
+    return 1000 * triton.testing.do_bench_cudagraph(lambda: fn(x), return_mode="median")
+
+
+def sweep_splitk(cfg: ModelConfig, rows_list: list[int]) -> None:
+    """µs per call of the o and down matrices, cold, under each output tile width, pipeline
+    depth and split count the input allows."""
+    for name in ("o", "down"):
+        out_features, in_features = matrices(cfg)[name]
+        weight = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16)
+        rotation = Rotation(weight)
+        for rows in [r for r in rows_list if r <= MAX_ROWS]:
+            x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
+            pick = plan(rows, out_features, in_features, x.device)
+            k_steps = in_features // pick.block_k
+            for block_n in (32, 64, 128):
+                for num_stages in (3, 4):
+                    cells = []
+                    for splits in [s for s in (1, 2, 3, 4, 6, 8, 12, 16) if k_steps % s == 0]:
+                        tiles = SplitTiles(
+                            pick.block_m, block_n, pick.block_k, splits, 4, num_stages
+                        )
+                        us = time_us(
+                            lambda x, t=tiles, r=rotation: linear_partials(x, r.next(), tiles=t), x
+                        )
+                        cells.append(f"{splits}{'*' if tiles == pick else ''}:{us:.1f}")
+                    print(f"splitk {name:5} M={rows:<4} block_n={block_n:<3} stages={num_stages} "
+                          f"us by splits  " + "  ".join(cells), flush=True)  # fmt: skip
+        del weight, rotation
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="llama-3-8b")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 256])
     parser.add_argument("--autotune", action="store_true")
     parser.add_argument("--json")
+    parser.add_argument("--sweep-splitk", action="store_true")
     args = parser.parse_args()
     cfg = ModelConfig.from_hf(read_hf_config(args.model)[0])
     results = []
@@ -100,11 +140,10 @@ def main() -> None:
             expected = F.linear(x, weight).float()
             cells = []
             for way, fn in ways.items():
-                torch.testing.assert_close(fn(x).float(), expected, atol=0.5, rtol=2e-2)
-                torch.cuda.synchronize()  # the timing runs on a side stream
-                us = 1000 * triton.testing.do_bench_cudagraph(
-                    lambda fn=fn, x=x: fn(x), return_mode="median"
-                )
+                out = fn(x)
+                out = out.sum(0) if out.dim() == 3 else out  # split-K partial sums
+                torch.testing.assert_close(out.float(), expected, atol=0.5, rtol=2e-2)
+                us = time_us(fn, x)
                 rate = weight_bytes / (us / 1e6)
                 results.append({"matrix": name, "rows": rows, "way": way, "us": us,
                                 "TB/s": rate / 1e12, "ceiling_pct": 100 * rate / COPY_CEILING})  # fmt: skip
@@ -115,6 +154,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "results": results}, f, indent=1)
+    if args.sweep_splitk:
+        sweep_splitk(cfg, args.rows)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@
 #                       (SWEEP=sampler: the sampler's alone)
 #   GRAPH_MEMORY=1      graph memory with and without the shared pool
 #   GEMM=1              each decode GEMM of both presets against the copy ceiling (GEMM=autotune:
-#                       Inductor's max-autotune too)
+#                       Inductor's max-autotune too; GEMM=splitk: then a sweep of the split-K
+#                       kernel's tiles on the o and down matrices)
 #   PROFILE="seed small latency"  torch.profiler of decode steps of those shapes ("small-prefill":
 #                       the prefill steps of the small workload's prompts)
 #   VARIANTS="TANDEM_PDL=0 TANDEM_BLAS=cublaslt"  each workload again (async only) under
@@ -40,14 +41,14 @@ workload_args() {
 
 if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -q --durations=8 tests/gpu tests/test_triton_attention.py tests/test_fused_ops.py \
-    tests/test_sampling_kernel.py tests/test_pdl.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+    tests/test_sampling_kernel.py tests/test_pdl.py tests/test_splitk.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
 fi
 if [ -z "${SKIP_KERNELS:-}" ]; then
   sweeps=$([ "${SWEEP:-}" = sampler ] && echo --sweep-sampler || echo ${SWEEP:+--sweep-decode --sweep-prefill --sweep-sampler})
   python3 benchmarks/kernels.py --json "$OUT/kernels.json" $sweeps 2>&1 | tee "$OUT/kernels.txt"
 fi
 if [ -n "${GEMM:-}" ]; then
-  gemm_args=$([ "$GEMM" = autotune ] && echo --autotune)
+  gemm_args=$(case $GEMM in autotune) echo --autotune ;; splitk) echo --sweep-splitk ;; esac)
   for model in llama-3-8b qwen3-0.6b; do
     python3 benchmarks/gemm.py --model $model $gemm_args --json "$OUT/gemm_$model.json" \
       2>&1 | grep -v Warning | tee "$OUT/gemm_$model.txt"

@@ -8,6 +8,7 @@ from torch import nn
 
 from tandem.attention import AttentionBackend, AttentionMetadata
 from tandem.config import ModelConfig
+from tandem.model import fused, splitk
 from tandem.model.fused import add_rms_norm, rope_qk, silu_and_mul
 from tandem.model.rope import RotaryEmbedding
 from tandem.parallel import TensorParallel
@@ -31,10 +32,15 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """A matmul whose input features are split across ranks: partial sums, all-reduced, + bias."""
+def to_residual(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The o or the down projection. Its output always goes to a residual add + RMSNorm next,
+    so on one device it may be split-K partial sums [splits, rows, out] that the norm adds up
+    (`splitk`)."""
+    if tp.size == 1 and linear.bias is None and splitk.ENABLED and fused.use_kernels(x):
+        return splitk.linear_partials(x, linear.weight)
     if tp.size == 1:
         return linear(x)
+    # the input features are split across ranks: partial sums, all-reduced, then the bias
     y = tp.all_reduce(F.linear(x, linear.weight))
     return y if linear.bias is None else y + linear.bias
 
@@ -90,7 +96,7 @@ class Attention(nn.Module):
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm else ()
         q = rope_qk(q, k, v, positions, self.rope.cos_sin, kv_cache, meta.slot_mapping, *norms)
         out = attend(q, kv_cache, meta, self.scale)
-        return row_parallel(self.o_proj, out.flatten(1), self.tp)
+        return to_residual(self.o_proj, out.flatten(1), self.tp)
 
 
 class MLP(nn.Module):
@@ -102,7 +108,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return row_parallel(self.down_proj, silu_and_mul(self.gate_up_proj(x)), self.tp)
+        return to_residual(self.down_proj, silu_and_mul(self.gate_up_proj(x)), self.tp)
 
 
 class DecoderLayer(nn.Module):

@@ -31,9 +31,15 @@ def use_kernels(x: torch.Tensor) -> bool:
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual) * weight, x + residual); x: [rows, hidden]. Without a residual, x."""
+    """(RMSNorm(x + residual) * weight, x + residual); x: [rows, hidden]. Without a residual, x.
+
+    x may also be float32 partial sums [splits, rows, hidden] of a split-K matmul
+    (`splitk.linear_partials`), with a residual: their sum, rounded to the residual's dtype as
+    a matmul's output would be, is the x added."""
     if use_kernels(x):
         return _add_rms_norm_triton(x, residual, weight, eps)
+    if x.dim() == 3:
+        x = x.sum(0).to(residual.dtype)
     summed = x if residual is None else x + residual
     xf = summed.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
@@ -92,13 +98,22 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 @triton.jit
 def add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr, x_stride, residual_stride, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    part_stride, HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
-    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    if PARTS == 0:
+        x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    else:  # a split-K matmul's float32 partial sums, rounded as its output would be
+        parts = tl.zeros([BLOCK], tl.float32)
+        for part in tl.static_range(PARTS):
+            parts += tl.load(
+                x_ptr + part * part_stride + row * x_stride + cols, mask=mask, other=0.0
+            )
+        x = parts.to(residual_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         x = (
             x.to(tl.float32)
@@ -116,13 +131,15 @@ def add_rms_norm_kernel(
 
 
 def _add_rms_norm_triton(x, residual, weight, eps):
-    rows, hidden = x.shape
-    out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    parts = x.shape[0] if x.dim() == 3 else 0
+    rows, hidden = x.shape[-2:]
+    dtype = x.dtype if residual is None else residual.dtype
+    out = torch.empty((rows, hidden), dtype=dtype, device=x.device)
     summed = x if residual is None else torch.empty_like(out)
     add_rms_norm_kernel[(rows,)](
-        x, residual if residual is not None else x, weight, out, summed, x.stride(0),
-        (residual if residual is not None else x).stride(0), hidden, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden),
+        x, residual if residual is not None else x, weight, out, summed, x.stride(-2),
+        (residual if residual is not None else x).stride(0), hidden, eps, x.stride(0),
+        HAS_RESIDUAL=residual is not None, PARTS=parts, BLOCK=triton.next_power_of_2(hidden),
         **pdl.launch_args(x.device),
     )  # fmt: skip
     return out, summed

@@ -1,0 +1,106 @@
+"""Split-K matmuls for the projections that feed the residual stream (o_proj, down_proj).
+
+At decode sizes the o and down projections have few output tiles: 16 for Qwen3-0.6B at 256 rows,
+64 for Llama-3-8B at 32 rows, too few programs to fill 132 SMs, so cuBLAS reads their weights
+well below the copy rate. Here each program computes one output tile over one slice of the
+input features, and writes float32 partial sums [splits, rows, out]; the residual add + RMSNorm
+kernel that always follows (`fused.add_rms_norm`) adds the slices up as it reads them, so the
+split costs no extra launch. TANDEM_SPLITK=0 keeps F.linear, for comparisons.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from tandem import pdl
+
+ENABLED = os.environ.get("TANDEM_SPLITK", "1") != "0"
+MAX_ROWS = 64  # wider steps fill the device with output tiles alone (cuBLAS won at 256 rows)
+
+
+class SplitTiles(NamedTuple):
+    block_m: int  # rows per program
+    block_n: int  # output features per program
+    block_k: int  # input features per loop step
+    splits: int  # slices of the input features, one program each per output tile
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def partials_kernel(
+    x_ptr, w_ptr, out_ptr, rows, out_features, x_stride, w_stride, k_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    pdl.wait(PDL)
+    tile_n, tile_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = split * k_per_split + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + m[:, None].to(tl.int64) * x_stride + k[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + n[None, :].to(tl.int64) * w_stride + k[:, None]  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for _ in range(0, k_per_split, BLOCK_K):
+        a = tl.load(x_ptrs, mask=m[:, None] < rows, other=0.0)
+        b = tl.load(w_ptrs, mask=n[None, :] < out_features, other=0.0)
+        # float32 weights: no TF32 rounding, as F.linear by default
+        acc = tl.dot(a, b, acc, input_precision="ieee") if IEEE else tl.dot(a, b, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out = out_ptr + (split * rows + m[:, None]).to(tl.int64) * out_features + n[None, :]
+    tl.store(out, acc, mask=(m[:, None] < rows) & (n[None, :] < out_features))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few splits, so CPU tests cover them
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def plan(rows: int, out_features: int, in_features: int, device: torch.device) -> SplitTiles | None:
+    """The tiles for a [rows, in] x [out, in]^T product, or None where F.linear is the better
+    choice: more than MAX_ROWS rows, or no power-of-two step of 16-128 input features that
+    divides `in_features`. Splits: the most that divide the input's steps and keep at most two
+    programs per SM."""
+    block_k = next((b for b in (128, 64, 32, 16) if in_features % b == 0), None)
+    if rows == 0 or rows > MAX_ROWS or block_k is None:
+        return None
+    block_m, block_n = max(16, min(64, triton.next_power_of_2(rows))), 64
+    tiles = triton.cdiv(rows, block_m) * triton.cdiv(out_features, block_n)
+    k_steps = in_features // block_k
+    wanted = max(1, 2 * _num_sms(device) // tiles)
+    splits = max(s for s in range(1, min(wanted, k_steps) + 1) if k_steps % s == 0)
+    return SplitTiles(block_m, block_n, block_k, splits)
+
+
+def linear_partials(
+    x: torch.Tensor, weight: torch.Tensor, tiles: SplitTiles | None = None
+) -> torch.Tensor:
+    """[rows, in] x [out, in]^T -> [splits, rows, out] float32 partial sums (sum(0) is the
+    product); F.linear's [rows, out] where `plan` says no. `tiles` overrides the plan (sweeps)."""
+    rows, out_features, in_features = x.shape[0], weight.shape[0], weight.shape[1]
+    tiles = tiles or plan(rows, out_features, in_features, x.device)
+    if tiles is None or x.stride(1) != 1 or not weight.is_contiguous():
+        return F.linear(x, weight)
+    out = torch.empty(tiles.splits, rows, out_features, dtype=torch.float32, device=x.device)
+    grid = (
+        triton.cdiv(out_features, tiles.block_n),
+        triton.cdiv(rows, tiles.block_m),
+        tiles.splits,
+    )
+    partials_kernel[grid](
+        x, weight, out, rows, out_features, x.stride(0), weight.stride(0),
+        in_features // tiles.splits, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, IEEE=x.dtype == torch.float32,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.launch_args(x.device),
+    )  # fmt: skip
+    return out

@@ -13,6 +13,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from tandem import pdl
 
@@ -42,6 +43,7 @@ def gumbel_argmax_kernel(
     chunk_len,  # a multiple of BLOCK
     num_chunks,
     BLOCK: tl.constexpr,
+    FAST_LOG: tl.constexpr,  # on CUDA: the hardware's approximate log2 (the interpreter lacks it)
     PDL: tl.constexpr,
 ):
     pdl.wait(PDL)
@@ -50,6 +52,9 @@ def gumbel_argmax_kernel(
     temperature = tl.load(temperature_ptr + row)
     greedy = temperature == 0.0
     divisor = tl.where(greedy, 1.0, temperature)
+    # FAST_LOG scores in log2 units: logit * log2(e) / T - log2(-log2(u)) is the natural-log
+    # score over ln(2), less a constant, so the argmax is the same
+    scale = 1.4426950408889634 / divisor
     seed = tl.load(seeds_ptr + row).to(tl.uint32)
     position = tl.load(positions_ptr + row).to(tl.uint32)
     row_key = _mix32(seed ^ _mix32(position))
@@ -70,8 +75,12 @@ def gumbel_argmax_kernel(
         ).to(tl.float32)
         h = _mix32((row_key + (token.to(tl.uint32) * 0x9E3779B9).to(tl.uint32)).to(tl.uint32))
         u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        noise = -tl.log(-tl.log(u))
-        score = tl.where(greedy, logit, logit / divisor + noise)
+        score = (
+            logit * scale - libdevice.fast_log2f(-libdevice.fast_log2f(u))
+            if FAST_LOG
+            else logit / divisor - tl.log(-tl.log(u))
+        )
+        score = tl.where(greedy, logit, score)
         score = tl.where(in_chunk, score, float("-inf"))
         better = score > best_score
         best_token = tl.where(better, token, best_token)
@@ -128,7 +137,8 @@ def gumbel_argmax(
     best_token = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
     gumbel_argmax_kernel[(rows, num_chunks)](
         logits, best_score, best_token, temperature, seeds, positions, logits.stride(0), vocab,
-        chunk_len, num_chunks, BLOCK=BLOCK, num_warps=num_warps, **pdl.launch_args(logits.device),
+        chunk_len, num_chunks, BLOCK=BLOCK, FAST_LOG=logits.is_cuda, num_warps=num_warps,
+        **pdl.launch_args(logits.device),
     )  # fmt: skip
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     pick_best_chunk_kernel[(rows,)](

@@ -2,8 +2,11 @@
 
 Computes, per row, argmax(logits / temperature + gumbel(seed, position, token)) with the same
 counter-based hash as `sampling.gumbel_noise`, or the plain argmax for temperature 0, without
-materializing the [rows, vocab] noise. Each row's vocabulary is cut into chunks so that a few
-rows still fill the device; a second, small kernel picks each row's best chunk.
+materializing the [rows, vocab] noise. On CUDA the noise's two logs are the hardware's
+approximate log2 (2.3x faster at 256 rows, BENCHMARKS.md eighth run): the torch sampler's
+tokens, except where a row's two best scores lie within that approximation (millionths).
+Each row's vocabulary is cut into chunks so that a few rows still fill the device; a second,
+small kernel picks each row's best chunk.
 """
 
 from __future__ import annotations

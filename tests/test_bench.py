@@ -10,9 +10,16 @@ from dataclasses import fields
 import numpy as np
 import pytest
 import torch
+import triton
 
 from tandem import LLM, SamplingParams
-from tandem.bench import request_latencies, transformers_modes, warmup_workload, waves
+from tandem.bench import (
+    counting_jit_compiles,
+    request_latencies,
+    transformers_modes,
+    warmup_workload,
+    waves,
+)
 from tandem.cli import build_parser, main
 from tandem.config import EngineConfig, ModelConfig
 from tandem.model.loader import read_hf_config
@@ -123,7 +130,9 @@ def check_report(report: dict, modes: set[str], latency: bool) -> None:
     assert set(report["results"]) == modes
     for mode, result in report["results"].items():
         ours = mode in ("sync", "async")
-        expected = RESULT_KEYS | ({"roofline_seconds", "allocator_retries"} if ours else set())
+        expected = RESULT_KEYS | (
+            {"roofline_seconds", "allocator_retries", "jit_compiles"} if ours else set()
+        )
         assert set(result) == expected | (LATENCY_KEYS if latency else set()), mode
         assert result["output_tokens_per_s"] > 0 and result["steps"] > 0
         for key in LATENCY_KEYS & set(result):
@@ -417,3 +426,17 @@ def test_transformers_model_for_dummy_weights_computes_what_tandem_computes(make
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     [ours] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
     assert ours.outputs[0].token_ids == theirs
+
+
+def test_jit_compile_count_chains_to_an_existing_hook_and_restores_it():
+    seen = []
+    triton.knobs.runtime.jit_cache_hook = lambda **kwargs: seen.append(kwargs) or None
+    try:
+        with counting_jit_compiles() as compiles:
+            assert triton.knobs.runtime.jit_cache_hook(key="k", repr="kernel") is None
+            triton.knobs.runtime.jit_cache_hook(key="k2", repr="kernel")
+        assert compiles == [2] and [k["key"] for k in seen] == ["k", "k2"]
+    finally:
+        restored = triton.knobs.runtime.jit_cache_hook
+        triton.knobs.runtime.jit_cache_hook = None
+    assert restored is not None and restored(key="k3") is None and len(seen) == 3

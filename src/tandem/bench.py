@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.metadata
 import itertools
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import triton
 
 from tandem import pdl
 from tandem.config import EngineConfig, ModelConfig
@@ -184,6 +186,24 @@ def allocator_retries(device: torch.device) -> int:
     return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
 
 
+@contextlib.contextmanager
+def counting_jit_compiles() -> Iterator[list[int]]:
+    """Counts, in the one-item list it yields, the Triton kernels compiled (or loaded from
+    Triton's disk cache) inside the block: a kernel first met with new constants or argument
+    classes. A timed run should have none."""
+    count, previous = [0], triton.knobs.runtime.jit_cache_hook
+
+    def hook(**kwargs):
+        count[0] += 1
+        return previous(**kwargs) if previous else None
+
+    triton.knobs.runtime.jit_cache_hook = hook
+    try:
+        yield count
+    finally:
+        triton.knobs.runtime.jit_cache_hook = previous
+
+
 def run_bench(
     args: argparse.Namespace, engine_args: dict, save: Callable[[dict], None] | None = None
 ) -> dict:
@@ -207,11 +227,14 @@ def run_bench(
         time_engine(engine, warmup, args.temperature)
         retries = allocator_retries(engine.device)
         runs = []
-        for _ in range(args.repeats):
-            engine.step_work = []
-            runs.append(
-                time_engine(engine, workload, args.temperature, batch_size, args.mode == "latency")
-            )
+        with counting_jit_compiles() as compiles:
+            for _ in range(args.repeats):
+                engine.step_work = []
+                runs.append(
+                    time_engine(
+                        engine, workload, args.temperature, batch_size, args.mode == "latency"
+                    )
+                )
         hardware = on_devices(H200, engine.config.tensor_parallel_size)
         rooflines[mode] = roofline_summary(
             cfg, engine.dtype.itemsize, np.array(engine.step_work), hardware
@@ -222,6 +245,7 @@ def run_bench(
             **summarize_runs(runs, workload),
             "roofline_seconds": rooflines[mode]["seconds"],
             "allocator_retries": allocator_retries(engine.device) - retries,
+            "jit_compiles": compiles[0],
         }
     report = {
         "mode": args.mode,

@@ -33,7 +33,7 @@ def _mix32(h):
     return h ^ (h >> 16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])  # per step: see attention.triton_kernels
 def gumbel_argmax_kernel(
     logits_ptr,  # [rows, vocab], any float dtype (read as float32)
     best_score_ptr,  # [rows, num_chunks] float32: each chunk's best score
@@ -96,7 +96,7 @@ def gumbel_argmax_kernel(
     tl.store(best_token_ptr + row * num_chunks + chunk, chunk_token)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])  # per step: see attention.triton_kernels
 def pick_best_chunk_kernel(
     best_score_ptr, best_token_ptr, out_ptr, num_chunks, CHUNKS: tl.constexpr, PDL: tl.constexpr
 ):  # fmt: skip
@@ -149,7 +149,7 @@ def gumbel_argmax(
         best_token,
         out,
         num_chunks,
-        CHUNKS=triton.next_power_of_2(num_chunks),
+        CHUNKS=triton.next_power_of_2(blocks),  # the most any row count gives: one kernel
         **pdl.launch_args(logits.device),
     )
     return out

@@ -63,7 +63,11 @@ def _attend_tile(
     return m_new, row_sum, acc
 
 
-@triton.jit
+# Triton compiles a kernel once per class of each int argument (1, a multiple of 16, other). The
+# values that change from step to step are left out of that, so that eager steps of any shape
+# run the kernels compiled before. (On a fresh Triton cache, kernels first met in mixed steps
+# made the small workload's first timed run 0.9 s slower on the H200: BENCHMARKS.md.)
+@triton.jit(do_not_specialize=["first_seq"])
 def prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim], heads contiguous
     out_ptr,  # same shape, contiguous
@@ -129,7 +133,7 @@ def prefill_kernel(
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # a per-step value: see prefill_kernel
 def decode_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
     out_ptr,  # [num_seqs, num_heads, head_dim], written here when DIRECT
@@ -215,7 +219,7 @@ def decode_kernel(
         tl.store(partial_ml_ptr + base * 2 + 1, row_sum, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # a per-step value: see prefill_kernel
 def reduce_kernel(
     partial_out_ptr,
     partial_ml_ptr,

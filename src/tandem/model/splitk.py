@@ -34,7 +34,7 @@ class SplitTiles(NamedTuple):
     num_stages: int = 3
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # per step: see attention.triton_kernels.prefill_kernel
 def partials_kernel(
     x_ptr, w_ptr, out_ptr, rows, out_features, x_stride, w_stride, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,

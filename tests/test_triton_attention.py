@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -149,14 +151,19 @@ def test_leading_single_tokens_counts_the_one_token_rows_before_the_first_longer
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("ordered", [False, True])
 def test_mixed_step_sends_its_leading_decodes_to_the_decode_kernel_and_matches_reference(
-    dtype, splits
+    dtype, splits, ordered
 ):
     """Decode rows, then chunks of prompts, then a one-token row after them (left to the prefill
-    kernel): every row's output against the reference, and each kernel ran on its own rows."""
+    kernel): every row's output against the reference, and each kernel ran on its own rows.
+    `ordered`: the decodes listed longest first, the order's other entries unused (zeros)."""
     num_kv_heads, group, head_dim = 2, 4, 64
     cached, new = [40, 17, 63, 0, 30, 9], [1, 1, 1, 50, 7, 1]
     q, cache, meta = ragged_step(dtype, num_kv_heads, group, head_dim, 16, cached, new)
+    if ordered:
+        order = torch.tensor([2, 0, 1, 0, 0, 0], dtype=torch.int32, device=DEVICE)
+        meta = dataclasses.replace(meta, seq_order=order)
     backend = attention(num_kv_heads, group, head_dim, num_splits=splits)
     calls = []
     for kind in ("decode", "prefill"):
@@ -210,18 +217,22 @@ def test_decode_in_longest_first_order_matches_reference(dtype):
 
 
 def test_decode_steps_list_their_sequences_longest_context_first(make_tiny, monkeypatch):
+    """All rows of a decode step; in a step with prefill, the one-token rows that lead it."""
     from tandem import LLM, SamplingParams
 
     llm = LLM(str(make_tiny("llama")), attention_backend="triton", max_model_len=128,
               num_blocks=64, max_num_batched_tokens=64)  # fmt: skip
     engine = llm.engine
-    launched = []
+    launched, mixed = [], []
     launch = engine.runner.launch
 
     def record(batch, timeline):
         x, n = batch.slot.np_in, batch.num_seqs_padded
         if batch.decode_only:
             launched.append((x["seq_order"][:n].copy(), x["seq_lens"][:n].copy()))
+        else:
+            n = triton_backend.leading_single_tokens(batch.query_start_loc)
+            mixed.append((x["seq_order"][:n].copy(), x["seq_lens"][:n].copy()))
         launch(batch, timeline)
 
     monkeypatch.setattr(engine.runner, "launch", record)
@@ -230,8 +241,8 @@ def test_decode_steps_list_their_sequences_longest_context_first(make_tiny, monk
         engine.enqueue(engine.make_request(str(i), params, prompt_token_ids=list(range(1, n + 1))))
     while engine.has_unfinished():
         engine.step()
-    assert len(launched) >= 4
-    for order, lens in launched:
+    assert len(launched) >= 4 and any(len(order) > 1 for order, _ in mixed)
+    for order, lens in launched + mixed:
         assert sorted(order.tolist()) == list(range(len(lens)))
         assert (lens[order][:-1] >= lens[order][1:]).all()
     assert any((order != range(len(order))).any() for order, _ in launched)  # some were reordered

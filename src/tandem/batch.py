@@ -129,9 +129,10 @@ class BatchBuilder:
         use_filters, num_top_logprobs = self._fill_sampling(x, requests, rows, num_outputs)
         if graph_size is not None:
             fill_padding(x, num_seqs, graph_size)
-        if num_tokens == num_seqs:  # decode attention starts the longest contexts first
-            rows_padded = graph_size or num_seqs
-            x["seq_order"][:rows_padded] = np.argsort(-x["seq_lens"][:rows_padded], kind="stable")
+        # decode attention starts the longest contexts first: all rows of a decode step, or the
+        # one-token rows that lead a mixed step (those go to the decode kernel too)
+        decodes = graph_size or num_seqs if num_tokens == num_seqs else int(np.argmax(num_new != 1))
+        x["seq_order"][:decodes] = np.argsort(-x["seq_lens"][:decodes], kind="stable")
         return StepBatch(
             step=step,
             slot=slot,

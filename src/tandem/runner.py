@@ -191,7 +191,7 @@ class Runner:
             decode_only=decode_only,
             query_start_loc_host=query_start_loc_host,
             seq_lens_host=seq_lens_host,
-            seq_order=x["seq_order"][:num_seqs] if decode_only else None,
+            seq_order=x["seq_order"][:num_seqs],  # mixed steps: of the leading one-token rows
         )
         hidden = self.model(
             input_ids, x["positions"][:num_tokens], self.kv_caches, meta, self.attend

@@ -19,7 +19,8 @@ class AttentionMetadata:
     decode_only: bool  # every sequence has exactly one query token
     query_start_loc_host: list[int] | None = None  # host copies; None inside CUDA graphs
     seq_lens_host: list[int] | None = None
-    # [num_seqs] int32, decode steps: the sequences by context length, longest first
+    # [num_seqs] int32: the sequences by context length, longest first (in a step with prefill,
+    # of its leading one-token rows only, which the decode kernel takes)
     seq_order: torch.Tensor | None = None
 
 

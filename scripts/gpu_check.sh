@@ -14,8 +14,9 @@
 #                       kernel's tiles on the o and down matrices)
 #   PROFILE="seed small latency"  torch.profiler of decode steps of those shapes ("small-prefill":
 #                       the prefill steps of the small workload's prompts)
-#   VARIANTS="TANDEM_PDL=0 TANDEM_BLAS=cublaslt"  each workload again (async only) under
-#                       each of these environment settings, right after its own run: A/B in one call
+#   VARIANTS="TANDEM_PDL=0 TANDEM_BLAS=cublaslt"  each workload (async only) and each PROFILE
+#                       again under each of these environment settings, right after its own run:
+#                       A/B in one call
 #                       (e.g. TANDEM_FUSED_KERNELS=0: torch ops instead of the fused kernels)
 #   BASELINE=DIR        each workload again (async only) with the tandem package of DIR/src, e.g.
 #                       main's beside a branch: git archive main src | tar -x -C .ab/main (a
@@ -67,6 +68,12 @@ for shape in ${PROFILE:-}; do
   echo "== step profile $shape"
   python3 benchmarks/profile_step.py --cuda-graphs $args --rows 16 > "$OUT/profile_$shape.txt" 2>&1
   grep -E "Self (CPU|CUDA) time total" "$OUT/profile_$shape.txt"
+  for setting in ${VARIANTS:-}; do  # the same profile under each variant's setting
+    tag=${setting//=/_}
+    env "$setting" python3 benchmarks/profile_step.py --cuda-graphs $args --rows 16 \
+      > "$OUT/profile_${shape}_${tag,,}.txt" 2>&1
+    echo "$setting:"; grep -E "Self CUDA time total" "$OUT/profile_${shape}_${tag,,}.txt"
+  done
 done
 for name in "$@"; do
   args=$(workload_args "$name") || { echo "unknown workload $name"; continue; }

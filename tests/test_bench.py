@@ -16,6 +16,7 @@ from tandem import LLM, SamplingParams
 from tandem.bench import (
     counting_jit_compiles,
     request_latencies,
+    roofline_by_step_kind,
     transformers_modes,
     warmup_workload,
     waves,
@@ -32,6 +33,7 @@ from tandem.roofline import (
     step_work,
 )
 from tandem.tokenizer import Tokenizer
+from tandem.trace import STEP_WORK_FIELDS
 from tandem.workload import SHAREGPT_SAMPLE, Workload, sharegpt_workload
 
 ENGINE_FLAGS = ["--max-num-seqs", "4", "--block-size", "8"]
@@ -192,6 +194,33 @@ def test_step_work_counts_causal_pairs_for_prefill_and_plain_pairs_for_decode():
 def test_ideal_schedule_rooflines_match_design_md(workload, expected_seconds):
     summary = roofline_summary(preset("llama-3-8b"), 2, ideal_schedule(*workload))
     assert summary["seconds"] == pytest.approx(expected_seconds, rel=5e-3)
+
+
+def test_roofline_by_step_kind_sets_each_steps_compute_against_its_own_roofline():
+    """Two traced steps by hand (µs): a decode step of 90 and a prefill step of 80 on the GPU."""
+    cost = ModelCost.of(preset("qwen3-0.6b"), 2)
+    decode, prefill = step_work([600, 300], [0, 1, 2]), step_work([512, 40], [0, 512, 552])
+
+    def batch(step, work):
+        return {
+            "ph": "C",
+            "name": "batch",
+            "args": {"step": step, **dict(zip(STEP_WORK_FIELDS, work, strict=True))},
+        }
+
+    events = [
+        batch(4, decode),
+        {"ph": "X", "name": "compute", "dur": 90.0, "args": {"step": 4}},
+        batch(5, prefill),
+        {"ph": "X", "name": "compute", "dur": 80.0, "args": {"step": 5}},
+        batch(6, decode),
+    ]  # step 6 has no compute span (not read back yet): left out
+    kinds = roofline_by_step_kind({"traceEvents": events}, cost, H200)
+    decode_s, prefill_s = (step_rooflines(cost, [w])[0][0] for w in (decode, prefill))
+    assert kinds["decode"] == {"steps": 1, "gpu_ms": 0.09, "roofline_ms": decode_s * 1e3,
+                               "roofline_fraction": decode_s * 1e3 / 0.09}  # fmt: skip
+    assert kinds["with_prefill"] == {"steps": 1, "gpu_ms": 0.08, "roofline_ms": prefill_s * 1e3,
+                                     "roofline_fraction": prefill_s * 1e3 / 0.08}  # fmt: skip
 
 
 @pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])

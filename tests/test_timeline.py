@@ -123,6 +123,12 @@ def test_a_traced_cpu_run_has_every_cpu_phase_lane_and_one_launch_per_step(trace
     counters = [e["args"] for e in trace["traceEvents"] if e["ph"] == "C"]
     assert [c["step"] for c in counters] == list(steps)
     assert all(1 <= c["num_seqs"] <= c["num_tokens"] for c in counters)
+    # the first step prefills all three prompts (4, 16 and 29 tokens) from scratch, causal
+    assert counters[0] == {"step": steps[0], "num_seqs": 3, "num_tokens": 49,
+                           "context_tokens": 49, "attention_pairs": 10 + 136 + 435}  # fmt: skip
+    # a decode step's one new token per sequence sees its whole context
+    decodes = [c for c in counters if c["num_tokens"] == c["num_seqs"]]
+    assert decodes and all(c["attention_pairs"] == c["context_tokens"] for c in decodes)
     assert timeline.overhead_ns > 0
 
 

@@ -25,10 +25,10 @@ from tandem.engine import Engine
 from tandem.llm import LLM
 from tandem.model import fused
 from tandem.model.loader import read_hf_config
-from tandem.roofline import H200, on_devices, roofline_summary
+from tandem.roofline import H200, Hardware, ModelCost, on_devices, roofline_summary, step_rooflines
 from tandem.sampling import SamplingParams
 from tandem.tokenizer import Tokenizer
-from tandem.trace import summarize
+from tandem.trace import step_compute, summarize
 from tandem.workload import SHAREGPT_SAMPLE, Workload, random_workload, sharegpt_workload
 
 DEFAULT_OUTPUT_LEN = 128
@@ -222,6 +222,8 @@ def run_bench(
     modes = [primary, other] if "sync" in compare else [primary]
     batch_size = args.batch_size if args.mode == "latency" else None
     results, rooflines = {}, {}
+    hardware = on_devices(H200, engine.config.tensor_parallel_size)
+    cost = ModelCost.of(cfg, engine.dtype.itemsize)
     for mode in modes:
         engine.async_batching = mode == "async"
         time_engine(engine, warmup, args.temperature)
@@ -235,13 +237,13 @@ def run_bench(
                         engine, workload, args.temperature, batch_size, args.mode == "latency"
                     )
                 )
-        hardware = on_devices(H200, engine.config.tensor_parallel_size)
         rooflines[mode] = roofline_summary(
             cfg, engine.dtype.itemsize, np.array(engine.step_work), hardware
         )
         engine.step_work = None
+        traced = trace_run(llm, workload, args, mode, cost, hardware) if args.trace else {}
         results[mode] = {
-            **(trace_run(llm, workload, args, mode) if args.trace else {}),
+            **traced,
             **summarize_runs(runs, workload),
             "roofline_seconds": rooflines[mode]["seconds"],
             "allocator_retries": allocator_retries(engine.device) - retries,
@@ -395,7 +397,32 @@ def engine_info(engine: Engine) -> dict:
     }
 
 
-def trace_run(llm: LLM, workload: Workload, args: argparse.Namespace, mode: str) -> dict:
+def roofline_by_step_kind(trace: dict, cost: ModelCost, hardware: Hardware) -> dict:
+    """GPU compute time against the roofline of the same steps, for decode steps and for steps
+    with prefill apart: which kind of step the time above the roofline goes to."""
+    work, compute_us = step_compute(trace)
+    seconds = step_rooflines(cost, work, hardware)[0]
+    decode = work[:, 0] == work[:, 1]  # one token per sequence
+    kinds = {}
+    for kind, rows in (("decode", decode), ("with_prefill", ~decode)):
+        gpu_ms, roofline_ms = compute_us[rows].sum() / 1e3, seconds[rows].sum() * 1e3
+        kinds[kind] = {
+            "steps": int(rows.sum()),
+            "gpu_ms": float(gpu_ms),
+            "roofline_ms": float(roofline_ms),
+            "roofline_fraction": float(roofline_ms / gpu_ms) if gpu_ms else None,
+        }
+    return kinds
+
+
+def trace_run(
+    llm: LLM,
+    workload: Workload,
+    args: argparse.Namespace,
+    mode: str,
+    cost: ModelCost,
+    hardware: Hardware,
+) -> dict:
     """One more run with the timeline on; saves the trace and its PNG, returns its summary."""
     from tandem.plot import plot_timeline  # matplotlib only when tracing
 
@@ -414,6 +441,7 @@ def trace_run(llm: LLM, workload: Workload, args: argparse.Namespace, mode: str)
         "trace_seconds": elapsed,
         "trace_overhead_pct": 100 * timeline.overhead_ns / 1e9 / elapsed,
         "timeline": summarize(trace),
+        "roofline_by_step_kind": roofline_by_step_kind(trace, cost, hardware),
     }
 
 
@@ -478,6 +506,13 @@ def print_report(report: dict) -> None:
         f"({output_tokens / roofline['seconds']:.0f} output tok/s, {roofline['steps']} steps, "
         f"{roofline['bytes_bound_steps']} bound by bytes); 'roofline' = its share of the time"
     )
+    for mode, r in report["results"].items():
+        for kind, k in r.get("roofline_by_step_kind", {}).items():
+            if k["roofline_fraction"] is not None:  # GPU compute spans: CUDA only
+                print(
+                    f"{mode} {kind} steps: {k['steps']}, GPU compute {k['gpu_ms']:.1f} ms, "
+                    f"roofline {k['roofline_ms']:.1f} ms ({100 * k['roofline_fraction']:.1f}%)"
+                )
     copy = report["environment"].get("copy_tb_per_s")
     if copy is not None:
         print(f"this machine's device copy: {copy:.2f} TB/s (read + write)")

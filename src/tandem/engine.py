@@ -287,10 +287,12 @@ class Engine:
                 wants_logprobs=any(r.params.logprobs is not None for r in plan.requests),
             )
             batch = self.builder.build(plan, slot, step, graph_size)
+            wanted = self.step_work is not None or timeline.recording
+            work = step_work(batch.seq_lens, batch.query_start_loc) if wanted else None
             if self.step_work is not None:
-                self.step_work.append(step_work(batch.seq_lens, batch.query_start_loc))
+                self.step_work.append(work)
         with timeline.phase("launch", step):
-            timeline.record_step(step, len(batch.requests), batch.num_tokens)
+            timeline.record_step(step, work)
             self.runner.launch(batch, timeline)
         for row, request in enumerate(batch.requests):
             if batch.samples[row]:

@@ -51,10 +51,13 @@ class StepEvents:
 
 
 class Timeline:
+    recording = True
+
     def __init__(self, cuda: bool):
         self.cpu = IntervalLog()
         self.gpu = IntervalLog()
-        self.steps: list[tuple[int, int, int, int]] = []  # (step, num_seqs, num_tokens, launch_ns)
+        # (step, launch_ns, num_seqs, num_tokens, context_tokens, attention_pairs) per launch
+        self.steps: list[tuple[int, ...]] = []
         self.cuda = cuda
         self.slot_events = [StepEvents(), StepEvents()] if cuda else []
         self.overhead_ns = 0
@@ -75,8 +78,9 @@ class Timeline:
             self.cpu.add(CPU_PHASES.index(name), step, start, end)
             self.overhead_ns += time.perf_counter_ns() - end
 
-    def record_step(self, step: int, num_seqs: int, num_tokens: int) -> None:
-        self.steps.append((step, num_seqs, num_tokens, time.perf_counter_ns()))
+    def record_step(self, step: int, work: tuple[int, int, int, int]) -> None:
+        """A launched step and its work, as `roofline.step_work` counts it."""
+        self.steps.append((step, time.perf_counter_ns(), *work))
 
     def read_gpu(self, slot_index: int, step: int) -> None:
         """After a step's D2H copy completed: turn its slot's events into host-clock intervals."""
@@ -111,10 +115,11 @@ class Timeline:
                     "ph": "X", "pid": pid, "tid": kind, "name": names[kind], "ts": (start - t0) / 1e3,
                     "dur": (end - start) / 1e3, "args": {"step": step},
                 })  # fmt: skip
-        for step, num_seqs, num_tokens, launch_ns in self.steps:
+        for step, launch_ns, num_seqs, num_tokens, context_tokens, pairs in self.steps:
             events.append({
                 "ph": "C", "pid": 1, "tid": 0, "name": "batch", "ts": (launch_ns - t0) / 1e3,
-                "args": {"num_seqs": num_seqs, "num_tokens": num_tokens, "step": step},
+                "args": {"num_seqs": num_seqs, "num_tokens": num_tokens, "step": step,
+                         "context_tokens": context_tokens, "attention_pairs": pairs},
             })  # fmt: skip
         return {"traceEvents": events, "displayTimeUnit": "ms", "metadata": metadata}
 
@@ -137,13 +142,15 @@ class NoEvents:
 class NoTimeline:
     """Stands in for Timeline when tracing is off; every hook does nothing."""
 
+    recording = False
+
     def __init__(self):
         self.slot_events = (NoEvents(), NoEvents())
 
     def phase(self, name: str, step: int):
         return nullcontext()
 
-    def record_step(self, step: int, num_seqs: int, num_tokens: int) -> None:
+    def record_step(self, step: int, work: tuple[int, int, int, int] | None) -> None:
         pass
 
     def read_gpu(self, slot_index: int, step: int) -> None:

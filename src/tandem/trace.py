@@ -11,6 +11,7 @@ import numpy as np
 from tandem.profiler import CPU_PHASES, GPU_STREAMS
 
 GAP_BUCKETS_US = (0, 10, 50, 100, 500, 1000, 5000, float("inf"))
+STEP_WORK_FIELDS = ("num_seqs", "num_tokens", "context_tokens", "attention_pairs")
 
 
 def load_trace(path: str | Path) -> dict:
@@ -71,6 +72,23 @@ def intersection_length(a: np.ndarray, b: np.ndarray) -> float:
         else:
             j += 1
     return total
+
+
+def step_compute(trace: dict) -> tuple[np.ndarray, np.ndarray]:
+    """([n, 4] work of each traced step that has a compute span, as `roofline.step_work` counts
+    it: num_seqs, num_tokens, context_tokens, attention_pairs; [n] its compute span in µs)."""
+    work, compute = {}, {}
+    for event in trace["traceEvents"]:
+        args = event.get("args", {})
+        if event.get("name") == "batch" and "context_tokens" in args:
+            work[args["step"]] = [args[k] for k in STEP_WORK_FIELDS]
+        elif event.get("name") == "compute" and event.get("ph") == "X":
+            compute[args["step"]] = event["dur"]
+    steps = sorted(work.keys() & compute.keys())
+    return (
+        np.asarray([work[s] for s in steps], dtype=np.float64).reshape(-1, 4),
+        np.asarray([compute[s] for s in steps], dtype=np.float64),
+    )
 
 
 def run_window(cpu: dict[str, np.ndarray], gpu: dict[str, np.ndarray]) -> tuple[float, float]:

@@ -1,6 +1,8 @@
-"""The decode step's GEMMs on a CUDA device: how close each weight matrix comes to the copy ceiling.
+"""The step's GEMMs on a CUDA device: how close each weight matrix comes to its roofline.
 
-A decode step reads every weight once for a few rows, so each GEMM is bound by its weight bytes.
+A decode step reads every weight once for a few rows, so each GEMM is bound by its weight bytes;
+a prefill chunk (e.g. --rows 8192) is bound by FLOPs. The % printed is of the roofline: the
+weight bytes at the 4.22 TB/s copy ceiling or the FLOPs at 760 TFLOP/s, whichever takes longer.
 For each matrix of a model preset and each row count, ways to run it, timed from a CUDA graph
 replay as the engine runs them, each call on a cold copy of the weight (`Rotation`):
   linear    F.linear(x, W) with W stored [out, in], what the decoder does by default;
@@ -33,6 +35,7 @@ from tandem.model.splitk import MAX_ROWS, SplitTiles, linear_partials, plan
 from tandem.runner import preferred_blas
 
 COPY_CEILING = 4.22e12  # bytes/s, device-to-device copy (DESIGN.md)
+GEMM_PEAK = 760e12  # bf16 FLOP/s, an 8192^3 GEMM (DESIGN.md)
 
 
 def matrices(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -145,9 +148,12 @@ def main() -> None:
                 torch.testing.assert_close(out.float(), expected, atol=0.5, rtol=2e-2)
                 us = time_us(fn, x)
                 rate = weight_bytes / (us / 1e6)
+                flops = 2 * rows * out_features * in_features
+                roofline_us = 1e6 * max(weight_bytes / COPY_CEILING, flops / GEMM_PEAK)
                 results.append({"matrix": name, "rows": rows, "way": way, "us": us,
-                                "TB/s": rate / 1e12, "ceiling_pct": 100 * rate / COPY_CEILING})  # fmt: skip
-                cells.append(f"{way} {us:7.1f} us {100 * rate / COPY_CEILING:5.1f}%")
+                                "TB/s": rate / 1e12, "ceiling_pct": 100 * rate / COPY_CEILING,
+                                "TFLOP/s": flops / us / 1e6, "roofline_pct": 100 * roofline_us / us})  # fmt: skip
+                cells.append(f"{way} {us:7.1f} us {100 * roofline_us / us:5.1f}%")
             print(f"{name:8} {out_features:>6}x{in_features:<6} M={rows:<4} " + "  ".join(cells),
                   flush=True)  # fmt: skip
         del weight

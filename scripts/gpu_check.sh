@@ -18,6 +18,8 @@
 #                       again under each of these environment settings, right after its own run:
 #                       A/B in one call
 #                       (e.g. TANDEM_FUSED_KERNELS=0: torch ops instead of the fused kernels)
+#   ARG_VARIANTS="--max-num-batched-tokens 16384;--max-num-seqs 128"  each workload again (async
+#                       only) with each ';'-separated entry's bench flags added (later flags win)
 #   BASELINE=DIR        each workload again (async only) with the tandem package of DIR/src, e.g.
 #                       main's beside a branch: git archive main src | tar -x -C .ab/main (a
 #                       folder .git/info/exclude ignores, carried along): A/B of two trees in one call
@@ -87,6 +89,12 @@ for name in "$@"; do
       --load-format dummy --repeats "${REPEATS:-3}" --output-json "$OUT/bench_${name}_baseline.json" \
       2>&1 | tail -3
   fi
+  IFS=';' read -ra arg_variants <<< "${ARG_VARIANTS:-}"
+  for extra in "${arg_variants[@]}"; do
+    tag=$(echo "$extra" | tr -cs 'a-zA-Z0-9' '_' | sed 's/^_*//; s/_*$//')
+    python3 -m tandem.cli bench throughput $args $extra --load-format dummy \
+      --repeats "${REPEATS:-3}" --output-json "$OUT/bench_${name}_${tag}.json" 2>&1 | tail -3
+  done
   for setting in ${VARIANTS:-}; do
     tag=${setting//=/_}
     env "$setting" python3 -m tandem.cli bench throughput $args --load-format dummy \

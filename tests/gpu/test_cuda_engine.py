@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams, runner
+from tandem.bench import counting_jit_compiles
 from tandem.runner import Runner
 
 pytestmark = [
@@ -159,6 +160,28 @@ def test_step_loop_blocks_only_on_the_d2h_event(make_tiny, monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert sorted(waits) == list(range(llm.engine.num_steps))
+
+
+def test_a_workload_of_other_shapes_compiles_no_kernel_after_the_first(make_tiny):
+    """Graph capture and one workload compile every Triton kernel the engine launches: eager steps
+    of other shapes (mixed steps with other numbers of leading decodes, prompts chunked at other
+    offsets, other batch sizes to sample) run without compiling, so no timed run pays for one."""
+    llm = LLM(str(make_tiny("qwen3")), dtype="bfloat16", max_model_len=256,
+              max_num_batched_tokens=32, num_blocks=256)  # fmt: skip
+    vocab = llm.engine.model_config.vocab_size
+    first = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=i)
+             for i, n in enumerate(MAX_TOKENS)]  # fmt: skip
+    llm.generate(prompts(vocab), first, use_tqdm=False)
+    g = torch.Generator().manual_seed(2)
+    lengths, max_tokens = [2, 50, 13, 33, 9, 70, 4, 21, 16, 47, 1, 38], [5, 17, 40, 3, 26, 11]
+    other = [
+        {"prompt_token_ids": torch.randint(0, vocab, (n,), generator=g).tolist()} for n in lengths
+    ]
+    params = [SamplingParams(temperature=t, max_tokens=max_tokens[i % 6], ignore_eos=True, seed=i)
+              for i, t in enumerate([0.0, 1.0] * 6)]  # fmt: skip
+    with counting_jit_compiles() as compiles:
+        llm.generate(other, params, use_tqdm=False)
+    assert compiles == [0]
 
 
 SANITIZED_RUN = textwrap.dedent(

@@ -21,7 +21,7 @@ import triton.testing
 from tandem.attention import AttentionMetadata
 from tandem.attention.torch_ref import decode_attention, prefill_attention
 from tandem.attention.triton_backend import DecodeTiles, PrefillTiles, TritonAttention
-from tandem.sampling_kernel import gumbel_argmax
+from tandem.sampling_kernel import NUM_WARPS, gumbel_argmax
 
 COPY_CEILING = 4.22e12  # bytes/s, device-to-device copy, read + write (DESIGN.md)
 GEMM_CEILING = 760e12  # bf16 FLOP/s, 8192^3 GEMM (DESIGN.md)
@@ -163,7 +163,9 @@ def bench_mixed(decodes: int, context: int, prompt: int, split: bool) -> dict:
             "ceiling_pct": 100 * bound / (ms / 1e3)}  # fmt: skip
 
 
-def bench_sampler(rows: int, vocab: int, num_chunks: int | None = None, num_warps: int = 4) -> dict:
+def bench_sampler(
+    rows: int, vocab: int, num_chunks: int | None = None, num_warps: int = NUM_WARPS
+) -> dict:
     """One Gumbel-max draw over [rows, vocab] bf16 logits at temperature 1, graph-replayed; its
     tokens checked against the default launch's first."""
     g = torch.Generator(device="cuda").manual_seed(rows)

@@ -32,10 +32,10 @@ from tandem.sampling import SamplingTensors, sample, top_logprobs_of
 
 WAIT_POLL_S = 50e-6  # tensor parallelism: how often the step wait looks at the other ranks
 # The library torch's CUDA matmuls go through in the captured decode graphs; eager steps
-# (prefill) keep torch's own choice. TANDEM_BLAS=cublaslt: at 32 rows cuBLASLt's kernels read
-# Llama-3-8B's o and down weights 8-17% faster than cuBLAS's, and the seed workload's steps were
-# 2% shorter; but each small-workload process under it had a first timed run 50-90% slower
-# than the rest, unexplained (BENCHMARKS.md, seventh run), so it is not the default.
+# (prefill) keep torch's own choice. TANDEM_BLAS=cublaslt: seed's steps were 2% shorter under
+# it before split-K took over its o and down projections (BENCHMARKS.md, seventh run); since,
+# latency is the same and small 0.6% slower (eighth run), so it is not the default. (The slow
+# first runs first blamed on it were Triton compiles on a cold cache, eighth run.)
 BLAS_LIBRARY = os.environ.get("TANDEM_BLAS", "cublas")
 if BLAS_LIBRARY not in ("cublas", "cublaslt"):
     raise ValueError(f"TANDEM_BLAS={BLAS_LIBRARY!r}: expected 'cublaslt' or 'cublas'")

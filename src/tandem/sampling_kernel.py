@@ -3,15 +3,13 @@
 Computes, per row, argmax(logits / temperature + gumbel(seed, position, token)) with the same
 counter-based hash as `sampling.gumbel_noise`, or the plain argmax for temperature 0, without
 materializing the [rows, vocab] noise. On CUDA the noise's two logs are the hardware's
-approximate log2 (2.3x faster at 256 rows, BENCHMARKS.md eighth run): the torch sampler's
-tokens, except where a row's two best scores lie within that approximation (millionths).
-Each row's vocabulary is cut into chunks so that a few rows still fill the device; a second,
-small kernel picks each row's best chunk.
+approximate log2 (2.3x faster at 256 rows with 4-warp programs, BENCHMARKS.md eighth run): the
+torch sampler's tokens, except where a row's two best scores lie within that approximation
+(millionths). Each row's vocabulary is cut into chunks so that a few rows still fill the device;
+a second, small kernel picks each row's best chunk.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -19,8 +17,10 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from tandem import pdl
+from tandem.model.fused import num_sms
 
 BLOCK = 2048
+NUM_WARPS = 8  # per program, the engine's launch
 
 
 @triton.jit
@@ -110,30 +110,23 @@ def pick_best_chunk_kernel(
     tl.store(out_ptr + row, tl.sum(tl.where(chunks == best, token, 0), axis=0).to(tl.int64))
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # the interpreter: a few chunks, so CPU tests cover the split
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def gumbel_argmax(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     seeds: torch.Tensor,
     positions: torch.Tensor,
     num_chunks: int | None = None,
-    num_warps: int = 8,
+    num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     """[rows, vocab] logits (bf16, fp16 or fp32) -> [rows] int64 sampled (or greedy) token ids.
 
     `num_chunks` per row defaults to eight programs per SM: the hash and two logs per token
     make the kernel compute-bound, and more, wider programs hide their latency (BENCHMARKS.md,
-    seventh run: 128 -> 119 µs for 256 rows of Qwen3's vocabulary)."""
+    seventh run's sweep: 128 -> 116 µs for 256 rows of Qwen3's vocabulary)."""
     rows, vocab = logits.shape
     blocks = triton.cdiv(vocab, BLOCK)
     if num_chunks is None:
-        num_chunks = triton.cdiv(8 * _num_sms(logits.device), rows)
+        num_chunks = triton.cdiv(8 * num_sms(logits.device), rows)
     chunk_len = triton.cdiv(blocks, max(1, min(num_chunks, blocks))) * BLOCK
     num_chunks = triton.cdiv(vocab, chunk_len)
     best_score = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)

@@ -8,6 +8,7 @@ same points as the torch version (values agree up to float32 rounding inside).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -26,6 +27,15 @@ KERNELS = os.environ.get("TANDEM_FUSED_KERNELS", "1") != "0"
 def use_kernels(x: torch.Tensor) -> bool:
     """Whether ops on `x` run as Triton kernels (tests patch this to run them interpreted on CPU)."""
     return KERNELS and x.is_cuda
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """The device's SMs, which size the split kernels' grids; 8 in the interpreter, so that CPU
+    tests still cover splits."""
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def add_rms_norm(

@@ -11,7 +11,6 @@ run). TANDEM_SPLITK=0 keeps F.linear, for comparisons.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import NamedTuple
 
@@ -21,6 +20,7 @@ import triton
 import triton.language as tl
 
 from tandem import pdl
+from tandem.model.fused import num_sms
 
 ENABLED = os.environ.get("TANDEM_SPLITK", "1") != "0"
 MAX_ROWS = 64  # wider steps fill the device with output tiles alone (cuBLAS won at 256 rows)
@@ -60,13 +60,6 @@ def partials_kernel(
     tl.store(out, acc, mask=(m[:, None] < rows) & (n[None, :] < out_features))
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a few splits, so CPU tests cover them
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def plan(rows: int, out_features: int, in_features: int, device: torch.device) -> SplitTiles | None:
     """The tiles for a [rows, in] x [out, in]^T product, or None where F.linear is the better
     choice: more than MAX_ROWS rows, or no power-of-two step of 16-128 input features that
@@ -78,7 +71,7 @@ def plan(rows: int, out_features: int, in_features: int, device: torch.device) -
     block_m, block_n = max(16, min(64, triton.next_power_of_2(rows))), 64
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(out_features, block_n)
     k_steps = in_features // block_k
-    wanted = max(1, 2 * _num_sms(device) // tiles)
+    wanted = max(1, 2 * num_sms(device) // tiles)
     splits = max(s for s in range(1, min(wanted, k_steps) + 1) if k_steps % s == 0)
     return SplitTiles(block_m, block_n, block_k, splits)
 

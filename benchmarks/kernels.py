@@ -52,11 +52,13 @@ def bench_decode(
     tiles: DecodeTiles | None = None,
     check: bool = False,
     ragged: tuple[int, int, bool] | None = None,
+    num_heads: int = NUM_HEADS,
 ) -> dict:
     """GPU time of one decode call, reduce included, replayed from a CUDA graph as the engine does.
 
     `ragged=(shortest, longest, ordered)`: contexts drawn uniformly from that range (their mean
-    near `context`), launched longest first when `ordered`, else in batch order."""
+    near `context`), launched longest first when `ordered`, else in batch order. `num_heads`
+    query heads share the 8 KV heads (Llama-3-8B's 32 by default; Qwen3-0.6B has 16)."""
     contexts = [context] * batch
     if ragged:
         g = torch.Generator().manual_seed(0)
@@ -64,13 +66,13 @@ def bench_decode(
     cache, tables = paged_setup(contexts)
     lens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
     order = torch.argsort(-lens.long(), stable=True).int() if ragged and ragged[2] else None
-    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, num_heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     backend = TritonAttention(
-        NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, batch, torch.device("cuda"), num_splits=splits
+        num_heads, NUM_KV_HEADS, HEAD_DIM, batch, torch.device("cuda"), num_splits=splits
     )
     if tiles:
-        backend.decode_tiles = backend.single_sequence_tiles = tiles
+        backend.decode_tiles = backend.large_batch_tiles = backend.single_sequence_tiles = tiles
     meta = AttentionMetadata(lens, lens, lens, tables, decode_only=True, seq_order=order)
     if check:
         backend.decode(q, out, cache, meta, HEAD_DIM**-0.5)
@@ -85,6 +87,8 @@ def bench_decode(
     label = f"decode B={batch} ctx={context}"
     if ragged:
         label = f"decode B={batch} ctx={ragged[0]}-{ragged[1]}{' longest 1st' if ragged[2] else ''}"
+    if num_heads != NUM_HEADS:
+        label += f" {num_heads} heads"
     return {"kernel": label, "ms": ms, "TB/s": rate / 1e12, "ceiling_pct": 100 * rate / COPY_CEILING,
             "splits": backend.num_splits(batch), "tiles": backend.tiles_for(batch)._asdict()}  # fmt: skip
 
@@ -235,6 +239,40 @@ def sweep_decode() -> None:
                 print(f"{tiles}  us  {cells}", flush=True)
 
 
+def sweep_decode_tiles() -> None:
+    """Each tile shape on the workloads' own decode shapes (small: Qwen3-0.6B's 16 heads over 8 KV
+    heads, 256 ragged contexts longest first; seed: Llama-3-8B at 32 x 1K), in µs, * the default."""
+    shapes = {
+        "small 256x100-1100": dict(batch=256, context=600, ragged=(100, 1100, True), num_heads=16),
+        "small 256x100-2000": dict(batch=256, context=1050, ragged=(100, 2000, True), num_heads=16),
+        "small 256x600": dict(batch=256, context=600, num_heads=16),
+        "seed 32x1K": dict(batch=32, context=1024),
+        "llama 256x1K": dict(batch=256, context=1024),
+    }
+    default = DecodeTiles()
+    best: tuple[float, DecodeTiles] | None = None
+    for block_n in (32, 64, 128):
+        for num_warps in (2, 4, 8):
+            for num_stages in (1, 2, 3, 4):
+                tiles = DecodeTiles(block_n, num_warps, num_stages)
+                try:
+                    bench_decode(4, 1000, tiles=tiles, check=True, num_heads=16)
+                    times = {
+                        name: bench_decode(tiles=tiles, **shape)["ms"]
+                        for name, shape in shapes.items()
+                    }
+                except Exception as error:  # out of shared memory, or a wrong result
+                    print(f"{tiles}  failed: {str(error).splitlines()[0][:80]}", flush=True)
+                    continue
+                cells = "  ".join(f"{name}:{1000 * ms:.1f}" for name, ms in times.items())
+                print(f"{tiles}{'*' if tiles == default else ' '} us  {cells}", flush=True)
+                small = times["small 256x100-1100"] + times["small 256x100-2000"]
+                if best is None or small < best[0]:
+                    best = (small, tiles)
+    if best:  # the last word: a TANDEM_DECODE_TILES value
+        print(f"fastest on small's two ragged shapes: {','.join(map(str, best[1]))}")
+
+
 def sweep_prefill(length: int) -> None:
     """Each tile shape: checked on a 1K prompt against the reference, timed on `length`."""
     for rows in (64, 128):
@@ -258,7 +296,11 @@ def main() -> None:
     parser.add_argument("--sweep-prefill", action="store_true")
     parser.add_argument("--sweep-decode", action="store_true")
     parser.add_argument("--sweep-sampler", action="store_true")
+    parser.add_argument("--sweep-decode-tiles", action="store_true", help="only this sweep")
     args = parser.parse_args()
+    if args.sweep_decode_tiles:
+        sweep_decode_tiles()
+        return
     rows = [
         bench_decode(32, 4096),
         bench_decode(256, 1024),

@@ -2,6 +2,8 @@
 steps by default, or with --prefill the steps that prefill `batch` prompts of `input-len` tokens
 (after one warm-up round of the same prompts, so Triton's compiles are not in the profile). The
 CPU total against the CUDA total says whether eager prefill steps are bound by launches.
+With --gaps it also prints how much of each step the device sits idle between kernels, and after
+which kernels (kernel start and end times from the profiler's trace).
 
 Usage: PYTHONPATH=src python benchmarks/profile_step.py [--model llama-3-8b] [--batch 32] [--prefill]
 """
@@ -9,11 +11,50 @@ Usage: PYTHONPATH=src python benchmarks/profile_step.py [--model llama-3-8b] [--
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
+import tempfile
+from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tandem import LLM, SamplingParams
+
+STEP_BREAK_US = 50.0  # a longer idle is between steps (the host's turn), not inside one
+
+
+def kernel_gaps(events: list[dict], top: int = 8) -> str:
+    """Chrome-trace events -> a report of the device's idle time between kernels inside steps:
+    total kernel time, the idle gaps (each shorter than STEP_BREAK_US, copies included; negative where a kernel
+    starts before the previous one ends, as under programmatic dependent launch, counted as 0)
+    and the kernel pairs with the most idle time between them."""
+    kernels = sorted(
+        (e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"),
+        key=lambda e: e["ts"],
+    )
+    busy = sum(e["dur"] for e in kernels)
+    idle = 0.0
+    steps = 1 if kernels else 0
+    pairs: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for before, after in itertools.pairwise(kernels):
+        gap = after["ts"] - (before["ts"] + before["dur"])
+        if gap >= STEP_BREAK_US:
+            steps += 1
+            continue
+        gap = max(gap, 0.0)
+        idle += gap
+        pairs[(before["name"][:40], after["name"][:40])].append(gap)
+    lines = [
+        f"{len(kernels)} kernels in {steps} steps: {busy / 1e3:.3f} ms busy, {idle / 1e3:.3f} ms idle "
+        f"between kernels ({100 * idle / max(busy + idle, 1e-9):.1f}% of the steps' span)"
+    ]
+    ranked = sorted(pairs.items(), key=lambda item: -sum(item[1]))[:top]
+    for (before, after), gaps in ranked:
+        lines.append(
+            f"  {sum(gaps) / 1e3:8.3f} ms  {len(gaps):5d} x {sum(gaps) / len(gaps):5.2f} us  {before} -> {after}"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -25,6 +66,7 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--prefill", action="store_true")
+    parser.add_argument("--gaps", action="store_true", help="idle time between kernels in steps")
     args = parser.parse_args()
 
     llm = LLM(args.model, load_format="dummy", max_model_len=args.input_len + 256, max_num_seqs=args.batch,
@@ -59,6 +101,12 @@ def main() -> None:
         sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60
     )
     print(table)
+    if args.gaps:
+        with tempfile.NamedTemporaryFile(suffix=".json") as file:
+            prof.export_chrome_trace(file.name)
+            with open(file.name) as trace:
+                events = json.load(trace)["traceEvents"]
+        print(kernel_gaps(events))
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def test_decode_matches_reference(
     scale = head_dim**-0.5
     backend = attention(num_kv_heads, group, head_dim, num_splits=splits)
     if tiles:
-        backend.decode_tiles = backend.single_sequence_tiles = tiles
+        backend.decode_tiles = backend.large_batch_tiles = backend.single_sequence_tiles = tiles
     out = torch.empty_like(q)
     meta = AttentionMetadata(lens, lens, lens, tables, decode_only=True)
     backend.decode(q, out, cache, meta, scale)
@@ -306,3 +306,21 @@ def test_engine_with_triton_backend_gives_the_torch_backend_tokens(make_tiny, ar
             o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
         ]
     assert tokens["triton"] == tokens["torch"]
+
+
+def test_decode_tiles_setting_parses_three_ints_and_rejects_anything_else(monkeypatch):
+    assert triton_backend.decode_tiles_setting(None) is None
+    assert triton_backend.decode_tiles_setting("64,8,2") == DecodeTiles(64, 8, 2)
+    for bad in ("64,8", "64,8,x", "48,4,2", "64,3,2", "64,4,0"):
+        with pytest.raises(ValueError, match="TANDEM_DECODE_TILES"):
+            triton_backend.decode_tiles_setting(bad)
+    monkeypatch.setenv("TANDEM_DECODE_TILES", "32,2,1")
+    backend = triton_backend.TritonAttention(4, 2, 16, 2, torch.device("cpu"))
+    assert backend.tiles_for(2) == backend.tiles_for(256) == DecodeTiles(32, 2, 1)
+
+
+def test_large_decode_batches_take_the_large_batch_tiles():
+    backend = attention(8, 4, 128, max_seqs=256)
+    assert backend.tiles_for(1) == backend.single_sequence_tiles
+    assert backend.tiles_for(32) == backend.tiles_for(127) == DecodeTiles()
+    assert backend.tiles_for(128) == backend.tiles_for(256) == triton_backend.LARGE_BATCH_TILES

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable
 from typing import NamedTuple, TypeVar
 
@@ -34,6 +35,38 @@ class PrefillTiles(NamedTuple):
 
 
 Tiles = TypeVar("Tiles", DecodeTiles, PrefillTiles)
+
+
+LARGE_BATCH = 128  # sequences from which a decode batch takes LARGE_BATCH_TILES
+# Large batches have ragged contexts, launched longest first: short, light programs even out
+# their tail. H200, 256 sequences (BENCHMARKS.md ninth run): Qwen3-0.6B, contexts 100-1,100,
+# 148 against 155 µs; Llama-3-8B, 100-1,900, 228 against 235 µs. At 32 x 1K (seed) and at 256
+# equal contexts the default tiles are 4-10% faster.
+LARGE_BATCH_TILES = DecodeTiles(block_n=64, num_warps=2, num_stages=2)
+
+
+def decode_tiles_setting(value: str | None) -> DecodeTiles | None:
+    """TANDEM_DECODE_TILES="block_n,num_warps,num_stages": one shape for every decode batch of
+    more than one sequence, for comparisons; unset: None (the default shapes)."""
+    if not value:
+        return None
+    try:
+        block_n, num_warps, num_stages = (int(part) for part in value.split(","))
+    except ValueError:
+        raise ValueError(
+            f"TANDEM_DECODE_TILES={value!r}: expected three integers, block_n,num_warps,num_stages"
+        ) from None
+    if (
+        block_n < 16
+        or block_n & (block_n - 1)
+        or num_warps not in (1, 2, 4, 8, 16)
+        or num_stages < 1
+    ):
+        raise ValueError(
+            f"TANDEM_DECODE_TILES={value!r}: block_n a power of two >= 16, "
+            "num_warps 1-16 (a power of two), num_stages >= 1"
+        )
+    return DecodeTiles(block_n, num_warps, num_stages)
 
 
 def smaller(tiles: Tiles) -> Tiles | None:
@@ -83,7 +116,9 @@ class TritonAttention:
         self.group = num_heads // num_kv_heads
         self.fixed_splits = num_splits
         self.prefill_tiles = PrefillTiles()
-        self.decode_tiles = DecodeTiles()
+        setting = decode_tiles_setting(os.environ.get("TANDEM_DECODE_TILES"))
+        self.decode_tiles = setting or DecodeTiles()
+        self.large_batch_tiles = setting or LARGE_BATCH_TILES
         # one sequence is spread over the SMs by its splits; short tiles give each split work
         # (batch 1 x 512 context: 32-key tiles 5.2 µs, 128-key 7.4 µs, graph-timed on the H200)
         self.single_sequence_tiles = DecodeTiles(block_n=32, num_warps=4, num_stages=1)
@@ -129,7 +164,9 @@ class TritonAttention:
         return min(MAX_SPLITS, triton.next_power_of_2(wanted))
 
     def tiles_for(self, num_seqs: int) -> DecodeTiles:
-        return self.single_sequence_tiles if num_seqs == 1 else self.decode_tiles
+        if num_seqs == 1:
+            return self.single_sequence_tiles
+        return self.large_batch_tiles if num_seqs >= LARGE_BATCH else self.decode_tiles
 
     def decode(
         self, q, out, kv_cache, meta: AttentionMetadata, scale: float, num_seqs: int | None = None

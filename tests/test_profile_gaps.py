@@ -1,0 +1,30 @@
+"""benchmarks/profile_step.py's idle-time report, on a hand-made trace."""
+
+import importlib.util
+from pathlib import Path
+
+spec = importlib.util.spec_from_file_location(
+    "profile_step", Path(__file__).parent.parent / "benchmarks" / "profile_step.py"
+)
+profile_step = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(profile_step)
+
+
+def kernel(name: str, ts: float, dur: float) -> dict:
+    return {"cat": "kernel", "ph": "X", "name": name, "ts": ts, "dur": dur}
+
+
+def test_idle_time_counts_gaps_inside_steps_and_names_the_pairs():
+    events = [
+        kernel("gemm", 0.0, 10.0),
+        kernel("norm", 12.0, 3.0),  # 2 us after gemm
+        kernel("gemm", 14.0, 10.0),  # starts 1 us early (dependent launch): no idle
+        {"cat": "cpu_op", "ph": "X", "name": "aten::mm", "ts": 30.0, "dur": 5.0},
+        kernel("norm", 25.0, 3.0),  # 1 us after gemm
+        kernel("gemm", 500.0, 10.0),  # the next step
+        kernel("norm", 513.0, 3.0),  # 3 us after gemm
+    ]
+    report = profile_step.kernel_gaps(events).splitlines()
+    assert report[0].startswith("6 kernels in 2 steps: 0.039 ms busy, 0.006 ms idle")
+    assert "gemm -> norm" in report[1] and "3 x  2.00 us" in report[1]
+    assert "norm -> gemm" in report[2] and "1 x  0.00 us" in report[2]

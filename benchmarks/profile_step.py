@@ -11,7 +11,6 @@ Usage: PYTHONPATH=src python benchmarks/profile_step.py [--model llama-3-8b] [--
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import tempfile
 from collections import defaultdict
@@ -26,28 +25,38 @@ STEP_BREAK_US = 50.0  # a longer idle is between steps (the host's turn), not in
 
 def kernel_gaps(events: list[dict], top: int = 8) -> str:
     """Chrome-trace events -> a report of the device's idle time between kernels inside steps:
-    total kernel time, the idle gaps (each shorter than STEP_BREAK_US, copies included; negative where a kernel
-    starts before the previous one ends, as under programmatic dependent launch, counted as 0)
-    and the kernel pairs with the most idle time between them."""
+    the kernels' summed time, the time at least one runs (less than the sum where kernels run
+    side by side: programmatic dependent launch, two streams), the idle gaps (each shorter than
+    STEP_BREAK_US; copies count as idle) and the kernel pairs with the most idle time between
+    them (the last kernel to end before the gap, and the next to start)."""
     kernels = sorted(
         (e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"),
         key=lambda e: e["ts"],
     )
-    busy = sum(e["dur"] for e in kernels)
-    idle = 0.0
+    summed = sum(e["dur"] for e in kernels)
+    covered = idle = 0.0
     steps = 1 if kernels else 0
     pairs: dict[tuple[str, str], list[float]] = defaultdict(list)
-    for before, after in itertools.pairwise(kernels):
-        gap = after["ts"] - (before["ts"] + before["dur"])
-        if gap >= STEP_BREAK_US:
-            steps += 1
-            continue
-        gap = max(gap, 0.0)
-        idle += gap
-        pairs[(before["name"][:40], after["name"][:40])].append(gap)
+    last = None  # the kernel that ends last so far
+    for kernel in kernels:
+        end = kernel["ts"] + kernel["dur"]
+        if last is None:
+            covered += kernel["dur"]
+        else:
+            last_end = last["ts"] + last["dur"]
+            gap = kernel["ts"] - last_end
+            covered += max(0.0, end - max(kernel["ts"], last_end))
+            if gap >= STEP_BREAK_US:
+                steps += 1
+            else:
+                idle += max(gap, 0.0)
+                pairs[(last["name"][:40], kernel["name"][:40])].append(max(gap, 0.0))
+        if last is None or end > last["ts"] + last["dur"]:
+            last = kernel
     lines = [
-        f"{len(kernels)} kernels in {steps} steps: {busy / 1e3:.3f} ms busy, {idle / 1e3:.3f} ms idle "
-        f"between kernels ({100 * idle / max(busy + idle, 1e-9):.1f}% of the steps' span)"
+        f"{len(kernels)} kernels in {steps} steps: {summed / 1e3:.3f} ms of kernels, "
+        f"{covered / 1e3:.3f} ms with one running, {idle / 1e3:.3f} ms idle between kernels "
+        f"({100 * idle / max(covered + idle, 1e-9):.1f}% of the steps' span)"
     ]
     ranked = sorted(pairs.items(), key=lambda item: -sum(item[1]))[:top]
     for (before, after), gaps in ranked:

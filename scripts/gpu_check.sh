@@ -68,13 +68,13 @@ for shape in ${PROFILE:-}; do
     *) echo "unknown profile shape $shape"; continue ;;
   esac
   echo "== step profile $shape"
-  python3 benchmarks/profile_step.py --cuda-graphs $args --rows 16 > "$OUT/profile_$shape.txt" 2>&1
-  grep -E "Self (CPU|CUDA) time total" "$OUT/profile_$shape.txt"
+  python3 benchmarks/profile_step.py --cuda-graphs --gaps $args --rows 16 > "$OUT/profile_$shape.txt" 2>&1
+  grep -E "Self (CPU|CUDA) time total|kernels in" "$OUT/profile_$shape.txt"
   for setting in ${VARIANTS:-}; do  # the same profile under each variant's setting
     tag=${setting//=/_}
-    env "$setting" python3 benchmarks/profile_step.py --cuda-graphs $args --rows 16 \
+    env "$setting" python3 benchmarks/profile_step.py --cuda-graphs --gaps $args --rows 16 \
       > "$OUT/profile_${shape}_${tag,,}.txt" 2>&1
-    echo "$setting:"; grep -E "Self CUDA time total" "$OUT/profile_${shape}_${tag,,}.txt"
+    echo "$setting:"; grep -E "Self CUDA time total|kernels in" "$OUT/profile_${shape}_${tag,,}.txt"
   done
 done
 for name in "$@"; do

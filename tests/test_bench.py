@@ -71,6 +71,9 @@ ENVIRONMENT_KEYS = {
     "date",
     "copy_tb_per_s",  # None on the CPU
     "pdl",
+    "splitk",
+    "blas",
+    "decode_tiles",
 }
 ROOFLINE_KEYS = {
     "hardware",

@@ -25,6 +25,22 @@ def test_idle_time_counts_gaps_inside_steps_and_names_the_pairs():
         kernel("norm", 513.0, 3.0),  # 3 us after gemm
     ]
     report = profile_step.kernel_gaps(events).splitlines()
-    assert report[0].startswith("6 kernels in 2 steps: 0.039 ms busy, 0.006 ms idle")
+    assert report[0].startswith(
+        "6 kernels in 2 steps: 0.039 ms of kernels, 0.038 ms with one running, 0.006 ms idle"
+    )
     assert "gemm -> norm" in report[1] and "3 x  2.00 us" in report[1]
     assert "norm -> gemm" in report[2] and "1 x  0.00 us" in report[2]
+
+
+def test_kernels_on_two_streams_count_once_where_they_run_side_by_side():
+    events = [
+        kernel("attention", 0.0, 20.0),
+        kernel("gemm", 2.0, 5.0),  # inside the attention kernel's time, on another stream
+        kernel("norm", 9.0, 2.0),  # also inside
+        kernel("attention", 24.0, 20.0),  # 4 us after the first attention, the last to end
+    ]
+    report = profile_step.kernel_gaps(events).splitlines()
+    assert report[0].startswith(
+        "4 kernels in 1 steps: 0.047 ms of kernels, 0.040 ms with one running, 0.004 ms idle"
+    )
+    assert "attention -> attention" in report[1] and "1 x  4.00 us" in report[1]

@@ -8,6 +8,7 @@ import gc
 import importlib.metadata
 import itertools
 import json
+import os
 import platform
 import statistics
 import time
@@ -19,11 +20,11 @@ import numpy as np
 import torch
 import triton
 
-from tandem import pdl
+from tandem import pdl, runner
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine import Engine
 from tandem.llm import LLM
-from tandem.model import fused
+from tandem.model import fused, splitk
 from tandem.model.loader import read_hf_config
 from tandem.roofline import H200, Hardware, ModelCost, on_devices, roofline_summary, step_rooflines
 from tandem.sampling import SamplingParams
@@ -454,6 +455,10 @@ def environment() -> dict:
         "date": time.strftime("%Y-%m-%d"),
         "fused_kernels": fused.KERNELS,
         "pdl": pdl.ENABLED,
+        # the engine's other switches for comparisons (README): what this run used
+        "splitk": splitk.ENABLED,
+        "blas": runner.BLAS_LIBRARY,
+        "decode_tiles": os.environ.get("TANDEM_DECODE_TILES"),
     }
     for name in ("tandem", "transformers", "triton"):
         try:

@@ -74,6 +74,7 @@ ENVIRONMENT_KEYS = {
     "splitk",
     "blas",
     "decode_tiles",
+    "splitk_rows",
 }
 ROOFLINE_KEYS = {
     "hardware",

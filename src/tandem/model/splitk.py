@@ -23,7 +23,17 @@ from tandem import pdl
 from tandem.model.fused import num_sms
 
 ENABLED = os.environ.get("TANDEM_SPLITK", "1") != "0"
-MAX_ROWS = 64  # wider steps fill the device with output tiles alone (cuBLAS won at 256 rows)
+
+
+def max_rows_setting(value: str) -> int:
+    if not value.isdigit():
+        raise ValueError(f"TANDEM_SPLITK_ROWS={value!r}: expected a row count")
+    return int(value)
+
+
+# wider steps fill the device with output tiles alone (cuBLAS won at 256 rows);
+# TANDEM_SPLITK_ROWS moves the limit, for comparisons
+MAX_ROWS = max_rows_setting(os.environ.get("TANDEM_SPLITK_ROWS", "64"))
 
 
 class SplitTiles(NamedTuple):

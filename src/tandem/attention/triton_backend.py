@@ -41,7 +41,7 @@ LARGE_BATCH = 128  # sequences from which a decode batch takes LARGE_BATCH_TILES
 # Large batches have ragged contexts, launched longest first: short, light programs even out
 # their tail. H200, 256 sequences (BENCHMARKS.md ninth run): Qwen3-0.6B, contexts 100-1,100,
 # 148 against 155 µs; Llama-3-8B, 100-1,900, 228 against 235 µs. At 32 x 1K (seed) and at 256
-# equal contexts the default tiles are 4-10% faster.
+# equal contexts the default tiles are 3-10% faster.
 LARGE_BATCH_TILES = DecodeTiles(block_n=64, num_warps=2, num_stages=2)
 
 

@@ -32,10 +32,11 @@ import triton.testing
 from tandem.config import ModelConfig
 from tandem.model.loader import read_hf_config
 from tandem.model.splitk import MAX_ROWS, SplitTiles, linear_partials, plan
+from tandem.roofline import H200
 from tandem.runner import preferred_blas
 
-COPY_CEILING = 4.22e12  # bytes/s, device-to-device copy (DESIGN.md)
-GEMM_PEAK = 760e12  # bf16 FLOP/s, an 8192^3 GEMM (DESIGN.md)
+COPY_CEILING = H200.bandwidth  # bytes/s, device-to-device copy, read + write (DESIGN.md)
+GEMM_PEAK = H200.flops  # bf16 FLOP/s, an 8192^3 GEMM (DESIGN.md)
 
 
 def matrices(cfg: ModelConfig) -> dict[str, tuple[int, int]]:

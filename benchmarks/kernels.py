@@ -21,10 +21,12 @@ import triton.testing
 from tandem.attention import AttentionMetadata
 from tandem.attention.torch_ref import decode_attention, prefill_attention
 from tandem.attention.triton_backend import DecodeTiles, PrefillTiles, TritonAttention
+from tandem.model.fused import num_sms
+from tandem.roofline import H200
 from tandem.sampling_kernel import NUM_WARPS, gumbel_argmax
 
-COPY_CEILING = 4.22e12  # bytes/s, device-to-device copy, read + write (DESIGN.md)
-GEMM_CEILING = 760e12  # bf16 FLOP/s, 8192^3 GEMM (DESIGN.md)
+COPY_CEILING = H200.bandwidth  # bytes/s, device-to-device copy, read + write (DESIGN.md)
+GEMM_CEILING = H200.flops  # bf16 FLOP/s, an 8192^3 GEMM (DESIGN.md)
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 
 
@@ -193,7 +195,7 @@ def bench_sampler(
 
 def sweep_sampler() -> None:
     """Chunks per row (programs = rows x chunks) and warps per program, in µs per draw."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = num_sms(torch.device("cuda"))
     for rows in (1, 32, 256):
         for vocab in (128256, 151936):
             for num_warps in (4, 8, 16):

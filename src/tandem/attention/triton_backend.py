@@ -13,6 +13,7 @@ import triton
 from tandem import pdl
 from tandem.attention import AttentionMetadata
 from tandem.attention.triton_kernels import decode_kernel, prefill_kernel, reduce_kernel
+from tandem.model.fused import num_sms
 
 MAX_SPLITS = 32
 
@@ -122,11 +123,7 @@ class TritonAttention:
         # one sequence is spread over the SMs by its splits; short tiles give each split work
         # (batch 1 x 512 context: 32-key tiles 5.2 µs, 128-key 7.4 µs, graph-timed on the H200)
         self.single_sequence_tiles = DecodeTiles(block_n=32, num_warps=4, num_stages=1)
-        self.num_sms = (
-            torch.cuda.get_device_properties(device).multi_processor_count
-            if device.type == "cuda"
-            else 8
-        )
+        self.num_sms = num_sms(device)
         self.fitted: dict[tuple, DecodeTiles | PrefillTiles] = {}  # see launch_fitting
         # split-KV decode partials: [max_seqs, num_heads, MAX_SPLITS, head_dim] and (max, sum) pairs
         self.partial_out = torch.empty(

@@ -74,7 +74,6 @@ ENVIRONMENT_KEYS = {
     "splitk",
     "blas",
     "decode_tiles",
-    "splitk_rows",
 }
 ROOFLINE_KEYS = {
     "hardware",

@@ -75,10 +75,3 @@ def test_partials_at_llama_and_qwen_decode_sizes_in_bfloat16(rows, out_features,
     torch.testing.assert_close(
         splitk.linear_partials(x, weight).sum(0), expected, atol=0.05, rtol=1e-3
     )
-
-
-def test_splitk_rows_setting_takes_a_row_count():
-    assert splitk.max_rows_setting("128") == 128
-    for bad in ("", "-1", "x"):
-        with pytest.raises(ValueError, match="TANDEM_SPLITK_ROWS"):
-            splitk.max_rows_setting(bad)

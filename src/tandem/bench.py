@@ -459,7 +459,6 @@ def environment() -> dict:
         "splitk": splitk.ENABLED,
         "blas": runner.BLAS_LIBRARY,
         "decode_tiles": os.environ.get("TANDEM_DECODE_TILES"),
-        "splitk_rows": splitk.MAX_ROWS,
     }
     for name in ("tandem", "transformers", "triton"):
         try:

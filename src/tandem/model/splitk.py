@@ -23,17 +23,9 @@ from tandem import pdl
 from tandem.model.fused import num_sms
 
 ENABLED = os.environ.get("TANDEM_SPLITK", "1") != "0"
-
-
-def max_rows_setting(value: str) -> int:
-    if not value.isdigit():
-        raise ValueError(f"TANDEM_SPLITK_ROWS={value!r}: expected a row count")
-    return int(value)
-
-
-# wider steps fill the device with output tiles alone (cuBLAS won at 256 rows);
-# TANDEM_SPLITK_ROWS moves the limit, for comparisons
-MAX_ROWS = max_rows_setting(os.environ.get("TANDEM_SPLITK_ROWS", "64"))
+# wider steps fill the device with output tiles alone: cuBLAS won at 256 rows, and a 128-row
+# limit left the small workload unchanged (BENCHMARKS.md, tenth run)
+MAX_ROWS = 64
 
 
 class SplitTiles(NamedTuple):

@@ -5,7 +5,8 @@ Prefill: causal attention FLOP/s against the measured bf16 GEMM ceiling.
 Sampler: the Gumbel-max sampler's logits read per second against the copy ceiling.
 Usage: PYTHONPATH=src python benchmarks/kernels.py [--json PATH] [--sweep-prefill] [--sweep-decode]
 [--sweep-sampler]
-(--sweep-prefill: every prefill tile shape, each checked against the torch reference first;
+(--sweep-prefill: every prefill tile shape, each checked against the torch reference first,
+timed on a 4K prompt and on a chunk of the small workload's prompts;
 --sweep-decode: decode time, reduce included, for each split count against the default's choice;
 --sweep-sampler: the sampler's chunks per row and warps per program)
 """
@@ -13,6 +14,7 @@ Usage: PYTHONPATH=src python benchmarks/kernels.py [--json PATH] [--sweep-prefil
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -95,21 +97,38 @@ def bench_decode(
             "splits": backend.num_splits(batch), "tiles": backend.tiles_for(batch)._asdict()}  # fmt: skip
 
 
-def bench_prefill(length: int, tiles: PrefillTiles | None = None, check: bool = False) -> dict:
-    cache, tables = paged_setup([length])
-    q = torch.randn(length, NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+def small_chunk(tokens: int = 8192) -> list[int]:
+    """Prompt lengths of one of the small workload's prefill chunks: uniform in [100, 1024], as
+    many as fit `tokens` (the engine's default chunk), the last one cut to fill it."""
+    g = torch.Generator().manual_seed(0)
+    lengths: list[int] = []
+    while sum(lengths) < tokens:
+        lengths.append(min(int(torch.randint(100, 1025, (1,), generator=g)), tokens - sum(lengths)))
+    return lengths
+
+
+def bench_prefill(
+    lengths: list[int],
+    tiles: PrefillTiles | None = None,
+    check: bool = False,
+    num_heads: int = NUM_HEADS,
+) -> dict:
+    """One prefill call over whole prompts of `lengths` (no cached prefix), eager as the engine
+    runs it; `num_heads` query heads share the 8 KV heads (see bench_decode)."""
+    cache, tables = paged_setup(lengths)
+    starts = [0, *itertools.accumulate(lengths)]
+    q = torch.randn(starts[-1], num_heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    backend = TritonAttention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, 1, torch.device("cuda"))
+    backend = TritonAttention(num_heads, NUM_KV_HEADS, HEAD_DIM, len(lengths), torch.device("cuda"))
     backend.prefill_tiles = tiles or backend.prefill_tiles
-    starts = [0, length]
     meta = AttentionMetadata(
-        slot_mapping=torch.arange(length, device="cuda"),
+        slot_mapping=torch.arange(starts[-1], device="cuda"),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device="cuda"),
-        seq_lens=torch.tensor([length], dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor(lengths, dtype=torch.int32, device="cuda"),
         block_tables=tables,
         decode_only=False,
         query_start_loc_host=starts,
-        seq_lens_host=[length],
+        seq_lens_host=lengths,
     )
     if check:
         backend.prefill(q, out, cache, meta, HEAD_DIM**-0.5)
@@ -118,10 +137,16 @@ def bench_prefill(length: int, tiles: PrefillTiles | None = None, check: bool = 
     ms = triton.testing.do_bench(
         lambda: backend.prefill(q, out, cache, meta, HEAD_DIM**-0.5), return_mode="median"
     )
-    flops = 2 * 2 * NUM_HEADS * HEAD_DIM * length * length / 2  # QK^T and PV over the causal half
+    # QK^T and PV over the causal (query, key) pairs: L(L + 1)/2 per prompt, as the roofline
+    flops = 2 * 2 * num_heads * HEAD_DIM * sum(n * (n + 1) // 2 for n in lengths)
     rate = flops / (ms / 1e3)
+    label = f"prefill L={lengths[0]}"
+    if len(lengths) > 1:
+        label = f"prefill {len(lengths)} prompts, {sum(lengths)} tokens"
+    if num_heads != NUM_HEADS:
+        label += f" {num_heads} heads"
     return {
-        "kernel": f"prefill L={length}",
+        "kernel": label,
         "ms": ms,
         "TFLOP/s": rate / 1e12,
         "ceiling_pct": 100 * rate / GEMM_CEILING,
@@ -275,21 +300,31 @@ def sweep_decode_tiles() -> None:
         print(f"fastest on small's two ragged shapes: {','.join(map(str, best[1]))}")
 
 
-def sweep_prefill(length: int) -> None:
-    """Each tile shape: checked on a 1K prompt against the reference, timed on `length`."""
+def sweep_prefill() -> None:
+    """Each tile shape: checked on a 1K prompt against the reference, then timed on a 4K prompt
+    (Llama-3-8B heads) and on a chunk of the small workload's prompts (Qwen3-0.6B heads)."""
+    shapes = {"4K": dict(lengths=[4096]), "small chunk": dict(lengths=small_chunk(), num_heads=16)}
+    default = PrefillTiles()
     for rows in (64, 128):
         for block_n in (32, 64, 128):
             for num_warps in (4, 8):
                 for num_stages in (2, 3):
                     tiles = PrefillTiles(rows, block_n, num_warps, num_stages)
                     try:
-                        bench_prefill(1024, tiles, check=True)
-                        row = bench_prefill(length, tiles)
+                        bench_prefill([1024], tiles, check=True)
+                        timed = {
+                            name: bench_prefill(tiles=tiles, **shape)
+                            for name, shape in shapes.items()
+                        }
                     except Exception as error:  # out of shared memory, or a wrong result
                         print(f"{tiles}  failed: {str(error).splitlines()[0][:80]}", flush=True)
                         continue
-                    print(f"{tiles}  {row['ms']:.3f} ms  {row['TFLOP/s']:.0f} TFLOP/s  "
-                          f"{row['ceiling_pct']:.1f}%", flush=True)  # fmt: skip
+                    cells = "  ".join(
+                        f"{name}: {row['ms']:.3f} ms {row['TFLOP/s']:.0f} TFLOP/s "
+                        f"{row['ceiling_pct']:.1f}%"
+                        for name, row in timed.items()
+                    )
+                    print(f"{tiles}{'*' if tiles == default else ' '} {cells}", flush=True)
 
 
 def main() -> None:
@@ -310,7 +345,8 @@ def main() -> None:
         bench_decode(1, 512),
         bench_decode(256, 1000, ragged=(100, 1900, False)),  # like the small workload's steps
         bench_decode(256, 1000, ragged=(100, 1900, True)),
-        bench_prefill(4096),
+        bench_prefill([4096]),
+        bench_prefill(small_chunk(), num_heads=16),  # one of the small workload's prefill chunks
         bench_mixed(240, 600, 2048, split=True),  # like the small workload's admission steps
         bench_mixed(240, 600, 2048, split=False),
         bench_sampler(1, 128256),  # the latency workload's draw
@@ -330,7 +366,7 @@ def main() -> None:
     if args.sweep_decode:
         sweep_decode()
     if args.sweep_prefill:
-        sweep_prefill(4096)
+        sweep_prefill()
     if args.sweep_sampler:
         sweep_sampler()
 

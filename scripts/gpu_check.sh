@@ -7,7 +7,7 @@
 #   SKIP_KERNELS=1      no kernel benchmark
 #   REPEATS=N           timed runs per mode (default 3)
 #   SWEEP=1             kernel sweeps: decode split counts, prefill tile shapes, sampler launch
-#                       (SWEEP=sampler: the sampler's alone)
+#                       (SWEEP=sampler, prefill, decode or decode-tiles: that sweep alone)
 #   GRAPH_MEMORY=1      graph memory with and without the shared pool
 #   GEMM=1              each decode GEMM of both presets against the copy ceiling (GEMM=autotune:
 #                       Inductor's max-autotune too; GEMM=splitk: then a sweep of the split-K
@@ -47,7 +47,8 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     tests/test_sampling_kernel.py tests/test_pdl.py tests/test_splitk.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
 fi
 if [ -z "${SKIP_KERNELS:-}" ]; then
-  sweeps=$([ "${SWEEP:-}" = sampler ] && echo --sweep-sampler || echo ${SWEEP:+--sweep-decode --sweep-prefill --sweep-sampler})
+  sweeps=$(case ${SWEEP:-} in "") ;; 1) echo --sweep-decode --sweep-prefill --sweep-sampler ;;
+    *) echo "--sweep-$SWEEP" ;; esac)
   python3 benchmarks/kernels.py --json "$OUT/kernels.json" $sweeps 2>&1 | tee "$OUT/kernels.txt"
 fi
 if [ -n "${GEMM:-}" ]; then
@@ -68,13 +69,11 @@ for shape in ${PROFILE:-}; do
     *) echo "unknown profile shape $shape"; continue ;;
   esac
   echo "== step profile $shape"
-  python3 benchmarks/profile_step.py --cuda-graphs --gaps $args --rows 16 > "$OUT/profile_$shape.txt" 2>&1
-  grep -E "Self (CPU|CUDA) time total|kernels in" "$OUT/profile_$shape.txt"
-  for setting in ${VARIANTS:-}; do  # the same profile under each variant's setting
-    tag=${setting//=/_}
-    env "$setting" python3 benchmarks/profile_step.py --cuda-graphs --gaps $args --rows 16 \
-      > "$OUT/profile_${shape}_${tag,,}.txt" 2>&1
-    echo "$setting:"; grep -E "Self CUDA time total|kernels in" "$OUT/profile_${shape}_${tag,,}.txt"
+  for setting in "" ${VARIANTS:-}; do  # then the same profile under each variant's setting
+    tag=${setting//=/_}; file="$OUT/profile_${shape}${tag:+_${tag,,}}.txt"
+    env ${setting:+"$setting"} python3 benchmarks/profile_step.py --cuda-graphs --gaps $args \
+      --rows 16 > "$file" 2>&1
+    echo "${setting:-defaults}:"; grep -E "Self (CPU|CUDA) time total|kernels in" "$file"
   done
 done
 for name in "$@"; do

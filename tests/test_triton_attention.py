@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import random
 
 import pytest
 import torch
+import triton
 
+from tandem import config
 from tandem.attention import AttentionMetadata, triton_backend
 from tandem.attention.torch_ref import decode_attention, prefill_attention
 from tandem.attention.triton_backend import DecodeTiles, PrefillTiles
@@ -147,6 +151,26 @@ def test_leading_single_tokens_counts_the_one_token_rows_before_the_first_longer
     assert triton_backend.leading_single_tokens([0, 1, 2, 5, 6]) == 2
     assert triton_backend.leading_single_tokens([0, 4, 5]) == 0
     assert triton_backend.leading_single_tokens([0, 1, 2, 3]) == 3
+    assert triton_backend.leading_single_tokens([0]) == 0
+
+
+def test_host_launch_math_agrees_with_tritons_helpers():
+    for n in range(1, 1100):
+        assert config.next_power_of_2(n) == triton.next_power_of_2(n)
+        assert config.cdiv(n, 64) == triton.cdiv(n, 64)
+
+
+def test_leading_single_tokens_agrees_with_counting_row_by_row():
+    rng = random.Random(0)
+    for _ in range(200):
+        lengths = [1] * rng.randrange(0, 300) + [
+            rng.choice([1, 2, 7]) for _ in range(rng.randrange(5))
+        ]
+        starts = [0, *itertools.accumulate(lengths)]
+        count = 0
+        while count < len(lengths) and lengths[count] == 1:
+            count += 1
+        assert triton_backend.leading_single_tokens(starts) == count
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -17,6 +17,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from tandem import pdl
+from tandem.config import cdiv, next_power_of_2
 from tandem.model.fused import num_sms
 
 BLOCK = 2048
@@ -124,11 +125,11 @@ def gumbel_argmax(
     make the kernel compute-bound, and more, wider programs hide their latency (BENCHMARKS.md,
     seventh run's sweep: 128 -> 116 µs for 256 rows of Qwen3's vocabulary)."""
     rows, vocab = logits.shape
-    blocks = triton.cdiv(vocab, BLOCK)
+    blocks = cdiv(vocab, BLOCK)
     if num_chunks is None:
-        num_chunks = triton.cdiv(8 * num_sms(logits.device), rows)
-    chunk_len = triton.cdiv(blocks, max(1, min(num_chunks, blocks))) * BLOCK
-    num_chunks = triton.cdiv(vocab, chunk_len)
+        num_chunks = cdiv(8 * num_sms(logits.device), rows)
+    chunk_len = cdiv(blocks, max(1, min(num_chunks, blocks))) * BLOCK
+    num_chunks = cdiv(vocab, chunk_len)
     best_score = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
     best_token = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
     gumbel_argmax_kernel[(rows, num_chunks)](
@@ -142,7 +143,7 @@ def gumbel_argmax(
         best_token,
         out,
         num_chunks,
-        CHUNKS=triton.next_power_of_2(blocks),  # the most any row count gives: one kernel
+        CHUNKS=next_power_of_2(blocks),  # the most any row count gives: one kernel
         **pdl.launch_args(logits.device),
     )
     return out

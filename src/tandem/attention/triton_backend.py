@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import os
 from collections.abc import Callable
@@ -13,6 +14,7 @@ import triton
 from tandem import pdl
 from tandem.attention import AttentionMetadata
 from tandem.attention.triton_kernels import decode_kernel, prefill_kernel, reduce_kernel
+from tandem.config import cdiv, next_power_of_2
 from tandem.model.fused import num_sms
 
 MAX_SPLITS = 32
@@ -157,8 +159,8 @@ class TritonAttention:
         """
         if self.fixed_splits is not None:
             return self.fixed_splits
-        wanted = triton.cdiv(self.num_sms, num_seqs * self.num_kv_heads)
-        return min(MAX_SPLITS, triton.next_power_of_2(wanted))
+        wanted = cdiv(self.num_sms, num_seqs * self.num_kv_heads)
+        return min(MAX_SPLITS, next_power_of_2(wanted))
 
     def tiles_for(self, num_seqs: int) -> DecodeTiles:
         if num_seqs == 1:
@@ -172,7 +174,7 @@ class TritonAttention:
         assert q.stride(2) == 1 and q.stride(1) == self.head_dim
         num_seqs = q.shape[0] if num_seqs is None else num_seqs
         splits = self.num_splits(num_seqs)
-        group_pad = max(16, triton.next_power_of_2(self.group))
+        group_pad = max(16, next_power_of_2(self.group))
         tiles, order = self.tiles_for(num_seqs), meta.seq_order
 
         def launch(tiles: DecodeTiles) -> None:
@@ -208,9 +210,9 @@ class TritonAttention:
         assert starts is not None, "prefill needs host query lengths (it runs eagerly)"
         assert q.stride(2) == 1 and q.stride(1) == self.head_dim
         max_query_len = max(b - a for a, b in itertools.pairwise(starts[first_seq:]))
-        group_pad = triton.next_power_of_2(self.group)
+        group_pad = next_power_of_2(self.group)
         block_m = max(1, self.prefill_tiles.rows // group_pad)
-        grid = (len(starts) - 1 - first_seq, triton.cdiv(max_query_len, block_m), self.num_kv_heads)
+        grid = (len(starts) - 1 - first_seq, cdiv(max_query_len, block_m), self.num_kv_heads)
 
         def launch(tiles: PrefillTiles) -> None:
             prefill_kernel[grid](
@@ -228,8 +230,6 @@ class TritonAttention:
 def leading_single_tokens(starts: list[int]) -> int:
     """How many sequences at the front of a step have one query token each, from the step's
     query start offsets: [0, 1, 2, 5, 6] -> 2 (the fourth sequence's one token comes after a
-    longer one, so it stays with the prefill)."""
-    count = 0
-    while count + 1 < len(starts) and starts[count + 1] == count + 1:
-        count += 1
-    return count
+    longer one, so it stays with the prefill). starts[k] == k holds up to that count and never
+    after it, so a binary search finds it: each layer asks, and a step may lead with 256 rows."""
+    return bisect.bisect_left(range(1, len(starts)), True, key=lambda k: starts[k] > k)

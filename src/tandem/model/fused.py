@@ -18,6 +18,7 @@ import triton.language as tl
 
 from tandem import pdl
 from tandem.attention.torch_ref import write_kv
+from tandem.config import cdiv, next_power_of_2
 
 # On CUDA the Triton kernels run (here and in the sampler) unless TANDEM_FUSED_KERNELS=0, which
 # keeps the torch versions: the "before" side of a fusion measurement.
@@ -149,7 +150,7 @@ def _add_rms_norm_triton(x, residual, weight, eps):
     add_rms_norm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out, summed, x.stride(-2),
         (residual if residual is not None else x).stride(0), hidden, eps, x.stride(0),
-        HAS_RESIDUAL=residual is not None, PARTS=parts, BLOCK=triton.next_power_of_2(hidden),
+        HAS_RESIDUAL=residual is not None, PARTS=parts, BLOCK=next_power_of_2(hidden),
         **pdl.launch_args(x.device),
     )  # fmt: skip
     return out, summed
@@ -178,7 +179,7 @@ def _silu_and_mul_triton(gate_up):
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
+    silu_and_mul_kernel[(rows, cdiv(inter, block))](
         gate_up, out, gate_up.stride(0), inter, BLOCK=block, **pdl.launch_args(gate_up.device)
     )
     return out
@@ -254,7 +255,7 @@ def _rope_qk_triton(
         q, k, v, q_out, kv_cache, q_norm_weight if has_norm else q,
         k_norm_weight if has_norm else k, positions, cos_sin, slot_mapping, q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_cache.stride(0),
-        q_heads, k_heads, eps, HALF=head_dim // 2, Q_HEADS=triton.next_power_of_2(q_heads),
-        K_HEADS=triton.next_power_of_2(k_heads), HAS_NORM=has_norm, **pdl.launch_args(q.device),
+        q_heads, k_heads, eps, HALF=head_dim // 2, Q_HEADS=next_power_of_2(q_heads),
+        K_HEADS=next_power_of_2(k_heads), HAS_NORM=has_norm, **pdl.launch_args(q.device),
     )  # fmt: skip
     return q_out

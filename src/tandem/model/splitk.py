@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from tandem import pdl
+from tandem.config import cdiv, next_power_of_2
 from tandem.model.fused import num_sms
 
 ENABLED = os.environ.get("TANDEM_SPLITK", "1") != "0"
@@ -70,8 +71,8 @@ def plan(rows: int, out_features: int, in_features: int, device: torch.device) -
     block_k = next((b for b in (128, 64, 32, 16) if in_features % b == 0), None)
     if rows == 0 or rows > MAX_ROWS or block_k is None:
         return None
-    block_m, block_n = max(16, min(64, triton.next_power_of_2(rows))), 64
-    tiles = triton.cdiv(rows, block_m) * triton.cdiv(out_features, block_n)
+    block_m, block_n = max(16, min(64, next_power_of_2(rows))), 64
+    tiles = cdiv(rows, block_m) * cdiv(out_features, block_n)
     k_steps = in_features // block_k
     wanted = max(1, 2 * num_sms(device) // tiles)
     splits = max(s for s in range(1, min(wanted, k_steps) + 1) if k_steps % s == 0)
@@ -89,8 +90,8 @@ def linear_partials(
         return F.linear(x, weight)
     out = torch.empty(tiles.splits, rows, out_features, dtype=torch.float32, device=x.device)
     grid = (
-        triton.cdiv(out_features, tiles.block_n),
-        triton.cdiv(rows, tiles.block_m),
+        cdiv(out_features, tiles.block_n),
+        cdiv(rows, tiles.block_m),
         tiles.splits,
     )
     partials_kernel[grid](

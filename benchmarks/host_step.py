@@ -113,7 +113,7 @@ def main() -> None:
     if args.profile:
         profiler = cProfile.Profile()
         profiler.runcall(lambda: [step() for _ in range(20)])
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":

@@ -200,7 +200,8 @@ def test_ideal_schedule_rooflines_match_design_md(workload, expected_seconds):
 
 
 def test_roofline_by_step_kind_sets_each_steps_compute_against_its_own_roofline():
-    """Two traced steps by hand (µs): a decode step of 90 and a prefill step of 80 on the GPU."""
+    """Two traced steps by hand (µs): a decode step of 90 on the GPU, launched in 30, then a
+    prefill step of 80, launched in 120, that the compute stream waited 60 for."""
     cost = ModelCost.of(preset("qwen3-0.6b"), 2)
     decode, prefill = step_work([600, 300], [0, 1, 2]), step_work([512, 40], [0, 512, 552])
 
@@ -211,19 +212,27 @@ def test_roofline_by_step_kind_sets_each_steps_compute_against_its_own_roofline(
             "args": {"step": step, **dict(zip(STEP_WORK_FIELDS, work, strict=True))},
         }
 
+    def span(name, step, ts, dur):
+        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "args": {"step": step}}
+
     events = [
         batch(4, decode),
-        {"ph": "X", "name": "compute", "dur": 90.0, "args": {"step": 4}},
+        span("launch", 4, 0.0, 30.0),
+        span("compute", 4, 10.0, 90.0),
         batch(5, prefill),
-        {"ph": "X", "name": "compute", "dur": 80.0, "args": {"step": 5}},
+        span("launch", 5, 40.0, 120.0),
+        span("compute", 5, 160.0, 80.0),
         batch(6, decode),
+        span("launch", 6, 170.0, 20.0),
     ]  # step 6 has no compute span (not read back yet): left out
     kinds = roofline_by_step_kind({"traceEvents": events}, cost, H200)
     decode_s, prefill_s = (step_rooflines(cost, [w])[0][0] for w in (decode, prefill))
     assert kinds["decode"] == {"steps": 1, "gpu_ms": 0.09, "roofline_ms": decode_s * 1e3,
-                               "roofline_fraction": decode_s * 1e3 / 0.09}  # fmt: skip
+                               "roofline_fraction": decode_s * 1e3 / 0.09, "launch_ms": 0.03,
+                               "idle_before_ms": 0.0}  # fmt: skip
     assert kinds["with_prefill"] == {"steps": 1, "gpu_ms": 0.08, "roofline_ms": prefill_s * 1e3,
-                                     "roofline_fraction": prefill_s * 1e3 / 0.08}  # fmt: skip
+                                     "roofline_fraction": prefill_s * 1e3 / 0.08,
+                                     "launch_ms": 0.12, "idle_before_ms": 0.06}  # fmt: skip
 
 
 @pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])

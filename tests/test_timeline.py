@@ -15,7 +15,14 @@ from tandem import LLM, SamplingParams
 from tandem.cli import main
 from tandem.plot import BUSY, CPU_BUSY, IDLE, busy_fraction, plot_timeline
 from tandem.profiler import CPU_PHASES, GPU_STREAMS, Timeline
-from tandem.trace import format_summary, intersection_length, length, summarize, union
+from tandem.trace import (
+    format_summary,
+    idle_before,
+    intersection_length,
+    length,
+    summarize,
+    union,
+)
 
 ENGINE_ARGS = {"max_model_len": 128, "block_size": 8}
 CLI_ENGINE_ARGS = ["--max-model-len", "128", "--block-size", "8"]
@@ -161,6 +168,13 @@ def test_a_timeline_with_gpu_intervals_exports_them_on_the_gpu_lanes():
 
 
 # ---- summary arithmetic ---------------------------------------------------------------------
+
+
+def test_idle_before_counts_only_gaps_after_the_step_just_before():
+    steps = np.array([3, 4, 6, 7])
+    compute = np.array([[0.0, 5.0], [7.0, 9.0], [12.0, 14.0], [13.0, 20.0]])
+    # 4 waited 2 after 3; 6 follows a step not in the trace; 7 started before 6 ended: no idle
+    assert idle_before(steps, compute).tolist() == [0.0, 2.0, 0.0, 0.0]
 
 
 def test_summary_of_two_hand_made_steps_is_exact():

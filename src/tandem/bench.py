@@ -29,7 +29,7 @@ from tandem.model.loader import read_hf_config
 from tandem.roofline import H200, Hardware, ModelCost, on_devices, roofline_summary, step_rooflines
 from tandem.sampling import SamplingParams
 from tandem.tokenizer import Tokenizer
-from tandem.trace import step_compute, summarize
+from tandem.trace import idle_before, step_spans, summarize
 from tandem.workload import SHAREGPT_SAMPLE, Workload, random_workload, sharegpt_workload
 
 DEFAULT_OUTPUT_LEN = 128
@@ -400,8 +400,12 @@ def engine_info(engine: Engine) -> dict:
 
 def roofline_by_step_kind(trace: dict, cost: ModelCost, hardware: Hardware) -> dict:
     """GPU compute time against the roofline of the same steps, for decode steps and for steps
-    with prefill apart: which kind of step the time above the roofline goes to."""
-    work, compute_us = step_compute(trace)
+    with prefill apart: which kind of step the time above the roofline goes to. With the host's
+    launch time of those steps and the compute stream's idle time before them: a step whose
+    launch takes as long as its compute, with idle time before it, waited for the host."""
+    steps, work, launch, compute = step_spans(trace)
+    compute_us = compute[:, 1] - compute[:, 0]
+    idle_us = idle_before(steps, compute)
     seconds = step_rooflines(cost, work, hardware)[0]
     decode = work[:, 0] == work[:, 1]  # one token per sequence
     kinds = {}
@@ -412,6 +416,8 @@ def roofline_by_step_kind(trace: dict, cost: ModelCost, hardware: Hardware) -> d
             "gpu_ms": float(gpu_ms),
             "roofline_ms": float(roofline_ms),
             "roofline_fraction": float(roofline_ms / gpu_ms) if gpu_ms else None,
+            "launch_ms": float((launch[rows, 1] - launch[rows, 0]).sum() / 1e3),
+            "idle_before_ms": float(idle_us[rows].sum() / 1e3),
         }
     return kinds
 
@@ -516,7 +522,8 @@ def print_report(report: dict) -> None:
             if k["roofline_fraction"] is not None:  # GPU compute spans: CUDA only
                 print(
                     f"{mode} {kind} steps: {k['steps']}, GPU compute {k['gpu_ms']:.1f} ms, "
-                    f"roofline {k['roofline_ms']:.1f} ms ({100 * k['roofline_fraction']:.1f}%)"
+                    f"roofline {k['roofline_ms']:.1f} ms ({100 * k['roofline_fraction']:.1f}%); "
+                    f"host launch {k['launch_ms']:.1f} ms, idle before {k['idle_before_ms']:.1f} ms"
                 )
     copy = report["environment"].get("copy_tb_per_s")
     if copy is not None:

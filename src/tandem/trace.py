@@ -74,21 +74,35 @@ def intersection_length(a: np.ndarray, b: np.ndarray) -> float:
     return total
 
 
-def step_compute(trace: dict) -> tuple[np.ndarray, np.ndarray]:
-    """([n, 4] work of each traced step that has a compute span, as `roofline.step_work` counts
-    it: num_seqs, num_tokens, context_tokens, attention_pairs; [n] its compute span in µs)."""
-    work, compute = {}, {}
+def step_spans(trace: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each traced step that has a launch and a compute span, in step order: ([n] step number,
+    [n, 4] its work as `roofline.step_work` counts it (num_seqs, num_tokens, context_tokens,
+    attention_pairs), [n, 2] its host launch phase and [n, 2] its compute span, start/end µs)."""
+    work, launch, compute = {}, {}, {}
     for event in trace["traceEvents"]:
         args = event.get("args", {})
         if event.get("name") == "batch" and "context_tokens" in args:
             work[args["step"]] = [args[k] for k in STEP_WORK_FIELDS]
-        elif event.get("name") == "compute" and event.get("ph") == "X":
-            compute[args["step"]] = event["dur"]
-    steps = sorted(work.keys() & compute.keys())
+        elif event.get("ph") == "X" and event.get("name") in ("launch", "compute"):
+            spans = launch if event["name"] == "launch" else compute
+            spans[args["step"]] = (event["ts"], event["ts"] + event["dur"])
+    steps = sorted(work.keys() & launch.keys() & compute.keys())
     return (
+        np.asarray(steps, dtype=np.int64),
         np.asarray([work[s] for s in steps], dtype=np.float64).reshape(-1, 4),
-        np.asarray([compute[s] for s in steps], dtype=np.float64),
+        np.asarray([launch[s] for s in steps], dtype=np.float64).reshape(-1, 2),
+        np.asarray([compute[s] for s in steps], dtype=np.float64).reshape(-1, 2),
     )
+
+
+def idle_before(steps: np.ndarray, compute: np.ndarray) -> np.ndarray:
+    """[n] µs the compute stream sat idle between the step before each step and it (0 where
+    that step is not in the trace). E.g. steps [3, 4, 6], compute [[0, 5], [7, 9], [12, 14]]
+    -> [0, 2, 0]."""
+    gaps = np.zeros(len(steps))
+    follows = np.diff(steps) == 1
+    gaps[1:][follows] = np.maximum(compute[1:, 0] - compute[:-1, 1], 0)[follows]
+    return gaps
 
 
 def run_window(cpu: dict[str, np.ndarray], gpu: dict[str, np.ndarray]) -> tuple[float, float]:

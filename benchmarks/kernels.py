@@ -49,6 +49,20 @@ def paged_setup(seq_lens: list[int], dtype=torch.bfloat16):
     return cache, tables
 
 
+def step_meta(seq_lens: list[int], starts: list[int], tables: torch.Tensor) -> AttentionMetadata:
+    """The metadata of an eager step: sequences of `seq_lens` tokens after it, whose query
+    tokens start at `starts` (their K/V already in the cache of `paged_setup`)."""
+    return AttentionMetadata(
+        slot_mapping=torch.arange(starts[-1], device="cuda"),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        block_tables=tables,
+        decode_only=False,
+        query_start_loc_host=starts,
+        seq_lens_host=seq_lens,
+    )
+
+
 def bench_decode(
     batch: int,
     context: int,
@@ -121,15 +135,7 @@ def bench_prefill(
     out = torch.empty_like(q)
     backend = TritonAttention(num_heads, NUM_KV_HEADS, HEAD_DIM, len(lengths), torch.device("cuda"))
     backend.prefill_tiles = tiles or backend.prefill_tiles
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(starts[-1], device="cuda"),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device="cuda"),
-        seq_lens=torch.tensor(lengths, dtype=torch.int32, device="cuda"),
-        block_tables=tables,
-        decode_only=False,
-        query_start_loc_host=starts,
-        seq_lens_host=lengths,
-    )
+    meta = step_meta(lengths, starts, tables)
     if check:
         backend.prefill(q, out, cache, meta, HEAD_DIM**-0.5)
         expected = prefill_attention(q.float(), cache.float(), meta, HEAD_DIM**-0.5)
@@ -165,15 +171,7 @@ def bench_mixed(decodes: int, context: int, prompt: int, split: bool) -> dict:
     cache, tables = paged_setup(seq_lens)
     q = torch.randn(starts[-1], NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     backend = TritonAttention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, decodes + 1, torch.device("cuda"))
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(starts[-1], device="cuda"),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device="cuda"),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
-        block_tables=tables,
-        decode_only=False,
-        query_start_loc_host=starts,
-        seq_lens_host=seq_lens,
-    )
+    meta = step_meta(seq_lens, starts, tables)
     scale = HEAD_DIM**-0.5
     out = torch.empty_like(q)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
+from tandem.engine import Engine
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -57,11 +58,20 @@ def assert_same_greedy(ours: list[int], theirs: list[int], logits: list[torch.Te
             return
 
 
+def run_pieces_eagerly(monkeypatch) -> None:
+    """Steps that no whole graph runs go through the pieces of piecewise.py, uncaptured on CPU:
+    the step cut at its attentions, its tokens padded to the next bucket."""
+    monkeypatch.setattr(Engine, "_use_piecewise", lambda self: True)
+
+
+@pytest.mark.parametrize("pieces", [False, True], ids=["whole", "pieces"])
 @pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_transformers_with_chunked_prefill_and_preemption(
-    make_tiny, arch, async_batching
+    make_tiny, monkeypatch, arch, async_batching, pieces
 ):
+    if pieces:
+        run_pieces_eagerly(monkeypatch)
     folder = str(make_tiny(arch))
     llm = LLM(
         folder,
@@ -79,13 +89,19 @@ def test_greedy_matches_transformers_with_chunked_prefill_and_preemption(
 
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.allocator.num_free == llm.engine.num_blocks
+    assert (llm.engine.runner.pieces is not None) == pieces
     for out, (tokens, logits) in zip(outputs, reference(folder), strict=True):
         assert out.outputs[0].finish_reason == "length"
         assert_same_greedy(out.outputs[0].token_ids, tokens, logits)
 
 
+@pytest.mark.parametrize("pieces", [False, True], ids=["whole", "pieces"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_transformers_with_everything_in_one_batch(make_tiny, arch):
+def test_greedy_matches_transformers_with_everything_in_one_batch(
+    make_tiny, monkeypatch, arch, pieces
+):
+    if pieces:
+        run_pieces_eagerly(monkeypatch)
     folder = str(make_tiny(arch))
     llm = LLM(folder, max_model_len=256, num_blocks=64)
     vocab = llm.engine.model_config.vocab_size

@@ -25,8 +25,13 @@ def test_add_rms_norm_matches_torch(dtype, hidden, with_residual):
     x = (torch.randn(7, hidden, generator=g) * 3).to(dtype).to(DEVICE)
     residual = torch.randn(7, hidden, generator=g).to(dtype).to(DEVICE) if with_residual else None
     weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(DEVICE)
-    out, summed = fused._add_rms_norm_triton(x, residual, weight, 1e-6)
+    kernel_residual = residual.clone() if with_residual else None
+    out, summed = fused._add_rms_norm_triton(x, kernel_residual, weight, 1e-6)
     expected_out, expected_summed = reference(fused.add_rms_norm, x, residual, weight, 1e-6)
+    if with_residual:  # both write the sum over the residual they were given
+        assert summed.data_ptr() == kernel_residual.data_ptr()
+        if DEVICE.type == "cpu":
+            assert expected_summed.data_ptr() == residual.data_ptr()
     torch.testing.assert_close(summed, expected_summed, atol=0, rtol=0)
     torch.testing.assert_close(
         out, expected_out, atol=1e-5, rtol=1e-3 if dtype == torch.float32 else 1e-2
@@ -76,6 +81,12 @@ def test_rope_qk_matches_torch_and_stores_k_v_at_their_slots(
     # the torch version parks slot -1 in the spare last block; the kernel writes nothing for it
     torch.testing.assert_close(cache[:, :-1], expected[:, :-1].to(DEVICE), atol=tol, rtol=tol)
     assert not cache[:, -1].any()
+    into = torch.empty_like(q_out)  # the pieces of a step hand q over in a fixed buffer
+    assert (
+        fused._rope_qk_triton(q, k, v, positions, cos_sin, cache, slots, *weights, 1e-6, into)
+        is into
+    )
+    assert torch.equal(into, q_out)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

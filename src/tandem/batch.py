@@ -29,6 +29,8 @@ class StepBatch:
     seq_lens: list[int]
     query_start_loc: list[int]
     graphed: bool  # replays a CUDA graph of num_seqs_padded rows
+    # otherwise, the token rows of the pieces that run it (piecewise.py), or None: eagerly
+    token_bucket: int | None = None
 
 
 class RunningRows:
@@ -91,11 +93,19 @@ class BatchBuilder:
         self.running_rows = RunningRows(max_seqs, max_blocks)
         self.eos_ids = eos_ids
 
-    def build(self, plan: StepPlan, slot: IOSlot, step: int, graph_size: int | None) -> StepBatch:
+    def build(
+        self,
+        plan: StepPlan,
+        slot: IOSlot,
+        step: int,
+        graph_size: int | None,
+        token_bucket: int | None = None,
+    ) -> StepBatch:
         """Fill `slot`'s host inputs for `plan`. Pending tokens become placeholders plus a carry index.
 
         With `graph_size`, rows past the plan are filled as padding: they write no KV (slot -1),
-        attend to one slot, and sample greedily; nothing reads their output.
+        attend to one slot, and sample greedily; nothing reads their output. With
+        `token_bucket`, token rows past the plan's up to that count are padding likewise.
         """
         x = slot.np_in
         requests = plan.requests
@@ -129,6 +139,8 @@ class BatchBuilder:
         use_filters, num_top_logprobs = self._fill_sampling(x, requests, rows, num_outputs)
         if graph_size is not None:
             fill_padding(x, num_seqs, graph_size)
+        if token_bucket is not None:
+            fill_token_padding(x, num_tokens, token_bucket)
         # decode attention starts the longest contexts first: all rows of a decode step, or the
         # one-token rows that lead a mixed step (those go to the decode kernel too)
         decodes = graph_size or num_seqs if num_tokens == num_seqs else int(np.argmax(num_new != 1))
@@ -146,6 +158,7 @@ class BatchBuilder:
             seq_lens=computed_after.tolist(),
             query_start_loc=qsl[: num_seqs + 1].tolist(),
             graphed=graph_size is not None,
+            token_bucket=token_bucket,
         )
 
     def _fill_token_ids(self, x, requests: list[Request], start, num_new, qsl) -> None:
@@ -195,10 +208,7 @@ class BatchBuilder:
 
 def fill_padding(x: dict[str, np.ndarray], start: int, end: int) -> None:
     """Rows [start, end) of a decode-only step padded up to a graph's size."""
-    x["input_ids"][start:end] = 0
-    x["positions"][start:end] = 0
-    x["slot_mapping"][start:end] = -1
-    x["carry_index"][start:end] = -1
+    fill_token_padding(x, start, end)
     x["seq_lens"][start:end] = 1
     x["logits_indices"][start:end] = np.arange(start, end)
     x["temperature"][start:end] = 0.0
@@ -206,3 +216,11 @@ def fill_padding(x: dict[str, np.ndarray], start: int, end: int) -> None:
     x["top_p"][start:end] = 1.0
     x["min_p"][start:end] = 0.0
     x["ban_rows"][start:end] = 0
+
+
+def fill_token_padding(x: dict[str, np.ndarray], start: int, end: int) -> None:
+    """Token rows [start, end) padded up to a graph's size: token 0 at position 0, no cache slot."""
+    x["input_ids"][start:end] = 0
+    x["positions"][start:end] = 0
+    x["slot_mapping"][start:end] = -1
+    x["carry_index"][start:end] = -1

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import triton
 
-from tandem import pdl, runner
+from tandem import pdl, piecewise, runner
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine import Engine
 from tandem.llm import LLM
@@ -463,6 +463,7 @@ def environment() -> dict:
         "pdl": pdl.ENABLED,
         # the engine's other switches for comparisons (README): what this run used
         "splitk": splitk.ENABLED,
+        "piecewise": piecewise.ENABLED,
         "blas": runner.BLAS_LIBRARY,
         "decode_tiles": os.environ.get("TANDEM_DECODE_TILES"),
     }

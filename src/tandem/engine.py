@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tandem import piecewise
 from tandem.attention import get_backend
 from tandem.batch import BatchBuilder, StepBatch
 from tandem.config import EngineConfig, ModelConfig, cdiv
@@ -121,8 +122,9 @@ class Engine:
             max_blocks_per_seq,
             cuda_graphs=self._use_cuda_graphs(),
             tp=self.tp,
+            piecewise=self._use_piecewise(),
         )
-        if self.runner.graph_sizes:
+        if self.runner.cuda and (self.runner.graph_sizes or self.runner.token_buckets):
             self.runner.capture_graphs()
         self.async_batching = config.async_batching
         self.in_flight: deque[StepBatch] = deque()
@@ -286,7 +288,8 @@ class Engine:
                 decode_only=plan.num_tokens == len(plan.requests),
                 wants_logprobs=any(r.params.logprobs is not None for r in plan.requests),
             )
-            batch = self.builder.build(plan, slot, step, graph_size)
+            bucket = None if graph_size is not None else self.runner.token_bucket(plan.num_tokens)
+            batch = self.builder.build(plan, slot, step, graph_size, bucket)
             wanted = self.step_work is not None or timeline.recording
             work = step_work(batch.seq_lens, batch.query_start_loc) if wanted else None
             if self.step_work is not None:
@@ -385,6 +388,10 @@ class Engine:
             request.prompt_token_ids,
             skip_special_tokens=request.params.skip_special_tokens,
         )
+
+    def _use_piecewise(self) -> bool:
+        """Steps that no whole graph runs take the pieces (piecewise.py); one device only."""
+        return self._use_cuda_graphs() and self.tp.size == 1 and piecewise.ENABLED
 
     def _use_cuda_graphs(self) -> bool:
         if self.config.cuda_graphs and self.device.type != "cuda":

@@ -108,3 +108,14 @@ class IOSlot:
         )
         self.np_in = self.host_in.numpy()
         self.np_out = self.host_out.numpy()
+
+
+def carry_over(
+    input_ids: torch.Tensor, carry_index: torch.Tensor, prev_sampled: torch.Tensor
+) -> torch.Tensor:
+    """Add the previous step's sampled ids where the carry index points (placeholders are 0).
+
+    E.g. prev_sampled [7, 9], carry_index [-1, 1, -1, 0], input_ids [5, 0, 6, 0] -> [5, 9, 6, 7]
+    """
+    carried = prev_sampled[carry_index.clamp(min=0).long()] * (carry_index >= 0)
+    return input_ids + carried

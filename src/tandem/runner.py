@@ -24,9 +24,10 @@ import torch
 
 from tandem.attention import AttentionBackend, AttentionMetadata
 from tandem.batch import StepBatch
-from tandem.io_slot import IOSlot
+from tandem.io_slot import IOSlot, carry_over
 from tandem.model.decoder import Decoder
 from tandem.parallel import TensorParallel
+from tandem.piecewise import PiecewiseGraphs, bucket_for, token_buckets
 from tandem.profiler import NoTimeline, Timeline
 from tandem.sampling import SamplingTensors, sample, top_logprobs_of
 
@@ -65,6 +66,7 @@ class Runner:
         max_blocks: int,
         cuda_graphs: bool,
         tp: TensorParallel,
+        piecewise: bool = False,
     ):
         self.model = model
         self.tp = tp
@@ -76,6 +78,12 @@ class Runner:
         # decode-only steps of up to max_seqs rows replay a graph captured for the next size up
         self.graph_sizes = graph_batch_sizes(min(max_seqs, max_tokens)) if cuda_graphs else []
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        # the other steps of up to max_tokens tokens: pieces between their attentions, padded to
+        # the next bucket (piecewise.py; on CPU, uncaptured, the pieces run eagerly)
+        self.pieces = (
+            PiecewiseGraphs(model, kv_caches, attend, max_tokens, device) if piecewise else None
+        )
+        self.token_buckets = token_buckets(max_tokens) if piecewise else []
         if self.cuda:
             self.h2d_stream, self.compute_stream, self.d2h_stream = (
                 torch.cuda.Stream(device) for _ in range(3)
@@ -96,6 +104,9 @@ class Runner:
             graph.reset()
         self.graphs.clear()
         self.graph_sizes = []  # any later step runs eagerly
+        if self.pieces is not None:
+            self.pieces.release()
+        self.pieces, self.token_buckets = None, []
 
     def padded_size(self, num_seqs: int, decode_only: bool, wants_logprobs: bool) -> int | None:
         """Rows of the graph that will run a step, or None when the step runs eagerly."""
@@ -107,6 +118,10 @@ class Runner:
         ):
             return None
         return next(size for size in self.graph_sizes if size >= num_seqs)
+
+    def token_bucket(self, num_tokens: int) -> int | None:
+        """Token rows of the pieces that will run a step not replayed whole (None: eagerly)."""
+        return bucket_for(self.token_buckets, num_tokens)
 
     def launch(self, batch: StepBatch, timeline: Timeline | NoTimeline) -> None:
         """Enqueue the step's copies and compute; returns without waiting for the device."""
@@ -163,6 +178,7 @@ class Runner:
             batch.num_top_logprobs,
             batch.query_start_loc,
             batch.seq_lens,
+            batch.token_bucket,
         )
 
     @torch.inference_mode()
@@ -176,13 +192,12 @@ class Runner:
         num_top_logprobs: int | None,
         query_start_loc_host: list[int] | None,
         seq_lens_host: list[int] | None,
+        token_bucket: int | None = None,
     ) -> None:
-        """Everything the device does for one step; fixed shapes given its arguments, so capturable."""
+        """Everything the device does for one step; fixed shapes given its arguments, so capturable.
+        With `token_bucket`, the forward pass runs as pieces padded to that many tokens."""
         x, out = slot.dev_in, slot.dev_out
         prev_sampled = self.slots[1 - slot.index].dev_out["sampled"]  # slots alternate every step
-        input_ids = carry_over(
-            x["input_ids"][:num_tokens], x["carry_index"][:num_tokens], prev_sampled
-        )
         meta = AttentionMetadata(
             slot_mapping=x["slot_mapping"][:num_tokens].long(),
             query_start_loc=x["query_start_loc"][: num_seqs + 1],
@@ -193,11 +208,19 @@ class Runner:
             seq_lens_host=seq_lens_host,
             seq_order=x["seq_order"][:num_seqs],  # mixed steps: of the leading one-token rows
         )
-        hidden = self.model(
-            input_ids, x["positions"][:num_tokens], self.kv_caches, meta, self.attend
-        )
+        if token_bucket is not None:
+            hidden = self.pieces.forward(
+                slot.index, x, prev_sampled, token_bucket, num_tokens, meta
+            )
+        else:
+            input_ids = carry_over(
+                x["input_ids"][:num_tokens], x["carry_index"][:num_tokens], prev_sampled
+            )
+            hidden = self.model(
+                input_ids, x["positions"][:num_tokens], self.kv_caches, meta, self.attend
+            )
         # a decode step's rows are its sequences' last tokens already: no gather
-        last = hidden if decode_only else hidden[x["logits_indices"][:num_seqs].long()]
+        last = hidden[:num_seqs] if decode_only else hidden[x["logits_indices"][:num_seqs].long()]
         logits = self.model.compute_logits(last)
         # logprobs describe the model's own distribution, before min_tokens bans and filters
         logprobs = (
@@ -226,18 +249,24 @@ class Runner:
             out["top_logprobs"][:num_seqs, :num_top_logprobs].copy_(top_logprobs)
 
     def capture_graphs(self, shared_pool: bool = True) -> None:
-        """One graph per (slot, padded size, filters on/off), all from one shared memory pool.
+        """One graph per (slot, padded size, filters on/off), and the pieces of the other steps
+        per token bucket, all from one shared memory pool.
 
         Sharing is safe because graphs never run concurrently: every step runs on the compute
         stream after the previous one. Largest first, so smaller graphs fit in the pool it sized.
-        (`shared_pool=False` gives each graph its own pool; benchmarks/graph_memory.py compares.)
+        (`shared_pool=False` gives each decode graph its own pool; benchmarks/graph_memory.py
+        compares.)
         """
+        shared = torch.cuda.graph_pool_handle()
+        if self.pieces is not None:  # the larger activations: first
+            prev = [self.slots[1 - slot.index].dev_out["sampled"] for slot in self.slots]
+            inputs = [(slot.dev_in, prev[slot.index]) for slot in self.slots]
+            self.pieces.capture(self.token_buckets, inputs, shared, self.compute_stream)
         with preferred_blas():
-            self._capture_graphs(shared_pool)
+            self._capture_graphs(shared, shared_pool)
         torch.cuda.synchronize(self.device)
 
-    def _capture_graphs(self, shared_pool: bool) -> None:
-        shared = torch.cuda.graph_pool_handle()
+    def _capture_graphs(self, shared, shared_pool: bool) -> None:
         for size in reversed(self.graph_sizes):
             for slot in self.slots:
                 for use_filters in (False, True):
@@ -255,17 +284,6 @@ def graph_batch_sizes(max_seqs: int) -> list[int]:
     """E.g. 40 -> [1, 2, 4, 8, 16, 32, 40]: powers of two to 16, then multiples of 16, then the max."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_seqs] + list(range(16, max_seqs, 16))
     return [*sizes, max_seqs]
-
-
-def carry_over(
-    input_ids: torch.Tensor, carry_index: torch.Tensor, prev_sampled: torch.Tensor
-) -> torch.Tensor:
-    """Add the previous step's sampled ids where the carry index points (placeholders are 0).
-
-    E.g. prev_sampled [7, 9], carry_index [-1, 1, -1, 0], input_ids [5, 0, 6, 0] -> [5, 9, 6, 7]
-    """
-    carried = prev_sampled[carry_index.clamp(min=0).long()] * (carry_index >= 0)
-    return input_ids + carried
 
 
 def ban_tokens(logits: torch.Tensor, banned_ids: torch.Tensor, ban_rows: torch.Tensor) -> None:

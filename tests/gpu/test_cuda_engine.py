@@ -12,6 +12,7 @@ import torch
 
 from tandem import LLM, SamplingParams, runner
 from tandem.bench import counting_jit_compiles
+from tandem.piecewise import PiecewiseGraphs
 from tandem.runner import Runner
 
 pytestmark = [
@@ -63,6 +64,32 @@ def test_async_equals_sync_on_cuda(make_tiny, arch, dtype):
 def test_graphs_on_equals_graphs_off_in_float32(make_tiny, arch):
     eager = generate(make_tiny(arch), cuda_graphs=False)
     assert generate(make_tiny(arch), cuda_graphs=True) == eager
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_captured_pieces_equal_the_same_pieces_run_eagerly(make_tiny, monkeypatch, arch, dtype):
+    """Steps with prefill replay their pieces' graphs, the attentions launched between them:
+    the same kernels on the same padded shapes as the uncaptured pieces, so the same tokens,
+    exactly (what the graphs read and write between pieces is in the fixed buffers)."""
+    runs = []
+    original = PiecewiseGraphs.forward
+
+    def counted(self, *args):
+        runs.append(bool(self.graphs))
+        return original(self, *args)
+
+    monkeypatch.setattr(PiecewiseGraphs, "forward", counted)
+    for temperature in (0.0, 1.0):
+        captured = generate(make_tiny(arch), dtype, temperature, cuda_graphs=True)
+        assert runs and all(runs)
+        runs.clear()
+        with monkeypatch.context() as uncaptured:
+            uncaptured.setattr(PiecewiseGraphs, "capture", lambda self, *args: None)
+            eager = generate(make_tiny(arch), dtype, temperature, cuda_graphs=True)
+        assert runs and not any(runs)
+        runs.clear()
+        assert captured == eager
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -31,6 +31,7 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,  # where to write the result (a new tensor if None)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Attend causally over each sequence's context; this step's K/V are already in the
         cache (the decoder stores them, see `fused.rope_qk`)."""

@@ -19,11 +19,17 @@ def write_kv(
 
 
 def torch_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if meta.decode_only:
-        return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale)
-    return prefill_attention(q, kv_cache, meta, scale)
+        result = decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale)
+    else:
+        result = prefill_attention(q, kv_cache, meta, scale)
+    return result if out is None else out.copy_(result)
 
 
 def decode_attention(

@@ -136,9 +136,15 @@ class TritonAttention:
         )
 
     def __call__(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
+        assert out.shape == q.shape and out.is_contiguous()
         if meta.decode_only:
             self.decode(q, out, kv_cache, meta, scale)
             return out

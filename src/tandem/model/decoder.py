@@ -81,22 +81,28 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rope = rope
 
-    def forward(
+    def project(
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        attend: AttentionBackend,
+        slot_mapping: torch.Tensor,
+        q_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Up to the attention: q, k and v, their norms and rotary; k and v go to the cache and
+        q is returned [tokens, heads, head_dim] (in `q_out` when given)."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm else ()
-        q = rope_qk(q, k, v, positions, self.rope.cos_sin, kv_cache, meta.slot_mapping, *norms)
-        out = attend(q, kv_cache, meta, self.scale)
-        return to_residual(self.o_proj, out.flatten(1), self.tp)
+        return rope_qk(
+            q, k, v, positions, self.rope.cos_sin, kv_cache, slot_mapping, *norms, q_out=q_out
+        )
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        """After the attention: the o projection of its [tokens, heads, head_dim] result."""
+        return to_residual(self.o_proj, attended.flatten(1), self.tp)
 
 
 class MLP(nn.Module):
@@ -119,12 +125,25 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, x, residual, positions, kv_cache, meta, attend):
-        """(this layer's output, the residual stream before it); the caller adds the two."""
+    def before_attention(self, x, residual, positions, kv_cache, slot_mapping, q_out=None):
+        """(q, the residual stream): the previous layer's output added to the stream, the norm,
+        and the attention's projections (this step's K/V stored)."""
         h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, positions, kv_cache, meta, attend)
+        q = self.self_attn.project(h, positions, kv_cache, slot_mapping, q_out)
+        return q, residual
+
+    def after_attention(self, attended, residual):
+        """(this layer's output, the residual stream before it); the caller adds the two."""
+        h = self.self_attn.output(attended)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
+
+    def forward(self, x, residual, positions, kv_cache, meta, attend):
+        """(this layer's output, the residual stream before it); the caller adds the two. The
+        residual stream is advanced in place (see `fused.add_rms_norm`)."""
+        q, residual = self.before_attention(x, residual, positions, kv_cache, meta.slot_mapping)
+        attended = attend(q, kv_cache, meta, self.self_attn.scale)
+        return self.after_attention(attended, residual)
 
 
 class Decoder(nn.Module):

@@ -42,7 +42,10 @@ def num_sms(device: torch.device) -> int:
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual) * weight, x + residual); x: [rows, hidden]. Without a residual, x.
+    """(RMSNorm(x + residual) * weight, x + residual); x: [rows, hidden]. The sum is written
+    over `residual`: the residual stream advances in place, so it stays in one buffer through a
+    step (a step cut into CUDA graphs at its attentions hands it from graph to graph, see
+    `piecewise`). Without a residual, the sum is x itself.
 
     x may also be float32 partial sums [splits, rows, hidden] of a split-K matmul
     (`splitk.linear_partials`), with a residual: their sum, rounded to the residual's dtype as
@@ -51,7 +54,7 @@ def add_rms_norm(
         return _add_rms_norm_triton(x, residual, weight, eps)
     if x.dim() == 3:
         x = x.sum(0).to(residual.dtype)
-    summed = x if residual is None else x + residual
+    summed = x if residual is None else residual.add_(x)
     xf = summed.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return weight * normed, summed
@@ -76,22 +79,26 @@ def rope_qk(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
+    q_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-head RMSNorm of q and k (when norm weights are given, as in Qwen3), then the rotary
     embedding ("rotate half" layout); k and v are stored at their slots of the paged cache
     ([2, blocks, block_size, kv_heads, head_dim]; slot -1 stores nothing that is read) and the
-    new contiguous q is returned. q, k, v: [tokens, heads, head_dim], possibly strided views;
-    cos_sin: [max_position, head_dim] float32, cos | sin, looked up by `positions` [tokens]."""
+    new contiguous q is returned (in `q_out` when given). q, k, v: [tokens, heads, head_dim],
+    possibly strided views; cos_sin: [max_position, head_dim] float32, cos | sin, looked up by
+    `positions` [tokens]."""
     half = q.shape[-1] // 2
     if use_kernels(q) and half & (half - 1) == 0:  # the kernel's tiles need a power of two
         return _rope_qk_triton(
-            q, k, v, positions, cos_sin, kv_cache, slot_mapping, q_norm_weight, k_norm_weight, eps
-        )
+            q, k, v, positions, cos_sin, kv_cache, slot_mapping, q_norm_weight, k_norm_weight, eps,
+            q_out,
+        )  # fmt: skip
     cos, sin = cos_sin[positions].chunk(2, dim=-1)
     if q_norm_weight is not None:
         q, k = _head_norm(q, q_norm_weight, eps), _head_norm(k, k_norm_weight, eps)
     write_kv(kv_cache, rotate(k, cos, sin), v, slot_mapping)
-    return rotate(q, cos, sin)
+    rotated = rotate(q, cos, sin)
+    return rotated if q_out is None else q_out.copy_(rotated)
 
 
 def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -108,7 +115,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 @triton.jit
 def add_rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr, x_stride, residual_stride, hidden, eps,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, x_stride, residual_stride, hidden, eps,
     part_stride, HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
@@ -125,14 +132,10 @@ def add_rms_norm_kernel(
                 x_ptr + part * part_stride + row * x_stride + cols, mask=mask, other=0.0
             )
         x = parts.to(residual_ptr.dtype.element_ty)
-    if HAS_RESIDUAL:
-        x = (
-            x.to(tl.float32)
-            + tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0).to(
-                tl.float32
-            )
-        ).to(x.dtype)
-        tl.store(summed_ptr + row * hidden + cols, x, mask=mask)
+    if HAS_RESIDUAL:  # the sum over the residual: each program reads its row before writing it
+        residual = residual_ptr + row * residual_stride + cols
+        x = (x.to(tl.float32) + tl.load(residual, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(residual, x, mask=mask)
     xf = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
     normed = (xf * inv_rms).to(x.dtype)
@@ -146,10 +149,10 @@ def _add_rms_norm_triton(x, residual, weight, eps):
     rows, hidden = x.shape[-2:]
     dtype = x.dtype if residual is None else residual.dtype
     out = torch.empty((rows, hidden), dtype=dtype, device=x.device)
-    summed = x if residual is None else torch.empty_like(out)
+    summed = x if residual is None else residual
+    assert summed.stride(-1) == 1
     add_rms_norm_kernel[(rows,)](
-        x, residual if residual is not None else x, weight, out, summed, x.stride(-2),
-        (residual if residual is not None else x).stride(0), hidden, eps, x.stride(0),
+        x, summed, weight, out, x.stride(-2), summed.stride(0), hidden, eps, x.stride(0),
         HAS_RESIDUAL=residual is not None, PARTS=parts, BLOCK=next_power_of_2(hidden),
         **pdl.launch_args(x.device),
     )  # fmt: skip
@@ -242,14 +245,17 @@ def rope_qk_kernel(
 
 
 def _rope_qk_triton(
-    q, k, v, positions, cos_sin, kv_cache, slot_mapping, q_norm_weight, k_norm_weight, eps
-):
+    q, k, v, positions, cos_sin, kv_cache, slot_mapping, q_norm_weight, k_norm_weight, eps,
+    q_out=None,
+):  # fmt: skip
     tokens, q_heads, head_dim = q.shape
     k_heads = k.shape[1]
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and cos_sin.is_contiguous()
     assert kv_cache.dtype == k.dtype and kv_cache.is_contiguous()
     assert kv_cache.shape[-2:] == (k_heads, head_dim), "cache layout [2, blocks, block, heads, dim]"
-    q_out = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if q_out is None:
+        q_out = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)
+    assert q_out.shape == q.shape and q_out.is_contiguous()
     has_norm = q_norm_weight is not None
     rope_qk_kernel[(tokens,)](
         q, k, v, q_out, kv_cache, q_norm_weight if has_norm else q,

@@ -1,0 +1,165 @@
+"""Steps with prefill as CUDA graphs cut at their attentions.
+
+A decode-only step is one CUDA graph (runner.py). A step with prefill cannot be one: its
+attention launches follow the host's query lengths (how many one-token rows lead, the longest
+prompt). Everything else in it has fixed shapes given its token count, so the step is cut at its
+attentions into num_layers + 1 pieces:
+
+    piece 0:  carry-over, embedding, layer 0 up to its attention (q; K/V to the cache)
+    piece i:  layer i-1 after its attention (o projection, norm, MLP), layer i up to its attention
+    piece L:  layer L-1 after its attention, the final norm
+
+Each piece is captured for a few token counts (`token_buckets`); a step pads its tokens to the
+next count (padding rows have slot -1: they store no K/V, and nothing reads their outputs). The
+attentions run eagerly between the replays, reading and writing fixed buffers: q, the
+attention's output, and the residual stream, which the pieces advance in place. Eagerly, such a
+step launches some 25 kernels per layer from Python; on a slow host the GPU waited on those
+launches (BENCHMARKS.md, tenth and eleventh runs).
+
+Piece 0 reads the step's inputs from its IO slot, so it has one graph per slot; it copies the
+positions and cache slots into this module's buffers, and the later pieces, read them there.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tandem.attention import AttentionBackend, AttentionMetadata
+from tandem.io_slot import PackedBuffers, carry_over
+from tandem.model.decoder import Decoder
+
+SMALLEST_BUCKET = 16
+# TANDEM_PIECEWISE=0: steps with prefill run eagerly, to compare against
+ENABLED = os.environ.get("TANDEM_PIECEWISE", "1") != "0"
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Token counts the pieces are captured for, ascending: powers of two up to 512, then four
+    per doubling (a step pads at most a quarter more rows there, where its matmuls are no longer
+    cheap), then `max_tokens`. E.g. 3000 -> [16, 32, ..., 512, 640, 768, 896, 1024, 1280, 1536,
+    1792, 2048, 2560, 3000]."""
+    buckets, size = [], SMALLEST_BUCKET
+    while size < min(max_tokens, 512):
+        buckets.append(size)
+        size *= 2
+    while size < max_tokens:
+        buckets.append(size)
+        size += (1 << (size.bit_length() - 1)) // 4  # a quarter of the power of two below
+    return [*buckets, max_tokens]
+
+
+def bucket_for(buckets: list[int], num_tokens: int) -> int | None:
+    """The smallest bucket that holds `num_tokens` (None: more tokens than the largest)."""
+    return next((size for size in buckets if size >= num_tokens), None)
+
+
+class PiecewiseGraphs:
+    """The pieces of a step with prefill, their buffers and, on CUDA once captured, their graphs.
+    Uncaptured (CPU), the same pieces run eagerly."""
+
+    def __init__(
+        self,
+        model: Decoder,
+        kv_caches: list[torch.Tensor],
+        attend: AttentionBackend,
+        max_tokens: int,
+        device: torch.device,
+    ):
+        self.model, self.kv_caches, self.attend = model, kv_caches, attend
+        cfg, dtype = model.cfg, model.embed_tokens.weight.dtype
+        self.positions = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self.residual = torch.zeros(max_tokens, cfg.hidden_size, dtype=dtype, device=device)
+        self.q = torch.zeros(max_tokens, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
+        self.attended = torch.zeros_like(self.q)
+        # (slot for piece 0 else -1, bucket, piece) -> graph; bucket -> piece L's output
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
+
+    @property
+    def num_pieces(self) -> int:
+        return len(self.model.layers) + 1
+
+    def piece(
+        self, i: int, rows: int, inputs: PackedBuffers, prev_sampled: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Piece i over the first `rows` token rows; the last piece returns the final hidden
+        states [rows, hidden]. `inputs` are the step's slot inputs and `prev_sampled` the
+        previous step's sampled ids (piece 0's carry-over)."""
+        model, layers = self.model, self.model.layers
+        positions, slot_mapping = self.positions[:rows], self.slot_mapping[:rows]
+        residual = self.residual[:rows]
+        if i == 0:
+            ids = carry_over(inputs["input_ids"][:rows], inputs["carry_index"][:rows], prev_sampled)
+            positions.copy_(inputs["positions"][:rows])
+            slot_mapping.copy_(inputs["slot_mapping"][:rows])
+            residual.copy_(model.embed_tokens(ids))
+            x, stream = residual, None  # layer 0 normalizes the embeddings, which start the stream
+        else:
+            x, stream = layers[i - 1].after_attention(self.attended[:rows], residual)
+        if i == len(layers):
+            return model.norm.add_forward(x, stream)[0]
+        layers[i].before_attention(
+            x, stream, positions, self.kv_caches[i], slot_mapping, q_out=self.q[:rows]
+        )
+        return None
+
+    def forward(
+        self,
+        slot: int,
+        inputs: PackedBuffers,
+        prev_sampled: torch.Tensor,
+        bucket: int,
+        num_tokens: int,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The step's final hidden states [bucket, hidden] (rows from num_tokens on are
+        padding): each piece replayed (or run eagerly, uncaptured), the attentions between."""
+        q, attended = self.q[:num_tokens], self.attended[:num_tokens]
+        layers = self.model.layers
+        hidden = None
+        for i in range(self.num_pieces):
+            if i:
+                layer = layers[i - 1].self_attn
+                self.attend(q, self.kv_caches[i - 1], meta, layer.scale, out=attended)
+            key = (slot if i == 0 else -1, bucket, i)
+            if key in self.graphs:
+                self.graphs[key].replay()
+            else:
+                hidden = self.piece(i, bucket, inputs, prev_sampled)
+        return self.hidden[bucket] if hidden is None else hidden
+
+    @torch.inference_mode()
+    def capture(
+        self,
+        buckets: list[int],
+        slot_inputs: list[tuple[PackedBuffers, torch.Tensor]],
+        pool,
+        stream: torch.cuda.Stream,
+    ) -> None:
+        """Captures every piece for every bucket, largest first (smaller buckets then fit in
+        the memory the largest took from `pool`). `slot_inputs`: (inputs, previous step's
+        sampled ids) of each slot, for piece 0. Capture runs before any request: the warm-up
+        runs write K/V at whatever slots the inputs hold, which nothing has yet."""
+        for bucket in sorted(buckets, reverse=True):
+            with torch.cuda.stream(stream):  # warm-up: kernels compiled and chosen, workspaces
+                for i in range(self.num_pieces):
+                    self.piece(i, bucket, *slot_inputs[0])
+            for i in range(self.num_pieces):
+                for slot, (inputs, prev_sampled) in enumerate(slot_inputs):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        out = self.piece(i, bucket, inputs, prev_sampled)
+                    self.graphs[(slot if i == 0 else -1, bucket, i)] = graph
+                    if out is not None:
+                        self.hidden[bucket] = out
+                    if i:
+                        break  # pieces after the first read no slot: one graph serves both
+
+    def release(self) -> None:
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.hidden.clear()

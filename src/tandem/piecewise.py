@@ -17,7 +17,7 @@ step launches some 25 kernels per layer from Python; on a slow host the GPU wait
 launches (BENCHMARKS.md, tenth and eleventh runs).
 
 Piece 0 reads the step's inputs from its IO slot, so it has one graph per slot; it copies the
-positions and cache slots into this module's buffers, and the later pieces, read them there.
+positions and cache slots into this module's buffers, where the later pieces read them.
 """
 
 from __future__ import annotations
@@ -69,9 +69,12 @@ class PiecewiseGraphs:
     ):
         self.model, self.kv_caches, self.attend = model, kv_caches, attend
         cfg, dtype = model.cfg, model.embed_tokens.weight.dtype
-        self.positions = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        # what crosses a cut; a step uses the first `bucket` rows
+        self.positions = torch.zeros(max_tokens, dtype=torch.int32, device=device)  # [tokens]
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        # [tokens, hidden] in the model dtype, advanced in place by each norm
         self.residual = torch.zeros(max_tokens, cfg.hidden_size, dtype=dtype, device=device)
+        # [tokens, heads, head_dim]: rotary's q, the attention's output
         self.q = torch.zeros(max_tokens, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
         self.attended = torch.zeros_like(self.q)
         # (slot for piece 0 else -1, bucket, piece) -> graph; bucket -> piece L's output

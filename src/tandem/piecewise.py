@@ -36,17 +36,18 @@ ENABLED = os.environ.get("TANDEM_PIECEWISE", "1") != "0"
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """Token counts the pieces are captured for, ascending: powers of two up to 512, then four
-    per doubling (a step pads at most a quarter more rows there, where its matmuls are no longer
-    cheap), then `max_tokens`. E.g. 3000 -> [16, 32, ..., 512, 640, 768, 896, 1024, 1280, 1536,
-    1792, 2048, 2560, 3000]."""
+    """Token counts the pieces are captured for, ascending: powers of two up to 512, then eight
+    per doubling, then `max_tokens`. Past 512 tokens a step pads at most an eighth more rows:
+    there its matmuls are no longer cheap, and on a large model such a step is bound by the GPU,
+    where padding costs time the eager step would not spend. E.g. 3000 -> [16, 32, ..., 512,
+    576, 640, ..., 1024, 1152, ..., 2048, 2304, 2560, 2816, 3000]."""
     buckets, size = [], SMALLEST_BUCKET
     while size < min(max_tokens, 512):
         buckets.append(size)
         size *= 2
     while size < max_tokens:
         buckets.append(size)
-        size += (1 << (size.bit_length() - 1)) // 4  # a quarter of the power of two below
+        size += (1 << (size.bit_length() - 1)) // 8  # an eighth of the power of two below
     return [*buckets, max_tokens]
 
 

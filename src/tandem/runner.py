@@ -259,8 +259,7 @@ class Runner:
         """
         shared = torch.cuda.graph_pool_handle()
         if self.pieces is not None:  # the larger activations: first
-            prev = [self.slots[1 - slot.index].dev_out["sampled"] for slot in self.slots]
-            inputs = [(slot.dev_in, prev[slot.index]) for slot in self.slots]
+            inputs = [(s.dev_in, self.slots[1 - s.index].dev_out["sampled"]) for s in self.slots]
             self.pieces.capture(self.token_buckets, inputs, shared, self.compute_stream)
         with preferred_blas():
             self._capture_graphs(shared, shared_pool)

@@ -16,7 +16,7 @@ replay as the engine runs them, each call on a cold copy of the weight (`Rotatio
             GEMM templates against cuBLAS and keeps the fastest; slow to compile.
 Usage: PYTHONPATH=src python benchmarks/gemm.py [--model llama-3-8b] [--rows 1 8 32] [--autotune]
 [--sweep-splitk]  (--sweep-splitk: the o and down matrices under each split-K tile shape and
-split count, after the table; * marks the plan's pick)
+split count, after the table; * marks the plan's pick; past MAX_ROWS, 64-row tiles)
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import triton.testing
 
 from tandem.config import ModelConfig
 from tandem.model.loader import read_hf_config
-from tandem.model.splitk import MAX_ROWS, SplitTiles, linear_partials, plan
+from tandem.model.splitk import SplitTiles, linear_partials, plan
 from tandem.roofline import H200
 from tandem.runner import preferred_blas
 
@@ -105,16 +105,19 @@ def sweep_splitk(cfg: ModelConfig, rows_list: list[int]) -> None:
         out_features, in_features = matrices(cfg)[name]
         weight = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16)
         rotation = Rotation(weight)
-        for rows in [r for r in rows_list if r <= MAX_ROWS]:
+        for rows in rows_list:
             x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
             pick = plan(rows, out_features, in_features, x.device)
-            k_steps = in_features // pick.block_k
+            # past MAX_ROWS the engine takes F.linear (the table above): 64-row tiles against it
+            block_k = next(b for b in (128, 64, 32, 16) if in_features % b == 0)
+            base = pick or SplitTiles(64, 64, block_k, 1)
+            k_steps = in_features // base.block_k
             for block_n in (32, 64, 128):
                 for num_stages in (3, 4):
                     cells = []
                     for splits in [s for s in (1, 2, 3, 4, 6, 8, 12, 16) if k_steps % s == 0]:
                         tiles = SplitTiles(
-                            pick.block_m, block_n, pick.block_k, splits, 4, num_stages
+                            base.block_m, block_n, base.block_k, splits, 4, num_stages
                         )
                         us = time_us(
                             lambda x, t=tiles, r=rotation: linear_partials(x, r.next(), tiles=t), x

@@ -24,9 +24,9 @@ from tandem.config import cdiv, next_power_of_2
 from tandem.model.fused import num_sms
 
 ENABLED = os.environ.get("TANDEM_SPLITK", "1") != "0"
-# wider steps fill the device with output tiles alone: cuBLAS won at 256 rows, and a 128-row
-# limit left the small workload unchanged (BENCHMARKS.md, tenth run)
-MAX_ROWS = 64
+# past 64 rows: 64-row tiles, one program per SM, four stages (BENCHMARKS.md, eleventh run:
+# o and down at 128 and 256 rows beat cuBLAS alone)
+MAX_ROWS = 256
 
 
 class SplitTiles(NamedTuple):
@@ -74,9 +74,12 @@ def plan(rows: int, out_features: int, in_features: int, device: torch.device) -
     block_m, block_n = max(16, min(64, next_power_of_2(rows))), 64
     tiles = cdiv(rows, block_m) * cdiv(out_features, block_n)
     k_steps = in_features // block_k
-    wanted = max(1, 2 * num_sms(device) // tiles)
+    wide = rows > 64
+    wanted = max(1, (1 if wide else 2) * num_sms(device) // tiles)
     splits = max(s for s in range(1, min(wanted, k_steps) + 1) if k_steps % s == 0)
-    return SplitTiles(block_m, block_n, block_k, splits)
+    if wide and splits == 1:  # the output tiles fill the device alone: cuBLAS's case
+        return None
+    return SplitTiles(block_m, block_n, block_k, splits, num_stages=4 if wide else 3)
 
 
 def linear_partials(

@@ -29,6 +29,17 @@ def test_partials_add_up_to_the_product(dtype, rows, out_features, in_features):
     torch.testing.assert_close(partials.sum(0).double(), expected, atol=tol, rtol=tol)
 
 
+def test_past_64_rows_only_matrices_that_leave_sms_idle_are_split(monkeypatch):
+    """On 132 SMs: Qwen3-0.6B's o and down at 128 and 256 rows split (one program per SM, the
+    sweep's best shapes); Llama-3-8B's o at 256 rows fills the device with output tiles alone."""
+    monkeypatch.setattr(splitk, "num_sms", lambda device: 132)
+    assert splitk.plan(256, 1024, 3072, DEVICE) == splitk.SplitTiles(64, 64, 128, 2, 4, 4)
+    assert splitk.plan(128, 1024, 2048, DEVICE) == splitk.SplitTiles(64, 64, 128, 4, 4, 4)
+    assert splitk.plan(64, 1024, 2048, DEVICE).num_stages == 3  # up to 64 rows: as before
+    assert splitk.plan(256, 4096, 4096, DEVICE) is None
+    assert splitk.plan(128, 4096, 14336, DEVICE) is None
+
+
 def test_plan_splits_the_input_evenly_and_leaves_wide_steps_to_the_library():
     for rows, out_features, in_features in [(1, 64, 4096), (32, 4096, 14336), (64, 1024, 3072)]:
         tiles = splitk.plan(rows, out_features, in_features, DEVICE)
@@ -63,7 +74,14 @@ def test_norm_adds_the_partials_as_the_rounded_product(dtype, monkeypatch):
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="real sizes in bf16 need a GPU")
 @pytest.mark.parametrize(
     ("rows", "out_features", "in_features"),
-    [(1, 4096, 4096), (32, 4096, 14336), (64, 1024, 3072), (64, 1024, 2048)],
+    [
+        (1, 4096, 4096),
+        (32, 4096, 14336),
+        (64, 1024, 3072),
+        (64, 1024, 2048),
+        (128, 1024, 2048),
+        (256, 1024, 3072),
+    ],
 )
 def test_partials_at_llama_and_qwen_decode_sizes_in_bfloat16(rows, out_features, in_features):
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -6,7 +6,9 @@ each program computes one output tile over one slice of the input features, and 
 partial sums [splits, rows, out]; the residual add + RMSNorm kernel that always follows
 (`fused.add_rms_norm`) adds the slices up as it reads them, so the split costs no extra launch.
 On the H200 this took Llama-3-8B's batch-1 step from 4.48 to 4.37 ms (BENCHMARKS.md, eighth
-run). TANDEM_SPLITK=0 keeps F.linear, for comparisons.
+run). Past 64 rows only matrices with few output columns split (Qwen3-0.6B's o and down: small's
+256-row decode steps 5.10 -> 5.04 ms, eleventh run); larger ones fill the device alone and stay
+with cuBLAS. TANDEM_SPLITK=0 keeps F.linear, for comparisons.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from tandem.config import cdiv, next_power_of_2
 from tandem.model.fused import num_sms
 
 ENABLED = os.environ.get("TANDEM_SPLITK", "1") != "0"
-# past 64 rows: 64-row tiles, one program per SM, four stages (BENCHMARKS.md, eleventh run:
-# o and down at 128 and 256 rows beat cuBLAS alone)
+# past 64 rows: 64-row tiles, one program per SM, four stages, where that means 2 or more
+# splits (BENCHMARKS.md, eleventh run: the best shapes of the sweep at 128 and 256 rows)
 MAX_ROWS = 256
 
 

@@ -1,4 +1,4 @@
-"""Steps with prefill as CUDA graphs cut at their attentions.
+"""Steps that no whole CUDA graph runs (prefill, logprobs) as graphs cut at their attentions.
 
 A decode-only step is one CUDA graph (runner.py). A step with prefill cannot be one: its
 attention launches follow the host's query lengths (how many one-token rows lead, the longest
@@ -100,13 +100,13 @@ class PiecewiseGraphs:
             positions.copy_(inputs["positions"][:rows])
             slot_mapping.copy_(inputs["slot_mapping"][:rows])
             residual.copy_(model.embed_tokens(ids))
-            x, stream = residual, None  # layer 0 normalizes the embeddings, which start the stream
+            x, add_to = residual, None  # layer 0 normalizes the embeddings, which start the stream
         else:
-            x, stream = layers[i - 1].after_attention(self.attended[:rows], residual)
+            x, add_to = layers[i - 1].after_attention(self.attended[:rows], residual)
         if i == len(layers):
-            return model.norm.add_forward(x, stream)[0]
+            return model.norm.add_forward(x, add_to)[0]
         layers[i].before_attention(
-            x, stream, positions, self.kv_caches[i], slot_mapping, q_out=self.q[:rows]
+            x, add_to, positions, self.kv_caches[i], slot_mapping, q_out=self.q[:rows]
         )
         return None
 

@@ -15,13 +15,15 @@ replay as the engine runs them, each call on a cold copy of the weight (`Rotatio
   autotune  (--autotune) torch.compile max-autotune of F.linear: Inductor times its Triton
             GEMM templates against cuBLAS and keeps the fastest; slow to compile.
 Usage: PYTHONPATH=src python benchmarks/gemm.py [--model llama-3-8b] [--rows 1 8 32] [--autotune]
-[--sweep-splitk]  (--sweep-splitk: the o and down matrices under each split-K tile shape and
-split count, after the table; * marks the plan's pick; past MAX_ROWS, 64-row tiles)
+[--sweep-splitk [--sweep-matrices o down]]  (--sweep-splitk: those matrices under each split-K
+tile shape, warp count and split count, after the table; * marks the plan's pick; where the plan
+declines, its row tiles)
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from tandem.config import ModelConfig
+from tandem.config import ModelConfig, next_power_of_2
 from tandem.model.loader import read_hf_config
 from tandem.model.splitk import SplitTiles, linear_partials, plan
 from tandem.roofline import H200
@@ -98,33 +100,35 @@ def time_us(fn, x) -> float:
     return 1000 * triton.testing.do_bench_cudagraph(lambda: fn(x), return_mode="median")
 
 
-def sweep_splitk(cfg: ModelConfig, rows_list: list[int]) -> None:
-    """µs per call of the o and down matrices, cold, under each output tile width, pipeline
-    depth and split count the input allows."""
-    for name in ("o", "down"):
+def sweep_splitk(cfg: ModelConfig, rows_list: list[int], names: list[str]) -> None:
+    """µs per call of the named matrices, cold, under each output tile width, pipeline depth,
+    warp count and split count the input allows."""
+    for name in names:
         out_features, in_features = matrices(cfg)[name]
         weight = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16)
         rotation = Rotation(weight)
         for rows in rows_list:
             x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
             pick = plan(rows, out_features, in_features, x.device)
-            # past MAX_ROWS the engine takes F.linear (the table above): 64-row tiles against it
+            # where the plan declines, the engine takes F.linear (the table above): 64-row
+            # tiles against it
             block_k = next(b for b in (128, 64, 32, 16) if in_features % b == 0)
-            base = pick or SplitTiles(64, 64, block_k, 1)
+            base = pick or SplitTiles(max(16, min(64, next_power_of_2(rows))), 64, block_k, 1)
             k_steps = in_features // base.block_k
-            for block_n in (32, 64, 128):
-                for num_stages in (3, 4):
-                    cells = []
-                    for splits in [s for s in (1, 2, 3, 4, 6, 8, 12, 16) if k_steps % s == 0]:
-                        tiles = SplitTiles(
-                            base.block_m, block_n, base.block_k, splits, 4, num_stages
-                        )
-                        us = time_us(
-                            lambda x, t=tiles, r=rotation: linear_partials(x, r.next(), tiles=t), x
-                        )
-                        cells.append(f"{splits}{'*' if tiles == pick else ''}:{us:.1f}")
-                    print(f"splitk {name:5} M={rows:<4} block_n={block_n:<3} stages={num_stages} "
-                          f"us by splits  " + "  ".join(cells), flush=True)  # fmt: skip
+            for block_n, num_stages, num_warps in itertools.product((32, 64, 128), (3, 4), (4, 8)):
+                if num_warps == 8 and block_n == 32:
+                    continue
+                cells = []
+                for splits in [s for s in (1, 2, 3, 4, 6, 8, 12, 16) if k_steps % s == 0]:
+                    tiles = SplitTiles(
+                        base.block_m, block_n, base.block_k, splits, num_warps, num_stages
+                    )
+                    us = time_us(
+                        lambda x, t=tiles, r=rotation: linear_partials(x, r.next(), tiles=t), x
+                    )
+                    cells.append(f"{splits}{'*' if tiles == pick else ''}:{us:.1f}")
+                print(f"splitk {name:7} M={rows:<4} block_n={block_n:<3} stages={num_stages} "
+                      f"warps={num_warps} us by splits  " + "  ".join(cells), flush=True)  # fmt: skip
         del weight, rotation
 
 
@@ -135,6 +139,7 @@ def main() -> None:
     parser.add_argument("--autotune", action="store_true")
     parser.add_argument("--json")
     parser.add_argument("--sweep-splitk", action="store_true")
+    parser.add_argument("--sweep-matrices", nargs="+", default=["o", "down"])
     args = parser.parse_args()
     cfg = ModelConfig.from_hf(read_hf_config(args.model)[0])
     results = []
@@ -165,7 +170,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "results": results}, f, indent=1)
     if args.sweep_splitk:
-        sweep_splitk(cfg, args.rows)
+        sweep_splitk(cfg, args.rows, args.sweep_matrices)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,12 @@ Decode: bytes of K and V read per second against the measured copy ceiling.
 Prefill: causal attention FLOP/s against the measured bf16 GEMM ceiling.
 Sampler: the Gumbel-max sampler's logits read per second against the copy ceiling.
 Usage: PYTHONPATH=src python benchmarks/kernels.py [--json PATH] [--sweep-prefill] [--sweep-decode]
-[--sweep-sampler]
+[--sweep-sampler] [--sweep-small-ops]
 (--sweep-prefill: every prefill tile shape, each checked against the torch reference first,
 timed on a 4K prompt and on a chunk of the small workload's prompts;
 --sweep-decode: decode time, reduce included, for each split count against the default's choice;
---sweep-sampler: the sampler's chunks per row and warps per program)
+--sweep-sampler: the sampler's chunks per row and warps per program;
+--sweep-small-ops, alone: the add + RMSNorm and rotary kernels' warps per program)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import triton.testing
 from tandem.attention import AttentionMetadata
 from tandem.attention.torch_ref import decode_attention, prefill_attention
 from tandem.attention.triton_backend import DecodeTiles, PrefillTiles, TritonAttention
-from tandem.model.fused import num_sms
+from tandem.model.fused import _add_rms_norm_triton, _rope_qk_triton, num_sms
 from tandem.roofline import H200
 from tandem.sampling_kernel import NUM_WARPS, gumbel_argmax
 
@@ -231,6 +232,58 @@ def sweep_sampler() -> None:
                       + "  ".join(cells), flush=True)  # fmt: skip
 
 
+WARPS = (1, 2, 4, 8, 16, 32)
+
+
+def sweep_small_ops() -> None:
+    """The residual add + RMSNorm and the q/k rotary + K/V store under each warp count, in µs per
+    call, graph-replayed (their inputs stay in the L2, as in a step, where the kernel before just
+    wrote them); each checked against the default launch first."""
+    dev = torch.device("cuda")
+    # (rows, hidden, split-K parts): seed's and latency's layers, small's, a prefill chunk's
+    for rows, hidden, parts in ((1, 4096, 4), (32, 4096, 4), (32, 4096, 0), (128, 1024, 4),
+                                (256, 1024, 2), (8192, 1024, 0)):  # fmt: skip
+        x = torch.randn(*((parts,) if parts else ()), rows, hidden, device=dev)
+        x = x if parts else x.bfloat16()
+        residual = torch.randn(rows, hidden, device=dev, dtype=torch.bfloat16)
+        weight = torch.randn(hidden, device=dev, dtype=torch.bfloat16)
+        expected = _add_rms_norm_triton(x, residual.clone(), weight, 1e-6)[0]
+        for warps in WARPS:  # all checked before any timing, which adds to the residual
+            out = _add_rms_norm_triton(x, residual.clone(), weight, 1e-6, warps)[0]
+            torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
+        cells = []
+        for warps in WARPS:
+            ms = triton.testing.do_bench_cudagraph(
+                lambda w=warps, a=(x, residual, weight): _add_rms_norm_triton(*a, 1e-6, w),
+                return_mode="median",
+            )
+            cells.append(f"{warps}:{1000 * ms:.2f}")
+        print(f"add_rms_norm rows={rows:<5} hidden={hidden} parts={parts} us by warps  "
+              + "  ".join(cells), flush=True)  # fmt: skip
+    # (rows, q heads, kv heads): Llama-3-8B, Qwen3-0.6B (with its q/k norms)
+    for rows, q_heads, kv_heads in ((1, 32, 8), (32, 32, 8), (256, 16, 8), (8192, 16, 8)):
+        qkv = torch.randn(rows, (q_heads + 2 * kv_heads) * HEAD_DIM, device=dev).bfloat16()
+        q, k, v = qkv.view(rows, -1, HEAD_DIM).split([q_heads, kv_heads, kv_heads], dim=1)
+        cache = torch.zeros(2, rows // BLOCK_SIZE + 2, BLOCK_SIZE, kv_heads, HEAD_DIM, device=dev,
+                            dtype=torch.bfloat16)  # fmt: skip
+        positions = torch.arange(rows, device=dev) + 600
+        cos_sin = torch.randn(rows + 600, HEAD_DIM, device=dev)
+        slots = torch.arange(rows, device=dev)
+        norms = (torch.randn(HEAD_DIM, device=dev).bfloat16(),) * 2 if q_heads == 16 else ()
+        args = (q, k, v, positions, cos_sin, cache, slots, *(norms or (None, None)), 1e-6)
+        expected = _rope_qk_triton(*args)
+        cells = []
+        for warps in WARPS:  # the q/k norms' sums may round differently by warps
+            out = _rope_qk_triton(*args, num_warps=warps)
+            torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
+            ms = triton.testing.do_bench_cudagraph(
+                lambda w=warps, a=args: _rope_qk_triton(*a, num_warps=w), return_mode="median"
+            )
+            cells.append(f"{warps}:{1000 * ms:.2f}")
+        print(f"rope_qk rows={rows:<5} heads={q_heads}/{kv_heads} us by warps  "
+              + "  ".join(cells), flush=True)  # fmt: skip
+
+
 def sweep_decode() -> None:
     """Each split count at a few batch sizes and contexts (* marks the heuristic's pick), then
     each tile shape at the heuristic's split count, checked against the reference first."""
@@ -332,9 +385,13 @@ def main() -> None:
     parser.add_argument("--sweep-decode", action="store_true")
     parser.add_argument("--sweep-sampler", action="store_true")
     parser.add_argument("--sweep-decode-tiles", action="store_true", help="only this sweep")
+    parser.add_argument("--sweep-small-ops", action="store_true", help="only this sweep")
     args = parser.parse_args()
     if args.sweep_decode_tiles:
         sweep_decode_tiles()
+        return
+    if args.sweep_small_ops:
+        sweep_small_ops()
         return
     rows = [
         bench_decode(32, 4096),

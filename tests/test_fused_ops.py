@@ -18,7 +18,7 @@ def reference(fn, *args):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden", [64, 96, 1000])
+@pytest.mark.parametrize("hidden", [64, 96, 1000, 4096])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_add_rms_norm_matches_torch(dtype, hidden, with_residual):
     g = torch.Generator().manual_seed(hidden)
@@ -109,3 +109,13 @@ def test_engine_with_every_kernel_gives_the_torch_tokens(make_tiny, arch, monkey
         outputs = llm.generate(prompts, params, use_tqdm=False)
         tokens[kernels] = [o.outputs[0].token_ids for o in outputs]
     assert tokens[True] == tokens[False]
+
+
+def test_norm_warps_grow_with_the_row_only_where_rows_are_few():
+    """Decode rows (fewer than the SMs; 8 in the interpreter) get 8 columns per thread, 4 to 16
+    warps; a prefill chunk's rows keep 4 warps each."""
+    cpu = torch.device("cpu")
+    assert fused.num_sms(cpu) == 8
+    blocks = (64, 1024, 2048, 4096, 8192)
+    assert [fused.norm_warps(block, 8, cpu) for block in blocks] == [4, 4, 8, 16, 16]
+    assert fused.norm_warps(4096, 9, cpu) == 4

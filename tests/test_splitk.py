@@ -53,13 +53,14 @@ def test_plan_splits_the_input_evenly_and_leaves_wide_steps_to_the_library():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_norm_adds_the_partials_as_the_rounded_product(dtype, monkeypatch):
+@pytest.mark.parametrize(("parts", "rows", "hidden"), [(3, 6, 96), (4, 1, 4096), (4, 32, 4096)])
+def test_norm_adds_the_partials_as_the_rounded_product(dtype, parts, rows, hidden, monkeypatch):
     """The kernel and the torch version both take the partials' sum rounded to the model dtype
-    as the x they add to the residual."""
+    as the x they add to the residual (4096 columns: Llama-3-8B's decode rows, 16 warps)."""
     g = torch.Generator().manual_seed(0)
-    partials = torch.randn(3, 6, 96, generator=g).to(DEVICE)
-    residual = torch.randn(6, 96, generator=g).to(dtype).to(DEVICE)
-    weight = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype).to(DEVICE)
+    partials = torch.randn(parts, rows, hidden, generator=g).to(DEVICE)
+    residual = torch.randn(rows, hidden, generator=g).to(dtype).to(DEVICE)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(DEVICE)
     x = partials.sum(0).to(dtype)
     expected_out, expected_sum = fused.add_rms_norm(x, residual.clone(), weight, 1e-6)
     for kernels in (False, True):

@@ -144,17 +144,30 @@ def add_rms_norm_kernel(
     tl.store(out_ptr + row * hidden + cols, out, mask=mask)
 
 
-def _add_rms_norm_triton(x, residual, weight, eps):
+def norm_warps(block: int, rows: int, device: torch.device) -> int:
+    """Warps of the add + RMSNorm kernel's one program per row of `block` columns. Where the
+    rows are fewer than the SMs (a decode step), each row's loads (up to four split-K partials
+    and the residual) are what the step waits for, so they get 8 columns per thread, up to 16
+    warps: at 4,096 columns that took Llama-3-8B's 32-row step from 5.34 to 5.26 ms
+    (BENCHMARKS.md, twelfth run). Many rows (a prefill chunk) fill the device with 4 warps each,
+    and more warps are slower there (8,192 x 1,024: 15.5 µs with 4, 25.7 with 16)."""
+    if rows > num_sms(device):
+        return 4
+    return min(16, max(4, block // 256))
+
+
+def _add_rms_norm_triton(x, residual, weight, eps, num_warps=None):
     parts = x.shape[0] if x.dim() == 3 else 0
     rows, hidden = x.shape[-2:]
     dtype = x.dtype if residual is None else residual.dtype
     out = torch.empty((rows, hidden), dtype=dtype, device=x.device)
     summed = x if residual is None else residual
     assert summed.stride(-1) == 1
+    block = next_power_of_2(hidden)
     add_rms_norm_kernel[(rows,)](
         x, summed, weight, out, x.stride(-2), summed.stride(0), hidden, eps, x.stride(0),
-        HAS_RESIDUAL=residual is not None, PARTS=parts, BLOCK=next_power_of_2(hidden),
-        **pdl.launch_args(x.device),
+        HAS_RESIDUAL=residual is not None, PARTS=parts, BLOCK=block,
+        num_warps=num_warps or norm_warps(block, rows, x.device), **pdl.launch_args(x.device),
     )  # fmt: skip
     return out, summed
 
@@ -246,7 +259,7 @@ def rope_qk_kernel(
 
 def _rope_qk_triton(
     q, k, v, positions, cos_sin, kv_cache, slot_mapping, q_norm_weight, k_norm_weight, eps,
-    q_out=None,
+    q_out=None, num_warps=None,
 ):  # fmt: skip
     tokens, q_heads, head_dim = q.shape
     k_heads = k.shape[1]
@@ -262,6 +275,7 @@ def _rope_qk_triton(
         k_norm_weight if has_norm else k, positions, cos_sin, slot_mapping, q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_cache.stride(0),
         q_heads, k_heads, eps, HALF=head_dim // 2, Q_HEADS=next_power_of_2(q_heads),
-        K_HEADS=next_power_of_2(k_heads), HAS_NORM=has_norm, **pdl.launch_args(q.device),
+        K_HEADS=next_power_of_2(k_heads), HAS_NORM=has_norm, num_warps=num_warps or 4,
+        **pdl.launch_args(q.device),
     )  # fmt: skip
     return q_out

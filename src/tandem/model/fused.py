@@ -150,7 +150,7 @@ def norm_warps(block: int, rows: int, device: torch.device) -> int:
     and the residual) are what the step waits for, so they get 8 columns per thread, up to 16
     warps: at 4,096 columns that took Llama-3-8B's 32-row step from 5.34 to 5.26 ms
     (BENCHMARKS.md, twelfth run). Many rows (a prefill chunk) fill the device with 4 warps each,
-    and more warps are slower there (8,192 x 1,024: 15.5 µs with 4, 25.7 with 16)."""
+    and more warps are slower there (8,192 x 1,024: 15.3 µs with 4, 25.3 with 16)."""
     if rows > num_sms(device):
         return 4
     return min(16, max(4, block // 256))

@@ -40,6 +40,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
     parser.add_argument("--async-batching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of cached prompt prefixes (default: on)",
+    )
+    parser.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="GPUs (processes) per model"
     )
 

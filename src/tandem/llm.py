@@ -34,6 +34,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class LLM:
@@ -161,4 +162,5 @@ def _request_output(request_id: str, group: list[Request]) -> RequestOutput:
             )
             for k, r in enumerate(group)
         ],
+        num_cached_tokens=first.num_cached_tokens or 0,
     )

@@ -39,6 +39,11 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None  # kept only when text is needed per token
     logprobs: list[dict[int, float]] | None = None
     num_preemptions: int = 0
+    # prefix caching: the keys of its full blocks so far, how many of its blocks are published,
+    # and the prompt tokens its first admission found cached
+    block_keys: list[bytes] = field(default_factory=list)
+    num_published_blocks: int = 0
+    num_cached_tokens: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -41,9 +41,11 @@ class Choice:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     started: bool = False  # a chunk was sent (chat sends the role first)
+    num_cached_tokens: int = 0  # of its prompt, found in the prefix cache
 
     def add(self, output: StreamOutput) -> None:
         self.tracker.observe(output)
+        self.num_cached_tokens = output.num_cached_tokens
         self.text += output.text
         self.token_ids += output.token_ids
         self.logprobs += output.logprobs or []
@@ -60,13 +62,17 @@ class Generation:
     num_prompt_tokens: int
     num_top_logprobs: int | None
     return_token_ids: bool
+    n: int = 1  # choices per prompt
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict:
         completion_tokens = sum(len(c.token_ids) for c in self.choices)
+        # prompt tokens count each prompt once, and so do its cached ones: its first sample's
+        cached = sum(c.num_cached_tokens for c in self.choices[:: self.n])
         return {
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": self.num_prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
     def abort_unfinished(self) -> None:
@@ -161,6 +167,7 @@ class OpenAIServing:
             num_prompt_tokens=sum(len(ids) for _, ids in prompts),
             num_top_logprobs=params.logprobs,
             return_token_ids=bool(body.return_token_ids),
+            n=params.n,
         )
 
     async def _respond(

@@ -18,6 +18,7 @@ from tandem import LLM, SamplingParams
 from tandem.ray import generate
 
 ENGINE_ARGS = {"max_model_len": 256, "block_size": 8, "num_blocks": 128, "device": "cpu"}
+RUN_BATCH_ARGS = {"max_model_len": 256, "block_size": 8, "num_blocks": 128, "max_num_seqs": 4}
 PROMPTS = ["The engine", "Once upon a time", "café au lait", "KV blocks", "A scheduler", "Ray"]
 
 
@@ -83,3 +84,24 @@ def test_ray_data_over_two_actors_matches_one_engine(local_ray, folder):
     bad = by_prompt["bad"]
     assert sorted(b["error"].split(" ")[0] for b in bad) == ["sampling_params:", "temperature"]
     assert all(b["generated_token_ids"] is None for b in bad)
+
+
+# ---- tandem run-batch --data-parallel-size 2 ------------------------------------------------
+
+
+def test_run_batch_over_two_engines_resumes_and_answers_every_line_once(
+    local_ray, folder, tmp_path
+):
+    from tandem.run_batch import run_batch
+    from test_run_batch import MODEL, check_answers, interrupted_copy, read_output, write_batch
+
+    batch = write_batch(tmp_path / "requests.jsonl")
+    engine_args = {**RUN_BATCH_ARGS, "device": "cpu"}  # 4 seqs: batches of one request
+    one = tmp_path / "one.jsonl"
+    run_batch(str(batch), str(one), folder, engine_args, 1, MODEL, quiet=True)
+    out = tmp_path / "two.jsonl"
+    kept = interrupted_copy(one, out, num_kept=3)
+    run_batch(str(batch), str(out), folder, engine_args, 2, MODEL, quiet=True)
+    lines = read_output(out)
+    check_answers(lines, folder)
+    assert [line["id"] for line in lines[:2]] == [line["id"] for line in kept[1:]]

@@ -58,7 +58,9 @@ def test_a_bad_switch_stops_the_cli_with_one_line_naming_it(tmp_path):
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert result.returncode != 0
-    assert result.stderr.strip().splitlines() == ["tandem: error: TANDEM_PDL='yes': expected 0 or 1"]
+    assert result.stderr.strip().splitlines() == [
+        "tandem: error: TANDEM_PDL='yes': expected 0 or 1"
+    ]
 
 
 def test_no_module_but_envs_reads_a_tandem_variable():

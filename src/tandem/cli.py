@@ -58,9 +58,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
         "--max-model-len", type=int, help="prompt + output tokens (default: the model's)"
     )
     parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
-    parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=8192, help="tokens per step"
-    )
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     parser.add_argument(
         "--num-blocks", type=int, help="KV cache blocks (default: sized from the device memory)"

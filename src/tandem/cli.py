@@ -228,12 +228,80 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from tandem.async_llm import AsyncLLM
-    from tandem.server.app import serve
+    from tandem.server.lifecycle import serve
+    from tandem.server.options import ServerOptions
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port}: a port is in 0-65535")
+    options = ServerOptions(
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
+        max_sequences_per_request=args.max_sequences_per_request,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_length=args.max_stop_string_length,
+        health_stall_timeout_s=args.health_stall_timeout,
+        drain_timeout_s=args.drain_timeout,
+        access_log=args.access_log,
+    )
+    options.validate()
     llm = AsyncLLM.from_model(args.model, **engine_kwargs(args))
-    serve(llm, args.served_model_name or args.model, args.host, args.port, args.api_key)
+    if serve(llm, args.served_model_name or args.model, args.host, args.port, options):
+        sys.exit(f"tandem: error: the engine failed ({llm.failure!r}); the server stopped")
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    from tandem.server.options import ServerOptions
+
+    defaults = ServerOptions()
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' (not on /health and /metrics; default: none)",
+    )
+    parser.add_argument("--served-model-name", help="the model name clients send (default: MODEL)")
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=defaults.max_request_bytes,
+        help="a larger request body is a 413",
+    )
+    parser.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=defaults.max_sequences_per_request,
+        help="prompts x n one request may start; more is a 400",
+    )
+    parser.add_argument(
+        "--max-stop-strings",
+        type=int,
+        default=defaults.max_stop_strings,
+        help="stop strings per request; more is a 400",
+    )
+    parser.add_argument(
+        "--max-stop-string-length",
+        type=int,
+        default=defaults.max_stop_string_length,
+        help="characters per stop string; longer is a 400",
+    )
+    parser.add_argument(
+        "--health-stall-timeout",
+        type=float,
+        default=defaults.health_stall_timeout_s,
+        metavar="SECONDS",
+        help="/health is 503 once the engine has had work this long without finishing a step "
+        "(0: never)",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=defaults.drain_timeout_s,
+        metavar="SECONDS",
+        help="on SIGTERM, how long open requests may go on before they are ended",
+    )
+    parser.add_argument(
+        "--access-log", action="store_true", help="log a line per request (off: the GIL is busy)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -272,10 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
-    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
-    serve.add_argument("--served-model-name", help="the model name clients send (default: MODEL)")
+    add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
     bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve").add_subparsers(
         dest="mode", required=True, metavar="MODE"

@@ -791,7 +791,8 @@ def test_health_is_503_while_a_step_does_not_return_and_200_once_it_does(folder)
     engine.step = stuck_step
     llm = AsyncLLM(engine)
     try:
-        with running(build_app(llm, MODEL, options=ServerOptions(health_stall_timeout_s=0.5))) as url:
+        options = ServerOptions(health_stall_timeout_s=0.5)
+        with running(build_app(llm, MODEL, options=options)) as url:
             time.sleep(1.0)  # idle: waiting for work is no stall
             assert httpx.get(f"{url}/health").status_code == 200
             body = {"prompt": PROMPT, "max_tokens": 2}

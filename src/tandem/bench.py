@@ -553,17 +553,29 @@ def print_report(report: dict) -> None:
 
 
 def add_bench_args(parser: argparse.ArgumentParser, latency: bool = False) -> None:
-    parser.add_argument("--dataset", choices=["random", "sharegpt"], default="random")
+    parser.add_argument(
+        "--dataset",
+        choices=["random", "sharegpt"],
+        default="random",
+        help="random token prompts, or ShareGPT conversations",
+    )
     parser.add_argument(
         "--dataset-path", help="ShareGPT JSON file (default: the small sample tandem ships)"
     )
-    parser.add_argument("--input-len", type=int, default=128, help="random dataset only")
+    parser.add_argument(
+        "--input-len", type=int, default=128, help="prompt tokens (random dataset only)"
+    )
     parser.add_argument(
         "--output-len",
         type=int,
         help=f"default: {DEFAULT_OUTPUT_LEN} (random), the gpt turn's length (sharegpt)",
     )
-    parser.add_argument("--range-ratio", type=float, default=0.0, help="random dataset only")
+    parser.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform in [len x (1 - r), len x (1 + r)] (random dataset only)",
+    )
     parser.add_argument(
         "--num-prompts",
         type=int,
@@ -576,7 +588,7 @@ def add_bench_args(parser: argparse.ArgumentParser, latency: bool = False) -> No
             default=1,
             help="requests that arrive together; the next batch arrives when this one is done",
         )
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up")
     parser.add_argument(
         "--async",
@@ -599,7 +611,9 @@ def add_bench_args(parser: argparse.ArgumentParser, latency: bool = False) -> No
         help="also run our other batching mode on the same engine, and/or transformers' "
         "continuous batching (both its modes, or the one named) on the same weights and requests",
     )
-    parser.add_argument("--output-json")
+    parser.add_argument(
+        "--output-json", help="write the report here (rewritten as each part finishes)"
+    )
     parser.add_argument(
         "--trace", help="also record one traced run per mode to this Chrome trace path"
     )

@@ -7,9 +7,7 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from tandem.sampling import MAX_LOGPROBS, MAX_TOP_K
-
-MAX_N = 128  # OpenAI's limit; one request must not queue millions of engine requests
+from tandem.sampling import MAX_LOGPROBS, MAX_N, MAX_TOP_K
 
 
 def encodable(text: str) -> str:

@@ -338,7 +338,10 @@ def test_throughput_runs_sync_and_async_and_writes_every_field(make_tiny, tmp_pa
     assert report["roofline"]["steps"] == report["results"]["async"]["steps"]
     assert report["async_speedup"] == report["ratios"]["async/sync"]
     out = capsys.readouterr().out
-    assert "roofline of this work" in out and "async/sync output tok/s" in out
+    assert "async/sync output tok/s" in out
+    # an H200's roofline says nothing of a CPU run: no share of it, and no ceiling
+    assert "roofline of this work" not in out and "roofline: not shown" in out
+    assert all(line.split()[6] == "-" for line in out.splitlines() if line.startswith("async "))
 
 
 def test_shared_prompts_run_with_and_without_prefix_caching_and_report_the_hit_rate(
@@ -502,3 +505,17 @@ def test_jit_compile_count_chains_to_an_existing_hook_and_restores_it():
         restored = triton.knobs.runtime.jit_cache_hook
         triton.knobs.runtime.jit_cache_hook = None
     assert restored is not None and restored(key="k3") is None and len(seen) == 3
+
+
+def test_compare_transformers_without_it_installed_is_one_line_naming_the_extra(
+    make_tiny, tmp_path, monkeypatch, capsys
+):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers: ImportError
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "throughput", "--model", str(make_tiny("llama")), "--compare",
+              "transformers", *ENGINE_FLAGS])  # fmt: skip
+    assert exited.value.code == (
+        "tandem: error: --compare transformers needs transformers: pip install 'tandem[compare]'"
+    )

@@ -333,11 +333,13 @@ def test_engine_with_triton_backend_gives_the_torch_backend_tokens(make_tiny, ar
 
 
 def test_decode_tiles_setting_parses_three_ints_and_rejects_anything_else(monkeypatch):
-    assert triton_backend.decode_tiles_setting(None) is None
-    assert triton_backend.decode_tiles_setting("64,8,2") == DecodeTiles(64, 8, 2)
+    from tandem import envs
+
+    assert triton_backend.decode_tiles_setting() is None
+    assert envs.parse_decode_tiles("64,8,2") == (64, 8, 2)
     for bad in ("64,8", "64,8,x", "48,4,2", "64,3,2", "64,4,0"):
         with pytest.raises(ValueError, match="TANDEM_DECODE_TILES"):
-            triton_backend.decode_tiles_setting(bad)
+            envs.parse_decode_tiles(bad)
     monkeypatch.setenv("TANDEM_DECODE_TILES", "32,2,1")
     backend = triton_backend.TritonAttention(4, 2, 16, 2, torch.device("cpu"))
     assert backend.tiles_for(2) == backend.tiles_for(256) == DecodeTiles(32, 2, 1)

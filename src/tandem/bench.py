@@ -8,7 +8,6 @@ import gc
 import importlib.metadata
 import itertools
 import json
-import os
 import platform
 import statistics
 import time
@@ -20,7 +19,7 @@ import numpy as np
 import torch
 import triton
 
-from tandem import pdl, piecewise, runner
+from tandem import envs, pdl, piecewise, runner
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine import Engine
 from tandem.llm import LLM
@@ -484,7 +483,7 @@ def environment() -> dict:
         "splitk": splitk.ENABLED,
         "piecewise": piecewise.ENABLED,
         "blas": runner.BLAS_LIBRARY,
-        "decode_tiles": os.environ.get("TANDEM_DECODE_TILES"),
+        "decode_tiles": envs.decode_tiles(),
     }
     for name in ("tandem", "transformers", "triton"):
         try:
@@ -518,6 +517,8 @@ def copy_tb_per_s(device: torch.device, nbytes: int = 1 << 28, repeats: int = 10
 
 
 def print_report(report: dict) -> None:
+    # the roofline is an H200's: a share of it says nothing about a CPU run
+    on_gpu = report["engine"]["resolved"]["device"].startswith("cuda")
     print(
         f"{'mode':18} {'out tok/s':>10} {'req/s':>8} {'ms/step':>8} {'steps':>6} {'seconds':>8} "
         f"{'roofline':>8} {'GPU active':>10} {'cache hits':>10}"
@@ -525,19 +526,23 @@ def print_report(report: dict) -> None:
     for mode, r in report["results"].items():
         active = r.get("timeline", {}).get("gpu_active_pct")
         ms_per_step = "-" if r["ms_per_step"] is None else f"{r['ms_per_step']:.2f}"
+        share = f"{100 * r['roofline_fraction']:7.3g}%" if on_gpu else f"{'-':>8}"
         print(
             f"{mode:18} {r['output_tokens_per_s']:10.0f} {r['requests_per_s']:8.2f} "
             f"{ms_per_step:>8} {r['steps']:6.0f} {r['seconds']:8.2f} "
-            f"{100 * r['roofline_fraction']:7.3g}% {'-' if active is None else f'{active:.2f}%':>10}"
+            f"{share} {'-' if active is None else f'{active:.2f}%':>10}"
             f" {100 * r['prefix_cache_hit_rate']:9.1f}%"
         )
     roofline = report["roofline"]
     output_tokens = report["workload"]["output_tokens"]
-    print(
-        f"roofline of this work on {roofline['hardware']}: {roofline['seconds']:.4g} s "
-        f"({output_tokens / roofline['seconds']:.0f} output tok/s, {roofline['steps']} steps, "
-        f"{roofline['bytes_bound_steps']} bound by bytes); 'roofline' = its share of the time"
-    )
+    if on_gpu:
+        print(
+            f"roofline of this work on {roofline['hardware']}: {roofline['seconds']:.4g} s "
+            f"({output_tokens / roofline['seconds']:.0f} output tok/s, {roofline['steps']} steps, "
+            f"{roofline['bytes_bound_steps']} bound by bytes); 'roofline' = its share of the time"
+        )
+    else:
+        print("roofline: not shown; this run is on the CPU, and the roofline is of a GPU (H200)")
     for mode, r in report["results"].items():
         for kind, k in r.get("roofline_by_step_kind", {}).items():
             if k["roofline_fraction"] is not None:  # GPU compute spans: CUDA only
@@ -568,17 +573,29 @@ def print_report(report: dict) -> None:
 
 
 def add_bench_args(parser: argparse.ArgumentParser, latency: bool = False) -> None:
-    parser.add_argument("--dataset", choices=["random", "sharegpt"], default="random")
+    parser.add_argument(
+        "--dataset",
+        choices=["random", "sharegpt"],
+        default="random",
+        help="random token prompts, or ShareGPT conversations",
+    )
     parser.add_argument(
         "--dataset-path", help="ShareGPT JSON file (default: the small sample tandem ships)"
     )
-    parser.add_argument("--input-len", type=int, default=128, help="random dataset only")
+    parser.add_argument(
+        "--input-len", type=int, default=128, help="prompt tokens (random dataset only)"
+    )
     parser.add_argument(
         "--output-len",
         type=int,
         help=f"default: {DEFAULT_OUTPUT_LEN} (random), the gpt turn's length (sharegpt)",
     )
-    parser.add_argument("--range-ratio", type=float, default=0.0, help="random dataset only")
+    parser.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform in [len x (1 - r), len x (1 + r)] (random dataset only)",
+    )
     parser.add_argument(
         "--shared-prefix-len",
         type=int,
@@ -600,7 +617,7 @@ def add_bench_args(parser: argparse.ArgumentParser, latency: bool = False) -> No
             default=1,
             help="requests that arrive together; the next batch arrives when this one is done",
         )
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up")
     parser.add_argument(
         "--async",
@@ -630,13 +647,28 @@ def add_bench_args(parser: argparse.ArgumentParser, latency: bool = False) -> No
         "caching off, and/or transformers' continuous batching (both its modes, or the one "
         "named) on the same weights and requests",
     )
-    parser.add_argument("--output-json")
+    parser.add_argument(
+        "--output-json", help="write the report here (rewritten as each part finishes)"
+    )
     parser.add_argument(
         "--trace", help="also record one traced run per mode to this Chrome trace path"
     )
 
 
+def require_transformers(compare: list[str] | None) -> None:
+    """Before the run: --compare transformers* needs the `compare` extra."""
+    if not any(name.startswith("transformers") for name in compare or ()):
+        return
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            "--compare transformers needs transformers: pip install 'tandem[compare]'"
+        ) from None
+
+
 def cmd_bench(args: argparse.Namespace, engine_args: dict) -> None:
+    require_transformers(args.compare)
     save = None
     if args.output_json:
 

@@ -22,7 +22,6 @@ from tandem.memory import num_kv_blocks
 from tandem.model.loader import build_model, read_hf_config
 from tandem.parallel import (
     TensorParallel,
-    Workers,
     check_shardable,
     free_port,
     init_process_group,
@@ -36,6 +35,7 @@ from tandem.runner import Runner
 from tandem.sampling import SamplingParams
 from tandem.scheduler import Scheduler
 from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
+from tandem.workers import Workers
 
 
 class Engine:
@@ -67,7 +67,32 @@ class Engine:
                 self.check_ranks = self.workers.check
             else:
                 self.check_ranks = rank0_check()
-            init_process_group(rank, self.tp.size, port, self.device)
+        try:
+            self._start(config, cfg, hf_config, folder, rank, port)
+        except BaseException:
+            if self.workers is not None:
+                self._abandon_workers()
+            raise
+
+    def _abandon_workers(self) -> None:
+        """Rank 0 failed while starting: name a rank that died (the likely cause), end them all."""
+        try:
+            self.workers.check()
+        finally:
+            self.workers.kill()
+            self.workers = None
+            if self.device.type != "cuda":  # an NCCL group with a lost rank cannot be left
+                leave_process_group()
+
+    def _start(
+        self,
+        config: EngineConfig,
+        cfg: ModelConfig,
+        hf_config: dict,
+        folder: Path | None,
+        rank: int,
+        port: int | None,
+    ) -> None:
         self.dtype = config.resolve_dtype(cfg, self.device)
         self.max_model_len = config.resolve_max_model_len(cfg)
         self.tokenizer = (
@@ -85,6 +110,8 @@ class Engine:
             config.seed,
             self.tp,
         )
+        if self.tp.size > 1:  # after the rank-local start-up: a rank dying there raises here
+            init_process_group(rank, self.tp.size, port, self.device, self.check_ranks)
         local = self.model.cfg  # this rank's heads and MLP slice
         self.attention_backend = config.resolve_attention_backend(cfg, self.device)
         self.attend = get_backend(

@@ -22,17 +22,16 @@ positions and cache slots into this module's buffers, where the later pieces rea
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from tandem import envs
 from tandem.attention import AttentionBackend, AttentionMetadata
 from tandem.io_slot import PackedBuffers, carry_over
 from tandem.model.decoder import Decoder
 
 SMALLEST_BUCKET = 16
 # TANDEM_PIECEWISE=0: steps with prefill run eagerly, to compare against
-ENABLED = os.environ.get("TANDEM_PIECEWISE", "1") != "0"
+ENABLED = envs.piecewise()
 
 
 def token_buckets(max_tokens: int) -> list[int]:

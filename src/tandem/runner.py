@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
 
+from tandem import envs
 from tandem.attention import AttentionBackend, AttentionMetadata, SharedPrefixes
 from tandem.batch import StepBatch
 from tandem.io_slot import IOSlot, carry_over
@@ -38,9 +38,7 @@ WAIT_POLL_S = 50e-6  # tensor parallelism: how often the step wait looks at the 
 # it before split-K took over its o and down projections (BENCHMARKS.md, seventh run); since,
 # latency is the same and small 0.6% slower (eighth run), so it is not the default. (The slow
 # first runs first blamed on it were Triton compiles on a cold cache, eighth run.)
-BLAS_LIBRARY = os.environ.get("TANDEM_BLAS", "cublas")
-if BLAS_LIBRARY not in ("cublas", "cublaslt"):
-    raise ValueError(f"TANDEM_BLAS={BLAS_LIBRARY!r}: expected 'cublaslt' or 'cublas'")
+BLAS_LIBRARY = envs.blas()
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ from tandem.config import check_int
 from tandem.model import fused
 
 MAX_LOGPROBS = 20
+MAX_N = 128  # samples per prompt (OpenAI's limit): one call must not queue millions of requests
 MAX_SEED = 2**63 - 1
 MAX_TOP_K = 2**31 - 1
 
@@ -45,6 +46,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         check_int("n", self.n, 1)
+        if self.n > MAX_N:
+            raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
         if (
             not _is_number(self.temperature)
             or not math.isfinite(self.temperature)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import os
 from collections.abc import Callable
 from typing import NamedTuple, TypeVar
 
 import torch
 import triton
 
-from tandem import pdl
+from tandem import envs, pdl
 from tandem.attention import AttentionMetadata, SharedPrefixes, rows_per_shared_group
 from tandem.attention.triton_kernels import (
     decode_kernel,
@@ -54,28 +53,11 @@ LARGE_BATCH = 128  # sequences from which a decode batch takes LARGE_BATCH_TILES
 LARGE_BATCH_TILES = DecodeTiles(block_n=64, num_warps=2, num_stages=2)
 
 
-def decode_tiles_setting(value: str | None) -> DecodeTiles | None:
-    """TANDEM_DECODE_TILES="block_n,num_warps,num_stages": one shape for every decode batch of
-    more than one sequence, for comparisons; unset: None (the default shapes)."""
-    if not value:
-        return None
-    try:
-        block_n, num_warps, num_stages = (int(part) for part in value.split(","))
-    except ValueError:
-        raise ValueError(
-            f"TANDEM_DECODE_TILES={value!r}: expected three integers, block_n,num_warps,num_stages"
-        ) from None
-    if (
-        block_n < 16
-        or block_n & (block_n - 1)
-        or num_warps not in (1, 2, 4, 8, 16)
-        or num_stages < 1
-    ):
-        raise ValueError(
-            f"TANDEM_DECODE_TILES={value!r}: block_n a power of two >= 16, "
-            "num_warps 1-16 (a power of two), num_stages >= 1"
-        )
-    return DecodeTiles(block_n, num_warps, num_stages)
+def decode_tiles_setting() -> DecodeTiles | None:
+    """TANDEM_DECODE_TILES: one shape for every decode batch of more than one sequence, for
+    comparisons; unset: None (the default shapes)."""
+    setting = envs.decode_tiles()
+    return None if setting is None else DecodeTiles(*setting)
 
 
 def smaller(tiles: Tiles) -> Tiles | None:
@@ -125,7 +107,7 @@ class TritonAttention:
         self.group = num_heads // num_kv_heads
         self.fixed_splits = num_splits
         self.prefill_tiles = PrefillTiles()
-        setting = decode_tiles_setting(os.environ.get("TANDEM_DECODE_TILES"))
+        setting = decode_tiles_setting()
         self.decode_tiles = setting or DecodeTiles()
         self.large_batch_tiles = setting or LARGE_BATCH_TILES
         # one sequence is spread over the SMs by its splits; short tiles give each split work

@@ -9,20 +9,19 @@ same points as the torch version (values agree up to float32 rounding inside).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tandem import pdl
+from tandem import envs, pdl
 from tandem.attention.torch_ref import write_kv
 from tandem.config import cdiv, next_power_of_2
 
 # On CUDA the Triton kernels run (here and in the sampler) unless TANDEM_FUSED_KERNELS=0, which
 # keeps the torch versions: the "before" side of a fusion measurement.
-KERNELS = os.environ.get("TANDEM_FUSED_KERNELS", "1") != "0"
+KERNELS = envs.fused_kernels()
 
 
 def use_kernels(x: torch.Tensor) -> bool:

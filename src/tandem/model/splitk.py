@@ -13,7 +13,6 @@ with cuBLAS. TANDEM_SPLITK=0 keeps F.linear, for comparisons.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -21,11 +20,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tandem import pdl
+from tandem import envs, pdl
 from tandem.config import cdiv, next_power_of_2
 from tandem.model.fused import num_sms
 
-ENABLED = os.environ.get("TANDEM_SPLITK", "1") != "0"
+ENABLED = envs.splitk()
 # past 64 rows: 64-row tiles, one program per SM, four stages, where that means 2 or more
 # splits (BENCHMARKS.md, eleventh run: the best shapes of the sweep at 128 and 256 rows)
 MAX_ROWS = 256

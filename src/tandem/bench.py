@@ -525,13 +525,15 @@ def print_report(report: dict) -> None:
     )
     for mode, r in report["results"].items():
         active = r.get("timeline", {}).get("gpu_active_pct")
+        rate = r.get("prefix_cache_hit_rate")  # ours only
+        hits = f"{'-' if rate is None else f'{100 * rate:.1f}%':>10}"
         ms_per_step = "-" if r["ms_per_step"] is None else f"{r['ms_per_step']:.2f}"
         share = f"{100 * r['roofline_fraction']:7.3g}%" if on_gpu else f"{'-':>8}"
         print(
             f"{mode:18} {r['output_tokens_per_s']:10.0f} {r['requests_per_s']:8.2f} "
             f"{ms_per_step:>8} {r['steps']:6.0f} {r['seconds']:8.2f} "
             f"{share} {'-' if active is None else f'{active:.2f}%':>10}"
-            f" {100 * r['prefix_cache_hit_rate']:9.1f}%"
+            f" {hits}"
         )
     roofline = report["roofline"]
     output_tokens = report["workload"]["output_tokens"]

@@ -39,6 +39,7 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None  # kept only when text is needed per token
     logprobs: list[dict[int, float]] | None = None
     num_preemptions: int = 0
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
 
     @property
     def num_prompt_tokens(self) -> int:

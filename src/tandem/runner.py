@@ -27,6 +27,7 @@ from tandem.batch import StepBatch
 from tandem.io_slot import IOSlot, carry_over
 from tandem.model.decoder import Decoder
 from tandem.parallel import TensorParallel
+from tandem.penalties import PenaltyState
 from tandem.piecewise import PiecewiseGraphs, bucket_for, token_buckets
 from tandem.profiler import NoTimeline, Timeline
 from tandem.sampling import SamplingTensors, sample, top_logprobs_of
@@ -67,8 +68,10 @@ class Runner:
         cuda_graphs: bool,
         tp: TensorParallel,
         piecewise: bool = False,
+        penalties: PenaltyState | None = None,
     ):
         self.model = model
+        self.penalties = penalties  # needed by steps with use_penalties
         self.tp = tp
         self.kv_caches = kv_caches
         self.attend = attend
@@ -77,7 +80,8 @@ class Runner:
         self.cuda = device.type == "cuda"
         # decode-only steps of up to max_seqs rows replay a graph captured for the next size up
         self.graph_sizes = graph_batch_sizes(min(max_seqs, max_tokens)) if cuda_graphs else []
-        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        # (slot, rows, use_filters, use_penalties) -> graph
+        self.graphs: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
         # the other steps of up to max_tokens tokens: pieces between their attentions, padded to
         # the next bucket (piecewise.py; on CPU, uncaptured, the pieces run eagerly)
         self.pieces = (
@@ -166,8 +170,11 @@ class Runner:
         return batch.slot.np_out
 
     def _compute(self, batch: StepBatch) -> None:
+        if batch.penalty_admissions is not None:
+            self.penalties.admit(*batch.penalty_admissions)
         if batch.graphed:
-            self.graphs[(batch.slot.index, batch.num_seqs_padded, batch.use_filters)].replay()
+            key = (batch.slot.index, batch.num_seqs_padded, batch.use_filters, batch.use_penalties)
+            self.graphs[key].replay()
             return
         self._forward_and_sample(
             batch.slot,
@@ -179,6 +186,7 @@ class Runner:
             batch.query_start_loc,
             batch.seq_lens,
             batch.token_bucket,
+            batch.use_penalties,
         )
 
     @torch.inference_mode()
@@ -193,11 +201,14 @@ class Runner:
         query_start_loc_host: list[int] | None,
         seq_lens_host: list[int] | None,
         token_bucket: int | None = None,
+        use_penalties: bool = False,
     ) -> None:
         """Everything the device does for one step; fixed shapes given its arguments, so capturable.
         With `token_bucket`, the forward pass runs as pieces padded to that many tokens."""
         x, out = slot.dev_in, slot.dev_out
         prev_sampled = self.slots[1 - slot.index].dev_out["sampled"]  # slots alternate every step
+        if use_penalties:
+            self.penalties.update(x, prev_sampled, num_tokens, num_seqs)
         meta = AttentionMetadata(
             slot_mapping=x["slot_mapping"][:num_tokens].long(),
             query_start_loc=x["query_start_loc"][: num_seqs + 1],
@@ -228,6 +239,8 @@ class Runner:
             if num_top_logprobs is not None
             else None
         )
+        if use_penalties:
+            logits = self.penalties.apply(logits, x, num_seqs)
         if use_filters:  # the only steps with min_tokens bans (see StepBatch.use_filters)
             ban_tokens(logits, x["banned_ids"][:num_seqs], x["ban_rows"][:num_seqs])
         params = SamplingTensors(
@@ -249,7 +262,7 @@ class Runner:
             out["top_logprobs"][:num_seqs, :num_top_logprobs].copy_(top_logprobs)
 
     def capture_graphs(self, shared_pool: bool = True) -> None:
-        """One graph per (slot, padded size, filters on/off), and the pieces of the other steps
+        """One graph per (slot, padded size, filters on/off, penalties on/off), and the pieces of the other steps
         per token bucket, all from one shared memory pool.
 
         Sharing is safe because graphs never run concurrently: every step runs on the compute
@@ -268,15 +281,20 @@ class Runner:
     def _capture_graphs(self, shared, shared_pool: bool) -> None:
         for size in reversed(self.graph_sizes):
             for slot in self.slots:
-                for use_filters in (False, True):
-                    args = (slot, size, size, True, use_filters, None, None, None)
+                for variant in self._graph_variants():
+                    args = (slot, size, size, True, variant[0], None, None, None, None, variant[1])
                     with torch.cuda.stream(self.compute_stream):
                         self._forward_and_sample(*args)  # warm-up: kernels chosen, workspaces made
                     graph = torch.cuda.CUDAGraph()
                     pool = shared if shared_pool else None
                     with torch.cuda.graph(graph, pool=pool, stream=self.compute_stream):
                         self._forward_and_sample(*args)
-                    self.graphs[(slot.index, size, use_filters)] = graph
+                    self.graphs[(slot.index, size, *variant)] = graph
+
+    def _graph_variants(self) -> list[tuple[bool, bool]]:
+        """(use_filters, use_penalties) pairs: all four with penalty state, else plain and filters."""
+        penalties = (False, True) if self.penalties is not None else (False,)
+        return [(f, p) for p in penalties for f in (False, True)]
 
 
 def graph_batch_sizes(max_seqs: int) -> list[int]:

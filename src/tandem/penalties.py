@@ -55,7 +55,7 @@ def state_bytes(max_seqs: int, vocab_size: int, max_tokens: int) -> int:
     rows = max_seqs + 1
     per_token = count_dtype(max_tokens).itemsize + 1  # counts, flags
     per_row = MAX_LOGIT_BIAS * (8 + 4) + MAX_BAD_WORD_SEQUENCES * MAX_BAD_WORD_TOKENS * 4
-    return rows * (vocab_size * per_token + per_row + HISTORY * 4 + 4)
+    return rows * (vocab_size * per_token + per_row + HISTORY * 4 + 4) + HISTORY * 8  # lanes
 
 
 def bad_word_token_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:

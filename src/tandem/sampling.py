@@ -46,6 +46,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self.bad_words = list(self.bad_words or [])
         if self.top_k == -1:
             self.top_k = 0

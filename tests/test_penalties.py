@@ -14,7 +14,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.engine import Engine
 from tandem.io_slot import IOSlot
-from tandem.penalties import PenaltyState, bad_word_token_ids, state_bytes
+from tandem.penalties import PenaltyState, apply_dense, bad_word_token_ids, state_bytes
 from tandem.request import Request
 from tandem.tokenizer import Tokenizer
 
@@ -427,3 +427,25 @@ def test_token_ids_the_model_lacks_are_value_errors_naming_the_field(make_tiny, 
         llm.engine.make_request("r", SamplingParams(**{field: value}), prompt_token_ids=[1, 2])
     out = llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(max_tokens=2), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("count_dtype", [torch.int16, torch.int32])
+def test_the_fused_kernel_equals_the_torch_ops_it_replaces(count_dtype):
+    from tandem.penalties_kernel import apply_penalties
+
+    g = torch.Generator().manual_seed(5)
+    seqs, rows, vocab = 5, 9, 3000  # two blocks per row, the second partial
+    logits = torch.randn(seqs, vocab, generator=g) * 4
+    logits[0, :7] = float("-inf")
+    counts = torch.randint(0, 3, (rows, vocab), generator=g).to(count_dtype)
+    flags = torch.randint(0, 4, (rows, vocab), generator=g).to(torch.uint8)
+    state_rows = torch.tensor([8, 0, 3, 3, 6], dtype=torch.int32)
+    presence = torch.tensor([0.0, 0.5, -1.5, 2.0, 0.25])
+    frequency = torch.tensor([0.0, 0.5, 1.0, -2.0, 0.0])
+    repetition = torch.tensor([1.0, 1.1, 0.6, 1.9, 3.0])
+    index = state_rows.long()
+    expected = apply_dense(logits, counts[index], flags[index], presence, frequency, repetition)
+    fused = logits.clone()
+    apply_penalties(fused, counts, flags, state_rows, presence, frequency, repetition)
+    torch.testing.assert_close(fused, expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(fused.isinf(), expected.isinf())

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from tandem.io_slot import PackedBuffers, carry_over
+from tandem.model import fused
 
 if TYPE_CHECKING:
     from tandem.request import Request
@@ -189,28 +190,33 @@ class PenaltyState:
         self.history[rows] = torch.where(source < HISTORY, kept, fresh.int())
 
     def apply(self, logits: torch.Tensor, x: PackedBuffers, num_seqs: int) -> torch.Tensor:
-        """[seqs, vocab] logits -> new float32 logits with every processor applied."""
-        rows = x["penalty_rows"][:num_seqs].long()
-        counts, flags = self.counts[rows], self.flags[rows]  # [seqs, vocab]
-        logits = logits.float().masked_fill((flags & BANNED).bool(), float("-inf"))
-        logits = self._ban_bad_words(logits, rows)
-        logits = logits.scatter_add(1, self.bias_ids[rows], self.bias[rows])
-        seen = (counts > 0) | (flags & PROMPT).bool()
-        repetition = x["repetition_penalty"][:num_seqs, None]
-        penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
-        logits = torch.where(seen, penalized, logits)
-        frequency = x["frequency_penalty"][:num_seqs, None]
-        presence = x["presence_penalty"][:num_seqs, None]
-        return logits - frequency * counts - presence * (counts > 0)
+        """[seqs, vocab] logits -> new float32 logits with every processor applied: the sparse
+        ones (logit_bias, bad words) first, then the dense ones over the whole vocabulary."""
+        rows = x["penalty_rows"][:num_seqs]
+        index = rows.long()
+        logits = logits.to(torch.float32, copy=True)
+        logits.scatter_add_(1, self.bias_ids[index], self.bias[index])
+        self._ban_bad_words(logits, index)
+        presence, frequency, repetition = (
+            x[name][:num_seqs]
+            for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
+        )
+        if fused.use_kernels(logits):
+            from tandem.penalties_kernel import apply_penalties
 
-    def _ban_bad_words(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            apply_penalties(logits, self.counts, self.flags, rows, presence, frequency, repetition)
+            return logits
+        counts, flags = self.counts[index], self.flags[index]
+        return apply_dense(logits, counts, flags, presence, frequency, repetition)
+
+    def _ban_bad_words(self, logits: torch.Tensor, rows: torch.Tensor) -> None:
         """-inf at each bad word's last token where the outputs end with the rest of it."""
         words = self.bad_words[rows]  # [seqs, sequences, H + 1]
         prefix, last = words[..., :HISTORY], words[..., HISTORY].long().clamp(min=0)  # UNUSED: 0
         recent = self.history[rows][:, None, :]  # [seqs, 1, H]
         matched = ((prefix == recent) | (prefix == ANY)).all(dim=-1)  # [seqs, sequences]
         block = torch.where(matched, float("-inf"), float("inf"))
-        return logits.scatter_reduce(1, last, block, reduce="amin")  # several may ban one token
+        logits.scatter_reduce_(1, last, block, reduce="amin")  # several may ban one token
 
     def _pairs(self, pairs: tuple[list[int], list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         rows, ids = (self._to_device(np.asarray(p, dtype=np.int64)) for p in pairs)
@@ -223,6 +229,24 @@ class PenaltyState:
         if self.device.type != "cuda":
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
+
+
+def apply_dense(
+    logits: torch.Tensor,
+    counts: torch.Tensor,
+    flags: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
+    """Bans, then the repetition, frequency and presence penalties, on [seqs, vocab] float32
+    logits with their rows' counts and flags (penalties_kernel.py does the same in one pass)."""
+    logits = logits.masked_fill((flags & BANNED).bool(), float("-inf"))
+    seen = (counts > 0) | (flags & PROMPT).bool()
+    repetition = repetition[:, None]
+    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalized, logits)
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
 
 
 def fill_step_inputs(

@@ -14,7 +14,13 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.engine import Engine
 from tandem.io_slot import IOSlot
-from tandem.penalties import PenaltyState, apply_dense, bad_word_token_ids, state_bytes
+from tandem.penalties import (
+    PenaltyState,
+    apply_dense,
+    bad_word_token_ids,
+    fill_step_inputs,
+    state_bytes,
+)
 from tandem.request import Request
 from tandem.tokenizer import Tokenizer
 
@@ -45,10 +51,18 @@ def slot_with_step(
         [np.arange(s, s + k) for s, k in zip(starts, lengths, strict=True)]
     )
     x["logits_indices"][:n] = np.cumsum(lengths) - 1
-    x["penalty_rows"][:n] = rows
-    x["penalty_token_rows"][: len(flat)] = np.repeat(rows, lengths)
-    ends = np.array(starts) + lengths
-    x["penalty_new_outputs"][:n] = np.maximum(ends - np.maximum(starts, prompt_lens), 0)
+    # outputs known once the step is fed: the index of the one it samples
+    x["sample_positions"][:n] = np.maximum(np.array(starts) + lengths - prompt_lens, 0)
+    seq_of_token = np.repeat(np.arange(n), lengths)
+    fill_step_inputs(
+        x,
+        np.array(rows),
+        seq_of_token,
+        x["positions"][: len(flat)],
+        np.array(prompt_lens),
+        np.array(starts) + lengths,
+        (np.zeros(n), np.zeros(n), np.ones(n)),
+    )
     return slot
 
 
@@ -61,8 +75,7 @@ def set_penalties(slot: IOSlot, presence: list, frequency: list, repetition: lis
 
 
 def update(state: PenaltyState, slot: IOSlot, num_tokens: int, num_seqs: int) -> None:
-    nothing_carried = torch.zeros(8, dtype=torch.int32)
-    state.update(slot.dev_in, nothing_carried, num_tokens, num_seqs)
+    state.update(slot.dev_in, slot.dev_in["input_ids"][:num_tokens])
 
 
 def make_request(prompt: list[int], **params) -> Request:

@@ -159,7 +159,7 @@ class BatchBuilder:
         use_filters, num_top_logprobs = self._fill_sampling(x, requests, rows, num_outputs)
         use_penalties = bool(self.running_rows.needs_penalties[rows].any())
         if use_penalties:
-            self._fill_penalties(x, rows, seq_of_token, start, computed_after)
+            self._fill_penalties(x, rows, seq_of_token, positions, computed_after)
         if graph_size is not None:
             fill_padding(x, num_seqs, graph_size)
             if use_penalties:
@@ -206,18 +206,17 @@ class BatchBuilder:
                     int(start[i]), int(start[i] + num_new[i])
                 )
 
-    def _fill_penalties(self, x, rows: np.ndarray, seq_of_token, start, computed_after) -> None:
+    def _fill_penalties(self, x, rows: np.ndarray, seq_of_token, positions, computed_after) -> None:
         kept = self.running_rows
-        scratch = len(kept.needs_penalties)
-        state_rows = np.where(kept.needs_penalties[rows], rows, scratch)
-        # E.g. prompt 4, tokens [2, 6) -> 2 outputs (positions 4, 5) among the inputs
-        num_new_outputs = np.maximum(computed_after - np.maximum(start, kept.prompt_len[rows]), 0)
+        state_rows = np.where(kept.needs_penalties[rows], rows, len(kept.needs_penalties))
         gathered = (
             kept.presence_penalty[rows],
             kept.frequency_penalty[rows],
             kept.repetition_penalty[rows],
         )
-        penalties.fill_step_inputs(x, state_rows, seq_of_token, num_new_outputs, gathered)
+        penalties.fill_step_inputs(
+            x, state_rows, seq_of_token, positions, kept.prompt_len[rows], computed_after, gathered
+        )
 
     def _fill_sampling(
         self, x, requests: list[Request], rows: np.ndarray, num_outputs: np.ndarray

@@ -7,7 +7,8 @@ a scratch row, `max_num_seqs`, which they read as all-neutral):
     counts   [rows, vocab]  how often each token occurs among the outputs
     flags    [rows, vocab]  PROMPT: occurs in the prompt; BANNED: outside allowed_token_ids, or a
                             one-token bad word
-    history  [rows, H]      the last H output tokens, for bad words of up to H + 1 tokens
+    history  [rows, H]      the last H output tokens (output j in slot j % H), for bad words of
+                            up to H + 1 tokens
 
 The steps keep the state themselves, inside their graphs: each step with a penalized row counts
 its input tokens (after the carry-over) into their rows, a prompt token as PROMPT and an output
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tandem.io_slot import PackedBuffers, carry_over
+from tandem.io_slot import PackedBuffers
 from tandem.model import fused
 
 if TYPE_CHECKING:
@@ -157,15 +158,13 @@ class PenaltyState:
         if banned[0]:
             self.flags[self._pairs(banned)] = BANNED
 
-    def update(
-        self, x: PackedBuffers, prev_sampled: torch.Tensor, num_tokens: int, num_seqs: int
-    ) -> None:
-        """Count the step's input tokens into their rows' state; fixed shapes, so capturable."""
-        ids = carry_over(x["input_ids"][:num_tokens], x["carry_index"][:num_tokens], prev_sampled)
-        ids = ids.long()
+    def update(self, x: PackedBuffers, input_ids: torch.Tensor) -> None:
+        """Count the step's input tokens (after the carry-over, [tokens] int32) into their rows'
+        state; fixed shapes, so capturable."""
+        num_tokens = input_ids.shape[0]
+        ids = input_ids.long()
         rows = x["penalty_token_rows"][:num_tokens].long()
-        positions = x["positions"][:num_tokens]
-        is_output = positions >= self.prompt_len[rows]
+        is_output = x["positions"][:num_tokens] >= self.prompt_len[rows]
         vocab = self.counts.shape[1]
         at = rows * vocab + ids
         counts, flags = self.counts.view(-1), self.flags.view(-1)
@@ -175,19 +174,7 @@ class PenaltyState:
         # such: every write to one element writes the same value, whatever the order
         marked = torch.where(is_output, self.scratch * vocab + ids, at)
         flags[marked] = flags[marked] | PROMPT
-        self._update_history(x, ids, num_seqs)
-
-    def _update_history(self, x: PackedBuffers, ids: torch.Tensor, num_seqs: int) -> None:
-        """Each row's history becomes the last H of (history ++ its outputs in this step).
-
-        E.g. H = 3, history [a, b, c], outputs this step [d, e] -> [c, d, e]."""
-        rows = x["penalty_rows"][:num_seqs].long()
-        num_new = x["penalty_new_outputs"][:num_seqs].long()[:, None]  # [seqs, 1]
-        ends = x["logits_indices"][:num_seqs].long()[:, None] + 1  # past each row's last token
-        source = num_new + self.lanes  # [seqs, H]: index into history ++ the new outputs
-        kept = self.history[rows].gather(1, source.clamp(max=HISTORY - 1))
-        fresh = ids[(ends - HISTORY + self.lanes).clamp(min=0, max=ids.shape[0] - 1)]
-        self.history[rows] = torch.where(source < HISTORY, kept, fresh.int())
+        self.history.view(-1)[x["penalty_history_slots"][:num_tokens].long()] = input_ids
 
     def apply(self, logits: torch.Tensor, x: PackedBuffers, num_seqs: int) -> torch.Tensor:
         """[seqs, vocab] logits -> new float32 logits with every processor applied: the sparse
@@ -196,7 +183,7 @@ class PenaltyState:
         index = rows.long()
         logits = logits.to(torch.float32, copy=True)
         logits.scatter_add_(1, self.bias_ids[index], self.bias[index])
-        self._ban_bad_words(logits, index)
+        self._ban_bad_words(logits, index, x)
         presence, frequency, repetition = (
             x[name][:num_seqs]
             for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -209,11 +196,14 @@ class PenaltyState:
         counts, flags = self.counts[index], self.flags[index]
         return apply_dense(logits, counts, flags, presence, frequency, repetition)
 
-    def _ban_bad_words(self, logits: torch.Tensor, rows: torch.Tensor) -> None:
+    def _ban_bad_words(self, logits: torch.Tensor, rows: torch.Tensor, x: PackedBuffers) -> None:
         """-inf at each bad word's last token where the outputs end with the rest of it."""
         words = self.bad_words[rows]  # [seqs, sequences, H + 1]
         prefix, last = words[..., :HISTORY], words[..., HISTORY].long().clamp(min=0)  # UNUSED: 0
-        recent = self.history[rows][:, None, :]  # [seqs, 1, H]
+        # output j sits in slot j % H: E.g. H = 3, 4 outputs -> slots [1, 2, 0], oldest first
+        num_outputs = x["sample_positions"][: rows.shape[0]].long()[:, None]
+        oldest_first = (num_outputs + self.lanes) % HISTORY  # [seqs, H]
+        recent = self.history[rows].gather(1, oldest_first)[:, None, :]  # [seqs, 1, H]
         matched = ((prefix == recent) | (prefix == ANY)).all(dim=-1)  # [seqs, sequences]
         block = torch.where(matched, float("-inf"), float("inf"))
         logits.scatter_reduce_(1, last, block, reduce="amin")  # several may ban one token
@@ -253,16 +243,26 @@ def fill_step_inputs(
     x: dict[str, np.ndarray],
     state_rows: np.ndarray,
     seq_of_token: np.ndarray,
-    num_new_outputs: np.ndarray,
+    positions: np.ndarray,
+    prompt_lens: np.ndarray,
+    computed_after: np.ndarray,
     penalties: tuple[np.ndarray, np.ndarray, np.ndarray],
 ) -> None:
     """A step's penalty inputs, for its rows in plan order: `state_rows` [seqs] (the scratch
-    row where a row has no state), `num_new_outputs` [seqs] (its input tokens that are outputs),
-    and the rows' (presence, frequency, repetition) penalties."""
-    n = len(state_rows)
+    row where a row has no state), their prompt lengths and tokens computed after the step,
+    and their (presence, frequency, repetition) penalties."""
+    n, num_tokens, scratch = len(state_rows), len(seq_of_token), len(x["penalty_rows"])
     x["penalty_rows"][:n] = state_rows
-    x["penalty_token_rows"][: len(seq_of_token)] = state_rows[seq_of_token]
-    x["penalty_new_outputs"][:n] = num_new_outputs
+    token_rows = state_rows[seq_of_token]
+    x["penalty_token_rows"][:num_tokens] = token_rows
+    # output j goes to history slot j % H, but only the last H outputs a row feeds in the step
+    # (others would be overwritten in it). E.g. H = 2, prompt 3, positions [3, 4, 5]: outputs
+    # [0, 1, 2] -> slots [none, 1, 0]
+    output = positions - prompt_lens[seq_of_token]
+    fed = (computed_after - prompt_lens)[seq_of_token]
+    kept = (output >= 0) & (output >= fed - HISTORY) & (token_rows != scratch)
+    slots = np.where(kept, token_rows * HISTORY + output % HISTORY, scratch * HISTORY)
+    x["penalty_history_slots"][:num_tokens] = slots
     for name, values in zip(
         ("presence_penalty", "frequency_penalty", "repetition_penalty"), penalties, strict=True
     ):
@@ -274,8 +274,8 @@ def fill_padding(x: dict[str, np.ndarray], start: int, end: int, token_end: int)
     row, neutrally."""
     scratch = len(x["penalty_rows"])
     x["penalty_rows"][start:end] = scratch
-    x["penalty_new_outputs"][start:end] = 0
     x["presence_penalty"][start:end] = 0.0
     x["frequency_penalty"][start:end] = 0.0
     x["repetition_penalty"][start:end] = 1.0
     x["penalty_token_rows"][start:token_end] = scratch
+    x["penalty_history_slots"][start:token_end] = scratch * HISTORY

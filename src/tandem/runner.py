@@ -207,8 +207,6 @@ class Runner:
         With `token_bucket`, the forward pass runs as pieces padded to that many tokens."""
         x, out = slot.dev_in, slot.dev_out
         prev_sampled = self.slots[1 - slot.index].dev_out["sampled"]  # slots alternate every step
-        if use_penalties:
-            self.penalties.update(x, prev_sampled, num_tokens, num_seqs)
         meta = AttentionMetadata(
             slot_mapping=x["slot_mapping"][:num_tokens].long(),
             query_start_loc=x["query_start_loc"][: num_seqs + 1],
@@ -223,6 +221,7 @@ class Runner:
             hidden = self.pieces.forward(
                 slot.index, x, prev_sampled, token_bucket, num_tokens, meta
             )
+            input_ids = None  # the first piece's own
         else:
             input_ids = carry_over(
                 x["input_ids"][:num_tokens], x["carry_index"][:num_tokens], prev_sampled
@@ -239,7 +238,11 @@ class Runner:
             if num_top_logprobs is not None
             else None
         )
-        if use_penalties:
+        if use_penalties:  # the step's tokens counted into the state, then the logits processed
+            if input_ids is None:
+                ids, carry = x["input_ids"][:num_tokens], x["carry_index"][:num_tokens]
+                input_ids = carry_over(ids, carry, prev_sampled)
+            self.penalties.update(x, input_ids)
             logits = self.penalties.apply(logits, x, num_seqs)
         if use_filters:  # the only steps with min_tokens bans (see StepBatch.use_filters)
             ban_tokens(logits, x["banned_ids"][:num_seqs], x["ban_rows"][:num_seqs])

@@ -23,6 +23,7 @@ from tandem.bench import (
 )
 from tandem.cli import build_parser, main
 from tandem.config import EngineConfig, ModelConfig
+from tandem.engine import Engine
 from tandem.model.loader import read_hf_config
 from tandem.roofline import (
     H200,
@@ -49,6 +50,9 @@ WORKLOAD_KEYS = {
     "n",
     "batch_size",
     "temperature",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
     "repeats",
     "prompt_tokens",
     "output_tokens",
@@ -359,6 +363,32 @@ def test_shared_prompts_run_with_and_without_prefix_caching_and_report_the_hit_r
     assert cached["prefix_cache_hit_rate"] == pytest.approx(3 * 24 / (4 * 32))
     assert plain["prefix_cache_hit_rate"] == 0.0
     assert "cache hits" in capsys.readouterr().out
+
+
+def test_throughput_with_penalty_flags_gives_every_request_those_penalties(
+    make_tiny, tmp_path, monkeypatch
+):
+    seen = []
+    make_request = Engine.make_request
+
+    def recording(self, request_id, params, **kwargs):
+        seen.append((params.presence_penalty, params.frequency_penalty, params.repetition_penalty))
+        return make_request(self, request_id, params, **kwargs)
+
+    monkeypatch.setattr(Engine, "make_request", recording)
+    flags = [
+        "--presence-penalty",
+        "0.5",
+        "--frequency-penalty",
+        "0.5",
+        "--repetition-penalty",
+        "1.1",
+    ]
+    args = ["--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--repeats", "1", *flags]
+    report = run_bench(tmp_path, "throughput", "--model", str(make_tiny("llama")), *args)
+    assert report["workload"]["output_tokens"] == 2 * 4
+    assert report["workload"]["repetition_penalty"] == 1.1
+    assert seen and set(seen) == {(0.5, 0.5, 1.1)}
 
 
 def test_roofline_of_two_devices_is_half_the_time_of_one():

@@ -393,9 +393,6 @@ def test_a_top_k_past_the_samplers_int32_range_is_a_400_and_the_engine_keeps_ser
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("presence_penalty", 0.5),
-        ("frequency_penalty", 1.0),
-        ("logit_bias", {"5": 100}),
         ("echo", True),
         ("best_of", 3),
         ("suffix", " end"),
@@ -406,6 +403,44 @@ def test_a_field_the_server_does_not_implement_is_a_400_naming_it(server, field,
     body = {"prompt": PROMPT, "max_tokens": 2, field: value}
     message = assert_openai_error(post(server, "/v1/completions", body), 400, param=field)
     assert field in message
+
+
+def test_penalties_bias_and_token_lists_reach_the_engine_as_the_offline_api_applies_them(
+    client, offline
+):
+    fields = dict(presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"7": 100})
+    extra = dict(repetition_penalty=1.1, allowed_token_ids=[7, 8, 9], bad_words=["scheduler"])
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, extra_body=extra, **fields
+    )
+    [want] = offline_completion(
+        offline, PROMPT, max_tokens=6, temperature=0, **{**fields, "logit_bias": {7: 100}}, **extra
+    )
+    assert response.choices[0].text == want.text
+    assert set(want.token_ids) == {7}  # a bias of 100 wins among the allowed ids
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+        ("logit_bias", {"5": 101}),
+        ("logit_bias", {"five": 1}),
+        ("logit_bias", {"99999999": 1}),
+        ("allowed_token_ids", []),
+        ("allowed_token_ids", [99999999]),
+        ("bad_words", [""]),
+    ],
+)
+def test_out_of_range_penalties_and_unknown_token_ids_are_400s_naming_the_field(
+    server, field, value
+):
+    body = {"prompt": PROMPT, "max_tokens": 2, field: value}
+    message = assert_openai_error(post(server, "/v1/completions", body), 400, param=field)
+    assert field in message
+    assert httpx.get(f"{server.url}/health").status_code == 200
 
 
 def test_chat_rejects_tools_and_response_formats_it_cannot_honour(client):
@@ -420,9 +455,6 @@ def test_chat_rejects_tools_and_response_formats_it_cannot_honour(client):
 
 def test_unimplemented_fields_at_values_that_ask_for_nothing_are_accepted(server):
     neutral = {
-        "presence_penalty": 0,
-        "frequency_penalty": 0.0,
-        "logit_bias": {},
         "echo": False,
         "best_of": 1,
         "suffix": None,

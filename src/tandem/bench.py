@@ -77,15 +77,19 @@ def time_engine(
     temperature: float,
     batch_size: int | None = None,
     record_tokens: bool = False,
+    penalties: dict[str, float] | None = None,
 ) -> Run:
     """Submit `workload` in waves of `batch_size` and step until every token is out.
 
-    With `record_tokens`, each token is stamped when `step` hands it back on the host.
+    With `record_tokens`, each token is stamped when `step` hands it back on the host;
+    `penalties` are SamplingParams fields every request gets (presence_penalty, ...).
     """
     requests = [
         engine.make_request(
             f"bench-{i}",
-            SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i),
+            SamplingParams(
+                temperature=temperature, max_tokens=n, ignore_eos=True, seed=i, **(penalties or {})
+            ),
             prompt_token_ids=prompt,
         )
         for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True))
@@ -114,9 +118,11 @@ def time_engine(
     return Run(elapsed, engine.num_steps - steps_before, latencies)
 
 
-def time_generate(llm: LLM, workload: Workload, temperature: float) -> tuple[float, int]:
+def time_generate(
+    llm: LLM, workload: Workload, temperature: float, penalties: dict[str, float] | None = None
+) -> tuple[float, int]:
     """Wall seconds and engine steps for the whole workload submitted at once."""
-    run = time_engine(llm.engine, workload, temperature)
+    run = time_engine(llm.engine, workload, temperature, penalties=penalties)
     return run.seconds, run.steps
 
 
@@ -237,7 +243,7 @@ def run_bench(
     for mode in modes:
         engine.async_batching = mode.startswith("async")
         engine.scheduler.cache.enabled = caching and not mode.endswith("no-cache")
-        time_engine(engine, warmup, args.temperature)
+        time_engine(engine, warmup, args.temperature, penalties=penalties_of(args))
         retries = allocator_retries(engine.device)
         runs = []
         cache = engine.scheduler.cache
@@ -248,7 +254,12 @@ def run_bench(
                 engine.step_work = []
                 runs.append(
                     time_engine(
-                        engine, workload, args.temperature, batch_size, args.mode == "latency"
+                        engine,
+                        workload,
+                        args.temperature,
+                        batch_size,
+                        args.mode == "latency",
+                        penalties_of(args),
                     )
                 )
         rooflines[mode] = roofline_summary(
@@ -378,6 +389,12 @@ def throughput_ratios(results: dict) -> dict[str, float]:
     }
 
 
+def penalties_of(args: argparse.Namespace) -> dict[str, float]:
+    """The --presence/--frequency/--repetition-penalty every request gets."""
+    names = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+    return {name: getattr(args, name) for name in names}
+
+
 def workload_info(args: argparse.Namespace, workload: Workload, batch_size: int | None) -> dict:
     return {
         "model": args.model,
@@ -393,6 +410,7 @@ def workload_info(args: argparse.Namespace, workload: Workload, batch_size: int 
         "n": args.n if args.dataset == "random" else None,
         "batch_size": batch_size,
         "temperature": args.temperature,
+        **penalties_of(args),
         "repeats": args.repeats,
         "prompt_tokens": workload.num_prompt_tokens,
         "output_tokens": workload.num_output_tokens,
@@ -452,7 +470,7 @@ def trace_run(
 
     llm.engine.reset_prefix_cache()
     llm.engine.start_trace()
-    elapsed, _ = time_generate(llm, workload, args.temperature)
+    elapsed, _ = time_generate(llm, workload, args.temperature, penalties_of(args))
     timeline = llm.engine.stop_trace()
     path = args.trace if args.compare is None else args.trace.replace(".json", f"_{mode}.json")
     trace = timeline.to_chrome_trace({"mode": mode, "model": args.model})
@@ -620,6 +638,9 @@ def add_bench_args(parser: argparse.ArgumentParser, latency: bool = False) -> No
             help="requests that arrive together; the next batch arrives when this one is done",
         )
     parser.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="every request's")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="every request's")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="every request's")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up")
     parser.add_argument(
         "--async",

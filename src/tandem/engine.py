@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tandem import piecewise
+from tandem import penalties, piecewise
 from tandem.attention import get_backend, rows_per_shared_group
 from tandem.batch import BatchBuilder, StepBatch
 from tandem.config import EngineConfig, ModelConfig, cdiv
@@ -122,6 +122,10 @@ class Engine:
             config.max_num_seqs,
             self.device,
         )
+        # before the KV cache is sized from what is left
+        self.penalties = penalties.PenaltyState(
+            config.max_num_seqs, cfg.vocab_size, config.max_num_batched_tokens, self.device
+        )
         num_blocks = num_kv_blocks(
             config, local, self.dtype, self.device, self.max_model_len, self.model, self.attend
         )
@@ -166,6 +170,7 @@ class Engine:
             tp=self.tp,
             piecewise=self._use_piecewise(),
             cascade=shared_rows > 0,
+            penalties=self.penalties,
         )
         if self.runner.cuda and (self.runner.graph_sizes or self.runner.token_buckets):
             self.runner.capture_graphs()
@@ -260,10 +265,20 @@ class Engine:
             raise ValueError(
                 f"with min_tokens, at most {MAX_BANNED_IDS - len(self.eos_token_ids)} stop_token_ids are supported"
             )
+        bad_words = self._bad_words_token_ids(params)
+        penalties.check_request(params, bad_words, self.model_config.vocab_size)
         request = Request(request_id, prompt_token_ids, params, params.seed, prompt=prompt)
+        request.bad_words_token_ids = bad_words
         if params.stop or stream_text:
             request.detokenizer = self._detokenizer(request)
         return request
+
+    def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        if not params.bad_words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError("bad_words need the model's tokenizer.json; use logit_bias instead")
+        return penalties.bad_word_token_ids(self.tokenizer, params.bad_words)
 
     def _check_token_ids(self, ids: list[int]) -> list[int]:
         if not ids:

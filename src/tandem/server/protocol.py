@@ -30,10 +30,6 @@ MAX_TOKEN_ID = 2**32 - 1  # the tokenizer's u32
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
     "echo": (False,),
-    "frequency_penalty": (0,),
-    "presence_penalty": (0,),
-    "repetition_penalty": (1,),
-    "logit_bias": ({},),
     "suffix": ("",),
     "tools": ([],),
     "tool_choice": ("none", "auto"),
@@ -87,6 +83,9 @@ class SamplingRequest(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token ids as strings, as JSON keys must be
     stop: Text | list[Text] | None = None
     n: int | None = Field(None, le=MAX_N)
     stream: bool | None = None
@@ -97,6 +96,9 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     return_token_ids: bool | None = None  # add each choice's generated token ids
 
     def stop_strings(self) -> list[str]:

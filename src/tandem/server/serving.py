@@ -467,12 +467,28 @@ def sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None
         "stop_token_ids",
         "ignore_eos",
         "min_tokens",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "allowed_token_ids",
+        "bad_words",
     )
     given = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
+    if body.logit_bias is not None:
+        given["logit_bias"] = token_id_keys(body.logit_bias)
     try:
         return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs)
     except ValueError as error:
         raise invalid_request(error, body) from error
+
+
+def token_id_keys(logit_bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's {"token id": bias} with int keys; a 400 naming logit_bias for any other key."""
+    try:
+        return {int(key): bias for key, bias in logit_bias.items()}
+    except ValueError as error:
+        message = f"logit_bias keys must be token ids, got {list(logit_bias)!r}"
+        raise OpenAIError(message, param="logit_bias") from error
 
 
 def seeded(params: SamplingParams, k: int) -> SamplingParams:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tandem.io_slot import MAX_BANNED_IDS, IOSlot
+from tandem.prompt_logprobs import PromptLogprobStep, plan_rows
 from tandem.request import Request
 from tandem.sampling import fold_seed
 from tandem.scheduler import StepPlan
@@ -31,6 +32,7 @@ class StepBatch:
     graphed: bool  # replays a CUDA graph of num_seqs_padded rows
     # otherwise, the token rows of the pieces that run it (piecewise.py), or None: eagerly
     token_bucket: int | None = None
+    prompt_logprobs: PromptLogprobStep | None = None  # rows at prompt positions that want them
 
 
 class RunningRows:
@@ -134,6 +136,7 @@ class BatchBuilder:
         x["logits_indices"][:num_seqs] = qsl[1 : num_seqs + 1] - 1
 
         self._fill_token_ids(x, requests, start, num_new, qsl)
+        prompt_logprobs = plan_rows(requests, start, num_new, qsl, slot.prompt_logprobs)
         num_outputs = np.fromiter((r.num_output_tokens for r in requests), np.int64, num_seqs)
         samples = computed_after == self.running_rows.prompt_len[rows] + num_outputs
         use_filters, num_top_logprobs = self._fill_sampling(x, requests, rows, num_outputs)
@@ -159,6 +162,7 @@ class BatchBuilder:
             query_start_loc=qsl[: num_seqs + 1].tolist(),
             graphed=graph_size is not None,
             token_bucket=token_bucket,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _fill_token_ids(self, x, requests: list[Request], start, num_new, qsl) -> None:

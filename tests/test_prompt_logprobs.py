@@ -68,8 +68,11 @@ def use_fused_kernel(monkeypatch) -> None:
     )
 
 
-@pytest.mark.parametrize("path", ["eager", "pieces", "fused"])
-@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    ("async_batching", "path"),
+    [(False, "eager"), (True, "eager"), (True, "pieces"), (False, "fused")],
+    ids=["sync", "async", "async-pieces", "sync-fused"],
+)
 def test_prompt_logprobs_match_transformers_with_chunks_and_preemption(
     make_tiny, monkeypatch, async_batching, path
 ):

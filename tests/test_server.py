@@ -394,7 +394,6 @@ def test_a_top_k_past_the_samplers_int32_range_is_a_400_and_the_engine_keeps_ser
         ("presence_penalty", 0.5),
         ("frequency_penalty", 1.0),
         ("logit_bias", {"5": 100}),
-        ("echo", True),
         ("best_of", 3),
         ("suffix", " end"),
         ("max_token", 50),  # a misspelt field must not fall back to the default silently

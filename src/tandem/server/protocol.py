@@ -98,6 +98,7 @@ class SamplingRequest(BaseModel):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
+    echo: bool | None = None  # the prompt before the completion, with logprobs if asked
 
 
 class TextPart(BaseModel):

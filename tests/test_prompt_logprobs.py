@@ -192,13 +192,14 @@ def test_bad_prompt_logprobs_params_raise_naming_the_field(kwargs, field):
 def test_fused_lm_head_kernel_matches_log_softmax(rows):
     g = torch.Generator().manual_seed(rows)
     vocab, hidden = 1000, 48
-    h = torch.randn(rows, hidden, generator=g)
+    tokens = torch.randn(rows + 5, hidden, generator=g)
+    index = torch.randperm(rows + 5, generator=g)[:rows]  # the rows are gathered in the kernel
     weight = torch.randn(vocab + 24, hidden, generator=g)  # padded past the vocabulary
     targets = torch.randint(0, vocab, (rows,), generator=g)
     values = torch.empty(rows, 2)
     ids = torch.empty(rows, 1, dtype=torch.int32)
-    lm_head_logprobs(h, weight, targets, vocab, values, ids, num_splits=3)
-    reference = (h @ weight[:vocab].T).log_softmax(-1)
+    lm_head_logprobs(tokens, index, weight, targets, vocab, values, ids, num_splits=3)
+    reference = (tokens[index] @ weight[:vocab].T).log_softmax(-1)
     assert torch.allclose(values[:, 0], reference.gather(1, targets[:, None])[:, 0], atol=1e-4)
     assert torch.allclose(values[:, 1], reference.max(-1).values, atol=1e-4)
     assert torch.equal(ids[:, 0].long(), reference.argmax(-1))

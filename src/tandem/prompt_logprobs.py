@@ -136,7 +136,7 @@ def compute(
     if weight is not None:
         from tandem.prompt_logprobs_kernel import lm_head_logprobs
 
-        lm_head_logprobs(hidden[rows], weight, targets, model.cfg.vocab_size, values, ids)
+        lm_head_logprobs(hidden, rows, weight, targets, model.cfg.vocab_size, values, ids)
         return
     sub_rows = max(1, SUB_CHUNK_BYTES // (4 * model.cfg.vocab_size))
     for a in range(0, step_rows, sub_rows):

@@ -24,7 +24,8 @@ MAX_BLOCK_R = 128
 
 @triton.jit(do_not_specialize=["rows", "vocab_per_split"])
 def lm_head_stats_kernel(
-    hidden_ptr,  # [rows, hidden]
+    hidden_ptr,  # [tokens, hidden]
+    index_ptr,  # [rows] int64: each row's token in hidden (gathered here, not copied first)
     weight_ptr,  # [>= vocab, hidden]
     targets_ptr,  # [rows] int64
     max_ptr,  # [splits, rows] float32: each range's max logit
@@ -34,6 +35,7 @@ def lm_head_stats_kernel(
     rows,
     vocab,
     hidden_size,
+    hidden_stride,
     vocab_per_split,  # a multiple of BLOCK_V
     BLOCK_R: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -44,6 +46,7 @@ def lm_head_stats_kernel(
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_rows = row < rows
     target = tl.load(targets_ptr + row, mask=in_rows, other=-1)
+    token = tl.load(index_ptr + row, mask=in_rows, other=0)
     best = tl.full([BLOCK_R], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_R], tl.float32)
     target_logit = tl.zeros([BLOCK_R], tl.float32)
@@ -58,7 +61,7 @@ def lm_head_stats_kernel(
         for k0 in range(0, hidden_size, BLOCK_K):
             in_k = k0 + k < hidden_size
             a = tl.load(
-                hidden_ptr + row.to(tl.int64)[:, None] * hidden_size + (k0 + k)[None, :],
+                hidden_ptr + token.to(tl.int64)[:, None] * hidden_stride + (k0 + k)[None, :],
                 mask=in_rows[:, None] & in_k[None, :],
                 other=0.0,
             )
@@ -85,6 +88,7 @@ def lm_head_stats_kernel(
 
 def lm_head_logprobs(
     hidden: torch.Tensor,
+    index: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
     vocab: int,
@@ -92,9 +96,11 @@ def lm_head_logprobs(
     ids: torch.Tensor,
     num_splits: int | None = None,
 ) -> None:
-    """hidden [rows, hidden] through the LM head `weight` -> values[:, 0] = log_softmax[target];
-    with a second column (top-1), values[:, 1] = the max logprob and ids[:, 0] = its id."""
-    rows, hidden_size = hidden.shape
+    """The rows `index` [rows] of hidden [tokens, hidden] through the LM head `weight` ->
+    values[:, 0] = log_softmax[target]; with a second column (the top-1), values[:, 1] = the
+    max logprob and ids[:, 0] = its id."""
+    rows, hidden_size = index.shape[0], hidden.shape[1]
+    assert hidden.stride(1) == 1 and weight.is_contiguous()
     block_r = min(MAX_BLOCK_R, max(16, next_power_of_2(rows)))
     row_blocks = cdiv(rows, block_r)
     vocab_blocks = cdiv(vocab, BLOCK_V)
@@ -105,8 +111,8 @@ def lm_head_logprobs(
     stats = torch.empty(3, num_splits, rows, dtype=torch.float32, device=hidden.device)
     argmax = torch.empty(num_splits, rows, dtype=torch.int32, device=hidden.device)
     lm_head_stats_kernel[(row_blocks, num_splits)](
-        hidden.contiguous(), weight, targets.contiguous(), stats[0], stats[1], stats[2], argmax,
-        rows, vocab, hidden_size, vocab_per_split,
+        hidden, index.contiguous(), weight, targets.contiguous(), stats[0], stats[1], stats[2], argmax,
+        rows, vocab, hidden_size, hidden.stride(0), vocab_per_split,
         BLOCK_R=block_r, BLOCK_V=BLOCK_V, BLOCK_K=BLOCK_K,
         PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32", num_warps=8, num_stages=3,
     )  # fmt: skip

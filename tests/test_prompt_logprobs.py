@@ -203,3 +203,32 @@ def test_fused_lm_head_kernel_matches_log_softmax(rows):
     assert torch.allclose(values[:, 0], reference.gather(1, targets[:, None])[:, 0], atol=1e-4)
     assert torch.allclose(values[:, 1], reference.max(-1).values, atol=1e-4)
     assert torch.equal(ids[:, 0].long(), reference.argmax(-1))
+
+
+def test_two_ranks_give_the_prompt_logprobs_of_one(make_tiny):
+    """Tensor parallelism over gloo: the vocabulary-sharded LM head's logits are gathered first."""
+
+    def run(tensor_parallel_size: int):
+        llm = LLM(str(make_tiny("llama")), max_model_len=56, num_blocks=7, block_size=8,
+                  max_num_batched_tokens=16, tensor_parallel_size=tensor_parallel_size)  # fmt: skip
+        ids = prompts(llm.engine.model_config.vocab_size)
+        params = [
+            SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, prompt_logprobs=k)
+            for k, n in REQUESTS
+        ]
+        try:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+            assert llm.engine.scheduler.num_preemptions > 0
+        finally:
+            llm.shutdown()
+        return [(o.prompt_logprobs, o.outputs[0].token_ids) for o in outputs]
+
+    for (two, tokens_two), (one, tokens_one) in zip(run(2), run(1), strict=True):
+        assert tokens_two == tokens_one
+        if one is None:
+            assert two is None
+            continue
+        assert two[0] is None and len(two) == len(one)
+        for a, b in zip(two[1:], one[1:], strict=True):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t] - b[t]) < TOLERANCE for t in a), max(abs(a[t] - b[t]) for t in a)

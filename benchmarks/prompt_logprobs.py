@@ -8,6 +8,7 @@ sub-chunked float32 log-softmax that top-k > 1 takes.
 
 Usage: PYTHONPATH=src python3 benchmarks/prompt_logprobs.py [--model llama-3-8b]
 [--num-prompts 1000] [--input-len 512] [--prompt-logprobs 0] [--max-num-batched-tokens 8192]
+[--sweep: only the fused kernel's time under other tile shapes]
 """
 
 from __future__ import annotations
@@ -20,8 +21,14 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tandem import LLM, SamplingParams
+from tandem import LLM, SamplingParams, prompt_logprobs_kernel
 from tandem.prompt_logprobs_kernel import lm_head_logprobs
+
+# (BLOCK_V, BLOCK_K, MAX_BLOCK_R, NUM_WARPS, NUM_STAGES) for --sweep
+SWEEP = [
+    (128, 64, 128, 8, 3), (128, 64, 128, 8, 4), (256, 64, 128, 8, 3), (128, 128, 128, 8, 3),
+    (128, 64, 64, 4, 4), (256, 64, 64, 8, 4), (128, 32, 128, 4, 5), (64, 64, 128, 4, 4),
+]  # fmt: skip
 
 
 def timed_generate(llm: LLM, prompts: list[dict], params: SamplingParams) -> float:
@@ -65,6 +72,26 @@ def kernel_times(llm: LLM, rows: int) -> dict[str, float]:
     }
 
 
+def sweep(llm: LLM, rows: int) -> list[dict]:
+    """The fused kernel's time under each tile shape and launch of SWEEP."""
+    results = []
+    names = ("BLOCK_V", "BLOCK_K", "MAX_BLOCK_R", "NUM_WARPS", "NUM_STAGES")
+    default = [getattr(prompt_logprobs_kernel, name) for name in names]
+    try:
+        for config in SWEEP:
+            for name, value in zip(names, config, strict=True):
+                setattr(prompt_logprobs_kernel, name, value)
+            try:
+                ms = kernel_times(llm, rows)["fused_ms"]
+            except Exception as error:  # e.g. out of shared memory
+                ms = repr(error)[:80]
+            results.append({**dict(zip(names, config, strict=True)), "fused_ms": ms})
+    finally:
+        for name, value in zip(names, default, strict=True):
+            setattr(prompt_logprobs_kernel, name, value)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="llama-3-8b")
@@ -74,9 +101,13 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output-json")
+    parser.add_argument("--sweep", action="store_true", help="only time the kernel's configs")
     args = parser.parse_args()
     llm = LLM(args.model, load_format="dummy", max_model_len=args.input_len + 16,
               max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
+    if args.sweep:
+        print(json.dumps(sweep(llm, args.max_num_batched_tokens), indent=2))
+        return
     vocab = llm.engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [

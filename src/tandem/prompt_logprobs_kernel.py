@@ -17,9 +17,12 @@ import triton.language as tl
 from tandem.config import cdiv, next_power_of_2
 from tandem.model.fused import num_sms
 
+# tile shape and launch (untuned; `benchmarks/prompt_logprobs.py --sweep` compares others)
 BLOCK_V = 128
 BLOCK_K = 64
 MAX_BLOCK_R = 128
+NUM_WARPS = 8
+NUM_STAGES = 3
 
 
 @triton.jit(do_not_specialize=["rows", "vocab_per_split"])
@@ -114,7 +117,8 @@ def lm_head_logprobs(
         hidden, index.contiguous(), weight, targets.contiguous(), stats[0], stats[1], stats[2], argmax,
         rows, vocab, hidden_size, hidden.stride(0), vocab_per_split,
         BLOCK_R=block_r, BLOCK_V=BLOCK_V, BLOCK_K=BLOCK_K,
-        PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32", num_warps=8, num_stages=3,
+        PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )  # fmt: skip
     split_max, best_split = stats[0].max(dim=0)  # [rows]
     lse = split_max + (stats[1] * torch.exp(stats[0] - split_max)).sum(dim=0).log()

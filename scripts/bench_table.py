@@ -16,7 +16,7 @@ import sys
 def main() -> None:
     reports = {pathlib.Path(p).stem: json.loads(pathlib.Path(p).read_text()) for p in sys.argv[1:]}
     print(f"{'file':28} {'mode':20} {'tok/s':>9} {'ms/step':>8} {'GPU act':>8} {'roofline':>8} "
-          f"{'copy TB/s':>9} {'vs own':>7} {'jit':>4}  runs (s)")  # fmt: skip
+          f"{'copy TB/s':>9} {'vs own':>7} {'jit':>4} {'hits':>6}  runs (s)")  # fmt: skip
     for stem, report in reports.items():
         copy = report["environment"].get("copy_tb_per_s")  # this machine's, where measured
         # E.g. bench_seed_baseline -> bench_seed
@@ -27,11 +27,13 @@ def main() -> None:
             step = r.get("ms_per_step")
             versus = f"{step / own_step:.3f}" if own_step and step and mode == "async" else ""
             runs = " ".join(f"{t:.2f}" for t in r.get("seconds_all", []))
+            hits = r.get("prefix_cache_hit_rate")
             print(
                 f"{stem:28} {mode:20} {r['output_tokens_per_s']:9.0f} {step or 0:8.2f} "
                 f"{'' if active is None else f'{active:.2f}%':>8} "
                 f"{100 * r['roofline_fraction']:7.1f}% {'' if copy is None else f'{copy:.2f}':>9} "
-                f"{versus:>7} {r.get('jit_compiles', ''):>4}  {runs}"
+                f"{versus:>7} {r.get('jit_compiles', ''):>4} "
+                f"{'' if hits is None else f'{100 * hits:.1f}%':>6}  {runs}"
             )
 
 

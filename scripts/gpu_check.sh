@@ -2,7 +2,8 @@
 # The whole GPU check in one call: GPU tests (incl. the stream sanitizer run), kernel benchmark,
 # graph memory, then the named workloads async (with COMPARE="sync" by default, or e.g. "sync
 # transformers"; COMPARE= for async alone), each with a traced run. Results and logs go to $OUT
-# (or ./out) as results.tar.gz; a short table is printed last.
+# (or ./out) as results.tar.gz; a short table is printed last. rollout and chat (shared prompts)
+# compare with prefix caching off (CACHE_COMPARE) instead.
 #   SKIP_TESTS=1        no tests
 #   SKIP_KERNELS=1      no kernel benchmark
 #   REPEATS=N           timed runs per mode (default 3)
@@ -38,13 +39,16 @@ workload_args() {
     seed) echo "--model llama-3-8b --input-len 128 --output-len 1024 --num-prompts 32 --max-num-seqs 32" ;;
     small) echo "--model qwen3-0.6b --input-len 562 --output-len 562 --range-ratio 0.822 --num-prompts 256" ;;
     latency) echo "--model llama-3-8b --input-len 128 --output-len 512 --num-prompts 1 --max-num-seqs 1" ;;
+    rollout) echo "--model llama-3-8b --input-len 1024 --output-len 512 --num-prompts 32 --n 8" ;;
+    chat) echo "--model llama-3-8b --shared-prefix-len 2048 --input-len 128 --output-len 256 --num-prompts 256" ;;
     *) return 1 ;;
   esac
 }
 
 if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -q --durations=8 tests/gpu tests/test_triton_attention.py tests/test_fused_ops.py \
-    tests/test_sampling_kernel.py tests/test_pdl.py tests/test_splitk.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+    tests/test_sampling_kernel.py tests/test_pdl.py tests/test_splitk.py tests/test_shared_prefix.py \
+    -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
 fi
 if [ -z "${SKIP_KERNELS:-}" ]; then
   sweeps=$(case ${SWEEP:-} in "") ;; 1) echo --sweep-decode --sweep-prefill --sweep-sampler ;;
@@ -79,7 +83,7 @@ done
 for name in "$@"; do
   args=$(workload_args "$name") || { echo "unknown workload $name"; continue; }
   echo "== $name"
-  compare=${COMPARE-sync}
+  case $name in rollout|chat) compare=${CACHE_COMPARE-no-prefix-caching} ;; *) compare=${COMPARE-sync} ;; esac
   python3 -m tandem.cli bench throughput $args --load-format dummy ${compare:+--compare $compare} \
     --repeats "${REPEATS:-3}" --output-json "$OUT/bench_$name.json" \
     --trace "/tmp/traces/trace_$name.json" 2>&1 | tee "$OUT/bench_$name.log" | tail -6

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,3 +29,24 @@ def make_tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]
         return folders[arch]
 
     return make
+
+
+@pytest.fixture
+def run_sanitized(tmp_path: Path) -> Callable[[str], str]:
+    """run_sanitized(script) -> stdout of `python -c script TMP/tiny` under PyTorch's CUDA stream
+    sanitizer, asserting that it exited cleanly and reported no unsynchronized access."""
+
+    def run(script: str) -> str:
+        env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
+        result = subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path / "tiny")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+        assert "CSAN" not in result.stderr, result.stderr[-4000:]
+        return result.stdout
+
+    return run

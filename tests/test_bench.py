@@ -45,6 +45,8 @@ WORKLOAD_KEYS = {
     "input_len",
     "output_len",
     "range_ratio",
+    "shared_prefix_len",
+    "n",
     "batch_size",
     "temperature",
     "repeats",
@@ -134,9 +136,11 @@ def check_report(report: dict, modes: set[str], latency: bool) -> None:
     assert set(report["roofline"]) == ROOFLINE_KEYS
     assert set(report["results"]) == modes
     for mode, result in report["results"].items():
-        ours = mode in ("sync", "async")
+        ours = mode.split()[0] in ("sync", "async")
         expected = RESULT_KEYS | (
-            {"roofline_seconds", "allocator_retries", "jit_compiles"} if ours else set()
+            {"roofline_seconds", "allocator_retries", "jit_compiles", "prefix_cache_hit_rate"}
+            if ours
+            else set()
         )
         assert set(result) == expected | (LATENCY_KEYS if latency else set()), mode
         assert result["output_tokens_per_s"] > 0 and result["steps"] > 0
@@ -335,6 +339,23 @@ def test_throughput_runs_sync_and_async_and_writes_every_field(make_tiny, tmp_pa
     assert report["async_speedup"] == report["ratios"]["async/sync"]
     out = capsys.readouterr().out
     assert "roofline of this work" in out and "async/sync output tok/s" in out
+
+
+def test_shared_prompts_run_with_and_without_prefix_caching_and_report_the_hit_rate(
+    make_tiny, tmp_path, capsys
+):
+    args = ["--num-prompts", "2", "--n", "2", "--shared-prefix-len", "24", "--input-len", "8"]
+    args += ["--output-len", "4", "--compare", "no-prefix-caching"]
+    report = run_bench(tmp_path, "throughput", "--model", str(make_tiny("llama")), *args)
+    check_report(report, {"async", "async no-cache"}, latency=False)
+    assert report["workload"]["num_prompts"] == 4 and report["workload"]["output_tokens"] == 16
+    cached, plain = report["results"]["async"], report["results"]["async no-cache"]
+    # 4 prompts of 32 tokens, 3 blocks of 8 shared, 8 asked for, in each timed run (cold):
+    # the second sample of the first prompt finds its 3 blocks, the second prompt the 3 of the
+    # shared prefix, and its second sample 3 as well
+    assert cached["prefix_cache_hit_rate"] == pytest.approx(3 * 24 / (4 * 32))
+    assert plain["prefix_cache_hit_rate"] == 0.0
+    assert "cache hits" in capsys.readouterr().out
 
 
 def test_roofline_of_two_devices_is_half_the_time_of_one():

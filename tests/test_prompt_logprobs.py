@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -232,3 +233,23 @@ def test_two_ranks_give_the_prompt_logprobs_of_one(make_tiny):
         for a, b in zip(two[1:], one[1:], strict=True):
             assert a.keys() == b.keys()
             assert all(abs(a[t] - b[t]) < TOLERANCE for t in a), max(abs(a[t] - b[t]) for t in a)
+
+
+def test_a_request_with_prompt_logprobs_takes_nothing_from_the_prefix_cache(make_tiny):
+    """Positions served from the cache would have no hidden rows: such a request computes its
+    whole prompt, while a plain request with the same prompt reuses the cached blocks."""
+    folder = str(make_tiny("llama"))
+    llm = LLM(folder, max_model_len=128, block_size=8, num_blocks=32, enable_prefix_caching=True)
+    prompt = {"prompt_token_ids": prompts(llm.engine.model_config.vocab_size)[0]}  # 37 tokens
+    plain = SamplingParams(temperature=0, max_tokens=2)
+    llm.generate([prompt], plain, use_tqdm=False)
+    assert llm.generate([prompt], plain, use_tqdm=False)[0].num_cached_tokens == 32
+    for params in (
+        SamplingParams(max_tokens=0, prompt_logprobs=1),
+        replace(plain, prompt_logprobs=0),
+    ):
+        [out] = llm.generate([prompt], params, use_tqdm=False)
+        assert out.num_cached_tokens == 0
+        k = params.prompt_logprobs
+        ids = prompt["prompt_token_ids"]
+        assert_matches_reference(out.prompt_logprobs, ids, k, reference_logprobs(folder, ids))

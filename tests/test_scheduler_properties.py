@@ -61,7 +61,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def share(self, data: st.DataObject) -> None:
         blocks = data.draw(st.sampled_from(self.owners))
-        self.allocator.share(blocks)
+        self.allocator.take(blocks)
         self.owners.append(list(blocks))
 
     @precondition(lambda self: self.owners)
@@ -79,14 +79,14 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def counts_match_owners_and_free_blocks_are_listed_once(self) -> None:
-        held, free = self.held(), list(self.allocator.free_blocks)
+        held, free = self.held(), list(self.allocator.free_queue)
         assert (self.allocator.ref_counts == held).all()
         assert sorted(free) == np.flatnonzero(held == 0).tolist()
 
     def teardown(self) -> None:
         for blocks in self.owners:
             self.allocator.free(blocks)
-        assert sorted(self.allocator.free_blocks) == list(range(self.allocator.num_blocks))
+        assert sorted(self.allocator.free_queue) == list(range(self.allocator.num_blocks))
         assert not self.allocator.ref_counts.any()
 
 
@@ -237,12 +237,14 @@ def watch_scheduler(engine: Engine, finishes: Counter[str], seen: set[str]) -> N
 
 
 def assert_blocks_rows_and_pending_consistent(engine: Engine, requests: list[Request]) -> None:
-    """Every block is free once or in one running request's table; rows and pending tokens add up."""
+    """Every block is free once, or held by as many running requests as its count says (prefix
+    caching shares blocks); rows and pending tokens add up."""
     allocator, scheduler = engine.allocator, engine.scheduler
-    free = list(allocator.free_blocks)
+    free = list(allocator.free_queue)
     owned = [b for r in scheduler.running for b in r.block_table]
-    assert sorted(free + owned) == list(range(allocator.num_blocks))
-    assert (allocator.ref_counts[owned] == 1).all() and (allocator.ref_counts[free] == 0).all()
+    holders = np.bincount(owned, minlength=allocator.num_blocks)
+    assert (allocator.ref_counts == holders).all()
+    assert len(free) == len(set(free)) and set(free) == set(np.flatnonzero(holders == 0).tolist())
     assert len(scheduler.running) <= scheduler.max_num_seqs
     for r in scheduler.running:
         assert r.status is Status.RUNNING

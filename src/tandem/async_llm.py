@@ -47,6 +47,7 @@ class StreamOutput:
     num_prompt_tokens: int
     num_output_tokens: int  # all tokens so far
     time: float  # time.perf_counter() when the engine thread produced it
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     # with SamplingParams.prompt_logprobs, in the request's first output: per prompt position
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
@@ -63,6 +64,8 @@ class EngineStats:
     num_prompt_tokens: int = 0  # of requests that produced a first token
     num_generation_tokens: int = 0
     num_finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0  # of those, tokens found there
 
     @property
     def kv_cache_usage(self) -> float:
@@ -307,6 +310,7 @@ class AsyncLLM:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=len(tokens),
             time=now,
+            num_cached_tokens=request.num_cached_tokens or 0,
             prompt_logprobs=request.prompt_logprobs if first else None,
         )
         self._num_generation_tokens += len(tokens) - sent.num_tokens
@@ -324,6 +328,8 @@ class AsyncLLM:
             num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
             num_finished=dict(self._num_finished),
+            prefix_cache_queries=scheduler.cache.num_queried_tokens,
+            prefix_cache_hits=scheduler.cache.num_hit_tokens,
         )
 
     def _die(self, error: EngineDeadError) -> None:

@@ -11,6 +11,7 @@ from tandem.prompt_logprobs import PromptLogprobStep, plan_rows
 from tandem.request import Request
 from tandem.sampling import fold_seed
 from tandem.scheduler import StepPlan
+from tandem.shared_prefix import group_shared_prefixes, shared_kv_tokens
 
 
 @dataclass
@@ -32,6 +33,8 @@ class StepBatch:
     graphed: bool  # replays a CUDA graph of num_seqs_padded rows
     # otherwise, the token rows of the pieces that run it (piecewise.py), or None: eagerly
     token_bucket: int | None = None
+    num_shared_groups: int = 0  # groups of decode rows sharing leading blocks (shared_prefix.py)
+    shared_kv_tokens: int = 0  # KV tokens those groups do not read again
     prompt_logprobs: PromptLogprobStep | None = None  # rows at prompt positions that want them
 
 
@@ -90,10 +93,19 @@ class RunningRows:
 
 
 class BatchBuilder:
-    def __init__(self, block_size: int, max_seqs: int, max_blocks: int, eos_ids: tuple[int, ...]):
+    def __init__(
+        self,
+        block_size: int,
+        max_seqs: int,
+        max_blocks: int,
+        eos_ids: tuple[int, ...],
+        shared_group_rows: int = 0,
+    ):
         self.block_size = block_size
         self.running_rows = RunningRows(max_seqs, max_blocks)
         self.eos_ids = eos_ids
+        # most rows of a shared-prefix group; 0: the attention reads every row's whole context
+        self.shared_group_rows = shared_group_rows
 
     def build(
         self,
@@ -148,6 +160,13 @@ class BatchBuilder:
         # one-token rows that lead a mixed step (those go to the decode kernel too)
         decodes = graph_size or num_seqs if num_tokens == num_seqs else int(np.argmax(num_new != 1))
         x["seq_order"][:decodes] = np.argsort(-x["seq_lens"][:decodes], kind="stable")
+        num_groups = 0
+        if self.shared_group_rows:
+            real = min(decodes, num_seqs)
+            num_groups = group_shared_prefixes(
+                tables[:real], computed_after[:real], self.block_size, self.shared_group_rows, x
+            )
+            x["prefix_lens"][real:decodes] = 0
         return StepBatch(
             step=step,
             slot=slot,
@@ -162,6 +181,8 @@ class BatchBuilder:
             query_start_loc=qsl[: num_seqs + 1].tolist(),
             graphed=graph_size is not None,
             token_bucket=token_bucket,
+            num_shared_groups=num_groups,
+            shared_kv_tokens=shared_kv_tokens(x, num_groups),
             prompt_logprobs=prompt_logprobs,
         )
 

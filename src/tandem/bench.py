@@ -126,7 +126,14 @@ def load_workload(args: argparse.Namespace, cfg: ModelConfig, folder: Path | Non
     if args.dataset == "random":
         output_len = args.output_len or DEFAULT_OUTPUT_LEN
         return random_workload(
-            num_prompts, args.input_len, output_len, args.range_ratio, cfg.vocab_size, args.seed
+            num_prompts,
+            args.input_len,
+            output_len,
+            args.range_ratio,
+            cfg.vocab_size,
+            args.seed,
+            args.shared_prefix_len,
+            args.n,
         )
     if folder is None or not (folder / "tokenizer.json").is_file():
         raise ValueError(
@@ -221,17 +228,24 @@ def run_bench(
     compare = set(args.compare or ())
     primary, other = ("async", "sync") if engine.async_batching else ("sync", "async")
     modes = [primary, other] if "sync" in compare else [primary]
+    caching = engine.scheduler.cache.enabled
+    if "no-prefix-caching" in compare and caching:
+        modes.append(f"{primary} no-cache")
     batch_size = args.batch_size if args.mode == "latency" else None
     results, rooflines = {}, {}
     hardware = on_devices(H200, engine.config.tensor_parallel_size)
     cost = ModelCost.of(cfg, engine.dtype.itemsize)
     for mode in modes:
-        engine.async_batching = mode == "async"
+        engine.async_batching = mode.startswith("async")
+        engine.scheduler.cache.enabled = caching and not mode.endswith("no-cache")
         time_engine(engine, warmup, args.temperature)
         retries = allocator_retries(engine.device)
         runs = []
+        cache = engine.scheduler.cache
+        queried, hit = cache.num_queried_tokens, cache.num_hit_tokens
         with counting_jit_compiles() as compiles:
             for _ in range(args.repeats):
+                engine.reset_prefix_cache()  # each run starts cold: no hits from the last one
                 engine.step_work = []
                 runs.append(
                     time_engine(
@@ -249,6 +263,8 @@ def run_bench(
             "roofline_seconds": rooflines[mode]["seconds"],
             "allocator_retries": allocator_retries(engine.device) - retries,
             "jit_compiles": compiles[0],
+            "prefix_cache_hit_rate": (cache.num_hit_tokens - hit)
+            / max(1, cache.num_queried_tokens - queried),
         }
     report = {
         "mode": args.mode,
@@ -374,6 +390,8 @@ def workload_info(args: argparse.Namespace, workload: Workload, batch_size: int 
         "input_len": args.input_len if args.dataset == "random" else None,
         "output_len": args.output_len,
         "range_ratio": args.range_ratio if args.dataset == "random" else None,
+        "shared_prefix_len": args.shared_prefix_len if args.dataset == "random" else None,
+        "n": args.n if args.dataset == "random" else None,
         "batch_size": batch_size,
         "temperature": args.temperature,
         "repeats": args.repeats,
@@ -433,6 +451,7 @@ def trace_run(
     """One more run with the timeline on; saves the trace and its PNG, returns its summary."""
     from tandem.plot import plot_timeline  # matplotlib only when tracing
 
+    llm.engine.reset_prefix_cache()
     llm.engine.start_trace()
     elapsed, _ = time_generate(llm, workload, args.temperature)
     timeline = llm.engine.stop_trace()
@@ -501,7 +520,7 @@ def copy_tb_per_s(device: torch.device, nbytes: int = 1 << 28, repeats: int = 10
 def print_report(report: dict) -> None:
     print(
         f"{'mode':18} {'out tok/s':>10} {'req/s':>8} {'ms/step':>8} {'steps':>6} {'seconds':>8} "
-        f"{'roofline':>8} {'GPU active':>10}"
+        f"{'roofline':>8} {'GPU active':>10} {'cache hits':>10}"
     )
     for mode, r in report["results"].items():
         active = r.get("timeline", {}).get("gpu_active_pct")
@@ -510,6 +529,7 @@ def print_report(report: dict) -> None:
             f"{mode:18} {r['output_tokens_per_s']:10.0f} {r['requests_per_s']:8.2f} "
             f"{ms_per_step:>8} {r['steps']:6.0f} {r['seconds']:8.2f} "
             f"{100 * r['roofline_fraction']:7.3g}% {'-' if active is None else f'{active:.2f}%':>10}"
+            f" {100 * r['prefix_cache_hit_rate']:9.1f}%"
         )
     roofline = report["roofline"]
     output_tokens = report["workload"]["output_tokens"]
@@ -560,6 +580,15 @@ def add_bench_args(parser: argparse.ArgumentParser, latency: bool = False) -> No
     )
     parser.add_argument("--range-ratio", type=float, default=0.0, help="random dataset only")
     parser.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="random tokens every prompt starts with, a shared system prompt (random dataset)",
+    )
+    parser.add_argument(
+        "--n", type=int, default=1, help="samples per prompt, asked together (random dataset)"
+    )
+    parser.add_argument(
         "--num-prompts",
         type=int,
         help="default: one batch" if latency else f"default: {DEFAULT_NUM_PROMPTS}",
@@ -590,9 +619,16 @@ def add_bench_args(parser: argparse.ArgumentParser, latency: bool = False) -> No
     parser.add_argument(
         "--compare",
         nargs="+",
-        choices=["sync", "transformers", "transformers-async", "transformers-sync"],
-        help="also run our other batching mode on the same engine, and/or transformers' "
-        "continuous batching (both its modes, or the one named) on the same weights and requests",
+        choices=[
+            "sync",
+            "no-prefix-caching",
+            "transformers",
+            "transformers-async",
+            "transformers-sync",
+        ],
+        help="also run our other batching mode on the same engine, our engine with prefix "
+        "caching off, and/or transformers' continuous batching (both its modes, or the one "
+        "named) on the same weights and requests",
     )
     parser.add_argument("--output-json")
     parser.add_argument(

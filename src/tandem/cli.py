@@ -40,6 +40,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
     parser.add_argument("--async-batching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of cached prompt prefixes (default: on)",
+    )
+    parser.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="GPUs (processes) per model"
     )
 
@@ -174,6 +180,22 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(llm, args.served_model_name or args.model, args.host, args.port, args.api_key)
 
 
+def cmd_run_batch(args: argparse.Namespace) -> None:
+    from tandem.run_batch import run_batch
+
+    check_output_path("--output-file", args.output_file)
+    num_lines = run_batch(
+        args.input_file,
+        args.output_file,
+        args.model,
+        engine_kwargs(args),
+        args.data_parallel_size,
+        args.served_model_name,
+        args.quiet,
+    )
+    print(f"{num_lines} lines written to {args.output_file}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -207,6 +229,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     serve.add_argument("--served-model-name", help="the model name clients send (default: MODEL)")
     serve.set_defaults(func=cmd_serve)
+
+    run_batch = sub.add_parser("run-batch", help="answer an OpenAI batch file (JSONL)")
+    add_engine_args(run_batch)
+    run_batch.add_argument("-i", "--input-file", required=True, help="requests (JSONL)")
+    run_batch.add_argument(
+        "-o", "--output-file", required=True, help="results (JSONL); an existing one is resumed"
+    )
+    run_batch.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine replicas on Ray, tensor-parallel-size GPUs each (needs tandem[ray])",
+    )
+    run_batch.add_argument("--served-model-name", help="the model name lines give (default: MODEL)")
+    run_batch.add_argument("--quiet", action="store_true", help="no progress bar")
+    run_batch.set_defaults(func=cmd_run_batch)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="mode", required=True)
     from tandem.bench import add_bench_args
 

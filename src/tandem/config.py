@@ -139,6 +139,7 @@ class EngineConfig:
     async_batching: bool = True
     cuda_graphs: bool | None = None
     tensor_parallel_size: int = 1
+    enable_prefix_caching: bool = True
 
     def validate(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -156,6 +157,10 @@ class EngineConfig:
         if not is_number or not 0.0 < utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be a number in (0, 1], got {utilization!r}"
+            )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}"
             )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from tandem import piecewise
-from tandem.attention import get_backend
+from tandem.attention import get_backend, rows_per_shared_group
 from tandem.batch import BatchBuilder, StepBatch
 from tandem.config import EngineConfig, ModelConfig, cdiv
 from tandem.io_slot import MAX_BANNED_IDS
@@ -109,10 +109,25 @@ class Engine:
         self.allocator = BlockAllocator(self.num_blocks)
         max_tokens = config.max_num_batched_tokens
         self.scheduler = Scheduler(
-            self.allocator, config.block_size, config.max_num_seqs, max_tokens, self.max_model_len
+            self.allocator,
+            config.block_size,
+            config.max_num_seqs,
+            max_tokens,
+            self.max_model_len,
+            config.enable_prefix_caching,
+        )
+        # the Triton decode reads blocks that rows share once per group (cascade attention)
+        shared_rows = (
+            rows_per_shared_group(local.num_heads, local.num_kv_heads)
+            if self.attention_backend == "triton"
+            else 0
         )
         self.builder = BatchBuilder(
-            config.block_size, config.max_num_seqs, max_blocks_per_seq, self.eos_token_ids
+            config.block_size,
+            config.max_num_seqs,
+            max_blocks_per_seq,
+            self.eos_token_ids,
+            shared_rows,
         )
         self.runner = Runner(
             self.model,
@@ -125,6 +140,7 @@ class Engine:
             cuda_graphs=self._use_cuda_graphs(),
             tp=self.tp,
             piecewise=self._use_piecewise(),
+            cascade=shared_rows > 0,
         )
         if self.runner.cuda and (self.runner.graph_sizes or self.runner.token_buckets):
             self.runner.capture_graphs()
@@ -212,6 +228,7 @@ class Engine:
                 )
             prompt_token_ids = self.tokenizer.encode(prompt)
         prompt_token_ids = self._check_token_ids(list(prompt_token_ids))
+        self._check_n(params, len(prompt_token_ids))
         for token_id in params.stop_token_ids:
             if token_id >= self.model_config.vocab_size:
                 raise ValueError(
@@ -244,12 +261,33 @@ class Engine:
             )
         return ids
 
+    def _check_n(self, params: SamplingParams, prompt_len: int) -> None:
+        """The n samples of a prompt must fit in the KV cache together: its cached blocks once,
+        plus each sample's own blocks up to its last token."""
+        size = self.block_size
+        shared = (prompt_len - 1) // size if self.scheduler.cache.enabled else 0
+        longest = min(prompt_len + params.max_tokens, self.max_model_len)
+        own = cdiv(longest, size) - shared
+        limit = (self.num_blocks - shared) // own
+        if params.n > limit:
+            raise ValueError(
+                f"n={params.n} samples of this {prompt_len}-token prompt with max_tokens="
+                f"{params.max_tokens} cannot fit in the KV cache together ({self.num_blocks} "
+                f"blocks of {size} tokens); n can be at most {limit} here"
+            )
+
     def abort(self, request_id: str) -> None:
         if self.workers is not None:
             self.commands.append(("abort", request_id))
         request = self.requests.pop(request_id, None)
         if request is not None and not request.finished:
             self._finish(request, "abort")
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (blocks held by running requests stay theirs)."""
+        self.scheduler.cache.reset()
+        if self.workers is not None:
+            self.commands.append(("reset_prefix_cache",))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self.in_flight or self.finished_unscheduled)
@@ -301,7 +339,11 @@ class Engine:
             bucket = None if graph_size is not None else self.runner.token_bucket(plan.num_tokens)
             batch = self.builder.build(plan, slot, step, graph_size, bucket)
             wanted = self.step_work is not None or timeline.recording
-            work = step_work(batch.seq_lens, batch.query_start_loc) if wanted else None
+            work = (
+                step_work(batch.seq_lens, batch.query_start_loc, batch.shared_kv_tokens)
+                if wanted
+                else None
+            )
             if self.step_work is not None:
                 self.step_work.append(work)
         with timeline.phase("launch", step):

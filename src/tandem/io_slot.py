@@ -32,6 +32,12 @@ def input_fields(
         "seq_order": ((b,), torch.int32),  # decode: rows by context length, longest first
         "logits_indices": ((b,), torch.int32),
         "block_tables": ((b, max_blocks), torch.int32),
+        # decode rows that share leading blocks (shared_prefix.py): per row, then per group
+        "prefix_lens": ((b,), torch.int32),  # keys the row's group shares, 0 in no group
+        "group_rows": ((b,), torch.int32),  # the grouped rows, group after group
+        "group_starts": ((b + 1,), torch.int32),
+        "group_prefix": ((b,), torch.int32),
+        "num_groups": ((1,), torch.int32),
         "top_k": ((b,), torch.int32),
         "seeds": ((b,), torch.int32),
         "sample_positions": ((b,), torch.int32),

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -11,38 +12,53 @@ from tandem.config import ModelConfig
 
 
 class BlockAllocator:
-    """Free list plus reference counts; a block is free exactly when its count is zero."""
+    """Reference counts plus a free queue; a block is in the queue exactly when its count is zero.
+
+    The queue is ordered least recently freed first. Freed blocks may still hold cached KV
+    (prefix_cache.py): `allocate` reuses from the front and tells `on_reuse`, so the cache
+    forgets a block before its new owner writes it, and `take` pulls a cached block back out.
+    """
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
+        self.on_reuse: Callable[[int], None] = lambda block: None
 
     @property
     def num_free(self) -> int:
-        return len(self.free_blocks)
+        return len(self.free_queue)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self.free_blocks)
+        return n <= len(self.free_queue)
 
     def allocate(self, n: int) -> list[int]:
         assert self.can_allocate(n), f"asked for {n} blocks, {self.num_free} free"
-        blocks = [self.free_blocks.popleft() for _ in range(n)]
+        blocks = [self.free_queue.popitem(last=False)[0] for _ in range(n)]
+        for block in blocks:
+            self.on_reuse(block)
         self.ref_counts[blocks] = 1
         return blocks
 
-    def share(self, blocks: list[int]) -> None:
-        """Another owner holds these blocks too."""
-        assert (self.ref_counts[blocks] > 0).all()
-        self.ref_counts[blocks] += 1
+    def take(self, blocks: list[int]) -> None:
+        """One more owner for each block, free (cached) or held already."""
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self.free_queue[block]
+            self.ref_counts[block] += 1
+
+    def num_free_among(self, blocks: list[int]) -> int:
+        """How many of these blocks sit in the free queue (taking them uses up free blocks)."""
+        return int((self.ref_counts[blocks] == 0).sum()) if blocks else 0
 
     def free(self, blocks: list[int]) -> None:
-        """Drop one reference to each block; blocks nobody holds go back to the free list."""
+        """Drop one reference to each block; blocks nobody holds join the back of the queue.
+        Callers pass a sequence's blocks last first, so its tail is reused before its head."""
         for block in blocks:
             assert self.ref_counts[block] > 0, f"block {block} freed twice"
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+                self.free_queue[block] = None
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -34,6 +34,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     # with SamplingParams.prompt_logprobs: per prompt position, None for the first
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
@@ -215,5 +216,6 @@ def _request_output(request_id: str, group: list[Request]) -> RequestOutput:
             )
             for k, r in enumerate(group)
         ],
+        num_cached_tokens=first.num_cached_tokens or 0,
         prompt_logprobs=first.prompt_logprobs,
     )

@@ -197,7 +197,8 @@ class Workers:
             self.processes.append(process)
 
     def step(self, commands: list[tuple[Any, ...]]) -> None:
-        """Apply `commands` (("add", request_id, params, prompt_token_ids) or ("abort", id)), then step."""
+        """Apply `commands` (("add", request_id, params, prompt_token_ids), ("abort", id) or
+        ("reset_prefix_cache",)), then step."""
         self.check()
         for pipe in self.pipes:
             try:
@@ -254,6 +255,8 @@ def worker_main(
                 engine.enqueue(
                     engine.make_request(request_id, params, prompt_token_ids=prompt_token_ids)
                 )
+            elif command[0] == "reset_prefix_cache":
+                engine.reset_prefix_cache()
             else:
                 engine.abort(command[1])
         engine.step()

@@ -43,6 +43,11 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprobs_end: int = 1
     num_preemptions: int = 0
+    # prefix caching: the keys of its full blocks so far, how many of its blocks are published,
+    # and the prompt tokens its first admission found cached
+    block_keys: list[bytes] = field(default_factory=list)
+    num_published_blocks: int = 0
+    num_cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.wants_prompt_logprobs:

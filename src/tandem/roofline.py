@@ -65,18 +65,24 @@ class ModelCost:
         )
 
 
-def step_work(seq_lens: list[int], query_start_loc: list[int]) -> tuple[int, int, int, int]:
-    """(num_seqs, num_tokens, context_tokens, attention_pairs) of one step from its host lists."""
+def step_work(
+    seq_lens: list[int], query_start_loc: list[int], shared_kv_tokens: int = 0
+) -> tuple[int, int, int, int]:
+    """(num_seqs, num_tokens, context_tokens, attention_pairs) of one step from its host lists.
+
+    context_tokens are the KV tokens read: `shared_kv_tokens` of them are blocks that rows share
+    and the attention reads once per group (shared_prefix.py), so they are not counted again.
+    """
     num_seqs = len(seq_lens)
     if query_start_loc[-1] == num_seqs:  # decode only: each new token sees its whole context
         context_tokens = sum(seq_lens)
-        return num_seqs, num_seqs, context_tokens, context_tokens
+        return num_seqs, num_seqs, context_tokens - shared_kv_tokens, context_tokens
     context = np.asarray(seq_lens, dtype=np.int64)  # [num_seqs] KV tokens after the step
     query = np.diff(np.asarray(query_start_loc, dtype=np.int64))  # [num_seqs] new tokens
     # the j-th of q new tokens sees context - q + j + 1 keys: q * context - q * (q - 1) / 2 pairs
     # E.g. decode (q=1, context=5): 5 pairs; prefill of 3 (q=3, context=3): 1 + 2 + 3 = 6 pairs
     pairs = query * context - query * (query - 1) // 2
-    return num_seqs, int(query.sum()), int(context.sum()), int(pairs.sum())
+    return num_seqs, int(query.sum()), int(context.sum()) - shared_kv_tokens, int(pairs.sum())
 
 
 def step_rooflines(

@@ -15,6 +15,7 @@ On CPU the same calls run eagerly in program order.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -22,7 +23,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
-from tandem.attention import AttentionBackend, AttentionMetadata
+from tandem.attention import AttentionBackend, AttentionMetadata, SharedPrefixes
 from tandem.batch import StepBatch
 from tandem.io_slot import IOSlot, carry_over
 from tandem.model.decoder import Decoder
@@ -69,6 +70,7 @@ class Runner:
         cuda_graphs: bool,
         tp: TensorParallel,
         piecewise: bool = False,
+        cascade: bool = False,
     ):
         self.model = model
         self.tp = tp
@@ -79,7 +81,9 @@ class Runner:
         self.cuda = device.type == "cuda"
         # decode-only steps of up to max_seqs rows replay a graph captured for the next size up
         self.graph_sizes = graph_batch_sizes(min(max_seqs, max_tokens)) if cuda_graphs else []
-        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        # decode graphs per (slot, rows, filters on/off, shared-prefix groups on/off)
+        self.graphs: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
+        self.cascade = cascade  # the attention takes groups of rows that share blocks
         # the other steps of up to max_tokens tokens: pieces between their attentions, padded to
         # the next bucket (piecewise.py; on CPU, uncaptured, the pieces run eagerly)
         self.pieces = (
@@ -174,8 +178,10 @@ class Runner:
         return batch.slot.np_out
 
     def _compute(self, batch: StepBatch) -> None:
+        shared = batch.num_shared_groups > 0
         if batch.graphed:
-            self.graphs[(batch.slot.index, batch.num_seqs_padded, batch.use_filters)].replay()
+            key = (batch.slot.index, batch.num_seqs_padded, batch.use_filters, shared)
+            self.graphs[key].replay()
             return
         self._forward_and_sample(
             batch.slot,
@@ -187,6 +193,7 @@ class Runner:
             batch.query_start_loc,
             batch.seq_lens,
             batch.token_bucket,
+            batch.num_shared_groups if shared else None,
             batch.prompt_logprobs,
         )
 
@@ -202,10 +209,12 @@ class Runner:
         query_start_loc_host: list[int] | None,
         seq_lens_host: list[int] | None,
         token_bucket: int | None = None,
+        max_shared_groups: int | None = None,
         prompt_logprobs: PromptLogprobStep | None = None,
     ) -> None:
         """Everything the device does for one step; fixed shapes given its arguments, so capturable.
         With `token_bucket`, the forward pass runs as pieces padded to that many tokens; with
+        `max_shared_groups`, decode rows that share leading blocks read them once per group; with
         `prompt_logprobs` (never captured), its prompt rows' logprobs follow the sampling."""
         x, out = slot.dev_in, slot.dev_out
         prev_sampled = self.slots[1 - slot.index].dev_out["sampled"]  # slots alternate every step
@@ -218,6 +227,7 @@ class Runner:
             query_start_loc_host=query_start_loc_host,
             seq_lens_host=seq_lens_host,
             seq_order=x["seq_order"][:num_seqs],  # mixed steps: of the leading one-token rows
+            shared=None if max_shared_groups is None else shared_prefixes(x, max_shared_groups),
         )
         if token_bucket is not None:
             hidden = self.pieces.forward(
@@ -282,17 +292,33 @@ class Runner:
         torch.cuda.synchronize(self.device)
 
     def _capture_graphs(self, shared, shared_pool: bool) -> None:
+        variants = list(
+            itertools.product((False, True), (False, True) if self.cascade else (False,))
+        )
         for size in reversed(self.graph_sizes):
             for slot in self.slots:
-                for use_filters in (False, True):
-                    args = (slot, size, size, True, use_filters, None, None, None)
+                for use_filters, cascade in variants:
+                    groups = max(1, size // 2) if cascade else None  # a group has 2 rows or more
+                    args = (slot, size, size, True, use_filters, None, None, None, None, groups)
                     with torch.cuda.stream(self.compute_stream):
                         self._forward_and_sample(*args)  # warm-up: kernels chosen, workspaces made
                     graph = torch.cuda.CUDAGraph()
                     pool = shared if shared_pool else None
                     with torch.cuda.graph(graph, pool=pool, stream=self.compute_stream):
                         self._forward_and_sample(*args)
-                    self.graphs[(slot.index, size, use_filters)] = graph
+                    self.graphs[(slot.index, size, use_filters, cascade)] = graph
+
+
+def shared_prefixes(x: dict[str, torch.Tensor], max_groups: int) -> SharedPrefixes:
+    """The slot's shared-prefix groups (shared_prefix.py), up to `max_groups` of them."""
+    return SharedPrefixes(
+        prefix_lens=x["prefix_lens"],
+        group_rows=x["group_rows"],
+        group_starts=x["group_starts"][: max_groups + 1],
+        group_prefix=x["group_prefix"][:max_groups],
+        num_groups=x["num_groups"],
+        max_groups=max_groups,
+    )
 
 
 def graph_batch_sizes(max_seqs: int) -> list[int]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from tandem.config import cdiv
 from tandem.kv_cache import BlockAllocator
+from tandem.prefix_cache import PrefixCache
 from tandem.request import Request, Status
 
 
@@ -30,8 +31,10 @@ class Scheduler:
     """FIFO admission, decode and chunked prefill mixed under a token budget, preemption by recompute.
 
     Running requests are served first, oldest first. When blocks run out, the most recently
-    admitted running request is preempted: its blocks are freed and it returns to the front of
-    the queue to recompute everything it has so far.
+    admitted running request is preempted: its blocks are freed (what they cached stays cached)
+    and it returns to the front of the queue to recompute what the cache no longer holds.
+    An admitted request starts after its longest cached prefix (prefix_cache.py); blocks computed
+    earlier in the same step count, so the samples of one prompt prefill it once.
     """
 
     def __init__(
@@ -41,12 +44,14 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        enable_prefix_caching: bool = True,
     ):
         self.allocator = allocator
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.cache = PrefixCache(allocator, block_size, enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -70,13 +75,10 @@ class Scheduler:
                 continue
             if not self._reserve_blocks(request, num_new, plan):
                 continue
-            plan.requests.append(request)
-            plan.num_new_tokens.append(num_new)
+            self._plan(plan, request, num_new)
             budget -= num_new
         if not plan.preempted:
             self._admit(plan, budget)
-        for request, num_new in zip(plan.requests, plan.num_new_tokens, strict=True):
-            request.num_computed_tokens += num_new
         return plan
 
     def num_to_compute(self, request: Request) -> int:
@@ -90,20 +92,41 @@ class Scheduler:
             return 0
         return num_tokens - request.num_computed_tokens
 
+    def _plan(self, plan: StepPlan, request: Request, num_new: int) -> None:
+        """Run `num_new` of the request's tokens this step; its finished blocks become findable."""
+        plan.requests.append(request)
+        plan.num_new_tokens.append(num_new)
+        request.num_computed_tokens += num_new
+        self.cache.publish(request)
+
     def _admit(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.num_pending_tokens:
                 break  # preempted with a token still in flight; admit once it is read back
-            num_new = min(self.num_to_compute(request), budget)
-            if not self.allocator.can_allocate(cdiv(num_new, self.block_size)):
+            cached = self.cache.match(request)
+            num_cached = len(cached) * self.block_size
+            # a scoring request (max_tokens=0) skips its last token, which predicts no prompt token
+            end = (
+                request.num_prompt_tokens - 1
+                if request.params.max_tokens == 0
+                else request.num_tokens
+            )
+            num_new = min(end - num_cached, budget)
+            needed = cdiv(num_cached + num_new, self.block_size) - len(cached)
+            if not self.allocator.can_allocate(needed + self.allocator.num_free_among(cached)):
                 break
             self.waiting.popleft()
-            request.block_table = self.allocator.allocate(cdiv(num_new, self.block_size))
+            self.cache.count(request.num_tokens, num_cached)
+            self.allocator.take(cached)
+            request.block_table = cached + self.allocator.allocate(needed)
+            request.num_computed_tokens = num_cached
+            request.num_published_blocks = len(cached)
+            if request.num_cached_tokens is None:  # its first admission
+                request.num_cached_tokens = num_cached
             request.status = Status.RUNNING
             self.running.append(request)
-            plan.requests.append(request)
-            plan.num_new_tokens.append(num_new)
+            self._plan(plan, request, num_new)
             budget -= num_new
 
     def _reserve_blocks(self, request: Request, num_new: int, plan: StepPlan) -> bool:
@@ -124,8 +147,7 @@ class Scheduler:
 
     def preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.allocator.free(request.block_table)
-        request.block_table = []
+        self._release_blocks(request)
         request.num_computed_tokens = 0
         request.status = Status.WAITING
         request.num_preemptions += 1
@@ -136,9 +158,15 @@ class Scheduler:
         """Retire a request (stop, length or abort) and return its blocks."""
         if request.status is Status.RUNNING:
             self.running.remove(request)
-            self.allocator.free(request.block_table)
-            request.block_table = []
+            self._release_blocks(request)
         elif request.status is Status.WAITING:
             self.waiting.remove(request)
         request.status = Status.FINISHED
         request.finish_reason = reason
+
+    def _release_blocks(self, request: Request) -> None:
+        """Publish what the request completed, then free its blocks, last first."""
+        self.cache.publish(request)
+        self.allocator.free(request.block_table[::-1])
+        request.block_table = []
+        request.num_published_blocks = 0

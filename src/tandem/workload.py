@@ -33,18 +33,33 @@ class Workload:
 
 
 def random_workload(
-    num_prompts: int, input_len: int, output_len: int, range_ratio: float, vocab: int, seed: int
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    vocab: int,
+    seed: int,
+    shared_prefix_len: int = 0,
+    n: int = 1,
 ) -> Workload:
-    """Lengths uniform in [len * (1 - range_ratio), len * (1 + range_ratio)], random token ids."""
+    """Lengths uniform in [len * (1 - range_ratio), len * (1 + range_ratio)], random token ids.
+
+    Every prompt starts with the same `shared_prefix_len` random tokens (a system prompt) before
+    its own `input_len`, and is asked `n` times in a row (samples of one prompt, as `n` does).
+    """
     rng = np.random.default_rng(seed)
 
-    def lengths(n: int) -> np.ndarray:
-        low, high = max(1, round(n * (1 - range_ratio))), max(1, round(n * (1 + range_ratio)))
+    def lengths(count: int) -> np.ndarray:
+        low = max(1, round(count * (1 - range_ratio)))
+        high = max(1, round(count * (1 + range_ratio)))
         return rng.integers(low, high + 1, size=num_prompts)
 
     input_lens, output_lens = lengths(input_len), lengths(output_len)
-    prompts = [rng.integers(0, vocab, size=n).tolist() for n in input_lens]
-    return Workload(prompts, output_lens.tolist())
+    prefix = rng.integers(0, vocab, size=shared_prefix_len).tolist()
+    prompts = [prefix + rng.integers(0, vocab, size=k).tolist() for k in input_lens]
+    return Workload(
+        [p for p in prompts for _ in range(n)], [k for k in output_lens.tolist() for _ in range(n)]
+    )
 
 
 def sharegpt_workload(

@@ -7,6 +7,28 @@ from typing import Protocol
 
 import torch
 
+SHARED_PREFIX_ROWS = (
+    64  # query rows (sequences x query heads per KV head) of one shared-prefix tile
+)
+
+
+def rows_per_shared_group(num_heads: int, num_kv_heads: int) -> int:
+    """Most decode rows one shared-prefix (cascade) program takes; larger groups are cut."""
+    return max(1, SHARED_PREFIX_ROWS // (num_heads // num_kv_heads))
+
+
+@dataclass
+class SharedPrefixes:
+    """Groups of decode rows whose leading blocks are the same blocks (samples of one prompt, a
+    common system prompt): the Triton decode reads each shared block once per group."""
+
+    prefix_lens: torch.Tensor  # [num_seqs] int32, keys the row's group shares; 0: in no group
+    group_rows: torch.Tensor  # [num_seqs] int32, the grouped rows, group after group
+    group_starts: torch.Tensor  # [max_groups + 1] int32, group g: group_rows[starts[g]:starts[g+1]]
+    group_prefix: torch.Tensor  # [max_groups] int32, keys group g shares (whole blocks)
+    num_groups: torch.Tensor  # [1] int32
+    max_groups: int  # a bound on num_groups, for the launch grid
+
 
 @dataclass
 class AttentionMetadata:
@@ -22,6 +44,8 @@ class AttentionMetadata:
     # [num_seqs] int32: the sequences by context length, longest first (in a step with prefill,
     # of its leading one-token rows only, which the decode kernel takes)
     seq_order: torch.Tensor | None = None
+    # decode rows that share leading blocks; None: each row reads its whole context
+    shared: SharedPrefixes | None = None
 
 
 class AttentionBackend(Protocol):

@@ -12,12 +12,18 @@ import torch
 import triton
 
 from tandem import pdl
-from tandem.attention import AttentionMetadata
-from tandem.attention.triton_kernels import decode_kernel, prefill_kernel, reduce_kernel
+from tandem.attention import AttentionMetadata, SharedPrefixes, rows_per_shared_group
+from tandem.attention.triton_kernels import (
+    decode_kernel,
+    prefill_kernel,
+    reduce_kernel,
+    shared_prefix_kernel,
+)
 from tandem.config import cdiv, next_power_of_2
 from tandem.model.fused import num_sms
 
 MAX_SPLITS = 32
+SHARED_PREFIX_SPLITS = 8  # most splits of one group's shared keys
 
 
 class DecodeTiles(NamedTuple):
@@ -125,6 +131,8 @@ class TritonAttention:
         # one sequence is spread over the SMs by its splits; short tiles give each split work
         # (batch 1 x 512 context: 32-key tiles 5.2 µs, 128-key 7.4 µs, graph-timed on the H200)
         self.single_sequence_tiles = DecodeTiles(block_n=32, num_warps=4, num_stages=1)
+        # a group's queries fill a 64-row tile: 64-key tiles keep its registers in bounds
+        self.shared_prefix_tiles = DecodeTiles(block_n=64, num_warps=4, num_stages=2)
         self.num_sms = num_sms(device)
         self.fitted: dict[tuple, DecodeTiles | PrefillTiles] = {}  # see launch_fitting
         # split-KV decode partials: [max_seqs, num_heads, MAX_SPLITS, head_dim] and (max, sum) pairs
@@ -180,33 +188,67 @@ class TritonAttention:
         assert q.stride(2) == 1 and q.stride(1) == self.head_dim
         num_seqs = q.shape[0] if num_seqs is None else num_seqs
         splits = self.num_splits(num_seqs)
+        shared = meta.shared
+        prefix_splits = 0 if shared is None else self.prefix_splits(shared)
+        splits = min(splits, MAX_SPLITS - prefix_splits)
+        if shared is not None:
+            self.shared_prefix(q, kv_cache, meta, scale, splits, prefix_splits)
         group_pad = max(16, next_power_of_2(self.group))
         tiles, order = self.tiles_for(num_seqs), meta.seq_order
+        prefix_lens = meta.seq_lens if shared is None else shared.prefix_lens
+        direct = splits == 1 and shared is None
 
         def launch(tiles: DecodeTiles) -> None:
             decode_kernel[(self.num_kv_heads, num_seqs, splits)](
                 q, out, self.partial_out, self.partial_ml, kv_cache, meta.block_tables,
-                meta.seq_lens, meta.seq_lens if order is None else order, q.stride(0),
-                meta.block_tables.stride(0), kv_cache.stride(0), scale, splits,
+                meta.seq_lens, meta.seq_lens if order is None else order, prefix_lens,
+                q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale, splits,
                 GROUP=self.group, GROUP_PAD=group_pad, NUM_KV_HEADS=self.num_kv_heads,
                 HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2], BLOCK_N=tiles.block_n,
-                MAX_SPLITS=MAX_SPLITS, DIRECT=splits == 1, ORDERED=order is not None,
-                num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-                **pdl.launch_args(q.device),
+                MAX_SPLITS=MAX_SPLITS, DIRECT=direct, ORDERED=order is not None,
+                CASCADE=shared is not None, num_warps=tiles.num_warps,
+                num_stages=tiles.num_stages, **pdl.launch_args(q.device),
             )  # fmt: skip
 
         launch_fitting(self.fitted, (tiles, q.dtype), tiles, launch)
-        if splits == 1:
+        if direct:
             return
         reduce_kernel[(num_seqs * self.num_heads,)](
-            self.partial_out,
-            self.partial_ml,
-            out,
-            splits,
-            HEAD_DIM=self.head_dim,
-            MAX_SPLITS=MAX_SPLITS,
-            **pdl.launch_args(q.device),
-        )
+            self.partial_out, self.partial_ml, out, prefix_lens, splits, prefix_splits,
+            NUM_HEADS=self.num_heads, HEAD_DIM=self.head_dim, MAX_SPLITS=MAX_SPLITS,
+            CASCADE=shared is not None, **pdl.launch_args(q.device),
+        )  # fmt: skip
+
+    def prefix_splits(self, shared: SharedPrefixes) -> int:
+        """Splits of each group's shared keys: enough to spread the groups over the SMs."""
+        groups = cdiv(
+            shared.max_groups, 2
+        )  # a guess: a graph's bound is twice what most steps meet
+        wanted = cdiv(self.num_sms, groups * self.num_kv_heads)
+        return min(SHARED_PREFIX_SPLITS, next_power_of_2(wanted))
+
+    def shared_prefix(
+        self, q, kv_cache, meta: AttentionMetadata, scale: float, first_split: int, splits: int
+    ) -> None:
+        """Partials of each group over its shared keys, at splits [first_split, + splits) of its
+        rows, after the rows' own."""
+        shared = meta.shared
+        rows = rows_per_shared_group(self.num_heads, self.num_kv_heads) * self.group
+        grid = (self.num_kv_heads, shared.max_groups, splits)
+
+        def launch(tiles: DecodeTiles) -> None:
+            shared_prefix_kernel[grid](
+                q, self.partial_out, self.partial_ml, kv_cache, meta.block_tables,
+                shared.group_rows, shared.group_starts, shared.group_prefix, shared.num_groups,
+                q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale, first_split,
+                GROUP=self.group, NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim,
+                BLOCK_SIZE=kv_cache.shape[2], BLOCK_N=tiles.block_n, MAX_SPLITS=MAX_SPLITS,
+                ROWS=max(16, next_power_of_2(rows)), num_warps=tiles.num_warps,
+                num_stages=tiles.num_stages, **pdl.launch_args(q.device),
+            )  # fmt: skip
+
+        tiles = self.shared_prefix_tiles
+        launch_fitting(self.fitted, ("shared", tiles, q.dtype), tiles, launch)
 
     def prefill(
         self, q, out, kv_cache, meta: AttentionMetadata, scale: float, first_seq: int = 0

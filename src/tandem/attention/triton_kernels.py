@@ -143,6 +143,7 @@ def decode_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     seq_order_ptr,  # [num_seqs] int32: the sequences in launch order (longest first), if ORDERED
+    prefix_lens_ptr,  # [num_seqs] int32: leading keys shared_prefix_kernel covers, if CASCADE
     q_token_stride,
     block_table_stride,
     kv_half_stride,
@@ -157,6 +158,7 @@ def decode_kernel(
     MAX_SPLITS: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: normalize and write the output, no reduce step
     ORDERED: tl.constexpr,
+    CASCADE: tl.constexpr,  # keys before prefix_lens[seq] are left to shared_prefix_kernel
     PDL: tl.constexpr,
 ):
     """Split s of a sequence covers an equal share of its key tiles; `reduce_kernel` merges them.
@@ -172,7 +174,8 @@ def decode_kernel(
         seq = tl.load(seq_order_ptr + seq)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    first_key = tl.load(prefix_lens_ptr + seq) if CASCADE else 0
+    num_tiles = tl.cdiv(seq_len - first_key, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     first_tile = split * tiles_per_split
     last_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
@@ -191,16 +194,18 @@ def decode_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * block_table_stride
     qk_scale = scale * 1.4426950408889634
-    full_tiles = seq_len // BLOCK_N  # tiles with no position past the end: no mask
+    full_tiles = (seq_len - first_key) // BLOCK_N  # tiles with no position past the end: no mask
     for t in range(first_tile, tl.minimum(last_tile, full_tiles)):
         row_max, row_sum, acc = _attend_tile(
-            q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head, t * BLOCK_N, query_pos,
-            seq_len, qk_scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, False,
+            q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head,
+            first_key + t * BLOCK_N, query_pos, seq_len, qk_scale, BLOCK_SIZE, NUM_KV_HEADS,
+            HEAD_DIM, BLOCK_N, False,
         )  # fmt: skip
     for t in range(tl.maximum(first_tile, full_tiles), last_tile):
         row_max, row_sum, acc = _attend_tile(
-            q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head, t * BLOCK_N, query_pos,
-            seq_len, qk_scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, True,
+            q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head,
+            first_key + t * BLOCK_N, query_pos, seq_len, qk_scale, BLOCK_SIZE, NUM_KV_HEADS,
+            HEAD_DIM, BLOCK_N, True,
         )  # fmt: skip
     if DIRECT:
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
@@ -224,16 +229,24 @@ def reduce_kernel(
     partial_out_ptr,
     partial_ml_ptr,
     out_ptr,  # [num_seqs, num_heads, head_dim]
+    prefix_lens_ptr,  # [num_seqs] int32, if CASCADE: > 0 where shared_prefix_kernel wrote partials
     num_splits,
+    num_prefix_splits,  # its partials follow the sequence's own num_splits
+    NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
+    CASCADE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits of one head (m in log2 units)."""
     pdl.wait(PDL)
     row = tl.program_id(0)  # seq * num_heads + head
     splits = tl.arange(0, MAX_SPLITS)
-    used = splits < num_splits
+    if CASCADE:
+        shared = tl.load(prefix_lens_ptr + row // NUM_HEADS) > 0
+        used = splits < num_splits + tl.where(shared, num_prefix_splits, 0)
+    else:
+        used = splits < num_splits
     base = row.to(tl.int64) * MAX_SPLITS + splits
     row_max = tl.load(partial_ml_ptr + base * 2, mask=used, other=float("-inf"))
     row_sum = tl.load(partial_ml_ptr + base * 2 + 1, mask=used, other=0.0)
@@ -244,3 +257,82 @@ def reduce_kernel(
     )
     out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(row_sum * weight, axis=0)
     tl.store(out_ptr + row.to(tl.int64) * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit(do_not_specialize=["first_split"])
+def shared_prefix_kernel(
+    q_ptr,  # [num_seqs, num_heads, head_dim]
+    partial_out_ptr,  # as decode_kernel's, written at splits [first_split, first_split + splits)
+    partial_ml_ptr,
+    cache_ptr,
+    block_tables_ptr,
+    group_rows_ptr,  # [num_seqs] int32: the sequences of each group, group after group
+    group_starts_ptr,  # [max_groups + 1] int32: group g is group_rows[starts[g]:starts[g + 1]]
+    group_prefix_ptr,  # [max_groups] int32: the keys its sequences share (whole blocks)
+    num_groups_ptr,  # [1] int32: groups this step; programs past them return at once
+    q_token_stride,
+    block_table_stride,
+    kv_half_stride,
+    scale,
+    first_split,
+    GROUP: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+    ROWS: tl.constexpr,  # >= 16, a power of two: up to ROWS // GROUP sequences x GROUP heads
+    PDL: tl.constexpr,
+):
+    """Attention of a group of decode rows over the blocks they share, each key tile read once for
+    all of them (cascade attention): the group's queries are the rows of one tile, split s covers
+    an equal share of the shared tiles. `decode_kernel` does each row's keys after the prefix and
+    `reduce_kernel` merges both."""
+    pdl.wait(PDL)
+    kv_head = tl.program_id(0)
+    group = tl.program_id(1)
+    split = tl.program_id(2)
+    if group < tl.load(num_groups_ptr):
+        start = tl.load(group_starts_ptr + group)
+        count = tl.load(group_starts_ptr + group + 1) - start
+        prefix = tl.load(group_prefix_ptr + group)
+        # row r is member r // GROUP of the group, head kv_head * GROUP + r % GROUP
+        rows = tl.arange(0, ROWS)
+        member = rows // GROUP
+        row_valid = member < count
+        seq = tl.load(group_rows_ptr + start + member, mask=row_valid, other=0).to(tl.int64)
+        head = kv_head * GROUP + rows % GROUP
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(
+            q_ptr + (seq * q_token_stride + head * HEAD_DIM)[:, None] + dims[None, :],
+            mask=row_valid[:, None],
+            other=0.0,
+        )
+        num_tiles = tl.cdiv(prefix, BLOCK_N)
+        tiles_per_split = tl.cdiv(num_tiles, tl.num_programs(2))
+        first_tile = split * tiles_per_split
+        last_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
+        query_pos = tl.full([ROWS], prefix, tl.int32)  # every shared key is visible
+        row_max = tl.full([ROWS], float("-inf"), tl.float32)
+        row_sum = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+        leader = tl.load(group_rows_ptr + start).to(tl.int64)
+        table = block_tables_ptr + leader * block_table_stride  # the shared blocks: any member's
+        qk_scale = scale * 1.4426950408889634
+        full_tiles = prefix // BLOCK_N
+        for t in range(first_tile, tl.minimum(last_tile, full_tiles)):
+            row_max, row_sum, acc = _attend_tile(
+                q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head, t * BLOCK_N,
+                query_pos, prefix, qk_scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, False,
+            )  # fmt: skip
+        for t in range(tl.maximum(first_tile, full_tiles), last_tile):
+            row_max, row_sum, acc = _attend_tile(
+                q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head, t * BLOCK_N,
+                query_pos, prefix, qk_scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, True,
+            )  # fmt: skip
+        base = (seq * (GROUP * NUM_KV_HEADS) + head) * MAX_SPLITS + first_split + split
+        tl.store(
+            partial_out_ptr + base[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None]
+        )
+        tl.store(partial_ml_ptr + base * 2, row_max, mask=row_valid)
+        tl.store(partial_ml_ptr + base * 2 + 1, row_sum, mask=row_valid)

@@ -42,6 +42,16 @@ class EngineCollector(Collector):
         yield CounterMetricFamily(
             "tandem_num_preemptions", "Requests preempted for KV blocks", stats.num_preemptions
         )
+        yield CounterMetricFamily(
+            "tandem_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            stats.prefix_cache_queries,
+        )
+        yield CounterMetricFamily(
+            "tandem_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache",
+            stats.prefix_cache_hits,
+        )
         finished = CounterMetricFamily(
             "tandem_requests_finished", "Finished requests by finish reason", labels=["reason"]
         )

@@ -41,12 +41,14 @@ class Choice:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     started: bool = False  # a chunk was sent (chat sends the role first)
+    num_cached_tokens: int = 0  # of its prompt, found in the prefix cache
     # with echo: the prompt's text and ids, and its logprobs from the first output
     echo: tuple[str, list[int]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def add(self, output: StreamOutput) -> None:
         self.tracker.observe(output)
+        self.num_cached_tokens = output.num_cached_tokens
         if output.prompt_logprobs is not None:
             self.prompt_logprobs = output.prompt_logprobs
         self.text += output.text
@@ -65,13 +67,17 @@ class Generation:
     num_prompt_tokens: int
     num_top_logprobs: int | None
     return_token_ids: bool
+    n: int = 1  # choices per prompt
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict:
         completion_tokens = sum(len(c.token_ids) for c in self.choices)
+        # prompt tokens count each prompt once, and so do its cached ones: its first sample's
+        cached = sum(c.num_cached_tokens for c in self.choices[:: self.n])
         return {
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": self.num_prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
     def abort_unfinished(self) -> None:
@@ -183,6 +189,7 @@ class OpenAIServing:
             num_prompt_tokens=sum(len(ids) for _, ids in prompts),
             num_top_logprobs=params.logprobs,
             return_token_ids=bool(body.return_token_ids),
+            n=params.n,
         )
 
     async def _respond(

@@ -1,0 +1,102 @@
+"""Automatic prefix caching: full KV blocks found again by the hash of the tokens they hold.
+
+A block's key chains its parent's key with its own token ids (and room for extra keys, such as
+an adapter id), so equal keys mean equal leading tokens, hence equal KV. A request admitted with
+nothing computed maps its longest run of cached leading blocks instead of computing them.
+
+A block is published (made findable) once its tokens are all known on the host and a launched
+step writes its last KV entry. Every step runs on the one compute stream after the steps
+launched before it, so any step that later reads a published block is ordered after the one
+that writes it. A block whose last owner finished stays cached in the allocator's free queue
+and is evicted, least recently freed first, only when a new block is needed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from tandem.kv_cache import BlockAllocator
+from tandem.request import Request
+
+ROOT_KEY = b""  # the parent key of a sequence's first block
+
+
+def block_key(parent: bytes, token_ids: list[int], extra: bytes = b"") -> bytes:
+    """blake2b over the parent's key, the block's token ids and any extra keys (16 bytes)."""
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    digest.update(extra)
+    return digest.digest()
+
+
+class PrefixCache:
+    def __init__(self, allocator: BlockAllocator, block_size: int, enabled: bool = True):
+        self.allocator = allocator
+        self.block_size = block_size
+        self.enabled = enabled
+        self.block_of: dict[bytes, int] = {}  # key -> block holding those tokens' KV
+        self.key_of: dict[int, bytes] = {}  # the reverse, for eviction
+        allocator.on_reuse = self._evict
+        # tokens looked up and tokens found, over every admission (vLLM's counters)
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    def keys(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The keys of the request's first `num_blocks` full blocks, extending its memo."""
+        keys, size = request.block_keys, self.block_size
+        while len(keys) < num_blocks:
+            start = len(keys) * size
+            parent = keys[-1] if keys else ROOT_KEY
+            keys.append(block_key(parent, request.tokens(start, start + size)))
+        return keys
+
+    def match(self, request: Request) -> list[int]:
+        """Cached blocks of the request's leading known tokens; never its last token, whose
+        logits are needed. Nothing is taken: `take` the blocks to hold them. A request that wants
+        prompt logprobs matches nothing: it computes every prompt position's hidden row."""
+        if not self.enabled or request.wants_prompt_logprobs:
+            return []
+        blocks = []
+        for key in self.keys(request, (request.num_tokens - 1) // self.block_size):
+            block = self.block_of.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def count(self, num_queried: int, num_hit: int) -> None:
+        self.num_queried_tokens += num_queried
+        self.num_hit_tokens += num_hit
+
+    def publish(self, request: Request) -> None:
+        """Make the request's full blocks findable once their tokens are known and written."""
+        if not self.enabled:
+            return
+        num_known = len(request.prompt_token_ids) + len(request.output_token_ids)
+        num_full = min(request.num_computed_tokens, num_known) // self.block_size
+        first = request.num_published_blocks
+        if num_full <= first:
+            return
+        keys = self.keys(request, num_full)
+        for index in range(first, num_full):
+            block, key = request.block_table[index], keys[index]
+            if key not in self.block_of and block not in self.key_of:
+                self.block_of[key] = block
+                self.key_of[block] = key
+        request.num_published_blocks = num_full
+
+    def reset(self) -> None:
+        """Forget every cached block (e.g. the weights changed); held blocks stay with their owners."""
+        self.block_of.clear()
+        self.key_of.clear()
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.key_of)
+
+    def _evict(self, block: int) -> None:
+        key = self.key_of.pop(block, None)
+        if key is not None:
+            del self.block_of[key]

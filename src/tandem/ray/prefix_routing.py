@@ -1,0 +1,89 @@
+"""Which replica a request should go to, so that requests sharing a prompt prefix meet.
+
+A request's key is its prompt's first block: the first `block_size` token ids, or for text the
+first `block_size * CHARS_PER_TOKEN` characters (chat: the messages as role/content lines).
+Two prompts can share cached KV blocks only if they share that first block, so equal keys are
+what must land together. A consistent-hash ring maps keys to replicas: when a replica goes
+(or comes back under a new id), only the keys it owned move.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import hashlib
+import json
+from typing import Any
+
+CHARS_PER_TOKEN = 4  # about, for English text
+POINTS_PER_REPLICA = 64  # ring points per replica: keys spread evenly over a few replicas
+
+
+def prefix_key(path: str, body: bytes, block_size: int) -> str | None:
+    """The routing key of a POST body to /v1/completions or /v1/chat/completions, else None."""
+    try:
+        request = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if not isinstance(request, dict):
+        return None
+    if path == "/v1/completions":
+        return _prompt_key(request.get("prompt"), block_size)
+    if path == "/v1/chat/completions":
+        return _messages_key(request.get("messages"), block_size)
+    return None
+
+
+def _prompt_key(prompt: Any, block_size: int) -> str | None:
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]  # a batch of prompts: route by the first
+    if isinstance(prompt, str):
+        return "text:" + prompt[: block_size * CHARS_PER_TOKEN]
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return "ids:" + ",".join(map(str, prompt[:block_size]))
+    return None
+
+
+def _messages_key(messages: Any, block_size: int) -> str | None:
+    if not isinstance(messages, list):
+        return None
+    lines = []
+    for message in messages:
+        if not isinstance(message, dict):
+            return None
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        lines.append(f"{message.get('role')}: {content}\n")
+    return "chat:" + "".join(lines)[: block_size * CHARS_PER_TOKEN]
+
+
+def ring_order(key: str, replicas: list[str]) -> list[str]:
+    """`replicas` in the order the ring meets them going clockwise from `key`'s point."""
+    unique = tuple(sorted(set(replicas)))
+    if not unique:
+        return []
+    points, owners = _ring(unique)
+    start = bisect.bisect(points, _point(key))
+    order: dict[str, None] = {}  # insertion-ordered set
+    for i in range(len(points)):
+        order.setdefault(owners[(start + i) % len(points)])
+        if len(order) == len(unique):
+            break
+    return list(order)
+
+
+@functools.lru_cache(maxsize=64)
+def _ring(replicas: tuple[str, ...]) -> tuple[list[int], list[str]]:
+    """Sorted ring points and the replica owning each; cached per replica set."""
+    pairs = sorted(
+        (_point(f"{replica}#{i}"), replica)
+        for replica in replicas
+        for i in range(POINTS_PER_REPLICA)
+    )
+    return [p for p, _ in pairs], [r for _, r in pairs]
+
+
+def _point(text: str) -> int:
+    """A position on the ring, the same in every process (unlike hash())."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")

@@ -1,0 +1,144 @@
+"""`tandem run-batch`: answer an OpenAI batch file with one engine, or N on Ray Data.
+
+Each request goes through the same FastAPI app as `tandem serve` (in process, over httpx's ASGI
+transport), so a batch line is validated and answered exactly as the HTTP endpoint would:
+
+    requests.jsonl ─read─> BatchRequest ─POST url body─> app ─> AsyncLLM ─> response JSON
+    results.jsonl <─append, flush─ output line (custom_id, status, body, error)
+
+With --data-parallel-size N, `tandem.ray.batch` spreads the requests over N such engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import IO, Any
+
+import httpx
+from tqdm import tqdm
+
+from tandem.async_llm import AsyncLLM
+from tandem.batch_file import (
+    BatchRequest,
+    num_completion_tokens,
+    pending,
+    read_batch_file,
+    response_line,
+    resume_output,
+)
+from tandem.server.app import build_app
+
+
+class BatchAnswerer:
+    """One engine behind the OpenAI app; `answer` turns a request into its output line."""
+
+    def __init__(self, model: str, served_model_name: str | None = None, **engine_args: Any):
+        self.llm = AsyncLLM.from_model(model, **engine_args)
+        self.max_in_flight = 2 * engine_args.get("max_num_seqs", 256)
+        app = build_app(self.llm, served_model_name or model)
+        transport = httpx.ASGITransport(app=app)
+        self.client = httpx.AsyncClient(transport=transport, base_url="http://batch", timeout=None)
+
+    async def answer(self, request: BatchRequest) -> dict[str, Any]:
+        response = await self.client.post(request.url, json=request.body)
+        if not self.llm.is_running:
+            raise RuntimeError(f"the engine stopped while answering {request.custom_id!r}")
+        return response_line(request.custom_id, response.status_code, response.json())
+
+    async def answer_all(self, requests: Iterable[BatchRequest]) -> AsyncIterator[dict[str, Any]]:
+        """Output lines in the order they finish, at most `max_in_flight` requests at once."""
+        slots = asyncio.Semaphore(self.max_in_flight)
+
+        async def bounded(request: BatchRequest) -> dict[str, Any]:
+            async with slots:
+                return await self.answer(request)
+
+        tasks = [asyncio.ensure_future(bounded(r)) for r in requests]
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                yield await next_done
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+class OutputWriter:
+    """Appends output lines, flushed one by one, and shows requests/s and tokens/s."""
+
+    def __init__(self, out: IO[str], total: int, quiet: bool):
+        self.out = out
+        self.bar = tqdm(total=total, desc="run-batch", unit="req", disable=quiet)
+        self.start = time.perf_counter()
+        self.num_tokens = 0
+
+    def write(self, line: dict[str, Any]) -> None:
+        self.out.write(json.dumps(line) + "\n")
+        self.out.flush()  # a line written survives the process being killed
+        self.num_tokens += num_completion_tokens(line)
+        elapsed = time.perf_counter() - self.start
+        self.bar.set_postfix_str(f"{self.num_tokens / elapsed:.0f} tok/s", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def run_batch(
+    input_path: str,
+    output_path: str,
+    model: str,
+    engine_args: dict[str, Any],
+    data_parallel_size: int = 1,
+    served_model_name: str | None = None,
+    quiet: bool = False,
+) -> int:
+    """Answer what `output_path` lacks of `input_path`; returns the number of lines written."""
+    if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {data_parallel_size!r}")
+    todo = pending(read_batch_file(input_path), resume_output(output_path))
+    with open(output_path, "a", encoding="utf-8") as out:
+        writer = OutputWriter(out, len(todo.bad_lines) + len(todo.requests), quiet)
+        try:
+            for line in todo.bad_lines:
+                writer.write(line)
+            if todo.requests and data_parallel_size == 1:
+                answer_locally(todo.requests, model, engine_args, served_model_name, writer.write)
+            elif todo.requests:
+                from tandem.ray.batch import answer_on_ray
+
+                answer_on_ray(
+                    todo.requests,
+                    model,
+                    engine_args,
+                    data_parallel_size,
+                    served_model_name,
+                    writer.write,
+                )
+        finally:
+            writer.close()
+    return writer.bar.n
+
+
+def answer_locally(
+    requests: list[BatchRequest],
+    model: str,
+    engine_args: dict[str, Any],
+    served_model_name: str | None,
+    write: Callable[[dict[str, Any]], None],
+) -> None:
+    answerer = BatchAnswerer(model, served_model_name, **engine_args)
+
+    async def run() -> None:
+        async for line in answerer.answer_all(requests):
+            write(line)
+
+    try:
+        asyncio.run(run())
+    finally:
+        answerer.shutdown()

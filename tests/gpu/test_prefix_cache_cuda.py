@@ -1,0 +1,76 @@
+"""Prefix caching and the shared-prefix decode on CUDA: graphs, async, the stream sanitizer."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def shared_prompts(vocab: int) -> list[dict]:
+    """Two system prompts of 70 and 45 tokens, each under four questions."""
+    g = torch.Generator().manual_seed(4)
+    systems = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (70, 45)]
+    return [
+        {"prompt_token_ids": s + torch.randint(0, vocab, (5 + 3 * i,), generator=g).tolist()}
+        for s in systems
+        for i in range(4)
+    ]
+
+
+def run(folder, caching: bool, backend: str, **engine_args) -> list[list[list[int]]]:
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=256,
+        num_blocks=256,
+        enable_prefix_caching=caching,
+        attention_backend=backend,
+        **engine_args,
+    )
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=40, ignore_eos=True)
+    outs = llm.generate(shared_prompts(llm.engine.model_config.vocab_size), params, use_tqdm=False)
+    assert llm.engine.allocator.num_free == llm.engine.num_blocks
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+def test_cached_shared_decode_in_graphs_samples_what_the_reference_attention_does(
+    make_tiny, async_batching
+):
+    folder = make_tiny("llama")
+    reference = run(folder, False, "torch", cuda_graphs=False)
+    assert run(folder, True, "triton", async_batching=async_batching) == reference
+
+
+SANITIZED_RUN = textwrap.dedent(
+    """
+    import sys
+    from tandem import LLM, SamplingParams
+    from tandem.model.tiny import make_tiny_model
+    folder = make_tiny_model(sys.argv[1], "llama")
+    head = list(range(5, 45))
+    for graphs in (False, True):
+        llm = LLM(str(folder), max_model_len=128, max_num_batched_tokens=32, num_blocks=24,
+                  cuda_graphs=graphs)
+        prompts = [{"prompt_token_ids": head + list(range(100 + 7 * i, 110 + 7 * i))}
+                   for i in range(6)]
+        params = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=24, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.scheduler.cache.num_hit_tokens > 0
+        print("ok", graphs, sum(len(c.token_ids) for o in outs for c in o.outputs))
+    """
+)
+
+
+def test_cached_shared_decode_is_clean_under_the_stream_sanitizer(run_sanitized):
+    assert run_sanitized(SANITIZED_RUN).count("ok") == 2

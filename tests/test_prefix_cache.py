@@ -1,0 +1,273 @@
+"""Prefix caching: same tokens as without it and as transformers, exact hit counts, and block
+accounting that holds under random arrivals, shared prefixes, aborts, preemptions and evictions."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem import LLM, SamplingParams
+from tandem.kv_cache import BlockAllocator
+from tandem.prefix_cache import ROOT_KEY, block_key
+from tandem.request import Request, Status
+from tandem.scheduler import Scheduler
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+
+def shared_prompts(vocab: int) -> list[list[int]]:
+    """Prompts that repeat and overlap: a 21-token head shared by four, one exact repeat, a
+    prompt that is a prefix of another, and two strangers."""
+    g = torch.Generator().manual_seed(3)
+    head = torch.randint(0, vocab, (21,), generator=g).tolist()
+
+    def tail(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+    a, b = head + tail(5), head + tail(11)
+    return [a, b, head + tail(3), list(a), head, tail(9), b[:17], tail(30)]
+
+
+@functools.cache
+def reference(folder: str, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    )
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=model.config.vocab_size - 1,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def generate(folder, prompts, caching: bool, **engine_args):
+    llm = LLM(folder, enable_prefix_caching=caching, **engine_args)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)
+    later = llm.generate([{"prompt_token_ids": p} for p in prompts[4:]], params, use_tqdm=False)
+    assert llm.engine.allocator.num_free == llm.engine.num_blocks  # nothing held after the calls
+    return llm, [o.outputs[0].token_ids for o in first + later]
+
+
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        dict(num_blocks=64, max_model_len=128),
+        # chunked prefill across cached blocks
+        dict(num_blocks=64, max_model_len=128, max_num_batched_tokens=8),
+        # preemption and eviction: 48 token slots for prompts of up to 30 tokens plus 12
+        dict(num_blocks=12, max_model_len=48, max_num_batched_tokens=16),
+    ],
+    ids=["roomy", "chunked", "preempting"],
+)
+def test_greedy_tokens_with_caching_equal_without_and_transformers(
+    make_tiny, async_batching, engine_args
+):
+    folder = str(make_tiny("llama"))
+    args = dict(block_size=4, async_batching=async_batching, **engine_args)
+    cached_llm, cached = generate(folder, shared_prompts(512), True, **args)
+    _, plain = generate(folder, shared_prompts(512), False, **args)
+
+    assert cached == plain
+    for prompt, tokens in zip(shared_prompts(512), cached, strict=True):
+        assert tokens == reference(folder, tuple(prompt), 12)
+    assert cached_llm.engine.scheduler.cache.num_hit_tokens > 0
+    if engine_args["num_blocks"] == 12:
+        assert cached_llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+def test_n_samples_prefill_their_prompt_once(make_tiny, async_batching):
+    folder = str(make_tiny("llama"))
+    llm = LLM(folder, block_size=4, num_blocks=128, max_model_len=64, async_batching=async_batching)
+    scheduled = []
+    schedule = llm.engine.scheduler.schedule
+
+    def counting_schedule():
+        plan = schedule()
+        scheduled.append(plan.num_tokens)
+        return plan
+
+    llm.engine.scheduler.schedule = counting_schedule
+    prompt = list(range(7, 37))  # 30 tokens: 7 full blocks of 4 and 2 tokens over
+    params = SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+
+    # the first sample computes the prompt; each other one only the 2 tokens past its 7 cached blocks
+    assert sum(scheduled) == 30 + 3 * 2 + 4 * 5
+    alone = LLM(folder, block_size=4, num_blocks=128, max_model_len=64, enable_prefix_caching=False)
+    plain = alone.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in plain.outputs]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # seeds stay per sample
+
+
+def test_num_cached_tokens_counts_whole_blocks_of_the_prompt(make_tiny):
+    folder = str(make_tiny("llama"))
+    llm = LLM(folder, block_size=4, num_blocks=10, max_model_len=40)  # 40 token slots
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    def run(prompt):
+        return llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+
+    assert run(list(range(1, 11))).num_cached_tokens == 0  # first time: nothing cached
+    # the same 10 tokens: 2 full blocks cached (the third holds tokens 8-9 only, never cached)
+    assert run(list(range(1, 11))).num_cached_tokens == 8
+    # 12 tokens, a multiple of the block size: the last block holds the last prompt token,
+    # which is always computed, so 2 blocks again, and only 2 of the first request's
+    assert run(list(range(1, 13))).num_cached_tokens == 8
+    # a prompt that parts after 5 tokens: one shared block
+    assert run([1, 2, 3, 4, 5, 99, 98, 97, 96]).num_cached_tokens == 4
+    # 36 other tokens need 9 of the 10 blocks: every cached block of range(1, 13) is evicted
+    assert run(list(range(100, 136))).num_cached_tokens == 0
+    assert run(list(range(1, 11))).num_cached_tokens == 0
+
+
+def test_disabled_cache_never_hits(make_tiny):
+    llm = LLM(
+        str(make_tiny("llama")),
+        block_size=4,
+        num_blocks=32,
+        max_model_len=64,
+        enable_prefix_caching=False,
+    )
+    params = SamplingParams(temperature=0, max_tokens=2)
+    for _ in range(2):
+        out = llm.generate({"prompt_token_ids": list(range(1, 20))}, params, use_tqdm=False)[0]
+        assert out.num_cached_tokens == 0
+
+
+def test_enable_prefix_caching_must_be_a_bool(make_tiny):
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        LLM(str(make_tiny("llama")), enable_prefix_caching="yes")
+
+
+def test_block_keys_chain_their_parents():
+    first = block_key(ROOT_KEY, [1, 2, 3, 4])
+    assert block_key(first, [5, 6]) != block_key(block_key(ROOT_KEY, [9, 2, 3, 4]), [5, 6])
+    assert block_key(first, [5, 6]) == block_key(block_key(ROOT_KEY, [1, 2, 3, 4]), [5, 6])
+    assert block_key(first, [5, 6], extra=b"adapter-1") != block_key(first, [5, 6])
+
+
+# ---- scheduler-level properties -------------------------------------------------------------
+
+BLOCK = 4
+
+
+class Simulation:
+    """Drives the scheduler as the engine does (sync), writing each scheduled token's id into a
+    fake KV cache at its slot, so that what a block holds can be checked against what its keys
+    and its owners say it holds."""
+
+    def __init__(self, num_blocks: int, budget: int, rng: random.Random):
+        self.allocator = BlockAllocator(num_blocks)
+        self.scheduler = Scheduler(self.allocator, BLOCK, 6, budget, 64)
+        self.kv = np.full(num_blocks * BLOCK, -1, dtype=np.int64)  # token id per cache slot
+        self.reused: set[int] = set()  # blocks handed to a new owner in this step
+        evict = self.allocator.on_reuse
+
+        def reuse(block: int) -> None:
+            self.reused.add(block)
+            evict(block)
+
+        self.allocator.on_reuse = reuse
+        self.rng = rng
+        self.live: list[Request] = []
+        self.next_id = 0
+
+    def add(self, prompt: list[int], max_tokens: int) -> None:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        request = Request(str(self.next_id), prompt, params, seed=0)
+        self.next_id += 1
+        self.scheduler.add(request)
+        self.live.append(request)
+
+    def step(self) -> None:
+        published_before = set(self.scheduler.cache.key_of)
+        self.reused.clear()
+        plan = self.scheduler.schedule()
+        for request, num_new in zip(plan.requests, plan.num_new_tokens, strict=True):
+            for pos in range(request.num_computed_tokens - num_new, request.num_computed_tokens):
+                block = request.block_table[pos // BLOCK]
+                # a published block is read, never written again, until it is evicted
+                assert block not in published_before or block in self.reused, f"wrote {block}"
+                self.kv[block * BLOCK + pos % BLOCK] = request.tokens(pos, pos + 1)[0]
+        for request in plan.requests:
+            if (
+                request.status is Status.RUNNING
+                and request.num_computed_tokens == request.num_tokens
+            ):
+                request.output_token_ids.append(self.rng.randrange(50))
+                if len(request.output_token_ids) >= request.params.max_tokens:
+                    self.finish(request, "length")
+
+    def abort_one(self) -> None:
+        alive = [r for r in self.live if not r.finished]
+        if alive:
+            self.finish(self.rng.choice(alive), "abort")
+
+    def finish(self, request: Request, reason: str) -> None:
+        self.scheduler.finish(request, reason)
+        self.live.remove(request)
+
+    def check(self) -> None:
+        held = np.zeros(self.allocator.num_blocks, dtype=np.int32)
+        for request in self.scheduler.running:
+            held[request.block_table] += 1
+            for pos in range(request.num_computed_tokens):
+                slot = request.block_table[pos // BLOCK] * BLOCK + pos % BLOCK
+                assert self.kv[slot] == request.tokens(pos, pos + 1)[0], "KV of another sequence"
+        assert (self.allocator.ref_counts == held).all(), "reference counts off"
+        free = list(self.allocator.free_queue)
+        assert len(free) == len(set(free)) and set(free) == set(np.flatnonzero(held == 0).tolist())
+        cache = self.scheduler.cache
+        for key, block in cache.block_of.items():
+            assert cache.key_of[block] == key
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    num_blocks=st.integers(8, 24),
+    budget=st.sampled_from([3, 8, 64]),
+)
+def test_blocks_stay_accounted_and_hold_their_owners_tokens(seed, num_blocks, budget):
+    rng = random.Random(seed)
+    sim = Simulation(num_blocks, budget, rng)
+    heads = [[rng.randrange(50) for _ in range(rng.randrange(1, 14))] for _ in range(3)]
+    for _ in range(60):
+        if rng.random() < 0.4:
+            prompt = rng.choice(heads)[: rng.randrange(1, 14)] + [
+                rng.randrange(50) for _ in range(rng.randrange(0, 6))
+            ]
+            sim.add(prompt or [1], rng.randrange(1, 8))
+        if rng.random() < 0.1:
+            sim.abort_one()
+        sim.step()
+        sim.check()
+    for request in list(sim.live):
+        sim.finish(request, "abort")
+    assert sim.allocator.num_free == num_blocks and not sim.allocator.ref_counts.any()
+
+
+def test_n_beyond_what_the_cache_can_hold_for_one_prompt_names_the_limit(make_tiny):
+    llm = LLM(str(make_tiny("llama")), block_size=4, num_blocks=16, max_model_len=64)
+    # a 20-token prompt: 4 shared blocks, then 8 own blocks per sample up to 48 tokens: 12 // 8
+    params = SamplingParams(n=2, max_tokens=28)
+    with pytest.raises(ValueError, match="n can be at most 1"):
+        llm.generate({"prompt_token_ids": list(range(20))}, params, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+    params = SamplingParams(n=3, max_tokens=4)  # 2 own blocks each: up to 6 samples fit
+    out = llm.generate({"prompt_token_ids": list(range(20))}, params, use_tqdm=False)[0]
+    assert len(out.outputs) == 3

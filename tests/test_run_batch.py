@@ -1,0 +1,178 @@
+"""`tandem run-batch` on one engine: OpenAI batch lines in, response lines out, resumable.
+
+Answers are checked against the offline `LLM` (greedy and seeded sampling do not depend on the
+batch); bad lines against the error the HTTP server gives for the same body.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tandem import LLM, SamplingParams
+from tandem.batch_file import parse_line, read_batch_file, resume_output
+from tandem.cli import main
+
+ENGINE_ARGS = ["--max-model-len", "256", "--block-size", "8", "--num-blocks", "128"]
+ENGINE_KWARGS = {"max_model_len": 256, "block_size": 8, "num_blocks": 128}
+MODEL = "tiny"
+MESSAGES = [{"role": "user", "content": "Name a cache."}]
+
+
+def request(custom_id: str, body: dict, url: str = "/v1/completions") -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+GOOD = {
+    "greedy": ({"model": MODEL, "prompt": "The engine", "max_tokens": 8, "temperature": 0}, None),
+    "seeded": ({"prompt": "Once upon", "max_tokens": 9, "temperature": 0.9, "seed": 7}, None),
+    "ids": ({"prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0}, None),
+    "chat": ({"messages": MESSAGES, "max_tokens": 6, "temperature": 0}, "/v1/chat/completions"),
+}
+BAD_BODIES = {  # custom_id -> (body, the param its 400 names)
+    "negative-temperature": ({"prompt": "x", "temperature": -1}, "temperature"),
+    "unsupported": ({"prompt": "x", "best_of": 3}, "best_of"),
+    "other-model": ({"prompt": "x", "model": "gpt-4o"}, "model"),
+    "no-prompt": ({"max_tokens": 3}, "prompt"),
+}
+BAD_LINES = [  # (line, custom_id it keeps)
+    (request("embeddings", {"input": "x"}, url="/v1/embeddings"), "embeddings"),
+    (
+        json.dumps({"custom_id": "get", "method": "GET", "url": "/v1/completions", "body": {}}),
+        "get",
+    ),
+    (request("streamed", {"prompt": "x", "stream": True}), "streamed"),
+    ('{"custom_id": "torn", "method": ', None),
+    (json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}), None),
+    ("[1, 2]", None),
+]
+
+
+def write_batch(path: Path) -> Path:
+    lines = [request(cid, body, url or "/v1/completions") for cid, (body, url) in GOOD.items()]
+    lines += [request(cid, body) for cid, (body, _) in BAD_BODIES.items()]
+    lines += [line for line, _ in BAD_LINES]
+    lines.insert(3, "")  # blank lines are no requests
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def read_output(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+NUM_LINES = len(GOOD) + len(BAD_BODIES) + len(BAD_LINES)
+
+
+@pytest.fixture(scope="module")
+def folder(make_tiny) -> str:
+    return str(make_tiny("llama"))
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory) -> Path:
+    return write_batch(tmp_path_factory.mktemp("batch") / "requests.jsonl")
+
+
+@pytest.fixture(scope="module")
+def answered(folder, batch, tmp_path_factory) -> Path:
+    """The batch answered by `tandem run-batch` from an empty output file."""
+    out = tmp_path_factory.mktemp("batch") / "results.jsonl"
+    argv = ["run-batch", folder, "-i", str(batch), "-o", str(out), "--quiet", *ENGINE_ARGS]
+    main([*argv, "--served-model-name", MODEL, "--device", "cpu"])
+    return out
+
+
+def check_answers(lines: list[dict], folder: str) -> None:
+    """Every line of the batch answered once: good ones as the offline LLM, bad ones as errors."""
+    ids = [line["custom_id"] for line in lines]
+    named = [i for i in ids if i is not None]
+    assert len(lines) == NUM_LINES and len(named) == len(set(named))
+    assert ids.count(None) == sum(cid is None for _, cid in BAD_LINES)
+    by_id = {line["custom_id"]: line for line in lines if line["custom_id"] is not None}
+    assert set(by_id) == set(GOOD) | set(BAD_BODIES) | {c for _, c in BAD_LINES if c}
+
+    llm = LLM(folder, **ENGINE_KWARGS)
+    for cid in ("greedy", "seeded", "ids"):
+        body = GOOD[cid][0]
+        prompt = body["prompt"]
+        params = {k: body[k] for k in ("max_tokens", "temperature", "seed") if k in body}
+        prompt = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
+        [want] = llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0].outputs
+        line = by_id[cid]
+        assert line["error"] is None and line["response"]["status_code"] == 200
+        choice = line["response"]["body"]["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == (want.text, want.finish_reason)
+        assert line["response"]["request_id"] == line["response"]["body"]["id"]
+    [want_chat] = llm.chat(MESSAGES, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+    chat = by_id["chat"]["response"]["body"]
+    assert chat["object"] == "chat.completion"
+    assert chat["choices"][0]["message"]["content"] == want_chat.outputs[0].text
+
+    for cid, (_, param) in BAD_BODIES.items():
+        line = by_id[cid]
+        assert line["response"]["status_code"] == 400, line
+        assert line["response"]["body"]["error"]["param"] == param
+        assert line["error"]["message"] == line["response"]["body"]["error"]["message"]
+    for line in lines:
+        if line["custom_id"] is None or line["custom_id"] in {c for _, c in BAD_LINES}:
+            assert line["response"] is None
+            assert line["error"]["code"] == "invalid_batch_line"
+
+
+def test_every_line_is_answered_once_good_ones_as_the_offline_llm(answered, folder):
+    check_answers(read_output(answered), folder)
+
+
+def test_bad_lines_say_which_line_and_what_is_wrong(batch):
+    errors = [b["error"]["message"] for b in read_batch_file(batch).bad_lines]
+    assert errors[0].startswith("line 10: url must be one of")
+    assert any("is not valid JSON" in e for e in errors)
+    assert any("custom_id must be a string" in e for e in errors)
+    assert any("body.stream must be false" in e for e in errors)
+
+
+def test_repeated_custom_ids_reject_the_file(tmp_path):
+    path = tmp_path / "twice.jsonl"
+    path.write_text(request("a", {"prompt": "x"}) + "\n" + request("a", {"prompt": "y"}) + "\n")
+    with pytest.raises(ValueError, match="custom_id must be unique; repeated: \\['a'\\]"):
+        read_batch_file(path)
+
+
+def test_a_well_formed_line_parses_to_its_request():
+    parsed = parse_line(request("x", {"prompt": "hi"}), 1)
+    assert (parsed.custom_id, parsed.url, parsed.body) == ("x", "/v1/completions", {"prompt": "hi"})
+
+
+def interrupted_copy(answered: Path, path: Path, num_kept: int) -> list[dict]:
+    """`answered` as a run killed mid-write would leave it, one kept line a server error."""
+    lines = answered.read_text().splitlines(keepends=True)
+    kept = [json.loads(line) for line in lines[:num_kept]]
+    kept[0]["response"] = {"status_code": 500, "request_id": "r", "body": {"error": {}}}
+    text = "".join(json.dumps(line) + "\n" for line in kept)
+    path.write_text(text + lines[num_kept][: len(lines[num_kept]) // 2])
+    return kept
+
+
+def test_resume_answers_only_what_the_output_lacks(answered, batch, folder, tmp_path):
+    out = tmp_path / "results.jsonl"
+    kept = interrupted_copy(answered, out, num_kept=6)
+    finished = resume_output(out)
+    assert len(finished.custom_ids) + finished.num_id_less == 5  # the 500 and the torn line go
+    assert out.read_text().endswith("\n")
+    argv = ["run-batch", folder, "-i", str(batch), "-o", str(out), "--quiet", *ENGINE_ARGS]
+    main([*argv, "--served-model-name", MODEL, "--device", "cpu"])
+    lines = read_output(out)
+    check_answers(lines, folder)
+    assert [line["id"] for line in lines[:5]] == [line["id"] for line in kept[1:]]  # not redone
+    assert kept[0]["id"] not in {line["id"] for line in lines}  # the 500 was asked again
+
+
+def test_a_finished_output_is_left_as_it_is(answered, batch, folder, tmp_path, capsys):
+    out = tmp_path / "results.jsonl"
+    out.write_text(answered.read_text())
+    main(["run-batch", folder, "-i", str(batch), "-o", str(out), "--quiet", *ENGINE_ARGS])
+    assert out.read_text() == answered.read_text()
+    assert "0 lines written" in capsys.readouterr().out

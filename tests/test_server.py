@@ -393,7 +393,6 @@ def test_a_top_k_past_the_samplers_int32_range_is_a_400_and_the_engine_keeps_ser
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("echo", True),
         ("best_of", 3),
         ("suffix", " end"),
         ("max_token", 50),  # a misspelt field must not fall back to the default silently

@@ -48,6 +48,8 @@ class StreamOutput:
     num_output_tokens: int  # all tokens so far
     time: float  # time.perf_counter() when the engine thread produced it
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    # with SamplingParams.prompt_logprobs, in the request's first output: per prompt position
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,7 @@ class _Sent:
     stream: RequestStream
     num_tokens: int = 0
     num_chars: int = 0
+    prompt_sent: bool = False  # the first output, which carries the prompt logprobs, went out
 
 
 class AsyncLLM:
@@ -313,6 +316,8 @@ class AsyncLLM:
         text_end = len(request.output_text) if request.finished else streamable_text_end(request)
         assert text_end >= sent.num_chars, "text already streamed was trimmed"
         logprobs = request.logprobs[sent.num_tokens :] if request.logprobs is not None else None
+        first = not sent.prompt_sent
+        sent.prompt_sent = True
         output = StreamOutput(
             request_id=request.request_id,
             text=request.output_text[sent.num_chars : text_end],
@@ -324,6 +329,7 @@ class AsyncLLM:
             num_output_tokens=len(tokens),
             time=now,
             num_cached_tokens=request.num_cached_tokens or 0,
+            prompt_logprobs=request.prompt_logprobs if first else None,
         )
         self._num_generation_tokens += len(tokens) - sent.num_tokens
         sent.num_tokens, sent.num_chars = len(tokens), text_end

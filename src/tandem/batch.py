@@ -8,6 +8,7 @@ import numpy as np
 
 from tandem import penalties
 from tandem.io_slot import MAX_BANNED_IDS, IOSlot
+from tandem.prompt_logprobs import PromptLogprobStep, plan_rows
 from tandem.request import Request
 from tandem.sampling import fold_seed
 from tandem.scheduler import StepPlan
@@ -38,6 +39,7 @@ class StepBatch:
     use_penalties: bool = False  # some row keeps penalty state (penalties.py)
     # (state rows, their requests) that penalized requests took for this step: reset first
     penalty_admissions: tuple[list[int], list[Request]] | None = None
+    prompt_logprobs: PromptLogprobStep | None = None  # rows at prompt positions that want them
 
 
 class RunningRows:
@@ -166,6 +168,7 @@ class BatchBuilder:
         x["logits_indices"][:num_seqs] = qsl[1 : num_seqs + 1] - 1
 
         self._fill_token_ids(x, requests, start, num_new, qsl)
+        prompt_logprobs = plan_rows(requests, start, num_new, qsl, slot.prompt_logprobs)
         num_outputs = np.fromiter((r.num_output_tokens for r in requests), np.int64, num_seqs)
         samples = computed_after == self.running_rows.prompt_len[rows] + num_outputs
         use_filters, num_top_logprobs = self._fill_sampling(x, requests, rows, num_outputs)
@@ -207,6 +210,7 @@ class BatchBuilder:
             shared_kv_tokens=shared_kv_tokens(x, num_groups),
             use_penalties=use_penalties,
             penalty_admissions=self.running_rows.take_admitted(),
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _fill_token_ids(self, x, requests: list[Request], start, num_new, qsl) -> None:

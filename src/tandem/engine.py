@@ -29,6 +29,8 @@ from tandem.parallel import (
     rank0_check,
 )
 from tandem.profiler import NoTimeline, Timeline
+from tandem.prompt_logprobs import has_rows as has_prompt_logprob_rows
+from tandem.prompt_logprobs import store as store_prompt_logprobs
 from tandem.request import Request
 from tandem.roofline import step_work
 from tandem.runner import Runner
@@ -176,6 +178,9 @@ class Engine:
             self.runner.capture_graphs()
         self.async_batching = config.async_batching
         self.in_flight: deque[StepBatch] = deque()
+        # finished when queued (nothing to compute: max_tokens=0, one prompt token); the next step
+        # returns them
+        self.finished_unscheduled: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.seed_rng = random.Random(config.seed)
@@ -224,6 +229,9 @@ class Engine:
         if self.workers is not None:
             params = replace(request.params, seed=request.seed)
             self.commands.append(("add", request.request_id, params, request.prompt_token_ids))
+        if self.scheduler.num_to_compute(request) == 0:  # max_tokens=0 with a one-token prompt
+            self._finish(request, "length")
+            self.finished_unscheduled.append(request)
 
     def make_request(
         self,
@@ -324,7 +332,7 @@ class Engine:
             self.commands.append(("reset_prefix_cache",))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self.in_flight)
+        return self.scheduler.has_work() or bool(self.in_flight or self.finished_unscheduled)
 
     # ---- the step loop --------------------------------------------------------------------
 
@@ -347,9 +355,10 @@ class Engine:
                 self.workers.check()
             raise
         due = not self.async_batching or len(self.in_flight) > 1 or not launched
+        updated, self.finished_unscheduled = self.finished_unscheduled, []
         if self.in_flight and due:
-            return self._process(self.in_flight.popleft())
-        return []
+            return updated + self._process(self.in_flight.popleft())
+        return updated
 
     def _launch_next(self) -> bool:
         step, timeline = self.num_steps, self.timeline
@@ -366,7 +375,8 @@ class Engine:
             graph_size = self.runner.padded_size(
                 len(plan.requests),
                 decode_only=plan.num_tokens == len(plan.requests),
-                wants_logprobs=any(r.params.logprobs is not None for r in plan.requests),
+                wants_logprobs=any(r.params.logprobs is not None for r in plan.requests)
+                or has_prompt_logprob_rows(plan.requests, plan.num_new_tokens),
             )
             bucket = None if graph_size is not None else self.runner.token_bucket(plan.num_tokens)
             batch = self.builder.build(plan, slot, step, graph_size, bucket)
@@ -399,7 +409,7 @@ class Engine:
     def _append_outputs(self, batch: StepBatch, out: dict[str, np.ndarray]) -> list[Request]:
         num_seqs = len(batch.requests)
         sampled = out["sampled"][:num_seqs].tolist()
-        updated = []
+        updated = self._append_prompt_logprobs(batch) if batch.prompt_logprobs else []
         for row, request in enumerate(batch.requests):
             if not batch.samples[row]:
                 continue
@@ -412,6 +422,19 @@ class Engine:
             self._check_stop(request)
             updated.append(request)
         return updated
+
+    def _append_prompt_logprobs(self, batch: StepBatch) -> list[Request]:
+        """Store the step's prompt logprobs; finish the scoring requests (max_tokens=0) that
+        have them all."""
+        store_prompt_logprobs(batch.prompt_logprobs, batch.slot.prompt_logprobs)
+        scored = []
+        for segment in batch.prompt_logprobs.segments:
+            request = segment.request
+            done = request.params.max_tokens == 0 and request.prompt_logprobs_done
+            if done and not request.finished:
+                self._finish(request, "length")
+                scored.append(request)
+        return scored
 
     def _append_logprobs(self, request: Request, out, row: int) -> None:
         n = request.params.logprobs

@@ -12,6 +12,7 @@ from math import prod
 import numpy as np
 import torch
 
+from tandem.prompt_logprobs import PromptLogprobBuffers
 from tandem.sampling import MAX_LOGPROBS
 
 MAX_BANNED_IDS = 32  # EOS ids plus stop_token_ids suppressed while a request is under min_tokens
@@ -122,6 +123,8 @@ class IOSlot:
         )
         self.np_in = self.host_in.numpy()
         self.np_out = self.host_out.numpy()
+        # copied only in steps with prompt-logprob rows, and only those rows
+        self.prompt_logprobs = PromptLogprobBuffers(max_tokens, device)
 
 
 def carry_over(

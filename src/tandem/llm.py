@@ -35,6 +35,17 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # with SamplingParams.prompt_logprobs: per prompt position, None for the first
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+@dataclass
+class ScoreOutput:
+    """How likely a continuation is after its context."""
+
+    logprob: float  # the sum over the continuation's tokens
+    is_greedy: bool  # every continuation token was the model's most likely token
+    token_logprobs: list[float]
 
 
 class LLM:
@@ -64,6 +75,42 @@ class LLM:
         groups = self._make_requests(prompts, params)
         self._run([r for _, group in groups for r in group], use_tqdm)
         return [_request_output(rid, group) for rid, group in groups]
+
+    def score(
+        self,
+        contexts: Sequence[str | list[int]],
+        continuations: Sequence[str | list[int]],
+        use_tqdm: bool = True,
+    ) -> list[ScoreOutput]:
+        """The log-likelihood of each continuation after its context, in one batch.
+
+        Text contexts are encoded with the tokenizer's special tokens (e.g. BOS), continuations
+        without, and the two token lists joined. Runs `generate` with `prompt_logprobs=1` and
+        `max_tokens=0`: the joined prompt is prefilled once, nothing is sampled.
+        """
+        if len(contexts) != len(continuations):
+            raise ValueError(f"got {len(contexts)} contexts for {len(continuations)} continuations")
+        pairs = [
+            (self._token_ids(c, special=True), self._token_ids(x, special=False))
+            for c, x in zip(contexts, continuations, strict=True)
+        ]
+        for context, continuation in pairs:
+            if not context or not continuation:
+                raise ValueError("contexts and continuations must each give at least one token")
+        params = SamplingParams(max_tokens=0, prompt_logprobs=1)
+        prompts = [{"prompt_token_ids": c + x} for c, x in pairs]
+        outputs = self.generate(prompts, params, use_tqdm)
+        return [
+            _score(out.prompt_logprobs[len(c) :], x)
+            for out, (c, x) in zip(outputs, pairs, strict=True)
+        ]
+
+    def _token_ids(self, text_or_ids: str | list[int], special: bool) -> list[int]:
+        if not isinstance(text_or_ids, str):
+            return list(text_or_ids)
+        if self.engine.tokenizer is None:
+            raise ValueError("this model has no tokenizer.json; pass token ids instead of text")
+        return self.engine.tokenizer.encode(text_or_ids, add_special_tokens=special)
 
     def chat(
         self,
@@ -152,6 +199,13 @@ class LLM:
             raise
 
 
+def _score(entries: list[dict[int, float]], continuation: list[int]) -> ScoreOutput:
+    # each entry holds the top-1 id first, then the token itself when it ranked lower
+    token_logprobs = [e[t] for e, t in zip(entries, continuation, strict=True)]
+    is_greedy = all(next(iter(e)) == t for e, t in zip(entries, continuation, strict=True))
+    return ScoreOutput(sum(token_logprobs), is_greedy, token_logprobs)
+
+
 def _split_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None]:
     if isinstance(prompt, str):
         return prompt, None
@@ -173,4 +227,5 @@ def _request_output(request_id: str, group: list[Request]) -> RequestOutput:
             for k, r in enumerate(group)
         ],
         num_cached_tokens=first.num_cached_tokens or 0,
+        prompt_logprobs=first.prompt_logprobs,
     )

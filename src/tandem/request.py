@@ -38,6 +38,10 @@ class Request:
     output_text: str = ""
     detokenizer: IncrementalDetokenizer | None = None  # kept only when text is needed per token
     logprobs: list[dict[int, float]] | None = None
+    # with params.prompt_logprobs: one entry per prompt position, None for the first (and for
+    # positions not computed yet); prompt_logprobs_end is 1 + the last position filled
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs_end: int = 1
     num_preemptions: int = 0
     # prefix caching: the keys of its full blocks so far, how many of its blocks are published,
     # and the prompt tokens its first admission found cached
@@ -47,6 +51,20 @@ class Request:
     bad_words_token_ids: list[list[int]] = field(
         default_factory=list
     )  # params.bad_words, tokenized
+
+    def __post_init__(self) -> None:
+        if self.wants_prompt_logprobs:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Every prompt position must be computed by the model, so such a request takes no
+        blocks from the prefix cache (their positions would have no logprobs)."""
+        return self.params.prompt_logprobs is not None
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        return self.prompt_logprobs_end >= len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

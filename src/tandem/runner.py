@@ -31,6 +31,8 @@ from tandem.parallel import TensorParallel
 from tandem.penalties import PenaltyState
 from tandem.piecewise import PiecewiseGraphs, bucket_for, token_buckets
 from tandem.profiler import NoTimeline, Timeline
+from tandem.prompt_logprobs import PromptLogprobStep
+from tandem.prompt_logprobs import compute as compute_prompt_logprobs
 from tandem.sampling import SamplingTensors, sample, top_logprobs_of
 
 WAIT_POLL_S = 50e-6  # tensor parallelism: how often the step wait looks at the other ranks
@@ -140,6 +142,8 @@ class Runner:
             self.h2d_stream.wait_event(self.compute_done[i])  # last reader of dev_in
             timing.start(0)
             slot.dev_in.copy_from(slot.host_in)
+            if batch.prompt_logprobs is not None:
+                slot.prompt_logprobs.copy_in(batch.prompt_logprobs.num_rows)
             timing.end(0)
             self.h2d_done[i].record()
         with torch.cuda.stream(self.compute_stream):
@@ -153,6 +157,10 @@ class Runner:
             self.d2h_stream.wait_event(self.compute_done[i])
             timing.start(2)
             slot.host_out.copy_from(slot.dev_out)
+            if batch.prompt_logprobs is not None:
+                slot.prompt_logprobs.copy_out(
+                    batch.prompt_logprobs.num_rows, batch.prompt_logprobs.num_top
+                )
             timing.end(2)
             self.d2h_done[i].record()
 
@@ -196,6 +204,7 @@ class Runner:
             batch.token_bucket,
             batch.use_penalties,
             batch.num_shared_groups if shared else None,
+            batch.prompt_logprobs,
         )
 
     @torch.inference_mode()
@@ -212,10 +221,12 @@ class Runner:
         token_bucket: int | None = None,
         use_penalties: bool = False,
         max_shared_groups: int | None = None,
+        prompt_logprobs: PromptLogprobStep | None = None,
     ) -> None:
         """Everything the device does for one step; fixed shapes given its arguments, so capturable.
         With `token_bucket`, the forward pass runs as pieces padded to that many tokens; with
-        `max_shared_groups`, decode rows that share leading blocks read them once per group."""
+        `max_shared_groups`, decode rows that share leading blocks read them once per group; with
+        `prompt_logprobs` (never captured), its prompt rows' logprobs follow the sampling."""
         x, out = slot.dev_in, slot.dev_out
         prev_sampled = self.slots[1 - slot.index].dev_out["sampled"]  # slots alternate every step
         meta = AttentionMetadata(
@@ -275,6 +286,11 @@ class Runner:
             out["sampled_logprob"][:num_seqs].copy_(sampled_logprob)
             out["top_ids"][:num_seqs, :num_top_logprobs].copy_(top_ids)
             out["top_logprobs"][:num_seqs, :num_top_logprobs].copy_(top_logprobs)
+        if prompt_logprobs is not None:
+            compute_prompt_logprobs(
+                self.model, hidden, slot.prompt_logprobs, prompt_logprobs.num_rows,
+                prompt_logprobs.num_top,
+            )  # fmt: skip
 
     def capture_graphs(self, shared_pool: bool = True) -> None:
         """One graph per (slot, padded size, filters on/off, penalties on/off), and the pieces of the other steps

@@ -32,6 +32,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # the logprob of every prompt token after the first, plus the top `prompt_logprobs` ids
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # logits processors (penalties.py): over output tokens, over prompt and output tokens
@@ -75,7 +77,12 @@ class SamplingParams:
             check_int("seed", self.seed, 0)
             if self.seed > MAX_SEED:
                 raise ValueError(f"seed must be <= {MAX_SEED}, got {self.seed}")
-        check_int("max_tokens", self.max_tokens, 1)
+        check_int("max_tokens", self.max_tokens, 0)
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError(
+                "max_tokens must be >= 1 unless prompt_logprobs is set (max_tokens=0 only scores "
+                "the prompt)"
+            )
         check_int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(
@@ -120,6 +127,12 @@ class SamplingParams:
             raise ValueError(
                 f"bad_words must be a list of non-blank strings, got {self.bad_words!r}"
             )
+        if self.prompt_logprobs is not None:
+            check_int("prompt_logprobs", self.prompt_logprobs, 0)
+            if self.prompt_logprobs > MAX_LOGPROBS:
+                raise ValueError(
+                    f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+                )
 
     @property
     def greedy(self) -> bool:

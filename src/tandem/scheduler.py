@@ -84,6 +84,8 @@ class Scheduler:
     def num_to_compute(self, request: Request) -> int:
         """Tokens still to be fed through the model; 0 once nothing more can be sampled."""
         num_tokens = request.num_tokens
+        if request.params.max_tokens == 0:  # scoring: the rows that predict prompt tokens only
+            return max(request.num_prompt_tokens - 1 - request.num_computed_tokens, 0)
         # max_tokens outputs, or max_model_len in all, whichever comes first
         limit = min(len(request.prompt_token_ids) + request.params.max_tokens, self.max_model_len)
         if num_tokens >= limit:
@@ -104,7 +106,13 @@ class Scheduler:
                 break  # preempted with a token still in flight; admit once it is read back
             cached = self.cache.match(request)
             num_cached = len(cached) * self.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
+            # a scoring request (max_tokens=0) skips its last token, which predicts no prompt token
+            end = (
+                request.num_prompt_tokens - 1
+                if request.params.max_tokens == 0
+                else request.num_tokens
+            )
+            num_new = min(end - num_cached, budget)
             needed = cdiv(num_cached + num_new, self.block_size) - len(cached)
             if not self.allocator.can_allocate(needed + self.allocator.num_free_among(cached)):
                 break

@@ -116,6 +116,7 @@ class SamplingRequest(BaseModel):
 class CompletionRequest(SamplingRequest):
     prompt: Text | list[int] | list[Text] | list[list[int]]
     logprobs: int | None = None
+    echo: bool | None = None  # the prompt before the completion, with logprobs if asked
 
 
 class TextPart(BaseModel):

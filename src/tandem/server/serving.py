@@ -49,10 +49,15 @@ class Choice:
     finish_reason: str | None = None
     started: bool = False  # a chunk was sent (chat sends the role first)
     num_cached_tokens: int = 0  # of its prompt, found in the prefix cache
+    # with echo: the prompt's text and ids, and its logprobs from the first output
+    echo: tuple[str, list[int]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def add(self, output: StreamOutput) -> None:
         self.tracker.observe(output)
         self.num_cached_tokens = output.num_cached_tokens
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         self.text += output.text
         self.token_ids += output.token_ids
         self.logprobs += output.logprobs or []
@@ -124,9 +129,26 @@ class OpenAIServing:
         # tokenizing a long prompt takes seconds: off the event loop, so other streams go on
         prompts = await asyncio.to_thread(self._completion_prompts, body.prompt)
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+        if max_tokens == 0 and not body.echo:
+            raise OpenAIError("max_tokens must be >= 1 unless echo is true", param="max_tokens")
+        # echo with logprobs scores the prompt too; echo with max_tokens=0 only scores it
+        prompt_logprobs = None
+        if body.echo and (body.logprobs is not None or max_tokens == 0):
+            prompt_logprobs = body.logprobs or 0
+        params = sampling_params(body, max_tokens, body.logprobs, prompt_logprobs)
         generation = await self._start("cmpl", prompts, params, body)
+        if body.echo:
+            for i, choice in enumerate(generation.choices):
+                text, ids = prompts[i // params.n]
+                choice.echo = (self._prompt_text(text, ids), ids)
         return await self._respond(generation, CompletionFormat, body, http)
+
+    def _prompt_text(self, text: str | None, ids: list[int]) -> str:
+        if text is not None:
+            return text
+        if self.llm.tokenizer is None:
+            return ""
+        return self.llm.tokenizer.decode(ids, skip_special_tokens=False)
 
     async def chat(self, body: ChatCompletionRequest, http: HttpRequest) -> Response:
         self.check_model(body.model)
@@ -323,17 +345,21 @@ class CompletionFormat(Format):
     object = chunk_object = "text_completion"
 
     def delta_choice(self, index: int, choice: Choice, output: StreamOutput) -> dict | None:
-        if not self.shows(output):
+        echo = choice.echo if not choice.started else None  # the prompt leads the first chunk
+        if echo is None and not self.shows(output):
             return None
-        text_offset = len(choice.text) - len(output.text)
+        echoed = len(choice.echo[0]) if choice.echo is not None else 0
+        text_offset = echoed + len(choice.text) - len(output.text)
         return self._choice(
-            index, output.text, output.token_ids, output.logprobs, output.finish_reason, text_offset
-        )
+            index, output.text, output.token_ids, output.logprobs, output.finish_reason,
+            text_offset, echo, choice.prompt_logprobs,
+        )  # fmt: skip
 
     def final_choice(self, index: int, choice: Choice) -> dict:
         return self._choice(
-            index, choice.text, choice.token_ids, choice.logprobs, choice.finish_reason, 0
-        )
+            index, choice.text, choice.token_ids, choice.logprobs, choice.finish_reason, 0,
+            choice.echo, choice.prompt_logprobs,
+        )  # fmt: skip
 
     def _choice(
         self,
@@ -343,29 +369,63 @@ class CompletionFormat(Format):
         logprobs: list[dict[int, float]] | None,
         finish_reason: str | None,
         text_offset: int,
+        echo: tuple[str, list[int]] | None = None,
+        prompt_logprobs: list[dict[int, float] | None] | None = None,
     ) -> dict[str, Any]:
+        shown_ids, entries = token_ids, logprobs or []
+        if echo is not None:
+            prompt_text, prompt_ids = echo
+            text_offset = 0  # the prompt starts the text
+            text, shown_ids = prompt_text + text, prompt_ids + token_ids
+            entries = (prompt_logprobs or [None] * len(prompt_ids)) + entries
+        wants_logprobs = self.generation.num_top_logprobs is not None and shown_ids
         return {
             "index": index,
             "text": text,
-            "logprobs": self._logprobs(token_ids, logprobs, text_offset) if logprobs else None,
+            "logprobs": self._logprobs(text, shown_ids, entries, text_offset)
+            if wants_logprobs
+            else None,
             "finish_reason": finish_reason,
             **self.token_ids(token_ids),
         }
 
     def _logprobs(
-        self, token_ids: list[int], entries: list[dict[int, float]], text_offset: int
+        self,
+        text: str,
+        token_ids: list[int],
+        entries: list[dict[int, float] | None],
+        text_offset: int,
     ) -> dict[str, list]:
+        """OpenAI's legacy logprobs object; the first prompt token of an echo has none."""
         tokens = [self.piece(t) for t in token_ids]
-        offsets = []
-        for token in tokens:
-            offsets.append(text_offset)
-            text_offset += len(token)
         return {
             "tokens": tokens,
-            "token_logprobs": [e[t] for t, e in zip(token_ids, entries, strict=True)],
-            "top_logprobs": [{self.piece(i): lp for i, lp in e.items()} for e in entries],
-            "text_offset": offsets,
+            "token_logprobs": [
+                None if e is None else e[t] for t, e in zip(token_ids, entries, strict=True)
+            ],
+            "top_logprobs": [
+                None if e is None else {self.piece(i): lp for i, lp in e.items()} for e in entries
+            ],
+            "text_offset": self._text_offsets(text, token_ids, tokens, text_offset),
         }
+
+    def _text_offsets(
+        self, text: str, token_ids: list[int], tokens: list[str], start: int
+    ) -> list[int]:
+        """Where each token starts, for `text` that starts at `start`. A special token that the
+        text leaves out (e.g. the BOS before an echoed text prompt) takes no characters."""
+        offsets, cursor = [], 0
+        for token_id, token in zip(token_ids, tokens, strict=True):
+            offsets.append(start + cursor)
+            if text.startswith(token, cursor) or not self.is_skipped(token_id):
+                cursor += len(token)
+        return offsets
+
+    def is_skipped(self, token_id: int) -> bool:
+        """A special token, which text decoded with skip_special_tokens leaves out."""
+        if self.tokenizer is None:
+            return False
+        return self.tokenizer.decode([token_id], skip_special_tokens=True) == ""
 
 
 class ChatFormat(Format):
@@ -454,7 +514,9 @@ def chat_prompt(
         raise OpenAIError(message, param="messages") from error
 
 
-def sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    body: SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+) -> SamplingParams:
     """The request's sampling fields as SamplingParams; unset fields take SamplingParams' defaults."""
     names = (
         "n",
@@ -477,7 +539,9 @@ def sampling_params(body: SamplingRequest, max_tokens: int, logprobs: int | None
     if body.logit_bias is not None:
         given["logit_bias"] = token_id_keys(body.logit_bias)
     try:
-        return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs)
+        return SamplingParams(
+            **given, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+        )
     except ValueError as error:
         raise invalid_request(error, body) from error
 

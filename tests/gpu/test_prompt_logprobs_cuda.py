@@ -1,0 +1,153 @@
+"""Prompt logprobs on CUDA: async steps with pieces and graphs, the fused LM head kernel, no
+host sync, clean under the stream sanitizer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.prompt_logprobs_kernel import lm_head_logprobs
+from tandem.runner import Runner
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT_LENGTHS = [37, 5, 2, 23, 41, 1, 30]
+# (prompt_logprobs, max_tokens): k <= 1 takes the fused kernel, 5 the sub-chunked log-softmax
+REQUESTS = [(0, 0), (5, 4), (1, 0), (None, 6), (20, 3), (0, 2), (1, 5)]
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def reference(folder: str, ids: list[int]) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    )
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].log_softmax(-1)[:-1]
+
+
+def run(folder: str, dtype: str, **engine_args):
+    llm = LLM(folder, dtype=dtype, max_model_len=56, block_size=8, num_blocks=7,
+              max_num_batched_tokens=16, **engine_args)  # fmt: skip
+    ids = prompts(llm.engine.model_config.vocab_size)
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, prompt_logprobs=k)
+        for k, n in REQUESTS
+    ]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0  # 56 token slots for ~160 tokens
+    assert llm.engine.allocator.num_free == llm.engine.num_blocks
+    return ids, outputs
+
+
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(("dtype", "tolerance"), [("float32", 1e-4), ("bfloat16", 0.15)])
+def test_prompt_logprobs_on_cuda_match_transformers(make_tiny, dtype, tolerance, async_batching):
+    """Chunks of 16 tokens through the captured pieces (decodes through the graphs), with
+    preemption; bfloat16 within its rounding of logits of standard deviation 6."""
+    folder = str(make_tiny("llama"))
+    ids, outputs = run(folder, dtype, async_batching=async_batching)
+    for prompt, out, (k, _) in zip(ids, outputs, REQUESTS, strict=True):
+        if k is None:
+            assert out.prompt_logprobs is None
+            continue
+        rows = reference(folder, prompt)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for p in range(1, len(prompt)):
+            entry = out.prompt_logprobs[p]
+            assert abs(entry[prompt[p]] - rows[p - 1, prompt[p]].item()) < tolerance
+            assert len(entry) in (k, k + 1)
+            for token in list(entry)[:k]:
+                assert abs(entry[token] - rows[p - 1, token].item()) < tolerance
+
+
+def test_prompt_logprob_steps_block_only_on_the_d2h_event(make_tiny, monkeypatch):
+    llm = LLM(str(make_tiny("qwen3")), max_model_len=256, max_num_batched_tokens=32, num_blocks=64)
+    waits = []
+    original_wait = Runner.wait
+
+    def counted_wait(self, batch, check=None):
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return original_wait(self, batch, check)
+        finally:
+            waits.append(batch.step)
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(Runner, "wait", counted_wait)
+    ids = prompts(llm.engine.model_config.vocab_size)
+    params = [SamplingParams(max_tokens=n, prompt_logprobs=k) for k, n in REQUESTS if k is not None]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in ids[:6]], params, use_tqdm=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sorted(waits) == list(range(llm.engine.num_steps))
+    assert all(o.prompt_logprobs is not None for o in outputs)
+
+
+@pytest.mark.parametrize("rows", [1, 100, 2048])
+def test_fused_lm_head_kernel_at_llama_3_8b_shape(rows):
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    vocab, hidden = 128256, 4096
+    tokens = torch.randn(rows + 3, hidden, device="cuda", generator=g).bfloat16()
+    index = torch.randperm(rows + 3, device="cuda", generator=g)[:rows]
+    weight = (torch.randn(vocab, hidden, device="cuda", generator=g) * 0.05).bfloat16()
+    targets = torch.randint(0, vocab, (rows,), device="cuda", generator=g)
+    values = torch.empty(rows, 2, device="cuda")
+    ids = torch.empty(rows, 1, dtype=torch.int32, device="cuda")
+    lm_head_logprobs(tokens, index, weight, targets, vocab, values, ids)
+    reference = (tokens[index].float() @ weight.float().T).log_softmax(-1)
+    wanted = reference.gather(1, targets[:, None])[:, 0]
+    assert torch.allclose(values[:, 0], wanted, atol=2e-3)
+    assert torch.allclose(values[:, 1], reference.max(-1).values, atol=2e-3)
+    top2 = reference.topk(2).values
+    clear = top2[:, 0] - top2[:, 1] > 1e-2  # no near-tie between the two best
+    assert torch.equal(ids[clear, 0].long(), reference.argmax(-1)[clear])
+
+
+SANITIZED_RUN = textwrap.dedent(
+    """
+    import sys
+    from tandem import LLM, SamplingParams
+    from tandem.model.tiny import make_tiny_model
+    folder = make_tiny_model(sys.argv[1], "llama")
+    for graphs in (False, True):
+        llm = LLM(str(folder), max_model_len=64, max_num_batched_tokens=16, num_blocks=12,
+                  block_size=8, cuda_graphs=graphs)
+        prompts = [{"prompt_token_ids": list(range(3 + 7 * i, 20 + 9 * i))} for i in range(6)]
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, prompt_logprobs=k)
+                  for k, n in [(0, 0), (1, 24), (5, 20), (None, 24), (0, 18), (3, 0)]]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0
+        print("ok", graphs, sum(len(o.prompt_logprobs or []) for o in outs))
+    """
+)
+
+
+def test_prompt_logprobs_are_clean_under_the_stream_sanitizer(tmp_path):
+    env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", SANITIZED_RUN, str(tmp_path / "tiny")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "CSAN" not in result.stderr, result.stderr[-4000:]
+    assert result.stdout.count("ok") == 2

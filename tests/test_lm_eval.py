@@ -1,0 +1,111 @@
+"""lm-evaluation-harness end to end against `tandem serve` on the tiny model, with the local tasks
+of tests/lm_eval_tasks (JSON lines + task YAML, no hub): its loglikelihoods (echo + logprobs,
+the multiple_choice task) equal transformers' within 1e-4, and its generate_until task's
+completions equal transformers' greedy ones."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+lm_eval = pytest.importorskip("lm_eval")
+transformers = pytest.importorskip("transformers")
+
+from lm_eval.models.openai_completions import LocalCompletionsAPI  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+TASKS = Path(__file__).parent / "lm_eval_tasks"
+MODEL = "tiny-llama"
+TOLERANCE = 1e-4
+
+
+@contextmanager
+def tandem_serve(folder: str) -> Iterator[str]:
+    """`tandem serve` in a subprocess, on a free port; yields its URL once /health answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "tandem.cli", "serve", folder, "--port", str(port)]
+    # 16-token steps: contexts are scored over several prefill chunks
+    command += ["--max-model-len", "256", "--max-num-batched-tokens", "16"]
+    command += ["--served-model-name", MODEL]
+    url = f"http://127.0.0.1:{port}"
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as process:
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                assert process.poll() is None, process.stdout.read().decode()
+                assert time.monotonic() < deadline, "tandem serve did not come up"
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(f"{url}/health").status_code == 200:
+                        break
+                time.sleep(0.1)
+            yield url
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+
+
+def test_lm_eval_local_tasks_match_transformers(make_tiny, tmp_path, monkeypatch):
+    folder = str(make_tiny("llama"))
+    monkeypatch.chdir(TASKS)  # the task YAMLs name their data files relative to it
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    with tandem_serve(folder) as url:
+        lm = LocalCompletionsAPI(
+            model=MODEL,
+            base_url=f"{url}/v1/completions",
+            tokenizer=folder,
+            num_concurrent=4,
+            max_retries=1,
+            max_length=256,
+        )
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=["tandem_choice", "tandem_generate"],
+            task_manager=TaskManager(include_path=str(TASKS)),
+            log_samples=True,
+        )
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+    choices = results["samples"]["tandem_choice"]
+    assert len(choices) == 6 and "acc,none" in results["results"]["tandem_choice"]
+    num_correct = 0
+    for sample in choices:
+        scores = []
+        for (context, continuation), [(logprob, is_greedy)] in zip(
+            sample["arguments"], sample["resps"], strict=True
+        ):
+            context_ids, continuation_ids = lm._encode_pair(context, continuation)
+            ids = torch.tensor([context_ids + continuation_ids])
+            with torch.no_grad():
+                rows = model(ids).logits[0, len(context_ids) - 1 : -1].log_softmax(-1)
+            wanted = rows[torch.arange(len(continuation_ids)), continuation_ids]
+            assert logprob == pytest.approx(wanted.sum().item(), abs=TOLERANCE)
+            assert is_greedy == bool((rows.argmax(-1) == torch.tensor(continuation_ids)).all())
+            scores.append(wanted.sum().item())
+        num_correct += max(range(len(scores)), key=scores.__getitem__) == sample["target"]
+    assert results["results"]["tandem_choice"]["acc,none"] == pytest.approx(num_correct / 6)
+
+    generations = results["samples"]["tandem_generate"]
+    assert len(generations) == 4 and "exact_match,none" in results["results"]["tandem_generate"]
+    for sample in generations:
+        [(prompt, kwargs)] = sample["arguments"]
+        ids = torch.tensor([lm.tok_encode(prompt)])
+        greedy = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=kwargs["max_gen_toks"],
+            do_sample=False, eos_token_id=None, pad_token_id=0,
+        )[0, ids.shape[1] :]  # fmt: skip
+        text = lm.tokenizer.decode(greedy, skip_special_tokens=True).split("\n")[0]
+        assert sample["resps"] == [[text]]

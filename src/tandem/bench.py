@@ -224,7 +224,8 @@ def run_bench(
     batch_size = args.batch_size if args.mode == "latency" else None
     results, rooflines = {}, {}
     hardware = on_devices(H200, engine.config.tensor_parallel_size)
-    cost = ModelCost.of(cfg, engine.dtype.itemsize)
+    sizes = engine.byte_sizes()  # FP8 weights and KV cache: their bytes, not the dtype's
+    cost = ModelCost.of(cfg, engine.dtype.itemsize, **sizes)
     for mode in modes:
         engine.async_batching = mode == "async"
         time_engine(engine, warmup, args.temperature)
@@ -239,7 +240,7 @@ def run_bench(
                     )
                 )
         rooflines[mode] = roofline_summary(
-            cfg, engine.dtype.itemsize, np.array(engine.step_work), hardware
+            cfg, engine.dtype.itemsize, np.array(engine.step_work), hardware, **sizes
         )
         engine.step_work = None
         traced = trace_run(llm, workload, args, mode, cost, hardware) if args.trace else {}
@@ -390,6 +391,8 @@ def engine_info(engine: Engine) -> dict:
         "resolved": {
             "device": str(engine.device),
             "dtype": str(engine.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
+            **engine.byte_sizes(),
             "attention_backend": engine.attention_backend,
             "max_model_len": engine.max_model_len,
             "num_blocks": engine.num_blocks,

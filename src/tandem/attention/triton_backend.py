@@ -142,19 +142,23 @@ class TritonAttention:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
+        """`k_scale`, `v_scale`: an FP8 cache's per-tensor scales."""
         out = torch.empty_like(q) if out is None else out
+        scale, scales = scale * k_scale, (v_scale,)  # k_scale applied with the softmax scale
         assert out.shape == q.shape and out.is_contiguous()
         if meta.decode_only:
-            self.decode(q, out, kv_cache, meta, scale)
+            self.decode(q, out, kv_cache, meta, scale, *scales)
             return out
         # A step with prefill still leads with the running requests' one-token rows. They go to the
         # decode kernel: in the prefill kernel each would fill a tile of query rows to use one.
         decodes = leading_single_tokens(meta.query_start_loc_host)
         if decodes:
-            self.decode(q, out, kv_cache, meta, scale, num_seqs=decodes)
+            self.decode(q, out, kv_cache, meta, scale, *scales, num_seqs=decodes)
         if decodes < len(meta.query_start_loc_host) - 1:
-            self.prefill(q, out, kv_cache, meta, scale, first_seq=decodes)
+            self.prefill(q, out, kv_cache, meta, scale, *scales, first_seq=decodes)
         return out
 
     def num_splits(self, num_seqs: int) -> int:
@@ -174,7 +178,14 @@ class TritonAttention:
         return self.large_batch_tiles if num_seqs >= LARGE_BATCH else self.decode_tiles
 
     def decode(
-        self, q, out, kv_cache, meta: AttentionMetadata, scale: float, num_seqs: int | None = None
+        self,
+        q,
+        out,
+        kv_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        v_scale: float = 1.0,
+        num_seqs: int | None = None,
     ) -> None:
         """The first `num_seqs` sequences (all by default), one query token each, in q's first rows."""
         assert q.stride(2) == 1 and q.stride(1) == self.head_dim
@@ -187,7 +198,7 @@ class TritonAttention:
             decode_kernel[(self.num_kv_heads, num_seqs, splits)](
                 q, out, self.partial_out, self.partial_ml, kv_cache, meta.block_tables,
                 meta.seq_lens, meta.seq_lens if order is None else order, q.stride(0),
-                meta.block_tables.stride(0), kv_cache.stride(0), scale, splits,
+                meta.block_tables.stride(0), kv_cache.stride(0), scale, v_scale, splits,
                 GROUP=self.group, GROUP_PAD=group_pad, NUM_KV_HEADS=self.num_kv_heads,
                 HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2], BLOCK_N=tiles.block_n,
                 MAX_SPLITS=MAX_SPLITS, DIRECT=splits == 1, ORDERED=order is not None,
@@ -195,7 +206,7 @@ class TritonAttention:
                 **pdl.launch_args(q.device),
             )  # fmt: skip
 
-        launch_fitting(self.fitted, (tiles, q.dtype), tiles, launch)
+        launch_fitting(self.fitted, (tiles, q.dtype, kv_cache.dtype), tiles, launch)
         if splits == 1:
             return
         reduce_kernel[(num_seqs * self.num_heads,)](
@@ -209,7 +220,14 @@ class TritonAttention:
         )
 
     def prefill(
-        self, q, out, kv_cache, meta: AttentionMetadata, scale: float, first_seq: int = 0
+        self,
+        q,
+        out,
+        kv_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        v_scale: float = 1.0,
+        first_seq: int = 0,
     ) -> None:
         """Sequences from `first_seq` on, any number of query tokens each."""
         starts = meta.query_start_loc_host
@@ -224,13 +242,15 @@ class TritonAttention:
             prefill_kernel[grid](
                 q, out, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                 first_seq, q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale,
+                v_scale,
                 GROUP=self.group, GROUP_PAD=group_pad, NUM_KV_HEADS=self.num_kv_heads,
                 HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=block_m,
                 BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
                 **pdl.launch_args(q.device),
             )  # fmt: skip
 
-        launch_fitting(self.fitted, (self.prefill_tiles, q.dtype), self.prefill_tiles, launch)
+        key = (self.prefill_tiles, q.dtype, kv_cache.dtype)
+        launch_fitting(self.fitted, key, self.prefill_tiles, launch)
 
 
 def leading_single_tokens(starts: list[int]) -> int:

@@ -54,15 +54,7 @@ class Fp8Linear(nn.Module):
         if not self.w8a8:
             weight = dequantize(self.weight, self.weight_scale, x.dtype, self.group_size)
             return F.linear(x, weight, bias)
-        rows = x.reshape(-1, self.in_features)
-        x_fp8, x_scale = quantize_tokens(rows)  # [tokens, in] e4m3, [tokens, 1] float32
-        y = torch._scaled_mm(
-            x_fp8,
-            self.weight.t(),  # [in, out], column-major as the FP8 GEMM wants
-            scale_a=x_scale,
-            scale_b=self.weight_scale.view(1, -1),  # [1, out]
-            out_dtype=x.dtype,
-        )
+        y = w8a8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale)
         y = y if bias is None else y + bias
         return y.view(*x.shape[:-1], self.out_features)
 
@@ -75,6 +67,19 @@ class Fp8Linear(nn.Module):
         self.group_size = None
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+
+def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """[rows, in] bf16 x (e4m3 [out, in] with float32 [out, 1] scales)^T -> [rows, out] bf16:
+    x quantized per token, then the FP8 GEMM with both scales applied to its float32 sums."""
+    x_fp8, x_scale = quantize_tokens(x)  # [rows, in] e4m3, [rows, 1] float32
+    return torch._scaled_mm(
+        x_fp8,
+        weight.t(),  # [in, out], column-major as the FP8 GEMM wants
+        scale_a=x_scale,
+        scale_b=weight_scale.view(1, -1),  # [1, out]
+        out_dtype=x.dtype,
+    )
 
 
 def prepare(model: nn.Module, dtype: torch.dtype, device: torch.device) -> str:
@@ -90,9 +95,10 @@ def prepare(model: nn.Module, dtype: torch.dtype, device: torch.device) -> str:
             dtype,
         )
     for layer in layers:
-        if w8a8:
+        # the FP8 GEMM takes sizes in multiples of 16
+        layer.w8a8 = w8a8 and layer.in_features % 16 == 0 and layer.out_features % 16 == 0
+        if layer.w8a8:
             layer.to_per_channel()
-        layer.w8a8 = w8a8
     return "w8a8" if w8a8 else "w8a16"
 
 

@@ -195,8 +195,12 @@ def test_quantization_fp8_at_load_matches_transformers_on_per_channel_quantized_
     assert_greedy_matches(tokens, dequantized)
 
 
-def test_quantization_fp8_works_with_dummy_weights(make_tiny):
+def test_quantization_fp8_works_with_dummy_weights_and_warns_of_w8a16_on_the_cpu(
+    make_tiny, caplog
+):
     tokens, llm = tandem_greedy(make_tiny("llama"), quantization="fp8", load_format="dummy")
+    assert "dequantized for each matmul (W8A16)" in caplog.text
+    assert not llm.engine.model.layers[0].mlp.gate_up_proj.w8a8
     assert_fp8_linears(llm)
     scale = llm.engine.model.layers[0].self_attn.qkv_proj.weight_scale
     assert scale.shape == (128, 1) and bool((scale > 0).all())

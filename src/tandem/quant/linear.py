@@ -84,15 +84,16 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 
 def prepare(model: nn.Module, dtype: torch.dtype, device: torch.device) -> str:
     """After loading: W8A8 where the device and dtype allow it (block scales turned into
-    per-channel ones for the GEMM), W8A16 elsewhere, with a warning on a GPU. Returns which."""
+    per-channel ones for the GEMM), W8A16 elsewhere, with a warning. Returns which."""
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     w8a8 = has_fp8_gemm(device) and dtype == torch.bfloat16
-    if device.type == "cuda" and not w8a8:
+    if not w8a8:
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
         logger.warning(
-            "FP8 weights on %s in %s: no FP8 GEMM for that (it needs compute capability 9.0 "
-            "and bfloat16); the weights are dequantized for each matmul (W8A16)",
-            torch.cuda.get_device_name(device),
-            dtype,
+            "FP8 weights on %s in %s: the FP8 GEMM needs a GPU of compute capability 9.0 "
+            "(Hopper) and bfloat16, so the weights are dequantized for each matmul (W8A16)",
+            where,
+            str(dtype).removeprefix("torch."),
         )
     for layer in layers:
         # the FP8 GEMM takes sizes in multiples of 16

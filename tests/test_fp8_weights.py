@@ -15,6 +15,9 @@ from safetensors.torch import load_file, save_file
 
 from tandem import LLM, SamplingParams
 from tandem.model import splitk
+from tandem.model.loader import check_fp8
+from tandem.parallel import TensorParallel
+from tandem.quant.checkpoint import Fp8Config
 from tandem.quant.fp8 import _quantize_tokens_triton, quantize_rows
 from tandem.quant.linear import Fp8Linear
 
@@ -195,9 +198,7 @@ def test_quantization_fp8_at_load_matches_transformers_on_per_channel_quantized_
     assert_greedy_matches(tokens, dequantized)
 
 
-def test_quantization_fp8_works_with_dummy_weights_and_warns_of_w8a16_on_the_cpu(
-    make_tiny, caplog
-):
+def test_quantization_fp8_works_with_dummy_weights_and_warns_of_w8a16_on_the_cpu(make_tiny, caplog):
     tokens, llm = tandem_greedy(make_tiny("llama"), quantization="fp8", load_format="dummy")
     assert "dequantized for each matmul (W8A16)" in caplog.text
     assert not llm.engine.model.layers[0].mlp.gate_up_proj.w8a8
@@ -321,3 +322,33 @@ def test_fp8_split_k_partials_equal_the_dequantized_product(monkeypatch):
     torch.testing.assert_close(partials.sum(0), expected, atol=1e-4, rtol=1e-4)
     grouped = torch.ones(64, 2)  # block scales: split-K leaves them to the layer's own matmul
     assert splitk.linear_partials(x, q, weight_scale=grouped, fallback=lambda x: "layer") == "layer"
+
+
+def tp_tokens(folder: Path, tensor_parallel_size: int, **engine_args) -> list[list[int]]:
+    llm = LLM(str(folder), max_model_len=64, block_size=8,
+              tensor_parallel_size=tensor_parallel_size, **engine_args)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    try:
+        vocab = llm.engine.model_config.vocab_size
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts(vocab)], params, use_tqdm=False
+        )
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_two_ranks_with_fp8_weights_give_the_tokens_of_one(make_tiny):
+    # rows are quantized before sharding, so each rank holds the one-device weights' slices
+    # (an FP8 checkpoint's per-channel scales shard through the same names)
+    source = make_tiny("qwen2")
+    assert tp_tokens(source, 2, quantization="fp8") == tp_tokens(source, 1, quantization="fp8")
+
+
+def test_block_scales_with_tensor_parallelism_are_rejected():
+    block = Fp8Config(quantize_at_load=False, strategy="block", block=(128, 128))
+    with pytest.raises(ValueError, match="block weight scales and tensor_parallel_size"):
+        check_fp8(block, torch.bfloat16, TensorParallel(0, 2))
+    check_fp8(
+        Fp8Config(quantize_at_load=True, strategy="channel"), torch.bfloat16, TensorParallel(0, 2)
+    )

@@ -87,10 +87,11 @@ def build_model(
         tensors = random_weights(hf_config, seed=dummy_seed, dtype=dtype, device=device)
     else:
         tensors = iter_safetensors(folder)
-    tensors = ((name, shard_tensor(name, t, cfg, tp)) for name, t in tensors)
     kv_scales: dict[str, float] = {}
+    # quantized (at load) before sharding: each row's scale is the whole row's, as on one device
+    tensors = checkpoint_tensors(tensors, fp8, kv_scales)
     fit = None if fp8 is None else lambda name, tensor, dest: fit_tensor(name, tensor, dest, fp8)
-    load_weights(model, checkpoint_tensors(tensors, fp8, kv_scales), fit)
+    load_weights(model, ((name, shard_tensor(name, t, cfg, tp)) for name, t in tensors), fit)
     if fp8 is not None:
         fp8_linear.prepare(model, dtype, device)
     if fp8_kv_cache:
@@ -106,10 +107,10 @@ def check_fp8(fp8: Fp8Config | None, dtype: torch.dtype, tp: TensorParallel) -> 
             "FP8 weights run with dtype 'bfloat16' (W8A8 on Hopper) or 'float32' (W8A16); "
             "float16 is not supported with them"
         )
-    if tp.size > 1 and not fp8.quantize_at_load:
+    if tp.size > 1 and fp8.strategy != "channel":
         raise ValueError(
-            "FP8 checkpoints with tensor_parallel_size > 1 are not supported; "
-            "quantization='fp8' on a bf16 checkpoint is"
+            f"FP8 checkpoints with {fp8.strategy} weight scales and tensor_parallel_size > 1 "
+            "are not supported; per-channel scales and quantization='fp8' are"
         )
 
 

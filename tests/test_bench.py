@@ -61,6 +61,9 @@ WORKLOAD_KEYS = {
 RESOLVED_KEYS = {
     "device",
     "dtype",
+    "kv_cache_dtype",
+    "linear_bytes",  # 1 with FP8 weights
+    "kv_bytes",  # 1 with an FP8 KV cache
     "attention_backend",
     "max_model_len",
     "num_blocks",
@@ -86,6 +89,8 @@ ROOFLINE_KEYS = {
     "bandwidth_bytes_per_s",
     "peak_flops_per_s",
     "dtype_bytes",
+    "linear_weight_bytes",
+    "kv_value_bytes",
     "weight_bytes",
     "seconds",
     "steps",
@@ -549,3 +554,19 @@ def test_compare_transformers_without_it_installed_is_one_line_naming_the_extra(
     assert exited.value.code == (
         "tandem: error: --compare transformers needs transformers: pip install 'tandem[compare]'"
     )
+
+
+def test_fp8_bench_counts_fp8_weight_and_kv_bytes_in_its_roofline(make_tiny, tmp_path):
+    args = ["--num-prompts", "2", "--input-len", "8", "--output-len", "4"]
+    model = ["--model", str(make_tiny("llama"))]
+    (tmp_path / "plain").mkdir(), (tmp_path / "fp8").mkdir()
+    plain = run_bench(tmp_path / "plain", "throughput", *model, *args)
+    fp8 = run_bench(tmp_path / "fp8", "throughput", *model, *args, "--quantization", "fp8",
+                    "--kv-cache-dtype", "fp8")  # fmt: skip
+    assert fp8["engine"]["quantization"] == "fp8" and fp8["engine"]["kv_cache_dtype"] == "fp8"
+    assert fp8["engine"]["resolved"]["kv_cache_dtype"] == "float8_e4m3fn"
+    assert (fp8["roofline"]["linear_weight_bytes"], fp8["roofline"]["kv_value_bytes"]) == (1, 1)
+    cfg = preset(str(make_tiny("llama")))
+    lm_head_bytes = cfg.vocab_size * cfg.hidden_size * 4  # float32 on the CPU, either way
+    layer_bytes = plain["roofline"]["weight_bytes"] - lm_head_bytes
+    assert fp8["roofline"]["weight_bytes"] == layer_bytes // 4 + lm_head_bytes

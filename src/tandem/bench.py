@@ -239,7 +239,8 @@ def run_bench(
     batch_size = args.batch_size if args.mode == "latency" else None
     results, rooflines = {}, {}
     hardware = on_devices(H200, engine.config.tensor_parallel_size)
-    cost = ModelCost.of(cfg, engine.dtype.itemsize)
+    sizes = engine.byte_sizes()  # FP8 weights and KV cache: their bytes, not the dtype's
+    cost = ModelCost.of(cfg, engine.dtype.itemsize, **sizes)
     for mode in modes:
         engine.async_batching = mode.startswith("async")
         engine.scheduler.cache.enabled = caching and not mode.endswith("no-cache")
@@ -263,7 +264,7 @@ def run_bench(
                     )
                 )
         rooflines[mode] = roofline_summary(
-            cfg, engine.dtype.itemsize, np.array(engine.step_work), hardware
+            cfg, engine.dtype.itemsize, np.array(engine.step_work), hardware, **sizes
         )
         engine.step_work = None
         traced = trace_run(llm, workload, args, mode, cost, hardware) if args.trace else {}
@@ -425,6 +426,8 @@ def engine_info(engine: Engine) -> dict:
         "resolved": {
             "device": str(engine.device),
             "dtype": str(engine.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
+            **engine.byte_sizes(),
             "attention_backend": engine.attention_backend,
             "max_model_len": engine.max_model_len,
             "num_blocks": engine.num_blocks,

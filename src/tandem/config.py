@@ -21,6 +21,10 @@ DTYPES = {
 }
 
 
+# "fp8" is e4m3 (as vLLM's default "fp8"); None: the model's dtype
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -140,6 +144,8 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
+    quantization: str | None = None  # "fp8": FP8 weights of a bf16 checkpoint, made at load
+    kv_cache_dtype: str = "auto"  # "fp8" (e4m3, per-tensor scales): half a bf16 cache's bytes
 
     def validate(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -168,6 +174,12 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be None, 'cpu' or 'cuda', got {self.device!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}"
@@ -198,6 +210,10 @@ class EngineConfig:
         if device.type == "cpu":
             return torch.float32
         return DTYPES.get(model_config.torch_dtype or "", torch.bfloat16)
+
+    def resolve_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype for a model computing in `dtype`."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or dtype
 
     def resolve_attention_backend(self, model_config: ModelConfig, device: torch.device) -> str:
         if self.attention_backend is not None:

@@ -111,9 +111,12 @@ class Engine:
             self.max_model_len,
             config.seed,
             self.tp,
+            config.quantization,
+            fp8_kv_cache=config.kv_cache_dtype != "auto",
         )
         if self.tp.size > 1:  # after the rank-local start-up: a rank dying there raises here
             init_process_group(rank, self.tp.size, port, self.device, self.check_ranks)
+        self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
         local = self.model.cfg  # this rank's heads and MLP slice
         self.attention_backend = config.resolve_attention_backend(cfg, self.device)
         self.attend = get_backend(
@@ -129,13 +132,19 @@ class Engine:
             config.max_num_seqs, cfg.vocab_size, config.max_num_batched_tokens, self.device
         )
         num_blocks = num_kv_blocks(
-            config, local, self.dtype, self.device, self.max_model_len, self.model, self.attend
+            config,
+            local,
+            self.kv_cache_dtype,
+            self.device,
+            self.max_model_len,
+            self.model,
+            self.attend,
         )
         self.num_blocks = self.tp.min(num_blocks, self.device)  # every rank schedules alike
         self.block_size = config.block_size
         max_blocks_per_seq = cdiv(self.max_model_len, config.block_size)
         self.kv_caches = allocate_kv_cache(
-            local, self.num_blocks, config.block_size, self.dtype, self.device
+            local, self.num_blocks, config.block_size, self.kv_cache_dtype, self.device
         )
         self.allocator = BlockAllocator(self.num_blocks)
         max_tokens = config.max_num_batched_tokens
@@ -188,6 +197,12 @@ class Engine:
         # (num_seqs, num_tokens, context_tokens, attention_pairs) per launched step, for the
         # roofline; recorded only while a caller holds a list here (the benchmark does)
         self.step_work: list[tuple[int, int, int, int]] | None = None
+
+    def byte_sizes(self) -> dict[str, int]:
+        """Bytes per weight of the layers' matrices and per KV cache value (1 with FP8), for
+        the roofline."""
+        weight = self.model.layers[0].self_attn.qkv_proj.weight
+        return {"linear_bytes": weight.element_size(), "kv_bytes": self.kv_cache_dtype.itemsize}
 
     def shutdown(self) -> None:
         """Stop the other ranks' processes (tensor parallelism) and leave the process group."""

@@ -121,7 +121,7 @@ def shard_tensor(
     if leaf in ("gate_proj", "up_proj"):
         first, count = tp.part(cfg.intermediate_size)
         return tensor.narrow(0, first, count)
-    if leaf == "down_proj":
+    if leaf == "down_proj" and hf_name.endswith("weight"):  # per-row FP8 scales stay whole
         first, count = tp.part(cfg.intermediate_size)
         return tensor.narrow(1, first, count)
     if leaf in ("embed_tokens", "lm_head"):

@@ -126,7 +126,10 @@ class PiecewiseGraphs:
         for i in range(self.num_pieces):
             if i:
                 layer = layers[i - 1].self_attn
-                self.attend(q, self.kv_caches[i - 1], meta, layer.scale, out=attended)
+                self.attend(
+                    q, self.kv_caches[i - 1], meta, layer.scale, out=attended,
+                    k_scale=layer.k_scale, v_scale=layer.v_scale,
+                )  # fmt: skip
             key = (slot if i == 0 else -1, bucket, i)
             if key in self.graphs:
                 self.graphs[key].replay()

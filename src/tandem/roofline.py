@@ -4,6 +4,8 @@ Pure arithmetic on the model shape and what each step computed; no device is tou
 
     bytes = weight bytes (every matrix, the LM head included, read once) + embedding rows looked up
           + KV read (context tokens) + KV written (new tokens)
+          (FP8: the layers' matrices at 1 byte a weight, the LM head and embeddings at the model
+          dtype's; an FP8 KV cache at 1 byte a value)
     FLOPs = 2 x layer matrix params x tokens + 2 x LM head params x sequences (one logits row each)
           + 4 x heads x head_dim x layers x (query, key) pairs (causal within a step's new tokens)
 """
@@ -49,16 +51,25 @@ class ModelCost:
     attention_flops_per_pair: int  # QK^T and PV for one (query, key) pair over all heads and layers
 
     @classmethod
-    def of(cls, cfg: ModelConfig, dtype_bytes: int) -> ModelCost:
+    def of(
+        cls,
+        cfg: ModelConfig,
+        dtype_bytes: int,
+        linear_bytes: int | None = None,
+        kv_bytes: int | None = None,
+    ) -> ModelCost:
+        """`linear_bytes`, `kv_bytes`: per weight of the layers' matrices and per KV value,
+        where not `dtype_bytes` (1 with FP8 weights, an FP8 KV cache)."""
+        linear_bytes, kv_bytes = linear_bytes or dtype_bytes, kv_bytes or dtype_bytes
         h = cfg.hidden_size
         layer_params = cfg.num_layers * (
             h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * cfg.intermediate_size
         )
         lm_head_params = cfg.vocab_size * h
         return cls(
-            weight_bytes=(layer_params + lm_head_params) * dtype_bytes,
+            weight_bytes=layer_params * linear_bytes + lm_head_params * dtype_bytes,
             embed_row_bytes=h * dtype_bytes,
-            kv_bytes_per_token=2 * cfg.num_layers * cfg.kv_size * dtype_bytes,
+            kv_bytes_per_token=2 * cfg.num_layers * cfg.kv_size * kv_bytes,
             layer_flops_per_token=2 * layer_params,
             lm_head_flops_per_seq=2 * lm_head_params,
             attention_flops_per_pair=4 * cfg.num_heads * cfg.head_dim * cfg.num_layers,
@@ -106,10 +117,16 @@ def step_rooflines(
 
 
 def roofline_summary(
-    cfg: ModelConfig, dtype_bytes: int, work: np.ndarray, hardware: Hardware = H200
+    cfg: ModelConfig,
+    dtype_bytes: int,
+    work: np.ndarray,
+    hardware: Hardware = H200,
+    linear_bytes: int | None = None,
+    kv_bytes: int | None = None,
 ) -> dict:
-    """The sum of per-step rooflines of `work` and what it consists of, for a benchmark report."""
-    cost = ModelCost.of(cfg, dtype_bytes)
+    """The sum of per-step rooflines of `work` and what it consists of, for a benchmark report
+    (`linear_bytes`, `kv_bytes`: as in ModelCost.of)."""
+    cost = ModelCost.of(cfg, dtype_bytes, linear_bytes, kv_bytes)
     seconds, moved, flops = step_rooflines(cost, work, hardware)
     bytes_bound = moved / hardware.bandwidth >= flops / hardware.flops
     return {
@@ -117,6 +134,8 @@ def roofline_summary(
         "bandwidth_bytes_per_s": hardware.bandwidth,
         "peak_flops_per_s": hardware.flops,
         "dtype_bytes": dtype_bytes,
+        "linear_weight_bytes": linear_bytes or dtype_bytes,
+        "kv_value_bytes": kv_bytes or dtype_bytes,
         "weight_bytes": cost.weight_bytes,
         "seconds": float(seconds.sum()),
         "steps": len(seconds),

@@ -132,19 +132,23 @@ class TritonAttention:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
+        """`k_scale`, `v_scale`: an FP8 cache's per-tensor scales."""
         out = torch.empty_like(q) if out is None else out
+        scale, scales = scale * k_scale, (v_scale,)  # k_scale applied with the softmax scale
         assert out.shape == q.shape and out.is_contiguous()
         if meta.decode_only:
-            self.decode(q, out, kv_cache, meta, scale)
+            self.decode(q, out, kv_cache, meta, scale, *scales)
             return out
         # A step with prefill still leads with the running requests' one-token rows. They go to the
         # decode kernel: in the prefill kernel each would fill a tile of query rows to use one.
         decodes = leading_single_tokens(meta.query_start_loc_host)
         if decodes:
-            self.decode(q, out, kv_cache, meta, scale, num_seqs=decodes)
+            self.decode(q, out, kv_cache, meta, scale, *scales, num_seqs=decodes)
         if decodes < len(meta.query_start_loc_host) - 1:
-            self.prefill(q, out, kv_cache, meta, scale, first_seq=decodes)
+            self.prefill(q, out, kv_cache, meta, scale, *scales, first_seq=decodes)
         return out
 
     def num_splits(self, num_seqs: int) -> int:
@@ -164,7 +168,14 @@ class TritonAttention:
         return self.large_batch_tiles if num_seqs >= LARGE_BATCH else self.decode_tiles
 
     def decode(
-        self, q, out, kv_cache, meta: AttentionMetadata, scale: float, num_seqs: int | None = None
+        self,
+        q,
+        out,
+        kv_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        v_scale: float = 1.0,
+        num_seqs: int | None = None,
     ) -> None:
         """The first `num_seqs` sequences (all by default), one query token each, in q's first rows."""
         assert q.stride(2) == 1 and q.stride(1) == self.head_dim
@@ -174,7 +185,7 @@ class TritonAttention:
         prefix_splits = 0 if shared is None else self.prefix_splits(shared)
         splits = min(splits, MAX_SPLITS - prefix_splits)
         if shared is not None:
-            self.shared_prefix(q, kv_cache, meta, scale, splits, prefix_splits)
+            self.shared_prefix(q, kv_cache, meta, scale, v_scale, splits, prefix_splits)
         group_pad = max(16, next_power_of_2(self.group))
         tiles, order = self.tiles_for(num_seqs), meta.seq_order
         prefix_lens = meta.seq_lens if shared is None else shared.prefix_lens
@@ -184,15 +195,15 @@ class TritonAttention:
             decode_kernel[(self.num_kv_heads, num_seqs, splits)](
                 q, out, self.partial_out, self.partial_ml, kv_cache, meta.block_tables,
                 meta.seq_lens, meta.seq_lens if order is None else order, prefix_lens,
-                q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale, splits,
-                GROUP=self.group, GROUP_PAD=group_pad, NUM_KV_HEADS=self.num_kv_heads,
+                q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale, v_scale,
+                splits, GROUP=self.group, GROUP_PAD=group_pad, NUM_KV_HEADS=self.num_kv_heads,
                 HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2], BLOCK_N=tiles.block_n,
                 MAX_SPLITS=MAX_SPLITS, DIRECT=direct, ORDERED=order is not None,
                 CASCADE=shared is not None, num_warps=tiles.num_warps,
                 num_stages=tiles.num_stages, **pdl.launch_args(q.device),
             )  # fmt: skip
 
-        launch_fitting(self.fitted, (tiles, q.dtype), tiles, launch)
+        launch_fitting(self.fitted, (tiles, q.dtype, kv_cache.dtype), tiles, launch)
         if direct:
             return
         reduce_kernel[(num_seqs * self.num_heads,)](
@@ -203,14 +214,19 @@ class TritonAttention:
 
     def prefix_splits(self, shared: SharedPrefixes) -> int:
         """Splits of each group's shared keys: enough to spread the groups over the SMs."""
-        groups = cdiv(
-            shared.max_groups, 2
-        )  # a guess: a graph's bound is twice what most steps meet
+        groups = cdiv(shared.max_groups, 2)  # a guess: graphs' bounds are twice what most meet
         wanted = cdiv(self.num_sms, groups * self.num_kv_heads)
         return min(SHARED_PREFIX_SPLITS, next_power_of_2(wanted))
 
     def shared_prefix(
-        self, q, kv_cache, meta: AttentionMetadata, scale: float, first_split: int, splits: int
+        self,
+        q,
+        kv_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        v_scale: float,
+        first_split: int,
+        splits: int,
     ) -> None:
         """Partials of each group over its shared keys, at splits [first_split, + splits) of its
         rows, after the rows' own."""
@@ -222,7 +238,8 @@ class TritonAttention:
             shared_prefix_kernel[grid](
                 q, self.partial_out, self.partial_ml, kv_cache, meta.block_tables,
                 shared.group_rows, shared.group_starts, shared.group_prefix, shared.num_groups,
-                q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale, first_split,
+                q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale, v_scale,
+                first_split,
                 GROUP=self.group, NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim,
                 BLOCK_SIZE=kv_cache.shape[2], BLOCK_N=tiles.block_n, MAX_SPLITS=MAX_SPLITS,
                 ROWS=max(16, next_power_of_2(rows)), num_warps=tiles.num_warps,
@@ -230,10 +247,17 @@ class TritonAttention:
             )  # fmt: skip
 
         tiles = self.shared_prefix_tiles
-        launch_fitting(self.fitted, ("shared", tiles, q.dtype), tiles, launch)
+        launch_fitting(self.fitted, ("shared", tiles, q.dtype, kv_cache.dtype), tiles, launch)
 
     def prefill(
-        self, q, out, kv_cache, meta: AttentionMetadata, scale: float, first_seq: int = 0
+        self,
+        q,
+        out,
+        kv_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        v_scale: float = 1.0,
+        first_seq: int = 0,
     ) -> None:
         """Sequences from `first_seq` on, any number of query tokens each."""
         starts = meta.query_start_loc_host
@@ -248,13 +272,15 @@ class TritonAttention:
             prefill_kernel[grid](
                 q, out, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                 first_seq, q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale,
+                v_scale,
                 GROUP=self.group, GROUP_PAD=group_pad, NUM_KV_HEADS=self.num_kv_heads,
                 HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=block_m,
                 BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
                 **pdl.launch_args(q.device),
             )  # fmt: skip
 
-        launch_fitting(self.fitted, (self.prefill_tiles, q.dtype), self.prefill_tiles, launch)
+        key = (self.prefill_tiles, q.dtype, kv_cache.dtype)
+        launch_fitting(self.fitted, key, self.prefill_tiles, launch)
 
 
 def leading_single_tokens(starts: list[int]) -> int:

@@ -50,6 +50,9 @@ def _attend_tile(
     else:
         k = tl.load(cache_ptr + offsets)
         v = tl.load(cache_ptr + kv_half_stride + offsets)
+    # an FP8 cache's e4m3 values are exact in q's dtype; their scales are applied outside
+    # (k_scale within the softmax scale, v_scale on the output)
+    k, v = k.to(q.dtype), v.to(q.dtype)
     s = tl.dot(q, tl.trans(k)) * qk_scale  # [ROWS, BLOCK_N] float32
     if MASKED:
         visible = in_seq[None, :] & (key_pos[None, :] <= query_pos[:, None])
@@ -59,7 +62,7 @@ def _attend_tile(
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(row_max - m_safe)
     row_sum = row_sum * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
     return m_new, row_sum, acc
 
 
@@ -79,7 +82,8 @@ def prefill_kernel(
     q_token_stride,
     block_table_stride,
     kv_half_stride,
-    scale,
+    scale,  # of the softmax, times an FP8 cache's k_scale
+    v_scale,  # an FP8 cache's V scale (1.0 otherwise)
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # next power of two
     NUM_KV_HEADS: tl.constexpr,
@@ -127,7 +131,7 @@ def prefill_kernel(
                 q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head, key_start,
                 query_pos, seq_len, qk_scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, True,
             )  # fmt: skip
-        out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+        out = acc * v_scale / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
         out_offsets = (token_offset * (GROUP * NUM_KV_HEADS * HEAD_DIM) + head * HEAD_DIM)[:, None]
         out_ptrs = out_ptr + out_offsets + dims[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
@@ -147,7 +151,8 @@ def decode_kernel(
     q_token_stride,
     block_table_stride,
     kv_half_stride,
-    scale,
+    scale,  # of the softmax, times an FP8 cache's k_scale
+    v_scale,  # an FP8 cache's V scale (1.0 otherwise)
     num_splits,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,  # >= 16 rows for tl.dot
@@ -207,6 +212,7 @@ def decode_kernel(
             first_key + t * BLOCK_N, query_pos, seq_len, qk_scale, BLOCK_SIZE, NUM_KV_HEADS,
             HEAD_DIM, BLOCK_N, True,
         )  # fmt: skip
+    acc = acc * v_scale
     if DIRECT:
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
         row = seq.to(tl.int64) * (GROUP * NUM_KV_HEADS) + head
@@ -273,7 +279,8 @@ def shared_prefix_kernel(
     q_token_stride,
     block_table_stride,
     kv_half_stride,
-    scale,
+    scale,  # of the softmax, times an FP8 cache's k_scale
+    v_scale,  # an FP8 cache's V scale (1.0 otherwise)
     first_split,
     GROUP: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -330,6 +337,7 @@ def shared_prefix_kernel(
                 q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head, t * BLOCK_N,
                 query_pos, prefix, qk_scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, True,
             )  # fmt: skip
+        acc = acc * v_scale
         base = (seq * (GROUP * NUM_KV_HEADS) + head) * MAX_SPLITS + first_split + split
         tl.store(
             partial_out_ptr + base[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None]

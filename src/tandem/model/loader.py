@@ -12,6 +12,8 @@ from safetensors import safe_open
 from tandem.config import ModelConfig
 from tandem.model.decoder import Decoder
 from tandem.parallel import TensorParallel, shard_config, shard_tensor
+from tandem.quant import linear as fp8_linear
+from tandem.quant.checkpoint import Fp8Config, checkpoint_tensors, fit_tensor, fp8_config
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 DUMMY_SEED_SALT = 0x5EED
@@ -58,17 +60,23 @@ def build_model(
     max_position: int,
     seed: int,
     tp: TensorParallel,
+    quantization: str | None = None,
+    fp8_kv_cache: bool = False,
 ) -> Decoder:
-    """`cfg` is the whole model; each rank builds and loads only its shard."""
+    """`cfg` is the whole model; each rank builds and loads only its shard. FP8 weights come
+    from the checkpoint's quantization_config or, with `quantization="fp8"`, from quantizing
+    its weights here; with `fp8_kv_cache`, the checkpoint's k_scale/v_scale are the cache's."""
     if folder is None and load_format != "dummy":
         raise ValueError(
             "a preset has shapes but no weights; pass load_format='dummy' to use random weights"
         )
+    fp8 = fp8_config(hf_config, quantization)
+    check_fp8(fp8, dtype, tp)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = Decoder(shard_config(cfg, tp), max_position, tp)
+            model = Decoder(shard_config(cfg, tp), max_position, tp, fp8)
     finally:
         torch.set_default_dtype(default_dtype)
     if load_format == "dummy":
@@ -79,8 +87,39 @@ def build_model(
         tensors = random_weights(hf_config, seed=dummy_seed, dtype=dtype, device=device)
     else:
         tensors = iter_safetensors(folder)
-    load_weights(model, ((name, shard_tensor(name, t, cfg, tp)) for name, t in tensors))
+    kv_scales: dict[str, float] = {}
+    # quantized (at load) before sharding: each row's scale is the whole row's, as on one device
+    tensors = checkpoint_tensors(tensors, fp8, kv_scales)
+    fit = None if fp8 is None else lambda name, tensor, dest: fit_tensor(name, tensor, dest, fp8)
+    load_weights(model, ((name, shard_tensor(name, t, cfg, tp)) for name, t in tensors), fit)
+    if fp8 is not None:
+        fp8_linear.prepare(model, dtype, device)
+    if fp8_kv_cache:
+        set_kv_scales(model, kv_scales)
     return model.eval()
+
+
+def check_fp8(fp8: Fp8Config | None, dtype: torch.dtype, tp: TensorParallel) -> None:
+    if fp8 is None:
+        return
+    if dtype == torch.float16:
+        raise ValueError(
+            "FP8 weights run with dtype 'bfloat16' (W8A8 on Hopper) or 'float32' (W8A16); "
+            "float16 is not supported with them"
+        )
+    if tp.size > 1 and fp8.strategy != "channel":
+        raise ValueError(
+            f"FP8 checkpoints with {fp8.strategy} weight scales and tensor_parallel_size > 1 "
+            "are not supported; per-channel scales and quantization='fp8' are"
+        )
+
+
+def set_kv_scales(model: Decoder, kv_scales: dict[str, float]) -> None:
+    """The checkpoint's per-layer K and V cache scales (absent: 1.0) onto each attention."""
+    for i, layer in enumerate(model.layers):
+        prefix = f"model.layers.{i}.self_attn"
+        layer.self_attn.k_scale = kv_scales.get(f"{prefix}.k_scale", 1.0)
+        layer.self_attn.v_scale = kv_scales.get(f"{prefix}.v_scale", 1.0)
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -103,8 +142,9 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_weights(model: Decoder, tensors) -> None:
-    """Copy HF-named tensors into the model, stacking q/k/v and gate/up; every parameter must be set."""
+def load_weights(model: Decoder, tensors, fit=None) -> None:
+    """Copy HF-named tensors into the model, stacking q/k/v and gate/up; every parameter must be
+    set. `fit(hf_name, tensor, dest)` gives a tensor its place's layout (FP8 scales)."""
     params = dict(model.named_parameters())
     cfg = model.cfg
     stacked_sizes = {
@@ -136,6 +176,8 @@ def load_weights(model: Decoder, tensors) -> None:
             dest = dest.narrow(
                 0, 0, tensor.shape[0]
             )  # the last rank's rows past the vocabulary stay 0
+        if fit is not None:
+            tensor = fit(hf_name, tensor, dest)
         if dest.shape != tensor.shape:
             raise ValueError(
                 f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"

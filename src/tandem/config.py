@@ -197,8 +197,7 @@ class EngineConfig:
     def resolve_attention_backend(self, model_config: ModelConfig, device: torch.device) -> str:
         if self.attention_backend is not None:
             return self.attention_backend
-        d = model_config.head_dim
-        usable = device.type == "cuda" and d >= 16 and d & (d - 1) == 0
+        usable = device.type == "cuda" and 16 <= model_config.head_dim <= 256  # padded tiles
         return "triton" if usable else "torch"
 
     def resolve_max_model_len(self, model_config: ModelConfig) -> int:

@@ -18,6 +18,8 @@ from tandem.config import cdiv, next_power_of_2
 from tandem.model.fused import num_sms
 
 MAX_SPLITS = 32
+MAX_HEAD_DIM = 256
+NO_WINDOW = 1 << 30  # the kernels' window argument when attention is not windowed
 
 
 class DecodeTiles(NamedTuple):
@@ -112,10 +114,9 @@ class TritonAttention:
         device: torch.device,
         num_splits: int | None = None,
     ):
-        assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
-            "head_dim must be a power of two >= 16"
-        )
+        check_head_dim(head_dim)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.head_pad = next_power_of_2(head_dim)  # the kernels' tile width
         self.group = num_heads // num_kv_heads
         self.fixed_splits = num_splits
         self.prefill_tiles = PrefillTiles()
@@ -142,19 +143,22 @@ class TritonAttention:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         out = torch.empty_like(q) if out is None else out
         assert out.shape == q.shape and out.is_contiguous()
+        options = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
         if meta.decode_only:
-            self.decode(q, out, kv_cache, meta, scale)
+            self.decode(q, out, kv_cache, meta, scale, **options)
             return out
         # A step with prefill still leads with the running requests' one-token rows. They go to the
         # decode kernel: in the prefill kernel each would fill a tile of query rows to use one.
         decodes = leading_single_tokens(meta.query_start_loc_host)
         if decodes:
-            self.decode(q, out, kv_cache, meta, scale, num_seqs=decodes)
+            self.decode(q, out, kv_cache, meta, scale, num_seqs=decodes, **options)
         if decodes < len(meta.query_start_loc_host) - 1:
-            self.prefill(q, out, kv_cache, meta, scale, first_seq=decodes)
+            self.prefill(q, out, kv_cache, meta, scale, first_seq=decodes, **options)
         return out
 
     def num_splits(self, num_seqs: int) -> int:
@@ -174,7 +178,15 @@ class TritonAttention:
         return self.large_batch_tiles if num_seqs >= LARGE_BATCH else self.decode_tiles
 
     def decode(
-        self, q, out, kv_cache, meta: AttentionMetadata, scale: float, num_seqs: int | None = None
+        self,
+        q,
+        out,
+        kv_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        num_seqs: int | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         """The first `num_seqs` sequences (all by default), one query token each, in q's first rows."""
         assert q.stride(2) == 1 and q.stride(1) == self.head_dim
@@ -188,9 +200,10 @@ class TritonAttention:
                 q, out, self.partial_out, self.partial_ml, kv_cache, meta.block_tables,
                 meta.seq_lens, meta.seq_lens if order is None else order, q.stride(0),
                 meta.block_tables.stride(0), kv_cache.stride(0), scale, splits,
-                GROUP=self.group, GROUP_PAD=group_pad, NUM_KV_HEADS=self.num_kv_heads,
-                HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2], BLOCK_N=tiles.block_n,
-                MAX_SPLITS=MAX_SPLITS, DIRECT=splits == 1, ORDERED=order is not None,
+                sliding_window or NO_WINDOW, GROUP=self.group, GROUP_PAD=group_pad,
+                NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim, HEAD_PAD=self.head_pad,
+                BLOCK_SIZE=kv_cache.shape[2], BLOCK_N=tiles.block_n, MAX_SPLITS=MAX_SPLITS,
+                SOFT_CAP=logits_soft_cap or 0.0, DIRECT=splits == 1, ORDERED=order is not None,
                 num_warps=tiles.num_warps, num_stages=tiles.num_stages,
                 **pdl.launch_args(q.device),
             )  # fmt: skip
@@ -204,12 +217,21 @@ class TritonAttention:
             out,
             splits,
             HEAD_DIM=self.head_dim,
+            HEAD_PAD=self.head_pad,
             MAX_SPLITS=MAX_SPLITS,
             **pdl.launch_args(q.device),
         )
 
     def prefill(
-        self, q, out, kv_cache, meta: AttentionMetadata, scale: float, first_seq: int = 0
+        self,
+        q,
+        out,
+        kv_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        first_seq: int = 0,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         """Sequences from `first_seq` on, any number of query tokens each."""
         starts = meta.query_start_loc_host
@@ -224,13 +246,23 @@ class TritonAttention:
             prefill_kernel[grid](
                 q, out, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                 first_seq, q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale,
-                GROUP=self.group, GROUP_PAD=group_pad, NUM_KV_HEADS=self.num_kv_heads,
-                HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=block_m,
-                BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                sliding_window or NO_WINDOW, GROUP=self.group, GROUP_PAD=group_pad,
+                NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim, HEAD_PAD=self.head_pad,
+                BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=block_m, BLOCK_N=tiles.block_n,
+                SOFT_CAP=logits_soft_cap or 0.0, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
                 **pdl.launch_args(q.device),
             )  # fmt: skip
 
         launch_fitting(self.fitted, (self.prefill_tiles, q.dtype), self.prefill_tiles, launch)
+
+
+def check_head_dim(head_dim: int) -> None:
+    """ValueError unless the Triton kernels take `head_dim` (16 to 256, any size: padded tiles)."""
+    if not isinstance(head_dim, int) or not 16 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"the triton attention backend takes head_dim 16 to {MAX_HEAD_DIM}, got {head_dim!r}; "
+            "use attention_backend='torch'"
+        )
 
 
 def leading_single_tokens(starts: list[int]) -> int:

@@ -174,6 +174,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(llm, args.served_model_name or args.model, args.host, args.port, args.api_key)
 
 
+# tiny.ARCH_CONFIGS' keys (tiny.py is not imported before a command needs it)
+TINY_ARCHS = ["gemma2", "gemma3", "llama", "mistral", "mistral_sliding", "mixtral", "phi3", "qwen2",
+              "qwen3", "qwen3_moe"]  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -182,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
         "make-tiny-model", help="write a small random checkpoint in Hugging Face format"
     )
     tiny.add_argument("out_dir")
-    tiny.add_argument("--arch", choices=["llama", "mistral", "qwen2", "qwen3"], default="llama")
+    tiny.add_argument("--arch", choices=TINY_ARCHS, default="llama")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=cmd_make_tiny_model)
 

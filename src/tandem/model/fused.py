@@ -68,6 +68,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def act_and_mul(gate_up: torch.Tensor, hidden_act: str) -> torch.Tensor:
+    """[rows, 2 * inter] -> act(gate) * up: SwiGLU (`silu`) or GeGLU (`gelu_tanh`, in torch)."""
+    if hidden_act == "silu":
+        return silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def rope_qk(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -214,7 +214,7 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
             "short_factor": [1.0 + 0.02 * i for i in range(24)],
             "long_factor": [1.0 + 0.5 * i for i in range(24)],
         },
-        "sliding_window": 48,
+        "sliding_window": 32,
         "tie_word_embeddings": False,
     },
 }

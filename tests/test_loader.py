@@ -34,6 +34,10 @@ KNOWN_SIZES = {
     "qwen2.5-7b": 7.62e9,
     "qwen3-0.6b": 0.596e9,
     "qwen3-8b": 8.19e9,
+    "qwen3-30b-a3b": 30.5e9,
+    "mixtral-8x7b": 46.7e9,
+    "gemma-3-12b": 11.77e9,  # the text model of the 12.2B (vision included) release
+    "phi-3-mini": 3.82e9,
 }
 
 

@@ -259,11 +259,15 @@ def parse_window(
 def parse_moe(hf: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
     if arch not in MOE:
         return {}
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts, Mixtral's name
+    num_experts = hf.get("num_local_experts") or hf.get("num_experts")
+    if not num_experts:
+        raise ValueError(f"{arch} needs num_experts (or num_local_experts) in config.json")
     if arch == "MixtralForCausalLM":
-        num_experts, inter = hf["num_local_experts"], hf["intermediate_size"]
+        inter = hf["intermediate_size"]
         norm_topk_prob, moe_layers = True, (True,) * num_layers
     else:
-        num_experts, inter = hf["num_experts"], hf["moe_intermediate_size"]
+        inter = hf["moe_intermediate_size"]
         norm_topk_prob = bool(hf.get("norm_topk_prob", False))
         step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
         moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))

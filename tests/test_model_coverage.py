@@ -162,3 +162,11 @@ def test_engine_with_triton_kernels_gives_the_torch_tokens(make_tiny, arch, monk
             o.outputs[0].token_ids for o in llm.generate(requests, params, use_tqdm=False)
         ]
     assert tokens[True] == tokens[False]
+
+
+def test_moe_tiles_setting_parses_four_ints_and_rejects_anything_else():
+    assert fused_moe.moe_tiles_setting(None) == fused_moe.MoeTiles()
+    assert fused_moe.moe_tiles_setting("128,64,8,4") == fused_moe.MoeTiles(128, 64, 8, 4)
+    for bad in ("64,64,4", "64,48,4,3", "64,64,3,3", "64,64,4,0", "a,b,c,d"):
+        with pytest.raises(ValueError, match="TANDEM_MOE_TILES"):
+            fused_moe.moe_tiles_setting(bad)

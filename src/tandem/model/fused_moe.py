@@ -16,6 +16,7 @@ blocks any routing can need, and programs past the routed blocks return at once.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -109,6 +110,39 @@ def grouped_gemm_kernel(
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
 
 
+class MoeTiles(NamedTuple):
+    """Launch shape of the grouped GEMMs (TANDEM_MOE_TILES="block_n,block_k,num_warps,num_stages"
+    sets it for 16-bit weights, to compare shapes on a GPU)."""
+
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def moe_tiles_setting(value: str | None) -> MoeTiles:
+    if not value:
+        return MoeTiles()
+    try:
+        block_n, block_k, num_warps, num_stages = (int(part) for part in value.split(","))
+        tiles = MoeTiles(block_n, block_k, num_warps, num_stages)
+    except ValueError:
+        raise ValueError(
+            f"TANDEM_MOE_TILES={value!r}: expected four integers, block_n,block_k,num_warps,num_stages"
+        ) from None
+    powers = all(n >= 16 and n & (n - 1) == 0 for n in (tiles.block_n, tiles.block_k))
+    if not powers or tiles.num_warps not in (1, 2, 4, 8, 16) or tiles.num_stages < 1:
+        raise ValueError(
+            f"TANDEM_MOE_TILES={value!r}: block_n and block_k powers of two >= 16, "
+            "num_warps 1-16 (a power of two), num_stages >= 1"
+        )
+    return tiles
+
+
+TILES = moe_tiles_setting(os.environ.get("TANDEM_MOE_TILES"))
+FLOAT32_TILES = MoeTiles(block_n=32, block_k=32, num_warps=4, num_stages=1)  # fits shared memory
+
+
 def block_m_for(num_pairs: int, num_experts: int) -> int:
     """Rows per block: small where few pairs reach each expert (decode), so padding is little."""
     per_expert = num_pairs / num_experts
@@ -128,14 +162,14 @@ def grouped_gemm(
     n, k = w.shape[1], w.shape[2]
     assert a.stride(-1) == 1 and w.is_contiguous()
     c = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
-    block_n, block_k = (64, 64) if a.dtype != torch.float32 else (32, 32)
-    grid = (blocks.sorted_pairs.numel() // block_m, cdiv(n, block_n))
+    tiles = FLOAT32_TILES if a.dtype == torch.float32 else TILES
+    grid = (blocks.sorted_pairs.numel() // block_m, cdiv(n, tiles.block_n))
     grouped_gemm_kernel[grid](
         a, w, c, blocks.sorted_pairs, blocks.block_expert, blocks.num_rows,
         c if topk_weights is None else topk_weights, num_pairs, n, k, a.stride(0), w.stride(0),
         w.stride(1), c.stride(0), TOP_K=top_k, A_PER_TOKEN=topk_weights is None,
-        MUL_WEIGHT=topk_weights is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4,
+        MUL_WEIGHT=topk_weights is not None, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return c
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_cuda_engine import MAX_TOKENS, generate, prompts
 
 from tandem.attention import AttentionMetadata
 from tandem.attention.torch_ref import decode_attention, prefill_attention
 from tandem.attention.triton_backend import TritonAttention
 from tandem.model import fused_moe, moe
-from test_cuda_engine import MAX_TOKENS, generate, prompts
 
 pytestmark = [
     pytest.mark.gpu,

@@ -38,6 +38,8 @@ workload_args() {
     seed) echo "--model llama-3-8b --input-len 128 --output-len 1024 --num-prompts 32 --max-num-seqs 32" ;;
     small) echo "--model qwen3-0.6b --input-len 562 --output-len 562 --range-ratio 0.822 --num-prompts 256" ;;
     latency) echo "--model llama-3-8b --input-len 128 --output-len 512 --num-prompts 1 --max-num-seqs 1" ;;
+    moe) echo "--model qwen3-30b-a3b --input-len 128 --output-len 1024 --num-prompts 32 --max-num-seqs 32" ;;
+    moe1) echo "--model qwen3-30b-a3b --input-len 128 --output-len 512 --num-prompts 1 --max-num-seqs 1" ;;
     *) return 1 ;;
   esac
 }

@@ -570,3 +570,23 @@ def test_fp8_bench_counts_fp8_weight_and_kv_bytes_in_its_roofline(make_tiny, tmp
     lm_head_bytes = cfg.vocab_size * cfg.hidden_size * 4  # float32 on the CPU, either way
     layer_bytes = plain["roofline"]["weight_bytes"] - lm_head_bytes
     assert fp8["roofline"]["weight_bytes"] == layer_bytes // 4 + lm_head_bytes
+
+
+def test_a_moe_decode_step_reads_the_experts_its_tokens_route_to():
+    """Qwen3-30B-A3B: batch 32, top 8 of 128 experts reach about 112 per layer, about 53 GB a
+    step in bf16 (issue 28's roofline); batch 1 reads its 8 experts, about 6 GB."""
+    cfg = preset("qwen3-30b-a3b")
+    cost = ModelCost.of(cfg, 2)
+    one_expert = 48 * 3 * 2048 * 768 * 2  # every layer's copy of one expert, bf16
+    assert cost.expert_bytes == one_expert
+    assert cost.expected_experts(np.array([1, 32]))[0] == pytest.approx(8.0)
+    assert cost.expected_experts(np.array([32]))[0] == pytest.approx(111.8, abs=0.1)
+    _, moved32, flops32 = step_rooflines(cost, [step_work([1024] * 32, list(range(33)))])
+    _, moved1, _ = step_rooflines(cost, [step_work([128], [0, 1])])
+    kv32 = 32 * 1025 * cost.kv_bytes_per_token  # 3.2 GB of K/V beside 53 GB of weights
+    assert 52e9 < moved32[0] - kv32 < 54e9 and 5.5e9 < moved1[0] < 6.5e9
+    # with every expert and the embedding table: the whole model
+    embedding = cfg.vocab_size * cfg.hidden_size * 2
+    whole = cost.weight_bytes + 128 * one_expert + embedding
+    assert whole == pytest.approx(cfg.num_params() * 2, rel=1e-4)  # the norms left out
+    assert flops32[0] < 2 * cfg.num_params() * 32  # only the routed experts compute

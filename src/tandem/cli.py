@@ -330,6 +330,11 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
     print(f"{num_lines} lines written to {args.output_file}")
 
 
+# tiny.ARCH_CONFIGS' keys (tiny.py is not imported before a command needs it)
+TINY_ARCHS = ["gemma2", "gemma3", "llama", "mistral", "mistral_sliding", "mixtral", "phi3", "qwen2",
+              "qwen3", "qwen3_moe"]  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tandem import __version__
 
@@ -342,10 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny.add_argument("out_dir", help="the folder to write")
     tiny.add_argument(
-        "--arch",
-        choices=["llama", "mistral", "qwen2", "qwen3"],
-        default="llama",
-        help="architecture of the checkpoint",
+        "--arch", choices=TINY_ARCHS, default="llama", help="architecture of the checkpoint"
     )
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     tiny.set_defaults(func=cmd_make_tiny_model)

@@ -156,10 +156,11 @@ class Engine:
             self.max_model_len,
             config.enable_prefix_caching,
         )
-        # the Triton decode reads blocks that rows share once per group (cascade attention)
+        # the Triton decode reads blocks that rows share once per group (cascade attention);
+        # not across sliding windows, whose keys before the window it must not see
         shared_rows = (
             rows_per_shared_group(local.num_heads, local.num_kv_heads)
-            if self.attention_backend == "triton"
+            if self.attention_backend == "triton" and not cfg.sliding_window
             else 0
         )
         self.builder = BatchBuilder(

@@ -85,6 +85,10 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
             f"num_key_value_heads={cfg.num_kv_heads}",
         ),
         (cfg.intermediate_size % size == 0, f"intermediate_size={cfg.intermediate_size}"),
+        (
+            cfg.moe_intermediate_size % size == 0,
+            f"moe_intermediate_size={cfg.moe_intermediate_size}",
+        ),
     ]
     for ok, what in rules:
         if not ok:
@@ -92,12 +96,13 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
 
 
 def shard_config(cfg: ModelConfig, tp: TensorParallel) -> ModelConfig:
-    """The shapes one rank holds: its heads, KV heads and slice of the MLP."""
+    """The shapes one rank holds: its heads, KV heads and slice of the MLP (of every expert)."""
     return replace(
         cfg,
         num_heads=tp.heads(cfg.num_heads)[1],
         num_kv_heads=tp.kv_heads(cfg.num_kv_heads)[1],
         intermediate_size=cfg.intermediate_size // tp.size,
+        moe_intermediate_size=cfg.moe_intermediate_size // tp.size,
     )
 
 
@@ -118,11 +123,13 @@ def shard_tensor(
     if leaf == "o_proj" and hf_name.endswith("weight"):
         first, count = tp.heads(cfg.num_heads)
         return tensor.narrow(1, first * d, count * d)
+    # an expert's MLP is sliced as a dense one, by its own intermediate size
+    inter = cfg.moe_intermediate_size if ".experts." in hf_name else cfg.intermediate_size
     if leaf in ("gate_proj", "up_proj"):
-        first, count = tp.part(cfg.intermediate_size)
+        first, count = tp.part(inter)
         return tensor.narrow(0, first, count)
     if leaf == "down_proj" and hf_name.endswith("weight"):  # per-row FP8 scales stay whole
-        first, count = tp.part(cfg.intermediate_size)
+        first, count = tp.part(inter)
         return tensor.narrow(1, first, count)
     if leaf in ("embed_tokens", "lm_head"):
         first, count = tp.part(cfg.vocab_size)

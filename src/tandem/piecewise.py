@@ -98,7 +98,7 @@ class PiecewiseGraphs:
             ids = carry_over(inputs["input_ids"][:rows], inputs["carry_index"][:rows], prev_sampled)
             positions.copy_(inputs["positions"][:rows])
             slot_mapping.copy_(inputs["slot_mapping"][:rows])
-            residual.copy_(model.embed_tokens(ids))
+            residual.copy_(model.embed(ids))
             x, add_to = residual, None  # layer 0 normalizes the embeddings, which start the stream
         else:
             x, add_to = layers[i - 1].after_attention(self.attended[:rows], residual)
@@ -125,11 +125,8 @@ class PiecewiseGraphs:
         hidden = None
         for i in range(self.num_pieces):
             if i:
-                layer = layers[i - 1].self_attn
-                self.attend(
-                    q, self.kv_caches[i - 1], meta, layer.scale, out=attended,
-                    k_scale=layer.k_scale, v_scale=layer.v_scale,
-                )  # fmt: skip
+                options = layers[i - 1].self_attn.attend_options()
+                self.attend(q, self.kv_caches[i - 1], meta, out=attended, **options)
             key = (slot if i == 0 else -1, bucket, i)
             if key in self.graphs:
                 self.graphs[key].replay()

@@ -49,6 +49,11 @@ class ModelCost:
     layer_flops_per_token: int  # 2 x the layers' matrix params
     lm_head_flops_per_seq: int  # 2 x the LM head's params: one logits row per sequence
     attention_flops_per_pair: int  # QK^T and PV for one (query, key) pair over all heads and layers
+    # mixture of experts: weight_bytes leaves the experts out; a step reads expert_bytes (one
+    # expert of every MoE layer) times the experts its tokens route to (`expected_experts`)
+    expert_bytes: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
 
     @classmethod
     def of(
@@ -62,18 +67,31 @@ class ModelCost:
         where not `dtype_bytes` (1 with FP8 weights, an FP8 KV cache)."""
         linear_bytes, kv_bytes = linear_bytes or dtype_bytes, kv_bytes or dtype_bytes
         h = cfg.hidden_size
-        layer_params = cfg.num_layers * (
-            h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * cfg.intermediate_size
-        )
+        moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+        expert_params = moe_layers * 3 * h * cfg.moe_intermediate_size  # one expert per layer
+        layer_params = cfg.num_layers * (h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h)
+        layer_params += (cfg.num_layers - moe_layers) * 3 * h * cfg.intermediate_size
+        layer_params += moe_layers * cfg.num_experts * h  # the routers
         lm_head_params = cfg.vocab_size * h
         return cls(
             weight_bytes=layer_params * linear_bytes + lm_head_params * dtype_bytes,
             embed_row_bytes=h * dtype_bytes,
             kv_bytes_per_token=2 * cfg.num_layers * cfg.kv_size * kv_bytes,
-            layer_flops_per_token=2 * layer_params,
+            layer_flops_per_token=2 * (layer_params + cfg.num_experts_per_tok * expert_params),
             lm_head_flops_per_seq=2 * lm_head_params,
             attention_flops_per_pair=4 * cfg.num_heads * cfg.head_dim * cfg.num_layers,
+            expert_bytes=expert_params * dtype_bytes,
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
         )
+
+    def expected_experts(self, num_tokens: np.ndarray) -> np.ndarray:
+        """Experts a layer reads for `num_tokens` tokens routed uniformly at random, top k of E
+        each: E * (1 - (1 - k / E) ** tokens). E.g. 32 tokens, top 8 of 128: 111.8."""
+        if not self.num_experts:
+            return np.zeros_like(num_tokens, dtype=np.float64)
+        missed = (1 - self.num_experts_per_tok / self.num_experts) ** num_tokens
+        return self.num_experts * (1 - missed)
 
 
 def step_work(
@@ -104,6 +122,7 @@ def step_rooflines(
     num_seqs, num_tokens, context, pairs = work.T
     moved = (
         cost.weight_bytes
+        + cost.expected_experts(num_tokens) * cost.expert_bytes
         + num_tokens * cost.embed_row_bytes
         + (context + num_tokens) * cost.kv_bytes_per_token
     )

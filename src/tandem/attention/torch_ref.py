@@ -45,13 +45,24 @@ def torch_attention(
     out: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    scales = (k_scale, v_scale)
+    options = {
+        "kv_scales": (k_scale, v_scale),
+        "sliding_window": sliding_window,
+        "logits_soft_cap": logits_soft_cap,
+    }
     if meta.decode_only:
-        result = decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, scales)
+        result = decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, **options)
     else:
-        result = prefill_attention(q, kv_cache, meta, scale, scales)
+        result = prefill_attention(q, kv_cache, meta, scale, **options)
     return result if out is None else out.copy_(result)
+
+
+def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(scores / cap) (Gemma 2's attention and final logits); unchanged for None."""
+    return scores if not cap else torch.tanh(scores / cap) * cap
 
 
 def decode_attention(
@@ -61,17 +72,23 @@ def decode_attention(
     seq_lens: torch.Tensor,  # [num_seqs]
     scale: float,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Fixed-shape (CUDA-graph safe): gathers every table column and masks past each length."""
+    """Fixed-shape (CUDA-graph safe): gathers every table column and masks past each length
+    (and before each window)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     # [2, num_seqs, max_blocks * block_size, num_kv_heads, head_dim]
     kv = kv_cache[:, block_tables.long()].flatten(2, 3)
     k, v = (read_kv(kv[i], kv_scales[i], q.dtype) for i in (0, 1))
     qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("bhgd,bshd->bhgs", qg, k).float() * scale
-    past_end = torch.arange(kv.shape[2], device=q.device) >= seq_lens[:, None]  # [num_seqs, slots]
-    scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
+    scores = soft_cap(torch.einsum("bhgd,bshd->bhgs", qg, k).float() * scale, logits_soft_cap)
+    key_pos = torch.arange(kv.shape[2], device=q.device)
+    hidden = key_pos >= seq_lens[:, None]  # [num_seqs, slots]
+    if sliding_window is not None:
+        hidden |= key_pos <= seq_lens[:, None] - 1 - sliding_window
+    scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
     out = torch.einsum("bhgs,bshd->bhgd", scores.softmax(dim=-1).to(v.dtype), v)
     return out.reshape(num_seqs, num_heads, head_dim)
 
@@ -82,6 +99,8 @@ def prefill_attention(
     meta: AttentionMetadata,
     scale: float,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """One sequence at a time over host-known lengths: a cached prefix plus the new query tokens."""
     assert meta.query_start_loc_host is not None and meta.seq_lens_host is not None
@@ -101,8 +120,31 @@ def prefill_attention(
         num_new = end - start
         # query i sits at position seq_len - num_new + i and sees keys up to that position
         query_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
-        visible = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
-        out[start:end] = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1), k, v, attn_mask=visible, scale=scale, enable_gqa=True
-        ).transpose(0, 1)
+        key_pos = torch.arange(seq_len, device=q.device)[None, :]
+        visible = key_pos <= query_pos[:, None]
+        if sliding_window is not None:
+            visible &= key_pos > query_pos[:, None] - sliding_window
+        query = q[start:end].transpose(0, 1)
+        if logits_soft_cap:
+            attended = capped_attention(query, k, v, visible, scale, logits_soft_cap)
+        else:
+            attended = F.scaled_dot_product_attention(
+                query, k, v, attn_mask=visible, scale=scale, enable_gqa=True
+            )
+        out[start:end] = attended.transpose(0, 1)
     return out
+
+
+def capped_attention(
+    q: torch.Tensor,  # [num_heads, queries, head_dim]
+    k: torch.Tensor,  # [num_kv_heads, keys, head_dim], and v
+    v: torch.Tensor,
+    visible: torch.Tensor,  # [queries, keys] bool
+    scale: float,
+    cap: float,
+) -> torch.Tensor:
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    scores = soft_cap((q @ k.transpose(1, 2)).float() * scale, cap)
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return (probs.to(v.dtype) @ v).to(q.dtype)

@@ -23,6 +23,8 @@ from tandem.model.fused import num_sms
 
 MAX_SPLITS = 32
 SHARED_PREFIX_SPLITS = 8  # most splits of one group's shared keys
+MAX_HEAD_DIM = 256
+NO_WINDOW = 1 << 30  # the kernels' window argument when attention is not windowed
 
 
 class DecodeTiles(NamedTuple):
@@ -100,10 +102,9 @@ class TritonAttention:
         device: torch.device,
         num_splits: int | None = None,
     ):
-        assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
-            "head_dim must be a power of two >= 16"
-        )
+        check_head_dim(head_dim)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.head_pad = next_power_of_2(head_dim)  # the kernels' tile width
         self.group = num_heads // num_kv_heads
         self.fixed_splits = num_splits
         self.prefill_tiles = PrefillTiles()
@@ -134,21 +135,28 @@ class TritonAttention:
         out: torch.Tensor | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """`k_scale`, `v_scale`: an FP8 cache's per-tensor scales."""
         out = torch.empty_like(q) if out is None else out
-        scale, scales = scale * k_scale, (v_scale,)  # k_scale applied with the softmax scale
+        scale *= k_scale  # applied with the softmax scale
         assert out.shape == q.shape and out.is_contiguous()
+        options = {
+            "v_scale": v_scale,
+            "sliding_window": sliding_window,
+            "logits_soft_cap": logits_soft_cap,
+        }
         if meta.decode_only:
-            self.decode(q, out, kv_cache, meta, scale, *scales)
+            self.decode(q, out, kv_cache, meta, scale, **options)
             return out
         # A step with prefill still leads with the running requests' one-token rows. They go to the
         # decode kernel: in the prefill kernel each would fill a tile of query rows to use one.
         decodes = leading_single_tokens(meta.query_start_loc_host)
         if decodes:
-            self.decode(q, out, kv_cache, meta, scale, *scales, num_seqs=decodes)
+            self.decode(q, out, kv_cache, meta, scale, num_seqs=decodes, **options)
         if decodes < len(meta.query_start_loc_host) - 1:
-            self.prefill(q, out, kv_cache, meta, scale, *scales, first_seq=decodes)
+            self.prefill(q, out, kv_cache, meta, scale, first_seq=decodes, **options)
         return out
 
     def num_splits(self, num_seqs: int) -> int:
@@ -176,16 +184,19 @@ class TritonAttention:
         scale: float,
         v_scale: float = 1.0,
         num_seqs: int | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         """The first `num_seqs` sequences (all by default), one query token each, in q's first rows."""
         assert q.stride(2) == 1 and q.stride(1) == self.head_dim
         num_seqs = q.shape[0] if num_seqs is None else num_seqs
         splits = self.num_splits(num_seqs)
         shared = meta.shared
+        soft_cap = logits_soft_cap or 0.0
         prefix_splits = 0 if shared is None else self.prefix_splits(shared)
         splits = min(splits, MAX_SPLITS - prefix_splits)
         if shared is not None:
-            self.shared_prefix(q, kv_cache, meta, scale, v_scale, splits, prefix_splits)
+            self.shared_prefix(q, kv_cache, meta, scale, v_scale, splits, prefix_splits, soft_cap)
         group_pad = max(16, next_power_of_2(self.group))
         tiles, order = self.tiles_for(num_seqs), meta.seq_order
         prefix_lens = meta.seq_lens if shared is None else shared.prefix_lens
@@ -196,9 +207,10 @@ class TritonAttention:
                 q, out, self.partial_out, self.partial_ml, kv_cache, meta.block_tables,
                 meta.seq_lens, meta.seq_lens if order is None else order, prefix_lens,
                 q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale, v_scale,
-                splits, GROUP=self.group, GROUP_PAD=group_pad, NUM_KV_HEADS=self.num_kv_heads,
-                HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2], BLOCK_N=tiles.block_n,
-                MAX_SPLITS=MAX_SPLITS, DIRECT=direct, ORDERED=order is not None,
+                splits, sliding_window or NO_WINDOW, GROUP=self.group, GROUP_PAD=group_pad,
+                NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim, HEAD_PAD=self.head_pad,
+                BLOCK_SIZE=kv_cache.shape[2], BLOCK_N=tiles.block_n, MAX_SPLITS=MAX_SPLITS,
+                SOFT_CAP=soft_cap, DIRECT=direct, ORDERED=order is not None,
                 CASCADE=shared is not None, num_warps=tiles.num_warps,
                 num_stages=tiles.num_stages, **pdl.launch_args(q.device),
             )  # fmt: skip
@@ -208,8 +220,8 @@ class TritonAttention:
             return
         reduce_kernel[(num_seqs * self.num_heads,)](
             self.partial_out, self.partial_ml, out, prefix_lens, splits, prefix_splits,
-            NUM_HEADS=self.num_heads, HEAD_DIM=self.head_dim, MAX_SPLITS=MAX_SPLITS,
-            CASCADE=shared is not None, **pdl.launch_args(q.device),
+            NUM_HEADS=self.num_heads, HEAD_DIM=self.head_dim, HEAD_PAD=self.head_pad,
+            MAX_SPLITS=MAX_SPLITS, CASCADE=shared is not None, **pdl.launch_args(q.device),
         )  # fmt: skip
 
     def prefix_splits(self, shared: SharedPrefixes) -> int:
@@ -227,6 +239,7 @@ class TritonAttention:
         v_scale: float,
         first_split: int,
         splits: int,
+        soft_cap: float,
     ) -> None:
         """Partials of each group over its shared keys, at splits [first_split, + splits) of its
         rows, after the rows' own."""
@@ -239,9 +252,9 @@ class TritonAttention:
                 q, self.partial_out, self.partial_ml, kv_cache, meta.block_tables,
                 shared.group_rows, shared.group_starts, shared.group_prefix, shared.num_groups,
                 q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale, v_scale,
-                first_split,
-                GROUP=self.group, NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim,
-                BLOCK_SIZE=kv_cache.shape[2], BLOCK_N=tiles.block_n, MAX_SPLITS=MAX_SPLITS,
+                first_split, GROUP=self.group, NUM_KV_HEADS=self.num_kv_heads,
+                HEAD_DIM=self.head_dim, HEAD_PAD=self.head_pad, BLOCK_SIZE=kv_cache.shape[2],
+                BLOCK_N=tiles.block_n, SOFT_CAP=soft_cap, MAX_SPLITS=MAX_SPLITS,
                 ROWS=max(16, next_power_of_2(rows)), num_warps=tiles.num_warps,
                 num_stages=tiles.num_stages, **pdl.launch_args(q.device),
             )  # fmt: skip
@@ -258,6 +271,8 @@ class TritonAttention:
         scale: float,
         v_scale: float = 1.0,
         first_seq: int = 0,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         """Sequences from `first_seq` on, any number of query tokens each."""
         starts = meta.query_start_loc_host
@@ -272,15 +287,24 @@ class TritonAttention:
             prefill_kernel[grid](
                 q, out, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                 first_seq, q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale,
-                v_scale,
-                GROUP=self.group, GROUP_PAD=group_pad, NUM_KV_HEADS=self.num_kv_heads,
-                HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=block_m,
-                BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-                **pdl.launch_args(q.device),
+                v_scale, sliding_window or NO_WINDOW, GROUP=self.group, GROUP_PAD=group_pad,
+                NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim, HEAD_PAD=self.head_pad,
+                BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=block_m, BLOCK_N=tiles.block_n,
+                SOFT_CAP=logits_soft_cap or 0.0, num_warps=tiles.num_warps,
+                num_stages=tiles.num_stages, **pdl.launch_args(q.device),
             )  # fmt: skip
 
         key = (self.prefill_tiles, q.dtype, kv_cache.dtype)
         launch_fitting(self.fitted, key, self.prefill_tiles, launch)
+
+
+def check_head_dim(head_dim: int) -> None:
+    """ValueError unless the Triton kernels take `head_dim` (16 to 256, any size: padded tiles)."""
+    if not isinstance(head_dim, int) or not 16 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"the triton attention backend takes head_dim 16 to {MAX_HEAD_DIM}, got {head_dim!r}; "
+            "use attention_backend='torch'"
+        )
 
 
 def leading_single_tokens(starts: list[int]) -> int:

@@ -68,6 +68,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def act_and_mul(gate_up: torch.Tensor, hidden_act: str) -> torch.Tensor:
+    """[rows, 2 * inter] -> act(gate) * up: SwiGLU (`silu`) or GeGLU (`gelu_tanh`, in torch)."""
+    if hidden_act == "silu":
+        return silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def rope_qk(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -89,8 +97,7 @@ def rope_qk(
     cache stores k / k_scale and v / v_scale) and the new contiguous q is returned (in `q_out`
     when given). q, k, v: [tokens, heads, head_dim], possibly strided views; cos_sin:
     [max_position, head_dim] float32, cos | sin, looked up by `positions` [tokens]."""
-    half = q.shape[-1] // 2
-    if use_kernels(q) and half & (half - 1) == 0:  # the kernel's tiles need a power of two
+    if use_kernels(q):
         return _rope_qk_triton(
             q, k, v, positions, cos_sin, kv_cache, slot_mapping, q_norm_weight, k_norm_weight, eps,
             q_out, k_scale=k_scale, v_scale=v_scale,
@@ -206,15 +213,16 @@ def _silu_and_mul_triton(gate_up):
 @triton.jit
 def _norm_rotate_heads(
     x_ptr, out_ptr, weight_ptr, cos_sin_ptr, token, out_row, write, position, token_stride,
-    head_stride, num_heads, eps, out_scale, HALF: tl.constexpr, HEADS: tl.constexpr,
-    HAS_NORM: tl.constexpr, FP8: tl.constexpr,
+    head_stride, num_heads, eps, out_scale, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    HEADS: tl.constexpr, HAS_NORM: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
-    """One token's heads, [HEADS, HALF] tiles for the two halves of each head, to row `out_row`
-    of a contiguous [rows, num_heads, 2 * HALF] output (nothing stored unless `write`); with
-    FP8, an e4m3 output of the values over `out_scale`."""
+    """One token's heads, [HEADS, HALF_PAD] tiles for the two halves of each head (HALF_PAD:
+    HALF's next power of two, the columns past HALF masked), to row `out_row` of a contiguous
+    [rows, num_heads, 2 * HALF] output (nothing stored unless `write`); with FP8, an e4m3
+    output of the values over `out_scale`."""
     heads = tl.arange(0, HEADS)[:, None]
-    dims = tl.arange(0, HALF)[None, :]
-    mask = heads < num_heads
+    dims = tl.arange(0, HALF_PAD)[None, :]
+    mask = (heads < num_heads) & (dims < HALF)
     base = x_ptr + token * token_stride + heads * head_stride + dims
     dtype = out_ptr.dtype.element_ty
     a = tl.load(base, mask=mask, other=0.0).to(tl.float32)
@@ -223,10 +231,11 @@ def _norm_rotate_heads(
         inv_rms = 1.0 / tl.sqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)
         a = (a * inv_rms[:, None]).to(dtype).to(tl.float32)
         b = (b * inv_rms[:, None]).to(dtype).to(tl.float32)
-        a = (tl.load(weight_ptr + dims).to(tl.float32) * a).to(dtype).to(tl.float32)
-        b = (tl.load(weight_ptr + HALF + dims).to(tl.float32) * b).to(dtype).to(tl.float32)
-    c = tl.load(cos_sin_ptr + position * (2 * HALF) + dims)
-    s = tl.load(cos_sin_ptr + position * (2 * HALF) + HALF + dims)
+        a = (tl.load(weight_ptr + dims, mask=dims < HALF).to(tl.float32) * a).to(dtype)
+        b = (tl.load(weight_ptr + HALF + dims, mask=dims < HALF).to(tl.float32) * b).to(dtype)
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    c = tl.load(cos_sin_ptr + position * (2 * HALF) + dims, mask=dims < HALF)
+    s = tl.load(cos_sin_ptr + position * (2 * HALF) + HALF + dims, mask=dims < HALF)
     out = out_ptr + out_row * num_heads * 2 * HALF + heads * 2 * HALF + dims
     first, second = a * c - b * s, b * c + a * s
     if FP8:
@@ -245,8 +254,8 @@ def rope_qk_kernel(
     q_ptr, k_ptr, v_ptr, q_out_ptr, cache_ptr, q_weight_ptr, k_weight_ptr, positions_ptr,
     cos_sin_ptr, slot_ptr, q_token_stride, q_head_stride, k_token_stride, k_head_stride,
     v_token_stride, v_head_stride, kv_half_stride, num_q_heads, num_k_heads, eps, k_scale,
-    v_scale, HALF: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
-    HAS_NORM: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
+    v_scale, HALF: tl.constexpr, HALF_PAD: tl.constexpr, Q_HEADS: tl.constexpr,
+    K_HEADS: tl.constexpr, HAS_NORM: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.wait(PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -254,16 +263,18 @@ def rope_qk_kernel(
     slot = tl.load(slot_ptr + token).to(tl.int64)
     _norm_rotate_heads(
         q_ptr, q_out_ptr, q_weight_ptr, cos_sin_ptr, token, token, token >= 0, position,
-        q_token_stride, q_head_stride, num_q_heads, eps, 1.0, HALF, Q_HEADS, HAS_NORM, False,
+        q_token_stride, q_head_stride, num_q_heads, eps, 1.0, HALF, HALF_PAD, Q_HEADS, HAS_NORM,
+        False,
     )  # fmt: skip
     # k and v to the cache rows of this token's slot (the K half, then the V half)
     _norm_rotate_heads(
         k_ptr, cache_ptr, k_weight_ptr, cos_sin_ptr, token, slot, slot >= 0, position,
-        k_token_stride, k_head_stride, num_k_heads, eps, k_scale, HALF, K_HEADS, HAS_NORM, FP8,
+        k_token_stride, k_head_stride, num_k_heads, eps, k_scale, HALF, HALF_PAD, K_HEADS,
+        HAS_NORM, FP8,
     )  # fmt: skip
     heads = tl.arange(0, K_HEADS)[:, None]
-    dims = tl.arange(0, 2 * HALF)[None, :]
-    mask = (heads < num_k_heads) & (slot >= 0)
+    dims = tl.arange(0, 2 * HALF_PAD)[None, :]
+    mask = (heads < num_k_heads) & (slot >= 0) & (dims < 2 * HALF)
     v = tl.load(v_ptr + token * v_token_stride + heads * v_head_stride + dims, mask=mask)
     if FP8:
         v = _fp8_range(v.to(tl.float32) / v_scale)
@@ -291,8 +302,8 @@ def _rope_qk_triton(
         k_norm_weight if has_norm else k, positions, cos_sin, slot_mapping, q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_cache.stride(0),
         q_heads, k_heads, eps, k_scale, v_scale, HALF=head_dim // 2,
-        Q_HEADS=next_power_of_2(q_heads), K_HEADS=next_power_of_2(k_heads), HAS_NORM=has_norm,
-        FP8=fp8, num_warps=num_warps or 4,
+        HALF_PAD=next_power_of_2(head_dim // 2), Q_HEADS=next_power_of_2(q_heads),
+        K_HEADS=next_power_of_2(k_heads), HAS_NORM=has_norm, FP8=fp8, num_warps=num_warps or 4,
         **pdl.launch_args(q.device),
     )  # fmt: skip
     return q_out

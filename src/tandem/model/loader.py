@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from tandem.config import ModelConfig
+from tandem.model import hf_names
 from tandem.model.decoder import Decoder
 from tandem.parallel import TensorParallel, shard_config, shard_tensor
 from tandem.quant import linear as fp8_linear
@@ -88,6 +89,7 @@ def build_model(
     else:
         tensors = iter_safetensors(folder)
     kv_scales: dict[str, float] = {}
+    tensors = hf_names.normalized(tensors, cfg)
     # quantized (at load) before sharding: each row's scale is the whole row's, as on one device
     tensors = checkpoint_tensors(tensors, fp8, kv_scales)
     fit = None if fp8 is None else lambda name, tensor, dest: fit_tensor(name, tensor, dest, fp8)
@@ -160,7 +162,11 @@ def load_weights(model: Decoder, tensors, fit=None) -> None:
             continue
         module, _, kind = name.rpartition(".")
         parent, _, leaf = module.rpartition(".")
-        if leaf in STACKED:
+        expert = hf_names.expert_destination(name, params, cfg.moe_intermediate_size)
+        if expert is not None:
+            dest, key = expert
+            loaded.add(key)
+        elif leaf in STACKED:
             target, index = STACKED[leaf]
             name = f"{parent}.{target}.{kind}"
             sizes = stacked_sizes[target]
@@ -184,9 +190,11 @@ def load_weights(model: Decoder, tensors, fit=None) -> None:
             )
         dest.copy_(tensor)
     expected = set()
-    for name in params:
+    for name, param in params.items():
         target = name.split(".")[-2]
-        if target in stacked_sizes:
+        if (keys := hf_names.expected_expert_keys(name, param)) is not None:
+            expected.update(keys)
+        elif target in stacked_sizes:
             expected.update(f"{name}#{i}" for i in range(len(stacked_sizes[target])))
         else:
             expected.add(name)
@@ -199,6 +207,8 @@ def load_weights(model: Decoder, tensors, fit=None) -> None:
 
 def checkpoint_name(name: str) -> str:
     """Our parameter name, '#i' marking slice i of a stacked one -> the checkpoint's tensor name."""
+    if "experts." in name and "#" in name:
+        return hf_names.expert_checkpoint_name(name)
     name, _, index = name.partition("#")
     if index:
         module, _, kind = name.rpartition(".")

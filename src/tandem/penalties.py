@@ -122,9 +122,11 @@ class PenaltyState:
         """Reset the rows penalized requests just took and write what the requests fix; eager,
         on the step's stream, so after every earlier step that used the rows."""
         index = self._to_device(np.asarray(rows, dtype=np.int64))
+        # index_fill_ takes its value as a scalar argument: `state[index] = 0` would copy a
+        # host scalar to the device and wait for it
         for state in (self.counts, self.flags, self.bias_ids, self.bias):
-            state[index] = 0
-        self.history[index] = NO_TOKEN
+            state.index_fill_(0, index, 0)
+        self.history.index_fill_(0, index, NO_TOKEN)
         self.prompt_len[index] = self._to_device(
             np.array([r.num_prompt_tokens for r in requests], dtype=np.int32)
         )
@@ -153,10 +155,10 @@ class PenaltyState:
         self.bias[index] = self._to_device(bias)
         self.bad_words[index] = self._to_device(words)
         if restricted:
-            self.flags[self._to_device(np.asarray(restricted, dtype=np.int64))] = BANNED
-            self.flags[self._pairs(allowed)] = 0
+            self.flags.index_fill_(0, self._to_device(np.asarray(restricted, np.int64)), BANNED)
+            self._set_flags(allowed, 0)
         if banned[0]:
-            self.flags[self._pairs(banned)] = BANNED
+            self._set_flags(banned, BANNED)
 
     def update(self, x: PackedBuffers, input_ids: torch.Tensor) -> None:
         """Count the step's input tokens (after the carry-over, [tokens] int32) into their rows'
@@ -208,9 +210,11 @@ class PenaltyState:
         block = torch.where(matched, float("-inf"), float("inf"))
         logits.scatter_reduce_(1, last, block, reduce="amin")  # several may ban one token
 
-    def _pairs(self, pairs: tuple[list[int], list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _set_flags(self, pairs: tuple[list[int], list[int]], value: int) -> None:
+        """flags[rows, ids] = value for the (rows, ids) pairs, the value made on the device."""
         rows, ids = (self._to_device(np.asarray(p, dtype=np.int64)) for p in pairs)
-        return rows, ids
+        values = torch.full(rows.shape, value, dtype=self.flags.dtype, device=self.device)
+        self.flags.index_put_((rows, ids), values)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array on the device without a host wait: through pinned memory, which torch's

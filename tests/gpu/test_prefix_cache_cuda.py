@@ -46,8 +46,10 @@ def run(folder, caching: bool, backend: str, **engine_args) -> list[list[list[in
 def test_cached_shared_decode_in_graphs_samples_what_the_reference_attention_does(
     make_tiny, async_batching
 ):
+    # the same Triton kernels without the cache: tl.dot rounds float32 inputs to TF32 on CUDA,
+    # so the torch attention would differ by more than the order of the sums does
     folder = make_tiny("llama")
-    reference = run(folder, False, "torch", cuda_graphs=False)
+    reference = run(folder, False, "triton", cuda_graphs=False)
     assert run(folder, True, "triton", async_batching=async_batching) == reference
 
 

@@ -170,6 +170,19 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from tandem.async_llm import AsyncLLM
     from tandem.server.app import serve
 
+    if args.data_parallel_size > 1:
+        from tandem.ray.serve import serve_data_parallel
+
+        serve_data_parallel(
+            args.model,
+            engine_kwargs(args),
+            args.data_parallel_size,
+            args.host,
+            args.port,
+            args.served_model_name,
+            args.api_key,
+        )
+        return
     llm = AsyncLLM.from_model(args.model, **engine_kwargs(args))
     serve(llm, args.served_model_name or args.model, args.host, args.port, args.api_key)
 
@@ -222,6 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     serve.add_argument("--served-model-name", help="the model name clients send (default: MODEL)")
+    serve.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine replicas behind the endpoint, on Ray Serve (needs tandem[ray])",
+    )
     serve.set_defaults(func=cmd_serve)
 
     run_batch = sub.add_parser("run-batch", help="answer an OpenAI batch file (JSONL)")

@@ -175,4 +175,4 @@ def test_a_finished_output_is_left_as_it_is(answered, batch, folder, tmp_path, c
     out.write_text(answered.read_text())
     main(["run-batch", folder, "-i", str(batch), "-o", str(out), "--quiet", *ENGINE_ARGS])
     assert out.read_text() == answered.read_text()
-    assert "0 lines written" in capsys.readouterr().out
+    assert "results.jsonl: 0 lines, 0 completion tokens" in capsys.readouterr().out

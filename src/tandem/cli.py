@@ -191,7 +191,7 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
     from tandem.run_batch import run_batch
 
     check_output_path("--output-file", args.output_file)
-    num_lines = run_batch(
+    summary = run_batch(
         args.input_file,
         args.output_file,
         args.model,
@@ -200,7 +200,7 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
         args.served_model_name,
         args.quiet,
     )
-    print(f"{num_lines} lines written to {args.output_file}")
+    print(f"{args.output_file}: {summary}")
 
 
 def build_parser() -> argparse.ArgumentParser:

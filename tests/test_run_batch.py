@@ -202,3 +202,15 @@ def test_benchmark_batch_file_holds_the_bench_workloads_requests(tmp_path, monke
     assert [r.body["prompt"] for r in batch.requests] == workload.prompts
     assert [r.body["max_tokens"] for r in batch.requests] == workload.output_lens
     assert all(r.body["ignore_eos"] for r in batch.requests)
+
+
+@pytest.mark.parametrize("command", ["run-batch", "serve"])
+def test_a_data_parallel_size_below_one_is_refused_before_any_engine(
+    folder, batch, tmp_path, command
+):
+    argv = [command, folder, "--data-parallel-size", "0"]
+    if command == "run-batch":
+        argv += ["-i", str(batch), "-o", str(tmp_path / "out.jsonl")]
+    with pytest.raises(SystemExit, match="--data-parallel-size must be >= 1, got 0"):
+        main(argv)
+    assert not (tmp_path / "out.jsonl").exists()

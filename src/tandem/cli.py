@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -170,6 +171,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from tandem.async_llm import AsyncLLM
     from tandem.server.app import serve
 
+    check_data_parallel_size(args.data_parallel_size)
     if args.data_parallel_size > 1:
         from tandem.ray.serve import serve_data_parallel
 
@@ -187,10 +189,19 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(llm, args.served_model_name or args.model, args.host, args.port, args.api_key)
 
 
+def check_data_parallel_size(size: int) -> None:
+    """--data-parallel-size: at least 1, and past 1 only with Ray installed."""
+    if size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {size}")
+    if size > 1 and importlib.util.find_spec("ray") is None:
+        raise ValueError("--data-parallel-size above 1 runs on Ray: pip install 'tandem[ray]'")
+
+
 def cmd_run_batch(args: argparse.Namespace) -> None:
     from tandem.run_batch import run_batch
 
     check_output_path("--output-file", args.output_file)
+    check_data_parallel_size(args.data_parallel_size)
     summary = run_batch(
         args.input_file,
         args.output_file,

@@ -46,7 +46,10 @@ class BatchAnswerer:
     async def answer(self, request: BatchRequest) -> dict[str, Any]:
         response = await self.client.post(request.url, json=request.body)
         if not self.llm.is_running:
-            raise RuntimeError(f"the engine stopped while answering {request.custom_id!r}")
+            raise RuntimeError(
+                f"the engine stopped while answering {request.custom_id!r}; the lines written "
+                "so far are kept: run the same command again to answer the rest"
+            )
         return response_line(request.custom_id, response.status_code, response.json())
 
     async def answer_all(self, requests: Iterable[BatchRequest]) -> AsyncIterator[dict[str, Any]]:

@@ -47,11 +47,15 @@ def generate(
     model: str,
     *,
     concurrency: int = 1,
-    batch_size: int = 16,
+    batch_size: int = 64,
     sampling_params: dict[str, Any] | None = None,
     **engine_args: Any,
 ) -> ray.data.Dataset:
-    """The dataset with generation columns added, by `concurrency` engine replicas."""
+    """The dataset with generation columns added, by `concurrency` engine replicas.
+
+    Each engine works on BATCHES_PER_ACTOR batches at once: `batch_size` times that is the
+    number of requests it can run together (keep it at or above `max_num_seqs`).
+    """
     if not isinstance(concurrency, int) or concurrency < 1:
         raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
     return dataset.map_batches(

@@ -27,7 +27,7 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response, StreamingResponse
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
@@ -187,6 +187,8 @@ class Ingress:
         except (RayActorError, ActorUnavailableError) as error:
             logger.warning("a replica died with a request in flight: %s", error)
             return replica_died().response()
+        except RayTaskError as error:  # the replica raised outside the app's own error handling
+            return OpenAIError(f"internal error: {error}", 500, "server_error").response()
         return StreamingResponse(rest_of(reply, headers), status_code=status, headers=dict(headers))
 
 

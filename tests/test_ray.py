@@ -127,7 +127,9 @@ def service(local_ray, folder):
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = build_serve_app(folder, SERVE_ARGS, 2, "tiny", health_check_period_s=1.0)
+    app = build_serve_app(
+        folder, SERVE_ARGS, 2, "tiny", health_check_period_s=1.0, num_ingress_replicas=1
+    )
     serve.run(app, name="tandem", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()

@@ -199,8 +199,10 @@ def build_serve_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     health_check_period_s: float = 10.0,
+    num_ingress_replicas: int | None = None,
 ) -> serve.Application:
-    """The Ray Serve application: an ingress and `data_parallel_size` engine replicas."""
+    """The Ray Serve application: ingress replicas (default: one per engine) and
+    `data_parallel_size` engine replicas."""
     if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {data_parallel_size!r}")
     resources = actor_resources(engine_args)
@@ -214,7 +216,7 @@ def build_serve_app(
     ).bind(model, served_model_name or model, api_key, **engine_args)
     ingress = serve.deployment(
         Ingress,
-        num_replicas=data_parallel_size,
+        num_replicas=num_ingress_replicas or data_parallel_size,
         max_ongoing_requests=10_000,  # it only forwards; the engines' limits apply behind it
         ray_actor_options={"num_cpus": 0},
     )

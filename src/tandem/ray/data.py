@@ -113,11 +113,15 @@ class LLMPredictor:
             return RowOutput(error=str(error))
         out = RowOutput(generated_text="", generated_token_ids=[])
         entries: list[dict[int, float]] = []
-        async for delta in stream:
-            out.generated_text += delta.text
-            out.generated_token_ids += delta.token_ids
-            entries += delta.logprobs or []
-            out.finish_reason, out.num_prompt_tokens = delta.finish_reason, delta.num_prompt_tokens
+        try:
+            async for delta in stream:
+                out.generated_text += delta.text
+                out.generated_token_ids += delta.token_ids
+                entries += delta.logprobs or []
+                out.finish_reason = delta.finish_reason
+                out.num_prompt_tokens = delta.num_prompt_tokens
+        finally:
+            stream.abort()  # the batch was cancelled: free the request's blocks
         if params.logprobs is not None:
             out.logprobs = [{"token_ids": list(e), "logprobs": list(e.values())} for e in entries]
         return out

@@ -6,6 +6,12 @@ greedy outputs do not depend on the batch, and seeded sampling does not depend o
 
 from __future__ import annotations
 
+import itertools
+import socket
+import threading
+import time
+
+import openai
 import pytest
 
 pytest.importorskip("ray.data")
@@ -105,3 +111,111 @@ def test_run_batch_over_two_engines_resumes_and_answers_every_line_once(
     lines = read_output(out)
     check_answers(lines, folder)
     assert [line["id"] for line in lines[:2]] == [line["id"] for line in kept[1:]]
+
+
+# ---- tandem serve --data-parallel-size 2 ----------------------------------------------------
+
+SERVE_ARGS = {"max_model_len": 1024, "block_size": 8, "num_blocks": 512, "device": "cpu"}
+LONG = {"max_tokens": 900, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def service(local_ray, folder):
+    from ray import serve
+
+    from tandem.ray.serve import build_serve_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = build_serve_app(
+        folder, SERVE_ARGS, 2, "tiny", health_check_period_s=1.0, num_ingress_replicas=1
+    )
+    serve.run(app, name="tandem", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    return openai.OpenAI(base_url=f"{service}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def replica_of(client, prompt: str) -> str:
+    raw = client.completions.with_raw_response.create(model="tiny", prompt=prompt, max_tokens=2)
+    return raw.headers["x-tandem-replica"]
+
+
+def test_two_replicas_answer_the_openai_client_as_one_engine(client, folder):
+    llm = LLM(folder, **SERVE_ARGS)
+    for prompt in PROMPTS[:3]:
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+        [want] = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+        assert got.choices[0].text == want.outputs[0].text
+    messages = [{"role": "user", "content": "Name a cache."}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5)
+    assert chat.choices[0].message.role == "assistant"
+    stream = client.completions.create(
+        model="tiny", prompt="Ray", max_tokens=6, temperature=0, stream=True
+    )
+    streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    [want] = llm.generate("Ray", SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+    assert streamed == want.outputs[0].text
+
+
+def test_requests_sharing_a_prefix_go_to_one_replica(client):
+    prefixes = [f"Shared system prompt number {i}, long enough to fill a block. " for i in range(6)]
+    for prefix in prefixes:
+        replicas = {replica_of(client, prefix + question) for question in ("Why?", "How?", "Who?")}
+        assert len(replicas) == 1
+
+
+def test_a_replica_killed_mid_request_fails_its_requests_and_the_service_goes_on(client):
+    prompt = "A request whose replica dies. " * 4
+    blocking: list[BaseException] = []
+
+    def non_streaming() -> None:
+        try:
+            client.completions.create(model="tiny", prompt=prompt, **LONG)
+        except BaseException as error:
+            blocking.append(error)
+
+    thread = threading.Thread(target=non_streaming)
+    thread.start()
+    with client.completions.with_streaming_response.create(
+        model="tiny", prompt=prompt, stream=True, **LONG
+    ) as response:
+        name = response.headers["x-tandem-replica"]
+        before = engine_replicas()
+        assert name in before and len(before) == 2
+        chunks = iter(response.parse())
+        next(chunks), next(chunks)  # both requests are running on that replica now
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        with pytest.raises(openai.APIError, match="replica"):
+            for _ in chunks:
+                pass
+    thread.join(timeout=30)
+    assert isinstance(blocking[0], openai.InternalServerError), blocking
+    assert blocking[0].status_code == 503
+
+    for prefix in ("After the crash", prompt, "Still here"):
+        answer = client.completions.create(model="tiny", prompt=prefix, max_tokens=3)
+        assert answer.choices[0].finish_reason in ("length", "stop")
+    deadline = time.monotonic() + 60
+    for i in itertools.count():  # until a request is answered by the replica that replaced it
+        assert time.monotonic() < deadline, "Ray Serve did not replace the dead replica"
+        if replica_of(client, f"Question {i}: who answers?") not in before:
+            break
+        time.sleep(0.2)
+
+
+def engine_replicas() -> set[str]:
+    from ray.util import list_named_actors
+
+    actors = list_named_actors(all_namespaces=True)
+    return {a["name"] for a in actors if "#EngineReplica#" in a["name"]}

@@ -6,7 +6,10 @@ batch); bad lines against the error the HTTP server gives for the same body.
 
 from __future__ import annotations
 
+import argparse
 import json
+import runpy
+import sys
 from pathlib import Path
 
 import pytest
@@ -175,4 +178,39 @@ def test_a_finished_output_is_left_as_it_is(answered, batch, folder, tmp_path, c
     out.write_text(answered.read_text())
     main(["run-batch", folder, "-i", str(batch), "-o", str(out), "--quiet", *ENGINE_ARGS])
     assert out.read_text() == answered.read_text()
-    assert "0 lines written" in capsys.readouterr().out
+    assert "results.jsonl: 0 lines, 0 completion tokens" in capsys.readouterr().out
+
+
+def test_benchmark_batch_file_holds_the_bench_workloads_requests(tmp_path, monkeypatch):
+    from tandem.bench import load_workload
+    from tandem.config import ModelConfig
+    from tandem.model.loader import read_hf_config
+
+    path = tmp_path / "small.jsonl"
+    argv = ["-o", str(path), "--model", "qwen3-0.6b", "--input-len", "50", "--output-len", "40"]
+    argv += ["--range-ratio", "0.5", "--num-prompts", "5"]
+    script = Path(__file__).parents[1] / "benchmarks" / "batch_requests.py"
+    monkeypatch.setattr(sys, "argv", ["batch_requests.py", *argv])
+    runpy.run_path(str(script), run_name="__main__")
+    batch = read_batch_file(path)
+    assert batch.bad_lines == []
+    bench_args = argparse.Namespace(
+        dataset="random", input_len=50, output_len=40, range_ratio=0.5, num_prompts=5, seed=0
+    )
+    cfg = ModelConfig.from_hf(read_hf_config("qwen3-0.6b")[0])
+    workload = load_workload(bench_args, cfg, None)
+    assert [r.body["prompt"] for r in batch.requests] == workload.prompts
+    assert [r.body["max_tokens"] for r in batch.requests] == workload.output_lens
+    assert all(r.body["ignore_eos"] for r in batch.requests)
+
+
+@pytest.mark.parametrize("command", ["run-batch", "serve"])
+def test_a_data_parallel_size_below_one_is_refused_before_any_engine(
+    folder, batch, tmp_path, command
+):
+    argv = [command, folder, "--data-parallel-size", "0"]
+    if command == "run-batch":
+        argv += ["-i", str(batch), "-o", str(tmp_path / "out.jsonl")]
+    with pytest.raises(SystemExit, match="--data-parallel-size must be >= 1, got 0"):
+        main(argv)
+    assert not (tmp_path / "out.jsonl").exists()

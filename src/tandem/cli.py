@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -243,6 +244,20 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port}: a port is in 0-65535")
+    check_data_parallel_size(args.data_parallel_size)
+    if args.data_parallel_size > 1:
+        from tandem.ray.serve import serve_data_parallel
+
+        serve_data_parallel(
+            args.model,
+            engine_kwargs(args),
+            args.data_parallel_size,
+            args.host,
+            args.port,
+            args.served_model_name,
+            args.api_key,
+        )
+        return
     options = ServerOptions(
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,
@@ -314,11 +329,20 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def check_data_parallel_size(size: int) -> None:
+    """--data-parallel-size: at least 1, and past 1 only with Ray installed."""
+    if size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {size}")
+    if size > 1 and importlib.util.find_spec("ray") is None:
+        raise ValueError("--data-parallel-size above 1 runs on Ray: pip install 'tandem[ray]'")
+
+
 def cmd_run_batch(args: argparse.Namespace) -> None:
     from tandem.run_batch import run_batch
 
     check_output_path("--output-file", args.output_file)
-    num_lines = run_batch(
+    check_data_parallel_size(args.data_parallel_size)
+    summary = run_batch(
         args.input_file,
         args.output_file,
         args.model,
@@ -327,7 +351,7 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
         args.served_model_name,
         args.quiet,
     )
-    print(f"{num_lines} lines written to {args.output_file}")
+    print(f"{args.output_file}: {summary}")
 
 
 # tiny.ARCH_CONFIGS' keys (tiny.py is not imported before a command needs it)
@@ -369,6 +393,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(serve)
     add_serve_args(serve)
+    serve.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine replicas behind the endpoint, on Ray Serve (needs tandem[ray])",
+    )
     serve.set_defaults(func=cmd_serve)
 
     run_batch = sub.add_parser("run-batch", help="answer an OpenAI batch file (JSONL)")

@@ -15,6 +15,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
 from typing import IO, Any
 
 import httpx
@@ -45,7 +46,10 @@ class BatchAnswerer:
     async def answer(self, request: BatchRequest) -> dict[str, Any]:
         response = await self.client.post(request.url, json=request.body)
         if not self.llm.is_running:
-            raise RuntimeError(f"the engine stopped while answering {request.custom_id!r}")
+            raise RuntimeError(
+                f"the engine stopped while answering {request.custom_id!r}; the lines written "
+                "so far are kept: run the same command again to answer the rest"
+            )
         return response_line(request.custom_id, response.status_code, response.json())
 
     async def answer_all(self, requests: Iterable[BatchRequest]) -> AsyncIterator[dict[str, Any]]:
@@ -68,6 +72,31 @@ class BatchAnswerer:
         self.llm.shutdown()
 
 
+@dataclass
+class BatchSummary:
+    """What one run wrote. The rate counts from its first answered request: engine start-up,
+    and that request's own tokens, are left out."""
+
+    num_lines: int = 0
+    num_completion_tokens: int = 0
+    elapsed_s: float = 0.0
+    first_answer_s: float | None = None  # since the start
+    tokens_after_first_answer: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        if self.first_answer_s is None or self.elapsed_s <= self.first_answer_s:
+            return 0.0
+        return self.tokens_after_first_answer / (self.elapsed_s - self.first_answer_s)
+
+    def __str__(self) -> str:
+        tokens = self.num_completion_tokens
+        text = f"{self.num_lines} lines, {tokens} completion tokens in {self.elapsed_s:.2f} s"
+        if self.tokens_per_s:
+            text += f" ({self.tokens_per_s:.0f} tok/s after the first answer)"
+        return text
+
+
 class OutputWriter:
     """Appends output lines, flushed one by one, and shows requests/s and tokens/s."""
 
@@ -75,14 +104,20 @@ class OutputWriter:
         self.out = out
         self.bar = tqdm(total=total, desc="run-batch", unit="req", disable=quiet)
         self.start = time.perf_counter()
-        self.num_tokens = 0
+        self.summary = BatchSummary()
 
     def write(self, line: dict[str, Any]) -> None:
         self.out.write(json.dumps(line) + "\n")
         self.out.flush()  # a line written survives the process being killed
-        self.num_tokens += num_completion_tokens(line)
-        elapsed = time.perf_counter() - self.start
-        self.bar.set_postfix_str(f"{self.num_tokens / elapsed:.0f} tok/s", refresh=False)
+        summary, num_tokens = self.summary, num_completion_tokens(line)
+        summary.elapsed_s = time.perf_counter() - self.start
+        summary.num_lines += 1
+        summary.num_completion_tokens += num_tokens
+        if summary.first_answer_s is None and line["response"] is not None:
+            summary.first_answer_s = summary.elapsed_s
+        elif summary.first_answer_s is not None:
+            summary.tokens_after_first_answer += num_tokens
+        self.bar.set_postfix_str(f"{summary.tokens_per_s:.0f} tok/s", refresh=False)
         self.bar.update(1)
 
     def close(self) -> None:
@@ -97,8 +132,8 @@ def run_batch(
     data_parallel_size: int = 1,
     served_model_name: str | None = None,
     quiet: bool = False,
-) -> int:
-    """Answer what `output_path` lacks of `input_path`; returns the number of lines written."""
+) -> BatchSummary:
+    """Answer what `output_path` lacks of `input_path`; returns what this run wrote."""
     if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {data_parallel_size!r}")
     todo = pending(read_batch_file(input_path), resume_output(output_path))
@@ -122,7 +157,7 @@ def run_batch(
                 )
         finally:
             writer.close()
-    return writer.bar.n
+    return writer.summary
 
 
 def answer_locally(

@@ -47,11 +47,15 @@ def generate(
     model: str,
     *,
     concurrency: int = 1,
-    batch_size: int = 16,
+    batch_size: int = 64,
     sampling_params: dict[str, Any] | None = None,
     **engine_args: Any,
 ) -> ray.data.Dataset:
-    """The dataset with generation columns added, by `concurrency` engine replicas."""
+    """The dataset with generation columns added, by `concurrency` engine replicas.
+
+    Each engine works on BATCHES_PER_ACTOR batches at once: `batch_size` times that is the
+    number of requests it can run together (keep it at or above `max_num_seqs`).
+    """
     if not isinstance(concurrency, int) or concurrency < 1:
         raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
     return dataset.map_batches(
@@ -109,11 +113,15 @@ class LLMPredictor:
             return RowOutput(error=str(error))
         out = RowOutput(generated_text="", generated_token_ids=[])
         entries: list[dict[int, float]] = []
-        async for delta in stream:
-            out.generated_text += delta.text
-            out.generated_token_ids += delta.token_ids
-            entries += delta.logprobs or []
-            out.finish_reason, out.num_prompt_tokens = delta.finish_reason, delta.num_prompt_tokens
+        try:
+            async for delta in stream:
+                out.generated_text += delta.text
+                out.generated_token_ids += delta.token_ids
+                entries += delta.logprobs or []
+                out.finish_reason = delta.finish_reason
+                out.num_prompt_tokens = delta.num_prompt_tokens
+        finally:
+            stream.abort()  # the batch was cancelled: free the request's blocks
         if params.logprobs is not None:
             out.logprobs = [{"token_ids": list(e), "logprobs": list(e.values())} for e in entries]
         return out

@@ -263,3 +263,18 @@ def test_a_rank_killed_while_starting_raises_in_rank_0_within_seconds(make_tiny,
     with pytest.raises(RankExited, match=r"rank 1 exited \(exit code -9\)"):
         LLM(str(make_tiny("llama")), max_model_len=96, num_blocks=12, tensor_parallel_size=2)
     assert time.monotonic() - start < 30
+
+
+def test_a_rank_that_raises_in_a_step_names_its_error_in_rank_0(make_tiny):
+    from tandem.workers import RankExited
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm = LLM(str(make_tiny("llama")), max_model_len=96, num_blocks=12, block_size=8,
+              tensor_parallel_size=2)  # fmt: skip
+    try:
+        llm.engine.workers.pipes[0].send(("step", [("abort",)]))  # a command it cannot apply
+        llm.engine.workers.processes[0].join(timeout=30)
+        with pytest.raises(RankExited, match=r"(?s)rank 1 exited \(exit code 1\).*IndexError"):
+            llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()

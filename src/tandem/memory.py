@@ -64,7 +64,8 @@ def peak_step_memory(
     attend: AttentionBackend,
 ) -> int:
     """Peak device memory (weights included) of a forward pass plus filtered sampling at the
-    largest step: max_num_batched_tokens prompt tokens, then max_num_seqs rows of logits."""
+    largest step: max_num_batched_tokens prompt tokens, then max_num_seqs rows of logits (and
+    their float32 copy, as penalties.py makes)."""
     num_tokens = config.max_num_batched_tokens
     seq_len = min(num_tokens, max_model_len - 1)
     # E.g. 10 tokens, sequences of at most 4 -> [4, 4, 2]
@@ -96,14 +97,15 @@ def peak_step_memory(
     hidden = model(ids, positions, kv_caches, meta, attend)
     rows = torch.arange(config.max_num_seqs, device=device) % num_tokens
     logits = model.compute_logits(hidden[rows])
+    penalized = logits.to(torch.float32, copy=True)  # a penalized step samples from a copy
     ones = torch.ones(config.max_num_seqs, device=device)
     sample(
-        logits,
+        penalized,
         SamplingTensors(ones, ones.int(), ones * 0.9, ones * 0.1, ones.int(), ones.int()),
         use_filters=True,
     )
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
-    del kv_caches, hidden, logits
+    del kv_caches, hidden, logits, penalized
     torch.cuda.empty_cache()
     return peak

@@ -293,8 +293,8 @@ class Runner:
             )  # fmt: skip
 
     def capture_graphs(self, shared_pool: bool = True) -> None:
-        """One graph per (slot, padded size, filters on/off, penalties on/off), and the pieces of the other steps
-        per token bucket, all from one shared memory pool.
+        """One graph per (slot, padded size, filters on/off, penalties on/off), and the pieces of
+        the other steps per token bucket, all from one shared memory pool.
 
         Sharing is safe because graphs never run concurrently: every step runs on the compute
         stream after the previous one. Largest first, so smaller graphs fit in the pool it sized.

@@ -47,7 +47,7 @@ def params(temperature: float) -> list[SamplingParams]:
         if i in (0, 3):
             fields |= dict(top_p=0.9)
         if i == 3:  # min_tokens bans EOS: the filters' sampler, greedy too
-            fields |= dict(min_tokens=5, ignore_eos=False)
+            fields |= dict(min_tokens=14, ignore_eos=False)
         out.append(SamplingParams(**fields))
     return out
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.config import ModelConfig
-from tandem.model.decoder import MLP, DecoderLayer, RMSNorm
+from tandem.model.decoder import DecoderLayer, RMSNorm
 from tandem.model.rope import RotaryEmbedding
 from tandem.parallel import TensorParallel
 
@@ -45,7 +45,7 @@ class GemmaDecoderLayer(DecoderLayer):
         tp: TensorParallel,
         sliding_window: int | None,
     ):
-        super().__init__(cfg, rope, tp, mlp=MLP(cfg, tp), sliding_window=sliding_window)
+        super().__init__(cfg, rope, tp, sliding_window=sliding_window)
         self.tp = tp
         self.self_attn.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.self_attn.logits_soft_cap = cfg.attn_logit_softcapping

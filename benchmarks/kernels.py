@@ -4,12 +4,14 @@ Decode: bytes of K and V read per second against the measured copy ceiling.
 Prefill: causal attention FLOP/s against the measured bf16 GEMM ceiling.
 Sampler: the Gumbel-max sampler's logits read per second against the copy ceiling.
 Usage: PYTHONPATH=src python benchmarks/kernels.py [--json PATH] [--sweep-prefill] [--sweep-decode]
-[--sweep-sampler] [--sweep-small-ops]
+[--sweep-sampler] [--sweep-small-ops] [--head-dim N]
 (--sweep-prefill: every prefill tile shape, each checked against the torch reference first,
 timed on a 4K prompt and on a chunk of the small workload's prompts;
 --sweep-decode: decode time, reduce included, for each split count against the default's choice;
 --sweep-sampler: the sampler's chunks per row and warps per program;
---sweep-small-ops, alone: the add + RMSNorm and rotary kernels' warps per program)
+--sweep-small-ops, alone: the add + RMSNorm and rotary kernels' warps per program;
+--head-dim: the attention kernels at another head size, e.g. 96 (tiles padded to 128) beside
+128, or 128 on this tree beside main's: a power-of-two size must lose nothing to the padding)
 """
 
 from __future__ import annotations
@@ -379,6 +381,7 @@ def sweep_prefill() -> None:
 
 
 def main() -> None:
+    global HEAD_DIM
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
     parser.add_argument("--sweep-prefill", action="store_true")
@@ -386,7 +389,9 @@ def main() -> None:
     parser.add_argument("--sweep-sampler", action="store_true")
     parser.add_argument("--sweep-decode-tiles", action="store_true", help="only this sweep")
     parser.add_argument("--sweep-small-ops", action="store_true", help="only this sweep")
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
     args = parser.parse_args()
+    HEAD_DIM = args.head_dim
     if args.sweep_decode_tiles:
         sweep_decode_tiles()
         return

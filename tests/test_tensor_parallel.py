@@ -29,9 +29,10 @@ def run(
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"])
 def test_two_ranks_give_the_greedy_tokens_of_one_with_chunking_and_preemption(make_tiny, arch):
-    # mistral's single KV head is replicated on both ranks; the others split their KV heads
+    # mistral's single KV head is replicated on both ranks; the others split their KV heads;
+    # qwen3_moe's experts are split as the dense MLPs are
     assert run(make_tiny(arch), 2) == run(make_tiny(arch), 1)
 
 
@@ -71,6 +72,26 @@ def test_ranks_each_hold_their_shard_of_the_weights(make_tiny):
             shard.embed_tokens.weight,
             full.embed_tokens.weight[rank * vocab_rows : (rank + 1) * vocab_rows],
         )
+
+
+def test_ranks_each_hold_their_slice_of_every_expert(make_tiny):
+    from tandem.config import ModelConfig
+    from tandem.model.loader import build_model, read_hf_config
+    from tandem.parallel import TensorParallel
+
+    hf_config, folder = read_hf_config(str(make_tiny("qwen3_moe")))
+    cfg = ModelConfig.from_hf(hf_config)
+    inter, half = cfg.moe_intermediate_size, cfg.moe_intermediate_size // 2
+    args = (cfg, hf_config, folder, "auto", torch.float32, torch.device("cpu"), 64, 0)
+    whole = build_model(*args, TensorParallel()).layers[0].mlp
+    for rank in range(2):
+        shard = build_model(*args, TensorParallel(rank, 2)).layers[0].mlp
+        mine = slice(rank * half, (rank + 1) * half)
+        gate_up = whole.experts.gate_up_proj
+        expected = torch.cat([gate_up[:, :inter][:, mine], gate_up[:, inter:][:, mine]], dim=1)
+        assert torch.equal(shard.experts.gate_up_proj, expected)
+        assert torch.equal(shard.experts.down_proj, whole.experts.down_proj[:, :, mine])
+        assert torch.equal(shard.gate.weight, whole.gate.weight)  # the router is replicated
 
 
 def test_a_size_that_does_not_divide_the_heads_is_rejected(make_tiny):

@@ -378,7 +378,7 @@ def test_decode_at_any_head_size_with_and_without_a_window_matches_reference(
 ):
     """Padded tiles (48 -> 64 wide, 80 and 96 -> 128), windows that start inside a tile, on a
     tile boundary (a 32-key window of a 64-token context) and cover a whole short context."""
-    dtype = torch.float16 if head_dim == 256 else torch.float32
+    dtype = DTYPES[-1] if head_dim == 256 else DTYPES[0]  # fp16 / fp32 on CPU, bf16 on CUDA
     for splits in (1, 3):
         windowed_decode_case(dtype, head_dim, window, soft_cap, splits, [1, 64, 150, 300])
 
@@ -389,7 +389,7 @@ def test_prefill_at_any_head_size_with_and_without_a_window_matches_reference(
     head_dim, window, soft_cap
 ):
     """Chunks over a cached prefix longer than the window, a fresh prompt, a decode row."""
-    dtype = torch.float16 if head_dim == 256 else torch.float32
+    dtype = DTYPES[-1] if head_dim == 256 else DTYPES[0]  # fp16 / fp32 on CPU, bf16 on CUDA
     q, cache, meta = ragged_step(dtype, 2, 2, head_dim, 16, [50, 0, 30], [40, 70, 1])
     options = {"sliding_window": window, "logits_soft_cap": soft_cap}
     backend = attention(2, 2, head_dim)
@@ -404,21 +404,24 @@ def test_windowed_decode_reads_no_key_before_the_window():
     """Keys outside the window are skipped, not masked: NaN in every block before the tile the
     window starts in (16-key tiles, one per block) changes nothing."""
     seq_lens, window, head_dim = [300, 90], 40, 64
-    cache = make_cache(64, 16, 2, head_dim, torch.float32)
+    dtype = DTYPES[0]
+    cache = make_cache(64, 16, 2, head_dim, dtype)
     tables = block_tables_for(seq_lens, 16, 24, 64)
     for i, n in enumerate(seq_lens):  # every block wholly before the window of NaN
         before = tables[i, : (n - window) // 16].long()
         cache[:, before] = float("nan")
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    q = torch.randn(2, 4, head_dim, device=DEVICE)
+    q = torch.randn(2, 4, head_dim, device=DEVICE).to(dtype)
     meta = AttentionMetadata(lens, lens, lens, tables, decode_only=True)
     for splits in (1, 4):
         backend = attention(2, 2, head_dim, num_splits=splits)
         backend.decode_tiles = DecodeTiles(block_n=16, num_warps=4, num_stages=1)
         out = backend(q, cache, meta, 0.125, sliding_window=window)
         assert not out.isnan().any()
-        expected = decode_attention(q, cache.nan_to_num(), tables, lens, 0.125, window)
-        torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+        expected = decode_attention(
+            q.float(), cache.float().nan_to_num(), tables, lens, 0.125, window
+        )
+        torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("head_dim", [8, 257, 512])

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.config import ModelConfig
-from tandem.model.decoder import MLP, DecoderLayer, RMSNorm
+from tandem.model.decoder import DecoderLayer, RMSNorm
 from tandem.model.rope import RotaryEmbedding
 from tandem.parallel import TensorParallel
 

@@ -45,9 +45,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
     parser.add_argument(
         "--quantization", choices=["fp8"], help="fp8: FP8 weights of a bf16 checkpoint"
     )
-    parser.add_argument(
-        "--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"]
-    )
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -99,7 +99,13 @@ class Engine:
             self.device,
         )
         num_blocks = num_kv_blocks(
-            config, local, self.kv_cache_dtype, self.device, self.max_model_len, self.model, self.attend
+            config,
+            local,
+            self.kv_cache_dtype,
+            self.device,
+            self.max_model_len,
+            self.model,
+            self.attend,
         )
         self.num_blocks = self.tp.min(num_blocks, self.device)  # every rank schedules alike
         self.block_size = config.block_size

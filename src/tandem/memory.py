@@ -32,9 +32,7 @@ def num_kv_blocks(
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         _, total = torch.cuda.mem_get_info(device)
-        peak = peak_step_memory(
-            config, cfg, kv_cache_dtype, device, max_model_len, model, attend
-        )
+        peak = peak_step_memory(config, cfg, kv_cache_dtype, device, max_model_len, model, attend)
         budget = int(total * config.gpu_memory_utilization) - peak
         if budget < per_block:
             raise ValueError(

@@ -208,6 +208,16 @@ def test_quantization_fp8_works_with_dummy_weights_and_warns_of_w8a16_on_the_cpu
     assert all(len(t) == MAX_TOKENS for t in tokens)
 
 
+def test_an_fp8_checkpoints_shapes_with_dummy_weights_quantize_them_per_channel(
+    make_tiny, tmp_path
+):
+    fp8, _ = write_fp8(make_tiny("llama"), tmp_path, "block", "fp8", (32, 32))
+    tokens, llm = tandem_greedy(fp8, load_format="dummy")
+    assert_fp8_linears(llm)
+    assert llm.engine.model.layers[0].mlp.down_proj.weight_scale.shape == (64, 1)
+    assert all(len(t) == MAX_TOKENS for t in tokens)
+
+
 def rewrite(folder: Path, edit) -> None:
     tensors = load_file(folder / "model.safetensors")
     edit(tensors)

@@ -224,7 +224,7 @@ def _norm_rotate_heads(
     dims = tl.arange(0, HALF_PAD)[None, :]
     mask = (heads < num_heads) & (dims < HALF)
     base = x_ptr + token * token_stride + heads * head_stride + dims
-    dtype = out_ptr.dtype.element_ty
+    dtype = x_ptr.dtype.element_ty  # the model's (an FP8 cache's output is not)
     a = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:  # rounded to the model dtype where the torch RMSNorm rounds
@@ -237,11 +237,12 @@ def _norm_rotate_heads(
     c = tl.load(cos_sin_ptr + position * (2 * HALF) + dims, mask=dims < HALF)
     s = tl.load(cos_sin_ptr + position * (2 * HALF) + HALF + dims, mask=dims < HALF)
     out = out_ptr + out_row * num_heads * 2 * HALF + heads * 2 * HALF + dims
-    first, second = a * c - b * s, b * c + a * s
-    if FP8:
-        first, second = _fp8_range(first / out_scale), _fp8_range(second / out_scale)
-    tl.store(out, first.to(dtype), mask=mask & write)
-    tl.store(out + HALF, second.to(dtype), mask=mask & write)
+    first, second = (a * c - b * s).to(dtype), (b * c + a * s).to(dtype)
+    if FP8:  # quantized from the model-dtype values, as the torch version does
+        first = _fp8_range(first.to(tl.float32) / out_scale)
+        second = _fp8_range(second.to(tl.float32) / out_scale)
+    tl.store(out, first.to(out_ptr.dtype.element_ty), mask=mask & write)
+    tl.store(out + HALF, second.to(out_ptr.dtype.element_ty), mask=mask & write)
 
 
 @triton.jit

@@ -72,6 +72,8 @@ def build_model(
             "a preset has shapes but no weights; pass load_format='dummy' to use random weights"
         )
     fp8 = fp8_config(hf_config, quantization)
+    if fp8 is not None and load_format == "dummy":  # random weights, quantized here per channel
+        fp8 = Fp8Config(quantize_at_load=True, strategy="channel")
     check_fp8(fp8, dtype, tp)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

@@ -14,7 +14,12 @@ replay as the engine runs them, each call on a cold copy of the weight (`Rotatio
             here); F.linear where its plan declines (more than MAX_ROWS rows).
   autotune  (--autotune) torch.compile max-autotune of F.linear: Inductor times its Triton
             GEMM templates against cuBLAS and keeps the fastest; slow to compile.
+  fp8       (--fp8) the weight in e4m3 with per-channel scales (`quant/linear.py`), W8A8: the
+            input quantized per token (one Triton kernel) and torch._scaled_mm;
+  fp8splitk (--fp8) the split-K kernel over the e4m3 weight (W8A16, widened in registers).
+  The % of the FP8 ways is of the FP8 roofline: half the weight bytes.
 Usage: PYTHONPATH=src python benchmarks/gemm.py [--model llama-3-8b] [--rows 1 8 32] [--autotune]
+[--fp8]
 [--sweep-splitk [--sweep-matrices o down]]  (--sweep-splitk: those matrices under each split-K
 tile shape, warp count and split count, after the table; * marks the plan's pick; where the plan
 declines, its row tiles)
@@ -34,6 +39,8 @@ import triton.testing
 from tandem.config import ModelConfig, next_power_of_2
 from tandem.model.loader import read_hf_config
 from tandem.model.splitk import SplitTiles, linear_partials, plan
+from tandem.quant.fp8 import quantize_rows
+from tandem.quant.linear import w8a8_linear
 from tandem.roofline import H200
 from tandem.runner import preferred_blas
 
@@ -78,9 +85,18 @@ def with_cublaslt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
 
 
-def variants(weight: torch.Tensor, autotune: bool) -> dict:
+def variants(weight: torch.Tensor, autotune: bool, fp8: bool = False) -> dict:
     """way -> function of the input batch."""
     rotation = Rotation(weight)
+    if fp8:
+        weight_fp8, scale = quantize_rows(weight)
+        fp8_rotation = Rotation(weight_fp8)
+        return {
+            "fp8": lambda x: w8a8_linear(x, fp8_rotation.next(), scale),
+            "fp8splitk": lambda x: linear_partials(
+                x, fp8_rotation.next(), weight_scale=scale, fallback=lambda x: None
+            ),
+        }
     ways = {
         "linear": lambda x: F.linear(x, rotation.next()),
         "nn": lambda x: x @ rotation.next(transposed=True),
@@ -137,6 +153,7 @@ def main() -> None:
     parser.add_argument("--model", default="llama-3-8b")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 256])
     parser.add_argument("--autotune", action="store_true")
+    parser.add_argument("--fp8", action="store_true", help="the FP8 ways instead")
     parser.add_argument("--json")
     parser.add_argument("--sweep-splitk", action="store_true")
     parser.add_argument("--sweep-matrices", nargs="+", default=["o", "down"])
@@ -145,16 +162,20 @@ def main() -> None:
     results = []
     for name, (out_features, in_features) in matrices(cfg).items():
         weight = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16)
-        weight_bytes = weight.numel() * weight.element_size()
+        weight_bytes = weight.numel() * (1 if args.fp8 else weight.element_size())
         for rows in args.rows:
-            ways = variants(weight, args.autotune)
+            ways = variants(weight, args.autotune, args.fp8)
             x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
             expected = F.linear(x, weight).float()
             cells = []
             for way, fn in ways.items():
                 out = fn(x)
+                if out is None:  # FP8 split-K's plan declines (the engine then runs W8A8)
+                    continue
                 out = out.sum(0) if out.dim() == 3 else out  # split-K partial sums
-                torch.testing.assert_close(out.float(), expected, atol=0.5, rtol=2e-2)
+                # e4m3 keeps 3 bits of mantissa: FP8 results differ by a few percent
+                tol = 0.1 if args.fp8 else 2e-2
+                torch.testing.assert_close(out.float(), expected, atol=0.5, rtol=tol)
                 us = time_us(fn, x)
                 rate = weight_bytes / (us / 1e6)
                 flops = 2 * rows * out_features * in_features

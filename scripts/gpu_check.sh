@@ -37,10 +37,13 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 workload_args() {
   case $1 in
     seed) echo "--model llama-3-8b --input-len 128 --output-len 1024 --num-prompts 32 --max-num-seqs 32" ;;
+    seed-penalties) echo "$(workload_args seed) --presence-penalty 0.5 --frequency-penalty 0.5 --repetition-penalty 1.1" ;;
     small) echo "--model qwen3-0.6b --input-len 562 --output-len 562 --range-ratio 0.822 --num-prompts 256" ;;
     latency) echo "--model llama-3-8b --input-len 128 --output-len 512 --num-prompts 1 --max-num-seqs 1" ;;
     rollout) echo "--model llama-3-8b --input-len 1024 --output-len 512 --num-prompts 32 --n 8" ;;
     chat) echo "--model llama-3-8b --shared-prefix-len 2048 --input-len 128 --output-len 256 --num-prompts 256" ;;
+    moe) echo "--model qwen3-30b-a3b --input-len 128 --output-len 1024 --num-prompts 32 --max-num-seqs 32" ;;
+    moe1) echo "--model qwen3-30b-a3b --input-len 128 --output-len 512 --num-prompts 1 --max-num-seqs 1" ;;
     *) return 1 ;;
   esac
 }

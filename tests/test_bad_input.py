@@ -333,3 +333,25 @@ def test_two_requests_made_under_one_id_cannot_both_be_queued(llm, folder):
         engine.step()
     assert first.finished and len(first.output_token_ids) == 3  # the queued one is not lost
     assert_still_serving(llm, folder)
+
+
+@pytest.mark.parametrize("bad", [{"max_tokens": 4}, "greedy", None, 4])
+def test_an_entry_of_a_params_list_that_is_not_sampling_params_is_a_type_error_naming_its_index(
+    llm, bad
+):
+    with pytest.raises(TypeError, match=r"sampling_params\[1\] must be a SamplingParams"):
+        llm.generate([GOOD_PROMPT, GOOD_PROMPT], [GREEDY, bad], use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+
+
+def test_sampling_params_that_are_not_a_list_are_a_type_error(llm):
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams"):
+        llm.generate(GOOD_PROMPT, {"max_tokens": 4}, use_tqdm=False)
+
+
+def test_n_is_capped_at_max_n():
+    from tandem.sampling import MAX_N
+
+    assert SamplingParams(n=MAX_N).n == MAX_N
+    with pytest.raises(ValueError, match=f"n must be <= {MAX_N}, got {MAX_N + 1}"):
+        SamplingParams(n=MAX_N + 1)

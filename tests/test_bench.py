@@ -23,6 +23,7 @@ from tandem.bench import (
 )
 from tandem.cli import build_parser, main
 from tandem.config import EngineConfig, ModelConfig
+from tandem.engine import Engine
 from tandem.model.loader import read_hf_config
 from tandem.roofline import (
     H200,
@@ -49,6 +50,9 @@ WORKLOAD_KEYS = {
     "n",
     "batch_size",
     "temperature",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
     "repeats",
     "prompt_tokens",
     "output_tokens",
@@ -57,6 +61,9 @@ WORKLOAD_KEYS = {
 RESOLVED_KEYS = {
     "device",
     "dtype",
+    "kv_cache_dtype",
+    "linear_bytes",  # 1 with FP8 weights
+    "kv_bytes",  # 1 with an FP8 KV cache
     "attention_backend",
     "max_model_len",
     "num_blocks",
@@ -82,6 +89,8 @@ ROOFLINE_KEYS = {
     "bandwidth_bytes_per_s",
     "peak_flops_per_s",
     "dtype_bytes",
+    "linear_weight_bytes",
+    "kv_value_bytes",
     "weight_bytes",
     "seconds",
     "steps",
@@ -338,7 +347,10 @@ def test_throughput_runs_sync_and_async_and_writes_every_field(make_tiny, tmp_pa
     assert report["roofline"]["steps"] == report["results"]["async"]["steps"]
     assert report["async_speedup"] == report["ratios"]["async/sync"]
     out = capsys.readouterr().out
-    assert "roofline of this work" in out and "async/sync output tok/s" in out
+    assert "async/sync output tok/s" in out
+    # an H200's roofline says nothing of a CPU run: no share of it, and no ceiling
+    assert "roofline of this work" not in out and "roofline: not shown" in out
+    assert all(line.split()[6] == "-" for line in out.splitlines() if line.startswith("async "))
 
 
 def test_shared_prompts_run_with_and_without_prefix_caching_and_report_the_hit_rate(
@@ -356,6 +368,32 @@ def test_shared_prompts_run_with_and_without_prefix_caching_and_report_the_hit_r
     assert cached["prefix_cache_hit_rate"] == pytest.approx(3 * 24 / (4 * 32))
     assert plain["prefix_cache_hit_rate"] == 0.0
     assert "cache hits" in capsys.readouterr().out
+
+
+def test_throughput_with_penalty_flags_gives_every_request_those_penalties(
+    make_tiny, tmp_path, monkeypatch
+):
+    seen = []
+    make_request = Engine.make_request
+
+    def recording(self, request_id, params, **kwargs):
+        seen.append((params.presence_penalty, params.frequency_penalty, params.repetition_penalty))
+        return make_request(self, request_id, params, **kwargs)
+
+    monkeypatch.setattr(Engine, "make_request", recording)
+    flags = [
+        "--presence-penalty",
+        "0.5",
+        "--frequency-penalty",
+        "0.5",
+        "--repetition-penalty",
+        "1.1",
+    ]
+    args = ["--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--repeats", "1", *flags]
+    report = run_bench(tmp_path, "throughput", "--model", str(make_tiny("llama")), *args)
+    assert report["workload"]["output_tokens"] == 2 * 4
+    assert report["workload"]["repetition_penalty"] == 1.1
+    assert seen and set(seen) == {(0.5, 0.5, 1.1)}
 
 
 def test_roofline_of_two_devices_is_half_the_time_of_one():
@@ -502,3 +540,53 @@ def test_jit_compile_count_chains_to_an_existing_hook_and_restores_it():
         restored = triton.knobs.runtime.jit_cache_hook
         triton.knobs.runtime.jit_cache_hook = None
     assert restored is not None and restored(key="k3") is None and len(seen) == 3
+
+
+def test_compare_transformers_without_it_installed_is_one_line_naming_the_extra(
+    make_tiny, tmp_path, monkeypatch, capsys
+):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers: ImportError
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "throughput", "--model", str(make_tiny("llama")), "--compare",
+              "transformers", *ENGINE_FLAGS])  # fmt: skip
+    assert exited.value.code == (
+        "tandem: error: --compare transformers needs transformers: pip install 'tandem[compare]'"
+    )
+
+
+def test_fp8_bench_counts_fp8_weight_and_kv_bytes_in_its_roofline(make_tiny, tmp_path):
+    args = ["--num-prompts", "2", "--input-len", "8", "--output-len", "4"]
+    model = ["--model", str(make_tiny("llama"))]
+    (tmp_path / "plain").mkdir(), (tmp_path / "fp8").mkdir()
+    plain = run_bench(tmp_path / "plain", "throughput", *model, *args)
+    fp8 = run_bench(tmp_path / "fp8", "throughput", *model, *args, "--quantization", "fp8",
+                    "--kv-cache-dtype", "fp8")  # fmt: skip
+    assert fp8["engine"]["quantization"] == "fp8" and fp8["engine"]["kv_cache_dtype"] == "fp8"
+    assert fp8["engine"]["resolved"]["kv_cache_dtype"] == "float8_e4m3fn"
+    assert (fp8["roofline"]["linear_weight_bytes"], fp8["roofline"]["kv_value_bytes"]) == (1, 1)
+    cfg = preset(str(make_tiny("llama")))
+    lm_head_bytes = cfg.vocab_size * cfg.hidden_size * 4  # float32 on the CPU, either way
+    layer_bytes = plain["roofline"]["weight_bytes"] - lm_head_bytes
+    assert fp8["roofline"]["weight_bytes"] == layer_bytes // 4 + lm_head_bytes
+
+
+def test_a_moe_decode_step_reads_the_experts_its_tokens_route_to():
+    """Qwen3-30B-A3B: batch 32, top 8 of 128 experts reach about 112 per layer, about 53 GB a
+    step in bf16 (issue 28's roofline); batch 1 reads its 8 experts, about 6 GB."""
+    cfg = preset("qwen3-30b-a3b")
+    cost = ModelCost.of(cfg, 2)
+    one_expert = 48 * 3 * 2048 * 768 * 2  # every layer's copy of one expert, bf16
+    assert cost.expert_bytes == one_expert
+    assert cost.expected_experts(np.array([1, 32]))[0] == pytest.approx(8.0)
+    assert cost.expected_experts(np.array([32]))[0] == pytest.approx(111.8, abs=0.1)
+    _, moved32, flops32 = step_rooflines(cost, [step_work([1024] * 32, list(range(33)))])
+    _, moved1, _ = step_rooflines(cost, [step_work([128], [0, 1])])
+    kv32 = 32 * 1025 * cost.kv_bytes_per_token  # 3.2 GB of K/V beside 53 GB of weights
+    assert 52e9 < moved32[0] - kv32 < 54e9 and 5.5e9 < moved1[0] < 6.5e9
+    # with every expert and the embedding table: the whole model
+    embedding = cfg.vocab_size * cfg.hidden_size * 2
+    whole = cost.weight_bytes + 128 * one_expert + embedding
+    assert whole == pytest.approx(cfg.num_params() * 2, rel=1e-4)  # the norms left out
+    assert flops32[0] < 2 * cfg.num_params() * 32  # only the routed experts compute

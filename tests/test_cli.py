@@ -169,3 +169,87 @@ def test_chat_stops_at_an_empty_line(tiny_dir, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi there\n\nnever read\n"))
     main(["chat", str(tiny_dir), "--max-tokens", "2", *CLI_ENGINE_ARGS])
     assert len(assistant_replies(capsys.readouterr().out)) == 1
+
+
+# ---- the parser: version, help, mistakes --------------------------------------------------
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {"PYTHONPATH": str(Path(__file__).parents[1] / "src"), "PATH": "/usr/bin:/bin"}
+    return subprocess.run([sys.executable, "-m", "tandem.cli", *args], capture_output=True,
+                          text=True, env=env, timeout=120)  # fmt: skip
+
+
+def test_version_is_the_package_version(capsys):
+    import importlib.metadata
+
+    import tandem
+
+    assert tandem.__version__ == importlib.metadata.version("tandem")
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"tandem {tandem.__version__}"
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for command in ("make-tiny-model", "generate", "chat", "serve", "bench", "trace"):
+        assert re.search(rf"^\s+{command}\s+\S", out, re.M), (command, out)
+
+
+def every_parser():
+    """(name, parser) for the top-level parser and every subcommand, nested ones included."""
+    import argparse
+
+    from tandem.cli import build_parser
+
+    pending = [("tandem", build_parser())]
+    while pending:
+        name, parser = pending.pop()
+        yield name, parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                pending += [(f"{name} {sub}", p) for sub, p in action.choices.items()]
+
+
+def test_every_flag_has_help_that_shows_its_default():
+    import argparse
+
+    for name, parser in every_parser():
+        assert parser.allow_abbrev is False, name
+        help_text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction | argparse._VersionAction):
+                continue
+            if isinstance(action, argparse._SubParsersAction):
+                continue
+            flag = action.option_strings[-1] if action.option_strings else action.dest
+            assert action.help, f"{name} {flag} has no help"
+            if action.default not in (None, argparse.SUPPRESS, [], "") and action.option_strings:
+                shown = " ".join(str(action.default).split())
+                assert f"default: {shown}" in help_text, f"{name} {flag}: default not shown"
+
+
+def test_a_misspelt_flag_prints_the_subcommands_usage(tiny_dir):
+    result = run_cli("generate", str(tiny_dir), "hi", "--max-tokns", "3")
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: tandem generate")
+    assert "tandem generate: error: unrecognized arguments: --max-tokns 3" in result.stderr
+
+
+def test_abbreviated_flags_are_refused(tiny_dir, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", str(tiny_dir), "hi", "--max-tok", "3"])
+    assert exited.value.code == 2
+    assert "unrecognized arguments: --max-tok" in capsys.readouterr().err
+
+
+def test_serve_on_a_port_past_65535_is_a_one_line_error(tiny_dir):
+    result = run_cli("serve", str(tiny_dir), "--port", "99999")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "tandem: error: --port 99999: a port is in 0-65535"
+    ]

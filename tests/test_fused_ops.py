@@ -49,7 +49,9 @@ def test_silu_and_mul_matches_torch(dtype, inter):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 16), (3, 1, 64), (8, 2, 128)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(4, 4, 16), (3, 1, 64), (8, 2, 128), (4, 2, 96), (2, 1, 80)]
+)
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_rope_qk_matches_torch_and_stores_k_v_at_their_slots(
     dtype, heads, kv_heads, head_dim, with_norm

@@ -34,6 +34,10 @@ KNOWN_SIZES = {
     "qwen2.5-7b": 7.62e9,
     "qwen3-0.6b": 0.596e9,
     "qwen3-8b": 8.19e9,
+    "qwen3-30b-a3b": 30.5e9,
+    "mixtral-8x7b": 46.7e9,
+    "gemma-3-12b": 11.77e9,  # the text model of the 12.2B (vision included) release
+    "phi-3-mini": 3.82e9,
 }
 
 
@@ -251,13 +255,14 @@ def test_unsupported_architecture_lists_the_supported_ones(make_tiny, tmp_path):
     [
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"mlp_bias": True}, "mlp_bias"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "mrope", "factor": 4.0}}, "rope type 'mrope'"),
         (
-            {"rope_scaling": None, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}},
-            "rope type 'dynamic'",
+            {"rope_scaling": None, "rope_parameters": {"rope_type": "mrope", "rope_theta": 1e4}},
+            "rope type 'mrope'",
         ),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
     ],
-    ids=["gelu", "mlp_bias", "yarn_legacy", "dynamic_rope_parameters"],
+    ids=["gelu", "mlp_bias", "mrope_legacy", "mrope_rope_parameters", "partial_rotary"],
 )
 def test_unsupported_features_are_named(make_tiny, edit, named):
     config = {**read_json(make_tiny("llama") / "config.json"), **edit}
@@ -265,9 +270,18 @@ def test_unsupported_features_are_named(make_tiny, edit, named):
         ModelConfig.from_hf(config)
 
 
-def test_mistral_with_a_real_sliding_window_is_refused():
+def test_mistral_with_a_sliding_window_windows_every_layer():
     config = read_json(PRESETS_DIR / "mistral-7b.json") | {"sliding_window": 4096}
-    with pytest.raises(ValueError, match="sliding_window=4096"):
+    parsed = ModelConfig.from_hf(config)
+    assert parsed.sliding_window == 4096 and parsed.sliding_layers == (True,) * 32
+
+
+def test_qwen_with_use_sliding_window_is_refused_naming_the_field():
+    config = read_json(PRESETS_DIR / "qwen2.5-7b.json") | {
+        "use_sliding_window": True,
+        "sliding_window": 4096,
+    }
+    with pytest.raises(ValueError, match="use_sliding_window"):
         ModelConfig.from_hf(config)
 
 

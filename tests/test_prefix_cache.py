@@ -271,3 +271,21 @@ def test_n_beyond_what_the_cache_can_hold_for_one_prompt_names_the_limit(make_ti
     params = SamplingParams(n=3, max_tokens=4)  # 2 own blocks each: up to 6 samples fit
     out = llm.generate({"prompt_token_ids": list(range(20))}, params, use_tqdm=False)[0]
     assert len(out.outputs) == 3
+
+
+def test_penalized_requests_compute_every_token_and_match_an_uncached_run(make_tiny):
+    """Penalties count the tokens the steps feed (penalties.py): a cached prefix would skip them."""
+    folder = str(make_tiny("llama"))
+    prompt = {"prompt_token_ids": list(range(3, 40))}
+    penalized = SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3)
+    outputs = {}
+    for caching in (True, False):
+        llm = LLM(
+            folder, block_size=4, num_blocks=64, max_model_len=64, enable_prefix_caching=caching
+        )
+        plain = SamplingParams(temperature=0, max_tokens=8)
+        llm.generate(prompt, plain, use_tqdm=False)  # caches the prompt's blocks
+        out = llm.generate(prompt, penalized, use_tqdm=False)[0]
+        assert out.num_cached_tokens == 0
+        outputs[caching] = out.outputs[0].token_ids
+    assert outputs[True] == outputs[False]

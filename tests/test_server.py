@@ -33,6 +33,7 @@ from tandem.cli import main
 from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.server.app import build_app
+from tandem.server.options import ServerOptions
 from tandem.server.serving import sse
 
 ENGINE_ARGS = {"max_model_len": 512, "block_size": 8}
@@ -328,12 +329,13 @@ def test_an_invalid_value_is_a_400_naming_the_field(server, field, value):
     assert field in message
 
 
-def test_an_unknown_model_is_a_400(server):
+def test_an_unknown_model_is_a_404_model_not_found(server):
     body = {"model": "gpt-4", "prompt": PROMPT}
-    message = assert_openai_error(post(server, "/v1/completions", body), 400, param="model")
-    assert MODEL in message
+    response = post(server, "/v1/completions", body)
+    assert MODEL in assert_openai_error(response, 404, param="model")
+    assert response.json()["error"]["code"] == "model_not_found"
     chat = {"model": "gpt-4", "messages": MESSAGES}
-    assert_openai_error(post(server, "/v1/chat/completions", chat), 400, param="model")
+    assert_openai_error(post(server, "/v1/chat/completions", chat), 404, param="model")
 
 
 def test_a_prompt_longer_than_the_context_is_a_400(server):
@@ -391,9 +393,6 @@ def test_a_top_k_past_the_samplers_int32_range_is_a_400_and_the_engine_keeps_ser
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("presence_penalty", 0.5),
-        ("frequency_penalty", 1.0),
-        ("logit_bias", {"5": 100}),
         ("best_of", 3),
         ("suffix", " end"),
         ("max_token", 50),  # a misspelt field must not fall back to the default silently
@@ -403,6 +402,44 @@ def test_a_field_the_server_does_not_implement_is_a_400_naming_it(server, field,
     body = {"prompt": PROMPT, "max_tokens": 2, field: value}
     message = assert_openai_error(post(server, "/v1/completions", body), 400, param=field)
     assert field in message
+
+
+def test_penalties_bias_and_token_lists_reach_the_engine_as_the_offline_api_applies_them(
+    client, offline
+):
+    fields = dict(presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"7": 100})
+    extra = dict(repetition_penalty=1.1, allowed_token_ids=[7, 8, 9], bad_words=["scheduler"])
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, extra_body=extra, **fields
+    )
+    [want] = offline_completion(
+        offline, PROMPT, max_tokens=6, temperature=0, **{**fields, "logit_bias": {7: 100}}, **extra
+    )
+    assert response.choices[0].text == want.text
+    assert set(want.token_ids) == {7}  # a bias of 100 wins among the allowed ids
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+        ("logit_bias", {"5": 101}),
+        ("logit_bias", {"five": 1}),
+        ("logit_bias", {"99999999": 1}),
+        ("allowed_token_ids", []),
+        ("allowed_token_ids", [99999999]),
+        ("bad_words", [""]),
+    ],
+)
+def test_out_of_range_penalties_and_unknown_token_ids_are_400s_naming_the_field(
+    server, field, value
+):
+    body = {"prompt": PROMPT, "max_tokens": 2, field: value}
+    message = assert_openai_error(post(server, "/v1/completions", body), 400, param=field)
+    assert field in message
+    assert httpx.get(f"{server.url}/health").status_code == 200
 
 
 def test_chat_rejects_tools_and_response_formats_it_cannot_honour(client):
@@ -417,9 +454,6 @@ def test_chat_rejects_tools_and_response_formats_it_cannot_honour(client):
 
 def test_unimplemented_fields_at_values_that_ask_for_nothing_are_accepted(server):
     neutral = {
-        "presence_penalty": 0,
-        "frequency_penalty": 0.0,
-        "logit_bias": {},
         "echo": False,
         "best_of": 1,
         "suffix": None,
@@ -476,9 +510,13 @@ def test_an_unexpected_failure_is_still_a_500_in_openai_error_json(server, monke
 
     server.wait_until_idle()
     monkeypatch.setattr(server.llm.tokenizer, "decode", explode)
-    response = post(server, "/detokenize", {"tokens": [1, 2]})
-    assert "tokenizer exploded" in assert_openai_error(response, 500)
-    assert response.json()["error"]["type"] == "server_error"
+    with httpx.Client(base_url=server.url, headers=AUTH) as http:  # one kept-alive connection
+        response = http.post("/detokenize", json={"tokens": [1, 2]})
+        assert "tokenizer exploded" in assert_openai_error(response, 500)
+        assert response.json()["error"]["type"] == "server_error"
+        assert response.headers["connection"] == "close"  # the client opens a new one next
+        monkeypatch.undo()
+        assert http.post("/detokenize", json={"tokens": [1, 2]}).status_code == 200
 
 
 def test_a_missing_or_wrong_api_key_is_a_401(server):
@@ -651,3 +689,152 @@ def test_tandem_serve_starts_a_server_from_the_command_line(folder):
         finally:
             process.send_signal(signal.SIGINT)
             assert process.wait(timeout=30) == 0
+
+
+# ---- hardening: limits, text, OpenAI compatibility, health ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "a \ud800 b"}, "prompt"),
+        ("/v1/completions", {"prompt": ["fine", "\udfff"]}, "prompt.1"),
+        ("/v1/completions", {"prompt": PROMPT, "stop": "\ud800"}, "stop"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]},
+         "messages.0.content"),
+        ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+    ],
+)  # fmt: skip
+def test_a_lone_surrogate_is_a_400_naming_the_field_and_the_connection_stays_usable(
+    server, path, body, param
+):
+    raw = json.dumps(body)  # ASCII JSON: the escape \ud800 reaches the server as it is
+    assert "\\ud800" in raw or "\\udfff" in raw
+    with httpx.Client(base_url=server.url, headers=AUTH) as http:
+        response = http.post(path, content=raw, headers={"Content-Type": "application/json"})
+        assert "surrogate" in assert_openai_error(response, 400, param=param)
+        assert http.get("/v1/models").status_code == 200
+
+
+def test_a_body_past_max_request_bytes_is_a_413_by_length_or_as_it_streams(folder):
+    llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
+    options = ServerOptions(max_request_bytes=1000)
+    big = json.dumps({"prompt": "x" * 2000, "max_tokens": 1})
+    try:
+        with running(build_app(llm, MODEL, options=options)) as url:
+            response = httpx.post(f"{url}/v1/completions", content=big,
+                                  headers={"Content-Type": "application/json"})  # fmt: skip
+            assert "max-request-bytes" in assert_openai_error(response, 413)
+
+            def chunks():  # no Content-Length: counted as it arrives
+                yield big[:600].encode()
+                yield big[600:].encode()
+
+            response = httpx.post(f"{url}/v1/completions", content=chunks(),
+                                  headers={"Content-Type": "application/json"})  # fmt: skip
+            assert_openai_error(response, 413)
+            small = {"prompt": PROMPT, "max_tokens": 1}
+            assert httpx.post(f"{url}/v1/completions", json=small).status_code == 200
+    finally:
+        llm.shutdown()
+
+
+def test_prompts_times_n_past_the_cap_is_a_400_and_nothing_is_queued(server):
+    server.wait_until_idle()
+    body = {"prompt": [PROMPT] * 3, "n": 100, "max_tokens": 1}  # 300 > 256
+    message = assert_openai_error(post(server, "/v1/completions", body), 400, param="n")
+    assert "300" in message and "256" in message
+    assert server.llm.stats.num_waiting == server.llm.stats.num_running == 0
+
+
+def test_tokenizing_runs_off_the_event_loop(server, monkeypatch):
+    """A slow tokenization (a 10 MB prompt) must not hold up other requests."""
+    encode = server.llm.tokenizer.encode
+
+    def slow_encode(text, *args, **kwargs):
+        if text.startswith("slow"):
+            time.sleep(2.0)
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(server.llm.tokenizer, "encode", slow_encode)
+    slow = threading.Thread(
+        target=post, args=(server, "/v1/completions", {"prompt": "slow one", "max_tokens": 1})
+    )
+    slow.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    assert post(server, "/tokenize", {"prompt": PROMPT}).status_code == 200
+    assert time.monotonic() - start < 1.0
+    slow.join()
+
+
+def test_the_developer_role_is_the_system_role(client, offline):
+    developer = [{"role": "developer", "content": "You are terse."}, *MESSAGES[1:]]
+    response = client.chat.completions.create(
+        model=MODEL, messages=developer, max_tokens=8, temperature=0
+    )
+    expected = offline.chat(MESSAGES, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    assert response.choices[0].message.content == expected[0].outputs[0].text
+
+
+def test_the_bearer_scheme_is_case_insensitive(server):
+    body = {"prompt": PROMPT, "max_tokens": 1}
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        headers = {"Authorization": f"{scheme} {API_KEY}"}
+        assert post(server, "/v1/completions", body, headers=headers).status_code == 200
+    assert_openai_error(post(server, "/v1/completions", body, headers={"Authorization": API_KEY}),
+                        401)  # fmt: skip
+
+
+def test_stream_options_without_stream_is_a_400(server):
+    body = {"prompt": PROMPT, "stream_options": {"include_usage": True}}
+    assert_openai_error(post(server, "/v1/completions", body), 400, param="stream_options")
+    chat = {"messages": MESSAGES, "stream": False, "stream_options": {"include_usage": True}}
+    assert_openai_error(post(server, "/v1/chat/completions", chat), 400, param="stream_options")
+
+
+def test_stop_strings_past_the_caps_are_400s_and_the_caps_are_configurable(server, folder):
+    too_many = {"prompt": PROMPT, "stop": [f"s{i}" for i in range(17)]}
+    assert "16" in assert_openai_error(post(server, "/v1/completions", too_many), 400, "stop")
+    too_long = {"prompt": PROMPT, "stop": "x" * 257}
+    assert "256" in assert_openai_error(post(server, "/v1/completions", too_long), 400, "stop")
+    llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
+    options = ServerOptions(max_stop_strings=2, max_stop_string_length=4)
+    try:
+        with running(build_app(llm, MODEL, options=options)) as url:
+            for stop in (["a", "b", "c"], "abcde"):
+                body = {"prompt": PROMPT, "stop": stop, "max_tokens": 1}
+                assert_openai_error(httpx.post(f"{url}/v1/completions", json=body), 400, "stop")
+            body = {"prompt": PROMPT, "stop": ["a", "abcd"], "max_tokens": 1}
+            assert httpx.post(f"{url}/v1/completions", json=body).status_code == 200
+    finally:
+        llm.shutdown()
+
+
+def test_health_is_503_while_a_step_does_not_return_and_200_once_it_does(folder):
+    engine = Engine(EngineConfig(model=folder, **ENGINE_ARGS))
+    release, step = threading.Event(), engine.step
+
+    def stuck_step():
+        assert release.wait(timeout=30)
+        return step()
+
+    engine.step = stuck_step
+    llm = AsyncLLM(engine)
+    try:
+        options = ServerOptions(health_stall_timeout_s=0.5)
+        with running(build_app(llm, MODEL, options=options)) as url:
+            time.sleep(1.0)  # idle: waiting for work is no stall
+            assert httpx.get(f"{url}/health").status_code == 200
+            body = {"prompt": PROMPT, "max_tokens": 2}
+            request = threading.Thread(target=httpx.post, args=(f"{url}/v1/completions",),
+                                       kwargs={"json": body, "timeout": 30})  # fmt: skip
+            request.start()
+            time.sleep(1.0)
+            assert httpx.get(f"{url}/health").status_code == 503
+            release.set()
+            request.join(timeout=30)
+            assert httpx.get(f"{url}/health").status_code == 200
+    finally:
+        release.set()
+        llm.shutdown()

@@ -104,7 +104,7 @@ def test_a_rank_that_died_is_named_and_the_engine_still_shuts_down(make_tiny):
     import os
     import signal
 
-    from tandem.parallel import RankExited
+    from tandem.workers import RankExited
 
     folder = make_tiny("llama")
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -145,15 +145,15 @@ def test_ranks_that_do_not_leave_in_time_are_killed(monkeypatch):
     import multiprocessing
     import time
 
-    from tandem import parallel
+    from tandem import workers
 
-    monkeypatch.setattr(parallel, "JOIN_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(workers, "JOIN_TIMEOUT_S", 0.5)
     stuck = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
     stuck.start()
-    workers = object.__new__(parallel.Workers)  # its processes, without the engines they run
-    workers.pipes, workers.processes = [], [stuck]
+    ranks = object.__new__(workers.Workers)  # its processes, without the engines they run
+    ranks.pipes, ranks.processes, ranks.errors = [], [stuck], {}
     start = time.monotonic()
-    workers.join()
+    ranks.join()
     assert not stuck.is_alive() and time.monotonic() - start < 10
 
 
@@ -165,9 +165,9 @@ def test_rank_0_failing_alone_mid_step_still_shuts_down_and_a_new_engine_works(
     group was left, so the next engine forms one."""
     import time
 
-    from tandem import parallel
+    from tandem import workers
 
-    monkeypatch.setattr(parallel, "JOIN_TIMEOUT_S", 5)
+    monkeypatch.setattr(workers, "JOIN_TIMEOUT_S", 5)
     folder = make_tiny("llama")
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm = LLM(str(folder), max_model_len=96, num_blocks=12, block_size=8, tensor_parallel_size=2)
@@ -195,3 +195,71 @@ def test_rank_0_failing_alone_mid_step_still_shuts_down_and_a_new_engine_works(
         assert len(new.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
     finally:
         new.engine.shutdown()
+
+
+SCRIPT = """
+from tandem import LLM, SamplingParams
+llm = LLM({folder!r}, max_model_len=96, num_blocks=12, block_size=8, tensor_parallel_size=2)
+params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+print("tokens", llm.generate([{{"prompt_token_ids": [3, 4, 5]}}], params, use_tqdm=False)[0].outputs[0].token_ids)
+llm.shutdown()
+"""
+
+
+def run_script(args: list[str], stdin: str | None, timeout: float = 120):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    return subprocess.run([sys.executable, *args], input=stdin, capture_output=True, text=True,
+                          timeout=timeout, env=env)  # fmt: skip
+
+
+def test_a_script_read_from_standard_input_runs_two_ranks(make_tiny):
+    """The spawned rank must not re-import a __main__ it cannot find (`python - < script.py`)."""
+    result = run_script(["-"], SCRIPT.format(folder=str(make_tiny("llama"))))
+    assert result.returncode == 0, result.stderr
+    assert "tokens [" in result.stdout
+
+
+def test_a_script_without_a_main_guard_does_not_start_its_engine_again_in_the_rank(
+    make_tiny, tmp_path
+):
+    script = tmp_path / "unguarded.py"
+    script.write_text(SCRIPT.format(folder=str(make_tiny("llama"))))
+    result = run_script([str(script)], None)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("tokens [") == 1
+
+
+def test_a_rank_that_fails_while_starting_raises_in_rank_0_with_its_error(make_tiny):
+    """A bad setting only the fresh worker process reads: rank 0 raises within seconds, with the
+    worker's own error, instead of waiting forever for it to join."""
+    script = SCRIPT.format(folder=str(make_tiny("llama")))
+    script = "import os\nimport tandem.runner\nos.environ['TANDEM_BLAS'] = 'nonsense'\n" + script
+    result = run_script(["-"], script, timeout=60)
+    assert result.returncode != 0
+    assert "RankExited: tensor-parallel rank 1 exited" in result.stderr
+    assert "TANDEM_BLAS" in result.stderr.split("RankExited")[-1]
+
+
+def test_a_rank_killed_while_starting_raises_in_rank_0_within_seconds(make_tiny, monkeypatch):
+    import os
+    import signal
+    import time
+
+    from tandem.workers import RankExited, Workers
+
+    start_workers = Workers.__init__
+
+    def start_then_kill(self, config, port):
+        start_workers(self, config, port)
+        os.kill(self.processes[0].pid, signal.SIGKILL)
+
+    monkeypatch.setattr(Workers, "__init__", start_then_kill)
+    start = time.monotonic()
+    with pytest.raises(RankExited, match=r"rank 1 exited \(exit code -9\)"):
+        LLM(str(make_tiny("llama")), max_model_len=96, num_blocks=12, tensor_parallel_size=2)
+    assert time.monotonic() - start < 30

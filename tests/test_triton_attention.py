@@ -200,7 +200,11 @@ def test_mixed_step_sends_its_leading_decodes_to_the_decode_kernel_and_matches_r
         setattr(backend, kind, recorded)
     scale = head_dim**-0.5
     out = backend(q, cache, meta, scale)
-    assert calls == [("decode", {"num_seqs": 3}), ("prefill", {"first_seq": 3})]
+    options = {"sliding_window": None, "logits_soft_cap": None}
+    assert calls == [
+        ("decode", {"num_seqs": 3, **options}),
+        ("prefill", {"first_seq": 3, **options}),
+    ]
     expected = prefill_attention(q.float(), cache.float(), meta, scale)
     torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
 
@@ -333,11 +337,13 @@ def test_engine_with_triton_backend_gives_the_torch_backend_tokens(make_tiny, ar
 
 
 def test_decode_tiles_setting_parses_three_ints_and_rejects_anything_else(monkeypatch):
-    assert triton_backend.decode_tiles_setting(None) is None
-    assert triton_backend.decode_tiles_setting("64,8,2") == DecodeTiles(64, 8, 2)
+    from tandem import envs
+
+    assert triton_backend.decode_tiles_setting() is None
+    assert envs.parse_decode_tiles("64,8,2") == (64, 8, 2)
     for bad in ("64,8", "64,8,x", "48,4,2", "64,3,2", "64,4,0"):
         with pytest.raises(ValueError, match="TANDEM_DECODE_TILES"):
-            triton_backend.decode_tiles_setting(bad)
+            envs.parse_decode_tiles(bad)
     monkeypatch.setenv("TANDEM_DECODE_TILES", "32,2,1")
     backend = triton_backend.TritonAttention(4, 2, 16, 2, torch.device("cpu"))
     assert backend.tiles_for(2) == backend.tiles_for(256) == DecodeTiles(32, 2, 1)
@@ -348,3 +354,74 @@ def test_large_decode_batches_take_the_large_batch_tiles():
     assert backend.tiles_for(1) == backend.single_sequence_tiles
     assert backend.tiles_for(32) == backend.tiles_for(127) == DecodeTiles()
     assert backend.tiles_for(128) == backend.tiles_for(256) == triton_backend.LARGE_BATCH_TILES
+
+
+def windowed_decode_case(dtype, head_dim, window, soft_cap, splits, seq_lens):
+    num_kv_heads, group, block_size = 2, 2, 16
+    cache = make_cache(64, block_size, num_kv_heads, head_dim, dtype)
+    tables = block_tables_for(seq_lens, block_size, 24, 64)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim).to(dtype).to(DEVICE)
+    meta = AttentionMetadata(lens, lens, lens, tables, decode_only=True)
+    options = {"sliding_window": window, "logits_soft_cap": soft_cap}
+    backend = attention(num_kv_heads, group, head_dim, num_splits=splits)
+    out = torch.full_like(q, float("nan"))
+    backend.decode(q, out, cache, meta, head_dim**-0.5, **options)
+    expected = decode_attention(q.float(), cache.float(), tables, lens, head_dim**-0.5, **options)
+    torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("head_dim", [48, 80, 96, 256])
+@pytest.mark.parametrize(("window", "soft_cap"), [(None, None), (37, None), (20, 50.0)])
+def test_decode_at_any_head_size_with_and_without_a_window_matches_reference(
+    head_dim, window, soft_cap
+):
+    """Padded tiles (48 -> 64 wide, 80 and 96 -> 128), windows that start inside a tile, on a
+    tile boundary (a 32-key window of a 64-token context) and cover a whole short context."""
+    dtype = torch.float16 if head_dim == 256 else torch.float32
+    for splits in (1, 3):
+        windowed_decode_case(dtype, head_dim, window, soft_cap, splits, [1, 64, 150, 300])
+
+
+@pytest.mark.parametrize("head_dim", [48, 80, 96, 256])
+@pytest.mark.parametrize(("window", "soft_cap"), [(None, None), (23, None), (40, 30.0)])
+def test_prefill_at_any_head_size_with_and_without_a_window_matches_reference(
+    head_dim, window, soft_cap
+):
+    """Chunks over a cached prefix longer than the window, a fresh prompt, a decode row."""
+    dtype = torch.float16 if head_dim == 256 else torch.float32
+    q, cache, meta = ragged_step(dtype, 2, 2, head_dim, 16, [50, 0, 30], [40, 70, 1])
+    options = {"sliding_window": window, "logits_soft_cap": soft_cap}
+    backend = attention(2, 2, head_dim)
+    backend.prefill_tiles = PrefillTiles(rows=32, block_n=16, num_warps=4, num_stages=1)
+    out = torch.full_like(q, float("nan"))
+    backend.prefill(q, out, cache, meta, head_dim**-0.5, **options)
+    expected = prefill_attention(q.float(), cache.float(), meta, head_dim**-0.5, **options)
+    torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_windowed_decode_reads_no_key_before_the_window():
+    """Keys outside the window are skipped, not masked: NaN in every block before the tile the
+    window starts in (16-key tiles, one per block) changes nothing."""
+    seq_lens, window, head_dim = [300, 90], 40, 64
+    cache = make_cache(64, 16, 2, head_dim, torch.float32)
+    tables = block_tables_for(seq_lens, 16, 24, 64)
+    for i, n in enumerate(seq_lens):  # every block wholly before the window of NaN
+        before = tables[i, : (n - window) // 16].long()
+        cache[:, before] = float("nan")
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 4, head_dim, device=DEVICE)
+    meta = AttentionMetadata(lens, lens, lens, tables, decode_only=True)
+    for splits in (1, 4):
+        backend = attention(2, 2, head_dim, num_splits=splits)
+        backend.decode_tiles = DecodeTiles(block_n=16, num_warps=4, num_stages=1)
+        out = backend(q, cache, meta, 0.125, sliding_window=window)
+        assert not out.isnan().any()
+        expected = decode_attention(q, cache.nan_to_num(), tables, lens, 0.125, window)
+        torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("head_dim", [8, 257, 512])
+def test_head_sizes_the_kernels_cannot_take_raise_value_error(head_dim):
+    with pytest.raises(ValueError, match="head_dim"):
+        attention(2, 2, head_dim)

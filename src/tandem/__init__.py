@@ -1,6 +1,33 @@
 """tandem: continuous batching over a paged KV cache, with the CPU one step ahead of the GPU."""
 
-from tandem.llm import LLM, CompletionOutput, RequestOutput
-from tandem.sampling import SamplingParams
+from __future__ import annotations
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tandem.llm import LLM, CompletionOutput, RequestOutput
+    from tandem.sampling import SamplingParams
+
+try:
+    __version__ = version("tandem")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0.0.0+unknown"
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+
+# Imported on first use, so `import tandem.x` (a tensor-parallel worker, `tandem --version`)
+# does not load the engine and torch's CUDA set-up with it.
+_LAZY = {
+    "LLM": "tandem.llm",
+    "CompletionOutput": "tandem.llm",
+    "RequestOutput": "tandem.llm",
+    "SamplingParams": "tandem.sampling",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tandem' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

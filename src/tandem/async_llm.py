@@ -143,6 +143,11 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders submissions against the thread's death
         self._dead: EngineDeadError | None = None
+        self.failure: BaseException | None = None  # what stopped the engine thread, if it raised
+        # progress, written by the engine thread only: when it last finished a step or took up
+        # work, and whether it is waiting for work (then no progress is due)
+        self._progress_at = time.monotonic()
+        self._idle = True
         self._sent: dict[str, _Sent] = {}  # engine thread only, as are the two counters
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
@@ -158,6 +163,12 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return self._dead is None
+
+    def seconds_without_progress(self) -> float:
+        """How long the engine thread has had work but finished no step (0 while it waits)."""
+        if self._idle:
+            return 0.0
+        return time.monotonic() - self._progress_at
 
     # ---- asyncio side ---------------------------------------------------------------------
 
@@ -228,10 +239,12 @@ class AsyncLLM:
             while self._apply_commands(block=not self.engine.has_unfinished()):
                 if self.engine.has_unfinished():
                     self._publish(self.engine.step())
+                self._progress_at = time.monotonic()
                 self.stats = self._snapshot()
             self._die(EngineDeadError("the engine was shut down"))
         except BaseException as error:
             logger.exception("the engine thread failed")
+            self.failure = error
             dead = EngineDeadError(f"the engine thread failed: {error!r}")
             dead.__cause__ = error
             self._die(dead)
@@ -241,9 +254,14 @@ class AsyncLLM:
     def _apply_commands(self, block: bool) -> bool:
         """Apply every queued command, waiting for one if `block`; False once told to stop."""
         try:
+            self._idle = block
             command = self._commands.get(block=block)
         except queue.Empty:
             return True
+        finally:
+            if self._idle:  # woken by a command: the wait for work does not count as a stall
+                self._progress_at = time.monotonic()
+                self._idle = False
         while True:
             if isinstance(command, _Stop):
                 return False

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tandem import penalties
 from tandem.io_slot import MAX_BANNED_IDS, IOSlot
 from tandem.prompt_logprobs import PromptLogprobStep, plan_rows
 from tandem.request import Request
@@ -35,6 +36,9 @@ class StepBatch:
     token_bucket: int | None = None
     num_shared_groups: int = 0  # groups of decode rows sharing leading blocks (shared_prefix.py)
     shared_kv_tokens: int = 0  # KV tokens those groups do not read again
+    use_penalties: bool = False  # some row keeps penalty state (penalties.py)
+    # (state rows, their requests) that penalized requests took for this step: reset first
+    penalty_admissions: tuple[list[int], list[Request]] | None = None
     prompt_logprobs: PromptLogprobStep | None = None  # rows at prompt positions that want them
 
 
@@ -55,6 +59,11 @@ class RunningRows:
         self.logprobs = np.zeros(max_seqs, dtype=np.int32)  # -1 when not asked for
         self.min_tokens = np.zeros(max_seqs, dtype=np.int64)
         self.needs_filter = np.zeros(max_seqs, dtype=bool)
+        self.presence_penalty = np.zeros(max_seqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_seqs, dtype=np.float32)
+        self.repetition_penalty = np.ones(max_seqs, dtype=np.float32)
+        self.needs_penalties = np.zeros(max_seqs, dtype=bool)
+        self.admitted: tuple[list[int], list[Request]] = ([], [])  # penalized, since the last step
         self.free_rows = list(range(max_seqs - 1, -1, -1))
         self.row_of: dict[str, int] = {}
 
@@ -78,6 +87,10 @@ class RunningRows:
         if row is not None:
             self.free_rows.append(row)
 
+    def take_admitted(self) -> tuple[list[int], list[Request]] | None:
+        admitted, self.admitted = self.admitted, ([], [])
+        return admitted if admitted[0] else None
+
     def _write_constants(self, row: int, request: Request) -> None:
         params = request.params
         assert request.seed is not None, "the engine draws the seed when it queues the request"
@@ -90,6 +103,13 @@ class RunningRows:
         self.logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.min_tokens[row] = params.min_tokens
         self.needs_filter[row] = params.needs_filter
+        self.presence_penalty[row] = params.presence_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
+        self.repetition_penalty[row] = params.repetition_penalty
+        self.needs_penalties[row] = params.needs_penalties
+        if params.needs_penalties:
+            self.admitted[0].append(row)
+            self.admitted[1].append(request)
 
 
 class BatchBuilder:
@@ -152,8 +172,13 @@ class BatchBuilder:
         num_outputs = np.fromiter((r.num_output_tokens for r in requests), np.int64, num_seqs)
         samples = computed_after == self.running_rows.prompt_len[rows] + num_outputs
         use_filters, num_top_logprobs = self._fill_sampling(x, requests, rows, num_outputs)
+        use_penalties = bool(self.running_rows.needs_penalties[rows].any())
+        if use_penalties:
+            self._fill_penalties(x, rows, seq_of_token, positions, computed_after)
         if graph_size is not None:
             fill_padding(x, num_seqs, graph_size)
+            if use_penalties:
+                penalties.fill_padding(x, num_seqs, graph_size, graph_size)
         if token_bucket is not None:
             fill_token_padding(x, num_tokens, token_bucket)
         # decode attention starts the longest contexts first: all rows of a decode step, or the
@@ -183,6 +208,8 @@ class BatchBuilder:
             token_bucket=token_bucket,
             num_shared_groups=num_groups,
             shared_kv_tokens=shared_kv_tokens(x, num_groups),
+            use_penalties=use_penalties,
+            penalty_admissions=self.running_rows.take_admitted(),
             prompt_logprobs=prompt_logprobs,
         )
 
@@ -203,6 +230,18 @@ class BatchBuilder:
                 ids[first : first + num_new[i]] = request.tokens(
                     int(start[i]), int(start[i] + num_new[i])
                 )
+
+    def _fill_penalties(self, x, rows: np.ndarray, seq_of_token, positions, computed_after) -> None:
+        kept = self.running_rows
+        state_rows = np.where(kept.needs_penalties[rows], rows, len(kept.needs_penalties))
+        gathered = (
+            kept.presence_penalty[rows],
+            kept.frequency_penalty[rows],
+            kept.repetition_penalty[rows],
+        )
+        penalties.fill_step_inputs(
+            x, state_rows, seq_of_token, positions, kept.prompt_len[rows], computed_after, gathered
+        )
 
     def _fill_sampling(
         self, x, requests: list[Request], rows: np.ndarray, num_outputs: np.ndarray

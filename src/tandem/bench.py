@@ -8,7 +8,6 @@ import gc
 import importlib.metadata
 import itertools
 import json
-import os
 import platform
 import statistics
 import time
@@ -20,7 +19,7 @@ import numpy as np
 import torch
 import triton
 
-from tandem import pdl, piecewise, runner
+from tandem import envs, pdl, piecewise, runner
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine import Engine
 from tandem.llm import LLM
@@ -78,15 +77,19 @@ def time_engine(
     temperature: float,
     batch_size: int | None = None,
     record_tokens: bool = False,
+    penalties: dict[str, float] | None = None,
 ) -> Run:
     """Submit `workload` in waves of `batch_size` and step until every token is out.
 
-    With `record_tokens`, each token is stamped when `step` hands it back on the host.
+    With `record_tokens`, each token is stamped when `step` hands it back on the host;
+    `penalties` are SamplingParams fields every request gets (presence_penalty, ...).
     """
     requests = [
         engine.make_request(
             f"bench-{i}",
-            SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i),
+            SamplingParams(
+                temperature=temperature, max_tokens=n, ignore_eos=True, seed=i, **(penalties or {})
+            ),
             prompt_token_ids=prompt,
         )
         for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True))
@@ -115,9 +118,11 @@ def time_engine(
     return Run(elapsed, engine.num_steps - steps_before, latencies)
 
 
-def time_generate(llm: LLM, workload: Workload, temperature: float) -> tuple[float, int]:
+def time_generate(
+    llm: LLM, workload: Workload, temperature: float, penalties: dict[str, float] | None = None
+) -> tuple[float, int]:
     """Wall seconds and engine steps for the whole workload submitted at once."""
-    run = time_engine(llm.engine, workload, temperature)
+    run = time_engine(llm.engine, workload, temperature, penalties=penalties)
     return run.seconds, run.steps
 
 
@@ -234,11 +239,12 @@ def run_bench(
     batch_size = args.batch_size if args.mode == "latency" else None
     results, rooflines = {}, {}
     hardware = on_devices(H200, engine.config.tensor_parallel_size)
-    cost = ModelCost.of(cfg, engine.dtype.itemsize)
+    sizes = engine.byte_sizes()  # FP8 weights and KV cache: their bytes, not the dtype's
+    cost = ModelCost.of(cfg, engine.dtype.itemsize, **sizes)
     for mode in modes:
         engine.async_batching = mode.startswith("async")
         engine.scheduler.cache.enabled = caching and not mode.endswith("no-cache")
-        time_engine(engine, warmup, args.temperature)
+        time_engine(engine, warmup, args.temperature, penalties=penalties_of(args))
         retries = allocator_retries(engine.device)
         runs = []
         cache = engine.scheduler.cache
@@ -249,11 +255,16 @@ def run_bench(
                 engine.step_work = []
                 runs.append(
                     time_engine(
-                        engine, workload, args.temperature, batch_size, args.mode == "latency"
+                        engine,
+                        workload,
+                        args.temperature,
+                        batch_size,
+                        args.mode == "latency",
+                        penalties_of(args),
                     )
                 )
         rooflines[mode] = roofline_summary(
-            cfg, engine.dtype.itemsize, np.array(engine.step_work), hardware
+            cfg, engine.dtype.itemsize, np.array(engine.step_work), hardware, **sizes
         )
         engine.step_work = None
         traced = trace_run(llm, workload, args, mode, cost, hardware) if args.trace else {}
@@ -379,6 +390,12 @@ def throughput_ratios(results: dict) -> dict[str, float]:
     }
 
 
+def penalties_of(args: argparse.Namespace) -> dict[str, float]:
+    """The --presence/--frequency/--repetition-penalty every request gets."""
+    names = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+    return {name: getattr(args, name) for name in names}
+
+
 def workload_info(args: argparse.Namespace, workload: Workload, batch_size: int | None) -> dict:
     return {
         "model": args.model,
@@ -394,6 +411,7 @@ def workload_info(args: argparse.Namespace, workload: Workload, batch_size: int 
         "n": args.n if args.dataset == "random" else None,
         "batch_size": batch_size,
         "temperature": args.temperature,
+        **penalties_of(args),
         "repeats": args.repeats,
         "prompt_tokens": workload.num_prompt_tokens,
         "output_tokens": workload.num_output_tokens,
@@ -408,6 +426,8 @@ def engine_info(engine: Engine) -> dict:
         "resolved": {
             "device": str(engine.device),
             "dtype": str(engine.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
+            **engine.byte_sizes(),
             "attention_backend": engine.attention_backend,
             "max_model_len": engine.max_model_len,
             "num_blocks": engine.num_blocks,
@@ -453,7 +473,7 @@ def trace_run(
 
     llm.engine.reset_prefix_cache()
     llm.engine.start_trace()
-    elapsed, _ = time_generate(llm, workload, args.temperature)
+    elapsed, _ = time_generate(llm, workload, args.temperature, penalties_of(args))
     timeline = llm.engine.stop_trace()
     path = args.trace if args.compare is None else args.trace.replace(".json", f"_{mode}.json")
     trace = timeline.to_chrome_trace({"mode": mode, "model": args.model})
@@ -484,7 +504,7 @@ def environment() -> dict:
         "splitk": splitk.ENABLED,
         "piecewise": piecewise.ENABLED,
         "blas": runner.BLAS_LIBRARY,
-        "decode_tiles": os.environ.get("TANDEM_DECODE_TILES"),
+        "decode_tiles": envs.decode_tiles(),
     }
     for name in ("tandem", "transformers", "triton"):
         try:
@@ -518,26 +538,34 @@ def copy_tb_per_s(device: torch.device, nbytes: int = 1 << 28, repeats: int = 10
 
 
 def print_report(report: dict) -> None:
+    # the roofline is an H200's: a share of it says nothing about a CPU run
+    on_gpu = report["engine"]["resolved"]["device"].startswith("cuda")
     print(
         f"{'mode':18} {'out tok/s':>10} {'req/s':>8} {'ms/step':>8} {'steps':>6} {'seconds':>8} "
         f"{'roofline':>8} {'GPU active':>10} {'cache hits':>10}"
     )
     for mode, r in report["results"].items():
         active = r.get("timeline", {}).get("gpu_active_pct")
+        rate = r.get("prefix_cache_hit_rate")  # ours only
+        hits = f"{'-' if rate is None else f'{100 * rate:.1f}%':>10}"
         ms_per_step = "-" if r["ms_per_step"] is None else f"{r['ms_per_step']:.2f}"
+        share = f"{100 * r['roofline_fraction']:7.3g}%" if on_gpu else f"{'-':>8}"
         print(
             f"{mode:18} {r['output_tokens_per_s']:10.0f} {r['requests_per_s']:8.2f} "
             f"{ms_per_step:>8} {r['steps']:6.0f} {r['seconds']:8.2f} "
-            f"{100 * r['roofline_fraction']:7.3g}% {'-' if active is None else f'{active:.2f}%':>10}"
-            f" {100 * r['prefix_cache_hit_rate']:9.1f}%"
+            f"{share} {'-' if active is None else f'{active:.2f}%':>10}"
+            f" {hits}"
         )
     roofline = report["roofline"]
     output_tokens = report["workload"]["output_tokens"]
-    print(
-        f"roofline of this work on {roofline['hardware']}: {roofline['seconds']:.4g} s "
-        f"({output_tokens / roofline['seconds']:.0f} output tok/s, {roofline['steps']} steps, "
-        f"{roofline['bytes_bound_steps']} bound by bytes); 'roofline' = its share of the time"
-    )
+    if on_gpu:
+        print(
+            f"roofline of this work on {roofline['hardware']}: {roofline['seconds']:.4g} s "
+            f"({output_tokens / roofline['seconds']:.0f} output tok/s, {roofline['steps']} steps, "
+            f"{roofline['bytes_bound_steps']} bound by bytes); 'roofline' = its share of the time"
+        )
+    else:
+        print("roofline: not shown; this run is on the CPU, and the roofline is of a GPU (H200)")
     for mode, r in report["results"].items():
         for kind, k in r.get("roofline_by_step_kind", {}).items():
             if k["roofline_fraction"] is not None:  # GPU compute spans: CUDA only
@@ -568,17 +596,29 @@ def print_report(report: dict) -> None:
 
 
 def add_bench_args(parser: argparse.ArgumentParser, latency: bool = False) -> None:
-    parser.add_argument("--dataset", choices=["random", "sharegpt"], default="random")
+    parser.add_argument(
+        "--dataset",
+        choices=["random", "sharegpt"],
+        default="random",
+        help="random token prompts, or ShareGPT conversations",
+    )
     parser.add_argument(
         "--dataset-path", help="ShareGPT JSON file (default: the small sample tandem ships)"
     )
-    parser.add_argument("--input-len", type=int, default=128, help="random dataset only")
+    parser.add_argument(
+        "--input-len", type=int, default=128, help="prompt tokens (random dataset only)"
+    )
     parser.add_argument(
         "--output-len",
         type=int,
         help=f"default: {DEFAULT_OUTPUT_LEN} (random), the gpt turn's length (sharegpt)",
     )
-    parser.add_argument("--range-ratio", type=float, default=0.0, help="random dataset only")
+    parser.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform in [len x (1 - r), len x (1 + r)] (random dataset only)",
+    )
     parser.add_argument(
         "--shared-prefix-len",
         type=int,
@@ -600,7 +640,10 @@ def add_bench_args(parser: argparse.ArgumentParser, latency: bool = False) -> No
             default=1,
             help="requests that arrive together; the next batch arrives when this one is done",
         )
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="every request's")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="every request's")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="every request's")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up")
     parser.add_argument(
         "--async",
@@ -630,13 +673,28 @@ def add_bench_args(parser: argparse.ArgumentParser, latency: bool = False) -> No
         "caching off, and/or transformers' continuous batching (both its modes, or the one "
         "named) on the same weights and requests",
     )
-    parser.add_argument("--output-json")
+    parser.add_argument(
+        "--output-json", help="write the report here (rewritten as each part finishes)"
+    )
     parser.add_argument(
         "--trace", help="also record one traced run per mode to this Chrome trace path"
     )
 
 
+def require_transformers(compare: list[str] | None) -> None:
+    """Before the run: --compare transformers* needs the `compare` extra."""
+    if not any(name.startswith("transformers") for name in compare or ()):
+        return
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            "--compare transformers needs transformers: pip install 'tandem[compare]'"
+        ) from None
+
+
 def cmd_bench(args: argparse.Namespace, engine_args: dict) -> None:
+    require_transformers(args.compare)
     save = None
     if args.output_json:
 

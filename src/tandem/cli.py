@@ -1,4 +1,4 @@
-"""The `tandem` command: make-tiny-model, generate, chat."""
+"""tandem: an LLM inference engine whose CPU prepares step N+1 while the GPU computes step N."""
 
 from __future__ import annotations
 
@@ -8,12 +8,35 @@ import sys
 import time
 from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from tandem import envs
 from tandem.config import EngineConfig
-from tandem.profiler import Timeline
-from tandem.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.profiler import Timeline
+    from tandem.sampling import SamplingParams
 
 ENGINE_ARGS = {f.name for f in fields(EngineConfig)} - {"model"}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default, unless the help says what unset means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, argparse.SUPPRESS) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """No abbreviated flags (`--max-tok` is an error, not --max-tokens), defaults in the help."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.set_defaults(command_parser=self)  # the innermost one wins: for misspelt flags
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -> None:
@@ -22,23 +45,52 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
         parser.add_argument("--model", required=True, help=model_help)
     else:
         parser.add_argument("model", help=model_help)
-    parser.add_argument("--device", choices=["cpu", "cuda"])
     parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"]
+        "--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu"
     )
-    parser.add_argument("--max-model-len", type=int)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-blocks", type=int)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="weights and activations; auto: the checkpoint's (float32 on the CPU)",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, help="prompt + output tokens (default: the model's)"
+    )
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    parser.add_argument(
+        "--num-blocks", type=int, help="KV cache blocks (default: sized from the device memory)"
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of the GPU's memory the engine may fill",
+    )
+    parser.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy: random weights of the model's shape",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of random weights and samples")
     parser.add_argument(
         "--attention-backend", choices=["torch", "triton"], help="default: triton on CUDA"
     )
-    parser.add_argument("--async-batching", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument(
+        "--async-batching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="build step N+1 while step N runs",
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="replay decode steps as CUDA graphs (default: on with CUDA)",
+    )
     parser.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -48,17 +100,27 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
     parser.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="GPUs (processes) per model"
     )
+    parser.add_argument(
+        "--quantization", choices=["fp8"], help="fp8: FP8 weights of a bf16 checkpoint"
+    )
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--sampling-seed", type=int)
-    parser.add_argument("--stop", action="append", default=[])
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    parser.add_argument("--top-k", type=int, default=0, help="0: no top-k")
+    parser.add_argument("--min-p", type=float, default=0.0, help="0: no min-p")
+    parser.add_argument(
+        "--sampling-seed", type=int, help="seed of the samples (default: drawn from --seed)"
+    )
+    parser.add_argument(
+        "--stop", action="append", default=[], help="a stop string; repeat for several"
+    )
+    parser.add_argument(
+        "--ignore-eos", action="store_true", help="go on past end-of-sequence tokens"
+    )
 
 
 def check_output_path(flag: str, path: str | None) -> None:
@@ -77,6 +139,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    from tandem.sampling import SamplingParams
+
     return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -174,10 +238,80 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from tandem.async_llm import AsyncLLM
-    from tandem.server.app import serve
+    from tandem.server.lifecycle import serve
+    from tandem.server.options import ServerOptions
 
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port}: a port is in 0-65535")
+    options = ServerOptions(
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
+        max_sequences_per_request=args.max_sequences_per_request,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_length=args.max_stop_string_length,
+        health_stall_timeout_s=args.health_stall_timeout,
+        drain_timeout_s=args.drain_timeout,
+        access_log=args.access_log,
+    )
+    options.validate()
     llm = AsyncLLM.from_model(args.model, **engine_kwargs(args))
-    serve(llm, args.served_model_name or args.model, args.host, args.port, args.api_key)
+    if serve(llm, args.served_model_name or args.model, args.host, args.port, options):
+        sys.exit(f"tandem: error: the engine failed ({llm.failure!r}); the server stopped")
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    from tandem.server.options import ServerOptions
+
+    defaults = ServerOptions()
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' (not on /health and /metrics; default: none)",
+    )
+    parser.add_argument("--served-model-name", help="the model name clients send (default: MODEL)")
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=defaults.max_request_bytes,
+        help="a larger request body is a 413",
+    )
+    parser.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=defaults.max_sequences_per_request,
+        help="prompts x n one request may start; more is a 400",
+    )
+    parser.add_argument(
+        "--max-stop-strings",
+        type=int,
+        default=defaults.max_stop_strings,
+        help="stop strings per request; more is a 400",
+    )
+    parser.add_argument(
+        "--max-stop-string-length",
+        type=int,
+        default=defaults.max_stop_string_length,
+        help="characters per stop string; longer is a 400",
+    )
+    parser.add_argument(
+        "--health-stall-timeout",
+        type=float,
+        default=defaults.health_stall_timeout_s,
+        metavar="SECONDS",
+        help="/health is 503 once the engine has had work this long without finishing a step "
+        "(0: never)",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=defaults.drain_timeout_s,
+        metavar="SECONDS",
+        help="on SIGTERM, how long open requests may go on before they are ended",
+    )
+    parser.add_argument(
+        "--access-log", action="store_true", help="log a line per request (off: the GIL is busy)"
+    )
 
 
 def cmd_run_batch(args: argparse.Namespace) -> None:
@@ -196,21 +330,31 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
     print(f"{num_lines} lines written to {args.output_file}")
 
 
+# tiny.ARCH_CONFIGS' keys (tiny.py is not imported before a command needs it)
+TINY_ARCHS = ["gemma2", "gemma3", "llama", "mistral", "mistral_sliding", "mixtral", "phi3", "qwen2",
+              "qwen3", "qwen3_moe"]  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    from tandem import __version__
+
+    parser = Parser(prog="tandem", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"tandem {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     tiny = sub.add_parser(
         "make-tiny-model", help="write a small random checkpoint in Hugging Face format"
     )
-    tiny.add_argument("out_dir")
-    tiny.add_argument("--arch", choices=["llama", "mistral", "qwen2", "qwen3"], default="llama")
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("out_dir", help="the folder to write")
+    tiny.add_argument(
+        "--arch", choices=TINY_ARCHS, default="llama", help="architecture of the checkpoint"
+    )
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     tiny.set_defaults(func=cmd_make_tiny_model)
 
     gen = sub.add_parser("generate", help="generate completions for prompts")
     add_engine_args(gen)
-    gen.add_argument("prompts", nargs="+")
+    gen.add_argument("prompts", nargs="+", help="one or more prompts")
     add_sampling_args(gen)
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     gen.add_argument("--trace", metavar="PATH", help="record a CPU/GPU timeline to this JSON")
@@ -219,15 +363,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="chat on stdin with the model's chat template")
     add_engine_args(chat)
     add_sampling_args(chat)
-    chat.add_argument("--system", default="")
+    chat.add_argument("--system", default="", help="a system message to start with")
     chat.set_defaults(func=cmd_chat)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
-    serve.add_argument("--served-model-name", help="the model name clients send (default: MODEL)")
+    add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     run_batch = sub.add_parser("run-batch", help="answer an OpenAI batch file (JSONL)")
@@ -245,7 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     run_batch.add_argument("--served-model-name", help="the model name lines give (default: MODEL)")
     run_batch.add_argument("--quiet", action="store_true", help="no progress bar")
     run_batch.set_defaults(func=cmd_run_batch)
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="mode", required=True)
+    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve").add_subparsers(
+        dest="mode", required=True, metavar="MODE"
+    )
     from tandem.bench import add_bench_args
 
     throughput = bench.add_parser(
@@ -269,21 +412,27 @@ def build_parser() -> argparse.ArgumentParser:
     latency.set_defaults(func=cmd_bench)
 
     trace = sub.add_parser("trace", help="read a Chrome trace written with --trace")
-    actions = trace.add_subparsers(dest="action", required=True)
+    actions = trace.add_subparsers(dest="action", required=True, metavar="ACTION")
     summarize = actions.add_parser("summarize", help="GPU-active %%, idle gaps, CPU phase times")
-    summarize.add_argument("path")
+    summarize.add_argument("path", help="a trace written with --trace")
     summarize.add_argument("--json", action="store_true", help="print the summary dict as JSON")
     summarize.set_defaults(func=cmd_trace_summarize)
     plot = actions.add_parser("plot", help="PNG: whole-run GPU busy vs idle, a few steps zoomed")
-    plot.add_argument("path")
-    plot.add_argument("-o", "--output", required=True, metavar="PNG")
+    plot.add_argument("path", help="a trace written with --trace")
+    plot.add_argument("-o", "--output", required=True, metavar="PNG", help="the image to write")
     plot.add_argument("--window-steps", type=int, default=6, help="steps in the zoomed window")
     plot.set_defaults(func=cmd_trace_plot)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    try:
+        envs.check_all()  # before the parser imports the modules that read them
+    except ValueError as error:
+        sys.exit(f"tandem: error: {error}")
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # said by the command they were given to, with its usage
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         args.func(args)
     except (ValueError, OSError) as error:

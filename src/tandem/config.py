@@ -7,18 +7,34 @@ from typing import Any
 
 import torch
 
+from tandem.model.rope import ROPE_TYPES
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+# architectures whose sliding_window (when set) applies to every layer
+WINDOWED_EVERYWHERE = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 
 DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+
+
+# "fp8" is e4m3 (as vLLM's default "fp8"); None: the model's dtype
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
@@ -41,10 +57,26 @@ class ModelConfig:
     qk_norm: bool
     torch_dtype: str | None
     eos_token_ids: tuple[int, ...]
+    hidden_act: str = "silu"  # "silu" or "gelu_tanh" (GeGLU)
+    # per layer: attends over the last sliding_window tokens only ("sliding_attention" layers)
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] = ()
+    rope_local_theta: float | None = None  # Gemma 3's sliding layers: default rope at this base
+    # Gemma
+    query_pre_attn_scalar: float | None = None  # the softmax scale is its inverse square root
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # Mixture of experts (num_experts 0: dense); moe_layers[i]: layer i's MLP is the experts
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[bool, ...] = ()
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Parse a config.json dict; raises ValueError for what tandem cannot run."""
+        """Parse a config.json dict; raises ValueError for what tandem cannot run, naming the
+        field (a field that changes the math and is not implemented is never ignored)."""
         archs = hf.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -52,52 +84,51 @@ class ModelConfig:
                 f"unsupported architecture {archs or hf.get('model_type')!r} in config.json; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
+        refuse_unimplemented(hf, arch)
+        act_field = "hidden_activation" if arch in GEMMA else "hidden_act"
+        act = hf.get(act_field) or hf.get("hidden_act") or "silu"
+        if act not in ACTIVATIONS or (arch not in GEMMA and act != "silu"):
             raise ValueError(
-                f"unsupported hidden_act {act!r} in config.json; only 'silu' is supported"
-            )
-        if hf.get("mlp_bias"):
-            raise ValueError("unsupported mlp_bias=true in config.json")
-        window = hf.get("sliding_window")
-        uses_window = hf.get("use_sliding_window", arch == "MistralForCausalLM")
-        if window is not None and uses_window and window < hf.get("max_position_embeddings", 0):
-            raise ValueError(
-                f"sliding-window attention (sliding_window={window}) is not supported; "
-                "use a checkpoint without it"
+                f"unsupported {act_field} {act!r} in config.json; supported: "
+                + ("'gelu_pytorch_tanh', " if arch in GEMMA else "")
+                + "'silu'"
             )
         num_heads = hf["num_attention_heads"]
-        rope = dict(hf.get("rope_parameters") or {})
-        rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-        legacy_scaling = hf.get("rope_scaling")
-        if legacy_scaling:
-            rope.update(legacy_scaling)
-        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"unsupported rope type {rope_type!r}; supported: 'default', 'llama3'")
+        num_layers = hf["num_hidden_layers"]
+        rope_theta, rope_scaling, rope_local_theta = parse_rope(hf, arch)
+        window, sliding_layers = parse_window(hf, arch, num_layers)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         is_qwen2 = arch == "Qwen2ForCausalLM"
         attention_bias = bool(hf.get("attention_bias") or False)
+        gemma = arch in GEMMA
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
+            intermediate_size=hf.get("intermediate_size") or 0,
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
-            rope_scaling={"rope_type": rope_type, **rope} if rope_type != "default" else None,
+            rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
             qkv_bias=is_qwen2 or attention_bias,
             o_proj_bias=attention_bias and not is_qwen2,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             torch_dtype=hf.get("dtype") or hf.get("torch_dtype"),
             eos_token_ids=eos_ids,
+            hidden_act=ACTIVATIONS[act],
+            sliding_window=window,
+            sliding_layers=sliding_layers,
+            rope_local_theta=rope_local_theta,
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if gemma else None,
+            attn_logit_softcapping=hf.get("attn_logit_softcapping") if gemma else None,
+            final_logit_softcapping=hf.get("final_logit_softcapping") if gemma else None,
+            **parse_moe(hf, arch, num_layers),
         )
 
     @property
@@ -108,16 +139,152 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def is_moe_layer(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
+
     def num_params(self) -> int:
-        """Parameters of the weights a forward pass reads (the LM head counted once)."""
+        """Parameters of the weights a forward pass reads (the LM head counted once; every
+        expert of a mixture counted)."""
         h, d = self.hidden_size, self.head_dim
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         attn += (self.q_size + 2 * self.kv_size if self.qkv_bias else 0) + (
             h if self.o_proj_bias else 0
         )
-        mlp = 3 * h * self.intermediate_size
+        norms = (4 if self.architecture in GEMMA else 2) * h + (2 * d if self.qk_norm else 0)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp + 2 * h + (2 * d if self.qk_norm else 0)) + embed + h
+        total = embed + h
+        for layer in range(self.num_layers):
+            if self.is_moe_layer(layer):
+                mlp = 3 * h * self.moe_intermediate_size * self.num_experts + h * self.num_experts
+            else:
+                mlp = 3 * h * self.intermediate_size
+            total += attn + mlp + norms
+        return total
+
+
+def refuse_unimplemented(hf: dict[str, Any], arch: str) -> None:
+    """ValueError naming the first config.json field that changes the math in a way tandem
+    does not implement."""
+    if hf.get("mlp_bias"):
+        raise ValueError("unsupported mlp_bias=true in config.json")
+    rope = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"unsupported partial_rotary_factor={partial} in config.json; only 1.0")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("unsupported use_bidirectional_attention=true in config.json")
+    if hf.get("shared_expert_intermediate_size"):
+        raise ValueError("unsupported shared_expert_intermediate_size (shared experts)")
+    kinds = set(hf.get("layer_types") or ())
+    if kinds - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"unsupported layer_types {sorted(kinds)} in config.json")
+
+
+def parse_rope(hf: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | None, float | None]:
+    """(rope_theta, rope_scaling with its rope_type or None, Gemma 3's local theta or None) from
+    either layout: legacy rope_theta + rope_scaling, or transformers 5's rope_parameters (per
+    layer type for Gemma 3)."""
+    params = dict(hf.get("rope_parameters") or {})
+    local_theta = None
+    if arch == "Gemma3ForCausalLM":
+        if "full_attention" in params or "sliding_attention" in params:
+            local = params.get("sliding_attention") or {}
+            if local.get("rope_type", "default") != "default":
+                raise ValueError("unsupported rope_type for sliding_attention layers: only default")
+            local_theta = float(local.get("rope_theta", 10000.0))
+            params = dict(params.get("full_attention") or {})
+        else:
+            local_theta = float(hf.get("rope_local_base_freq", 10000.0))
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    if hf.get("rope_scaling"):
+        params.update(hf["rope_scaling"])
+    params.pop("partial_rotary_factor", None)
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    if arch == "Phi3ForCausalLM" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # Phi-3's names for it, as transformers reads them
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope type {rope_type!r}; supported: {', '.join(map(repr, ROPE_TYPES))}"
+        )
+    if rope_type == "default":
+        return theta, None, local_theta
+    max_position = hf.get("max_position_embeddings", 4096)
+    if rope_type in ("yarn", "longrope"):
+        params.setdefault(
+            "original_max_position_embeddings",
+            hf.get("original_max_position_embeddings", max_position),
+        )
+    if params.get("factor") is None and rope_type in ("yarn", "longrope"):
+        params["factor"] = max_position / params["original_max_position_embeddings"]
+    needed = {
+        "linear": ("factor",),
+        "dynamic": ("factor",),
+        "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+        "longrope": ("short_factor", "long_factor"),
+    }.get(rope_type, ())
+    for key in needed:
+        if params.get(key) is None:
+            raise ValueError(f"rope type {rope_type!r} needs rope_scaling.{key} in config.json")
+    return theta, {"rope_type": rope_type, **params}, local_theta
+
+
+def parse_window(
+    hf: dict[str, Any], arch: str, num_layers: int
+) -> tuple[int | None, tuple[bool, ...]]:
+    """(sliding_window or None, which layers use it)."""
+    window = hf.get("sliding_window")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        if window is not None and hf.get("use_sliding_window"):
+            raise ValueError(
+                f"unsupported use_sliding_window=true (sliding_window={window}) for {arch}; "
+                "use a checkpoint without it"
+            )
+        return None, ()
+    if arch == "LlamaForCausalLM" or window is None:
+        return None, ()
+    if arch in WINDOWED_EVERYWHERE:
+        layers = (True,) * num_layers
+    else:  # Gemma: alternating sliding and full layers
+        kinds = hf.get("layer_types")
+        if kinds is None:
+            pattern = hf.get("sliding_window_pattern", 2 if arch == "Gemma2ForCausalLM" else 6)
+            kinds = [
+                "sliding_attention" if (i + 1) % pattern else "full_attention"
+                for i in range(num_layers)
+            ]
+        if len(kinds) != num_layers:
+            raise ValueError(
+                f"layer_types lists {len(kinds)} layers, num_hidden_layers={num_layers}"
+            )
+        layers = tuple(kind == "sliding_attention" for kind in kinds)
+    return int(window), layers
+
+
+def parse_moe(hf: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
+    if arch not in MOE:
+        return {}
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts, Mixtral's name
+    num_experts = hf.get("num_local_experts") or hf.get("num_experts")
+    if not num_experts:
+        raise ValueError(f"{arch} needs num_experts (or num_local_experts) in config.json")
+    if arch == "MixtralForCausalLM":
+        inter = hf["intermediate_size"]
+        norm_topk_prob, moe_layers = True, (True,) * num_layers
+    else:
+        inter = hf["moe_intermediate_size"]
+        norm_topk_prob = bool(hf.get("norm_topk_prob", False))
+        step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
+        moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    top_k = hf["num_experts_per_tok"]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok={top_k} must be in 1..{num_experts} (the experts)")
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": inter,
+        "norm_topk_prob": norm_topk_prob,
+        "moe_layers": moe_layers,
+    }
 
 
 @dataclass
@@ -140,6 +307,8 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
+    quantization: str | None = None  # "fp8": FP8 weights of a bf16 checkpoint, made at load
+    kv_cache_dtype: str = "auto"  # "fp8" (e4m3, per-tensor scales): half a bf16 cache's bytes
 
     def validate(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -168,6 +337,12 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be None, 'cpu' or 'cuda', got {self.device!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}"
@@ -199,11 +374,14 @@ class EngineConfig:
             return torch.float32
         return DTYPES.get(model_config.torch_dtype or "", torch.bfloat16)
 
+    def resolve_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype for a model computing in `dtype`."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or dtype
+
     def resolve_attention_backend(self, model_config: ModelConfig, device: torch.device) -> str:
         if self.attention_backend is not None:
             return self.attention_backend
-        d = model_config.head_dim
-        usable = device.type == "cuda" and d >= 16 and d & (d - 1) == 0
+        usable = device.type == "cuda" and 16 <= model_config.head_dim <= 256  # padded tiles
         return "triton" if usable else "torch"
 
     def resolve_max_model_len(self, model_config: ModelConfig) -> int:

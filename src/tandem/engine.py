@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tandem import piecewise
+from tandem import penalties, piecewise
 from tandem.attention import get_backend, rows_per_shared_group
 from tandem.batch import BatchBuilder, StepBatch
 from tandem.config import EngineConfig, ModelConfig, cdiv
@@ -22,7 +22,6 @@ from tandem.memory import num_kv_blocks
 from tandem.model.loader import build_model, read_hf_config
 from tandem.parallel import (
     TensorParallel,
-    Workers,
     check_shardable,
     free_port,
     init_process_group,
@@ -38,6 +37,7 @@ from tandem.runner import Runner
 from tandem.sampling import SamplingParams
 from tandem.scheduler import Scheduler
 from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
+from tandem.workers import Workers
 
 
 class Engine:
@@ -69,7 +69,32 @@ class Engine:
                 self.check_ranks = self.workers.check
             else:
                 self.check_ranks = rank0_check()
-            init_process_group(rank, self.tp.size, port, self.device)
+        try:
+            self._start(config, cfg, hf_config, folder, rank, port)
+        except BaseException:
+            if self.workers is not None:
+                self._abandon_workers()
+            raise
+
+    def _abandon_workers(self) -> None:
+        """Rank 0 failed while starting: name a rank that died (the likely cause), end them all."""
+        try:
+            self.workers.check()
+        finally:
+            self.workers.kill()
+            self.workers = None
+            if self.device.type != "cuda":  # an NCCL group with a lost rank cannot be left
+                leave_process_group()
+
+    def _start(
+        self,
+        config: EngineConfig,
+        cfg: ModelConfig,
+        hf_config: dict,
+        folder: Path | None,
+        rank: int,
+        port: int | None,
+    ) -> None:
         self.dtype = config.resolve_dtype(cfg, self.device)
         self.max_model_len = config.resolve_max_model_len(cfg)
         self.tokenizer = (
@@ -86,7 +111,12 @@ class Engine:
             self.max_model_len,
             config.seed,
             self.tp,
+            config.quantization,
+            fp8_kv_cache=config.kv_cache_dtype != "auto",
         )
+        if self.tp.size > 1:  # after the rank-local start-up: a rank dying there raises here
+            init_process_group(rank, self.tp.size, port, self.device, self.check_ranks)
+        self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
         local = self.model.cfg  # this rank's heads and MLP slice
         self.attention_backend = config.resolve_attention_backend(cfg, self.device)
         self.attend = get_backend(
@@ -97,14 +127,24 @@ class Engine:
             config.max_num_seqs,
             self.device,
         )
+        # before the KV cache is sized from what is left
+        self.penalties = penalties.PenaltyState(
+            config.max_num_seqs, cfg.vocab_size, config.max_num_batched_tokens, self.device
+        )
         num_blocks = num_kv_blocks(
-            config, local, self.dtype, self.device, self.max_model_len, self.model, self.attend
+            config,
+            local,
+            self.kv_cache_dtype,
+            self.device,
+            self.max_model_len,
+            self.model,
+            self.attend,
         )
         self.num_blocks = self.tp.min(num_blocks, self.device)  # every rank schedules alike
         self.block_size = config.block_size
         max_blocks_per_seq = cdiv(self.max_model_len, config.block_size)
         self.kv_caches = allocate_kv_cache(
-            local, self.num_blocks, config.block_size, self.dtype, self.device
+            local, self.num_blocks, config.block_size, self.kv_cache_dtype, self.device
         )
         self.allocator = BlockAllocator(self.num_blocks)
         max_tokens = config.max_num_batched_tokens
@@ -116,10 +156,11 @@ class Engine:
             self.max_model_len,
             config.enable_prefix_caching,
         )
-        # the Triton decode reads blocks that rows share once per group (cascade attention)
+        # the Triton decode reads blocks that rows share once per group (cascade attention);
+        # not across sliding windows, whose keys before the window it must not see
         shared_rows = (
             rows_per_shared_group(local.num_heads, local.num_kv_heads)
-            if self.attention_backend == "triton"
+            if self.attention_backend == "triton" and not cfg.sliding_window
             else 0
         )
         self.builder = BatchBuilder(
@@ -141,6 +182,7 @@ class Engine:
             tp=self.tp,
             piecewise=self._use_piecewise(),
             cascade=shared_rows > 0,
+            penalties=self.penalties,
         )
         if self.runner.cuda and (self.runner.graph_sizes or self.runner.token_buckets):
             self.runner.capture_graphs()
@@ -156,6 +198,12 @@ class Engine:
         # (num_seqs, num_tokens, context_tokens, attention_pairs) per launched step, for the
         # roofline; recorded only while a caller holds a list here (the benchmark does)
         self.step_work: list[tuple[int, int, int, int]] | None = None
+
+    def byte_sizes(self) -> dict[str, int]:
+        """Bytes per weight of the layers' matrices and per KV cache value (1 with FP8), for
+        the roofline."""
+        weight = self.model.layers[0].self_attn.qkv_proj.weight
+        return {"linear_bytes": weight.element_size(), "kv_bytes": self.kv_cache_dtype.itemsize}
 
     def shutdown(self) -> None:
         """Stop the other ranks' processes (tensor parallelism) and leave the process group."""
@@ -241,10 +289,20 @@ class Engine:
             raise ValueError(
                 f"with min_tokens, at most {MAX_BANNED_IDS - len(self.eos_token_ids)} stop_token_ids are supported"
             )
+        bad_words = self._bad_words_token_ids(params)
+        penalties.check_request(params, bad_words, self.model_config.vocab_size)
         request = Request(request_id, prompt_token_ids, params, params.seed, prompt=prompt)
+        request.bad_words_token_ids = bad_words
         if params.stop or stream_text:
             request.detokenizer = self._detokenizer(request)
         return request
+
+    def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        if not params.bad_words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError("bad_words need the model's tokenizer.json; use logit_bias instead")
+        return penalties.bad_word_token_ids(self.tokenizer, params.bad_words)
 
     def _check_token_ids(self, ids: list[int]) -> list[int]:
         if not ids:

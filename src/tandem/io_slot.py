@@ -43,9 +43,17 @@ def input_fields(
         "sample_positions": ((b,), torch.int32),
         "banned_ids": ((b, MAX_BANNED_IDS), torch.int32),
         "ban_rows": ((b,), torch.int32),
+        # penalties.py, read only by steps with a penalized row: each row's and token's state
+        # row (the scratch row, max_seqs, where it has none), each token's slot in the history
+        "penalty_rows": ((b,), torch.int32),
+        "penalty_token_rows": ((t,), torch.int32),
+        "penalty_history_slots": ((t,), torch.int32),
         "temperature": ((b,), torch.float32),
         "top_p": ((b,), torch.float32),
         "min_p": ((b,), torch.float32),
+        "presence_penalty": ((b,), torch.float32),
+        "frequency_penalty": ((b,), torch.float32),
+        "repetition_penalty": ((b,), torch.float32),
     }
 
 

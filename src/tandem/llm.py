@@ -138,6 +138,16 @@ class LLM:
             return [SamplingParams()] * count
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
+        if not isinstance(sampling_params, Sequence) or isinstance(sampling_params, str | dict):
+            raise TypeError(
+                "sampling_params must be a SamplingParams or a list of them, "
+                f"got {type(sampling_params).__name__}"
+            )
+        for index, params in enumerate(sampling_params):
+            if not isinstance(params, SamplingParams):
+                raise TypeError(
+                    f"sampling_params[{index}] must be a SamplingParams, got {type(params).__name__}"
+                )
         if len(sampling_params) != count:
             raise ValueError(f"got {len(sampling_params)} sampling_params for {count} prompts")
         return list(sampling_params)

@@ -18,20 +18,21 @@ CPU_KV_CACHE_BYTES = 2 << 30
 def num_kv_blocks(
     config: EngineConfig,
     cfg: ModelConfig,
-    dtype: torch.dtype,
+    kv_cache_dtype: torch.dtype,
     device: torch.device,
     max_model_len: int,
     model: Decoder,
     attend: AttentionBackend,
 ) -> int:
-    per_block = bytes_per_block(cfg, config.block_size, dtype)
+    """Blocks of `kv_cache_dtype` (an FP8 cache's are half a bf16 cache's bytes)."""
+    per_block = bytes_per_block(cfg, config.block_size, kv_cache_dtype)
     if config.num_blocks is not None:
         num_blocks = config.num_blocks
     elif device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         _, total = torch.cuda.mem_get_info(device)
-        peak = peak_step_memory(config, cfg, dtype, device, max_model_len, model, attend)
+        peak = peak_step_memory(config, cfg, kv_cache_dtype, device, max_model_len, model, attend)
         budget = int(total * config.gpu_memory_utilization) - peak
         if budget < per_block:
             raise ValueError(
@@ -56,7 +57,7 @@ def num_kv_blocks(
 def peak_step_memory(
     config: EngineConfig,
     cfg: ModelConfig,
-    dtype: torch.dtype,
+    kv_cache_dtype: torch.dtype,
     device: torch.device,
     max_model_len: int,
     model: Decoder,
@@ -72,7 +73,9 @@ def peak_step_memory(
     )
     blocks_per_seq = cdiv(seq_len, config.block_size)
     num_seqs = len(seq_lens)
-    kv_caches = allocate_kv_cache(cfg, num_seqs * blocks_per_seq, config.block_size, dtype, device)
+    kv_caches = allocate_kv_cache(
+        cfg, num_seqs * blocks_per_seq, config.block_size, kv_cache_dtype, device
+    )
     starts = [0, *itertools.accumulate(seq_lens)]
     slots_per_seq = blocks_per_seq * config.block_size
     meta = AttentionMetadata(

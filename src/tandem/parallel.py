@@ -11,20 +11,19 @@ vocab-parallel embedding, an all-gather of the logits, a broadcast of the sample
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing.connection
 import os
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tandem.config import EngineConfig, ModelConfig, cdiv
+from tandem.config import ModelConfig, cdiv
+
+STORE_TIMEOUT_S = 600  # how long a rank > 0 tries to reach rank 0's rendezvous store
 
 
 @dataclass(frozen=True)
@@ -86,6 +85,10 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
             f"num_key_value_heads={cfg.num_kv_heads}",
         ),
         (cfg.intermediate_size % size == 0, f"intermediate_size={cfg.intermediate_size}"),
+        (
+            cfg.moe_intermediate_size % size == 0,
+            f"moe_intermediate_size={cfg.moe_intermediate_size}",
+        ),
     ]
     for ok, what in rules:
         if not ok:
@@ -93,12 +96,13 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
 
 
 def shard_config(cfg: ModelConfig, tp: TensorParallel) -> ModelConfig:
-    """The shapes one rank holds: its heads, KV heads and slice of the MLP."""
+    """The shapes one rank holds: its heads, KV heads and slice of the MLP (of every expert)."""
     return replace(
         cfg,
         num_heads=tp.heads(cfg.num_heads)[1],
         num_kv_heads=tp.kv_heads(cfg.num_kv_heads)[1],
         intermediate_size=cfg.intermediate_size // tp.size,
+        moe_intermediate_size=cfg.moe_intermediate_size // tp.size,
     )
 
 
@@ -119,11 +123,13 @@ def shard_tensor(
     if leaf == "o_proj" and hf_name.endswith("weight"):
         first, count = tp.heads(cfg.num_heads)
         return tensor.narrow(1, first * d, count * d)
+    # an expert's MLP is sliced as a dense one, by its own intermediate size
+    inter = cfg.moe_intermediate_size if ".experts." in hf_name else cfg.intermediate_size
     if leaf in ("gate_proj", "up_proj"):
-        first, count = tp.part(cfg.intermediate_size)
+        first, count = tp.part(inter)
         return tensor.narrow(0, first, count)
-    if leaf == "down_proj":
-        first, count = tp.part(cfg.intermediate_size)
+    if leaf == "down_proj" and hf_name.endswith("weight"):  # per-row FP8 scales stay whole
+        first, count = tp.part(inter)
         return tensor.narrow(1, first, count)
     if leaf in ("embed_tokens", "lm_head"):
         first, count = tp.part(cfg.vocab_size)
@@ -137,7 +143,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_process_group(rank: int, size: int, port: int, device: torch.device) -> None:
+def init_process_group(
+    rank: int, size: int, port: int, device: torch.device, check: Callable[[], None]
+) -> None:
+    """Join the ranks' process group; rank 0 waits for the others while `check` finds them alive,
+    so a rank that dies before it joins raises here rather than leave rank 0 waiting forever."""
     # NVLink multicast stays off: on shared hosts it can take every GPU of the host down
     for name, value in (
         ("NCCL_NVLS_ENABLE", "0"),
@@ -150,10 +160,16 @@ def init_process_group(rank: int, size: int, port: int, device: torch.device) ->
             "a tensor-parallel process group is still open in this process: an earlier engine "
             "lost a rank on the GPU, and its NCCL group cannot be torn down; start a new process"
         )
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
+    timeout = timedelta(seconds=STORE_TIMEOUT_S)
+    store = dist.TCPStore(
+        "127.0.0.1", port, size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
     )
+    store.add("ranks_arrived", 1)
+    while store.add("ranks_arrived", 0) < size:
+        check()
+        time.sleep(0.02)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size)
 
 
 def rank0_check() -> Callable[[], None]:
@@ -171,93 +187,3 @@ def rank0_check() -> Callable[[], None]:
 def leave_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-JOIN_TIMEOUT_S = 30  # shutdown: how long the other ranks get to leave before they are killed
-
-
-class RankExited(RuntimeError):
-    """A tensor-parallel rank's process is gone; the engine it belonged to cannot step again."""
-
-
-class Workers:
-    """Rank 0's handle on ranks 1..size-1: their processes and the pipes that drive them."""
-
-    def __init__(self, config: EngineConfig, port: int):
-        ctx = mp.get_context("spawn")
-        self.pipes: list[multiprocessing.connection.Connection] = []
-        self.processes = []
-        for rank in range(1, config.tensor_parallel_size):
-            ours, theirs = ctx.Pipe()
-            process = ctx.Process(
-                target=worker_main, args=(rank, config, port, theirs), daemon=True
-            )
-            process.start()
-            self.pipes.append(ours)
-            self.processes.append(process)
-
-    def step(self, commands: list[tuple[Any, ...]]) -> None:
-        """Apply `commands` (("add", request_id, params, prompt_token_ids), ("abort", id) or
-        ("reset_prefix_cache",)), then step."""
-        self.check()
-        for pipe in self.pipes:
-            try:
-                pipe.send(("step", commands))
-            except (BrokenPipeError, ConnectionResetError):
-                self.check()  # it died since the check above
-                raise
-
-    def check(self) -> None:
-        """Raise if a rank's process is gone: the others would wait for it at their next collective."""
-        for rank, process in enumerate(self.processes, start=1):
-            if not process.is_alive():
-                raise RankExited(
-                    f"tensor-parallel rank {rank} exited (exit code {process.exitcode}); "
-                    "this engine cannot go on"
-                )
-
-    def alive(self) -> bool:
-        return all(process.is_alive() for process in self.processes)
-
-    def stop(self) -> None:
-        for pipe, process in zip(self.pipes, self.processes, strict=True):
-            # one that exits meanwhile has closed its pipe
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                if process.is_alive():
-                    pipe.send(("stop", []))
-
-    def join(self) -> None:
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
-        for process in self.processes:
-            process.join(timeout=max(0.0, deadline - time.monotonic()))
-            if process.is_alive():  # stuck in a collective that cannot complete: free its GPU
-                process.kill()
-                process.join()
-
-
-def worker_main(
-    rank: int, config: EngineConfig, port: int, pipe: multiprocessing.connection.Connection
-) -> None:
-    """A rank > 0: the same engine, stepped in lockstep with rank 0."""
-    from tandem.engine import Engine
-
-    engine = Engine(config, rank=rank, port=port)
-    while True:
-        try:
-            order, commands = pipe.recv()
-        except EOFError:  # rank 0 is gone: leave at once, without a shutdown whose device work
-            os._exit(0)  # could wait forever on a collective rank 0 never joins
-        if order == "stop":
-            break
-        for command in commands:
-            if command[0] == "add":
-                _, request_id, params, prompt_token_ids = command
-                engine.enqueue(
-                    engine.make_request(request_id, params, prompt_token_ids=prompt_token_ids)
-                )
-            elif command[0] == "reset_prefix_cache":
-                engine.reset_prefix_cache()
-            else:
-                engine.abort(command[1])
-        engine.step()
-    engine.shutdown()

@@ -10,13 +10,14 @@ statement. TANDEM_PDL=0 launches them plainly, for comparisons.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-ENABLED = os.environ.get("TANDEM_PDL", "1") != "0"
+from tandem import envs
+
+ENABLED = envs.pdl()
 
 
 @triton.jit

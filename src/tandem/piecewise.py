@@ -22,17 +22,16 @@ positions and cache slots into this module's buffers, where the later pieces rea
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from tandem import envs
 from tandem.attention import AttentionBackend, AttentionMetadata
 from tandem.io_slot import PackedBuffers, carry_over
 from tandem.model.decoder import Decoder
 
 SMALLEST_BUCKET = 16
 # TANDEM_PIECEWISE=0: steps with prefill run eagerly, to compare against
-ENABLED = os.environ.get("TANDEM_PIECEWISE", "1") != "0"
+ENABLED = envs.piecewise()
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -99,7 +98,7 @@ class PiecewiseGraphs:
             ids = carry_over(inputs["input_ids"][:rows], inputs["carry_index"][:rows], prev_sampled)
             positions.copy_(inputs["positions"][:rows])
             slot_mapping.copy_(inputs["slot_mapping"][:rows])
-            residual.copy_(model.embed_tokens(ids))
+            residual.copy_(model.embed(ids))
             x, add_to = residual, None  # layer 0 normalizes the embeddings, which start the stream
         else:
             x, add_to = layers[i - 1].after_attention(self.attended[:rows], residual)
@@ -126,8 +125,8 @@ class PiecewiseGraphs:
         hidden = None
         for i in range(self.num_pieces):
             if i:
-                layer = layers[i - 1].self_attn
-                self.attend(q, self.kv_caches[i - 1], meta, layer.scale, out=attended)
+                options = layers[i - 1].self_attn.attend_options()
+                self.attend(q, self.kv_caches[i - 1], meta, out=attended, **options)
             key = (slot if i == 0 else -1, bucket, i)
             if key in self.graphs:
                 self.graphs[key].replay()

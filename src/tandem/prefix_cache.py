@@ -55,8 +55,9 @@ class PrefixCache:
     def match(self, request: Request) -> list[int]:
         """Cached blocks of the request's leading known tokens; never its last token, whose
         logits are needed. Nothing is taken: `take` the blocks to hold them. A request that wants
-        prompt logprobs matches nothing: it computes every prompt position's hidden row."""
-        if not self.enabled or request.wants_prompt_logprobs:
+        prompt logprobs matches nothing: it computes every prompt position's hidden row; nor does
+        one whose penalties count the tokens as the steps feed them (penalties.py)."""
+        if not self.enabled or request.wants_prompt_logprobs or request.params.needs_token_history:
             return []
         blocks = []
         for key in self.keys(request, (request.num_tokens - 1) // self.block_size):

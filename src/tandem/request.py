@@ -48,6 +48,9 @@ class Request:
     block_keys: list[bytes] = field(default_factory=list)
     num_published_blocks: int = 0
     num_cached_tokens: int | None = None
+    bad_words_token_ids: list[list[int]] = field(
+        default_factory=list
+    )  # params.bad_words, tokenized
 
     def __post_init__(self) -> None:
         if self.wants_prompt_logprobs:

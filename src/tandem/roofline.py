@@ -4,6 +4,8 @@ Pure arithmetic on the model shape and what each step computed; no device is tou
 
     bytes = weight bytes (every matrix, the LM head included, read once) + embedding rows looked up
           + KV read (context tokens) + KV written (new tokens)
+          (FP8: the layers' matrices at 1 byte a weight, the LM head and embeddings at the model
+          dtype's; an FP8 KV cache at 1 byte a value)
     FLOPs = 2 x layer matrix params x tokens + 2 x LM head params x sequences (one logits row each)
           + 4 x heads x head_dim x layers x (query, key) pairs (causal within a step's new tokens)
 """
@@ -47,22 +49,49 @@ class ModelCost:
     layer_flops_per_token: int  # 2 x the layers' matrix params
     lm_head_flops_per_seq: int  # 2 x the LM head's params: one logits row per sequence
     attention_flops_per_pair: int  # QK^T and PV for one (query, key) pair over all heads and layers
+    # mixture of experts: weight_bytes leaves the experts out; a step reads expert_bytes (one
+    # expert of every MoE layer) times the experts its tokens route to (`expected_experts`)
+    expert_bytes: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
 
     @classmethod
-    def of(cls, cfg: ModelConfig, dtype_bytes: int) -> ModelCost:
+    def of(
+        cls,
+        cfg: ModelConfig,
+        dtype_bytes: int,
+        linear_bytes: int | None = None,
+        kv_bytes: int | None = None,
+    ) -> ModelCost:
+        """`linear_bytes`, `kv_bytes`: per weight of the layers' matrices and per KV value,
+        where not `dtype_bytes` (1 with FP8 weights, an FP8 KV cache)."""
+        linear_bytes, kv_bytes = linear_bytes or dtype_bytes, kv_bytes or dtype_bytes
         h = cfg.hidden_size
-        layer_params = cfg.num_layers * (
-            h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * cfg.intermediate_size
-        )
+        moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+        expert_params = moe_layers * 3 * h * cfg.moe_intermediate_size  # one expert per layer
+        layer_params = cfg.num_layers * (h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h)
+        layer_params += (cfg.num_layers - moe_layers) * 3 * h * cfg.intermediate_size
+        layer_params += moe_layers * cfg.num_experts * h  # the routers
         lm_head_params = cfg.vocab_size * h
         return cls(
-            weight_bytes=(layer_params + lm_head_params) * dtype_bytes,
+            weight_bytes=layer_params * linear_bytes + lm_head_params * dtype_bytes,
             embed_row_bytes=h * dtype_bytes,
-            kv_bytes_per_token=2 * cfg.num_layers * cfg.kv_size * dtype_bytes,
-            layer_flops_per_token=2 * layer_params,
+            kv_bytes_per_token=2 * cfg.num_layers * cfg.kv_size * kv_bytes,
+            layer_flops_per_token=2 * (layer_params + cfg.num_experts_per_tok * expert_params),
             lm_head_flops_per_seq=2 * lm_head_params,
             attention_flops_per_pair=4 * cfg.num_heads * cfg.head_dim * cfg.num_layers,
+            expert_bytes=expert_params * dtype_bytes,
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
         )
+
+    def expected_experts(self, num_tokens: np.ndarray) -> np.ndarray:
+        """Experts a layer reads for `num_tokens` tokens routed uniformly at random, top k of E
+        each: E * (1 - (1 - k / E) ** tokens). E.g. 32 tokens, top 8 of 128: 111.8."""
+        if not self.num_experts:
+            return np.zeros_like(num_tokens, dtype=np.float64)
+        missed = (1 - self.num_experts_per_tok / self.num_experts) ** num_tokens
+        return self.num_experts * (1 - missed)
 
 
 def step_work(
@@ -93,6 +122,7 @@ def step_rooflines(
     num_seqs, num_tokens, context, pairs = work.T
     moved = (
         cost.weight_bytes
+        + cost.expected_experts(num_tokens) * cost.expert_bytes
         + num_tokens * cost.embed_row_bytes
         + (context + num_tokens) * cost.kv_bytes_per_token
     )
@@ -106,10 +136,16 @@ def step_rooflines(
 
 
 def roofline_summary(
-    cfg: ModelConfig, dtype_bytes: int, work: np.ndarray, hardware: Hardware = H200
+    cfg: ModelConfig,
+    dtype_bytes: int,
+    work: np.ndarray,
+    hardware: Hardware = H200,
+    linear_bytes: int | None = None,
+    kv_bytes: int | None = None,
 ) -> dict:
-    """The sum of per-step rooflines of `work` and what it consists of, for a benchmark report."""
-    cost = ModelCost.of(cfg, dtype_bytes)
+    """The sum of per-step rooflines of `work` and what it consists of, for a benchmark report
+    (`linear_bytes`, `kv_bytes`: as in ModelCost.of)."""
+    cost = ModelCost.of(cfg, dtype_bytes, linear_bytes, kv_bytes)
     seconds, moved, flops = step_rooflines(cost, work, hardware)
     bytes_bound = moved / hardware.bandwidth >= flops / hardware.flops
     return {
@@ -117,6 +153,8 @@ def roofline_summary(
         "bandwidth_bytes_per_s": hardware.bandwidth,
         "peak_flops_per_s": hardware.flops,
         "dtype_bytes": dtype_bytes,
+        "linear_weight_bytes": linear_bytes or dtype_bytes,
+        "kv_value_bytes": kv_bytes or dtype_bytes,
         "weight_bytes": cost.weight_bytes,
         "seconds": float(seconds.sum()),
         "steps": len(seconds),

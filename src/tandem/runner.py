@@ -16,18 +16,19 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
 
+from tandem import envs
 from tandem.attention import AttentionBackend, AttentionMetadata, SharedPrefixes
 from tandem.batch import StepBatch
 from tandem.io_slot import IOSlot, carry_over
 from tandem.model.decoder import Decoder
 from tandem.parallel import TensorParallel
+from tandem.penalties import PenaltyState
 from tandem.piecewise import PiecewiseGraphs, bucket_for, token_buckets
 from tandem.profiler import NoTimeline, Timeline
 from tandem.prompt_logprobs import PromptLogprobStep
@@ -40,9 +41,7 @@ WAIT_POLL_S = 50e-6  # tensor parallelism: how often the step wait looks at the 
 # it before split-K took over its o and down projections (BENCHMARKS.md, seventh run); since,
 # latency is the same and small 0.6% slower (eighth run), so it is not the default. (The slow
 # first runs first blamed on it were Triton compiles on a cold cache, eighth run.)
-BLAS_LIBRARY = os.environ.get("TANDEM_BLAS", "cublas")
-if BLAS_LIBRARY not in ("cublas", "cublaslt"):
-    raise ValueError(f"TANDEM_BLAS={BLAS_LIBRARY!r}: expected 'cublaslt' or 'cublas'")
+BLAS_LIBRARY = envs.blas()
 
 
 @contextlib.contextmanager
@@ -71,8 +70,10 @@ class Runner:
         tp: TensorParallel,
         piecewise: bool = False,
         cascade: bool = False,
+        penalties: PenaltyState | None = None,
     ):
         self.model = model
+        self.penalties = penalties  # needed by steps with use_penalties
         self.tp = tp
         self.kv_caches = kv_caches
         self.attend = attend
@@ -81,8 +82,8 @@ class Runner:
         self.cuda = device.type == "cuda"
         # decode-only steps of up to max_seqs rows replay a graph captured for the next size up
         self.graph_sizes = graph_batch_sizes(min(max_seqs, max_tokens)) if cuda_graphs else []
-        # decode graphs per (slot, rows, filters on/off, shared-prefix groups on/off)
-        self.graphs: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
+        # (slot, rows, use_filters, use_penalties, shared-prefix groups on/off) -> graph
+        self.graphs: dict[tuple[int, int, bool, bool, bool], torch.cuda.CUDAGraph] = {}
         self.cascade = cascade  # the attention takes groups of rows that share blocks
         # the other steps of up to max_tokens tokens: pieces between their attentions, padded to
         # the next bucket (piecewise.py; on CPU, uncaptured, the pieces run eagerly)
@@ -178,9 +179,17 @@ class Runner:
         return batch.slot.np_out
 
     def _compute(self, batch: StepBatch) -> None:
+        if batch.penalty_admissions is not None:
+            self.penalties.admit(*batch.penalty_admissions)
         shared = batch.num_shared_groups > 0
         if batch.graphed:
-            key = (batch.slot.index, batch.num_seqs_padded, batch.use_filters, shared)
+            key = (
+                batch.slot.index,
+                batch.num_seqs_padded,
+                batch.use_filters,
+                batch.use_penalties,
+                shared,
+            )
             self.graphs[key].replay()
             return
         self._forward_and_sample(
@@ -193,6 +202,7 @@ class Runner:
             batch.query_start_loc,
             batch.seq_lens,
             batch.token_bucket,
+            batch.use_penalties,
             batch.num_shared_groups if shared else None,
             batch.prompt_logprobs,
         )
@@ -209,6 +219,7 @@ class Runner:
         query_start_loc_host: list[int] | None,
         seq_lens_host: list[int] | None,
         token_bucket: int | None = None,
+        use_penalties: bool = False,
         max_shared_groups: int | None = None,
         prompt_logprobs: PromptLogprobStep | None = None,
     ) -> None:
@@ -233,6 +244,7 @@ class Runner:
             hidden = self.pieces.forward(
                 slot.index, x, prev_sampled, token_bucket, num_tokens, meta
             )
+            input_ids = None  # the first piece's own
         else:
             input_ids = carry_over(
                 x["input_ids"][:num_tokens], x["carry_index"][:num_tokens], prev_sampled
@@ -249,6 +261,12 @@ class Runner:
             if num_top_logprobs is not None
             else None
         )
+        if use_penalties:  # the step's tokens counted into the state, then the logits processed
+            if input_ids is None:
+                ids, carry = x["input_ids"][:num_tokens], x["carry_index"][:num_tokens]
+                input_ids = carry_over(ids, carry, prev_sampled)
+            self.penalties.update(x, input_ids)
+            logits = self.penalties.apply(logits, x, num_seqs)
         if use_filters:  # the only steps with min_tokens bans (see StepBatch.use_filters)
             ban_tokens(logits, x["banned_ids"][:num_seqs], x["ban_rows"][:num_seqs])
         params = SamplingTensors(
@@ -275,7 +293,7 @@ class Runner:
             )  # fmt: skip
 
     def capture_graphs(self, shared_pool: bool = True) -> None:
-        """One graph per (slot, padded size, filters on/off), and the pieces of the other steps
+        """One graph per (slot, padded size, filters on/off, penalties on/off), and the pieces of the other steps
         per token bucket, all from one shared memory pool.
 
         Sharing is safe because graphs never run concurrently: every step runs on the compute
@@ -292,21 +310,27 @@ class Runner:
         torch.cuda.synchronize(self.device)
 
     def _capture_graphs(self, shared, shared_pool: bool) -> None:
-        variants = list(
-            itertools.product((False, True), (False, True) if self.cascade else (False,))
-        )
         for size in reversed(self.graph_sizes):
             for slot in self.slots:
-                for use_filters, cascade in variants:
+                for variant in self._graph_variants():
+                    use_filters, use_penalties, cascade = variant
                     groups = max(1, size // 2) if cascade else None  # a group has 2 rows or more
-                    args = (slot, size, size, True, use_filters, None, None, None, None, groups)
+                    args = (slot, size, size, True, use_filters, None, None, None, None)
+                    args += (use_penalties, groups)
                     with torch.cuda.stream(self.compute_stream):
                         self._forward_and_sample(*args)  # warm-up: kernels chosen, workspaces made
                     graph = torch.cuda.CUDAGraph()
                     pool = shared if shared_pool else None
                     with torch.cuda.graph(graph, pool=pool, stream=self.compute_stream):
                         self._forward_and_sample(*args)
-                    self.graphs[(slot.index, size, use_filters, cascade)] = graph
+                    self.graphs[(slot.index, size, *variant)] = graph
+
+    def _graph_variants(self) -> list[tuple[bool, bool, bool]]:
+        """(use_filters, use_penalties, shared groups) of the decode graphs: penalties where the
+        engine keeps penalty state, shared groups where the attention takes them."""
+        penalties = (False, True) if self.penalties is not None else (False,)
+        cascade = (False, True) if self.cascade else (False,)
+        return list(itertools.product((False, True), penalties, cascade))
 
 
 def shared_prefixes(x: dict[str, torch.Tensor], max_groups: int) -> SharedPrefixes:

@@ -11,6 +11,7 @@ from tandem.config import check_int
 from tandem.model import fused
 
 MAX_LOGPROBS = 20
+MAX_N = 128  # samples per prompt (OpenAI's limit): one call must not queue millions of requests
 MAX_SEED = 2**63 - 1
 MAX_TOP_K = 2**31 - 1
 
@@ -35,18 +36,30 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # logits processors (penalties.py): over output tokens, over prompt and output tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
+    allowed_token_ids: list[int] | None = None  # the only ids that may be sampled
+    bad_words: list[str] = field(default_factory=list)  # never completed in the output
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words or [])
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
 
     def validate(self) -> None:
         check_int("n", self.n, 1)
+        if self.n > MAX_N:
+            raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
         if (
             not _is_number(self.temperature)
             or not math.isfinite(self.temperature)
@@ -83,6 +96,37 @@ class SamplingParams:
             check_int("logprobs", self.logprobs, 0)
             if self.logprobs > MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        self._validate_logits_processors()
+
+    def _validate_logits_processors(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not math.isfinite(rp) or rp <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {rp!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(
+                    f"logit_bias must map token ids to biases, got {self.logit_bias!r}"
+                )
+            for token_id, bias in self.logit_bias.items():
+                check_int("logit_bias", token_id, 0, "(token ids as keys)")
+                if not _is_number(bias) or not -100.0 <= bias <= 100.0:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list | tuple) or not self.allowed_token_ids:
+                raise ValueError(
+                    f"allowed_token_ids must be a non-empty list of token ids, got "
+                    f"{self.allowed_token_ids!r}"
+                )
+            for token_id in self.allowed_token_ids:
+                check_int("allowed_token_ids", token_id, 0)
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise ValueError(
+                f"bad_words must be a list of non-blank strings, got {self.bad_words!r}"
+            )
         if self.prompt_logprobs is not None:
             check_int("prompt_logprobs", self.prompt_logprobs, 0)
             if self.prompt_logprobs > MAX_LOGPROBS:
@@ -97,6 +141,29 @@ class SamplingParams:
     @property
     def needs_filter(self) -> bool:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+    @property
+    def needs_token_history(self) -> bool:
+        """The penalties see every prompt and output token as the steps feed it (penalties.py),
+        so none of them may come from the prefix cache."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.bad_words
+        )
+
+    @property
+    def needs_penalties(self) -> bool:
+        """Any logits processor of penalties.py is on: the request keeps device state."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.allowed_token_ids is not None
+            or self.bad_words
+        )
 
 
 def _is_number(value: object) -> bool:

@@ -56,6 +56,8 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,  # where to write the result (a new tensor if None)
+        sliding_window: int | None = None,  # query p sees keys p - sliding_window + 1 .. p
+        logits_soft_cap: float | None = None,  # scores s -> cap * tanh(s / cap)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Attend causally over each sequence's context; this step's K/V are already in the
         cache (the decoder stores them, see `fused.rope_qk`)."""

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import os
 from collections.abc import Callable
 from typing import NamedTuple, TypeVar
 
 import torch
 import triton
 
-from tandem import pdl
+from tandem import envs, pdl
 from tandem.attention import AttentionMetadata, SharedPrefixes, rows_per_shared_group
 from tandem.attention.triton_kernels import (
     decode_kernel,
@@ -24,6 +23,8 @@ from tandem.model.fused import num_sms
 
 MAX_SPLITS = 32
 SHARED_PREFIX_SPLITS = 8  # most splits of one group's shared keys
+MAX_HEAD_DIM = 256
+NO_WINDOW = 1 << 30  # the kernels' window argument when attention is not windowed
 
 
 class DecodeTiles(NamedTuple):
@@ -54,28 +55,11 @@ LARGE_BATCH = 128  # sequences from which a decode batch takes LARGE_BATCH_TILES
 LARGE_BATCH_TILES = DecodeTiles(block_n=64, num_warps=2, num_stages=2)
 
 
-def decode_tiles_setting(value: str | None) -> DecodeTiles | None:
-    """TANDEM_DECODE_TILES="block_n,num_warps,num_stages": one shape for every decode batch of
-    more than one sequence, for comparisons; unset: None (the default shapes)."""
-    if not value:
-        return None
-    try:
-        block_n, num_warps, num_stages = (int(part) for part in value.split(","))
-    except ValueError:
-        raise ValueError(
-            f"TANDEM_DECODE_TILES={value!r}: expected three integers, block_n,num_warps,num_stages"
-        ) from None
-    if (
-        block_n < 16
-        or block_n & (block_n - 1)
-        or num_warps not in (1, 2, 4, 8, 16)
-        or num_stages < 1
-    ):
-        raise ValueError(
-            f"TANDEM_DECODE_TILES={value!r}: block_n a power of two >= 16, "
-            "num_warps 1-16 (a power of two), num_stages >= 1"
-        )
-    return DecodeTiles(block_n, num_warps, num_stages)
+def decode_tiles_setting() -> DecodeTiles | None:
+    """TANDEM_DECODE_TILES: one shape for every decode batch of more than one sequence, for
+    comparisons; unset: None (the default shapes)."""
+    setting = envs.decode_tiles()
+    return None if setting is None else DecodeTiles(*setting)
 
 
 def smaller(tiles: Tiles) -> Tiles | None:
@@ -118,14 +102,13 @@ class TritonAttention:
         device: torch.device,
         num_splits: int | None = None,
     ):
-        assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
-            "head_dim must be a power of two >= 16"
-        )
+        check_head_dim(head_dim)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.head_pad = next_power_of_2(head_dim)  # the kernels' tile width
         self.group = num_heads // num_kv_heads
         self.fixed_splits = num_splits
         self.prefill_tiles = PrefillTiles()
-        setting = decode_tiles_setting(os.environ.get("TANDEM_DECODE_TILES"))
+        setting = decode_tiles_setting()
         self.decode_tiles = setting or DecodeTiles()
         self.large_batch_tiles = setting or LARGE_BATCH_TILES
         # one sequence is spread over the SMs by its splits; short tiles give each split work
@@ -150,19 +133,30 @@ class TritonAttention:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
+        """`k_scale`, `v_scale`: an FP8 cache's per-tensor scales."""
         out = torch.empty_like(q) if out is None else out
+        scale *= k_scale  # applied with the softmax scale
         assert out.shape == q.shape and out.is_contiguous()
+        options = {
+            "v_scale": v_scale,
+            "sliding_window": sliding_window,
+            "logits_soft_cap": logits_soft_cap,
+        }
         if meta.decode_only:
-            self.decode(q, out, kv_cache, meta, scale)
+            self.decode(q, out, kv_cache, meta, scale, **options)
             return out
         # A step with prefill still leads with the running requests' one-token rows. They go to the
         # decode kernel: in the prefill kernel each would fill a tile of query rows to use one.
         decodes = leading_single_tokens(meta.query_start_loc_host)
         if decodes:
-            self.decode(q, out, kv_cache, meta, scale, num_seqs=decodes)
+            self.decode(q, out, kv_cache, meta, scale, num_seqs=decodes, **options)
         if decodes < len(meta.query_start_loc_host) - 1:
-            self.prefill(q, out, kv_cache, meta, scale, first_seq=decodes)
+            self.prefill(q, out, kv_cache, meta, scale, first_seq=decodes, **options)
         return out
 
     def num_splits(self, num_seqs: int) -> int:
@@ -182,17 +176,27 @@ class TritonAttention:
         return self.large_batch_tiles if num_seqs >= LARGE_BATCH else self.decode_tiles
 
     def decode(
-        self, q, out, kv_cache, meta: AttentionMetadata, scale: float, num_seqs: int | None = None
+        self,
+        q,
+        out,
+        kv_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        v_scale: float = 1.0,
+        num_seqs: int | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         """The first `num_seqs` sequences (all by default), one query token each, in q's first rows."""
         assert q.stride(2) == 1 and q.stride(1) == self.head_dim
         num_seqs = q.shape[0] if num_seqs is None else num_seqs
         splits = self.num_splits(num_seqs)
         shared = meta.shared
+        soft_cap = logits_soft_cap or 0.0
         prefix_splits = 0 if shared is None else self.prefix_splits(shared)
         splits = min(splits, MAX_SPLITS - prefix_splits)
         if shared is not None:
-            self.shared_prefix(q, kv_cache, meta, scale, splits, prefix_splits)
+            self.shared_prefix(q, kv_cache, meta, scale, v_scale, splits, prefix_splits, soft_cap)
         group_pad = max(16, next_power_of_2(self.group))
         tiles, order = self.tiles_for(num_seqs), meta.seq_order
         prefix_lens = meta.seq_lens if shared is None else shared.prefix_lens
@@ -202,33 +206,40 @@ class TritonAttention:
             decode_kernel[(self.num_kv_heads, num_seqs, splits)](
                 q, out, self.partial_out, self.partial_ml, kv_cache, meta.block_tables,
                 meta.seq_lens, meta.seq_lens if order is None else order, prefix_lens,
-                q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale, splits,
-                GROUP=self.group, GROUP_PAD=group_pad, NUM_KV_HEADS=self.num_kv_heads,
-                HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2], BLOCK_N=tiles.block_n,
-                MAX_SPLITS=MAX_SPLITS, DIRECT=direct, ORDERED=order is not None,
+                q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale, v_scale,
+                splits, sliding_window or NO_WINDOW, GROUP=self.group, GROUP_PAD=group_pad,
+                NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim, HEAD_PAD=self.head_pad,
+                BLOCK_SIZE=kv_cache.shape[2], BLOCK_N=tiles.block_n, MAX_SPLITS=MAX_SPLITS,
+                SOFT_CAP=soft_cap, DIRECT=direct, ORDERED=order is not None,
                 CASCADE=shared is not None, num_warps=tiles.num_warps,
                 num_stages=tiles.num_stages, **pdl.launch_args(q.device),
             )  # fmt: skip
 
-        launch_fitting(self.fitted, (tiles, q.dtype), tiles, launch)
+        launch_fitting(self.fitted, (tiles, q.dtype, kv_cache.dtype), tiles, launch)
         if direct:
             return
         reduce_kernel[(num_seqs * self.num_heads,)](
             self.partial_out, self.partial_ml, out, prefix_lens, splits, prefix_splits,
-            NUM_HEADS=self.num_heads, HEAD_DIM=self.head_dim, MAX_SPLITS=MAX_SPLITS,
-            CASCADE=shared is not None, **pdl.launch_args(q.device),
+            NUM_HEADS=self.num_heads, HEAD_DIM=self.head_dim, HEAD_PAD=self.head_pad,
+            MAX_SPLITS=MAX_SPLITS, CASCADE=shared is not None, **pdl.launch_args(q.device),
         )  # fmt: skip
 
     def prefix_splits(self, shared: SharedPrefixes) -> int:
         """Splits of each group's shared keys: enough to spread the groups over the SMs."""
-        groups = cdiv(
-            shared.max_groups, 2
-        )  # a guess: a graph's bound is twice what most steps meet
+        groups = cdiv(shared.max_groups, 2)  # a guess: graphs' bounds are twice what most meet
         wanted = cdiv(self.num_sms, groups * self.num_kv_heads)
         return min(SHARED_PREFIX_SPLITS, next_power_of_2(wanted))
 
     def shared_prefix(
-        self, q, kv_cache, meta: AttentionMetadata, scale: float, first_split: int, splits: int
+        self,
+        q,
+        kv_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        v_scale: float,
+        first_split: int,
+        splits: int,
+        soft_cap: float,
     ) -> None:
         """Partials of each group over its shared keys, at splits [first_split, + splits) of its
         rows, after the rows' own."""
@@ -240,18 +251,28 @@ class TritonAttention:
             shared_prefix_kernel[grid](
                 q, self.partial_out, self.partial_ml, kv_cache, meta.block_tables,
                 shared.group_rows, shared.group_starts, shared.group_prefix, shared.num_groups,
-                q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale, first_split,
-                GROUP=self.group, NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim,
-                BLOCK_SIZE=kv_cache.shape[2], BLOCK_N=tiles.block_n, MAX_SPLITS=MAX_SPLITS,
+                q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale, v_scale,
+                first_split, GROUP=self.group, NUM_KV_HEADS=self.num_kv_heads,
+                HEAD_DIM=self.head_dim, HEAD_PAD=self.head_pad, BLOCK_SIZE=kv_cache.shape[2],
+                BLOCK_N=tiles.block_n, SOFT_CAP=soft_cap, MAX_SPLITS=MAX_SPLITS,
                 ROWS=max(16, next_power_of_2(rows)), num_warps=tiles.num_warps,
                 num_stages=tiles.num_stages, **pdl.launch_args(q.device),
             )  # fmt: skip
 
         tiles = self.shared_prefix_tiles
-        launch_fitting(self.fitted, ("shared", tiles, q.dtype), tiles, launch)
+        launch_fitting(self.fitted, ("shared", tiles, q.dtype, kv_cache.dtype), tiles, launch)
 
     def prefill(
-        self, q, out, kv_cache, meta: AttentionMetadata, scale: float, first_seq: int = 0
+        self,
+        q,
+        out,
+        kv_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        v_scale: float = 1.0,
+        first_seq: int = 0,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         """Sequences from `first_seq` on, any number of query tokens each."""
         starts = meta.query_start_loc_host
@@ -266,13 +287,24 @@ class TritonAttention:
             prefill_kernel[grid](
                 q, out, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                 first_seq, q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale,
-                GROUP=self.group, GROUP_PAD=group_pad, NUM_KV_HEADS=self.num_kv_heads,
-                HEAD_DIM=self.head_dim, BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=block_m,
-                BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-                **pdl.launch_args(q.device),
+                v_scale, sliding_window or NO_WINDOW, GROUP=self.group, GROUP_PAD=group_pad,
+                NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim, HEAD_PAD=self.head_pad,
+                BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=block_m, BLOCK_N=tiles.block_n,
+                SOFT_CAP=logits_soft_cap or 0.0, num_warps=tiles.num_warps,
+                num_stages=tiles.num_stages, **pdl.launch_args(q.device),
             )  # fmt: skip
 
-        launch_fitting(self.fitted, (self.prefill_tiles, q.dtype), self.prefill_tiles, launch)
+        key = (self.prefill_tiles, q.dtype, kv_cache.dtype)
+        launch_fitting(self.fitted, key, self.prefill_tiles, launch)
+
+
+def check_head_dim(head_dim: int) -> None:
+    """ValueError unless the Triton kernels take `head_dim` (16 to 256, any size: padded tiles)."""
+    if not isinstance(head_dim, int) or not 16 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"the triton attention backend takes head_dim 16 to {MAX_HEAD_DIM}, got {head_dim!r}; "
+            "use attention_backend='torch'"
+        )
 
 
 def leading_single_tokens(starts: list[int]) -> int:

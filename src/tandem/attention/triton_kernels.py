@@ -4,6 +4,12 @@ Cache layout per layer: [2, num_blocks + 1, block_size, num_kv_heads, head_dim].
 values are read a tile of BLOCK_N positions at a time, each position's block looked up in the
 block table, so any block size works. The query heads that share a KV head are processed by
 one program as extra rows of the same tile (GQA packing), so the tiles feed tensor cores.
+
+Any head size up to 256: tiles are HEAD_PAD = the next power of two wide, the dimensions past
+HEAD_DIM loaded as zeros and never stored (no mask at all where the two are equal). A sliding
+window (query p sees keys p - window + 1 .. p) starts each program's key loop at the window's
+first tile, so keys outside it are never read; a soft cap maps scores s to cap * tanh(s / cap)
+before the softmax.
 """
 
 from __future__ import annotations
@@ -27,11 +33,14 @@ def _attend_tile(
     key_start,
     query_pos,  # [ROWS] position of each row's query token (keys past it are masked)
     seq_len,
-    qk_scale,  # softmax scale * log2(e): scores in log2 units, so exp2 does the exponent
+    window,  # keys more than window - 1 before a row's query are masked (1 << 30: no window)
+    scale,
     BLOCK_SIZE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,  # HEAD_DIM's next power of two: the tile width
     BLOCK_N: tl.constexpr,
+    SOFT_CAP: tl.constexpr,  # 0.0: none
     MASKED: tl.constexpr,  # False when every key of the tile is in the sequence and visible to every row
 ):
     """One online-softmax update over keys [key_start, key_start + BLOCK_N)."""
@@ -42,24 +51,37 @@ def _attend_tile(
     else:
         block = tl.load(table_ptr + key_pos // BLOCK_SIZE).to(tl.int64)
     slot = block * BLOCK_SIZE + key_pos % BLOCK_SIZE
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_PAD)
     offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
     if MASKED:
-        k = tl.load(cache_ptr + offsets, mask=in_seq[:, None], other=0.0)
-        v = tl.load(cache_ptr + kv_half_stride + offsets, mask=in_seq[:, None], other=0.0)
+        kv_mask = in_seq[:, None] & (dims < HEAD_DIM)[None, :]
+        k = tl.load(cache_ptr + offsets, mask=kv_mask, other=0.0)
+        v = tl.load(cache_ptr + kv_half_stride + offsets, mask=kv_mask, other=0.0)
+    elif HEAD_PAD != HEAD_DIM:
+        k = tl.load(cache_ptr + offsets, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+        v = tl.load(
+            cache_ptr + kv_half_stride + offsets, mask=(dims < HEAD_DIM)[None, :], other=0.0
+        )
     else:
         k = tl.load(cache_ptr + offsets)
         v = tl.load(cache_ptr + kv_half_stride + offsets)
-    s = tl.dot(q, tl.trans(k)) * qk_scale  # [ROWS, BLOCK_N] float32
+    # an FP8 cache's e4m3 values are exact in q's dtype; their scales are applied outside
+    # (k_scale within the softmax scale, v_scale on the output)
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    s = tl.dot(q, tl.trans(k)) * scale  # [ROWS, BLOCK_N] float32
+    if SOFT_CAP > 0.0:  # cap * tanh(s / cap), tanh(x) = 1 - 2 / (exp(2x) + 1)
+        s = SOFT_CAP * (1.0 - 2.0 / (tl.exp(s * (2.0 / SOFT_CAP)) + 1.0))
+    s = s * 1.4426950408889634  # log2 units, so exp2 does the exponent
     if MASKED:
         visible = in_seq[None, :] & (key_pos[None, :] <= query_pos[:, None])
+        visible = visible & (key_pos[None, :] > query_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(row_max, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(row_max - m_safe)
     row_sum = row_sum * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
     return m_new, row_sum, acc
 
 
@@ -79,14 +101,18 @@ def prefill_kernel(
     q_token_stride,
     block_table_stride,
     kv_half_stride,
-    scale,
+    scale,  # of the softmax, times an FP8 cache's k_scale
+    v_scale,  # an FP8 cache's V scale (1.0 otherwise)
+    window,  # sliding window in tokens (1 << 30: none)
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # next power of two
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query tokens per program; rows = BLOCK_M * GROUP_PAD
     BLOCK_N: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.wait(PDL)
@@ -102,35 +128,48 @@ def prefill_kernel(
         token = tile * BLOCK_M + rows // GROUP_PAD
         head = kv_head * GROUP + rows % GROUP_PAD
         row_valid = (token < q_len) & (rows % GROUP_PAD < GROUP)
-        dims = tl.arange(0, HEAD_DIM)
+        dims = tl.arange(0, HEAD_PAD)
+        row_dims = row_valid[:, None] & (dims < HEAD_DIM)[None, :]
         token_offset = (q_start + token).to(tl.int64)
         q_offsets = (token_offset * q_token_stride + head * HEAD_DIM)[:, None] + dims[None, :]
-        q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None], other=0.0)
+        q = tl.load(q_ptr + q_offsets, mask=row_dims, other=0.0)
         query_pos = seq_len - q_len + token
         row_max = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
         row_sum = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
-        acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM], tl.float32)
+        acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_PAD], tl.float32)
         table = block_tables_ptr + seq.to(tl.int64) * block_table_stride
-        qk_scale = scale * 1.4426950408889634
-        # keys up to the tile's first query position are visible to every row: no mask there;
-        # the rest, up to its last query position (causal), are masked
+        # Keys [first_query - window + 1, first_query] cover the tile's first row; of them,
+        # those in the window of its last row too are visible to every row: no mask there.
+        # Before them (the window's edge) and after (the causal diagonal) tiles are masked;
+        # tiles before the first row's window are never read. E.g. BLOCK_N 16, window 40,
+        # queries 50-65: masked [0, 32), unmasked [32, 48), masked [48, 66).
         first_query = seq_len - q_len + tile * BLOCK_M
+        last_query = tl.minimum(first_query + BLOCK_M, seq_len) - 1
+        window_start = tl.maximum(first_query - window + 1, 0) // BLOCK_N * BLOCK_N
+        unmasked_start = tl.cdiv(tl.maximum(last_query - window + 1, 0), BLOCK_N) * BLOCK_N
         unmasked_end = (first_query + 1) // BLOCK_N * BLOCK_N
-        last_key = tl.minimum(seq_len, first_query + BLOCK_M)
-        for key_start in range(0, unmasked_end, BLOCK_N):
+        for key_start in range(window_start, tl.minimum(unmasked_start, unmasked_end), BLOCK_N):
             row_max, row_sum, acc = _attend_tile(
                 q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head, key_start,
-                query_pos, seq_len, qk_scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, False,
+                query_pos, seq_len, window, scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, HEAD_PAD,
+                BLOCK_N, SOFT_CAP, True,
             )  # fmt: skip
-        for key_start in range(unmasked_end, last_key, BLOCK_N):
+        for key_start in range(unmasked_start, unmasked_end, BLOCK_N):
             row_max, row_sum, acc = _attend_tile(
                 q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head, key_start,
-                query_pos, seq_len, qk_scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, True,
+                query_pos, seq_len, window, scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, HEAD_PAD,
+                BLOCK_N, SOFT_CAP, False,
             )  # fmt: skip
-        out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+        for key_start in range(unmasked_end, last_query + 1, BLOCK_N):
+            row_max, row_sum, acc = _attend_tile(
+                q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head, key_start,
+                query_pos, seq_len, window, scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, HEAD_PAD,
+                BLOCK_N, SOFT_CAP, True,
+            )  # fmt: skip
+        out = acc * v_scale / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
         out_offsets = (token_offset * (GROUP * NUM_KV_HEADS * HEAD_DIM) + head * HEAD_DIM)[:, None]
         out_ptrs = out_ptr + out_offsets + dims[None, :]
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_dims)
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # a per-step value: see prefill_kernel
@@ -147,21 +186,26 @@ def decode_kernel(
     q_token_stride,
     block_table_stride,
     kv_half_stride,
-    scale,
+    scale,  # of the softmax, times an FP8 cache's k_scale
+    v_scale,  # an FP8 cache's V scale (1.0 otherwise)
     num_splits,
+    window,  # sliding window in tokens (1 << 30: none)
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,  # >= 16 rows for tl.dot
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: normalize and write the output, no reduce step
     ORDERED: tl.constexpr,
     CASCADE: tl.constexpr,  # keys before prefix_lens[seq] are left to shared_prefix_kernel
     PDL: tl.constexpr,
 ):
-    """Split s of a sequence covers an equal share of its key tiles; `reduce_kernel` merges them.
+    """Split s of a sequence covers an equal share of the key tiles in its window (past its
+    shared prefix, with CASCADE); `reduce_kernel` merges them.
 
     Programs start in grid order, the KV heads of one sequence together, sequences in
     `seq_order`: longest first, so a ragged batch does not end on one long sequence's programs
@@ -174,52 +218,63 @@ def decode_kernel(
         seq = tl.load(seq_order_ptr + seq)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    first_key = tl.load(prefix_lens_ptr + seq) if CASCADE else 0
-    num_tiles = tl.cdiv(seq_len - first_key, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    first_tile = split * tiles_per_split
+    first_key = tl.maximum(seq_len - window, 0)  # the query at seq_len - 1 sees keys from here
+    # keys are read from key_base on, in tiles of BLOCK_N: 0, or the end of a shared prefix
+    # (the engine groups no rows of windowed models, so the window then starts at 0)
+    key_base = tl.load(prefix_lens_ptr + seq) if CASCADE else 0
+    window_tile = first_key // BLOCK_N
+    num_tiles = tl.cdiv(seq_len - key_base, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles - window_tile, num_splits)
+    first_tile = window_tile + split * tiles_per_split
     last_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
     rows = tl.arange(0, GROUP_PAD)
     head = kv_head * GROUP + rows
     row_valid = rows < GROUP
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_PAD)
+    row_dims = row_valid[:, None] & (dims < HEAD_DIM)[None, :]
     q = tl.load(
         q_ptr + seq.to(tl.int64) * q_token_stride + head[:, None] * HEAD_DIM + dims[None, :],
-        mask=row_valid[:, None],
+        mask=row_dims,
         other=0.0,
     )
     query_pos = tl.full([GROUP_PAD], seq_len - 1, tl.int32)
     row_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     row_sum = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * block_table_stride
-    qk_scale = scale * 1.4426950408889634
-    full_tiles = (seq_len - first_key) // BLOCK_N  # tiles with no position past the end: no mask
-    for t in range(first_tile, tl.minimum(last_tile, full_tiles)):
+    # masked: the tile the window starts inside of and the tile past the last full one
+    unmasked_first = tl.cdiv(first_key, BLOCK_N)
+    full_tiles = (seq_len - key_base) // BLOCK_N  # tiles with no position past the end
+    for t in range(first_tile, tl.minimum(last_tile, tl.minimum(unmasked_first, full_tiles))):
         row_max, row_sum, acc = _attend_tile(
-            q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head,
-            first_key + t * BLOCK_N, query_pos, seq_len, qk_scale, BLOCK_SIZE, NUM_KV_HEADS,
-            HEAD_DIM, BLOCK_N, False,
+            q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head, key_base + t * BLOCK_N, query_pos,
+            seq_len, window, scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, HEAD_PAD, BLOCK_N, SOFT_CAP,
+            True,
+        )  # fmt: skip
+    for t in range(tl.maximum(first_tile, unmasked_first), tl.minimum(last_tile, full_tiles)):
+        row_max, row_sum, acc = _attend_tile(
+            q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head, key_base + t * BLOCK_N, query_pos,
+            seq_len, window, scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, HEAD_PAD, BLOCK_N, SOFT_CAP,
+            False,
         )  # fmt: skip
     for t in range(tl.maximum(first_tile, full_tiles), last_tile):
         row_max, row_sum, acc = _attend_tile(
-            q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head,
-            first_key + t * BLOCK_N, query_pos, seq_len, qk_scale, BLOCK_SIZE, NUM_KV_HEADS,
-            HEAD_DIM, BLOCK_N, True,
+            q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head, key_base + t * BLOCK_N, query_pos,
+            seq_len, window, scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, HEAD_PAD, BLOCK_N, SOFT_CAP,
+            True,
         )  # fmt: skip
+    acc = acc * v_scale
     if DIRECT:
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
         row = seq.to(tl.int64) * (GROUP * NUM_KV_HEADS) + head
         tl.store(
             out_ptr + row[:, None] * HEAD_DIM + dims[None, :],
             out.to(out_ptr.dtype.element_ty),
-            mask=row_valid[:, None],
+            mask=row_dims,
         )
     else:
         base = (seq.to(tl.int64) * (GROUP * NUM_KV_HEADS) + head) * MAX_SPLITS + split
-        tl.store(
-            partial_out_ptr + base[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None]
-        )
+        tl.store(partial_out_ptr + base[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_dims)
         tl.store(partial_ml_ptr + base * 2, row_max, mask=row_valid)
         tl.store(partial_ml_ptr + base * 2 + 1, row_sum, mask=row_valid)
 
@@ -234,6 +289,7 @@ def reduce_kernel(
     num_prefix_splits,  # its partials follow the sequence's own num_splits
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
     CASCADE: tl.constexpr,
     PDL: tl.constexpr,
@@ -251,12 +307,17 @@ def reduce_kernel(
     row_max = tl.load(partial_ml_ptr + base * 2, mask=used, other=float("-inf"))
     row_sum = tl.load(partial_ml_ptr + base * 2 + 1, mask=used, other=0.0)
     weight = tl.where(row_max == float("-inf"), 0.0, tl.exp2(row_max - tl.max(row_max, axis=0)))
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_PAD)
+    in_head = dims < HEAD_DIM
     acc = tl.load(
-        partial_out_ptr + base[:, None] * HEAD_DIM + dims[None, :], mask=used[:, None], other=0.0
+        partial_out_ptr + base[:, None] * HEAD_DIM + dims[None, :],
+        mask=used[:, None] & in_head[None, :],
+        other=0.0,
     )
     out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(row_sum * weight, axis=0)
-    tl.store(out_ptr + row.to(tl.int64) * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
+    tl.store(
+        out_ptr + row.to(tl.int64) * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=in_head
+    )
 
 
 @triton.jit(do_not_specialize=["first_split"])
@@ -273,13 +334,16 @@ def shared_prefix_kernel(
     q_token_stride,
     block_table_stride,
     kv_half_stride,
-    scale,
+    scale,  # of the softmax, times an FP8 cache's k_scale
+    v_scale,  # an FP8 cache's V scale (1.0 otherwise)
     first_split,
     GROUP: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
     ROWS: tl.constexpr,  # >= 16, a power of two: up to ROWS // GROUP sequences x GROUP heads
     PDL: tl.constexpr,
@@ -302,10 +366,11 @@ def shared_prefix_kernel(
         row_valid = member < count
         seq = tl.load(group_rows_ptr + start + member, mask=row_valid, other=0).to(tl.int64)
         head = kv_head * GROUP + rows % GROUP
-        dims = tl.arange(0, HEAD_DIM)
+        dims = tl.arange(0, HEAD_PAD)
+        row_dims = row_valid[:, None] & (dims < HEAD_DIM)[None, :]
         q = tl.load(
             q_ptr + (seq * q_token_stride + head * HEAD_DIM)[:, None] + dims[None, :],
-            mask=row_valid[:, None],
+            mask=row_dims,
             other=0.0,
         )
         num_tiles = tl.cdiv(prefix, BLOCK_N)
@@ -315,24 +380,24 @@ def shared_prefix_kernel(
         query_pos = tl.full([ROWS], prefix, tl.int32)  # every shared key is visible
         row_max = tl.full([ROWS], float("-inf"), tl.float32)
         row_sum = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+        acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
         leader = tl.load(group_rows_ptr + start).to(tl.int64)
         table = block_tables_ptr + leader * block_table_stride  # the shared blocks: any member's
-        qk_scale = scale * 1.4426950408889634
         full_tiles = prefix // BLOCK_N
         for t in range(first_tile, tl.minimum(last_tile, full_tiles)):
             row_max, row_sum, acc = _attend_tile(
                 q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head, t * BLOCK_N,
-                query_pos, prefix, qk_scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, False,
+                query_pos, prefix, 1 << 30, scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, HEAD_PAD,
+                BLOCK_N, SOFT_CAP, False,
             )  # fmt: skip
         for t in range(tl.maximum(first_tile, full_tiles), last_tile):
             row_max, row_sum, acc = _attend_tile(
                 q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head, t * BLOCK_N,
-                query_pos, prefix, qk_scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, True,
+                query_pos, prefix, 1 << 30, scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, HEAD_PAD,
+                BLOCK_N, SOFT_CAP, True,
             )  # fmt: skip
+        acc = acc * v_scale
         base = (seq * (GROUP * NUM_KV_HEADS) + head) * MAX_SPLITS + first_split + split
-        tl.store(
-            partial_out_ptr + base[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None]
-        )
+        tl.store(partial_out_ptr + base[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_dims)
         tl.store(partial_ml_ptr + base * 2, row_max, mask=row_valid)
         tl.store(partial_ml_ptr + base * 2 + 1, row_sum, mask=row_valid)

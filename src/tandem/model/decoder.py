@@ -1,4 +1,6 @@
-"""The decoder shared by Llama, Mistral, Qwen2 and Qwen3: ragged tokens in, hidden states out."""
+"""The decoder: ragged tokens in, hidden states out. Its layers are Llama's (Llama, Mistral,
+Qwen2, Qwen3, Phi-3; Qwen3-MoE and Mixtral with `moe.SparseMoeBlock` as the MLP) or Gemma's
+(`gemma.py`), made by `layers.make_layer`."""
 
 from __future__ import annotations
 
@@ -7,11 +9,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.attention import AttentionBackend, AttentionMetadata
+from tandem.attention.torch_ref import soft_cap
 from tandem.config import ModelConfig
 from tandem.model import fused, splitk
-from tandem.model.fused import add_rms_norm, rope_qk, silu_and_mul
+from tandem.model.fused import act_and_mul, add_rms_norm, rope_qk
 from tandem.model.rope import RotaryEmbedding
 from tandem.parallel import TensorParallel
+from tandem.quant.checkpoint import Fp8Config
+from tandem.quant.linear import linear_factory
 
 
 class RMSNorm(nn.Module):
@@ -37,11 +42,13 @@ def to_residual(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch
     so on one device it may be split-K partial sums [splits, rows, out] that the norm adds up
     (`splitk`)."""
     if tp.size == 1 and linear.bias is None and splitk.ENABLED and fused.use_kernels(x):
-        return splitk.linear_partials(x, linear.weight)
+        # FP8 weights: their scales, and the layer itself where split-K does not apply
+        scale = getattr(linear, "weight_scale", None)
+        return splitk.linear_partials(x, linear.weight, weight_scale=scale, fallback=linear)
     if tp.size == 1:
         return linear(x)
     # the input features are split across ranks: partial sums, all-reduced, then the bias
-    y = tp.all_reduce(F.linear(x, linear.weight))
+    y = tp.all_reduce(F.linear(x, linear.weight) if type(linear) is nn.Linear else linear(x, False))
     return y if linear.bias is None else y + linear.bias
 
 
@@ -64,8 +71,17 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, tp: TensorParallel):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rope: RotaryEmbedding,
+        tp: TensorParallel,
+        sliding_window: int | None = None,
+        linear=nn.Linear,
+    ):
         super().__init__()
+        self.sliding_window = sliding_window
+        self.logits_soft_cap: float | None = None
         self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
@@ -74,9 +90,11 @@ class Attention(nn.Module):
         )
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = cfg.head_dim**-0.5
+        # an FP8 KV cache's per-tensor scales (the checkpoint's, see loader.set_kv_scales)
+        self.k_scale = self.v_scale = 1.0
         # q, k and v projections stacked into one matrix: [q_size + 2 * kv_size, hidden]
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.qkv_proj = linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rope = rope
@@ -97,8 +115,19 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm else ()
         return rope_qk(
-            q, k, v, positions, self.rope.cos_sin, kv_cache, slot_mapping, *norms, q_out=q_out
-        )
+            q, k, v, positions, self.rope.cos_sin, kv_cache, slot_mapping, *norms, q_out=q_out,
+            k_scale=self.k_scale, v_scale=self.v_scale,
+        )  # fmt: skip
+
+    def attend_options(self) -> dict:
+        """This layer's arguments to the attention backend besides q, the cache and metadata."""
+        return {
+            "scale": self.scale,
+            "k_scale": self.k_scale,
+            "v_scale": self.v_scale,
+            "sliding_window": self.sliding_window,
+            "logits_soft_cap": self.logits_soft_cap,
+        }
 
     def output(self, attended: torch.Tensor) -> torch.Tensor:
         """After the attention: the o projection of its [tokens, heads, head_dim] result."""
@@ -106,24 +135,37 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, linear=nn.Linear):
         super().__init__()
         self.tp = tp
         # gate and up projections stacked: [2 * intermediate, hidden]
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.hidden_act = cfg.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return to_residual(self.down_proj, silu_and_mul(self.gate_up_proj(x)), self.tp)
+        return to_residual(self.down_proj, self.activated(x), self.tp)
+
+    def activated(self, x: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up: [rows, hidden] -> [rows, inter]."""
+        return act_and_mul(self.gate_up_proj(x), self.hidden_act)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, tp: TensorParallel):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rope: RotaryEmbedding,
+        tp: TensorParallel,
+        mlp: nn.Module | None = None,  # a dense MLP unless given (the experts of a MoE layer)
+        sliding_window: int | None = None,
+        linear=nn.Linear,  # the projections' class (quant.linear.linear_factory)
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rope, tp)
+        self.self_attn = Attention(cfg, rope, tp, sliding_window, linear)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = MLP(cfg, tp, linear) if mlp is None else mlp
 
     def before_attention(self, x, residual, positions, kv_cache, slot_mapping, q_out=None):
         """(q, the residual stream): the previous layer's output added to the stream, the norm,
@@ -142,7 +184,7 @@ class DecoderLayer(nn.Module):
         """(this layer's output, the residual stream before it); the caller adds the two. The
         residual stream is advanced in place (see `fused.add_rms_norm`)."""
         q, residual = self.before_attention(x, residual, positions, kv_cache, meta.slot_mapping)
-        attended = attend(q, kv_cache, meta, self.self_attn.scale)
+        attended = attend(q, kv_cache, meta, **self.self_attn.attend_options())
         return self.after_attention(attended, residual)
 
 
@@ -150,15 +192,29 @@ class Decoder(nn.Module):
     """Token ids of a ragged batch -> final hidden states; logits only for the rows that sample.
 
     `cfg` holds this rank's shapes (its heads, KV heads and MLP slice; see parallel.shard_config).
+    With `fp8`, the layers' projections are `quant.linear.Fp8Linear`s (the one seam of FP8
+    weights); embeddings, norms, the MoE experts and the LM head stay in the model dtype.
     """
 
-    def __init__(self, cfg: ModelConfig, max_position: int, tp: TensorParallel | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_position: int,
+        tp: TensorParallel | None = None,
+        fp8: Fp8Config | None = None,
+    ):
         super().__init__()
         self.cfg = cfg
         self.tp = tp = tp or TensorParallel()
-        rope = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        from tandem.model.layers import embed_scale, make_layer, rotary_embeddings  # they use us
+
+        ropes = rotary_embeddings(cfg, max_position)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, tp) for _ in range(cfg.num_layers))
+        self.embed_scale = embed_scale(cfg)
+        linear = linear_factory(fp8)
+        self.layers = nn.ModuleList(
+            make_layer(cfg, i, ropes, tp, linear) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (
             None
@@ -176,10 +232,16 @@ class Decoder(nn.Module):
         meta: AttentionMetadata,
         attend: AttentionBackend,
     ) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, kv_cache, meta, attend)
         return self.norm.add_forward(x, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[tokens] -> [tokens, hidden]; Gemma scales the embeddings by sqrt(hidden), rounded
+        to the model dtype as transformers does."""
+        x = self.embed_tokens(input_ids)
+        return x if self.embed_scale is None else x * torch.tensor(self.embed_scale, dtype=x.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab] in the model's dtype (each rank's vocabulary slice
@@ -187,4 +249,4 @@ class Decoder(nn.Module):
         a full extra pass over the largest tensor of a decode step."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = self.tp.gather_columns(F.linear(hidden, weight))
-        return logits[:, : self.cfg.vocab_size]
+        return soft_cap(logits[:, : self.cfg.vocab_size], self.cfg.final_logit_softcapping)

@@ -9,20 +9,20 @@ same points as the torch version (values agree up to float32 rounding inside).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tandem import pdl
+from tandem import envs, pdl
 from tandem.attention.torch_ref import write_kv
 from tandem.config import cdiv, next_power_of_2
+from tandem.quant.fp8 import FP8_DTYPE
 
 # On CUDA the Triton kernels run (here and in the sampler) unless TANDEM_FUSED_KERNELS=0, which
 # keeps the torch versions: the "before" side of a fusion measurement.
-KERNELS = os.environ.get("TANDEM_FUSED_KERNELS", "1") != "0"
+KERNELS = envs.fused_kernels()
 
 
 def use_kernels(x: torch.Tensor) -> bool:
@@ -68,6 +68,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def act_and_mul(gate_up: torch.Tensor, hidden_act: str) -> torch.Tensor:
+    """[rows, 2 * inter] -> act(gate) * up: SwiGLU (`silu`) or GeGLU (`gelu_tanh`, in torch)."""
+    if hidden_act == "silu":
+        return silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def rope_qk(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -80,23 +88,24 @@ def rope_qk(
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     q_out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Per-head RMSNorm of q and k (when norm weights are given, as in Qwen3), then the rotary
     embedding ("rotate half" layout); k and v are stored at their slots of the paged cache
-    ([2, blocks, block_size, kv_heads, head_dim]; slot -1 stores nothing that is read) and the
-    new contiguous q is returned (in `q_out` when given). q, k, v: [tokens, heads, head_dim],
-    possibly strided views; cos_sin: [max_position, head_dim] float32, cos | sin, looked up by
-    `positions` [tokens]."""
-    half = q.shape[-1] // 2
-    if use_kernels(q) and half & (half - 1) == 0:  # the kernel's tiles need a power of two
+    ([2, blocks, block_size, kv_heads, head_dim]; slot -1 stores nothing that is read; an FP8
+    cache stores k / k_scale and v / v_scale) and the new contiguous q is returned (in `q_out`
+    when given). q, k, v: [tokens, heads, head_dim], possibly strided views; cos_sin:
+    [max_position, head_dim] float32, cos | sin, looked up by `positions` [tokens]."""
+    if use_kernels(q):
         return _rope_qk_triton(
             q, k, v, positions, cos_sin, kv_cache, slot_mapping, q_norm_weight, k_norm_weight, eps,
-            q_out,
+            q_out, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     cos, sin = cos_sin[positions].chunk(2, dim=-1)
     if q_norm_weight is not None:
         q, k = _head_norm(q, q_norm_weight, eps), _head_norm(k, k_norm_weight, eps)
-    write_kv(kv_cache, rotate(k, cos, sin), v, slot_mapping)
+    write_kv(kv_cache, rotate(k, cos, sin), v, slot_mapping, k_scale, v_scale)
     rotated = rotate(q, cos, sin)
     return rotated if q_out is None else q_out.copy_(rotated)
 
@@ -204,13 +213,16 @@ def _silu_and_mul_triton(gate_up):
 @triton.jit
 def _norm_rotate_heads(
     x_ptr, out_ptr, weight_ptr, cos_sin_ptr, token, out_row, write, position, token_stride,
-    head_stride, num_heads, eps, HALF: tl.constexpr, HEADS: tl.constexpr, HAS_NORM: tl.constexpr,
+    head_stride, num_heads, eps, out_scale, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    HEADS: tl.constexpr, HAS_NORM: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
-    """One token's heads, [HEADS, HALF] tiles for the two halves of each head, to row `out_row`
-    of a contiguous [rows, num_heads, 2 * HALF] output (nothing stored unless `write`)."""
+    """One token's heads, [HEADS, HALF_PAD] tiles for the two halves of each head (HALF_PAD:
+    HALF's next power of two, the columns past HALF masked), to row `out_row` of a contiguous
+    [rows, num_heads, 2 * HALF] output (nothing stored unless `write`); with FP8, an e4m3
+    output of the values over `out_scale`."""
     heads = tl.arange(0, HEADS)[:, None]
-    dims = tl.arange(0, HALF)[None, :]
-    mask = heads < num_heads
+    dims = tl.arange(0, HALF_PAD)[None, :]
+    mask = (heads < num_heads) & (dims < HALF)
     base = x_ptr + token * token_stride + heads * head_stride + dims
     dtype = out_ptr.dtype.element_ty
     a = tl.load(base, mask=mask, other=0.0).to(tl.float32)
@@ -219,22 +231,31 @@ def _norm_rotate_heads(
         inv_rms = 1.0 / tl.sqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)
         a = (a * inv_rms[:, None]).to(dtype).to(tl.float32)
         b = (b * inv_rms[:, None]).to(dtype).to(tl.float32)
-        a = (tl.load(weight_ptr + dims).to(tl.float32) * a).to(dtype).to(tl.float32)
-        b = (tl.load(weight_ptr + HALF + dims).to(tl.float32) * b).to(dtype).to(tl.float32)
-    c = tl.load(cos_sin_ptr + position * (2 * HALF) + dims)
-    s = tl.load(cos_sin_ptr + position * (2 * HALF) + HALF + dims)
+        a = (tl.load(weight_ptr + dims, mask=dims < HALF).to(tl.float32) * a).to(dtype)
+        b = (tl.load(weight_ptr + HALF + dims, mask=dims < HALF).to(tl.float32) * b).to(dtype)
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    c = tl.load(cos_sin_ptr + position * (2 * HALF) + dims, mask=dims < HALF)
+    s = tl.load(cos_sin_ptr + position * (2 * HALF) + HALF + dims, mask=dims < HALF)
     out = out_ptr + out_row * num_heads * 2 * HALF + heads * 2 * HALF + dims
-    tl.store(out, (a * c - b * s).to(dtype), mask=mask & write)
-    tl.store(out + HALF, (b * c + a * s).to(dtype), mask=mask & write)
+    first, second = a * c - b * s, b * c + a * s
+    if FP8:
+        first, second = _fp8_range(first / out_scale), _fp8_range(second / out_scale)
+    tl.store(out, first.to(dtype), mask=mask & write)
+    tl.store(out + HALF, second.to(dtype), mask=mask & write)
+
+
+@triton.jit
+def _fp8_range(x):
+    return tl.clamp(x, -448.0, 448.0)  # e4m3's largest finite value: stored saturated
 
 
 @triton.jit
 def rope_qk_kernel(
     q_ptr, k_ptr, v_ptr, q_out_ptr, cache_ptr, q_weight_ptr, k_weight_ptr, positions_ptr,
     cos_sin_ptr, slot_ptr, q_token_stride, q_head_stride, k_token_stride, k_head_stride,
-    v_token_stride, v_head_stride, kv_half_stride, num_q_heads, num_k_heads, eps,
-    HALF: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, HAS_NORM: tl.constexpr,
-    PDL: tl.constexpr,
+    v_token_stride, v_head_stride, kv_half_stride, num_q_heads, num_k_heads, eps, k_scale,
+    v_scale, HALF: tl.constexpr, HALF_PAD: tl.constexpr, Q_HEADS: tl.constexpr,
+    K_HEADS: tl.constexpr, HAS_NORM: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.wait(PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -242,29 +263,35 @@ def rope_qk_kernel(
     slot = tl.load(slot_ptr + token).to(tl.int64)
     _norm_rotate_heads(
         q_ptr, q_out_ptr, q_weight_ptr, cos_sin_ptr, token, token, token >= 0, position,
-        q_token_stride, q_head_stride, num_q_heads, eps, HALF, Q_HEADS, HAS_NORM,
+        q_token_stride, q_head_stride, num_q_heads, eps, 1.0, HALF, HALF_PAD, Q_HEADS, HAS_NORM,
+        False,
     )  # fmt: skip
     # k and v to the cache rows of this token's slot (the K half, then the V half)
     _norm_rotate_heads(
         k_ptr, cache_ptr, k_weight_ptr, cos_sin_ptr, token, slot, slot >= 0, position,
-        k_token_stride, k_head_stride, num_k_heads, eps, HALF, K_HEADS, HAS_NORM,
+        k_token_stride, k_head_stride, num_k_heads, eps, k_scale, HALF, HALF_PAD, K_HEADS,
+        HAS_NORM, FP8,
     )  # fmt: skip
     heads = tl.arange(0, K_HEADS)[:, None]
-    dims = tl.arange(0, 2 * HALF)[None, :]
-    mask = (heads < num_k_heads) & (slot >= 0)
+    dims = tl.arange(0, 2 * HALF_PAD)[None, :]
+    mask = (heads < num_k_heads) & (slot >= 0) & (dims < 2 * HALF)
     v = tl.load(v_ptr + token * v_token_stride + heads * v_head_stride + dims, mask=mask)
+    if FP8:
+        v = _fp8_range(v.to(tl.float32) / v_scale)
+    v = v.to(cache_ptr.dtype.element_ty)
     row = cache_ptr + kv_half_stride + slot * num_k_heads * 2 * HALF
     tl.store(row + heads * 2 * HALF + dims, v, mask=mask)
 
 
 def _rope_qk_triton(
     q, k, v, positions, cos_sin, kv_cache, slot_mapping, q_norm_weight, k_norm_weight, eps,
-    q_out=None, num_warps=None,
+    q_out=None, num_warps=None, k_scale=1.0, v_scale=1.0,
 ):  # fmt: skip
     tokens, q_heads, head_dim = q.shape
     k_heads = k.shape[1]
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and cos_sin.is_contiguous()
-    assert kv_cache.dtype == k.dtype and kv_cache.is_contiguous()
+    fp8 = kv_cache.dtype == FP8_DTYPE
+    assert (fp8 or kv_cache.dtype == k.dtype) and kv_cache.is_contiguous()
     assert kv_cache.shape[-2:] == (k_heads, head_dim), "cache layout [2, blocks, block, heads, dim]"
     if q_out is None:
         q_out = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -274,8 +301,9 @@ def _rope_qk_triton(
         q, k, v, q_out, kv_cache, q_norm_weight if has_norm else q,
         k_norm_weight if has_norm else k, positions, cos_sin, slot_mapping, q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv_cache.stride(0),
-        q_heads, k_heads, eps, HALF=head_dim // 2, Q_HEADS=next_power_of_2(q_heads),
-        K_HEADS=next_power_of_2(k_heads), HAS_NORM=has_norm, num_warps=num_warps or 4,
+        q_heads, k_heads, eps, k_scale, v_scale, HALF=head_dim // 2,
+        HALF_PAD=next_power_of_2(head_dim // 2), Q_HEADS=next_power_of_2(q_heads),
+        K_HEADS=next_power_of_2(k_heads), HAS_NORM=has_norm, FP8=fp8, num_warps=num_warps or 4,
         **pdl.launch_args(q.device),
     )  # fmt: skip
     return q_out

@@ -10,8 +10,11 @@ import torch
 from safetensors import safe_open
 
 from tandem.config import ModelConfig
+from tandem.model import hf_names
 from tandem.model.decoder import Decoder
 from tandem.parallel import TensorParallel, shard_config, shard_tensor
+from tandem.quant import linear as fp8_linear
+from tandem.quant.checkpoint import Fp8Config, checkpoint_tensors, fit_tensor, fp8_config
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 DUMMY_SEED_SALT = 0x5EED
@@ -58,17 +61,23 @@ def build_model(
     max_position: int,
     seed: int,
     tp: TensorParallel,
+    quantization: str | None = None,
+    fp8_kv_cache: bool = False,
 ) -> Decoder:
-    """`cfg` is the whole model; each rank builds and loads only its shard."""
+    """`cfg` is the whole model; each rank builds and loads only its shard. FP8 weights come
+    from the checkpoint's quantization_config or, with `quantization="fp8"`, from quantizing
+    its weights here; with `fp8_kv_cache`, the checkpoint's k_scale/v_scale are the cache's."""
     if folder is None and load_format != "dummy":
         raise ValueError(
             "a preset has shapes but no weights; pass load_format='dummy' to use random weights"
         )
+    fp8 = fp8_config(hf_config, quantization)
+    check_fp8(fp8, dtype, tp)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = Decoder(shard_config(cfg, tp), max_position, tp)
+            model = Decoder(shard_config(cfg, tp), max_position, tp, fp8)
     finally:
         torch.set_default_dtype(default_dtype)
     if load_format == "dummy":
@@ -79,8 +88,40 @@ def build_model(
         tensors = random_weights(hf_config, seed=dummy_seed, dtype=dtype, device=device)
     else:
         tensors = iter_safetensors(folder)
-    load_weights(model, ((name, shard_tensor(name, t, cfg, tp)) for name, t in tensors))
+    kv_scales: dict[str, float] = {}
+    tensors = hf_names.normalized(tensors, cfg)
+    # quantized (at load) before sharding: each row's scale is the whole row's, as on one device
+    tensors = checkpoint_tensors(tensors, fp8, kv_scales)
+    fit = None if fp8 is None else lambda name, tensor, dest: fit_tensor(name, tensor, dest, fp8)
+    load_weights(model, ((name, shard_tensor(name, t, cfg, tp)) for name, t in tensors), fit)
+    if fp8 is not None:
+        fp8_linear.prepare(model, dtype, device)
+    if fp8_kv_cache:
+        set_kv_scales(model, kv_scales)
     return model.eval()
+
+
+def check_fp8(fp8: Fp8Config | None, dtype: torch.dtype, tp: TensorParallel) -> None:
+    if fp8 is None:
+        return
+    if dtype == torch.float16:
+        raise ValueError(
+            "FP8 weights run with dtype 'bfloat16' (W8A8 on Hopper) or 'float32' (W8A16); "
+            "float16 is not supported with them"
+        )
+    if tp.size > 1 and fp8.strategy != "channel":
+        raise ValueError(
+            f"FP8 checkpoints with {fp8.strategy} weight scales and tensor_parallel_size > 1 "
+            "are not supported; per-channel scales and quantization='fp8' are"
+        )
+
+
+def set_kv_scales(model: Decoder, kv_scales: dict[str, float]) -> None:
+    """The checkpoint's per-layer K and V cache scales (absent: 1.0) onto each attention."""
+    for i, layer in enumerate(model.layers):
+        prefix = f"model.layers.{i}.self_attn"
+        layer.self_attn.k_scale = kv_scales.get(f"{prefix}.k_scale", 1.0)
+        layer.self_attn.v_scale = kv_scales.get(f"{prefix}.v_scale", 1.0)
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -103,8 +144,9 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_weights(model: Decoder, tensors) -> None:
-    """Copy HF-named tensors into the model, stacking q/k/v and gate/up; every parameter must be set."""
+def load_weights(model: Decoder, tensors, fit=None) -> None:
+    """Copy HF-named tensors into the model, stacking q/k/v and gate/up; every parameter must be
+    set. `fit(hf_name, tensor, dest)` gives a tensor its place's layout (FP8 scales)."""
     params = dict(model.named_parameters())
     cfg = model.cfg
     stacked_sizes = {
@@ -120,7 +162,11 @@ def load_weights(model: Decoder, tensors) -> None:
             continue
         module, _, kind = name.rpartition(".")
         parent, _, leaf = module.rpartition(".")
-        if leaf in STACKED:
+        expert = hf_names.expert_destination(name, params, cfg.moe_intermediate_size)
+        if expert is not None:
+            dest, key = expert
+            loaded.add(key)
+        elif leaf in STACKED:
             target, index = STACKED[leaf]
             name = f"{parent}.{target}.{kind}"
             sizes = stacked_sizes[target]
@@ -136,15 +182,19 @@ def load_weights(model: Decoder, tensors) -> None:
             dest = dest.narrow(
                 0, 0, tensor.shape[0]
             )  # the last rank's rows past the vocabulary stay 0
+        if fit is not None:
+            tensor = fit(hf_name, tensor, dest)
         if dest.shape != tensor.shape:
             raise ValueError(
                 f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
             )
         dest.copy_(tensor)
     expected = set()
-    for name in params:
+    for name, param in params.items():
         target = name.split(".")[-2]
-        if target in stacked_sizes:
+        if (keys := hf_names.expected_expert_keys(name, param)) is not None:
+            expected.update(keys)
+        elif target in stacked_sizes:
             expected.update(f"{name}#{i}" for i in range(len(stacked_sizes[target])))
         else:
             expected.add(name)
@@ -157,6 +207,8 @@ def load_weights(model: Decoder, tensors) -> None:
 
 def checkpoint_name(name: str) -> str:
     """Our parameter name, '#i' marking slice i of a stacked one -> the checkpoint's tensor name."""
+    if "experts." in name and "#" in name:
+        return hf_names.expert_checkpoint_name(name)
     name, _, index = name.partition("#")
     if index:
         module, _, kind = name.rpartition(".")

@@ -1,4 +1,14 @@
-"""Rotary position embedding: the cos/sin table, built once (`fused.rope_qk` applies it)."""
+"""Rotary position embedding: the cos/sin table, built once (`fused.rope_qk` applies it).
+
+Scaling types, by the `rope_type` of config.json (the same formulas as transformers' rope init
+functions): `linear` (positions slowed by `factor`), `dynamic` (NTK: within
+max_position_embeddings, which bounds every sequence tandem serves, its frequencies are the
+default ones), `llama3`, `yarn` and `longrope` (frequencies blended or rescaled per dimension,
+cos and sin times an attention factor). Longrope's short factors rotate positions before
+`original_max_position_embeddings` and its long factors the later ones: each cached key keeps
+the rotation it was stored with, where transformers switches a whole sequence to the long
+factors once it passes that length.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +17,15 @@ from typing import Any
 
 import torch
 
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
-def inverse_frequencies(
-    head_dim: int, theta: float, scaling: dict[str, Any] | None
-) -> torch.Tensor:
-    """[head_dim // 2] float32 rotation speeds, with Llama-3 frequency scaling when asked."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    if scaling is None:
-        return inv_freq
-    assert scaling["rope_type"] == "llama3"
+
+def default_frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    """[head_dim // 2] float32 rotation speeds."""
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
@@ -28,14 +38,83 @@ def inverse_frequencies(
     return torch.where(in_band, blended, scaled)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_frequencies(
+    head_dim: int, theta: float, scaling: dict[str, Any]
+) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, attention factor): dimensions that turn fewer than `beta_slow`
+    times over the original context are interpolated (slowed by `factor`), those that turn more
+    than `beta_fast` times kept, a linear ramp between."""
+    factor = scaling["factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dimension_of(rotations: float) -> float:  # the dimension turning `rotations` times
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension_of(beta_fast), dimension_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated = default_frequencies(head_dim, theta)
+    return extrapolated / factor * ramp + extrapolated * (1 - ramp), attention_factor
+
+
+def longrope_attention_factor(scaling: dict[str, Any]) -> float:
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+
+
+def rope_angles(
+    head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None
+) -> tuple[torch.Tensor, float]:
+    """([max_position, head_dim // 2] float32 angles, the factor cos and sin are scaled by)."""
+    rope_type = "default" if scaling is None else scaling["rope_type"]
+    positions = torch.arange(max_position, dtype=torch.float32)
+    inv_freq, attention_factor = default_frequencies(head_dim, theta), 1.0
+    if rope_type == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif rope_type == "llama3":
+        inv_freq = llama3_frequencies(inv_freq, scaling)
+    elif rope_type == "yarn":
+        inv_freq, attention_factor = yarn_frequencies(head_dim, theta, scaling)
+    elif rope_type == "longrope":
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+        old_len = scaling["original_max_position_embeddings"]
+        # [max_position, head_dim // 2]: the short factors before old_len, the long ones after
+        factors = torch.where(
+            positions[:, None] < old_len,
+            torch.tensor(scaling["short_factor"], dtype=torch.float32),
+            torch.tensor(scaling["long_factor"], dtype=torch.float32),
+        )
+        inv_freqs = 1.0 / (factors * theta**exponents)  # [max_position, head_dim // 2]
+        return positions[:, None] * inv_freqs, longrope_attention_factor(scaling)
+    else:
+        assert rope_type in ("default", "dynamic"), rope_type
+    return torch.outer(positions, inv_freq), attention_factor
+
+
 class RotaryEmbedding(torch.nn.Module):
     def __init__(
         self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None
     ):
         super().__init__()
-        inv_freq = inverse_frequencies(head_dim, theta, scaling)
-        angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        angles, attention_factor = rope_angles(head_dim, max_position, theta, scaling)
         # [max_position, head_dim] float32: cos in the first half, sin in the second
-        self.register_buffer(
-            "cos_sin", torch.cat([angles.cos(), angles.sin()], dim=-1), persistent=False
-        )
+        cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1) * attention_factor
+        self.register_buffer("cos_sin", cos_sin, persistent=False)

@@ -13,7 +13,7 @@ with cuBLAS. TANDEM_SPLITK=0 keeps F.linear, for comparisons.
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -21,11 +21,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tandem import pdl
+from tandem import envs, pdl
 from tandem.config import cdiv, next_power_of_2
 from tandem.model.fused import num_sms
 
-ENABLED = os.environ.get("TANDEM_SPLITK", "1") != "0"
+ENABLED = envs.splitk()
 # past 64 rows: 64-row tiles, one program per SM, four stages, where that means 2 or more
 # splits (BENCHMARKS.md, eleventh run: the best shapes of the sweep at 128 and 256 rows)
 MAX_ROWS = 256
@@ -42,9 +42,9 @@ class SplitTiles(NamedTuple):
 
 @triton.jit(do_not_specialize=["rows"])  # per step: see attention.triton_kernels.prefill_kernel
 def partials_kernel(
-    x_ptr, w_ptr, out_ptr, rows, out_features, x_stride, w_stride, k_per_split,
+    x_ptr, w_ptr, w_scale_ptr, out_ptr, rows, out_features, x_stride, w_stride, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr,
+    FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.wait(PDL)
     tile_n, tile_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -57,10 +57,14 @@ def partials_kernel(
     for _ in range(0, k_per_split, BLOCK_K):
         a = tl.load(x_ptrs, mask=m[:, None] < rows, other=0.0)
         b = tl.load(w_ptrs, mask=n[None, :] < out_features, other=0.0)
+        if FP8:  # e4m3 weights, exact in the activations' dtype; their row scales come last
+            b = b.to(a.dtype)
         # float32 weights: no TF32 rounding, as F.linear by default
         acc = tl.dot(a, b, acc, input_precision="ieee") if IEEE else tl.dot(a, b, acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if FP8:
+        acc *= tl.load(w_scale_ptr + n, mask=n < out_features, other=0.0)[None, :]
     out = out_ptr + (split * rows + m[:, None]).to(tl.int64) * out_features + n[None, :]
     tl.store(out, acc, mask=(m[:, None] < rows) & (n[None, :] < out_features))
 
@@ -85,14 +89,22 @@ def plan(rows: int, out_features: int, in_features: int, device: torch.device) -
 
 
 def linear_partials(
-    x: torch.Tensor, weight: torch.Tensor, tiles: SplitTiles | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    tiles: SplitTiles | None = None,
+    weight_scale: torch.Tensor | None = None,
+    fallback: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """[rows, in] x [out, in]^T -> [splits, rows, out] float32 partial sums (sum(0) is the
-    product); F.linear's [rows, out] where `plan` says no. `tiles` overrides the plan (sweeps)."""
+    product); `fallback(x)` (default F.linear) [rows, out] where `plan` says no. `tiles`
+    overrides the plan (sweeps). FP8 e4m3 weights come with `weight_scale` [out, 1] float32
+    (per-channel: other layouts take the fallback): W8A16, the weight widened in registers."""
     rows, out_features, in_features = x.shape[0], weight.shape[0], weight.shape[1]
+    fp8 = weight_scale is not None
     tiles = tiles or plan(rows, out_features, in_features, x.device)
-    if tiles is None or x.stride(1) != 1 or not weight.is_contiguous():
-        return F.linear(x, weight)
+    per_channel = not fp8 or weight_scale.shape[1] == 1
+    if tiles is None or x.stride(1) != 1 or not weight.is_contiguous() or not per_channel:
+        return F.linear(x, weight) if fallback is None else fallback(x)
     out = torch.empty(tiles.splits, rows, out_features, dtype=torch.float32, device=x.device)
     grid = (
         cdiv(out_features, tiles.block_n),
@@ -100,9 +112,9 @@ def linear_partials(
         tiles.splits,
     )
     partials_kernel[grid](
-        x, weight, out, rows, out_features, x.stride(0), weight.stride(0),
+        x, weight, weight if weight_scale is None else weight_scale, out, rows, out_features, x.stride(0), weight.stride(0),
         in_features // tiles.splits, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, IEEE=x.dtype == torch.float32,
+        BLOCK_K=tiles.block_k, IEEE=x.dtype == torch.float32, FP8=fp8,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.launch_args(x.device),
     )  # fmt: skip
     return out

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as BpeTokenizer
 
-from tandem.config import ModelConfig, cdiv
+from tandem.config import GEMMA, ModelConfig, cdiv
 
 BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [BOS, EOS, IM_START, IM_END]
@@ -111,8 +111,119 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         "sliding_window": None,
         "tie_word_embeddings": True,
     },
+    # a sliding window shorter than the test prompts, on every layer
+    "mistral_sliding": {
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "sliding_window": 24,
+        "tie_word_embeddings": False,
+    },
+    # 8 experts, top 2 renormalised, q/k norms, a dense layer between two MoE layers
+    "qwen3_moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+    },
+    # 4 experts, top 2 (always renormalised), GQA
+    "mixtral": {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "intermediate_size": 48,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+    },
+    # sliding and full layers alternating, attention and final soft caps, GeGLU,
+    # query_pre_attn_scalar != head_dim (untied: a tied tiny Gemma, its embeddings scaled up in
+    # the stream, repeats the last token greedily; tying is covered by qwen2 and qwen3)
+    "gemma2": {
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 24,
+        "attn_logit_softcapping": 20.0,
+        "final_logit_softcapping": 15.0,
+        "sliding_window": 16,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    },
+    # q/k norms, a local rope base on sliding layers, linear rope scaling on full ones
+    "gemma3": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 32,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        "tie_word_embeddings": False,
+    },
+    # fused qkv and gate_up weights, head_dim 48 (not a power of two), longrope, a window
+    "phi3": {
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "hidden_size": 96,
+        "num_attention_heads": 2,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 1,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "original_max_position_embeddings": 64,
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [1.0 + 0.02 * i for i in range(24)],
+            "long_factor": [1.0 + 0.5 * i for i in range(24)],
+        },
+        "sliding_window": 32,
+        "tie_word_embeddings": False,
+    },
 }
-QWEN_STYLE = {"qwen2", "qwen3"}
+QWEN_STYLE = {"qwen2", "qwen3", "qwen3_moe"}
+# per-expert tensor names of each MoE family: (block, gate, up, down)
+EXPERT_NAMES = {
+    "Qwen3MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2"),
+}
 
 PARAGRAPHS = [
     "The quick brown fox jumps over the lazy dog. It's a sentence that uses every letter.",
@@ -152,6 +263,7 @@ def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0) -> Path:
         "vocab_size": cdiv(size, VOCAB_PADDING) * VOCAB_PADDING,
         "bos_token_id": token_id(BOS),
         "eos_token_id": eos_ids if arch == "llama" else token_id(IM_END),
+        "pad_token_id": token_id(EOS),
     }
     write_json(out / "config.json", config)
     write_json(
@@ -182,24 +294,30 @@ def random_weights(
 def weight_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], float, float]]:
     # name -> (shape, std, mean); matrices get std 1/sqrt(fan_in) so activations stay O(1)
     h, vocab = cfg.hidden_size, cfg.vocab_size
-    q, kv, d, ffn = cfg.q_size, cfg.kv_size, cfg.head_dim, cfg.intermediate_size
+    q, kv, d = cfg.q_size, cfg.kv_size, cfg.head_dim
     embed_std = LOGIT_STD / h**0.5
+    gemma = cfg.architecture in GEMMA
 
     def matrix(rows: int, cols: int, gain: float = 1.0) -> tuple[tuple[int, ...], float, float]:
         return (rows, cols), gain * cols**-0.5, 0.0
 
-    def norm(size: int) -> tuple[tuple[int, ...], float, float]:
-        return (size,), 0.1, 1.0
+    def norm(size: int, gain: float = 1.0) -> tuple[tuple[int, ...], float, float]:
+        # Gemma stores w of its (1 + w) norms
+        return (size,), 0.1, gain - 1.0 if gemma else gain
 
     specs = {"model.embed_tokens.weight": ((vocab, h), embed_std, 0.0)}
     for i in range(cfg.num_layers):
-        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-        specs |= {
-            f"{attn}.q_proj.weight": matrix(q, h),
-            f"{attn}.k_proj.weight": matrix(kv, h),
-            f"{attn}.v_proj.weight": matrix(kv, h),
-            f"{attn}.o_proj.weight": matrix(h, q, RESIDUAL_GAIN),
-        }
+        layer = f"model.layers.{i}"
+        attn = f"{layer}.self_attn"
+        if cfg.architecture == "Phi3ForCausalLM":
+            specs[f"{attn}.qkv_proj.weight"] = matrix(q + 2 * kv, h)
+        else:
+            specs |= {
+                f"{attn}.q_proj.weight": matrix(q, h),
+                f"{attn}.k_proj.weight": matrix(kv, h),
+                f"{attn}.v_proj.weight": matrix(kv, h),
+            }
+        specs[f"{attn}.o_proj.weight"] = matrix(h, q, RESIDUAL_GAIN)
         if cfg.qkv_bias:
             specs |= {
                 f"{attn}.{p}_proj.bias": ((n,), 0.1, 0.0)
@@ -209,17 +327,44 @@ def weight_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], float, fl
             specs[f"{attn}.o_proj.bias"] = ((h,), 0.1, 0.0)
         if cfg.qk_norm:
             specs |= {f"{attn}.q_norm.weight": norm(d), f"{attn}.k_norm.weight": norm(d)}
+        specs |= mlp_specs(cfg, i, matrix)
         specs |= {
-            f"{mlp}.gate_proj.weight": matrix(ffn, h),
-            f"{mlp}.up_proj.weight": matrix(ffn, h),
-            f"{mlp}.down_proj.weight": matrix(h, ffn, RESIDUAL_GAIN),
-            f"model.layers.{i}.input_layernorm.weight": norm(h),
-            f"model.layers.{i}.post_attention_layernorm.weight": norm(h),
+            f"{layer}.input_layernorm.weight": norm(h),
+            f"{layer}.post_attention_layernorm.weight": norm(h, RESIDUAL_GAIN if gemma else 1.0),
         }
+        if gemma:  # the post norms scale what a layer adds to the stream, as the gain does
+            specs |= {
+                f"{layer}.pre_feedforward_layernorm.weight": norm(h),
+                f"{layer}.post_feedforward_layernorm.weight": norm(h, RESIDUAL_GAIN),
+            }
     specs["model.norm.weight"] = norm(h)
     if not cfg.tie_word_embeddings:
         specs["lm_head.weight"] = ((vocab, h), embed_std, 0.0)
     return specs
+
+
+def mlp_specs(cfg: ModelConfig, i: int, matrix) -> dict[str, tuple[tuple[int, ...], float, float]]:
+    """Layer i's MLP: dense (Phi-3's gate and up fused), or a router and its experts."""
+    h, ffn = cfg.hidden_size, cfg.intermediate_size
+    if cfg.is_moe_layer(i):
+        block, gate, up, down = EXPERT_NAMES[cfg.architecture]
+        prefix, inter = f"model.layers.{i}.{block}", cfg.moe_intermediate_size
+        specs = {f"{prefix}.gate.weight": matrix(cfg.num_experts, h, 4.0)}  # spread routing
+        for e in range(cfg.num_experts):
+            specs |= {
+                f"{prefix}.experts.{e}.{gate}.weight": matrix(inter, h),
+                f"{prefix}.experts.{e}.{up}.weight": matrix(inter, h),
+                f"{prefix}.experts.{e}.{down}.weight": matrix(h, inter, RESIDUAL_GAIN),
+            }
+        return specs
+    mlp = f"model.layers.{i}.mlp"
+    down = {f"{mlp}.down_proj.weight": matrix(h, ffn, RESIDUAL_GAIN)}
+    if cfg.architecture == "Phi3ForCausalLM":
+        return {f"{mlp}.gate_up_proj.weight": matrix(2 * ffn, h)} | down
+    return {
+        f"{mlp}.gate_proj.weight": matrix(ffn, h),
+        f"{mlp}.up_proj.weight": matrix(ffn, h),
+    } | down
 
 
 def train_tokenizer(qwen_style: bool) -> BpeTokenizer:

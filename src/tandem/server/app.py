@@ -1,12 +1,12 @@
-"""The FastAPI app: routes, API-key check, errors as OpenAI's JSON, and `serve`."""
+"""The FastAPI app: routes, API-key check, body-size cap, errors as OpenAI's JSON."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tandem.async_llm import AsyncLLM, EngineDeadError
 from tandem.server.metrics import ServerMetrics
+from tandem.server.options import ServerOptions
 from tandem.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -23,19 +24,27 @@ from tandem.server.protocol import (
     OpenAIError,
     TokenizeRequest,
 )
-from tandem.server.serving import OpenAIServing, chat_prompt
+from tandem.server.serving import OpenAIServing, ServerShuttingDown, chat_ids
 
 OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key
 
 
-def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(
+    llm: AsyncLLM,
+    model_name: str,
+    api_key: str | None = None,
+    options: ServerOptions | None = None,
+) -> FastAPI:
     """The OpenAI-compatible API over `llm`, serving it as `model_name`."""
+    options = options or ServerOptions(api_key=api_key)
+    options.validate()
     app = FastAPI(title="tandem")
     metrics = ServerMetrics(llm)
-    serving = OpenAIServing(llm, model_name, metrics)
-    app.state.llm = llm
-    if api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    serving = OpenAIServing(llm, model_name, metrics, options)
+    app.state.llm, app.state.serving = llm, serving
+    if options.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_request_bytes)
     add_error_handlers(app)
 
     @app.post("/v1/completions")
@@ -59,7 +68,9 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if llm.is_running else 503)
+        stall = options.health_stall_timeout_s
+        stalled = stall > 0 and llm.seconds_without_progress() > stall
+        return Response(status_code=200 if llm.is_running and not stalled else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -72,10 +83,11 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError("give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            text = chat_prompt(tokenizer, body.messages, body.add_generation_prompt)
-            tokens = tokenizer.encode(text, add_special_tokens=False)
+            _, tokens = await asyncio.to_thread(
+                chat_ids, tokenizer, body.messages, body.add_generation_prompt
+            )
         else:
-            tokens = tokenizer.encode(body.prompt, body.add_special_tokens)
+            tokens = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.max_model_len}
 
     @app.post("/detokenize")
@@ -99,6 +111,8 @@ def add_error_handlers(app: FastAPI) -> None:
         if not location(problems[0]):  # no body, or one that is not a JSON object
             message = "the request body must be a JSON object (Content-Type: application/json)"
             return OpenAIError(message).response()
+        # text that is not Unicode fails every member of a union: say only that
+        problems = [p for p in problems if "lone surrogate" in p["msg"]] or problems
         message = "; ".join(f"{location(p)}: {p['msg']}" for p in problems)
         return OpenAIError(message, param=location(problems[0])).response()
 
@@ -108,29 +122,45 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: HttpRequest, error: EngineDeadError) -> JSONResponse:
-        return OpenAIError(str(error), 500, "server_error").response()
+        return closing(OpenAIError(str(error), 500, "server_error").response())
+
+    @app.exception_handler(ServerShuttingDown)
+    async def shutting_down(_: HttpRequest, error: ServerShuttingDown) -> JSONResponse:
+        return closing(OpenAIError(str(error), 503, "server_error").response())
 
     @app.exception_handler(Exception)  # after the response, starlette re-raises it to be logged
     async def unexpected(_: HttpRequest, error: Exception) -> JSONResponse:
-        return OpenAIError(f"internal error: {error!r}", 500, "server_error").response()
+        return closing(OpenAIError(f"internal error: {error!r}", 500, "server_error").response())
+
+
+def closing(response: JSONResponse) -> JSONResponse:
+    """Tell the client this connection ends with the response: after a 5xx it is not reused."""
+    response.headers["Connection"] = "close"
+    return response
 
 
 def location(problem: dict[str, Any]) -> str:
-    """A validation error's place in the body, e.g. ("body", "messages", 0, "role") -> messages.0.role."""
-    return ".".join(str(part) for part in problem["loc"] if part != "body")
+    """A validation error's place in the body, e.g. ("body", "messages", 0, "role") -> messages.0.role.
+
+    Union members pydantic tried ("list[int]", "function-after[encodable(), str]") are left out.
+    """
+    parts = problem["loc"]
+    return ".".join(str(p) for p in parts if p != "body" and not (isinstance(p, str) and "[" in p))
 
 
 class ApiKeyMiddleware:
-    """401 unless `Authorization: Bearer <api_key>`, for every path but OPEN_PATHS."""
+    """401 unless `Authorization: Bearer <api_key>` (the scheme in any case), but on OPEN_PATHS."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(
+                key.strip(), self.expected
+            ):
                 error = OpenAIError(
                     "missing or wrong API key; send it as 'Authorization: Bearer <key>'",
                     401,
@@ -141,11 +171,33 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def serve(llm: AsyncLLM, model_name: str, host: str, port: int, api_key: str | None = None) -> None:
-    """Serve until interrupted, then stop the engine thread."""
-    try:
-        app = build_app(llm, model_name, api_key)
-        # no access log: its per-request lines would compete with the engine thread for the GIL
-        uvicorn.run(app, host=host, port=port, access_log=False, timeout_graceful_shutdown=5)
-    finally:
-        llm.shutdown()
+class BodyLimitMiddleware:
+    """413 for a request body past `max_bytes`, by its Content-Length or as it arrives."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await closing(self.too_large().response())(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> dict:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:  # re-raised by FastAPI's body reading, as a 413
+                raise HTTPException(413, self.too_large().message)
+            return message
+
+        await self.app(scope, counted, send)
+
+    def too_large(self) -> OpenAIError:
+        message = f"the request body is larger than {self.max_bytes} bytes (--max-request-bytes)"
+        return OpenAIError(message, 413, code="request_too_large")

@@ -38,19 +38,24 @@ class RequestResult:
 
 
 def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server")
     parser.add_argument("--model", help="default: the first model the server lists")
-    parser.add_argument("--api-key")
-    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (default: none)")
+    parser.add_argument("--num-prompts", type=int, default=200, help="requests to send")
     parser.add_argument(
         "--max-concurrency", type=int, help="requests in flight at once (default: all)"
     )
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--range-ratio", type=float, default=0.0)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output-json")
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--output-len", type=int, default=128, help="new tokens per request")
+    parser.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform in [len x (1 - r), len x (1 + r)]",
+    )
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--output-json", help="write the report here (default: none)")
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> None:

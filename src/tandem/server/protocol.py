@@ -5,11 +5,24 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from tandem.sampling import MAX_LOGPROBS, MAX_TOP_K
+from tandem.sampling import MAX_LOGPROBS, MAX_N, MAX_TOP_K
 
-MAX_N = 128  # OpenAI's limit; one request must not queue millions of engine requests
+
+def encodable(text: str) -> str:
+    """Text the tokenizer can take: UTF-8, so no lone surrogate such as "\\ud800" (JSON allows it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"holds {text[error.start : error.end]!r} at {error.start}, a lone surrogate, "
+            "which is not Unicode text"
+        ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(encodable)]
 MAX_TOKEN_ID = 2**32 - 1  # the tokenizer's u32
 
 # A field the request models below do not declare is a 400, unless it is null, only labels the
@@ -17,10 +30,6 @@ MAX_TOKEN_ID = 2**32 - 1  # the tokenizer's u32
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
     "echo": (False,),
-    "frequency_penalty": (0,),
-    "presence_penalty": (0,),
-    "repetition_penalty": (1,),
-    "logit_bias": ({},),
     "suffix": ("",),
     "tools": ([],),
     "tool_choice": ("none", "auto"),
@@ -74,7 +83,10 @@ class SamplingRequest(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token ids as strings, as JSON keys must be
+    stop: Text | list[Text] | None = None
     n: int | None = Field(None, le=MAX_N)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -84,7 +96,13 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     return_token_ids: bool | None = None  # add each choice's generated token ids
+
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
 
     def unsupported_field(self) -> str | None:
         """The first field given that this server does not implement, unless it asks for nothing."""
@@ -96,24 +114,26 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = None  # the prompt before the completion, with logprobs if asked
 
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[TextPart]
 
     def as_template_input(self) -> dict[str, str]:
         content = self.content
         text = content if isinstance(content, str) else "".join(part.text for part in content)
-        return {"role": self.role, "content": text}
+        # OpenAI's newer name for the system role; chat templates know "system"
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": text}
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -125,7 +145,7 @@ class ChatCompletionRequest(SamplingRequest):
 
 class TokenizeRequest(BaseModel):
     model: str | None = None
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True

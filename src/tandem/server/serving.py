@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tandem.async_llm import AsyncLLM, EngineDeadError, RequestStream, StreamOutput
 from tandem.sampling import MAX_SEED, SamplingParams
 from tandem.server.metrics import LatencyTracker, ServerMetrics
+from tandem.server.options import ServerOptions
 from tandem.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -28,6 +30,11 @@ from tandem.server.protocol import (
 from tandem.tokenizer import Tokenizer
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+logger = logging.getLogger("uvicorn.error")  # the logger `tandem serve` prints
+
+
+class ServerShuttingDown(RuntimeError):
+    """The server stopped while this request was open (SIGTERM, past the drain timeout)."""
 
 
 @dataclass
@@ -57,7 +64,7 @@ class Choice:
         self.finish_reason = output.finish_reason
 
 
-@dataclass
+@dataclass(eq=False)  # by identity: OpenAIServing.open holds them
 class Generation:
     """The engine requests of one API call; choice index i * n + k is prompt i's k-th sample."""
 
@@ -86,18 +93,30 @@ class Generation:
 
 
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, model_name: str, metrics: ServerMetrics):
+    def __init__(
+        self, llm: AsyncLLM, model_name: str, metrics: ServerMetrics, options: ServerOptions
+    ):
         self.llm = llm
         self.model_name = model_name
         self.metrics = metrics
+        self.options = options
+        self.open: set[Generation] = set()  # the calls being answered, for `end_all`
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise OpenAIError(
                 f"model {model!r} is not served here; use {self.model_name!r}",
+                404,
                 param="model",
                 code="model_not_found",
             )
+
+    def end_all(self, reason: str) -> None:
+        """Fail every open call now: streams end with an error event, other calls with a 503."""
+        for generation in list(self.open):
+            for choice in generation.choices:
+                choice.stream.abort()
+                choice.stream.outputs.put_nowait(ServerShuttingDown(reason))
 
     def tokenizer(self) -> Tokenizer:
         if self.llm.tokenizer is None:
@@ -106,8 +125,9 @@ class OpenAIServing:
 
     async def completions(self, body: CompletionRequest, http: HttpRequest) -> Response:
         self.check_model(body.model)
-        check_supported(body)
-        prompts = self._completion_prompts(body.prompt)
+        self.check_request(body)
+        # tokenizing a long prompt takes seconds: off the event loop, so other streams go on
+        prompts = await asyncio.to_thread(self._completion_prompts, body.prompt)
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         if max_tokens == 0 and not body.echo:
             raise OpenAIError("max_tokens must be >= 1 unless echo is true", param="max_tokens")
@@ -132,12 +152,10 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, http: HttpRequest) -> Response:
         self.check_model(body.model)
-        check_supported(body)
+        self.check_request(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError("top_logprobs needs logprobs set to true", param="top_logprobs")
-        tokenizer = self.tokenizer()
-        text = chat_prompt(tokenizer, body.messages)
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        text, ids = await asyncio.to_thread(chat_ids, self.tokenizer(), body.messages)
         max_tokens = next(
             (m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
             max(1, self.llm.max_model_len - len(ids)),
@@ -146,6 +164,19 @@ class OpenAIServing:
         params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
         generation = await self._start("chatcmpl", [(text, ids)], params, body)
         return await self._respond(generation, ChatFormat, body, http)
+
+    def check_request(self, body: SamplingRequest) -> None:
+        """400 for what this server does not implement, or what passes its limits."""
+        check_supported(body)
+        if body.stream_options is not None and not body.stream:
+            raise OpenAIError("stream_options needs stream set to true", param="stream_options")
+        stop, limits = body.stop_strings(), self.options
+        if len(stop) > limits.max_stop_strings:
+            message = f"stop has {len(stop)} strings; at most {limits.max_stop_strings} are allowed"
+            raise OpenAIError(message, param="stop")
+        if any(len(s) > limits.max_stop_string_length for s in stop):
+            message = f"a stop string is longer than {limits.max_stop_string_length} characters"
+            raise OpenAIError(message, param="stop")
 
     def _completion_prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
         """A prompt or a batch of them, as (text, token ids) pairs."""
@@ -165,6 +196,13 @@ class OpenAIServing:
     ) -> Generation:
         """Queue n engine requests per prompt, all validated by the engine, or none."""
         arrival, call_id = time.perf_counter(), f"{kind}-{uuid.uuid4().hex}"
+        num_sequences, limit = len(prompts) * params.n, self.options.max_sequences_per_request
+        if num_sequences > limit:
+            message = (
+                f"this request asks for {len(prompts)} prompts x n={params.n} = {num_sequences} "
+                f"sequences; at most {limit} are allowed in one request"
+            )
+            raise OpenAIError(message, param="n")
         requests = [
             (f"{call_id}-{i}-{k}", seeded(params, k), text, ids)
             for i, (text, ids) in enumerate(prompts)
@@ -200,6 +238,7 @@ class OpenAIServing:
         http: HttpRequest,
     ) -> Response:
         fmt = format_type(self.model_name, self.llm.tokenizer, generation)
+        self.open.add(generation)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = self._events(generation, fmt, include_usage)
@@ -215,6 +254,7 @@ class OpenAIServing:
                 with contextlib.suppress(asyncio.CancelledError):
                     await collect
         if collect.cancelled():
+            log_disconnect(generation)
             return Response(status_code=499)
         return JSONResponse(collect.result())
 
@@ -224,6 +264,7 @@ class OpenAIServing:
                 generation.choices[index].add(output)
         finally:
             generation.abort_unfinished()
+            self.open.discard(generation)
         return {
             **fmt.envelope(chunk=False),
             "choices": [fmt.final_choice(i, c) for i, c in enumerate(generation.choices)],
@@ -235,6 +276,7 @@ class OpenAIServing:
     ) -> AsyncIterator[str]:
         chunk_envelope = fmt.envelope(chunk=True)
         usage_field = {"usage": None} if include_usage else {}
+        ended = False  # the stream reached its end, or an error event; else the client left
         try:
             async for index, output in merge([c.stream for c in generation.choices]):
                 choice = generation.choices[index]
@@ -245,10 +287,18 @@ class OpenAIServing:
                     yield sse({**chunk_envelope, "choices": [delta], **usage_field})
             if include_usage:
                 yield sse({**chunk_envelope, "choices": [], "usage": generation.usage()})
+            ended = True
         except EngineDeadError as error:
+            ended = True
             yield sse(OpenAIError(str(error), 500, "server_error").body())
+        except ServerShuttingDown as error:
+            ended = True
+            yield sse(OpenAIError(str(error), 503, "server_error").body())
         finally:
             generation.abort_unfinished()  # e.g. the client disconnected: free the KV blocks
+            self.open.discard(generation)
+            if not ended:
+                log_disconnect(generation)
         yield "data: [DONE]\n\n"
 
 
@@ -426,6 +476,11 @@ class ChatFormat(Format):
         return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
 
 
+def log_disconnect(generation: Generation) -> None:
+    """One line for a client that left: its requests were aborted, which is no error."""
+    logger.info("%s: the client disconnected; its requests were aborted", generation.id)
+
+
 def check_supported(body: SamplingRequest) -> None:
     name = body.unsupported_field()
     if name is not None:
@@ -434,6 +489,14 @@ def check_supported(body: SamplingRequest) -> None:
             param=name,
             code="unsupported_parameter",
         )
+
+
+def chat_ids(
+    tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True
+) -> tuple[str, list[int]]:
+    """The rendered chat prompt and its token ids."""
+    text = chat_prompt(tokenizer, messages, add_generation_prompt)
+    return text, tokenizer.encode(text, add_special_tokens=False)
 
 
 def chat_prompt(
@@ -466,14 +529,30 @@ def sampling_params(
         "stop_token_ids",
         "ignore_eos",
         "min_tokens",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "allowed_token_ids",
+        "bad_words",
     )
     given = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
+    if body.logit_bias is not None:
+        given["logit_bias"] = token_id_keys(body.logit_bias)
     try:
         return SamplingParams(
             **given, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs
         )
     except ValueError as error:
         raise invalid_request(error, body) from error
+
+
+def token_id_keys(logit_bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's {"token id": bias} with int keys; a 400 naming logit_bias for any other key."""
+    try:
+        return {int(key): bias for key, bias in logit_bias.items()}
+    except ValueError as error:
+        message = f"logit_bias keys must be token ids, got {list(logit_bias)!r}"
+        raise OpenAIError(message, param="logit_bias") from error
 
 
 def seeded(params: SamplingParams, k: int) -> SamplingParams:

@@ -1,0 +1,125 @@
+"""The TANDEM_* environment switches: every one is read and validated here, and only here.
+
+They exist for before/after comparisons on a GPU; the defaults are the fast paths.
+docs/environment.md lists them (a test keeps that table and SWITCHES the same). A value a
+switch does not take is a ValueError naming the variable, raised where the switch is read:
+at import for the module-level ones, so a run fails before it loads a model.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Switch:
+    name: str
+    default: str
+    values: str  # what it takes, as the docs table says it
+    effect: str  # what a non-default value does
+
+
+SWITCHES = {
+    s.name: s
+    for s in (
+        Switch("TANDEM_FUSED_KERNELS", "1", "0, 1",
+               "0: the torch versions of the fused Triton kernels (add + RMSNorm, SiLU * up, "
+               "q/k norm + rotary + K/V store, the sampler)"),
+        Switch("TANDEM_PDL", "1", "0, 1",
+               "0: Triton kernels launch plainly, without programmatic dependent launch (Hopper)"),
+        Switch("TANDEM_SPLITK", "1", "0, 1",
+               "0: the decode steps' o and down projections through cuBLAS, not the split-K "
+               "Triton kernel"),
+        Switch("TANDEM_PIECEWISE", "1", "0, 1",
+               "0: steps with prefill run eagerly, not as CUDA graphs of the pieces between "
+               "their attentions"),
+        Switch("TANDEM_BLAS", "cublas", "cublas, cublaslt",
+               "cublaslt: the captured decode graphs' matmuls through cuBLASLt"),
+        Switch("TANDEM_DECODE_TILES", "", "block_n,num_warps,num_stages",
+               "one attention tile shape for every decode batch of more than one sequence "
+               "(block_n a power of two >= 16, num_warps 1-16 a power of two, num_stages >= 1)"),
+    )
+}  # fmt: skip
+
+
+def _value(name: str) -> str:
+    return os.environ.get(name, SWITCHES[name].default).strip()
+
+
+def _flag(name: str) -> bool:
+    value = _value(name)
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}={value!r}: expected 0 or 1")
+    return value == "1"
+
+
+def fused_kernels() -> bool:
+    return _flag("TANDEM_FUSED_KERNELS")
+
+
+def pdl() -> bool:
+    return _flag("TANDEM_PDL")
+
+
+def splitk() -> bool:
+    return _flag("TANDEM_SPLITK")
+
+
+def piecewise() -> bool:
+    return _flag("TANDEM_PIECEWISE")
+
+
+def blas() -> str:
+    value = _value("TANDEM_BLAS")
+    if value not in ("cublas", "cublaslt"):
+        raise ValueError(f"TANDEM_BLAS={value!r}: expected 'cublaslt' or 'cublas'")
+    return value
+
+
+def decode_tiles() -> tuple[int, int, int] | None:
+    """(block_n, num_warps, num_stages) from TANDEM_DECODE_TILES; None when unset."""
+    return parse_decode_tiles(_value("TANDEM_DECODE_TILES"))
+
+
+def parse_decode_tiles(value: str) -> tuple[int, int, int] | None:
+    if not value:
+        return None
+    try:
+        block_n, num_warps, num_stages = (int(part) for part in value.split(","))
+    except ValueError:
+        raise ValueError(
+            f"TANDEM_DECODE_TILES={value!r}: expected three integers, block_n,num_warps,num_stages"
+        ) from None
+    if (
+        block_n < 16
+        or block_n & (block_n - 1)
+        or num_warps not in (1, 2, 4, 8, 16)
+        or num_stages < 1
+    ):
+        raise ValueError(
+            f"TANDEM_DECODE_TILES={value!r}: block_n a power of two >= 16, "
+            "num_warps 1-16 (a power of two), num_stages >= 1"
+        )
+    return block_n, num_warps, num_stages
+
+
+READERS = {
+    "TANDEM_FUSED_KERNELS": fused_kernels,
+    "TANDEM_PDL": pdl,
+    "TANDEM_SPLITK": splitk,
+    "TANDEM_PIECEWISE": piecewise,
+    "TANDEM_BLAS": blas,
+    "TANDEM_DECODE_TILES": decode_tiles,
+}
+
+
+def check_all() -> None:
+    """Validate every switch now (the CLI does, before it loads a model)."""
+    for read in READERS.values():
+        read()
+
+
+def current() -> dict[str, object]:
+    """Every switch's value for this run, as a benchmark report records it."""
+    return {name: read() for name, read in READERS.items()}

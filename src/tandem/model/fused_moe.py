@@ -1,0 +1,213 @@
+"""Experts of a mixture-of-experts layer as one grouped GEMM per projection (Triton).
+
+The (token, expert) pairs of a step are sorted by expert, and each expert's run is padded to a
+whole number of BLOCK_M rows (`align_by_expert`), so every block of sorted rows belongs to one
+expert: a program multiplies its block by that expert's weights. No Python loop over experts,
+no host sync, fixed shapes given the token count (CUDA-graph safe): the grid covers the most
+blocks any routing can need, and programs past the routed blocks return at once.
+
+    gate_up = x[pair // top_k] @ w13[expert].T     [pairs, 2 * inter]   (grouped GEMM 1)
+    act     = SiLU or GELU(gate) * up              [pairs, inter]
+    out     = weight[pair] * act @ w2[expert].T    [pairs, hidden]      (grouped GEMM 2)
+    y       = out.view(tokens, top_k, hidden).sum(1)
+
+`fused_experts_torch` is the same arithmetic in torch (CPU engines, and the reference).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.config import cdiv
+from tandem.model.fused import act_and_mul
+
+
+class ExpertBlocks(NamedTuple):
+    """Pairs sorted by expert, padded per expert to BLOCK_M rows."""
+
+    sorted_pairs: torch.Tensor  # [max_rows] int32: pair index (token * top_k + k); num_pairs pads
+    block_expert: torch.Tensor  # [max_rows // block_m] int32: the expert of each block
+    num_rows: torch.Tensor  # [1] int32: rows in use (the padded runs' total)
+
+
+def max_sorted_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows the sorted layout may need: every expert's run padded by up to block_m - 1."""
+    return cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """topk_ids [tokens, top_k] -> the pairs sorted by expert in BLOCK_M-row runs. E.g. experts
+    of 5 pairs [1, 0, 1, 1, 0], block_m 2: runs of expert 0 [1, 4], expert 1 [0, 2, 3, pad]
+    -> sorted_pairs [1, 4, 0, 2, 3, 5, 5, ...], block_expert [0, 1, 1, ...], num_rows [6]."""
+    flat = topk_ids.flatten()  # [pairs]
+    num_pairs = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))  # [experts]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)  # [experts]
+    order = flat.argsort(stable=True)  # [pairs] pair indices by expert
+    expert_of = flat[order].long()
+    rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[expert_of]
+    max_rows = max_sorted_rows(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.full((max_rows,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, (padded_end - padded)[expert_of] + rank, order.to(torch.int32))
+    block_starts = torch.arange(0, max_rows, block_m, device=device)
+    block_expert = torch.searchsorted(padded_end, block_starts, right=True)
+    block_expert = block_expert.clamp_(max=num_experts - 1).to(torch.int32)
+    return ExpertBlocks(sorted_pairs, block_expert, padded_end[-1:].to(torch.int32))
+
+
+@triton.jit
+def grouped_gemm_kernel(
+    a_ptr,  # [rows of a, K]: tokens (A_PER_TOKEN) or pairs
+    w_ptr,  # [experts, N, K]
+    c_ptr,  # [pairs, N]
+    sorted_pairs_ptr,
+    block_expert_ptr,
+    num_rows_ptr,
+    topk_weights_ptr,  # [pairs] float32, read when MUL_WEIGHT
+    num_pairs,
+    N,
+    K,
+    a_stride,
+    w_expert_stride,
+    w_row_stride,
+    c_stride,
+    TOP_K: tl.constexpr,
+    A_PER_TOKEN: tl.constexpr,  # a's row of pair p is p // TOP_K (else p)
+    MUL_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    block = tl.program_id(0)
+    if block * BLOCK_M < tl.load(num_rows_ptr):
+        pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = pairs < num_pairs
+        a_rows = pairs // TOP_K if A_PER_TOKEN else pairs
+        expert = tl.load(block_expert_ptr + block).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * a_stride + ks[None, :]
+        w_ptrs = w_ptr + expert * w_expert_stride + cols[None, :] * w_row_stride + ks[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k in range(0, K, BLOCK_K):
+            in_k = ks + k < K
+            a = tl.load(a_ptrs, mask=valid[:, None] & in_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=in_k[:, None] & (cols[None, :] < N), other=0.0)
+            acc = tl.dot(a, w, acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if MUL_WEIGHT:
+            acc = acc * tl.load(topk_weights_ptr + pairs, mask=valid, other=0.0)[:, None]
+        c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * c_stride + cols[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+
+
+class MoeTiles(NamedTuple):
+    """Launch shape of the grouped GEMMs (TANDEM_MOE_TILES="block_n,block_k,num_warps,num_stages"
+    sets it for 16-bit weights, to compare shapes on a GPU)."""
+
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def moe_tiles_setting(value: str | None) -> MoeTiles:
+    if not value:
+        return MoeTiles()
+    try:
+        block_n, block_k, num_warps, num_stages = (int(part) for part in value.split(","))
+        tiles = MoeTiles(block_n, block_k, num_warps, num_stages)
+    except ValueError:
+        raise ValueError(
+            f"TANDEM_MOE_TILES={value!r}: expected four integers, block_n,block_k,num_warps,num_stages"
+        ) from None
+    powers = all(n >= 16 and n & (n - 1) == 0 for n in (tiles.block_n, tiles.block_k))
+    if not powers or tiles.num_warps not in (1, 2, 4, 8, 16) or tiles.num_stages < 1:
+        raise ValueError(
+            f"TANDEM_MOE_TILES={value!r}: block_n and block_k powers of two >= 16, "
+            "num_warps 1-16 (a power of two), num_stages >= 1"
+        )
+    return tiles
+
+
+TILES = moe_tiles_setting(os.environ.get("TANDEM_MOE_TILES"))
+FLOAT32_TILES = MoeTiles(block_n=32, block_k=32, num_warps=4, num_stages=1)  # fits shared memory
+
+
+def block_m_for(num_pairs: int, num_experts: int) -> int:
+    """Rows per block: small where few pairs reach each expert (decode), so padding is little."""
+    per_expert = num_pairs / num_experts
+    return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    blocks: ExpertBlocks,
+    block_m: int,
+    num_pairs: int,
+    top_k: int,
+    topk_weights: torch.Tensor | None,
+) -> torch.Tensor:
+    """[pairs, N] = a's row of each pair @ w[its expert].T (times its weight when given)."""
+    n, k = w.shape[1], w.shape[2]
+    assert a.stride(-1) == 1 and w.is_contiguous()
+    c = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
+    tiles = FLOAT32_TILES if a.dtype == torch.float32 else TILES
+    grid = (blocks.sorted_pairs.numel() // block_m, cdiv(n, tiles.block_n))
+    grouped_gemm_kernel[grid](
+        a, w, c, blocks.sorted_pairs, blocks.block_expert, blocks.num_rows,
+        c if topk_weights is None else topk_weights, num_pairs, n, k, a.stride(0), w.stride(0),
+        w.stride(1), c.stride(0), TOP_K=top_k, A_PER_TOKEN=topk_weights is None,
+        MUL_WEIGHT=topk_weights is not None, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+    return c
+
+
+def fused_experts(
+    x: torch.Tensor,  # [tokens, hidden]
+    w13: torch.Tensor,  # [experts, 2 * inter, hidden]: gate rows, then up rows
+    w2: torch.Tensor,  # [experts, hidden, inter]
+    topk_weights: torch.Tensor,  # [tokens, top_k] float32
+    topk_ids: torch.Tensor,  # [tokens, top_k]
+    hidden_act: str = "silu",
+) -> torch.Tensor:
+    """The routed experts' weighted sum [tokens, hidden], by the grouped GEMMs."""
+    tokens, top_k = topk_ids.shape
+    num_experts, num_pairs = w13.shape[0], tokens * top_k
+    block_m = block_m_for(num_pairs, num_experts)
+    blocks = align_by_expert(topk_ids, num_experts, block_m)
+    gate_up = grouped_gemm(x, w13, blocks, block_m, num_pairs, top_k, None)
+    act = act_and_mul(gate_up, hidden_act)
+    weights = topk_weights.flatten().float().contiguous()
+    out = grouped_gemm(act, w2, blocks, block_m, num_pairs, top_k, weights)
+    return out.view(tokens, top_k, -1).sum(1)
+
+
+def fused_experts_torch(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    hidden_act: str = "silu",
+) -> torch.Tensor:
+    """The same as `fused_experts` in torch: each pair's expert weights gathered, batched matmuls."""
+    tokens, top_k = topk_ids.shape
+    ids = topk_ids.flatten().long()  # [pairs]
+    rows = x.repeat_interleave(top_k, dim=0)  # [pairs, hidden]
+    gate_up = torch.bmm(w13[ids], rows[:, :, None])[:, :, 0]  # [pairs, 2 * inter]
+    act = act_and_mul(gate_up, hidden_act)
+    out = torch.bmm(w2[ids], act[:, :, None])[:, :, 0]  # [pairs, hidden]
+    out = (out.float() * topk_weights.flatten().float()[:, None]).to(x.dtype)
+    return out.view(tokens, top_k, -1).sum(1)

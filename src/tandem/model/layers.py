@@ -1,0 +1,44 @@
+"""Which layer each architecture stacks, with its rotary table, window and MLP."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from torch import nn
+
+from tandem.config import GEMMA, ModelConfig
+from tandem.model.decoder import DecoderLayer
+from tandem.model.gemma import GemmaDecoderLayer
+from tandem.model.moe import SparseMoeBlock
+from tandem.model.rope import RotaryEmbedding
+from tandem.parallel import TensorParallel
+
+
+class Ropes(NamedTuple):
+    full: RotaryEmbedding  # rope_theta with rope_scaling
+    sliding: RotaryEmbedding  # Gemma 3's sliding layers: rope_local_theta, unscaled; else `full`
+
+
+def rotary_embeddings(cfg: ModelConfig, max_position: int) -> Ropes:
+    full = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+    if cfg.rope_local_theta is None:
+        return Ropes(full, full)
+    return Ropes(full, RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_local_theta, None))
+
+
+def embed_scale(cfg: ModelConfig) -> float | None:
+    """What the embeddings are multiplied by (Gemma: sqrt(hidden_size)); None: nothing."""
+    return cfg.hidden_size**0.5 if cfg.architecture in GEMMA else None
+
+
+def make_layer(
+    cfg: ModelConfig, index: int, ropes: Ropes, tp: TensorParallel, linear=nn.Linear
+) -> nn.Module:
+    """Layer `index`; `linear` is the class of its projections (FP8 or not)."""
+    sliding = bool(cfg.sliding_layers) and cfg.sliding_layers[index]
+    window = cfg.sliding_window if sliding else None
+    if cfg.architecture in GEMMA:
+        rope = ropes.sliding if sliding else ropes.full
+        return GemmaDecoderLayer(cfg, rope, tp, window, linear)
+    mlp = SparseMoeBlock(cfg, tp) if cfg.is_moe_layer(index) else None
+    return DecoderLayer(cfg, ropes.full, tp, mlp=mlp, sliding_window=window, linear=linear)

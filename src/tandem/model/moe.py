@@ -1,0 +1,64 @@
+"""Mixture-of-experts MLP (Qwen3-MoE, Mixtral): a top-k router and the routed experts.
+
+Routing as both models define it: softmax over the experts in float32, the top k, renormalised
+to sum to one where the model asks (`norm_topk_prob`; Mixtral always). The experts run as the
+grouped GEMMs of `fused_moe` on CUDA, and as the same arithmetic in torch elsewhere (CPU engines;
+tests run the Triton kernels under the interpreter against it).
+
+Tensor parallelism shards every expert's intermediate dimension: rank r holds rows
+[r * inter / size, (r + 1) * inter / size) of each expert's gate and up projections and those
+columns of its down projection; the router is replicated, and the partial outputs are
+all-reduced, as after a dense MLP.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.config import ModelConfig
+from tandem.model import fused
+from tandem.model.fused_moe import fused_experts, fused_experts_torch
+from tandem.parallel import TensorParallel
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[tokens, experts] logits -> (weights [tokens, top_k] float32, expert ids [tokens, top_k])."""
+    probs = router_logits.softmax(dim=-1, dtype=torch.float32)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class Experts(nn.Module):
+    """Every expert's weights stacked: one tensor per projection."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        # [experts, 2 * inter, hidden]: gate rows, then up rows
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size)
+        )
+        # [experts, hidden, inter]
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.hidden_act = cfg.hidden_act
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[tokens, hidden] -> [tokens, hidden] in x's dtype."""
+        weights, ids = route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
+        run = fused_experts if fused.use_kernels(x) else fused_experts_torch
+        w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
+        return self.tp.all_reduce(run(x, w13, w2, weights, ids, self.hidden_act))

@@ -1,0 +1,183 @@
+"""FP8 checkpoints and quantization at load: which scheme a config.json asks for, and how its
+tensors map onto `Fp8Linear`'s [out, in] e4m3 weight and [out, groups] float32 scales.
+
+Two checkpoint formats (`quantization_config.quant_method`):
+- "compressed-tensors", format "float-quantized": `weight` e4m3 and `weight_scale` float32, per
+  tensor ([] or [1]), per channel ([out, 1]) or per block ([out / rows, in / cols] for a
+  `block_structure` [rows, cols]); activations per token, dynamic (a static `input_scale` is
+  read past: activations are always quantized per token here).
+- "fp8" (DeepSeek-V3, Qwen3-FP8): `weight` e4m3 and `weight_scale_inv` float32 per block of
+  `weight_block_size` (128 x 128), the factor that dequantizes (w = q * weight_scale_inv).
+`quantization="fp8"` on a checkpoint without a quantization_config quantizes each linear
+weight at load, one scale per output channel.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tandem.config import cdiv
+from tandem.quant.fp8 import FP8_DTYPE, quantize_rows
+
+logger = logging.getLogger(__name__)
+
+LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+METHODS = ("compressed-tensors", "fp8")
+STRATEGIES = ("tensor", "channel", "block")
+KV_SCALES = ("self_attn.k_scale", "self_attn.v_scale")
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """The FP8 scheme of the decoder's linear layers (embeddings, norms and LM head stay in the
+    model dtype)."""
+
+    quantize_at_load: bool  # the checkpoint has high-precision weights: quantized per channel
+    strategy: str  # of the checkpoint's weight scales: "tensor", "channel" or "block"
+    block: tuple[int, int] | None = None  # (rows, cols) of a block scale
+
+    @property
+    def group_size(self) -> int | None:
+        """Input columns per scale in `Fp8Linear` (None: one scale per row)."""
+        return None if self.block is None else self.block[1]
+
+
+def fp8_config(hf_config: dict[str, Any], quantization: str | None) -> Fp8Config | None:
+    """The FP8 scheme of a checkpoint's config.json, or of `quantization="fp8"` on a
+    checkpoint without one; None: no FP8 weights. Raises ValueError naming what is not
+    supported."""
+    qc = hf_config.get("quantization_config")
+    if qc is None:
+        return Fp8Config(True, "channel") if quantization == "fp8" else None
+    method = qc.get("quant_method")
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc)
+    if method == "fp8":
+        return _fp8_method(qc)
+    raise ValueError(
+        f"quantization_config.quant_method {method!r} in config.json is not supported; "
+        f"supported: {', '.join(repr(m) for m in METHODS)}"
+    )
+
+
+def _compressed_tensors(qc: dict[str, Any]) -> Fp8Config:
+    groups = list((qc.get("config_groups") or {}).values())
+    if not groups:
+        raise ValueError("quantization_config.config_groups is empty in config.json")
+    schemes = set()
+    for group in groups:
+        fmt = group.get("format") or qc.get("format")
+        if fmt != "float-quantized":
+            raise ValueError(
+                f"compressed-tensors format {fmt!r} is not supported; supported: "
+                "'float-quantized' (FP8 e4m3)"
+            )
+        weights = group.get("weights") or {}
+        if weights.get("type") != "float" or weights.get("num_bits") != 8:
+            raise ValueError(
+                f"compressed-tensors weights {weights!r}: only 8-bit float (e4m3) is supported"
+            )
+        strategy = weights.get("strategy")
+        if strategy not in STRATEGIES:
+            raise ValueError(
+                f"compressed-tensors weight strategy {strategy!r} is not supported; "
+                f"supported: {', '.join(repr(s) for s in STRATEGIES)}"
+            )
+        inputs = group.get("input_activations")
+        if inputs is not None and (inputs.get("type") != "float" or inputs.get("num_bits") != 8):
+            raise ValueError(
+                f"compressed-tensors input_activations {inputs!r}: only 8-bit float is supported"
+            )
+        block = weights.get("block_structure") if strategy == "block" else None
+        schemes.add((strategy, _block(block, "block_structure") if strategy == "block" else None))
+    if len(schemes) > 1:
+        raise ValueError(
+            f"compressed-tensors config_groups with different weight schemes {sorted(schemes)}; "
+            "one FP8 scheme for every linear layer is supported"
+        )
+    strategy, block = schemes.pop()
+    return Fp8Config(False, strategy, block)
+
+
+def _fp8_method(qc: dict[str, Any]) -> Fp8Config:
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"fp8 quantization_config fmt {qc['fmt']!r}: only 'e4m3' is supported")
+    block = qc.get("weight_block_size")
+    if block is None:
+        return Fp8Config(False, "tensor")
+    return Fp8Config(False, "block", _block(block, "weight_block_size"))
+
+
+def _block(block: Any, field: str) -> tuple[int, int]:
+    if not (isinstance(block, list | tuple) and len(block) == 2 and all(
+        isinstance(b, int) and b > 0 for b in block
+    )):  # fmt: skip
+        raise ValueError(f"quantization_config.{field} must be two positive ints, got {block!r}")
+    return block[0], block[1]
+
+
+def is_linear_weight(hf_name: str) -> bool:
+    module, _, kind = hf_name.rpartition(".")
+    return kind == "weight" and module.rpartition(".")[2] in LINEAR_LEAVES
+
+
+def checkpoint_tensors(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    fp8: Fp8Config | None,
+    kv_scales: dict[str, float],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors under the names `load_weights` places: with `fp8`, FP8 weights
+    and their `weight_scale` (quantized here when `fp8.quantize_at_load`), static input scales
+    dropped; KV cache scales are taken out into `kv_scales` (name -> float)."""
+    dropped = 0
+    for name, tensor in tensors:
+        if name.endswith(KV_SCALES):
+            kv_scales[name] = float(tensor.float().reshape(-1)[0])
+        elif fp8 is None:
+            yield name, tensor
+        elif name.endswith(".input_scale"):
+            dropped += 1
+        elif fp8.quantize_at_load and is_linear_weight(name) and tensor.dtype != FP8_DTYPE:
+            weight, scale = quantize_rows(tensor)
+            yield name, weight
+            yield f"{name}_scale", scale
+        else:
+            yield name.removesuffix("_inv") if name.endswith(".weight_scale_inv") else name, tensor
+    if dropped:
+        logger.warning(
+            "%d static input_scale tensors not used: activations are quantized per token", dropped
+        )
+
+
+def fit_tensor(
+    hf_name: str, tensor: torch.Tensor, dest: torch.Tensor, fp8: Fp8Config
+) -> torch.Tensor:
+    """A checkpoint tensor in the layout of its place `dest` (a weight_scale [rows, groups] from
+    the checkpoint's scale layout); ValueError where the checkpoint and the scheme disagree."""
+    if (tensor.dtype == FP8_DTYPE) != (dest.dtype == FP8_DTYPE):
+        raise ValueError(
+            f"checkpoint tensor {hf_name!r} is {tensor.dtype} where {dest.dtype} is expected: "
+            "FP8 checkpoints must quantize every linear layer of the decoder and nothing else"
+        )
+    if not hf_name.endswith(".weight_scale"):
+        return tensor
+    rows, groups = dest.shape
+    if fp8.strategy == "block":
+        accepted = [(cdiv(rows, fp8.block[0]), groups)]
+    elif fp8.strategy == "channel":
+        accepted = [(rows, 1), (rows,)]
+    else:
+        accepted = [(), (1,)]
+    if tuple(tensor.shape) not in accepted:
+        raise ValueError(
+            f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}; a {fp8.strategy} "
+            f"scale of this {rows}-row weight has shape {accepted[0]}"
+        )
+    if fp8.strategy == "block":  # each block's scale for each of its rows
+        return tensor.repeat_interleave(fp8.block[0], dim=0)[:rows]
+    return tensor.reshape(-1, 1).expand(rows, 1)

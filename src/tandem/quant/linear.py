@@ -1,0 +1,110 @@
+"""The FP8 linear layer: e4m3 weights with float32 scales, computed as W8A8 or W8A16.
+
+W8A8 (CUDA with FP8 tensor cores, bfloat16 models): each call quantizes its input per token
+(`fp8.quantize_tokens`) and multiplies with `torch._scaled_mm`, cuBLASLt/CUTLASS's FP8 GEMM with
+a scale per input row and per weight row, into bfloat16. W8A16 (CPU, other GPUs, other dtypes):
+the weight is dequantized to the input's dtype and F.linear runs, so on CPU in float32 the
+result equals F.linear over the dequantized weight exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.config import cdiv
+from tandem.quant.checkpoint import Fp8Config
+from tandem.quant.fp8 import FP8_DTYPE, dequantize, has_fp8_gemm, quantize_rows, quantize_tokens
+
+logger = logging.getLogger(__name__)
+
+
+class Fp8Linear(nn.Module):
+    """y = x W^T + b, W float8 e4m3 [out, in] with float32 scales [out, groups]: one scale per
+    output row and group of `group_size` input columns (one group: per-channel scales)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, group_size: int | None = None
+    ):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.group_size = group_size  # None: one scale per row
+        groups = 1 if group_size is None else cdiv(in_features, group_size)
+        # [out, in] float8 e4m3 and [out, groups] float32, filled by the loader
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False
+        )
+        self.weight_scale = nn.Parameter(
+            torch.empty(out_features, groups, dtype=torch.float32), requires_grad=False
+        )
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.w8a8 = False  # set by `prepare` once the weights are in
+
+    @property
+    def per_channel(self) -> bool:
+        return self.weight_scale.shape[1] == 1
+
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        bias = self.bias if add_bias else None
+        if not self.w8a8:
+            weight = dequantize(self.weight, self.weight_scale, x.dtype, self.group_size)
+            return F.linear(x, weight, bias)
+        y = w8a8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale)
+        y = y if bias is None else y + bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def to_per_channel(self) -> None:
+        """Group scales -> one scale per row: the weight dequantized and quantized again."""
+        if self.per_channel:
+            return
+        full = dequantize(self.weight, self.weight_scale, torch.float32, self.group_size)
+        weight, scale = quantize_rows(full)
+        self.group_size = None
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+
+def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """[rows, in] bf16 x (e4m3 [out, in] with float32 [out, 1] scales)^T -> [rows, out] bf16:
+    x quantized per token, then the FP8 GEMM with both scales applied to its float32 sums."""
+    x_fp8, x_scale = quantize_tokens(x)  # [rows, in] e4m3, [rows, 1] float32
+    return torch._scaled_mm(
+        x_fp8,
+        weight.t(),  # [in, out], column-major as the FP8 GEMM wants
+        scale_a=x_scale,
+        scale_b=weight_scale.view(1, -1),  # [1, out]
+        out_dtype=x.dtype,
+    )
+
+
+def prepare(model: nn.Module, dtype: torch.dtype, device: torch.device) -> str:
+    """After loading: W8A8 where the device and dtype allow it (block scales turned into
+    per-channel ones for the GEMM), W8A16 elsewhere, with a warning. Returns which."""
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    w8a8 = has_fp8_gemm(device) and dtype == torch.bfloat16
+    if not w8a8:
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
+        logger.warning(
+            "FP8 weights on %s in %s: the FP8 GEMM needs a GPU of compute capability 9.0 "
+            "(Hopper) and bfloat16, so the weights are dequantized for each matmul (W8A16)",
+            where,
+            str(dtype).removeprefix("torch."),
+        )
+    for layer in layers:
+        # the FP8 GEMM takes sizes in multiples of 16
+        layer.w8a8 = w8a8 and layer.in_features % 16 == 0 and layer.out_features % 16 == 0
+        if layer.w8a8:
+            layer.to_per_channel()
+    return "w8a8" if w8a8 else "w8a16"
+
+
+def linear_factory(fp8: Fp8Config | None) -> Callable[..., nn.Module]:
+    """What the decoder builds its projections with: (in, out, bias=) -> a linear layer."""
+    if fp8 is None:
+        return nn.Linear
+    return functools.partial(Fp8Linear, group_size=fp8.group_size)

@@ -1,0 +1,87 @@
+"""`tandem serve`'s process: uvicorn over the app, and how it ends.
+
+- SIGTERM or SIGINT: stop accepting connections, let open requests finish for
+  `drain_timeout_s`, then end what is left (streams with an SSE error event, other calls with a
+  503), shut the engine down, exit 0.
+- The engine thread fails: its open requests get their errors (AsyncLLM does that), the server
+  stops and the process exits 1, so a supervisor that restarts on exit brings the service back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+import uvicorn
+
+from tandem.async_llm import AsyncLLM
+from tandem.server.app import build_app
+from tandem.server.options import ServerOptions
+from tandem.server.serving import OpenAIServing
+
+SHUTDOWN_MARGIN_S = 5  # past the drain: for the ended streams to send their error event
+
+
+class Server(uvicorn.Server):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        llm: AsyncLLM,
+        serving: OpenAIServing,
+        options: ServerOptions,
+    ):
+        super().__init__(config)
+        self.llm, self.serving, self.options = llm, serving, options
+        self.engine_failed = False
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's handlers, without raising the signal again once it has stopped: that would
+        end the process before `serve` shuts the engine down and returns."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        signals = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.llm.failure is not None:
+            self.engine_failed = True
+            return True
+        return await super().on_tick(counter)
+
+    async def shutdown(self, sockets=None) -> None:
+        end = asyncio.get_running_loop().call_later(
+            self.options.drain_timeout_s, self.serving.end_all, "the server is shutting down"
+        )
+        try:
+            await super().shutdown(sockets)
+        finally:
+            end.cancel()
+
+
+def serve(llm: AsyncLLM, model_name: str, host: str, port: int, options: ServerOptions) -> int:
+    """Serve until a signal (then 0) or a fatal engine error (then 1); the engine is shut down."""
+    try:
+        app = build_app(llm, model_name, options=options)
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            # off by default: per-request lines would compete with the engine thread for the GIL
+            access_log=options.access_log,
+            timeout_graceful_shutdown=options.drain_timeout_s + SHUTDOWN_MARGIN_S,
+        )
+        server = Server(config, llm, app.state.serving, options)
+        server.run()
+    finally:
+        llm.shutdown()
+    return 1 if server.engine_failed else 0

@@ -1,0 +1,268 @@
+"""FP8 on the GPU (Hopper): the W8A8 GEMM and its kernels against references, bf16 against FP8
+logits, and the async engine with FP8 weights and an FP8 KV cache (sync/async, sanitizer)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem import LLM, SamplingParams
+from tandem.attention import AttentionMetadata
+from tandem.attention.torch_ref import decode_attention
+from tandem.attention.triton_backend import TritonAttention
+from tandem.model import fused, splitk
+from tandem.quant import linear as fp8_linear
+from tandem.quant.fp8 import dequantize, has_fp8_gemm, quantize_rows, quantize_tokens
+from tandem.quant.linear import Fp8Linear
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not has_fp8_gemm(torch.device("cuda")),
+        reason="needs a CUDA device with FP8 tensor cores (compute capability 9.0)",
+    ),
+]
+
+E4M3 = torch.float8_e4m3fn
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+# Random tiny models are far more sensitive than trained ones: on CPU in float32, bf16 alone
+# keeps 96-97% of their top-1 picks, FP8 weights and activations (the same arithmetic emulated)
+# 78-81% at a mean KL of 0.14-0.20 nats (0.15-0.20 with the FP8 KV cache too). The bounds below
+# sit under those; a broken scale or layout drops top-1 to chance.
+TINY_TOP1, TINY_KL = 0.72, 0.3
+# Against the same FP8 arithmetic emulated in float32 (quantize per token, dequantize, F.linear):
+# what is left is bf16 rounding, as between bf16 and float32
+EMULATED_TOP1, EMULATED_KL = 0.93, 0.02
+
+
+@torch.inference_mode()
+def prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab] float32 logits of one prompt, teacher-forced through the engine's model
+    and attention backend (eagerly; its KV cache from block 0)."""
+    engine = llm.engine
+    n, device = len(ids), engine.device
+    blocks = -(-n // engine.block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, device=device),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
+        block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
+        decode_only=False,
+        query_start_loc_host=[0, n],
+        seq_lens_host=[n],
+    )
+    ids_t, positions = torch.tensor(ids, device=device), torch.arange(n, device=device)
+    hidden = engine.model(ids_t, positions, engine.kv_caches, meta, engine.attend)
+    return engine.model.compute_logits(hidden).float().cpu()
+
+
+def agreement(reference: torch.Tensor, ours: torch.Tensor) -> tuple[float, float]:
+    """(top-1 agreement, mean KL(reference || ours) in nats) over rows of logits."""
+    top1 = (reference.argmax(-1) == ours.argmax(-1)).float().mean().item()
+    kl = F.kl_div(ours.log_softmax(-1), reference.log_softmax(-1), log_target=True,
+                  reduction="none").sum(-1).mean().item()  # fmt: skip
+    return top1, kl
+
+
+def prompt_ids(vocab: int, count: int = 4, length: int = 200) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(count)]
+
+
+def logits_of(model: str, prompts: list[list[int]], **engine_args) -> torch.Tensor:
+    llm = LLM(model, max_model_len=512, num_blocks=64, max_num_seqs=8, **engine_args)
+    try:
+        return torch.cat([prefill_logits(llm, ids) for ids in prompts])
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp8_logits_agree_with_bf16_on_tiny_models(make_tiny, arch, kv_cache_dtype):
+    folder = str(make_tiny(arch))
+    prompts = prompt_ids(600)
+    bf16 = logits_of(folder, prompts, dtype="bfloat16")
+    fp8 = logits_of(folder, prompts, dtype="bfloat16", quantization="fp8",
+                    kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    top1, kl = agreement(bf16, fp8)
+    print(f"{arch} kv={kv_cache_dtype}: top-1 {top1:.4f}, mean KL {kl:.4f}")
+    assert top1 >= TINY_TOP1 and kl <= TINY_KL
+
+
+def emulated_w8a8(layer: Fp8Linear, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+    """The FP8 arithmetic in float32: per-token quantization, dequantized operands, F.linear."""
+    q, scale = quantize_rows(x.float().reshape(-1, layer.in_features))
+    weight = dequantize(layer.weight, layer.weight_scale, torch.float32, layer.group_size)
+    bias = layer.bias.float() if add_bias and layer.bias is not None else None
+    y = F.linear(q.float() * scale, weight, bias)
+    return y.view(*x.shape[:-1], layer.out_features).to(x.dtype)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_w8a8_engine_logits_match_the_fp8_arithmetic_in_float32(make_tiny, monkeypatch, arch):
+    folder = str(make_tiny(arch))
+    prompts = prompt_ids(600)
+    monkeypatch.setattr(splitk, "ENABLED", False)  # every projection W8A8 (no W8A16 split-K)
+    ours = logits_of(folder, prompts, dtype="bfloat16", quantization="fp8")
+    monkeypatch.setattr(Fp8Linear, "forward", emulated_w8a8)
+    reference = logits_of(folder, prompts, dtype="float32", quantization="fp8",
+                          attention_backend="torch")  # fmt: skip
+    top1, kl = agreement(reference, ours)
+    print(f"{arch}: top-1 {top1:.4f}, mean KL {kl:.4f}")
+    assert top1 >= EMULATED_TOP1 and kl <= EMULATED_KL
+
+
+def test_fp8_logits_agree_with_bf16_at_the_llama_3_8b_shape():
+    # dummy weights; the issue's bound: top-1 >= 97%, and a mean KL bound stated here
+    prompts = prompt_ids(128000, count=2, length=256)
+    args = {"load_format": "dummy", "dtype": "bfloat16", "gpu_memory_utilization": 0.5}
+    bf16 = logits_of("llama-3-8b", prompts, **args)
+    fp8 = logits_of("llama-3-8b", prompts, quantization="fp8", kv_cache_dtype="fp8", **args)
+    top1, kl = agreement(bf16, fp8)
+    print(f"llama-3-8b: top-1 {top1:.4f}, mean KL {kl:.4f}")
+    assert top1 >= 0.97 and kl <= 0.05
+
+
+def test_w8a8_linear_is_close_to_the_dequantized_product_and_runs_the_fp8_gemm():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    layer = Fp8Linear(4096, 1024, bias=True).cuda()
+    w = torch.randn(1024, 4096, device="cuda", generator=g) * 0.02
+    q, scale = quantize_rows(w)
+    layer.weight.data.copy_(q)
+    layer.weight_scale.data.copy_(scale)
+    layer.bias.data.copy_(torch.randn(1024, device="cuda", generator=g))
+    assert fp8_linear.prepare(layer, torch.bfloat16, torch.device("cuda")) == "w8a8"
+    for rows in (1, 7, 64, 300):
+        x = torch.randn(rows, 4096, device="cuda", generator=g).bfloat16()
+        expected = emulated_w8a8(layer, x.float())
+        out = layer(x)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_per_token_quantization_kernel_matches_torch_on_cuda():
+    x = torch.randn(33, 5000, device="cuda") * 3
+    x[5] = 0.0
+    q, scale = quantize_tokens(x.bfloat16())
+    q_ref, scale_ref = quantize_rows(x.bfloat16())
+    torch.testing.assert_close(scale, scale_ref)
+    differ = (q.float() != q_ref.float()).float().mean().item()
+    assert differ < 1e-3  # Triton's float32 division is not IEEE: a rare tie rounds the other way
+    torch.testing.assert_close(q.float(), q_ref.float(), atol=0, rtol=0.13)
+
+
+@pytest.mark.parametrize("rows", [1, 32, 200])
+def test_fp8_split_k_matches_the_dequantized_product_in_bf16(rows):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, scale = quantize_rows(torch.randn(4096, 14336, device="cuda", generator=g) * 0.02)
+    x = torch.randn(rows, 14336, device="cuda", generator=g).bfloat16()
+    tiles = splitk.plan(rows, 4096, 14336, x.device)
+    assert tiles is not None
+    partials = splitk.linear_partials(x, q, weight_scale=scale)
+    expected = x.float() @ (q.float() * scale).T
+    torch.testing.assert_close(partials.sum(0), expected, atol=5e-2, rtol=2e-2)
+
+
+def test_rope_qk_kernel_stores_e4m3_k_v_as_the_torch_version():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tokens, heads, kv_heads, dim = 37, 32, 8, 128
+    q = torch.randn(tokens, heads, dim, device="cuda", generator=g).bfloat16()
+    k = torch.randn(tokens, kv_heads, dim, device="cuda", generator=g).bfloat16() * 30
+    v = torch.randn(tokens, kv_heads, dim, device="cuda", generator=g).bfloat16()
+    positions = torch.randint(0, 1000, (tokens,), device="cuda", generator=g)
+    cos_sin = torch.randn(1024, dim, device="cuda", generator=g)
+    slots = torch.randperm(64 * 16, device="cuda", generator=g)[:tokens]
+    caches = [torch.zeros(2, 65, 16, kv_heads, dim, dtype=E4M3, device="cuda") for _ in range(2)]
+    outs = []
+    for cache, kernels in zip(caches, (True, False), strict=True):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(fused, "KERNELS", kernels)
+            outs.append(fused.rope_qk(q, k, v, positions, cos_sin, cache, slots, k_scale=0.5,
+                                      v_scale=0.25))  # fmt: skip
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)
+    a, b = (c.flatten(1, 2)[:, slots].float() for c in caches)
+    close = (a - b).abs() <= 0.07 * b.abs() + 1e-3  # within one e4m3 step
+    assert close.float().mean() > 0.999
+
+
+@pytest.mark.parametrize(("batch", "context"), [(8, 2000), (1, 4096)])
+def test_triton_decode_over_an_fp8_cache_at_llama_3_8b_sizes(batch, context):
+    heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
+    blocks = batch * context // block_size
+    codes = torch.randn(2, blocks + 1, block_size, kv_heads, head_dim, device="cuda") * 50
+    cache = codes.clamp(-448, 448).to(E4M3)
+    values = cache.float() * torch.tensor([0.02, 0.05], device="cuda").view(2, 1, 1, 1, 1)
+    tables = torch.randperm(blocks, device="cuda").to(torch.int32).view(batch, -1)
+    lens = torch.randint(context // 2, context + 1, (batch,), device="cuda", dtype=torch.int32)
+    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    meta = AttentionMetadata(lens, lens, lens, tables, decode_only=True)
+    backend = TritonAttention(heads, kv_heads, head_dim, batch, torch.device("cuda"))
+    out = backend(q, cache, meta, head_dim**-0.5, k_scale=0.02, v_scale=0.05)
+    expected = decode_attention(q.float(), values, tables, lens, head_dim**-0.5)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def generate(folder, async_batching: bool, temperature: float) -> list[list[int]]:
+    llm = LLM(str(folder), dtype="bfloat16", quantization="fp8", kv_cache_dtype="fp8",
+              max_model_len=256, max_num_batched_tokens=32, num_blocks=256,
+              async_batching=async_batching)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    vocab = llm.engine.model_config.vocab_size
+    lengths, max_tokens = [3, 41, 7, 18, 29, 1, 60, 5], [24, 9, 30, 16, 24, 12, 20, 33]
+    prompts = [{"prompt_token_ids": torch.randint(0, vocab, (n,), generator=g).tolist()}
+               for n in lengths]  # fmt: skip
+    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i)
+              for i, n in enumerate(max_tokens)]  # fmt: skip
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.allocator.num_free == llm.engine.num_blocks
+    assert llm.engine.kv_caches[0].dtype == E4M3
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_async_equals_sync_with_fp8_weights_and_kv_cache(make_tiny, arch):
+    for temperature in (0.0, 1.0):
+        sync = generate(make_tiny(arch), False, temperature)
+        assert generate(make_tiny(arch), True, temperature) == sync
+
+
+SANITIZED_FP8_RUN = textwrap.dedent(
+    """
+    import sys
+    from tandem import LLM, SamplingParams
+    from tandem.model.tiny import make_tiny_model
+    folder = make_tiny_model(sys.argv[1], "llama")
+    for graphs in (False, True):
+        llm = LLM(str(folder), dtype="bfloat16", quantization="fp8", kv_cache_dtype="fp8",
+                  max_model_len=128, max_num_batched_tokens=16, num_blocks=12, cuda_graphs=graphs)
+        prompts = [{"prompt_token_ids": list(range(3 + 7 * i, 20 + 9 * i))} for i in range(6)]
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0
+        print("ok", graphs, sum(len(o.outputs[0].token_ids) for o in outs))
+    """
+)
+
+
+def test_async_loop_with_fp8_is_clean_under_the_stream_sanitizer(tmp_path):
+    env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", SANITIZED_FP8_RUN, str(tmp_path / "tiny")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "CSAN" not in result.stderr, result.stderr[-4000:]
+    assert result.stdout.count("ok") == 2

@@ -1,0 +1,133 @@
+"""The new architectures and kernels on CUDA: the fused MoE grouped GEMMs and padded attention
+head sizes in bf16 at real shapes, MoE decode in CUDA graphs, each new tiny architecture with
+graphs on against graphs off and against transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cuda_engine import MAX_TOKENS, generate, prompts
+
+from tandem.attention import AttentionMetadata
+from tandem.attention.torch_ref import decode_attention, prefill_attention
+from tandem.attention.triton_backend import TritonAttention
+from tandem.model import fused_moe, moe
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+NEW_ARCHS = ["qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3", "mistral_sliding"]
+CUDA = torch.device("cuda")
+
+
+def qwen3_30b_experts(tokens: int, seed: int = 0):
+    """One Qwen3-30B-A3B MoE layer's shapes: hidden 2048, 128 experts of 768, top 8, bf16."""
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    hidden, inter, experts = 2048, 768, 128
+    x = torch.randn(tokens, hidden, generator=g, device=CUDA).bfloat16()
+    w13 = (
+        torch.randn(experts, 2 * inter, hidden, generator=g, device=CUDA) * hidden**-0.5
+    ).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, generator=g, device=CUDA) * inter**-0.5).bfloat16()
+    logits = torch.randn(tokens, experts, generator=g, device=CUDA)
+    weights, ids = moe.route(logits, 8, renormalize=True)
+    return x, w13, w2, weights, ids
+
+
+@pytest.mark.parametrize("tokens", [1, 32, 300, 2048])
+def test_fused_moe_in_bfloat16_at_qwen3_30b_shapes(tokens):
+    x, w13, w2, weights, ids = qwen3_30b_experts(tokens)
+    got = fused_moe.fused_experts(x, w13, w2, weights, ids)
+    expected = fused_moe.fused_experts_torch(x.float(), w13.float(), w2.float(), weights, ids)
+    torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=3e-2)
+
+
+def test_fused_moe_replays_in_a_cuda_graph_with_new_routing():
+    """Fixed shapes, no host sync: captured once, replayed on other inputs and routes."""
+    x, w13, w2, weights, ids = qwen3_30b_experts(32)
+    fused_moe.fused_experts(x, w13, w2, weights, ids)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe.fused_experts(x, w13, w2, weights, ids)
+    for seed in (1, 2):
+        x2, _, _, weights2, ids2 = qwen3_30b_experts(32, seed)
+        x.copy_(x2), weights.copy_(weights2), ids.copy_(ids2)
+        graph.replay()
+        expected = fused_moe.fused_experts(x2, w13, w2, weights2, ids2)
+        torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("head_dim", [80, 96, 112, 256])
+@pytest.mark.parametrize("window", [None, 1000])
+def test_padded_head_sizes_in_bfloat16(head_dim, window):
+    """Decode (batch 16, contexts to 4K) and prefill (2 x 700 tokens after 300 cached)."""
+    heads, kv_heads, block_size, batch, context = 32, 8, 16, 16, 4096
+    blocks = batch * context // block_size
+    cache = torch.randn(2, blocks + 1, block_size, kv_heads, head_dim, device=CUDA).bfloat16()
+    tables = torch.randperm(blocks, device=CUDA).to(torch.int32).view(batch, -1)
+    lens = torch.randint(context // 2, context + 1, (batch,), device=CUDA, dtype=torch.int32)
+    q = torch.randn(batch, heads, head_dim, device=CUDA).bfloat16()
+    backend = TritonAttention(heads, kv_heads, head_dim, batch, CUDA)
+    out = torch.empty_like(q)
+    meta = AttentionMetadata(lens, lens, lens, tables, decode_only=True)
+    backend.decode(q, out, cache, meta, head_dim**-0.5, sliding_window=window)
+    expected = decode_attention(q.float(), cache.float(), tables, lens, head_dim**-0.5, window)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+    starts, seq_lens = [0, 700, 1400], [1000, 1000]
+    q = torch.randn(1400, heads, head_dim, device=CUDA).bfloat16()
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(1400, dtype=torch.int64, device=CUDA),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=CUDA),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=CUDA),
+        block_tables=tables[:2],
+        decode_only=False,
+        query_start_loc_host=starts,
+        seq_lens_host=seq_lens,
+    )
+    out = torch.empty_like(q)
+    backend.prefill(q, out, cache, meta, head_dim**-0.5, sliding_window=window)
+    expected = prefill_attention(q.float(), cache.float(), meta, head_dim**-0.5, window)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("arch", NEW_ARCHS)
+def test_graphs_on_equal_graphs_off_in_float32(make_tiny, arch):
+    eager = generate(make_tiny(arch), cuda_graphs=False)
+    assert generate(make_tiny(arch), cuda_graphs=True) == eager
+
+
+@pytest.mark.parametrize("arch", NEW_ARCHS)
+def test_async_bfloat16_equals_sync(make_tiny, arch):
+    sync = generate(make_tiny(arch), "bfloat16", async_batching=False)
+    assert generate(make_tiny(arch), "bfloat16", async_batching=True) == sync
+
+
+@pytest.mark.parametrize("arch", NEW_ARCHS)
+def test_cuda_matches_transformers_greedy(make_tiny, arch):
+    transformers = pytest.importorskip("transformers")
+    folder = make_tiny(arch)
+    ours = generate(folder, cuda_graphs=True, async_batching=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="eager"
+    ).cuda()
+    for p, n, tokens in zip(prompts(model.config.vocab_size), MAX_TOKENS, ours, strict=True):
+        ids = torch.tensor([p["prompt_token_ids"]], device="cuda")
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=model.config.vocab_size - 1,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        theirs = out.sequences[0, ids.shape[1] :].tolist()
+        for i, (a, b) in enumerate(zip(tokens, theirs, strict=True)):
+            if a != b:
+                top2 = out.logits[i][0].topk(2).values
+                assert top2[0] - top2[1] < 2e-2, f"token {i} differs without a tie"  # TF32 dots
+                break

@@ -1,0 +1,172 @@
+"""The architectures beyond Llama's family against transformers (fp32, tiny random checkpoints):
+Qwen3-MoE and Mixtral (routed experts), Gemma 2 and 3 (sliding and full layers, soft caps,
+scaled embeddings, GeGLU, extra norms), Phi-3 (fused weights, head_dim 48, longrope, a window),
+Mistral with a sliding window. Prompts are longer than every window."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.config import ModelConfig
+from tandem.model import fused, fused_moe, moe
+from tandem.model.tiny import ARCH_CONFIGS
+from test_engine_vs_transformers import (
+    MAX_TOKENS,
+    PROMPT_LENGTHS,
+    assert_same_greedy,
+    prompts,
+    reference,
+    run_pieces_eagerly,
+)
+
+transformers = pytest.importorskip("transformers")
+
+NEW_ARCHS = ["qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3", "mistral_sliding"]
+WINDOWED = {"gemma2": 16, "gemma3": 16, "phi3": 32, "mistral_sliding": 24}
+
+
+def test_the_prompts_reach_past_every_window():
+    longest = max(PROMPT_LENGTHS)
+    assert all(longest > window for window in WINDOWED.values())
+    assert all(ARCH_CONFIGS[arch]["sliding_window"] == w for arch, w in WINDOWED.items())
+
+
+@pytest.mark.parametrize(
+    ("arch", "pieces"),
+    [(arch, False) for arch in NEW_ARCHS] + [("qwen3_moe", True), ("gemma3", True)],
+)
+def test_greedy_matches_transformers_with_chunked_prefill_and_preemption(
+    make_tiny, monkeypatch, arch, pieces
+):
+    if pieces:
+        run_pieces_eagerly(monkeypatch)
+    folder = str(make_tiny(arch))
+    llm = LLM(
+        folder,
+        max_model_len=96,
+        block_size=8,
+        num_blocks=14,  # 112 token slots for 6 requests of up to 71 tokens: forces preemption
+        max_num_batched_tokens=16,  # below the longest prompt: forces chunked prefill
+    )
+    vocab = llm.engine.model_config.vocab_size
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts(vocab)], params, use_tqdm=False
+    )
+    assert llm.engine.scheduler.num_preemptions > 0
+    for out, (tokens, logits) in zip(outputs, reference(folder), strict=True):
+        assert_same_greedy(out.outputs[0].token_ids, tokens, logits)
+
+
+@pytest.mark.parametrize("arch", ["mistral_sliding", "gemma2"])
+def test_the_window_changes_the_tokens(make_tiny, tmp_path, arch):
+    """Without its window the same checkpoint gives other tokens: the tests above see it."""
+    folder = shutil.copytree(make_tiny(arch), tmp_path / arch)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "sliding_window": None}))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ids = prompts(config["vocab_size"])[1]  # 41 tokens
+    tokens = []
+    for path in (make_tiny(arch), folder):
+        llm = LLM(str(path), max_model_len=96, num_blocks=32)
+        tokens.append(llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False))
+    assert tokens[0][0].outputs[0].token_ids != tokens[1][0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_router_matches_transformers_router_outputs_on_random_inputs(make_tiny, arch):
+    folder = make_tiny(arch)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    layer = model.model.layers[0].mlp
+    router = layer.gate
+    x = torch.randn(37, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    _, hf_weights, hf_ids = router(x)
+    weights, ids = moe.route(x @ router.weight.T, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    assert torch.equal(ids, hf_ids)
+    torch.testing.assert_close(weights, hf_weights.float())
+    # and the whole block: the experts' weighted sum
+    ours = moe.SparseMoeBlock(cfg, moe.TensorParallel())
+    ours.gate.weight.data.copy_(router.weight)
+    ours.experts.gate_up_proj.data.copy_(layer.experts.gate_up_proj)
+    ours.experts.down_proj.data.copy_(layer.experts.down_proj)
+    torch.testing.assert_close(ours(x), layer(x[None])[0], atol=1e-5, rtol=1e-5)
+
+
+def random_experts(tokens, hidden, inter, experts, top_k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) * inter**-0.5).to(dtype)
+    logits = torch.randn(tokens, experts, generator=g)
+    weights, ids = moe.route(logits, top_k, renormalize=True)
+    return x, w13, w2, weights, ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("tokens", "hidden", "inter", "experts", "top_k"),
+    [(1, 64, 32, 8, 2), (7, 48, 40, 4, 2), (40, 64, 32, 16, 4), (5, 32, 24, 8, 8)],
+)
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_fused_moe_kernel_matches_the_torch_experts(
+    dtype, tokens, hidden, inter, experts, top_k, act
+):
+    """Triton grouped GEMMs (interpreted on CPU): one token, ragged shapes that no tile divides,
+    experts with no token, every expert routed (top_k == experts)."""
+    x, w13, w2, weights, ids = random_experts(tokens, hidden, inter, experts, top_k, dtype)
+    got = fused_moe.fused_experts(x, w13, w2, weights, ids, act)
+    expected = fused_moe.fused_experts_torch(x.float(), w13.float(), w2.float(), weights, ids, act)
+    tol = 2e-3 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
+
+
+def test_align_by_expert_puts_each_pair_once_in_its_experts_blocks():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 6, (23, 3), generator=g)
+    blocks = fused_moe.align_by_expert(ids, 6, block_m=4)
+    num_pairs, used = ids.numel(), int(blocks.num_rows)
+    pairs = blocks.sorted_pairs[:used]
+    real = pairs[pairs < num_pairs]
+    assert sorted(real.tolist()) == list(range(num_pairs))
+    assert (blocks.sorted_pairs[used:] == num_pairs).all()
+    assert used % 4 == 0 and blocks.sorted_pairs.numel() == fused_moe.max_sorted_rows(69, 6, 4)
+    experts_of_rows = blocks.block_expert.repeat_interleave(4)[:used]
+    flat = ids.flatten()
+    rows = (pairs < num_pairs).nonzero().flatten()
+    assert torch.equal(experts_of_rows[rows], flat[pairs[rows].long()].int())
+    assert (experts_of_rows[:-1] <= experts_of_rows[1:]).all()  # runs in expert order
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "phi3", "gemma2"])
+def test_engine_with_triton_kernels_gives_the_torch_tokens(make_tiny, arch, monkeypatch):
+    """The Triton path (fused MoE, padded head size 48, windows and soft caps in the attention
+    kernels), interpreted on CPU through the whole engine, against the torch path."""
+    # 41 and 18 tokens: past every window
+    requests = [
+        {"prompt_token_ids": list(range(5, 46))},
+        {"prompt_token_ids": list(range(100, 118))},
+    ]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    tokens = {}
+    for kernels in (False, True):
+        monkeypatch.setattr(fused, "use_kernels", lambda x, on=kernels: on)
+        llm = LLM(str(make_tiny(arch)), attention_backend="triton" if kernels else "torch",
+                  max_model_len=64, num_blocks=16, max_num_batched_tokens=32)  # fmt: skip
+        tokens[kernels] = [
+            o.outputs[0].token_ids for o in llm.generate(requests, params, use_tqdm=False)
+        ]
+    assert tokens[True] == tokens[False]
+
+
+def test_moe_tiles_setting_parses_four_ints_and_rejects_anything_else():
+    assert fused_moe.moe_tiles_setting(None) == fused_moe.MoeTiles()
+    assert fused_moe.moe_tiles_setting("128,64,8,4") == fused_moe.MoeTiles(128, 64, 8, 4)
+    for bad in ("64,64,4", "64,48,4,3", "64,64,3,3", "64,64,4,0", "a,b,c,d"):
+        with pytest.raises(ValueError, match="TANDEM_MOE_TILES"):
+            fused_moe.moe_tiles_setting(bad)

@@ -1,0 +1,123 @@
+"""Rope scaling types against transformers' rope init functions and rotary embeddings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.config import ModelConfig
+from tandem.model.rope import RotaryEmbedding
+
+transformers = pytest.importorskip("transformers")
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
+
+HEAD_DIM, MAX_POSITION = 32, 512
+SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64},
+    "yarn_mscale": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+        "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2,
+    },
+    "longrope": {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.05 * i for i in range(HEAD_DIM // 2)],
+        "long_factor": [1.5 + 0.3 * i for i in range(HEAD_DIM // 2)],
+        "original_max_position_embeddings": 128,
+    },
+}  # fmt: skip
+
+
+def hf_llama_config(scaling: dict) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 64,
+        "hidden_size": 4 * HEAD_DIM,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": MAX_POSITION,
+        "rope_theta": 10000.0,
+        "rope_scaling": scaling,
+    }
+
+
+def ours(hf: dict) -> torch.Tensor:
+    cfg = ModelConfig.from_hf(hf)
+    return RotaryEmbedding(cfg.head_dim, MAX_POSITION, cfg.rope_theta, cfg.rope_scaling).cos_sin
+
+
+def transformers_cos_sin(hf: dict, positions: torch.Tensor, seq_len: int | None) -> torch.Tensor:
+    """cos | sin of transformers' rope init function for the config at `seq_len`."""
+    config = transformers.LlamaConfig(**hf)
+    rope_type = config.rope_parameters["rope_type"]
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=seq_len)
+    angles = torch.outer(positions.float(), inv_freq)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1) * attention_factor
+
+
+@pytest.mark.parametrize("name", ["linear", "yarn", "yarn_mscale"])
+def test_static_scalings_match_transformers_init_functions(name):
+    hf = hf_llama_config(SCALINGS[name])
+    positions = torch.arange(MAX_POSITION)
+    expected = transformers_cos_sin(hf, positions, None)
+    torch.testing.assert_close(ours(hf), expected, atol=2e-5, rtol=1e-5)
+
+
+def test_dynamic_ntk_equals_transformers_for_every_length_up_to_max_position():
+    """transformers rescales only sequences longer than max_position_embeddings, which tandem
+    never serves (max_model_len is bounded by it): below, its frequencies are the default ones."""
+    hf = hf_llama_config(SCALINGS["dynamic"])
+    positions = torch.arange(MAX_POSITION)
+    for seq_len in (1, 100, MAX_POSITION):
+        expected = transformers_cos_sin(hf, positions, seq_len)
+        torch.testing.assert_close(ours(hf), expected, atol=2e-5, rtol=1e-5)
+    longer = transformers_cos_sin(hf, positions, 2 * MAX_POSITION)
+    assert not torch.allclose(longer, expected)  # the rescaling tandem does not reach
+
+
+def test_longrope_uses_the_short_factors_before_the_original_length_and_the_long_after():
+    hf = hf_llama_config(SCALINGS["longrope"])
+    table = ours(hf)
+    short_positions, long_positions = torch.arange(128), torch.arange(128, MAX_POSITION)
+    short = transformers_cos_sin(hf, short_positions, 128)
+    long = transformers_cos_sin(hf, long_positions, 129)
+    torch.testing.assert_close(table[:128], short, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(table[128:], long, atol=2e-5, rtol=1e-5)
+    assert table.abs().max() > 1.0  # cos and sin scaled by the attention factor (factor 4)
+
+
+def test_rotary_embedding_of_transformers_phi3_matches_for_short_sequences():
+    """Phi-3's own rotary module with longrope: the same cos and sin as our table."""
+    hf = {
+        **hf_llama_config(None),
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "original_max_position_embeddings": 128,
+        "rope_scaling": {k: v for k, v in SCALINGS["longrope"].items() if "original" not in k},
+    }
+    hf["rope_scaling"]["type"] = hf["rope_scaling"].pop("rope_type")
+    config = transformers.Phi3Config(**hf)
+    rotary = transformers.models.phi3.modeling_phi3.Phi3RotaryEmbedding(config)
+    positions = torch.arange(100)[None]
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+    half = HEAD_DIM // 2
+    expected = torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1)
+    torch.testing.assert_close(ours(hf)[:100], expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("scaling", "named"),
+    [
+        ({"rope_type": "su2", "factor": 2.0}, "rope type 'su2'"),
+        ({"rope_type": "linear"}, "rope_scaling.factor"),
+        ({"rope_type": "longrope", "short_factor": [1.0] * 16}, "rope_scaling.long_factor"),
+        ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}, "partial_rotary"),
+    ],
+)
+def test_rope_settings_tandem_cannot_apply_are_named(scaling, named):
+    with pytest.raises(ValueError, match=named):
+        ModelConfig.from_hf(hf_llama_config(scaling))

@@ -144,7 +144,11 @@ def compute(
     if weight is not None:
         from tandem.prompt_logprobs_kernel import lm_head_logprobs
 
-        lm_head_logprobs(hidden, rows, weight, targets, model.cfg.vocab_size, values, ids)
+        cfg = model.cfg
+        lm_head_logprobs(
+            hidden, rows, weight, targets, cfg.vocab_size, values, ids,
+            softcap=cfg.final_logit_softcapping,
+        )  # fmt: skip
         return
     sub_rows = max(1, SUB_CHUNK_BYTES // (4 * model.cfg.vocab_size))
     for a in range(0, step_rows, sub_rows):
@@ -160,8 +164,8 @@ def compute(
 def fused_lm_head(model: Decoder, num_top: int) -> torch.Tensor | None:
     """The LM head's weight when the fused kernel can stand for `compute_logits` (CUDA, one
     device, at most the top-1): it reduces each row over the vocabulary without writing logits.
-    It computes hidden @ weight.T, all that `compute_logits` does today; a model whose logits
-    take more (a soft cap, a scale) must take the sub-chunked path instead."""
+    It computes what `compute_logits` does: hidden @ weight.T, soft-capped where the model
+    caps its final logits (Gemma 2)."""
     weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     if num_top > 1 or model.tp.size > 1 or not fused.use_kernels(weight):
         return None

@@ -11,6 +11,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem import prompt_logprobs as prompt_logprobs_module
+from tandem.attention.torch_ref import soft_cap
 from tandem.engine import Engine
 from tandem.prompt_logprobs_kernel import lm_head_logprobs
 
@@ -189,8 +190,9 @@ def test_bad_prompt_logprobs_params_raise_naming_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("softcap", [None, 15.0])
 @pytest.mark.parametrize("rows", [1, 20, 130])
-def test_fused_lm_head_kernel_matches_log_softmax(rows):
+def test_fused_lm_head_kernel_matches_log_softmax(rows, softcap):
     g = torch.Generator().manual_seed(rows)
     vocab, hidden = 1000, 48
     tokens = torch.randn(rows + 5, hidden, generator=g)
@@ -199,8 +201,8 @@ def test_fused_lm_head_kernel_matches_log_softmax(rows):
     targets = torch.randint(0, vocab, (rows,), generator=g)
     values = torch.empty(rows, 2)
     ids = torch.empty(rows, 1, dtype=torch.int32)
-    lm_head_logprobs(tokens, index, weight, targets, vocab, values, ids, num_splits=3)
-    reference = (tokens[index] @ weight[:vocab].T).log_softmax(-1)
+    lm_head_logprobs(tokens, index, weight, targets, vocab, values, ids, 3, softcap)
+    reference = soft_cap(tokens[index] @ weight[:vocab].T, softcap).log_softmax(-1)
     assert torch.allclose(values[:, 0], reference.gather(1, targets[:, None])[:, 0], atol=1e-4)
     assert torch.allclose(values[:, 1], reference.max(-1).values, atol=1e-4)
     assert torch.equal(ids[:, 0].long(), reference.argmax(-1))
@@ -253,3 +255,14 @@ def test_a_request_with_prompt_logprobs_takes_nothing_from_the_prefix_cache(make
         k = params.prompt_logprobs
         ids = prompt["prompt_token_ids"]
         assert_matches_reference(out.prompt_logprobs, ids, k, reference_logprobs(folder, ids))
+
+
+def test_the_fused_path_soft_caps_gemma_2_logits(make_tiny, monkeypatch):
+    use_fused_kernel(monkeypatch)
+    folder = str(make_tiny("gemma2"))
+    llm = LLM(folder, max_model_len=128, num_blocks=32, max_num_batched_tokens=16)
+    ids = prompts(llm.engine.model_config.vocab_size)[0]
+    [out] = llm.generate(
+        [{"prompt_token_ids": ids}], SamplingParams(max_tokens=0, prompt_logprobs=1), use_tqdm=False
+    )
+    assert_matches_reference(out.prompt_logprobs, ids, 1, reference_logprobs(folder, ids))

@@ -16,6 +16,7 @@ Requests that want prompt logprobs take no blocks from a prefix cache (`wants_pr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,6 +24,9 @@ import torch
 from tandem.model import fused
 from tandem.request import Request
 from tandem.sampling import MAX_LOGPROBS
+
+if TYPE_CHECKING:
+    from tandem.model.decoder import Decoder
 
 # float32 bytes of one sub-chunk's [rows, vocab] logprobs (Llama-3's vocabulary: 128 rows)
 SUB_CHUNK_BYTES = 64 << 20
@@ -124,7 +128,11 @@ def plan_rows(
 
 @torch.inference_mode()
 def compute(
-    model, hidden: torch.Tensor, buffers: PromptLogprobBuffers, step_rows: int, num_top: int
+    model: Decoder,
+    hidden: torch.Tensor,
+    buffers: PromptLogprobBuffers,
+    step_rows: int,
+    num_top: int,
 ) -> None:
     """Reduce the step's prompt-logprob rows of `hidden` [tokens, hidden] to the targets'
     logprobs and the top `num_top` into the device outputs, a sub-chunk of rows at a time."""
@@ -136,7 +144,11 @@ def compute(
     if weight is not None:
         from tandem.prompt_logprobs_kernel import lm_head_logprobs
 
-        lm_head_logprobs(hidden, rows, weight, targets, model.cfg.vocab_size, values, ids)
+        cfg = model.cfg
+        lm_head_logprobs(
+            hidden, rows, weight, targets, cfg.vocab_size, values, ids,
+            softcap=cfg.final_logit_softcapping,
+        )  # fmt: skip
         return
     sub_rows = max(1, SUB_CHUNK_BYTES // (4 * model.cfg.vocab_size))
     for a in range(0, step_rows, sub_rows):
@@ -149,9 +161,11 @@ def compute(
             ids[a:b] = top.indices
 
 
-def fused_lm_head(model, num_top: int) -> torch.Tensor | None:
+def fused_lm_head(model: Decoder, num_top: int) -> torch.Tensor | None:
     """The LM head's weight when the fused kernel can stand for `compute_logits` (CUDA, one
-    device, at most the top-1): it reduces each row over the vocabulary without writing logits."""
+    device, at most the top-1): it reduces each row over the vocabulary without writing logits.
+    It computes what `compute_logits` does: hidden @ weight.T, soft-capped where the model
+    caps its final logits (Gemma 2)."""
     weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     if num_top > 1 or model.tp.size > 1 or not fused.use_kernels(weight):
         return None

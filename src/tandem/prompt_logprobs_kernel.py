@@ -40,10 +40,12 @@ def lm_head_stats_kernel(
     hidden_size,
     hidden_stride,
     vocab_per_split,  # a multiple of BLOCK_V
+    softcap,  # Gemma 2's final soft cap: cap * tanh(logit / cap), with SOFTCAP
     BLOCK_R: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,  # float32 inputs: "ieee", not TF32
+    SOFTCAP: tl.constexpr,
 ):
     split = tl.program_id(1)
     row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -74,6 +76,8 @@ def lm_head_stats_kernel(
                 other=0.0,
             )
             logits = tl.dot(a, b, logits, input_precision=PRECISION)
+        if SOFTCAP:  # tanh(y) = 1 - 2 / (exp(2y) + 1), saturating at +-1 without overflow harm
+            logits = softcap * (1.0 - 2.0 / (tl.exp(2.0 * logits / softcap) + 1.0))
         logits = tl.where(in_cols[None, :], logits, float("-inf"))
         tile_best = tl.max(logits, axis=1)
         tile_arg = tl.argmax(logits, axis=1, tie_break_left=True).to(tl.int32) + v0
@@ -98,10 +102,11 @@ def lm_head_logprobs(
     values: torch.Tensor,
     ids: torch.Tensor,
     num_splits: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """The rows `index` [rows] of hidden [tokens, hidden] through the LM head `weight` ->
     values[:, 0] = log_softmax[target]; with a second column (the top-1), values[:, 1] = the
-    max logprob and ids[:, 0] = its id."""
+    max logprob and ids[:, 0] = its id. `softcap`: the logits are cap * tanh(logit / cap)."""
     rows, hidden_size = index.shape[0], hidden.shape[1]
     assert hidden.stride(1) == 1 and weight.is_contiguous()
     block_r = min(MAX_BLOCK_R, max(16, next_power_of_2(rows)))
@@ -115,9 +120,10 @@ def lm_head_logprobs(
     argmax = torch.empty(num_splits, rows, dtype=torch.int32, device=hidden.device)
     lm_head_stats_kernel[(row_blocks, num_splits)](
         hidden, index.contiguous(), weight, targets.contiguous(), stats[0], stats[1], stats[2], argmax,
-        rows, vocab, hidden_size, hidden.stride(0), vocab_per_split,
+        rows, vocab, hidden_size, hidden.stride(0), vocab_per_split, float(softcap or 0.0),
         BLOCK_R=block_r, BLOCK_V=BLOCK_V, BLOCK_K=BLOCK_K,
-        PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS,
+        PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
+        SOFTCAP=bool(softcap), num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )  # fmt: skip
     split_max, best_split = stats[0].max(dim=0)  # [rows]

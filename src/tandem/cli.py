@@ -102,9 +102,16 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
         "--tensor-parallel-size", type=int, default=1, help="GPUs (processes) per model"
     )
     parser.add_argument(
-        "--quantization", choices=["fp8"], help="fp8: FP8 weights of a bf16 checkpoint"
+        "--quantization",
+        choices=["fp8"],
+        help="fp8: FP8 weights of a bf16 checkpoint (default: the checkpoint's own)",
     )
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        help="fp8: an e4m3 KV cache, half the bytes (default: auto, the model dtype)",
+    )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -47,8 +47,7 @@ class GemmaDecoderLayer(DecoderLayer):
         sliding_window: int | None,
         linear=nn.Linear,
     ):
-        mlp = MLP(cfg, tp, linear)
-        super().__init__(cfg, rope, tp, mlp=mlp, sliding_window=sliding_window, linear=linear)
+        super().__init__(cfg, rope, tp, sliding_window=sliding_window, linear=linear)
         self.tp = tp
         self.self_attn.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.self_attn.logits_soft_cap = cfg.attn_logit_softcapping

@@ -10,7 +10,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+	$(PY) -m pip install -q torch==2.13.0 "numpy<2.4"  # the CPU build this machine's index serves
 	$(PY) -m pip install -q -e ".[test]" "numpy<2.4"
 	touch $@
 

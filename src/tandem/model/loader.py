@@ -106,53 +106,75 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def load_weights(model: Decoder, tensors) -> None:
     """Copy HF-named tensors into the model, stacking q/k/v and gate/up; every parameter must be set."""
     params = dict(model.named_parameters())
-    cfg = model.cfg
-    stacked_sizes = {
-        "qkv_proj": [cfg.q_size, cfg.kv_size, cfg.kv_size],
-        "gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size],
-    }
     loaded: set[str] = set()
     for hf_name, tensor in tensors:
-        name = hf_name.removeprefix("model.")
-        if name.endswith("rotary_emb.inv_freq"):
-            continue  # older checkpoints store the rope table; it is recomputed from the config
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        found = destination(model, params, hf_name, tensor)
+        if found is None:
             continue
-        module, _, kind = name.rpartition(".")
-        parent, _, leaf = module.rpartition(".")
-        if leaf in STACKED:
-            target, index = STACKED[leaf]
-            name = f"{parent}.{target}.{kind}"
-            sizes = stacked_sizes[target]
-            offset = sum(sizes[:index])
-            dest = params[name].data.narrow(0, offset, sizes[index]) if name in params else None
-            loaded.add(f"{name}#{index}")
-        else:
-            dest = params[name].data if name in params else None
-            loaded.add(name)
-        if dest is None:
-            raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {cfg.architecture}")
-        if model.tp.size > 1 and name in ("embed_tokens.weight", "lm_head.weight"):
-            dest = dest.narrow(
-                0, 0, tensor.shape[0]
-            )  # the last rank's rows past the vocabulary stay 0
-        if dest.shape != tensor.shape:
-            raise ValueError(
-                f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
-            )
+        key, dest = found
+        loaded.add(key)
         dest.copy_(tensor)
-    expected = set()
-    for name in params:
-        target = name.split(".")[-2]
-        if target in stacked_sizes:
-            expected.update(f"{name}#{i}" for i in range(len(stacked_sizes[target])))
-        else:
-            expected.add(name)
-    missing = sorted(checkpoint_name(name) for name in expected - loaded)
+    missing = sorted(checkpoint_name(name) for name in expected_keys(model, params) - loaded)
     if missing:
         raise ValueError(
             f"checkpoint lacks weights for: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
         )
+
+
+def stacked_sizes(model: Decoder) -> dict[str, list[int]]:
+    cfg = model.cfg
+    return {
+        "qkv_proj": [cfg.q_size, cfg.kv_size, cfg.kv_size],
+        "gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size],
+    }
+
+
+def destination(
+    model: Decoder, params: dict[str, torch.nn.Parameter], hf_name: str, tensor: torch.Tensor
+) -> tuple[str, torch.Tensor] | None:
+    """(the slice's key, the view of our parameter) that this rank's `tensor` of `hf_name` is
+    copied into; None for a tensor that is recomputed or tied. ValueError for an unknown name or
+    a shape that does not fit."""
+    cfg = model.cfg
+    name = hf_name.removeprefix("model.")
+    if name.endswith("rotary_emb.inv_freq"):
+        return None  # older checkpoints store the rope table; it is recomputed from the config
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return None
+    module, _, kind = name.rpartition(".")
+    parent, _, leaf = module.rpartition(".")
+    if leaf in STACKED:
+        target, index = STACKED[leaf]
+        name = f"{parent}.{target}.{kind}"
+        sizes = stacked_sizes(model)[target]
+        offset = sum(sizes[:index])
+        dest = params[name].data.narrow(0, offset, sizes[index]) if name in params else None
+        key = f"{name}#{index}"
+    else:
+        dest = params[name].data if name in params else None
+        key = name
+    if dest is None:
+        raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {cfg.architecture}")
+    if model.tp.size > 1 and name in ("embed_tokens.weight", "lm_head.weight"):
+        dest = dest.narrow(0, 0, tensor.shape[0])  # the last rank's rows past the vocabulary stay 0
+    if dest.shape != tensor.shape:
+        raise ValueError(
+            f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+        )
+    return key, dest
+
+
+def expected_keys(model: Decoder, params: dict[str, torch.nn.Parameter]) -> set[str]:
+    """Every slice key a full checkpoint sets (see `destination`)."""
+    sizes = stacked_sizes(model)
+    expected = set()
+    for name in params:
+        target = name.split(".")[-2]
+        if target in sizes:
+            expected.update(f"{name}#{i}" for i in range(len(sizes[target])))
+        else:
+            expected.add(name)
+    return expected
 
 
 def checkpoint_name(name: str) -> str:

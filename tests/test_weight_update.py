@@ -103,3 +103,15 @@ def test_an_update_invalidates_the_kv_of_requests_paused_mid_generation(checkpoi
         rest = fresh.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0].outputs[0]
         num_left = GREEDY.max_tokens - len(partial[rid])
         assert request.output_token_ids == partial[rid] + rest.token_ids[:num_left]
+
+
+def test_two_ranks_take_their_shards_of_an_update(checkpoints):
+    """Tensor parallelism (gloo): each rank copies its slice of the stacked, sharded weights."""
+    a, b = checkpoints
+    llm = LLM(a, tensor_parallel_size=2, **ENGINE_ARGS)
+    try:
+        llm.update_weights(load_file(f"{b}/model.safetensors").items())
+        updated = [t for t, _ in tokens_and_logprobs(llm)]
+    finally:
+        llm.shutdown()
+    assert updated == [t for t, _ in tokens_and_logprobs(LLM(b, **ENGINE_ARGS))]

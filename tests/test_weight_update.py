@@ -73,7 +73,7 @@ def test_a_bad_name_or_shape_raises_before_anything_is_copied(
 
 def test_a_non_tensor_is_a_type_error_naming_it(checkpoints):
     llm = LLM(checkpoints[0], **ENGINE_ARGS)
-    with pytest.raises(TypeError, match="lm_head.weight"):
+    with pytest.raises(TypeError, match=r"lm_head\.weight"):
         llm.update_weights([("lm_head.weight", [[0.0]])])
 
 

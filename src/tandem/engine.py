@@ -152,7 +152,7 @@ class Engine:
         if self.runner.cuda and (self.runner.graph_sizes or self.runner.token_buckets):
             self.runner.capture_graphs()
         self.async_batching = config.async_batching
-        self.memory = DeviceMemory(list(self.model.parameters()), self.kv_caches[0])
+        self.memory = DeviceMemory([p.detach() for p in self.model.parameters()], self.kv_caches[0])
         self.paused = False  # pause_generation: no step until resume_generation
         self.in_flight: deque[StepBatch] = deque()
         self.requests: dict[str, Request] = {}
@@ -309,6 +309,10 @@ class Engine:
         self._update_weights(read_checkpoint(path), ("update_weights_from_path", str(path)))
 
     def _update_weights(self, pairs: list[tuple[str, torch.Tensor]], on_others: tuple) -> None:
+        if self.is_sleeping:
+            raise RuntimeError(
+                "the weights have no device memory while asleep; call wake_up() first"
+            )
         copies = plan_update(self.model, self.model_config, self.tp, pairs)  # raises first
         if self.workers is not None:  # the other ranks validate alike: same names and shapes
             self._on_other_ranks(*on_others)

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tandem.async_llm import AsyncLLM, EngineDeadError
+from tandem.server.admin import admin_router
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import (
     ChatCompletionRequest,
@@ -37,6 +38,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Fas
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     add_error_handlers(app)
+    app.include_router(admin_router(llm))  # RL: pause, sleep, weights (behind the API key)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HttpRequest) -> Response:

@@ -140,6 +140,8 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
+    # bit-identical tokens and logprobs whatever else is batched (batch_invariant.py)
+    deterministic: bool = False
 
     def validate(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -161,6 +163,13 @@ class EngineConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}"
+            )
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be True or False, got {self.deterministic!r}")
+        if self.deterministic and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "deterministic=True runs on one device: the all-reduce of tensor_parallel_size > 1 "
+                "sums in an order that follows the batch size"
             )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")

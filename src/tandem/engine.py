@@ -16,6 +16,7 @@ import torch
 from tandem import piecewise
 from tandem.attention import get_backend, rows_per_shared_group
 from tandem.batch import BatchBuilder, StepBatch
+from tandem.batch_invariant import invariant_attention, make_batch_invariant
 from tandem.config import EngineConfig, ModelConfig, cdiv
 from tandem.io_slot import MAX_BANNED_IDS
 from tandem.kv_cache import BlockAllocator, allocate_kv_cache
@@ -94,6 +95,8 @@ class Engine:
             config.seed,
             self.tp,
         )
+        if config.deterministic:
+            make_batch_invariant(self.model)
         local = self.model.cfg  # this rank's heads and MLP slice
         self.attention_backend = config.resolve_attention_backend(cfg, self.device)
         self.attend = get_backend(
@@ -104,6 +107,8 @@ class Engine:
             config.max_num_seqs,
             self.device,
         )
+        if config.deterministic:
+            self.attend = invariant_attention(self.attention_backend, self.attend)
         num_blocks = num_kv_blocks(
             config, local, self.dtype, self.device, self.max_model_len, self.model, self.attend
         )
@@ -126,7 +131,7 @@ class Engine:
         # the Triton decode reads blocks that rows share once per group (cascade attention)
         shared_rows = (
             rows_per_shared_group(local.num_heads, local.num_kv_heads)
-            if self.attention_backend == "triton"
+            if self.attention_backend == "triton" and not config.deterministic
             else 0
         )
         self.builder = BatchBuilder(

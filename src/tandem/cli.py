@@ -48,6 +48,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
     parser.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="GPUs (processes) per model"
     )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="bit-identical outputs whatever else is batched (one device; slower)",
+    )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

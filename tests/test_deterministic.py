@@ -93,3 +93,52 @@ def test_token_rows_give_each_query_token_its_own_context():
     assert rows.seq_lens.tolist() == [9, 4, 5, 6]
     assert rows.block_tables.tolist() == [[1, 2], [3, 4], [3, 4], [3, 4]]
     assert rows.decode_only and rows.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_triton_gemm_gives_a_row_the_same_bits_in_any_batch(monkeypatch, dtype):
+    """Interpreted on CPU: row 2 alone, among 5 rows and among 70 (two row tiles)."""
+    from tandem.model import fused
+
+    monkeypatch.setattr(fused, "use_kernels", lambda x: True)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(70, 64, generator=g).to(dtype)
+    w = (torch.randn(48, 64, generator=g) / 8).to(dtype)
+    alone = invariant_linear(x[2:3], w)
+    assert torch.equal(invariant_linear(x[:5], w)[2:3], alone)
+    assert torch.equal(invariant_linear(x[68:], w), invariant_linear(x, w)[68:])
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(alone.double(), x[2:3].double() @ w.double().T, atol=tol, rtol=tol)
+
+
+def test_the_triton_attention_gives_a_prefill_token_the_bits_of_its_decode(monkeypatch):
+    """Interpreted on CPU: a mixed step (one decode row, one 5-token prefill) matches the torch
+    reference, and its prefill's last token equals the same token as a decode-only step."""
+    from tandem.attention.torch_ref import torch_attention
+    from tandem.attention.triton_backend import TritonAttention
+    from tandem.batch_invariant import invariant_attention
+
+    g = torch.Generator().manual_seed(2)
+    kv_cache = torch.randn(2, 9, 8, 2, 32, generator=g)
+    attend = invariant_attention("triton", TritonAttention(4, 2, 32, 8, torch.device("cpu")))
+    q = torch.randn(6, 4, 32, generator=g)
+    tables = torch.tensor([[1, 2, 0, 0], [3, 4, 5, 0]], dtype=torch.int32)
+    mixed = AttentionMetadata(
+        slot_mapping=torch.zeros(6, dtype=torch.int64),
+        query_start_loc=torch.tensor([0, 1, 6], dtype=torch.int32),
+        seq_lens=torch.tensor([11, 20], dtype=torch.int32),
+        block_tables=tables,
+        decode_only=False,
+        query_start_loc_host=[0, 1, 6],
+        seq_lens_host=[11, 20],
+    )
+    out = attend(q, kv_cache, mixed, 0.2)
+    torch.testing.assert_close(out, torch_attention(q, kv_cache, mixed, 0.2), atol=1e-4, rtol=1e-4)
+    decode = AttentionMetadata(
+        slot_mapping=torch.zeros(1, dtype=torch.int64),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=torch.tensor([20], dtype=torch.int32),
+        block_tables=tables[1:],
+        decode_only=True,
+    )
+    assert torch.equal(attend(q[5:], kv_cache, decode, 0.2), out[5:])

@@ -22,12 +22,20 @@ def checkpoints(tmp_path_factory) -> tuple[str, str]:
     return str(a), str(b)
 
 
+@pytest.fixture(scope="module")
+def fresh(checkpoints) -> dict[str, list]:
+    """Each checkpoint's outputs from an engine started on it."""
+    return {path: tokens_and_logprobs(LLM(path, **ENGINE_ARGS)) for path in checkpoints}
+
+
 def tokens_and_logprobs(llm: LLM) -> list:
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
 
 
-def test_update_weights_then_generate_equals_a_fresh_engine_on_the_new_checkpoint(checkpoints):
+def test_update_weights_then_generate_equals_a_fresh_engine_on_the_new_checkpoint(
+    checkpoints, fresh
+):
     a, b = checkpoints
     llm = LLM(a, **ENGINE_ARGS)
     on_a = tokens_and_logprobs(llm)
@@ -36,7 +44,8 @@ def test_update_weights_then_generate_equals_a_fresh_engine_on_the_new_checkpoin
     hits = cache.num_hit_tokens
     assert hits > 0
     llm.update_weights(load_file(f"{b}/model.safetensors").items())
-    on_b = tokens_and_logprobs(LLM(b, **ENGINE_ARGS))
+    on_b = fresh[b]
+    assert on_a == fresh[a]
     assert [t for t, _ in on_a] != [t for t, _ in on_b]  # the two checkpoints disagree
     assert tokens_and_logprobs(llm) == on_b
     assert cache.num_hit_tokens == hits  # A's cached KV was forgotten
@@ -44,12 +53,12 @@ def test_update_weights_then_generate_equals_a_fresh_engine_on_the_new_checkpoin
     assert [t for t, _ in tokens_and_logprobs(llm)] == [t for t, _ in on_a]
 
 
-def test_a_layer_by_layer_stream_of_tensors_is_applied_like_a_state_dict(checkpoints):
+def test_a_layer_by_layer_stream_of_tensors_is_applied_like_a_state_dict(checkpoints, fresh):
     a, b = checkpoints
     llm = LLM(a, **ENGINE_ARGS)
     state = load_file(f"{b}/model.safetensors")
     llm.update_weights((name, state[name]) for name in sorted(state))  # a generator, one by one
-    assert tokens_and_logprobs(llm) == tokens_and_logprobs(LLM(b, **ENGINE_ARGS))
+    assert tokens_and_logprobs(llm) == fresh[b]
 
 
 @pytest.mark.parametrize(
@@ -61,14 +70,14 @@ def test_a_layer_by_layer_stream_of_tensors_is_applied_like_a_state_dict(checkpo
     ],
 )
 def test_a_bad_name_or_shape_raises_before_anything_is_copied(
-    checkpoints, bad_name, bad_tensor, error
+    checkpoints, fresh, bad_name, bad_tensor, error
 ):
     a, b = checkpoints
     llm = LLM(a, **ENGINE_ARGS)
     state = list(load_file(f"{b}/model.safetensors").items())
     with pytest.raises(ValueError, match=error):
         llm.update_weights([*state[:-1], (bad_name, bad_tensor), state[-1]])
-    assert tokens_and_logprobs(llm) == tokens_and_logprobs(LLM(a, **ENGINE_ARGS))  # all of A
+    assert tokens_and_logprobs(llm) == fresh[a]  # all of A, none of B
 
 
 def test_a_non_tensor_is_a_type_error_naming_it(checkpoints):
@@ -97,15 +106,15 @@ def test_an_update_invalidates_the_kv_of_requests_paused_mid_generation(checkpoi
     finished = {r.request_id: r for r in engine.requests.values()}
     while engine.has_unfinished():
         engine.step()
-    fresh = LLM(b, **ENGINE_ARGS)
+    engine_b = LLM(b, **ENGINE_ARGS)
     for rid, request in finished.items():
         prompt = request.prompt_token_ids + partial[rid]
-        rest = fresh.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0].outputs[0]
+        rest = engine_b.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0].outputs[0]
         num_left = GREEDY.max_tokens - len(partial[rid])
         assert request.output_token_ids == partial[rid] + rest.token_ids[:num_left]
 
 
-def test_two_ranks_take_their_shards_of_an_update(checkpoints):
+def test_two_ranks_take_their_shards_of_an_update(checkpoints, fresh):
     """Tensor parallelism (gloo): each rank copies its slice of the stacked, sharded weights."""
     a, b = checkpoints
     llm = LLM(a, tensor_parallel_size=2, **ENGINE_ARGS)
@@ -114,4 +123,4 @@ def test_two_ranks_take_their_shards_of_an_update(checkpoints):
         updated = [t for t, _ in tokens_and_logprobs(llm)]
     finally:
         llm.shutdown()
-    assert updated == [t for t, _ in tokens_and_logprobs(LLM(b, **ENGINE_ARGS))]
+    assert updated == [t for t, _ in fresh[b]]

@@ -14,7 +14,8 @@ the prefix cache. The batch-dependent choices of the default mode, and what repl
 - the add + RMSNorm warps (`fused.norm_warps`) follow the row count: fixed here.
 - tensor parallelism: the all-reduce's algorithm follows the message size, so deterministic
   mode runs on one device only (EngineConfig.validate).
-The sampler reduces per row already (greedy argmax, Gumbel noise keyed by seed and position).
+The sampler is per row already: Gumbel noise keyed by seed, position and token, and an argmax
+that is exact however the vocabulary is chunked (the smallest token wins a tie).
 """
 
 from __future__ import annotations

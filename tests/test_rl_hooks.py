@@ -168,3 +168,13 @@ def test_admin_routes_pause_and_resume_behind_the_api_key(folder):
             assert client.post("/wake_up", headers=auth).json() == {"sleeping": False}
     finally:
         llm.shutdown()
+
+
+def test_generate_on_a_paused_engine_raises_instead_of_waiting_for_itself(folder):
+    llm = LLM(folder, **ENGINE_ARGS)
+    llm.pause_generation()
+    with pytest.raises(RuntimeError, match="resume_generation"):
+        llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+    assert not llm.engine.requests  # nothing was queued
+    llm.resume_generation()
+    assert len(llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 24

@@ -159,6 +159,10 @@ class LLM:
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> None:
         with self._lock:
+            if not self.engine.can_step:  # this thread would wait for itself
+                raise RuntimeError(
+                    "the engine is paused or asleep; call resume_generation() / wake_up() first"
+                )
             for request in requests:
                 self.engine.enqueue(request)
         bar = tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm)

@@ -124,3 +124,20 @@ def test_two_ranks_take_their_shards_of_an_update(checkpoints, fresh):
     finally:
         llm.shutdown()
     assert updated == [t for t, _ in fresh[b]]
+
+
+def test_requests_running_through_an_update_publish_no_stale_blocks(checkpoints):
+    a, b = checkpoints
+    llm = LLM(a, **ENGINE_ARGS)
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.enqueue(
+            engine.make_request(f"r{i}", GREEDY, prompt_token_ids=prompt["prompt_token_ids"])
+        )
+    for _ in range(3):
+        engine.step()
+    assert engine.scheduler.cache.num_cached_blocks > 0  # their prompts' first blocks
+    llm.update_weights_from_path(b)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.scheduler.cache.num_cached_blocks == 0  # they kept A's KV: none of it cached

@@ -403,11 +403,12 @@ class Engine:
         self.scheduler.cache.reset()
 
     def _forget_cached_kv(self) -> None:
-        """No KV computed before now is found again: the cache is emptied, and the blocks running
-        requests wrote so far (stale after a weight update) are never published."""
+        """No KV computed before now is found again: the cache is emptied, and running requests
+        publish no more blocks until they are admitted again (their later blocks attend over
+        stale KV too)."""
         self.scheduler.cache.reset()
         for request in self.scheduler.running:
-            request.num_published_blocks = cdiv(request.num_computed_tokens, self.block_size)
+            request.num_published_blocks = cdiv(self.max_model_len, self.block_size)
 
     def _on_other_ranks(self, method: str, *args) -> None:
         """Run `method(*args)` on every other rank's engine now, after the commands queued so far."""

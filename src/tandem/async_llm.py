@@ -19,6 +19,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tandem.config import EngineConfig
@@ -26,6 +27,7 @@ from tandem.engine import Engine
 from tandem.request import Request
 from tandem.sampling import SamplingParams
 from tandem.tokenizer import Tokenizer
+from tandem.weights import NamedTensors, check_named_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +125,15 @@ class _Stop:
 
 
 @dataclass
+class _Call:
+    """Run `function(engine)` between two steps; its result (or error) resolves `done`."""
+
+    function: Callable[[Engine], Any]
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future[Any]
+
+
+@dataclass
 class _Sent:
     """How much of a request the engine thread has already put into StreamOutputs."""
 
@@ -140,7 +151,7 @@ class AsyncLLM:
         self.tokenizer: Tokenizer | None = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.stats = EngineStats(num_blocks=engine.num_blocks, num_free_blocks=engine.num_blocks)
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop | _Call] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders submissions against the thread's death
         self._dead: EngineDeadError | None = None
         self.failure: BaseException | None = None  # what stopped the engine thread, if it raised
@@ -222,11 +233,50 @@ class AsyncLLM:
             self._submit(_Stop())
         self._thread.join()
 
+    # ---- RL hooks: run on the engine thread between two steps -----------------------------
+
+    async def update_weights(self, named_tensors: NamedTensors) -> None:
+        """Copy (Hugging Face name, tensor) pairs into the weights in place (see Engine)."""
+        pairs = check_named_tensors(named_tensors)  # a generator is drained on this thread
+        await self._call(lambda engine: engine.update_weights(pairs))
+
+    async def update_weights_from_path(self, path: str | Path) -> None:
+        await self._call(lambda engine: engine.update_weights_from_path(path))
+
+    async def pause_generation(self, mode: str = "keep") -> None:
+        """Stop stepping once the steps in flight are read back: "keep" holds every request
+        and its KV, "abort" ends each stream with finish_reason "abort"."""
+        await self._call(lambda engine: self._publish(engine.pause_generation(mode)))
+
+    async def resume_generation(self, recompute_kv: bool = False) -> None:
+        await self._call(lambda engine: engine.resume_generation(recompute_kv))
+
+    async def sleep(self, level: int = 1) -> int:
+        """Free the KV cache and the weights' device memory (see Engine.sleep); bytes freed."""
+
+        def sleep(engine: Engine) -> int:
+            self._publish(engine.drain())
+            return engine.sleep(level)
+
+        return await self._call(sleep)
+
+    async def wake_up(self) -> None:
+        await self._call(lambda engine: engine.wake_up())
+
+    async def is_paused(self) -> bool:
+        return await self._call(lambda engine: engine.paused)
+
+    async def _call(self, function: Callable[[Engine], Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._submit(_Call(function, loop, done))
+        return await done
+
     def _abort_soon(self, request_id: str) -> None:
         with contextlib.suppress(EngineDeadError):  # a dead engine has nothing left to abort
             self._submit(_Abort(request_id))
 
-    def _submit(self, command: _Add | _Abort | _Stop) -> None:
+    def _submit(self, command: _Add | _Abort | _Stop | _Call) -> None:
         with self._lock:
             if self._dead is not None:
                 raise self._dead
@@ -236,8 +286,8 @@ class AsyncLLM:
 
     def _run(self) -> None:
         try:
-            while self._apply_commands(block=not self.engine.has_unfinished()):
-                if self.engine.has_unfinished():
+            while self._apply_commands(block=not self._can_step()):
+                if self._can_step():
                     self._publish(self.engine.step())
                 self._progress_at = time.monotonic()
                 self.stats = self._snapshot()
@@ -267,12 +317,25 @@ class AsyncLLM:
                 return False
             if isinstance(command, _Add):
                 self._add(command)
+            elif isinstance(command, _Call):
+                self._run_call(command)
             else:
                 self._abort(command.request_id)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return True
+
+    def _can_step(self) -> bool:
+        return self.engine.has_unfinished() and self.engine.can_step
+
+    def _run_call(self, call: _Call) -> None:
+        try:
+            result = call.function(self.engine)
+        except Exception as error:  # a bad update or argument must not stop the engine
+            _post(call.loop, _settle, [(call.done, None, error)])
+            return
+        _post(call.loop, _settle, [(call.done, result, None)])
 
     def _add(self, add: _Add) -> None:
         try:
@@ -365,6 +428,8 @@ class AsyncLLM:
                 break
             if isinstance(command, _Add):
                 _post(command.stream.loop, _resolve, [(command.accepted, error)])
+            elif isinstance(command, _Call):
+                _post(command.loop, _settle, [(command.done, None, error)])
         for loop, items in per_loop.items():
             _post(loop, _deliver, items)
 
@@ -396,5 +461,15 @@ def _resolve(items: list[tuple[asyncio.Future[None], BaseException | None]]) -> 
             continue  # the caller was cancelled
         if error is None:
             future.set_result(None)
+        else:
+            future.set_exception(error)
+
+
+def _settle(items: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+    for future, result, error in items:
+        if future.done():
+            continue  # the caller was cancelled
+        if error is None:
+            future.set_result(result)
         else:
             future.set_exception(error)

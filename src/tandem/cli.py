@@ -112,6 +112,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
         choices=["auto", "fp8", "fp8_e4m3"],
         help="fp8: an e4m3 KV cache, half the bytes (default: auto, the model dtype)",
     )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="bit-identical outputs whatever else is batched (one device; slower)",
+    )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -309,6 +309,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     quantization: str | None = None  # "fp8": FP8 weights of a bf16 checkpoint, made at load
     kv_cache_dtype: str = "auto"  # "fp8" (e4m3, per-tensor scales): half a bf16 cache's bytes
+    # bit-identical tokens and logprobs whatever else is batched (batch_invariant.py)
+    deterministic: bool = False
 
     def validate(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -330,6 +332,13 @@ class EngineConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}"
+            )
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be True or False, got {self.deterministic!r}")
+        if self.deterministic and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "deterministic=True runs on one device: the all-reduce of tensor_parallel_size > 1 "
+                "sums in an order that follows the batch size"
             )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")

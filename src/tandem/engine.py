@@ -11,10 +11,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from tandem import penalties, piecewise
 from tandem.attention import get_backend, rows_per_shared_group
 from tandem.batch import BatchBuilder, StepBatch
+from tandem.batch_invariant import invariant_attention, make_batch_invariant
 from tandem.config import EngineConfig, ModelConfig, cdiv
 from tandem.io_slot import MAX_BANNED_IDS
 from tandem.kv_cache import BlockAllocator, allocate_kv_cache
@@ -36,7 +38,15 @@ from tandem.roofline import step_work
 from tandem.runner import Runner
 from tandem.sampling import SamplingParams
 from tandem.scheduler import Scheduler
+from tandem.sleep import LEVELS, DeviceMemory
 from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
+from tandem.weights import (
+    NamedTensors,
+    apply_update,
+    check_named_tensors,
+    plan_update,
+    read_checkpoint,
+)
 from tandem.workers import Workers
 
 
@@ -117,6 +127,8 @@ class Engine:
         if self.tp.size > 1:  # after the rank-local start-up: a rank dying there raises here
             init_process_group(rank, self.tp.size, port, self.device, self.check_ranks)
         self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
+        if config.deterministic:
+            make_batch_invariant(self.model)
         local = self.model.cfg  # this rank's heads and MLP slice
         self.attention_backend = config.resolve_attention_backend(cfg, self.device)
         self.attend = get_backend(
@@ -131,6 +143,8 @@ class Engine:
         self.penalties = penalties.PenaltyState(
             config.max_num_seqs, cfg.vocab_size, config.max_num_batched_tokens, self.device
         )
+        if config.deterministic:
+            self.attend = invariant_attention(self.attention_backend, self.attend)
         num_blocks = num_kv_blocks(
             config,
             local,
@@ -160,7 +174,9 @@ class Engine:
         # not across sliding windows, whose keys before the window it must not see
         shared_rows = (
             rows_per_shared_group(local.num_heads, local.num_kv_heads)
-            if self.attention_backend == "triton" and not cfg.sliding_window
+            if self.attention_backend == "triton"
+            and not cfg.sliding_window
+            and not config.deterministic
             else 0
         )
         self.builder = BatchBuilder(
@@ -187,6 +203,8 @@ class Engine:
         if self.runner.cuda and (self.runner.graph_sizes or self.runner.token_buckets):
             self.runner.capture_graphs()
         self.async_batching = config.async_batching
+        self.memory = DeviceMemory([p.detach() for p in self.model.parameters()], self.kv_caches[0])
+        self.paused = False  # pause_generation: no step until resume_generation
         self.in_flight: deque[StepBatch] = deque()
         # finished when queued (nothing to compute: max_tokens=0, one prompt token); the next step
         # returns them
@@ -350,6 +368,121 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self.in_flight or self.finished_unscheduled)
 
+    # ---- RL hooks: weight updates, pause, sleep (between steps, on every rank) -------------
+
+    def update_weights(self, named_tensors: NamedTensors) -> None:
+        """Copy (Hugging Face name, tensor) pairs into the weights in place, then forget the
+        prefix cache. Every name and shape is checked before anything is copied (ValueError
+        naming the first bad one). Steps launched before use the old weights, later ones the new."""
+        pairs = check_named_tensors(named_tensors)
+        self._update_weights(pairs, ("update_weights", [(n, t.detach().cpu()) for n, t in pairs]))
+
+    def update_weights_from_path(self, path: str | Path) -> None:
+        """`update_weights` with every tensor of a checkpoint folder's safetensors files."""
+        self._update_weights(read_checkpoint(path), ("update_weights_from_path", str(path)))
+
+    def _update_weights(self, pairs: list[tuple[str, torch.Tensor]], on_others: tuple) -> None:
+        if self.is_sleeping:
+            raise RuntimeError(
+                "the weights have no device memory while asleep; call wake_up() first"
+            )
+        copies = plan_update(self.model, self.model_config, self.tp, pairs)  # raises first
+        if self.workers is not None:  # the other ranks validate alike: same names and shapes
+            self._on_other_ranks(*on_others)
+        apply_update(copies, self.runner.compute_stream if self.runner.cuda else None)
+        self._forget_cached_kv()
+
+    def pause_generation(self, mode: str = "keep") -> list[Request]:
+        """Stop stepping after the steps in flight are read back. "keep" holds every request and
+        its KV until `resume_generation`; "abort" finishes them with finish_reason "abort".
+        Returns the requests that got a token or finished meanwhile."""
+        if mode not in ("keep", "abort"):
+            raise ValueError(f"mode must be 'keep' or 'abort', got {mode!r}")
+        if self.workers is not None:
+            self._on_other_ranks("pause_generation", mode)
+        updated = self.drain()
+        if mode == "abort":
+            aborted = list(self.requests.values())
+            for request in aborted:
+                self._finish(request, "abort")
+            updated += aborted
+        self.paused = True
+        return updated
+
+    def resume_generation(self, recompute_kv: bool = False) -> None:
+        """Step again; with `recompute_kv`, the running requests first drop their KV (stale after
+        a weight update) and recompute it, as if preempted."""
+        if self.workers is not None:
+            self._on_other_ranks("resume_generation", recompute_kv)
+        if recompute_kv:
+            self._preempt_running()
+        self.paused = False
+
+    def sleep(self, level: int = 1) -> int:
+        """Give back the device memory of the KV cache and the weights (level 1: kept in host
+        memory; level 2: dropped, send new ones with `update_weights` after `wake_up`). Running
+        requests recompute their KV after `wake_up`. Returns the bytes freed on this rank."""
+        if level not in LEVELS:
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        if self.memory.level is not None:
+            raise RuntimeError("the engine is asleep already; call wake_up() first")
+        if self.workers is not None:
+            self._on_other_ranks("sleep", level)
+        self.drain()  # tokens in flight are kept (call `drain` first to see who got one)
+        self._preempt_running()
+        self.runner.reset_graphs()
+        freed = self.memory.sleep(level)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
+
+    def wake_up(self) -> None:
+        """Take the memory again (the same tensors; captured graphs made anew) and step again."""
+        if self.memory.level is None:
+            raise RuntimeError("the engine is not asleep")
+        if self.workers is not None:
+            self._on_other_ranks("wake_up")
+        self.memory.wake_up()
+        if self.runner.cuda and (self.runner.graph_sizes or self.runner.token_buckets):
+            self.runner.capture_graphs()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.memory.level is not None
+
+    @property
+    def can_step(self) -> bool:
+        return not self.paused and self.memory.level is None
+
+    def drain(self) -> list[Request]:
+        """Read back and process every step in flight; nothing new is launched."""
+        updated = []
+        while self.in_flight:
+            updated += self._process(self.in_flight.popleft())
+        return updated
+
+    def _preempt_running(self) -> None:
+        """Every running request back to the queue, in order, to recompute its KV; what they
+        cached is forgotten (no step is in flight: see `drain`)."""
+        assert not self.in_flight
+        for request in reversed(self.scheduler.running):
+            self.scheduler.preempt(request)
+            self.builder.running_rows.release(request)
+        self.scheduler.cache.reset()
+
+    def _forget_cached_kv(self) -> None:
+        """No KV computed before now is found again: the cache is emptied, and running requests
+        publish no more blocks until they are admitted again (their later blocks attend over
+        stale KV too)."""
+        self.scheduler.cache.reset()
+        for request in self.scheduler.running:
+            request.num_published_blocks = cdiv(self.max_model_len, self.block_size)
+
+    def _on_other_ranks(self, method: str, *args) -> None:
+        """Run `method(*args)` on every other rank's engine now, after the commands queued so far."""
+        self.workers.apply([*self.commands, ("call", method, args)])
+        self.commands = []
+
     # ---- the step loop --------------------------------------------------------------------
 
     def step(self) -> list[Request]:
@@ -361,6 +494,12 @@ class Engine:
         """
         if self.closed:
             raise RuntimeError("this engine was shut down")
+        if not self.can_step:
+            raise RuntimeError(
+                "the engine is asleep; call wake_up()"
+                if self.is_sleeping
+                else "generation is paused; call resume_generation()"
+            )
         if self.workers is not None:
             self.workers.step(self.commands)
             self.commands = []

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -14,6 +16,7 @@ from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.request import Request
 from tandem.sampling import MAX_SEED, SamplingParams
+from tandem.weights import NamedTensors
 
 Prompt = str | dict[str, Any]
 
@@ -54,6 +57,10 @@ class LLM:
     def __init__(self, model: str, **engine_args: Any):
         self.engine = Engine(EngineConfig(model=model, **engine_args))
         self._next_id = 0
+        # the engine is stepped under this lock, so the RL hooks below, called from another
+        # thread while `generate` runs, land between two steps; `_resumed` wakes a paused loop
+        self._lock = threading.RLock()
+        self._resumed = threading.Condition(self._lock)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (nothing to do on one device)."""
@@ -61,6 +68,37 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    # ---- RL hooks (safe from another thread: applied between two steps) ------------------
+
+    def update_weights(self, named_tensors: NamedTensors) -> None:
+        """Copy (Hugging Face name, tensor) pairs into the weights in place (see Engine)."""
+        with self._lock:
+            self.engine.update_weights(named_tensors)
+
+    def update_weights_from_path(self, path: str | Path) -> None:
+        with self._lock:
+            self.engine.update_weights_from_path(path)
+
+    def pause_generation(self, mode: str = "keep") -> None:
+        """Stop stepping: "keep" holds the requests (a running `generate` waits), "abort" ends them."""
+        with self._lock:
+            self.engine.pause_generation(mode)
+
+    def resume_generation(self, recompute_kv: bool = False) -> None:
+        with self._lock:
+            self.engine.resume_generation(recompute_kv)
+            self._resumed.notify_all()
+
+    def sleep(self, level: int = 1) -> int:
+        """Free the KV cache and the weights' device memory (see Engine.sleep); bytes freed."""
+        with self._lock:
+            return self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        with self._lock:
+            self.engine.wake_up()
+            self._resumed.notify_all()
 
     def generate(
         self,
@@ -177,14 +215,18 @@ class LLM:
         return groups
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> None:
-        for request in requests:
-            self.engine.enqueue(request)
+        with self._lock:
+            if not self.engine.can_step:  # this thread would wait for itself
+                raise RuntimeError(
+                    "the engine is paused or asleep; call resume_generation() / wake_up() first"
+                )
+            for request in requests:
+                self.engine.enqueue(request)
         bar = tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm)
         start, num_out = time.perf_counter(), 0
         try:
             with bar:
-                while self.engine.has_unfinished():
-                    updated = self.engine.step()
+                while (updated := self._step()) is not None:
                     num_out += len(updated)
                     finished = sum(r.finished for r in updated)
                     if finished or updated:
@@ -194,9 +236,19 @@ class LLM:
                         )
         except BaseException:
             # e.g. Ctrl-C: the call's requests must not run on inside the next call
-            for request in requests:
-                self.engine.abort(request.request_id)
+            with self._lock:
+                for request in requests:
+                    self.engine.abort(request.request_id)
             raise
+
+    def _step(self) -> list[Request] | None:
+        """What the next step updated, waiting while paused or asleep; None when all are done."""
+        with self._lock:
+            while self.engine.has_unfinished() and not self.engine.can_step:
+                self._resumed.wait()
+            if not self.engine.has_unfinished():
+                return None
+            return self.engine.step()
 
 
 def _score(entries: list[dict[int, float]], continuation: list[int]) -> ScoreOutput:

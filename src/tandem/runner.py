@@ -105,15 +105,20 @@ class Runner:
     def release_graphs(self) -> None:
         """Free the captured graphs. Graphs that hold NCCL collectives keep the communicator
         busy: a process group cannot be destroyed while they live."""
+        self.reset_graphs()
+        self.graph_sizes = []  # any later step runs eagerly
+        self.pieces, self.token_buckets = None, []
+
+    def reset_graphs(self) -> None:
+        """Free the captured graphs and their memory; `capture_graphs` makes them again (until
+        then no step may run: the plan still names graph sizes). Sleep mode uses this."""
         if self.cuda:
             torch.cuda.synchronize(self.device)
         for graph in self.graphs.values():
             graph.reset()
         self.graphs.clear()
-        self.graph_sizes = []  # any later step runs eagerly
         if self.pieces is not None:
             self.pieces.release()
-        self.pieces, self.token_buckets = None, []
 
     def padded_size(self, num_seqs: int, decode_only: bool, wants_logprobs: bool) -> int | None:
         """Rows of the graph that will run a step, or None when the step runs eagerly."""

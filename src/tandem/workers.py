@@ -58,6 +58,12 @@ class Workers:
                 self.check()  # it died since the check above
                 raise
 
+    def apply(self, commands: list[tuple[Any, ...]]) -> None:
+        """Apply `commands` now, without a step (("call", method, args) runs an Engine method)."""
+        self.check()
+        for pipe in self.pipes:
+            pipe.send(("apply", commands))
+
     def check(self) -> None:
         """Raise if a rank's process is gone: the others would wait for it at their next collective."""
         for rank, (process, pipe) in enumerate(zip(self.processes, self.pipes, strict=True), 1):
@@ -150,7 +156,10 @@ def follow(engine: Any, pipe: multiprocessing.connection.Connection) -> None:
                 )
             elif command[0] == "reset_prefix_cache":
                 engine.reset_prefix_cache()
+            elif command[0] == "call":
+                getattr(engine, command[1])(*command[2])
             else:
                 engine.abort(command[1])
-        engine.step()
+        if order == "step":
+            engine.step()
     engine.shutdown()

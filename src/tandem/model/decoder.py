@@ -41,7 +41,14 @@ def to_residual(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch
     """The o or the down projection. Its output always goes to a residual add + RMSNorm next,
     so on one device it may be split-K partial sums [splits, rows, out] that the norm adds up
     (`splitk`)."""
-    if tp.size == 1 and linear.bias is None and splitk.ENABLED and fused.use_kernels(x):
+    invariant = getattr(linear, "batch_invariant", False)  # deterministic mode: one plain GEMM
+    if (
+        tp.size == 1
+        and linear.bias is None
+        and splitk.ENABLED
+        and fused.use_kernels(x)
+        and not invariant
+    ):
         # FP8 weights: their scales, and the layer itself where split-K does not apply
         scale = getattr(linear, "weight_scale", None)
         return splitk.linear_partials(x, linear.weight, weight_scale=scale, fallback=linear)
@@ -221,6 +228,7 @@ class Decoder(nn.Module):
             if cfg.tie_word_embeddings
             else nn.Linear(cfg.hidden_size, self.embed_tokens.per_rank, bias=False)
         )
+        self.linear = F.linear  # the LM head's product (batch_invariant.py swaps it)
 
     def forward(
         self,
@@ -248,5 +256,5 @@ class Decoder(nn.Module):
         gathered). The sampler reads them as they are; a float32 copy of [rows, vocab] would be
         a full extra pass over the largest tensor of a decode step."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self.tp.gather_columns(F.linear(hidden, weight))
+        logits = self.tp.gather_columns(self.linear(hidden, weight))
         return soft_cap(logits[:, : self.cfg.vocab_size], self.cfg.final_logit_softcapping)

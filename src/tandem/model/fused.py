@@ -153,6 +153,9 @@ def add_rms_norm_kernel(
     tl.store(out_ptr + row * hidden + cols, out, mask=mask)
 
 
+FIXED_NORM_WARPS = False  # deterministic mode (batch_invariant.py): warps by width alone
+
+
 def norm_warps(block: int, rows: int, device: torch.device) -> int:
     """Warps of the add + RMSNorm kernel's one program per row of `block` columns. Where the
     rows are fewer than the SMs (a decode step), each row's loads (up to four split-K partials
@@ -160,7 +163,7 @@ def norm_warps(block: int, rows: int, device: torch.device) -> int:
     warps: at 4,096 columns that took Llama-3-8B's 32-row step from 5.34 to 5.26 ms
     (BENCHMARKS.md, twelfth run). Many rows (a prefill chunk) fill the device with 4 warps each,
     and more warps are slower there (8,192 x 1,024: 15.3 µs with 4, 25.3 with 16)."""
-    if rows > num_sms(device):
+    if rows > num_sms(device) and not FIXED_NORM_WARPS:
         return 4
     return min(16, max(4, block // 256))
 

@@ -150,61 +150,86 @@ def load_weights(model: Decoder, tensors, fit=None) -> None:
     """Copy HF-named tensors into the model, stacking q/k/v and gate/up; every parameter must be
     set. `fit(hf_name, tensor, dest)` gives a tensor its place's layout (FP8 scales)."""
     params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for hf_name, tensor in tensors:
+        found = destination(model, params, hf_name, tensor, fit)
+        if found is None:
+            continue
+        key, dest, tensor = found
+        loaded.add(key)
+        dest.copy_(tensor)
+    missing = sorted(checkpoint_name(name) for name in expected_keys(model, params) - loaded)
+    if missing:
+        raise ValueError(
+            f"checkpoint lacks weights for: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+        )
+
+
+def stacked_sizes(model: Decoder) -> dict[str, list[int]]:
     cfg = model.cfg
-    stacked_sizes = {
+    return {
         "qkv_proj": [cfg.q_size, cfg.kv_size, cfg.kv_size],
         "gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size],
     }
-    loaded: set[str] = set()
-    for hf_name, tensor in tensors:
-        name = hf_name.removeprefix("model.")
-        if name.endswith("rotary_emb.inv_freq"):
-            continue  # older checkpoints store the rope table; it is recomputed from the config
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        module, _, kind = name.rpartition(".")
-        parent, _, leaf = module.rpartition(".")
-        expert = hf_names.expert_destination(name, params, cfg.moe_intermediate_size)
-        if expert is not None:
-            dest, key = expert
-            loaded.add(key)
-        elif leaf in STACKED:
-            target, index = STACKED[leaf]
-            name = f"{parent}.{target}.{kind}"
-            sizes = stacked_sizes[target]
-            offset = sum(sizes[:index])
-            dest = params[name].data.narrow(0, offset, sizes[index]) if name in params else None
-            loaded.add(f"{name}#{index}")
-        else:
-            dest = params[name].data if name in params else None
-            loaded.add(name)
-        if dest is None:
-            raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {cfg.architecture}")
-        if model.tp.size > 1 and name in ("embed_tokens.weight", "lm_head.weight"):
-            dest = dest.narrow(
-                0, 0, tensor.shape[0]
-            )  # the last rank's rows past the vocabulary stay 0
-        if fit is not None:
-            tensor = fit(hf_name, tensor, dest)
-        if dest.shape != tensor.shape:
-            raise ValueError(
-                f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
-            )
-        dest.copy_(tensor)
+
+
+def destination(
+    model: Decoder,
+    params: dict[str, torch.nn.Parameter],
+    hf_name: str,
+    tensor: torch.Tensor,
+    fit=None,
+) -> tuple[str, torch.Tensor, torch.Tensor] | None:
+    """(the slice's key, the view of our parameter, the tensor in its layout) that this rank's
+    `tensor` of `hf_name` is copied into; None for a tensor that is recomputed or tied.
+    ValueError for an unknown name or a shape that does not fit."""
+    cfg = model.cfg
+    name = hf_name.removeprefix("model.")
+    if name.endswith("rotary_emb.inv_freq"):
+        return None  # older checkpoints store the rope table; it is recomputed from the config
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return None
+    module, _, kind = name.rpartition(".")
+    parent, _, leaf = module.rpartition(".")
+    expert = hf_names.expert_destination(name, params, cfg.moe_intermediate_size)
+    if expert is not None:
+        dest, key = expert
+    elif leaf in STACKED:
+        target, index = STACKED[leaf]
+        name = f"{parent}.{target}.{kind}"
+        sizes = stacked_sizes(model)[target]
+        offset = sum(sizes[:index])
+        dest = params[name].data.narrow(0, offset, sizes[index]) if name in params else None
+        key = f"{name}#{index}"
+    else:
+        dest = params[name].data if name in params else None
+        key = name
+    if dest is None:
+        raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {cfg.architecture}")
+    if model.tp.size > 1 and name in ("embed_tokens.weight", "lm_head.weight"):
+        dest = dest.narrow(0, 0, tensor.shape[0])  # the last rank's rows past the vocabulary stay 0
+    if fit is not None:
+        tensor = fit(hf_name, tensor, dest)
+    if dest.shape != tensor.shape:
+        raise ValueError(
+            f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+        )
+    return key, dest, tensor
+
+
+def expected_keys(model: Decoder, params: dict[str, torch.nn.Parameter]) -> set[str]:
+    """Every slice key a full checkpoint sets (see `destination`)."""
+    sizes = stacked_sizes(model)
     expected = set()
     for name, param in params.items():
         target = name.split(".")[-2]
         if (keys := hf_names.expected_expert_keys(name, param)) is not None:
             expected.update(keys)
-        elif target in stacked_sizes:
-            expected.update(f"{name}#{i}" for i in range(len(stacked_sizes[target])))
+        elif target in sizes:
+            expected.update(f"{name}#{i}" for i in range(len(sizes[target])))
         else:
             expected.add(name)
-    missing = sorted(checkpoint_name(name) for name in expected - loaded)
-    if missing:
-        raise ValueError(
-            f"checkpoint lacks weights for: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
-        )
+    return expected
 
 
 def checkpoint_name(name: str) -> str:

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tandem.async_llm import AsyncLLM, EngineDeadError
+from tandem.server.admin import admin_router
 from tandem.server.metrics import ServerMetrics
 from tandem.server.options import ServerOptions
 from tandem.server.protocol import (
@@ -46,6 +47,7 @@ def build_app(
         app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_request_bytes)
     add_error_handlers(app)
+    app.include_router(admin_router(llm))  # RL: pause, sleep, weights (behind the API key)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HttpRequest) -> Response:

@@ -1,0 +1,128 @@
+"""Deterministic mode: every reduction's order fixed by the row's own shape, never the batch's.
+
+A token's result then depends only on its own inputs, so a request gives bit-identical tokens
+and logprobs alone or in any batch, sync or async, in any chunk size, after preemption and from
+the prefix cache. The batch-dependent choices of the default mode, and what replaces them:
+- GEMMs: cuBLAS picks its kernel (and split-K) by the number of rows M, and `splitk.plan` picks
+  splits by rows. Here every linear layer and the LM head run one fixed-tile Triton GEMM
+  (`splitk.partials_kernel` with one split): each output element sums its K in the same
+  BLOCK_K steps whatever M is. On CPU, a product per row.
+- attention: the decode split count (`TritonAttention.num_splits`) and tiles (`tiles_for`)
+  follow the batch size, prefill tokens take another kernel, and shared-prefix (cascade)
+  groups split a row's keys by its group. Here every query token, prefill or decode, is a row
+  of the decode kernel with its own context length: one split, one tile shape, no cascade.
+- the add + RMSNorm warps (`fused.norm_warps`) follow the row count: fixed here.
+- tensor parallelism: the all-reduce's algorithm follows the message size, so deterministic
+  mode runs on one device only (EngineConfig.validate).
+The sampler is per row already: Gumbel noise keyed by seed, position and token, and an argmax
+that is exact however the vocabulary is chunked (the smallest token wins a tie).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.attention import AttentionBackend, AttentionMetadata
+from tandem.attention.torch_ref import decode_attention
+from tandem.model import fused, splitk
+from tandem.model.decoder import Decoder
+
+BLOCK_M, BLOCK_N = 64, 64
+
+
+def make_batch_invariant(model: Decoder) -> None:
+    """Every linear layer of `model`, and its LM head, computed batch-invariantly."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.forward = functools.partial(_linear_forward, module)
+            module.batch_invariant = True  # decoder.to_residual: no split-K partials
+    model.linear = invariant_linear
+    fused.FIXED_NORM_WARPS = True  # process-wide: the norm's warps stop following the rows
+
+
+def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return invariant_linear(x, module.weight, module.bias)
+
+
+def invariant_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [rows, in] @ weight[out, in]^T (+ bias), each row's sums in an order that the other
+    rows do not change."""
+    if not fused.use_kernels(x):
+        rows = [F.linear(row, weight, bias) for row in x.split(1)]
+        return torch.cat(rows) if rows else F.linear(x, weight, bias)
+    in_features = weight.shape[1]
+    block_k = next((b for b in (64, 32, 16) if in_features % b == 0), None)
+    if block_k is None:
+        raise ValueError(
+            f"deterministic=True needs layer widths divisible by 16, got {in_features}"
+        )
+    tiles = splitk.SplitTiles(BLOCK_M, BLOCK_N, block_k, splits=1)
+    out = splitk.linear_partials(x.contiguous(), weight.contiguous(), tiles)[0]
+    if bias is not None:
+        out += bias
+    return out.to(x.dtype)
+
+
+class InvariantAttention:
+    """Every query token as its own decode row (its context: the keys up to its position),
+    through one decode path with a fixed split count and tile shape."""
+
+    def __init__(self, decode: AttentionBackend):
+        self.decode = decode
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.decode(q, kv_cache, token_rows(meta, q.shape[0]), scale, out)
+
+
+def token_rows(meta: AttentionMetadata, num_tokens: int) -> AttentionMetadata:
+    """One row per query token: its sequence's block table, its own context length.
+    E.g. query_start_loc [0, 1, 4], seq_lens [9, 6] -> rows of sequences [0, 1, 1, 1] with
+    context lengths [9, 4, 5, 6]."""
+    starts = meta.query_start_loc
+    tokens = torch.arange(num_tokens, device=starts.device, dtype=starts.dtype)
+    seq = torch.searchsorted(starts[1:], tokens, right=True)  # [num_tokens]
+    last = starts[1:][seq] - 1  # each token's sequence's last query token
+    seq_lens = (meta.seq_lens[seq] - (last - tokens)).to(meta.seq_lens.dtype)
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping,
+        query_start_loc=torch.arange(num_tokens + 1, device=starts.device, dtype=starts.dtype),
+        seq_lens=seq_lens,
+        block_tables=meta.block_tables[seq],
+        decode_only=True,
+    )
+
+
+def invariant_attention(name: str, attend: AttentionBackend) -> AttentionBackend:
+    """The engine's attention made batch-invariant: the Triton decode pinned to one split and
+    one tile shape, or the torch reference's decode one row at a time (its batched einsum sums
+    in an order that follows the batch on CPU)."""
+    if name == "triton":
+        attend.fixed_splits = 1
+        attend.single_sequence_tiles = attend.large_batch_tiles = attend.decode_tiles
+        return InvariantAttention(attend)
+    return InvariantAttention(decode_rows)
+
+
+def decode_rows(q, kv_cache, meta: AttentionMetadata, scale: float, out=None) -> torch.Tensor:
+    """The torch reference decode, one row at a time (every call the same shapes)."""
+    rows = [
+        decode_attention(
+            q[i : i + 1], kv_cache, meta.block_tables[i : i + 1], meta.seq_lens[i : i + 1], scale
+        )
+        for i in range(q.shape[0])
+    ]
+    result = torch.cat(rows) if rows else torch.empty_like(q)
+    return result if out is None else out.copy_(result)

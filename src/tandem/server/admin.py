@@ -1,0 +1,73 @@
+"""Admin routes for an RL trainer: pause/resume, sleep/wake-up, weights from a checkpoint.
+
+They sit behind the same API key as the OpenAI routes (app.py's middleware guards every path
+but /health and /metrics). Engine errors the caller caused come back as 400s naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter
+from pydantic import BaseModel
+
+from tandem.async_llm import AsyncLLM
+from tandem.server.protocol import OpenAIError
+
+
+class PauseRequest(BaseModel):
+    mode: Literal["keep", "abort"] = "keep"
+
+
+class ResumeRequest(BaseModel):
+    recompute_kv: bool = False
+
+
+class SleepRequest(BaseModel):
+    level: Literal[1, 2] = 1
+
+
+class UpdateWeightsRequest(BaseModel):
+    path: str
+
+
+def admin_router(llm: AsyncLLM) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/pause_generation")
+    async def pause_generation(body: PauseRequest) -> dict[str, bool]:
+        await llm.pause_generation(body.mode)
+        return {"paused": True}
+
+    @router.post("/resume_generation")
+    async def resume_generation(body: ResumeRequest | None = None) -> dict[str, bool]:
+        await llm.resume_generation((body or ResumeRequest()).recompute_kv)
+        return {"paused": False}
+
+    @router.get("/is_paused")
+    async def is_paused() -> dict[str, bool]:
+        return {"paused": await llm.is_paused()}
+
+    @router.post("/sleep")
+    async def sleep(body: SleepRequest | None = None) -> dict[str, float]:
+        freed = await _engine_call(llm.sleep((body or SleepRequest()).level))
+        return {"freed_gib": freed / 2**30}
+
+    @router.post("/wake_up")
+    async def wake_up() -> dict[str, bool]:
+        await _engine_call(llm.wake_up())
+        return {"sleeping": False}
+
+    @router.post("/update_weights_from_path")
+    async def update_weights_from_path(body: UpdateWeightsRequest) -> dict[str, bool]:
+        await _engine_call(llm.update_weights_from_path(body.path), param="path")
+        return {"updated": True}
+
+    return router
+
+
+async def _engine_call(call, param: str | None = None):
+    try:
+        return await call
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as error:
+        raise OpenAIError(str(error), 400, param=param) from error

@@ -1,0 +1,64 @@
+"""The RL hooks on CUDA with graphs and async batching: weights updated in place under captured
+graphs, sleep levels 1 and 2 giving the device memory back and waking to the same tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tandem import LLM, SamplingParams
+from tandem.model.tiny import make_tiny_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+ENGINE_ARGS = {"max_model_len": 256, "block_size": 16, "dtype": "bfloat16", "num_blocks": 64}
+PROMPTS = [
+    {"prompt_token_ids": [(5 * i + 3 * j) % 200 + 3 for j in range(20 + i)]} for i in range(6)
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> tuple[str, str]:
+    a = make_tiny_model(tmp_path_factory.mktemp("a"), "llama", seed=1)
+    b = make_tiny_model(tmp_path_factory.mktemp("b"), "llama", seed=2)
+    return str(a), str(b)
+
+
+def tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def test_update_weights_under_captured_graphs_equals_a_fresh_engine(checkpoints):
+    a, b = checkpoints
+    llm = LLM(a, **ENGINE_ARGS)
+    assert llm.engine.runner.graphs  # the decode steps replay graphs
+    on_a = tokens(llm)
+    state = {k: v.cuda() for k, v in load_file(f"{b}/model.safetensors").items()}
+    llm.update_weights(state.items())
+    on_b = tokens(LLM(b, **ENGINE_ARGS))
+    assert on_a != on_b
+    assert tokens(llm) == on_b
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_frees_the_weights_and_kv_cache_and_wakes_to_the_same_tokens(checkpoints, level):
+    a, _ = checkpoints
+    llm = LLM(a, **ENGINE_ARGS)
+    engine = llm.engine
+    before = tokens(llm)
+    num_graphs = len(engine.runner.graphs)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    freed = llm.sleep(level)
+    assert freed >= engine.memory.kv_bytes + sum(engine.memory.weight_bytes)
+    assert allocated - torch.cuda.memory_allocated() >= freed
+    llm.wake_up()
+    assert len(engine.runner.graphs) == num_graphs  # captured again
+    if level == 2:
+        llm.update_weights_from_path(a)
+    assert tokens(llm) == before

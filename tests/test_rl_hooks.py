@@ -1,0 +1,180 @@
+"""Pause/resume and sleep/wake-up: requests survive them, tokens are neither lost nor repeated."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tandem import LLM, SamplingParams
+from tandem.async_llm import AsyncLLM
+from tandem.server.app import build_app
+
+ENGINE_ARGS = {"max_model_len": 128, "block_size": 8, "dtype": "float32"}
+PROMPTS = [{"prompt_token_ids": [3 + i, 17, 30 + 2 * i, 9, 11, 12, 40 + i]} for i in range(4)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folder(make_tiny) -> str:
+    return str(make_tiny("llama"))
+
+
+@pytest.fixture(scope="module")
+def reference(folder) -> list[list[int]]:
+    """Each prompt's greedy tokens from an engine that was never paused."""
+    outputs = LLM(folder, **ENGINE_ARGS).generate(PROMPTS, GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+async def stream_tokens(llm: AsyncLLM, index: int, got: list[list[int]], reasons: list) -> None:
+    async for out in llm.generate(PROMPTS[index], GREEDY, f"r{index}"):
+        got[index] += out.token_ids
+        if out.finished:
+            reasons[index] = out.finish_reason
+
+
+def test_async_pause_keep_loses_no_request_and_repeats_no_token(folder, reference):
+    async def main() -> list[list[int]]:
+        llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
+        got, reasons = [[] for _ in PROMPTS], [None] * len(PROMPTS)
+        try:
+            tasks = [asyncio.create_task(stream_tokens(llm, i, got, reasons)) for i in range(4)]
+            while len(got[0]) < 5:
+                await asyncio.sleep(0.001)
+            await llm.pause_generation("keep")
+            assert await llm.is_paused()
+            held = [list(tokens) for tokens in got]
+            steps = llm.engine.num_steps
+            await asyncio.sleep(0.3)
+            assert llm.engine.num_steps == steps and got == held  # nothing ran while paused
+            assert all(len(tokens) < GREEDY.max_tokens for tokens in got)
+            await llm.resume_generation()
+            await asyncio.gather(*tasks)
+        finally:
+            llm.shutdown()
+        assert reasons == ["length"] * 4
+        return got
+
+    assert asyncio.run(main()) == reference
+
+
+def test_async_pause_abort_ends_every_stream_with_finish_reason_abort(folder):
+    async def main() -> None:
+        llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
+        got, reasons = [[] for _ in PROMPTS], [None] * len(PROMPTS)
+        try:
+            tasks = [asyncio.create_task(stream_tokens(llm, i, got, reasons)) for i in range(4)]
+            while len(got[0]) < 3:
+                await asyncio.sleep(0.001)
+            await llm.pause_generation("abort")
+            await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
+            assert reasons == ["abort"] * 4
+            assert (
+                not llm.engine.requests and llm.engine.allocator.num_free == llm.engine.num_blocks
+            )
+            await llm.resume_generation()
+            again = [[] for _ in PROMPTS]
+            await stream_tokens(llm, 0, again, reasons)
+            assert len(again[0]) == GREEDY.max_tokens
+        finally:
+            llm.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_bad_pause_mode_is_a_value_error_and_the_engine_lives_on(folder):
+    async def main() -> None:
+        llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
+        try:
+            with pytest.raises(ValueError, match="mode"):
+                await llm.pause_generation("later")
+            assert not await llm.is_paused() and llm.is_running
+        finally:
+            llm.shutdown()
+
+    asyncio.run(main())
+
+
+def test_offline_generate_waits_while_another_thread_pauses_it(folder, reference):
+    llm = LLM(folder, **ENGINE_ARGS)
+    result: list = []
+    worker = threading.Thread(
+        target=lambda: result.extend(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    )
+    worker.start()
+    while llm.engine.num_steps < 4:
+        time.sleep(0.001)
+    llm.pause_generation("keep")
+    steps = llm.engine.num_steps
+    time.sleep(0.3)
+    assert llm.engine.num_steps == steps and worker.is_alive()
+    llm.resume_generation()
+    worker.join(timeout=60)
+    assert [o.outputs[0].token_ids for o in result] == reference
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_and_wake_up_mid_generation_give_the_outputs_of_no_sleep(folder, reference, level):
+    llm = LLM(folder, **ENGINE_ARGS)
+    engine = llm.engine
+    requests = [
+        engine.make_request(f"r{i}", GREEDY, prompt_token_ids=p["prompt_token_ids"])
+        for i, p in enumerate(PROMPTS)
+    ]
+    for request in requests:
+        engine.enqueue(request)
+    for _ in range(5):
+        engine.step()
+    freed = llm.sleep(level)
+    assert freed >= sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    assert all(p.untyped_storage().nbytes() == 0 for p in engine.model.parameters())
+    assert engine.kv_caches[0].untyped_storage().nbytes() == 0
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.step()
+    llm.wake_up()
+    if level == 2:  # the weights were dropped: the trainer sends them again
+        llm.update_weights_from_path(folder)
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.output_token_ids for r in requests] == reference
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == (
+        reference
+    )
+
+
+def test_admin_routes_pause_and_resume_behind_the_api_key(folder):
+    llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
+    try:
+        with TestClient(build_app(llm, "tiny", api_key="secret")) as client:
+            assert client.post("/pause_generation", json={"mode": "keep"}).status_code == 401
+            auth = {"Authorization": "Bearer secret"}
+            assert client.post("/pause_generation", json={"mode": "keep"}, headers=auth).json() == {
+                "paused": True
+            }
+            assert client.get("/is_paused", headers=auth).json() == {"paused": True}
+            bad = client.post("/pause_generation", json={"mode": "later"}, headers=auth)
+            assert bad.status_code == 400 and "mode" in bad.text
+            assert client.post("/resume_generation", headers=auth).json() == {"paused": False}
+            missing = client.post(
+                "/update_weights_from_path", json={"path": "/nowhere"}, headers=auth
+            )
+            assert missing.status_code == 400 and missing.json()["error"]["param"] == "path"
+            slept = client.post("/sleep", json={"level": 1}, headers=auth).json()
+            assert slept["freed_gib"] > 0
+            assert client.post("/wake_up", headers=auth).json() == {"sleeping": False}
+    finally:
+        llm.shutdown()
+
+
+def test_generate_on_a_paused_engine_raises_instead_of_waiting_for_itself(folder):
+    llm = LLM(folder, **ENGINE_ARGS)
+    llm.pause_generation()
+    with pytest.raises(RuntimeError, match="resume_generation"):
+        llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+    assert not llm.engine.requests  # nothing was queued
+    llm.resume_generation()
+    assert len(llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 24

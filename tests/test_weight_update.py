@@ -1,0 +1,143 @@
+"""In-place weight updates: A's engine given B's weights generates what a fresh engine on B does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tandem import LLM, SamplingParams
+from tandem.model.tiny import make_tiny_model
+
+ENGINE_ARGS = {"max_model_len": 128, "block_size": 8, "dtype": "float32"}
+PROMPTS = [{"prompt_token_ids": [5 + i, 17, 30 + 2 * i, 9, 11, 12, 40, 41, 3]} for i in range(4)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> tuple[str, str]:
+    """Two tiny llama checkpoints of one shape, drawn with different seeds."""
+    a = make_tiny_model(tmp_path_factory.mktemp("a"), "llama", seed=1)
+    b = make_tiny_model(tmp_path_factory.mktemp("b"), "llama", seed=2)
+    return str(a), str(b)
+
+
+@pytest.fixture(scope="module")
+def fresh(checkpoints) -> dict[str, list]:
+    """Each checkpoint's outputs from an engine started on it."""
+    return {path: tokens_and_logprobs(LLM(path, **ENGINE_ARGS)) for path in checkpoints}
+
+
+def tokens_and_logprobs(llm: LLM) -> list:
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+
+def test_update_weights_then_generate_equals_a_fresh_engine_on_the_new_checkpoint(
+    checkpoints, fresh
+):
+    a, b = checkpoints
+    llm = LLM(a, **ENGINE_ARGS)
+    on_a = tokens_and_logprobs(llm)
+    assert [t for t, _ in tokens_and_logprobs(llm)] == [t for t, _ in on_a]  # cache hits now
+    cache = llm.engine.scheduler.cache
+    hits = cache.num_hit_tokens
+    assert hits > 0
+    llm.update_weights(load_file(f"{b}/model.safetensors").items())
+    on_b = fresh[b]
+    assert on_a == fresh[a]
+    assert [t for t, _ in on_a] != [t for t, _ in on_b]  # the two checkpoints disagree
+    assert tokens_and_logprobs(llm) == on_b
+    assert cache.num_hit_tokens == hits  # A's cached KV was forgotten
+    llm.update_weights_from_path(a)
+    assert [t for t, _ in tokens_and_logprobs(llm)] == [t for t, _ in on_a]
+
+
+def test_a_layer_by_layer_stream_of_tensors_is_applied_like_a_state_dict(checkpoints, fresh):
+    a, b = checkpoints
+    llm = LLM(a, **ENGINE_ARGS)
+    state = load_file(f"{b}/model.safetensors")
+    llm.update_weights((name, state[name]) for name in sorted(state))  # a generator, one by one
+    assert tokens_and_logprobs(llm) == fresh[b]
+
+
+@pytest.mark.parametrize(
+    ("bad_name", "bad_tensor", "error"),
+    [
+        ("model.layers.0.self_attn.q_proj.weight", torch.zeros(3, 3), "q_proj.weight"),
+        ("model.layers.9.mlp.up_proj.weight", torch.zeros(128, 64), "layers.9"),
+        ("model.nonsense", torch.zeros(3), "model.nonsense"),
+    ],
+)
+def test_a_bad_name_or_shape_raises_before_anything_is_copied(
+    checkpoints, fresh, bad_name, bad_tensor, error
+):
+    a, b = checkpoints
+    llm = LLM(a, **ENGINE_ARGS)
+    state = list(load_file(f"{b}/model.safetensors").items())
+    with pytest.raises(ValueError, match=error):
+        llm.update_weights([*state[:-1], (bad_name, bad_tensor), state[-1]])
+    assert tokens_and_logprobs(llm) == fresh[a]  # all of A, none of B
+
+
+def test_a_non_tensor_is_a_type_error_naming_it(checkpoints):
+    llm = LLM(checkpoints[0], **ENGINE_ARGS)
+    with pytest.raises(TypeError, match=r"lm_head\.weight"):
+        llm.update_weights([("lm_head.weight", [[0.0]])])
+
+
+def test_an_update_invalidates_the_kv_of_requests_paused_mid_generation(checkpoints):
+    """Paused with their KV, updated, resumed with recompute_kv: they finish as on B from the
+    tokens they had (each token after the pause greedy under B's weights)."""
+    a, b = checkpoints
+    llm = LLM(a, **ENGINE_ARGS)
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.enqueue(
+            engine.make_request(f"r{i}", GREEDY, prompt_token_ids=prompt["prompt_token_ids"])
+        )
+    for _ in range(4):
+        engine.step()
+    engine.pause_generation("keep")
+    partial = {rid: list(r.output_token_ids) for rid, r in engine.requests.items()}
+    assert all(partial.values())
+    llm.update_weights_from_path(b)
+    engine.resume_generation(recompute_kv=True)
+    finished = {r.request_id: r for r in engine.requests.values()}
+    while engine.has_unfinished():
+        engine.step()
+    engine_b = LLM(b, **ENGINE_ARGS)
+    for rid, request in finished.items():
+        prompt = request.prompt_token_ids + partial[rid]
+        rest = engine_b.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0].outputs[0]
+        num_left = GREEDY.max_tokens - len(partial[rid])
+        assert request.output_token_ids == partial[rid] + rest.token_ids[:num_left]
+
+
+def test_two_ranks_take_their_shards_of_an_update(checkpoints, fresh):
+    """Tensor parallelism (gloo): each rank copies its slice of the stacked, sharded weights."""
+    a, b = checkpoints
+    llm = LLM(a, tensor_parallel_size=2, **ENGINE_ARGS)
+    try:
+        llm.update_weights(load_file(f"{b}/model.safetensors").items())
+        updated = [t for t, _ in tokens_and_logprobs(llm)]
+    finally:
+        llm.shutdown()
+    assert updated == [t for t, _ in fresh[b]]
+
+
+def test_requests_running_through_an_update_publish_no_stale_blocks(checkpoints):
+    a, b = checkpoints
+    llm = LLM(a, **ENGINE_ARGS)
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.enqueue(
+            engine.make_request(f"r{i}", GREEDY, prompt_token_ids=prompt["prompt_token_ids"])
+        )
+    for _ in range(3):
+        engine.step()
+    assert engine.scheduler.cache.num_cached_blocks > 0  # their prompts' first blocks
+    llm.update_weights_from_path(b)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.scheduler.cache.num_cached_blocks == 0  # they kept A's KV: none of it cached

@@ -83,8 +83,9 @@ class InvariantAttention:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,
+        **options,  # k_scale, v_scale, sliding_window, logits_soft_cap: the backend's own
     ) -> torch.Tensor:
-        return self.decode(q, kv_cache, token_rows(meta, q.shape[0]), scale, out)
+        return self.decode(q, kv_cache, token_rows(meta, q.shape[0]), scale, out, **options)
 
 
 def token_rows(meta: AttentionMetadata, num_tokens: int) -> AttentionMetadata:
@@ -116,11 +117,31 @@ def invariant_attention(name: str, attend: AttentionBackend) -> AttentionBackend
     return InvariantAttention(decode_rows)
 
 
-def decode_rows(q, kv_cache, meta: AttentionMetadata, scale: float, out=None) -> torch.Tensor:
+def decode_rows(
+    q,
+    kv_cache,
+    meta: AttentionMetadata,
+    scale: float,
+    out=None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
     """The torch reference decode, one row at a time (every call the same shapes)."""
+    options = {
+        "kv_scales": (k_scale, v_scale),
+        "sliding_window": sliding_window,
+        "logits_soft_cap": logits_soft_cap,
+    }
     rows = [
         decode_attention(
-            q[i : i + 1], kv_cache, meta.block_tables[i : i + 1], meta.seq_lens[i : i + 1], scale
+            q[i : i + 1],
+            kv_cache,
+            meta.block_tables[i : i + 1],
+            meta.seq_lens[i : i + 1],
+            scale,
+            **options,
         )
         for i in range(q.shape[0])
     ]

@@ -14,6 +14,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+
 DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -140,6 +142,10 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
+    # how a request gives up its KV blocks when they run out (swap.py): "recompute" frees them,
+    # "swap" copies them to `swap_space` GiB of pinned host memory, "auto" picks per request
+    preemption_mode: str = "auto"
+    swap_space: float = 4.0
 
     def validate(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -162,6 +168,13 @@ class EngineConfig:
             raise ValueError(
                 f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}"
             )
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
+        space = self.swap_space
+        if not isinstance(space, int | float) or isinstance(space, bool) or not space >= 0:
+            raise ValueError(f"swap_space must be a number of GiB >= 0, got {space!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:

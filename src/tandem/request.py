@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV in host memory (swap.py)
     FINISHED = "finished"
 
 
@@ -44,6 +45,8 @@ class Request:
     block_keys: list[bytes] = field(default_factory=list)
     num_published_blocks: int = 0
     num_cached_tokens: int | None = None
+    # while swapped: the host block holding each block of its table (swap.py)
+    host_blocks: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

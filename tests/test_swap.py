@@ -131,7 +131,7 @@ def test_a_full_swap_space_falls_back_to_recompute(make_tiny):
 
 def test_swap_space_beyond_host_memory_is_a_start_up_error_naming_the_number(make_tiny):
     with pytest.raises(ValueError, match=r"swap_space=1000000 GiB"):
-        Engine(EngineConfig(str(make_tiny("llama")), swap_space=1000000, **TIGHT))
+        Engine(EngineConfig(str(make_tiny("llama")), max_model_len=48, swap_space=1000000, **TIGHT))
     for bad in (-1, "4", True):
         with pytest.raises(ValueError, match="swap_space"):
             EngineConfig("x", swap_space=bad).validate()

@@ -21,7 +21,7 @@ import torch
 import triton
 
 from tandem import pdl, piecewise, runner
-from tandem.config import EngineConfig, ModelConfig
+from tandem.config import PREEMPTION_MODES, EngineConfig, ModelConfig
 from tandem.engine import Engine
 from tandem.llm import LLM
 from tandem.model import fused, splitk
@@ -231,6 +231,8 @@ def run_bench(
     caching = engine.scheduler.cache.enabled
     if "no-prefix-caching" in compare and caching:
         modes.append(f"{primary} no-cache")
+    preemption = engine.config.preemption_mode  # other preemption modes: on the same engine
+    modes += [f"{primary} {m}" for m in PREEMPTION_MODES if m in compare and m != preemption]
     batch_size = args.batch_size if args.mode == "latency" else None
     results, rooflines = {}, {}
     hardware = on_devices(H200, engine.config.tensor_parallel_size)
@@ -238,8 +240,11 @@ def run_bench(
     for mode in modes:
         engine.async_batching = mode.startswith("async")
         engine.scheduler.cache.enabled = caching and not mode.endswith("no-cache")
+        swap = engine.scheduler.swap
+        swap.mode = next((m for m in PREEMPTION_MODES if mode.endswith(m)), preemption)
         time_engine(engine, warmup, args.temperature)
         retries = allocator_retries(engine.device)
+        preempted, swapped = engine.scheduler.num_preemptions, swap.num_swapped_out
         runs = []
         cache = engine.scheduler.cache
         queried, hit = cache.num_queried_tokens, cache.num_hit_tokens
@@ -265,6 +270,8 @@ def run_bench(
             "jit_compiles": compiles[0],
             "prefix_cache_hit_rate": (cache.num_hit_tokens - hit)
             / max(1, cache.num_queried_tokens - queried),
+            "preemptions_per_run": (engine.scheduler.num_preemptions - preempted) / args.repeats,
+            "swapped_per_run": (swap.num_swapped_out - swapped) / args.repeats,
         }
     report = {
         "mode": args.mode,
@@ -625,10 +632,11 @@ def add_bench_args(parser: argparse.ArgumentParser, latency: bool = False) -> No
             "transformers",
             "transformers-async",
             "transformers-sync",
+            *PREEMPTION_MODES,
         ],
         help="also run our other batching mode on the same engine, our engine with prefix "
-        "caching off, and/or transformers' continuous batching (both its modes, or the one "
-        "named) on the same weights and requests",
+        "caching off or another preemption mode (recompute, swap, auto), and/or transformers' "
+        "continuous batching (both its modes, or the one named) on the same weights and requests",
     )
     parser.add_argument("--output-json")
     parser.add_argument(

@@ -546,6 +546,16 @@ def print_report(report: dict) -> None:
         f"{roofline['bytes_bound_steps']} bound by bytes); 'roofline' = its share of the time"
     )
     for mode, r in report["results"].items():
+        if r.get("preemptions_per_run"):  # its own work's roofline counts recomputed prefill
+            swap = r.get("timeline", {}).get("swap") or {}
+            moved = (swap.get("bytes_out", 0) + swap.get("bytes_in", 0)) / 2**30
+            own = r["roofline_seconds"] / r["seconds"]
+            print(
+                f"{mode}: {r['preemptions_per_run']:.0f} preemptions per run, "
+                f"{r['swapped_per_run']:.0f} by swap; {100 * own:.3g}% "
+                f"of its own work's roofline; traced run swapped {moved:.2f} GiB "
+                f"in {swap.get('gpu_ms', 0):.1f} GPU ms"
+            )
         for kind, k in r.get("roofline_by_step_kind", {}).items():
             if k["roofline_fraction"] is not None:  # GPU compute spans: CUDA only
                 print(

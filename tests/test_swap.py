@@ -172,23 +172,30 @@ def test_runs_of_consecutive_host_blocks():
     assert _runs([]) == []
 
 
-def test_swapped_status_is_reported_while_waiting_on_the_host(make_tiny):
+def test_swapped_requests_hold_only_host_blocks_and_the_trace_counts_the_bytes(make_tiny):
+    from tandem.trace import summarize
+
     engine = Engine(
         EngineConfig(str(make_tiny("llama")), max_model_len=48, preemption_mode="swap", **TIGHT)
     )
+    engine.start_trace()
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS):
         engine.enqueue(engine.make_request(str(i), params, prompt_token_ids=prompt))
-    seen = set()
+    swap, seen = engine.scheduler.swap, set()
     while engine.has_unfinished():
         engine.step()
+        held = np.zeros(swap.host.num_blocks, dtype=np.int32)
         for request in engine.scheduler.swapped:
             assert request.status is Status.SWAPPED and not request.block_table
             assert len(request.host_blocks) == -(-request.num_computed_tokens // 4)
+            held[request.host_blocks] += 1
             seen.add(request.request_id)
-        held = np.bincount(
-            [h for r in engine.scheduler.swapped for h in r.host_blocks],
-            minlength=engine.scheduler.swap.host.num_blocks,
-        )
-        assert (engine.scheduler.swap.host.ref_counts == held).all()
+        assert (swap.host.ref_counts == held).all()
     assert seen
+    summary = summarize(engine.stop_trace().to_chrome_trace({}))["swap"]
+    assert summary["batches"] > 0 and summary["bytes_out"] == engine.swapper.bytes_out > 0
+    assert summary["bytes_in"] == engine.swapper.bytes_in > 0
+    # every block swapped out came back in (none finished or was aborted while swapped)
+    assert summary["bytes_out"] == summary["bytes_in"]
+    assert summary["bytes_out"] % swap.bytes_per_block == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tandem import swap as swap_module
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine import Engine
 from tandem.llm import LLM
@@ -129,9 +130,17 @@ def test_a_full_swap_space_falls_back_to_recompute(make_tiny):
     assert tokens == expected
 
 
-def test_swap_space_beyond_host_memory_is_a_start_up_error_naming_the_number(make_tiny):
+def test_swap_space_beyond_host_memory_is_a_start_up_error_naming_the_number(
+    make_tiny, monkeypatch
+):
     with pytest.raises(ValueError, match=r"swap_space=1000000 GiB"):
         Engine(EngineConfig(str(make_tiny("llama")), max_model_len=48, swap_space=1000000, **TIGHT))
+    # the pool is capped at every sequence's blocks; that much must fit too
+    monkeypatch.setattr(swap_module, "host_memory_available", lambda: 1024)
+    with pytest.raises(ValueError, match=r"swap_space=0.5 GiB .* 0.00 GiB of host memory"):
+        Engine(EngineConfig(str(make_tiny("llama")), max_model_len=48, swap_space=0.5, **TIGHT))
+    Engine(EngineConfig(str(make_tiny("llama")), max_model_len=48, preemption_mode="recompute",
+                        swap_space=0.5, **TIGHT))  # fmt: skip
     for bad in (-1, "4", True):
         with pytest.raises(ValueError, match="swap_space"):
             EngineConfig("x", swap_space=bad).validate()

@@ -169,11 +169,11 @@ class Engine:
         config = self.config
         if config.preemption_mode == "recompute":
             return 0
-        check_swap_space(config.swap_space)
         per_block = bytes_per_block(local, config.block_size, self.dtype)
         wanted = min(
             int(config.swap_space * 2**30) // per_block, config.max_num_seqs * max_blocks_per_seq
         )
+        check_swap_space(config.swap_space, wanted * per_block)
         return self.tp.min(wanted, self.device)  # every rank schedules alike
 
     def shutdown(self) -> None:

@@ -53,13 +53,21 @@ def host_memory_available() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_swap_space(swap_space: float) -> None:
-    """At start-up: the pinned pool must fit in what the host has left."""
-    available = host_memory_available()
-    if swap_space * 2**30 > available:
+def check_swap_space(swap_space: float, num_bytes: int) -> None:
+    """At start-up: `swap_space` GiB must be within the host's memory, and the `num_bytes` of
+    it the pool takes (no more than every sequence's blocks) within what the host has left."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if swap_space * 2**30 > total:
         raise ValueError(
-            f"swap_space={swap_space} GiB is more than the {available / 2**30:.1f} GiB of host "
-            "memory available to pin; lower swap_space or use preemption_mode='recompute'"
+            f"swap_space={swap_space} GiB is more than this host's {total / 2**30:.1f} GiB of "
+            "memory; lower swap_space or use preemption_mode='recompute'"
+        )
+    available = host_memory_available()
+    if num_bytes > available:
+        raise ValueError(
+            f"swap_space={swap_space} GiB ({num_bytes / 2**30:.2f} GiB used) is more than the "
+            f"{available / 2**30:.2f} GiB of host memory available to pin; lower swap_space or "
+            "use preemption_mode='recompute'"
         )
 
 

@@ -44,9 +44,9 @@ workload_args() {
     chat) echo "--model llama-3-8b --shared-prefix-len 2048 --input-len 128 --output-len 256 --num-prompts 256" ;;
     # long generations outgrowing the KV cache (issue 30): half the final KV fits (64 x 1032
     # blocks of 2 MiB needed, about 0.6 of an H200 for weights and KV); about 25 min at REPEATS=1
-    long) echo "--model llama-3-8b --input-len 128 --output-len 16384 --num-prompts 64 --max-num-seqs 64 --gpu-memory-utilization 0.6 --swap-space 64" ;;
+    long) echo "--model llama-3.1-8b --input-len 128 --output-len 16384 --num-prompts 64 --max-num-seqs 64 --gpu-memory-utilization 0.6 --swap-space 64" ;;
     # the same scaled to 4,096 new tokens: half of 64 x 264 blocks; about 4 min at REPEATS=1
-    long-4k) echo "--model llama-3-8b --input-len 128 --output-len 4096 --num-prompts 64 --max-num-seqs 64 --num-blocks 8448 --swap-space 16" ;;
+    long-4k) echo "--model llama-3.1-8b --input-len 128 --output-len 4096 --num-prompts 64 --max-num-seqs 64 --num-blocks 8448 --swap-space 16" ;;
     *) return 1 ;;
   esac
 }

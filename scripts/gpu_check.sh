@@ -3,7 +3,8 @@
 # graph memory, then the named workloads async (with COMPARE="sync" by default, or e.g. "sync
 # transformers"; COMPARE= for async alone), each with a traced run. Results and logs go to $OUT
 # (or ./out) as results.tar.gz; a short table is printed last. rollout and chat (shared prompts)
-# compare with prefix caching off (CACHE_COMPARE) instead.
+# compare with prefix caching off (CACHE_COMPARE) instead; long and long-4k (generations that
+# outgrow the KV cache) run preemption_mode auto against recompute and swap (SWAP_COMPARE).
 #   SKIP_TESTS=1        no tests
 #   SKIP_KERNELS=1      no kernel benchmark
 #   REPEATS=N           timed runs per mode (default 3)
@@ -47,6 +48,11 @@ workload_args() {
     small-fp8kv) echo "$(workload_args small) --kv-cache-dtype fp8" ;;
     moe) echo "--model qwen3-30b-a3b --input-len 128 --output-len 1024 --num-prompts 32 --max-num-seqs 32" ;;
     moe1) echo "--model qwen3-30b-a3b --input-len 128 --output-len 512 --num-prompts 1 --max-num-seqs 1" ;;
+    # long generations outgrowing the KV cache (issue 30): half the final KV fits (64 x 1032
+    # blocks of 2 MiB needed, about 0.6 of an H200 for weights and KV); about 25 min at REPEATS=1
+    long) echo "--model llama-3.1-8b --input-len 128 --output-len 16384 --num-prompts 64 --max-num-seqs 64 --gpu-memory-utilization 0.6 --swap-space 64" ;;
+    # the same scaled to 4,096 new tokens: half of 64 x 264 blocks; about 4 min at REPEATS=1
+    long-4k) echo "--model llama-3.1-8b --input-len 128 --output-len 4096 --num-prompts 64 --max-num-seqs 64 --num-blocks 8448 --swap-space 16" ;;
     *) return 1 ;;
   esac
 }
@@ -89,7 +95,11 @@ done
 for name in "$@"; do
   args=$(workload_args "$name") || { echo "unknown workload $name"; continue; }
   echo "== $name"
-  case $name in rollout|chat) compare=${CACHE_COMPARE-no-prefix-caching} ;; *) compare=${COMPARE-sync} ;; esac
+  case $name in
+    rollout|chat) compare=${CACHE_COMPARE-no-prefix-caching} ;;
+    long*) compare=${SWAP_COMPARE-recompute swap} ;;  # the engine's own mode: auto
+    *) compare=${COMPARE-sync} ;;
+  esac
   python3 -m tandem.cli bench throughput $args --load-format dummy ${compare:+--compare $compare} \
     --repeats "${REPEATS:-3}" --output-json "$OUT/bench_$name.json" \
     --trace "/tmp/traces/trace_$name.json" 2>&1 | tee "$OUT/bench_$name.log" | tail -6

@@ -148,6 +148,7 @@ def check_report(report: dict, modes: set[str], latency: bool) -> None:
         ours = mode.split()[0] in ("sync", "async")
         expected = RESULT_KEYS | (
             {"roofline_seconds", "allocator_retries", "jit_compiles", "prefix_cache_hit_rate"}
+            | {"preemptions_per_run", "swapped_per_run"}
             if ours
             else set()
         )
@@ -394,6 +395,18 @@ def test_throughput_with_penalty_flags_gives_every_request_those_penalties(
     assert report["workload"]["output_tokens"] == 2 * 4
     assert report["workload"]["repetition_penalty"] == 1.1
     assert seen and set(seen) == {(0.5, 0.5, 1.1)}
+
+
+def test_preemption_modes_compare_on_one_engine_and_report_swaps(make_tiny, tmp_path):
+    args = ["--num-prompts", "4", "--input-len", "8", "--output-len", "24", "--num-blocks", "8"]
+    args += ["--temperature", "0", "--preemption-mode", "swap", "--compare", "recompute"]
+    report = run_bench(tmp_path, "throughput", "--model", str(make_tiny("llama")), *args)
+    check_report(report, {"async", "async recompute"}, latency=False)
+    swapped, recomputed = report["results"]["async"], report["results"]["async recompute"]
+    assert swapped["swapped_per_run"] > 0 and swapped["preemptions_per_run"] > 0
+    assert recomputed["swapped_per_run"] == 0 and recomputed["preemptions_per_run"] > 0
+    # the recomputed prefill is work done: more tokens through the model than when swapping
+    assert recomputed["steps"] >= swapped["steps"]
 
 
 def test_roofline_of_two_devices_is_half_the_time_of_one():

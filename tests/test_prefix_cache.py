@@ -17,6 +17,7 @@ from tandem.kv_cache import BlockAllocator
 from tandem.prefix_cache import ROOT_KEY, block_key
 from tandem.request import Request, Status
 from tandem.scheduler import Scheduler
+from tandem.swap import SwapManager
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -170,10 +171,17 @@ class Simulation:
     fake KV cache at its slot, so that what a block holds can be checked against what its keys
     and its owners say it holds."""
 
-    def __init__(self, num_blocks: int, budget: int, rng: random.Random):
+    def __init__(
+        self, num_blocks: int, budget: int, rng: random.Random, num_host_blocks: int | None = None
+    ):
+        """With `num_host_blocks`, preemption swaps to that many host blocks while they last."""
         self.allocator = BlockAllocator(num_blocks)
-        self.scheduler = Scheduler(self.allocator, BLOCK, 6, budget, 64)
+        swap = None
+        if num_host_blocks is not None:
+            swap = SwapManager(self.allocator, num_host_blocks, "swap")
+        self.scheduler = Scheduler(self.allocator, BLOCK, 6, budget, 64, swap=swap)
         self.kv = np.full(num_blocks * BLOCK, -1, dtype=np.int64)  # token id per cache slot
+        self.host_kv = np.full((num_host_blocks or 0) * BLOCK, -1, dtype=np.int64)  # per host slot
         self.reused: set[int] = set()  # blocks handed to a new owner in this step
         evict = self.allocator.on_reuse
 
@@ -197,6 +205,7 @@ class Simulation:
         published_before = set(self.scheduler.cache.key_of)
         self.reused.clear()
         plan = self.scheduler.schedule()
+        self.copy_swapped_blocks()  # before the step writes, as the engine orders them
         for request, num_new in zip(plan.requests, plan.num_new_tokens, strict=True):
             for pos in range(request.num_computed_tokens - num_new, request.num_computed_tokens):
                 block = request.block_table[pos // BLOCK]
@@ -211,6 +220,38 @@ class Simulation:
                 request.output_token_ids.append(self.rng.randrange(50))
                 if len(request.output_token_ids) >= request.params.max_tokens:
                     self.finish(request, "length")
+
+    def copy_swapped_blocks(self) -> None:
+        for copy in self.scheduler.swap.take_copies():
+            device = slice(copy.device_block * BLOCK, (copy.device_block + 1) * BLOCK)
+            host = slice(copy.host_block * BLOCK, (copy.host_block + 1) * BLOCK)
+            if copy.out:
+                self.host_kv[host] = self.kv[device]
+            else:
+                self.kv[device] = self.host_kv[host]
+
+    def check_swapped(self) -> None:
+        """Host blocks are held as their counts say, never beyond the pool, and hold (or their
+        device block still holds) each swapped request's tokens."""
+        swap = self.scheduler.swap
+        held = np.zeros(swap.host.num_blocks, dtype=np.int32)
+        for request in self.scheduler.swapped:
+            assert request.status is Status.SWAPPED and not request.block_table
+            assert len(request.host_blocks) == -(-request.num_computed_tokens // BLOCK)
+            held[request.host_blocks] += 1
+            for pos in range(request.num_computed_tokens):
+                host_block = request.host_blocks[pos // BLOCK]
+                if host_block in swap.device_of:
+                    token = self.kv[swap.device_of[host_block] * BLOCK + pos % BLOCK]
+                else:
+                    assert host_block in swap.on_host, "a swapped block is nowhere"
+                    token = self.host_kv[host_block * BLOCK + pos % BLOCK]
+                assert token == request.tokens(pos, pos + 1)[0], "swapped KV of another sequence"
+        assert (swap.host.ref_counts == held).all(), "host reference counts off"
+        free = list(swap.host.free_blocks)
+        assert len(free) == len(set(free)) and set(free) == set(np.flatnonzero(held == 0).tolist())
+        assert {b: h for h, b in swap.device_of.items()} == swap.host_of
+        assert set(swap.device_of) | swap.on_host <= set(np.flatnonzero(held).tolist())
 
     def abort_one(self) -> None:
         alive = [r for r in self.live if not r.finished]
@@ -234,6 +275,7 @@ class Simulation:
         cache = self.scheduler.cache
         for key, block in cache.block_of.items():
             assert cache.key_of[block] == key
+        self.check_swapped()
 
 
 @settings(max_examples=40, deadline=None)
@@ -242,16 +284,24 @@ class Simulation:
     num_blocks=st.integers(8, 24),
     budget=st.sampled_from([3, 8, 64]),
 )
-def test_blocks_stay_accounted_and_hold_their_owners_tokens(seed, num_blocks, budget):
+@pytest.mark.parametrize(
+    "num_host_blocks", [None, 0, 6, 64], ids=["recompute", "no-room", "6", "64"]
+)
+def test_blocks_stay_accounted_and_hold_their_owners_tokens(
+    seed, num_blocks, budget, num_host_blocks
+):
+    """With swapping too: no leak on the device or the host, the host pool never exceeded
+    (recompute takes over when it is full), every swapped block's tokens kept."""
     rng = random.Random(seed)
-    sim = Simulation(num_blocks, budget, rng)
+    sim = Simulation(num_blocks, budget, rng, num_host_blocks)
     heads = [[rng.randrange(50) for _ in range(rng.randrange(1, 14))] for _ in range(3)]
+    max_new = 8 if num_host_blocks is None else 40  # longer outputs: more preemption
     for _ in range(60):
         if rng.random() < 0.4:
             prompt = rng.choice(heads)[: rng.randrange(1, 14)] + [
                 rng.randrange(50) for _ in range(rng.randrange(0, 6))
             ]
-            sim.add(prompt or [1], rng.randrange(1, 8))
+            sim.add(prompt or [1], rng.randrange(1, max_new))
         if rng.random() < 0.1:
             sim.abort_one()
         sim.step()
@@ -259,6 +309,9 @@ def test_blocks_stay_accounted_and_hold_their_owners_tokens(seed, num_blocks, bu
     for request in list(sim.live):
         sim.finish(request, "abort")
     assert sim.allocator.num_free == num_blocks and not sim.allocator.ref_counts.any()
+    swap = sim.scheduler.swap
+    assert swap.host.num_free == swap.host.num_blocks and not swap.host.ref_counts.any()
+    assert not swap.host_of and not swap.device_of and not swap.on_host
 
 
 def test_n_beyond_what_the_cache_can_hold_for_one_prompt_names_the_limit(make_tiny):

@@ -22,9 +22,10 @@ from hypothesis.stateful import (
 )
 
 from tandem.attention import AttentionMetadata
-from tandem.config import EngineConfig, cdiv
+from tandem.config import EngineConfig, ModelConfig, cdiv
 from tandem.engine import Engine
-from tandem.kv_cache import BlockAllocator
+from tandem.kv_cache import BlockAllocator, bytes_per_block
+from tandem.model.loader import read_hf_config
 from tandem.model.tiny import NUM_MERGED_TOKENS
 from tandem.request import Request, Status
 from tandem.sampling import SamplingParams
@@ -413,3 +414,84 @@ def test_async_matches_sync_token_for_token_with_arrivals_aborts_and_preemption(
     assert {rid: (r.output_token_ids, r.finish_reason) for rid, r in overlapped.items()} == outputs
     if any(r.num_preemptions for r in [*sync.values(), *overlapped.values()]):
         event("preemption")
+
+
+# ---- preemption by swap: the hash model keeps its tokens in the real KV cache ----------------
+
+
+class KVHashLM(HashLM):
+    """HashLM whose token and position per slot live in the engine's KV cache tensor (layer 0,
+    key and value planes, first element of each slot), so swap copies move them like KV."""
+
+    def __init__(self, engine: Engine, eos_percent: int):
+        super().__init__(engine, eos_percent)
+        cache = engine.kv_caches[0]  # [2, num_blocks + 1, block_size, kv_heads, head_dim]
+        assert cache.dtype == torch.float32 and cache.is_contiguous()
+        planes = cache.numpy()
+        slot_stride = planes.strides[2]  # one slot to the next, across block boundaries too
+        self.cached_token, self.cached_position = (
+            np.lib.stride_tricks.as_strided(planes[i], (self.num_slots,), (slot_stride,))
+            for i in range(2)
+        )
+        self.cached_token[:] = -1
+        self.cached_position[:] = -1
+
+
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+@settings(max_examples=40, deadline=None)
+@given(
+    limits=small_engines(),
+    workload=arrivals,
+    eos_percent=st.sampled_from([0, 5]),
+    host_blocks=st.sampled_from([0, 3, 64]),  # none, a few (recompute takes over), plenty
+)
+def test_with_swapping_no_block_leaks_on_device_or_host_and_every_request_gets_its_tokens(
+    make_tiny, async_batching, limits, workload, eos_percent, host_blocks
+):
+    folder = make_tiny("llama")
+    cfg = ModelConfig.from_hf(read_hf_config(str(folder))[0])
+    per_block = bytes_per_block(cfg, limits["block_size"], torch.float32)
+    config = EngineConfig(
+        str(folder),
+        device="cpu",
+        async_batching=async_batching,
+        preemption_mode="swap",
+        swap_space=(host_blocks + 0.5) * per_block / 2**30,
+        **limits,
+    )
+    engine = Engine(config)
+    swap = engine.scheduler.swap
+    assert swap.host.num_blocks == min(
+        host_blocks, limits["max_num_seqs"] * cdiv(limits["max_model_len"], limits["block_size"])
+    )
+    model = engine.runner.model = KVHashLM(engine, eos_percent)
+    finishes: Counter[str] = Counter()
+    watch_scheduler(engine, finishes, set())
+    step = engine.step
+
+    def checked_step():
+        out = step()
+        held = np.zeros(swap.host.num_blocks, dtype=np.int32)
+        for request in engine.scheduler.swapped:
+            held[request.host_blocks] += 1
+        assert (swap.host.ref_counts == held).all(), "host reference counts off"
+        assert swap.host.num_free == int((held == 0).sum()) <= swap.host.num_blocks
+        return out
+
+    engine.step = checked_step
+    requests, aborted_with = run_workload(engine, workload)
+
+    assert_nothing_leaked(engine)
+    assert not swap.host.ref_counts.any() and swap.host.num_free == swap.host.num_blocks
+    assert not swap.host_of and not swap.device_of
+    assert finishes == dict.fromkeys(requests, 1)
+    for rid, request in requests.items():
+        tokens, reason = expected_output(model, request, engine.max_model_len)
+        if rid in aborted_with:
+            assert request.output_token_ids == tokens[: aborted_with[rid]]
+        else:
+            assert (request.output_token_ids, request.finish_reason) == (tokens, reason), rid
+    if swap.num_swapped_out:
+        event("swapped")
+    if engine.scheduler.num_preemptions > swap.num_swapped_out:
+        event("recomputed")

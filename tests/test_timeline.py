@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tandem import LLM, SamplingParams
 from tandem.cli import main
 from tandem.plot import BUSY, CPU_BUSY, IDLE, busy_fraction, plot_timeline
-from tandem.profiler import CPU_PHASES, GPU_STREAMS, Timeline
+from tandem.profiler import CPU_PHASES, GPU_LANES, GPU_STREAMS, Timeline
 from tandem.trace import (
     format_summary,
     idle_before,
@@ -70,7 +70,7 @@ def assert_valid_chrome_trace(trace: dict) -> None:
             lane_names[event["pid"], event["tid"]] = event["args"]["name"]
     assert lane_names == {
         **{(1, tid): name for tid, name in enumerate(CPU_PHASES)},
-        **{(2, tid): name for tid, name in enumerate(GPU_STREAMS)},
+        **{(2, tid): name for tid, name in enumerate(GPU_LANES)},
     }
     processes = {
         e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"

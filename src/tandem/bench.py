@@ -20,7 +20,7 @@ import torch
 import triton
 
 from tandem import envs, pdl, piecewise, runner
-from tandem.config import EngineConfig, ModelConfig
+from tandem.config import PREEMPTION_MODES, EngineConfig, ModelConfig
 from tandem.engine import Engine
 from tandem.llm import LLM
 from tandem.model import fused, splitk
@@ -236,6 +236,8 @@ def run_bench(
     caching = engine.scheduler.cache.enabled
     if "no-prefix-caching" in compare and caching:
         modes.append(f"{primary} no-cache")
+    preemption = engine.config.preemption_mode  # other preemption modes: on the same engine
+    modes += [f"{primary} {m}" for m in PREEMPTION_MODES if m in compare and m != preemption]
     batch_size = args.batch_size if args.mode == "latency" else None
     results, rooflines = {}, {}
     hardware = on_devices(H200, engine.config.tensor_parallel_size)
@@ -244,8 +246,11 @@ def run_bench(
     for mode in modes:
         engine.async_batching = mode.startswith("async")
         engine.scheduler.cache.enabled = caching and not mode.endswith("no-cache")
+        swap = engine.scheduler.swap
+        swap.mode = next((m for m in PREEMPTION_MODES if mode.endswith(m)), preemption)
         time_engine(engine, warmup, args.temperature, penalties=penalties_of(args))
         retries = allocator_retries(engine.device)
+        preempted, swapped = engine.scheduler.num_preemptions, swap.num_swapped_out
         runs = []
         cache = engine.scheduler.cache
         queried, hit = cache.num_queried_tokens, cache.num_hit_tokens
@@ -276,6 +281,8 @@ def run_bench(
             "jit_compiles": compiles[0],
             "prefix_cache_hit_rate": (cache.num_hit_tokens - hit)
             / max(1, cache.num_queried_tokens - queried),
+            "preemptions_per_run": (engine.scheduler.num_preemptions - preempted) / args.repeats,
+            "swapped_per_run": (swap.num_swapped_out - swapped) / args.repeats,
         }
     report = {
         "mode": args.mode,
@@ -567,6 +574,16 @@ def print_report(report: dict) -> None:
     else:
         print("roofline: not shown; this run is on the CPU, and the roofline is of a GPU (H200)")
     for mode, r in report["results"].items():
+        if r.get("preemptions_per_run"):  # its own work's roofline counts recomputed prefill
+            swap = r.get("timeline", {}).get("swap") or {}
+            moved = (swap.get("bytes_out", 0) + swap.get("bytes_in", 0)) / 2**30
+            own = r["roofline_seconds"] / r["seconds"]
+            print(
+                f"{mode}: {r['preemptions_per_run']:.0f} preemptions per run, "
+                f"{r['swapped_per_run']:.0f} by swap; {100 * own:.3g}% "
+                f"of its own work's roofline; traced run swapped {moved:.2f} GiB "
+                f"in {swap.get('gpu_ms', 0):.1f} GPU ms"
+            )
         for kind, k in r.get("roofline_by_step_kind", {}).items():
             if k["roofline_fraction"] is not None:  # GPU compute spans: CUDA only
                 print(
@@ -668,10 +685,11 @@ def add_bench_args(parser: argparse.ArgumentParser, latency: bool = False) -> No
             "transformers",
             "transformers-async",
             "transformers-sync",
+            *PREEMPTION_MODES,
         ],
         help="also run our other batching mode on the same engine, our engine with prefix "
-        "caching off, and/or transformers' continuous batching (both its modes, or the one "
-        "named) on the same weights and requests",
+        "caching off or another preemption mode (recompute, swap, auto), and/or transformers' "
+        "continuous batching (both its modes, or the one named) on the same weights and requests",
     )
     parser.add_argument(
         "--output-json", help="write the report here (rewritten as each part finishes)"

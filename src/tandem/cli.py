@@ -99,6 +99,15 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
         help="reuse the KV of cached prompt prefixes (default: on)",
     )
     parser.add_argument(
+        "--preemption-mode",
+        default="auto",
+        choices=["recompute", "swap", "auto"],
+        help="when KV blocks run out: recompute, swap to host memory, or pick by cost (default)",
+    )
+    parser.add_argument(
+        "--swap-space", type=float, default=4.0, help="GiB of pinned host memory for swapping"
+    )
+    parser.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="GPUs (processes) per model"
     )
     parser.add_argument(

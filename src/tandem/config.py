@@ -26,6 +26,8 @@ ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "g
 # architectures whose sliding_window (when set) applies to every layer
 WINDOWED_EVERYWHERE = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+
 DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -311,6 +313,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "fp8" (e4m3, per-tensor scales): half a bf16 cache's bytes
     # bit-identical tokens and logprobs whatever else is batched (batch_invariant.py)
     deterministic: bool = False
+    # how a request gives up its KV blocks when they run out (swap.py): "recompute" frees them,
+    # "swap" copies them to `swap_space` GiB of pinned host memory, "auto" picks per request
+    preemption_mode: str = "auto"
+    swap_space: float = 4.0
 
     def validate(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -340,6 +346,13 @@ class EngineConfig:
                 "deterministic=True runs on one device: the all-reduce of tensor_parallel_size > 1 "
                 "sums in an order that follows the batch size"
             )
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
+        space = self.swap_space
+        if not isinstance(space, int | float) or isinstance(space, bool) or not space >= 0:
+            raise ValueError(f"swap_space must be a number of GiB >= 0, got {space!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:

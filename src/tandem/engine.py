@@ -19,7 +19,7 @@ from tandem.batch import BatchBuilder, StepBatch
 from tandem.batch_invariant import invariant_attention, make_batch_invariant
 from tandem.config import EngineConfig, ModelConfig, cdiv
 from tandem.io_slot import MAX_BANNED_IDS
-from tandem.kv_cache import BlockAllocator, allocate_kv_cache
+from tandem.kv_cache import BlockAllocator, allocate_kv_cache, bytes_per_block
 from tandem.memory import num_kv_blocks
 from tandem.model.loader import build_model, read_hf_config
 from tandem.parallel import (
@@ -39,6 +39,7 @@ from tandem.runner import Runner
 from tandem.sampling import SamplingParams
 from tandem.scheduler import Scheduler
 from tandem.sleep import LEVELS, DeviceMemory
+from tandem.swap import SwapManager, Swapper, check_swap_space
 from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
 from tandem.weights import (
     NamedTensors,
@@ -162,6 +163,11 @@ class Engine:
         )
         self.allocator = BlockAllocator(self.num_blocks)
         max_tokens = config.max_num_batched_tokens
+        num_host_blocks = self._num_host_blocks(local, max_blocks_per_seq)
+        per_block = bytes_per_block(local, config.block_size, self.dtype)
+        swap = SwapManager(
+            self.allocator, num_host_blocks, config.preemption_mode, per_block, local
+        )
         self.scheduler = Scheduler(
             self.allocator,
             config.block_size,
@@ -169,6 +175,10 @@ class Engine:
             max_tokens,
             self.max_model_len,
             config.enable_prefix_caching,
+            swap,
+        )
+        self.swapper = (
+            Swapper(self.kv_caches, num_host_blocks, self.device) if num_host_blocks else None
         )
         # the Triton decode reads blocks that rows share once per group (cascade attention);
         # not across sliding windows, whose keys before the window it must not see
@@ -199,6 +209,7 @@ class Engine:
             piecewise=self._use_piecewise(),
             cascade=shared_rows > 0,
             penalties=self.penalties,
+            swapper=self.swapper,
         )
         if self.runner.cuda and (self.runner.graph_sizes or self.runner.token_buckets):
             self.runner.capture_graphs()
@@ -222,6 +233,19 @@ class Engine:
         the roofline."""
         weight = self.model.layers[0].self_attn.qkv_proj.weight
         return {"linear_bytes": weight.element_size(), "kv_bytes": self.kv_cache_dtype.itemsize}
+
+    def _num_host_blocks(self, local: ModelConfig, max_blocks_per_seq: int) -> int:
+        """Host blocks for preemption by swap (swap.py): swap_space GiB, or no more than every
+        sequence's blocks at once; none under preemption_mode='recompute'."""
+        config = self.config
+        if config.preemption_mode == "recompute":
+            return 0
+        per_block = bytes_per_block(local, config.block_size, self.dtype)
+        wanted = min(
+            int(config.swap_space * 2**30) // per_block, config.max_num_seqs * max_blocks_per_seq
+        )
+        check_swap_space(config.swap_space, wanted * per_block)
+        return self.tp.min(wanted, self.device)  # every rank schedules alike
 
     def shutdown(self) -> None:
         """Stop the other ranks' processes (tensor parallelism) and leave the process group."""
@@ -521,6 +545,7 @@ class Engine:
             plan = self.scheduler.schedule()
             for request in plan.preempted:
                 self.builder.running_rows.release(request)
+            self.runner.swap(self.scheduler.swap.take_copies(), timeline)
         if not plan.requests:
             return False
         slot = self.runner.slots[step % 2]

@@ -12,7 +12,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 
-from tandem.profiler import CPU_PHASES, GPU_STREAMS
+from tandem.profiler import CPU_PHASES, GPU_LANES, GPU_STREAMS
 from tandem.trace import clip, intervals, run_window, summarize, union
 
 BUSY, IDLE, CPU_BUSY, CPU_IDLE = "#2ca02c", "#d62728", "#1f77b4", "#dddddd"
@@ -45,7 +45,7 @@ def plot_timeline(trace: dict, path: str | Path, window_steps: int = 6) -> None:
     whole, zoom = fig.subplots(2, 1, height_ratios=(1, 2.4))
     zoom_lo, zoom_hi, steps = zoom_window(lanes, window_steps)
     if has_gpu:
-        busy = _busy_union(lanes, GPU_STREAMS, start, end)
+        busy = _busy_union(lanes, GPU_LANES, start, end)
         gaps = summary["gpu_idle_gaps"]
         title = (
             f"GPU active {summary['gpu_active_pct']:.2f}%: busy (green) vs idle waiting for "
@@ -154,7 +154,7 @@ def _plot_zoom(
     window: tuple[float, float],
 ) -> None:
     """One row per lane, top to bottom: GPU busy/idle, streams, CPU phases; x in ms."""
-    names = [name for name in (*GPU_STREAMS, *CPU_PHASES) if name in lanes]
+    names = [name for name in (*GPU_LANES, *CPU_PHASES) if name in lanes]
     rows = (["GPU busy"] if gpu_busy is not None else []) + names
     lo, hi = window
     ax.set_xlim((lo - start) / 1e3, (hi - start) / 1e3)

@@ -18,6 +18,7 @@ import torch
 
 CPU_PHASES = ("schedule", "build", "launch", "wait", "process")
 GPU_STREAMS = ("h2d", "compute", "d2h")
+GPU_LANES = (*GPU_STREAMS, "swap")  # swap copies (swap.py) on a stream of their own
 
 
 class IntervalLog:
@@ -50,6 +51,20 @@ class StepEvents:
         self.events[2 * stream_index + 1].record()
 
 
+class SwapEvents:
+    """Timing events around one batch of swap copies on the swap stream."""
+
+    def __init__(self):
+        self.begin = torch.cuda.Event(enable_timing=True)
+        self.finish = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        self.begin.record()
+
+    def end(self) -> None:
+        self.finish.record()
+
+
 class Timeline:
     recording = True
 
@@ -61,6 +76,10 @@ class Timeline:
         self.cuda = cuda
         self.slot_events = [StepEvents(), StepEvents()] if cuda else []
         self.overhead_ns = 0
+        # (host_ns, bytes_out, bytes_in) per batch of swap copies, and the batches whose
+        # device times are not read yet, with their index in `swaps`
+        self.swaps: list[tuple[int, int, int]] = []
+        self.unread_swaps: list[tuple[int, SwapEvents]] = []
         if cuda:
             torch.cuda.synchronize()
             self.reference = torch.cuda.Event(enable_timing=True)
@@ -82,6 +101,28 @@ class Timeline:
         """A launched step and its work, as `roofline.step_work` counts it."""
         self.steps.append((step, time.perf_counter_ns(), *work))
 
+    def swap_events(self) -> SwapEvents:
+        return SwapEvents()
+
+    def record_swap(self, num_bytes: tuple[int, int], events: SwapEvents | None) -> None:
+        """A batch of swap copies just enqueued: (bytes out, bytes in), and its device events."""
+        if events is not None:
+            self.unread_swaps.append((len(self.swaps), events))
+        self.swaps.append((time.perf_counter_ns(), *num_bytes))
+
+    def _read_swaps(self) -> None:
+        """Swap batches done on the device: onto the swap lane, tagged with their batch index."""
+        while self.unread_swaps and self.unread_swaps[0][1].finish.query():
+            index, events = self.unread_swaps.pop(0)
+            begin_ms = self.reference.elapsed_time(events.begin)
+            end_ms = self.reference.elapsed_time(events.finish)
+            self.gpu.add(
+                GPU_LANES.index("swap"),
+                index,
+                self.reference_ns + int(begin_ms * 1e6),
+                self.reference_ns + int(end_ms * 1e6),
+            )
+
     def read_gpu(self, slot_index: int, step: int) -> None:
         """After a step's D2H copy completed: turn its slot's events into host-clock intervals."""
         if not self.cuda:
@@ -97,6 +138,7 @@ class Timeline:
                 self.reference_ns + int(begin_ms * 1e6),
                 self.reference_ns + int(end_ms * 1e6),
             )
+        self._read_swaps()
         self.overhead_ns += time.perf_counter_ns() - start
 
     def to_chrome_trace(self, metadata: dict) -> dict:
@@ -106,15 +148,21 @@ class Timeline:
         events = [_metadata("process_name", pid, 0, name) for pid, name in ((1, "CPU"), (2, "GPU"))]
         events += [
             _metadata("thread_name", pid, tid, name)
-            for pid, names in ((1, CPU_PHASES), (2, GPU_STREAMS))
+            for pid, names in ((1, CPU_PHASES), (2, GPU_LANES))
             for tid, name in enumerate(names)
         ]
-        for pid, log, names in ((1, self.cpu, CPU_PHASES), (2, self.gpu, GPU_STREAMS)):
+        for pid, log, names in ((1, self.cpu, CPU_PHASES), (2, self.gpu, GPU_LANES)):
             for kind, step, start, end in log.view().tolist():
+                args = {"step": step} if names[kind] != "swap" else self._swap_args(step)
                 events.append({
                     "ph": "X", "pid": pid, "tid": kind, "name": names[kind], "ts": (start - t0) / 1e3,
-                    "dur": (end - start) / 1e3, "args": {"step": step},
+                    "dur": (end - start) / 1e3, "args": args,
                 })  # fmt: skip
+        for index, (host_ns, bytes_out, bytes_in) in enumerate(self.swaps):
+            events.append({
+                "ph": "C", "pid": 1, "tid": 0, "name": "swap", "ts": (host_ns - t0) / 1e3,
+                "args": {"batch": index, "bytes_out": bytes_out, "bytes_in": bytes_in},
+            })  # fmt: skip
         for step, launch_ns, num_seqs, num_tokens, context_tokens, pairs in self.steps:
             events.append({
                 "ph": "C", "pid": 1, "tid": 0, "name": "batch", "ts": (launch_ns - t0) / 1e3,
@@ -122,6 +170,10 @@ class Timeline:
                          "context_tokens": context_tokens, "attention_pairs": pairs},
             })  # fmt: skip
         return {"traceEvents": events, "displayTimeUnit": "ms", "metadata": metadata}
+
+    def _swap_args(self, index: int) -> dict:
+        _, bytes_out, bytes_in = self.swaps[index]
+        return {"batch": index, "bytes_out": bytes_out, "bytes_in": bytes_in}
 
     def save(self, path: str | Path, metadata: dict) -> None:
         Path(path).write_text(json.dumps(self.to_chrome_trace(metadata)))
@@ -132,10 +184,10 @@ def _metadata(kind: str, pid: int, tid: int, name: str) -> dict:
 
 
 class NoEvents:
-    def start(self, stream_index: int) -> None:
+    def start(self, stream_index: int = 0) -> None:
         pass
 
-    def end(self, stream_index: int) -> None:
+    def end(self, stream_index: int = 0) -> None:
         pass
 
 
@@ -151,6 +203,12 @@ class NoTimeline:
         return nullcontext()
 
     def record_step(self, step: int, work: tuple[int, int, int, int] | None) -> None:
+        pass
+
+    def swap_events(self) -> NoEvents:
+        return NoEvents()
+
+    def record_swap(self, num_bytes: tuple[int, int], events: object) -> None:
         pass
 
     def read_gpu(self, slot_index: int, step: int) -> None:

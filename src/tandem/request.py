@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV in host memory (swap.py)
     FINISHED = "finished"
 
 
@@ -65,6 +66,9 @@ class Request:
     @property
     def prompt_logprobs_done(self) -> bool:
         return self.prompt_logprobs_end >= len(self.prompt_token_ids)
+
+    # while swapped: the host block holding each block of its table (swap.py)
+    host_blocks: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

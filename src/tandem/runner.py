@@ -4,11 +4,12 @@ On CUDA each phase has its own non-default stream and the phases are ordered by 
 launching a step returns at once and the CPU blocks only in `wait`, on the step's `d2h_done`:
 
     h2d_stream:     wait compute_done[slot] -> copy inputs  -> record h2d_done[slot]
-    compute_stream: wait h2d_done[slot], d2h_done[slot] -> carry-over, forward, sample
-                                                            -> record compute_done[slot]
+    compute_stream: wait h2d_done[slot], d2h_done[slot], swap.done -> carry-over, forward,
+                                                            sample -> record compute_done[slot]
     d2h_stream:     wait compute_done[slot] -> copy outputs -> record d2h_done[slot]
 
 The two slots alternate, so these waits only ever order a slot against its own previous use.
+Swap copies (swap.py) run on a fourth stream after every step launched before them.
 On CPU the same calls run eagerly in program order.
 """
 
@@ -34,6 +35,7 @@ from tandem.profiler import NoTimeline, Timeline
 from tandem.prompt_logprobs import PromptLogprobStep
 from tandem.prompt_logprobs import compute as compute_prompt_logprobs
 from tandem.sampling import SamplingTensors, sample, top_logprobs_of
+from tandem.swap import SwapCopy, Swapper
 
 WAIT_POLL_S = 50e-6  # tensor parallelism: how often the step wait looks at the other ranks
 # The library torch's CUDA matmuls go through in the captured decode graphs; eager steps
@@ -71,6 +73,7 @@ class Runner:
         piecewise: bool = False,
         cascade: bool = False,
         penalties: PenaltyState | None = None,
+        swapper: Swapper | None = None,
     ):
         self.model = model
         self.penalties = penalties  # needed by steps with use_penalties
@@ -85,6 +88,7 @@ class Runner:
         # (slot, rows, use_filters, use_penalties, shared-prefix groups on/off) -> graph
         self.graphs: dict[tuple[int, int, bool, bool, bool], torch.cuda.CUDAGraph] = {}
         self.cascade = cascade  # the attention takes groups of rows that share blocks
+        self.swapper = swapper  # preemption by swap: its copies run on a stream of their own
         # the other steps of up to max_tokens tokens: pieces between their attentions, padded to
         # the next bucket (piecewise.py; on CPU, uncaptured, the pieces run eagerly)
         self.pieces = (
@@ -135,6 +139,11 @@ class Runner:
         """Token rows of the pieces that will run a step not replayed whole (None: eagerly)."""
         return bucket_for(self.token_buckets, num_tokens)
 
+    def swap(self, copies: list[SwapCopy], timeline: Timeline | NoTimeline) -> None:
+        """Enqueue swap copies after the steps launched so far; the next step waits for them."""
+        if copies:
+            self.swapper.run(copies, self.compute_stream if self.cuda else None, timeline)
+
     def launch(self, batch: StepBatch, timeline: Timeline | NoTimeline) -> None:
         """Enqueue the step's copies and compute; returns without waiting for the device."""
         slot = batch.slot
@@ -154,6 +163,8 @@ class Runner:
         with torch.cuda.stream(self.compute_stream):
             self.compute_stream.wait_event(self.h2d_done[i])
             self.compute_stream.wait_event(self.d2h_done[i])  # last reader of dev_out
+            if self.swapper is not None:
+                self.swapper.fence(self.compute_stream)  # blocks swapped in or out for it
             timing.start(1)
             self._compute(batch)
             timing.end(1)

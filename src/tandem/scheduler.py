@@ -9,6 +9,7 @@ from tandem.config import cdiv
 from tandem.kv_cache import BlockAllocator
 from tandem.prefix_cache import PrefixCache
 from tandem.request import Request, Status
+from tandem.swap import SwapManager
 
 
 @dataclass
@@ -28,11 +29,15 @@ class StepPlan:
 
 
 class Scheduler:
-    """FIFO admission, decode and chunked prefill mixed under a token budget, preemption by recompute.
+    """FIFO admission, decode and chunked prefill mixed under a token budget; preemption by
+    recompute or by swap.
 
     Running requests are served first, oldest first. When blocks run out, the most recently
-    admitted running request is preempted: its blocks are freed (what they cached stays cached)
-    and it returns to the front of the queue to recompute what the cache no longer holds.
+    admitted running request is preempted. By recompute, its blocks are freed (what they
+    cached stays cached) and it returns to the front of the queue to recompute what the cache
+    no longer holds. By swap (swap.py: chosen per victim, for those whose recompute costs more
+    than the copies), its KV goes to host memory and it waits in `swapped`; swapped requests
+    resume, oldest first, before anything new is admitted.
     An admitted request starts after its longest cached prefix (prefix_cache.py); blocks computed
     earlier in the same step count, so the samples of one prompt prefill it once.
     """
@@ -45,6 +50,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_prefix_caching: bool = True,
+        swap: SwapManager | None = None,
     ):
         self.allocator = allocator
         self.block_size = block_size
@@ -54,13 +60,16 @@ class Scheduler:
         self.cache = PrefixCache(allocator, block_size, enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swap = swap or SwapManager(allocator, 0)
+        self.swap.watch_reuse()  # after the cache's hook: copies out before the cache forgets
+        self.swapped: deque[Request] = deque()
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
@@ -78,7 +87,9 @@ class Scheduler:
             self._plan(plan, request, num_new)
             budget -= num_new
         if not plan.preempted:
-            self._admit(plan, budget)
+            budget = self._resume(plan, budget)
+            if not self.swapped:
+                self._admit(plan, budget)
         return plan
 
     def num_to_compute(self, request: Request) -> int:
@@ -98,6 +109,25 @@ class Scheduler:
         plan.num_new_tokens.append(num_new)
         request.num_computed_tokens += num_new
         self.cache.publish(request)
+
+    def _resume(self, plan: StepPlan, budget: int) -> int:
+        """Swap requests back in, oldest first, while their blocks fit; returns the budget left."""
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.swapped[0]
+            if request.num_pending_tokens:
+                break  # swapped with a token still in flight; resume once it is read back
+            num_new = min(self.num_to_compute(request), budget)
+            total = cdiv(request.num_computed_tokens + num_new, self.block_size)
+            grown = total - len(request.host_blocks)
+            if not self.allocator.can_allocate(self.swap.device_blocks_needed(request) + grown):
+                break
+            self.swapped.popleft()
+            request.block_table = self.swap.swap_in(request) + self.allocator.allocate(grown)
+            request.status = Status.RUNNING
+            self.running.append(request)
+            self._plan(plan, request, num_new)
+            budget -= num_new
+        return budget
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -147,12 +177,18 @@ class Scheduler:
 
     def preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self.cache.publish(request)
+        if self.swap.should_swap(request):
+            self.swap.swap_out(request)
+            request.status = Status.SWAPPED
+            self.swapped.appendleft(request)
+        else:
+            request.num_computed_tokens = 0
+            request.status = Status.WAITING
+            self.waiting.appendleft(request)
         self._release_blocks(request)
-        request.num_computed_tokens = 0
-        request.status = Status.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
 
     def finish(self, request: Request, reason: str) -> None:
         """Retire a request (stop, length or abort) and return its blocks."""
@@ -161,6 +197,9 @@ class Scheduler:
             self._release_blocks(request)
         elif request.status is Status.WAITING:
             self.waiting.remove(request)
+        elif request.status is Status.SWAPPED:
+            self.swapped.remove(request)
+            self.swap.release(request)
         request.status = Status.FINISHED
         request.finish_reason = reason
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tandem.profiler import CPU_PHASES, GPU_STREAMS
+from tandem.profiler import CPU_PHASES, GPU_LANES
 
 GAP_BUCKETS_US = (0, 10, 50, 100, 500, 1000, 5000, float("inf"))
 STEP_WORK_FIELDS = ("num_seqs", "num_tokens", "context_tokens", "attention_pairs")
@@ -126,7 +126,7 @@ def summarize(trace: dict) -> dict:
     launches = cpu.get("launch", empty)
     start, end = run_window(cpu, gpu)
     window = max(end - start, 1e-9)
-    gpu_busy = clip(union(np.concatenate([gpu.get(s, empty) for s in GPU_STREAMS])), start, end)
+    gpu_busy = clip(union(np.concatenate([gpu.get(s, empty) for s in GPU_LANES])), start, end)
     cpu_busy = clip(
         union(np.concatenate([cpu.get(p, empty) for p in CPU_PHASES if p != "wait"])), start, end
     )
@@ -160,10 +160,24 @@ def summarize(trace: dict) -> dict:
             }
             for phase, spans in cpu.items()
         },
+        "swap": swap_totals(trace, gpu.get("swap", empty)),
         "gpu_stream_ms_per_step": {
             stream: float(np.median((spans[:, 1] - spans[:, 0]) / 1e3))
             for stream, spans in gpu.items()
         },
+    }
+
+
+def swap_totals(trace: dict, swap_spans: np.ndarray) -> dict:
+    """Batches of swap copies, bytes each way (from the host's counters) and device ms."""
+    counters = [
+        e["args"] for e in trace["traceEvents"] if e.get("ph") == "C" and e.get("name") == "swap"
+    ]
+    return {
+        "batches": len(counters),
+        "bytes_out": sum(c["bytes_out"] for c in counters),
+        "bytes_in": sum(c["bytes_in"] for c in counters),
+        "gpu_ms": length(swap_spans) / 1e3,
     }
 
 
@@ -174,6 +188,12 @@ def format_summary(summary: dict) -> str:
         lines.append(
             f"GPU active {summary['gpu_active_pct']:.2f}%  idle gaps {gaps['count']} "
             f"({gaps['total_ms']:.2f} ms)  CPU/GPU overlap {summary['cpu_gpu_overlap_pct']:.1f}%"
+        )
+    swap = summary.get("swap")
+    if swap and swap["batches"]:
+        lines.append(
+            f"swap {swap['batches']} batches  out {swap['bytes_out'] / 2**20:.1f} MiB  "
+            f"in {swap['bytes_in'] / 2**20:.1f} MiB  on the GPU {swap['gpu_ms']:.2f} ms"
         )
     lines.append(f"CPU busy {summary['cpu_busy_pct']:.1f}%")
     for phase, ms in summary["cpu_phase_ms_per_step"].items():

@@ -103,7 +103,11 @@ def has_color(image: np.ndarray, color: str) -> bool:
 def traced_run(make_tiny, request) -> tuple[dict, range, Timeline]:
     """(Chrome trace, the steps the run launched, its timeline) of a traced tiny-model run."""
     llm = LLM(str(make_tiny("llama")), async_batching=request.param, **ENGINE_ARGS)
-    prompts = [{"prompt_token_ids": list(range(1, n))} for n in (5, 17, 30)]
+    # 4, 16 and 29 tokens, no shared prefix (the prefix cache would skip blocks of a common one)
+    prompts = [
+        {"prompt_token_ids": list(range(100 * i + 1, 100 * i + n))}
+        for i, n in enumerate((5, 17, 30))
+    ]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 6, 9)]
     first_step = llm.engine.num_steps
     llm.engine.start_trace()

@@ -200,7 +200,7 @@ def test_mixed_step_sends_its_leading_decodes_to_the_decode_kernel_and_matches_r
         setattr(backend, kind, recorded)
     scale = head_dim**-0.5
     out = backend(q, cache, meta, scale)
-    options = {"sliding_window": None, "logits_soft_cap": None}
+    options = {"v_scale": 1.0, "sliding_window": None, "logits_soft_cap": None}
     assert calls == [
         ("decode", {"num_seqs": 3, **options}),
         ("prefill", {"first_seq": 3, **options}),
@@ -265,8 +265,9 @@ def test_decode_steps_list_their_sequences_longest_context_first(make_tiny, monk
 
     monkeypatch.setattr(engine.runner, "launch", record)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    for i, n in enumerate([5, 30, 12, 30, 1]):
-        engine.enqueue(engine.make_request(str(i), params, prompt_token_ids=list(range(1, n + 1))))
+    for i, n in enumerate([5, 30, 12, 30, 1]):  # no shared prefixes: every prompt prefilled
+        ids = list(range(40 * i + 1, 40 * i + n + 1))
+        engine.enqueue(engine.make_request(str(i), params, prompt_token_ids=ids))
     while engine.has_unfinished():
         engine.step()
     assert len(launched) >= 4 and any(len(order) > 1 for order, _ in mixed)
@@ -419,7 +420,7 @@ def test_windowed_decode_reads_no_key_before_the_window():
         out = backend(q, cache, meta, 0.125, sliding_window=window)
         assert not out.isnan().any()
         expected = decode_attention(
-            q.float(), cache.float().nan_to_num(), tables, lens, 0.125, window
+            q.float(), cache.float().nan_to_num(), tables, lens, 0.125, sliding_window=window
         )
         torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
 

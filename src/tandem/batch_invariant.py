@@ -29,7 +29,7 @@ from torch import nn
 from tandem.attention import AttentionBackend, AttentionMetadata
 from tandem.attention.torch_ref import decode_attention
 from tandem.model import fused, splitk
-from tandem.model.decoder import Decoder
+from tandem.model.decoder import Decoder, RMSNorm
 
 BLOCK_M, BLOCK_N = 64, 64
 
@@ -40,8 +40,9 @@ def make_batch_invariant(model: Decoder) -> None:
         if isinstance(module, nn.Linear):
             module.forward = functools.partial(_linear_forward, module)
             module.batch_invariant = True  # decoder.to_residual: no split-K partials
+        if isinstance(module, RMSNorm):
+            module.fixed_warps = True  # the norm's warps stop following the rows
     model.linear = invariant_linear
-    fused.FIXED_NORM_WARPS = True  # process-wide: the norm's warps stop following the rows
 
 
 def _linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:

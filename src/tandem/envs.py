@@ -39,6 +39,9 @@ SWITCHES = {
         Switch("TANDEM_DECODE_TILES", "", "block_n,num_warps,num_stages",
                "one attention tile shape for every decode batch of more than one sequence "
                "(block_n a power of two >= 16, num_warps 1-16 a power of two, num_stages >= 1)"),
+        Switch("TANDEM_MOE_TILES", "", "block_n,block_k,num_warps,num_stages",
+               "one tile shape for the fused MoE kernel's grouped GEMMs (block_n and block_k "
+               "powers of two >= 16)"),
     )
 }  # fmt: skip
 
@@ -75,6 +78,11 @@ def blas() -> str:
     if value not in ("cublas", "cublaslt"):
         raise ValueError(f"TANDEM_BLAS={value!r}: expected 'cublaslt' or 'cublas'")
     return value
+
+
+def moe_tiles() -> str | None:
+    """TANDEM_MOE_TILES as set, or None; model/fused_moe.py parses and checks it."""
+    return _value("TANDEM_MOE_TILES") or None
 
 
 def decode_tiles() -> tuple[int, int, int] | None:

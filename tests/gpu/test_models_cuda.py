@@ -73,7 +73,9 @@ def test_padded_head_sizes_in_bfloat16(head_dim, window):
     out = torch.empty_like(q)
     meta = AttentionMetadata(lens, lens, lens, tables, decode_only=True)
     backend.decode(q, out, cache, meta, head_dim**-0.5, sliding_window=window)
-    expected = decode_attention(q.float(), cache.float(), tables, lens, head_dim**-0.5, window)
+    expected = decode_attention(
+        q.float(), cache.float(), tables, lens, head_dim**-0.5, sliding_window=window
+    )
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
     starts, seq_lens = [0, 700, 1400], [1000, 1000]
@@ -89,7 +91,9 @@ def test_padded_head_sizes_in_bfloat16(head_dim, window):
     )
     out = torch.empty_like(q)
     backend.prefill(q, out, cache, meta, head_dim**-0.5, sliding_window=window)
-    expected = prefill_attention(q.float(), cache.float(), meta, head_dim**-0.5, window)
+    expected = prefill_attention(
+        q.float(), cache.float(), meta, head_dim**-0.5, sliding_window=window
+    )
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 

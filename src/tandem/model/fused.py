@@ -40,7 +40,11 @@ def num_sms(device: torch.device) -> int:
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    fixed_warps: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) * weight, x + residual); x: [rows, hidden]. The sum is written
     over `residual`: the residual stream advances in place, so it stays in one buffer through a
@@ -49,9 +53,10 @@ def add_rms_norm(
 
     x may also be float32 partial sums [splits, rows, hidden] of a split-K matmul
     (`splitk.linear_partials`), with a residual: their sum, rounded to the residual's dtype as
-    a matmul's output would be, is the x added."""
+    a matmul's output would be, is the x added. With `fixed_warps` (deterministic mode) the
+    kernel's warps follow the width alone, never the rows."""
     if use_kernels(x):
-        return _add_rms_norm_triton(x, residual, weight, eps)
+        return _add_rms_norm_triton(x, residual, weight, eps, fixed_warps=fixed_warps)
     if x.dim() == 3:
         x = x.sum(0).to(residual.dtype)
     summed = x if residual is None else residual.add_(x)
@@ -153,22 +158,21 @@ def add_rms_norm_kernel(
     tl.store(out_ptr + row * hidden + cols, out, mask=mask)
 
 
-FIXED_NORM_WARPS = False  # deterministic mode (batch_invariant.py): warps by width alone
 
 
-def norm_warps(block: int, rows: int, device: torch.device) -> int:
+def norm_warps(block: int, rows: int, device: torch.device, fixed: bool = False) -> int:
     """Warps of the add + RMSNorm kernel's one program per row of `block` columns. Where the
     rows are fewer than the SMs (a decode step), each row's loads (up to four split-K partials
     and the residual) are what the step waits for, so they get 8 columns per thread, up to 16
     warps: at 4,096 columns that took Llama-3-8B's 32-row step from 5.34 to 5.26 ms
     (BENCHMARKS.md, twelfth run). Many rows (a prefill chunk) fill the device with 4 warps each,
     and more warps are slower there (8,192 x 1,024: 15.3 µs with 4, 25.3 with 16)."""
-    if rows > num_sms(device) and not FIXED_NORM_WARPS:
+    if rows > num_sms(device) and not fixed:  # fixed: deterministic mode, the width alone
         return 4
     return min(16, max(4, block // 256))
 
 
-def _add_rms_norm_triton(x, residual, weight, eps, num_warps=None):
+def _add_rms_norm_triton(x, residual, weight, eps, num_warps=None, fixed_warps=False):
     parts = x.shape[0] if x.dim() == 3 else 0
     rows, hidden = x.shape[-2:]
     dtype = x.dtype if residual is None else residual.dtype
@@ -179,7 +183,8 @@ def _add_rms_norm_triton(x, residual, weight, eps, num_warps=None):
     add_rms_norm_kernel[(rows,)](
         x, summed, weight, out, x.stride(-2), summed.stride(0), hidden, eps, x.stride(0),
         HAS_RESIDUAL=residual is not None, PARTS=parts, BLOCK=block,
-        num_warps=num_warps or norm_warps(block, rows, x.device), **pdl.launch_args(x.device),
+        num_warps=num_warps or norm_warps(block, rows, x.device, fixed_warps),
+        **pdl.launch_args(x.device),
     )  # fmt: skip
     return out, summed
 

@@ -16,13 +16,13 @@ blocks any routing can need, and programs past the routed blocks return at once.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from tandem import envs
 from tandem.config import cdiv
 from tandem.model.fused import act_and_mul
 
@@ -139,7 +139,7 @@ def moe_tiles_setting(value: str | None) -> MoeTiles:
     return tiles
 
 
-TILES = moe_tiles_setting(os.environ.get("TANDEM_MOE_TILES"))
+TILES = moe_tiles_setting(envs.moe_tiles())
 FLOAT32_TILES = MoeTiles(block_n=32, block_k=32, num_warps=4, num_stages=1)  # fits shared memory
 
 

@@ -50,3 +50,25 @@ def run_sanitized(tmp_path: Path) -> Callable[[str], str]:
         return result.stdout
 
     return run
+
+
+@pytest.fixture
+def counted_waits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The steps `Runner.wait` waited for, each wait run with CUDA's sync debug mode lifted to
+    "default" and set back to "error" after: under "error", any other synchronizing call in
+    the step loop raises."""
+    from tandem.runner import Runner
+
+    waits: list[int] = []
+    original_wait = Runner.wait
+
+    def counted_wait(self, batch, check=None):
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return original_wait(self, batch, check)
+        finally:
+            waits.append(batch.step)
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(Runner, "wait", counted_wait)
+    return waits

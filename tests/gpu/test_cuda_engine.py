@@ -159,22 +159,11 @@ def test_graphs_capture_the_chosen_blas_and_eager_steps_keep_torchs(
     assert torch.backends.cuda.preferred_blas_library() == before
 
 
-def test_step_loop_blocks_only_on_the_d2h_event(make_tiny, monkeypatch):
+def test_step_loop_blocks_only_on_the_d2h_event(make_tiny, counted_waits):
     """Under sync debug mode "error", any synchronizing call in the loop raises; the one allowed
     wait (Runner.wait on d2h_done) runs with the check lifted and is counted."""
     llm = LLM(str(make_tiny("qwen3")), max_model_len=256, max_num_batched_tokens=32, num_blocks=64)
-    waits = []
-    original_wait = Runner.wait
-
-    def counted_wait(self, batch, check=None):
-        torch.cuda.set_sync_debug_mode("default")
-        try:
-            return original_wait(self, batch, check)
-        finally:
-            waits.append(batch.step)
-            torch.cuda.set_sync_debug_mode("error")
-
-    monkeypatch.setattr(Runner, "wait", counted_wait)
+    waits = counted_waits
     params = [
         SamplingParams(temperature=t, top_p=0.9, max_tokens=20, seed=1) for t in (0.0, 1.0, 0.7)
     ]

@@ -89,20 +89,9 @@ def test_graphs_equal_eager_with_penalties_and_the_penalty_graphs_replay(make_ti
     assert (True, True, False) in replayed and (True, True, True) in replayed
 
 
-def test_penalty_steps_block_only_on_the_d2h_event(make_tiny, monkeypatch):
+def test_penalty_steps_block_only_on_the_d2h_event(make_tiny, counted_waits):
     llm = LLM(str(make_tiny("qwen3")), max_model_len=256, max_num_batched_tokens=32, num_blocks=64)
-    waits = []
-    original_wait = Runner.wait
-
-    def counted_wait(self, batch, check=None):
-        torch.cuda.set_sync_debug_mode("default")
-        try:
-            return original_wait(self, batch, check)
-        finally:
-            waits.append(batch.step)
-            torch.cuda.set_sync_debug_mode("error")
-
-    monkeypatch.setattr(Runner, "wait", counted_wait)
+    waits = counted_waits
     torch.cuda.set_sync_debug_mode("error")
     try:
         llm.generate(prompts(704)[:6], params(1.0)[:6], use_tqdm=False)

@@ -10,7 +10,6 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.prompt_logprobs_kernel import lm_head_logprobs
-from tandem.runner import Runner
 
 pytestmark = [
     pytest.mark.gpu,
@@ -72,20 +71,9 @@ def test_prompt_logprobs_on_cuda_match_transformers(make_tiny, dtype, tolerance,
                 assert abs(entry[token] - rows[p - 1, token].item()) < tolerance
 
 
-def test_prompt_logprob_steps_block_only_on_the_d2h_event(make_tiny, monkeypatch):
+def test_prompt_logprob_steps_block_only_on_the_d2h_event(make_tiny, counted_waits):
     llm = LLM(str(make_tiny("qwen3")), max_model_len=256, max_num_batched_tokens=32, num_blocks=64)
-    waits = []
-    original_wait = Runner.wait
-
-    def counted_wait(self, batch, check=None):
-        torch.cuda.set_sync_debug_mode("default")
-        try:
-            return original_wait(self, batch, check)
-        finally:
-            waits.append(batch.step)
-            torch.cuda.set_sync_debug_mode("error")
-
-    monkeypatch.setattr(Runner, "wait", counted_wait)
+    waits = counted_waits
     ids = prompts(llm.engine.model_config.vocab_size)
     params = [SamplingParams(max_tokens=n, prompt_logprobs=k) for k, n in REQUESTS if k is not None]
     torch.cuda.set_sync_debug_mode("error")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cuda_engine import MAX_TOKENS, generate, prompts
+from test_cuda_engine import assert_greedy_matches_transformers, generate
 
 from tandem.attention import AttentionMetadata
 from tandem.attention.torch_ref import decode_attention, prefill_attention
@@ -111,27 +111,4 @@ def test_async_bfloat16_equals_sync(make_tiny, arch):
 
 @pytest.mark.parametrize("arch", NEW_ARCHS)
 def test_cuda_matches_transformers_greedy(make_tiny, arch):
-    transformers = pytest.importorskip("transformers")
-    folder = make_tiny(arch)
-    ours = generate(folder, cuda_graphs=True, async_batching=True)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype=torch.float32, attn_implementation="eager"
-    ).cuda()
-    for p, n, tokens in zip(prompts(model.config.vocab_size), MAX_TOKENS, ours, strict=True):
-        ids = torch.tensor([p["prompt_token_ids"]], device="cuda")
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=model.config.vocab_size - 1,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        theirs = out.sequences[0, ids.shape[1] :].tolist()
-        for i, (a, b) in enumerate(zip(tokens, theirs, strict=True)):
-            if a != b:
-                top2 = out.logits[i][0].topk(2).values
-                assert top2[0] - top2[1] < 2e-2, f"token {i} differs without a tie"  # TF32 dots
-                break
+    assert_greedy_matches_transformers(make_tiny(arch), attn_implementation="eager")

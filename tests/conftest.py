@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -72,3 +74,18 @@ def counted_waits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(Runner, "wait", counted_wait)
     return waits
+
+
+def wait_until_healthy(process: subprocess.Popen, url: str, seconds: float) -> None:
+    """Wait for a `tandem serve` subprocess's /health to answer 200; fail if it exits first or
+    takes longer than `seconds`."""
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while True:
+        assert process.poll() is None, process.stdout.read().decode()
+        assert time.monotonic() < deadline, "tandem serve did not come up"
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        time.sleep(0.1)

@@ -5,18 +5,17 @@ completions equal transformers' greedy ones."""
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
+
+from conftest import wait_until_healthy
 
 lm_eval = pytest.importorskip("lm_eval")
 transformers = pytest.importorskip("transformers")
@@ -42,14 +41,7 @@ def tandem_serve(folder: str) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as process:
         try:
-            deadline = time.monotonic() + 120
-            while True:
-                assert process.poll() is None, process.stdout.read().decode()
-                assert time.monotonic() < deadline, "tandem serve did not come up"
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(f"{url}/health").status_code == 200:
-                        break
-                time.sleep(0.1)
+            wait_until_healthy(process, url, 120)
             yield url
         finally:
             process.terminate()

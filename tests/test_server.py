@@ -7,7 +7,6 @@ depend on what else is in the batch, so a server busy with other requests must a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import shutil
@@ -27,6 +26,7 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import wait_until_healthy
 from tandem import LLM, SamplingParams
 from tandem.async_llm import AsyncLLM
 from tandem.cli import main
@@ -675,14 +675,7 @@ def test_tandem_serve_starts_a_server_from_the_command_line(folder):
     url = f"http://127.0.0.1:{port}"
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as process:
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                assert process.poll() is None, process.stdout.read().decode()
-                assert time.monotonic() < deadline, "tandem serve did not come up"
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(f"{url}/health").status_code == 200:
-                        break
-                time.sleep(0.1)
+            wait_until_healthy(process, url, 60)
             client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
             response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3)
             assert response.usage.completion_tokens <= 3

@@ -95,6 +95,29 @@ def test_token_rows_give_each_query_token_its_own_context():
     assert rows.decode_only and rows.query_start_loc.tolist() == [0, 1, 2, 3, 4]
 
 
+def test_token_rows_keep_padding_tokens_and_zeroed_inputs_inside_the_tables():
+    """A graph pads 4 tokens to 6 (and captures on all-zero inputs): every index stays in range."""
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(6, dtype=torch.int64),
+        query_start_loc=torch.tensor([0, 1, 4], dtype=torch.int32),
+        seq_lens=torch.tensor([9, 6], dtype=torch.int32),
+        block_tables=torch.tensor([[1, 2], [3, 4]], dtype=torch.int32),
+        decode_only=False,
+    )
+    rows = token_rows(meta, 6)
+    assert rows.seq_lens.tolist() == [9, 4, 5, 6, 6, 6]
+    assert rows.block_tables.tolist()[4:] == [[3, 4], [3, 4]]
+    zeroed = AttentionMetadata(
+        slot_mapping=torch.zeros(3, dtype=torch.int64),
+        query_start_loc=torch.zeros(4, dtype=torch.int32),
+        seq_lens=torch.zeros(3, dtype=torch.int32),
+        block_tables=torch.zeros(3, 2, dtype=torch.int32),
+        decode_only=True,
+    )
+    rows = token_rows(zeroed, 3)
+    assert rows.seq_lens.tolist() == [0, 0, 0] and rows.block_tables.shape == (3, 2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_the_triton_gemm_gives_a_row_the_same_bits_in_any_batch(monkeypatch, dtype):
     """Interpreted on CPU: row 2 alone, among 5 rows and among 70 (two row tiles)."""

@@ -92,12 +92,15 @@ class InvariantAttention:
 def token_rows(meta: AttentionMetadata, num_tokens: int) -> AttentionMetadata:
     """One row per query token: its sequence's block table, its own context length.
     E.g. query_start_loc [0, 1, 4], seq_lens [9, 6] -> rows of sequences [0, 1, 1, 1] with
-    context lengths [9, 4, 5, 6]."""
+    context lengths [9, 4, 5, 6].
+    Padding tokens past the last sequence's (a graph's padded rows; its capture, on zeroed
+    inputs) count as that sequence's last token, so no index leaves the tables."""
     starts = meta.query_start_loc
     tokens = torch.arange(num_tokens, device=starts.device, dtype=starts.dtype)
     seq = torch.searchsorted(starts[1:], tokens, right=True)  # [num_tokens]
+    seq = seq.clamp_(max=starts.numel() - 2)
     last = starts[1:][seq] - 1  # each token's sequence's last query token
-    seq_lens = (meta.seq_lens[seq] - (last - tokens)).to(meta.seq_lens.dtype)
+    seq_lens = (meta.seq_lens[seq] - (last - tokens).clamp(min=0)).to(meta.seq_lens.dtype)
     return AttentionMetadata(
         slot_mapping=meta.slot_mapping,
         query_start_loc=torch.arange(num_tokens + 1, device=starts.device, dtype=starts.dtype),

@@ -51,10 +51,14 @@ def run(folder: str, dtype: str, **engine_args):
 
 
 @pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize(("dtype", "tolerance"), [("float32", 1e-4), ("bfloat16", 0.15)])
-def test_prompt_logprobs_on_cuda_match_transformers(make_tiny, dtype, tolerance, async_batching):
+@pytest.mark.parametrize(
+    ("dtype", "atol", "rtol"), [("float32", 1e-4, 1e-4), ("bfloat16", 0.05, 8e-3)]
+)
+def test_prompt_logprobs_on_cuda_match_transformers(make_tiny, dtype, atol, rtol, async_batching):
     """Chunks of 16 tokens through the captured pieces (decodes through the graphs), with
-    preemption; bfloat16 within its rounding of logits of standard deviation 6."""
+    preemption. Within atol + rtol * |logprob|: float32's Triton products round inputs to
+    TF32 (10 mantissa bits), bfloat16 rounds logits of standard deviation 6 to 8 bits (a
+    logprob of -22.9 came out 0.17 off, 1.3 units in its last place)."""
     folder = str(make_tiny("llama"))
     ids, outputs = run(folder, dtype, async_batching=async_batching)
     for prompt, out, (k, _) in zip(ids, outputs, REQUESTS, strict=True):
@@ -65,10 +69,10 @@ def test_prompt_logprobs_on_cuda_match_transformers(make_tiny, dtype, tolerance,
         assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
         for p in range(1, len(prompt)):
             entry = out.prompt_logprobs[p]
-            assert abs(entry[prompt[p]] - rows[p - 1, prompt[p]].item()) < tolerance
+            for token in [prompt[p], *list(entry)[:k]]:
+                expected = rows[p - 1, token].item()
+                assert abs(entry[token] - expected) < atol + rtol * abs(expected)
             assert len(entry) in (k, k + 1)
-            for token in list(entry)[:k]:
-                assert abs(entry[token] - rows[p - 1, token].item()) < tolerance
 
 
 def test_prompt_logprob_steps_block_only_on_the_d2h_event(make_tiny, counted_waits):

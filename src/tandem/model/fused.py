@@ -158,8 +158,6 @@ def add_rms_norm_kernel(
     tl.store(out_ptr + row * hidden + cols, out, mask=mask)
 
 
-
-
 def norm_warps(block: int, rows: int, device: torch.device, fixed: bool = False) -> int:
     """Warps of the add + RMSNorm kernel's one program per row of `block` columns. Where the
     rows are fewer than the SMs (a decode step), each row's loads (up to four split-K partials

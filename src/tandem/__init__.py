@@ -9,13 +9,21 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tandem.llm import LLM, CompletionOutput, RequestOutput
     from tandem.sampling import SamplingParams
+    from tandem.structured import StructuredOutputsParams
 
 try:
     __version__ = version("tandem")
 except PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "0.0.0+unknown"
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "__version__",
+]
 
 # Imported on first use, so `import tandem.x` (a tensor-parallel worker, `tandem --version`)
 # does not load the engine and torch's CUDA set-up with it.
@@ -24,6 +32,7 @@ _LAZY = {
     "CompletionOutput": "tandem.llm",
     "RequestOutput": "tandem.llm",
     "SamplingParams": "tandem.sampling",
+    "StructuredOutputsParams": "tandem.structured",
 }
 
 

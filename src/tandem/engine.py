@@ -39,6 +39,8 @@ from tandem.runner import Runner
 from tandem.sampling import SamplingParams
 from tandem.scheduler import Scheduler
 from tandem.sleep import LEVELS, DeviceMemory
+from tandem.structured import BACKEND as GRAMMAR_BACKEND
+from tandem.structured import GrammarBackend, accept
 from tandem.swap import SwapManager, Swapper, check_swap_space
 from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
 from tandem.weights import (
@@ -112,6 +114,7 @@ class Engine:
             Tokenizer.from_dir(folder) if folder and (folder / "tokenizer.json").is_file() else None
         )
         self.eos_token_ids = _eos_token_ids(cfg, folder, self.tokenizer)
+        self._grammars: GrammarBackend | None = None  # made by the first constrained request
         self.model = build_model(
             cfg,
             hf_config,
@@ -333,11 +336,34 @@ class Engine:
             )
         bad_words = self._bad_words_token_ids(params)
         penalties.check_request(params, bad_words, self.model_config.vocab_size)
+        matcher = None
+        if params.structured_outputs is not None:
+            grammars = self.grammars()
+            matcher = grammars.matcher(grammars.compile(params.structured_outputs))
         request = Request(request_id, prompt_token_ids, params, params.seed, prompt=prompt)
         request.bad_words_token_ids = bad_words
+        request.matcher = matcher
         if params.stop or stream_text:
             request.detokenizer = self._detokenizer(request)
         return request
+
+    def grammars(self) -> GrammarBackend:
+        """The structured-output backend over this model's tokenizer (built on first use)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError(
+                    "structured_outputs need the model's tokenizer.json (the grammar is compiled "
+                    "against its vocabulary)"
+                )
+            try:
+                self._grammars = GrammarBackend(
+                    self.tokenizer, self.model_config.vocab_size, list(self.eos_token_ids)
+                )
+            except ImportError:
+                raise ValueError(
+                    f"structured_outputs need {GRAMMAR_BACKEND}: pip install 'tandem[structured]'"
+                ) from None
+        return self._grammars
 
     def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
         if not params.bad_words:
@@ -599,8 +625,12 @@ class Engine:
             request.output_token_ids.append(sampled[row])
             if batch.num_top_logprobs is not None and request.params.logprobs is not None:
                 self._append_logprobs(request, out, row)
-            self._check_stop(request)
             updated.append(request)
+            ended = accept(request, sampled[row]) if request.matcher is not None else None
+            if ended is not None:  # the grammar is complete (its stop token), or broken
+                self._finish(request, ended, stopped_by_token=True)
+                continue
+            self._check_stop(request)
         return updated
 
     def _append_prompt_logprobs(self, batch: StepBatch) -> list[Request]:

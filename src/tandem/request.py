@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 from tandem.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    import xgrammar
+
     from tandem.tokenizer import IncrementalDetokenizer
 
 
@@ -52,6 +54,8 @@ class Request:
     bad_words_token_ids: list[list[int]] = field(
         default_factory=list
     )  # params.bad_words, tokenized
+    # params.structured_outputs' matcher (structured.py), advanced by every output token read
+    matcher: xgrammar.GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         if self.wants_prompt_logprobs:

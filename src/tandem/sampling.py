@@ -9,6 +9,7 @@ import torch
 
 from tandem.config import check_int
 from tandem.model import fused
+from tandem.structured import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_N = 128  # samples per prompt (OpenAI's limit): one call must not queue millions of requests
@@ -43,6 +44,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
     allowed_token_ids: list[int] | None = None  # the only ids that may be sampled
     bad_words: list[str] = field(default_factory=list)  # never completed in the output
+    # the output follows a JSON schema, regex, choice or grammar (structured.py)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,6 +57,8 @@ class SamplingParams:
         self.bad_words = list(self.bad_words or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -97,6 +102,13 @@ class SamplingParams:
             if self.logprobs > MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         self._validate_logits_processors()
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(
+                    "structured_outputs must be a StructuredOutputsParams, got "
+                    f"{type(self.structured_outputs).__name__}"
+                )
+            self.structured_outputs.validate()
 
     def _validate_logits_processors(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

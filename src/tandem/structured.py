@@ -1,0 +1,229 @@
+"""Structured outputs: JSON schema, regex, choice, EBNF grammar and JSON object, by xgrammar.
+
+The backend is xgrammar (vLLM's and SGLang's default): it compiles schemas, regexes and
+grammars against the tokenizer's vocabulary once (cached per grammar), and a per-request
+matcher then gives the next step's allowed tokens as a bitmask in tens of microseconds. No
+grammar, regex or schema compiler is written here.
+
+How the masks reach the device without a stall (engine.py, runner.py): a step with a
+constrained row launches its forward pass as any other step, but its sampling is a separate
+launch. Once the step before it is read back, the CPU advances each constrained row's matcher
+by that step's token (`accept`), fills this step's bitmask rows into the slot's pinned buffer
+(`fill_masks`), copies it to the device and records an event; the sampling launch waits on
+that event. The CPU so has the whole forward pass to compute the masks; the timeline's
+`mask_wait` lane shows whether the compute stream ever waited for them.
+
+    bitmask [rows, ceil(vocab / 32)] int32: bit j of word w allows token 32 * w + j; rows
+            without a constraint are all ones (the sampling graph applies every row's mask)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from tandem.config import cdiv
+
+if TYPE_CHECKING:
+    import xgrammar
+
+    from tandem.request import Request
+    from tandem.tokenizer import Tokenizer
+
+BACKEND = "xgrammar"
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on a request's output, named as vLLM's `StructuredOutputsParams`:
+    exactly one of `json` (a JSON schema, as a dict or a string), `regex`, `choice` (the output
+    is one of these strings), `grammar` (EBNF, in xgrammar's GBNF dialect) or `json_object`
+    (any JSON object)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # JSON (schema or object): no whitespace between tokens beyond one space after ':' and ','
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError(
+                "structured_outputs takes exactly one of json, regex, choice, grammar and "
+                f"json_object; got {', '.join(set_kinds) or 'none'}"
+            )
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    json.loads(self.json)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            elif not isinstance(self.json, dict):
+                raise ValueError(
+                    f"structured_outputs.json must be a JSON schema (a dict or a string), got "
+                    f"{type(self.json).__name__}"
+                )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and (
+            not isinstance(self.choice, list | tuple)
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+        if self.json_object not in (None, True, False):
+            raise ValueError("structured_outputs.json_object must be a boolean")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any]) -> StructuredOutputsParams:
+        """From a request's JSON field (the server's `structured_outputs`), unknown keys named."""
+        if not isinstance(value, dict):
+            raise ValueError("structured_outputs must be an object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"structured_outputs has unknown fields {unknown}; known: {sorted(known)}"
+            )
+        return cls(**value)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose language is exactly `choices`, e.g. ["yes", "no"] ->
+    'root ::= "yes" | "no"'. JSON string escapes are GBNF's literal escapes."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def available() -> bool:
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class GrammarBackend:
+    """xgrammar's compiler for one tokenizer and model vocabulary: constraints -> compiled
+    grammars (cached by xgrammar), and a fresh matcher per request."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        import xgrammar as xgr
+        from transformers import PreTrainedTokenizerFast
+
+        self.xgr = xgr
+        hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend)
+        info = xgr.TokenizerInfo.from_huggingface(
+            hf, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+        )
+        self.compiler = xgr.GrammarCompiler(info, max_threads=2)
+        self.vocab_size = vocab_size
+        self.words = cdiv(vocab_size, 32)  # int32 words of one bitmask row
+        self.batch = xgr.BatchGrammarMatcher()
+
+    def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+        """The compiled grammar; a ValueError carrying xgrammar's message when it rejects it."""
+        kind = params.kind
+        try:
+            if kind == "json":
+                schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+                return self.compiler.compile_json_schema(
+                    schema, any_whitespace=not params.disable_any_whitespace
+                )
+            if kind == "json_object":
+                return self.compiler.compile_builtin_json_grammar()
+            if kind == "regex":
+                return self.compiler.compile_regex(params.regex)
+            if kind == "choice":
+                return self.compiler.compile_grammar(choice_grammar(list(params.choice)))
+            return self.compiler.compile_grammar(params.grammar)
+        except Exception as e:  # xgrammar raises RuntimeError/ValueError subclasses
+            message = _backend_message(e)
+            raise ValueError(f"{BACKEND} rejected the {kind} constraint: {message}") from None
+
+    def matcher(self, compiled: xgrammar.CompiledGrammar) -> xgrammar.GrammarMatcher:
+        return self.xgr.GrammarMatcher(compiled)
+
+    def fill_masks(
+        self, bitmask: torch.Tensor, requests: list[Request], rows: list[int], num_rows: int
+    ) -> None:
+        """Rows [0, num_rows) of the host `bitmask`: the next-token mask of each constrained row
+        in `rows` (requests[row] has a live matcher), all ones elsewhere."""
+        host = bitmask.numpy()
+        host[:num_rows] = -1
+        live = [r for r in rows if not requests[r].finished]
+        if live:
+            matchers = [requests[r].matcher for r in live]
+            self.batch.batch_fill_next_token_bitmask(matchers, bitmask, live)
+
+
+def _backend_message(error: Exception) -> str:
+    """xgrammar's message without its C++ log prefix, e.g. "[13:13:29] /project/cpp/
+    regex_converter.cc:94: Regex parsing error ..." -> "Regex parsing error ..."."""
+    lines = str(error).strip().splitlines()
+    if not lines:
+        return type(error).__name__
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", lines[0])
+
+
+def accept(request: Request, token: int) -> str | None:
+    """Advance the request's matcher by its new output token: None to go on, "stop" when the
+    grammar has ended, "abort" when the token breaks it (no allowed token was left to sample,
+    e.g. allowed_token_ids outside the grammar)."""
+    matcher = request.matcher
+    if not matcher.accept_token(token):
+        return "abort"
+    return "stop" if matcher.is_terminated() else None
+
+
+def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """-inf into [rows, vocab] logits where the row's [rows, words] bitmask has a 0 bit; xgrammar's
+    Triton kernel on CUDA (no host sync: capturable), its torch version on CPU."""
+    import xgrammar as xgr
+
+    backend = "triton" if logits.is_cuda else "torch_native"
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], backend=backend)
+
+
+class MaskBuffers:
+    """A slot's bitmask rows: pinned host and device twin, copied only in steps that need them."""
+
+    def __init__(self, max_seqs: int, vocab_size: int, device: torch.device):
+        words = cdiv(vocab_size, 32)
+        pin = device.type == "cuda"
+        self.host = torch.full((max_seqs, words), -1, dtype=torch.int32, pin_memory=pin)
+        self.device = (
+            torch.full((max_seqs, words), -1, dtype=torch.int32, device=device)
+            if pin
+            else self.host
+        )  # [max_seqs, ceil(vocab / 32)]
+
+    def copy_in(self, num_rows: int) -> None:
+        if self.device is not self.host:
+            self.device[:num_rows].copy_(self.host[:num_rows], non_blocking=True)
+
+
+def constrained_rows(requests: list[Request], samples: np.ndarray) -> list[int]:
+    """Rows of a step that sample a token under a constraint."""
+    return [
+        i
+        for i, request in enumerate(requests)
+        if request.matcher is not None and samples[i] and not request.finished
+    ]

@@ -61,11 +61,18 @@ def main() -> None:
 
 
 def push_dummy_weights(llm: LLM) -> float:
-    """Level 2 dropped the weights: send the dummy ones again (made on the GPU); seconds."""
+    """Level 2 dropped the weights: send the dummy ones again, seconds. They are drawn on the
+    GPU (the loader's generator there gives the same numbers), one tensor at a time, and kept
+    in host memory: the woken engine's KV cache leaves no room for a second copy of the
+    weights on the device, so update_weights copies them host -> device as a trainer on other
+    devices would."""
     engine = llm.engine
     hf_config, _ = read_hf_config(engine.config.model)
     seed = engine.config.seed ^ DUMMY_SEED_SALT
-    tensors = list(random_weights(hf_config, seed, engine.dtype, "cuda"))
+    tensors = [
+        (name, tensor.to("cpu").pin_memory())
+        for name, tensor in random_weights(hf_config, seed, engine.dtype, "cuda")
+    ]
     torch.cuda.synchronize()
     start = time.perf_counter()
     llm.update_weights(tensors)

@@ -68,7 +68,10 @@ def _attend_tile(
     # an FP8 cache's e4m3 values are exact in q's dtype; their scales are applied outside
     # (k_scale within the softmax scale, v_scale on the output)
     k, v = k.to(q.dtype), v.to(q.dtype)
-    s = tl.dot(q, tl.trans(k)) * scale  # [ROWS, BLOCK_N] float32
+    if q.dtype == tl.float32:  # float32 models: exact products, not TF32 (a static branch)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [ROWS, BLOCK_N] float32
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale
     if SOFT_CAP > 0.0:  # cap * tanh(s / cap), tanh(x) = 1 - 2 / (exp(2x) + 1)
         s = SOFT_CAP * (1.0 - 2.0 / (tl.exp(s * (2.0 / SOFT_CAP)) + 1.0))
     s = s * 1.4426950408889634  # log2 units, so exp2 does the exponent
@@ -81,7 +84,10 @@ def _attend_tile(
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(row_max - m_safe)
     row_sum = row_sum * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+    if q.dtype == tl.float32:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
     return m_new, row_sum, acc
 
 

@@ -219,3 +219,20 @@ def test_required_schema_accepts_calls_to_the_tools_only():
     jsonschema.validate(valid[:1], one)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(valid, one)
+
+
+@pytest.mark.parametrize(
+    ("reader", "text"),
+    [
+        (RequiredToolOutput, '[{"name": "note", "parameters": {"text": "a\x12b\nc"}}]'),
+        (
+            HermesParser,
+            '<tool_call>{"name": "note", "arguments": {"text": "a\x12b\nc"}}</tool_call>',
+        ),
+    ],
+)
+def test_raw_control_characters_in_strings_come_out_escaped(reader, text):
+    """Some grammars (xgrammar's strings with maxLength) let them through; JSON forbids them."""
+    _, [call] = collect(reader(), text)
+    assert "\x12" not in call["function"]["arguments"]
+    assert json.loads(call["function"]["arguments"]) == {"text": "a\x12b\nc"}

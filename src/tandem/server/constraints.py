@@ -93,11 +93,11 @@ def response_format_constraint(body: SamplingRequest) -> dict[str, Any]:
 
 
 def tool_mode(body: ChatCompletionRequest, tool_call_parser: str | None) -> ToolMode:
-    """The reader and constraint of tool_choice: "none" (the default without tools), "auto"
-    (the default with tools; needs a parser), "required" or a named function."""
+    """The reader and constraint of tool_choice: "none", "auto" (the default; with tools it
+    needs a parser), "required" or a named function."""
     tools = [(t.function.name, t.function.parameters or EMPTY_PARAMETERS) for t in body.tools or []]
-    choice = body.tool_choice or ("auto" if tools else "none")
-    if choice == "none":
+    choice = body.tool_choice or "auto"
+    if choice == "none" or (choice == "auto" and not tools):
         return ToolMode(PlainOutput)
     if not tools:
         raise OpenAIError(f"tool_choice {choice_name(choice)} needs tools", param="tool_choice")

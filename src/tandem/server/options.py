@@ -43,4 +43,7 @@ class ServerOptions:
                 f"{', '.join(PARSERS)}"
             )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+            raise ValueError(
+                "enable_auto_tool_choice (--enable-auto-tool-choice) needs a tool_call_parser "
+                f"(--tool-call-parser: {', '.join(PARSERS)})"
+            )

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 WHITESPACE = " \t\r\n"
+# lenient about control characters inside strings, which some grammars let through: the calls'
+# arguments are written out again, escaped
+DECODER = json.JSONDecoder(strict=False)
 
 
 def new_call_id() -> str:
@@ -93,7 +96,6 @@ class RequiredToolOutput(OutputReader):
         super().__init__()
         self.text = ""
         self.pos = 0  # where the next element, or the array's "[" or "]", may start
-        self.decoder = json.JSONDecoder()
 
     def feed(self, text: str, final: bool) -> OutputDelta:
         self.text += text
@@ -101,7 +103,7 @@ class RequiredToolOutput(OutputReader):
         while True:
             self.pos = skip(self.text, self.pos, WHITESPACE + "[,")
             try:
-                value, end = self.decoder.raw_decode(self.text, self.pos)
+                value, end = DECODER.raw_decode(self.text, self.pos)
             except json.JSONDecodeError:
                 break  # the element is still growing (the grammar keeps the output valid)
             call = call_of(value, "parameters")
@@ -216,7 +218,7 @@ class Llama3JsonParser(ModelFormatParser):
         if text[brace] != "{" or text[after_brace] != '"':  # no JSON object of keys
             return brace + (0 if tagged else 1), None
         try:
-            value, end = json.JSONDecoder().raw_decode(text, brace)
+            value, end = DECODER.raw_decode(text, brace)
         except json.JSONDecodeError:
             return (brace + 1, None) if final else None
         call = call_of(value, "parameters", "arguments", exact=True)
@@ -244,7 +246,7 @@ def call_of(value: Any, *argument_keys: str, exact: bool = False) -> tuple[str, 
 
 def loads(text: str) -> Any:
     try:
-        return json.loads(text)
+        return DECODER.decode(text)
     except json.JSONDecodeError:
         return None
 

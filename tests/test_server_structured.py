@@ -344,6 +344,22 @@ def test_a_named_tool_choice_calls_that_function(client, name):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_each_of_n_choices_reads_its_own_tool_calls(client):
+    args = required_request(seed=4, parallel_tool_calls=False, n=3)
+    response = client.chat.completions.create(**args)
+    calls = [check_calls(c.message.tool_calls, set(SCHEMAS)) for c in response.choices]
+    assert len({json.dumps(c) for c in calls}) > 1  # seeds seed + k: different calls
+    ids = [c.message.tool_calls[0].id for c in response.choices]
+    assert len(set(ids)) == 3
+    streamed = [[], [], []]
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.tool_calls or []
+    assert [[(d.function.name, json.loads(d.function.arguments)) for d in s] for s in streamed] == (
+        calls
+    )
+
+
 def test_a_tool_call_cut_off_by_max_tokens_finishes_with_length(client):
     response = client.chat.completions.create(
         model=MODEL,

@@ -24,6 +24,9 @@ WHITESPACE = " \t\r\n"
 # lenient about control characters inside strings, which some grammars let through: the calls'
 # arguments are written out again, escaped
 DECODER = json.JSONDecoder(strict=False)
+# what a parser read at a place: None while it may still grow, else (its end, (name, arguments)
+# of a call, or None when it is content)
+Read = tuple[int, tuple[str, str] | None] | None
 
 
 def new_call_id() -> str:
@@ -176,9 +179,8 @@ class ModelFormatParser(OutputReader):
         found = [i for i in (text.find(m, pos) for m in self.start_markers) if i >= 0]
         return min(found, default=-1)
 
-    def read_call(self, text: str, start: int, final: bool) -> tuple[int, tuple | None] | None:
-        """At `start`: None while a call may still be growing, else (its end, (name,
-        arguments)) for a call or (end, None) when text[start:end] is content."""
+    def read_call(self, text: str, start: int, final: bool) -> Read:
+        """What is at `start` (see `Read`)."""
         raise NotImplementedError
 
 
@@ -190,7 +192,7 @@ class HermesParser(ModelFormatParser):
     end_marker = "</tool_call>"
     skip_special_tokens = False  # Hermes 2 Pro's markers are special tokens
 
-    def read_call(self, text: str, start: int, final: bool) -> tuple[int, tuple | None] | None:
+    def read_call(self, text: str, start: int, final: bool) -> Read:
         body_start = start + len(self.start_markers[0])
         close = text.find(self.end_marker, body_start)
         if close < 0 and not final:
@@ -209,7 +211,7 @@ class Llama3JsonParser(ModelFormatParser):
     start_markers = (python_tag, "{")
     separators = WHITESPACE + ";"
 
-    def read_call(self, text: str, start: int, final: bool) -> tuple[int, tuple | None] | None:
+    def read_call(self, text: str, start: int, final: bool) -> Read:
         tagged = text.startswith(self.python_tag, start)
         brace = skip(text, start + len(self.python_tag), WHITESPACE) if tagged else start
         after_brace = skip(text, brace + 1, WHITESPACE)

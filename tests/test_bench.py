@@ -53,6 +53,7 @@ WORKLOAD_KEYS = {
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "json_schema",
     "repeats",
     "prompt_tokens",
     "output_tokens",
@@ -102,6 +103,7 @@ RESULT_KEYS = {
     "seconds",
     "seconds_all",
     "steps",
+    "output_tokens",
     "requests_per_s",
     "output_tokens_per_s",
     "total_tokens_per_s",
@@ -603,3 +605,28 @@ def test_a_moe_decode_step_reads_the_experts_its_tokens_route_to():
     whole = cost.weight_bytes + 128 * one_expert + embedding
     assert whole == pytest.approx(cfg.num_params() * 2, rel=1e-4)  # the norms left out
     assert flops32[0] < 2 * cfg.num_params() * 32  # only the routed experts compute
+
+
+def test_a_json_schema_run_counts_the_tokens_made_and_compares_at_those_lengths(
+    make_tiny, tmp_path
+):
+    """Each request ends where its grammar does; the unconstrained run then makes exactly as
+    many tokens per request, and tok/s divides the tokens actually made."""
+    pytest.importorskip("xgrammar")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+              "maximum": 9}, "ok": {"type": "boolean"}}, "required": ["n", "ok"]}  # fmt: skip
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    args = ["--num-prompts", "3", "--input-len", "8", "--output-len", "60"]
+    args += ["--json-schema", str(path), "--compare", "unconstrained"]
+    report = run_bench(tmp_path, "throughput", "--model", str(make_tiny("qwen3")), *args)
+    constrained, unconstrained = (
+        report["results"]["async"],
+        report["results"]["async unconstrained"],
+    )
+    assert 3 <= constrained["output_tokens"] < 3 * 60
+    assert unconstrained["output_tokens"] == constrained["output_tokens"]
+    assert constrained["output_tokens_per_s"] == pytest.approx(
+        constrained["output_tokens"] / constrained["seconds"]
+    )
+    assert report["workload"]["json_schema"] == str(path)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tandem import LLM, SamplingParams
 from tandem.cli import main
 from tandem.plot import BUSY, CPU_BUSY, IDLE, busy_fraction, plot_timeline
-from tandem.profiler import CPU_PHASES, GPU_LANES, GPU_STREAMS, Timeline
+from tandem.profiler import CPU_PHASES, GPU_LANES, Timeline
 from tandem.trace import (
     format_summary,
     idle_before,
@@ -43,7 +43,7 @@ def synthetic_trace(steps: dict[int, dict[str, tuple[float, float]]]) -> dict:
     for step, lanes in steps.items():
         for name, (start, end) in lanes.items():
             pid, tid = (
-                (1, CPU_PHASES.index(name)) if name in CPU_PHASES else (2, GPU_STREAMS.index(name))
+                (1, CPU_PHASES.index(name)) if name in CPU_PHASES else (2, GPU_LANES.index(name))
             )
             events.append({"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": start,
                            "dur": end - start, "args": {"step": step}})  # fmt: skip
@@ -126,8 +126,8 @@ def test_a_traced_run_is_valid_chrome_trace_json_with_named_lanes(traced_run):
 def test_a_traced_cpu_run_has_every_cpu_phase_lane_and_one_launch_per_step(traced_run):
     trace, steps, timeline = traced_run
     assert len(steps) >= 9
-    for phase in CPU_PHASES:
-        assert complete_events(trace, phase), f"no {phase} intervals"
+    for phase in CPU_PHASES:  # "mask" only in steps with structured outputs: none here
+        assert bool(complete_events(trace, phase)) == (phase != "mask"), phase
     for phase in ("build", "launch", "wait", "process"):
         assert sorted(e["args"]["step"] for e in complete_events(trace, phase)) == list(steps)
     assert not [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 2]
@@ -218,7 +218,29 @@ def test_summary_of_a_cpu_only_trace_has_no_gpu_figures_and_ends_at_the_last_pha
 def test_formatted_summary_shows_the_gpu_active_share_and_every_phase():
     text = format_summary(summarize(synthetic_trace(TWO_STEPS)))
     assert "GPU active 76.92%  idle gaps 3 (0.06 ms)  CPU/GPU overlap 3.8%" in text
-    assert all(f"  {phase:8} median" in text for phase in CPU_PHASES)
+    assert all(f"  {phase:8} median" in text for phase in CPU_PHASES if phase != "mask")
+
+
+def test_the_compute_streams_wait_for_token_masks_is_idle_time_and_is_reported():
+    """Step 0's compute span [45, 135] holds a 10 µs wait for its masks: 190 of the 260 µs
+    window busy instead of 200, and the wait reported as 10 µs, 3.85% of the run."""
+    steps = {0: {**TWO_STEPS[0], "mask": (150, 152), "mask_wait": (60, 70)}, 1: TWO_STEPS[1]}
+    summary = summarize(synthetic_trace(steps))
+    assert summary["gpu_active_pct"] == pytest.approx(100 * 190 / 260, rel=1e-12)
+    assert summary["mask_wait"]["steps"] == 1
+    assert summary["mask_wait"]["total_ms"] == pytest.approx(0.01, rel=1e-12)
+    assert summary["mask_wait"]["pct"] == pytest.approx(100 * 10 / 260, rel=1e-12)
+    assert "mask wait 0.01 ms (3.846% of the run) over 1 masked steps" in format_summary(summary)
+    assert summarize(synthetic_trace(TWO_STEPS))["mask_wait"]["steps"] == 0
+
+
+def test_every_lane_has_a_color_in_the_plot(tmp_path):
+    from tandem.plot import LANE_COLORS
+
+    assert set(CPU_PHASES) | set(GPU_LANES) <= set(LANE_COLORS)
+    steps = {0: {**TWO_STEPS[0], "mask": (150, 152), "mask_wait": (60, 70)}, 1: TWO_STEPS[1]}
+    plot_timeline(synthetic_trace(steps), tmp_path / "masked.png")
+    assert (tmp_path / "masked.png").stat().st_size > 0
 
 
 def rasterize(spans, size: int = 80) -> np.ndarray:

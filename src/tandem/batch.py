@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -13,6 +13,7 @@ from tandem.request import Request
 from tandem.sampling import fold_seed
 from tandem.scheduler import StepPlan
 from tandem.shared_prefix import group_shared_prefixes, shared_kv_tokens
+from tandem.structured import constrained_rows
 
 
 @dataclass
@@ -40,6 +41,14 @@ class StepBatch:
     # (state rows, their requests) that penalized requests took for this step: reset first
     penalty_admissions: tuple[list[int], list[Request]] | None = None
     prompt_logprobs: PromptLogprobStep | None = None  # rows at prompt positions that want them
+    # rows that sample under a structured-output constraint: the step's sampling waits for
+    # their token masks (structured.py), launched once the CPU has them
+    mask_rows: list[int] = field(default_factory=list)
+    sampling_launched: bool = True
+
+    @property
+    def use_mask(self) -> bool:
+        return bool(self.mask_rows)
 
 
 class RunningRows:
@@ -211,6 +220,7 @@ class BatchBuilder:
             use_penalties=use_penalties,
             penalty_admissions=self.running_rows.take_admitted(),
             prompt_logprobs=prompt_logprobs,
+            mask_rows=constrained_rows(requests, samples),
         )
 
     def _fill_token_ids(self, x, requests: list[Request], start, num_new, qsl) -> None:

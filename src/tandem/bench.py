@@ -27,6 +27,7 @@ from tandem.model import fused, splitk
 from tandem.model.loader import read_hf_config
 from tandem.roofline import H200, Hardware, ModelCost, on_devices, roofline_summary, step_rooflines
 from tandem.sampling import SamplingParams
+from tandem.structured import StructuredOutputsParams
 from tandem.tokenizer import Tokenizer
 from tandem.trace import idle_before, step_spans, summarize
 from tandem.workload import SHAREGPT_SAMPLE, Workload, random_workload, sharegpt_workload
@@ -43,6 +44,12 @@ class Run:
     seconds: float
     steps: int
     latencies: dict[str, list[float]] | None = None  # LATENCY_KEYS -> seconds, latency mode
+    # tokens each request produced: its max_tokens, or fewer where its grammar ended it
+    output_lens: list[int] | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
 
 
 def waves(num_requests: int, batch_size: int | None) -> list[range]:
@@ -78,17 +85,24 @@ def time_engine(
     batch_size: int | None = None,
     record_tokens: bool = False,
     penalties: dict[str, float] | None = None,
+    structured: StructuredOutputsParams | None = None,
 ) -> Run:
     """Submit `workload` in waves of `batch_size` and step until every token is out.
 
     With `record_tokens`, each token is stamped when `step` hands it back on the host;
-    `penalties` are SamplingParams fields every request gets (presence_penalty, ...).
+    `penalties` are SamplingParams fields every request gets (presence_penalty, ...), and
+    `structured` its constraint: then a request ends where its grammar does, or at max_tokens.
     """
     requests = [
         engine.make_request(
             f"bench-{i}",
             SamplingParams(
-                temperature=temperature, max_tokens=n, ignore_eos=True, seed=i, **(penalties or {})
+                temperature=temperature,
+                max_tokens=n,
+                ignore_eos=True,
+                seed=i,
+                structured_outputs=structured,
+                **(penalties or {}),
             ),
             prompt_token_ids=prompt,
         )
@@ -112,17 +126,25 @@ def time_engine(
                 for request in updated:
                     token_times[index_of[request.request_id]].append(now)
     elapsed = time.perf_counter() - start
-    produced = sum(len(r.output_token_ids) for r in requests)
-    assert produced == workload.num_output_tokens, "a benchmark run must produce every token"
+    lens = [len(r.output_token_ids) for r in requests]
+    if structured is None:
+        assert lens == workload.output_lens, "a benchmark run must produce every token"
+    else:  # the grammar ends a request early, as its stop token: never later
+        assert all(n <= limit for n, limit in zip(lens, workload.output_lens, strict=True))
+        assert all(r.finish_reason in ("stop", "length") for r in requests)
     latencies = request_latencies(arrivals, token_times) if record_tokens else None
-    return Run(elapsed, engine.num_steps - steps_before, latencies)
+    return Run(elapsed, engine.num_steps - steps_before, latencies, lens)
 
 
 def time_generate(
-    llm: LLM, workload: Workload, temperature: float, penalties: dict[str, float] | None = None
+    llm: LLM,
+    workload: Workload,
+    temperature: float,
+    penalties: dict[str, float] | None = None,
+    structured: StructuredOutputsParams | None = None,
 ) -> tuple[float, int]:
     """Wall seconds and engine steps for the whole workload submitted at once."""
-    run = time_engine(llm.engine, workload, temperature, penalties=penalties)
+    run = time_engine(llm.engine, workload, temperature, penalties=penalties, structured=structured)
     return run.seconds, run.steps
 
 
@@ -165,13 +187,15 @@ def summarize_runs(runs: list[Run], workload: Workload) -> dict:
     """Medians over the runs; latency percentiles over every request of every run."""
     elapsed = statistics.median(r.seconds for r in runs)
     steps = statistics.median(r.steps for r in runs)
+    produced = statistics.median(r.output_tokens for r in runs)  # seeded: the same every run
     result = {
         "seconds": elapsed,
         "seconds_all": [r.seconds for r in runs],
         "steps": steps,
+        "output_tokens": produced,
         "requests_per_s": len(workload.prompts) / elapsed,
-        "output_tokens_per_s": workload.num_output_tokens / elapsed,
-        "total_tokens_per_s": (workload.num_output_tokens + workload.num_prompt_tokens) / elapsed,
+        "output_tokens_per_s": produced / elapsed,
+        "total_tokens_per_s": (produced + workload.num_prompt_tokens) / elapsed,
         "ms_per_step": 1000 * elapsed / steps if steps else None,
     }
     if runs[0].latencies is not None:
@@ -238,6 +262,10 @@ def run_bench(
         modes.append(f"{primary} no-cache")
     preemption = engine.config.preemption_mode  # other preemption modes: on the same engine
     modes += [f"{primary} {m}" for m in PREEMPTION_MODES if m in compare and m != preemption]
+    structured = structured_of(args)
+    constrained_lens: list[int] = []  # per request, as the last constrained run ended them
+    if structured is not None and "unconstrained" in compare:
+        modes.append(f"{primary} unconstrained")  # at the lengths the constraint ended at
     batch_size = args.batch_size if args.mode == "latency" else None
     results, rooflines = {}, {}
     hardware = on_devices(H200, engine.config.tensor_parallel_size)
@@ -248,7 +276,11 @@ def run_bench(
         engine.scheduler.cache.enabled = caching and not mode.endswith("no-cache")
         swap = engine.scheduler.swap
         swap.mode = next((m for m in PREEMPTION_MODES if mode.endswith(m)), preemption)
-        time_engine(engine, warmup, args.temperature, penalties=penalties_of(args))
+        constraint = None if mode.endswith("unconstrained") else structured
+        if constraint is None and structured is not None:  # the constrained run's token counts
+            workload = Workload(workload.prompts, constrained_lens)
+        time_engine(engine, warmup, args.temperature, penalties=penalties_of(args),
+                    structured=constraint)  # fmt: skip
         retries = allocator_retries(engine.device)
         preempted, swapped = engine.scheduler.num_preemptions, swap.num_swapped_out
         runs = []
@@ -266,13 +298,17 @@ def run_bench(
                         batch_size,
                         args.mode == "latency",
                         penalties_of(args),
+                        constraint,
                     )
                 )
+        constrained_lens = runs[-1].output_lens if constraint is not None else constrained_lens
         rooflines[mode] = roofline_summary(
             cfg, engine.dtype.itemsize, np.array(engine.step_work), hardware, **sizes
         )
         engine.step_work = None
-        traced = trace_run(llm, workload, args, mode, cost, hardware) if args.trace else {}
+        traced = (
+            trace_run(llm, workload, args, mode, cost, hardware, constraint) if args.trace else {}
+        )
         results[mode] = {
             **traced,
             **summarize_runs(runs, workload),
@@ -397,6 +433,15 @@ def throughput_ratios(results: dict) -> dict[str, float]:
     }
 
 
+def structured_of(args: argparse.Namespace) -> StructuredOutputsParams | None:
+    """--json-schema FILE: the constraint every request gets (no whitespace between tokens, so
+    random weights cannot spin on it)."""
+    if not getattr(args, "json_schema", None):
+        return None
+    schema = json.loads(Path(args.json_schema).read_text())
+    return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+
+
 def penalties_of(args: argparse.Namespace) -> dict[str, float]:
     """The --presence/--frequency/--repetition-penalty every request gets."""
     names = ("presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -419,6 +464,7 @@ def workload_info(args: argparse.Namespace, workload: Workload, batch_size: int 
         "batch_size": batch_size,
         "temperature": args.temperature,
         **penalties_of(args),
+        "json_schema": getattr(args, "json_schema", None),
         "repeats": args.repeats,
         "prompt_tokens": workload.num_prompt_tokens,
         "output_tokens": workload.num_output_tokens,
@@ -474,13 +520,14 @@ def trace_run(
     mode: str,
     cost: ModelCost,
     hardware: Hardware,
+    structured: StructuredOutputsParams | None = None,
 ) -> dict:
     """One more run with the timeline on; saves the trace and its PNG, returns its summary."""
     from tandem.plot import plot_timeline  # matplotlib only when tracing
 
     llm.engine.reset_prefix_cache()
     llm.engine.start_trace()
-    elapsed, _ = time_generate(llm, workload, args.temperature, penalties_of(args))
+    elapsed, _ = time_generate(llm, workload, args.temperature, penalties_of(args), structured)
     timeline = llm.engine.stop_trace()
     path = args.trace if args.compare is None else args.trace.replace(".json", f"_{mode}.json")
     trace = timeline.to_chrome_trace({"mode": mode, "model": args.model})
@@ -661,6 +708,12 @@ def add_bench_args(parser: argparse.ArgumentParser, latency: bool = False) -> No
     parser.add_argument("--presence-penalty", type=float, default=0.0, help="every request's")
     parser.add_argument("--frequency-penalty", type=float, default=0.0, help="every request's")
     parser.add_argument("--repetition-penalty", type=float, default=1.0, help="every request's")
+    parser.add_argument(
+        "--json-schema",
+        help="a JSON schema file every request's output follows (structured outputs; a request "
+        "ends where its grammar does); --compare unconstrained runs the same requests without "
+        "it, each at the length its constrained run reached",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up")
     parser.add_argument(
         "--async",
@@ -682,6 +735,7 @@ def add_bench_args(parser: argparse.ArgumentParser, latency: bool = False) -> No
         choices=[
             "sync",
             "no-prefix-caching",
+            "unconstrained",
             "transformers",
             "transformers-async",
             "transformers-sync",

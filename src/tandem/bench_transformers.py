@@ -172,4 +172,5 @@ def time_manager(manager, workload: Workload, batch_size: int | None, record_tok
             token_times[i] = result.timestamps
     seconds = time.perf_counter() - start
     steps = getattr(manager, "current_batch", 0) - steps_before
-    return Run(seconds, steps, request_latencies(arrivals, token_times) if record_tokens else None)
+    latencies = request_latencies(arrivals, token_times) if record_tokens else None
+    return Run(seconds, steps, latencies, list(workload.output_lens))  # every length checked

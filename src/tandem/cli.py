@@ -47,6 +47,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
     else:
         parser.add_argument("model", help=model_help)
     parser.add_argument(
+        "--tokenizer", help="a folder whose tokenizer.json to use (default: the model's own)"
+    )
+    parser.add_argument(
         "--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu"
     )
     parser.add_argument(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -294,6 +295,8 @@ class EngineConfig:
     """Settings of one engine; `validate` turns user mistakes into ValueErrors naming the field."""
 
     model: str
+    # a folder with the tokenizer.json to use (vLLM's `tokenizer`): default, the model's own
+    tokenizer: str | None = None
     device: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
@@ -353,6 +356,10 @@ class EngineConfig:
         space = self.swap_space
         if not isinstance(space, int | float) or isinstance(space, bool) or not space >= 0:
             raise ValueError(f"swap_space must be a number of GiB >= 0, got {space!r}")
+        if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
+            raise ValueError(
+                f"tokenizer must be a folder with a tokenizer.json, got {self.tokenizer!r}"
+            )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:

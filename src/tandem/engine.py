@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tandem import penalties, piecewise
+from tandem import penalties, piecewise, structured
 from tandem.attention import get_backend, rows_per_shared_group
 from tandem.batch import BatchBuilder, StepBatch
 from tandem.batch_invariant import invariant_attention, make_batch_invariant
@@ -110,8 +110,11 @@ class Engine:
     ) -> None:
         self.dtype = config.resolve_dtype(cfg, self.device)
         self.max_model_len = config.resolve_max_model_len(cfg)
+        tokenizer_dir = Path(config.tokenizer) if config.tokenizer else folder
         self.tokenizer = (
-            Tokenizer.from_dir(folder) if folder and (folder / "tokenizer.json").is_file() else None
+            Tokenizer.from_dir(tokenizer_dir)
+            if tokenizer_dir and (tokenizer_dir / "tokenizer.json").is_file()
+            else None
         )
         self.eos_token_ids = _eos_token_ids(cfg, folder, self.tokenizer)
         self._grammars: GrammarBackend | None = None  # made by the first constrained request
@@ -213,6 +216,8 @@ class Engine:
             cascade=shared_rows > 0,
             penalties=self.penalties,
             swapper=self.swapper,
+            # token masks for structured outputs, where the backend and a tokenizer are here
+            mask_vocab_size=cfg.vocab_size if self.tokenizer and structured.available() else None,
         )
         if self.runner.cuda and (self.runner.graph_sizes or self.runner.token_buckets):
             self.runner.capture_graphs()
@@ -597,6 +602,10 @@ class Engine:
         with timeline.phase("launch", step):
             timeline.record_step(step, work)
             self.runner.launch(batch, timeline)
+        if batch.use_mask:  # its masks need the token each constrained row has in flight
+            batch.sampling_launched = False
+            if not any(batch.requests[row].num_pending_tokens for row in batch.mask_rows):
+                self._launch_sampling(batch)
         for row, request in enumerate(batch.requests):
             if batch.samples[row]:
                 request.num_pending_tokens += 1
@@ -606,11 +615,25 @@ class Engine:
         return True
 
     def _process(self, batch: StepBatch) -> list[Request]:
+        assert batch.sampling_launched, "a step is read back after its sampling was launched"
         with self.timeline.phase("wait", batch.step):
             out = self.runner.wait(batch, self.check_ranks)
-        self.timeline.read_gpu(batch.slot.index, batch.step)
+        self.timeline.read_gpu(batch.slot.index, batch.step, batch.use_mask)
         with self.timeline.phase("process", batch.step):
-            return self._append_outputs(batch, out)
+            updated = self._append_outputs(batch, out)
+        for later in self.in_flight:  # the next step's masks: its rows' matchers are current
+            if not later.sampling_launched:
+                self._launch_sampling(later)
+        return updated
+
+    def _launch_sampling(self, batch: StepBatch) -> None:
+        """Fill a masked step's token masks from its rows' matchers, then launch its sampling."""
+        with self.timeline.phase("mask", batch.step):
+            self.grammars().fill_masks(
+                batch.slot.masks.host, batch.requests, batch.mask_rows, batch.num_seqs_padded
+            )
+            self.runner.launch_sampling(batch, self.timeline)
+        batch.sampling_launched = True
 
     def _append_outputs(self, batch: StepBatch, out: dict[str, np.ndarray]) -> list[Request]:
         num_seqs = len(batch.requests)

@@ -14,6 +14,7 @@ import torch
 
 from tandem.prompt_logprobs import PromptLogprobBuffers
 from tandem.sampling import MAX_LOGPROBS
+from tandem.structured import MaskBuffers
 
 MAX_BANNED_IDS = 32  # EOS ids plus stop_token_ids suppressed while a request is under min_tokens
 
@@ -105,7 +106,13 @@ class PackedBuffers:
 
 class IOSlot:
     def __init__(
-        self, index: int, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device
+        self,
+        index: int,
+        max_tokens: int,
+        max_seqs: int,
+        max_blocks: int,
+        device: torch.device,
+        mask_vocab_size: int | None = None,
     ):
         pin = device.type == "cuda"
         self.index = index
@@ -125,6 +132,10 @@ class IOSlot:
         self.np_out = self.host_out.numpy()
         # copied only in steps with prompt-logprob rows, and only those rows
         self.prompt_logprobs = PromptLogprobBuffers(max_tokens, device)
+        # structured outputs' token masks, copied only in steps with constrained rows
+        self.masks = (
+            MaskBuffers(max_seqs, mask_vocab_size, device) if mask_vocab_size is not None else None
+        )
 
 
 def carry_over(

@@ -25,6 +25,9 @@ LANE_COLORS = {
     "launch": "#393b79",
     "wait": "#bbbbbb",
     "process": "#8c564b",
+    "mask": "#e377c2",
+    "swap": "#2ca02c",
+    "mask_wait": "#d62728",  # the compute stream waiting for structured outputs' masks
 }
 NUM_COLUMNS = 1000
 LABEL_MIN_WIDTH = 0.04  # of the zoom window: narrower bars get no step label

@@ -16,9 +16,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-CPU_PHASES = ("schedule", "build", "launch", "wait", "process")
+# "mask": structured outputs' token masks filled and their step's sampling launched
+CPU_PHASES = ("schedule", "build", "launch", "wait", "process", "mask")
 GPU_STREAMS = ("h2d", "compute", "d2h")
-GPU_LANES = (*GPU_STREAMS, "swap")  # swap copies (swap.py) on a stream of their own
+# the compute stream waiting for a step's token masks, within its compute span (masked steps)
+MASK_WAIT = "mask_wait"
+STEP_LANES = (*GPU_STREAMS, MASK_WAIT)  # event pairs a slot records per step
+GPU_LANES = (*GPU_STREAMS, "swap", MASK_WAIT)  # swap copies (swap.py) on a stream of their own
 
 
 class IntervalLog:
@@ -39,10 +43,10 @@ class IntervalLog:
 
 
 class StepEvents:
-    """Timing events around one slot's H2D copy, compute and D2H copy."""
+    """Timing events around one slot's H2D copy, compute, D2H copy, and mask wait."""
 
     def __init__(self):
-        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2 * len(GPU_STREAMS))]
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2 * len(STEP_LANES))]
 
     def start(self, stream_index: int) -> None:
         self.events[2 * stream_index].record()
@@ -123,17 +127,18 @@ class Timeline:
                 self.reference_ns + int(end_ms * 1e6),
             )
 
-    def read_gpu(self, slot_index: int, step: int) -> None:
-        """After a step's D2H copy completed: turn its slot's events into host-clock intervals."""
+    def read_gpu(self, slot_index: int, step: int, masked: bool = False) -> None:
+        """After a step's D2H copy completed: turn its slot's events into host-clock intervals
+        (`masked`: the step waited for token masks, so its mask-wait events are its own)."""
         if not self.cuda:
             return
         start = time.perf_counter_ns()
         events = self.slot_events[slot_index].events
-        for i in range(len(GPU_STREAMS)):
+        for i, lane in enumerate(STEP_LANES if masked else GPU_STREAMS):
             begin_ms = self.reference.elapsed_time(events[2 * i])
             end_ms = self.reference.elapsed_time(events[2 * i + 1])
             self.gpu.add(
-                i,
+                GPU_LANES.index(lane),
                 step,
                 self.reference_ns + int(begin_ms * 1e6),
                 self.reference_ns + int(end_ms * 1e6),
@@ -211,5 +216,5 @@ class NoTimeline:
     def record_swap(self, num_bytes: tuple[int, int], events: object) -> None:
         pass
 
-    def read_gpu(self, slot_index: int, step: int) -> None:
+    def read_gpu(self, slot_index: int, step: int, masked: bool = False) -> None:
         pass

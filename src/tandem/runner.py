@@ -4,18 +4,26 @@ On CUDA each phase has its own non-default stream and the phases are ordered by 
 launching a step returns at once and the CPU blocks only in `wait`, on the step's `d2h_done`:
 
     h2d_stream:     wait compute_done[slot] -> copy inputs  -> record h2d_done[slot]
-    compute_stream: wait h2d_done[slot], d2h_done[slot], swap.done -> carry-over, forward,
-                                                            sample -> record compute_done[slot]
+                    (masked steps, later) copy token masks  -> record mask_ready[slot]
+    compute_stream: wait h2d_done[slot], d2h_done[slot], swap.done -> carry-over, forward
+                    (masked steps) wait mask_ready[slot]
+                    sample                                  -> record compute_done[slot]
     d2h_stream:     wait compute_done[slot] -> copy outputs -> record d2h_done[slot]
 
-The two slots alternate, so these waits only ever order a slot against its own previous use.
-Swap copies (swap.py) run on a fourth stream after every step launched before them.
-On CPU the same calls run eagerly in program order.
+A step is two launches, its forward pass (up to the logits) and its sampling. Both are enqueued
+at once, except in a step with structured-output rows (structured.py): its sampling is launched
+once the CPU has that step's token masks, after reading back the step before (engine.py). CUDA
+graphs follow the split: a forward graph per (slot, size, shared-prefix groups on/off) writes
+the logits into one buffer, and small sampling graphs per (slot, size, filters, penalties,
+masks) read them. The two slots alternate, so these waits only ever order a slot against its
+own previous use. Swap copies (swap.py) run on a fourth stream after every step launched
+before them. On CPU the same calls run eagerly in program order.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import time
 from collections.abc import Callable, Iterator
@@ -32,9 +40,9 @@ from tandem.parallel import TensorParallel
 from tandem.penalties import PenaltyState
 from tandem.piecewise import PiecewiseGraphs, bucket_for, token_buckets
 from tandem.profiler import NoTimeline, Timeline
-from tandem.prompt_logprobs import PromptLogprobStep
 from tandem.prompt_logprobs import compute as compute_prompt_logprobs
 from tandem.sampling import SamplingTensors, sample, top_logprobs_of
+from tandem.structured import apply_masks
 from tandem.swap import SwapCopy, Swapper
 
 WAIT_POLL_S = 50e-6  # tensor parallelism: how often the step wait looks at the other ranks
@@ -74,6 +82,7 @@ class Runner:
         cascade: bool = False,
         penalties: PenaltyState | None = None,
         swapper: Swapper | None = None,
+        mask_vocab_size: int | None = None,
     ):
         self.model = model
         self.penalties = penalties  # needed by steps with use_penalties
@@ -81,12 +90,22 @@ class Runner:
         self.kv_caches = kv_caches
         self.attend = attend
         self.device = device
-        self.slots = [IOSlot(i, max_tokens, max_seqs, max_blocks, device) for i in range(2)]
+        # with mask_vocab_size, each slot holds token-mask rows and steps may take masks
+        self.masks = mask_vocab_size is not None
+        self.slots = [
+            IOSlot(i, max_tokens, max_seqs, max_blocks, device, mask_vocab_size) for i in range(2)
+        ]
         self.cuda = device.type == "cuda"
         # decode-only steps of up to max_seqs rows replay a graph captured for the next size up
         self.graph_sizes = graph_batch_sizes(min(max_seqs, max_tokens)) if cuda_graphs else []
-        # (slot, rows, use_filters, use_penalties, shared-prefix groups on/off) -> graph
-        self.graphs: dict[tuple[int, int, bool, bool, bool], torch.cuda.CUDAGraph] = {}
+        # ("forward", slot, rows, shared-prefix groups on/off) and
+        # ("sample", slot, rows, use_filters, use_penalties, use_mask) -> graph
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        # [graph_sizes[-1], vocab] in the LM head's dtype: a forward graph's logits, which the
+        # sampling graph replayed after it reads (made at capture)
+        self.logits: torch.Tensor | None = None
+        # an eager step's forward outputs (hidden, logits, input ids) until its sampling runs
+        self.forwarded: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
         self.cascade = cascade  # the attention takes groups of rows that share blocks
         self.swapper = swapper  # preemption by swap: its copies run on a stream of their own
         # the other steps of up to max_tokens tokens: pieces between their attentions, padded to
@@ -102,6 +121,7 @@ class Runner:
             self.h2d_done = [torch.cuda.Event() for _ in self.slots]
             self.compute_done = [torch.cuda.Event() for _ in self.slots]
             self.d2h_done = [torch.cuda.Event() for _ in self.slots]
+            self.mask_ready = [torch.cuda.Event() for _ in self.slots]
             torch.cuda.synchronize(
                 device
             )  # weights, cache and buffers were written on the default stream
@@ -145,10 +165,13 @@ class Runner:
             self.swapper.run(copies, self.compute_stream if self.cuda else None, timeline)
 
     def launch(self, batch: StepBatch, timeline: Timeline | NoTimeline) -> None:
-        """Enqueue the step's copies and compute; returns without waiting for the device."""
+        """Enqueue the step's H2D copy and forward pass, and its sampling and D2H copy unless
+        the step takes token masks (then `launch_sampling`, later); returns without waiting."""
         slot = batch.slot
         if not self.cuda:
-            self._compute(batch)
+            self._forward_step(batch)
+            if not batch.use_mask:
+                self._sample_step(batch)
             return
         i = slot.index
         timing = timeline.slot_events[i]
@@ -166,7 +189,32 @@ class Runner:
             if self.swapper is not None:
                 self.swapper.fence(self.compute_stream)  # blocks swapped in or out for it
             timing.start(1)
-            self._compute(batch)
+            self._forward_step(batch)
+        if not batch.use_mask:
+            self._sample_and_copy_out(batch, timing)
+
+    def launch_sampling(self, batch: StepBatch, timeline: Timeline | NoTimeline) -> None:
+        """Enqueue a masked step's sampling, its masks filled into the slot's host rows: the
+        masks' H2D copy, then the sampling after that copy alone (the forward pass runs
+        meanwhile), then the D2H copy."""
+        if not self.cuda:
+            self._sample_step(batch)
+            return
+        i = batch.slot.index
+        timing = timeline.slot_events[i]
+        with torch.cuda.stream(self.h2d_stream):
+            batch.slot.masks.copy_in(batch.num_seqs_padded)
+            self.mask_ready[i].record()
+        with torch.cuda.stream(self.compute_stream):
+            timing.start(3)
+            self.compute_stream.wait_event(self.mask_ready[i])
+            timing.end(3)
+        self._sample_and_copy_out(batch, timing)
+
+    def _sample_and_copy_out(self, batch: StepBatch, timing) -> None:
+        slot, i = batch.slot, batch.slot.index
+        with torch.cuda.stream(self.compute_stream):
+            self._sample_step(batch)
             timing.end(1)
             self.compute_done[i].record()
         with torch.cuda.stream(self.d2h_stream):
@@ -194,56 +242,68 @@ class Runner:
             done.synchronize()  # at once, if polled to completion
         return batch.slot.np_out
 
-    def _compute(self, batch: StepBatch) -> None:
+    def _forward_step(self, batch: StepBatch) -> None:
         if batch.penalty_admissions is not None:
             self.penalties.admit(*batch.penalty_admissions)
         shared = batch.num_shared_groups > 0
         if batch.graphed:
-            key = (
-                batch.slot.index,
-                batch.num_seqs_padded,
-                batch.use_filters,
-                batch.use_penalties,
-                shared,
-            )
-            self.graphs[key].replay()
+            self.graphs[("forward", batch.slot.index, batch.num_seqs_padded, shared)].replay()
             return
-        self._forward_and_sample(
+        self.forwarded = self._forward(
             batch.slot,
             batch.num_tokens,
             len(batch.requests),
             batch.decode_only,
-            batch.use_filters,
-            batch.num_top_logprobs,
             batch.query_start_loc,
             batch.seq_lens,
             batch.token_bucket,
-            batch.use_penalties,
             batch.num_shared_groups if shared else None,
-            batch.prompt_logprobs,
         )
 
+    def _sample_step(self, batch: StepBatch) -> None:
+        if batch.graphed:
+            key = (batch.slot.index, batch.num_seqs_padded)
+            key += (batch.use_filters, batch.use_penalties, batch.use_mask)
+            self.graphs[("sample", *key)].replay()
+            return
+        hidden, logits, input_ids = self.forwarded
+        self.forwarded = None
+        self._sample(
+            batch.slot,
+            logits,
+            input_ids,
+            batch.num_tokens,
+            len(batch.requests),
+            batch.use_filters,
+            batch.num_top_logprobs,
+            batch.use_penalties,
+            batch.use_mask,
+        )
+        if batch.prompt_logprobs is not None:  # never captured
+            compute_prompt_logprobs(
+                self.model, hidden, batch.slot.prompt_logprobs, batch.prompt_logprobs.num_rows,
+                batch.prompt_logprobs.num_top,
+            )  # fmt: skip
+
     @torch.inference_mode()
-    def _forward_and_sample(
+    def _forward(
         self,
         slot: IOSlot,
         num_tokens: int,
         num_seqs: int,
         decode_only: bool,
-        use_filters: bool,
-        num_top_logprobs: int | None,
         query_start_loc_host: list[int] | None,
         seq_lens_host: list[int] | None,
         token_bucket: int | None = None,
-        use_penalties: bool = False,
         max_shared_groups: int | None = None,
-        prompt_logprobs: PromptLogprobStep | None = None,
-    ) -> None:
-        """Everything the device does for one step; fixed shapes given its arguments, so capturable.
-        With `token_bucket`, the forward pass runs as pieces padded to that many tokens; with
-        `max_shared_groups`, decode rows that share leading blocks read them once per group; with
-        `prompt_logprobs` (never captured), its prompt rows' logprobs follow the sampling."""
-        x, out = slot.dev_in, slot.dev_out
+        logits_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The step's forward pass up to its rows' logits: (hidden states, logits, input ids
+        after the carry-over, or None when the pieces made them). Fixed shapes given its
+        arguments, so capturable. With `token_bucket`, the forward pass runs as pieces padded to
+        that many tokens; with `max_shared_groups`, decode rows that share leading blocks read
+        them once per group; with `logits_out` (the graphs' buffer), the logits land there."""
+        x = slot.dev_in
         prev_sampled = self.slots[1 - slot.index].dev_out["sampled"]  # slots alternate every step
         meta = AttentionMetadata(
             slot_mapping=x["slot_mapping"][:num_tokens].long(),
@@ -270,7 +330,27 @@ class Runner:
             )
         # a decode step's rows are its sequences' last tokens already: no gather
         last = hidden[:num_seqs] if decode_only else hidden[x["logits_indices"][:num_seqs].long()]
-        logits = self.model.compute_logits(last)
+        if logits_out is None:
+            return hidden, self.model.compute_logits(last), input_ids
+        return hidden, self.model.compute_logits(last, out=logits_out), input_ids
+
+    @torch.inference_mode()
+    def _sample(
+        self,
+        slot: IOSlot,
+        logits: torch.Tensor,
+        input_ids: torch.Tensor | None,
+        num_tokens: int,
+        num_seqs: int,
+        use_filters: bool,
+        num_top_logprobs: int | None,
+        use_penalties: bool = False,
+        use_mask: bool = False,
+    ) -> None:
+        """[num_seqs, vocab] logits -> the slot's sampled tokens (and logprobs); fixed shapes
+        given its arguments, so capturable. `input_ids` (None: made again from the slot) feed
+        the penalty state; `use_mask` applies the slot's token masks last."""
+        x, out = slot.dev_in, slot.dev_out
         # logprobs describe the model's own distribution, before min_tokens bans and filters
         logprobs = (
             logits.log_softmax(dim=-1, dtype=torch.float32)
@@ -280,11 +360,13 @@ class Runner:
         if use_penalties:  # the step's tokens counted into the state, then the logits processed
             if input_ids is None:
                 ids, carry = x["input_ids"][:num_tokens], x["carry_index"][:num_tokens]
-                input_ids = carry_over(ids, carry, prev_sampled)
+                input_ids = carry_over(ids, carry, self.slots[1 - slot.index].dev_out["sampled"])
             self.penalties.update(x, input_ids)
             logits = self.penalties.apply(logits, x, num_seqs)
         if use_filters:  # the only steps with min_tokens bans (see StepBatch.use_filters)
             ban_tokens(logits, x["banned_ids"][:num_seqs], x["ban_rows"][:num_seqs])
+        if use_mask:  # rows without a constraint have all-ones masks
+            apply_masks(logits, slot.masks.device[:num_seqs])
         params = SamplingTensors(
             temperature=x["temperature"][:num_seqs],
             top_k=x["top_k"][:num_seqs],
@@ -302,20 +384,15 @@ class Runner:
             out["sampled_logprob"][:num_seqs].copy_(sampled_logprob)
             out["top_ids"][:num_seqs, :num_top_logprobs].copy_(top_ids)
             out["top_logprobs"][:num_seqs, :num_top_logprobs].copy_(top_logprobs)
-        if prompt_logprobs is not None:
-            compute_prompt_logprobs(
-                self.model, hidden, slot.prompt_logprobs, prompt_logprobs.num_rows,
-                prompt_logprobs.num_top,
-            )  # fmt: skip
 
     def capture_graphs(self, shared_pool: bool = True) -> None:
-        """One graph per (slot, padded size, filters on/off, penalties on/off), and the pieces of
-        the other steps per token bucket, all from one shared memory pool.
+        """Per slot and padded size, the forward graphs (shared-prefix groups on/off) and the
+        sampling graphs (filters, penalties, masks on/off), and the pieces of the other steps
+        per token bucket, all from one shared memory pool.
 
         Sharing is safe because graphs never run concurrently: every step runs on the compute
         stream after the previous one. Largest first, so smaller graphs fit in the pool it sized.
-        (`shared_pool=False` gives each decode graph its own pool; benchmarks/graph_memory.py
-        compares.)
+        (`shared_pool=False` gives each graph its own pool; benchmarks/graph_memory.py compares.)
         """
         shared = torch.cuda.graph_pool_handle()
         if self.pieces is not None:  # the larger activations: first
@@ -326,27 +403,40 @@ class Runner:
         torch.cuda.synchronize(self.device)
 
     def _capture_graphs(self, shared, shared_pool: bool) -> None:
+        def capture(key: tuple, run: Callable[[], object]) -> None:
+            with torch.cuda.stream(self.compute_stream):
+                run()  # warm-up: kernels chosen, workspaces made
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=shared if shared_pool else None,
+                                  stream=self.compute_stream):  # fmt: skip
+                run()
+            self.graphs[key] = graph
+
+        largest = self.graph_sizes[-1] if self.graph_sizes else 0
         for size in reversed(self.graph_sizes):
             for slot in self.slots:
-                for variant in self._graph_variants():
-                    use_filters, use_penalties, cascade = variant
+                for cascade in (False, True) if self.cascade else (False,):
                     groups = max(1, size // 2) if cascade else None  # a group has 2 rows or more
-                    args = (slot, size, size, True, use_filters, None, None, None, None)
-                    args += (use_penalties, groups)
-                    with torch.cuda.stream(self.compute_stream):
-                        self._forward_and_sample(*args)  # warm-up: kernels chosen, workspaces made
-                    graph = torch.cuda.CUDAGraph()
-                    pool = shared if shared_pool else None
-                    with torch.cuda.graph(graph, pool=pool, stream=self.compute_stream):
-                        self._forward_and_sample(*args)
-                    self.graphs[(slot.index, size, *variant)] = graph
+                    args = (slot, size, size, True, None, None, None, groups)
+                    if self.logits is None:  # its shape and dtype: the LM head's own
+                        with torch.cuda.stream(self.compute_stream):
+                            logits = self._forward(*args)[1]
+                            self.logits = logits.new_empty(largest, logits.shape[1])
+                    out = self.logits[:size]
+                    forward = functools.partial(self._forward, *args, logits_out=out)
+                    capture(("forward", slot.index, size, cascade), forward)
+                for variant in self._sampling_variants():
+                    use_filters, use_penalties, use_mask = variant
+                    args = (slot, self.logits[:size], None, size, size, use_filters, None)
+                    sample_ = functools.partial(self._sample, *args, use_penalties, use_mask)
+                    capture(("sample", slot.index, size, *variant), sample_)
 
-    def _graph_variants(self) -> list[tuple[bool, bool, bool]]:
-        """(use_filters, use_penalties, shared groups) of the decode graphs: penalties where the
-        engine keeps penalty state, shared groups where the attention takes them."""
+    def _sampling_variants(self) -> list[tuple[bool, bool, bool]]:
+        """(use_filters, use_penalties, use_mask) of the sampling graphs: penalties where the
+        engine keeps penalty state, masks where the slots hold mask rows."""
         penalties = (False, True) if self.penalties is not None else (False,)
-        cascade = (False, True) if self.cascade else (False,)
-        return list(itertools.product((False, True), penalties, cascade))
+        masks = (False, True) if self.masks else (False,)
+        return list(itertools.product((False, True), penalties, masks))
 
 
 def shared_prefixes(x: dict[str, torch.Tensor], max_groups: int) -> SharedPrefixes:

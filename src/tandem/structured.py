@@ -142,13 +142,12 @@ class GrammarBackend:
         """The compiled grammar; a ValueError carrying xgrammar's message when it rejects it."""
         kind = params.kind
         try:
-            if kind == "json":
-                schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+            if kind in ("json", "json_object"):  # an object: OpenAI's json_object, not any value
+                schema = params.json if kind == "json" else {"type": "object"}
                 return self.compiler.compile_json_schema(
-                    schema, any_whitespace=not params.disable_any_whitespace
+                    schema if isinstance(schema, str) else json.dumps(schema),
+                    any_whitespace=not params.disable_any_whitespace,
                 )
-            if kind == "json_object":
-                return self.compiler.compile_builtin_json_grammar()
             if kind == "regex":
                 return self.compiler.compile_regex(params.regex)
             if kind == "choice":

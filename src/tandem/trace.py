@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tandem.profiler import CPU_PHASES, GPU_LANES
+from tandem.profiler import CPU_PHASES, GPU_LANES, MASK_WAIT
 
 GAP_BUCKETS_US = (0, 10, 50, 100, 500, 1000, 5000, float("inf"))
 STEP_WORK_FIELDS = ("num_seqs", "num_tokens", "context_tokens", "attention_pairs")
@@ -60,6 +60,24 @@ def clip(spans: np.ndarray, lo: float, hi: float) -> np.ndarray:
 
 def length(spans: np.ndarray) -> float:
     return float((spans[:, 1] - spans[:, 0]).sum()) if len(spans) else 0.0
+
+
+def difference(spans: np.ndarray, holes: np.ndarray) -> np.ndarray:
+    """The union `spans` without the union `holes` (each sorted and disjoint). E.g. [[0, 10]]
+    without [[2, 3], [5, 6]] -> [[0, 2], [3, 5], [6, 10]]."""
+    kept, first = [], 0
+    for start, end in spans.tolist():
+        while first < len(holes) and holes[first, 1] <= start:
+            first += 1  # holes before this span are before every later one too
+        k = first
+        while k < len(holes) and holes[k, 0] < end:
+            if holes[k, 0] > start:
+                kept.append((start, float(holes[k, 0])))
+            start = max(start, float(holes[k, 1]))
+            k += 1
+        if end > start:
+            kept.append((start, end))
+    return np.asarray(kept, dtype=np.float64).reshape(-1, 2)
 
 
 def intersection_length(a: np.ndarray, b: np.ndarray) -> float:
@@ -126,7 +144,10 @@ def summarize(trace: dict) -> dict:
     launches = cpu.get("launch", empty)
     start, end = run_window(cpu, gpu)
     window = max(end - start, 1e-9)
-    gpu_busy = clip(union(np.concatenate([gpu.get(s, empty) for s in GPU_LANES])), start, end)
+    # a step's compute span holds its wait for token masks: idle time, not work
+    mask_waits = clip(union(gpu.get(MASK_WAIT, empty)), start, end)
+    busy = [gpu.get(s, empty) for s in GPU_LANES if s != MASK_WAIT]
+    gpu_busy = difference(clip(union(np.concatenate(busy)), start, end), mask_waits)
     cpu_busy = clip(
         union(np.concatenate([cpu.get(p, empty) for p in CPU_PHASES if p != "wait"])), start, end
     )
@@ -161,6 +182,11 @@ def summarize(trace: dict) -> dict:
             for phase, spans in cpu.items()
         },
         "swap": swap_totals(trace, gpu.get("swap", empty)),
+        "mask_wait": {
+            "steps": len(gpu.get(MASK_WAIT, empty)),
+            "total_ms": length(mask_waits) / 1e3,
+            "pct": 100 * length(mask_waits) / window,
+        },
         "gpu_stream_ms_per_step": {
             stream: float(np.median((spans[:, 1] - spans[:, 0]) / 1e3))
             for stream, spans in gpu.items()
@@ -194,6 +220,12 @@ def format_summary(summary: dict) -> str:
         lines.append(
             f"swap {swap['batches']} batches  out {swap['bytes_out'] / 2**20:.1f} MiB  "
             f"in {swap['bytes_in'] / 2**20:.1f} MiB  on the GPU {swap['gpu_ms']:.2f} ms"
+        )
+    waits = summary.get("mask_wait")
+    if waits and waits["steps"]:
+        lines.append(
+            f"mask wait {waits['total_ms']:.2f} ms ({waits['pct']:.3f}% of the run) over "
+            f"{waits['steps']} masked steps"
         )
     lines.append(f"CPU busy {summary['cpu_busy_pct']:.1f}%")
     for phase, ms in summary["cpu_phase_ms_per_step"].items():

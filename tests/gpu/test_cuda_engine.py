@@ -148,14 +148,14 @@ def test_graphs_capture_the_chosen_blas_and_eager_steps_keep_torchs(
     run under the caller's choice, which is back after capture."""
     monkeypatch.setattr(runner, "BLAS_LIBRARY", library)
     seen = []
-    original = Runner._forward_and_sample
+    original = Runner._forward
 
-    def recorded(self, *args):
+    def recorded(self, *args, **kwargs):
         capturing = torch.cuda.is_current_stream_capturing()
         seen.append((capturing, torch.backends.cuda.preferred_blas_library()))
-        return original(self, *args)
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(Runner, "_forward_and_sample", recorded)
+    monkeypatch.setattr(Runner, "_forward", recorded)
     before = torch.backends.cuda.preferred_blas_library()
     generate(make_tiny("qwen3"), cuda_graphs=True)
     captured = {chosen for capturing, chosen in seen if capturing}

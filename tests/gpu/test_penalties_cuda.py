@@ -77,13 +77,13 @@ def test_async_equals_sync_with_penalties_and_preemption(make_tiny, dtype):
 
 def test_graphs_equal_eager_with_penalties_and_the_penalty_graphs_replay(make_tiny, monkeypatch):
     replayed = []
-    original = Runner._compute
+    original = Runner._sample_step
 
     def recorded(self, batch):
         replayed.append((batch.graphed, batch.use_penalties, batch.use_filters))
         return original(self, batch)
 
-    monkeypatch.setattr(Runner, "_compute", recorded)
+    monkeypatch.setattr(Runner, "_sample_step", recorded)
     eager = generate(make_tiny("llama"), cuda_graphs=False)
     assert generate(make_tiny("llama"), cuda_graphs=True) == eager
     assert (True, True, False) in replayed and (True, True, True) in replayed

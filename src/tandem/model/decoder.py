@@ -251,10 +251,20 @@ class Decoder(nn.Module):
         x = self.embed_tokens(input_ids)
         return x if self.embed_scale is None else x * torch.tensor(self.embed_scale, dtype=x.dtype)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab] in the model's dtype (each rank's vocabulary slice
         gathered). The sampler reads them as they are; a float32 copy of [rows, vocab] would be
-        a full extra pass over the largest tensor of a decode step."""
+        a full extra pass over the largest tensor of a decode step. With `out` ([rows, vocab]),
+        into it: the LM head's product itself where nothing follows it, else a copy."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        direct = (
+            self.tp.size == 1
+            and self.linear is F.linear
+            and weight.shape[0] == self.cfg.vocab_size
+            and self.cfg.final_logit_softcapping is None
+        )
+        if out is not None and direct:
+            return torch.mm(hidden, weight.t(), out=out)  # F.linear's own product, in place
         logits = self.tp.gather_columns(self.linear(hidden, weight))
-        return soft_cap(logits[:, : self.cfg.vocab_size], self.cfg.final_logit_softcapping)
+        logits = soft_cap(logits[:, : self.cfg.vocab_size], self.cfg.final_logit_softcapping)
+        return logits if out is None else out.copy_(logits)

@@ -1,0 +1,267 @@
+"""Structured outputs (structured.py): constrained outputs parse, on random weights.
+
+With random weights the model has no idea of JSON: these tests check the mechanism (every
+sampled token allowed by its step's mask, the masks computed from the tokens before), not the
+model. Outputs are checked by independent parsers: jsonschema, re.fullmatch, membership.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from tandem import LLM, SamplingParams, StructuredOutputsParams
+from tandem.runner import Runner
+from tandem.structured import choice_grammar
+
+pytest.importorskip("xgrammar")
+
+# nested objects, arrays, enums, required and optional fields, numbers with bounds; each ends
+# within a few dozen tokens of the tiny model's mostly one-character vocabulary
+SCHEMAS = [
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+     "b": {"enum": ["x", "y"]}}, "required": ["a", "b"]},
+    {"type": "object", "properties": {"user": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0,
+        "maximum": 120}}, "required": ["name", "age"]}, "active": {"type": "boolean"}},
+     "required": ["user", "active"]},
+    {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 4},
+    {"type": "array", "items": {"type": "object", "properties": {"id": {"type": "integer",
+     "minimum": 1, "maximum": 9}}, "required": ["id"]}, "maxItems": 2},
+    {"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"type": "null"},
+     "c": {"type": "integer", "minimum": -3, "maximum": 3}}, "required": ["a"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"x": {"type": "number", "minimum": -1, "maximum": 1}},
+     "required": ["x"]},
+    {"enum": ["alpha", "beta", 7, None]},
+    {"type": "object", "properties": {"kind": {"const": "point"}, "x": {"type": "integer",
+     "minimum": -5, "maximum": 5}}, "required": ["kind", "x"]},
+    {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 10}, {"type": "boolean"}]},
+    {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0,
+     "maximum": 3}, "maxItems": 2}, "maxItems": 2},
+]  # fmt: skip
+REGEXES = [r"\d{3}-[a-z]{2,5}", r"(yes|no|maybe)!?", r"[A-F0-9]{4}( [A-F0-9]{4})?"]
+CHOICES = ["red", "green", 'say "hi"', "日本"]
+
+
+@pytest.fixture(scope="module")
+def folder(make_tiny):
+    return str(make_tiny("qwen3"))
+
+
+def json_params(schema, seed: int, **kwargs) -> SamplingParams:
+    constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    return SamplingParams(
+        temperature=1.0, seed=seed, max_tokens=200, structured_outputs=constraint, **kwargs
+    )
+
+
+def free_params(seed: int) -> SamplingParams:
+    return SamplingParams(temperature=1.0, seed=seed, max_tokens=24, ignore_eos=True)
+
+
+def mixed_batch() -> list[SamplingParams]:
+    """Every schema twice, regexes, a choice, a grammar and a JSON object, between free rows."""
+    params = []
+    for i, schema in enumerate(SCHEMAS):
+        params += [json_params(schema, 2 * i), free_params(100 + i), json_params(schema, 2 * i + 1)]
+    for i, regex in enumerate(REGEXES):
+        constraint = StructuredOutputsParams(regex=regex)
+        params.append(SamplingParams(temperature=1.0, seed=i, max_tokens=60,
+                                     structured_outputs=constraint))  # fmt: skip
+    for constraint in (
+        StructuredOutputsParams(choice=CHOICES),
+        StructuredOutputsParams(grammar='root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'),
+    ):
+        params.append(SamplingParams(temperature=1.0, seed=7, max_tokens=200,
+                                     structured_outputs=constraint))  # fmt: skip
+    return params
+
+
+def check_output(params: SamplingParams, completion) -> None:
+    """The output satisfies its constraint, by a parser that is not xgrammar."""
+    constraint = params.structured_outputs
+    if constraint is None:
+        assert len(completion.token_ids) == params.max_tokens
+        return
+    assert completion.finish_reason == "stop", (completion.finish_reason, completion.text)
+    text = completion.text
+    if constraint.json is not None:
+        jsonschema.validate(json.loads(text), constraint.json)
+    elif constraint.regex is not None:
+        assert re.fullmatch(constraint.regex, text), text
+    elif constraint.choice is not None:
+        assert text in constraint.choice
+    else:
+        assert re.fullmatch(r"\(\d+(\+\d+)*\)", text), text
+
+
+def run(folder: str, params: list[SamplingParams], **engine_args):
+    llm = LLM(folder, **{"max_model_len": 512, **engine_args})
+    prompts = [f"request {i}: answer in the format asked" for i in range(len(params))]
+    return llm, llm.generate(prompts, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+def test_constrained_rows_satisfy_their_constraints_beside_free_rows(folder, async_batching):
+    params = mixed_batch()
+    _, outputs = run(folder, params, async_batching=async_batching, num_blocks=256)
+    for p, out in zip(params, outputs, strict=True):
+        check_output(p, out.outputs[0])
+
+
+def test_async_equals_sync_under_constraints_with_preemption(folder):
+    """Seeded sampling: the same tokens in both modes, and under preemption (20 blocks of 16
+    tokens for ~40 requests), where a resumed request's matcher keeps its place."""
+    params = mixed_batch()
+    results = {}
+    for async_batching in (False, True):
+        llm, outputs = run(
+            folder, params, async_batching=async_batching, num_blocks=20, max_num_seqs=16,
+            max_model_len=256,
+        )  # fmt: skip
+        assert llm.engine.scheduler.num_preemptions > 0
+        for p, out in zip(params, outputs, strict=True):
+            check_output(p, out.outputs[0])
+        results[async_batching] = [out.outputs[0].token_ids for out in outputs]
+    assert results[True] == results[False]
+
+
+def test_each_sample_of_n_has_its_own_matcher(folder):
+    params = json_params(SCHEMAS[1], seed=3, n=4)
+    _, outputs = run(folder, [params])
+    texts = [c.text for c in outputs[0].outputs]
+    assert len(texts) == 4 and len(set(texts)) > 1
+    for completion in outputs[0].outputs:
+        check_output(params, completion)
+
+
+def test_a_grammar_that_ends_finishes_the_request_even_with_ignore_eos(folder):
+    params = SamplingParams(
+        temperature=1.0, seed=0, max_tokens=100, ignore_eos=True,
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
+    )  # fmt: skip
+    _, outputs = run(folder, [params])
+    completion = outputs[0].outputs[0]
+    assert completion.finish_reason == "stop" and completion.text in ("yes", "no")
+    assert len(completion.token_ids) < 10  # the grammar's end, then its stop token
+
+
+def test_json_object_allows_objects_only(folder):
+    """OpenAI's json_object is an object, not any JSON value: checked on the matcher itself
+    (random weights write endless keys), then on the engine's first tokens."""
+    llm = LLM(folder, max_model_len=512)
+    grammars = llm.engine.grammars()
+    compiled = grammars.compile(StructuredOutputsParams(json_object=True))
+    encode = llm.engine.tokenizer.encode
+    for text, accepted in (('{"a": [1, true]}', True), ("[1]", False), ('"a"', False)):
+        matcher = grammars.matcher(compiled)
+        ok = all(matcher.accept_token(t) for t in encode(text, add_special_tokens=False))
+        assert ok == accepted, text
+    constraint = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=8, structured_outputs=constraint)
+    assert llm.generate(["x"], [params], use_tqdm=False)[0].outputs[0].text.startswith("{")
+
+
+def test_masked_steps_sample_after_the_step_before_is_read_but_launch_before(folder, monkeypatch):
+    """Async: a masked step's forward is launched before the step before it is read back (the
+    overlap is kept), and its sampling only after (its masks need that step's tokens)."""
+    events = []
+    for name in ("launch", "launch_sampling", "wait"):
+        original = getattr(Runner, name)
+
+        def recorded(self, batch, *args, _original=original, _name=name):
+            events.append((_name, batch.step, batch.use_mask))
+            return _original(self, batch, *args)
+
+        monkeypatch.setattr(Runner, name, recorded)
+    params = [json_params(SCHEMAS[0], seed=1), free_params(2)]
+    run(folder, params, async_batching=True)
+    order = {(name, step): i for i, (name, step, _) in enumerate(events)}
+    masked = [step for name, step, use_mask in events if name == "launch" and use_mask]
+    later = [s for s in masked if ("wait", s - 1) in order]
+    assert len(later) >= 5
+    for step in later:
+        assert order[("launch", step)] < order[("wait", step - 1)]
+        assert order[("wait", step - 1)] < order[("launch_sampling", step)]
+        assert order[("launch_sampling", step)] < order[("wait", step)]
+    assert all(name != "launch_sampling" or m for name, _, m in events)
+
+
+def test_a_row_whose_other_processors_ban_the_whole_grammar_is_aborted_alone(folder):
+    """allowed_token_ids outside every token the grammar allows: nothing can be sampled for
+    that row; it ends with "abort" and the rows beside it are untouched."""
+    llm = LLM(folder, max_model_len=512)
+    digit = llm.engine.tokenizer.encode("7", add_special_tokens=False)
+    broken = SamplingParams(
+        max_tokens=20, allowed_token_ids=digit,
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
+    )  # fmt: skip
+    fine = json_params(SCHEMAS[0], seed=5)
+    outputs = llm.generate(["a", "b"], [broken, fine], use_tqdm=False)
+    assert outputs[0].outputs[0].finish_reason == "abort"
+    check_output(fine, outputs[1].outputs[0])
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    ("constraint", "message"),
+    [
+        (dict(regex="(abc"), "xgrammar rejected the regex constraint: Regex parsing error"),
+        (dict(json={"type": "objekt"}), "xgrammar rejected the json constraint: Unsupported type"),
+        (dict(grammar="root ::= missing"), 'Rule "missing" is not defined'),
+    ],
+)
+def test_a_constraint_the_backend_rejects_is_a_value_error_before_anything_is_queued(
+    folder, constraint, message
+):
+    llm = LLM(folder, max_model_len=512)
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(**constraint))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        llm.generate(["x"], [params], use_tqdm=False)
+    assert not llm.engine.has_unfinished() and not llm.engine.requests
+    good = json_params(SCHEMAS[6], seed=0)
+    check_output(good, llm.generate(["x"], [good], use_tqdm=False)[0].outputs[0])
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(json={"type": "object"}, regex="a+"),
+        dict(),
+        dict(json=[1, 2]),
+        dict(json="{not json"),
+        dict(choice=[]),
+        dict(choice=["a", 3]),
+        dict(regex=""),
+    ],
+)
+def test_malformed_constraints_are_value_errors(fields):
+    with pytest.raises(ValueError, match="structured_outputs"):
+        StructuredOutputsParams(**fields)
+
+
+def test_constraints_from_a_dict_name_unknown_fields():
+    params = SamplingParams(structured_outputs={"regex": "a+"})
+    assert params.structured_outputs == StructuredOutputsParams(regex="a+")
+    with pytest.raises(ValueError, match=r"unknown fields \['shema'\]"):
+        SamplingParams(structured_outputs={"shema": {}})
+    with pytest.raises(ValueError, match="must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs=["a+"])
+
+
+def test_a_model_without_a_tokenizer_refuses_constraints(folder, tmp_path):
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((Path(folder) / name).read_bytes())
+    llm = LLM(str(tmp_path), max_model_len=64)
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
+    with pytest.raises(ValueError, match=r"need the model's tokenizer\.json"):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], [params], use_tqdm=False)
+
+
+def test_choice_grammar_escapes_quotes_and_keeps_unicode():
+    assert choice_grammar(['say "hi"', "日本"]) == 'root ::= "say \\"hi\\"" | "日本"'

@@ -442,16 +442,6 @@ def test_out_of_range_penalties_and_unknown_token_ids_are_400s_naming_the_field(
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
-def test_chat_rejects_tools_and_response_formats_it_cannot_honour(client):
-    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
-    with pytest.raises(openai.BadRequestError, match="tools"):
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, tools=tools)
-    with pytest.raises(openai.BadRequestError, match="response_format"):
-        client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=2, response_format={"type": "json_object"}
-        )
-
-
 def test_unimplemented_fields_at_values_that_ask_for_nothing_are_accepted(server):
     neutral = {
         "echo": False,

@@ -291,6 +291,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         health_stall_timeout_s=args.health_stall_timeout,
         drain_timeout_s=args.drain_timeout,
         access_log=args.access_log,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
     options.validate()
     llm = AsyncLLM.from_model(args.model, **engine_kwargs(args))
@@ -300,6 +302,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     from tandem.server.options import ServerOptions
+    from tandem.server.tool_calls import PARSERS
 
     defaults = ServerOptions()
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -350,6 +353,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--access-log", action="store_true", help="log a line per request (off: the GIL is busy)"
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=list(PARSERS),
+        help="the model's tool-call format, parsed for tool_choice 'auto' (default: none; "
+        "'auto' is then a 400)",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="vLLM's flag for tool_choice 'auto'; needs --tool-call-parser, which alone enables it",
     )
 
 

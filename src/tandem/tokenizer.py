@@ -81,9 +81,13 @@ class Tokenizer:
         return None if self.eos_token is None else self.backend.token_to_id(self.eos_token)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render chat messages to the prompt text; encode it with add_special_tokens=False."""
+        """Render chat messages (and the tools they may call, OpenAI's {"type": "function",
+        "function": {...}} objects) to the prompt text; encode it with add_special_tokens=False."""
         if self._compiled_template is None:
             raise ValueError(
                 "this model has no chat template (no chat_template.jinja and no chat_template in "
@@ -93,7 +97,7 @@ class Tokenizer:
         specials = {"bos_token": self.bos_token, "eos_token": self.eos_token}
         return self._compiled_template.render(
             messages=messages,
-            tools=None,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             **{name: value for name, value in specials.items() if value is not None},
         )

@@ -86,7 +86,7 @@ def build_app(
             raise OpenAIError("give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
             _, tokens = await asyncio.to_thread(
-                chat_ids, tokenizer, body.messages, body.add_generation_prompt
+                chat_ids, tokenizer, body.messages, body.tools, body.add_generation_prompt
             )
         else:
             tokens = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tandem.server.tool_calls import PARSERS
+
 
 @dataclass(frozen=True)
 class ServerOptions:
@@ -17,6 +19,9 @@ class ServerOptions:
     health_stall_timeout_s: float = 60.0  # /health is 503 once work waits this long on no step
     drain_timeout_s: float = 30.0  # SIGTERM: open requests get this long before they are ended
     access_log: bool = False
+    # tool_choice "auto": the parser of the model's tool-call format (tool_calls.PARSERS)
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False  # vLLM's flag; a parser alone enables it here too
 
     def validate(self) -> None:
         for name in ("max_request_bytes", "max_sequences_per_request", "max_stop_strings"):
@@ -26,6 +31,19 @@ class ServerOptions:
             raise ValueError(
                 f"max_stop_string_length must be at least 1, got {self.max_stop_string_length}"
             )
+        self.validate_tool_options()
         for name in ("health_stall_timeout_s", "drain_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def validate_tool_options(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(
+                f"tool_call_parser {self.tool_call_parser!r} is not known; choose one of "
+                f"{', '.join(PARSERS)}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError(
+                "enable_auto_tool_choice (--enable-auto-tool-choice) needs a tool_call_parser "
+                f"(--tool-call-parser: {', '.join(PARSERS)})"
+            )

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from tandem.sampling import MAX_LOGPROBS, MAX_N, MAX_TOP_K
 
@@ -31,9 +33,8 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
-    "tools": ([],),
+    "tools": ([],),  # /v1/completions: chat declares tools and tool_choice
     "tool_choice": ("none", "auto"),
-    "response_format": ({"type": "text"},),
     "skip_special_tokens": (True,),
     "include_stop_str_in_output": (False,),
 }
@@ -70,6 +71,18 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # the schema is always followed strictly
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingRequest(BaseModel):
     """Fields both generation endpoints share; None means the OpenAI default.
 
@@ -100,6 +113,9 @@ class SamplingRequest(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     return_token_ids: bool | None = None  # add each choice's generated token ids
+    response_format: ResponseFormat | None = None
+    # StructuredOutputsParams' fields (tandem/structured.py): one constraint and its options
+    structured_outputs: dict[str, Any] | None = None
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
@@ -124,16 +140,75 @@ class TextPart(BaseModel):
     text: Text
 
 
-class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+class FunctionCall(BaseModel):
+    name: Text
+    arguments: Text  # JSON text, as the model wrote it
 
-    def as_template_input(self) -> dict[str, str]:
-        content = self.content
+
+class ToolCall(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def as_template_input(self) -> dict[str, Any]:
+        # templates write the arguments with tojson, so they get them as an object when they are one
+        arguments: Any = self.function.arguments
+        with contextlib.suppress(json.JSONDecodeError):
+            arguments = json.loads(arguments)
+        function = {"name": self.function.name, "arguments": arguments}
+        return {"id": self.id, "type": "function", "function": function}
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool message answers this call
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def check_role_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls are an assistant message's")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required, unless an assistant message has tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
+
+    def as_template_input(self) -> dict[str, Any]:
+        content = self.content or ""
         text = content if isinstance(content, str) else "".join(part.text for part in content)
         # OpenAI's newer name for the system role; chat templates know "system"
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": text}
+        message: dict[str, Any] = {"role": role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [call.as_template_input() for call in self.tool_calls]
+        for name in ("tool_call_id", "name"):
+            if getattr(self, name) is not None:
+                message[name] = getattr(self, name)
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -141,12 +216,16 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # False: tool_choice "required" makes one call
 
 
 class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # given to the chat template with the messages
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

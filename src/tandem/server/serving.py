@@ -8,7 +8,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.async_llm import AsyncLLM, EngineDeadError, RequestStream, StreamOutput
 from tandem.sampling import MAX_SEED, SamplingParams
+from tandem.server.constraints import constraint_field, output_constraint, tool_mode
 from tandem.server.metrics import LatencyTracker, ServerMetrics
 from tandem.server.options import ServerOptions
 from tandem.server.protocol import (
@@ -26,7 +27,11 @@ from tandem.server.protocol import (
     CompletionRequest,
     OpenAIError,
     SamplingRequest,
+    Tool,
 )
+from tandem.server.tool_calls import OutputReader, PlainOutput, collect
+from tandem.structured import BACKEND as GRAMMAR_BACKEND
+from tandem.structured import StructuredOutputsParams
 from tandem.tokenizer import Tokenizer
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -52,6 +57,7 @@ class Choice:
     # with echo: the prompt's text and ids, and its logprobs from the first output
     echo: tuple[str, list[int]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    reader: OutputReader | None = None  # chat: its streamed text read into content and tool calls
 
     def add(self, output: StreamOutput) -> None:
         self.tracker.observe(output)
@@ -75,6 +81,7 @@ class Generation:
     num_top_logprobs: int | None
     return_token_ids: bool
     n: int = 1  # choices per prompt
+    reader: Callable[[], OutputReader] = PlainOutput  # chat: how a choice's text is read
 
     def usage(self) -> dict:
         completion_tokens = sum(len(c.token_ids) for c in self.choices)
@@ -135,7 +142,9 @@ class OpenAIServing:
         prompt_logprobs = None
         if body.echo and (body.logprobs is not None or max_tokens == 0):
             prompt_logprobs = body.logprobs or 0
-        params = sampling_params(body, max_tokens, body.logprobs, prompt_logprobs)
+        params = sampling_params(
+            body, max_tokens, body.logprobs, prompt_logprobs, output_constraint(body)
+        )
         generation = await self._start("cmpl", prompts, params, body)
         if body.echo:
             for i, choice in enumerate(generation.choices):
@@ -155,14 +164,19 @@ class OpenAIServing:
         self.check_request(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError("top_logprobs needs logprobs set to true", param="top_logprobs")
-        text, ids = await asyncio.to_thread(chat_ids, self.tokenizer(), body.messages)
+        mode = tool_mode(body, self.options.tool_call_parser)
+        constraint = output_constraint(body, mode.constraint)
+        text, ids = await asyncio.to_thread(chat_ids, self.tokenizer(), body.messages, body.tools)
         max_tokens = next(
             (m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
             max(1, self.llm.max_model_len - len(ids)),
         )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
+        params = sampling_params(body, max_tokens, logprobs, None, constraint)
+        if not mode.skip_special_tokens:
+            params = replace(params, skip_special_tokens=False)
         generation = await self._start("chatcmpl", [(text, ids)], params, body)
+        generation.reader = mode.reader
         return await self._respond(generation, ChatFormat, body, http)
 
     def check_request(self, body: SamplingRequest) -> None:
@@ -433,25 +447,36 @@ class ChatFormat(Format):
     chunk_object = "chat.completion.chunk"
 
     def delta_choice(self, index: int, choice: Choice, output: StreamOutput) -> dict | None:
-        delta = {} if choice.started else {"role": "assistant", "content": ""}
-        if output.text:
-            delta["content"] = output.text
+        if choice.reader is None:
+            choice.reader = self.generation.reader()
+        read = choice.reader.feed(output.text, final=output.finished)
+        delta: dict[str, Any] = {} if choice.started else {"role": "assistant"}
+        if read.content or (not choice.started and isinstance(choice.reader, PlainOutput)):
+            delta["content"] = read.content  # plain chat starts with content, "" if none yet
+        if read.calls:
+            delta["tool_calls"] = [call.as_openai() for call in read.calls]
         if not (delta or self.shows(output)):
             return None
         return {
             "index": index,
             "delta": delta,
             "logprobs": self._logprobs(output.token_ids, output.logprobs),
-            "finish_reason": output.finish_reason,
+            "finish_reason": finish_reason(output.finish_reason, choice.reader),
             **self.token_ids(output.token_ids),
         }
 
     def final_choice(self, index: int, choice: Choice) -> dict:
+        reader = self.generation.reader()
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        if not isinstance(reader, PlainOutput):
+            message["content"], tool_calls = collect(reader, choice.text)
+            if tool_calls:
+                message["tool_calls"] = tool_calls
         return {
             "index": index,
-            "message": {"role": "assistant", "content": choice.text},
+            "message": message,
             "logprobs": self._logprobs(choice.token_ids, choice.logprobs),
-            "finish_reason": choice.finish_reason,
+            "finish_reason": finish_reason(choice.finish_reason, reader),
             **self.token_ids(choice.token_ids),
         }
 
@@ -476,6 +501,11 @@ class ChatFormat(Format):
         return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
 
 
+def finish_reason(reason: str | None, reader: OutputReader) -> str | None:
+    """A chat output that ended by itself after making tool calls finishes with "tool_calls"."""
+    return "tool_calls" if reason == "stop" and reader.num_calls else reason
+
+
 def log_disconnect(generation: Generation) -> None:
     """One line for a client that left: its requests were aborted, which is no error."""
     logger.info("%s: the client disconnected; its requests were aborted", generation.id)
@@ -492,20 +522,28 @@ def check_supported(body: SamplingRequest) -> None:
 
 
 def chat_ids(
-    tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True
+    tokenizer: Tokenizer,
+    messages: list[ChatMessage],
+    tools: list[Tool] | None = None,
+    add_generation_prompt: bool = True,
 ) -> tuple[str, list[int]]:
     """The rendered chat prompt and its token ids."""
-    text = chat_prompt(tokenizer, messages, add_generation_prompt)
+    text = chat_prompt(tokenizer, messages, tools, add_generation_prompt)
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
 def chat_prompt(
-    tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True
+    tokenizer: Tokenizer,
+    messages: list[ChatMessage],
+    tools: list[Tool] | None = None,
+    add_generation_prompt: bool = True,
 ) -> str:
     """The messages rendered by the chat template; a 400 if the template refuses them."""
     try:
         return tokenizer.apply_chat_template(
-            [m.as_template_input() for m in messages], add_generation_prompt
+            [m.as_template_input() for m in messages],
+            add_generation_prompt,
+            tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
         )
     except ValueError as error:  # no template, or the template's raise_exception
         raise OpenAIError(str(error), param="messages") from error
@@ -515,7 +553,11 @@ def chat_prompt(
 
 
 def sampling_params(
-    body: SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    body: SamplingRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The request's sampling fields as SamplingParams; unset fields take SamplingParams' defaults."""
     names = (
@@ -540,7 +582,11 @@ def sampling_params(
         given["logit_bias"] = token_id_keys(body.logit_bias)
     try:
         return SamplingParams(
-            **given, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+            **given,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured_outputs,
         )
     except ValueError as error:
         raise invalid_request(error, body) from error
@@ -565,6 +611,8 @@ def seeded(params: SamplingParams, k: int) -> SamplingParams:
 def invalid_request(error: ValueError, body: SamplingRequest) -> OpenAIError:
     """A 400 for a ValueError; its message starts with the field it is about."""
     word, fields = str(error).split(" ", 1)[0], type(body).model_fields
+    if word in (GRAMMAR_BACKEND, "structured_outputs"):  # the engine's constraint errors
+        word = constraint_field(body)
     if word.startswith("prompt"):  # prompt, prompt_token_ids: what the prompt or messages made
         word = "prompt" if "prompt" in fields else "messages"
     param = word if word in fields else None

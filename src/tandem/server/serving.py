@@ -29,7 +29,7 @@ from tandem.server.protocol import (
     SamplingRequest,
     Tool,
 )
-from tandem.server.tool_calls import OutputReader, PlainOutput, collect
+from tandem.server.tool_calls import NamedToolOutput, OutputReader, PlainOutput, collect
 from tandem.structured import BACKEND as GRAMMAR_BACKEND
 from tandem.structured import StructuredOutputsParams
 from tandem.tokenizer import Tokenizer
@@ -502,8 +502,10 @@ class ChatFormat(Format):
 
 
 def finish_reason(reason: str | None, reader: OutputReader) -> str | None:
-    """A chat output that ended by itself after making tool calls finishes with "tool_calls"."""
-    return "tool_calls" if reason == "stop" and reader.num_calls else reason
+    """A chat output that ended by itself after making tool calls finishes with "tool_calls",
+    except under a named tool_choice, where OpenAI (and vLLM) answer "stop"."""
+    named = isinstance(reader, NamedToolOutput)
+    return "tool_calls" if reason == "stop" and reader.num_calls and not named else reason
 
 
 def log_disconnect(generation: Generation) -> None:

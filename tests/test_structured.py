@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
+import torch
 
 from tandem import LLM, SamplingParams, StructuredOutputsParams
 from tandem.runner import Runner
@@ -265,3 +267,32 @@ def test_a_model_without_a_tokenizer_refuses_constraints(folder, tmp_path):
 
 def test_choice_grammar_escapes_quotes_and_keeps_unicode():
     assert choice_grammar(['say "hi"', "日本"]) == 'root ::= "say \\"hi\\"" | "日本"'
+
+
+@pytest.mark.parametrize("any_whitespace", [False, True])
+def test_json_strings_take_no_raw_control_bytes(folder, any_whitespace):
+    """xgrammar 0.2.9 lets raw control bytes into a string with maxLength; JSON parsers reject
+    them. The masks of JSON constraints are ANDed with the tokens free of them: checked inside
+    such a string, against xgrammar's own mask (which does allow some)."""
+    llm = LLM(folder, max_model_len=512)
+    grammars, tokenizer = llm.engine.grammars(), llm.engine.tokenizer
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 8}},
+              "required": ["s"]}  # fmt: skip
+    constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=not any_whitespace)
+    compiled = grammars.compile(constraint)
+    pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in range(tokenizer.vocab_size)]
+    forbidden = {chr(c) for c in range(0x20)} - ({"\t", "\n", "\r"} if any_whitespace else set())
+
+    def allowed_controls(token_filter) -> set[int]:
+        matcher = grammars.matcher(compiled)
+        for t in tokenizer.encode('{"s": "', add_special_tokens=False):
+            assert matcher.accept_token(t)
+        request = SimpleNamespace(matcher=matcher, token_filter=token_filter, finished=False)
+        mask = torch.zeros(1, grammars.words, dtype=torch.int32)
+        grammars.fill_masks(mask, [request], [0], 1)
+        bits = ((mask[0][:, None] >> torch.arange(32)) & 1).view(-1)
+        return {t for t, p in enumerate(pieces) if bits[t] and set(p) & forbidden}
+
+    assert allowed_controls(None)  # xgrammar alone
+    assert not allowed_controls(grammars.token_filter(constraint))
+    assert grammars.token_filter(StructuredOutputsParams(regex="a+")) is None

@@ -341,13 +341,12 @@ class Engine:
             )
         bad_words = self._bad_words_token_ids(params)
         penalties.check_request(params, bad_words, self.model_config.vocab_size)
-        matcher = None
-        if params.structured_outputs is not None:
-            grammars = self.grammars()
-            matcher = grammars.matcher(grammars.compile(params.structured_outputs))
         request = Request(request_id, prompt_token_ids, params, params.seed, prompt=prompt)
         request.bad_words_token_ids = bad_words
-        request.matcher = matcher
+        if params.structured_outputs is not None:
+            grammars = self.grammars()
+            request.matcher = grammars.matcher(grammars.compile(params.structured_outputs))
+            request.token_filter = grammars.token_filter(params.structured_outputs)
         if params.stop or stream_text:
             request.detokenizer = self._detokenizer(request)
         return request

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from tandem.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    import numpy as np
     import xgrammar
 
     from tandem.tokenizer import IncrementalDetokenizer
@@ -56,6 +57,7 @@ class Request:
     )  # params.bad_words, tokenized
     # params.structured_outputs' matcher (structured.py), advanced by every output token read
     matcher: xgrammar.GrammarMatcher | None = None
+    token_filter: np.ndarray | None = None  # [ceil(vocab / 32)] int32, ANDed into its masks
 
     def __post_init__(self) -> None:
         if self.wants_prompt_logprobs:

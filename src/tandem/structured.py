@@ -137,6 +137,12 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self.words = cdiv(vocab_size, 32)  # int32 words of one bitmask row
         self.batch = xgr.BatchGrammarMatcher()
+        # [words] int32 each: the tokens free of control bytes JSON never allows raw (and, for
+        # JSON without whitespace, of tab, newline and carriage return too)
+        self.json_filters = {
+            any_whitespace: control_free_tokens(info.decoded_vocab, vocab_size, any_whitespace)
+            for any_whitespace in (False, True)
+        }
 
     def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         """The compiled grammar; a ValueError carrying xgrammar's message when it rejects it."""
@@ -160,6 +166,14 @@ class GrammarBackend:
     def matcher(self, compiled: xgrammar.CompiledGrammar) -> xgrammar.GrammarMatcher:
         return self.xgr.GrammarMatcher(compiled)
 
+    def token_filter(self, params: StructuredOutputsParams) -> np.ndarray | None:
+        """The mask row a JSON constraint's masks are ANDed with: xgrammar 0.2.9 compiles a
+        string with maxLength to characters [^"\\\r\n], which lets raw control bytes (e.g.
+        0x12) into a string, and no JSON parser takes them. None for the other kinds."""
+        if params.kind not in ("json", "json_object"):
+            return None
+        return self.json_filters[not params.disable_any_whitespace]
+
     def fill_masks(
         self, bitmask: torch.Tensor, requests: list[Request], rows: list[int], num_rows: int
     ) -> None:
@@ -171,6 +185,24 @@ class GrammarBackend:
         if live:
             matchers = [requests[r].matcher for r in live]
             self.batch.batch_fill_next_token_bitmask(matchers, bitmask, live)
+        for r in live:
+            if requests[r].token_filter is not None:
+                host[r] &= requests[r].token_filter
+
+
+def control_free_tokens(decoded_vocab: list[bytes], vocab_size: int, any_whitespace: bool):
+    """[ceil(vocab / 32)] int32 bitmask row: the tokens whose bytes hold no control byte
+    (0x00-0x1f) that JSON forbids outside strings as well as raw inside them; with
+    `any_whitespace`, tab, newline and carriage return are allowed (whitespace between
+    tokens). Ids past the tokenizer's vocabulary stay allowed (xgrammar's own mask bans them)."""
+    allowed_controls = b"\t\n\r" if any_whitespace else b""
+    forbidden = bytes(b for b in range(0x20) if b not in allowed_controls)
+    bits = np.ones(cdiv(vocab_size, 32) * 32, dtype=np.uint64)
+    for token_id, piece in enumerate(decoded_vocab[:vocab_size]):
+        if len(piece.translate(None, forbidden)) != len(piece):
+            bits[token_id] = 0
+    words = (bits.reshape(-1, 32) << np.arange(32, dtype=np.uint64)).sum(axis=1)
+    return words.astype(np.uint32).view(np.int32)
 
 
 def _backend_message(error: Exception) -> str:

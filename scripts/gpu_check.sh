@@ -46,6 +46,8 @@ workload_args() {
     latency) echo "--model llama-3-8b --input-len 128 --output-len 512 --num-prompts 1 --max-num-seqs 1" ;;
     rollout) echo "--model llama-3-8b --input-len 1024 --output-len 512 --num-prompts 32 --n 8" ;;
     chat) echo "--model llama-3-8b --shared-prefix-len 2048 --input-len 128 --output-len 256 --num-prompts 256" ;;
+    # deterministic mode's cost (issue 29): each beside its plain workload in the same call
+    seed-det|small-det|latency-det) echo "$(workload_args "${1%-det}") --deterministic" ;;
     seed-fp8) echo "$(workload_args seed) --quantization fp8" ;;
     latency-fp8) echo "$(workload_args latency) --quantization fp8" ;;
     small-fp8kv) echo "$(workload_args small) --kv-cache-dtype fp8" ;;

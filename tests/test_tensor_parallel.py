@@ -299,3 +299,31 @@ def test_a_rank_that_raises_in_a_step_names_its_error_in_rank_0(make_tiny):
             llm.generate(PROMPTS[:1], params, use_tqdm=False)
     finally:
         llm.engine.shutdown()
+
+
+def test_two_ranks_keep_structured_outputs_in_step(make_tiny):
+    """Every rank defers a masked step's sampling (its collective) to the same point of its
+    loop; the constrained rows and the free ones give the tokens of one rank."""
+    pytest.importorskip("xgrammar")
+    from tandem import StructuredOutputsParams
+
+    folder = make_tiny("qwen3")
+    constraint = StructuredOutputsParams(regex=r"[0-9]{2,5}(-[a-z]{1,3})?")
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=12, seed=i, ignore_eos=i % 2 == 0,
+                       structured_outputs=constraint if i % 2 else None)
+        for i in range(len(PROMPTS))
+    ]  # fmt: skip
+    results = []
+    for size in (1, 2):
+        llm = LLM(str(folder), max_model_len=96, num_blocks=12, block_size=8,
+                  max_num_batched_tokens=24, tensor_parallel_size=size)  # fmt: skip
+        try:
+            outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        finally:
+            llm.engine.shutdown()
+        results.append([o.outputs[0].token_ids for o in outputs])
+        for p, out in zip(params, outputs, strict=True):
+            if p.structured_outputs is not None:
+                assert out.outputs[0].finish_reason == "stop"
+    assert results[1] == results[0]

@@ -221,3 +221,31 @@ def test_shutdown_fails_open_streams_and_refuses_new_requests(folder):
 
     asyncio.run(main())
     assert not llm._thread.is_alive()
+
+
+def test_a_new_grammar_compiles_off_the_engine_thread(llm, monkeypatch):
+    """The engine thread only meets grammars the backend has compiled already (a cache hit),
+    so a new schema never stalls the steps; a rejected one is a ValueError before queueing."""
+    pytest.importorskip("xgrammar")
+    import threading
+
+    from tandem.structured import GrammarBackend, StructuredOutputsParams
+
+    threads = []
+    compile_ = GrammarBackend.compile
+
+    def recorded(self, params):
+        threads.append(threading.current_thread().name)
+        return compile_(self, params)
+
+    monkeypatch.setattr(GrammarBackend, "compile", recorded)
+    schema = {"type": "object", "properties": {"k": {"enum": ["a", "b"]}}, "required": ["k"]}
+    constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    params = SamplingParams(max_tokens=30, structured_outputs=constraint)
+    outputs = asyncio.run(collect(llm, PROMPTS[0], params, "constrained"))
+    assert joined(outputs)[0] in ('{"k": "a"}', '{"k": "b"}')
+    assert threads[0] != "tandem-engine" and threads[1:] == ["tandem-engine"]
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(x"))
+    with pytest.raises(ValueError, match="xgrammar rejected the regex"):
+        asyncio.run(collect(llm, PROMPTS[0], bad, "rejected"))
+    assert "tandem-engine" not in threads[2:]

@@ -192,6 +192,11 @@ class AsyncLLM:
     ) -> RequestStream:
         """Queue a request once the engine thread has validated it (ValueError if invalid)."""
         loop = asyncio.get_running_loop()
+        if params.structured_outputs is not None:
+            # compiled in a worker thread first: a grammar new to the backend's cache takes up
+            # to a second to compile, which the engine thread would spend between two steps,
+            # with the GPU idle; there it is then a cache hit
+            await loop.run_in_executor(None, self._compile, params)
         stream = RequestStream(request_id, loop, self._abort_soon)
         accepted = loop.create_future()
         self._submit(_Add(request_id, params, prompt, prompt_token_ids, stream, accepted))
@@ -201,6 +206,9 @@ class AsyncLLM:
             self._abort_soon(request_id)  # it may have been queued already
             raise
         return stream
+
+    def _compile(self, params: SamplingParams) -> None:
+        self.engine.grammars().compile(params.structured_outputs)
 
     async def generate(
         self,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import numbers
 import random
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
@@ -118,6 +119,7 @@ class Engine:
         )
         self.eos_token_ids = _eos_token_ids(cfg, folder, self.tokenizer)
         self._grammars: GrammarBackend | None = None  # made by the first constrained request
+        self._grammars_lock = threading.Lock()
         self.model = build_model(
             cfg,
             hf_config,
@@ -352,7 +354,12 @@ class Engine:
         return request
 
     def grammars(self) -> GrammarBackend:
-        """The structured-output backend over this model's tokenizer (built on first use)."""
+        """The structured-output backend over this model's tokenizer (built on first use, by
+        whichever thread asks first: AsyncLLM compiles off the engine thread)."""
+        with self._grammars_lock:
+            return self._grammar_backend()
+
+    def _grammar_backend(self) -> GrammarBackend:
         if self._grammars is None:
             if self.tokenizer is None:
                 raise ValueError(

@@ -13,7 +13,6 @@ from tandem.request import Request
 from tandem.sampling import fold_seed
 from tandem.scheduler import StepPlan
 from tandem.shared_prefix import group_shared_prefixes, shared_kv_tokens
-from tandem.structured import constrained_rows
 
 
 @dataclass
@@ -72,6 +71,7 @@ class RunningRows:
         self.frequency_penalty = np.zeros(max_seqs, dtype=np.float32)
         self.repetition_penalty = np.ones(max_seqs, dtype=np.float32)
         self.needs_penalties = np.zeros(max_seqs, dtype=bool)
+        self.constrained = np.zeros(max_seqs, dtype=bool)  # structured outputs: has a matcher
         self.admitted: tuple[list[int], list[Request]] = ([], [])  # penalized, since the last step
         self.free_rows = list(range(max_seqs - 1, -1, -1))
         self.row_of: dict[str, int] = {}
@@ -116,6 +116,7 @@ class RunningRows:
         self.frequency_penalty[row] = params.frequency_penalty
         self.repetition_penalty[row] = params.repetition_penalty
         self.needs_penalties[row] = params.needs_penalties
+        self.constrained[row] = request.matcher is not None
         if params.needs_penalties:
             self.admitted[0].append(row)
             self.admitted[1].append(request)
@@ -220,7 +221,8 @@ class BatchBuilder:
             use_penalties=use_penalties,
             penalty_admissions=self.running_rows.take_admitted(),
             prompt_logprobs=prompt_logprobs,
-            mask_rows=constrained_rows(requests, samples),
+            # rows that sample under a constraint (a planned request is never finished)
+            mask_rows=np.flatnonzero(self.running_rows.constrained[rows] & samples).tolist(),
         )
 
     def _fill_token_ids(self, x, requests: list[Request], start, num_new, qsl) -> None:

@@ -249,12 +249,3 @@ class MaskBuffers:
     def copy_in(self, num_rows: int) -> None:
         if self.device is not self.host:
             self.device[:num_rows].copy_(self.host[:num_rows], non_blocking=True)
-
-
-def constrained_rows(requests: list[Request], samples: np.ndarray) -> list[int]:
-    """Rows of a step that sample a token under a constraint."""
-    return [
-        i
-        for i, request in enumerate(requests)
-        if request.matcher is not None and samples[i] and not request.finished
-    ]

@@ -89,3 +89,20 @@ def wait_until_healthy(process: subprocess.Popen, url: str, seconds: float) -> N
             if httpx.get(f"{url}/health").status_code == 200:
                 return
         time.sleep(0.1)
+
+
+@pytest.fixture
+def kill_rank_1_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensor parallelism: the first worker process is SIGKILLed right after it is started,
+    before it joins the process group."""
+    import signal
+
+    from tandem.workers import Workers
+
+    start_workers = Workers.__init__
+
+    def start_then_kill(self, config, port):
+        start_workers(self, config, port)
+        os.kill(self.processes[0].pid, signal.SIGKILL)
+
+    monkeypatch.setattr(Workers, "__init__", start_then_kill)

@@ -266,20 +266,13 @@ def test_a_rank_that_fails_while_starting_raises_in_rank_0_with_its_error(make_t
     assert "TANDEM_BLAS" in result.stderr.split("RankExited")[-1]
 
 
-def test_a_rank_killed_while_starting_raises_in_rank_0_within_seconds(make_tiny, monkeypatch):
-    import os
-    import signal
+def test_a_rank_killed_while_starting_raises_in_rank_0_within_seconds(
+    make_tiny, kill_rank_1_at_start
+):
     import time
 
-    from tandem.workers import RankExited, Workers
+    from tandem.workers import RankExited
 
-    start_workers = Workers.__init__
-
-    def start_then_kill(self, config, port):
-        start_workers(self, config, port)
-        os.kill(self.processes[0].pid, signal.SIGKILL)
-
-    monkeypatch.setattr(Workers, "__init__", start_then_kill)
     start = time.monotonic()
     with pytest.raises(RankExited, match=r"rank 1 exited \(exit code -9\)"):
         LLM(str(make_tiny("llama")), max_model_len=96, num_blocks=12, tensor_parallel_size=2)

@@ -93,22 +93,13 @@ def test_a_llama_3_70b_shape_runs_on_two_gpus():
         llm.engine.shutdown()
 
 
-def test_a_rank_killed_while_starting_raises_on_two_gpus_within_seconds(monkeypatch):
+def test_a_rank_killed_while_starting_raises_on_two_gpus_within_seconds(kill_rank_1_at_start):
     """The NCCL start-up: rank 0 waits at the rendezvous while it checks the other rank, so a
     rank that dies before it joins raises instead of leaving rank 0 waiting forever."""
-    import os
-    import signal
     import time
 
-    from tandem.workers import RankExited, Workers
+    from tandem.workers import RankExited
 
-    start_workers = Workers.__init__
-
-    def start_then_kill(self, config, port):
-        start_workers(self, config, port)
-        os.kill(self.processes[0].pid, signal.SIGKILL)
-
-    monkeypatch.setattr(Workers, "__init__", start_then_kill)
     start = time.monotonic()
     with pytest.raises(RankExited, match="rank 1 exited"):
         LLM("qwen3-0.6b", load_format="dummy", max_model_len=256, max_num_seqs=4,

@@ -6,6 +6,7 @@ With --gaps it also prints how much of each step the device sits idle between ke
 which kernels (kernel start and end times from the profiler's trace).
 
 Usage: PYTHONPATH=src python benchmarks/profile_step.py [--model llama-3-8b] [--batch 32] [--prefill]
+[--quantization fp8] [--kv-cache-dtype fp8]
 """
 
 from __future__ import annotations
@@ -76,10 +77,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--prefill", action="store_true")
     parser.add_argument("--gaps", action="store_true", help="idle time between kernels in steps")
+    parser.add_argument("--quantization", choices=["fp8"], default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args()
 
     llm = LLM(args.model, load_format="dummy", max_model_len=args.input_len + 256, max_num_seqs=args.batch,
-              cuda_graphs=args.cuda_graphs)  # fmt: skip
+              cuda_graphs=args.cuda_graphs, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
     engine = llm.engine
     prefill_steps = -(-args.batch * args.input_len // engine.config.max_num_batched_tokens)
 

@@ -17,9 +17,14 @@ replay as the engine runs them, each call on a cold copy of the weight (`Rotatio
   fp8       (--fp8) the weight in e4m3 with per-channel scales (`quant/linear.py`), W8A8: the
             input quantized per token (one Triton kernel) and torch._scaled_mm;
   fp8splitk (--fp8) the split-K kernel over the e4m3 weight (W8A16, widened in registers).
+  gemv...   (--fp8, up to 4 rows) the matrix-vector kernel (`quant/gemv.py`, W8A16, no tensor
+            cores) in its default tiles (gemv) and others (gemv<block_n>x<block_k>w<warps>).
   The % of the FP8 ways is of the FP8 roofline: half the weight bytes.
+  invariant (--deterministic) deterministic mode's GEMM (`batch_invariant.invariant_tiles`: the
+            tiles and K slices of the weight's shape, slices kept for o and down), beside
+            F.linear and three variants of its tiles: 4 stages, 64-wide, 64-feature K steps.
 Usage: PYTHONPATH=src python benchmarks/gemm.py [--model llama-3-8b] [--rows 1 8 32] [--autotune]
-[--fp8]
+[--fp8] [--deterministic]
 [--sweep-splitk [--sweep-matrices o down]]  (--sweep-splitk: those matrices under each split-K
 tile shape, warp count and split count, after the table; * marks the plan's pick; where the plan
 declines, its row tiles)
@@ -36,10 +41,13 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
+from tandem.batch_invariant import invariant_tiles
 from tandem.config import ModelConfig, next_power_of_2
 from tandem.model.loader import read_hf_config
 from tandem.model.splitk import SplitTiles, linear_partials, plan
 from tandem.quant.fp8 import quantize_rows
+from tandem.quant.gemv import MAX_ROWS as GEMV_ROWS
+from tandem.quant.gemv import GemvTiles, fp8_gemv
 from tandem.quant.linear import w8a8_linear
 from tandem.roofline import H200
 from tandem.runner import preferred_blas
@@ -85,9 +93,25 @@ def with_cublaslt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
 
 
-def variants(weight: torch.Tensor, autotune: bool, fp8: bool = False) -> dict:
-    """way -> function of the input batch."""
+def variants(
+    weight: torch.Tensor, autotune: bool, fp8: bool = False, invariant_residual: bool | None = None
+) -> dict:
+    """way -> function of the input batch (`invariant_residual`: deterministic mode's ways,
+    True for the o and down matrices)."""
     rotation = Rotation(weight)
+    if invariant_residual is not None:
+        tiles = invariant_tiles(*weight.shape, weight.device, invariant_residual)
+        shapes = {
+            "invariant": tiles,
+            "stages4": tiles._replace(num_stages=4),
+            "wide": tiles._replace(block_n=64),
+            "k64": tiles._replace(block_k=64) if tiles.block_k == 128 else None,
+        }
+        return {"linear": lambda x: F.linear(x, rotation.next())} | {
+            way: lambda x, t=t: linear_partials(x, rotation.next(), tiles=t)
+            for way, t in shapes.items()
+            if t is not None
+        }
     if fp8:
         weight_fp8, scale = quantize_rows(weight)
         fp8_rotation = Rotation(weight_fp8)
@@ -96,6 +120,11 @@ def variants(weight: torch.Tensor, autotune: bool, fp8: bool = False) -> dict:
             "fp8splitk": lambda x: linear_partials(
                 x, fp8_rotation.next(), weight_scale=scale, fallback=lambda x: None
             ),
+        } | {
+            name: lambda x, t=tiles: (
+                fp8_gemv(x, fp8_rotation.next(), scale, t) if x.shape[0] <= GEMV_ROWS else None
+            )
+            for name, tiles in GEMV_SHAPES.items()
         }
     ways = {
         "linear": lambda x: F.linear(x, rotation.next()),
@@ -109,6 +138,17 @@ def variants(weight: torch.Tensor, autotune: bool, fp8: bool = False) -> dict:
         )
         ways["autotune"] = lambda x: compiled(x, rotation.next())
     return ways
+
+
+GEMV_SHAPES = {"gemv": GemvTiles()} | {
+    f"gemv{t.block_n}x{t.block_k}w{t.num_warps}": t
+    for t in (
+        GemvTiles(8, 512, 4),
+        GemvTiles(32, 256, 8),
+        GemvTiles(16, 1024, 8),
+        GemvTiles(4, 1024, 4),
+    )
+}
 
 
 def fp8_view(t: torch.Tensor) -> torch.Tensor:
@@ -160,6 +200,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 256])
     parser.add_argument("--autotune", action="store_true")
     parser.add_argument("--fp8", action="store_true", help="the FP8 ways instead")
+    parser.add_argument("--deterministic", action="store_true", help="deterministic mode's ways")
     parser.add_argument("--json")
     parser.add_argument("--sweep-splitk", action="store_true")
     parser.add_argument("--sweep-matrices", nargs="+", default=["o", "down"])
@@ -170,12 +211,14 @@ def main() -> None:
         weight = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16)
         weight_bytes = weight.numel() * (1 if args.fp8 else weight.element_size())
         for rows in args.rows:
-            ways = variants(weight, args.autotune, args.fp8)
+            residual = name in ("o", "down") if args.deterministic else None
+            ways = variants(weight, args.autotune, args.fp8, residual)
             x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
             expected = {way: F.linear(x, weight).float() for way in ways}
             if args.fp8:  # the operands as each FP8 way sees them: e4m3 read back
                 expected["fp8"] = F.linear(fp8_view(x), fp8_view(weight))  # W8A8
                 expected["fp8splitk"] = F.linear(x.float(), fp8_view(weight))  # W8A16
+                expected |= {name: expected["fp8splitk"] for name in GEMV_SHAPES}
             cells = []
             for way, fn in ways.items():
                 out = fn(x)

@@ -8,7 +8,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.attention import AttentionMetadata
-from tandem.batch_invariant import invariant_linear, token_rows
+from tandem.batch_invariant import invariant_linear, invariant_tiles, residual_partials, token_rows
 
 TARGET = {"prompt_token_ids": [7, 19, 33, 4, 250, 61, 8, 90, 12, 5, 77, 3, 41, 16, 29, 2, 55]}
 PARAMS = SamplingParams(temperature=0.8, seed=11, max_tokens=16, ignore_eos=True, logprobs=3)
@@ -74,6 +74,16 @@ def test_deterministic_and_tensor_parallel_together_are_refused(folder):
         LLM(folder, deterministic=True, tensor_parallel_size=2)
 
 
+def test_deterministic_mode_refuses_mixture_of_experts_blocks(make_tiny):
+    with pytest.raises(ValueError, match="SparseMoeBlock"):
+        LLM(make_tiny("qwen3_moe"), deterministic=True)
+
+
+def test_deterministic_mode_refuses_fp8_layers(folder):
+    with pytest.raises(ValueError, match="Fp8Linear"):
+        LLM(folder, deterministic=True, quantization="fp8")
+
+
 def test_the_invariant_linear_is_the_product(folder):
     g = torch.Generator().manual_seed(0)
     x, w, b = (torch.randn(*shape, generator=g) for shape in ((5, 64), (24, 64), (24,)))
@@ -132,6 +142,25 @@ def test_the_triton_gemm_gives_a_row_the_same_bits_in_any_batch(monkeypatch, dty
     assert torch.equal(invariant_linear(x[68:], w), invariant_linear(x, w)[68:])
     tol = 1e-4 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(alone.double(), x[2:3].double() @ w.double().T, atol=tol, rtol=tol)
+
+
+def test_the_residual_slices_follow_the_weight_not_the_batch(monkeypatch):
+    """Interpreted on CPU (8 SMs): a 48 x 256 o-like matrix gets 32-wide tiles and 2 K slices,
+    whatever the rows; a row's slices are the bits of it alone, and they add up to the product."""
+    from tandem.model import fused
+
+    monkeypatch.setattr(fused, "use_kernels", lambda x: True)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(70, 256, generator=g)
+    layer = torch.nn.Linear(256, 48, bias=False)
+    tiles = invariant_tiles(48, 256, x.device, residual=True)
+    assert (tiles.block_n, tiles.block_k, tiles.splits) == (32, 128, 2)
+    assert invariant_tiles(48, 256, x.device, residual=False).splits == 1
+    alone = residual_partials(layer, x[2:3])
+    batched = residual_partials(layer, x)
+    assert alone.shape == (2, 1, 48) and torch.equal(batched[:, 2:3], alone)
+    expected = x.double() @ layer.weight.detach().double().T
+    torch.testing.assert_close(batched.sum(0).double(), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_the_triton_attention_gives_a_prefill_token_the_bits_of_its_decode(monkeypatch):

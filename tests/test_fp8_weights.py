@@ -17,6 +17,7 @@ from tandem import LLM, SamplingParams
 from tandem.model import splitk
 from tandem.model.loader import check_fp8
 from tandem.parallel import TensorParallel
+from tandem.quant import gemv
 from tandem.quant.checkpoint import Fp8Config
 from tandem.quant.fp8 import _quantize_tokens_triton, quantize_rows
 from tandem.quant.linear import Fp8Linear
@@ -362,3 +363,16 @@ def test_block_scales_with_tensor_parallelism_are_rejected():
     check_fp8(
         Fp8Config(quantize_at_load=True, strategy="channel"), torch.bfloat16, TensorParallel(0, 2)
     )
+
+
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 40, 1024), (3, 16, 300)])
+def test_fp8_matrix_vector_kernel_equals_the_dequantized_product(rows, out_features, in_features):
+    """Interpreted on CPU in float32: whole K steps and a ragged last one, a partial row tile."""
+    g = torch.Generator().manual_seed(4)
+    q, scale = quantize_rows(torch.randn(out_features, in_features, generator=g))
+    x = torch.randn(rows, in_features, generator=g)
+    out = gemv.fp8_gemv(x, q, scale, gemv.GemvTiles(block_n=16, block_k=256))
+    expected = x.double() @ (q.double() * scale.double()).T
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="up to 4"):
+        gemv.fp8_gemv(torch.zeros(5, in_features), q, scale)

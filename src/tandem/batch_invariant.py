@@ -4,9 +4,12 @@ A token's result then depends only on its own inputs, so a request gives bit-ide
 and logprobs alone or in any batch, sync or async, in any chunk size, after preemption and from
 the prefix cache. The batch-dependent choices of the default mode, and what replaces them:
 - GEMMs: cuBLAS picks its kernel (and split-K) by the number of rows M, and `splitk.plan` picks
-  splits by rows. Here every linear layer and the LM head run one fixed-tile Triton GEMM
-  (`splitk.partials_kernel` with one split): each output element sums its K in the same
-  BLOCK_K steps whatever M is. On CPU, a product per row.
+  splits by rows. Here every linear layer and the LM head run the Triton GEMM of `splitk` with
+  tiles and a split count that follow the weight's shape and the device alone
+  (`invariant_tiles`): each output element sums its K in the same BLOCK_K steps and slices
+  whatever M is. The o and down projections keep their float32 slices for the add + RMSNorm
+  that follows, which adds them in a fixed order, as in the default mode. On CPU, a product
+  per row.
 - attention: the decode split count (`TritonAttention.num_splits`) and tiles (`tiles_for`)
   follow the batch size, prefill tokens take another kernel, and shared-prefix (cascade)
   groups split a row's keys by its group. Here every query token, prefill or decode, is a row
@@ -28,18 +31,56 @@ from torch import nn
 
 from tandem.attention import AttentionBackend, AttentionMetadata
 from tandem.attention.torch_ref import decode_attention
+from tandem.config import cdiv
 from tandem.model import fused, splitk
 from tandem.model.decoder import Decoder, RMSNorm
+from tandem.model.moe import SparseMoeBlock
+from tandem.quant.linear import Fp8Linear
 
-BLOCK_M, BLOCK_N = 64, 64
+BLOCK_M = 64  # rows per program, for every M: one tensor-core instruction shape throughout
+
+
+@functools.cache
+def invariant_tiles(
+    out_features: int, in_features: int, device: torch.device, residual: bool
+) -> splitk.SplitTiles:
+    """The one launch shape of a weight's GEMM, from its shape and the device: 128-feature K
+    steps where they divide the width; 32-wide output tiles where 64-wide ones would not give
+    every SM a program; and for a `residual` product (its slices added by the norm) the most
+    K slices that divide the steps and keep two programs per SM at a decode step's one row
+    tile. Llama-3-8B on 132 SMs: qkv 192 programs, o and down 128 tiles x 2 slices, gate_up
+    448; a single 64-wide tile and slice left 64 programs on the o and down matrices."""
+    block_k = next((b for b in (128, 64, 32, 16) if in_features % b == 0), None)
+    if block_k is None:
+        raise ValueError(
+            f"deterministic=True needs layer widths divisible by 16, got {in_features}"
+        )
+    sms = fused.num_sms(device)
+    block_n = 64 if cdiv(out_features, 64) >= sms else 32
+    splits = 1
+    if residual:
+        k_steps, tiles = in_features // block_k, cdiv(out_features, block_n)
+        wanted = max(1, 2 * sms // tiles)
+        splits = max(s for s in range(1, min(wanted, k_steps) + 1) if k_steps % s == 0)
+    return splitk.SplitTiles(BLOCK_M, block_n, block_k, splits)
 
 
 def make_batch_invariant(model: Decoder) -> None:
-    """Every linear layer of `model`, and its LM head, computed batch-invariantly."""
+    """Every linear layer of `model`, and its LM head, computed batch-invariantly. FP8 layers
+    (cuBLASLt's FP8 GEMM picks kernels by rows) and mixture-of-experts blocks (the grouped
+    GEMM's row blocks follow the batch's routing) are not covered: refused."""
+    uncovered = sorted(
+        {type(m).__name__ for m in model.modules() if isinstance(m, Fp8Linear | SparseMoeBlock)}
+    )
+    if uncovered:
+        raise ValueError(
+            f"deterministic=True covers dense 16- and 32-bit models; this one has {uncovered}"
+        )
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.forward = functools.partial(_linear_forward, module)
-            module.batch_invariant = True  # decoder.to_residual: no split-K partials
+            # decoder.to_residual: the slices of the weight's own split count
+            module.residual_partials = functools.partial(residual_partials, module)
         if isinstance(module, RMSNorm):
             module.fixed_warps = True  # the norm's warps stop following the rows
     model.linear = invariant_linear
@@ -57,17 +98,18 @@ def invariant_linear(
     if not fused.use_kernels(x):
         rows = [F.linear(row, weight, bias) for row in x.split(1)]
         return torch.cat(rows) if rows else F.linear(x, weight, bias)
-    in_features = weight.shape[1]
-    block_k = next((b for b in (64, 32, 16) if in_features % b == 0), None)
-    if block_k is None:
-        raise ValueError(
-            f"deterministic=True needs layer widths divisible by 16, got {in_features}"
-        )
-    tiles = splitk.SplitTiles(BLOCK_M, BLOCK_N, block_k, splits=1)
+    tiles = invariant_tiles(*weight.shape, x.device, residual=False)
     out = splitk.linear_partials(x.contiguous(), weight.contiguous(), tiles)[0]
     if bias is not None:
         out += bias
     return out.to(x.dtype)
+
+
+def residual_partials(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The o or down projection on CUDA: float32 slices [splits, rows, out] of its product, in
+    `invariant_tiles`' fixed split count, for the add + RMSNorm to add up."""
+    tiles = invariant_tiles(*module.weight.shape, x.device, residual=True)
+    return splitk.linear_partials(x.contiguous(), module.weight.contiguous(), tiles)
 
 
 class InvariantAttention:

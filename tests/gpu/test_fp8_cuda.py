@@ -15,6 +15,7 @@ from tandem.attention import AttentionMetadata
 from tandem.attention.torch_ref import decode_attention
 from tandem.attention.triton_backend import TritonAttention
 from tandem.model import fused, splitk
+from tandem.quant import gemv
 from tandem.quant import linear as fp8_linear
 from tandem.quant.fp8 import dequantize, has_fp8_gemm, quantize_rows, quantize_tokens
 from tandem.quant.linear import Fp8Linear
@@ -130,9 +131,12 @@ def test_w8a8_linear_is_close_to_the_dequantized_product_and_runs_the_fp8_gemm()
     layer.weight_scale.data.copy_(scale)
     layer.bias.data = torch.randn(1024, device="cuda", generator=g).bfloat16()  # model dtype
     assert fp8_linear.prepare(layer, torch.bfloat16, torch.device("cuda")) == "w8a8"
-    for rows in (1, 7, 64, 300):
+    for rows in (1, 4, 7, 64, 300):
         x = torch.randn(rows, 4096, device="cuda", generator=g).bfloat16()
         expected = emulated_w8a8(layer, x.float())
+        if rows <= gemv.MAX_ROWS:  # the matrix-vector kernel: W8A16, x as it is
+            weight = dequantize(layer.weight, layer.weight_scale, torch.float32)
+            expected = F.linear(x.float(), weight, layer.bias.float())
         out = layer(x)
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)

@@ -41,17 +41,14 @@ def to_residual(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch
     """The o or the down projection. Its output always goes to a residual add + RMSNorm next,
     so on one device it may be split-K partial sums [splits, rows, out] that the norm adds up
     (`splitk`)."""
-    invariant = getattr(linear, "batch_invariant", False)  # deterministic mode: one plain GEMM
-    if (
-        tp.size == 1
-        and linear.bias is None
-        and splitk.ENABLED
-        and fused.use_kernels(x)
-        and not invariant
-    ):
-        # FP8 weights: their scales, and the layer itself where split-K does not apply
-        scale = getattr(linear, "weight_scale", None)
-        return splitk.linear_partials(x, linear.weight, weight_scale=scale, fallback=linear)
+    if tp.size == 1 and linear.bias is None and fused.use_kernels(x):
+        # a layer's own way: FP8 layers', and deterministic mode's slices in a split count
+        # fixed by the weight (batch_invariant.py)
+        own = getattr(linear, "residual_partials", None)
+        if own is not None:
+            return own(x)
+        if splitk.ENABLED:
+            return splitk.linear_partials(x, linear.weight, fallback=linear)
     if tp.size == 1:
         return linear(x)
     # the input features are split across ranks: partial sums, all-reduced, then the bias

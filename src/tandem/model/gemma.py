@@ -33,7 +33,10 @@ GEMMA_NORMS = (
 def project(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """A row-parallel projection whose output goes to a norm of its own (not a residual add,
     so never split-K partials): partial sums all-reduced, then the bias (an FP8 layer leaves it
-    out when called with False)."""
+    out when called with False). On one device the layer itself runs: deterministic mode's
+    product, where it is on."""
+    if tp.size == 1:
+        return linear(x)
     y = tp.all_reduce(F.linear(x, linear.weight) if type(linear) is nn.Linear else linear(x, False))
     return y if linear.bias is None else y + linear.bias
 

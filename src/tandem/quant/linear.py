@@ -2,7 +2,8 @@
 
 W8A8 (CUDA with FP8 tensor cores, bfloat16 models): each call quantizes its input per token
 (`fp8.quantize_tokens`) and multiplies with `torch._scaled_mm`, cuBLASLt/CUTLASS's FP8 GEMM with
-a scale per input row and per weight row, into bfloat16. W8A16 (CPU, other GPUs, other dtypes):
+a scale per input row and per weight row, into bfloat16. Up to `gemv.MAX_ROWS` rows (batch-1
+decode) take the matrix-vector kernel of `gemv` instead, W8A16. W8A16 (CPU, other GPUs, other dtypes):
 the weight is dequantized to the input's dtype and F.linear runs, so on CPU in float32 the
 result equals F.linear over the dequantized weight exactly.
 """
@@ -18,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.config import cdiv
+from tandem.model import splitk
+from tandem.quant import gemv
 from tandem.quant.checkpoint import Fp8Config
 from tandem.quant.fp8 import FP8_DTYPE, dequantize, has_fp8_gemm, quantize_rows, quantize_tokens
 
@@ -54,9 +57,21 @@ class Fp8Linear(nn.Module):
         if not self.w8a8:
             weight = dequantize(self.weight, self.weight_scale, x.dtype, self.group_size)
             return F.linear(x, weight, bias)
-        y = w8a8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale)
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] <= gemv.MAX_ROWS and rows.stride(1) == 1:
+            y = gemv.fp8_gemv(rows, self.weight, self.weight_scale)
+        else:
+            y = w8a8_linear(rows, self.weight, self.weight_scale)
         y = y if bias is None else y + bias
         return y.view(*x.shape[:-1], self.out_features)
+
+    def residual_partials(self, x: torch.Tensor) -> torch.Tensor:
+        """The o or down projection (`decoder.to_residual`) on one device: the matrix-vector
+        kernel's product at a few rows, else split-K float32 slices over the e4m3 weight
+        (`splitk`, W8A16) where its plan takes the shape, else this layer's product."""
+        if (self.w8a8 and x.shape[0] <= gemv.MAX_ROWS) or not splitk.ENABLED:
+            return self(x)
+        return splitk.linear_partials(x, self.weight, weight_scale=self.weight_scale, fallback=self)
 
     def to_per_channel(self) -> None:
         """Group scales -> one scale per row: the weight dequantized and quantized again."""

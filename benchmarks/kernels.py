@@ -39,8 +39,8 @@ def paged_setup(seq_lens: list[int], dtype=torch.bfloat16):
     blocks_per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
     num_blocks = sum(blocks_per_seq)
     cache = torch.randn(
-        2, num_blocks + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=dtype
-    )
+        2, num_blocks + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16
+    ).to(dtype)  # an e4m3 cache: randn's values rounded to it (scales of 1)
     perm = torch.randperm(num_blocks, device="cuda").to(
         torch.int32
     )  # scattered blocks, like a busy cache
@@ -74,6 +74,7 @@ def bench_decode(
     check: bool = False,
     ragged: tuple[int, int, bool] | None = None,
     num_heads: int = NUM_HEADS,
+    kv_dtype: torch.dtype = torch.bfloat16,
 ) -> dict:
     """GPU time of one decode call, reduce included, replayed from a CUDA graph as the engine does.
 
@@ -84,7 +85,7 @@ def bench_decode(
     if ragged:
         g = torch.Generator().manual_seed(0)
         contexts = torch.randint(ragged[0], ragged[1] + 1, (batch,), generator=g).tolist()
-    cache, tables = paged_setup(contexts)
+    cache, tables = paged_setup(contexts, kv_dtype)
     lens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
     order = torch.argsort(-lens.long(), stable=True).int() if ragged and ragged[2] else None
     q = torch.randn(batch, num_heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -103,7 +104,7 @@ def bench_decode(
     ms = triton.testing.do_bench_cudagraph(
         lambda: backend.decode(q, out, cache, meta, HEAD_DIM**-0.5), return_mode="median"
     )
-    kv_bytes = 2 * sum(contexts) * NUM_KV_HEADS * HEAD_DIM * 2
+    kv_bytes = 2 * sum(contexts) * NUM_KV_HEADS * HEAD_DIM * cache.element_size()
     rate = kv_bytes / (ms / 1e3)
     label = f"decode B={batch} ctx={context}"
     if ragged:
@@ -129,6 +130,7 @@ def bench_prefill(
     tiles: PrefillTiles | None = None,
     check: bool = False,
     num_heads: int = NUM_HEADS,
+    kv_dtype: torch.dtype = torch.bfloat16,
 ) -> dict:
     """One prefill call over whole prompts of `lengths` (no cached prefix), eager as the engine
     runs it; `num_heads` query heads share the 8 KV heads (see bench_decode)."""
@@ -319,9 +321,10 @@ def sweep_decode() -> None:
                 print(f"{tiles}  us  {cells}", flush=True)
 
 
-def sweep_decode_tiles() -> None:
+def sweep_decode_tiles(kv_dtype: torch.dtype = torch.bfloat16) -> None:
     """Each tile shape on the workloads' own decode shapes (small: Qwen3-0.6B's 16 heads over 8 KV
-    heads, 256 ragged contexts longest first; seed: Llama-3-8B at 32 x 1K), in µs, * the default."""
+    heads, 256 ragged contexts longest first; seed: Llama-3-8B at 32 x 1K), in µs, * the default.
+    `kv_dtype` e4m3: an FP8 cache, with 256-key tiles in the sweep too."""
     shapes = {
         "small 256x100-1100": dict(batch=256, context=600, ragged=(100, 1100, True), num_heads=16),
         "small 256x100-2000": dict(batch=256, context=1050, ragged=(100, 2000, True), num_heads=16),
@@ -331,14 +334,16 @@ def sweep_decode_tiles() -> None:
     }
     default = DecodeTiles()
     best: tuple[float, DecodeTiles] | None = None
-    for block_n in (32, 64, 128):
-        for num_warps in (2, 4, 8):
-            for num_stages in (1, 2, 3, 4):
+    fp8 = kv_dtype != torch.bfloat16
+    for block_n in (64, 128, 256) if fp8 else (32, 64, 128):
+        for num_warps in (4, 8) if fp8 else (2, 4, 8):
+            for num_stages in (2, 3, 4) if fp8 else (1, 2, 3, 4):
                 tiles = DecodeTiles(block_n, num_warps, num_stages)
                 try:
-                    bench_decode(4, 1000, tiles=tiles, check=True, num_heads=16)
+                    if not fp8:  # the check's reference reads a bf16 cache
+                        bench_decode(4, 1000, tiles=tiles, check=True, num_heads=16)
                     times = {
-                        name: bench_decode(tiles=tiles, **shape)["ms"]
+                        name: bench_decode(tiles=tiles, kv_dtype=kv_dtype, **shape)["ms"]
                         for name, shape in shapes.items()
                     }
                 except Exception as error:  # out of shared memory, or a wrong result
@@ -390,10 +395,12 @@ def main() -> None:
     parser.add_argument("--sweep-decode-tiles", action="store_true", help="only this sweep")
     parser.add_argument("--sweep-small-ops", action="store_true", help="only this sweep")
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="--sweep-decode-tiles over an e4m3 cache")  # fmt: skip
     args = parser.parse_args()
     HEAD_DIM = args.head_dim
     if args.sweep_decode_tiles:
-        sweep_decode_tiles()
+        sweep_decode_tiles(torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16)
         return
     if args.sweep_small_ops:
         sweep_small_ops()

@@ -17,7 +17,7 @@ replay as the engine runs them, each call on a cold copy of the weight (`Rotatio
   fp8       (--fp8) the weight in e4m3 with per-channel scales (`quant/linear.py`), W8A8: the
             input quantized per token (one Triton kernel) and torch._scaled_mm;
   fp8splitk (--fp8) the split-K kernel over the e4m3 weight (W8A16, widened in registers).
-  gemv...   (--fp8, up to 4 rows) the matrix-vector kernel (`quant/gemv.py`, W8A16, no tensor
+  gemv...   (--fp8, one row) the matrix-vector kernel (`quant/gemv.py`, W8A16, no tensor
             cores) in its default tiles (gemv) and others (gemv<block_n>x<block_k>w<warps>).
   The % of the FP8 ways is of the FP8 roofline: half the weight bytes.
   invariant (--deterministic) deterministic mode's GEMM (`batch_invariant.invariant_tiles`: the
@@ -144,9 +144,9 @@ GEMV_SHAPES = {"gemv": GemvTiles()} | {
     f"gemv{t.block_n}x{t.block_k}w{t.num_warps}": t
     for t in (
         GemvTiles(8, 512, 4),
-        GemvTiles(32, 256, 8),
-        GemvTiles(16, 1024, 8),
-        GemvTiles(4, 1024, 4),
+        GemvTiles(16, 512, 4),
+        GemvTiles(2, 2048, 4),
+        GemvTiles(8, 1024, 8),
     )
 }
 

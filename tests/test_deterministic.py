@@ -163,6 +163,18 @@ def test_the_residual_slices_follow_the_weight_not_the_batch(monkeypatch):
     torch.testing.assert_close(batched.sum(0).double(), expected, atol=1e-4, rtol=1e-4)
 
 
+def test_a_forward_pass_makes_its_token_rows_once_for_all_layers(monkeypatch):
+    from tandem import batch_invariant
+
+    made = []
+    monkeypatch.setattr(batch_invariant, "token_rows", lambda meta, n: made.append(meta) or meta)
+    attend = batch_invariant.InvariantAttention(lambda q, cache, rows, scale, out: rows)
+    first, second = (AttentionMetadata(*[torch.zeros(1)] * 4, decode_only=False) for _ in "ab")
+    q = torch.zeros(1, 1, 1)
+    assert [attend(q, None, meta, 1.0) for meta in (first, first, first)] == [first] * 3
+    assert attend(q, None, second, 1.0) is second and made == [first, second]
+
+
 def test_the_triton_attention_gives_a_prefill_token_the_bits_of_its_decode(monkeypatch):
     """Interpreted on CPU: a mixed step (one decode row, one 5-token prefill) matches the torch
     reference, and its prefill's last token equals the same token as a decode-only step."""

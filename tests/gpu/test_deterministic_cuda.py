@@ -4,6 +4,8 @@ default mode is shown to differ on the same batches."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -39,6 +41,9 @@ def target_in_batches(deterministic: bool, async_batching: bool, num_blocks: int
         results.append((out.token_ids, out.logprobs))
     preemptions = llm.engine.scheduler.num_preemptions
     llm.shutdown()
+    del llm  # the next engine sizes its cache by the free memory: this one's is given back
+    gc.collect()
+    torch.cuda.empty_cache()
     return results, preemptions
 
 

@@ -1,13 +1,15 @@
-"""FP8 weights times a few rows (a batch-1 decode step): a matrix-vector kernel without tensor
+"""FP8 weights times one row (a batch-1 decode step): a matrix-vector kernel without tensor
 cores.
 
 At one row `torch._scaled_mm` launches 128 x 128 tiles, so Llama-3-8B's qkv matrix gets 48
-programs for 132 SMs, and its batch-1 products ran near half the FP8 roofline on the H200
-(BENCHMARKS.md). Here each program reads BLOCK_N whole weight rows, e4m3 widened to float32 in
-registers, and multiplies them by one input row kept in bf16 (W8A16: no activation
+programs for 132 SMs. Here each program reads BLOCK_N whole weight rows, e4m3 widened to
+float32 in registers, and multiplies them by the input row kept in bf16 (W8A16: no activation
 quantization, no extra launch): every product is an FMA, and each output element's sum runs
-over K in BLOCK_K steps, then across the step's lanes. The rows of a few-row batch are the
-grid's fastest axis, so they read each weight tile while it is in L2.
+over K in BLOCK_K steps, then across the step's lanes. On the H200 (`benchmarks/gemm.py
+--fp8`), at one row, in µs: qkv 9.7 against the FP8 GEMM's 19.7, o 6.7 against 16.3, gate_up
+33.5 against 48.7, down 16.7 against 47.0 (83% of the FP8 copy roofline). At four rows each
+row reading the weight again took twice the GEMM's time (gate_up 97 against 49 µs), so only
+one-row products come here.
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ import triton.language as tl
 from tandem import pdl
 from tandem.config import cdiv
 
-MAX_ROWS = 4  # past this, each row reading the weight (from L2) costs more than a GEMM
+MAX_ROWS = 1  # more rows read the weight once each: the FP8 GEMM is faster from 4 (above)
 
 
 class GemvTiles(NamedTuple):
-    block_n: int = 16  # weight rows (output features) per program
-    block_k: int = 512  # input features per loop step
+    """Launch shape; the default was the fastest of five on all four of Llama-3-8B's
+    matrices at one row (H200, `benchmarks/gemm.py --fp8`)."""
+
+    block_n: int = 4  # weight rows (output features) per program
+    block_k: int = 1024  # input features per loop step
     num_warps: int = 4
 
 
@@ -66,11 +71,11 @@ def fp8_gemv(
     tiles: GemvTiles | None = None,
 ) -> torch.Tensor:
     """[rows, in] x (e4m3 [out, in] with float32 [out, 1] scales)^T -> [rows, out] in x's
-    dtype, for at most MAX_ROWS rows."""
+    dtype, for at most MAX_ROWS rows (the kernel itself takes any number: benchmarks)."""
     rows, in_features = x.shape
     out_features = weight.shape[0]
-    if rows > MAX_ROWS or x.stride(1) != 1 or not weight.is_contiguous():
-        raise ValueError(f"fp8_gemv takes up to {MAX_ROWS} contiguous rows, got {rows}")
+    if x.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError("fp8_gemv takes a contiguous input row and weight")
     tiles = tiles or GemvTiles()
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)  # [rows, out]
     fp8_gemv_kernel[(rows, cdiv(out_features, tiles.block_n))](

@@ -17,6 +17,8 @@ replay as the engine runs them, each call on a cold copy of the weight (`Rotatio
   fp8       (--fp8) the weight in e4m3 with per-channel scales (`quant/linear.py`), W8A8: the
             input quantized per token (one Triton kernel) and torch._scaled_mm;
   fp8splitk (--fp8) the split-K kernel over the e4m3 weight (W8A16, widened in registers).
+  fp8dot    (--fp8) the split-K kernel with the input quantized per token too (W8A8: e4m3
+            products on the tensor cores), the quantization's launch included.
   gemv...   (--fp8, one row) the matrix-vector kernel (`quant/gemv.py`, W8A16, no tensor
             cores) in its default tiles (gemv) and others (gemv<block_n>x<block_k>w<warps>).
   The % of the FP8 ways is of the FP8 roofline: half the weight bytes.
@@ -45,7 +47,7 @@ from tandem.batch_invariant import invariant_tiles
 from tandem.config import ModelConfig, next_power_of_2
 from tandem.model.loader import read_hf_config
 from tandem.model.splitk import SplitTiles, linear_partials, plan
-from tandem.quant.fp8 import quantize_rows
+from tandem.quant.fp8 import quantize_rows, quantize_tokens
 from tandem.quant.gemv import MAX_ROWS as GEMV_ROWS
 from tandem.quant.gemv import GemvTiles, fp8_gemv
 from tandem.quant.linear import w8a8_linear
@@ -120,6 +122,7 @@ def variants(
             "fp8splitk": lambda x: linear_partials(
                 x, fp8_rotation.next(), weight_scale=scale, fallback=lambda x: None
             ),
+            "fp8dot": lambda x: fp8_dot(x, fp8_rotation.next(), scale),
         } | {
             name: lambda x, t=tiles: (
                 fp8_gemv(x, fp8_rotation.next(), scale, t) if x.shape[0] <= GEMV_ROWS else None
@@ -138,6 +141,15 @@ def variants(
         )
         ways["autotune"] = lambda x: compiled(x, rotation.next())
     return ways
+
+
+def fp8_dot(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+    """W8A8 in the split-K kernel: x quantized per token, e4m3 products (None where its plan
+    declines)."""
+    x_fp8, x_scale = quantize_tokens(x)
+    return linear_partials(
+        x_fp8, weight, weight_scale=scale, fallback=lambda x: None, x_scale=x_scale
+    )
 
 
 GEMV_SHAPES = {"gemv": GemvTiles()} | {
@@ -217,6 +229,7 @@ def main() -> None:
             expected = {way: F.linear(x, weight).float() for way in ways}
             if args.fp8:  # the operands as each FP8 way sees them: e4m3 read back
                 expected["fp8"] = F.linear(fp8_view(x), fp8_view(weight))  # W8A8
+                expected["fp8dot"] = expected["fp8"]
                 expected["fp8splitk"] = F.linear(x.float(), fp8_view(weight))  # W8A16
                 expected |= {name: expected["fp8splitk"] for name in GEMV_SHAPES}
             cells = []

@@ -377,3 +377,14 @@ def test_fp8_matrix_vector_kernel_equals_the_dequantized_product(rows, out_featu
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="contiguous"):
         gemv.fp8_gemv(torch.zeros(rows, 2 * in_features)[:, ::2], q, scale)
+
+
+def test_fp8_split_k_with_e4m3_activations_equals_the_product_of_both_dequantized():
+    """W8A8 in the split-K kernel (interpreted on CPU): e4m3 x with a scale per row."""
+    g = torch.Generator().manual_seed(5)
+    q, scale = quantize_rows(torch.randn(64, 256, generator=g))
+    xq, x_scale = quantize_rows(torch.randn(5, 256, generator=g))
+    partials = splitk.linear_partials(xq, q, weight_scale=scale, x_scale=x_scale)
+    assert partials.dim() == 3 and partials.shape[0] > 1
+    expected = (xq.double() * x_scale.double()) @ (q.double() * scale.double()).T
+    torch.testing.assert_close(partials.sum(0).double(), expected, atol=1e-4, rtol=1e-4)

@@ -42,9 +42,9 @@ class SplitTiles(NamedTuple):
 
 @triton.jit(do_not_specialize=["rows"])  # per step: see attention.triton_kernels.prefill_kernel
 def partials_kernel(
-    x_ptr, w_ptr, w_scale_ptr, out_ptr, rows, out_features, x_stride, w_stride, k_per_split,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-    FP8: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, w_ptr, w_scale_ptr, x_scale_ptr, out_ptr, rows, out_features, x_stride, w_stride,
+    k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr, FP8: tl.constexpr, X_SCALED: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.wait(PDL)
     tile_n, tile_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -57,14 +57,16 @@ def partials_kernel(
     for _ in range(0, k_per_split, BLOCK_K):
         a = tl.load(x_ptrs, mask=m[:, None] < rows, other=0.0)
         b = tl.load(w_ptrs, mask=n[None, :] < out_features, other=0.0)
-        if FP8:  # e4m3 weights, exact in the activations' dtype; their row scales come last
-            b = b.to(a.dtype)
+        if FP8:  # e4m3 weights, exact in the activations' dtype (e4m3 too when X_SCALED:
+            b = b.to(a.dtype)  # an FP8 product); their row scales come last
         # float32 weights: no TF32 rounding, as F.linear by default
         acc = tl.dot(a, b, acc, input_precision="ieee") if IEEE else tl.dot(a, b, acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if FP8:
         acc *= tl.load(w_scale_ptr + n, mask=n < out_features, other=0.0)[None, :]
+    if X_SCALED:  # e4m3 activations with a scale per row
+        acc *= tl.load(x_scale_ptr + m, mask=m < rows, other=0.0)[:, None]
     out = out_ptr + (split * rows + m[:, None]).to(tl.int64) * out_features + n[None, :]
     tl.store(out, acc, mask=(m[:, None] < rows) & (n[None, :] < out_features))
 
@@ -94,11 +96,14 @@ def linear_partials(
     tiles: SplitTiles | None = None,
     weight_scale: torch.Tensor | None = None,
     fallback: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    x_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[rows, in] x [out, in]^T -> [splits, rows, out] float32 partial sums (sum(0) is the
     product); `fallback(x)` (default F.linear) [rows, out] where `plan` says no. `tiles`
     overrides the plan (sweeps). FP8 e4m3 weights come with `weight_scale` [out, 1] float32
-    (per-channel: other layouts take the fallback): W8A16, the weight widened in registers."""
+    (per-channel: other layouts take the fallback): W8A16, the weight widened in registers; or
+    with an e4m3 x and its `x_scale` [rows, 1] float32 (`fp8.quantize_tokens`), W8A8: e4m3
+    products on the tensor cores, both scales applied to the sums."""
     rows, out_features, in_features = x.shape[0], weight.shape[0], weight.shape[1]
     fp8 = weight_scale is not None
     tiles = tiles or plan(rows, out_features, in_features, x.device)
@@ -112,9 +117,10 @@ def linear_partials(
         tiles.splits,
     )
     partials_kernel[grid](
-        x, weight, weight if weight_scale is None else weight_scale, out, rows, out_features, x.stride(0), weight.stride(0),
+        x, weight, weight if weight_scale is None else weight_scale,
+        x if x_scale is None else x_scale, out, rows, out_features, x.stride(0), weight.stride(0),
         in_features // tiles.splits, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, IEEE=x.dtype == torch.float32, FP8=fp8,
+        BLOCK_K=tiles.block_k, IEEE=x.dtype == torch.float32, FP8=fp8, X_SCALED=x_scale is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.launch_args(x.device),
     )  # fmt: skip
     return out

@@ -1,10 +1,11 @@
 """Experts of a mixture-of-experts layer as one grouped GEMM per projection (Triton).
 
 The (token, expert) pairs of a step are sorted by expert, and each expert's run is padded to a
-whole number of BLOCK_M rows (`align_by_expert`), so every block of sorted rows belongs to one
-expert: a program multiplies its block by that expert's weights. No Python loop over experts,
-no host sync, fixed shapes given the token count (CUDA-graph safe): the grid covers the most
-blocks any routing can need, and programs past the routed blocks return at once.
+whole number of BLOCK_M rows (`align_by_expert`, one Triton launch; `align_by_expert_torch` is
+its torch reference), so every block of sorted rows belongs to one expert: a program multiplies
+its block by that expert's weights. No Python loop over experts, no host sync, fixed shapes
+given the token count (CUDA-graph safe): the grid covers the most blocks any routing can need
+(`max_sorted_rows`), and programs past the routed blocks return at once.
 
     gate_up = x[pair // top_k] @ w13[expert].T     [pairs, 2 * inter]   (grouped GEMM 1)
     act     = SiLU or GELU(gate) * up              [pairs, inter]
@@ -22,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem import envs
-from tandem.config import cdiv
+from tandem import envs, pdl
+from tandem.config import cdiv, next_power_of_2
 from tandem.model.fused import act_and_mul
 
 
@@ -36,14 +37,19 @@ class ExpertBlocks(NamedTuple):
 
 
 def max_sorted_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Rows the sorted layout may need: every expert's run padded by up to block_m - 1."""
-    return cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+    """Rows the sorted layout may need: each routed expert's run padded by up to block_m - 1, and
+    at most min(pairs, experts) experts routed; every block holds a real pair, so at most
+    num_pairs blocks. E.g. 8 pairs, 128 experts, block_m 16: 8 blocks, not the 121 that padding
+    all 128 experts would take."""
+    routed = min(num_pairs, num_experts)
+    return min(num_pairs, (num_pairs + routed * (block_m - 1)) // block_m) * block_m
 
 
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+def align_by_expert_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
     """topk_ids [tokens, top_k] -> the pairs sorted by expert in BLOCK_M-row runs. E.g. experts
     of 5 pairs [1, 0, 1, 1, 0], block_m 2: runs of expert 0 [1, 4], expert 1 [0, 2, 3, pad]
-    -> sorted_pairs [1, 4, 0, 2, 3, 5, 5, ...], block_expert [0, 1, 1, ...], num_rows [6]."""
+    -> sorted_pairs [1, 4, 0, 2, 3, 5, 5, ...], block_expert [0, 1, 1, ...], num_rows [6].
+    In torch: the reference of `align_by_expert`."""
     flat = topk_ids.flatten()  # [pairs]
     num_pairs = flat.numel()
     device = flat.device
@@ -61,6 +67,93 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     block_expert = torch.searchsorted(padded_end, block_starts, right=True)
     block_expert = block_expert.clamp_(max=num_experts - 1).to(torch.int32)
     return ExpertBlocks(sorted_pairs, block_expert, padded_end[-1:].to(torch.int32))
+
+
+@triton.jit
+def align_kernel(
+    topk_ids_ptr,  # [pairs]
+    sorted_pairs_ptr,  # [max_rows] int32
+    block_expert_ptr,  # [max_rows // BLOCK_M] int32
+    num_rows_ptr,  # [1] int32
+    num_pairs,
+    num_experts,
+    max_rows,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,  # pairs each program places
+    SCAN: tl.constexpr,  # pairs counted per step
+    PDL: tl.constexpr,
+):
+    pdl.wait(PDL)
+    program, programs = tl.program_id(0), tl.num_programs(0)
+    first = program * CHUNK
+    # every program counts the pairs of each expert, all of them and those before its chunk
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    before = tl.zeros([BLOCK_E], tl.int32)
+    for start in range(0, num_pairs, SCAN):
+        idx = start + tl.arange(0, SCAN)
+        ids = tl.load(topk_ids_ptr + idx, mask=idx < num_pairs, other=0).to(tl.int32)
+        counts += tl.histogram(ids, BLOCK_E, mask=idx < num_pairs)
+        before += tl.histogram(ids, BLOCK_E, mask=idx < first)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)  # [BLOCK_E]: where each expert's run ends
+    starts = ends - padded
+    num_rows = tl.sum(padded, axis=0)
+    experts = tl.arange(0, BLOCK_E)
+    # the chunk's pairs: at their run's start, after the run's pairs from earlier chunks and the
+    # chunk's earlier pairs of that expert (a stable sort)
+    lanes = tl.arange(0, CHUNK)
+    pairs = first + lanes
+    in_chunk = pairs < num_pairs
+    ids = tl.load(topk_ids_ptr + pairs, mask=in_chunk, other=-1).to(tl.int32)
+    mine = ids[:, None] == experts[None, :]  # [CHUNK, BLOCK_E]
+    base = tl.sum(tl.where(mine, (starts + before)[None, :], 0), axis=1)
+    earlier_same = (ids[:, None] == ids[None, :]) & (lanes[None, :] < lanes[:, None])
+    rank = tl.sum(earlier_same.to(tl.int32), axis=1)
+    tl.store(sorted_pairs_ptr + base + rank, pairs, mask=in_chunk)
+    # the rest, spread over the programs (no slot is written twice): padding after each run and
+    # past the runs, and each block's expert
+    if program == 0:
+        tl.store(num_rows_ptr, num_rows)
+        js = tl.arange(0, BLOCK_M)
+        pad_slots = (starts + counts)[:, None] + js[None, :]  # [BLOCK_E, BLOCK_M]
+        pad = tl.zeros([BLOCK_E, BLOCK_M], tl.int32) + num_pairs
+        tl.store(sorted_pairs_ptr + pad_slots, pad, mask=js[None, :] < (padded - counts)[:, None])
+    for row in range(first + num_rows, max_rows, programs * CHUNK):
+        rows = row + lanes
+        tl.store(
+            sorted_pairs_ptr + rows, tl.zeros([CHUNK], tl.int32) + num_pairs, mask=rows < max_rows
+        )
+    for block in range(program * CHUNK, max_rows // BLOCK_M, programs * CHUNK):
+        blocks = block + lanes
+        expert = tl.sum((ends[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        expert = tl.minimum(expert, num_experts - 1)  # blocks past the runs
+        tl.store(block_expert_ptr + blocks, expert, mask=blocks < max_rows // BLOCK_M)
+
+
+ALIGN_CHUNK = 64
+ALIGN_SCAN = 1024
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """`align_by_expert_torch` as one Triton launch: the same blocks, fixed shapes, no host sync.
+    Each program places ALIGN_CHUNK pairs after counting every pair (the counts are a histogram
+    per ALIGN_SCAN pairs), so no program waits on another."""
+    flat = topk_ids.flatten()  # [pairs]
+    assert flat.is_contiguous()
+    num_pairs, device = flat.numel(), flat.device
+    max_rows = max_sorted_rows(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=device)
+    block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=device)
+    num_rows = torch.empty(1, dtype=torch.int32, device=device)
+    # at least 32 bins: one per lane of a warp (Triton's histogram pads to that anyway)
+    block_e = max(32, next_power_of_2(num_experts))
+    align_kernel[(cdiv(num_pairs, ALIGN_CHUNK),)](
+        flat, sorted_pairs, block_expert, num_rows, num_pairs, num_experts, max_rows,
+        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=ALIGN_CHUNK, SCAN=ALIGN_SCAN, num_warps=4,
+        **pdl.launch_args(device),
+    )  # fmt: skip
+    return ExpertBlocks(sorted_pairs, block_expert, num_rows)
 
 
 @triton.jit
@@ -189,7 +282,7 @@ def fused_experts(
     blocks = align_by_expert(topk_ids, num_experts, block_m)
     gate_up = grouped_gemm(x, w13, blocks, block_m, num_pairs, top_k, None)
     act = act_and_mul(gate_up, hidden_act)
-    weights = topk_weights.flatten().float().contiguous()
+    weights = topk_weights.flatten().float().contiguous()  # no copy from `fused_topk`
     out = grouped_gemm(act, w2, blocks, block_m, num_pairs, top_k, weights)
     return out.view(tokens, top_k, -1).sum(1)
 

@@ -8,7 +8,7 @@ given the token count (CUDA-graph safe): the grid covers the most blocks any rou
 (`max_sorted_rows`), and programs past the routed blocks return at once.
 
     gate_up = x[pair // top_k] @ w13[expert].T     [pairs, 2 * inter]   (grouped GEMM 1)
-    act     = SiLU or GELU(gate) * up              [pairs, inter]
+    act     = SiLU or GELU(gate) * up              [pairs, inter]       (SiLU: in GEMM 1)
     out     = weight[pair] * act @ w2[expert].T    [pairs, hidden]      (grouped GEMM 2)
     y       = out.view(tokens, top_k, hidden).sum(1)
 
@@ -159,7 +159,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
 @triton.jit
 def grouped_gemm_kernel(
     a_ptr,  # [rows of a, K]: tokens (A_PER_TOKEN) or pairs
-    w_ptr,  # [experts, N, K]
+    w_ptr,  # [experts, N, K]; [experts, 2 * N, K] with SILU_AND_MUL: gate rows, then up rows
     c_ptr,  # [pairs, N]
     sorted_pairs_ptr,
     block_expert_ptr,
@@ -175,20 +175,29 @@ def grouped_gemm_kernel(
     TOP_K: tl.constexpr,
     A_PER_TOKEN: tl.constexpr,  # a's row of pair p is p // TOP_K (else p)
     MUL_WEIGHT: tl.constexpr,
+    SILU_AND_MUL: tl.constexpr,  # c = SiLU(a @ gate.T) * (a @ up.T)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.wait(PDL)
     block = tl.program_id(0)
     if block * BLOCK_M < tl.load(num_rows_ptr):
         pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
         valid = pairs < num_pairs
         a_rows = pairs // TOP_K if A_PER_TOKEN else pairs
         expert = tl.load(block_expert_ptr + block).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if SILU_AND_MUL:  # the tile's columns interleave gate and up: E.g. rows g0 u0 g1 u1 ..
+            lanes = tl.arange(0, BLOCK_N)
+            cols = tl.program_id(1) * (BLOCK_N // 2) + lanes // 2
+            w_rows = cols + (lanes % 2) * N
+        else:
+            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            w_rows = cols
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * a_stride + ks[None, :]
-        w_ptrs = w_ptr + expert * w_expert_stride + cols[None, :] * w_row_stride + ks[:, None]
+        w_ptrs = w_ptr + expert * w_expert_stride + w_rows[None, :] * w_row_stride + ks[:, None]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k in range(0, K, BLOCK_K):
             in_k = ks + k < K
@@ -199,8 +208,15 @@ def grouped_gemm_kernel(
             w_ptrs += BLOCK_K
         if MUL_WEIGHT:
             acc = acc * tl.load(topk_weights_ptr + pairs, mask=valid, other=0.0)[:, None]
+        out = acc.to(c_ptr.dtype.element_ty)
+        if SILU_AND_MUL:  # rounded where gate_up's store and `silu_and_mul` would round
+            gate, up = tl.split(tl.reshape(out, [BLOCK_M, BLOCK_N // 2, 2]))
+            g = gate.to(tl.float32)
+            silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+            out = (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+            cols = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * c_stride + cols[None, :]
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+        tl.store(c_ptrs, out, mask=valid[:, None] & (cols[None, :] < N))
 
 
 class MoeTiles(NamedTuple):
@@ -250,19 +266,24 @@ def grouped_gemm(
     num_pairs: int,
     top_k: int,
     topk_weights: torch.Tensor | None,
+    silu_and_mul: bool = False,
 ) -> torch.Tensor:
-    """[pairs, N] = a's row of each pair @ w[its expert].T (times its weight when given)."""
-    n, k = w.shape[1], w.shape[2]
+    """[pairs, N] = a's row of each pair @ w[its expert].T (times its weight when given). With
+    `silu_and_mul`, w [experts, 2 * N, K] holds gate rows, then up rows, and the product is
+    SiLU(gate) * up, as `fused.silu_and_mul` would make of it (one launch less)."""
+    n, k = w.shape[1] // (2 if silu_and_mul else 1), w.shape[2]
     assert a.stride(-1) == 1 and w.is_contiguous()
     c = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
     tiles = FLOAT32_TILES if a.dtype == torch.float32 else TILES
-    grid = (blocks.sorted_pairs.numel() // block_m, cdiv(n, tiles.block_n))
+    cols_per_tile = tiles.block_n // 2 if silu_and_mul else tiles.block_n
+    grid = (blocks.sorted_pairs.numel() // block_m, cdiv(n, cols_per_tile))
     grouped_gemm_kernel[grid](
         a, w, c, blocks.sorted_pairs, blocks.block_expert, blocks.num_rows,
         c if topk_weights is None else topk_weights, num_pairs, n, k, a.stride(0), w.stride(0),
         w.stride(1), c.stride(0), TOP_K=top_k, A_PER_TOKEN=topk_weights is None,
-        MUL_WEIGHT=topk_weights is not None, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        MUL_WEIGHT=topk_weights is not None, SILU_AND_MUL=silu_and_mul, BLOCK_M=block_m,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **pdl.launch_args(a.device),
     )  # fmt: skip
     return c
 
@@ -275,15 +296,20 @@ def fused_experts(
     topk_ids: torch.Tensor,  # [tokens, top_k]
     hidden_act: str = "silu",
 ) -> torch.Tensor:
-    """The routed experts' weighted sum [tokens, hidden], by the grouped GEMMs."""
+    """The routed experts' weighted sum [tokens, hidden], by the grouped GEMMs: five launches
+    with `fused_topk`'s routing (align, GEMM 1 with SiLU * up, GEMM 2, the sum over top_k)."""
     tokens, top_k = topk_ids.shape
     num_experts, num_pairs = w13.shape[0], tokens * top_k
     block_m = block_m_for(num_pairs, num_experts)
     blocks = align_by_expert(topk_ids, num_experts, block_m)
-    gate_up = grouped_gemm(x, w13, blocks, block_m, num_pairs, top_k, None)
-    act = act_and_mul(gate_up, hidden_act)
+    if hidden_act == "silu":
+        act = grouped_gemm(x, w13, blocks, block_m, num_pairs, top_k, None, silu_and_mul=True)
+    else:
+        gate_up = grouped_gemm(x, w13, blocks, block_m, num_pairs, top_k, None)
+        act = act_and_mul(gate_up, hidden_act)
     weights = topk_weights.flatten().float().contiguous()  # no copy from `fused_topk`
     out = grouped_gemm(act, w2, blocks, block_m, num_pairs, top_k, weights)
+    # the sum over each token's top_k in a fixed order (no atomics: deterministic)
     return out.view(tokens, top_k, -1).sum(1)
 
 

@@ -1,5 +1,5 @@
-"""The new architectures and kernels on CUDA: the fused MoE grouped GEMMs and padded attention
-head sizes in bf16 at real shapes, MoE decode in CUDA graphs, each new tiny architecture with
+"""The new architectures and kernels on CUDA: the fused MoE routing, alignment and grouped GEMMs
+and padded attention head sizes in bf16 at real shapes, MoE decode in CUDA graphs, each new tiny architecture with
 graphs on against graphs off and against transformers."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from test_cuda_engine import assert_greedy_matches_transformers, generate
 from tandem.attention import AttentionMetadata
 from tandem.attention.torch_ref import decode_attention, prefill_attention
 from tandem.attention.triton_backend import TritonAttention
-from tandem.model import fused_moe, moe
+from tandem.model import fused_moe, moe_routing
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,7 +32,7 @@ def qwen3_30b_experts(tokens: int, seed: int = 0):
     ).bfloat16()
     w2 = (torch.randn(experts, hidden, inter, generator=g, device=CUDA) * inter**-0.5).bfloat16()
     logits = torch.randn(tokens, experts, generator=g, device=CUDA)
-    weights, ids = moe.route(logits, 8, renormalize=True)
+    weights, ids = moe_routing.route(logits, 8, renormalize=True)
     return x, w13, w2, weights, ids
 
 
@@ -64,6 +64,61 @@ def test_fused_moe_replays_in_a_cuda_graph_with_new_routing():
         graph.replay()
         expected = fused_moe.fused_experts(x2, w13, w2, weights2, ids2)
         torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("tokens", [1, 32, 2048])
+def test_fused_topk_matches_route_at_qwen3_30b_shape(dtype, renormalize, tokens):
+    """128 experts, top 8. bf16 logits tie often, and torch's topk of the probabilities may
+    take either of two experts whose logits differ by an ulp: so the picked logits are compared
+    with the 8 largest (exactly), the experts are 8 distinct ones, and the weights are torch's."""
+    g = torch.Generator(device=CUDA).manual_seed(tokens)
+    logits = (torch.randn(tokens, 128, generator=g, device=CUDA) * 2).to(dtype)
+    weights, ids = moe_routing.fused_topk(logits, 8, renormalize)
+    ref_weights, _ = moe_routing.route(logits, 8, renormalize)
+    assert torch.equal(logits.gather(1, ids.long()), logits.topk(8, dim=1).values)
+    assert (ids.sort(dim=1).values.diff(dim=1) > 0).all()
+    torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 32, 2048, 8192])
+@pytest.mark.parametrize("skewed", [False, True])
+def test_align_kernel_matches_the_torch_alignment_at_qwen3_30b_shape(tokens, skewed):
+    """Random routes, and skewed ones (every token on experts 0-7: one run per expert, most
+    experts empty)."""
+    g = torch.Generator(device=CUDA).manual_seed(tokens)
+    scores = torch.rand(tokens, 128, generator=g, device=CUDA)
+    if skewed:
+        scores[:, :8] += 1
+    ids = scores.topk(8, dim=1).indices.int()
+    block_m = fused_moe.block_m_for(ids.numel(), 128)
+    got = fused_moe.align_by_expert(ids, 128, block_m)
+    expected = fused_moe.align_by_expert_torch(ids, 128, block_m)
+    for name, a, b in zip(fused_moe.ExpertBlocks._fields, got, expected, strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_moe_routing_and_experts_replay_in_a_cuda_graph_with_new_logits():
+    """Routing, alignment and grouped GEMMs captured once from router logits, replayed on other
+    inputs and logits: the same output as eagerly, bit for bit."""
+    x, w13, w2, _, _ = qwen3_30b_experts(32)
+    logits = torch.randn(32, 128, device=CUDA).bfloat16()
+
+    def layer():
+        weights, ids = moe_routing.fused_topk(logits, 8, renormalize=True)
+        return fused_moe.fused_experts(x, w13, w2, weights, ids)
+
+    layer()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer()
+    for seed in (1, 2):
+        g = torch.Generator(device=CUDA).manual_seed(seed)
+        x.copy_(torch.randn(x.shape, generator=g, device=CUDA))
+        logits.copy_(torch.randn(logits.shape, generator=g, device=CUDA))
+        graph.replay()
+        torch.testing.assert_close(out, layer(), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("head_dim", [80, 96, 112, 256])

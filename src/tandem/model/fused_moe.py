@@ -1,13 +1,14 @@
 """Experts of a mixture-of-experts layer as one grouped GEMM per projection (Triton).
 
 The (token, expert) pairs of a step are sorted by expert, and each expert's run is padded to a
-whole number of BLOCK_M rows (`align_by_expert`), so every block of sorted rows belongs to one
-expert: a program multiplies its block by that expert's weights. No Python loop over experts,
-no host sync, fixed shapes given the token count (CUDA-graph safe): the grid covers the most
-blocks any routing can need, and programs past the routed blocks return at once.
+whole number of BLOCK_M rows (`align_by_expert`, one Triton launch; `align_by_expert_torch` is
+its torch reference), so every block of sorted rows belongs to one expert: a program multiplies
+its block by that expert's weights. No Python loop over experts, no host sync, fixed shapes
+given the token count (CUDA-graph safe): the grid covers the most blocks any routing can need
+(`max_sorted_rows`), and programs past the routed blocks return at once.
 
     gate_up = x[pair // top_k] @ w13[expert].T     [pairs, 2 * inter]   (grouped GEMM 1)
-    act     = SiLU or GELU(gate) * up              [pairs, inter]
+    act     = SiLU or GELU(gate) * up              [pairs, inter]       (SiLU: in GEMM 1)
     out     = weight[pair] * act @ w2[expert].T    [pairs, hidden]      (grouped GEMM 2)
     y       = out.view(tokens, top_k, hidden).sum(1)
 
@@ -22,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem import envs
-from tandem.config import cdiv
+from tandem import envs, pdl
+from tandem.config import cdiv, next_power_of_2
 from tandem.model.fused import act_and_mul
 
 
@@ -36,14 +37,19 @@ class ExpertBlocks(NamedTuple):
 
 
 def max_sorted_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Rows the sorted layout may need: every expert's run padded by up to block_m - 1."""
-    return cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+    """Rows the sorted layout may need: each routed expert's run padded by up to block_m - 1, and
+    at most min(pairs, experts) experts routed; every block holds a real pair, so at most
+    num_pairs blocks. E.g. 8 pairs, 128 experts, block_m 16: 8 blocks, not the 121 that padding
+    all 128 experts would take."""
+    routed = min(num_pairs, num_experts)
+    return min(num_pairs, (num_pairs + routed * (block_m - 1)) // block_m) * block_m
 
 
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+def align_by_expert_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
     """topk_ids [tokens, top_k] -> the pairs sorted by expert in BLOCK_M-row runs. E.g. experts
     of 5 pairs [1, 0, 1, 1, 0], block_m 2: runs of expert 0 [1, 4], expert 1 [0, 2, 3, pad]
-    -> sorted_pairs [1, 4, 0, 2, 3, 5, 5, ...], block_expert [0, 1, 1, ...], num_rows [6]."""
+    -> sorted_pairs [1, 4, 0, 2, 3, 5, 5, ...], block_expert [0, 1, 1, ...], num_rows [6].
+    In torch: the reference of `align_by_expert`."""
     flat = topk_ids.flatten()  # [pairs]
     num_pairs = flat.numel()
     device = flat.device
@@ -64,9 +70,96 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
 
 
 @triton.jit
+def align_kernel(
+    topk_ids_ptr,  # [pairs]
+    sorted_pairs_ptr,  # [max_rows] int32
+    block_expert_ptr,  # [max_rows // BLOCK_M] int32
+    num_rows_ptr,  # [1] int32
+    num_pairs,
+    num_experts,
+    max_rows,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,  # pairs each program places
+    SCAN: tl.constexpr,  # pairs counted per step
+    PDL: tl.constexpr,
+):
+    pdl.wait(PDL)
+    program, programs = tl.program_id(0), tl.num_programs(0)
+    first = program * CHUNK
+    # every program counts the pairs of each expert, all of them and those before its chunk
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    before = tl.zeros([BLOCK_E], tl.int32)
+    for start in range(0, num_pairs, SCAN):
+        idx = start + tl.arange(0, SCAN)
+        ids = tl.load(topk_ids_ptr + idx, mask=idx < num_pairs, other=0).to(tl.int32)
+        counts += tl.histogram(ids, BLOCK_E, mask=idx < num_pairs)
+        before += tl.histogram(ids, BLOCK_E, mask=idx < first)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)  # [BLOCK_E]: where each expert's run ends
+    starts = ends - padded
+    num_rows = tl.sum(padded, axis=0)
+    experts = tl.arange(0, BLOCK_E)
+    # the chunk's pairs: at their run's start, after the run's pairs from earlier chunks and the
+    # chunk's earlier pairs of that expert (a stable sort)
+    lanes = tl.arange(0, CHUNK)
+    pairs = first + lanes
+    in_chunk = pairs < num_pairs
+    ids = tl.load(topk_ids_ptr + pairs, mask=in_chunk, other=-1).to(tl.int32)
+    mine = ids[:, None] == experts[None, :]  # [CHUNK, BLOCK_E]
+    base = tl.sum(tl.where(mine, (starts + before)[None, :], 0), axis=1)
+    earlier_same = (ids[:, None] == ids[None, :]) & (lanes[None, :] < lanes[:, None])
+    rank = tl.sum(earlier_same.to(tl.int32), axis=1)
+    tl.store(sorted_pairs_ptr + base + rank, pairs, mask=in_chunk)
+    # the rest, spread over the programs (no slot is written twice): padding after each run and
+    # past the runs, and each block's expert
+    if program == 0:
+        tl.store(num_rows_ptr, num_rows)
+        js = tl.arange(0, BLOCK_M)
+        pad_slots = (starts + counts)[:, None] + js[None, :]  # [BLOCK_E, BLOCK_M]
+        pad = tl.zeros([BLOCK_E, BLOCK_M], tl.int32) + num_pairs
+        tl.store(sorted_pairs_ptr + pad_slots, pad, mask=js[None, :] < (padded - counts)[:, None])
+    for row in range(first + num_rows, max_rows, programs * CHUNK):
+        rows = row + lanes
+        tl.store(
+            sorted_pairs_ptr + rows, tl.zeros([CHUNK], tl.int32) + num_pairs, mask=rows < max_rows
+        )
+    for block in range(program * CHUNK, max_rows // BLOCK_M, programs * CHUNK):
+        blocks = block + lanes
+        expert = tl.sum((ends[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        expert = tl.minimum(expert, num_experts - 1)  # blocks past the runs
+        tl.store(block_expert_ptr + blocks, expert, mask=blocks < max_rows // BLOCK_M)
+
+
+ALIGN_CHUNK = 64
+ALIGN_SCAN = 1024
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """`align_by_expert_torch` as one Triton launch: the same blocks, fixed shapes, no host sync.
+    Each program places ALIGN_CHUNK pairs after counting every pair (the counts are a histogram
+    per ALIGN_SCAN pairs), so no program waits on another."""
+    flat = topk_ids.flatten()  # [pairs]
+    assert flat.is_contiguous()
+    num_pairs, device = flat.numel(), flat.device
+    max_rows = max_sorted_rows(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=device)
+    block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=device)
+    num_rows = torch.empty(1, dtype=torch.int32, device=device)
+    # at least 32 bins: one per lane of a warp (Triton's histogram pads to that anyway)
+    block_e = max(32, next_power_of_2(num_experts))
+    align_kernel[(cdiv(num_pairs, ALIGN_CHUNK),)](
+        flat, sorted_pairs, block_expert, num_rows, num_pairs, num_experts, max_rows,
+        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=ALIGN_CHUNK, SCAN=ALIGN_SCAN, num_warps=4,
+        **pdl.launch_args(device),
+    )  # fmt: skip
+    return ExpertBlocks(sorted_pairs, block_expert, num_rows)
+
+
+@triton.jit
 def grouped_gemm_kernel(
     a_ptr,  # [rows of a, K]: tokens (A_PER_TOKEN) or pairs
-    w_ptr,  # [experts, N, K]
+    w_ptr,  # [experts, N, K]; [experts, 2 * N, K] with SILU_AND_MUL: gate rows, then up rows
     c_ptr,  # [pairs, N]
     sorted_pairs_ptr,
     block_expert_ptr,
@@ -82,20 +175,29 @@ def grouped_gemm_kernel(
     TOP_K: tl.constexpr,
     A_PER_TOKEN: tl.constexpr,  # a's row of pair p is p // TOP_K (else p)
     MUL_WEIGHT: tl.constexpr,
+    SILU_AND_MUL: tl.constexpr,  # c = SiLU(a @ gate.T) * (a @ up.T)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.wait(PDL)
     block = tl.program_id(0)
     if block * BLOCK_M < tl.load(num_rows_ptr):
         pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
         valid = pairs < num_pairs
         a_rows = pairs // TOP_K if A_PER_TOKEN else pairs
         expert = tl.load(block_expert_ptr + block).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if SILU_AND_MUL:  # the tile's columns interleave gate and up: E.g. rows g0 u0 g1 u1 ..
+            lanes = tl.arange(0, BLOCK_N)
+            cols = tl.program_id(1) * (BLOCK_N // 2) + lanes // 2
+            w_rows = cols + (lanes % 2) * N
+        else:
+            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            w_rows = cols
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * a_stride + ks[None, :]
-        w_ptrs = w_ptr + expert * w_expert_stride + cols[None, :] * w_row_stride + ks[:, None]
+        w_ptrs = w_ptr + expert * w_expert_stride + w_rows[None, :] * w_row_stride + ks[:, None]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k in range(0, K, BLOCK_K):
             in_k = ks + k < K
@@ -106,8 +208,15 @@ def grouped_gemm_kernel(
             w_ptrs += BLOCK_K
         if MUL_WEIGHT:
             acc = acc * tl.load(topk_weights_ptr + pairs, mask=valid, other=0.0)[:, None]
+        out = acc.to(c_ptr.dtype.element_ty)
+        if SILU_AND_MUL:  # rounded where gate_up's store and `silu_and_mul` would round
+            gate, up = tl.split(tl.reshape(out, [BLOCK_M, BLOCK_N // 2, 2]))
+            g = gate.to(tl.float32)
+            silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+            out = (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+            cols = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * c_stride + cols[None, :]
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+        tl.store(c_ptrs, out, mask=valid[:, None] & (cols[None, :] < N))
 
 
 class MoeTiles(NamedTuple):
@@ -157,19 +266,24 @@ def grouped_gemm(
     num_pairs: int,
     top_k: int,
     topk_weights: torch.Tensor | None,
+    silu_and_mul: bool = False,
 ) -> torch.Tensor:
-    """[pairs, N] = a's row of each pair @ w[its expert].T (times its weight when given)."""
-    n, k = w.shape[1], w.shape[2]
+    """[pairs, N] = a's row of each pair @ w[its expert].T (times its weight when given). With
+    `silu_and_mul`, w [experts, 2 * N, K] holds gate rows, then up rows, and the product is
+    SiLU(gate) * up, as `fused.silu_and_mul` would make of it (one launch less)."""
+    n, k = w.shape[1] // (2 if silu_and_mul else 1), w.shape[2]
     assert a.stride(-1) == 1 and w.is_contiguous()
     c = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
     tiles = FLOAT32_TILES if a.dtype == torch.float32 else TILES
-    grid = (blocks.sorted_pairs.numel() // block_m, cdiv(n, tiles.block_n))
+    cols_per_tile = tiles.block_n // 2 if silu_and_mul else tiles.block_n
+    grid = (blocks.sorted_pairs.numel() // block_m, cdiv(n, cols_per_tile))
     grouped_gemm_kernel[grid](
         a, w, c, blocks.sorted_pairs, blocks.block_expert, blocks.num_rows,
         c if topk_weights is None else topk_weights, num_pairs, n, k, a.stride(0), w.stride(0),
         w.stride(1), c.stride(0), TOP_K=top_k, A_PER_TOKEN=topk_weights is None,
-        MUL_WEIGHT=topk_weights is not None, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        MUL_WEIGHT=topk_weights is not None, SILU_AND_MUL=silu_and_mul, BLOCK_M=block_m,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **pdl.launch_args(a.device),
     )  # fmt: skip
     return c
 
@@ -182,15 +296,20 @@ def fused_experts(
     topk_ids: torch.Tensor,  # [tokens, top_k]
     hidden_act: str = "silu",
 ) -> torch.Tensor:
-    """The routed experts' weighted sum [tokens, hidden], by the grouped GEMMs."""
+    """The routed experts' weighted sum [tokens, hidden], by the grouped GEMMs: five launches
+    with `fused_topk`'s routing (align, GEMM 1 with SiLU * up, GEMM 2, the sum over top_k)."""
     tokens, top_k = topk_ids.shape
     num_experts, num_pairs = w13.shape[0], tokens * top_k
     block_m = block_m_for(num_pairs, num_experts)
     blocks = align_by_expert(topk_ids, num_experts, block_m)
-    gate_up = grouped_gemm(x, w13, blocks, block_m, num_pairs, top_k, None)
-    act = act_and_mul(gate_up, hidden_act)
-    weights = topk_weights.flatten().float().contiguous()
+    if hidden_act == "silu":
+        act = grouped_gemm(x, w13, blocks, block_m, num_pairs, top_k, None, silu_and_mul=True)
+    else:
+        gate_up = grouped_gemm(x, w13, blocks, block_m, num_pairs, top_k, None)
+        act = act_and_mul(gate_up, hidden_act)
+    weights = topk_weights.flatten().float().contiguous()  # no copy from `fused_topk`
     out = grouped_gemm(act, w2, blocks, block_m, num_pairs, top_k, weights)
+    # the sum over each token's top_k in a fixed order (no atomics: deterministic)
     return out.view(tokens, top_k, -1).sum(1)
 
 

@@ -1,9 +1,10 @@
 """Mixture-of-experts MLP (Qwen3-MoE, Mixtral): a top-k router and the routed experts.
 
-Routing as both models define it: softmax over the experts in float32, the top k, renormalised
-to sum to one where the model asks (`norm_topk_prob`; Mixtral always). The experts run as the
-grouped GEMMs of `fused_moe` on CUDA, and as the same arithmetic in torch elsewhere (CPU engines;
-tests run the Triton kernels under the interpreter against it).
+Routing as both models define it (`moe_routing`): softmax over the experts in float32, the top
+k, renormalised to sum to one where the model asks (`norm_topk_prob`; Mixtral always). On CUDA
+the routing is one Triton kernel and the experts the grouped GEMMs of `fused_moe`; elsewhere both
+are the same arithmetic in torch (CPU engines; tests run the Triton kernels under the interpreter
+against it).
 
 Tensor parallelism shards every expert's intermediate dimension: rank r holds rows
 [r * inter / size, (r + 1) * inter / size) of each expert's gate and up projections and those
@@ -20,18 +21,8 @@ from torch import nn
 from tandem.config import ModelConfig
 from tandem.model import fused
 from tandem.model.fused_moe import fused_experts, fused_experts_torch
+from tandem.model.moe_routing import fused_topk, route
 from tandem.parallel import TensorParallel
-
-
-def route(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """[tokens, experts] logits -> (weights [tokens, top_k] float32, expert ids [tokens, top_k])."""
-    probs = router_logits.softmax(dim=-1, dtype=torch.float32)
-    weights, ids = probs.topk(top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
 
 
 class Experts(nn.Module):
@@ -58,7 +49,11 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[tokens, hidden] -> [tokens, hidden] in x's dtype."""
-        weights, ids = route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
-        run = fused_experts if fused.use_kernels(x) else fused_experts_torch
+        router_logits = F.linear(x, self.gate.weight)  # [tokens, experts]
+        kernels = fused.use_kernels(x)
+        weights, ids = (fused_topk if kernels else route)(
+            router_logits, self.top_k, self.renormalize
+        )
+        run = fused_experts if kernels else fused_experts_torch
         w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
         return self.tp.all_reduce(run(x, w13, w2, weights, ids, self.hidden_act))

@@ -1,0 +1,153 @@
+"""The MoE routing and alignment Triton kernels (interpreted on CPU) against their torch
+references and transformers' routers: `fused_topk` against `route` and the Qwen3-MoE and Mixtral
+routers, `align_by_expert` against `align_by_expert_torch`, and a whole MoE block run by the
+kernels against transformers' block."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tandem.config import ModelConfig
+from tandem.model import fused, fused_moe, moe
+from tandem.model.moe_routing import fused_topk, route
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter  # noqa: E402
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter  # noqa: E402
+
+HIDDEN = 32
+
+
+def hf_router(arch: str, num_experts: int, top_k: int, renormalize: bool, seed: int):
+    if arch == "mixtral":  # always renormalises
+        config = transformers.MixtralConfig(
+            hidden_size=HIDDEN, num_local_experts=num_experts, num_experts_per_tok=top_k
+        )
+        router = MixtralTopKRouter(config)
+    else:
+        config = transformers.Qwen3MoeConfig(
+            hidden_size=HIDDEN,
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            norm_topk_prob=renormalize,
+        )
+        router = Qwen3MoeTopKRouter(config)
+    router.weight.data = torch.randn(
+        num_experts, HIDDEN, generator=torch.Generator().manual_seed(seed)
+    )
+    return router
+
+
+@pytest.mark.parametrize(
+    ("arch", "renormalize"), [("qwen3_moe", True), ("qwen3_moe", False), ("mixtral", True)]
+)
+@pytest.mark.parametrize(("num_experts", "top_k"), [(60, 4), (128, 8), (8, 2)])
+@pytest.mark.parametrize("tokens", [1, 19])
+def test_fused_topk_matches_route_and_transformers_routers(
+    arch, renormalize, num_experts, top_k, tokens
+):
+    """fp32, 60 experts (not a power of two), one token and a part-filled last program."""
+    router = hf_router(arch, num_experts, top_k, renormalize, seed=tokens + num_experts)
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
+    logits, hf_weights, hf_ids = router(x)
+    weights, ids = fused_topk(logits, top_k, renormalize)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert weights.shape == ids.shape == (tokens, top_k) and weights.is_contiguous()
+    assert torch.equal(ids.long(), hf_ids)
+    torch.testing.assert_close(weights, hf_weights, atol=1e-6, rtol=1e-5)
+    ref_weights, ref_ids = route(logits, top_k, renormalize)
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+    if renormalize:
+        torch.testing.assert_close(weights.sum(1), torch.ones(tokens))
+
+
+def test_fused_topk_in_float16_picks_logits_equal_to_torchs_picks():
+    """fp16 logits tie often; where they do, any of the tied experts is right."""
+    logits = torch.randn(9, 60, generator=torch.Generator().manual_seed(1)).half()
+    weights, ids = fused_topk(logits, 8, renormalize=True)
+    ref_weights, ref_ids = route(logits, 8, renormalize=True)
+    assert torch.equal(logits.gather(1, ids.long()), logits.gather(1, ref_ids))
+    torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+
+
+def test_fused_topk_takes_the_lowest_expert_among_equal_logits():
+    logits = torch.tensor([[0.0] * 6, [1.0, 3.0, 3.0, 0.0, 3.0, 1.0]])
+    weights, ids = fused_topk(logits, 4, renormalize=False)
+    assert ids.tolist() == [[0, 1, 2, 3], [1, 2, 4, 0]]
+    torch.testing.assert_close(weights[0], torch.full((4,), 1 / 6))
+    torch.testing.assert_close(weights[1], logits[1].softmax(0)[[1, 2, 4, 0]])
+
+
+def assert_same_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
+    got = fused_moe.align_by_expert(ids, num_experts, block_m)
+    expected = fused_moe.align_by_expert_torch(ids, num_experts, block_m)
+    for name, a, b in zip(fused_moe.ExpertBlocks._fields, got, expected, strict=True):
+        assert torch.equal(a, b), name
+
+
+def random_ids(tokens: int, num_experts: int, top_k: int, seed: int = 0) -> torch.Tensor:
+    """Each token's top_k distinct experts, as a router gives them."""
+    scores = torch.rand(tokens, num_experts, generator=torch.Generator().manual_seed(seed))
+    return scores.topk(top_k, dim=1).indices.int()
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+@pytest.mark.parametrize(
+    ("tokens", "num_experts", "top_k"), [(1, 128, 8), (1, 60, 4), (13, 8, 2), (50, 60, 8)]
+)
+def test_align_kernel_matches_the_torch_alignment(block_m, tokens, num_experts, top_k):
+    """One token, empty experts (most of 128 at one token), 400 pairs over 7 programs."""
+    assert_same_blocks(random_ids(tokens, num_experts, top_k), num_experts, block_m)
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_align_kernel_with_one_hot_expert_and_unrouted_experts(block_m):
+    ids = torch.full((70, 2), 3, dtype=torch.int32)  # 140 pairs, one expert: three programs
+    ids[::5, 1] = 6
+    assert_same_blocks(ids, 8, block_m)
+    assert_same_blocks(ids.long(), 8, block_m)  # the torch router's int64 ids
+
+
+def test_align_kernel_counts_past_one_scan():
+    """1,280 pairs: more than one histogram step (ALIGN_SCAN) and twenty programs."""
+    assert fused_moe.ALIGN_SCAN < 160 * 8
+    assert_same_blocks(random_ids(160, 16, 8, seed=2), 16, 16)
+
+
+@pytest.mark.parametrize(("num_experts", "block_m"), [(128, 16), (6, 4), (3, 16)])
+def test_sorted_rows_bound_holds_and_is_reached(num_experts, block_m):
+    """Every expert's run fits in `max_sorted_rows`; one pair on each of min(pairs, experts)
+    experts, or as many runs one pair past a whole block as there are, fills it."""
+    for num_pairs in range(1, 40):
+        max_rows = fused_moe.max_sorted_rows(num_pairs, num_experts, block_m)
+        spread = torch.arange(num_pairs) % num_experts
+        rows = fused_moe.align_by_expert_torch(spread, num_experts, block_m).num_rows.item()
+        assert rows <= max_rows
+        if num_pairs <= num_experts:  # a block per pair
+            assert rows == max_rows == num_pairs * block_m
+        worst = 0
+        for runs in range(1, min(num_pairs, num_experts) + 1):  # pairs split over `runs` experts
+            counts = [num_pairs // runs + (i < num_pairs % runs) for i in range(runs)]
+            worst = max(worst, sum(-(-c // block_m) for c in counts))
+        assert worst * block_m <= max_rows
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_moe_block_by_the_kernels_matches_transformers_block(make_tiny, monkeypatch, arch):
+    """Routing, alignment and both grouped GEMMs interpreted, against transformers (fp32)."""
+    folder = make_tiny(arch)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    layer = model.model.layers[0].mlp
+    ours = moe.SparseMoeBlock(cfg, moe.TensorParallel())
+    ours.gate.weight.data.copy_(layer.gate.weight)
+    ours.experts.gate_up_proj.data.copy_(layer.experts.gate_up_proj)
+    ours.experts.down_proj.data.copy_(layer.experts.down_proj)
+    monkeypatch.setattr(fused, "use_kernels", lambda x: True)
+    x = torch.randn(11, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), layer(x[None])[0], atol=1e-4, rtol=1e-4)

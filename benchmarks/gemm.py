@@ -18,7 +18,10 @@ replay as the engine runs them, each call on a cold copy of the weight (`Rotatio
             input quantized per token (one Triton kernel) and torch._scaled_mm;
   fp8splitk (--fp8) the split-K kernel over the e4m3 weight (W8A16, widened in registers).
   fp8dot    (--fp8) the split-K kernel with the input quantized per token too (W8A8: e4m3
-            products on the tensor cores), the quantization's launch included.
+            products on the tensor cores), the quantization's launch included: float32 slices,
+            as the engine's o and down projections take it up to 64 rows;
+  w8a8splitk (--fp8) the same in one split, stored in bf16 (`quant.linear.w8a8_splitk`), as
+            the engine's other FP8 projections take it up to 64 rows.
   gemv...   (--fp8, one row) the matrix-vector kernel (`quant/gemv.py`, W8A16, no tensor
             cores) in its default tiles (gemv) and others (gemv<block_n>x<block_k>w<warps>).
   The % of the FP8 ways is of the FP8 roofline: half the weight bytes.
@@ -50,7 +53,7 @@ from tandem.model.splitk import SplitTiles, linear_partials, plan
 from tandem.quant.fp8 import quantize_rows, quantize_tokens
 from tandem.quant.gemv import MAX_ROWS as GEMV_ROWS
 from tandem.quant.gemv import GemvTiles, fp8_gemv
-from tandem.quant.linear import w8a8_linear
+from tandem.quant.linear import w8a8_linear, w8a8_splitk
 from tandem.roofline import H200
 from tandem.runner import preferred_blas
 
@@ -123,6 +126,7 @@ def variants(
                 x, fp8_rotation.next(), weight_scale=scale, fallback=lambda x: None
             ),
             "fp8dot": lambda x: fp8_dot(x, fp8_rotation.next(), scale),
+            "w8a8splitk": lambda x: w8a8_splitk(x, fp8_rotation.next(), scale),
         } | {
             name: lambda x, t=tiles: (
                 fp8_gemv(x, fp8_rotation.next(), scale, t) if x.shape[0] <= GEMV_ROWS else None
@@ -229,7 +233,7 @@ def main() -> None:
             expected = {way: F.linear(x, weight).float() for way in ways}
             if args.fp8:  # the operands as each FP8 way sees them: e4m3 read back
                 expected["fp8"] = F.linear(fp8_view(x), fp8_view(weight))  # W8A8
-                expected["fp8dot"] = expected["fp8"]
+                expected["fp8dot"] = expected["w8a8splitk"] = expected["fp8"]
                 expected["fp8splitk"] = F.linear(x.float(), fp8_view(weight))  # W8A16
                 expected |= {name: expected["fp8splitk"] for name in GEMV_SHAPES}
             cells = []

@@ -388,3 +388,37 @@ def test_fp8_split_k_with_e4m3_activations_equals_the_product_of_both_dequantize
     assert partials.dim() == 3 and partials.shape[0] > 1
     expected = (xq.double() * x_scale.double()) @ (q.double() * scale.double()).T
     torch.testing.assert_close(partials.sum(0).double(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_w8a8_layer_at_decode_sizes_runs_the_triton_kernels_as_their_references():
+    """Interpreted on CPU with the W8A8 flag forced: one row through the matrix-vector kernel
+    (x as it is), 5 and 40 rows through split-K over e4m3 x (x quantized per token), and the
+    o/down form's float32 slices adding up to the same product."""
+    g = torch.Generator().manual_seed(6)
+    layer = Fp8Linear(256, 48, bias=False)
+    q, scale = quantize_rows(torch.randn(48, 256, generator=g))
+    layer.weight.data.copy_(q)
+    layer.weight_scale.data.copy_(scale)
+    layer.w8a8 = True
+    weight = q.double() * scale.double()
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 256, generator=g)
+        xq, x_scale = quantize_rows(x)
+        operand = x.double() if rows == 1 else xq.double() * x_scale.double()
+        expected = operand @ weight.T
+        torch.testing.assert_close(layer(x).double(), expected, atol=1e-4, rtol=1e-4)
+        slices = layer.residual_partials(x)
+        summed = slices.sum(0) if slices.dim() == 3 else slices
+        torch.testing.assert_close(summed.double(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_split_k_product_in_the_output_dtype_is_its_one_slice_rounded():
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(5, 256, generator=g), torch.randn(40, 256, generator=g)
+    tiles = splitk.SplitTiles(16, 32, 64, splits=1)
+    direct = splitk.linear_partials(x.half(), w.half(), tiles, out_dtype=torch.half)
+    slices = splitk.linear_partials(x.half(), w.half(), tiles)
+    assert direct.shape == (5, 40) and direct.dtype == torch.half
+    assert torch.equal(direct, slices[0].half())
+    with pytest.raises(ValueError, match="one split"):
+        splitk.linear_partials(x, w, tiles._replace(splits=2), out_dtype=torch.half)

@@ -68,7 +68,12 @@ def partials_kernel(
     if X_SCALED:  # e4m3 activations with a scale per row
         acc *= tl.load(x_scale_ptr + m, mask=m < rows, other=0.0)[:, None]
     out = out_ptr + (split * rows + m[:, None]).to(tl.int64) * out_features + n[None, :]
-    tl.store(out, acc, mask=(m[:, None] < rows) & (n[None, :] < out_features))
+    # float32 partial sums, or with one split the product in the output's dtype
+    tl.store(
+        out,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(m[:, None] < rows) & (n[None, :] < out_features),
+    )
 
 
 def plan(rows: int, out_features: int, in_features: int, device: torch.device) -> SplitTiles | None:
@@ -97,20 +102,25 @@ def linear_partials(
     weight_scale: torch.Tensor | None = None,
     fallback: Callable[[torch.Tensor], torch.Tensor] | None = None,
     x_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """[rows, in] x [out, in]^T -> [splits, rows, out] float32 partial sums (sum(0) is the
     product); `fallback(x)` (default F.linear) [rows, out] where `plan` says no. `tiles`
     overrides the plan (sweeps). FP8 e4m3 weights come with `weight_scale` [out, 1] float32
     (per-channel: other layouts take the fallback): W8A16, the weight widened in registers; or
     with an e4m3 x and its `x_scale` [rows, 1] float32 (`fp8.quantize_tokens`), W8A8: e4m3
-    products on the tensor cores, both scales applied to the sums."""
+    products on the tensor cores, both scales applied to the sums. With `out_dtype` (one
+    split only) the product itself, [rows, out] in that dtype."""
     rows, out_features, in_features = x.shape[0], weight.shape[0], weight.shape[1]
     fp8 = weight_scale is not None
     tiles = tiles or plan(rows, out_features, in_features, x.device)
     per_channel = not fp8 or weight_scale.shape[1] == 1
     if tiles is None or x.stride(1) != 1 or not weight.is_contiguous() or not per_channel:
         return F.linear(x, weight) if fallback is None else fallback(x)
-    out = torch.empty(tiles.splits, rows, out_features, dtype=torch.float32, device=x.device)
+    if out_dtype is not None and tiles.splits != 1:
+        raise ValueError(f"a product in {out_dtype} takes one split, got {tiles.splits}")
+    dtype = torch.float32 if out_dtype is None else out_dtype
+    out = torch.empty(tiles.splits, rows, out_features, dtype=dtype, device=x.device)
     grid = (
         cdiv(out_features, tiles.block_n),
         cdiv(rows, tiles.block_m),
@@ -123,4 +133,4 @@ def linear_partials(
         BLOCK_K=tiles.block_k, IEEE=x.dtype == torch.float32, FP8=fp8, X_SCALED=x_scale is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.launch_args(x.device),
     )  # fmt: skip
-    return out
+    return out if out_dtype is None else out[0]

@@ -2,8 +2,9 @@
 
 W8A8 (CUDA with FP8 tensor cores, bfloat16 models): each call quantizes its input per token
 (`fp8.quantize_tokens`) and multiplies with `torch._scaled_mm`, cuBLASLt/CUTLASS's FP8 GEMM with
-a scale per input row and per weight row, into bfloat16. Up to `gemv.MAX_ROWS` rows (batch-1
-decode) take the matrix-vector kernel of `gemv` instead, W8A16. W8A16 (CPU, other GPUs, other dtypes):
+a scale per input row and per weight row, into bfloat16. Decode sizes take Triton kernels
+instead: one row the matrix-vector kernel of `gemv` (W8A16), up to SPLITK_W8A8_ROWS rows the
+split-K kernel over e4m3 activations and weights (`w8a8_splitk`). W8A16 (CPU, other GPUs, other dtypes):
 the weight is dequantized to the input's dtype and F.linear runs, so on CPU in float32 the
 result equals F.linear over the dequantized weight exactly.
 """
@@ -20,6 +21,7 @@ from torch import nn
 
 from tandem.config import cdiv
 from tandem.model import splitk
+from tandem.model.fused import num_sms
 from tandem.quant import gemv
 from tandem.quant.checkpoint import Fp8Config
 from tandem.quant.fp8 import FP8_DTYPE, dequantize, has_fp8_gemm, quantize_rows, quantize_tokens
@@ -57,9 +59,11 @@ class Fp8Linear(nn.Module):
         if not self.w8a8:
             weight = dequantize(self.weight, self.weight_scale, x.dtype, self.group_size)
             return F.linear(x, weight, bias)
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= gemv.MAX_ROWS and rows.stride(1) == 1:
+        rows = x.reshape(-1, self.in_features).contiguous()
+        if rows.shape[0] <= gemv.MAX_ROWS:
             y = gemv.fp8_gemv(rows, self.weight, self.weight_scale)
+        elif rows.shape[0] <= SPLITK_W8A8_ROWS and splitk.ENABLED:
+            y = w8a8_splitk(rows, self.weight, self.weight_scale)
         else:
             y = w8a8_linear(rows, self.weight, self.weight_scale)
         y = y if bias is None else y + bias
@@ -67,10 +71,18 @@ class Fp8Linear(nn.Module):
 
     def residual_partials(self, x: torch.Tensor) -> torch.Tensor:
         """The o or down projection (`decoder.to_residual`) on one device: the matrix-vector
-        kernel's product at a few rows, else split-K float32 slices over the e4m3 weight
-        (`splitk`, W8A16) where its plan takes the shape, else this layer's product."""
-        if (self.w8a8 and x.shape[0] <= gemv.MAX_ROWS) or not splitk.ENABLED:
+        kernel's product at one row; float32 slices of split-K over e4m3 activations and
+        weights (W8A8) up to SPLITK_W8A8_ROWS rows, or over e4m3 weights alone (W8A16) past
+        them, where split-K's plan takes the shape; else this layer's product."""
+        rows = x.shape[0]
+        if (self.w8a8 and rows <= gemv.MAX_ROWS) or not splitk.ENABLED:
             return self(x)
+        if self.w8a8 and rows <= SPLITK_W8A8_ROWS:
+            x_fp8, x_scale = quantize_tokens(x)  # [rows, in] e4m3, [rows, 1] float32
+            return splitk.linear_partials(
+                x_fp8, self.weight, weight_scale=self.weight_scale, x_scale=x_scale,
+                fallback=lambda _: self(x),
+            )  # fmt: skip
         return splitk.linear_partials(x, self.weight, weight_scale=self.weight_scale, fallback=self)
 
     def to_per_channel(self) -> None:
@@ -82,6 +94,30 @@ class Fp8Linear(nn.Module):
         self.group_size = None
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+
+# Decode sizes: up to here the split-K kernel multiplies e4m3 by e4m3 (W8A8) in place of
+# `torch._scaled_mm`, whose 128 x 128 tiles leave SMs idle at few rows. H200, 32 rows, µs,
+# quantization included (`benchmarks/gemm.py --fp8`): Llama-3-8B's qkv 14.3 against 19.3, o 10.0
+# against 10.7 (W8A16 split-K), gate_up 37.0 against 47.8, down 25.6 against 28.9 (W8A16).
+SPLITK_W8A8_ROWS = 64
+
+
+def w8a8_splitk(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """[rows, in] bf16 x (e4m3 [out, in] with float32 [out, 1] scales)^T -> [rows, out] bf16 at
+    decode sizes: x quantized per token, then the split-K kernel over both e4m3 operands in one
+    split (rounded to bf16 as it stores), with 32-wide output tiles where 64-wide ones would
+    leave SMs without a program; `torch._scaled_mm` where split-K's plan declines."""
+    rows, out_features = x.shape[0], weight.shape[0]
+    tiles = splitk.plan(rows, out_features, x.shape[1], x.device)
+    if tiles is None:
+        return w8a8_linear(x, weight, weight_scale)
+    programs = cdiv(rows, tiles.block_m) * cdiv(out_features, 64)
+    tiles = tiles._replace(splits=1, block_n=32 if programs < num_sms(x.device) else 64)
+    x_fp8, x_scale = quantize_tokens(x)  # [rows, in] e4m3, [rows, 1] float32
+    return splitk.linear_partials(
+        x_fp8, weight, tiles, weight_scale=weight_scale, x_scale=x_scale, out_dtype=x.dtype
+    )
 
 
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:

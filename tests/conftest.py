@@ -6,6 +6,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -52,6 +53,29 @@ def run_sanitized(tmp_path: Path) -> Callable[[str], str]:
         return result.stdout
 
     return run
+
+
+PREEMPTING_RUN = """
+import sys
+from tandem import LLM, SamplingParams
+from tandem.model.tiny import make_tiny_model
+folder = make_tiny_model(sys.argv[1], "{arch}")
+{setup}
+for graphs in (False, True):
+    llm = LLM(str(folder), max_model_len=128, max_num_batched_tokens=16, num_blocks=12,
+              cuda_graphs=graphs)
+    prompts = [{{"prompt_token_ids": list(range(3 + 7 * i, 20 + 9 * i))}} for i in range(6)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    print("ok", graphs, sum(len(o.outputs[0].token_ids) for o in outs))
+"""
+
+
+def preempting_run(arch: str, setup: str) -> str:
+    """A script for `run_sanitized`: `setup` (which defines `params`, for every request or one
+    each) then six prompts on a tiny `arch` model in 12 blocks (preemption throughout), eager
+    and with CUDA graphs, printing "ok <graphs> <tokens made>" after each."""
+    return PREEMPTING_RUN.format(arch=arch, setup=textwrap.dedent(setup).strip())
 
 
 @pytest.fixture

@@ -3,11 +3,10 @@ kernel against the torch ops, and a clean stream sanitizer run, all with preempt
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 import torch
 
+from conftest import preempting_run
 from tandem import LLM, SamplingParams
 from tandem.penalties import apply_dense
 from tandem.runner import Runner
@@ -120,22 +119,12 @@ def test_fused_kernel_matches_the_torch_ops_at_llama_3_vocabulary(count_dtype):
     torch.testing.assert_close(fused, expected, rtol=1e-6, atol=1e-5)
 
 
-SANITIZED_RUN = textwrap.dedent(
+SANITIZED_RUN = preempting_run(
+    "llama",
     """
-    import sys
-    from tandem import LLM, SamplingParams
-    from tandem.model.tiny import make_tiny_model
-    folder = make_tiny_model(sys.argv[1], "llama")
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, presence_penalty=0.5,
                             repetition_penalty=1.2, logit_bias={3: 2.0}, bad_words=["the cat"])
-    for graphs in (False, True):
-        llm = LLM(str(folder), max_model_len=128, max_num_batched_tokens=16, num_blocks=12,
-                  cuda_graphs=graphs)
-        prompts = [{"prompt_token_ids": list(range(3 + 7 * i, 20 + 9 * i))} for i in range(6)]
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        assert llm.engine.scheduler.num_preemptions > 0
-        print("ok", graphs, sum(len(o.outputs[0].token_ids) for o in outs))
-    """
+    """,
 )
 
 

@@ -5,11 +5,11 @@ the d2h event, and the stream sanitizer finds the mask copies ordered."""
 from __future__ import annotations
 
 import json
-import textwrap
 
 import pytest
 import torch
 
+from conftest import preempting_run
 from tandem import LLM, SamplingParams, StructuredOutputsParams
 from tandem.runner import Runner
 
@@ -107,24 +107,15 @@ def test_the_traced_run_reports_the_mask_wait(make_tiny, tmp_path):
     assert 0 <= waits["pct"] < 100 and summary["gpu_active_pct"] > 0
 
 
-SANITIZED_RUN = textwrap.dedent(
+SANITIZED_RUN = preempting_run(
+    "qwen3",
     """
-    import sys
-    from tandem import LLM, SamplingParams, StructuredOutputsParams
-    from tandem.model.tiny import make_tiny_model
-    folder = make_tiny_model(sys.argv[1], "qwen3")
+    from tandem import StructuredOutputsParams
     constraint = StructuredOutputsParams(regex=r"[0-9]{2,6}(-[a-z]{1,4})?")
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=40,
                              structured_outputs=constraint if i % 2 else None)
               for i in range(6)]
-    for graphs in (False, True):
-        llm = LLM(str(folder), max_model_len=128, max_num_batched_tokens=16, num_blocks=12,
-                  cuda_graphs=graphs)
-        prompts = [{"prompt_token_ids": list(range(3 + 7 * i, 20 + 9 * i))} for i in range(6)]
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        assert llm.engine.scheduler.num_preemptions > 0
-        print("ok", graphs, sum(len(o.outputs[0].token_ids) for o in outs))
-    """
+    """,
 )
 
 

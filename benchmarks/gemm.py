@@ -30,7 +30,8 @@ replay as the engine runs them, each call on a cold copy of the weight (`Rotatio
             F.linear and three variants of its tiles: 4 stages, 64-wide, 64-feature K steps.
 Usage: PYTHONPATH=src python benchmarks/gemm.py [--model llama-3-8b] [--rows 1 8 32] [--autotune]
 [--fp8] [--deterministic]
-[--sweep-splitk [--sweep-matrices o down]]  (--sweep-splitk: those matrices under each split-K
+[--sweep-splitk [--sweep-matrices o down]] [--sweep-w8a8]  (--sweep-w8a8, alone: each layer
+matrix's W8A8 split-K product under each tile shape; --sweep-splitk: those matrices under each split-K
 tile shape, warp count and split count, after the table; * marks the plan's pick; where the plan
 declines, its row tiles)
 """
@@ -210,6 +211,54 @@ def sweep_splitk(cfg: ModelConfig, rows_list: list[int], names: list[str]) -> No
         del weight, rotation
 
 
+def sweep_w8a8(cfg: ModelConfig, rows_list: list[int]) -> None:
+    """µs per call of each layer matrix's W8A8 split-K product (`quant.linear.w8a8_splitk`'s
+    kernel, the input already in e4m3: the quantization's launch not counted) under each output
+    tile width, input step, pipeline depth and warp count; o and down also in 2 and 4 float32
+    slices (the norm adds them up). The % is of the FP8 weight bytes at the copy ceiling (the
+    engine's tiles: `--fp8`'s w8a8splitk way, whose time counts the quantization too)."""
+    for name in ("qkv", "o", "gate_up", "down"):
+        out_features, in_features = matrices(cfg)[name]
+        weight, scale = quantize_rows(
+            torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16)
+        )
+        rotation = Rotation(weight)
+        floor_us = 1e6 * weight.numel() / COPY_CEILING
+        for rows in rows_list:
+            x_fp8, x_scale = quantize_tokens(
+                torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
+            )
+            split_counts = (1, 2, 4) if name in ("o", "down") else (1,)
+            shapes = itertools.product((16, 32, 64), (128, 256), (3, 4), (4, 8))
+            for block_n, block_k, num_stages, num_warps in shapes:
+                if in_features % block_k or (num_warps == 8 and block_n < 64):
+                    continue
+                cells = []
+                for splits in split_counts:
+                    if (in_features // block_k) % splits:
+                        continue
+                    tiles = SplitTiles(
+                        max(16, next_power_of_2(rows)), block_n, block_k, splits, num_warps,
+                        num_stages,
+                    )  # fmt: skip
+                    out_dtype = torch.bfloat16 if splits == 1 else None
+                    try:
+                        us = time_us(
+                            lambda x, t=tiles, d=out_dtype, r=rotation, w=scale, s=x_scale: (
+                                linear_partials(x, r.next(), t, weight_scale=w, x_scale=s,
+                                                out_dtype=d)
+                            ),
+                            x_fp8,
+                        )  # fmt: skip
+                    except triton.runtime.errors.OutOfResources:
+                        continue
+                    cells.append(f"{splits}:{us:.1f} ({100 * floor_us / us:.0f}%)")
+                print(f"w8a8 {name:7} M={rows:<3} block_n={block_n:<2} block_k={block_k} "
+                      f"stages={num_stages} warps={num_warps} us by splits  "
+                      + "  ".join(cells), flush=True)  # fmt: skip
+        del weight, rotation
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="llama-3-8b")
@@ -220,8 +269,12 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--sweep-splitk", action="store_true")
     parser.add_argument("--sweep-matrices", nargs="+", default=["o", "down"])
+    parser.add_argument("--sweep-w8a8", action="store_true", help="only this sweep")
     args = parser.parse_args()
     cfg = ModelConfig.from_hf(read_hf_config(args.model)[0])
+    if args.sweep_w8a8:
+        sweep_w8a8(cfg, args.rows)
+        return
     results = []
     for name, (out_features, in_features) in matrices(cfg).items():
         weight = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16)

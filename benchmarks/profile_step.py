@@ -6,12 +6,15 @@ With --gaps it also prints how much of each step the device sits idle between ke
 which kernels (kernel start and end times from the profiler's trace).
 
 Usage: PYTHONPATH=src python benchmarks/profile_step.py [--model llama-3-8b] [--batch 32] [--prefill]
-[--quantization fp8] [--kv-cache-dtype fp8]
+[--quantization fp8] [--kv-cache-dtype fp8] [--n 8]
+(--n: each prompt sampled n times, so the decode rows of a prompt share its blocks, as in the
+rollout workload)
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import tempfile
 from collections import defaultdict
@@ -79,19 +82,24 @@ def main() -> None:
     parser.add_argument("--gaps", action="store_true", help="idle time between kernels in steps")
     parser.add_argument("--quantization", choices=["fp8"], default=None)
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--n", type=int, default=1, help="samples per prompt (shared prefixes)")
     args = parser.parse_args()
 
-    llm = LLM(args.model, load_format="dummy", max_model_len=args.input_len + 256, max_num_seqs=args.batch,
+    llm = LLM(args.model, load_format="dummy", max_model_len=args.input_len + 256,
+              max_num_seqs=args.batch * args.n,
               cuda_graphs=args.cuda_graphs, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
     engine = llm.engine
     prefill_steps = -(-args.batch * args.input_len // engine.config.max_num_batched_tokens)
 
     def enqueue(round_: int, max_tokens: int) -> None:
-        for i in range(args.batch):
-            params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=i)
+        for i, k in itertools.product(range(args.batch), range(args.n)):
+            seed = i * args.n + k
+            params = SamplingParams(
+                temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=seed
+            )
             ids = [7 + i] * args.input_len
-            engine.enqueue(engine.make_request(f"r{round_}-{i}", params, prompt_token_ids=ids))
+            engine.enqueue(engine.make_request(f"r{round_}-{seed}", params, prompt_token_ids=ids))
 
     if args.prefill:
         enqueue(0, 2)  # a warm-up round

@@ -382,12 +382,20 @@ def test_fp8_matrix_vector_kernel_equals_the_dequantized_product(rows, out_featu
 def test_fp8_split_k_with_e4m3_activations_equals_the_product_of_both_dequantized():
     """W8A8 in the split-K kernel (interpreted on CPU): e4m3 x with a scale per row."""
     g = torch.Generator().manual_seed(5)
-    q, scale = quantize_rows(torch.randn(64, 256, generator=g))
-    xq, x_scale = quantize_rows(torch.randn(5, 256, generator=g))
+    q, scale = quantize_rows(torch.randn(64, 512, generator=g))
+    xq, x_scale = quantize_rows(torch.randn(5, 512, generator=g))
     partials = splitk.linear_partials(xq, q, weight_scale=scale, x_scale=x_scale)
     assert partials.dim() == 3 and partials.shape[0] > 1
     expected = (xq.double() * x_scale.double()) @ (q.double() * scale.double()).T
     torch.testing.assert_close(partials.sum(0).double(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_e4m3_inputs_step_over_256_features_where_they_divide():
+    """The same bytes a step as 128 bfloat16 features; other widths as a bfloat16 input's."""
+    device = torch.device("cpu")
+    for in_features, fp8_step in ((4096, 256), (14336, 256), (384, 128), (96, 32)):
+        assert splitk.plan(32, 4096, in_features, device, fp8_input=True).block_k == fp8_step
+        assert splitk.plan(32, 4096, in_features, device).block_k == min(fp8_step, 128)
 
 
 def test_w8a8_layer_at_decode_sizes_runs_the_triton_kernels_as_their_references():

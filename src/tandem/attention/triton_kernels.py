@@ -21,6 +21,17 @@ from tandem import pdl
 
 
 @triton.jit
+def _product_dtype(q, cache_ptr):
+    """q in the dtype the tiles' products take: an FP8 cache under a bfloat16 model computes in
+    float16, which holds every e4m3 value and a bfloat16 query's 8 significant bits exactly
+    (while |q| < 65,504) and which e4m3 converts to in hardware, a pair at a time; otherwise
+    q's own dtype."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
+        q = q.to(tl.float16)
+    return q
+
+
+@triton.jit
 def _attend_tile(
     q,  # [ROWS, HEAD_DIM]
     row_max,  # [ROWS] running max, in log2 units
@@ -65,8 +76,8 @@ def _attend_tile(
     else:
         k = tl.load(cache_ptr + offsets)
         v = tl.load(cache_ptr + kv_half_stride + offsets)
-    # an FP8 cache's e4m3 values are exact in q's dtype; their scales are applied outside
-    # (k_scale within the softmax scale, v_scale on the output)
+    # an FP8 cache's e4m3 values are exact in q's dtype (`_product_dtype`); their scales are
+    # applied outside (k_scale within the softmax scale, v_scale on the output)
     k, v = k.to(q.dtype), v.to(q.dtype)
     if q.dtype == tl.float32:  # float32 models: exact products, not TF32 (a static branch)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [ROWS, BLOCK_N] float32
@@ -89,6 +100,38 @@ def _attend_tile(
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
     return m_new, row_sum, acc
+
+
+@triton.jit
+def _merge_partials(
+    row_max,  # [ROWS] log2 units
+    row_sum,  # [ROWS]
+    acc,  # [ROWS, HEAD_PAD]
+    partial_out_ptr,
+    partial_ml_ptr,
+    first,  # [ROWS] int64: each row's first partial to merge (its index in the partials' rows)
+    count,
+    row_valid,
+    row_dims,
+    dims,
+    HEAD_DIM: tl.constexpr,
+):
+    """The online softmax's state after `count` more partials of the same rows (as
+    `reduce_kernel` merges them, one at a time)."""
+    for i in range(count):
+        at = first + i
+        part_max = tl.load(partial_ml_ptr + at * 2, mask=row_valid, other=float("-inf"))
+        part_sum = tl.load(partial_ml_ptr + at * 2 + 1, mask=row_valid, other=0.0)
+        part_acc = tl.load(
+            partial_out_ptr + at[:, None] * HEAD_DIM + dims[None, :], mask=row_dims, other=0.0
+        )
+        m_new = tl.maximum(row_max, part_max)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        ours, theirs = tl.exp2(row_max - m_safe), tl.exp2(part_max - m_safe)
+        row_sum = row_sum * ours + part_sum * theirs
+        acc = acc * ours[:, None] + part_acc * theirs[:, None]
+        row_max = m_new
+    return row_max, row_sum, acc
 
 
 # Triton compiles a kernel once per class of each int argument (1, a multiple of 16, other). The
@@ -138,7 +181,7 @@ def prefill_kernel(
         row_dims = row_valid[:, None] & (dims < HEAD_DIM)[None, :]
         token_offset = (q_start + token).to(tl.int64)
         q_offsets = (token_offset * q_token_stride + head * HEAD_DIM)[:, None] + dims[None, :]
-        q = tl.load(q_ptr + q_offsets, mask=row_dims, other=0.0)
+        q = _product_dtype(tl.load(q_ptr + q_offsets, mask=row_dims, other=0.0), cache_ptr)
         query_pos = seq_len - q_len + token
         row_max = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
         row_sum = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
@@ -178,7 +221,7 @@ def prefill_kernel(
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_dims)
 
 
-@triton.jit(do_not_specialize=["num_splits"])  # a per-step value: see prefill_kernel
+@triton.jit(do_not_specialize=["num_splits", "num_prefix_splits"])  # per step: see prefill_kernel
 def decode_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
     out_ptr,  # [num_seqs, num_heads, head_dim], written here when DIRECT
@@ -195,6 +238,7 @@ def decode_kernel(
     scale,  # of the softmax, times an FP8 cache's k_scale
     v_scale,  # an FP8 cache's V scale (1.0 otherwise)
     num_splits,
+    num_prefix_splits,  # shared_prefix_kernel's partials of a grouped row, after its own split
     window,  # sliding window in tokens (1 << 30: none)
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,  # >= 16 rows for tl.dot
@@ -211,7 +255,9 @@ def decode_kernel(
     PDL: tl.constexpr,
 ):
     """Split s of a sequence covers an equal share of the key tiles in its window (past its
-    shared prefix, with CASCADE); `reduce_kernel` merges them.
+    shared prefix, with CASCADE); `reduce_kernel` merges them. DIRECT with CASCADE: the one
+    split merges the shared prefix's partials of its rows itself, which shared_prefix_kernel
+    wrote before this launch began (the PDL wait orders it after that kernel).
 
     Programs start in grid order, the KV heads of one sequence together, sequences in
     `seq_order`: longest first, so a ragged batch does not end on one long sequence's programs
@@ -243,6 +289,7 @@ def decode_kernel(
         mask=row_dims,
         other=0.0,
     )
+    q = _product_dtype(q, cache_ptr)
     query_pos = tl.full([GROUP_PAD], seq_len - 1, tl.int32)
     row_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     row_sum = tl.zeros([GROUP_PAD], tl.float32)
@@ -271,8 +318,13 @@ def decode_kernel(
         )  # fmt: skip
     acc = acc * v_scale
     if DIRECT:
-        out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
         row = seq.to(tl.int64) * (GROUP * NUM_KV_HEADS) + head
+        if key_base > 0:  # a grouped row (CASCADE): its prefix partials follow its own split
+            row_max, row_sum, acc = _merge_partials(
+                row_max, row_sum, acc, partial_out_ptr, partial_ml_ptr, row * MAX_SPLITS + 1,
+                num_prefix_splits, row_valid, row_dims, dims, HEAD_DIM,
+            )  # fmt: skip
+        out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
         tl.store(
             out_ptr + row[:, None] * HEAD_DIM + dims[None, :],
             out.to(out_ptr.dtype.element_ty),
@@ -379,6 +431,7 @@ def shared_prefix_kernel(
             mask=row_dims,
             other=0.0,
         )
+        q = _product_dtype(q, cache_ptr)
         num_tiles = tl.cdiv(prefix, BLOCK_N)
         tiles_per_split = tl.cdiv(num_tiles, tl.num_programs(2))
         first_tile = split * tiles_per_split

@@ -109,7 +109,7 @@ def w8a8_splitk(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     split (rounded to bf16 as it stores), with 32-wide output tiles where 64-wide ones would
     leave SMs without a program; `torch._scaled_mm` where split-K's plan declines."""
     rows, out_features = x.shape[0], weight.shape[0]
-    tiles = splitk.plan(rows, out_features, x.shape[1], x.device)
+    tiles = splitk.plan(rows, out_features, x.shape[1], x.device, fp8_input=True)
     if tiles is None:
         return w8a8_linear(x, weight, weight_scale)
     programs = cdiv(rows, tiles.block_m) * cdiv(out_features, 64)

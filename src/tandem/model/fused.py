@@ -263,7 +263,7 @@ def silu_and_mul_fp8_kernel(
 FP8_SILU_MAX_BLOCK = 16384
 
 
-def _silu_and_mul_fp8_triton(gate_up: torch.Tensor) -> Fp8Rows:
+def _silu_and_mul_fp8_triton(gate_up: torch.Tensor, num_warps: int | None = None) -> Fp8Rows:
     """SiLU * up quantized per token. A row's scale needs the row's largest magnitude, so one
     program takes a whole row, loaded once and kept in registers (16 warps at 16,384 columns:
     32 values of gate and of up a thread), and stores its codes and scale: one pass over the
@@ -282,7 +282,8 @@ def _silu_and_mul_fp8_triton(gate_up: torch.Tensor) -> Fp8Rows:
     scale = torch.empty((rows, 1), dtype=torch.float32, device=gate_up.device)  # [rows, 1]
     silu_and_mul_fp8_kernel[(rows,)](
         gate_up, q, scale, gate_up.stride(0), inter, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-        BLOCK=block, num_warps=min(16, max(4, block // 1024)), **pdl.launch_args(gate_up.device),
+        BLOCK=block, num_warps=num_warps or min(16, max(4, block // 1024)),
+        **pdl.launch_args(gate_up.device),
     )  # fmt: skip
     return Fp8Rows(q, scale, gate_up.dtype)
 

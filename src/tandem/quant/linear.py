@@ -9,8 +9,8 @@ the weight is dequantized to the input's dtype and F.linear runs, so on CPU in f
 result equals F.linear over the dequantized weight exactly.
 
 A W8A8 layer also takes its input already quantized (`fp8.Fp8Rows`) and then skips its own
-quantizing launch: `prepare` has the norm or SiLU * up kernel before it store its output so
-where that output feeds this layer alone (`fuse_input_quantization`).
+quantizing launch: where the output of a norm or SiLU * up feeds this layer alone, `prepare`
+has that kernel store it quantized (`fuse_input_quantization`).
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ timed on a 4K prompt and on a chunk of the small workload's prompts;
 --sweep-decode: decode time, reduce included, for each split count against the default's choice;
 --sweep-sampler: the sampler's chunks per row and warps per program;
 --sweep-small-ops, alone: the add + RMSNorm and rotary kernels' warps per program;
+--sweep-fp8-fusion, alone: the add + RMSNorm and SiLU * up quantizing as they store (W8A8
+inputs) against each kernel followed by quantize_tokens, and the SiLU kernel's warps;
 --head-dim: the attention kernels at another head size, e.g. 96 (tiles padded to 128) beside
 128, or 128 on this tree beside main's: a power-of-two size must lose nothing to the padding)
 """
@@ -26,7 +28,14 @@ import triton.testing
 from tandem.attention import AttentionMetadata
 from tandem.attention.torch_ref import decode_attention, prefill_attention
 from tandem.attention.triton_backend import DecodeTiles, PrefillTiles, TritonAttention
-from tandem.model.fused import _add_rms_norm_triton, _rope_qk_triton, num_sms
+from tandem.model.fused import (
+    _add_rms_norm_triton,
+    _rope_qk_triton,
+    _silu_and_mul_fp8_triton,
+    _silu_and_mul_triton,
+    num_sms,
+)
+from tandem.quant.fp8 import quantize_tokens
 from tandem.roofline import H200
 from tandem.sampling_kernel import NUM_WARPS, gumbel_argmax
 
@@ -288,6 +297,40 @@ def sweep_small_ops() -> None:
               + "  ".join(cells), flush=True)  # fmt: skip
 
 
+def sweep_fp8_fusion() -> None:
+    """µs per call, graph-replayed, Llama-3-8B's widths: the norm before qkv / gate_up (4
+    split-K parts and a residual in) and SiLU * up before down, each as one quantizing kernel
+    against the kernel then quantize_tokens (the codes checked equal first)."""
+    dev = torch.device("cuda")
+
+    def us(fn) -> str:
+        return f"{1000 * triton.testing.do_bench_cudagraph(fn, return_mode='median'):.2f}"
+
+    for rows in (2, 32, 64, 256, 8192):
+        parts = torch.randn(4, rows, 4096, device=dev)
+        residual = torch.randn(rows, 4096, device=dev, dtype=torch.bfloat16)
+        weight = torch.randn(4096, device=dev, dtype=torch.bfloat16)
+        norm = (parts, residual, weight, 1e-6)
+        fresh = (parts, residual.clone(), weight, 1e-6)  # each call adds to its residual
+        fused_codes = _add_rms_norm_triton(*fresh, fp8_out=True)[0].values
+        unfused = quantize_tokens(_add_rms_norm_triton(parts, residual, weight, 1e-6)[0])[0]
+        assert torch.equal(fused_codes.view(torch.uint8), unfused.view(torch.uint8))
+        print(f"add_rms_norm rows={rows:<5} us: then quantize_tokens "
+              f"{us(lambda a=norm: quantize_tokens(_add_rms_norm_triton(*a)[0]))}  fused "
+              f"{us(lambda a=norm: _add_rms_norm_triton(*a, fp8_out=True))}", flush=True)  # fmt: skip
+        gate_up = torch.randn(rows, 2 * 14336, device=dev, dtype=torch.bfloat16)
+        unfused = quantize_tokens(_silu_and_mul_triton(gate_up))[0].view(torch.uint8)
+        cells = []
+        for warps in (8, 16, 32):
+            codes = _silu_and_mul_fp8_triton(gate_up, warps).values
+            assert torch.equal(codes.view(torch.uint8), unfused)
+            fused = lambda w=warps, g=gate_up: _silu_and_mul_fp8_triton(g, w)  # noqa: E731
+            cells.append(f"{warps}:{us(fused)}")
+        print(f"silu_and_mul rows={rows:<5} us: then quantize_tokens "
+              f"{us(lambda g=gate_up: quantize_tokens(_silu_and_mul_triton(g)))}  fused by warps "
+              + "  ".join(cells), flush=True)  # fmt: skip
+
+
 def sweep_decode() -> None:
     """Each split count at a few batch sizes and contexts (* marks the heuristic's pick), then
     each tile shape at the heuristic's split count, checked against the reference first."""
@@ -394,6 +437,7 @@ def main() -> None:
     parser.add_argument("--sweep-sampler", action="store_true")
     parser.add_argument("--sweep-decode-tiles", action="store_true", help="only this sweep")
     parser.add_argument("--sweep-small-ops", action="store_true", help="only this sweep")
+    parser.add_argument("--sweep-fp8-fusion", action="store_true", help="only this sweep")
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="--sweep-decode-tiles over an e4m3 cache")  # fmt: skip
@@ -404,6 +448,9 @@ def main() -> None:
         return
     if args.sweep_small_ops:
         sweep_small_ops()
+        return
+    if args.sweep_fp8_fusion:
+        sweep_fp8_fusion()
         return
     rows = [
         bench_decode(32, 4096),

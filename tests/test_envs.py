@@ -20,6 +20,7 @@ ROOT = Path(__file__).parents[1]
         ("TANDEM_FUSED_KERNELS", "yes"),
         ("TANDEM_PDL", "2"),
         ("TANDEM_SPLITK", "off"),
+        ("TANDEM_FP8_FUSED_QUANT", "no"),
         ("TANDEM_PIECEWISE", "true"),
         ("TANDEM_BLAS", "mkl"),
         ("TANDEM_DECODE_TILES", "64,3,2"),
@@ -40,6 +41,7 @@ def test_unset_switches_take_their_defaults(monkeypatch):
         "TANDEM_FUSED_KERNELS": True,
         "TANDEM_PDL": True,
         "TANDEM_SPLITK": True,
+        "TANDEM_FP8_FUSED_QUANT": True,
         "TANDEM_PIECEWISE": True,
         "TANDEM_BLAS": "cublas",
         "TANDEM_DECODE_TILES": None,
@@ -72,13 +74,13 @@ def test_no_module_but_envs_reads_a_tandem_variable():
     assert readers == []
     every_name = set()
     for path in (ROOT / "src").rglob("*.py"):
-        every_name |= set(re.findall(r"TANDEM_[A-Z_]+", path.read_text()))
+        every_name |= set(re.findall(r"TANDEM_[A-Z0-9_]+", path.read_text()))
     assert every_name <= set(envs.SWITCHES)
 
 
 def test_the_docs_table_lists_every_switch_with_its_default():
     table = (ROOT / "docs" / "environment.md").read_text()
-    rows = dict(re.findall(r"^\| `(TANDEM_[A-Z_]+)` \| ([^|]+) \|", table, re.M))
+    rows = dict(re.findall(r"^\| `(TANDEM_[A-Z0-9_]+)` \| ([^|]+) \|", table, re.M))
     assert set(rows) == set(envs.SWITCHES)
     for name, switch in envs.SWITCHES.items():
         assert rows[name].strip() == (f"`{switch.default}`" if switch.default else "unset")

@@ -31,6 +31,9 @@ SWITCHES = {
         Switch("TANDEM_SPLITK", "1", "0, 1",
                "0: the decode steps' o and down projections through cuBLAS, not the split-K "
                "Triton kernel"),
+        Switch("TANDEM_FP8_FUSED_QUANT", "1", "0, 1",
+               "0: FP8 (W8A8) layers quantize their input in a launch of their own, not in the "
+               "add + RMSNorm or SiLU * up kernel before them"),
         Switch("TANDEM_PIECEWISE", "1", "0, 1",
                "0: steps with prefill run eagerly, not as CUDA graphs of the pieces between "
                "their attentions"),
@@ -67,6 +70,10 @@ def pdl() -> bool:
 
 def splitk() -> bool:
     return _flag("TANDEM_SPLITK")
+
+
+def fp8_fused_quant() -> bool:
+    return _flag("TANDEM_FP8_FUSED_QUANT")
 
 
 def piecewise() -> bool:
@@ -116,6 +123,7 @@ READERS = {
     "TANDEM_FUSED_KERNELS": fused_kernels,
     "TANDEM_PDL": pdl,
     "TANDEM_SPLITK": splitk,
+    "TANDEM_FP8_FUSED_QUANT": fp8_fused_quant,
     "TANDEM_PIECEWISE": piecewise,
     "TANDEM_BLAS": blas,
     "TANDEM_DECODE_TILES": decode_tiles,

@@ -253,3 +253,63 @@ SANITIZED_FP8_RUN = textwrap.dedent(
 
 def test_async_loop_with_fp8_is_clean_under_the_stream_sanitizer(run_sanitized):
     assert run_sanitized(SANITIZED_FP8_RUN).count("ok") == 2
+
+
+def test_fused_norm_and_silu_and_mul_store_quantize_tokens_of_their_output_bit_for_bit():
+    """At a Llama-3-8B decode step's 32 rows: the add + RMSNorm (split-K partials and a
+    residual in) and SiLU * up quantizing as they store equal the unfused kernels followed by
+    quantize_tokens, codes and scales."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows, hidden, inter = 32, 4096, 14336
+    parts = torch.randn(4, rows, hidden, device="cuda", generator=g)
+    residual = torch.randn(rows, hidden, device="cuda", generator=g).bfloat16()
+    weight = (1 + 0.2 * torch.randn(hidden, device="cuda", generator=g)).bfloat16()
+    outs = []
+    for fp8_out in (True, False):
+        outs.append(fused.add_rms_norm(parts, residual.clone(), weight, 1e-5, fp8_out=fp8_out))
+    (got, summed), (out, unfused_summed) = outs
+    codes, scale = quantize_tokens(out)
+    assert torch.equal(summed, unfused_summed) and torch.equal(got.scale, scale)
+    assert torch.equal(got.values.view(torch.uint8), codes.view(torch.uint8))
+    gate_up = (torch.randn(rows, 2 * inter, device="cuda", generator=g) * 3).bfloat16()
+    got = fused.silu_and_mul(gate_up, fp8_out=True)
+    codes, scale = quantize_tokens(fused.silu_and_mul(gate_up))
+    assert got.dtype == torch.bfloat16 and torch.equal(got.scale, scale)
+    assert torch.equal(got.values.view(torch.uint8), codes.view(torch.uint8))
+
+
+def fused_quant_run(folder, monkeypatch, on: bool) -> tuple[list[list[int]], torch.Tensor]:
+    """(greedy tokens of 8 requests, prefill logits of one prompt) with FP8 weights, the
+    activation quantization fused into the norms and SiLU * up or not."""
+    monkeypatch.setenv("TANDEM_FP8_FUSED_QUANT", "1" if on else "0")
+    llm = LLM(str(folder), dtype="bfloat16", quantization="fp8", max_model_len=256,
+              max_num_batched_tokens=64, num_blocks=128)  # fmt: skip
+    try:
+        fused_norms = [layer.input_layernorm.quantize_out for layer in llm.engine.model.layers]
+        assert all(fused_norms) if on else not any(fused_norms)
+        vocab = llm.engine.model_config.vocab_size
+        g = torch.Generator().manual_seed(2)
+        prompts = [{"prompt_token_ids": torch.randint(0, vocab, (n,), generator=g).tolist()}
+                   for n in (3, 41, 7, 18, 29, 1, 60, 5)]  # fmt: skip
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        logits = prefill_logits(llm, prompts[6]["prompt_token_ids"] * 2)  # 120 rows
+        return [o.outputs[0].token_ids for o in outs], logits
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_activation_quantization_gives_the_unfused_tokens_and_logits(
+    make_tiny, monkeypatch, arch
+):
+    """TANDEM_FP8_FUSED_QUANT=0 against the default: decode steps of 2-8 rows (CUDA graphs),
+    chunks of up to 64 and a 120-row prefill give the same greedy tokens and the same logits
+    bit for bit."""
+    folder = make_tiny(arch)
+    tokens, logits = fused_quant_run(folder, monkeypatch, on=True)
+    unfused_tokens, unfused_logits = fused_quant_run(folder, monkeypatch, on=False)
+    assert tokens == unfused_tokens
+    assert torch.equal(logits, unfused_logits)

@@ -4,6 +4,8 @@ Qwen2, Qwen3, Phi-3; Qwen3-MoE and Mixtral with `moe.SparseMoeBlock` as the MLP)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +18,7 @@ from tandem.model.fused import act_and_mul, add_rms_norm, rope_qk
 from tandem.model.rope import RotaryEmbedding
 from tandem.parallel import TensorParallel
 from tandem.quant.checkpoint import Fp8Config
+from tandem.quant.fp8 import Fp8Rows
 from tandem.quant.linear import linear_factory
 
 
@@ -25,6 +28,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size))
         self.fixed_warps = False  # deterministic mode: the kernel's warps never follow the rows
+        # rows -> whether add_forward's kernel stores its output quantized for the W8A8 layer
+        # it feeds (fp8.Fp8Rows); set by quant.linear.prepare
+        self.quantize_out: Callable[[int], bool] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -32,16 +38,25 @@ class RMSNorm(nn.Module):
 
     def add_forward(
         self, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): the residual stream advances in the same kernel."""
-        return add_rms_norm(x, residual, self.weight, self.eps, self.fixed_warps)
+    ) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual stream advances in the same kernel;
+        the norm comes quantized where `quantize_out` says so."""
+        fp8_out = wants_fp8_out(self.quantize_out, x)
+        return add_rms_norm(x, residual, self.weight, self.eps, self.fixed_warps, fp8_out)
+
+
+def wants_fp8_out(wanted: Callable[[int], bool] | None, x: torch.Tensor) -> bool:
+    """Whether the kernel taking x ([..., rows, cols]) stores its output as `Fp8Rows`: only
+    Triton kernels do (the torch path stays the layer's own), where the layer wants them."""
+    return wanted is not None and fused.use_kernels(x) and wanted(x.shape[-2])
 
 
 def to_residual(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """The o or the down projection. Its output always goes to a residual add + RMSNorm next,
     so on one device it may be split-K partial sums [splits, rows, out] that the norm adds up
-    (`splitk`)."""
-    if tp.size == 1 and linear.bias is None and fused.use_kernels(x):
+    (`splitk`). x may come quantized for an FP8 layer (`Fp8Rows`, see `MLP.quantize_out`)."""
+    values = x.values if isinstance(x, Fp8Rows) else x
+    if tp.size == 1 and linear.bias is None and fused.use_kernels(values):
         # a layer's own way: FP8 layers', and deterministic mode's slices in a split count
         # fixed by the weight (batch_invariant.py)
         own = getattr(linear, "residual_partials", None)
@@ -146,13 +161,18 @@ class MLP(nn.Module):
         self.gate_up_proj = linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.hidden_act = cfg.hidden_act
+        # as RMSNorm.quantize_out, for the activation ahead of down_proj
+        self.quantize_out: Callable[[int], bool] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         return to_residual(self.down_proj, self.activated(x), self.tp)
 
-    def activated(self, x: torch.Tensor) -> torch.Tensor:
-        """act(gate) * up: [rows, hidden] -> [rows, inter]."""
-        return act_and_mul(self.gate_up_proj(x), self.hidden_act)
+    def activated(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor | Fp8Rows:
+        """act(gate) * up: [rows, hidden] -> [rows, inter], quantized where `quantize_out`
+        says so."""
+        gate_up = self.gate_up_proj(x)
+        fp8_out = wants_fp8_out(self.quantize_out, gate_up)
+        return act_and_mul(gate_up, self.hidden_act, fp8_out)
 
 
 class DecoderLayer(nn.Module):

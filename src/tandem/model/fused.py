@@ -4,6 +4,10 @@
 Each has a torch version (CPU, and the reference) and a Triton kernel used on CUDA that does
 the same arithmetic in one launch instead of five to twenty, rounding to the model dtype at the
 same points as the torch version (values agree up to float32 rounding inside).
+
+Ahead of a W8A8 layer the add + RMSNorm and SiLU * up can store their output quantized per
+token (`fp8_out`, an `fp8.Fp8Rows`): the codes and scales `fp8.quantize_tokens` would make of
+the output in the model dtype, bit for bit, without its launch and its pass over the rows.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import triton.language as tl
 from tandem import envs, pdl
 from tandem.attention.torch_ref import write_kv
 from tandem.config import cdiv, next_power_of_2
-from tandem.quant.fp8 import FP8_DTYPE
+from tandem.quant.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Rows, to_fp8, token_scale
 
 # On CUDA the Triton kernels run (here and in the sampler) unless TANDEM_FUSED_KERNELS=0, which
 # keeps the torch versions: the "before" side of a fusion measurement.
@@ -45,7 +49,8 @@ def add_rms_norm(
     weight: torch.Tensor,
     eps: float,
     fixed_warps: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    fp8_out: bool = False,
+) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
     """(RMSNorm(x + residual) * weight, x + residual); x: [rows, hidden]. The sum is written
     over `residual`: the residual stream advances in place, so it stays in one buffer through a
     step (a step cut into CUDA graphs at its attentions hands it from graph to graph, see
@@ -54,31 +59,39 @@ def add_rms_norm(
     x may also be float32 partial sums [splits, rows, hidden] of a split-K matmul
     (`splitk.linear_partials`), with a residual: their sum, rounded to the residual's dtype as
     a matmul's output would be, is the x added. With `fixed_warps` (deterministic mode) the
-    kernel's warps follow the width alone, never the rows."""
+    kernel's warps follow the width alone, never the rows. With `fp8_out` the normed rows come
+    quantized per token (the kernel stores them so; torch quantizes its output)."""
     if use_kernels(x):
-        return _add_rms_norm_triton(x, residual, weight, eps, fixed_warps=fixed_warps)
+        return _add_rms_norm_triton(x, residual, weight, eps, None, fixed_warps, fp8_out)
     if x.dim() == 3:
         x = x.sum(0).to(residual.dtype)
     summed = x if residual is None else residual.add_(x)
     xf = summed.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return weight * normed, summed
+    out = weight * normed
+    return (Fp8Rows.of(out) if fp8_out else out), summed
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[rows, 2 * inter] -> [rows, inter]: SiLU of the first half times the second half."""
+def silu_and_mul(gate_up: torch.Tensor, fp8_out: bool = False) -> torch.Tensor | Fp8Rows:
+    """[rows, 2 * inter] -> [rows, inter]: SiLU of the first half times the second half; with
+    `fp8_out` quantized per token (`fp8.Fp8Rows`)."""
     if use_kernels(gate_up):
-        return _silu_and_mul_triton(gate_up)
+        return _silu_and_mul_fp8_triton(gate_up) if fp8_out else _silu_and_mul_triton(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    out = F.silu(gate) * up
+    return Fp8Rows.of(out) if fp8_out else out
 
 
-def act_and_mul(gate_up: torch.Tensor, hidden_act: str) -> torch.Tensor:
-    """[rows, 2 * inter] -> act(gate) * up: SwiGLU (`silu`) or GeGLU (`gelu_tanh`, in torch)."""
+def act_and_mul(
+    gate_up: torch.Tensor, hidden_act: str, fp8_out: bool = False
+) -> torch.Tensor | Fp8Rows:
+    """[rows, 2 * inter] -> act(gate) * up: SwiGLU (`silu`) or GeGLU (`gelu_tanh`, in torch);
+    with `fp8_out` quantized per token (fused into SwiGLU's kernel)."""
     if hidden_act == "silu":
-        return silu_and_mul(gate_up)
+        return silu_and_mul(gate_up, fp8_out)
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
+    out = F.gelu(gate, approximate="tanh") * up
+    return Fp8Rows.of(out) if fp8_out else out
 
 
 def rope_qk(
@@ -129,9 +142,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 @triton.jit
 def add_rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, x_stride, residual_stride, hidden, eps,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, scale_ptr, x_stride, residual_stride, hidden, eps,
     part_stride, HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
+    FP8_OUT: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -155,7 +168,13 @@ def add_rms_norm_kernel(
     normed = (xf * inv_rms).to(x.dtype)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     out = (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
-    tl.store(out_ptr + row * hidden + cols, out, mask=mask)
+    if FP8_OUT:  # the rounded output quantized per token, still in registers
+        out = out.to(tl.float32)
+        scale = token_scale(tl.max(tl.abs(out), axis=0), FP8_MAX, MIN_SCALE)
+        tl.store(out_ptr + row * hidden + cols, to_fp8(out, scale, out_ptr, FP8_MAX), mask=mask)
+        tl.store(scale_ptr + row, scale)
+    else:
+        tl.store(out_ptr + row * hidden + cols, out, mask=mask)
 
 
 def norm_warps(block: int, rows: int, device: torch.device, fixed: bool = False) -> int:
@@ -170,21 +189,36 @@ def norm_warps(block: int, rows: int, device: torch.device, fixed: bool = False)
     return min(16, max(4, block // 256))
 
 
-def _add_rms_norm_triton(x, residual, weight, eps, num_warps=None, fixed_warps=False):
+def _add_rms_norm_triton(
+    x, residual, weight, eps, num_warps=None, fixed_warps=False, fp8_out=False
+):  # fmt: skip
     parts = x.shape[0] if x.dim() == 3 else 0
     rows, hidden = x.shape[-2:]
     dtype = x.dtype if residual is None else residual.dtype
-    out = torch.empty((rows, hidden), dtype=dtype, device=x.device)
+    # [rows, hidden] in the model dtype, or e4m3 with float32 scales [rows, 1]
+    out = torch.empty((rows, hidden), dtype=FP8_DTYPE if fp8_out else dtype, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device) if fp8_out else out
     summed = x if residual is None else residual
     assert summed.stride(-1) == 1
     block = next_power_of_2(hidden)
     add_rms_norm_kernel[(rows,)](
-        x, summed, weight, out, x.stride(-2), summed.stride(0), hidden, eps, x.stride(0),
-        HAS_RESIDUAL=residual is not None, PARTS=parts, BLOCK=block,
+        x, summed, weight, out, scale, x.stride(-2), summed.stride(0), hidden, eps, x.stride(0),
+        HAS_RESIDUAL=residual is not None, PARTS=parts, BLOCK=block, FP8_OUT=fp8_out,
+        FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
         num_warps=num_warps or norm_warps(block, rows, x.device, fixed_warps),
         **pdl.launch_args(x.device),
     )  # fmt: skip
-    return out, summed
+    return (Fp8Rows(out, scale, dtype) if fp8_out else out), summed
+
+
+@triton.jit
+def _silu_mul(gate_up_ptr, row, stride, inter, cols, mask):
+    """SiLU(gate) * up at columns `cols` of a row, rounded to the model dtype as torch does."""
+    gate = tl.load(gate_up_ptr + row * stride + cols, mask=mask, other=0.0)
+    up = tl.load(gate_up_ptr + row * stride + inter + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    return (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
 
 
 @triton.jit
@@ -195,15 +229,8 @@ def silu_and_mul_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
-    gate = tl.load(gate_up_ptr + row * stride + cols, mask=mask, other=0.0)
-    up = tl.load(gate_up_ptr + row * stride + inter + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    tl.store(
-        out_ptr + row * inter + cols,
-        (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype),
-        mask=mask,
-    )
+    tl.store(out_ptr + row * inter + cols, _silu_mul(gate_up_ptr, row, stride, inter, cols, mask),
+             mask=mask)  # fmt: skip
 
 
 def _silu_and_mul_triton(gate_up):
@@ -214,6 +241,51 @@ def _silu_and_mul_triton(gate_up):
         gate_up, out, gate_up.stride(0), inter, BLOCK=block, **pdl.launch_args(gate_up.device)
     )
     return out
+
+
+@triton.jit
+def silu_and_mul_fp8_kernel(
+    gate_up_ptr, q_ptr, scale_ptr, stride, inter, FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pdl.wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < inter
+    out = _silu_mul(gate_up_ptr, row, stride, inter, cols, mask).to(tl.float32)
+    scale = token_scale(tl.max(tl.abs(out), axis=0), FP8_MAX, MIN_SCALE)
+    tl.store(q_ptr + row * inter + cols, to_fp8(out, scale, q_ptr, FP8_MAX), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+# The widest row the quantizing SiLU * up keeps in registers (Llama-3-8B's 14,336 columns pad
+# to it); wider rows take the plain kernel and `quantize_tokens` after it.
+FP8_SILU_MAX_BLOCK = 16384
+
+
+def _silu_and_mul_fp8_triton(gate_up: torch.Tensor, num_warps: int | None = None) -> Fp8Rows:
+    """SiLU * up quantized per token. A row's scale needs the row's largest magnitude, so one
+    program takes a whole row, loaded once and kept in registers (16 warps at 16,384 columns:
+    32 values of gate and of up a thread), and stores its codes and scale: one pass over the
+    input and one launch. The other shapes considered: the plain kernel's (rows, columns / 1024)
+    grid cannot see a row's maximum without a second launch or a grid-wide sync, which is what
+    this removes; one program per row looping over column blocks twice (a maximum, then the
+    codes) keeps few registers but runs its loads one block at a time, each waiting on memory,
+    where the one-pass program issues the whole row's loads at once. A decode step's few rows
+    (2-64 programs for 132 SMs) are latency-bound, so those loads in flight are what count; a
+    prefill chunk's thousands of rows fill every SM either way."""
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    block = next_power_of_2(inter)
+    if block > FP8_SILU_MAX_BLOCK:
+        return Fp8Rows.of(_silu_and_mul_triton(gate_up))
+    q = torch.empty((rows, inter), dtype=FP8_DTYPE, device=gate_up.device)  # [rows, inter] e4m3
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=gate_up.device)  # [rows, 1]
+    silu_and_mul_fp8_kernel[(rows,)](
+        gate_up, q, scale, gate_up.stride(0), inter, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+        BLOCK=block, num_warps=num_warps or min(16, max(4, block // 1024)),
+        **pdl.launch_args(gate_up.device),
+    )  # fmt: skip
+    return Fp8Rows(q, scale, gate_up.dtype)
 
 
 @triton.jit

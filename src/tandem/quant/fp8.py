@@ -2,12 +2,14 @@
 
 A value x is stored as q = round(x / scale) clamped to +-448 (e4m3's largest finite value) and
 read back as q * scale, in float32. The torch functions here are the reference; the Triton
-kernel for activations does the same arithmetic in one launch on CUDA.
+kernel for activations does the same arithmetic in one launch on CUDA, and the kernels that
+make a W8A8 layer's input can do it as they store it (`Fp8Rows`, `token_scale`, `to_fp8`).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -51,6 +53,27 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows(x)
 
 
+class Fp8Rows(NamedTuple):
+    """Activations already quantized per token for a W8A8 layer: what `quantize_tokens` makes
+    of rows in `dtype`, made instead by the kernel that computed the rows (the add + RMSNorm or
+    SiLU * up before the layer, `fused.py`), so the layer skips its own quantizing launch.
+    `quant.linear.prepare` decides where they are made; `Fp8Linear` takes them for a tensor."""
+
+    values: torch.Tensor  # [rows, cols] float8 e4m3
+    scale: torch.Tensor  # [rows, 1] float32
+    dtype: torch.dtype  # the rows' dtype before quantization: the product's
+
+    @classmethod
+    def of(cls, x: torch.Tensor) -> Fp8Rows:
+        """[rows, cols] x quantized by `quantize_tokens` (the unfused path)."""
+        return cls(*quantize_tokens(x), x.dtype)
+
+
+def as_fp8_rows(x: torch.Tensor | Fp8Rows) -> Fp8Rows:
+    """x quantized per token, unless it already is."""
+    return x if isinstance(x, Fp8Rows) else Fp8Rows.of(x)
+
+
 @functools.cache
 def has_fp8_gemm(device: torch.device) -> bool:
     """Whether `device` has FP8 tensor cores with the row-wise scaled GEMM torch ships (Hopper
@@ -59,6 +82,20 @@ def has_fp8_gemm(device: torch.device) -> bool:
         return False
     index = torch.cuda.current_device() if device.index is None else device.index
     return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+# The per-token arithmetic, shared by every kernel that quantizes rows (here and the fused
+# norm and SiLU * up of `fused.py`), so that their codes and scales are the same bits.
+@triton.jit
+def token_scale(amax, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """A row's float32 scale from its largest magnitude: amax / 448, at least MIN_SCALE."""
+    return tl.maximum(amax / FP8_MAX, MIN_SCALE)
+
+
+@triton.jit
+def to_fp8(x, scale, q_ptr, FP8_MAX: tl.constexpr):
+    """float32 x / scale, clamped to e4m3's range, in the element type of `q_ptr`."""
+    return tl.clamp(x / scale, -FP8_MAX, FP8_MAX).to(q_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -71,9 +108,8 @@ def quantize_tokens_kernel(
     offsets = tl.arange(0, BLOCK)
     mask = offsets < cols
     x = tl.load(x_ptr + row * x_stride + offsets, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, MIN_SCALE)
-    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
-    tl.store(q_ptr + row * cols + offsets, q.to(q_ptr.dtype.element_ty), mask=mask)
+    scale = token_scale(tl.max(tl.abs(x), axis=0), FP8_MAX, MIN_SCALE)
+    tl.store(q_ptr + row * cols + offsets, to_fp8(x, scale, q_ptr, FP8_MAX), mask=mask)
     tl.store(scale_ptr + row, scale)
 
 

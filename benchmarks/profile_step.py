@@ -83,9 +83,11 @@ def main() -> None:
     parser.add_argument("--quantization", choices=["fp8"], default=None)
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--n", type=int, default=1, help="samples per prompt (shared prefixes)")
+    parser.add_argument("--decode-before", type=int, default=3, help="decode steps not profiled")
     args = parser.parse_args()
 
-    llm = LLM(args.model, load_format="dummy", max_model_len=args.input_len + 256,
+    max_tokens = max(200, args.decode_before + args.steps + 8)
+    llm = LLM(args.model, load_format="dummy", max_model_len=args.input_len + max_tokens + 56,
               max_num_seqs=args.batch * args.n,
               cuda_graphs=args.cuda_graphs, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
@@ -108,9 +110,9 @@ def main() -> None:
         enqueue(1, 2)
         profiled = prefill_steps
     else:
-        enqueue(0, 200)
+        enqueue(0, max_tokens)
         # every prompt prefilled (in chunks of the token budget), then a few decode steps
-        for _ in range(prefill_steps + 3):
+        for _ in range(prefill_steps + args.decode_before):
             engine.step()
         profiled = args.steps
     torch.cuda.synchronize()

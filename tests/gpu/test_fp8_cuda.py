@@ -153,7 +153,7 @@ def test_per_token_quantization_kernel_matches_torch_on_cuda():
     torch.testing.assert_close(q.float(), q_ref.float(), atol=0, rtol=0.13)
 
 
-@pytest.mark.parametrize("rows", [1, 32, 200])
+@pytest.mark.parametrize("rows", [1, 32, 64])  # past 64 rows the plan leaves this shape to F.linear
 def test_fp8_split_k_matches_the_dequantized_product_in_bf16(rows):
     g = torch.Generator(device="cuda").manual_seed(0)
     q, scale = quantize_rows(torch.randn(4096, 14336, device="cuda", generator=g) * 0.02)

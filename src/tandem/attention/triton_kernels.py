@@ -25,7 +25,10 @@ def _product_dtype(q, cache_ptr):
     """q in the dtype the tiles' products take: an FP8 cache under a bfloat16 model computes in
     float16, which holds every e4m3 value and a bfloat16 query's 8 significant bits exactly
     (while |q| < 65,504) and which e4m3 converts to in hardware, a pair at a time; otherwise
-    q's own dtype."""
+    q's own dtype. H200, small's decode shape (256 ragged contexts, 16 heads over 8 KV heads):
+    120.7 µs against 168.0 with bfloat16 products (an earlier call; 158.6 over a bfloat16 cache
+    in the same one). Scores as e4m3 products, the keys never converted and q in two e4m3
+    parts with a scale per row each (one part was too coarse), took 131.5 µs."""
     if cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
         q = q.to(tl.float16)
     return q

@@ -99,6 +99,46 @@ def test_decode_over_shared_blocks_matches_reference(
     torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+class LaunchCount:
+    """Stands in for a Triton kernel: counts its launches and runs the real one."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_one_split_merges_the_prefix_partials_in_the_decode_kernel(monkeypatch, splits):
+    """With one split of its own a grouped row's output comes from the decode kernel, which merges
+    the shared-prefix kernel's partials itself: no reduce launch. Two splits take the reduce."""
+    block_size, head_dim, num_blocks, max_blocks = 16, 32, 64, 12
+    seq_lens = [150, 97, 181, 40]
+    tables = shared_tables(seq_lens, [([0, 1, 2], 5)], block_size, max_blocks, num_blocks)
+    x = host_inputs(len(seq_lens))
+    assert group_shared_prefixes(tables.numpy(), np.array(seq_lens), block_size, 4, x) == 1
+    dev = {k: torch.from_numpy(v).to(DEVICE) for k, v in x.items()}
+    groups = SharedPrefixes(
+        dev["prefix_lens"], dev["group_rows"], dev["group_starts"][:3], dev["group_prefix"][:2],
+        dev["num_groups"], 2,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(2)
+    cache = torch.randn(2, num_blocks + 1, block_size, 2, head_dim, generator=g).to(DEVICE)
+    q = torch.randn(len(seq_lens), 4, head_dim, generator=g).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    meta = AttentionMetadata(lens, lens, lens, tables.to(DEVICE), decode_only=True, shared=groups)
+    reduce = LaunchCount(triton_backend.reduce_kernel)
+    monkeypatch.setattr(triton_backend, "reduce_kernel", reduce)
+    backend = triton_backend.TritonAttention(4, 2, head_dim, 8, DEVICE, num_splits=splits)
+    out = torch.empty_like(q)
+    backend.decode(q, out, cache, meta, head_dim**-0.5)
+    assert reduce.launches == (0 if splits == 1 else 1)
+    expected = decode_attention(q, cache, meta.block_tables, lens, head_dim**-0.5)
+    torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+
+
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="Triton's interpreter: CPU only")
 def test_engine_samples_of_one_prompt_decode_over_shared_blocks(make_tiny):
     """The n samples of a prompt share its cached blocks; their decode steps go through the

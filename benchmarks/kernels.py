@@ -12,6 +12,8 @@ timed on a 4K prompt and on a chunk of the small workload's prompts;
 --sweep-small-ops, alone: the add + RMSNorm and rotary kernels' warps per program;
 --sweep-fp8-fusion, alone: the add + RMSNorm and SiLU * up quantizing as they store (W8A8
 inputs) against each kernel followed by quantize_tokens, and the SiLU kernel's warps;
+--sweep-shared-prefix, alone: rollout's decode call (32 prompts x 8 samples over a 1,024-token
+shared prefix) under each shared-prefix tile shape and split count, then each decode tile shape;
 --head-dim: the attention kernels at another head size, e.g. 96 (tiles padded to 128) beside
 128, or 128 on this tree beside main's: a power-of-two size must lose nothing to the padding)
 """
@@ -25,9 +27,14 @@ import json
 import torch
 import triton.testing
 
-from tandem.attention import AttentionMetadata
+from tandem.attention import AttentionMetadata, SharedPrefixes
 from tandem.attention.torch_ref import decode_attention, prefill_attention
-from tandem.attention.triton_backend import DecodeTiles, PrefillTiles, TritonAttention
+from tandem.attention.triton_backend import (
+    SHARED_PREFIX_TILES,
+    DecodeTiles,
+    PrefillTiles,
+    TritonAttention,
+)
 from tandem.model.fused import (
     _add_rms_norm_triton,
     _rope_qk_triton,
@@ -122,6 +129,95 @@ def bench_decode(
         label += f" {num_heads} heads"
     return {"kernel": label, "ms": ms, "TB/s": rate / 1e12, "ceiling_pct": 100 * rate / COPY_CEILING,
             "splits": backend.num_splits(batch), "tiles": backend.tiles_for(batch)._asdict()}  # fmt: skip
+
+
+def bench_shared_decode(
+    own: int,
+    shared_tiles: DecodeTiles = SHARED_PREFIX_TILES,
+    prefix_splits: int | None = None,
+    tiles: DecodeTiles | None = None,
+    groups: int = 32,
+    n: int = 8,
+    prefix: int = 1024,
+) -> dict:
+    """One decode call of rollout's shape, graph-replayed: `groups` prompts of `prefix` tokens,
+    `n` samples each with `own` keys of their own after it, the samples' shared blocks read once
+    per group (the shared-prefix kernel, then the decode kernel over the own keys, which merges
+    the prefix partials). The grid bound on groups is the engine's for 256 rows (half the rows).
+    Checked against the torch reference over each row's whole context first."""
+    rows, shared_blocks = groups * n, prefix // BLOCK_SIZE
+    own_blocks = -(-own // BLOCK_SIZE)
+    cache, _ = paged_setup([groups * prefix + rows * own_blocks * BLOCK_SIZE])
+    blocks = torch.randperm(cache.shape[1] - 1, device="cuda").int()
+    shared = blocks[: groups * shared_blocks].view(groups, 1, shared_blocks).expand(groups, n, -1)
+    owned = blocks[groups * shared_blocks :][: rows * own_blocks].view(groups, n, own_blocks)
+    tables = torch.cat([shared, owned], dim=2).reshape(rows, -1).contiguous()
+    lens = torch.full((rows,), prefix + own, dtype=torch.int32, device="cuda")
+    max_groups = rows // 2
+    starts = torch.zeros(max_groups + 1, dtype=torch.int32, device="cuda")
+    starts[: groups + 1] = torch.arange(0, rows + 1, n, dtype=torch.int32, device="cuda")
+    starts[groups + 1 :] = rows
+    group_prefix = torch.zeros(max_groups, dtype=torch.int32, device="cuda")
+    group_prefix[:groups] = prefix
+    meta = AttentionMetadata(lens, lens, lens, tables, decode_only=True, shared=SharedPrefixes(
+        prefix_lens=torch.full_like(lens, prefix), group_rows=torch.arange(rows, dtype=torch.int32,
+        device="cuda"), group_starts=starts, group_prefix=group_prefix,
+        num_groups=torch.tensor([groups], dtype=torch.int32, device="cuda"), max_groups=max_groups,
+    ))  # fmt: skip
+    q = torch.randn(rows, NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    backend = TritonAttention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, rows, torch.device("cuda"))
+    backend.shared_prefix_tiles = shared_tiles
+    if tiles:
+        backend.decode_tiles = backend.large_batch_tiles = tiles
+    if prefix_splits:
+        backend.prefix_splits = lambda _: prefix_splits
+    scale = HEAD_DIM**-0.5
+    backend.decode(q, out, cache, meta, scale)
+    expected = decode_attention(q.float(), cache.float(), tables, lens, scale)
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench_cudagraph(
+        lambda: backend.decode(q, out, cache, meta, scale), return_mode="median"
+    )
+    kv_bytes = 2 * (groups * prefix + rows * own) * NUM_KV_HEADS * HEAD_DIM * 2  # each key once
+    rate = kv_bytes / (ms / 1e3)
+    return {"kernel": f"shared decode {groups}x{n} prefix={prefix} own={own}", "ms": ms,
+            "TB/s": rate / 1e12, "ceiling_pct": 100 * rate / COPY_CEILING}  # fmt: skip
+
+
+def sweep_shared_prefix() -> None:
+    """µs of rollout's decode call at three lengths of the samples' own keys: each shared-prefix
+    tile shape at 1, 2 and 4 splits of the shared keys (* the defaults), then each decode tile
+    shape for the own keys."""
+    owns = (64, 256, 500)
+    default_splits = TritonAttention(
+        NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, 256, torch.device("cuda")
+    ).prefix_splits(SharedPrefixes(*(None,) * 5, max_groups=128))
+    for shared_tiles in (SHARED_PREFIX_TILES, DecodeTiles(64, 4, 3), DecodeTiles(64, 4, 4),
+                         DecodeTiles(32, 4, 3), DecodeTiles(32, 4, 4), DecodeTiles(64, 8, 3),
+                         DecodeTiles(128, 8, 2), DecodeTiles(128, 4, 2)):  # fmt: skip
+        for splits in (1, 2, 4):
+            mark = "*" if shared_tiles == SHARED_PREFIX_TILES and splits == default_splits else " "
+            try:
+                cells = [bench_shared_decode(own, shared_tiles, splits) for own in owns]
+            except Exception as error:  # out of shared memory, or a wrong result
+                print(f"shared {shared_tiles} splits={splits}  failed: "
+                      f"{str(error).splitlines()[0][:80]}", flush=True)  # fmt: skip
+                break
+            print(f"shared {shared_tiles} splits={splits}{mark} us  " + "  ".join(
+                f"own={own}:{1000 * c['ms']:.1f} ({c['TB/s']:.2f} TB/s)"
+                for own, c in zip(owns, cells, strict=True)), flush=True)  # fmt: skip
+    for tiles in (DecodeTiles(64, 2, 2), DecodeTiles(64, 2, 3), DecodeTiles(32, 2, 3),
+                  DecodeTiles(64, 4, 3), DecodeTiles(128, 4, 3), DecodeTiles(32, 4, 2)):  # fmt: skip
+        try:
+            cells = [bench_shared_decode(own, tiles=tiles) for own in owns]
+        except Exception as error:
+            print(f"decode {tiles}  failed: {str(error).splitlines()[0][:80]}", flush=True)
+            continue
+        print(f"decode {tiles} us  " + "  ".join(
+            f"own={own}:{1000 * c['ms']:.1f}" for own, c in zip(owns, cells, strict=True)),
+            flush=True)  # fmt: skip
 
 
 def small_chunk(tokens: int = 8192) -> list[int]:
@@ -438,6 +534,7 @@ def main() -> None:
     parser.add_argument("--sweep-decode-tiles", action="store_true", help="only this sweep")
     parser.add_argument("--sweep-small-ops", action="store_true", help="only this sweep")
     parser.add_argument("--sweep-fp8-fusion", action="store_true", help="only this sweep")
+    parser.add_argument("--sweep-shared-prefix", action="store_true", help="only this sweep")
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="--sweep-decode-tiles over an e4m3 cache")  # fmt: skip
@@ -451,6 +548,9 @@ def main() -> None:
         return
     if args.sweep_fp8_fusion:
         sweep_fp8_fusion()
+        return
+    if args.sweep_shared_prefix:
+        sweep_shared_prefix()
         return
     rows = [
         bench_decode(32, 4096),

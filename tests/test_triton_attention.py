@@ -350,6 +350,17 @@ def test_decode_tiles_setting_parses_three_ints_and_rejects_anything_else(monkey
     assert backend.tiles_for(2) == backend.tiles_for(256) == DecodeTiles(32, 2, 1)
 
 
+def test_shared_prefix_tiles_setting_sets_the_cascade_kernels_tiles_alone(monkeypatch):
+    assert attention(8, 4, 128).shared_prefix_tiles == triton_backend.SHARED_PREFIX_TILES
+    monkeypatch.setenv("TANDEM_SHARED_PREFIX_TILES", "32,4,4")
+    backend = attention(8, 4, 128)
+    assert backend.shared_prefix_tiles == DecodeTiles(32, 4, 4)
+    assert backend.tiles_for(32) == DecodeTiles()  # the decode kernel's own are untouched
+    monkeypatch.setenv("TANDEM_SHARED_PREFIX_TILES", "32,4")
+    with pytest.raises(ValueError, match="TANDEM_SHARED_PREFIX_TILES"):
+        attention(8, 4, 128)
+
+
 def test_large_decode_batches_take_the_large_batch_tiles():
     backend = attention(8, 4, 128, max_seqs=256)
     assert backend.tiles_for(1) == backend.single_sequence_tiles

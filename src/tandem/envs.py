@@ -42,6 +42,9 @@ SWITCHES = {
         Switch("TANDEM_DECODE_TILES", "", "block_n,num_warps,num_stages",
                "one attention tile shape for every decode batch of more than one sequence "
                "(block_n a power of two >= 16, num_warps 1-16 a power of two, num_stages >= 1)"),
+        Switch("TANDEM_SHARED_PREFIX_TILES", "", "block_n,num_warps,num_stages",
+               "the tile shape of the shared-prefix (cascade) attention kernel, as "
+               "TANDEM_DECODE_TILES takes it"),
         Switch("TANDEM_MOE_TILES", "", "block_n,block_k,num_warps,num_stages",
                "one tile shape for the fused MoE kernel's grouped GEMMs (block_n and block_k "
                "powers of two >= 16)"),
@@ -97,14 +100,22 @@ def decode_tiles() -> tuple[int, int, int] | None:
     return parse_decode_tiles(_value("TANDEM_DECODE_TILES"))
 
 
-def parse_decode_tiles(value: str) -> tuple[int, int, int] | None:
+def shared_prefix_tiles() -> tuple[int, int, int] | None:
+    """(block_n, num_warps, num_stages) from TANDEM_SHARED_PREFIX_TILES; None when unset."""
+    name = "TANDEM_SHARED_PREFIX_TILES"
+    return parse_decode_tiles(_value(name), name)
+
+
+def parse_decode_tiles(
+    value: str, name: str = "TANDEM_DECODE_TILES"
+) -> tuple[int, int, int] | None:
     if not value:
         return None
     try:
         block_n, num_warps, num_stages = (int(part) for part in value.split(","))
     except ValueError:
         raise ValueError(
-            f"TANDEM_DECODE_TILES={value!r}: expected three integers, block_n,num_warps,num_stages"
+            f"{name}={value!r}: expected three integers, block_n,num_warps,num_stages"
         ) from None
     if (
         block_n < 16
@@ -113,7 +124,7 @@ def parse_decode_tiles(value: str) -> tuple[int, int, int] | None:
         or num_stages < 1
     ):
         raise ValueError(
-            f"TANDEM_DECODE_TILES={value!r}: block_n a power of two >= 16, "
+            f"{name}={value!r}: block_n a power of two >= 16, "
             "num_warps 1-16 (a power of two), num_stages >= 1"
         )
     return block_n, num_warps, num_stages
@@ -127,6 +138,7 @@ READERS = {
     "TANDEM_PIECEWISE": piecewise,
     "TANDEM_BLAS": blas,
     "TANDEM_DECODE_TILES": decode_tiles,
+    "TANDEM_SHARED_PREFIX_TILES": shared_prefix_tiles,
 }
 
 

@@ -53,6 +53,7 @@ LARGE_BATCH = 128  # sequences from which a decode batch takes LARGE_BATCH_TILES
 # 148 against 155 µs; Llama-3-8B, 100-1,900, 228 against 235 µs. At 32 x 1K (seed) and at 256
 # equal contexts the default tiles are 3-10% faster.
 LARGE_BATCH_TILES = DecodeTiles(block_n=64, num_warps=2, num_stages=2)
+SHARED_PREFIX_TILES = DecodeTiles(block_n=64, num_warps=4, num_stages=2)
 
 
 def decode_tiles_setting() -> DecodeTiles | None:
@@ -115,7 +116,10 @@ class TritonAttention:
         # (batch 1 x 512 context: 32-key tiles 5.2 µs, 128-key 7.4 µs, graph-timed on the H200)
         self.single_sequence_tiles = DecodeTiles(block_n=32, num_warps=4, num_stages=1)
         # a group's queries fill a 64-row tile: 64-key tiles keep its registers in bounds
-        self.shared_prefix_tiles = DecodeTiles(block_n=64, num_warps=4, num_stages=2)
+        shared_setting = envs.shared_prefix_tiles()
+        self.shared_prefix_tiles = (
+            DecodeTiles(*shared_setting) if shared_setting else SHARED_PREFIX_TILES
+        )
         self.num_sms = num_sms(device)
         self.fitted: dict[tuple, DecodeTiles | PrefillTiles] = {}  # see launch_fitting
         # split-KV decode partials: [max_seqs, num_heads, MAX_SPLITS, head_dim] and (max, sum) pairs

@@ -290,6 +290,26 @@ def test_busy_fraction_of_a_column_is_the_share_of_its_cells_covered(spans):
 # ---- the PNG --------------------------------------------------------------------------------
 
 
+def test_a_trace_with_swap_copies_plots_them_on_their_lane_without_a_step(tmp_path):
+    from tandem.plot import NO_STEP, lane_intervals
+
+    timeline = Timeline(cuda=False)
+    for step, lanes in TWO_STEPS.items():
+        timeline.record_step(step, (2, 2, 0, 0))
+        for name, (start, end) in lanes.items():
+            log = timeline.cpu if name in CPU_PHASES else timeline.gpu
+            names = CPU_PHASES if name in CPU_PHASES else GPU_LANES
+            log.add(names.index(name), step, int(start * 1e3), int(end * 1e3))
+    # a batch of swap copies during step 1's compute, as Timeline._read_swaps adds one
+    timeline.swaps.append((200_000, 4096, 0))
+    timeline.gpu.add(GPU_LANES.index("swap"), 0, 205_000, 230_000)
+    trace = timeline.to_chrome_trace({"mode": "async", "model": "by hand"})
+    spans, steps = lane_intervals(trace)["swap"]
+    assert spans.tolist() == [[205.0, 230.0]] and steps.tolist() == [NO_STEP]
+    plot_timeline(trace, tmp_path / "swap.png")
+    assert pixels(tmp_path / "swap.png").shape[0] > 0
+
+
 def test_plot_of_a_gpu_trace_shows_busy_in_green_and_idle_in_red(tmp_path):
     path = tmp_path / "timeline.png"
     plot_timeline(synthetic_trace(TWO_STEPS), path)

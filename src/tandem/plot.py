@@ -30,6 +30,7 @@ LANE_COLORS = {
     "mask_wait": "#d62728",  # the compute stream waiting for structured outputs' masks
 }
 NUM_COLUMNS = 1000
+NO_STEP = -1  # a lane's interval that belongs to no step: a batch of swap copies
 LABEL_MIN_WIDTH = 0.04  # of the zoom window: narrower bars get no step label
 
 
@@ -70,12 +71,13 @@ def plot_timeline(trace: dict, path: str | Path, window_steps: int = 6) -> None:
 
 
 def lane_intervals(trace: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Lane name -> ([n, 2] start/end µs, [n] step) for each CPU phase and GPU stream present."""
+    """Lane name -> ([n, 2] start/end µs, [n] step) for each CPU phase and GPU stream present;
+    swap copies, batched apart from the steps, have NO_STEP."""
     rows = defaultdict(list)
     for event in trace["traceEvents"]:
         if event.get("ph") == "X":
-            start = event["ts"]
-            rows[event["name"]].append((start, start + event["dur"], event["args"]["step"]))
+            start, step = event["ts"], event["args"].get("step", NO_STEP)
+            rows[event["name"]].append((start, start + event["dur"], step))
     lanes = {}
     for name, lane_rows in rows.items():
         table = np.asarray(lane_rows, dtype=np.float64)
@@ -182,7 +184,7 @@ def _plot_zoom(
         # the edge keeps a 5 µs copy visible as a thin line in a window of tens of ms
         ax.broken_barh(bars, (row + 0.1, 0.8), facecolors=colors, edgecolors=colors, linewidth=0.8)
         for (left, right), width, step in zip(ms, widths, steps, strict=True):
-            if width >= min_label_width:
+            if width >= min_label_width and step != NO_STEP:
                 ax.text((left + right) / 2, row + 0.5, str(step), ha="center", va="center",
                         fontsize=8, clip_on=True)  # fmt: skip
     for step, (launch, num_seqs, num_tokens) in counters.items():

@@ -27,7 +27,12 @@ import json
 import torch
 import triton.testing
 
-from tandem.attention import AttentionMetadata, SharedPrefixes
+from tandem.attention import (
+    AttentionMetadata,
+    SharedPrefixes,
+    rows_per_shared_group,
+    triton_backend,
+)
 from tandem.attention.torch_ref import decode_attention, prefill_attention
 from tandem.attention.triton_backend import (
     SHARED_PREFIX_TILES,
@@ -139,12 +144,14 @@ def bench_shared_decode(
     groups: int = 32,
     n: int = 8,
     prefix: int = 1024,
+    breakdown: bool = False,
 ) -> dict:
     """One decode call of rollout's shape, graph-replayed: `groups` prompts of `prefix` tokens,
     `n` samples each with `own` keys of their own after it, the samples' shared blocks read once
     per group (the shared-prefix kernel, then the decode kernel over the own keys, which merges
     the prefix partials). The grid bound on groups is the engine's for 256 rows (half the rows).
-    Checked against the torch reference over each row's whole context first."""
+    Checked against the torch reference over each row's whole context first. `breakdown`: each
+    of the two launches timed alone too (shared_us, decode_us)."""
     rows, shared_blocks = groups * n, prefix // BLOCK_SIZE
     own_blocks = -(-own // BLOCK_SIZE)
     cache, _ = paged_setup([groups * prefix + rows * own_blocks * BLOCK_SIZE])
@@ -177,13 +184,23 @@ def bench_shared_decode(
     expected = decode_attention(q.float(), cache.float(), tables, lens, scale)
     torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
     torch.cuda.synchronize()
-    ms = triton.testing.do_bench_cudagraph(
-        lambda: backend.decode(q, out, cache, meta, scale), return_mode="median"
-    )
+
+    def us(fn) -> float:
+        return 1000 * triton.testing.do_bench_cudagraph(fn, return_mode="median")
+
+    total = us(lambda: backend.decode(q, out, cache, meta, scale))
     kv_bytes = 2 * (groups * prefix + rows * own) * NUM_KV_HEADS * HEAD_DIM * 2  # each key once
-    rate = kv_bytes / (ms / 1e3)
-    return {"kernel": f"shared decode {groups}x{n} prefix={prefix} own={own}", "ms": ms,
-            "TB/s": rate / 1e12, "ceiling_pct": 100 * rate / COPY_CEILING}  # fmt: skip
+    rate = kv_bytes / (total / 1e6)
+    row = {"kernel": f"shared decode {groups}x{n} prefix={prefix} own={own}", "ms": total / 1e3,
+           "TB/s": rate / 1e12, "ceiling_pct": 100 * rate / COPY_CEILING}  # fmt: skip
+    if breakdown:  # each launch alone: the shared-prefix kernel, then the decode kernel
+        splits = backend.prefix_splits(meta.shared)
+        row["shared_us"] = us(
+            lambda: backend.shared_prefix(q, cache, meta, scale, 1.0, 1, splits, 0.0)
+        )
+        backend.shared_prefix = lambda *args: None
+        row["decode_us"] = us(lambda: backend.decode(q, out, cache, meta, scale))
+    return row
 
 
 def sweep_shared_prefix() -> None:
@@ -191,6 +208,15 @@ def sweep_shared_prefix() -> None:
     tile shape at 1, 2 and 4 splits of the shared keys (* the defaults), then each decode tile
     shape for the own keys."""
     owns = (64, 256, 500)
+    for cut in (None, 8):  # rows per shared-prefix program: the default's, and 8 sequences
+        if cut:
+            triton_backend.rows_per_shared_group = lambda *_, c=cut: c
+        for own in owns:
+            row = bench_shared_decode(own, breakdown=True)
+            print(f"{row['kernel']} rows cut at {cut or 'default'}: {1000 * row['ms']:.1f} us "
+                  f"({row['TB/s']:.2f} TB/s); alone: shared-prefix {row['shared_us']:.1f}, "
+                  f"decode {row['decode_us']:.1f}", flush=True)  # fmt: skip
+    triton_backend.rows_per_shared_group = rows_per_shared_group
     default_splits = TritonAttention(
         NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, 256, torch.device("cuda")
     ).prefix_splits(SharedPrefixes(*(None,) * 5, max_groups=128))

@@ -4,7 +4,10 @@ A kernel launched with PDL may be scheduled while the kernel before it on the st
 finishing, so the gap between two kernels shrinks; each of its programs first waits
 (`wait`, under the kernel's PDL flag) until that kernel has completed and its writes are
 visible, and only then reads or writes memory. Every Triton kernel here waits as its first
-statement. TANDEM_PDL=0 launches them plainly, for comparisons.
+statement but one: the decode kernel after the shared-prefix kernel, which lets it start at
+once (`launch_dependents`), reads only the keys and queries written before that kernel, and
+waits before it merges that kernel's partials (attention/triton_kernels.py). TANDEM_PDL=0
+launches them plainly, for comparisons.
 """
 
 from __future__ import annotations
@@ -26,6 +29,14 @@ def wait(PDL: tl.constexpr):
     writing."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def launch_dependents(PDL: tl.constexpr):
+    """The next kernel's programs may start now, beside this kernel's (each still waits for
+    this kernel's writes before it reads them)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @functools.cache

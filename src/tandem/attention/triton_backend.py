@@ -207,6 +207,8 @@ class TritonAttention:
         # one split writes the output: with shared prefixes too, merging their partials itself
         # (without it a reduce launch over every row: rollout, 27 µs a layer on the H200)
         direct = splits == 1
+        # beside the shared-prefix kernel (see decode_kernel), where its reads come from the L2
+        early = direct and shared is not None and kv_cache.element_size() == 2
 
         def launch(tiles: DecodeTiles) -> None:
             decode_kernel[(self.num_kv_heads, num_seqs, splits)](
@@ -218,7 +220,7 @@ class TritonAttention:
                 NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim, HEAD_PAD=self.head_pad,
                 BLOCK_SIZE=kv_cache.shape[2], BLOCK_N=tiles.block_n, MAX_SPLITS=MAX_SPLITS,
                 SOFT_CAP=soft_cap, DIRECT=direct, ORDERED=order is not None,
-                CASCADE=shared is not None, num_warps=tiles.num_warps,
+                CASCADE=shared is not None, EARLY_START=early, num_warps=tiles.num_warps,
                 num_stages=tiles.num_stages, **pdl.launch_args(q.device),
             )  # fmt: skip
 

@@ -255,6 +255,7 @@ def decode_kernel(
     DIRECT: tl.constexpr,  # one split: normalize and write the output, no reduce step
     ORDERED: tl.constexpr,
     CASCADE: tl.constexpr,  # keys before prefix_lens[seq] are left to shared_prefix_kernel
+    EARLY_START: tl.constexpr,  # DIRECT with CASCADE: run beside shared_prefix_kernel, see below
     PDL: tl.constexpr,
 ):
     """Split s of a sequence covers an equal share of the key tiles in its window (past its
@@ -265,8 +266,15 @@ def decode_kernel(
     Programs start in grid order, the KV heads of one sequence together, sequences in
     `seq_order`: longest first, so a ragged batch does not end on one long sequence's programs
     running alone.
+
+    EARLY_START: shared_prefix_kernel lets this kernel start beside it, so the rows' own keys are
+    read while it reads the shared ones; the wait comes before the merge of its partials. The
+    keys and queries read before it were written before that kernel began (its programs have
+    all passed their own wait when this one starts), and they are read from the L2 (queries
+    `.cg`, keys by 16-byte copies: a 16-bit cache).
     """
-    pdl.wait(PDL)
+    if not EARLY_START:
+        pdl.wait(PDL)
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     if ORDERED:
@@ -291,6 +299,7 @@ def decode_kernel(
         q_ptr + seq.to(tl.int64) * q_token_stride + head[:, None] * HEAD_DIM + dims[None, :],
         mask=row_dims,
         other=0.0,
+        cache_modifier=".cg",
     )
     q = _product_dtype(q, cache_ptr)
     query_pos = tl.full([GROUP_PAD], seq_len - 1, tl.int32)
@@ -320,6 +329,8 @@ def decode_kernel(
             True,
         )  # fmt: skip
     acc = acc * v_scale
+    if EARLY_START:  # shared_prefix_kernel's partials (every program waits: see pdl.py)
+        pdl.wait(PDL)
     if DIRECT:
         row = seq.to(tl.int64) * (GROUP * NUM_KV_HEADS) + head
         if key_base > 0:  # a grouped row (CASCADE): its prefix partials follow its own split
@@ -414,6 +425,7 @@ def shared_prefix_kernel(
     an equal share of the shared tiles. `decode_kernel` does each row's keys after the prefix and
     `reduce_kernel` merges both."""
     pdl.wait(PDL)
+    pdl.launch_dependents(PDL)  # the decode kernel, over the rows' own keys meanwhile
     kv_head = tl.program_id(0)
     group = tl.program_id(1)
     split = tl.program_id(2)

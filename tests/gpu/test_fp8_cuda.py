@@ -193,7 +193,8 @@ def test_rope_qk_kernel_stores_e4m3_k_v_as_the_torch_version(qk_norm):
     assert close.float().mean() > 0.999
 
 
-@pytest.mark.parametrize(("batch", "context"), [(8, 2000), (1, 4096)])
+# 256 rows: the large-batch tiles (block_n 64, 2 warps, 2 stages); 8: the default; 1: one sequence's
+@pytest.mark.parametrize(("batch", "context"), [(256, 1024), (8, 2000), (1, 4096)])
 def test_triton_decode_over_an_fp8_cache_at_llama_3_8b_sizes(batch, context):
     heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
     blocks = batch * context // block_size

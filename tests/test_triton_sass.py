@@ -1,0 +1,81 @@
+"""The decode kernel's machine code over an FP8 cache: compiled for sm_90 on the CPU (Triton's
+wheel carries ptxas and cuobjdump), its shared-memory reads counted in the SASS."""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import triton
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+pytestmark = pytest.mark.skipif(
+    not (BIN / "ptxas").exists() or not (BIN / "cuobjdump").exists(),
+    reason="needs the ptxas and cuobjdump of Triton's NVIDIA backend",
+)
+
+# an instruction line: /*0a10*/ [@P0 | @!UP1] OPCODE.MODIFIERS operands
+OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)")
+
+# Compiled in a fresh interpreter: under TRITON_INTERPRET=1 (the CPU tests) Triton defines the
+# kernels for its interpreter. Small's decode shape (Qwen3-0.6B: 16 heads over 8 KV heads, head
+# dim 128, block size 16) at the given tiles, arguments specialized as a launch does them
+# (pointers and the strides multiples of 16).
+COMPILE = textwrap.dedent(
+    """
+    import sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from tandem.attention.triton_kernels import decode_kernel
+
+    cache, block_n, num_warps, num_stages, out = sys.argv[1:]
+    types = {"q_ptr": "*bf16", "out_ptr": "*bf16", "partial_out_ptr": "*fp32",
+             "partial_ml_ptr": "*fp32", "cache_ptr": "*" + cache, "kv_half_stride": "i64",
+             "scale": "fp32", "v_scale": "fp32"}
+    constants = dict(GROUP=2, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128, HEAD_PAD=128,
+                     BLOCK_SIZE=16, BLOCK_N=int(block_n), MAX_SPLITS=32, SOFT_CAP=0.0,
+                     DIRECT=True, ORDERED=True, CASCADE=False, PDL=False)
+    names = decode_kernel.arg_names
+    signature = {n: "constexpr" if n in constants else types.get(n, "*i32" if n.endswith("_ptr")
+                 else "i32") for n in names}
+    aligned = [n for n in names if n.endswith("_ptr") or n in ("q_token_stride", "kv_half_stride")]
+    source = ASTSource(
+        fn=decode_kernel, signature=signature,
+        constexprs={(names.index(n),): v for n, v in constants.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    options = dict(num_warps=int(num_warps), num_stages=int(num_stages))
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    open(out, "wb").write(kernel.asm["cubin"])
+    """
+)
+
+
+def sass_ops(cache: str, tiles: tuple[int, int, int], tmp_path: Path) -> collections.Counter:
+    """{opcode with its modifiers: count} over decode_kernel's SASS."""
+    cubin = tmp_path / f"decode_{cache}.cubin"
+    src = str(Path(__file__).parents[1] / "src")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": src}
+    args = [sys.executable, "-c", COMPILE, cache, *map(str, tiles), str(cubin)]
+    subprocess.run(args, env=env, check=True, timeout=300)
+    sass = subprocess.run(
+        [str(BIN / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True
+    ).stdout
+    return collections.Counter(OPCODE.findall(sass))
+
+
+@pytest.mark.parametrize("tiles", [(64, 2, 2), (128, 4, 3)])  # large-batch tiles, the default
+def test_decode_over_an_fp8_cache_reads_v_from_shared_memory_by_ldmatrix_trans(tiles, tmp_path):
+    """V converted to float16 before the dot: no byte-wise shared loads (before the conversion
+    became asm: 384 LDS.U8 at 64, 2, 2); the float16 tile read by ldmatrix.trans, as a bfloat16
+    cache's V (48 at both shapes)."""
+    ops = sass_ops("fp8e4nv", tiles, tmp_path)
+    assert ops["LDS.U8"] == 0
+    assert ops["LDSM.16.MT88.4"] > 0
+    assert ops["F2FP.F16.E4M3.UNPACK_B"] > 0  # the e4m3 conversion, a pair at a time

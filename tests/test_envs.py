@@ -25,6 +25,8 @@ ROOT = Path(__file__).parents[1]
         ("TANDEM_BLAS", "mkl"),
         ("TANDEM_DECODE_TILES", "64,3,2"),
         ("TANDEM_SHARED_PREFIX_TILES", "48,4,2"),
+        ("TANDEM_DECODE_MAXNREG", "300"),
+        ("TANDEM_DECODE_MAXNREG", "many"),
     ],
 )
 def test_a_value_a_switch_does_not_take_is_a_value_error_naming_it(monkeypatch, name, bad):
@@ -47,6 +49,7 @@ def test_unset_switches_take_their_defaults(monkeypatch):
         "TANDEM_BLAS": "cublas",
         "TANDEM_DECODE_TILES": None,
         "TANDEM_SHARED_PREFIX_TILES": None,
+        "TANDEM_DECODE_MAXNREG": None,
     }
 
 

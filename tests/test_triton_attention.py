@@ -361,6 +361,14 @@ def test_shared_prefix_tiles_setting_sets_the_cascade_kernels_tiles_alone(monkey
         attention(8, 4, 128)
 
 
+def test_decode_register_cap_reaches_cuda_launches_only(monkeypatch):
+    assert triton_backend.decode_launch_options(torch.device("cuda")) == {}
+    monkeypatch.setenv("TANDEM_DECODE_MAXNREG", "192")
+    assert triton_backend.decode_launch_options(torch.device("cuda")) == {"maxnreg": 192}
+    assert triton_backend.decode_launch_options(torch.device("cpu")) == {}  # the interpreter
+    assert attention(8, 4, 128).decode_options == {}
+
+
 def test_large_decode_batches_take_the_large_batch_tiles():
     backend = attention(8, 4, 128, max_seqs=256)
     assert backend.tiles_for(1) == backend.single_sequence_tiles

@@ -45,6 +45,9 @@ SWITCHES = {
         Switch("TANDEM_SHARED_PREFIX_TILES", "", "block_n,num_warps,num_stages",
                "the tile shape of the shared-prefix (cascade) attention kernel, as "
                "TANDEM_DECODE_TILES takes it"),
+        Switch("TANDEM_DECODE_MAXNREG", "", "an integer 32-255",
+               "the most registers a thread of the decode attention kernel may use (ptxas' cap, "
+               "Triton's maxnreg; CUDA only)"),
         Switch("TANDEM_MOE_TILES", "", "block_n,block_k,num_warps,num_stages",
                "one tile shape for the fused MoE kernel's grouped GEMMs (block_n and block_k "
                "powers of two >= 16)"),
@@ -106,6 +109,16 @@ def shared_prefix_tiles() -> tuple[int, int, int] | None:
     return parse_decode_tiles(_value(name), name)
 
 
+def decode_maxnreg() -> int | None:
+    """TANDEM_DECODE_MAXNREG as an integer; None when unset."""
+    value = _value("TANDEM_DECODE_MAXNREG")
+    if not value:
+        return None
+    if not value.isdigit() or not 32 <= int(value) <= 255:
+        raise ValueError(f"TANDEM_DECODE_MAXNREG={value!r}: expected an integer from 32 to 255")
+    return int(value)
+
+
 def parse_decode_tiles(
     value: str, name: str = "TANDEM_DECODE_TILES"
 ) -> tuple[int, int, int] | None:
@@ -139,6 +152,7 @@ READERS = {
     "TANDEM_BLAS": blas,
     "TANDEM_DECODE_TILES": decode_tiles,
     "TANDEM_SHARED_PREFIX_TILES": shared_prefix_tiles,
+    "TANDEM_DECODE_MAXNREG": decode_maxnreg,
 }
 
 

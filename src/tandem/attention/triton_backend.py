@@ -63,6 +63,13 @@ def decode_tiles_setting() -> DecodeTiles | None:
     return None if setting is None else DecodeTiles(*setting)
 
 
+def decode_launch_options(device: torch.device) -> dict:
+    """Compile options of the decode kernel's launches: a register cap from
+    TANDEM_DECODE_MAXNREG on CUDA, for comparisons (the interpreter takes none)."""
+    cap = envs.decode_maxnreg()
+    return {"maxnreg": cap} if cap and device.type == "cuda" else {}
+
+
 def smaller(tiles: Tiles) -> Tiles | None:
     """The next tile shape to try where a program does not fit the device's shared memory:
     fewer pipeline stages, then fewer keys per tile (None: nothing left to drop)."""
@@ -121,6 +128,7 @@ class TritonAttention:
             DecodeTiles(*shared_setting) if shared_setting else SHARED_PREFIX_TILES
         )
         self.num_sms = num_sms(device)
+        self.decode_options = decode_launch_options(device)
         self.fitted: dict[tuple, DecodeTiles | PrefillTiles] = {}  # see launch_fitting
         # split-KV decode partials: [max_seqs, num_heads, MAX_SPLITS, head_dim] and (max, sum) pairs
         self.partial_out = torch.empty(
@@ -221,7 +229,7 @@ class TritonAttention:
                 BLOCK_SIZE=kv_cache.shape[2], BLOCK_N=tiles.block_n, MAX_SPLITS=MAX_SPLITS,
                 SOFT_CAP=soft_cap, DIRECT=direct, ORDERED=order is not None,
                 CASCADE=shared is not None, EARLY_START=early, num_warps=tiles.num_warps,
-                num_stages=tiles.num_stages, **pdl.launch_args(q.device),
+                num_stages=tiles.num_stages, **self.decode_options, **pdl.launch_args(q.device),
             )  # fmt: skip
 
         launch_fitting(self.fitted, (tiles, q.dtype, kv_cache.dtype), tiles, launch)

@@ -399,6 +399,26 @@ def test_throughput_with_penalty_flags_gives_every_request_those_penalties(
     assert seen and set(seen) == {(0.5, 0.5, 1.1)}
 
 
+def test_a_failed_traced_run_keeps_the_timed_results_saved_before_it(
+    make_tiny, tmp_path, monkeypatch
+):
+    from tandem import bench
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the traced run failed")
+
+    monkeypatch.setattr(bench, "trace_run", fail)
+    out = tmp_path / "bench.json"
+    argv = ["bench", "throughput", "--model", str(make_tiny("llama")), "--num-prompts", "2"]
+    argv += ["--input-len", "8", "--output-len", "4", "--repeats", "1", *ENGINE_FLAGS]
+    argv += ["--trace", str(tmp_path / "trace.json"), "--output-json", str(out)]
+    with pytest.raises(RuntimeError, match="traced run"):
+        main(argv)
+    saved = json.loads(out.read_text())
+    assert saved["results"]["async"]["output_tokens"] == 2 * 4
+    assert saved["results"]["async"]["roofline_fraction"] > 0
+
+
 def test_preemption_modes_compare_on_one_engine_and_report_swaps(make_tiny, tmp_path):
     args = ["--num-prompts", "4", "--input-len", "8", "--output-len", "24", "--num-blocks", "8"]
     args += ["--temperature", "0", "--preemption-mode", "swap", "--compare", "recompute"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import importlib.metadata
 import itertools
@@ -306,11 +307,7 @@ def run_bench(
             cfg, engine.dtype.itemsize, np.array(engine.step_work), hardware, **sizes
         )
         engine.step_work = None
-        traced = (
-            trace_run(llm, workload, args, mode, cost, hardware, constraint) if args.trace else {}
-        )
         results[mode] = {
-            **traced,
             **summarize_runs(runs, workload),
             "roofline_seconds": rooflines[mode]["seconds"],
             "allocator_retries": allocator_retries(engine.device) - retries,
@@ -320,14 +317,13 @@ def run_bench(
             "preemptions_per_run": (engine.scheduler.num_preemptions - preempted) / args.repeats,
             "swapped_per_run": (swap.num_swapped_out - swapped) / args.repeats,
         }
-    report = {
-        "mode": args.mode,
-        "workload": workload_info(args, workload, batch_size),
-        "engine": engine_info(engine),
-        "environment": {**environment(), "copy_tb_per_s": copy_tb_per_s(engine.device)},
-        "roofline": rooflines[primary],
-        "results": results,
-    }
+        # saved before the traced run: a failure in it or in a later mode keeps these timings
+        report = report_so_far(args, workload, batch_size, engine, rooflines[primary], results)
+        finish(report, rooflines[primary], save)
+        if args.trace:
+            traced = trace_run(llm, workload, args, mode, cost, hardware, constraint)
+            results[mode] = {**traced, **results[mode]}
+    report = report_so_far(args, workload, batch_size, engine, rooflines[primary], results)
     llm.shutdown()  # tensor-parallel workers
     theirs, skipped = transformers_modes(compare, engine.device.type == "cuda")
     if theirs or skipped:
@@ -367,6 +363,30 @@ def transformers_modes(compare: set[str], cuda: bool) -> tuple[list[bool], dict[
         return asked, {}
     sync_only = [async_batching for async_batching in asked if not async_batching]
     return sync_only, {"transformers_async": "transformers' async batching needs CUDA"}
+
+
+def report_so_far(
+    args: argparse.Namespace,
+    workload: Workload,
+    batch_size: int | None,
+    engine: Engine,
+    roofline: dict,
+    results: dict,
+) -> dict:
+    """The report of the modes run so far (the device's copy rate measured once a process)."""
+    return {
+        "mode": args.mode,
+        "workload": workload_info(args, workload, batch_size),
+        "engine": engine_info(engine),
+        "environment": {**environment(), "copy_tb_per_s": device_copy_rate(engine.device)},
+        "roofline": roofline,
+        "results": results,
+    }
+
+
+@functools.cache
+def device_copy_rate(device: torch.device) -> float | None:
+    return copy_tb_per_s(device)
 
 
 def finish(report: dict, roofline: dict, save: Callable[[dict], None] | None) -> None:

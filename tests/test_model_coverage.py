@@ -63,6 +63,33 @@ def test_greedy_matches_transformers_with_chunked_prefill_and_preemption(
         assert_same_greedy(out.outputs[0].token_ids, tokens, logits)
 
 
+def test_phi3_past_its_original_length_takes_the_long_factors_as_transformers(make_tiny, tmp_path):
+    """max_model_len past original_max_position_embeddings (64 here): the long factors rotate
+    every position. transformers rotates a prompt longer than 64 the same way, so prompts of 70
+    and 90 tokens generate its tokens, with chunked prefill; a max_model_len within 64 would give
+    the short factors (tests/test_rope.py), and other tokens."""
+    folder = shutil.copytree(make_tiny("phi3"), tmp_path / "phi3-long")
+    config = json.loads((folder / "config.json").read_text())
+    config["original_max_position_embeddings"] = 64
+    (folder / "config.json").write_text(json.dumps(config))
+    g = torch.Generator().manual_seed(3)
+    ids = [torch.randint(0, config["vocab_size"], (n,), generator=g).tolist() for n in (70, 90)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    llm = LLM(str(folder), max_model_len=128, block_size=8, max_num_batched_tokens=32)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="eager"
+    )
+    for out, prompt in zip(outputs, ids, strict=True):
+        hf = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=10, do_sample=False, output_logits=True, return_dict_in_generate=True,
+            eos_token_id=None, pad_token_id=config["vocab_size"] - 1,
+        )  # fmt: skip
+        theirs = hf.sequences[0, len(prompt) :].tolist()
+        assert_same_greedy(out.outputs[0].token_ids, theirs, [s[0] for s in hf.logits])
+
+
 @pytest.mark.parametrize("arch", ["mistral_sliding", "gemma2"])
 def test_the_window_changes_the_tokens(make_tiny, tmp_path, arch):
     """Without its window the same checkpoint gives other tokens: the tests above see it."""

@@ -79,19 +79,23 @@ def test_dynamic_ntk_equals_transformers_for_every_length_up_to_max_position():
     assert not torch.allclose(longer, expected)  # the rescaling tandem does not reach
 
 
-def test_longrope_uses_the_short_factors_before_the_original_length_and_the_long_after():
+def test_longrope_takes_one_set_of_factors_by_the_longest_sequence_served():
+    """max_model_len past original_max_position_embeddings (128): the long factors at every
+    position, as transformers rotates a sequence longer than 128; within it, the short ones."""
     hf = hf_llama_config(SCALINGS["longrope"])
-    table = ours(hf)
-    short_positions, long_positions = torch.arange(128), torch.arange(128, MAX_POSITION)
-    short = transformers_cos_sin(hf, short_positions, 128)
-    long = transformers_cos_sin(hf, long_positions, 129)
-    torch.testing.assert_close(table[:128], short, atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(table[128:], long, atol=2e-5, rtol=1e-5)
-    assert table.abs().max() > 1.0  # cos and sin scaled by the attention factor (factor 4)
+    cfg = ModelConfig.from_hf(hf)
+    for max_position, seq_len in ((MAX_POSITION, 129), (128, 128), (64, 64)):
+        table = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        expected = transformers_cos_sin(hf, torch.arange(max_position), seq_len)
+        torch.testing.assert_close(table.cos_sin, expected, atol=2e-5, rtol=1e-5)
+    short = transformers_cos_sin(hf, torch.arange(MAX_POSITION), 128)
+    assert not torch.allclose(ours(hf)[1:], short[1:])  # the two sets of factors differ
+    assert ours(hf).abs().max() > 1.0  # cos and sin scaled by the attention factor (factor 4)
 
 
-def test_rotary_embedding_of_transformers_phi3_matches_for_short_sequences():
-    """Phi-3's own rotary module with longrope: the same cos and sin as our table."""
+def test_rotary_embedding_of_transformers_phi3_matches_short_and_long():
+    """Phi-3's own rotary module with longrope: a sequence within 128 positions is rotated with
+    our table for max_model_len 128, one past it with our table for a longer max_model_len."""
     hf = {
         **hf_llama_config(None),
         "architectures": ["Phi3ForCausalLM"],
@@ -102,11 +106,13 @@ def test_rotary_embedding_of_transformers_phi3_matches_for_short_sequences():
     hf["rope_scaling"]["type"] = hf["rope_scaling"].pop("rope_type")
     config = transformers.Phi3Config(**hf)
     rotary = transformers.models.phi3.modeling_phi3.Phi3RotaryEmbedding(config)
-    positions = torch.arange(100)[None]
-    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+    cfg = ModelConfig.from_hf(hf)
     half = HEAD_DIM // 2
-    expected = torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1)
-    torch.testing.assert_close(ours(hf)[:100], expected, atol=2e-5, rtol=1e-5)
+    for length, max_model_len in ((100, 128), (200, MAX_POSITION)):
+        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), torch.arange(length)[None])
+        expected = torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1)
+        table = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope_theta, cfg.rope_scaling)
+        torch.testing.assert_close(table.cos_sin[:length], expected, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -4,10 +4,11 @@ Scaling types, by the `rope_type` of config.json (the same formulas as transform
 functions): `linear` (positions slowed by `factor`), `dynamic` (NTK: within
 max_position_embeddings, which bounds every sequence tandem serves, its frequencies are the
 default ones), `llama3`, `yarn` and `longrope` (frequencies blended or rescaled per dimension,
-cos and sin times an attention factor). Longrope's short factors rotate positions before
-`original_max_position_embeddings` and its long factors the later ones: each cached key keeps
-the rotation it was stored with, where transformers switches a whole sequence to the long
-factors once it passes that length.
+cos and sin times an attention factor). Longrope takes one set of factors for every position,
+by the longest sequence the engine serves, as vLLM does: the long factors where max_model_len
+exceeds `original_max_position_embeddings`, else the short ones. So every cached key keeps a
+rotation the later ones share (transformers, which switches a sequence to the long factors once it
+is longer, recomputes its cache at that point).
 """
 
 from __future__ import annotations
@@ -94,16 +95,11 @@ def rope_angles(
     elif rope_type == "yarn":
         inv_freq, attention_factor = yarn_frequencies(head_dim, theta, scaling)
     elif rope_type == "longrope":
+        long = max_position > scaling["original_max_position_embeddings"]
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"])
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
-        old_len = scaling["original_max_position_embeddings"]
-        # [max_position, head_dim // 2]: the short factors before old_len, the long ones after
-        factors = torch.where(
-            positions[:, None] < old_len,
-            torch.tensor(scaling["short_factor"], dtype=torch.float32),
-            torch.tensor(scaling["long_factor"], dtype=torch.float32),
-        )
-        inv_freqs = 1.0 / (factors * theta**exponents)  # [max_position, head_dim // 2]
-        return positions[:, None] * inv_freqs, longrope_attention_factor(scaling)
+        inv_freq = 1.0 / (factors.float() * theta**exponents)
+        attention_factor = longrope_attention_factor(scaling)
     else:
         assert rope_type in ("default", "dynamic"), rope_type
     return torch.outer(positions, inv_freq), attention_factor

@@ -197,7 +197,8 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         "rope_scaling": {"rope_type": "linear", "factor": 2.0},
         "tie_word_embeddings": False,
     },
-    # fused qkv and gate_up weights, head_dim 48 (not a power of two), longrope, a window
+    # fused qkv and gate_up weights, head_dim 48 (not a power of two), longrope (its short factors
+    # up to max_model_len 256; a test lowers the original length to reach the long), a window
     "phi3": {
         "architectures": ["Phi3ForCausalLM"],
         "model_type": "phi3",
@@ -208,7 +209,7 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 1,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
-        "original_max_position_embeddings": 64,
+        "original_max_position_embeddings": 256,
         "rope_scaling": {
             "type": "longrope",
             "short_factor": [1.0 + 0.02 * i for i in range(24)],

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import functools
 import random
+from collections import Counter
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from tandem import LLM, SamplingParams
@@ -24,16 +25,19 @@ transformers.logging.set_verbosity_error()
 
 
 def shared_prompts(vocab: int) -> list[list[int]]:
-    """Prompts that repeat and overlap: a 21-token head shared by four, one exact repeat, a
-    prompt that is a prefix of another, and two strangers."""
+    """Prompts that repeat and overlap: a 21-token head shared by five, exact repeats, prompts
+    that are a prefix of another, and two strangers. The first four go in one call, the rest in
+    a second. Three end on a block boundary (block_size=4) with every block cached, so their
+    last block is copied on write: `c` again in the same call as `c`, and `c` and `b[:20]` in
+    the second."""
     g = torch.Generator().manual_seed(3)
     head = torch.randint(0, vocab, (21,), generator=g).tolist()
 
     def tail(n: int) -> list[int]:
         return torch.randint(0, vocab, (n,), generator=g).tolist()
 
-    a, b = head + tail(5), head + tail(11)
-    return [a, b, head + tail(3), list(a), head, tail(9), b[:17], tail(30)]
+    a, b, c = head + tail(5), head + tail(11), head + tail(3)
+    return [a, b, c, list(c), head, tail(9), b[:17], tail(30), list(a), list(c), b[:20]]
 
 
 @functools.cache
@@ -85,6 +89,7 @@ def test_greedy_tokens_with_caching_equal_without_and_transformers(
     for prompt, tokens in zip(shared_prompts(512), cached, strict=True):
         assert tokens == reference(folder, tuple(prompt), 12)
     assert cached_llm.engine.scheduler.cache.num_hit_tokens > 0
+    assert cached_llm.engine.scheduler.num_block_copies > 0
     if engine_args["num_blocks"] == 12:
         assert cached_llm.engine.scheduler.num_preemptions > 0
 
@@ -114,6 +119,43 @@ def test_n_samples_prefill_their_prompt_once(make_tiny, async_batching):
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # seeds stay per sample
 
 
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+def test_n_samples_of_a_block_aligned_prompt_compute_only_its_last_token(make_tiny, async_batching):
+    folder = str(make_tiny("llama"))
+    args = dict(block_size=4, num_blocks=128, max_model_len=64, async_batching=async_batching)
+    llm = LLM(folder, **args)
+    scheduled: list[dict[str, int]] = []  # per step: request id -> tokens computed
+    schedule = llm.engine.scheduler.schedule
+
+    def counting_schedule():
+        plan = schedule()
+        scheduled.append(
+            {r.request_id: n for r, n in zip(plan.requests, plan.num_new_tokens, strict=True)}
+        )
+        return plan
+
+    llm.engine.scheduler.schedule = counting_schedule
+    prompt = list(range(7, 39))  # 32 tokens: 8 full blocks of 4
+    params = SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+
+    # the first sample computes the prompt; the others wait one step for its last block, then
+    # each computes its last token alone, in a copy of that block
+    first, second = scheduled[0], scheduled[1]
+    assert list(first.values()) == [32]
+    assert sorted(second.values()) == [1, 1, 1, 1]
+    assert sum(n for step in scheduled for n in step.values()) == 32 + 3 * 1 + 4 * 5
+    assert llm.engine.scheduler.num_block_copies == 3
+    assert out.num_cached_tokens == 0  # the first sample's
+    cache = llm.engine.scheduler.cache
+    assert (cache.num_queried_tokens, cache.num_hit_tokens) == (4 * 32, 3 * 31)
+    assert llm.engine.allocator.num_free == llm.engine.num_blocks
+    plain = LLM(folder, **args, enable_prefix_caching=False)
+    alone = plain.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in alone.outputs]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # seeds stay per sample
+
+
 def test_num_cached_tokens_counts_whole_blocks_of_the_prompt(make_tiny):
     folder = str(make_tiny("llama"))
     llm = LLM(folder, block_size=4, num_blocks=10, max_model_len=40)  # 40 token slots
@@ -125,9 +167,16 @@ def test_num_cached_tokens_counts_whole_blocks_of_the_prompt(make_tiny):
     assert run(list(range(1, 11))).num_cached_tokens == 0  # first time: nothing cached
     # the same 10 tokens: 2 full blocks cached (the third holds tokens 8-9 only, never cached)
     assert run(list(range(1, 11))).num_cached_tokens == 8
-    # 12 tokens, a multiple of the block size: the last block holds the last prompt token,
-    # which is always computed, so 2 blocks again, and only 2 of the first request's
+    # 12 tokens, a multiple of the block size: 2 blocks again, the first request's only (its
+    # third block held 2 tokens)
     assert run(list(range(1, 13))).num_cached_tokens == 8
+    # the same 12: the block of the last prompt token is cached whole now, so it is copied on
+    # write and only that token computed
+    cache = llm.engine.scheduler.cache
+    queried, hits = cache.num_queried_tokens, cache.num_hit_tokens
+    assert run(list(range(1, 13))).num_cached_tokens == 11
+    assert (cache.num_queried_tokens - queried, cache.num_hit_tokens - hits) == (12, 11)
+    assert llm.engine.scheduler.num_block_copies == 1
     # a prompt that parts after 5 tokens: one shared block
     assert run([1, 2, 3, 4, 5, 99, 98, 97, 96]).num_cached_tokens == 4
     # 36 other tokens need 9 of the 10 blocks: every cached block of range(1, 13) is evicted
@@ -193,6 +242,7 @@ class Simulation:
         self.rng = rng
         self.live: list[Request] = []
         self.next_id = 0
+        self.num_copies = 0
 
     def add(self, prompt: list[int], max_tokens: int) -> None:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -206,6 +256,7 @@ class Simulation:
         self.reused.clear()
         plan = self.scheduler.schedule()
         self.copy_swapped_blocks()  # before the step writes, as the engine orders them
+        self.copy_on_write(plan, published_before)  # then the block copies, as the runner does
         for request, num_new in zip(plan.requests, plan.num_new_tokens, strict=True):
             for pos in range(request.num_computed_tokens - num_new, request.num_computed_tokens):
                 block = request.block_table[pos // BLOCK]
@@ -220,6 +271,25 @@ class Simulation:
                 request.output_token_ids.append(self.rng.randrange(50))
                 if len(request.output_token_ids) >= request.params.max_tokens:
                     self.finish(request, "length")
+
+    def copy_on_write(self, plan, published_before: set[int]) -> None:
+        """Check each copy against its invariants, then copy the fake KV."""
+        holders = Counter(b for r in self.scheduler.running for b in r.block_table)
+        num_new = {id(r): n for r, n in zip(plan.requests, plan.num_new_tokens, strict=True)}
+        for copy in plan.copies:
+            # the source: written by an earlier step (published before this one), not reused
+            assert copy.src in published_before and copy.src not in self.reused
+            # the destination: a new block that only the request copying into it holds
+            assert copy.dst in self.reused and holders[copy.dst] == 1
+            assert self.allocator.ref_counts[copy.dst] == 1
+            [request] = [r for r in self.scheduler.running if copy.dst in r.block_table]
+            # ... its last block, where it computes its last token alone
+            assert request.block_table[-1] == copy.dst and num_new[id(request)] == 1
+            assert request.num_computed_tokens == request.num_tokens
+            assert request.num_tokens % BLOCK == 0
+            src = slice(copy.src * BLOCK, (copy.src + 1) * BLOCK)
+            self.kv[copy.dst * BLOCK : (copy.dst + 1) * BLOCK] = self.kv[src]
+            self.num_copies += 1
 
     def copy_swapped_blocks(self) -> None:
         for copy in self.scheduler.swap.take_copies():
@@ -312,6 +382,8 @@ def test_blocks_stay_accounted_and_hold_their_owners_tokens(
     swap = sim.scheduler.swap
     assert swap.host.num_free == swap.host.num_blocks and not swap.host.ref_counts.any()
     assert not swap.host_of and not swap.device_of and not swap.on_host
+    if sim.num_copies:
+        event("copied on write")
 
 
 def test_n_beyond_what_the_cache_can_hold_for_one_prompt_names_the_limit(make_tiny):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -175,9 +175,11 @@ class Arrival:
     max_tokens: int
     ignore_eos: bool
     abort_after: int | None  # steps after its arrival at which it is aborted, if unfinished
+    prompt_of: int | None = None  # repeat this arrival's prompt (its first prompt_len tokens)
 
     def prompt(self, index: int, max_model_len: int) -> list[int]:
-        """Distinct per request, so two requests never read the same context."""
+        """Distinct per request unless `prompt_of` says whose to repeat."""
+        index = index if self.prompt_of is None else self.prompt_of
         n = min(self.prompt_len, max_model_len - 1)
         return [(index * 101 + j * 7 + 1) % NUM_MERGED_TOKENS for j in range(n)]
 
@@ -227,6 +229,11 @@ def watch_scheduler(engine: Engine, finishes: Counter[str], seen: set[str]) -> N
             seen.add("preemption")
         if any(r.num_computed_tokens < r.num_tokens for r in plan.requests):
             seen.add("chunked prefill")
+        holders = Counter(b for r in scheduler.running for b in r.block_table)
+        for copy in plan.copies:  # copy on write: from a cached block into one of the request's
+            assert copy.src in scheduler.cache.key_of and copy.src != copy.dst
+            assert holders[copy.dst] == 1 and engine.allocator.ref_counts[copy.dst] == 1
+            seen.add("copied on write")
         return plan
 
     def counted_finish(request: Request, reason: str) -> None:
@@ -495,3 +502,44 @@ def test_with_swapping_no_block_leaks_on_device_or_host_and_every_request_gets_i
         event("swapped")
     if engine.scheduler.num_preemptions > swap.num_swapped_out:
         event("recomputed")
+
+
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+@settings(max_examples=40, deadline=None)
+@given(
+    limits=small_engines(),
+    workload=arrivals,
+    num_prompts=st.integers(1, 3),
+    num_blocks=st.integers(1, 6),
+)
+def test_repeated_block_aligned_prompts_copied_on_write_leak_nothing_and_get_their_tokens(
+    make_tiny, async_batching, limits, workload, num_prompts, num_blocks
+):
+    """The hash model keeps its tokens in the real KV cache, so a block copied on write must
+    carry them: arrivals repeat a few prompts of whole blocks (and prefixes of them)."""
+    config = EngineConfig(
+        str(make_tiny("llama")), device="cpu", async_batching=async_batching, **limits
+    )
+    engine = Engine(config)
+    model = engine.runner.model = KVHashLM(engine, 0)
+    aligned = num_blocks * limits["block_size"]
+    workload = [
+        replace(a, prompt_of=i % num_prompts, prompt_len=aligned if i % 2 else a.prompt_len)
+        for i, a in enumerate(workload)
+    ]
+    finishes: Counter[str] = Counter()
+    seen: set[str] = set()
+    watch_scheduler(engine, finishes, seen)
+
+    requests, aborted_with = run_workload(engine, workload)
+
+    assert_nothing_leaked(engine)
+    assert finishes == dict.fromkeys(requests, 1)
+    for rid, request in requests.items():
+        tokens, reason = expected_output(model, request, engine.max_model_len)
+        if rid in aborted_with:
+            assert request.output_token_ids == tokens[: aborted_with[rid]]
+        else:
+            assert (request.output_token_ids, request.finish_reason) == (tokens, reason), rid
+    for name in seen:
+        event(name)

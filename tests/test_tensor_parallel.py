@@ -320,3 +320,22 @@ def test_two_ranks_keep_structured_outputs_in_step(make_tiny):
             if p.structured_outputs is not None:
                 assert out.outputs[0].finish_reason == "stop"
     assert results[1] == results[0]
+
+
+def test_two_ranks_copy_the_same_blocks_on_write_and_sample_the_tokens_of_one(make_tiny):
+    """Every rank schedules alike, so each copies the same cached blocks into its KV heads."""
+    folder = make_tiny("llama")
+    prompt = {"prompt_token_ids": list(range(5, 29))}  # 3 whole blocks of 8
+    params = SamplingParams(n=3, temperature=0.8, max_tokens=8, ignore_eos=True, seed=2)
+
+    def run_n(tensor_parallel_size: int) -> list[list[int]]:
+        llm = LLM(str(folder), max_model_len=96, num_blocks=24, block_size=8,
+                  tensor_parallel_size=tensor_parallel_size)  # fmt: skip
+        try:
+            out = llm.generate([prompt, prompt], params, use_tqdm=False)
+            assert llm.engine.scheduler.num_block_copies == 5
+        finally:
+            llm.engine.shutdown()
+        return [c.token_ids for o in out for c in o.outputs]
+
+    assert run_n(2) == run_n(1)

@@ -34,6 +34,7 @@ class StepBatch:
     graphed: bool  # replays a CUDA graph of num_seqs_padded rows
     # otherwise, the token rows of the pieces that run it (piecewise.py), or None: eagerly
     token_bucket: int | None = None
+    num_copies: int = 0  # cached blocks copied on write before the forward (copy_src/dst)
     num_shared_groups: int = 0  # groups of decode rows sharing leading blocks (shared_prefix.py)
     shared_kv_tokens: int = 0  # KV tokens those groups do not read again
     use_penalties: bool = False  # some row keeps penalty state (penalties.py)
@@ -177,6 +178,10 @@ class BatchBuilder:
         x["seq_lens"][:num_seqs] = computed_after
         x["logits_indices"][:num_seqs] = qsl[1 : num_seqs + 1] - 1
 
+        num_copies = len(plan.copies)
+        x["copy_src"][:num_copies] = [copy.src for copy in plan.copies]
+        x["copy_dst"][:num_copies] = [copy.dst for copy in plan.copies]
+
         self._fill_token_ids(x, requests, start, num_new, qsl)
         prompt_logprobs = plan_rows(requests, start, num_new, qsl, slot.prompt_logprobs)
         num_outputs = np.fromiter((r.num_output_tokens for r in requests), np.int64, num_seqs)
@@ -216,6 +221,7 @@ class BatchBuilder:
             query_start_loc=qsl[: num_seqs + 1].tolist(),
             graphed=graph_size is not None,
             token_bucket=token_bucket,
+            num_copies=num_copies,
             num_shared_groups=num_groups,
             shared_kv_tokens=shared_kv_tokens(x, num_groups),
             use_penalties=use_penalties,

@@ -33,6 +33,10 @@ def input_fields(
         "seq_order": ((b,), torch.int32),  # decode: rows by context length, longest first
         "logits_indices": ((b,), torch.int32),
         "block_tables": ((b, max_blocks), torch.int32),
+        # copy-on-write of cached blocks before the forward (prefix_cache.py): at most one
+        # per request admitted
+        "copy_src": ((b,), torch.int32),
+        "copy_dst": ((b,), torch.int32),
         # decode rows that share leading blocks (shared_prefix.py): per row, then per group
         "prefix_lens": ((b,), torch.int32),  # keys the row's group shares, 0 in no group
         "group_rows": ((b,), torch.int32),  # the grouped rows, group after group

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -59,6 +60,23 @@ class BlockAllocator:
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self.free_queue[block] = None
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    """Copy-on-write (prefix_cache.py): a cached block's KV copied into a block of one request."""
+
+    src: int
+    dst: int
+
+
+def copy_blocks(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Every layer's K and V of blocks `src` into blocks `dst` ([n] int32 each, on the cache's
+    device), on the current stream; bytes, so any cache dtype (FP8 too) copies alike."""
+    src, dst = src.long(), dst.long()
+    for cache in kv_caches:  # [2, num_blocks + 1, block_size, kv_heads, head_dim]
+        raw = cache.view(torch.uint8)
+        raw.index_copy_(1, dst, raw.index_select(1, src))
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

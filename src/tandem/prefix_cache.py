@@ -9,6 +9,13 @@ step writes its last KV entry. Every step runs on the one compute stream after t
 launched before it, so any step that later reads a published block is ordered after the one
 that writes it. A block whose last owner finished stays cached in the allocator's free queue
 and is evicted, least recently freed first, only when a new block is needed.
+
+The block of a request's last known token is never shared: that token is computed (its logits
+are needed), and its KV written. When that block is cached whole (a block-aligned prompt seen
+before, the n samples of one), the request gets it copied on write: a block of its own, into
+which the step copies the cached block's KV before its forward, and computes only the last
+token. Only a block published before the current schedule is copied: one published during it
+is written by the step being planned, after the copy would have read it.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ class PrefixCache:
         self.enabled = enabled
         self.block_of: dict[bytes, int] = {}  # key -> block holding those tokens' KV
         self.key_of: dict[int, bytes] = {}  # the reverse, for eviction
+        self.published_now: set[int] = set()  # published since `start_schedule`: not copyable
         allocator.on_reuse = self._evict
         # tokens looked up and tokens found, over every admission (vLLM's counters)
         self.num_queried_tokens = 0
@@ -52,20 +60,33 @@ class PrefixCache:
             keys.append(block_key(parent, request.tokens(start, start + size)))
         return keys
 
-    def match(self, request: Request) -> list[int]:
-        """Cached blocks of the request's leading known tokens; never its last token, whose
-        logits are needed. Nothing is taken: `take` the blocks to hold them. A request that wants
-        prompt logprobs matches nothing: it computes every prompt position's hidden row; nor does
-        one whose penalties count the tokens as the steps feed them (penalties.py)."""
+    def match(self, request: Request) -> tuple[list[int], int | None]:
+        """Cached blocks of the request's leading known tokens, and the cached block of its last
+        token when that one is a full block (None otherwise), to copy on write: the last token
+        is always computed, its logits are needed. Nothing is taken: `take` the blocks to hold
+        them. A request that wants prompt logprobs matches nothing: it computes every prompt
+        position's hidden row; nor does one whose penalties count the tokens as the steps feed
+        them (penalties.py). A scoring request (max_tokens=0) copies nothing: it computes no
+        last token."""
         if not self.enabled or request.wants_prompt_logprobs or request.params.needs_token_history:
-            return []
+            return [], None
         blocks = []
-        for key in self.keys(request, (request.num_tokens - 1) // self.block_size):
+        for key in self.keys(request, request.num_tokens // self.block_size):
             block = self.block_of.get(key)
             if block is None:
                 break
             blocks.append(block)
-        return blocks
+        last = (request.num_tokens - 1) // self.block_size  # the block of the last token
+        if len(blocks) > last and request.params.max_tokens > 0:
+            return blocks[:last], blocks[last]
+        return blocks[:last], None
+
+    def copyable(self, block: int) -> bool:
+        """Written by a step launched before the one being scheduled (see the module doc)."""
+        return block not in self.published_now
+
+    def start_schedule(self) -> None:
+        self.published_now.clear()
 
     def count(self, num_queried: int, num_hit: int) -> None:
         self.num_queried_tokens += num_queried
@@ -86,12 +107,14 @@ class PrefixCache:
             if key not in self.block_of and block not in self.key_of:
                 self.block_of[key] = block
                 self.key_of[block] = key
+                self.published_now.add(block)
         request.num_published_blocks = num_full
 
     def reset(self) -> None:
         """Forget every cached block (e.g. the weights changed); held blocks stay with their owners."""
         self.block_of.clear()
         self.key_of.clear()
+        self.published_now.clear()
 
     @property
     def num_cached_blocks(self) -> int:
@@ -101,3 +124,4 @@ class PrefixCache:
         key = self.key_of.pop(block, None)
         if key is not None:
             del self.block_of[key]
+        self.published_now.discard(block)

@@ -5,7 +5,8 @@ launching a step returns at once and the CPU blocks only in `wait`, on the step'
 
     h2d_stream:     wait compute_done[slot] -> copy inputs  -> record h2d_done[slot]
                     (masked steps, later) copy token masks  -> record mask_ready[slot]
-    compute_stream: wait h2d_done[slot], d2h_done[slot], swap.done -> carry-over, forward
+    compute_stream: wait h2d_done[slot], d2h_done[slot], swap.done -> block copies,
+                    carry-over, forward
                     (masked steps) wait mask_ready[slot]
                     sample                                  -> record compute_done[slot]
     d2h_stream:     wait compute_done[slot] -> copy outputs -> record d2h_done[slot]
@@ -35,6 +36,7 @@ from tandem import envs
 from tandem.attention import AttentionBackend, AttentionMetadata, SharedPrefixes
 from tandem.batch import StepBatch
 from tandem.io_slot import IOSlot, carry_over
+from tandem.kv_cache import copy_blocks
 from tandem.model.decoder import Decoder
 from tandem.parallel import TensorParallel
 from tandem.penalties import PenaltyState
@@ -243,6 +245,10 @@ class Runner:
         return batch.slot.np_out
 
     def _forward_step(self, batch: StepBatch) -> None:
+        if batch.num_copies:  # before the forward, outside any graph: the copies' count varies
+            x = batch.slot.dev_in
+            n = batch.num_copies
+            copy_blocks(self.kv_caches, x["copy_src"][:n], x["copy_dst"][:n])
         if batch.penalty_admissions is not None:
             self.penalties.admit(*batch.penalty_admissions)
         shared = batch.num_shared_groups > 0

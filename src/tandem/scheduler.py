@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tandem.config import cdiv
-from tandem.kv_cache import BlockAllocator
+from tandem.kv_cache import BlockAllocator, BlockCopy
 from tandem.prefix_cache import PrefixCache
 from tandem.request import Request, Status
 from tandem.swap import SwapManager
@@ -19,6 +19,8 @@ class StepPlan:
         default_factory=list
     )  # per request, tokens computed this step
     preempted: list[Request] = field(default_factory=list)
+    # copy-on-write of cached blocks, run before the step's forward (prefix_cache.py)
+    copies: list[BlockCopy] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -39,7 +41,9 @@ class Scheduler:
     than the copies), its KV goes to host memory and it waits in `swapped`; swapped requests
     resume, oldest first, before anything new is admitted.
     An admitted request starts after its longest cached prefix (prefix_cache.py); blocks computed
-    earlier in the same step count, so the samples of one prompt prefill it once.
+    earlier in the same step count, so the samples of one prompt prefill it once. One whose last
+    token's block is cached whole computes that token alone, in a copy of the block; when the
+    block was computed in this same step, it waits for the next (admission goes on behind it).
     """
 
     def __init__(
@@ -64,6 +68,7 @@ class Scheduler:
         self.swap.watch_reuse()  # after the cache's hook: copies out before the cache forgets
         self.swapped: deque[Request] = deque()
         self.num_preemptions = 0
+        self.num_block_copies = 0  # copy-on-write admissions, over the engine's life
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -73,6 +78,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        self.cache.start_schedule()
         budget = self.max_num_batched_tokens
         for request in list(self.running):
             if budget == 0:
@@ -130,34 +136,54 @@ class Scheduler:
         return budget
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
+        deferred = []  # their copy source is written by this step: admitted from the next one
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.num_pending_tokens:
                 break  # preempted with a token still in flight; admit once it is read back
-            cached = self.cache.match(request)
-            num_cached = len(cached) * self.block_size
-            # a scoring request (max_tokens=0) skips its last token, which predicts no prompt token
-            end = (
-                request.num_prompt_tokens - 1
-                if request.params.max_tokens == 0
-                else request.num_tokens
-            )
-            num_new = min(end - num_cached, budget)
-            needed = cdiv(num_cached + num_new, self.block_size) - len(cached)
-            if not self.allocator.can_allocate(needed + self.allocator.num_free_among(cached)):
+            cached, source = self.cache.match(request)
+            if source is not None and not self.cache.copyable(source):
+                deferred.append(self.waiting.popleft())
+                continue
+            if not self._admit_one(plan, request, cached, source, budget):
                 break
-            self.waiting.popleft()
-            self.cache.count(request.num_tokens, num_cached)
-            self.allocator.take(cached)
-            request.block_table = cached + self.allocator.allocate(needed)
-            request.num_computed_tokens = num_cached
-            request.num_published_blocks = len(cached)
-            if request.num_cached_tokens is None:  # its first admission
-                request.num_cached_tokens = num_cached
-            request.status = Status.RUNNING
-            self.running.append(request)
-            self._plan(plan, request, num_new)
-            budget -= num_new
+            budget -= plan.num_new_tokens[-1]
+        self.waiting.extendleft(reversed(deferred))
+        # the copy sources were held only so that no admission reused one; later writers of
+        # them are steps launched after this one, whose copies run first
+        self.allocator.free([copy.src for copy in plan.copies])
+
+    def _admit_one(
+        self, plan: StepPlan, request: Request, cached: list[int], source: int | None, budget: int
+    ) -> bool:
+        """Admit the waiting head after its cached blocks (and a copy of `source`, the cached
+        block of its last token); False when its blocks do not fit."""
+        size = self.block_size
+        num_cached = len(cached) * size + (size - 1 if source is not None else 0)
+        # a scoring request (max_tokens=0) skips its last token, which predicts no prompt token
+        end = (
+            request.num_prompt_tokens - 1 if request.params.max_tokens == 0 else request.num_tokens
+        )
+        num_new = min(end - num_cached, budget)
+        needed = cdiv(num_cached + num_new, size) - len(cached)
+        held = cached if source is None else [*cached, source]
+        if not self.allocator.can_allocate(needed + self.allocator.num_free_among(held)):
+            return False
+        self.waiting.popleft()
+        self.cache.count(request.num_tokens, num_cached)
+        self.allocator.take(held)
+        request.block_table = cached + self.allocator.allocate(needed)
+        if source is not None:
+            plan.copies.append(BlockCopy(source, request.block_table[len(cached)]))
+            self.num_block_copies += 1
+        request.num_computed_tokens = num_cached
+        request.num_published_blocks = len(cached)
+        if request.num_cached_tokens is None:  # its first admission
+            request.num_cached_tokens = num_cached
+        request.status = Status.RUNNING
+        self.running.append(request)
+        self._plan(plan, request, num_new)
+        return True
 
     def _reserve_blocks(self, request: Request, num_new: int, plan: StepPlan) -> bool:
         """Grow the request's block table to cover this step, preempting the newest requests if needed."""

@@ -1,4 +1,5 @@
-"""Prefix caching and the shared-prefix decode on CUDA: graphs, async, the stream sanitizer."""
+"""Prefix caching, copy on write and the shared-prefix decode on CUDA: graphs, async, the
+stream sanitizer."""
 
 from __future__ import annotations
 
@@ -53,6 +54,59 @@ def test_cached_shared_decode_in_graphs_samples_what_the_reference_attention_doe
     assert run(folder, True, "triton", async_batching=async_batching) == reference
 
 
+def aligned_prompts(vocab: int) -> list[dict]:
+    """Prompts of whole 16-token blocks (64 and 48 tokens), each twice: the repeat and the
+    other samples copy their last block on write."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (64, 48)]
+    return [{"prompt_token_ids": p} for p in prompts for _ in range(2)]
+
+
+def run_aligned(folder, caching: bool, **engine_args) -> tuple[list[list[list[int]]], LLM]:
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=256,
+        num_blocks=256,
+        enable_prefix_caching=caching,
+        attention_backend="triton",
+        **engine_args,
+    )
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=40, ignore_eos=True)
+    vocab = llm.engine.model_config.vocab_size
+    outs = llm.generate(aligned_prompts(vocab), params, use_tqdm=False)
+    # and again, once the cache holds every block: each prompt's first sample copies too
+    outs += llm.generate(aligned_prompts(vocab), params, use_tqdm=False)
+    assert llm.engine.allocator.num_free == llm.engine.num_blocks
+    return [[c.token_ids for c in o.outputs] for o in outs], llm
+
+
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+def test_samples_copied_on_write_in_graphs_sample_what_an_uncached_run_does(
+    make_tiny, async_batching
+):
+    folder = make_tiny("llama")
+    reference, _ = run_aligned(folder, False, cuda_graphs=False)
+    got, llm = run_aligned(folder, True, async_batching=async_batching)
+    assert got == reference
+    # per call: 2 prompts x 2 repeats x 3 samples, all but the first of each prompt copied,
+    # then all 12 in the second call
+    assert llm.engine.scheduler.num_block_copies == 2 * 5 + 12
+
+
+def test_copy_on_write_steps_block_only_on_the_d2h_event(make_tiny, counted_waits):
+    llm = LLM(str(make_tiny("llama")), max_model_len=256, num_blocks=64)
+    waits = counted_waits
+    params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        llm.generate(aligned_prompts(llm.engine.model_config.vocab_size), params, use_tqdm=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert llm.engine.scheduler.num_block_copies > 0
+    assert sorted(waits) == list(range(llm.engine.num_steps))
+
+
 SANITIZED_RUN = textwrap.dedent(
     """
     import sys
@@ -65,10 +119,13 @@ SANITIZED_RUN = textwrap.dedent(
                   cuda_graphs=graphs)
         prompts = [{"prompt_token_ids": head + list(range(100 + 7 * i, 110 + 7 * i))}
                    for i in range(6)]
+        # and two of whole blocks (48 tokens): their samples copy the last block on write
+        prompts += [{"prompt_token_ids": head + list(range(300, 308))}] * 2
         params = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=24, ignore_eos=True)
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.engine.scheduler.num_preemptions > 0
         assert llm.engine.scheduler.cache.num_hit_tokens > 0
+        assert llm.engine.scheduler.num_block_copies > 0
         print("ok", graphs, sum(len(c.token_ids) for o in outs for c in o.outputs))
     """
 )

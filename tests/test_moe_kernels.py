@@ -1,11 +1,12 @@
 """The MoE routing and alignment Triton kernels (interpreted on CPU) against their torch
 references and transformers' routers: `fused_topk` against `route` and the Qwen3-MoE and Mixtral
 routers, `align_by_expert` against `align_by_expert_torch`, and a whole MoE block run by the
-kernels against transformers' block."""
+kernels, its top_k partials summed by the add + RMSNorm after it, against transformers' block."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -136,18 +137,69 @@ def test_sorted_rows_bound_holds_and_is_reached(num_experts, block_m):
         assert worst * block_m <= max_rows
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_moe_block_by_the_kernels_matches_transformers_block(make_tiny, monkeypatch, arch):
-    """Routing, alignment and both grouped GEMMs interpreted, against transformers (fp32)."""
+def tiny_moe_block(make_tiny, arch: str, tp=None):
+    """(transformers' MoE block of layer 0, ours with its weights, the config), fp32."""
     folder = make_tiny(arch)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
     layer = model.model.layers[0].mlp
-    ours = moe.SparseMoeBlock(cfg, moe.TensorParallel())
+    ours = moe.SparseMoeBlock(cfg, tp or moe.TensorParallel())
     ours.gate.weight.data.copy_(layer.gate.weight)
     ours.experts.gate_up_proj.data.copy_(layer.experts.gate_up_proj)
     ours.experts.down_proj.data.copy_(layer.experts.down_proj)
+    return layer, ours, cfg
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_moe_block_by_the_kernels_matches_transformers_block(make_tiny, monkeypatch, arch):
+    """Routing, alignment and both grouped GEMMs interpreted, against transformers (fp32): on
+    one device the block's output is its top_k partials, which sum to transformers' output."""
+    layer, ours, cfg = tiny_moe_block(make_tiny, arch)
     monkeypatch.setattr(fused, "use_kernels", lambda x: True)
     x = torch.randn(11, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(ours(x), layer(x[None])[0], atol=1e-4, rtol=1e-4)
+        partials = ours(x)
+        assert partials.shape == (cfg.num_experts_per_tok, 11, cfg.hidden_size)
+        torch.testing.assert_close(partials.sum(0), layer(x[None])[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 13])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_moe_partials_through_add_rms_norm_equal_the_torch_experts_then_the_torch_norm(
+    make_tiny, monkeypatch, arch, tokens, dtype
+):
+    """The sum over top_k folded into the residual add + RMSNorm after the block: the same
+    normed rows and residual stream as `fused_experts_torch`, then the norm in torch."""
+    _, ours, cfg = tiny_moe_block(make_tiny, arch)
+    ours.to(dtype)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, cfg.hidden_size, generator=g).to(dtype)
+    residual = torch.randn(tokens, cfg.hidden_size, generator=g).to(dtype)
+    norm_weight = (1 + torch.randn(cfg.hidden_size, generator=g) / 4).to(dtype)
+    eps = cfg.rms_norm_eps
+    with torch.no_grad():
+        weights, ids = route(ours.gate(x), cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        w13, w2 = ours.experts.gate_up_proj, ours.experts.down_proj
+        y = fused_moe.fused_experts_torch(x, w13, w2, weights, ids, cfg.hidden_act)
+        expected_normed, expected_summed = fused.add_rms_norm(y, residual.clone(), norm_weight, eps)
+        monkeypatch.setattr(fused, "use_kernels", lambda x: True)
+        partials = ours(x)
+        assert partials.dtype == dtype
+        normed, summed = fused.add_rms_norm(partials, residual.clone(), norm_weight, eps)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(summed, expected_summed, atol=tol, rtol=tol)
+    torch.testing.assert_close(normed, expected_normed, atol=tol, rtol=tol)
+
+
+def test_moe_block_sums_its_partials_itself_under_tensor_parallelism(make_tiny, monkeypatch):
+    """All-reduce needs each rank's summed output: [tokens, hidden], not partials."""
+    reduced = []
+    tp = SimpleNamespace(size=2, all_reduce=lambda y: reduced.append(y) or y)
+    layer, ours, cfg = tiny_moe_block(make_tiny, "qwen3_moe", tp)
+    monkeypatch.setattr(fused, "use_kernels", lambda x: True)
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = ours(x)
+        assert len(reduced) == 1 and reduced[0] is out and out.shape == (5, cfg.hidden_size)
+        torch.testing.assert_close(out, layer(x[None])[0], atol=1e-4, rtol=1e-4)

@@ -288,6 +288,30 @@ def grouped_gemm(
     return c
 
 
+def expert_outputs(
+    x: torch.Tensor,  # [tokens, hidden]
+    w13: torch.Tensor,  # [experts, 2 * inter, hidden]: gate rows, then up rows
+    w2: torch.Tensor,  # [experts, hidden, inter]
+    topk_weights: torch.Tensor,  # [tokens, top_k] float32
+    blocks: ExpertBlocks,
+    block_m: int,
+    hidden_act: str = "silu",
+) -> torch.Tensor:
+    """Each (token, expert) pair's weighted output [tokens, top_k, hidden] in x's dtype, by the
+    grouped GEMMs over the aligned pairs: two launches with SiLU (GEMM 1 with SiLU * up, GEMM 2
+    times the routing weight)."""
+    tokens, top_k = topk_weights.shape
+    num_pairs = tokens * top_k
+    if hidden_act == "silu":
+        act = grouped_gemm(x, w13, blocks, block_m, num_pairs, top_k, None, silu_and_mul=True)
+    else:
+        gate_up = grouped_gemm(x, w13, blocks, block_m, num_pairs, top_k, None)
+        act = act_and_mul(gate_up, hidden_act)
+    weights = topk_weights.flatten().float().contiguous()  # no copy from `fused_topk`
+    out = grouped_gemm(act, w2, blocks, block_m, num_pairs, top_k, weights)
+    return out.view(tokens, top_k, -1)
+
+
 def fused_experts(
     x: torch.Tensor,  # [tokens, hidden]
     w13: torch.Tensor,  # [experts, 2 * inter, hidden]: gate rows, then up rows
@@ -296,21 +320,14 @@ def fused_experts(
     topk_ids: torch.Tensor,  # [tokens, top_k]
     hidden_act: str = "silu",
 ) -> torch.Tensor:
-    """The routed experts' weighted sum [tokens, hidden], by the grouped GEMMs: five launches
-    with `fused_topk`'s routing (align, GEMM 1 with SiLU * up, GEMM 2, the sum over top_k)."""
-    tokens, top_k = topk_ids.shape
-    num_experts, num_pairs = w13.shape[0], tokens * top_k
+    """The routed experts' weighted sum [tokens, hidden] from given routing: the alignment,
+    `expert_outputs` and the sum over each token's top_k in a fixed order (no atomics:
+    deterministic). The model's block leaves that sum to the add + RMSNorm after it on one
+    device (`moe.SparseMoeBlock`)."""
+    num_experts, num_pairs = w13.shape[0], topk_ids.numel()
     block_m = block_m_for(num_pairs, num_experts)
     blocks = align_by_expert(topk_ids, num_experts, block_m)
-    if hidden_act == "silu":
-        act = grouped_gemm(x, w13, blocks, block_m, num_pairs, top_k, None, silu_and_mul=True)
-    else:
-        gate_up = grouped_gemm(x, w13, blocks, block_m, num_pairs, top_k, None)
-        act = act_and_mul(gate_up, hidden_act)
-    weights = topk_weights.flatten().float().contiguous()  # no copy from `fused_topk`
-    out = grouped_gemm(act, w2, blocks, block_m, num_pairs, top_k, weights)
-    # the sum over each token's top_k in a fixed order (no atomics: deterministic)
-    return out.view(tokens, top_k, -1).sum(1)
+    return expert_outputs(x, w13, w2, topk_weights, blocks, block_m, hidden_act).sum(1)
 
 
 def fused_experts_torch(

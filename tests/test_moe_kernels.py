@@ -1,6 +1,7 @@
 """The MoE routing and alignment Triton kernels (interpreted on CPU) against their torch
 references and transformers' routers: `fused_topk` against `route` and the Qwen3-MoE and Mixtral
-routers, `align_by_expert` against `align_by_expert_torch`, and a whole MoE block run by the
+routers, `align_by_expert` against `align_by_expert_torch`, `fused_topk_align` (both in one
+program) against the two kernels and the torch references, and a whole MoE block run by the
 kernels, its top_k partials summed by the add + RMSNorm after it, against transformers' block."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from tandem.config import ModelConfig
 from tandem.model import fused, fused_moe, moe
-from tandem.model.moe_routing import fused_topk, route
+from tandem.model.moe_routing import ONE_PROGRAM_MAX_PAIRS, fused_topk, fused_topk_align, route
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter  # noqa: E402
@@ -135,6 +136,60 @@ def test_sorted_rows_bound_holds_and_is_reached(num_experts, block_m):
             counts = [num_pairs // runs + (i < num_pairs % runs) for i in range(runs)]
             worst = max(worst, sum(-(-c // block_m) for c in counts))
         assert worst * block_m <= max_rows
+
+
+def assert_routes_as_the_two_kernels(logits: torch.Tensor, top_k: int, renormalize: bool):
+    """`fused_topk_align` against `fused_topk` then `align_by_expert` (bit for bit) and against
+    the torch alignment of its ids; returns its weights and ids."""
+    num_pairs, num_experts = logits.shape[0] * top_k, logits.shape[1]
+    block_m = fused_moe.block_m_for(num_pairs, num_experts)
+    weights, ids, blocks = fused_topk_align(logits, top_k, renormalize, block_m)
+    ref_weights, ref_ids = fused_topk(logits, top_k, renormalize)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)
+    kernels = fused_moe.align_by_expert(ref_ids, num_experts, block_m)
+    torch_blocks = fused_moe.align_by_expert_torch(ids, num_experts, block_m)
+    for name, got, a, b in zip(fused_moe.ExpertBlocks._fields, blocks, kernels, torch_blocks,
+                               strict=True):  # fmt: skip
+        assert torch.equal(got, a) and torch.equal(got, b), name
+    return weights, ids
+
+
+AT_THE_BOUND = ONE_PROGRAM_MAX_PAIRS // 8  # Qwen3-30B's 32-token step: 2 tiles, 4 chunks
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize(
+    ("num_experts", "top_k", "tokens"),
+    # Qwen3-30B's 128 / top 8 and Mixtral's 8 / top 2: one token, the most pairs one program
+    # takes, and a token more (the two kernels)
+    [(128, 8, 1), (128, 8, AT_THE_BOUND), (128, 8, AT_THE_BOUND + 1), (8, 2, 1), (8, 2, 32),
+     (8, 2, ONE_PROGRAM_MAX_PAIRS // 2), (60, 4, 7)],
+)  # fmt: skip
+def test_fused_topk_align_matches_the_two_kernels_and_torch(
+    num_experts, top_k, tokens, renormalize
+):
+    g = torch.Generator().manual_seed(tokens + num_experts)
+    logits = torch.randn(tokens, num_experts, generator=g)
+    weights, ids = assert_routes_as_the_two_kernels(logits, top_k, renormalize)
+    ref_weights, ref_ids = route(logits, top_k, renormalize)
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("num_experts", "top_k", "tokens"), [(128, 8, 1), (128, 8, AT_THE_BOUND), (8, 2, 32)]
+)
+def test_fused_topk_align_takes_the_lowest_expert_among_equal_logits(num_experts, top_k, tokens):
+    """Logits of four values, in float16 too: ties everywhere."""
+    g = torch.Generator().manual_seed(tokens)
+    logits = torch.randint(0, 4, (tokens, num_experts), generator=g).float()
+    lowest_first = torch.sort(-logits, dim=1, stable=True).indices[:, :top_k]
+    for dtype in (torch.float32, torch.float16):
+        weights, ids = assert_routes_as_the_two_kernels(logits.to(dtype), top_k, True)
+        assert torch.equal(ids.long(), lowest_first)
+        expected = logits.softmax(1).gather(1, lowest_first)
+        torch.testing.assert_close(weights, expected / expected.sum(1, keepdim=True))
 
 
 def tiny_moe_block(make_tiny, arch: str, tp=None):

@@ -2,9 +2,10 @@
 
 Routing as both models define it (`moe_routing`): softmax over the experts in float32, the top
 k, renormalised to sum to one where the model asks (`norm_topk_prob`; Mixtral always). On CUDA
-the routing is one Triton kernel, the pairs' alignment by expert another, and the experts the
-grouped GEMMs of `fused_moe`; elsewhere both are the same arithmetic in torch (CPU engines;
-tests run the Triton kernels under the interpreter against it).
+the routing and the pairs' alignment by expert are one Triton launch at decode sizes (two past
+them) and the experts the grouped GEMMs of `fused_moe`; elsewhere both are the same arithmetic
+in torch (CPU engines; tests run the Triton kernels under the interpreter against it). A decode
+step's MoE block is then four launches: the router's GEMM, the routing, the two grouped GEMMs.
 
 On one device the block returns each token's top_k weighted expert outputs as partials
 [top_k, tokens, hidden] (a view of GEMM 2's output): the residual add + RMSNorm that always
@@ -25,13 +26,8 @@ from torch import nn
 
 from tandem.config import ModelConfig
 from tandem.model import fused
-from tandem.model.fused_moe import (
-    align_by_expert,
-    block_m_for,
-    expert_outputs,
-    fused_experts_torch,
-)
-from tandem.model.moe_routing import fused_topk, route
+from tandem.model.fused_moe import block_m_for, expert_outputs, fused_experts_torch
+from tandem.model.moe_routing import fused_topk_align, route
 from tandem.parallel import TensorParallel
 
 
@@ -67,8 +63,7 @@ class SparseMoeBlock(nn.Module):
             out = fused_experts_torch(x, w13, w2, weights, ids, self.hidden_act)
             return self.tp.all_reduce(out)
         block_m = block_m_for(x.shape[0] * self.top_k, w13.shape[0])
-        weights, ids = fused_topk(router_logits, self.top_k, self.renormalize)
-        blocks = align_by_expert(ids, w13.shape[0], block_m)
+        weights, _, blocks = fused_topk_align(router_logits, self.top_k, self.renormalize, block_m)
         # [tokens, top_k, hidden]
         pairs = expert_outputs(x, w13, w2, weights, blocks, block_m, self.hidden_act)
         if self.tp.size == 1:

@@ -1,8 +1,9 @@
 """Experts of a mixture-of-experts layer as one grouped GEMM per projection (Triton).
 
 The (token, expert) pairs of a step are sorted by expert, and each expert's run is padded to a
-whole number of BLOCK_M rows (`align_by_expert`, one Triton launch; `align_by_expert_torch` is
-its torch reference), so every block of sorted rows belongs to one expert: a program multiplies
+whole number of BLOCK_M rows (`align_by_expert`, one Triton launch; at decode sizes the same
+steps run inside the routing's program, `align_in_one_program`; `align_by_expert_torch` is
+their torch reference), so every block of sorted rows belongs to one expert: a program multiplies
 its block by that expert's weights. No Python loop over experts, no host sync, fixed shapes
 given the token count (CUDA-graph safe): the grid covers the most blocks any routing can need
 (`max_sorted_rows`), and programs past the routed blocks return at once.
@@ -10,7 +11,7 @@ given the token count (CUDA-graph safe): the grid covers the most blocks any rou
     gate_up = x[pair // top_k] @ w13[expert].T     [pairs, 2 * inter]   (grouped GEMM 1)
     act     = SiLU or GELU(gate) * up              [pairs, inter]       (SiLU: in GEMM 1)
     out     = weight[pair] * act @ w2[expert].T    [pairs, hidden]      (grouped GEMM 2)
-    y       = out.view(tokens, top_k, hidden).sum(1)
+    y       = out.view(tokens, top_k, hidden).sum(1)  (on one device: in the next add + RMSNorm)
 
 `fused_experts_torch` is the same arithmetic in torch (CPU engines, and the reference).
 """

@@ -171,12 +171,13 @@ def fused_topk(
 
 
 # Up to 256 pairs (Qwen3-30B's 32-token decode step at top 8, Mixtral's 128 at top 2) the
-# routing and the alignment are one program. Both kernels are latency, not work, at decode
-# sizes (H200, Qwen3-30B: about 5 µs each at 1 and at 32 tokens, with 1-2 and 1-4 programs),
-# so the one program's serial share (at 256 pairs, 2 tiles of routing and 4 chunks of
-# placement where the two kernels ran them side by side) stays below the launch and the wait
-# on the router's GEMM that it saves; past that a prefill's thousands of pairs want the
-# two kernels' grids.
+# routing and the alignment are one program. At decode sizes both kernels are latency, not
+# work (H200, Qwen3-30B: about 5 µs each at 1 and at 32 tokens, on 1-2 and 1-4 programs), so
+# the one program's serial share at 256 pairs (2 tiles of routing, one count, 4 chunks of
+# placement, where the two kernels ran 2 and 4 programs side by side) is meant to cost less
+# than the launch and the PDL wait it saves (the `moe` benchmark's 32-row step sits on the
+# bound, `moe1`'s 8 pairs far below it). Past it, a prefill's thousands of pairs take the two
+# kernels' grids.
 ONE_PROGRAM_MAX_PAIRS = 256
 
 

@@ -1,18 +1,20 @@
 """The MoE routing and alignment Triton kernels (interpreted on CPU) against their torch
 references and transformers' routers: `fused_topk` against `route` and the Qwen3-MoE and Mixtral
-routers, `align_by_expert` against `align_by_expert_torch`, and a whole MoE block run by the
-kernels against transformers' block."""
+routers, `align_by_expert` against `align_by_expert_torch`, `fused_topk_align` (both in one
+program) against the two kernels and the torch references, and a whole MoE block run by the
+kernels, its top_k partials summed by the add + RMSNorm after it, against transformers' block."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tandem.config import ModelConfig
 from tandem.model import fused, fused_moe, moe
-from tandem.model.moe_routing import fused_topk, route
+from tandem.model.moe_routing import ONE_PROGRAM_MAX_PAIRS, fused_topk, fused_topk_align, route
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter  # noqa: E402
@@ -136,18 +138,123 @@ def test_sorted_rows_bound_holds_and_is_reached(num_experts, block_m):
         assert worst * block_m <= max_rows
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_moe_block_by_the_kernels_matches_transformers_block(make_tiny, monkeypatch, arch):
-    """Routing, alignment and both grouped GEMMs interpreted, against transformers (fp32)."""
+def assert_routes_as_the_two_kernels(logits: torch.Tensor, top_k: int, renormalize: bool):
+    """`fused_topk_align` against `fused_topk` then `align_by_expert` (bit for bit) and against
+    the torch alignment of its ids; returns its weights and ids."""
+    num_pairs, num_experts = logits.shape[0] * top_k, logits.shape[1]
+    block_m = fused_moe.block_m_for(num_pairs, num_experts)
+    weights, ids, blocks = fused_topk_align(logits, top_k, renormalize, block_m)
+    ref_weights, ref_ids = fused_topk(logits, top_k, renormalize)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)
+    kernels = fused_moe.align_by_expert(ref_ids, num_experts, block_m)
+    torch_blocks = fused_moe.align_by_expert_torch(ids, num_experts, block_m)
+    for name, got, a, b in zip(fused_moe.ExpertBlocks._fields, blocks, kernels, torch_blocks,
+                               strict=True):  # fmt: skip
+        assert torch.equal(got, a) and torch.equal(got, b), name
+    return weights, ids
+
+
+AT_THE_BOUND = ONE_PROGRAM_MAX_PAIRS // 8  # Qwen3-30B's 32-token step: 2 tiles, 4 chunks
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize(
+    ("num_experts", "top_k", "tokens"),
+    # Qwen3-30B's 128 / top 8 and Mixtral's 8 / top 2: one token, the most pairs one program
+    # takes, and a token more (the two kernels)
+    [(128, 8, 1), (128, 8, AT_THE_BOUND), (128, 8, AT_THE_BOUND + 1), (8, 2, 1), (8, 2, 32),
+     (8, 2, ONE_PROGRAM_MAX_PAIRS // 2), (60, 4, 7)],
+)  # fmt: skip
+def test_fused_topk_align_matches_the_two_kernels_and_torch(
+    num_experts, top_k, tokens, renormalize
+):
+    g = torch.Generator().manual_seed(tokens + num_experts)
+    logits = torch.randn(tokens, num_experts, generator=g)
+    weights, ids = assert_routes_as_the_two_kernels(logits, top_k, renormalize)
+    ref_weights, ref_ids = route(logits, top_k, renormalize)
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("num_experts", "top_k", "tokens"), [(128, 8, 1), (128, 8, AT_THE_BOUND), (8, 2, 32)]
+)
+def test_fused_topk_align_takes_the_lowest_expert_among_equal_logits(num_experts, top_k, tokens):
+    """Logits of four values, in float16 too: ties everywhere."""
+    g = torch.Generator().manual_seed(tokens)
+    logits = torch.randint(0, 4, (tokens, num_experts), generator=g).float()
+    lowest_first = torch.sort(-logits, dim=1, stable=True).indices[:, :top_k]
+    for dtype in (torch.float32, torch.float16):
+        weights, ids = assert_routes_as_the_two_kernels(logits.to(dtype), top_k, True)
+        assert torch.equal(ids.long(), lowest_first)
+        expected = logits.softmax(1).gather(1, lowest_first)
+        torch.testing.assert_close(weights, expected / expected.sum(1, keepdim=True))
+
+
+def tiny_moe_block(make_tiny, arch: str, tp=None):
+    """(transformers' MoE block of layer 0, ours with its weights, the config), fp32."""
     folder = make_tiny(arch)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
     layer = model.model.layers[0].mlp
-    ours = moe.SparseMoeBlock(cfg, moe.TensorParallel())
+    ours = moe.SparseMoeBlock(cfg, tp or moe.TensorParallel())
     ours.gate.weight.data.copy_(layer.gate.weight)
     ours.experts.gate_up_proj.data.copy_(layer.experts.gate_up_proj)
     ours.experts.down_proj.data.copy_(layer.experts.down_proj)
+    return layer, ours, cfg
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_moe_block_by_the_kernels_matches_transformers_block(make_tiny, monkeypatch, arch):
+    """Routing, alignment and both grouped GEMMs interpreted, against transformers (fp32): on
+    one device the block's output is its top_k partials, which sum to transformers' output."""
+    layer, ours, cfg = tiny_moe_block(make_tiny, arch)
     monkeypatch.setattr(fused, "use_kernels", lambda x: True)
     x = torch.randn(11, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(ours(x), layer(x[None])[0], atol=1e-4, rtol=1e-4)
+        partials = ours(x)
+        assert partials.shape == (cfg.num_experts_per_tok, 11, cfg.hidden_size)
+        torch.testing.assert_close(partials.sum(0), layer(x[None])[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 13])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_moe_partials_through_add_rms_norm_equal_the_torch_experts_then_the_torch_norm(
+    make_tiny, monkeypatch, arch, tokens, dtype
+):
+    """The sum over top_k folded into the residual add + RMSNorm after the block: the same
+    normed rows and residual stream as `fused_experts_torch`, then the norm in torch."""
+    _, ours, cfg = tiny_moe_block(make_tiny, arch)
+    ours.to(dtype)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, cfg.hidden_size, generator=g).to(dtype)
+    residual = torch.randn(tokens, cfg.hidden_size, generator=g).to(dtype)
+    norm_weight = (1 + torch.randn(cfg.hidden_size, generator=g) / 4).to(dtype)
+    eps = cfg.rms_norm_eps
+    with torch.no_grad():
+        weights, ids = route(ours.gate(x), cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        w13, w2 = ours.experts.gate_up_proj, ours.experts.down_proj
+        y = fused_moe.fused_experts_torch(x, w13, w2, weights, ids, cfg.hidden_act)
+        expected_normed, expected_summed = fused.add_rms_norm(y, residual.clone(), norm_weight, eps)
+        monkeypatch.setattr(fused, "use_kernels", lambda x: True)
+        partials = ours(x)
+        assert partials.dtype == dtype
+        normed, summed = fused.add_rms_norm(partials, residual.clone(), norm_weight, eps)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(summed, expected_summed, atol=tol, rtol=tol)
+    torch.testing.assert_close(normed, expected_normed, atol=tol, rtol=tol)
+
+
+def test_moe_block_sums_its_partials_itself_under_tensor_parallelism(make_tiny, monkeypatch):
+    """All-reduce needs each rank's summed output: [tokens, hidden], not partials."""
+    reduced = []
+    tp = SimpleNamespace(size=2, all_reduce=lambda y: reduced.append(y) or y)
+    layer, ours, cfg = tiny_moe_block(make_tiny, "qwen3_moe", tp)
+    monkeypatch.setattr(fused, "use_kernels", lambda x: True)
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = ours(x)
+        assert len(reduced) == 1 and reduced[0] is out and out.shape == (5, cfg.hidden_size)
+        torch.testing.assert_close(out, layer(x[None])[0], atol=1e-4, rtol=1e-4)

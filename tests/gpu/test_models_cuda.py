@@ -11,7 +11,7 @@ from test_cuda_engine import assert_greedy_matches_transformers, generate
 from tandem.attention import AttentionMetadata
 from tandem.attention.torch_ref import decode_attention, prefill_attention
 from tandem.attention.triton_backend import TritonAttention
-from tandem.model import fused_moe, moe_routing
+from tandem.model import fused, fused_moe, moe_routing
 
 pytestmark = [
     pytest.mark.gpu,
@@ -99,26 +99,59 @@ def test_align_kernel_matches_the_torch_alignment_at_qwen3_30b_shape(tokens, ske
         assert torch.equal(a, b), name
 
 
-def test_moe_routing_and_experts_replay_in_a_cuda_graph_with_new_logits():
-    """Routing, alignment and grouped GEMMs captured once from router logits, replayed on other
-    inputs and logits: the same output as eagerly, bit for bit."""
-    x, w13, w2, _, _ = qwen3_30b_experts(32)
-    logits = torch.randn(32, 128, device=CUDA).bfloat16()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("tokens", [1, 8, 32, 33, 2048])
+def test_fused_topk_align_equals_the_two_kernels_bit_for_bit(dtype, renormalize, tokens):
+    """Up to 32 tokens (256 pairs) one program, past it the two kernels; bf16 logits tie often
+    (the lowest expert wins in both)."""
+    g = torch.Generator(device=CUDA).manual_seed(tokens)
+    logits = (torch.randn(tokens, 128, generator=g, device=CUDA) * 2).to(dtype)
+    block_m = fused_moe.block_m_for(tokens * 8, 128)
+    weights, ids, blocks = moe_routing.fused_topk_align(logits, 8, renormalize, block_m)
+    ref_weights, ref_ids = moe_routing.fused_topk(logits, 8, renormalize)
+    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)
+    expected = fused_moe.align_by_expert(ref_ids, 128, block_m)
+    for name, a, b in zip(fused_moe.ExpertBlocks._fields, blocks, expected, strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("tokens", [1, 32, 64])
+def test_moe_block_replays_in_a_cuda_graph_with_new_logits(tokens):
+    """The block as the model runs it on one device (routing and alignment, one launch up to
+    32 tokens; the grouped GEMMs; their top_k partials summed by the add + RMSNorm after it),
+    captured once from router logits and replayed on other inputs and logits: the same output
+    as eagerly, bit for bit, and as the experts summed by torch then the norm, within bf16."""
+    x, w13, w2, _, _ = qwen3_30b_experts(tokens)
+    logits = torch.randn(tokens, 128, device=CUDA).bfloat16()
+    start = torch.randn(tokens, 2048, device=CUDA).bfloat16()  # the residual stream
+    residual, norm_weight = start.clone(), torch.rand(2048, device=CUDA).bfloat16() + 0.5
+    block_m = fused_moe.block_m_for(tokens * 8, 128)
 
     def layer():
-        weights, ids = moe_routing.fused_topk(logits, 8, renormalize=True)
-        return fused_moe.fused_experts(x, w13, w2, weights, ids)
+        residual.copy_(start)
+        weights, _, blocks = moe_routing.fused_topk_align(logits, 8, True, block_m)
+        pairs = fused_moe.expert_outputs(x, w13, w2, weights, blocks, block_m)
+        return fused.add_rms_norm(pairs.transpose(0, 1), residual, norm_weight, 1e-6)
 
     layer()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = layer()
+        normed, summed = layer()
     for seed in (1, 2):
         g = torch.Generator(device=CUDA).manual_seed(seed)
         x.copy_(torch.randn(x.shape, generator=g, device=CUDA))
         logits.copy_(torch.randn(logits.shape, generator=g, device=CUDA))
         graph.replay()
-        torch.testing.assert_close(out, layer(), atol=0, rtol=0)
+        replayed = normed.clone(), summed.clone()
+        eager = layer()
+        for a, b in zip(replayed, eager, strict=True):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+        weights, ids = moe_routing.fused_topk(logits, 8, renormalize=True)  # ties as ours
+        y = fused_moe.fused_experts(x, w13, w2, weights, ids)  # the sum over top_k in torch
+        expected = fused.add_rms_norm(y, start.clone(), norm_weight, 1e-6)
+        for a, b in zip(replayed, expected, strict=True):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("head_dim", [80, 96, 112, 256])

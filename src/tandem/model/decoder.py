@@ -199,7 +199,9 @@ class DecoderLayer(nn.Module):
         return q, residual
 
     def after_attention(self, attended, residual):
-        """(this layer's output, the residual stream before it); the caller adds the two."""
+        """(this layer's output, the residual stream before it); the caller adds the two. On
+        one device the output may be partials [parts, rows, hidden] that the next add + RMSNorm
+        sums (the down projection's split-K slices, a MoE block's top_k expert outputs)."""
         h = self.self_attn.output(attended)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual

@@ -56,11 +56,13 @@ def add_rms_norm(
     step (a step cut into CUDA graphs at its attentions hands it from graph to graph, see
     `piecewise`). Without a residual, the sum is x itself.
 
-    x may also be float32 partial sums [splits, rows, hidden] of a split-K matmul
-    (`splitk.linear_partials`), with a residual: their sum, rounded to the residual's dtype as
-    a matmul's output would be, is the x added. With `fixed_warps` (deterministic mode) the
-    kernel's warps follow the width alone, never the rows. With `fp8_out` the normed rows come
-    quantized per token (the kernel stores them so; torch quantizes its output)."""
+    x may also be partials [parts, rows, hidden], with a residual: float32 partial sums of a
+    split-K matmul (`splitk.linear_partials`), or a MoE block's weighted expert outputs in the
+    model dtype, [top_k, tokens, hidden] (a strided view, `moe.SparseMoeBlock`). Their sum, in
+    float32 in part order and rounded to the residual's dtype as a matmul's output or torch's
+    sum would be, is the x added. With `fixed_warps` (deterministic mode) the kernel's warps
+    follow the width alone, never the rows. With `fp8_out` the normed rows come quantized per
+    token (the kernel stores them so; torch quantizes its output)."""
     if use_kernels(x):
         return _add_rms_norm_triton(x, residual, weight, eps, None, fixed_warps, fp8_out)
     if x.dim() == 3:
@@ -152,12 +154,11 @@ def add_rms_norm_kernel(
     mask = cols < hidden
     if PARTS == 0:
         x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
-    else:  # a split-K matmul's float32 partial sums, rounded as its output would be
+    else:  # partials (split-K sums, or top_k expert outputs), added in order and rounded once
         parts = tl.zeros([BLOCK], tl.float32)
         for part in tl.static_range(PARTS):
-            parts += tl.load(
-                x_ptr + part * part_stride + row * x_stride + cols, mask=mask, other=0.0
-            )
+            part_ptr = x_ptr + part * part_stride + row * x_stride + cols
+            parts += tl.load(part_ptr, mask=mask, other=0.0).to(tl.float32)
         x = parts.to(residual_ptr.dtype.element_ty)
     if HAS_RESIDUAL:  # the sum over the residual: each program reads its row before writing it
         residual = residual_ptr + row * residual_stride + cols
@@ -199,7 +200,7 @@ def _add_rms_norm_triton(
     out = torch.empty((rows, hidden), dtype=FP8_DTYPE if fp8_out else dtype, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device) if fp8_out else out
     summed = x if residual is None else residual
-    assert summed.stride(-1) == 1
+    assert x.stride(-1) == 1 and summed.stride(-1) == 1
     block = next_power_of_2(hidden)
     add_rms_norm_kernel[(rows,)](
         x, summed, weight, out, scale, x.stride(-2), summed.stride(0), hidden, eps, x.stride(0),

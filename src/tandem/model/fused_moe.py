@@ -1,8 +1,9 @@
 """Experts of a mixture-of-experts layer as one grouped GEMM per projection (Triton).
 
 The (token, expert) pairs of a step are sorted by expert, and each expert's run is padded to a
-whole number of BLOCK_M rows (`align_by_expert`, one Triton launch; `align_by_expert_torch` is
-its torch reference), so every block of sorted rows belongs to one expert: a program multiplies
+whole number of BLOCK_M rows (`align_by_expert`, one Triton launch; at decode sizes the same
+steps run inside the routing's program, `align_in_one_program`; `align_by_expert_torch` is
+their torch reference), so every block of sorted rows belongs to one expert: a program multiplies
 its block by that expert's weights. No Python loop over experts, no host sync, fixed shapes
 given the token count (CUDA-graph safe): the grid covers the most blocks any routing can need
 (`max_sorted_rows`), and programs past the routed blocks return at once.
@@ -10,7 +11,7 @@ given the token count (CUDA-graph safe): the grid covers the most blocks any rou
     gate_up = x[pair // top_k] @ w13[expert].T     [pairs, 2 * inter]   (grouped GEMM 1)
     act     = SiLU or GELU(gate) * up              [pairs, inter]       (SiLU: in GEMM 1)
     out     = weight[pair] * act @ w2[expert].T    [pairs, hidden]      (grouped GEMM 2)
-    y       = out.view(tokens, top_k, hidden).sum(1)
+    y       = out.view(tokens, top_k, hidden).sum(1)  (on one device: in the next add + RMSNorm)
 
 `fused_experts_torch` is the same arithmetic in torch (CPU engines, and the reference).
 """
@@ -70,56 +71,56 @@ def align_by_expert_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 
 @triton.jit
-def align_kernel(
-    topk_ids_ptr,  # [pairs]
-    sorted_pairs_ptr,  # [max_rows] int32
-    block_expert_ptr,  # [max_rows // BLOCK_M] int32
-    num_rows_ptr,  # [1] int32
-    num_pairs,
-    num_experts,
-    max_rows,
-    BLOCK_M: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    CHUNK: tl.constexpr,  # pairs each program places
-    SCAN: tl.constexpr,  # pairs counted per step
-    PDL: tl.constexpr,
-):
-    pdl.wait(PDL)
-    program, programs = tl.program_id(0), tl.num_programs(0)
-    first = program * CHUNK
-    # every program counts the pairs of each expert, all of them and those before its chunk
-    counts = tl.zeros([BLOCK_E], tl.int32)
-    before = tl.zeros([BLOCK_E], tl.int32)
+def _expert_counts(topk_ids_ptr, num_pairs, first, BINS: tl.constexpr, SCAN: tl.constexpr):
+    """([BINS] int32 pairs of each expert, [BINS] int32 those before pair `first`)."""
+    counts = tl.zeros([BINS], tl.int32)
+    before = tl.zeros([BINS], tl.int32)
     for start in range(0, num_pairs, SCAN):
         idx = start + tl.arange(0, SCAN)
         ids = tl.load(topk_ids_ptr + idx, mask=idx < num_pairs, other=0).to(tl.int32)
-        counts += tl.histogram(ids, BLOCK_E, mask=idx < num_pairs)
-        before += tl.histogram(ids, BLOCK_E, mask=idx < first)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)  # [BLOCK_E]: where each expert's run ends
-    starts = ends - padded
-    num_rows = tl.sum(padded, axis=0)
-    experts = tl.arange(0, BLOCK_E)
-    # the chunk's pairs: at their run's start, after the run's pairs from earlier chunks and the
-    # chunk's earlier pairs of that expert (a stable sort)
+        counts += tl.histogram(ids, BINS, mask=idx < num_pairs)
+        before += tl.histogram(ids, BINS, mask=idx < first)
+    return counts, before
+
+
+@triton.jit
+def _place_chunk(
+    topk_ids_ptr, sorted_pairs_ptr, first, next_row, num_pairs, BINS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Stores pairs [first, first + CHUNK) at their sorted rows: at `next_row` [BINS] of their
+    expert (its run's start after its pairs before the chunk), after the chunk's earlier pairs
+    of that expert (a stable sort). Returns the chunk's [CHUNK] expert ids (-1 past the pairs)."""
+    experts = tl.arange(0, BINS)
     lanes = tl.arange(0, CHUNK)
     pairs = first + lanes
     in_chunk = pairs < num_pairs
     ids = tl.load(topk_ids_ptr + pairs, mask=in_chunk, other=-1).to(tl.int32)
-    mine = ids[:, None] == experts[None, :]  # [CHUNK, BLOCK_E]
-    base = tl.sum(tl.where(mine, (starts + before)[None, :], 0), axis=1)
+    mine = ids[:, None] == experts[None, :]  # [CHUNK, BINS]
+    base = tl.sum(tl.where(mine, next_row[None, :], 0), axis=1)
     earlier_same = (ids[:, None] == ids[None, :]) & (lanes[None, :] < lanes[:, None])
     rank = tl.sum(earlier_same.to(tl.int32), axis=1)
     tl.store(sorted_pairs_ptr + base + rank, pairs, mask=in_chunk)
-    # the rest, spread over the programs (no slot is written twice): padding after each run and
-    # past the runs, and each block's expert
+    return ids
+
+
+@triton.jit
+def _fill_rest(
+    sorted_pairs_ptr, block_expert_ptr, num_rows_ptr, counts, padded, ends, num_pairs,
+    num_experts, max_rows, program, programs, BLOCK_M: tl.constexpr, BINS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    """What is not a pair's row, spread over the programs (no slot is written twice): the rows
+    in use, padding after each run and past the runs, and each block's expert."""
+    num_rows = tl.sum(padded, axis=0)
+    lanes = tl.arange(0, CHUNK)
     if program == 0:
         tl.store(num_rows_ptr, num_rows)
         js = tl.arange(0, BLOCK_M)
-        pad_slots = (starts + counts)[:, None] + js[None, :]  # [BLOCK_E, BLOCK_M]
-        pad = tl.zeros([BLOCK_E, BLOCK_M], tl.int32) + num_pairs
+        pad_slots = (ends - padded + counts)[:, None] + js[None, :]  # [BINS, BLOCK_M]
+        pad = tl.zeros([BINS, BLOCK_M], tl.int32) + num_pairs
         tl.store(sorted_pairs_ptr + pad_slots, pad, mask=js[None, :] < (padded - counts)[:, None])
-    for row in range(first + num_rows, max_rows, programs * CHUNK):
+    for row in range(program * CHUNK + num_rows, max_rows, programs * CHUNK):
         rows = row + lanes
         tl.store(
             sorted_pairs_ptr + rows, tl.zeros([CHUNK], tl.int32) + num_pairs, mask=rows < max_rows
@@ -131,8 +132,77 @@ def align_kernel(
         tl.store(block_expert_ptr + blocks, expert, mask=blocks < max_rows // BLOCK_M)
 
 
+@triton.jit
+def align_kernel(
+    topk_ids_ptr,  # [pairs]
+    sorted_pairs_ptr,  # [max_rows] int32
+    block_expert_ptr,  # [max_rows // BLOCK_M] int32
+    num_rows_ptr,  # [1] int32
+    num_pairs,
+    num_experts,
+    max_rows,
+    BLOCK_M: tl.constexpr,
+    BINS: tl.constexpr,
+    CHUNK: tl.constexpr,  # pairs each program places
+    SCAN: tl.constexpr,  # pairs counted per step
+    PDL: tl.constexpr,
+):
+    pdl.wait(PDL)
+    program, programs = tl.program_id(0), tl.num_programs(0)
+    first = program * CHUNK
+    # every program counts the pairs of each expert, all of them and those before its chunk
+    counts, before = _expert_counts(topk_ids_ptr, num_pairs, first, BINS, SCAN)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)  # [BINS]: where each expert's run ends
+    _place_chunk(topk_ids_ptr, sorted_pairs_ptr, first, ends - padded + before, num_pairs, BINS,
+                 CHUNK)  # fmt: skip
+    _fill_rest(
+        sorted_pairs_ptr, block_expert_ptr, num_rows_ptr, counts, padded, ends, num_pairs,
+        num_experts, max_rows, program, programs, BLOCK_M, BINS, CHUNK,
+    )  # fmt: skip
+
+
+@triton.jit
+def align_in_one_program(
+    topk_ids_ptr, sorted_pairs_ptr, block_expert_ptr, num_rows_ptr, num_pairs, num_experts,
+    max_rows, BLOCK_M: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr,
+    SCAN: tl.constexpr,
+):  # fmt: skip
+    """`align_kernel`'s blocks made by one program (the tail of `moe_routing.topk_align_kernel`):
+    the counts once, then the chunks in order, each after the pairs placed before it."""
+    counts, _ = _expert_counts(topk_ids_ptr, num_pairs, 0, BINS, SCAN)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    next_row = ends - padded  # [BINS]: where each expert's next pair goes
+    for first in range(0, num_pairs, CHUNK):
+        ids = _place_chunk(topk_ids_ptr, sorted_pairs_ptr, first, next_row, num_pairs, BINS, CHUNK)
+        next_row += tl.histogram(ids, BINS, mask=ids >= 0)
+    _fill_rest(
+        sorted_pairs_ptr, block_expert_ptr, num_rows_ptr, counts, padded, ends, num_pairs,
+        num_experts, max_rows, 0, 1, BLOCK_M, BINS, CHUNK,
+    )  # fmt: skip
+
+
 ALIGN_CHUNK = 64
 ALIGN_SCAN = 1024
+
+
+def align_bins(num_experts: int) -> int:
+    """The alignment's histogram bins: the experts' next power of two, at least 32 (one per
+    lane of a warp; Triton's histogram pads to that anyway)."""
+    return max(32, next_power_of_2(num_experts))
+
+
+def empty_blocks(
+    num_pairs: int, num_experts: int, block_m: int, device: torch.device
+) -> ExpertBlocks:
+    """The alignment's buffers, fixed by the pair count (`max_sorted_rows`)."""
+    max_rows = max_sorted_rows(num_pairs, num_experts, block_m)
+    return ExpertBlocks(
+        torch.empty(max_rows, dtype=torch.int32, device=device),  # [max_rows] int32
+        torch.empty(max_rows // block_m, dtype=torch.int32, device=device),  # [blocks] int32
+        torch.empty(1, dtype=torch.int32, device=device),  # [1] int32
+    )
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
@@ -142,18 +212,13 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     flat = topk_ids.flatten()  # [pairs]
     assert flat.is_contiguous()
     num_pairs, device = flat.numel(), flat.device
-    max_rows = max_sorted_rows(num_pairs, num_experts, block_m)
-    sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=device)
-    block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=device)
-    num_rows = torch.empty(1, dtype=torch.int32, device=device)
-    # at least 32 bins: one per lane of a warp (Triton's histogram pads to that anyway)
-    block_e = max(32, next_power_of_2(num_experts))
+    blocks = empty_blocks(num_pairs, num_experts, block_m, device)
     align_kernel[(cdiv(num_pairs, ALIGN_CHUNK),)](
-        flat, sorted_pairs, block_expert, num_rows, num_pairs, num_experts, max_rows,
-        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=ALIGN_CHUNK, SCAN=ALIGN_SCAN, num_warps=4,
+        flat, *blocks, num_pairs, num_experts, blocks.sorted_pairs.numel(), BLOCK_M=block_m,
+        BINS=align_bins(num_experts), CHUNK=ALIGN_CHUNK, SCAN=ALIGN_SCAN, num_warps=4,
         **pdl.launch_args(device),
     )  # fmt: skip
-    return ExpertBlocks(sorted_pairs, block_expert, num_rows)
+    return blocks
 
 
 @triton.jit
@@ -288,6 +353,30 @@ def grouped_gemm(
     return c
 
 
+def expert_outputs(
+    x: torch.Tensor,  # [tokens, hidden]
+    w13: torch.Tensor,  # [experts, 2 * inter, hidden]: gate rows, then up rows
+    w2: torch.Tensor,  # [experts, hidden, inter]
+    topk_weights: torch.Tensor,  # [tokens, top_k] float32
+    blocks: ExpertBlocks,
+    block_m: int,
+    hidden_act: str = "silu",
+) -> torch.Tensor:
+    """Each (token, expert) pair's weighted output [tokens, top_k, hidden] in x's dtype, by the
+    grouped GEMMs over the aligned pairs: two launches with SiLU (GEMM 1 with SiLU * up, GEMM 2
+    times the routing weight)."""
+    tokens, top_k = topk_weights.shape
+    num_pairs = tokens * top_k
+    if hidden_act == "silu":
+        act = grouped_gemm(x, w13, blocks, block_m, num_pairs, top_k, None, silu_and_mul=True)
+    else:
+        gate_up = grouped_gemm(x, w13, blocks, block_m, num_pairs, top_k, None)
+        act = act_and_mul(gate_up, hidden_act)
+    weights = topk_weights.flatten().float().contiguous()  # no copy from `fused_topk`
+    out = grouped_gemm(act, w2, blocks, block_m, num_pairs, top_k, weights)
+    return out.view(tokens, top_k, -1)
+
+
 def fused_experts(
     x: torch.Tensor,  # [tokens, hidden]
     w13: torch.Tensor,  # [experts, 2 * inter, hidden]: gate rows, then up rows
@@ -296,21 +385,14 @@ def fused_experts(
     topk_ids: torch.Tensor,  # [tokens, top_k]
     hidden_act: str = "silu",
 ) -> torch.Tensor:
-    """The routed experts' weighted sum [tokens, hidden], by the grouped GEMMs: five launches
-    with `fused_topk`'s routing (align, GEMM 1 with SiLU * up, GEMM 2, the sum over top_k)."""
-    tokens, top_k = topk_ids.shape
-    num_experts, num_pairs = w13.shape[0], tokens * top_k
+    """The routed experts' weighted sum [tokens, hidden] from given routing: the alignment,
+    `expert_outputs` and the sum over each token's top_k in a fixed order (no atomics:
+    deterministic). The model's block leaves that sum to the add + RMSNorm after it on one
+    device (`moe.SparseMoeBlock`)."""
+    num_experts, num_pairs = w13.shape[0], topk_ids.numel()
     block_m = block_m_for(num_pairs, num_experts)
     blocks = align_by_expert(topk_ids, num_experts, block_m)
-    if hidden_act == "silu":
-        act = grouped_gemm(x, w13, blocks, block_m, num_pairs, top_k, None, silu_and_mul=True)
-    else:
-        gate_up = grouped_gemm(x, w13, blocks, block_m, num_pairs, top_k, None)
-        act = act_and_mul(gate_up, hidden_act)
-    weights = topk_weights.flatten().float().contiguous()  # no copy from `fused_topk`
-    out = grouped_gemm(act, w2, blocks, block_m, num_pairs, top_k, weights)
-    # the sum over each token's top_k in a fixed order (no atomics: deterministic)
-    return out.view(tokens, top_k, -1).sum(1)
+    return expert_outputs(x, w13, w2, topk_weights, blocks, block_m, hidden_act).sum(1)
 
 
 def fused_experts_torch(

@@ -2,9 +2,15 @@
 
 Routing as both models define it (`moe_routing`): softmax over the experts in float32, the top
 k, renormalised to sum to one where the model asks (`norm_topk_prob`; Mixtral always). On CUDA
-the routing is one Triton kernel and the experts the grouped GEMMs of `fused_moe`; elsewhere both
-are the same arithmetic in torch (CPU engines; tests run the Triton kernels under the interpreter
-against it).
+the routing and the pairs' alignment by expert are one Triton launch at decode sizes (two past
+them) and the experts the grouped GEMMs of `fused_moe`; elsewhere both are the same arithmetic
+in torch (CPU engines; tests run the Triton kernels under the interpreter against it). A decode
+step's MoE block is then four launches: the router's GEMM, the routing, the two grouped GEMMs.
+
+On one device the block returns each token's top_k weighted expert outputs as partials
+[top_k, tokens, hidden] (a view of GEMM 2's output): the residual add + RMSNorm that always
+follows adds them up as it reads them (`fused.add_rms_norm`), as it does split-K partial sums,
+so the sum over top_k costs no launch and no pass of its own.
 
 Tensor parallelism shards every expert's intermediate dimension: rank r holds rows
 [r * inter / size, (r + 1) * inter / size) of each expert's gate and up projections and those
@@ -20,8 +26,8 @@ from torch import nn
 
 from tandem.config import ModelConfig
 from tandem.model import fused
-from tandem.model.fused_moe import fused_experts, fused_experts_torch
-from tandem.model.moe_routing import fused_topk, route
+from tandem.model.fused_moe import block_m_for, expert_outputs, fused_experts_torch
+from tandem.model.moe_routing import fused_topk_align, route
 from tandem.parallel import TensorParallel
 
 
@@ -48,12 +54,18 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[tokens, hidden] -> [tokens, hidden] in x's dtype."""
+        """[tokens, hidden] -> [tokens, hidden] in x's dtype; on one device with the Triton
+        kernels, [top_k, tokens, hidden] partials whose sum is that (for the next norm)."""
         router_logits = F.linear(x, self.gate.weight)  # [tokens, experts]
-        kernels = fused.use_kernels(x)
-        weights, ids = (fused_topk if kernels else route)(
-            router_logits, self.top_k, self.renormalize
-        )
-        run = fused_experts if kernels else fused_experts_torch
         w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
-        return self.tp.all_reduce(run(x, w13, w2, weights, ids, self.hidden_act))
+        if not fused.use_kernels(x):
+            weights, ids = route(router_logits, self.top_k, self.renormalize)
+            out = fused_experts_torch(x, w13, w2, weights, ids, self.hidden_act)
+            return self.tp.all_reduce(out)
+        block_m = block_m_for(x.shape[0] * self.top_k, w13.shape[0])
+        weights, _, blocks = fused_topk_align(router_logits, self.top_k, self.renormalize, block_m)
+        # [tokens, top_k, hidden]
+        pairs = expert_outputs(x, w13, w2, weights, blocks, block_m, self.hidden_act)
+        if self.tp.size == 1:
+            return pairs.transpose(0, 1)
+        return self.tp.all_reduce(pairs.sum(1))  # no atomics: deterministic

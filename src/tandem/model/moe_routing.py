@@ -6,6 +6,10 @@ the k largest, divided by their sum where the model asks (`norm_topk_prob`; Mixt
 launch on CUDA, instead of softmax, topk, sum and div kernels. It picks by the logits (softmax is
 monotonic, so the same experts as the probabilities, without exp's rounding making ties) and among
 equal logits the lowest expert, so its choice never varies between runs or batches.
+
+`fused_topk_align` adds the next step, the pairs sorted by expert for the grouped GEMMs
+(`fused_moe.align_by_expert`): at a decode step's few pairs both run in one program, one launch
+where there were two.
 """
 
 from __future__ import annotations
@@ -16,6 +20,14 @@ import triton.language as tl
 
 from tandem import pdl
 from tandem.config import cdiv, next_power_of_2
+from tandem.model.fused_moe import (
+    ALIGN_CHUNK,
+    ExpertBlocks,
+    align_bins,
+    align_by_expert,
+    align_in_one_program,
+    empty_blocks,
+)
 
 
 def route(
@@ -30,22 +42,14 @@ def route(
 
 
 @triton.jit
-def topk_softmax_kernel(
-    logits_ptr,  # [tokens, experts]
-    weights_ptr,  # [tokens, TOP_K] float32
-    ids_ptr,  # [tokens, TOP_K] int32
-    num_tokens,
-    num_experts,
-    logits_stride,
-    TOP_K: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_E: tl.constexpr,
+def _topk_rows(
+    logits_ptr, weights_ptr, ids_ptr, first, num_tokens, num_experts, logits_stride,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    pdl.wait(PDL)
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+):  # fmt: skip
+    """The routing of rows [first, first + BLOCK_T) (those past num_tokens masked): weights and
+    ids stored at [row, k] of [tokens, TOP_K]."""
+    rows = first + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
     in_rows, is_expert = rows < num_tokens, experts < num_experts
     logits_ptrs = logits_ptr + rows.to(tl.int64)[:, None] * logits_stride + experts[None, :]
@@ -77,6 +81,78 @@ def topk_softmax_kernel(
     tl.store(ids_ptr + out, top_ids, mask=in_out)
 
 
+@triton.jit
+def topk_softmax_kernel(
+    logits_ptr,  # [tokens, experts]
+    weights_ptr,  # [tokens, TOP_K] float32
+    ids_ptr,  # [tokens, TOP_K] int32
+    num_tokens,
+    num_experts,
+    logits_stride,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl.wait(PDL)
+    _topk_rows(
+        logits_ptr, weights_ptr, ids_ptr, tl.program_id(0) * BLOCK_T, num_tokens, num_experts,
+        logits_stride, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K,
+    )  # fmt: skip
+
+
+@triton.jit
+def topk_align_kernel(
+    logits_ptr,  # [tokens, experts]
+    weights_ptr,  # [tokens, TOP_K] float32
+    ids_ptr,  # [tokens, TOP_K] int32
+    sorted_pairs_ptr,  # [max_rows] int32
+    block_expert_ptr,  # [max_rows // BLOCK_M] int32
+    num_rows_ptr,  # [1] int32
+    num_tokens,
+    num_experts,
+    logits_stride,
+    max_rows,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BINS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SCAN: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """`topk_softmax_kernel` and `fused_moe.align_kernel` in one program: the rows' routing in
+    the same [BLOCK_T, BLOCK_E] tiles (so the same bits), then the alignment of the ids just
+    stored."""
+    pdl.wait(PDL)
+    for first in range(0, num_tokens, BLOCK_T):
+        _topk_rows(
+            logits_ptr, weights_ptr, ids_ptr, first, num_tokens, num_experts, logits_stride,
+            TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K,
+        )  # fmt: skip
+    tl.debug_barrier()  # the ids stored by each thread, visible to the program's other threads
+    align_in_one_program(
+        ids_ptr, sorted_pairs_ptr, block_expert_ptr, num_rows_ptr, num_tokens * TOP_K,
+        num_experts, max_rows, BLOCK_M, BINS, CHUNK, SCAN,
+    )  # fmt: skip
+
+
+def routing_tiles(num_experts: int, top_k: int) -> dict:
+    """The routing kernels' tile shape: rows per tile independent of the batch (so a token's
+    weights never depend on it), experts and top_k padded to powers of two."""
+    block_e = next_power_of_2(num_experts)
+    return {
+        "BLOCK_T": max(1, min(16, 2048 // block_e)),
+        "BLOCK_E": block_e,
+        "BLOCK_K": next_power_of_2(top_k),
+    }
+
+
 def fused_topk(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,11 +162,46 @@ def fused_topk(
     device = router_logits.device
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=device)
-    block_e = next_power_of_2(num_experts)
-    block_t = max(1, min(16, 2048 // block_e))  # rows per program: independent of the batch
-    topk_softmax_kernel[(cdiv(tokens, block_t),)](
-        router_logits, weights, ids, tokens, num_experts, router_logits.stride(0),
-        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e,
-        BLOCK_K=next_power_of_2(top_k), num_warps=4, **pdl.launch_args(device),
+    tiles = routing_tiles(num_experts, top_k)
+    topk_softmax_kernel[(cdiv(tokens, tiles["BLOCK_T"]),)](
+        router_logits, weights, ids, tokens, num_experts, router_logits.stride(0), TOP_K=top_k,
+        RENORMALIZE=renormalize, **tiles, num_warps=4, **pdl.launch_args(device),
     )  # fmt: skip
     return weights, ids
+
+
+# Up to 256 pairs (Qwen3-30B's 32-token decode step at top 8, Mixtral's 128 at top 2) the
+# routing and the alignment are one program. At decode sizes both kernels are latency, not
+# work (H200, Qwen3-30B: about 5 µs each at 1 and at 32 tokens, on 1-2 and 1-4 programs), so
+# the one program's serial share at 256 pairs (2 tiles of routing, one count, 4 chunks of
+# placement, where the two kernels ran 2 and 4 programs side by side) is meant to cost less
+# than the launch and the PDL wait it saves (the `moe` benchmark's 32-row step sits on the
+# bound, `moe1`'s 8 pairs far below it). Past it, a prefill's thousands of pairs take the two
+# kernels' grids.
+ONE_PROGRAM_MAX_PAIRS = 256
+
+
+def fused_topk_align(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, ExpertBlocks]:
+    """`route`, then the pairs aligned by expert in BLOCK_M-row runs: (weights [tokens, top_k]
+    float32, ids [tokens, top_k] int32, `fused_moe.ExpertBlocks`), the same as `fused_topk`
+    then `fused_moe.align_by_expert`. One launch up to ONE_PROGRAM_MAX_PAIRS pairs, those two
+    past it; fixed shapes given the token count, no host sync."""
+    tokens, num_experts = router_logits.shape
+    num_pairs = tokens * top_k
+    if num_pairs > ONE_PROGRAM_MAX_PAIRS:
+        weights, ids = fused_topk(router_logits, top_k, renormalize)
+        return weights, ids, align_by_expert(ids, num_experts, block_m)
+    assert router_logits.stride(-1) == 1 and 0 < top_k <= num_experts
+    device = router_logits.device
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=device)
+    blocks = empty_blocks(num_pairs, num_experts, block_m, device)
+    topk_align_kernel[(1,)](
+        router_logits, weights, ids, *blocks, tokens, num_experts, router_logits.stride(0),
+        blocks.sorted_pairs.numel(), TOP_K=top_k, RENORMALIZE=renormalize,
+        **routing_tiles(num_experts, top_k), BLOCK_M=block_m, BINS=align_bins(num_experts),
+        CHUNK=ALIGN_CHUNK, SCAN=ONE_PROGRAM_MAX_PAIRS, num_warps=4, **pdl.launch_args(device),
+    )  # fmt: skip
+    return weights, ids, blocks

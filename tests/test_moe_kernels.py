@@ -155,7 +155,7 @@ def assert_routes_as_the_two_kernels(logits: torch.Tensor, top_k: int, renormali
     return weights, ids
 
 
-AT_THE_BOUND = ONE_PROGRAM_MAX_PAIRS // 8  # Qwen3-30B's 32-token step: 2 tiles, 4 chunks
+AT_THE_BOUND = ONE_PROGRAM_MAX_PAIRS // 8  # Qwen3-30B's tokens at the bound, top 8
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
@@ -164,7 +164,7 @@ AT_THE_BOUND = ONE_PROGRAM_MAX_PAIRS // 8  # Qwen3-30B's 32-token step: 2 tiles,
     # Qwen3-30B's 128 / top 8 and Mixtral's 8 / top 2: one token, the most pairs one program
     # takes, and a token more (the two kernels)
     [(128, 8, 1), (128, 8, AT_THE_BOUND), (128, 8, AT_THE_BOUND + 1), (8, 2, 1), (8, 2, 32),
-     (8, 2, ONE_PROGRAM_MAX_PAIRS // 2), (60, 4, 7)],
+     (8, 2, ONE_PROGRAM_MAX_PAIRS // 2 + 1), (60, 4, 7)],
 )  # fmt: skip
 def test_fused_topk_align_matches_the_two_kernels_and_torch(
     num_experts, top_k, tokens, renormalize

@@ -103,7 +103,7 @@ def test_align_kernel_matches_the_torch_alignment_at_qwen3_30b_shape(tokens, ske
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("tokens", [1, 8, 32, 33, 2048])
 def test_fused_topk_align_equals_the_two_kernels_bit_for_bit(dtype, renormalize, tokens):
-    """Up to 32 tokens (256 pairs) one program, past it the two kernels; bf16 logits tie often
+    """Up to 8 tokens (64 pairs) one program, past it the two kernels; bf16 logits tie often
     (the lowest expert wins in both)."""
     g = torch.Generator(device=CUDA).manual_seed(tokens)
     logits = (torch.randn(tokens, 128, generator=g, device=CUDA) * 2).to(dtype)

@@ -170,15 +170,15 @@ def fused_topk(
     return weights, ids
 
 
-# Up to 256 pairs (Qwen3-30B's 32-token decode step at top 8, Mixtral's 128 at top 2) the
-# routing and the alignment are one program. At decode sizes both kernels are latency, not
-# work (H200, Qwen3-30B: about 5 µs each at 1 and at 32 tokens, on 1-2 and 1-4 programs), so
-# the one program's serial share at 256 pairs (2 tiles of routing, one count, 4 chunks of
-# placement, where the two kernels ran 2 and 4 programs side by side) is meant to cost less
-# than the launch and the PDL wait it saves (the `moe` benchmark's 32-row step sits on the
-# bound, `moe1`'s 8 pairs far below it). Past it, a prefill's thousands of pairs take the two
-# kernels' grids.
-ONE_PROGRAM_MAX_PAIRS = 256
+# Up to 64 pairs (Qwen3-30B's 8-token decode steps at top 8, Mixtral's 32 at top 2) the routing
+# and the alignment are one program: at decode sizes both kernels are latency, not work (H200,
+# Qwen3-30B: about 5 µs each at 1 and at 32 tokens). At batch 1 (8 pairs) one launch less a
+# layer took `moe1` from 3.67 to 3.36 ms a token, with the top-k sum folded into the norm
+# (BENCHMARKS.md, session 18). At 256 pairs the one program's serial share (2 routing tiles,
+# 4 placement chunks that the two kernels run side by side) cost more than the launch it saves:
+# `moe` at 32 tokens 2,044 tok/s against 2,105 before, 2,132 with this bound (the two kernels
+# there). Past it, prefills and larger batches take the two kernels' grids.
+ONE_PROGRAM_MAX_PAIRS = 64
 
 
 def fused_topk_align(

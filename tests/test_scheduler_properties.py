@@ -279,6 +279,29 @@ def assert_nothing_leaked(engine: Engine) -> None:
     assert sorted(rows.free_rows) == list(range(engine.config.max_num_seqs)) and not rows.row_of
 
 
+def assert_workload_runs_exactly(engine: Engine, model, workload: list[Arrival]) -> None:
+    """Run the workload under `watch_scheduler`: nothing leaks, every request finishes once with
+    the model's exact tokens (an aborted one with a prefix of them, shorter than the whole)."""
+    finishes: Counter[str] = Counter()
+    seen: set[str] = set()
+    watch_scheduler(engine, finishes, seen)
+
+    requests, aborted_with = run_workload(engine, workload)
+
+    assert_nothing_leaked(engine)
+    assert finishes == dict.fromkeys(requests, 1)
+    for rid, request in requests.items():
+        tokens, reason = expected_output(model, request, engine.max_model_len)
+        if rid in aborted_with:
+            n = aborted_with[rid]
+            assert n < len(tokens) and request.finish_reason == "abort"
+            assert request.output_token_ids == tokens[:n], f"request {rid} grew after its abort"
+        else:
+            assert (request.output_token_ids, request.finish_reason) == (tokens, reason), rid
+    for name in seen:
+        event(name)
+
+
 def run_workload(
     engine: Engine, workload: list[Arrival]
 ) -> tuple[dict[str, Request], dict[str, int]]:
@@ -319,24 +342,7 @@ def test_random_arrivals_aborts_and_eos_leak_no_blocks_and_give_every_request_it
     )
     engine = Engine(config)
     model = engine.runner.model = HashLM(engine, eos_percent)
-    finishes: Counter[str] = Counter()
-    seen: set[str] = set()
-    watch_scheduler(engine, finishes, seen)
-
-    requests, aborted_with = run_workload(engine, workload)
-
-    assert_nothing_leaked(engine)
-    assert finishes == dict.fromkeys(requests, 1)
-    for rid, request in requests.items():
-        tokens, reason = expected_output(model, request, engine.max_model_len)
-        if rid in aborted_with:
-            n = aborted_with[rid]
-            assert n < len(tokens) and request.finish_reason == "abort"
-            assert request.output_token_ids == tokens[:n], f"request {rid} grew after its abort"
-        else:
-            assert (request.output_token_ids, request.finish_reason) == (tokens, reason), rid
-    for name in seen:
-        event(name)
+    assert_workload_runs_exactly(engine, model, workload)
 
 
 # ---- the real model: async batching changes when tokens are read, never which ----------------
@@ -527,19 +533,4 @@ def test_repeated_block_aligned_prompts_copied_on_write_leak_nothing_and_get_the
         replace(a, prompt_of=i % num_prompts, prompt_len=aligned if i % 2 else a.prompt_len)
         for i, a in enumerate(workload)
     ]
-    finishes: Counter[str] = Counter()
-    seen: set[str] = set()
-    watch_scheduler(engine, finishes, seen)
-
-    requests, aborted_with = run_workload(engine, workload)
-
-    assert_nothing_leaked(engine)
-    assert finishes == dict.fromkeys(requests, 1)
-    for rid, request in requests.items():
-        tokens, reason = expected_output(model, request, engine.max_model_len)
-        if rid in aborted_with:
-            assert request.output_token_ids == tokens[: aborted_with[rid]]
-        else:
-            assert (request.output_token_ids, request.finish_reason) == (tokens, reason), rid
-    for name in seen:
-        event(name)
+    assert_workload_runs_exactly(engine, model, workload)

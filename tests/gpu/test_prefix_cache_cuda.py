@@ -27,7 +27,11 @@ def shared_prompts(vocab: int) -> list[dict]:
     ]
 
 
-def run(folder, caching: bool, backend: str, **engine_args) -> list[list[list[int]]]:
+def run(
+    folder, caching: bool, backend: str, prompts=shared_prompts, repeat: bool = False, **engine_args
+) -> tuple[list[list[list[int]]], LLM]:
+    """(each prompt's samples' tokens, the LLM) for the prompts `prompts(vocab)` makes, n=3 seeded
+    samples each; with `repeat`, the same prompts again once the cache holds them."""
     llm = LLM(
         str(folder),
         dtype="float32",
@@ -38,9 +42,12 @@ def run(folder, caching: bool, backend: str, **engine_args) -> list[list[list[in
         **engine_args,
     )
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=40, ignore_eos=True)
-    outs = llm.generate(shared_prompts(llm.engine.model_config.vocab_size), params, use_tqdm=False)
+    prompts = prompts(llm.engine.model_config.vocab_size)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    if repeat:
+        outs += llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.allocator.num_free == llm.engine.num_blocks
-    return [[c.token_ids for c in o.outputs] for o in outs]
+    return [[c.token_ids for c in o.outputs] for o in outs], llm
 
 
 @pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
@@ -50,8 +57,8 @@ def test_cached_shared_decode_in_graphs_samples_what_the_reference_attention_doe
     # the same Triton kernels without the cache: tl.dot rounds float32 inputs to TF32 on CUDA,
     # so the torch attention would differ by more than the order of the sums does
     folder = make_tiny("llama")
-    reference = run(folder, False, "triton", cuda_graphs=False)
-    assert run(folder, True, "triton", async_batching=async_batching) == reference
+    reference, _ = run(folder, False, "triton", cuda_graphs=False)
+    assert run(folder, True, "triton", async_batching=async_batching)[0] == reference
 
 
 def aligned_prompts(vocab: int) -> list[dict]:
@@ -62,32 +69,16 @@ def aligned_prompts(vocab: int) -> list[dict]:
     return [{"prompt_token_ids": p} for p in prompts for _ in range(2)]
 
 
-def run_aligned(folder, caching: bool, **engine_args) -> tuple[list[list[list[int]]], LLM]:
-    llm = LLM(
-        str(folder),
-        dtype="float32",
-        max_model_len=256,
-        num_blocks=256,
-        enable_prefix_caching=caching,
-        attention_backend="triton",
-        **engine_args,
-    )
-    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=40, ignore_eos=True)
-    vocab = llm.engine.model_config.vocab_size
-    outs = llm.generate(aligned_prompts(vocab), params, use_tqdm=False)
-    # and again, once the cache holds every block: each prompt's first sample copies too
-    outs += llm.generate(aligned_prompts(vocab), params, use_tqdm=False)
-    assert llm.engine.allocator.num_free == llm.engine.num_blocks
-    return [[c.token_ids for c in o.outputs] for o in outs], llm
-
-
 @pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
 def test_samples_copied_on_write_in_graphs_sample_what_an_uncached_run_does(
     make_tiny, async_batching
 ):
     folder = make_tiny("llama")
-    reference, _ = run_aligned(folder, False, cuda_graphs=False)
-    got, llm = run_aligned(folder, True, async_batching=async_batching)
+    # and again once the cache holds every block: each prompt's first sample copies too
+    reference, _ = run(folder, False, "triton", aligned_prompts, repeat=True, cuda_graphs=False)
+    got, llm = run(
+        folder, True, "triton", aligned_prompts, repeat=True, async_batching=async_batching
+    )
     assert got == reference
     # per call: 2 prompts x 2 repeats x 3 samples, all but the first of each prompt copied,
     # then all 12 in the second call

@@ -56,11 +56,11 @@ GEMM_CEILING = H200.flops  # bf16 FLOP/s, an 8192^3 GEMM (DESIGN.md)
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 
 
-def paged_setup(seq_lens: list[int], dtype=torch.bfloat16):
+def paged_setup(seq_lens: list[int], dtype=torch.bfloat16, num_kv_heads: int = NUM_KV_HEADS):
     blocks_per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
     num_blocks = sum(blocks_per_seq)
     cache = torch.randn(
-        2, num_blocks + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16
+        2, num_blocks + 1, BLOCK_SIZE, num_kv_heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16
     ).to(dtype)  # an e4m3 cache: randn's values rounded to it (scales of 1)
     perm = torch.randperm(num_blocks, device="cuda").to(
         torch.int32
@@ -96,23 +96,25 @@ def bench_decode(
     ragged: tuple[int, int, bool] | None = None,
     num_heads: int = NUM_HEADS,
     kv_dtype: torch.dtype = torch.bfloat16,
+    num_kv_heads: int = NUM_KV_HEADS,
 ) -> dict:
     """GPU time of one decode call, reduce included, replayed from a CUDA graph as the engine does.
 
     `ragged=(shortest, longest, ordered)`: contexts drawn uniformly from that range (their mean
     near `context`), launched longest first when `ordered`, else in batch order. `num_heads`
-    query heads share the 8 KV heads (Llama-3-8B's 32 by default; Qwen3-0.6B has 16)."""
+    query heads share `num_kv_heads` KV heads (Llama-3-8B's 32 over 8 by default; Qwen3-0.6B has
+    16 over 8, Qwen3-30B-A3B 32 over 4)."""
     contexts = [context] * batch
     if ragged:
         g = torch.Generator().manual_seed(0)
         contexts = torch.randint(ragged[0], ragged[1] + 1, (batch,), generator=g).tolist()
-    cache, tables = paged_setup(contexts, kv_dtype)
+    cache, tables = paged_setup(contexts, kv_dtype, num_kv_heads)
     lens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
     order = torch.argsort(-lens.long(), stable=True).int() if ragged and ragged[2] else None
     q = torch.randn(batch, num_heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     backend = TritonAttention(
-        num_heads, NUM_KV_HEADS, HEAD_DIM, batch, torch.device("cuda"), num_splits=splits
+        num_heads, num_kv_heads, HEAD_DIM, batch, torch.device("cuda"), num_splits=splits
     )
     if tiles:
         backend.decode_tiles = backend.large_batch_tiles = backend.single_sequence_tiles = tiles
@@ -125,7 +127,7 @@ def bench_decode(
     ms = triton.testing.do_bench_cudagraph(
         lambda: backend.decode(q, out, cache, meta, HEAD_DIM**-0.5), return_mode="median"
     )
-    kv_bytes = 2 * sum(contexts) * NUM_KV_HEADS * HEAD_DIM * cache.element_size()
+    kv_bytes = 2 * sum(contexts) * num_kv_heads * HEAD_DIM * cache.element_size()
     rate = kv_bytes / (ms / 1e3)
     label = f"decode B={batch} ctx={context}"
     if ragged:
@@ -486,6 +488,34 @@ def sweep_decode() -> None:
                 print(f"{tiles}  us  {cells}", flush=True)
 
 
+def sweep_decode_splits() -> None:
+    """Each split count on the workloads' decode shapes, µs with the reduce (* the heuristic's
+    pick): where batch x KV heads nearly fills the SMs (moe: 32 x 4 = 128 programs on 132), is
+    one split, without its reduce launch, faster than two?"""
+    shapes = {
+        "moe 32x640": dict(batch=32, context=640, num_kv_heads=4),
+        "moe 32x1152": dict(batch=32, context=1152, num_kv_heads=4),
+        "moe1 1x400": dict(batch=1, context=400, num_kv_heads=4),
+        "moe 16x640": dict(batch=16, context=640, num_kv_heads=4),
+        "seed 32x1K": dict(batch=32, context=1024),
+        "seed 16x1K": dict(batch=16, context=1024),
+        "latency 1x400": dict(batch=1, context=400),
+    }
+    for name, shape in shapes.items():
+        kv_heads = shape.get("num_kv_heads", NUM_KV_HEADS)
+        default = TritonAttention(
+            NUM_HEADS, kv_heads, HEAD_DIM, shape["batch"], torch.device("cuda")
+        ).num_splits(shape["batch"])
+        bench_decode(check=True, splits=default, **shape)
+        cells = []
+        for splits in (1, 2, 4, 8, 16, 32):
+            if splits > 4 and shape["batch"] > 1:
+                break
+            us = 1000 * bench_decode(splits=splits, **shape)["ms"]
+            cells.append(f"{splits}{'*' if splits == default else ''}:{us:.1f}")
+        print(f"{name:<14} us by splits  " + "  ".join(cells), flush=True)
+
+
 def sweep_decode_tiles(kv_dtype: torch.dtype = torch.bfloat16) -> None:
     """Each tile shape on the workloads' own decode shapes (small: Qwen3-0.6B's 16 heads over 8 KV
     heads, 256 ragged contexts longest first; seed: Llama-3-8B at 32 x 1K), in µs, * the default.
@@ -559,6 +589,7 @@ def main() -> None:
     parser.add_argument("--sweep-sampler", action="store_true")
     parser.add_argument("--sweep-decode-tiles", action="store_true", help="only this sweep")
     parser.add_argument("--sweep-small-ops", action="store_true", help="only this sweep")
+    parser.add_argument("--sweep-decode-splits", action="store_true", help="only this sweep")
     parser.add_argument("--sweep-fp8-fusion", action="store_true", help="only this sweep")
     parser.add_argument("--sweep-shared-prefix", action="store_true", help="only this sweep")
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
@@ -571,6 +602,9 @@ def main() -> None:
         return
     if args.sweep_small_ops:
         sweep_small_ops()
+        return
+    if args.sweep_decode_splits:
+        sweep_decode_splits()
         return
     if args.sweep_fp8_fusion:
         sweep_fp8_fusion()

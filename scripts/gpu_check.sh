@@ -8,6 +8,8 @@
 #   SKIP_TESTS=1        no tests
 #   SKIP_KERNELS=1      no kernel benchmark
 #   REPEATS=N           timed runs per mode (default 3)
+#   TRACE_TIMED=1       the last timed run is the traced run (no run more; long's default)
+#   EXTRA="--preemption-mode recompute"  bench flags added to every workload's runs
 #   SWEEP=1             kernel sweeps: decode split counts, prefill tile shapes, sampler launch
 #                       (SWEEP=sampler, prefill, decode or decode-tiles: that sweep alone)
 #   GRAPH_MEMORY=1      graph memory with and without the shared pool
@@ -54,7 +56,9 @@ workload_args() {
     moe) echo "--model qwen3-30b-a3b --input-len 128 --output-len 1024 --num-prompts 32 --max-num-seqs 32" ;;
     moe1) echo "--model qwen3-30b-a3b --input-len 128 --output-len 512 --num-prompts 1 --max-num-seqs 1" ;;
     # long generations outgrowing the KV cache (issue 30): half the final KV fits (64 x 1032
-    # blocks of 2 MiB needed, about 0.6 of an H200 for weights and KV); about 25 min at REPEATS=1
+    # blocks of 2 MiB needed, about 0.6 of an H200 for weights and KV); a mode takes 7-8.5 min
+    # of a call at REPEATS=1 (traced in its timed run), so one mode a call: SWAP_COMPARE= for
+    # auto alone, EXTRA="--preemption-mode recompute" (or swap) for another
     long) echo "--model llama-3.1-8b --input-len 128 --output-len 16384 --num-prompts 64 --max-num-seqs 64 --gpu-memory-utilization 0.6 --swap-space 64" ;;
     # the same scaled to 4,096 new tokens: half of 64 x 264 blocks; about 4 min at REPEATS=1
     long-4k) echo "--model llama-3.1-8b --input-len 128 --output-len 4096 --num-prompts 64 --max-num-seqs 64 --num-blocks 8448 --swap-space 16" ;;
@@ -106,9 +110,11 @@ for name in "$@"; do
     *-json) compare=${JSON_COMPARE-unconstrained sync} ;;
     *) compare=${COMPARE-sync} ;;
   esac
-  python3 -m tandem.cli bench throughput $args --load-format dummy ${compare:+--compare $compare} \
-    --repeats "${REPEATS:-3}" --output-json "$OUT/bench_$name.json" \
-    --trace "/tmp/traces/trace_$name.json" 2>&1 | tee "$OUT/bench_$name.log" | tail -6
+  timed=${TRACE_TIMED-}; [ "$name" = long ] && timed=${TRACE_TIMED-1}  # 16K tokens: one run
+  python3 -m tandem.cli bench throughput $args ${EXTRA:-} --load-format dummy \
+    ${compare:+--compare $compare} --repeats "${REPEATS:-3}" --output-json "$OUT/bench_$name.json" \
+    --trace "/tmp/traces/trace_$name.json" ${timed:+--trace-timed} 2>&1 \
+    | tee "$OUT/bench_$name.log" | tail -6
   if [ -n "${BASELINE:-}" ]; then
     PYTHONPATH=$(realpath "$BASELINE")/src python3 -m tandem.cli bench throughput $args \
       --load-format dummy --repeats "${REPEATS:-3}" --output-json "$OUT/bench_${name}_baseline.json" \

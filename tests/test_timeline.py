@@ -403,3 +403,25 @@ def test_bench_with_trace_writes_a_png_next_to_each_trace(make_tiny, tmp_path, c
     for mode in ("sync", "async"):
         assert (tmp_path / f"bench_{mode}.png").read_bytes().startswith(b"\x89PNG")
         assert_valid_chrome_trace(json.loads((tmp_path / f"bench_{mode}.json").read_text()))
+
+
+def test_bench_trace_timed_records_the_last_timed_run_and_runs_nothing_more(
+    make_tiny, tmp_path, capsys
+):
+    out, path = tmp_path / "bench.json", tmp_path / "trace.json"
+    args = ["--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--repeats", "2"]
+    main(["bench", "throughput", "--model", str(make_tiny("llama")), *args, "--trace", str(path),
+          "--trace-timed", "--output-json", str(out), *CLI_ENGINE_ARGS])  # fmt: skip
+    capsys.readouterr()
+    result = json.loads(out.read_text())["results"]["async"]
+    trace = json.loads(path.read_text())
+    assert_valid_chrome_trace(trace)
+    # the trace is the second timed run: its time and its launches, one a step
+    assert result["trace_seconds"] == result["seconds_all"][-1]
+    assert len(complete_events(trace, "launch")) == result["steps"]
+    assert (tmp_path / "trace.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_bench_trace_timed_without_a_trace_path_is_a_clean_error(make_tiny):
+    with pytest.raises(SystemExit, match="give --trace"):
+        main(["bench", "throughput", "--model", str(make_tiny("llama")), "--trace-timed"])

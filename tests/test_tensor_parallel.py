@@ -162,6 +162,30 @@ def test_a_second_shutdown_does_nothing_and_a_shut_engine_refuses_to_step(make_t
         new.engine.shutdown()
 
 
+def test_cpu_ranks_split_the_hosts_cores_while_the_engine_lives(make_tiny, monkeypatch):
+    import os
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    llm = LLM(str(make_tiny("llama")), max_model_len=96, num_blocks=12, tensor_parallel_size=2)
+    try:
+        assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // 2)
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        assert len(llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    finally:
+        llm.engine.shutdown()
+    assert torch.get_num_threads() == before
+
+
+def test_omp_num_threads_where_set_decides_a_cpu_ranks_threads(monkeypatch):
+    from tandem import parallel
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    before = torch.get_num_threads()
+    parallel.share_cores(64)
+    assert torch.get_num_threads() == before
+
+
 def test_ranks_that_do_not_leave_in_time_are_killed(monkeypatch):
     import multiprocessing
     import time

@@ -324,12 +324,12 @@ def run_bench(
         # saved before the traced run: a failure in it or in a later mode keeps these timings
         report = report_so_far(args, workload, batch_size, engine, rooflines[primary], results)
         finish(report, rooflines[primary], save)
-        if timed_trace:
-            timeline = engine.stop_trace()
-            traced = save_trace(timeline, runs[-1].seconds, args, mode, cost, hardware)
-            results[mode] = {**traced, **results[mode]}
-        elif args.trace:
-            traced = trace_run(llm, workload, args, mode, cost, hardware, constraint)
+        if args.trace:
+            traced = (
+                save_trace(engine.stop_trace(), runs[-1].seconds, args, mode, cost, hardware)
+                if timed_trace
+                else trace_run(llm, workload, args, mode, cost, hardware, constraint)
+            )
             results[mode] = {**traced, **results[mode]}
     report = report_so_far(args, workload, batch_size, engine, rooflines[primary], results)
     llm.shutdown()  # tensor-parallel workers

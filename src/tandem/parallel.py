@@ -174,15 +174,14 @@ def init_process_group(
         share_cores(size)
 
 
-_threads_before: list[
-    int
-] = []  # rank 0's torch threads before share_cores, for leave_process_group
+# rank 0's torch threads before share_cores, given back by leave_process_group
+_threads_before: list[int] = []
 
 
 def share_cores(size: int) -> None:
     """CPU ranks on one host split its cores: torch's threads in each rank would otherwise
-    oversubscribe them (two ranks of two threads on two cores ran the tensor-parallel tests 1.4x
-    slower). OMP_NUM_THREADS, where set, is left to decide."""
+    oversubscribe them (two ranks of two threads each on two cores ran the greedy
+    tensor-parallel tests 1.4x slower). OMP_NUM_THREADS, where set, is left to decide."""
     if "OMP_NUM_THREADS" in os.environ:
         return
     _threads_before.append(torch.get_num_threads())

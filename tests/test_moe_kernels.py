@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tandem.config import ModelConfig
-from tandem.model import fused, fused_moe, moe
+from tandem.model import fused, fused_moe, moe, splitk
 from tandem.model.moe_routing import ONE_PROGRAM_MAX_PAIRS, fused_topk, fused_topk_align, route
 
 transformers = pytest.importorskip("transformers")
@@ -258,3 +258,29 @@ def test_moe_block_sums_its_partials_itself_under_tensor_parallelism(make_tiny, 
         out = ours(x)
         assert len(reduced) == 1 and reduced[0] is out and out.shape == (5, cfg.hidden_size)
         torch.testing.assert_close(out, layer(x[None])[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("num_experts", "top_k", "tokens"), [(128, 8, 1), (128, 8, 19), (8, 2, 5)])
+def test_routing_adds_up_the_routers_split_k_slices(num_experts, top_k, tokens, dtype):
+    """The router's product as float32 split-K slices (`splitk.linear_partials`, interpreted):
+    one launch (up to the bound) or two (past it) route as from the product in `dtype`, the
+    slices' sum rounded once; and as torch's route of F.linear's product."""
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 256, generator=g).to(dtype)
+    router = (torch.randn(num_experts, 256, generator=g) / 16).to(dtype)
+    parts = splitk.linear_partials(x, router)
+    assert parts.dim() == 3 and parts.shape[0] > 1 and parts.dtype == torch.float32
+    product = parts.sum(0).to(dtype)  # the slices' sum in order, rounded once
+    block_m = fused_moe.block_m_for(tokens * top_k, num_experts)
+    weights, ids, blocks = fused_topk_align(parts, top_k, True, block_m, dtype)
+    ref_weights, ref_ids, ref_blocks = fused_topk_align(product, top_k, True, block_m)
+    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)
+    for got, want in zip(blocks, ref_blocks, strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(fused_topk(parts, top_k, True, dtype)[1], ref_ids)
+    torch_weights, torch_ids = route(
+        torch.nn.functional.linear(x.float(), router.float()), top_k, True
+    )
+    assert torch.equal(ids.long(), torch_ids)
+    torch.testing.assert_close(weights, torch_weights, atol=2e-3, rtol=2e-3)

@@ -5,7 +5,8 @@ k, renormalised to sum to one where the model asks (`norm_topk_prob`; Mixtral al
 the routing and the pairs' alignment by expert are one Triton launch at decode sizes (two past
 them) and the experts the grouped GEMMs of `fused_moe`; elsewhere both are the same arithmetic
 in torch (CPU engines; tests run the Triton kernels under the interpreter against it). A decode
-step's MoE block is then four launches: the router's GEMM, the routing, the two grouped GEMMs.
+step's MoE block is then four launches: the router's product (split-K slices, `splitk`, which
+the routing adds up as it reads them), the routing, the two grouped GEMMs.
 
 On one device the block returns each token's top_k weighted expert outputs as partials
 [top_k, tokens, hidden] (a view of GEMM 2's output): the residual add + RMSNorm that always
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.config import ModelConfig
-from tandem.model import fused
+from tandem.model import fused, splitk
 from tandem.model.fused_moe import block_m_for, expert_outputs, fused_experts_torch
 from tandem.model.moe_routing import fused_topk_align, route
 from tandem.parallel import TensorParallel
@@ -56,14 +57,19 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[tokens, hidden] -> [tokens, hidden] in x's dtype; on one device with the Triton
         kernels, [top_k, tokens, hidden] partials whose sum is that (for the next norm)."""
-        router_logits = F.linear(x, self.gate.weight)  # [tokens, experts]
         w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
         if not fused.use_kernels(x):
-            weights, ids = route(router_logits, self.top_k, self.renormalize)
+            weights, ids = route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
             out = fused_experts_torch(x, w13, w2, weights, ids, self.hidden_act)
             return self.tp.all_reduce(out)
+        # at decode sizes float32 slices [splits, tokens, experts] of the router's product,
+        # which the routing adds up as it reads them; past them [tokens, experts] (F.linear)
+        router = splitk.linear_partials if splitk.ENABLED else F.linear
+        router_logits = router(x, self.gate.weight)
         block_m = block_m_for(x.shape[0] * self.top_k, w13.shape[0])
-        weights, _, blocks = fused_topk_align(router_logits, self.top_k, self.renormalize, block_m)
+        weights, _, blocks = fused_topk_align(
+            router_logits, self.top_k, self.renormalize, block_m, x.dtype
+        )
         # [tokens, top_k, hidden]
         pairs = expert_outputs(x, w13, w2, weights, blocks, block_m, self.hidden_act)
         if self.tp.size == 1:

@@ -43,17 +43,26 @@ def route(
 
 @triton.jit
 def _topk_rows(
-    logits_ptr, weights_ptr, ids_ptr, first, num_tokens, num_experts, logits_stride,
+    logits_ptr, weights_ptr, ids_ptr, first, num_tokens, num_experts, logits_stride, part_stride,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, PARTS: tl.constexpr, ROUND_TO: tl.constexpr,
 ):  # fmt: skip
     """The routing of rows [first, first + BLOCK_T) (those past num_tokens masked): weights and
-    ids stored at [row, k] of [tokens, TOP_K]."""
+    ids stored at [row, k] of [tokens, TOP_K]. With PARTS, the logits are that many float32
+    split-K slices of the router's product, added in order and rounded once to ROUND_TO, as
+    the product stored in the model dtype would be."""
     rows = first + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
     in_rows, is_expert = rows < num_tokens, experts < num_experts
     logits_ptrs = logits_ptr + rows.to(tl.int64)[:, None] * logits_stride + experts[None, :]
-    x = tl.load(logits_ptrs, mask=in_rows[:, None] & is_expert[None, :], other=0.0)
+    mask = in_rows[:, None] & is_expert[None, :]
+    if PARTS == 0:
+        x = tl.load(logits_ptrs, mask=mask, other=0.0)
+    else:
+        x = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+        for part in tl.static_range(PARTS):
+            x += tl.load(logits_ptrs + part * part_stride, mask=mask, other=0.0)
+        x = x.to(ROUND_TO)
     x = tl.where(is_expert[None, :], x.to(tl.float32), -float("inf"))  # [BLOCK_T, BLOCK_E]
     e = tl.exp(x - tl.max(x, axis=1)[:, None])
     probs = e / tl.sum(e, axis=1)[:, None]
@@ -83,29 +92,32 @@ def _topk_rows(
 
 @triton.jit
 def topk_softmax_kernel(
-    logits_ptr,  # [tokens, experts]
+    logits_ptr,  # [tokens, experts], or float32 slices [PARTS, tokens, experts]
     weights_ptr,  # [tokens, TOP_K] float32
     ids_ptr,  # [tokens, TOP_K] int32
     num_tokens,
     num_experts,
     logits_stride,
+    part_stride,
     TOP_K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PARTS: tl.constexpr,
+    ROUND_TO: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.wait(PDL)
     _topk_rows(
         logits_ptr, weights_ptr, ids_ptr, tl.program_id(0) * BLOCK_T, num_tokens, num_experts,
-        logits_stride, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K,
+        logits_stride, part_stride, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K, PARTS, ROUND_TO,
     )  # fmt: skip
 
 
 @triton.jit
 def topk_align_kernel(
-    logits_ptr,  # [tokens, experts]
+    logits_ptr,  # [tokens, experts], or float32 slices [PARTS, tokens, experts]
     weights_ptr,  # [tokens, TOP_K] float32
     ids_ptr,  # [tokens, TOP_K] int32
     sorted_pairs_ptr,  # [max_rows] int32
@@ -114,12 +126,15 @@ def topk_align_kernel(
     num_tokens,
     num_experts,
     logits_stride,
+    part_stride,
     max_rows,
     TOP_K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PARTS: tl.constexpr,
+    ROUND_TO: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BINS: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -133,7 +148,7 @@ def topk_align_kernel(
     for first in range(0, num_tokens, BLOCK_T):
         _topk_rows(
             logits_ptr, weights_ptr, ids_ptr, first, num_tokens, num_experts, logits_stride,
-            TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K,
+            part_stride, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K, PARTS, ROUND_TO,
         )  # fmt: skip
     tl.debug_barrier()  # the ids stored by each thread, visible to the program's other threads
     align_in_one_program(
@@ -153,19 +168,40 @@ def routing_tiles(num_experts: int, top_k: int) -> dict:
     }
 
 
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def logits_layout(router_logits: torch.Tensor, dtype: torch.dtype | None) -> dict:
+    """The routing kernels' arguments that describe the logits: [tokens, experts], or float32
+    split-K slices [parts, tokens, experts] of the router's product (`splitk.linear_partials`)
+    whose sum rounds to `dtype` (the model's, that of the product they stand for)."""
+    assert router_logits.stride(-1) == 1
+    if router_logits.dim() == 2:
+        return {"part_stride": 0, "PARTS": 0, "ROUND_TO": tl.float32}
+    assert router_logits.dtype == torch.float32 and dtype is not None
+    return {
+        "part_stride": router_logits.stride(0),
+        "PARTS": router_logits.shape[0],
+        "ROUND_TO": _TL_DTYPES[dtype],
+    }
+
+
 def fused_topk(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`route` as one Triton launch: (weights [tokens, top_k] float32, ids [tokens, top_k] int32)."""
-    tokens, num_experts = router_logits.shape
-    assert router_logits.stride(-1) == 1 and 0 < top_k <= num_experts
+    """`route` as one Triton launch: (weights [tokens, top_k] float32, ids [tokens, top_k] int32).
+    router_logits: [tokens, experts], or float32 slices [parts, tokens, experts] of the
+    router's product in `dtype` (see `logits_layout`)."""
+    tokens, num_experts = router_logits.shape[-2:]
+    assert 0 < top_k <= num_experts
     device = router_logits.device
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=device)
     tiles = routing_tiles(num_experts, top_k)
     topk_softmax_kernel[(cdiv(tokens, tiles["BLOCK_T"]),)](
-        router_logits, weights, ids, tokens, num_experts, router_logits.stride(0), TOP_K=top_k,
-        RENORMALIZE=renormalize, **tiles, num_warps=4, **pdl.launch_args(device),
+        router_logits, weights, ids, tokens, num_experts, router_logits.stride(-2), TOP_K=top_k,
+        RENORMALIZE=renormalize, **tiles, **logits_layout(router_logits, dtype), num_warps=4,
+        **pdl.launch_args(device),
     )  # fmt: skip
     return weights, ids
 
@@ -182,26 +218,32 @@ ONE_PROGRAM_MAX_PAIRS = 64
 
 
 def fused_topk_align(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    block_m: int,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, ExpertBlocks]:
     """`route`, then the pairs aligned by expert in BLOCK_M-row runs: (weights [tokens, top_k]
     float32, ids [tokens, top_k] int32, `fused_moe.ExpertBlocks`), the same as `fused_topk`
     then `fused_moe.align_by_expert`. One launch up to ONE_PROGRAM_MAX_PAIRS pairs, those two
-    past it; fixed shapes given the token count, no host sync."""
-    tokens, num_experts = router_logits.shape
+    past it; fixed shapes given the token count, no host sync. The logits as `fused_topk`
+    takes them."""
+    tokens, num_experts = router_logits.shape[-2:]
     num_pairs = tokens * top_k
     if num_pairs > ONE_PROGRAM_MAX_PAIRS:
-        weights, ids = fused_topk(router_logits, top_k, renormalize)
+        weights, ids = fused_topk(router_logits, top_k, renormalize, dtype)
         return weights, ids, align_by_expert(ids, num_experts, block_m)
-    assert router_logits.stride(-1) == 1 and 0 < top_k <= num_experts
+    assert 0 < top_k <= num_experts
     device = router_logits.device
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=device)
     blocks = empty_blocks(num_pairs, num_experts, block_m, device)
     topk_align_kernel[(1,)](
-        router_logits, weights, ids, *blocks, tokens, num_experts, router_logits.stride(0),
-        blocks.sorted_pairs.numel(), TOP_K=top_k, RENORMALIZE=renormalize,
-        **routing_tiles(num_experts, top_k), BLOCK_M=block_m, BINS=align_bins(num_experts),
-        CHUNK=ALIGN_CHUNK, SCAN=ONE_PROGRAM_MAX_PAIRS, num_warps=4, **pdl.launch_args(device),
+        router_logits, weights, ids, *blocks, tokens, num_experts, router_logits.stride(-2),
+        max_rows=blocks.sorted_pairs.numel(), TOP_K=top_k, RENORMALIZE=renormalize,
+        **routing_tiles(num_experts, top_k), **logits_layout(router_logits, dtype),
+        BLOCK_M=block_m, BINS=align_bins(num_experts), CHUNK=ALIGN_CHUNK,
+        SCAN=ONE_PROGRAM_MAX_PAIRS, num_warps=4, **pdl.launch_args(device),
     )  # fmt: skip
     return weights, ids, blocks

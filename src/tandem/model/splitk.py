@@ -1,4 +1,5 @@
-"""Split-K matmuls for the projections that feed the residual stream (o_proj, down_proj).
+"""Split-K matmuls for the projections that feed the residual stream (o_proj, down_proj), and
+for a MoE layer's router, whose slices the routing kernel adds up (`moe_routing`).
 
 At decode sizes the o and down projections have few output tiles (64 for Llama-3-8B at 32 rows),
 too few programs to fill 132 SMs, so cuBLAS reads their weights well below the copy rate. Here

@@ -271,7 +271,10 @@ def test_routing_adds_up_the_routers_split_k_slices(num_experts, top_k, tokens, 
     router = (torch.randn(num_experts, 256, generator=g) / 16).to(dtype)
     parts = splitk.linear_partials(x, router)
     assert parts.dim() == 3 and parts.shape[0] > 1 and parts.dtype == torch.float32
-    product = parts.sum(0).to(dtype)  # the slices' sum in order, rounded once
+    product = parts[0].clone()
+    for part in parts[1:]:  # the slices' sum in order, rounded once
+        product += part
+    product = product.to(dtype)
     block_m = fused_moe.block_m_for(tokens * top_k, num_experts)
     weights, ids, blocks = fused_topk_align(parts, top_k, True, block_m, dtype)
     ref_weights, ref_ids, ref_blocks = fused_topk_align(product, top_k, True, block_m)
@@ -284,3 +287,19 @@ def test_routing_adds_up_the_routers_split_k_slices(num_experts, top_k, tokens, 
     )
     assert torch.equal(ids.long(), torch_ids)
     torch.testing.assert_close(weights, torch_weights, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice")  # the interpreter's max over NaN logits
+@pytest.mark.parametrize(("num_experts", "top_k"), [(128, 8), (8, 2)])
+def test_one_tokens_alignment_gives_each_pair_a_run_even_from_nan_logits(num_experts, top_k):
+    """A batch-1 step aligns by the ranks of its token's experts. NaN logits name one expert
+    several times; each pair still gets a run of its own, of a real expert, and none is lost."""
+    logits = torch.full((1, num_experts), float("nan"))
+    block_m = fused_moe.block_m_for(top_k, num_experts)
+    _, ids, blocks = fused_topk_align(logits, top_k, True, block_m)
+    assert int(ids.max()) < num_experts
+    assert int(blocks.num_rows) == top_k * block_m == blocks.sorted_pairs.numel()
+    runs = blocks.sorted_pairs.view(top_k, block_m)
+    assert sorted(runs[:, 0].tolist()) == list(range(top_k))  # every pair starts one run
+    assert bool((runs[:, 1:] == top_k).all())  # the rest is padding
+    assert torch.equal(blocks.block_expert, ids[0][runs[:, 0].long()])

@@ -11,7 +11,7 @@ from test_cuda_engine import assert_greedy_matches_transformers, generate
 from tandem.attention import AttentionMetadata
 from tandem.attention.torch_ref import decode_attention, prefill_attention
 from tandem.attention.triton_backend import TritonAttention
-from tandem.model import fused, fused_moe, moe_routing
+from tandem.model import fused, fused_moe, moe_routing, splitk
 
 pytestmark = [
     pytest.mark.gpu,
@@ -114,6 +114,30 @@ def test_fused_topk_align_equals_the_two_kernels_bit_for_bit(dtype, renormalize,
     expected = fused_moe.align_by_expert(ref_ids, 128, block_m)
     for name, a, b in zip(fused_moe.ExpertBlocks._fields, blocks, expected, strict=True):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 32, 300])
+def test_routing_from_the_routers_split_k_slices_at_qwen3_30b_shape(tokens):
+    """The router's product as float32 split-K slices (decode sizes; at 300 tokens F.linear's
+    product itself) routes bit for bit as the bf16 product the slices' sum in order rounds to,
+    and that product is the router's."""
+    g = torch.Generator(device=CUDA).manual_seed(tokens)
+    x = torch.randn(tokens, 2048, generator=g, device=CUDA).bfloat16()
+    router = (torch.randn(128, 2048, generator=g, device=CUDA) * 2048**-0.5).bfloat16()
+    parts = splitk.linear_partials(x, router)
+    assert parts.dim() == (3 if tokens <= splitk.MAX_ROWS else 2)
+    product = parts
+    if parts.dim() == 3:
+        product = parts[0].clone()
+        for part in parts[1:]:
+            product += part
+        product = product.bfloat16()
+    block_m = fused_moe.block_m_for(tokens * 8, 128)
+    got = moe_routing.fused_topk_align(parts, 8, True, block_m, torch.bfloat16)
+    expected = moe_routing.fused_topk_align(product, 8, True, block_m)
+    for a, b in zip(got[:2] + tuple(got[2]), expected[:2] + tuple(expected[2]), strict=True):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(product, x @ router.T, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("tokens", [1, 32, 64])

@@ -139,11 +139,13 @@ def topk_align_kernel(
     BINS: tl.constexpr,
     CHUNK: tl.constexpr,
     SCAN: tl.constexpr,
+    ONE_TOKEN: tl.constexpr,
+    ONE_TOKEN_ROWS: tl.constexpr,  # TOP_K * BLOCK_M's next power of two
     PDL: tl.constexpr,
 ):
     """`topk_softmax_kernel` and `fused_moe.align_kernel` in one program: the rows' routing in
     the same [BLOCK_T, BLOCK_E] tiles (so the same bits), then the alignment of the ids just
-    stored."""
+    stored (by ranks alone for ONE_TOKEN)."""
     pdl.wait(PDL)
     for first in range(0, num_tokens, BLOCK_T):
         _topk_rows(
@@ -151,10 +153,42 @@ def topk_align_kernel(
             part_stride, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K, PARTS, ROUND_TO,
         )  # fmt: skip
     tl.debug_barrier()  # the ids stored by each thread, visible to the program's other threads
-    align_in_one_program(
-        ids_ptr, sorted_pairs_ptr, block_expert_ptr, num_rows_ptr, num_tokens * TOP_K,
-        num_experts, max_rows, BLOCK_M, BINS, CHUNK, SCAN,
-    )  # fmt: skip
+    if ONE_TOKEN:
+        _align_one_token(
+            ids_ptr, sorted_pairs_ptr, block_expert_ptr, num_rows_ptr, TOP_K, BLOCK_K, BLOCK_M,
+            ONE_TOKEN_ROWS,
+        )  # fmt: skip
+    else:
+        align_in_one_program(
+            ids_ptr, sorted_pairs_ptr, block_expert_ptr, num_rows_ptr, num_tokens * TOP_K,
+            num_experts, max_rows, BLOCK_M, BINS, CHUNK, SCAN,
+        )  # fmt: skip
+
+
+@triton.jit
+def _align_one_token(
+    ids_ptr, sorted_pairs_ptr, block_expert_ptr, num_rows_ptr, TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """The alignment of one token's pairs (a batch-1 decode step), without the histograms: its
+    top_k experts are distinct, so each pair is a run of its own, BLOCK_M rows (the pair, then
+    padding), the runs in expert order: a pair's run is its rank among the token's experts.
+    (Equal ids, which only NaN logits make, rank by slot: each pair still gets a run.)"""
+    slots = tl.arange(0, BLOCK_K)
+    in_k = slots < TOP_K
+    ids = tl.load(ids_ptr + slots, mask=in_k, other=0)
+    below = (ids[None, :] < ids[:, None]) | (
+        (ids[None, :] == ids[:, None]) & (slots < slots[:, None])
+    )
+    rank = tl.sum((below & in_k[None, :]).to(tl.int32), axis=1)  # [BLOCK_K]
+    tl.store(block_expert_ptr + rank, ids, mask=in_k)
+    rows = tl.arange(0, ROWS)
+    # each run's first row holds its pair, the rest the padding index (the pair count)
+    starts = (rank[None, :] * BLOCK_M == rows[:, None]) & in_k[None, :]  # [ROWS, BLOCK_K]
+    pairs = tl.sum(tl.where(starts, slots[None, :], 0), axis=1)
+    pairs = tl.where(rows % BLOCK_M == 0, pairs, TOP_K)
+    tl.store(sorted_pairs_ptr + rows, pairs, mask=rows < TOP_K * BLOCK_M)
+    tl.store(num_rows_ptr, TOP_K * BLOCK_M)
 
 
 def routing_tiles(num_experts: int, top_k: int) -> dict:
@@ -244,6 +278,7 @@ def fused_topk_align(
         max_rows=blocks.sorted_pairs.numel(), TOP_K=top_k, RENORMALIZE=renormalize,
         **routing_tiles(num_experts, top_k), **logits_layout(router_logits, dtype),
         BLOCK_M=block_m, BINS=align_bins(num_experts), CHUNK=ALIGN_CHUNK,
-        SCAN=ONE_PROGRAM_MAX_PAIRS, num_warps=4, **pdl.launch_args(device),
+        SCAN=ONE_PROGRAM_MAX_PAIRS, ONE_TOKEN=tokens == 1,
+        ONE_TOKEN_ROWS=next_power_of_2(top_k * block_m), num_warps=4, **pdl.launch_args(device),
     )  # fmt: skip
     return weights, ids, blocks

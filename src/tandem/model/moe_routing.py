@@ -29,6 +29,9 @@ from tandem.model.fused_moe import (
     empty_blocks,
 )
 
+# the routing's key of an expert taken or not in the row, below every logit's (`_topk_rows`)
+TAKEN = tl.constexpr(-(2**63))
+
 
 def route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
@@ -64,24 +67,32 @@ def _topk_rows(
             x += tl.load(logits_ptrs + part * part_stride, mask=mask, other=0.0)
         x = x.to(ROUND_TO)
     x = tl.where(is_expert[None, :], x.to(tl.float32), -float("inf"))  # [BLOCK_T, BLOCK_E]
-    e = tl.exp(x - tl.max(x, axis=1)[:, None])
-    probs = e / tl.sum(e, axis=1)[:, None]
-    # k rounds of argmax over the experts not yet taken, the lowest expert among equal logits
+    row_max = tl.max(x, axis=1)
+    denom = tl.sum(tl.exp(x - row_max[:, None]), axis=1)
+    # k rounds of argmax over the experts not yet taken, the lowest expert among equal logits:
+    # each logit and its expert as one integer key, so that a round is one max. The float's
+    # bits, made to order as an int32 (negative floats' magnitude bits flipped; -0.0 as 0.0),
+    # sit above BLOCK_E - 1 - expert.
+    x = tl.where(x == 0.0, 0.0, x)
+    bits = x.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    keys = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - experts)[None, :].to(tl.int64)
+    free = is_expert[None, :] & (rows[:, None] >= 0)  # [BLOCK_T, BLOCK_E]
+    keys = tl.where(free, keys, TAKEN)
     slots = tl.arange(0, BLOCK_K)
     top_weights = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
     top_ids = tl.zeros([BLOCK_T, BLOCK_K], tl.int32)
-    free = is_expert[None, :] & (rows[:, None] >= 0)  # [BLOCK_T, BLOCK_E]
     for k in tl.static_range(TOP_K):
-        candidates = tl.where(free, x, -float("inf"))
-        best = tl.max(candidates, axis=1)
-        at_best = free & (candidates == best[:, None])
-        pick = tl.min(tl.where(at_best, experts[None, :], BLOCK_E), axis=1)
-        pick = tl.minimum(pick, num_experts - 1)  # a NaN row still names an expert
-        taken = experts[None, :] == pick[:, None]
-        weight = tl.sum(tl.where(taken, probs, 0.0), axis=1)
+        best = tl.max(keys, axis=1)  # [BLOCK_T]
+        pick = BLOCK_E - 1 - (best & (BLOCK_E - 1)).to(tl.int32)
+        pick = tl.minimum(pick, num_experts - 1)
+        high = (best >> 32).to(tl.int32)
+        logit = (high ^ ((high >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        # its softmax probability, as the row's would be computed: exp(x - max) / sum
+        weight = tl.exp(logit - row_max) / denom
         top_weights = tl.where(slots[None, :] == k, weight[:, None], top_weights)
         top_ids = tl.where(slots[None, :] == k, pick[:, None], top_ids)
-        free = free & ~taken
+        keys = tl.where(experts[None, :] == pick[:, None], TAKEN, keys)
     if RENORMALIZE:
         top_weights = top_weights / tl.sum(top_weights, axis=1)[:, None]
     out = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]

@@ -412,3 +412,108 @@ def fused_experts_torch(
     out = torch.bmm(w2[ids], act[:, :, None])[:, :, 0]  # [pairs, hidden]
     out = (out.float() * topk_weights.flatten().float()[:, None]).to(x.dtype)
     return out.view(tokens, top_k, -1).sum(1)
+
+
+# One token (a batch-1 decode step): its k pairs are k distinct experts, each a matrix-vector
+# product. `grouped_gemm` would give each expert a 16-row block for its one row; here each
+# program reads BLOCK_N whole weight rows of one pair's expert (no tensor cores, every product
+# an FMA, no alignment needed: the pair's expert is its routing id).
+class GemvTiles(NamedTuple):
+    block_n: int  # weight rows (output features) per program
+    block_k: int  # input features per loop step
+    num_warps: int = 4
+
+
+GEMV_UP = GemvTiles(block_n=4, block_k=1024)  # gate and up rows: 4 of each
+GEMV_DOWN = GemvTiles(block_n=8, block_k=256)
+
+
+@triton.jit
+def one_token_kernel(
+    x_ptr,  # [K]: the token (A_PER_PAIR: [TOP_K, K], one row per pair)
+    w_ptr,  # [experts, N, K]; [experts, 2 * N, K] with SILU_AND_MUL: gate rows, then up rows
+    out_ptr,  # [TOP_K, N]
+    ids_ptr,  # [TOP_K] int32: each pair's expert
+    topk_weights_ptr,  # [TOP_K] float32, read when MUL_WEIGHT
+    N,
+    K,
+    x_stride,
+    w_expert_stride,
+    w_row_stride,
+    A_PER_PAIR: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    SILU_AND_MUL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl.wait(PDL)
+    pair, tile = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_n = n < N
+    k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (pair * x_stride if A_PER_PAIR else 0) + k  # [BLOCK_K]
+    w_ptrs = w_ptr + expert * w_expert_stride + n[:, None] * w_row_stride + k[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for start in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs).to(tl.float32)[None, :]
+            mask = in_n[:, None]
+        else:
+            in_k = start + k < K
+            x = tl.load(x_ptrs, mask=in_k, other=0.0).to(tl.float32)[None, :]
+            mask = in_n[:, None] & in_k[None, :]
+        acc += tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32) * x
+        if SILU_AND_MUL:
+            up = tl.load(w_ptrs + N * w_row_stride, mask=mask, other=0.0)
+            acc_up += up.to(tl.float32) * x
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=1)
+    if MUL_WEIGHT:
+        y = y * tl.load(topk_weights_ptr + pair)
+    out = y.to(out_ptr.dtype.element_ty)
+    if SILU_AND_MUL:  # rounded where the products' stores and `silu_and_mul` would round
+        g = out.to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(out.dtype)
+        up = tl.sum(acc_up, axis=1).to(out.dtype)
+        out = (silu.to(tl.float32) * up.to(tl.float32)).to(out.dtype)
+    tl.store(out_ptr + pair * N + n, out, mask=in_n)
+
+
+def _one_token_launch(x, w, out, ids, weights, n, tiles, a_per_pair, silu_and_mul):
+    k = w.shape[2]
+    one_token_kernel[(ids.numel(), cdiv(n, tiles.block_n))](
+        x, w, out, ids, out if weights is None else weights, n, k, x.stride(0), w.stride(0),
+        w.stride(1), A_PER_PAIR=a_per_pair, MUL_WEIGHT=weights is not None,
+        SILU_AND_MUL=silu_and_mul, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        EVEN_K=k % tiles.block_k == 0, num_warps=tiles.num_warps, **pdl.launch_args(x.device),
+    )  # fmt: skip
+
+
+def one_token_outputs(
+    x: torch.Tensor,  # [1, hidden]
+    w13: torch.Tensor,  # [experts, 2 * inter, hidden]: gate rows, then up rows
+    w2: torch.Tensor,  # [experts, hidden, inter]
+    topk_weights: torch.Tensor,  # [1, top_k] float32
+    topk_ids: torch.Tensor,  # [1, top_k] int32
+    up_tiles: GemvTiles = GEMV_UP,
+    down_tiles: GemvTiles = GEMV_DOWN,
+) -> torch.Tensor:
+    """One token's weighted expert outputs [1, top_k, hidden] in x's dtype (SiLU experts), as
+    `expert_outputs` gives them, by two matrix-vector launches over its pairs' experts: SiLU(gate)
+    * up, then down times the routing weight."""
+    tokens, top_k = topk_ids.shape
+    if tokens != 1 or x.stride(-1) != 1 or not (w13.is_contiguous() and w2.is_contiguous()):
+        raise ValueError("one_token_outputs takes one contiguous token and contiguous experts")
+    inter, hidden = w2.shape[2], w2.shape[1]
+    ids = topk_ids.flatten()
+    act = torch.empty(top_k, inter, dtype=x.dtype, device=x.device)  # [top_k, inter]
+    _one_token_launch(x, w13, act, ids, None, inter, up_tiles, False, True)
+    out = torch.empty(top_k, hidden, dtype=x.dtype, device=x.device)  # [top_k, hidden]
+    weights = topk_weights.flatten().float().contiguous()
+    _one_token_launch(act, w2, out, ids, weights, hidden, down_tiles, True, False)
+    return out.view(1, top_k, hidden)

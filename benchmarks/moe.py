@@ -4,8 +4,7 @@ Each shape is timed graph-replayed over `--layers` layers' expert weights in tur
 weights come from memory as in a step (not from the L2), and reported as µs per layer and the
 routed experts' weight bytes per second against the copy ceiling. Each tile shape is checked
 against `fused_experts_torch` first.
-Usage: PYTHONPATH=src python benchmarks/moe.py [--tokens 32 1] [--layers 8] [--one-token]
-(--one-token: a batch-1 step's experts, grouped GEMMs against matrix-vector launches)
+Usage: PYTHONPATH=src python benchmarks/moe.py [--tokens 32 1] [--layers 8]
 """
 
 from __future__ import annotations
@@ -20,12 +19,10 @@ from tandem.model.fused_moe import (
     MoeTiles,
     align_by_expert,
     block_m_for,
-    expert_outputs,
     fused_experts,
     fused_experts_torch,
     grouped_gemm,
 )
-from tandem.model.moe_routing import fused_topk, fused_topk_align
 from tandem.roofline import H200
 
 COPY_CEILING = H200.bandwidth
@@ -106,69 +103,12 @@ def sweep(tokens: int, layers: int) -> None:
     fused_moe.TILES = default
 
 
-ONE_TOKEN_TILES = [
-    (fused_moe.GemvTiles(bn, bk, warps), fused_moe.GemvTiles(dn, dk, warps))
-    for bn, bk in ((4, 1024), (8, 512), (2, 1024), (8, 1024))
-    for dn, dk in ((8, 256), (4, 256), (16, 256), (8, 768))
-    for warps in (4,)
-] + [(fused_moe.GemvTiles(4, 1024, 8), fused_moe.GemvTiles(8, 256, 8))]
-
-
-def sweep_one_token(layers: int) -> None:
-    """A batch-1 step's experts: the grouped GEMMs (with the routing's alignment, one launch)
-    against the matrix-vector launches (`one_token_outputs`) under each tile pair, each
-    against `fused_experts_torch` first."""
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(1)
-    x = torch.randn(1, HIDDEN, device=dev, dtype=torch.bfloat16, generator=g)
-    w13 = [
-        torch.randn(EXPERTS, 2 * INTER, HIDDEN, device=dev, generator=g).bfloat16() * 0.02
-        for _ in range(layers)
-    ]
-    w2 = [
-        torch.randn(EXPERTS, HIDDEN, INTER, device=dev, generator=g).bfloat16() * 0.02
-        for _ in range(layers)
-    ]
-    logits = torch.randn(1, EXPERTS, device=dev, generator=g).bfloat16()
-    weights, ids = fused_topk(logits, TOP_K, True)
-    nbytes = TOP_K * 3 * INTER * HIDDEN * 2
-    expected = fused_experts_torch(x, w13[0], w2[0], weights, ids)
-    block_m = block_m_for(TOP_K, EXPERTS)
-
-    def grouped() -> None:
-        for a, b in zip(w13, w2, strict=True):
-            w, _, blocks = fused_topk_align(logits, TOP_K, True, block_m)
-            expert_outputs(x, a, b, w, blocks, block_m)
-
-    def report(name: str, f) -> None:
-        ms = triton.testing.do_bench_cudagraph(f, return_mode="median") / layers
-        print(f"{name}  {1000 * ms:.1f} us ({nbytes / (ms / 1e3) / 1e12:.2f} TB/s)", flush=True)
-
-    print(f"one token: {nbytes / 1e6:.0f} MB of experts a layer", flush=True)
-    report("grouped GEMMs + alignment", grouped)
-    for up, down in ONE_TOKEN_TILES:
-        got = fused_moe.one_token_outputs(x, w13[0], w2[0], weights, ids, up, down).sum(1)
-        torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
-
-        def gemv(up=up, down=down) -> None:
-            for a, b in zip(w13, w2, strict=True):
-                w, i = fused_topk(logits, TOP_K, True)
-                fused_moe.one_token_outputs(x, a, b, w, i, up, down)
-
-        mark = "*" if (up, down) == (fused_moe.GEMV_UP, fused_moe.GEMV_DOWN) else " "
-        report(f"{tuple(up)} {tuple(down)}{mark}", gemv)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[32, 1])
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--one-token", action="store_true", help="only the batch-1 sweep")
     args = parser.parse_args()
     print(f"copy ceiling {COPY_CEILING / 1e12:.2f} TB/s")
-    if args.one_token:
-        sweep_one_token(args.layers)
-        return
     for tokens in args.tokens:
         sweep(tokens, args.layers)
 

@@ -303,37 +303,3 @@ def test_one_tokens_alignment_gives_each_pair_a_run_even_from_nan_logits(num_exp
     assert sorted(runs[:, 0].tolist()) == list(range(top_k))  # every pair starts one run
     assert bool((runs[:, 1:] == top_k).all())  # the rest is padding
     assert torch.equal(blocks.block_expert, ids[0][runs[:, 0].long()])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(
-    ("up_tiles", "down_tiles"),
-    [
-        (fused_moe.GEMV_UP, fused_moe.GEMV_DOWN),  # K past one step's features: masked steps
-        (fused_moe.GemvTiles(8, 32), fused_moe.GemvTiles(4, 16)),  # even K, several steps
-    ],
-)
-def test_one_token_products_match_the_torch_experts(dtype, up_tiles, down_tiles):
-    """A batch-1 step's experts as matrix-vector launches: each pair's weighted output equal to
-    `fused_experts_torch`'s for that pair alone (and so their sum the token's output)."""
-    g = torch.Generator().manual_seed(3)
-    hidden, inter, experts, top_k = 96, 48, 16, 4
-    x = torch.randn(1, hidden, generator=g).to(dtype)
-    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype)
-    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(dtype)
-    weights, ids = route(torch.randn(1, experts, generator=g), top_k, True)
-    out = fused_moe.one_token_outputs(x, w13, w2, weights, ids.int(), up_tiles, down_tiles)
-    assert out.shape == (1, top_k, hidden) and out.dtype == dtype
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
-    for k in range(top_k):
-        expected = fused_moe.fused_experts_torch(
-            x, w13, w2, weights[:, k : k + 1], ids[:, k : k + 1]
-        )
-        torch.testing.assert_close(out[0, k], expected[0], atol=tol, rtol=tol)
-
-
-def test_one_token_products_take_one_contiguous_token():
-    w13, w2 = torch.zeros(4, 8, 16), torch.zeros(4, 16, 4)
-    weights, ids = torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="one contiguous token"):
-        fused_moe.one_token_outputs(torch.zeros(2, 16), w13, w2, weights, ids)

@@ -51,17 +51,6 @@ def test_fused_moe_in_bfloat16_at_qwen3_30b_shapes(tokens):
     torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=3e-2)
 
 
-def test_one_token_products_in_bfloat16_at_qwen3_30b_shapes():
-    """A batch-1 step's matrix-vector experts against the float32 reference and against the
-    grouped GEMMs (the same roundings, sums in another order)."""
-    x, w13, w2, weights, ids = qwen3_30b_experts(1)
-    got = fused_moe.one_token_outputs(x, w13, w2, weights, ids.int())
-    grouped = fused_moe.fused_experts(x, w13, w2, weights, ids)
-    expected = fused_moe.fused_experts_torch(x.float(), w13.float(), w2.float(), weights, ids)
-    torch.testing.assert_close(got.sum(1).float(), expected, atol=3e-2, rtol=3e-2)
-    torch.testing.assert_close(got.float().sum(1), grouped.float(), atol=2e-2, rtol=2e-2)
-
-
 def test_fused_moe_replays_in_a_cuda_graph_with_new_routing():
     """Fixed shapes, no host sync: captured once, replayed on other inputs and routes."""
     x, w13, w2, weights, ids = qwen3_30b_experts(32)

@@ -27,13 +27,8 @@ from torch import nn
 
 from tandem.config import ModelConfig
 from tandem.model import fused, splitk
-from tandem.model.fused_moe import (
-    block_m_for,
-    expert_outputs,
-    fused_experts_torch,
-    one_token_outputs,
-)
-from tandem.model.moe_routing import fused_topk, fused_topk_align, route
+from tandem.model.fused_moe import block_m_for, expert_outputs, fused_experts_torch
+from tandem.model.moe_routing import fused_topk_align, route
 from tandem.parallel import TensorParallel
 
 
@@ -71,16 +66,12 @@ class SparseMoeBlock(nn.Module):
         # which the routing adds up as it reads them; past them [tokens, experts] (F.linear)
         router = splitk.linear_partials if splitk.ENABLED else F.linear
         router_logits = router(x, self.gate.weight)
-        if x.shape[0] == 1 and self.hidden_act == "silu":  # a batch-1 step: no alignment
-            weights, ids = fused_topk(router_logits, self.top_k, self.renormalize, x.dtype)
-            pairs = one_token_outputs(x, w13, w2, weights, ids)  # [1, top_k, hidden]
-        else:
-            block_m = block_m_for(x.shape[0] * self.top_k, w13.shape[0])
-            weights, _, blocks = fused_topk_align(
-                router_logits, self.top_k, self.renormalize, block_m, x.dtype
-            )
-            # [tokens, top_k, hidden]
-            pairs = expert_outputs(x, w13, w2, weights, blocks, block_m, self.hidden_act)
+        block_m = block_m_for(x.shape[0] * self.top_k, w13.shape[0])
+        weights, _, blocks = fused_topk_align(
+            router_logits, self.top_k, self.renormalize, block_m, x.dtype
+        )
+        # [tokens, top_k, hidden]
+        pairs = expert_outputs(x, w13, w2, weights, blocks, block_m, self.hidden_act)
         if self.tp.size == 1:
             return pairs.transpose(0, 1)
         return self.tp.all_reduce(pairs.sum(1))  # no atomics: deterministic

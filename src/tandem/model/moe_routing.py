@@ -85,7 +85,7 @@ def _topk_rows(
     for k in tl.static_range(TOP_K):
         best = tl.max(keys, axis=1)  # [BLOCK_T]
         pick = BLOCK_E - 1 - (best & (BLOCK_E - 1)).to(tl.int32)
-        pick = tl.minimum(pick, num_experts - 1)
+        pick = tl.minimum(pick, num_experts - 1)  # an expert even were every key taken
         high = (best >> 32).to(tl.int32)
         logit = (high ^ ((high >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
         # its softmax probability, as the row's would be computed: exp(x - max) / sum

@@ -45,6 +45,13 @@ def route(
 
 
 @triton.jit
+def _float_order(bits):
+    """int32 bits of a float32 -> an int32 that orders as the float does (negative floats'
+    magnitude bits flipped), and back: the map is its own inverse."""
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
 def _topk_rows(
     logits_ptr, weights_ptr, ids_ptr, first, num_tokens, num_experts, logits_stride, part_stride,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -73,9 +80,7 @@ def _topk_rows(
     # each logit and its expert as one integer key, so that a round is one max. The float's
     # bits, made to order as an int32 (negative floats' magnitude bits flipped; -0.0 as 0.0),
     # sit above BLOCK_E - 1 - expert.
-    x = tl.where(x == 0.0, 0.0, x)
-    bits = x.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    ordered = _float_order(tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True))
     keys = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - experts)[None, :].to(tl.int64)
     free = is_expert[None, :] & (rows[:, None] >= 0)  # [BLOCK_T, BLOCK_E]
     keys = tl.where(free, keys, TAKEN)
@@ -86,8 +91,7 @@ def _topk_rows(
         best = tl.max(keys, axis=1)  # [BLOCK_T]
         pick = BLOCK_E - 1 - (best & (BLOCK_E - 1)).to(tl.int32)
         pick = tl.minimum(pick, num_experts - 1)  # an expert even were every key taken
-        high = (best >> 32).to(tl.int32)
-        logit = (high ^ ((high >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        logit = _float_order((best >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
         # its softmax probability, as the row's would be computed: exp(x - max) / sum
         weight = tl.exp(logit - row_max) / denom
         top_weights = tl.where(slots[None, :] == k, weight[:, None], top_weights)

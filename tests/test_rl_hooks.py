@@ -117,9 +117,18 @@ def test_offline_generate_waits_while_another_thread_pauses_it(folder, reference
     assert [o.outputs[0].token_ids for o in result] == reference
 
 
+# 8 blocks of 8 tokens for four 31-token requests: some are swapped out when they sleep
+SWAPPING = {"num_blocks": 8, "max_model_len": 64, "preemption_mode": "swap"}
+
+
+@pytest.mark.parametrize("extra", [{}, SWAPPING], ids=["roomy", "swapping"])
 @pytest.mark.parametrize("level", [1, 2])
-def test_sleep_and_wake_up_mid_generation_give_the_outputs_of_no_sleep(folder, reference, level):
-    llm = LLM(folder, **ENGINE_ARGS)
+def test_sleep_and_wake_up_mid_generation_give_the_outputs_of_no_sleep(
+    folder, reference, level, extra
+):
+    """Running requests recompute their KV after `wake_up`; so do swapped-out ones, whose device
+    blocks the sleep gave back (and whose copies out may not have run)."""
+    llm = LLM(folder, **{**ENGINE_ARGS, **extra})
     engine = llm.engine
     requests = [
         engine.make_request(f"r{i}", GREEDY, prompt_token_ids=p["prompt_token_ids"])
@@ -127,8 +136,12 @@ def test_sleep_and_wake_up_mid_generation_give_the_outputs_of_no_sleep(folder, r
     ]
     for request in requests:
         engine.enqueue(request)
-    for _ in range(5):
+    for step in range(40):  # 12 steps, then on until a request is out on the host
+        if step >= 12 and (not extra or engine.scheduler.swapped):
+            break
         engine.step()
+    if extra:
+        assert engine.scheduler.swapped, "no request was swapped out: the test is void"
     freed = llm.sleep(level)
     assert freed >= sum(p.numel() * p.element_size() for p in engine.model.parameters())
     assert all(p.untyped_storage().nbytes() == 0 for p in engine.model.parameters())

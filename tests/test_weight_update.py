@@ -86,19 +86,29 @@ def test_a_non_tensor_is_a_type_error_naming_it(checkpoints):
         llm.update_weights([("lm_head.weight", [[0.0]])])
 
 
-def test_an_update_invalidates_the_kv_of_requests_paused_mid_generation(checkpoints):
+# 8 blocks of 8 tokens for four 21-token requests: some are swapped out when they pause
+SWAPPING = {"num_blocks": 8, "max_model_len": 64, "preemption_mode": "swap"}
+
+
+@pytest.mark.parametrize("extra", [{}, SWAPPING], ids=["roomy", "swapping"])
+def test_an_update_invalidates_the_kv_of_requests_paused_mid_generation(checkpoints, extra):
     """Paused with their KV, updated, resumed with recompute_kv: they finish as on B from the
-    tokens they had (each token after the pause greedy under B's weights)."""
+    tokens they had (each token after the pause greedy under B's weights). Requests swapped
+    out to host memory recompute too: their host copy is A's KV."""
     a, b = checkpoints
-    llm = LLM(a, **ENGINE_ARGS)
+    llm = LLM(a, **{**ENGINE_ARGS, **extra})
     engine = llm.engine
     for i, prompt in enumerate(PROMPTS):
         engine.enqueue(
             engine.make_request(f"r{i}", GREEDY, prompt_token_ids=prompt["prompt_token_ids"])
         )
-    for _ in range(4):
+    for step in range(40):  # 6 steps, then on until a request is out on the host
+        if step >= 6 and (not extra or engine.scheduler.swapped):
+            break
         engine.step()
     engine.pause_generation("keep")
+    if extra:
+        assert engine.scheduler.swapped, "no request was swapped out: the test is void"
     partial = {rid: list(r.output_token_ids) for rid, r in engine.requests.items()}
     assert all(partial.values())
     llm.update_weights_from_path(b)

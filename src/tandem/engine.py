@@ -471,8 +471,8 @@ class Engine:
         return updated
 
     def resume_generation(self, recompute_kv: bool = False) -> None:
-        """Step again; with `recompute_kv`, the running requests first drop their KV (stale after
-        a weight update) and recompute it, as if preempted."""
+        """Step again; with `recompute_kv`, the running and swapped requests first drop their KV
+        (stale after a weight update) and recompute it, as if preempted by recompute."""
         if self.workers is not None:
             self._on_other_ranks("resume_generation", recompute_kv)
         if recompute_kv:
@@ -482,7 +482,8 @@ class Engine:
     def sleep(self, level: int = 1) -> int:
         """Give back the device memory of the KV cache and the weights (level 1: kept in host
         memory; level 2: dropped, send new ones with `update_weights` after `wake_up`). Running
-        requests recompute their KV after `wake_up`. Returns the bytes freed on this rank."""
+        and swapped requests recompute their KV after `wake_up`. Returns the bytes freed on this
+        rank."""
         if level not in LEVELS:
             raise ValueError(f"level must be 1 or 2, got {level!r}")
         if self.memory.level is not None:
@@ -523,12 +524,14 @@ class Engine:
         return updated
 
     def _preempt_running(self) -> None:
-        """Every running request back to the queue, in order, to recompute its KV; what they
-        cached is forgotten (no step is in flight: see `drain`)."""
+        """Every running request back to the queue, in order, to recompute its KV, and every
+        swapped one before them; what they cached or swapped out is forgotten (no step is in
+        flight: see `drain`)."""
         assert not self.in_flight
         for request in reversed(self.scheduler.running):
-            self.scheduler.preempt(request)
+            self.scheduler.preempt(request, recompute=True)
             self.builder.running_rows.release(request)
+        self.scheduler.recompute_swapped()
         self.scheduler.cache.reset()
 
     def _forget_cached_kv(self) -> None:

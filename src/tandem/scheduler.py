@@ -201,10 +201,12 @@ class Scheduler:
         request.block_table.extend(self.allocator.allocate(needed))
         return True
 
-    def preempt(self, request: Request) -> None:
+    def preempt(self, request: Request, recompute: bool = False) -> None:
+        """Stop a running request: by swap where the swap policy says so, unless `recompute`
+        (its KV is stale), else back to the front of the queue to recompute its KV."""
         self.running.remove(request)
         self.cache.publish(request)
-        if self.swap.should_swap(request):
+        if not recompute and self.swap.should_swap(request):
             self.swap.swap_out(request)
             request.status = Status.SWAPPED
             self.swapped.appendleft(request)
@@ -215,6 +217,16 @@ class Scheduler:
         self._release_blocks(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
+
+    def recompute_swapped(self) -> None:
+        """Every swapped request to the front of the queue, in the order they would resume,
+        to recompute its KV: its host copy is dropped (stale after a weight update)."""
+        while self.swapped:
+            request = self.swapped.pop()
+            self.swap.release(request)
+            request.num_computed_tokens = 0
+            request.status = Status.WAITING
+            self.waiting.appendleft(request)
 
     def finish(self, request: Request, reason: str) -> None:
         """Retire a request (stop, length or abort) and return its blocks."""

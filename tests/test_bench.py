@@ -12,7 +12,7 @@ import pytest
 import torch
 import triton
 
-from tandem import LLM, SamplingParams
+from tandem import LLM, SamplingParams, envs
 from tandem.bench import (
     counting_jit_compiles,
     request_latencies,
@@ -144,6 +144,7 @@ def check_report(report: dict, modes: set[str], latency: bool) -> None:
     assert set(report["engine"]["resolved"]) == RESOLVED_KEYS
     assert set(report["environment"]) >= ENVIRONMENT_KEYS
     assert report["environment"]["transformers"] == "5.17.0"
+    assert set(report["environment"]["switches"]) == set(envs.SWITCHES)  # every one, set or not
     assert set(report["roofline"]) == ROOFLINE_KEYS
     assert set(report["results"]) == modes
     for mode, result in report["results"].items():

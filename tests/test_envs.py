@@ -27,6 +27,7 @@ ROOT = Path(__file__).parents[1]
         ("TANDEM_SHARED_PREFIX_TILES", "48,4,2"),
         ("TANDEM_DECODE_MAXNREG", "300"),
         ("TANDEM_DECODE_MAXNREG", "many"),
+        ("TANDEM_MOE_TILES", "64,48,4,3"),
     ],
 )
 def test_a_value_a_switch_does_not_take_is_a_value_error_naming_it(monkeypatch, name, bad):
@@ -50,6 +51,7 @@ def test_unset_switches_take_their_defaults(monkeypatch):
         "TANDEM_DECODE_TILES": None,
         "TANDEM_SHARED_PREFIX_TILES": None,
         "TANDEM_DECODE_MAXNREG": None,
+        "TANDEM_MOE_TILES": None,
     }
 
 

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from tandem import LLM, SamplingParams
+from tandem import LLM, SamplingParams, envs
 from tandem.config import ModelConfig
 from tandem.model import fused, fused_moe, moe
 from tandem.model.tiny import ARCH_CONFIGS
@@ -192,8 +192,8 @@ def test_engine_with_triton_kernels_gives_the_torch_tokens(make_tiny, arch, monk
 
 
 def test_moe_tiles_setting_parses_four_ints_and_rejects_anything_else():
-    assert fused_moe.moe_tiles_setting(None) == fused_moe.MoeTiles()
-    assert fused_moe.moe_tiles_setting("128,64,8,4") == fused_moe.MoeTiles(128, 64, 8, 4)
+    assert envs.parse_moe_tiles("") is None
+    assert envs.parse_moe_tiles("128,64,8,4") == (128, 64, 8, 4)
     for bad in ("64,64,4", "64,48,4,3", "64,64,3,3", "64,64,4,0", "a,b,c,d"):
         with pytest.raises(ValueError, match="TANDEM_MOE_TILES"):
-            fused_moe.moe_tiles_setting(bad)
+            envs.parse_moe_tiles(bad)

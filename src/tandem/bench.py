@@ -598,6 +598,7 @@ def environment() -> dict:
         "piecewise": piecewise.ENABLED,
         "blas": runner.BLAS_LIBRARY,
         "decode_tiles": envs.decode_tiles(),
+        "switches": envs.current(),  # every TANDEM_* switch, set or not
     }
     for name in ("tandem", "transformers", "triton"):
         try:

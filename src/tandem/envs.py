@@ -93,9 +93,28 @@ def blas() -> str:
     return value
 
 
-def moe_tiles() -> str | None:
-    """TANDEM_MOE_TILES as set, or None; model/fused_moe.py parses and checks it."""
-    return _value("TANDEM_MOE_TILES") or None
+def moe_tiles() -> tuple[int, int, int, int] | None:
+    """(block_n, block_k, num_warps, num_stages) from TANDEM_MOE_TILES; None when unset."""
+    return parse_moe_tiles(_value("TANDEM_MOE_TILES"))
+
+
+def parse_moe_tiles(value: str) -> tuple[int, int, int, int] | None:
+    if not value:
+        return None
+    try:
+        block_n, block_k, num_warps, num_stages = (int(part) for part in value.split(","))
+    except ValueError:
+        raise ValueError(
+            f"TANDEM_MOE_TILES={value!r}: expected four integers, "
+            "block_n,block_k,num_warps,num_stages"
+        ) from None
+    powers = all(n >= 16 and n & (n - 1) == 0 for n in (block_n, block_k))
+    if not powers or num_warps not in (1, 2, 4, 8, 16) or num_stages < 1:
+        raise ValueError(
+            f"TANDEM_MOE_TILES={value!r}: block_n and block_k powers of two >= 16, "
+            "num_warps 1-16 (a power of two), num_stages >= 1"
+        )
+    return block_n, block_k, num_warps, num_stages
 
 
 def decode_tiles() -> tuple[int, int, int] | None:
@@ -153,6 +172,7 @@ READERS = {
     "TANDEM_DECODE_TILES": decode_tiles,
     "TANDEM_SHARED_PREFIX_TILES": shared_prefix_tiles,
     "TANDEM_DECODE_MAXNREG": decode_maxnreg,
+    "TANDEM_MOE_TILES": moe_tiles,
 }
 
 

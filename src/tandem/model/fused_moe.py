@@ -294,26 +294,7 @@ class MoeTiles(NamedTuple):
     num_stages: int = 3
 
 
-def moe_tiles_setting(value: str | None) -> MoeTiles:
-    if not value:
-        return MoeTiles()
-    try:
-        block_n, block_k, num_warps, num_stages = (int(part) for part in value.split(","))
-        tiles = MoeTiles(block_n, block_k, num_warps, num_stages)
-    except ValueError:
-        raise ValueError(
-            f"TANDEM_MOE_TILES={value!r}: expected four integers, block_n,block_k,num_warps,num_stages"
-        ) from None
-    powers = all(n >= 16 and n & (n - 1) == 0 for n in (tiles.block_n, tiles.block_k))
-    if not powers or tiles.num_warps not in (1, 2, 4, 8, 16) or tiles.num_stages < 1:
-        raise ValueError(
-            f"TANDEM_MOE_TILES={value!r}: block_n and block_k powers of two >= 16, "
-            "num_warps 1-16 (a power of two), num_stages >= 1"
-        )
-    return tiles
-
-
-TILES = moe_tiles_setting(envs.moe_tiles())
+TILES = MoeTiles(*(envs.moe_tiles() or MoeTiles()))
 FLOAT32_TILES = MoeTiles(block_n=32, block_k=32, num_warps=4, num_stages=1)  # fits shared memory
 
 

@@ -130,6 +130,26 @@ def test_a_full_swap_space_falls_back_to_recompute(make_tiny):
     assert tokens == expected
 
 
+@pytest.mark.parametrize(
+    "penalty",
+    [{"repetition_penalty": 1.8}, {"frequency_penalty": 1.5, "temperature": 1.0, "seed": 7}],
+    ids=["repetition", "frequency"],
+)
+def test_victims_with_penalties_recompute_so_their_counts_are_fed_again(make_tiny, penalty):
+    """A penalized request counts its tokens on the device as the steps feed them
+    (penalties.py): swapped, it would resume with its state reset and its tokens never fed
+    again. Under preemption_mode="swap" it recomputes instead, and gets the roomy run's tokens."""
+    folder = str(make_tiny("llama"))
+    params = SamplingParams(**{"temperature": 0.0, "max_tokens": 16, "ignore_eos": True, **penalty})
+    expected, _ = generate(folder, ROOMY, params)
+    for async_batching in (False, True):
+        args = {**TIGHT, "async_batching": async_batching, "preemption_mode": "swap"}
+        tokens, engine = generate(folder, args, params)
+        assert engine.scheduler.num_preemptions > 0, "nothing was preempted: the test is void"
+        assert engine.scheduler.swap.num_swapped_out == 0
+        assert tokens == expected, f"async_batching={async_batching}"
+
+
 def test_swap_space_beyond_host_memory_is_a_start_up_error_naming_the_number(
     make_tiny, monkeypatch
 ):

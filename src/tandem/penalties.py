@@ -15,7 +15,8 @@ its input tokens (after the carry-over) into their rows, a prompt token as PROMP
 token, fed back or re-fed after preemption, as one occurrence. So when output k is sampled,
 outputs 0..k-1 are counted, and nothing is ever read back to the host. A request taking a row
 resets it (`admit`, on the compute stream, before its first step), so a preempted request that
-resumes rebuilds its state from the tokens it recomputes.
+resumes rebuilds its state from the tokens it recomputes (such a request is never swapped,
+swap.py: a swapped one would resume without feeding them again).
 
 Order, as vLLM's sampler: bans (allowed ids, bad words), logit_bias, the repetition penalty
 (prompt and outputs), then the frequency and presence penalties (outputs):

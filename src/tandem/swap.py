@@ -151,8 +151,14 @@ class SwapManager:
 
     def should_swap(self, request: Request) -> bool:
         """Swap (rather than recompute) this victim: by the mode, the host room and, for
-        `auto`, whichever costs less time: its bytes over PCIe, out and back, or its prefill."""
-        if self.mode == "recompute" or self._host_blocks_needed(request) > self.host.num_free:
+        `auto`, whichever costs less time: its bytes over PCIe, out and back, or its prefill.
+        Never one whose penalties count its tokens as the steps feed them (penalties.py): it
+        rebuilds that state only by recomputing."""
+        if (
+            self.mode == "recompute"
+            or request.params.needs_token_history
+            or self._host_blocks_needed(request) > self.host.num_free
+        ):
             return False
         if self.mode == "swap":
             return True

@@ -91,6 +91,8 @@ BAD_SAMPLING = {
     "stop_empty_string": ({"stop": [""]}, "stop", "non-empty"),
     "stop_bare_empty_string": ({"stop": ""}, "stop", "non-empty"),
     "stop_token_ids_negative": ({"stop_token_ids": [-1]}, "stop_token_ids", ">= 0"),
+    "max_tokens_past_int32": ({"max_tokens": 2**31}, "max_tokens", str(2**31 - 1)),
+    "bad_words_past_1024": ({"bad_words": ["a"] * 1025}, "bad_words", "1024"),
 }
 
 
@@ -104,6 +106,15 @@ def test_sampling_params_reject_out_of_range_values_naming_field_and_range(field
 def test_boundary_sampling_values_are_accepted():
     SamplingParams(temperature=0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, logprobs=0)
     SamplingParams(top_p=1e-6, min_p=1.0, min_tokens=3, max_tokens=3, seed=2**63 - 1, logprobs=20)
+
+
+def test_a_temperature_below_1e_5_samples_greedily(llm):
+    """As in vLLM; 1e-39 is a float32 denormal, and logits / T overflowed to inf."""
+    [greedy] = llm.generate(GOOD_PROMPT, GREEDY, use_tqdm=False)
+    for temperature in (1e-39, 1e-6):
+        params = SamplingParams(temperature=temperature, max_tokens=6, ignore_eos=True, seed=1)
+        [out] = llm.generate(GOOD_PROMPT, params, use_tqdm=False)
+        assert out.outputs[0].token_ids == greedy.outputs[0].token_ids
 
 
 def test_largest_top_k_keeps_the_whole_vocabulary(llm):

@@ -699,6 +699,54 @@ def test_a_lone_surrogate_is_a_400_naming_the_field_and_the_connection_stays_usa
         assert http.get("/v1/models").status_code == 200
 
 
+def test_a_huge_min_tokens_is_a_400_and_the_engine_keeps_serving(server):
+    """min_tokens only has to be <= max_tokens, and max_tokens past the context is cut: a value
+    past int64 reached the engine's arrays and stopped its thread."""
+    body = {"prompt": PROMPT, "min_tokens": 2**63, "max_tokens": 2**63}
+    assert "max_tokens" in assert_openai_error(post(server, "/v1/completions", body), 400)
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        '{"prompt": "a", "bad_words": ["\\ud800"], "max_tokens": 2}',
+        '{"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "r", '
+        '"tool_call_id": "\\ud800"}], "max_tokens": 2}',
+        '{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+        '"function": {"name": "f", "description": "\\ud800"}}], "max_tokens": 2}',
+    ],
+    ids=["bad_words", "tool_call_id", "tool_description"],
+)
+def test_a_lone_surrogate_in_any_text_field_is_a_400(server, raw):
+    """Fields the tokenizer or the chat template reads, beside the prompt and the messages."""
+    path = "/v1/completions" if "prompt" in raw else "/v1/chat/completions"
+    with httpx.Client(base_url=server.url, headers=AUTH) as http:
+        response = http.post(path, content=raw, headers={"Content-Type": "application/json"})
+        assert "surrogate" in assert_openai_error(response, 400)
+        assert http.get("/health").status_code == 200
+
+
+def test_a_stream_that_fails_on_our_side_ends_with_an_error_event_and_done(server, monkeypatch):
+    """A fault of the server's own mid-stream (here a formatter that raises) ends the stream
+    with a 500 error event and [DONE], as vLLM's does, not with a cut connection."""
+    from tandem.server import serving
+
+    def broken(*args):
+        raise RuntimeError("formatter broke")
+
+    monkeypatch.setattr(serving.CompletionFormat, "delta_choice", broken)
+    body = {"prompt": PROMPT, "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH) as reply:
+        lines = [line for line in reply.iter_lines() if line]
+    assert reply.status_code == 200 and lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert error["type"] == "server_error" and "formatter broke" in error["message"]
+    monkeypatch.undo()
+    assert post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
 def test_a_body_past_max_request_bytes_is_a_413_by_length_or_as_it_streams(folder):
     llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
     options = ServerOptions(max_request_bytes=1000)

@@ -456,6 +456,24 @@ def test_auto_tool_choice_parses_hermes_tool_calls_from_the_output(client, parse
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_escaped_surrogates_in_tool_call_arguments_are_a_400_not_a_template_crash(url):
+    """The template renders the arguments as JSON without escapes: the surrogate comes out."""
+    raw = json.dumps({"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {
+            "name": "f", "arguments": '{"a": "\\ud800"}'}}]},
+    ]})  # fmt: skip
+    response = httpx.post(f"{url}/v1/chat/completions", content=raw,
+                          headers={"Content-Type": "application/json"})  # fmt: skip
+    assert "surrogate" in assert_openai_error(response, 400, "messages")
+
+
+def test_a_schema_nested_too_deep_is_a_400(url):
+    deep = '{"type": "array", "items": ' * 1000 + "{}" + "}" * 1000
+    body = {"prompt": PROMPT, "max_tokens": 2, "structured_outputs": {"json": deep}}
+    assert "too deep" in assert_openai_error(post(url, "/v1/completions", body), 400)
+
+
 def test_auto_tool_choice_parses_llama3_json_tool_calls(client, parser):
     parser("llama3_json")
     args = auto_request(LLAMA3_OUTPUT, seed=5)

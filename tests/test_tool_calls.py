@@ -236,3 +236,25 @@ def test_raw_control_characters_in_strings_come_out_escaped(reader, text):
     _, [call] = collect(reader(), text)
     assert "\x12" not in call["function"]["arguments"]
     assert json.loads(call["function"]["arguments"]) == {"text": "a\x12b\nc"}
+
+
+DEEP = "[" * 5000  # past Python's recursion limit for the json decoder
+
+
+CUT_CALL = '{"name": "f", "parameters": {"a": ' + DEEP
+
+
+@pytest.mark.parametrize(
+    ("reader", "text", "content"),
+    [
+        (Llama3JsonParser, CUT_CALL, CUT_CALL),
+        (HermesParser, "<tool_call>" + CUT_CALL, "<tool_call>" + CUT_CALL),
+        (RequiredToolOutput, "[" + CUT_CALL, CUT_CALL),  # the array's own "[" is no content
+    ],
+    ids=["llama3", "hermes", "required"],
+)
+def test_output_nested_too_deep_to_decode_is_no_call_and_ends_as_content(reader, text, content):
+    """A model stuck writing brackets: the reader gives up on a call, as vLLM's parsers do,
+    instead of raising from the json decoder in the middle of a reply or a stream."""
+    for chunk in (len(text), 997):
+        assert streamed(reader(), text, chunk) == (content, [])

@@ -105,7 +105,7 @@ class RunningRows:
         params = request.params
         assert request.seed is not None, "the engine draws the seed when it queues the request"
         self.prompt_len[row] = request.num_prompt_tokens
-        self.temperature[row] = params.temperature
+        self.temperature[row] = 0.0 if params.greedy else params.temperature
         self.top_p[row] = params.top_p
         self.min_p[row] = params.min_p
         self.top_k[row] = params.top_k

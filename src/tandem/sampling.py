@@ -15,6 +15,9 @@ MAX_LOGPROBS = 20
 MAX_N = 128  # samples per prompt (OpenAI's limit): one call must not queue millions of requests
 MAX_SEED = 2**63 - 1
 MAX_TOP_K = 2**31 - 1
+MAX_TOKENS = 2**31 - 1  # past any context (where max_tokens is cut); min_tokens fits an int64
+MAX_BAD_WORDS = 1024  # each is tokenized as the request is made, on the engine's thread
+GREEDY_BELOW = 1e-5  # a temperature under it is greedy, as in vLLM (1e-39 overflowed logits / T)
 
 
 @dataclass
@@ -83,6 +86,8 @@ class SamplingParams:
             if self.seed > MAX_SEED:
                 raise ValueError(f"seed must be <= {MAX_SEED}, got {self.seed}")
         check_int("max_tokens", self.max_tokens, 0)
+        if self.max_tokens > MAX_TOKENS:
+            raise ValueError(f"max_tokens must be <= {MAX_TOKENS}, got {self.max_tokens}")
         if self.max_tokens == 0 and self.prompt_logprobs is None:
             raise ValueError(
                 "max_tokens must be >= 1 unless prompt_logprobs is set (max_tokens=0 only scores "
@@ -135,6 +140,10 @@ class SamplingParams:
                 )
             for token_id in self.allowed_token_ids:
                 check_int("allowed_token_ids", token_id, 0)
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise ValueError(
+                f"bad_words takes at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}"
+            )
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise ValueError(
                 f"bad_words must be a list of non-blank strings, got {self.bad_words!r}"
@@ -148,7 +157,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def needs_filter(self) -> bool:

@@ -70,6 +70,8 @@ class StructuredOutputsParams:
                     json.loads(self.json)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+                except RecursionError:
+                    raise ValueError("structured_outputs.json is nested too deep") from None
             elif not isinstance(self.json, dict):
                 raise ValueError(
                     f"structured_outputs.json must be a JSON schema (a dict or a string), got "

@@ -111,7 +111,7 @@ class SamplingRequest(BaseModel):
     min_tokens: int | None = None
     repetition_penalty: float | None = None
     allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
+    bad_words: list[Text] | None = None
     return_token_ids: bool | None = None  # add each choice's generated token ids
     response_format: ResponseFormat | None = None
     # StructuredOutputsParams' fields (tandem/structured.py): one constraint and its options
@@ -163,8 +163,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's
-    tool_call_id: str | None = None  # a tool message answers this call
-    name: str | None = None
+    tool_call_id: Text | None = None  # a tool message answers this call
+    name: Text | None = None
 
     @model_validator(mode="after")
     def check_role_fields(self) -> ChatMessage:
@@ -191,8 +191,8 @@ class ChatMessage(BaseModel):
 
 
 class FunctionDefinition(BaseModel):
-    name: str = Field(min_length=1)
-    description: str | None = None
+    name: Text = Field(min_length=1)
+    description: Text | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
     strict: bool | None = None
 

@@ -28,6 +28,7 @@ from tandem.server.protocol import (
     OpenAIError,
     SamplingRequest,
     Tool,
+    encodable,
 )
 from tandem.server.tool_calls import NamedToolOutput, OutputReader, PlainOutput, collect
 from tandem.structured import BACKEND as GRAMMAR_BACKEND
@@ -308,6 +309,10 @@ class OpenAIServing:
         except ServerShuttingDown as error:
             ended = True
             yield sse(OpenAIError(str(error), 503, "server_error").body())
+        except Exception as error:  # a fault of ours: the stream still ends, as a 500 would
+            ended = True
+            logger.exception("%s: the stream failed", generation.id)
+            yield sse(OpenAIError(f"internal error: {error!r}", 500, "server_error").body())
         finally:
             generation.abort_unfinished()  # e.g. the client disconnected: free the KV blocks
             self.open.discard(generation)
@@ -542,12 +547,14 @@ def chat_prompt(
 ) -> str:
     """The messages rendered by the chat template; a 400 if the template refuses them."""
     try:
-        return tokenizer.apply_chat_template(
-            [m.as_template_input() for m in messages],
-            add_generation_prompt,
-            tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
-        )
-    except ValueError as error:  # no template, or the template's raise_exception
+        return encodable(
+            tokenizer.apply_chat_template(
+                [m.as_template_input() for m in messages],
+                add_generation_prompt,
+                tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
+            )
+        )  # JSON the template renders may unescape a lone surrogate ("\\ud800") into it
+    except ValueError as error:  # no template, the template's raise_exception, a surrogate
         raise OpenAIError(str(error), param="messages") from error
     except jinja2.TemplateError as error:  # e.g. the template reads messages it was not given
         message = f"the chat template failed on these messages: {error}"

@@ -107,7 +107,7 @@ class RequiredToolOutput(OutputReader):
             self.pos = skip(self.text, self.pos, WHITESPACE + "[,")
             try:
                 value, end = DECODER.raw_decode(self.text, self.pos)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # nested too deep: not a call
                 break  # the element is still growing (the grammar keeps the output valid)
             call = call_of(value, "parameters")
             if call is None:
@@ -221,7 +221,7 @@ class Llama3JsonParser(ModelFormatParser):
             return brace + (0 if tagged else 1), None
         try:
             value, end = DECODER.raw_decode(text, brace)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # nested too deep: not a call
             return (brace + 1, None) if final else None
         call = call_of(value, "parameters", "arguments", exact=True)
         return end, call
@@ -249,7 +249,7 @@ def call_of(value: Any, *argument_keys: str, exact: bool = False) -> tuple[str, 
 def loads(text: str) -> Any:
     try:
         return DECODER.decode(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
 
 

@@ -216,6 +216,9 @@ def test_stop_string_cuts_the_text_and_streaming_never_shows_what_is_cut(client,
     streamed = "".join(c.choices[0].text for c in client.completions.create(**args, stream=True))
     assert full.choices[0].text == streamed == greedy.text[:12]
     assert full.choices[0].finish_reason == "stop"
+    assert full.choices[0].model_extra["stop_reason"] == stop  # vLLM's field
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
+    assert chat.choices[0].model_extra["stop_reason"] is None  # cut by max_tokens
 
 
 def test_a_seed_reproduces_the_same_sample(client):

@@ -266,6 +266,33 @@ def test_a_stop_tokens_text_is_left_out_with_or_without_stop_strings(
     assert texts == [ref.text(k)] * 2
 
 
+@modes
+def test_include_stop_str_in_output_keeps_a_stop_tokens_text_as_vllm_does(
+    folder, reference, async_batching
+):
+    ref = reference[PROMPT]
+    k = word_token(ref)
+    params = greedy(stop_token_ids=[ref.token_ids[k]], include_stop_str_in_output=True)
+    out = generate_one(make_llm(folder, async_batching), PROMPT, params)
+    assert out.token_ids == ref.token_ids[: k + 1] and out.finish_reason == "stop"
+    assert out.text == ref.text(k + 1)
+
+
+@modes
+def test_stop_reason_names_the_stop_string_or_stop_token_and_none_for_eos_or_length(
+    folder, reference, stop_inside_a_token, async_batching
+):
+    ref = reference[PROMPT]
+    llm = make_llm(folder, async_batching)
+    stop, _ = stop_inside_a_token
+    assert generate_one(llm, PROMPT, greedy(stop=[stop])).stop_reason == stop
+    token = ref.token_ids[first_new_token(ref, start=3)]
+    assert generate_one(llm, PROMPT, greedy(stop_token_ids=[token])).stop_reason == token
+    assert generate_one(llm, PROMPT, greedy(max_tokens=3)).stop_reason is None
+    by_eos = generate_one(llm, PROMPT_WITH_EOS, greedy())
+    assert by_eos.finish_reason == "stop" and by_eos.stop_reason is None
+
+
 # ---- min_tokens, max_tokens and max_model_len ---------------------------------------------
 
 
@@ -332,6 +359,39 @@ def test_min_tokens_defers_a_stop_string_that_would_match_earlier(
     )
     assert len(out.token_ids) >= min_tokens
     assert out.token_ids == ref.token_ids[: len(out.token_ids)]
+
+
+@modes
+def test_a_stop_string_wholly_in_the_first_min_tokens_tokens_stops_nothing(
+    folder, reference, stop_inside_a_token, async_batching
+):
+    """As vLLM: text of the first min_tokens tokens is not searched, also not by a longer stop
+    string's window reaching back into it."""
+    ref = reference[PROMPT]
+    stop, k = stop_inside_a_token
+    # as many tokens as keep the stop string in token k's text alone: at least one more
+    n = max(n for n in range(k + 1, k + 8) if ref.text(n).count(stop) == 1)
+    assert n > k + 1
+    params = greedy(stop=[stop, "z" * 40], min_tokens=k + 1, max_tokens=n)
+    out = generate_one(make_llm(folder, async_batching), PROMPT, params)
+    assert out.token_ids == ref.token_ids[:n] and out.finish_reason == "length"
+    assert out.text == ref.text(n)
+
+
+def test_text_held_back_until_the_end_is_searched_for_stop_strings(folder):
+    """A token that ends inside a character holds its text back until the request ends: the
+    stop string in front of it is found then, and the text cut there."""
+    llm = make_llm(folder, async_batching=False)
+    tokenizer = llm.get_tokenizer()
+    partial = next(  # a token whose text is a letter, then the first byte of a character
+        t for t in tokenizer.encode("naïve façade", add_special_tokens=False)
+        if tokenizer.decode([t]).endswith("\ufffd") and tokenizer.decode([t])[0].isalpha()
+    )  # fmt: skip
+    letter = tokenizer.decode([partial])[0]
+    params = greedy(max_tokens=2, allowed_token_ids=[partial], stop=[letter])
+    out = generate_one(llm, PROMPT, params)
+    assert out.token_ids == [partial, partial]
+    assert (out.text, out.finish_reason, out.stop_reason) == ("", "stop", letter)
 
 
 @pytest.mark.parametrize("max_tokens", [1, 5, MAX_TOKENS])

@@ -52,6 +52,7 @@ class StreamOutput:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     # with SamplingParams.prompt_logprobs, in the request's first output: per prompt position
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    stop_reason: int | str | None = None  # once finished: the stop string or stop token id
 
 
 @dataclass(frozen=True)
@@ -401,6 +402,7 @@ class AsyncLLM:
             time=now,
             num_cached_tokens=request.num_cached_tokens or 0,
             prompt_logprobs=request.prompt_logprobs if first else None,
+            stop_reason=request.stop_reason,
         )
         self._num_generation_tokens += len(tokens) - sent.num_tokens
         sent.num_tokens, sent.num_chars = len(tokens), text_end

@@ -691,20 +691,31 @@ class Engine:
         request.logprobs.append(entry)
 
     def _check_stop(self, request: Request) -> None:
+        """As vLLM: EOS and stop_token_ids count from the min_tokens-th output on, stop strings
+        only in text after it; a stop token's text is kept with include_stop_str_in_output."""
         params, token = request.params, request.output_token_ids[-1]
         num_out = len(request.output_token_ids)
-        if num_out >= params.min_tokens and (
+        stop_token = num_out >= params.min_tokens and (
             (not params.ignore_eos and token in self.eos_token_ids)
             or token in params.stop_token_ids
-        ):
-            return self._finish(request, "stop", stopped_by_token=True)
+        )
+        if stop_token:
+            request.stop_reason = token if token in params.stop_token_ids else None  # EOS: None
+            if not params.include_stop_str_in_output:
+                return self._finish(request, "stop", stopped_by_token=True)
         if request.detokenizer is not None:
             delta = request.detokenizer.add([token])
             request.output_text += delta
-            if num_out >= params.min_tokens and truncate_at_stop(request, len(delta)):
+            if (
+                not stop_token
+                and num_out > params.min_tokens
+                and truncate_at_stop(request, len(delta))
+            ):
                 return self._finish(request, "stop", text_is_final=True)
         num_known = request.num_prompt_tokens + num_out  # not the token still in flight
-        if num_out >= params.max_tokens or num_known >= self.max_model_len:
+        if stop_token:
+            self._finish(request, "stop")
+        elif num_out >= params.max_tokens or num_known >= self.max_model_len:
             self._finish(request, "length")
         return None
 
@@ -715,19 +726,29 @@ class Engine:
         text_is_final: bool = False,
         stopped_by_token: bool = False,
     ) -> None:
+        if not text_is_final:
+            reason = self._final_text(request, reason, stopped_by_token)
         self.scheduler.finish(request, reason)
         self.builder.running_rows.release(request)
         self.requests.pop(request.request_id, None)
-        if text_is_final:
-            return
+
+    def _final_text(self, request: Request, reason: str, stopped_by_token: bool) -> str:
+        """The request's text made whole; returns its finish reason, "stop" where a stop string
+        ends in the text the detokenizer held back until now (a character still partial)."""
         if request.detokenizer is not None:
-            request.output_text += request.detokenizer.flush()
+            delta = request.detokenizer.flush()
+            request.output_text += delta
+            num_out = len(request.output_token_ids)
+            ended = reason in ("stop", "length") and num_out > request.params.min_tokens
+            if ended and truncate_at_stop(request, len(delta)):
+                return "stop"
         elif self.tokenizer is not None:
             # as with the detokenizer: a stop token stays in token_ids but not in the text
             ids = request.output_token_ids[:-1] if stopped_by_token else request.output_token_ids
             request.output_text = self.tokenizer.decode(
                 ids, skip_special_tokens=request.params.skip_special_tokens
             )
+        return reason
 
     def _detokenizer(self, request: Request) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
@@ -769,17 +790,17 @@ def _eos_token_ids(
 
 
 def truncate_at_stop(request: Request, delta_len: int) -> bool:
-    """If a stop string ends in the newest text, cut the output there and return True."""
+    """If a stop string ends in the newest `delta_len` characters, cut the output there, note
+    it as the stop reason and return True. Each stop string is looked for where it would end in
+    the new text, so one that lies wholly in older text (before min_tokens) stops nothing."""
     params, text = request.params, request.output_text
-    if not params.stop:
-        return False
-    longest = max(len(s) for s in params.stop)
-    window_start = max(0, len(text) - delta_len - longest + 1)
-    hits = [(i, s) for s in params.stop if (i := text.find(s, window_start)) >= 0]
+    new = len(text) - delta_len
+    hits = [(i, s) for s in params.stop if (i := text.find(s, max(0, new - len(s) + 1))) >= 0]
     if not hits:
         return False
     index, stop = min(hits)
     request.output_text = (
         text[: index + len(stop)] if params.include_stop_str_in_output else text[:index]
     )
+    request.stop_reason = stop
     return True

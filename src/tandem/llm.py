@@ -28,6 +28,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[dict[int, float]] | None = None
+    stop_reason: int | str | None = None  # the stop string or stop token id; None for EOS
 
 
 @dataclass
@@ -274,7 +275,12 @@ def _request_output(request_id: str, group: list[Request]) -> RequestOutput:
         prompt_token_ids=first.prompt_token_ids,
         outputs=[
             CompletionOutput(
-                k, r.output_text, list(r.output_token_ids), r.finish_reason, r.logprobs
+                k,
+                r.output_text,
+                list(r.output_token_ids),
+                r.finish_reason,
+                r.logprobs,
+                r.stop_reason,
             )
             for k, r in enumerate(group)
         ],

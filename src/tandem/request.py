@@ -32,6 +32,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
+    # what stopped it, as vLLM says: the stop string or the stop_token_ids id (EOS: None)
+    stop_reason: int | str | None = None
     # Tokens whose KV is in the cache or being written by a step already launched.
     num_computed_tokens: int = 0
     # Sampled by a launched step, not yet read back (async batching: at most one).

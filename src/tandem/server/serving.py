@@ -53,6 +53,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # once finished: the stop string or stop token id
     started: bool = False  # a chunk was sent (chat sends the role first)
     num_cached_tokens: int = 0  # of its prompt, found in the prefix cache
     # with echo: the prompt's text and ids, and its logprobs from the first output
@@ -69,6 +70,7 @@ class Choice:
         self.token_ids += output.token_ids
         self.logprobs += output.logprobs or []
         self.finish_reason = output.finish_reason
+        self.stop_reason = output.stop_reason
 
 
 @dataclass(eq=False)  # by identity: OpenAIServing.open holds them
@@ -371,13 +373,13 @@ class CompletionFormat(Format):
         text_offset = echoed + len(choice.text) - len(output.text)
         return self._choice(
             index, output.text, output.token_ids, output.logprobs, output.finish_reason,
-            text_offset, echo, choice.prompt_logprobs,
+            output.stop_reason, text_offset, echo, choice.prompt_logprobs,
         )  # fmt: skip
 
     def final_choice(self, index: int, choice: Choice) -> dict:
         return self._choice(
-            index, choice.text, choice.token_ids, choice.logprobs, choice.finish_reason, 0,
-            choice.echo, choice.prompt_logprobs,
+            index, choice.text, choice.token_ids, choice.logprobs, choice.finish_reason,
+            choice.stop_reason, 0, choice.echo, choice.prompt_logprobs,
         )  # fmt: skip
 
     def _choice(
@@ -387,6 +389,7 @@ class CompletionFormat(Format):
         token_ids: list[int],
         logprobs: list[dict[int, float]] | None,
         finish_reason: str | None,
+        stop_reason: int | str | None,
         text_offset: int,
         echo: tuple[str, list[int]] | None = None,
         prompt_logprobs: list[dict[int, float] | None] | None = None,
@@ -405,6 +408,7 @@ class CompletionFormat(Format):
             if wants_logprobs
             else None,
             "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
             **self.token_ids(token_ids),
         }
 
@@ -467,6 +471,7 @@ class ChatFormat(Format):
             "delta": delta,
             "logprobs": self._logprobs(output.token_ids, output.logprobs),
             "finish_reason": finish_reason(output.finish_reason, choice.reader),
+            "stop_reason": output.stop_reason,
             **self.token_ids(output.token_ids),
         }
 
@@ -482,6 +487,7 @@ class ChatFormat(Format):
             "message": message,
             "logprobs": self._logprobs(choice.token_ids, choice.logprobs),
             "finish_reason": finish_reason(choice.finish_reason, reader),
+            "stop_reason": choice.stop_reason,
             **self.token_ids(choice.token_ids),
         }
 

@@ -159,6 +159,37 @@ def test_an_invalid_request_raises_value_error_and_others_still_run(llm):
     assert asyncio.run(main())[-1].num_output_tokens == 4
 
 
+async def drain(stream) -> list:
+    return [output async for output in stream]
+
+
+def test_an_id_whose_stream_is_still_open_is_in_use_even_once_its_request_finished(llm):
+    """A request finished as it was queued (scoring a one-token prompt) leaves the engine before
+    its stream ends: a second request under its id is refused, and the first stream ends."""
+
+    async def main():
+        scoring = SamplingParams(max_tokens=0, prompt_logprobs=1)
+        first = asyncio.ensure_future(llm.add_request("dup", scoring, prompt_token_ids=[5]))
+        second = asyncio.ensure_future(
+            llm.add_request("dup", SamplingParams(max_tokens=3), prompt_token_ids=[5, 6])
+        )
+        stream = await first
+        with pytest.raises(ValueError, match="already in use"):
+            await second
+        return await asyncio.wait_for(drain(stream), 30)
+
+    [output] = asyncio.run(main())
+    assert output.finished and output.finish_reason == "length"
+
+
+def test_generate_with_n_above_one_is_a_value_error_not_one_silent_sample(llm):
+    async def main():
+        with pytest.raises(ValueError, match="n=3"):
+            await collect(llm, PROMPTS[0], SamplingParams(n=3), "three")
+
+    asyncio.run(main())
+
+
 def test_the_idle_engine_thread_waits_on_its_queue(folder):
     engine = Engine(EngineConfig(model=folder, **ENGINE_ARGS))
     calls = itertools.count()

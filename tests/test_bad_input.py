@@ -93,6 +93,20 @@ BAD_SAMPLING = {
     "stop_token_ids_negative": ({"stop_token_ids": [-1]}, "stop_token_ids", ">= 0"),
     "max_tokens_past_int32": ({"max_tokens": 2**31}, "max_tokens", str(2**31 - 1)),
     "bad_words_past_1024": ({"bad_words": ["a"] * 1025}, "bad_words", "1024"),
+    # past float32: an inf temperature or a zero penalty made NaN logits that won every draw
+    "temperature_past_float32": ({"temperature": 1e39}, "temperature", "float32"),
+    "repetition_penalty_under_float32": (
+        {"repetition_penalty": 1e-50},
+        "repetition_penalty",
+        "float32",
+    ),
+    "repetition_penalty_past_float32": (
+        {"repetition_penalty": 1e39},
+        "repetition_penalty",
+        "float32",
+    ),
+    "skip_special_tokens_not_bool": ({"skip_special_tokens": 0}, "skip_special_tokens", "True"),
+    "ignore_eos_not_bool": ({"ignore_eos": "yes"}, "ignore_eos", "False"),
 }
 
 

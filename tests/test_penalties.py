@@ -18,6 +18,7 @@ from tandem.penalties import (
     PenaltyState,
     apply_dense,
     bad_word_token_ids,
+    check_request,
     fill_step_inputs,
     state_bytes,
 )
@@ -462,3 +463,12 @@ def test_the_fused_kernel_equals_the_torch_ops_it_replaces(count_dtype):
     apply_penalties(fused, counts, flags, state_rows, presence, frequency, repetition)
     torch.testing.assert_close(fused, expected, rtol=1e-6, atol=1e-6)
     assert torch.equal(fused.isinf(), expected.isinf())
+
+
+def test_bad_words_tokenized_past_the_models_vocabulary_are_a_value_error():
+    """A tokenizer may know more ids than the model has logits (added special tokens): such a
+    bad word is refused when the request is made, not met by the step's scatter."""
+    params = SamplingParams(bad_words=["<|extra|>"])
+    with pytest.raises(ValueError, match="704"):
+        check_request(params, [[705]], vocab_size=704)
+    check_request(params, [[703], [5, 703]], vocab_size=704)

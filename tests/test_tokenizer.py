@@ -120,6 +120,24 @@ def test_chat_template_from_tokenizer_config_with_tojson_and_strftime(make_tiny,
     assert "<b>café</b>" in expected
 
 
+def test_generation_tags_and_every_special_token_render_as_in_transformers(make_tiny, tmp_path):
+    """Templates trained with an assistant-only loss wrap the assistant's text in
+    {% generation %}; templates may name pad_token and unk_token."""
+    template = (
+        "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
+        "A:{{ m.content }}{{ eos_token }}{% endgeneration %}{% else %}U:{{ m.content }}"
+        "{% endif %}{% endfor %}|{{ pad_token }}|{{ unk_token }}"
+    )
+    folder = variant(
+        make_tiny("llama"), tmp_path / "m", drop_template=True, chat_template=template,
+        pad_token="<|pad|>", unk_token="<|unk|>",
+    )  # fmt: skip
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    expected = hf_tokenizer(folder).apply_chat_template(chat, tokenize=False)
+    assert "A:Yo" in expected and expected.endswith("|<|pad|>|<|unk|>")
+    assert Tokenizer.from_dir(folder).apply_chat_template(chat) == expected
+
+
 def test_chat_template_jinja_file_takes_precedence_over_config(make_tiny, tmp_path):
     folder = variant(make_tiny("qwen2"), tmp_path / "m", chat_template="IGNORED")
     assert Tokenizer.from_dir(folder).chat_template == CHAT_TEMPLATE

@@ -220,7 +220,13 @@ class AsyncLLM:
         """Stream one request's deltas; leaving the loop early aborts the request.
 
         `prompt` is text or {"prompt_token_ids": [...]}; raises ValueError if the engine rejects it.
+        One sample: n > 1 is a ValueError (make n requests, seed + k each, as the server does).
         """
+        if sampling_params.n != 1:
+            raise ValueError(
+                f"AsyncLLM.generate streams one sample, got n={sampling_params.n}; call it once "
+                "per sample (with seed + k for sample k, as LLM.generate and the server do)"
+            )
         if isinstance(prompt, str):
             text, ids = prompt, None
         else:
@@ -348,6 +354,8 @@ class AsyncLLM:
 
     def _add(self, add: _Add) -> None:
         try:
+            if add.request_id in self._sent:  # its stream has not ended (it may have finished)
+                raise ValueError(f"request_id {add.request_id!r} is already in use")
             request = self.engine.make_request(
                 add.request_id, add.params, add.prompt, add.prompt_token_ids, stream_text=True
             )

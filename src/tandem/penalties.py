@@ -84,6 +84,12 @@ def check_request(params: SamplingParams, bad_words: list[list[int]], vocab_size
         bad = next((t for t in ids if t >= vocab_size), None)
         if bad is not None:
             raise ValueError(f"{name} token ids must be in [0, {vocab_size}), got {bad}")
+    # a tokenizer may know more ids than the model has logits (added special tokens)
+    bad = next((t for s in bad_words for t in s if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(
+            f"bad_words make token id {bad}, past the model's vocabulary of {vocab_size}"
+        )
     if len(params.logit_bias or ()) > MAX_LOGIT_BIAS:
         raise ValueError(
             f"logit_bias has {len(params.logit_bias)} entries; at most {MAX_LOGIT_BIAS}"

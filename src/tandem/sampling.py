@@ -17,6 +17,8 @@ MAX_SEED = 2**63 - 1
 MAX_TOP_K = 2**31 - 1
 MAX_TOKENS = 2**31 - 1  # past any context (where max_tokens is cut); min_tokens fits an int64
 MAX_BAD_WORDS = 1024  # each is tokenized as the request is made, on the engine's thread
+FLOAT32_MAX = 3.4028234663852886e38  # past it a float32 is inf: inf temperatures make NaN logits
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32 (below: 0 or denormal)
 GREEDY_BELOW = 1e-5  # a temperature under it is greedy, as in vLLM (1e-39 overflowed logits / T)
 
 
@@ -71,9 +73,15 @@ class SamplingParams:
         if (
             not _is_number(self.temperature)
             or not math.isfinite(self.temperature)
-            or self.temperature < 0
+            or not 0 <= self.temperature <= FLOAT32_MAX
         ):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (at most {FLOAT32_MAX:.4g}, it "
+                f"travels as a float32), got {self.temperature!r}"
+            )
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         check_int("top_k", self.top_k, -1, "(0 or -1 disables it)")
@@ -121,8 +129,11 @@ class SamplingParams:
             if not _is_number(value) or not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
         rp = self.repetition_penalty
-        if not _is_number(rp) or not math.isfinite(rp) or rp <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {rp!r}")
+        if not _is_number(rp) or not math.isfinite(rp) or not FLOAT32_TINY <= rp <= FLOAT32_MAX:
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0 (within [{FLOAT32_TINY:.4g}, "
+                f"{FLOAT32_MAX:.4g}], it travels as a float32), got {rp!r}"
+            )
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 import jinja2
 import tokenizers
+from jinja2 import nodes
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -24,11 +26,18 @@ class Tokenizer:
         bos_token: str | None = None,
         eos_token: str | None = None,
         chat_template: str | None = None,
+        template_tokens: dict[str, Any] | None = None,
     ) -> None:
         self.backend = backend
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.chat_template = chat_template
+        # the special tokens a chat template may name, those set, as transformers passes them
+        # (bos_token and eos_token at least)
+        self.template_tokens = {
+            **(template_tokens or {}),
+            **{n: t for n, t in (("bos_token", bos_token), ("eos_token", eos_token)) if t},
+        }
         self._compiled_template = compile_chat_template(chat_template) if chat_template else None
         added = backend.get_added_tokens_decoder()
         # the ids decode(skip_special_tokens=True) drops: every added token marked special
@@ -57,7 +66,10 @@ class Tokenizer:
             chat_template = template_file.read_text(encoding="utf-8")
         else:
             chat_template = default_template(config.get("chat_template"))
-        return cls(backend, special["bos_token"], special["eos_token"], chat_template)
+        template_tokens = {name: text for name, text in special.items() if text is not None}
+        return cls(
+            backend, special["bos_token"], special["eos_token"], chat_template, template_tokens
+        )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; add_special_tokens runs tokenizer.json's post-processor (e.g. BOS)."""
@@ -94,12 +106,11 @@ class Tokenizer:
                 "tokenizer_config.json); send a plain text prompt instead of chat messages"
             )
         # like transformers, special tokens that are unset stay undefined in the template
-        specials = {"bos_token": self.bos_token, "eos_token": self.eos_token}
         return self._compiled_template.render(
             messages=messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
-            **{name: value for name, value in specials.items() if value is not None},
+            **self.template_tokens,
         )
 
 
@@ -146,10 +157,25 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
 
+class GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}`, which templates trained with an assistant-only
+    loss put around the assistant's text: transformers marks where it is; a prompt needs only
+    the text inside."""
+
+    tags: ClassVar[set[str]] = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[nodes.Node]:
+        next(parser.stream)  # the tag's name
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile a chat template in a sandbox with the globals and filters transformers provides."""
+    """Compile a chat template in a sandbox with the globals, filters and tags transformers
+    provides."""
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=["jinja2.ext.loopcontrols", GenerationTag],
     )
     env.filters["tojson"] = to_json
     env.globals["raise_exception"] = raise_template_error

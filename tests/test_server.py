@@ -34,7 +34,7 @@ from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.server.app import build_app
 from tandem.server.options import ServerOptions
-from tandem.server.serving import sse
+from tandem.server.serving import CompletionFormat, sse
 
 ENGINE_ARGS = {"max_model_len": 512, "block_size": 8}
 MODEL = "tiny-llama"
@@ -219,6 +219,18 @@ def test_stop_string_cuts_the_text_and_streaming_never_shows_what_is_cut(client,
     assert full.choices[0].model_extra["stop_reason"] == stop  # vLLM's field
     chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
     assert chat.choices[0].model_extra["stop_reason"] is None  # cut by max_tokens
+
+
+def test_legacy_top_logprobs_keep_the_likeliest_of_ids_that_share_a_text(server):
+    """Lone bytes of a character all decode to "\ufffd": keyed by text, the top-1 must not be
+    overwritten by the token after it in the entry (lm-eval's is_greedy reads the max)."""
+    tokenizer = server.llm.engine.tokenizer
+    lone = [i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]) == "\ufffd"][:3]
+    assert len(lone) == 3
+    fmt = CompletionFormat(MODEL, tokenizer, generation=None)
+    # as entries are written: the top ids by rank, then the token itself
+    entry = {lone[0]: -0.1, 5: -2.0, lone[1]: -19.7}
+    assert fmt._by_text(entry) == {"\ufffd": -0.1, tokenizer.decode([5]): -2.0}
 
 
 def test_a_seed_reproduces_the_same_sample(client):

@@ -426,11 +426,19 @@ class CompletionFormat(Format):
             "token_logprobs": [
                 None if e is None else e[t] for t, e in zip(token_ids, entries, strict=True)
             ],
-            "top_logprobs": [
-                None if e is None else {self.piece(i): lp for i, lp in e.items()} for e in entries
-            ],
+            "top_logprobs": [None if e is None else self._by_text(e) for e in entries],
             "text_offset": self._text_offsets(text, token_ids, tokens, text_offset),
         }
+
+    def _by_text(self, entry: dict[int, float]) -> dict[str, float]:
+        """An entry keyed by each id's text. Ids can share one (lone bytes of a character all
+        decode to "\ufffd"): the text keeps the larger logprob, so the most likely token is never
+        hidden by a less likely one written after it (lm-eval's is_greedy reads the max)."""
+        by_text: dict[str, float] = {}
+        for token_id, logprob in entry.items():
+            text = self.piece(token_id)
+            by_text[text] = max(logprob, by_text.get(text, logprob))
+        return by_text
 
     def _text_offsets(
         self, text: str, token_ids: list[int], tokens: list[str], start: int

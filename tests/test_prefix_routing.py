@@ -70,3 +70,16 @@ def test_removing_a_replica_moves_only_the_keys_it_owned():
     moved = [k for k in keys if before[k] != after[k]]
     assert moved and all(before[k] == "b" for k in moved)
     assert all(after[k] == ring_order(k, ["a", "b", "c"])[1] for k in moved)  # to its next
+
+
+def test_bodies_that_are_no_request_route_anywhere_without_raising():
+    """The router must not fail on what the app answers with a 400: a lone surrogate (which
+    the ring cannot hash), a text part that is no string, JSON nested too deep."""
+    surrogate = json.dumps({"prompt": "a \ud800"}).encode()
+    assert prefix_key("/v1/completions", surrogate, BLOCK) is None
+    numeric = {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}
+    assert (
+        prefix_key("/v1/chat/completions", json.dumps(numeric).encode(), BLOCK) == "chat:user: \n"
+    )
+    deep = b'{"prompt": ' + b"[" * 100_000
+    assert prefix_key("/v1/completions", deep, BLOCK) is None

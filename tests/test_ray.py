@@ -6,6 +6,7 @@ greedy outputs do not depend on the batch, and seeded sampling does not depend o
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import socket
 import threading
@@ -90,6 +91,38 @@ def test_ray_data_over_two_actors_matches_one_engine(local_ray, folder):
     bad = by_prompt["bad"]
     assert sorted(b["error"].split(" ")[0] for b in bad) == ["sampling_params:", "temperature"]
     assert all(b["generated_token_ids"] is None for b in bad)
+
+
+def test_a_batch_of_mixed_rows_comes_back_as_plain_columns_each_bad_row_on_its_own(folder):
+    """Ray Data hands a batch over as numpy object columns; one holding an id array on one row
+    and None on the next is a column Arrow cannot type (write_json then failed in every retry),
+    so every column comes back as Python lists. A row whose sampling_params is no dict fails
+    alone, with its error."""
+    import numpy as np
+    import pyarrow as pa
+
+    from tandem.ray.data import LLMPredictor
+
+    def objects(*values):
+        column = np.empty(len(values), dtype=object)
+        column[:] = values
+        return column
+
+    batch = {
+        "prompt_token_ids": objects(np.array([5, 6, 7]), None, None),
+        "prompt": objects(None, "The engine", "bad"),
+        "sampling_params": objects({"max_tokens": 3}, {"max_tokens": 2}, '{"max_tokens": 2}'),
+    }
+    predictor = LLMPredictor(folder, **ENGINE_ARGS)
+    try:
+        out = asyncio.run(predictor(batch))
+    finally:
+        predictor.llm.shutdown()
+    assert out["prompt_token_ids"] == [[5, 6, 7], None, None]
+    pa.table({k: v for k, v in out.items() if k != "sampling_params"})  # typed, as Arrow needs
+    assert [len(ids or []) for ids in out["generated_token_ids"]] == [3, 2, 0]
+    assert out["error"][:2] == [None, None]
+    assert "sampling_params must be a dict" in out["error"][2]
 
 
 # ---- tandem run-batch --data-parallel-size 2 ------------------------------------------------

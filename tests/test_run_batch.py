@@ -39,6 +39,9 @@ BAD_BODIES = {  # custom_id -> (body, the param its 400 names)
     "unsupported": ({"prompt": "x", "best_of": 3}, "best_of"),
     "other-model": ({"prompt": "x", "model": "gpt-4o"}, "model"),
     "no-prompt": ({"max_tokens": 3}, "prompt"),
+    # bodies httpx's own JSON encoder refuses: they reach the app, which answers each alone
+    "nan-temperature": ({"prompt": "x", "temperature": float("nan")}, "temperature"),
+    "lone-surrogate": ({"prompt": "a \ud800 b"}, "prompt"),
 }
 BAD_LINES = [  # (line, custom_id it keeps)
     (request("embeddings", {"input": "x"}, url="/v1/embeddings"), "embeddings"),
@@ -50,6 +53,7 @@ BAD_LINES = [  # (line, custom_id it keeps)
     ('{"custom_id": "torn", "method": ', None),
     (json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}), None),
     ("[1, 2]", None),
+    ("[" * 100_000, None),  # nested past the json decoder's recursion limit
 ]
 
 
@@ -132,10 +136,32 @@ def test_every_line_is_answered_once_good_ones_as_the_offline_llm(answered, fold
 
 def test_bad_lines_say_which_line_and_what_is_wrong(batch):
     errors = [b["error"]["message"] for b in read_batch_file(batch).bad_lines]
-    assert errors[0].startswith("line 10: url must be one of")
+    first_bad_line = len(GOOD) + len(BAD_BODIES) + 2  # after them and one blank line
+    assert errors[0].startswith(f"line {first_bad_line}: url must be one of")
     assert any("is not valid JSON" in e for e in errors)
     assert any("custom_id must be a string" in e for e in errors)
     assert any("body.stream must be false" in e for e in errors)
+
+
+def test_a_line_is_read_alone_whatever_its_bytes(tmp_path):
+    """A "\r" inside a line is JSON whitespace, not a line end; a line that is not UTF-8 is a
+    bad line of its own, not the end of the file."""
+    good = request("cr", {"prompt": "x"}).replace('"method"', '\r"method"')
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(good.encode() + b"\n" + b'{"custom_id": "\xff"}\n' + request("b", {}).encode())
+    batch = read_batch_file(path)
+    assert [r.custom_id for r in batch.requests] == ["cr", "b"]
+    [bad] = batch.bad_lines
+    assert bad["error"]["message"].startswith("line 2 is not UTF-8 text")
+
+
+def test_only_output_lines_count_as_finished_and_a_pipe_is_not_read_back(batch, tmp_path):
+    """An output path holding request lines (the input itself, by mistake) answers nothing; a
+    path that is no regular file (/dev/stdout) is not read before the run writes to it."""
+    same = tmp_path / "same.jsonl"
+    same.write_text(batch.read_text())
+    assert resume_output(same).custom_ids == set()
+    assert resume_output("/dev/null").custom_ids == set()
 
 
 def test_repeated_custom_ids_reject_the_file(tmp_path):

@@ -5,6 +5,7 @@ or /v1/chat/completions. An output line is
 {"id", "custom_id", "response": {"status_code", "request_id", "body"} | null, "error"}:
 `error` is null for a 200 and {"code", "message"} otherwise. A line that cannot be read as a
 request (not JSON, no string custom_id) is answered with "custom_id": null and no response.
+Lines end at "\n" and each is decoded on its own, so one that is not UTF-8 is one bad line.
 
 Output lines are appended as requests finish. Re-running with the same output file answers
 only what it lacks: the lines of finished custom_ids stay, one torn by an interruption is
@@ -54,6 +55,8 @@ def parse_line(text: str, line_number: int) -> BatchRequest:
         line = json.loads(text)
     except json.JSONDecodeError as error:
         raise BatchLineError(f"{where} is not valid JSON: {error}") from error
+    except RecursionError:
+        raise BatchLineError(f"{where} is nested too deep to read") from None
     if not isinstance(line, dict):
         raise BatchLineError(f"{where} must be a JSON object, got {type(line).__name__}")
     custom_id = line.get("custom_id")
@@ -79,19 +82,26 @@ def parse_line(text: str, line_number: int) -> BatchRequest:
 def read_batch_file(path: str | Path) -> BatchFile:
     """Every non-blank line as a request or an error line; duplicate custom_ids reject the file."""
     requests, bad_lines = [], []
-    with open(path, encoding="utf-8") as f:
-        for number, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            try:
-                requests.append(parse_line(text, number))
-            except BatchLineError as error:
-                bad_lines.append(error_line(error.custom_id, LINE_ERROR_CODE, str(error)))
+    # lines end at "\n" alone (a "\r" inside one is JSON whitespace), each decoded on its own
+    for number, raw in enumerate(Path(path).read_bytes().split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        try:
+            requests.append(parse_line(decode_line(raw, number), number))
+        except BatchLineError as error:
+            bad_lines.append(error_line(error.custom_id, LINE_ERROR_CODE, str(error)))
     ids = Counter([r.custom_id for r in requests] + [b["custom_id"] for b in bad_lines])
     repeated = sorted(i for i, count in ids.items() if i is not None and count > 1)
     if repeated:
         raise ValueError(f"{path}: custom_id must be unique; repeated: {repeated[:5]}")
     return BatchFile(requests, bad_lines)
+
+
+def decode_line(raw: bytes, line_number: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise BatchLineError(f"line {line_number} is not UTF-8 text: {error}") from None
 
 
 def response_line(custom_id: str, status_code: int, body: Any) -> dict[str, Any]:
@@ -137,7 +147,7 @@ class Finished:
 def resume_output(path: str | Path) -> Finished:
     """Read what `path` answers, rewriting it without a torn last line or 5xx lines if it has them."""
     target = Path(path)
-    if not target.exists():
+    if not target.is_file():  # none yet, or a pipe such as /dev/stdout: nothing to resume
         return Finished(set())
     kept, dropped = [], False
     with open(target, encoding="utf-8") as f:
@@ -162,10 +172,10 @@ def _finished_line(text: str) -> dict[str, Any] | None:
         return None  # the run stopped while writing it
     try:
         line = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
-    if not isinstance(line, dict) or "custom_id" not in line:
-        return None
+    if not isinstance(line, dict) or not {"custom_id", "response", "error"} <= set(line):
+        return None  # not an output line (an input line has no response or error)
     status = (line.get("response") or {}).get("status_code", 200)
     return None if status >= 500 else line
 

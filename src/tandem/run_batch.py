@@ -44,7 +44,11 @@ class BatchAnswerer:
         self.client = httpx.AsyncClient(transport=transport, base_url="http://batch", timeout=None)
 
     async def answer(self, request: BatchRequest) -> dict[str, Any]:
-        response = await self.client.post(request.url, json=request.body)
+        # encoded as Python's json does (NaN, escaped surrogates): the app answers what the body
+        # holds with a 400, where httpx's own encoder would raise before sending it
+        content = json.dumps(request.body)
+        headers = {"Content-Type": "application/json"}
+        response = await self.client.post(request.url, content=content, headers=headers)
         if not self.llm.is_running:
             raise RuntimeError(
                 f"the engine stopped while answering {request.custom_id!r}; the lines written "

@@ -102,7 +102,11 @@ class LLMPredictor:
         rows = rows_of(batch)
         outputs = await asyncio.gather(*(self._generate(row) for row in rows))
         columns = {name: [getattr(o, name) for o in outputs] for name in OUTPUT_COLUMNS}
-        return {**batch, **columns}
+        # the input columns as Python lists too: a numpy object column mixing arrays and None
+        # (ids on one row, a text prompt on the next) is one Arrow cannot type, and writing
+        # it out (write_json) failed in every retry
+        given = {name: [row[name] for row in rows] for name in batch}
+        return {**given, **columns}
 
     async def _generate(self, row: dict[str, Any]) -> RowOutput:
         try:
@@ -126,8 +130,8 @@ class LLMPredictor:
             out.logprobs = [{"token_ids": list(e), "logprobs": list(e.values())} for e in entries]
         return out
 
-    def _params(self, given: dict[str, Any] | None) -> SamplingParams:
-        row = check_sampling_fields({k: v for k, v in (given or {}).items() if not missing(v)})
+    def _params(self, given: Any) -> SamplingParams:
+        row = check_sampling_fields({} if missing(given) else given)
         params = SamplingParams(**{**self.defaults, **row})
         if params.n != 1:
             raise ValueError(f"n must be 1 here (one row, one sample), got {params.n}")
@@ -135,8 +139,10 @@ class LLMPredictor:
 
 
 def check_sampling_fields(params: Any) -> dict[str, Any]:
+    """The fields set (an unset cell, which a row gets for another row's field, is left out)."""
     if not isinstance(params, dict):
         raise TypeError(f"sampling_params must be a dict, got {type(params).__name__}")
+    params = {k: v for k, v in params.items() if not missing(v)}
     unknown = sorted(set(params) - SAMPLING_FIELDS)
     if unknown:
         raise ValueError(

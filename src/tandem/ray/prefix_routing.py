@@ -23,15 +23,26 @@ def prefix_key(path: str, body: bytes, block_size: int) -> str | None:
     """The routing key of a POST body to /v1/completions or /v1/chat/completions, else None."""
     try:
         request = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return None
     if not isinstance(request, dict):
         return None
     if path == "/v1/completions":
-        return _prompt_key(request.get("prompt"), block_size)
-    if path == "/v1/chat/completions":
-        return _messages_key(request.get("messages"), block_size)
-    return None
+        key = _prompt_key(request.get("prompt"), block_size)
+    elif path == "/v1/chat/completions":
+        key = _messages_key(request.get("messages"), block_size)
+    else:
+        return None
+    # the ring hashes UTF-8: a key with a lone surrogate routes anywhere (the app says 400)
+    return key if key is None or _encodable(key) else None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _prompt_key(prompt: Any, block_size: int) -> str | None:
@@ -53,7 +64,9 @@ def _messages_key(messages: Any, block_size: int) -> str | None:
             return None
         content = message.get("content")
         if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            content = "".join(
+                p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+            )
         lines.append(f"{message.get('role')}: {content}\n")
     return "chat:" + "".join(lines)[: block_size * CHARS_PER_TOKEN]
 

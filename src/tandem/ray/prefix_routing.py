@@ -15,6 +15,8 @@ import hashlib
 import json
 from typing import Any
 
+from tandem.server.protocol import encodable
+
 CHARS_PER_TOKEN = 4  # about, for English text
 POINTS_PER_REPLICA = 64  # ring points per replica: keys spread evenly over a few replicas
 
@@ -33,16 +35,12 @@ def prefix_key(path: str, body: bytes, block_size: int) -> str | None:
         key = _messages_key(request.get("messages"), block_size)
     else:
         return None
-    # the ring hashes UTF-8: a key with a lone surrogate routes anywhere (the app says 400)
-    return key if key is None or _encodable(key) else None
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    if key is None:
+        return None
+    try:  # the ring hashes UTF-8: a key with a lone surrogate routes anywhere (the app: 400)
+        return encodable(key)
+    except ValueError:
+        return None
 
 
 def _prompt_key(prompt: Any, block_size: int) -> str | None:

@@ -147,6 +147,42 @@ def test_chat_applies_the_chat_template_to_system_user_and_assistant_messages(cl
     assert response.usage.prompt_tokens == len(want[0].prompt_token_ids)
 
 
+def test_chat_continues_the_final_message_as_llm_chat_does(client, offline):
+    """vLLM's chat template options: the prompt ends inside the assistant's message (no end of
+    message, no new assistant turn), for the chat route and LLM.chat alike."""
+    messages = [*MESSAGES[:2], {"role": "assistant", "content": "The KV"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    response = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_body=options
+    )
+    params = SamplingParams(max_tokens=8, temperature=0)
+    [want] = offline.chat(messages, params, use_tqdm=False, **options)
+    assert response.choices[0].message.content == want.outputs[0].text
+    assert response.usage.prompt_tokens == len(want.prompt_token_ids)
+    tokenizer = offline.get_tokenizer()
+    text = tokenizer.decode(want.prompt_token_ids, skip_special_tokens=False)
+    assert text.endswith("assistant\nThe KV")
+
+
+def test_tokenize_takes_the_chat_template_options(server, offline):
+    messages = [*MESSAGES[:2], {"role": "assistant", "content": "The KV"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    tokens = post(server, "/tokenize", {"messages": messages, **options}).json()["tokens"]
+    [want] = offline.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False, **options)
+    assert tokens == want.prompt_token_ids
+
+
+def test_chat_template_options_that_cannot_work_are_400s(server):
+    for options, param in [
+        ({"continue_final_message": True}, "messages"),  # beside add_generation_prompt
+        ({"chat_template_kwargs": {"messages": []}}, "messages"),
+        ({"chat_template_kwargs": "thinking"}, None),
+    ]:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, **options}
+        assert_openai_error(post(server, "/v1/chat/completions", body), 400, param)
+    assert post(server, "/v1/chat/completions", {**body, "chat_template_kwargs": {}}).is_success
+
+
 def test_chat_without_max_tokens_may_fill_the_context(client):
     response = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, temperature=0, extra_body={"ignore_eos": True}

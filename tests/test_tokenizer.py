@@ -108,6 +108,68 @@ def test_chat_template_matches_transformers(make_tiny, arch, add_generation_prom
         assert ours.apply_chat_template(chat, add_generation_prompt) == expected
 
 
+CONTINUED = [
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "  spaced out \n"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hi"}],  # twice
+    [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+]
+# a template that renders list content and reads a variable of chat_template_kwargs
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for p in m.content %}{{ p.text }}{% endfor %}{% endif %}</{{ m.role }}>\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% if not enable_thinking | default(true) %}"
+    "<think></think>{% endif %}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("chat", CONTINUED)
+def test_continue_final_message_cuts_as_transformers_does(make_tiny, tmp_path, chat):
+    folder = variant(
+        make_tiny("qwen2"), tmp_path / "m", drop_template=True, chat_template=THINKING_TEMPLATE
+    )
+    expected = hf_tokenizer(folder).apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    ours = Tokenizer.from_dir(folder).apply_chat_template(chat, False, continue_final_message=True)
+    assert ours == expected
+    assert not ours.endswith(f"</{chat[-1]['role']}>\n")
+
+
+@pytest.mark.parametrize("kwargs", [None, {"enable_thinking": False}, {"enable_thinking": True}])
+def test_chat_template_kwargs_reach_the_template_as_in_transformers(make_tiny, tmp_path, kwargs):
+    folder = variant(
+        make_tiny("qwen2"), tmp_path / "m", drop_template=True, chat_template=THINKING_TEMPLATE
+    )
+    expected = hf_tokenizer(folder).apply_chat_template(
+        CHATS[1], tokenize=False, add_generation_prompt=True, **(kwargs or {})
+    )
+    ours = Tokenizer.from_dir(folder).apply_chat_template(CHATS[1], chat_template_kwargs=kwargs)
+    assert ours == expected
+    assert ours.endswith("<think></think>") == (kwargs == {"enable_thinking": False})
+
+
+def test_chat_template_options_refuse_what_cannot_work(make_tiny, tmp_path):
+    tokenizer = Tokenizer.from_dir(make_tiny("qwen2"))
+    chat = CONTINUED[0]
+    with pytest.raises(ValueError, match="cannot both be true"):
+        tokenizer.apply_chat_template(chat, True, continue_final_message=True)
+    for kwargs in ({"messages": []}, {"add_generation_prompt": False}, {1: 2}, ["x"]):
+        with pytest.raises(ValueError, match="chat_template_kwargs"):
+            tokenizer.apply_chat_template(chat, chat_template_kwargs=kwargs)
+    folder = variant(
+        make_tiny("qwen2"), tmp_path / "a", drop_template=True, chat_template=THINKING_TEMPLATE
+    )
+    with pytest.raises(ValueError, match="no text to continue"):
+        Tokenizer.from_dir(folder).apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}]}], False, continue_final_message=True
+        )
+    template = "{% for m in messages[:-1] %}{{ m.content }}{% endfor %}"  # drops the last one
+    folder = variant(make_tiny("qwen2"), tmp_path / "b", drop_template=True, chat_template=template)
+    with pytest.raises(ValueError, match="does not contain"):
+        Tokenizer.from_dir(folder).apply_chat_template(chat, False, continue_final_message=True)
+
+
 def test_chat_template_from_tokenizer_config_with_tojson_and_strftime(make_tiny, tmp_path):
     template = (
         "{{ bos_token }}{% for m in messages %}{{ m | tojson }}{% endfor %}"

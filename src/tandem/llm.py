@@ -156,14 +156,24 @@ class LLM:
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation, then generate. The template's
+        options as vLLM's LLM.chat takes them (`Tokenizer.apply_chat_template`)."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         try:
-            texts = [tokenizer.apply_chat_template(c) for c in conversations]
+            texts = [
+                tokenizer.apply_chat_template(
+                    c, add_generation_prompt, tools, continue_final_message, chat_template_kwargs
+                )
+                for c in conversations
+            ]
         except jinja2.TemplateError as error:  # e.g. a message without "role" or "content"
             raise ValueError(f"chat template failed on the messages: {error}") from error
         prompts = [

@@ -97,21 +97,75 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """Render chat messages (and the tools they may call, OpenAI's {"type": "function",
-        "function": {...}} objects) to the prompt text; encode it with add_special_tokens=False."""
+        "function": {...}} objects) to the prompt text; encode it with add_special_tokens=False.
+
+        As transformers and vLLM do: `continue_final_message` ends the text right after the last
+        message's content, so that the model continues that message (with
+        add_generation_prompt=False); `chat_template_kwargs` are more variables for the template
+        (e.g. Qwen3's enable_thinking)."""
         if self._compiled_template is None:
             raise ValueError(
                 "this model has no chat template (no chat_template.jinja and no chat_template in "
                 "tokenizer_config.json); send a plain text prompt instead of chat messages"
             )
+        if add_generation_prompt and continue_final_message:
+            raise ValueError(
+                "add_generation_prompt and continue_final_message cannot both be true: set "
+                "add_generation_prompt to false to continue the final message"
+            )
+        extra = template_kwargs(chat_template_kwargs)
         # like transformers, special tokens that are unset stay undefined in the template
-        return self._compiled_template.render(
+        text = self._compiled_template.render(
+            **{**self.template_tokens, **extra},
             messages=messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
-            **self.template_tokens,
         )
+        return continued(text, messages) if continue_final_message else text
+
+
+# the variables apply_chat_template sets itself
+TEMPLATE_ARGUMENTS = ("messages", "tools", "add_generation_prompt")
+
+
+def template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """`chat_template_kwargs` checked: a dict of names other than the template's own arguments."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError("chat_template_kwargs must be an object of names to values")
+    taken = [k for k in TEMPLATE_ARGUMENTS if k in kwargs]
+    if taken:
+        raise ValueError(
+            f"chat_template_kwargs may not set {', '.join(taken)}: they are arguments of their own"
+        )
+    return kwargs
+
+
+def continued(text: str, messages: list[dict[str, Any]]) -> str:
+    """`text` cut right after the final message's content (its last text part), as
+    transformers' continue_final_message does; a ValueError where the template dropped it."""
+    content = messages[-1].get("content") if messages and isinstance(messages[-1], dict) else None
+    if isinstance(content, list | tuple):
+        texts = [
+            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+        ]
+        content = texts[-1] if texts else None
+    if not isinstance(content, str):
+        raise ValueError("continue_final_message: the final message has no text to continue")
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise ValueError(
+            "continue_final_message: the chat template's text does not contain the final "
+            "message's content, so there is nothing to continue"
+        )
+    # with its trailing space where the template kept it, else stripped
+    end = at + len(content.lstrip())
+    return text[:end] if text[at:end] == content.lstrip() else text[: at + len(content.strip())]
 
 
 class IncrementalDetokenizer:

@@ -85,9 +85,7 @@ def build_app(
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError("give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            _, tokens = await asyncio.to_thread(
-                chat_ids, tokenizer, body.messages, body.tools, body.add_generation_prompt
-            )
+            _, tokens = await asyncio.to_thread(chat_ids, tokenizer, body)
         else:
             tokens = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.max_model_len}

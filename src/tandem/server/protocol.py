@@ -219,6 +219,10 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # False: tool_choice "required" makes one call
+    # the chat template's options, as vLLM takes them (Tokenizer.apply_chat_template)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[Text, Any] | None = None
 
 
 class TokenizeRequest(BaseModel):
@@ -228,6 +232,8 @@ class TokenizeRequest(BaseModel):
     tools: list[Tool] | None = None  # given to the chat template with the messages
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[Text, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):

@@ -23,11 +23,10 @@ from tandem.server.metrics import LatencyTracker, ServerMetrics
 from tandem.server.options import ServerOptions
 from tandem.server.protocol import (
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     OpenAIError,
     SamplingRequest,
-    Tool,
+    TokenizeRequest,
     encodable,
 )
 from tandem.server.tool_calls import NamedToolOutput, OutputReader, PlainOutput, collect
@@ -169,7 +168,7 @@ class OpenAIServing:
             raise OpenAIError("top_logprobs needs logprobs set to true", param="top_logprobs")
         mode = tool_mode(body, self.options.tool_call_parser)
         constraint = output_constraint(body, mode.constraint)
-        text, ids = await asyncio.to_thread(chat_ids, self.tokenizer(), body.messages, body.tools)
+        text, ids = await asyncio.to_thread(chat_ids, self.tokenizer(), body)
         max_tokens = next(
             (m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
             max(1, self.llm.max_model_len - len(ids)),
@@ -543,29 +542,25 @@ def check_supported(body: SamplingRequest) -> None:
 
 
 def chat_ids(
-    tokenizer: Tokenizer,
-    messages: list[ChatMessage],
-    tools: list[Tool] | None = None,
-    add_generation_prompt: bool = True,
+    tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeRequest
 ) -> tuple[str, list[int]]:
-    """The rendered chat prompt and its token ids."""
-    text = chat_prompt(tokenizer, messages, tools, add_generation_prompt)
+    """The rendered chat prompt of a request's messages and its token ids."""
+    text = chat_prompt(tokenizer, body)
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
-def chat_prompt(
-    tokenizer: Tokenizer,
-    messages: list[ChatMessage],
-    tools: list[Tool] | None = None,
-    add_generation_prompt: bool = True,
-) -> str:
-    """The messages rendered by the chat template; a 400 if the template refuses them."""
+def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeRequest) -> str:
+    """The request's messages rendered by the chat template with its options; a 400 if the
+    template or the options refuse them."""
+    tools = body.tools
     try:
         return encodable(
             tokenizer.apply_chat_template(
-                [m.as_template_input() for m in messages],
-                add_generation_prompt,
-                tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
+                [m.as_template_input() for m in body.messages],
+                body.add_generation_prompt,
+                [t.model_dump(exclude_none=True) for t in tools] if tools else None,
+                body.continue_final_message,
+                body.chat_template_kwargs,
             )
         )  # JSON the template renders may unescape a lone surrogate ("\\ud800") into it
     except ValueError as error:  # no template, the template's raise_exception, a surrogate

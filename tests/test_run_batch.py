@@ -31,7 +31,8 @@ def request(custom_id: str, body: dict, url: str = "/v1/completions") -> str:
 GOOD = {
     "greedy": ({"model": MODEL, "prompt": "The engine", "max_tokens": 8, "temperature": 0}, None),
     "seeded": ({"prompt": "Once upon", "max_tokens": 9, "temperature": 0.9, "seed": 7}, None),
-    "ids": ({"prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0}, None),
+    # "false" as text: no stream, as the server reads it
+    "ids": ({"prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0, "stream": "false"}, None),
     "chat": ({"messages": MESSAGES, "max_tokens": 6, "temperature": 0}, "/v1/chat/completions"),
 }
 BAD_BODIES = {  # custom_id -> (body, the param its 400 names)
@@ -50,6 +51,7 @@ BAD_LINES = [  # (line, custom_id it keeps)
         "get",
     ),
     (request("streamed", {"prompt": "x", "stream": True}), "streamed"),
+    (request("streamed-text", {"prompt": "x", "stream": "true"}), "streamed-text"),
     ('{"custom_id": "torn", "method": ', None),
     (json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}), None),
     ("[1, 2]", None),

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 BATCH_URLS = ("/v1/completions", "/v1/chat/completions")
 LINE_ERROR_CODE = "invalid_batch_line"
 
@@ -73,10 +75,20 @@ def parse_line(text: str, line_number: int) -> BatchRequest:
     body = line.get("body")
     if not isinstance(body, dict):
         raise BatchLineError(f"{where}: body must be a JSON object", custom_id)
-    if body.get("stream"):
+    if streams(body.get("stream")):
         message = f"{where}: body.stream must be false or unset; a batch answers each request whole"
         raise BatchLineError(message, custom_id)
     return BatchRequest(custom_id, url, body)
+
+
+def streams(value: Any) -> bool:
+    """Whether a body's `stream` asks for a stream, read as the server reads it (pydantic's
+    bool: "false", "0", "no" and 0 are false). A value that is no bool at all is left to the
+    request's own validation, which answers that line with a 400."""
+    try:
+        return bool(TypeAdapter(bool | None).validate_python(value))
+    except ValidationError:
+        return False
 
 
 def read_batch_file(path: str | Path) -> BatchFile:

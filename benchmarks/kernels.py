@@ -516,10 +516,11 @@ def sweep_decode_splits() -> None:
         print(f"{name:<14} us by splits  " + "  ".join(cells), flush=True)
 
 
-def sweep_decode_tiles(kv_dtype: torch.dtype = torch.bfloat16) -> None:
+def sweep_decode_tiles(kv_dtype: torch.dtype = torch.bfloat16, only_default: bool = False) -> None:
     """Each tile shape on the workloads' own decode shapes (small: Qwen3-0.6B's 16 heads over 8 KV
     heads, 256 ragged contexts longest first; seed: Llama-3-8B at 32 x 1K), in µs, * the default.
-    `kv_dtype` e4m3: an FP8 cache, with 256-key tiles in the sweep too."""
+    `kv_dtype` e4m3: an FP8 cache, with 256-key tiles in the sweep too. `only_default`: the
+    tiles each shape takes by default, and nothing else."""
     shapes = {
         "small 256x100-1100": dict(batch=256, context=600, ragged=(100, 1100, True), num_heads=16),
         "small 256x100-2000": dict(batch=256, context=1050, ragged=(100, 2000, True), num_heads=16),
@@ -530,6 +531,12 @@ def sweep_decode_tiles(kv_dtype: torch.dtype = torch.bfloat16) -> None:
     default = DecodeTiles()
     best: tuple[float, DecodeTiles] | None = None
     fp8 = kv_dtype != torch.bfloat16
+    if only_default:
+        times = {
+            name: bench_decode(kv_dtype=kv_dtype, **shape)["ms"] for name, shape in shapes.items()
+        }
+        print("default tiles, us  " + "  ".join(f"{n}:{1000 * ms:.1f}" for n, ms in times.items()))
+        return
     for block_n in (64, 128, 256) if fp8 else (32, 64, 128):
         for num_warps in (4, 8) if fp8 else (2, 4, 8):
             for num_stages in (2, 3, 4) if fp8 else (1, 2, 3, 4):
@@ -592,13 +599,16 @@ def main() -> None:
     parser.add_argument("--sweep-decode-splits", action="store_true", help="only this sweep")
     parser.add_argument("--sweep-fp8-fusion", action="store_true", help="only this sweep")
     parser.add_argument("--sweep-shared-prefix", action="store_true", help="only this sweep")
+    parser.add_argument("--decode-shapes", action="store_true",
+                        help="only the decode tile sweep's shapes, at the default tiles")  # fmt: skip
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="--sweep-decode-tiles over an e4m3 cache")  # fmt: skip
     args = parser.parse_args()
     HEAD_DIM = args.head_dim
-    if args.sweep_decode_tiles:
-        sweep_decode_tiles(torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16)
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
+    if args.sweep_decode_tiles or args.decode_shapes:
+        sweep_decode_tiles(kv_dtype, only_default=args.decode_shapes)
         return
     if args.sweep_small_ops:
         sweep_small_ops()

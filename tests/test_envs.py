@@ -44,6 +44,8 @@ def test_unset_switches_take_their_defaults(monkeypatch):
     assert envs.current() == {
         "TANDEM_FUSED_KERNELS": True,
         "TANDEM_PDL": True,
+        "TANDEM_FP8_V_BITS": True,
+        "TANDEM_SPLIT_MERGE": True,
         "TANDEM_SPLITK": True,
         "TANDEM_FP8_FUSED_QUANT": True,
         "TANDEM_PIECEWISE": True,

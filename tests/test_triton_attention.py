@@ -81,6 +81,57 @@ def test_decode_matches_reference(
     torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("merge", [False, True])
+@pytest.mark.parametrize("splits", [2, 5, 32])
+def test_split_partials_merged_by_the_last_split_or_the_reduce_match_reference(
+    merge, splits, monkeypatch
+):
+    """Merged by the last split of each sequence's KV head to finish (no reduce launch), which
+    sets its arrival count back to zero, so that launch after launch (as graph replays) the
+    counts start from zero; contexts shorter than the splits leave some splits without keys."""
+    num_kv_heads, group, head_dim, block_size = 2, 4, 64, 16
+    dtype = DTYPES[-1]
+    monkeypatch.setattr(
+        triton_backend.TritonAttention, "last_split_merges", staticmethod(lambda *_: merge)
+    )
+    reduces = []
+    monkeypatch.setattr(
+        triton_backend, "reduce_kernel", ReduceSpy(reduces, triton_backend.reduce_kernel)
+    )
+    backend = attention(num_kv_heads, group, head_dim, num_splits=splits)
+    for seed, seq_lens in enumerate([[300, 3, 64], [1, 17], [130, 129, 16, 2]]):
+        cache = make_cache(64, block_size, num_kv_heads, head_dim, dtype, seed)
+        tables = block_tables_for(seq_lens, block_size, 24, 64, seed)
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+        q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim).to(dtype).to(DEVICE)
+        out = torch.empty_like(q)
+        meta = AttentionMetadata(lens, lens, lens, tables, decode_only=True)
+        backend.decode(q, out, cache, meta, head_dim**-0.5)
+        expected = decode_attention(q.float(), cache.float(), tables, lens, head_dim**-0.5)
+        torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+        assert not backend.arrivals.any()
+    assert len(reduces) == (0 if merge else 3)
+
+
+def test_the_last_split_merges_batches_of_several_sequences_in_up_to_four_splits(monkeypatch):
+    merges = triton_backend.TritonAttention.last_split_merges
+    assert merges(32, 2) and merges(16, 4) and merges(2, 3)
+    assert not merges(1, 2) and not merges(1, 32) and not merges(8, 8)
+    monkeypatch.setattr(triton_backend, "SPLIT_MERGE", False)  # TANDEM_SPLIT_MERGE=0
+    assert not merges(32, 2)
+
+
+class ReduceSpy:
+    """A kernel that counts its launches."""
+
+    def __init__(self, launches: list, kernel):
+        self.launches, self.kernel = launches, kernel
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
+
+
 @pytest.mark.parametrize("tiles", [DecodeTiles(16, 2, 1), DecodeTiles(64, 8, 4)])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_tile_shapes_match_reference(tiles, splits):

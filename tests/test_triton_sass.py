@@ -41,7 +41,7 @@ COMPILE = textwrap.dedent(
              "scale": "fp32", "v_scale": "fp32"}
     constants = dict(GROUP=2, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128, HEAD_PAD=128,
                      BLOCK_SIZE=16, BLOCK_N=int(block_n), MAX_SPLITS=32, SOFT_CAP=0.0,
-                     DIRECT=True, ORDERED=True, CASCADE=False, EARLY_START=False,
+                     DIRECT=True, ORDERED=True, CASCADE=False, EARLY_START=False, MERGE=False,
                      PDL=False)
     names = decode_kernel.arg_names
     signature = {n: "constexpr" if n in constants else types.get(n, "*i32" if n.endswith("_ptr")

@@ -28,6 +28,12 @@ SWITCHES = {
                "q/k norm + rotary + K/V store, the sampler)"),
         Switch("TANDEM_PDL", "1", "0, 1",
                "0: Triton kernels launch plainly, without programmatic dependent launch (Hopper)"),
+        Switch("TANDEM_FP8_V_BITS", "1", "0, 1",
+               "0: the attention kernels widen the V tiles of an FP8 KV cache to float16 by the "
+               "cvt instruction, not by integer bit operations"),
+        Switch("TANDEM_SPLIT_MERGE", "1", "0, 1",
+               "0: decode batches of 2-4 splits merge their partials in a reduce launch, not in "
+               "the last split of each sequence's KV head to finish"),
         Switch("TANDEM_SPLITK", "1", "0, 1",
                "0: the decode steps' o and down projections through cuBLAS, not the split-K "
                "Triton kernel"),
@@ -72,6 +78,14 @@ def fused_kernels() -> bool:
 
 def pdl() -> bool:
     return _flag("TANDEM_PDL")
+
+
+def fp8_v_bits() -> bool:
+    return _flag("TANDEM_FP8_V_BITS")
+
+
+def split_merge() -> bool:
+    return _flag("TANDEM_SPLIT_MERGE")
 
 
 def splitk() -> bool:
@@ -165,6 +179,8 @@ def parse_decode_tiles(
 READERS = {
     "TANDEM_FUSED_KERNELS": fused_kernels,
     "TANDEM_PDL": pdl,
+    "TANDEM_FP8_V_BITS": fp8_v_bits,
+    "TANDEM_SPLIT_MERGE": split_merge,
     "TANDEM_SPLITK": splitk,
     "TANDEM_FP8_FUSED_QUANT": fp8_fused_quant,
     "TANDEM_PIECEWISE": piecewise,

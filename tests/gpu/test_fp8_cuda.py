@@ -314,3 +314,32 @@ def test_fused_activation_quantization_gives_the_unfused_tokens_and_logits(
     unfused_tokens, unfused_logits = fused_quant_run(folder, monkeypatch, on=False)
     assert tokens == unfused_tokens
     assert torch.equal(logits, unfused_logits)
+
+
+def test_v_tiles_of_an_fp8_cache_widen_to_float16_exactly():
+    """Every finite e4m3 value through the attention kernels' widening of V tiles: its value,
+    or its value / 256 where the kernels widen by bits (`triton_kernels._v_factor` says which,
+    and the products take the 256 back)."""
+    import triton
+    import triton.language as tl
+
+    from tandem.attention import triton_kernels as tk
+
+    @triton.jit
+    def widen(x_ptr, out_ptr, factor_ptr):
+        rows, cols = tl.arange(0, 16)[:, None], tl.arange(0, 16)[None, :]
+        x = tl.load(x_ptr + rows * 16 + cols)
+        q = tl.zeros((16, 16), tl.float16)
+        tl.store(out_ptr + rows * 16 + cols, tk._cache_tile_as(x, q))
+        tl.store(factor_ptr, tk._v_factor(x_ptr, q))
+
+    codes = torch.arange(256, dtype=torch.uint8, device="cuda")
+    x = codes.view(E4M3)
+    out = torch.empty(256, dtype=torch.float16, device="cuda")
+    factor = torch.empty(1, dtype=torch.float32, device="cuda")
+    widen[(1,)](x, out, factor)
+    finite = ~x.float().isnan()
+    assert finite.sum() == 254  # 0x7f and 0xff are e4m3's NaNs, never stored
+    expected = x.float()[finite] / factor.item()
+    assert factor.item() in (1.0, 256.0)
+    torch.testing.assert_close(out.float()[finite], expected, atol=0, rtol=0)

@@ -22,6 +22,7 @@ from tandem.config import cdiv, next_power_of_2
 from tandem.model.fused import num_sms
 
 MAX_SPLITS = 32
+SPLIT_MERGE = envs.split_merge()
 SHARED_PREFIX_SPLITS = 8  # most splits of one group's shared keys
 MAX_HEAD_DIM = 256
 NO_WINDOW = 1 << 30  # the kernels' window argument when attention is not windowed
@@ -137,6 +138,9 @@ class TritonAttention:
         self.partial_ml = torch.empty(
             max_seqs, num_heads, MAX_SPLITS, 2, dtype=torch.float32, device=device
         )
+        # splits of each sequence's KV head done so far in a launch: [max_seqs, num_kv_heads]
+        # int32, zero between launches (the merging split sets it back)
+        self.arrivals = torch.zeros(max_seqs, num_kv_heads, dtype=torch.int32, device=device)
 
     def __call__(
         self,
@@ -182,6 +186,17 @@ class TritonAttention:
         wanted = cdiv(self.num_sms, num_seqs * self.num_kv_heads)
         return min(MAX_SPLITS, next_power_of_2(wanted))
 
+    @staticmethod
+    def last_split_merges(num_seqs: int, splits: int) -> bool:
+        """Whether the last split of each sequence's KV head to finish merges the partials
+        (decode_kernel's MERGE) instead of a reduce launch: batches of several sequences in 2-4
+        splits. H200, graph-replayed (`kernels.py --sweep-decode-splits`, µs, reduce / merge):
+        Qwen3-30B-A3B 32 x 640 in 2 splits 17.0 / 14.3, 32 x 1,152 29.9 / 27.7, 16 x 640 in 4
+        11.9 / 11.5; Llama-3-8B 16 x 1K in 2 25.5 / 24.4. One sequence in many splits lost:
+        its 4 or 8 merging programs read up to 32 partials each while the rest of the device
+        idles (batch 1 x 400 in 32 splits 4.7 / 12.6, in 4 7.5 / 8.4)."""
+        return SPLIT_MERGE and num_seqs > 1 and splits <= 4
+
     def tiles_for(self, num_seqs: int) -> DecodeTiles:
         if num_seqs == 1:
             return self.single_sequence_tiles
@@ -215,6 +230,7 @@ class TritonAttention:
         # one split writes the output: with shared prefixes too, merging their partials itself
         # (without it a reduce launch over every row: rollout, 27 µs a layer on the H200)
         direct = splits == 1
+        merge = not direct and shared is None and self.last_split_merges(num_seqs, splits)
         # beside the shared-prefix kernel (see decode_kernel), where its reads come from the L2
         early = direct and shared is not None and kv_cache.element_size() == 2
 
@@ -222,18 +238,19 @@ class TritonAttention:
             decode_kernel[(self.num_kv_heads, num_seqs, splits)](
                 q, out, self.partial_out, self.partial_ml, kv_cache, meta.block_tables,
                 meta.seq_lens, meta.seq_lens if order is None else order, prefix_lens,
-                q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale, v_scale,
+                self.arrivals, q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale, v_scale,
                 splits, prefix_splits, sliding_window or NO_WINDOW, GROUP=self.group,
                 GROUP_PAD=group_pad,
                 NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim, HEAD_PAD=self.head_pad,
                 BLOCK_SIZE=kv_cache.shape[2], BLOCK_N=tiles.block_n, MAX_SPLITS=MAX_SPLITS,
                 SOFT_CAP=soft_cap, DIRECT=direct, ORDERED=order is not None,
-                CASCADE=shared is not None, EARLY_START=early, num_warps=tiles.num_warps,
+                CASCADE=shared is not None, EARLY_START=early, MERGE=merge,
+                num_warps=tiles.num_warps,
                 num_stages=tiles.num_stages, **self.decode_options, **pdl.launch_args(q.device),
             )  # fmt: skip
 
         launch_fitting(self.fitted, (tiles, q.dtype, kv_cache.dtype), tiles, launch)
-        if direct:
+        if direct or merge:
             return
         reduce_kernel[(num_seqs * self.num_heads,)](
             self.partial_out, self.partial_ml, out, prefix_lens, splits, prefix_splits,

@@ -17,11 +17,23 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tandem import pdl
+from tandem import envs, pdl
 
 # Triton's CPU interpreter (the tests without a GPU), which runs no inline PTX; it is chosen
 # when the kernels are defined, as here
 INTERPRETED = tl.constexpr(triton.knobs.runtime.interpret)
+# V tiles of an FP8 cache widen to float16 by integer bit operations (TANDEM_FP8_V_BITS=0: cvt)
+V_BITS = tl.constexpr(envs.fp8_v_bits())
+# An e4m3 byte b read as the float16 with bits (b & 0x80) << 8 | (b & 0x7f) << 7 is b's value
+# / 256, exactly (subnormals included; e4m3's NaN, never stored, would read as a finite value):
+# two byte permutes, then a shift and masks per pair, all on the integer pipes.
+E4M3_BITS_SCALE = tl.constexpr(256.0)
+_E4M3_BITS_ASM = tl.constexpr(
+    "{ .reg .b32 a, b, s, t;"
+    " prmt.b32 a, $2, 0, 0x1404; prmt.b32 b, $2, 0, 0x3424;"
+    " shr.b32 s, a, 1; and.b32 s, s, 0x3F803F80; and.b32 a, a, 0x80008000; or.b32 $0, a, s;"
+    " shr.b32 t, b, 1; and.b32 t, t, 0x3F803F80; and.b32 b, b, 0x80008000; or.b32 $1, b, t; }"
+)
 
 
 @triton.jit
@@ -50,7 +62,17 @@ def _cache_tile_as(x, q):
     warps, 2 stages, with V through here: LDS.U8 384 before, none after; 6,687 instructions
     against 4,376; 255 registers against 190. K's dot reads 4 contiguous bytes a thread
     anyway; K through here too: 4,170 instructions, 226 registers, 53 KB of shared memory
-    against 39 (fewer programs fit an SM)."""
+    against 39 (fewer programs fit an SM).
+
+    With V_BITS (the default) V's e4m3 bytes widen by bit operations instead: the cvt
+    instructions halve, and the conversion of V no longer waits on their pipe (sm_90: 168
+    registers against 190). H200, graph-replayed: small's ragged decode shapes 111.7 / 177.2 µs
+    against 119.6 / 190.5 with cvt; its uniform 256 x 600 123.0 against 121.5, and Llama-3-8B's
+    256 x 1K 189.3 against 185.5. K by bits too, or half of V's pairs by each, gained nothing."""
+    if x.dtype == tl.float8e4nv and q.dtype == tl.float16 and not INTERPRETED and V_BITS:
+        return tl.inline_asm_elementwise(  # the values / 256 (`_v_factor`)
+            _E4M3_BITS_ASM, "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4
+        )
     if x.dtype == tl.float8e4nv and q.dtype == tl.float16 and not INTERPRETED:
         return tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2;"
@@ -62,6 +84,15 @@ def _cache_tile_as(x, q):
             pack=4,
         )
     return x.to(q.dtype)
+
+
+@triton.jit
+def _v_factor(cache_ptr, q):
+    """256 where V tiles of this cache widen by bits (their values come out / 256), else 1."""
+    fp8 = cache_ptr.dtype.element_ty == tl.float8e4nv
+    if fp8 and q.dtype == tl.float16 and V_BITS and not INTERPRETED:
+        return E4M3_BITS_SCALE
+    return 1.0
 
 
 @triton.jit
@@ -130,6 +161,9 @@ def _attend_tile(
     row_sum = row_sum * alpha + tl.sum(p, axis=1)
     if q.dtype == tl.float32:
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    elif V_BITS:  # v / 256 where widened by bits: p * 256 <= 256, as precise as p
+        p_scaled = p * _v_factor(cache_ptr, q)
+        acc = acc * alpha[:, None] + tl.dot(p_scaled.to(q.dtype), v)
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
     return m_new, row_sum, acc
@@ -148,15 +182,23 @@ def _merge_partials(
     row_dims,
     dims,
     HEAD_DIM: tl.constexpr,
+    CACHE: tl.constexpr,  # the loads' cache modifier: ".cg" for partials of this launch
 ):
     """The online softmax's state after `count` more partials of the same rows (as
     `reduce_kernel` merges them, one at a time)."""
     for i in range(count):
         at = first + i
-        part_max = tl.load(partial_ml_ptr + at * 2, mask=row_valid, other=float("-inf"))
-        part_sum = tl.load(partial_ml_ptr + at * 2 + 1, mask=row_valid, other=0.0)
+        part_max = tl.load(
+            partial_ml_ptr + at * 2, mask=row_valid, other=float("-inf"), cache_modifier=CACHE
+        )
+        part_sum = tl.load(
+            partial_ml_ptr + at * 2 + 1, mask=row_valid, other=0.0, cache_modifier=CACHE
+        )
         part_acc = tl.load(
-            partial_out_ptr + at[:, None] * HEAD_DIM + dims[None, :], mask=row_dims, other=0.0
+            partial_out_ptr + at[:, None] * HEAD_DIM + dims[None, :],
+            mask=row_dims,
+            other=0.0,
+            cache_modifier=CACHE,
         )
         m_new = tl.maximum(row_max, part_max)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -265,6 +307,7 @@ def decode_kernel(
     seq_lens_ptr,
     seq_order_ptr,  # [num_seqs] int32: the sequences in launch order (longest first), if ORDERED
     prefix_lens_ptr,  # [num_seqs] int32: leading keys shared_prefix_kernel covers, if CASCADE
+    arrivals_ptr,  # [max_seqs, num_kv_heads] int32, zeros between launches: splits done, if MERGE
     q_token_stride,
     block_table_stride,
     kv_half_stride,
@@ -286,10 +329,12 @@ def decode_kernel(
     ORDERED: tl.constexpr,
     CASCADE: tl.constexpr,  # keys before prefix_lens[seq] are left to shared_prefix_kernel
     EARLY_START: tl.constexpr,  # DIRECT with CASCADE: run beside shared_prefix_kernel, see below
+    MERGE: tl.constexpr,  # not DIRECT: the last split of a sequence's KV head to finish merges
     PDL: tl.constexpr,
 ):
     """Split s of a sequence covers an equal share of the key tiles in its window (past its
-    shared prefix, with CASCADE); `reduce_kernel` merges them. DIRECT with CASCADE: the one
+    shared prefix, with CASCADE); `reduce_kernel` merges them, or with MERGE the last of them to
+    finish (counted in `arrivals`, which it sets back to zero), with no launch of its own. DIRECT with CASCADE: the one
     split merges the shared prefix's partials of its rows itself, which shared_prefix_kernel
     wrote before this launch began (the PDL wait orders it after that kernel).
 
@@ -366,19 +411,49 @@ def decode_kernel(
         if key_base > 0:  # a grouped row (CASCADE): its prefix partials follow its own split
             row_max, row_sum, acc = _merge_partials(
                 row_max, row_sum, acc, partial_out_ptr, partial_ml_ptr, row * MAX_SPLITS + 1,
-                num_prefix_splits, row_valid, row_dims, dims, HEAD_DIM,
+                num_prefix_splits, row_valid, row_dims, dims, HEAD_DIM, "",
             )  # fmt: skip
-        out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
-        tl.store(
-            out_ptr + row[:, None] * HEAD_DIM + dims[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_dims,
-        )
+        _store_output(out_ptr, row, acc, row_sum, row_dims, dims, HEAD_DIM)
     else:
         base = (seq.to(tl.int64) * (GROUP * NUM_KV_HEADS) + head) * MAX_SPLITS + split
         tl.store(partial_out_ptr + base[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_dims)
         tl.store(partial_ml_ptr + base * 2, row_max, mask=row_valid)
         tl.store(partial_ml_ptr + base * 2 + 1, row_sum, mask=row_valid)
+        if MERGE:
+            _fence()  # each thread's partials visible on the device before the count
+            tl.debug_barrier()
+            arrival = arrivals_ptr + seq * NUM_KV_HEADS + kv_head
+            if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                _fence()  # the other splits' partials, read from the L2 (.cg)
+                tl.store(arrival, 0)
+                row = seq.to(tl.int64) * (GROUP * NUM_KV_HEADS) + head
+                row_max, row_sum, acc = _merge_partials(
+                    tl.full([GROUP_PAD], float("-inf"), tl.float32),
+                    tl.zeros([GROUP_PAD], tl.float32), tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32),
+                    partial_out_ptr, partial_ml_ptr, row * MAX_SPLITS, num_splits, row_valid,
+                    row_dims, dims, HEAD_DIM, ".cg",
+                )  # fmt: skip
+                _store_output(out_ptr, row, acc, row_sum, row_dims, dims, HEAD_DIM)
+
+
+@triton.jit
+def _store_output(out_ptr, row, acc, row_sum, row_dims, dims, HEAD_DIM: tl.constexpr):
+    """The rows' attention, acc / row_sum (0 where no key was seen), at their output rows."""
+    out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+    tl.store(
+        out_ptr + row[:, None] * HEAD_DIM + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_dims,
+    )
+
+
+@triton.jit
+def _fence():
+    """fence.acq_rel.gpu in every thread (the interpreter runs programs one after another)."""
+    if not INTERPRETED:
+        tl.inline_asm_elementwise(
+            "fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # a per-step value: see prefill_kernel

@@ -107,6 +107,17 @@ BAD_SAMPLING = {
     ),
     "skip_special_tokens_not_bool": ({"skip_special_tokens": 0}, "skip_special_tokens", "True"),
     "ignore_eos_not_bool": ({"ignore_eos": "yes"}, "ignore_eos", "False"),
+    "truncate_prompt_tokens_zero": ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "-1"),
+    "truncate_prompt_tokens_below_minus_one": (
+        {"truncate_prompt_tokens": -2},
+        "truncate_prompt_tokens",
+        ">= 1",
+    ),
+    "truncate_prompt_tokens_bool": (
+        {"truncate_prompt_tokens": True},
+        "truncate_prompt_tokens",
+        "1",
+    ),
 }
 
 
@@ -199,6 +210,22 @@ def test_token_id_out_of_vocab_message_states_the_vocab_range(llm):
     with pytest.raises(ValueError, match="prompt_token_ids") as error:
         llm.generate({"prompt_token_ids": [vocab_size(llm)]}, GREEDY, use_tqdm=False)
     assert_names(error, f"[0, {vocab_size(llm)})", str(vocab_size(llm)))
+
+
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+def test_truncate_prompt_tokens_reads_the_prompts_last_tokens_as_vllm_does(folder, async_batching):
+    """The tokens of a prompt cut to its last k equal transformers' greedy continuation of those
+    k; -1 keeps max_model_len - 1, so a prompt too long for the model still runs."""
+    llm = LLM(str(folder), max_model_len=MAX_LEN, block_size=8, async_batching=async_batching)
+    ids = list(range(3, 3 + 2 * MAX_LEN))
+    for keep, kept in [(5, ids[-5:]), (-1, ids[-(MAX_LEN - 1) :]), (200, ids[:20])]:
+        prompt = ids[:20] if keep == 200 else ids  # k past the prompt's length keeps it all
+        params = SamplingParams(temperature=0, max_tokens=1, truncate_prompt_tokens=keep)
+        [out] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        assert out.prompt_token_ids == kept
+        assert out.outputs[0].token_ids == transformers_greedy(folder, tuple(kept), 1)
+    with pytest.raises(ValueError, match="max_model_len"):  # no truncation: still too long
+        llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
 
 
 def test_prompt_one_token_short_of_max_model_len_gets_exactly_one_token(llm):

@@ -154,3 +154,20 @@ def test_bad_echo_requests_are_400s_naming_the_field(server, path, body, field):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == field and field in error["message"]
+
+
+def test_echo_of_a_truncated_prompt_is_the_part_the_model_read(client, server, folder):
+    """truncate_prompt_tokens=3: the echo is the prompt's last 3 tokens, their text and their
+    logprobs (the first of them has none: nothing before it was read)."""
+    ids = prompt_ids(server)[-3:]
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, echo=True, max_tokens=0, logprobs=1,
+        extra_body={"truncate_prompt_tokens": 3},
+    )  # fmt: skip
+    choice = response.choices[0]
+    assert response.usage.prompt_tokens == 3
+    assert choice.text == server[1].tokenizer.decode(ids, skip_special_tokens=False)
+    assert choice.logprobs.token_logprobs[0] is None
+    rows = reference(folder, tuple(ids))
+    for p in (1, 2):
+        assert abs(choice.logprobs.token_logprobs[p] - rows[p - 1, ids[p]].item()) < TOLERANCE

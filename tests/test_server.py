@@ -183,6 +183,25 @@ def test_chat_template_options_that_cannot_work_are_400s(server):
     assert post(server, "/v1/chat/completions", {**body, "chat_template_kwargs": {}}).is_success
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, offline):
+    """As vLLM's field: the completion reads only the last k prompt tokens (usage counts them),
+    and a chat without max_tokens may fill the context left after the cut."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    response = client.completions.create(**body, extra_body={"truncate_prompt_tokens": 2})
+    ids = offline.get_tokenizer().encode(PROMPT)[-2:]
+    [want] = offline.generate(
+        {"prompt_token_ids": ids}, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False
+    )
+    assert response.usage.prompt_tokens == 2
+    assert response.choices[0].text == want.outputs[0].text
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0,
+        extra_body={"ignore_eos": True, "truncate_prompt_tokens": 5},
+    )  # fmt: skip
+    assert chat.usage.prompt_tokens == 5
+    assert chat.usage.total_tokens == ENGINE_ARGS["max_model_len"]
+
+
 def test_chat_without_max_tokens_may_fill_the_context(client):
     response = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, temperature=0, extra_body={"ignore_eos": True}

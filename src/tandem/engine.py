@@ -37,7 +37,7 @@ from tandem.prompt_logprobs import store as store_prompt_logprobs
 from tandem.request import Request
 from tandem.roofline import step_work
 from tandem.runner import Runner
-from tandem.sampling import SamplingParams
+from tandem.sampling import SamplingParams, truncate_prompt
 from tandem.scheduler import Scheduler
 from tandem.sleep import LEVELS, DeviceMemory
 from tandem.structured import BACKEND as GRAMMAR_BACKEND
@@ -327,7 +327,11 @@ class Engine:
                     "this model has no tokenizer.json; pass prompt_token_ids instead of text"
                 )
             prompt_token_ids = self.tokenizer.encode(prompt)
-        prompt_token_ids = self._check_token_ids(list(prompt_token_ids))
+        prompt_token_ids = self._check_token_ids(
+            truncate_prompt(
+                list(prompt_token_ids), params.truncate_prompt_tokens, self.max_model_len
+            )
+        )
         self._check_n(params, len(prompt_token_ids))
         for token_id in params.stop_token_ids:
             if token_id >= self.model_config.vocab_size:

@@ -51,6 +51,8 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)  # never completed in the output
     # the output follows a JSON schema, regex, choice or grammar (structured.py)
     structured_outputs: StructuredOutputsParams | None = None
+    # keep only the prompt's last k tokens (-1: as many as max_model_len leaves room for)
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,6 +95,8 @@ class SamplingParams:
             check_int("seed", self.seed, 0)
             if self.seed > MAX_SEED:
                 raise ValueError(f"seed must be <= {MAX_SEED}, got {self.seed}")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
+            check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, "or -1")
         check_int("max_tokens", self.max_tokens, 0)
         if self.max_tokens > MAX_TOKENS:
             raise ValueError(f"max_tokens must be <= {MAX_TOKENS}, got {self.max_tokens}")
@@ -290,3 +294,12 @@ def top_logprobs_of(logprobs: torch.Tensor, sampled: torch.Tensor, num_top: int)
     sampled_logprob = logprobs.gather(1, sampled[:, None])[:, 0]
     top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
     return sampled_logprob, top_ids, top_logprobs
+
+
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last `keep` tokens (SamplingParams.truncate_prompt_tokens, as vLLM's); -1
+    keeps max_model_len - 1, the most that leaves room for a new token; None keeps all."""
+    if keep is None:
+        return ids
+    keep = max_model_len - 1 if keep == -1 else keep
+    return ids[-keep:] if len(ids) > keep else ids

@@ -113,6 +113,7 @@ class SamplingRequest(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[Text] | None = None
     return_token_ids: bool | None = None  # add each choice's generated token ids
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: all that fit)
     response_format: ResponseFormat | None = None
     # StructuredOutputsParams' fields (tandem/structured.py): one constraint and its options
     structured_outputs: dict[str, Any] | None = None

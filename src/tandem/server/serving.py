@@ -17,7 +17,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.async_llm import AsyncLLM, EngineDeadError, RequestStream, StreamOutput
-from tandem.sampling import MAX_SEED, SamplingParams
+from tandem.sampling import MAX_SEED, SamplingParams, truncate_prompt
 from tandem.server.constraints import constraint_field, output_constraint, tool_mode
 from tandem.server.metrics import LatencyTracker, ServerMetrics
 from tandem.server.options import ServerOptions
@@ -147,12 +147,21 @@ class OpenAIServing:
         params = sampling_params(
             body, max_tokens, body.logprobs, prompt_logprobs, output_constraint(body)
         )
+        prompts = [self._kept(text, ids, params) for text, ids in prompts]
         generation = await self._start("cmpl", prompts, params, body)
         if body.echo:
             for i, choice in enumerate(generation.choices):
                 text, ids = prompts[i // params.n]
                 choice.echo = (self._prompt_text(text, ids), ids)
         return await self._respond(generation, CompletionFormat, body, http)
+
+    def _kept(
+        self, text: str | None, ids: list[int], params: SamplingParams
+    ) -> tuple[str | None, list[int]]:
+        """The prompt the model reads: its last `truncate_prompt_tokens` ids (their text left to
+        decoding where that cut them), else the prompt as given."""
+        kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.llm.max_model_len)
+        return (text, ids) if len(kept) == len(ids) else (None, kept)
 
     def _prompt_text(self, text: str | None, ids: list[int]) -> str:
         if text is not None:
@@ -169,15 +178,16 @@ class OpenAIServing:
         mode = tool_mode(body, self.options.tool_call_parser)
         constraint = output_constraint(body, mode.constraint)
         text, ids = await asyncio.to_thread(chat_ids, self.tokenizer(), body)
+        kept = truncate_prompt(ids, body.truncate_prompt_tokens, self.llm.max_model_len)
         max_tokens = next(
             (m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
-            max(1, self.llm.max_model_len - len(ids)),
+            max(1, self.llm.max_model_len - len(kept)),
         )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling_params(body, max_tokens, logprobs, None, constraint)
         if not mode.skip_special_tokens:
             params = replace(params, skip_special_tokens=False)
-        generation = await self._start("chatcmpl", [(text, ids)], params, body)
+        generation = await self._start("chatcmpl", [self._kept(text, ids, params)], params, body)
         generation.reader = mode.reader
         return await self._respond(generation, ChatFormat, body, http)
 
@@ -594,6 +604,7 @@ def sampling_params(
         "repetition_penalty",
         "allowed_token_ids",
         "bad_words",
+        "truncate_prompt_tokens",
     )
     given = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
     if body.logit_bias is not None:

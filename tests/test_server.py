@@ -529,6 +529,36 @@ def test_unimplemented_fields_at_values_that_ask_for_nothing_are_accepted(server
     assert post(server, "/v1/chat/completions", chat).status_code == 200
 
 
+def test_special_tokens_and_stop_strings_in_the_text_as_the_offline_llm(client, offline):
+    """vLLM's skip_special_tokens and include_stop_str_in_output: with only a special token
+    allowed the text is empty, or that token's text; a stop string ends the text, or is kept."""
+    tokenizer = offline.get_tokenizer()
+    special = tokenizer.eos_token_id
+    for skip in (True, False):
+        fields = {"allowed_token_ids": [special], "ignore_eos": True, "skip_special_tokens": skip}
+        response = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=3, extra_body=fields
+        )
+        params = SamplingParams(max_tokens=3, **fields)
+        [want] = offline.generate(PROMPT, params, use_tqdm=False)[0].outputs
+        assert response.choices[0].text == want.text
+        assert (want.text == "") == skip
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    stop = plain.choices[0].text[4:6]
+    assert stop.strip()
+    for keep in (False, True):
+        response = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop],
+            extra_body={"include_stop_str_in_output": keep},
+        )  # fmt: skip
+        params = SamplingParams(
+            max_tokens=12, temperature=0, stop=[stop], include_stop_str_in_output=keep
+        )
+        [want] = offline.generate(PROMPT, params, use_tqdm=False)[0].outputs
+        assert response.choices[0].text == want.text
+        assert want.text.endswith(stop) == keep
+
+
 def test_chat_top_logprobs_needs_logprobs_and_is_at_most_20(server):
     body = {"messages": MESSAGES, "max_tokens": 2}
     without_logprobs = {**body, "top_logprobs": 3}

@@ -35,8 +35,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
     "tools": ([],),  # /v1/completions: chat declares tools and tool_choice
     "tool_choice": ("none", "auto"),
-    "skip_special_tokens": (True,),
-    "include_stop_str_in_output": (False,),
 }
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
 
@@ -113,6 +111,8 @@ class SamplingRequest(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[Text] | None = None
     return_token_ids: bool | None = None  # add each choice's generated token ids
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: all that fit)
     response_format: ResponseFormat | None = None
     # StructuredOutputsParams' fields (tandem/structured.py): one constraint and its options

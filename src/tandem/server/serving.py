@@ -605,6 +605,8 @@ def sampling_params(
         "allowed_token_ids",
         "bad_words",
         "truncate_prompt_tokens",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
     )
     given = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
     if body.logit_bias is not None:

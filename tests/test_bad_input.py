@@ -337,6 +337,12 @@ BAD_ENGINE_ARGS = {
     "unknown_load_format": ({"load_format": "pt"}, "load_format", "'dummy'"),
     "unknown_device": ({"device": "tpu"}, "device", "'cuda'"),
     "unknown_attention_backend": ({"attention_backend": "flash"}, "attention_backend", "'torch'"),
+    "enforce_eager_not_bool": ({"enforce_eager": "yes"}, "enforce_eager", "True or False"),
+    "enforce_eager_with_cuda_graphs": (
+        {"enforce_eager": True, "cuda_graphs": True},
+        "enforce_eager",
+        "cuda_graphs=True",
+    ),
 }
 
 
@@ -353,6 +359,15 @@ def test_cuda_graphs_on_cpu_are_rejected(folder):
     with pytest.raises(ValueError, match="cuda_graphs") as error:
         LLM(str(folder), device="cpu", cuda_graphs=True, max_model_len=MAX_LEN)
     assert_names(error, "device='cuda'")
+
+
+def test_enforce_eager_turns_cuda_graphs_off_as_in_vllm(folder, monkeypatch):
+    """The decision the engine makes on a CUDA device (faked here: the tests have no GPU)."""
+    llm = LLM(str(folder), max_model_len=MAX_LEN)
+    monkeypatch.setattr(llm.engine, "device", torch.device("cuda"))
+    assert llm.engine._use_cuda_graphs()
+    monkeypatch.setattr(llm.engine.config, "enforce_eager", True)
+    assert not llm.engine._use_cuda_graphs()
 
 
 def test_max_model_len_above_max_position_embeddings_is_rejected(folder):

@@ -253,3 +253,12 @@ def test_serve_on_a_port_past_65535_is_a_one_line_error(tiny_dir):
     assert result.stderr.strip().splitlines() == [
         "tandem: error: --port 99999: a port is in 0-65535"
     ]
+
+
+def test_enforce_eager_reaches_the_engine_as_vllms_flag():
+    from tandem.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["generate", "m", "x", "--enforce-eager"])
+    assert engine_kwargs(args)["enforce_eager"] is True
+    args = build_parser().parse_args(["serve", "m"])
+    assert engine_kwargs(args)["enforce_eager"] is False

@@ -310,6 +310,7 @@ class EngineConfig:
     attention_backend: str | None = None  # "triton" on CUDA, "torch" elsewhere
     async_batching: bool = True
     cuda_graphs: bool | None = None
+    enforce_eager: bool = False  # vLLM's name for cuda_graphs=False: every step runs eagerly
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
     quantization: str | None = None  # "fp8": FP8 weights of a bf16 checkpoint, made at load
@@ -344,6 +345,12 @@ class EngineConfig:
             )
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"deterministic must be True or False, got {self.deterministic!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        if self.enforce_eager and self.cuda_graphs:
+            raise ValueError(
+                "enforce_eager=True runs no CUDA graphs: it contradicts cuda_graphs=True"
+            )
         if self.deterministic and self.tensor_parallel_size > 1:
             raise ValueError(
                 "deterministic=True runs on one device: the all-reduce of tensor_parallel_size > 1 "

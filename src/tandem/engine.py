@@ -770,7 +770,8 @@ class Engine:
     def _use_cuda_graphs(self) -> bool:
         if self.config.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs device='cuda'")
-        return self.device.type == "cuda" and self.config.cuda_graphs is not False
+        eager = self.config.cuda_graphs is False or self.config.enforce_eager
+        return self.device.type == "cuda" and not eager
 
 
 def _is_token_id(value: object) -> bool:

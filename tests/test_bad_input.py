@@ -338,6 +338,7 @@ BAD_ENGINE_ARGS = {
     "unknown_device": ({"device": "tpu"}, "device", "'cuda'"),
     "unknown_attention_backend": ({"attention_backend": "flash"}, "attention_backend", "'torch'"),
     "enforce_eager_not_bool": ({"enforce_eager": "yes"}, "enforce_eager", "True or False"),
+    "trust_remote_code_not_bool": ({"trust_remote_code": 1}, "trust_remote_code", "True or False"),
     "enforce_eager_with_cuda_graphs": (
         {"enforce_eager": True, "cuda_graphs": True},
         "enforce_eager",
@@ -362,8 +363,9 @@ def test_cuda_graphs_on_cpu_are_rejected(folder):
 
 
 def test_enforce_eager_turns_cuda_graphs_off_as_in_vllm(folder, monkeypatch):
-    """The decision the engine makes on a CUDA device (faked here: the tests have no GPU)."""
-    llm = LLM(str(folder), max_model_len=MAX_LEN)
+    """The decision the engine makes on a CUDA device (faked here: the tests have no GPU); vLLM's
+    trust_remote_code is taken too (tandem runs no checkpoint code)."""
+    llm = LLM(str(folder), max_model_len=MAX_LEN, trust_remote_code=True)
     monkeypatch.setattr(llm.engine, "device", torch.device("cuda"))
     assert llm.engine._use_cuda_graphs()
     monkeypatch.setattr(llm.engine.config, "enforce_eager", True)

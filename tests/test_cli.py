@@ -258,7 +258,9 @@ def test_serve_on_a_port_past_65535_is_a_one_line_error(tiny_dir):
 def test_enforce_eager_reaches_the_engine_as_vllms_flag():
     from tandem.cli import build_parser, engine_kwargs
 
-    args = build_parser().parse_args(["generate", "m", "x", "--enforce-eager"])
-    assert engine_kwargs(args)["enforce_eager"] is True
+    args = build_parser().parse_args(
+        ["generate", "m", "x", "--enforce-eager", "--trust-remote-code"]
+    )
+    assert engine_kwargs(args)["enforce_eager"] is engine_kwargs(args)["trust_remote_code"] is True
     args = build_parser().parse_args(["serve", "m"])
     assert engine_kwargs(args)["enforce_eager"] is False

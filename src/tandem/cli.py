@@ -96,6 +96,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
         help="replay decode steps as CUDA graphs (default: on with CUDA)",
     )
     parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="taken for vLLM's command line: tandem runs no code from a checkpoint",
+    )
+    parser.add_argument(
         "--enforce-eager",
         action="store_true",
         help="run every step eagerly, no CUDA graphs (vLLM's flag; as --no-cuda-graphs)",

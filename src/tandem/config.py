@@ -311,6 +311,8 @@ class EngineConfig:
     async_batching: bool = True
     cuda_graphs: bool | None = None
     enforce_eager: bool = False  # vLLM's name for cuda_graphs=False: every step runs eagerly
+    # taken for vLLM's signature: tandem runs no code from a checkpoint, whatever its value
+    trust_remote_code: bool = False
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
     quantization: str | None = None  # "fp8": FP8 weights of a bf16 checkpoint, made at load
@@ -345,6 +347,10 @@ class EngineConfig:
             )
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"deterministic must be True or False, got {self.deterministic!r}")
+        if not isinstance(self.trust_remote_code, bool):
+            raise ValueError(
+                f"trust_remote_code must be True or False, got {self.trust_remote_code!r}"
+            )
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if self.enforce_eager and self.cuda_graphs:

@@ -149,6 +149,14 @@ def test_chat_template_kwargs_reach_the_template_as_in_transformers(make_tiny, t
     assert ours.endswith("<think></think>") == (kwargs == {"enable_thinking": False})
 
 
+def test_tokenize_true_gives_the_ids_transformers_gives(make_tiny):
+    folder = make_tiny("qwen3")
+    ours, reference = Tokenizer.from_dir(folder), hf_tokenizer(folder)
+    expected = reference.apply_chat_template(CHATS[1], tokenize=True, add_generation_prompt=True)
+    expected = expected["input_ids"] if hasattr(expected, "keys") else expected  # BatchEncoding
+    assert ours.apply_chat_template(CHATS[1], True, tokenize=True) == list(expected)
+
+
 def test_chat_template_options_refuse_what_cannot_work(make_tiny, tmp_path):
     tokenizer = Tokenizer.from_dir(make_tiny("qwen2"))
     chat = CONTINUED[0]

@@ -99,14 +99,16 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
-    ) -> str:
+        tokenize: bool = False,
+    ) -> str | list[int]:
         """Render chat messages (and the tools they may call, OpenAI's {"type": "function",
         "function": {...}} objects) to the prompt text; encode it with add_special_tokens=False.
 
         As transformers and vLLM do: `continue_final_message` ends the text right after the last
         message's content, so that the model continues that message (with
         add_generation_prompt=False); `chat_template_kwargs` are more variables for the template
-        (e.g. Qwen3's enable_thinking)."""
+        (e.g. Qwen3's enable_thinking). `tokenize=True` returns the text's token ids instead, as
+        transformers' tokenizer does (whose default it is; here the text is)."""
         if self._compiled_template is None:
             raise ValueError(
                 "this model has no chat template (no chat_template.jinja and no chat_template in "
@@ -125,7 +127,8 @@ class Tokenizer:
             tools=tools,
             add_generation_prompt=add_generation_prompt,
         )
-        return continued(text, messages) if continue_final_message else text
+        text = continued(text, messages) if continue_final_message else text
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
 # the variables apply_chat_template sets itself

@@ -223,6 +223,18 @@ def test_streamed_completion_joins_to_the_full_completion_and_reports_usage(clie
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_continuous_usage_stats_give_every_chunk_the_usage_so_far(client):
+    """vLLM's stream option: completion tokens count up chunk by chunk to the final usage."""
+    args = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(**args, stream=True, stream_options=options))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 12 and counts[0] >= 1
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+    text = "".join(c.choices[0].text for c in chunks[:-1])
+    assert text == client.completions.create(**args).choices[0].text
+
+
 def test_streamed_chat_sends_the_role_first_then_content_deltas(client):
     args = {"model": MODEL, "messages": MESSAGES, "max_tokens": 16, "temperature": 0}
     full = client.chat.completions.create(**args)

@@ -67,6 +67,7 @@ class OpenAIError(Exception):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class JsonSchemaFormat(BaseModel):

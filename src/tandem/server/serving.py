@@ -266,8 +266,10 @@ class OpenAIServing:
         fmt = format_type(self.model_name, self.llm.tokenizer, generation)
         self.open.add(generation)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._events(generation, fmt, include_usage)
+            options = body.stream_options
+            include_usage = bool(options and options.include_usage)
+            continuous = include_usage and options.continuous_usage_stats
+            events = self._events(generation, fmt, include_usage, continuous)
             return StreamingResponse(events, media_type="text/event-stream")
         collect = asyncio.ensure_future(self._collect(generation, fmt))
         disconnect = asyncio.ensure_future(until_disconnected(http))
@@ -298,8 +300,10 @@ class OpenAIServing:
         }
 
     async def _events(
-        self, generation: Generation, fmt: Format, include_usage: bool
+        self, generation: Generation, fmt: Format, include_usage: bool, continuous: bool = False
     ) -> AsyncIterator[str]:
+        """The stream's chunks; with `include_usage` a last chunk of usage (before it each chunk
+        says "usage": null, or with `continuous` the usage so far)."""
         chunk_envelope = fmt.envelope(chunk=True)
         usage_field = {"usage": None} if include_usage else {}
         ended = False  # the stream reached its end, or an error event; else the client left
@@ -310,6 +314,8 @@ class OpenAIServing:
                 delta = fmt.delta_choice(index, choice, output)
                 if delta is not None:
                     choice.started = True
+                    if continuous:
+                        usage_field = {"usage": generation.usage()}
                     yield sse({**chunk_envelope, "choices": [delta], **usage_field})
             if include_usage:
                 yield sse({**chunk_envelope, "choices": [], "usage": generation.usage()})

@@ -202,6 +202,15 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, offline):
     assert chat.usage.total_tokens == ENGINE_ARGS["max_model_len"]
 
 
+def test_truncate_prompt_tokens_out_of_range_is_a_400_on_both_routes(server):
+    for value in (0, -2):
+        body = {"prompt": PROMPT, "max_tokens": 2, "truncate_prompt_tokens": value}
+        assert_openai_error(post(server, "/v1/completions", body), 400, "truncate_prompt_tokens")
+        body = {"messages": MESSAGES, "max_tokens": 2, "truncate_prompt_tokens": value}
+        response = post(server, "/v1/chat/completions", body)
+        assert_openai_error(response, 400, "truncate_prompt_tokens")
+
+
 def test_chat_without_max_tokens_may_fill_the_context(client):
     response = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, temperature=0, extra_body={"ignore_eos": True}

@@ -26,6 +26,7 @@ from pydantic import TypeAdapter, ValidationError
 
 BATCH_URLS = ("/v1/completions", "/v1/chat/completions")
 LINE_ERROR_CODE = "invalid_batch_line"
+STREAM_FLAG = TypeAdapter(bool | None)  # how the server's request models read `stream`
 
 
 class BatchLineError(ValueError):
@@ -86,7 +87,7 @@ def streams(value: Any) -> bool:
     bool: "false", "0", "no" and 0 are false). A value that is no bool at all is left to the
     request's own validation, which answers that line with a 400."""
     try:
-        return bool(TypeAdapter(bool | None).validate_python(value))
+        return bool(STREAM_FLAG.validate_python(value))
     except ValidationError:
         return False
 

@@ -238,15 +238,14 @@ class TritonAttention:
             decode_kernel[(self.num_kv_heads, num_seqs, splits)](
                 q, out, self.partial_out, self.partial_ml, kv_cache, meta.block_tables,
                 meta.seq_lens, meta.seq_lens if order is None else order, prefix_lens,
-                self.arrivals, q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0), scale, v_scale,
-                splits, prefix_splits, sliding_window or NO_WINDOW, GROUP=self.group,
-                GROUP_PAD=group_pad,
+                self.arrivals, q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0),
+                scale, v_scale, splits, prefix_splits, sliding_window or NO_WINDOW,
+                GROUP=self.group, GROUP_PAD=group_pad,
                 NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim, HEAD_PAD=self.head_pad,
                 BLOCK_SIZE=kv_cache.shape[2], BLOCK_N=tiles.block_n, MAX_SPLITS=MAX_SPLITS,
                 SOFT_CAP=soft_cap, DIRECT=direct, ORDERED=order is not None,
                 CASCADE=shared is not None, EARLY_START=early, MERGE=merge,
-                num_warps=tiles.num_warps,
-                num_stages=tiles.num_stages, **self.decode_options, **pdl.launch_args(q.device),
+                num_warps=tiles.num_warps, num_stages=tiles.num_stages, **self.decode_options, **pdl.launch_args(q.device),
             )  # fmt: skip
 
         launch_fitting(self.fitted, (tiles, q.dtype, kv_cache.dtype), tiles, launch)

@@ -161,11 +161,8 @@ def _attend_tile(
     row_sum = row_sum * alpha + tl.sum(p, axis=1)
     if q.dtype == tl.float32:
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-    elif V_BITS:  # v / 256 where widened by bits: p * 256 <= 256, as precise as p
-        p_scaled = p * _v_factor(cache_ptr, q)
-        acc = acc * alpha[:, None] + tl.dot(p_scaled.to(q.dtype), v)
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+    else:  # v / 256 where widened by bits: p * 256 <= 256, as precise as p (else p * 1)
+        acc = acc * alpha[:, None] + tl.dot((p * _v_factor(cache_ptr, q)).to(q.dtype), v)
     return m_new, row_sum, acc
 
 
@@ -334,9 +331,10 @@ def decode_kernel(
 ):
     """Split s of a sequence covers an equal share of the key tiles in its window (past its
     shared prefix, with CASCADE); `reduce_kernel` merges them, or with MERGE the last of them to
-    finish (counted in `arrivals`, which it sets back to zero), with no launch of its own. DIRECT with CASCADE: the one
-    split merges the shared prefix's partials of its rows itself, which shared_prefix_kernel
-    wrote before this launch began (the PDL wait orders it after that kernel).
+    finish (counted in `arrivals`, which it sets back to zero), with no launch of its own.
+    DIRECT with CASCADE: the one split merges the shared prefix's partials of its rows itself,
+    which shared_prefix_kernel wrote before this launch began (the PDL wait orders it after
+    that kernel).
 
     Programs start in grid order, the KV heads of one sequence together, sequences in
     `seq_order`: longest first, so a ragged batch does not end on one long sequence's programs

@@ -147,7 +147,7 @@ class OpenAIServing:
         params = sampling_params(
             body, max_tokens, body.logprobs, prompt_logprobs, output_constraint(body)
         )
-        prompts = [self._kept(text, ids, params) for text, ids in prompts]
+        prompts = [self._kept(text, ids, params.truncate_prompt_tokens) for text, ids in prompts]
         generation = await self._start("cmpl", prompts, params, body)
         if body.echo:
             for i, choice in enumerate(generation.choices):
@@ -156,11 +156,12 @@ class OpenAIServing:
         return await self._respond(generation, CompletionFormat, body, http)
 
     def _kept(
-        self, text: str | None, ids: list[int], params: SamplingParams
+        self, text: str | None, ids: list[int], keep: int | None
     ) -> tuple[str | None, list[int]]:
-        """The prompt the model reads: its last `truncate_prompt_tokens` ids (their text left to
-        decoding where that cut them), else the prompt as given."""
-        kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.llm.max_model_len)
+        """The prompt the model reads: its last `keep` ids (truncate_prompt_tokens; their text
+        left to decoding where that cut them), else the prompt as given. The engine's own cut
+        then keeps them all."""
+        kept = truncate_prompt(ids, keep, self.llm.max_model_len)
         return (text, ids) if len(kept) == len(ids) else (None, kept)
 
     def _prompt_text(self, text: str | None, ids: list[int]) -> str:
@@ -178,16 +179,16 @@ class OpenAIServing:
         mode = tool_mode(body, self.options.tool_call_parser)
         constraint = output_constraint(body, mode.constraint)
         text, ids = await asyncio.to_thread(chat_ids, self.tokenizer(), body)
-        kept = truncate_prompt(ids, body.truncate_prompt_tokens, self.llm.max_model_len)
+        text, ids = self._kept(text, ids, body.truncate_prompt_tokens)
         max_tokens = next(
             (m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
-            max(1, self.llm.max_model_len - len(kept)),
+            max(1, self.llm.max_model_len - len(ids)),
         )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling_params(body, max_tokens, logprobs, None, constraint)
         if not mode.skip_special_tokens:
             params = replace(params, skip_special_tokens=False)
-        generation = await self._start("chatcmpl", [self._kept(text, ids, params)], params, body)
+        generation = await self._start("chatcmpl", [(text, ids)], params, body)
         generation.reader = mode.reader
         return await self._respond(generation, ChatFormat, body, http)
 

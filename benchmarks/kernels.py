@@ -147,13 +147,15 @@ def bench_shared_decode(
     n: int = 8,
     prefix: int = 1024,
     breakdown: bool = False,
+    splits: int | None = None,
 ) -> dict:
     """One decode call of rollout's shape, graph-replayed: `groups` prompts of `prefix` tokens,
     `n` samples each with `own` keys of their own after it, the samples' shared blocks read once
     per group (the shared-prefix kernel, then the decode kernel over the own keys, which merges
     the prefix partials). The grid bound on groups is the engine's for 256 rows (half the rows).
-    Checked against the torch reference over each row's whole context first. `breakdown`: each
-    of the two launches timed alone too (shared_us, decode_us)."""
+    Checked against the torch reference over each row's whole context first. `splits`: of each
+    row's own keys (the heuristic's by default). `breakdown`: each of the two launches timed
+    alone too (shared_us, decode_us)."""
     rows, shared_blocks = groups * n, prefix // BLOCK_SIZE
     own_blocks = -(-own // BLOCK_SIZE)
     cache, _ = paged_setup([groups * prefix + rows * own_blocks * BLOCK_SIZE])
@@ -175,7 +177,9 @@ def bench_shared_decode(
     ))  # fmt: skip
     q = torch.randn(rows, NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    backend = TritonAttention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, rows, torch.device("cuda"))
+    backend = TritonAttention(
+        NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, rows, torch.device("cuda"), num_splits=splits
+    )
     backend.shared_prefix_tiles = shared_tiles
     if tiles:
         backend.decode_tiles = backend.large_batch_tiles = tiles
@@ -500,6 +504,17 @@ def sweep_decode_splits() -> None:
         "seed 32x1K": dict(batch=32, context=1024),
         "seed 16x1K": dict(batch=16, context=1024),
         "latency 1x400": dict(batch=1, context=400),
+        # 256 rows: 2,048 programs fill the SMs about 4 times over (ends of waves)
+        "llama 256x256": dict(batch=256, context=256),
+        "llama 256x1K": dict(batch=256, context=1024),
+        "small 256x100-1100": dict(batch=256, context=600, ragged=(100, 1100, True), num_heads=16),
+        "small-fp8kv 256x100-1100": dict(
+            batch=256,
+            context=600,
+            ragged=(100, 1100, True),
+            num_heads=16,
+            kv_dtype=torch.float8_e4m3fn,
+        ),
     }
     for name, shape in shapes.items():
         kv_heads = shape.get("num_kv_heads", NUM_KV_HEADS)

@@ -531,6 +531,52 @@ def sweep_decode_splits() -> None:
         print(f"{name:<14} us by splits  " + "  ".join(cells), flush=True)
 
 
+def decode_times(label: str, check: dict | None, shapes: dict, **launch) -> dict | None:
+    """ms of one decode call at each shape under `launch` (bench_decode's tiles, splits, cache
+    dtype), after `check` (bench_decode's arguments for a check against the reference; None:
+    none); None, with a line saying why, where a launch fails (out of shared memory) or the
+    check does."""
+    try:
+        if check is not None:
+            bench_decode(**check)
+        return {name: bench_decode(**launch, **shape)["ms"] for name, shape in shapes.items()}
+    except Exception as error:
+        print(f"{label}  failed: {str(error).splitlines()[0][:80]}", flush=True)
+        return None
+
+
+def sweep_moe_decode_tiles() -> None:
+    """Qwen3-30B-A3B's batch-32 decode (32 query heads over 4 KV heads: 8 rows of a 16-row
+    tile a program) by tile shape and split count, µs (* the defaults: 128-key tiles, 4 warps,
+    3 stages, 2 splits, merged by the last). At 2 splits of 640 keys, 128-key tiles make 3 and 2
+    tiles a split; the question is whether shorter or fewer tiles a program save time."""
+    shapes = {
+        "32x256": dict(batch=32, context=256, num_kv_heads=4),
+        "32x640": dict(batch=32, context=640, num_kv_heads=4),
+        "32x1152": dict(batch=32, context=1152, num_kv_heads=4),
+    }
+    default = DecodeTiles()
+    grid = [(32, 2, 2), (32, 4, 2), (64, 2, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3)]
+    best: tuple[float, DecodeTiles, int] | None = None
+    for block_n, num_warps, num_stages in grid:
+        tiles = DecodeTiles(block_n, num_warps, num_stages)
+        for splits in (1, 2, 4):
+            check = dict(check=True, splits=splits, tiles=tiles, **shapes["32x640"])
+            times = decode_times(f"{tiles} {splits}", check, shapes, splits=splits, tiles=tiles)
+            if times is None:
+                continue
+            mark = "*" if tiles == default and splits == 2 else " "
+            cells = "  ".join(f"{name}:{1000 * ms:.1f}" for name, ms in times.items())
+            print(
+                f"{block_n},{num_warps},{num_stages} splits {splits}{mark} us  {cells}", flush=True
+            )
+            total = sum(times.values())
+            if best is None or total < best[0]:
+                best = (total, tiles, splits)
+    if best:
+        print(f"fastest over the three: {','.join(map(str, best[1]))} splits {best[2]}")
+
+
 def sweep_decode_tiles(kv_dtype: torch.dtype = torch.bfloat16, only_default: bool = False) -> None:
     """Each tile shape on the workloads' own decode shapes (small: Qwen3-0.6B's 16 heads over 8 KV
     heads, 256 ragged contexts longest first; seed: Llama-3-8B at 32 x 1K), in µs, * the default.
@@ -556,15 +602,11 @@ def sweep_decode_tiles(kv_dtype: torch.dtype = torch.bfloat16, only_default: boo
         for num_warps in (4, 8) if fp8 else (2, 4, 8):
             for num_stages in (2, 3, 4) if fp8 else (1, 2, 3, 4):
                 tiles = DecodeTiles(block_n, num_warps, num_stages)
-                try:
-                    if not fp8:  # the check's reference reads a bf16 cache
-                        bench_decode(4, 1000, tiles=tiles, check=True, num_heads=16)
-                    times = {
-                        name: bench_decode(tiles=tiles, kv_dtype=kv_dtype, **shape)["ms"]
-                        for name, shape in shapes.items()
-                    }
-                except Exception as error:  # out of shared memory, or a wrong result
-                    print(f"{tiles}  failed: {str(error).splitlines()[0][:80]}", flush=True)
+                # the check's reference reads a bf16 cache
+                check = None if fp8 else dict(batch=4, context=1000, tiles=tiles, check=True,
+                                              num_heads=16)  # fmt: skip
+                times = decode_times(str(tiles), check, shapes, tiles=tiles, kv_dtype=kv_dtype)
+                if times is None:
                     continue
                 cells = "  ".join(f"{name}:{1000 * ms:.1f}" for name, ms in times.items())
                 print(f"{tiles}{'*' if tiles == default else ' '} us  {cells}", flush=True)
@@ -614,6 +656,7 @@ def main() -> None:
     parser.add_argument("--sweep-decode-splits", action="store_true", help="only this sweep")
     parser.add_argument("--sweep-fp8-fusion", action="store_true", help="only this sweep")
     parser.add_argument("--sweep-shared-prefix", action="store_true", help="only this sweep")
+    parser.add_argument("--sweep-moe-decode-tiles", action="store_true", help="only this sweep")
     parser.add_argument("--decode-shapes", action="store_true",
                         help="only the decode tile sweep's shapes, at the default tiles")  # fmt: skip
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
@@ -636,6 +679,9 @@ def main() -> None:
         return
     if args.sweep_shared_prefix:
         sweep_shared_prefix()
+        return
+    if args.sweep_moe_decode_tiles:
+        sweep_moe_decode_tiles()
         return
     rows = [
         bench_decode(32, 4096),

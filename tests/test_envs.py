@@ -46,6 +46,7 @@ def test_unset_switches_take_their_defaults(monkeypatch):
         "TANDEM_PDL": True,
         "TANDEM_FP8_V_BITS": True,
         "TANDEM_SPLIT_MERGE": True,
+        "TANDEM_FUSED_ROPE": True,
         "TANDEM_SPLITK": True,
         "TANDEM_FP8_FUSED_QUANT": True,
         "TANDEM_PIECEWISE": True,

@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 import triton
@@ -328,6 +329,37 @@ def test_decode_steps_list_their_sequences_longest_context_first(make_tiny, monk
     assert any((order != range(len(order))).any() for order, _ in launched)  # some were reordered
 
 
+def test_a_decode_rows_slot_is_its_tables_slot_of_its_last_position(make_tiny, monkeypatch):
+    """The decode kernel that stores the new key (`Unrotated`) stores it at the row's slot and
+    reads it back through the block table: in every decode-only step, each real row's slot is
+    its table's slot of position seq_len - 1, and each padding row's is -1. Preemption and
+    copy on write included (a small cache, samples of one prompt)."""
+    from tandem import LLM, SamplingParams
+
+    llm = LLM(str(make_tiny("llama")), attention_backend="triton", max_model_len=128,
+              num_blocks=40, block_size=4, max_num_batched_tokens=64)  # fmt: skip
+    engine = llm.engine
+    seen = []
+    launch = engine.runner.launch
+
+    def record(batch, timeline):
+        if batch.decode_only:
+            x, n, real = batch.slot.np_in, batch.num_seqs_padded, len(batch.seq_lens)
+            seen.append(n)
+            lens, slots = x["seq_lens"][:n], x["slot_mapping"][:n]
+            tables, block = x["block_tables"][:n], engine.config.block_size
+            last = lens[:real] - 1
+            at = tables[np.arange(real), last // block] * block + last % block
+            assert (slots[:real] == at).all() and (slots[real:] == -1).all()
+        launch(batch, timeline)
+
+    monkeypatch.setattr(engine.runner, "launch", record)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True, n=3)
+    prompts = [{"prompt_token_ids": list(range(7 * i + 1, 7 * i + 14))} for i in range(4)]
+    llm.generate(prompts, params, use_tqdm=False)
+    assert len(seen) > 10 and engine.scheduler.num_preemptions > 0
+
+
 @pytest.mark.parametrize("tiles", [DecodeTiles(), PrefillTiles()])
 def test_tiles_that_do_not_fit_are_shrunk_until_they_do_and_the_fit_is_remembered(tiles):
     """A launch Triton refuses (OutOfResources, raised before anything is enqueued) is retried
@@ -501,3 +533,95 @@ def test_windowed_decode_reads_no_key_before_the_window():
 def test_head_sizes_the_kernels_cannot_take_raise_value_error(head_dim):
     with pytest.raises(ValueError, match="head_dim"):
         attention(2, 2, head_dim)
+
+
+ROPE_CASES = [
+    # (num_kv_heads, group, head_dim, seq_lens, splits, window, norms, cache dtype)
+    (2, 4, 128, [1, 17, 64, 130], 1, None, True, None),  # one split; a key opening a tile
+    (2, 4, 128, [1, 17, 64, 130], 2, None, False, None),  # split merge
+    (1, 8, 96, [33, 5, 70], 3, None, True, None),  # padded head size; the reduce launch
+    (2, 2, 64, [50, 9, 1], 2, 20, True, None),  # a window
+    # an e4m3 cache, its scales: on the GPU only (the interpreter rounds float32 values just
+    # below a power of two to half of it when it converts them to e4m3)
+    pytest.param(
+        2,
+        2,
+        64,
+        [50, 9, 17],
+        1,
+        None,
+        True,
+        torch.float8_e4m3fn,
+        marks=pytest.mark.skipif(DEVICE.type == "cpu", reason="the interpreter's e4m3 rounding"),
+    ),
+]
+
+
+def rope_case(num_kv_heads, group, head_dim, seq_lens, dtype, cache_dtype, norms):
+    """(cache, tables, lens, positions, the new keys' slots, q, k, v, cos_sin, norm args,
+    k_scale, v_scale) for decode rows of `seq_lens` (16-slot blocks)."""
+    from tandem.model.rope import RotaryEmbedding
+
+    block_size, num_blocks, max_blocks = 16, 64, 24
+    num_seqs, num_heads = len(seq_lens), num_kv_heads * group
+    cache = make_cache(num_blocks, block_size, num_kv_heads, head_dim, torch.float32)
+    k_scale, v_scale = (0.05, 0.03) if cache_dtype else (1.0, 1.0)
+    cache = (cache / 0.04).clamp(-448, 448).to(cache_dtype) if cache_dtype else cache.to(dtype)
+    tables = block_tables_for(seq_lens, block_size, max_blocks, num_blocks)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    positions = (lens - 1).long()
+    slots = tables[torch.arange(num_seqs), positions // block_size].long() * block_size
+    slots = slots + positions % block_size
+    g = torch.Generator().manual_seed(num_seqs + head_dim)
+    qkv = torch.randn(num_seqs, (num_heads + 2 * num_kv_heads) * head_dim, generator=g)
+    qkv = qkv.to(dtype).to(DEVICE)
+    q, k, v = qkv.split([num_heads * head_dim, *(2 * [num_kv_heads * head_dim])], dim=1)
+    q = q.view(num_seqs, num_heads, head_dim)
+    k, v = (x.view(num_seqs, num_kv_heads, head_dim) for x in (k, v))
+    cos_sin = RotaryEmbedding(head_dim, 512, 10000.0, None).cos_sin.to(DEVICE)
+    weights = [(1 + torch.randn(head_dim, generator=g) / 4).to(dtype).to(DEVICE) for _ in "qk"]
+    norm_args = (*weights, 1e-6) if norms else ()
+    return cache, tables, lens, positions, slots, q, k, v, cos_sin, norm_args, k_scale, v_scale
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("num_kv_heads", "group", "head_dim", "seq_lens", "splits", "window", "norms", "cache_dtype"),
+    ROPE_CASES,
+)
+def test_decode_of_unrotated_q_equals_rope_qk_then_decode(
+    dtype, num_kv_heads, group, head_dim, seq_lens, splits, window, norms, cache_dtype
+):
+    """The decode kernel norming and rotating q and k and storing k and v itself (`Unrotated`)
+    against `fused.rope_qk` (torch) storing them, then the decode of its q: the same output
+    and the same cache, every other slot untouched. The last row is graph padding: seq_len 1,
+    slot -1, so its garbage k and v are stored nowhere."""
+    from tandem.attention import Unrotated
+    from tandem.model import fused
+
+    seq_lens = [*seq_lens, 1]
+    num_seqs = len(seq_lens)
+    case = rope_case(num_kv_heads, group, head_dim, seq_lens, dtype, cache_dtype, norms)
+    cache, tables, lens, positions, slots, q, k, v, cos_sin, norm_args, k_scale, v_scale = case
+    slots[-1] = -1
+    meta = AttentionMetadata(slots, lens, lens, tables, decode_only=True)
+    backend = attention(num_kv_heads, group, head_dim, max_seqs=8, num_splits=splits)
+    options = dict(k_scale=k_scale, v_scale=v_scale, sliding_window=window)
+    scale = head_dim**-0.5
+
+    expected_cache = cache.clone()
+    rotated = fused.rope_qk(q, k, v, positions, cos_sin, expected_cache, slots, *norm_args,
+                            k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    expected = backend(rotated, expected_cache, meta, scale, **options)
+    unrotated = Unrotated(q, k, v, cos_sin, slots, *norm_args)
+    got_cache = cache.clone()
+    got = backend(unrotated, got_cache, meta, scale, **options)
+
+    tol = TOL[dtype]
+    real = slice(0, num_seqs - 1)  # the padding row's output is never read
+    torch.testing.assert_close(got[real].float(), expected[real].float(), atol=tol, rtol=tol)
+    changed = (got_cache != cache).flatten(1, 2).any(-1).any(-1).any(0)  # [slots]
+    assert sorted(changed.nonzero().flatten().tolist()) == sorted(slots[real].tolist())
+    new = got_cache.flatten(1, 2)[:, slots[real]].float()
+    want = expected_cache.flatten(1, 2)[:, slots[real]].float()
+    torch.testing.assert_close(new, want, atol=tol * 8 if cache_dtype else tol, rtol=tol)

@@ -35,18 +35,21 @@ COMPILE = textwrap.dedent(
     from triton.compiler import ASTSource
     from tandem.attention.triton_kernels import decode_kernel
 
-    cache, block_n, num_warps, num_stages, out = sys.argv[1:]
+    cache, block_n, num_warps, num_stages, rope, out = sys.argv[1:]
     types = {"q_ptr": "*bf16", "out_ptr": "*bf16", "partial_out_ptr": "*fp32",
              "partial_ml_ptr": "*fp32", "cache_ptr": "*" + cache, "kv_half_stride": "i64",
-             "scale": "fp32", "v_scale": "fp32"}
+             "scale": "fp32", "v_scale": "fp32", "k_ptr": "*bf16", "v_ptr": "*bf16",
+             "slot_ptr": "*i64", "cos_sin_ptr": "*fp32", "q_norm_ptr": "*bf16",
+             "k_norm_ptr": "*bf16", "eps": "fp32", "k_scale": "fp32"}
     constants = dict(GROUP=2, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128, HEAD_PAD=128,
                      BLOCK_SIZE=16, BLOCK_N=int(block_n), MAX_SPLITS=32, SOFT_CAP=0.0,
                      DIRECT=True, ORDERED=True, CASCADE=False, EARLY_START=False, MERGE=False,
-                     PDL=False)
+                     ROPE=rope == "1", HAS_NORM=rope == "1", PDL=False)
     names = decode_kernel.arg_names
     signature = {n: "constexpr" if n in constants else types.get(n, "*i32" if n.endswith("_ptr")
                  else "i32") for n in names}
-    aligned = [n for n in names if n.endswith("_ptr") or n in ("q_token_stride", "kv_half_stride")]
+    aligned = [n for n in names if n.endswith("_ptr") or n in ("q_token_stride", "kv_half_stride",
+               "k_token_stride", "v_token_stride")]
     source = ASTSource(
         fn=decode_kernel, signature=signature,
         constexprs={(names.index(n),): v for n, v in constants.items()},
@@ -58,17 +61,26 @@ COMPILE = textwrap.dedent(
 )
 
 
-def sass_ops(cache: str, tiles: tuple[int, int, int], tmp_path: Path) -> collections.Counter:
-    """{opcode with its modifiers: count} over decode_kernel's SASS."""
-    cubin = tmp_path / f"decode_{cache}.cubin"
+def sass_ops(
+    cache: str, tiles: tuple[int, int, int], tmp_path: Path, rope: bool = False
+) -> collections.Counter:
+    """{opcode with its modifiers: count} over decode_kernel's SASS, and "registers": its
+    registers a thread. `rope`: the kernel that norms, rotates and stores the new key (ROPE)."""
+    cubin = tmp_path / f"decode_{cache}_{int(rope)}.cubin"
     src = str(Path(__file__).parents[1] / "src")
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": src}
-    args = [sys.executable, "-c", COMPILE, cache, *map(str, tiles), str(cubin)]
+    args = [sys.executable, "-c", COMPILE, cache, *map(str, tiles), str(int(rope)), str(cubin)]
     subprocess.run(args, env=env, check=True, timeout=300)
     sass = subprocess.run(
         [str(BIN / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True
     ).stdout
-    return collections.Counter(OPCODE.findall(sass))
+    ops = collections.Counter(OPCODE.findall(sass))
+    usage = subprocess.run(
+        [str(BIN / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True,
+        check=True,
+    ).stdout  # fmt: skip
+    ops["registers"] = int(re.search(r"REG:(\d+)", usage).group(1))
+    return ops
 
 
 @pytest.mark.parametrize("tiles", [(64, 2, 2), (128, 4, 3)])  # large-batch tiles, the default
@@ -80,3 +92,16 @@ def test_decode_over_an_fp8_cache_reads_v_from_shared_memory_by_ldmatrix_trans(t
     assert ops["LDS.U8"] == 0
     assert ops["LDSM.16.MT88.4"] > 0
     assert ops["F2FP.F16.E4M3.UNPACK_B"] > 0  # the e4m3 conversion, a pair at a time
+
+
+@pytest.mark.parametrize("cache", ["bf16", "fp8e4nv"])
+def test_decode_with_the_rotary_and_store_keeps_its_registers_and_v_path(cache, tmp_path):
+    """The decode kernel norming and rotating q and k and storing the new key (ROPE), at the
+    default tiles: it compiles for sm_90, holds the registers of the kernel without it within
+    16 (the rotary and the store come before the key loop, their values dead in it; with the
+    new key put into its tile from registers it took 246-255), and an FP8 cache's V still goes
+    through no byte-wise shared loads."""
+    plain = sass_ops(cache, (128, 4, 3), tmp_path)
+    rope = sass_ops(cache, (128, 4, 3), tmp_path, rope=True)
+    assert rope["registers"] <= plain["registers"] + 16, (rope["registers"], plain["registers"])
+    assert rope["LDS.U8"] == 0

@@ -34,6 +34,9 @@ SWITCHES = {
         Switch("TANDEM_SPLIT_MERGE", "1", "0, 1",
                "0: decode batches of 2-4 splits merge their partials in a reduce launch, not in "
                "the last split of each sequence's KV head to finish"),
+        Switch("TANDEM_FUSED_ROPE", "1", "0, 1",
+               "0: decode-only steps norm and rotate q and k and store the new K/V in a launch of "
+               "their own, not in the decode attention kernel"),
         Switch("TANDEM_SPLITK", "1", "0, 1",
                "0: the decode steps' o and down projections through cuBLAS, not the split-K "
                "Triton kernel"),
@@ -86,6 +89,10 @@ def fp8_v_bits() -> bool:
 
 def split_merge() -> bool:
     return _flag("TANDEM_SPLIT_MERGE")
+
+
+def fused_rope() -> bool:
+    return _flag("TANDEM_FUSED_ROPE")
 
 
 def splitk() -> bool:
@@ -181,6 +188,7 @@ READERS = {
     "TANDEM_PDL": pdl,
     "TANDEM_FP8_V_BITS": fp8_v_bits,
     "TANDEM_SPLIT_MERGE": split_merge,
+    "TANDEM_FUSED_ROPE": fused_rope,
     "TANDEM_SPLITK": splitk,
     "TANDEM_FP8_FUSED_QUANT": fp8_fused_quant,
     "TANDEM_PIECEWISE": piecewise,

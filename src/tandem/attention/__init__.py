@@ -48,10 +48,32 @@ class AttentionMetadata:
     shared: SharedPrefixes | None = None
 
 
+@dataclass
+class Unrotated:
+    """A decode-only step's q, k and v as the QKV projection made them, handed to a backend
+    that norms and rotates them and stores k and v in its decode kernel (`rotates_in_decode`),
+    where the decoder would otherwise do it first (`fused.rope_qk`)."""
+
+    q: torch.Tensor  # [num_seqs, num_heads, head_dim], possibly a strided view
+    k: torch.Tensor  # [num_seqs, num_kv_heads, head_dim]
+    v: torch.Tensor  # [num_seqs, num_kv_heads, head_dim]
+    cos_sin: torch.Tensor  # [max_position, head_dim] float32: cos | sin, by position
+    slot_mapping: torch.Tensor  # [num_seqs] int, each row's new key's cache slot, -1 none
+    q_norm_weight: torch.Tensor | None = None  # [head_dim] per-head RMSNorm (Qwen3), or None
+    k_norm_weight: torch.Tensor | None = None
+    eps: float = 0.0
+
+
+def rotates_in_decode(attend, meta: AttentionMetadata) -> bool:
+    """Whether this step's q and k go to `attend` unrotated (`Unrotated`): decode-only steps
+    without shared prefixes, on a backend that takes them (the Triton one)."""
+    return meta.decode_only and meta.shared is None and getattr(attend, "rotates_in_decode", False)
+
+
 class AttentionBackend(Protocol):
     def __call__(
         self,
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]; or `Unrotated` (see its doc)
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,

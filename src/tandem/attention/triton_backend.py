@@ -11,7 +11,7 @@ import torch
 import triton
 
 from tandem import envs, pdl
-from tandem.attention import AttentionMetadata, SharedPrefixes, rows_per_shared_group
+from tandem.attention import AttentionMetadata, SharedPrefixes, Unrotated, rows_per_shared_group
 from tandem.attention.triton_kernels import (
     decode_kernel,
     prefill_kernel,
@@ -23,6 +23,9 @@ from tandem.model.fused import num_sms
 
 MAX_SPLITS = 32
 SPLIT_MERGE = envs.split_merge()
+# decode-only steps' rotary and K/V store in the decode kernel (`Unrotated`; TANDEM_FUSED_ROPE=0:
+# the decoder's own kernel first)
+FUSED_ROPE = envs.fused_rope()
 SHARED_PREFIX_SPLITS = 8  # most splits of one group's shared keys
 MAX_HEAD_DIM = 256
 NO_WINDOW = 1 << 30  # the kernels' window argument when attention is not windowed
@@ -142,9 +145,11 @@ class TritonAttention:
         # int32, zero between launches (the merging split sets it back)
         self.arrivals = torch.zeros(max_seqs, num_kv_heads, dtype=torch.int32, device=device)
 
+    rotates_in_decode = FUSED_ROPE  # takes `Unrotated` q, k, v at decode-only steps
+
     def __call__(
         self,
-        q: torch.Tensor,
+        q: torch.Tensor | Unrotated,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
@@ -155,14 +160,20 @@ class TritonAttention:
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """`k_scale`, `v_scale`: an FP8 cache's per-tensor scales."""
-        out = torch.empty_like(q) if out is None else out
-        scale *= k_scale  # applied with the softmax scale
-        assert out.shape == q.shape and out.is_contiguous()
+        rows = q.q if isinstance(q, Unrotated) else q
+        out = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device) if out is None else out
         options = {
             "v_scale": v_scale,
             "sliding_window": sliding_window,
             "logits_soft_cap": logits_soft_cap,
         }
+        assert out.shape == rows.shape and out.is_contiguous()
+        if isinstance(q, Unrotated):
+            assert meta.decode_only and meta.shared is None, "unrotated q: decode-only steps"
+            self.decode(rows, out, kv_cache, meta, scale * k_scale, new=q, k_scale=k_scale,
+                        **options)  # fmt: skip
+            return out
+        scale *= k_scale  # applied with the softmax scale
         if meta.decode_only:
             self.decode(q, out, kv_cache, meta, scale, **options)
             return out
@@ -213,8 +224,12 @@ class TritonAttention:
         num_seqs: int | None = None,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        new: Unrotated | None = None,
+        k_scale: float = 1.0,
     ) -> None:
-        """The first `num_seqs` sequences (all by default), one query token each, in q's first rows."""
+        """The first `num_seqs` sequences (all by default), one query token each, in q's first
+        rows. With `new`, q is `new.q` as projected: the kernel norms and rotates it and k and
+        stores k and v (`decode_kernel`'s ROPE)."""
         assert q.stride(2) == 1 and q.stride(1) == self.head_dim
         num_seqs = q.shape[0] if num_seqs is None else num_seqs
         splits = self.num_splits(num_seqs)
@@ -234,17 +249,20 @@ class TritonAttention:
         # beside the shared-prefix kernel (see decode_kernel), where its reads come from the L2
         early = direct and shared is not None and kv_cache.element_size() == 2
 
+        rope = new_key_arguments(new, q, k_scale)
+
         def launch(tiles: DecodeTiles) -> None:
             decode_kernel[(self.num_kv_heads, num_seqs, splits)](
                 q, out, self.partial_out, self.partial_ml, kv_cache, meta.block_tables,
                 meta.seq_lens, meta.seq_lens if order is None else order, prefix_lens,
                 self.arrivals, q.stride(0), meta.block_tables.stride(0), kv_cache.stride(0),
-                scale, v_scale, splits, prefix_splits, sliding_window or NO_WINDOW,
+                scale, v_scale, splits, prefix_splits, sliding_window or NO_WINDOW, *rope,
                 GROUP=self.group, GROUP_PAD=group_pad,
                 NUM_KV_HEADS=self.num_kv_heads, HEAD_DIM=self.head_dim, HEAD_PAD=self.head_pad,
                 BLOCK_SIZE=kv_cache.shape[2], BLOCK_N=tiles.block_n, MAX_SPLITS=MAX_SPLITS,
                 SOFT_CAP=soft_cap, DIRECT=direct, ORDERED=order is not None,
                 CASCADE=shared is not None, EARLY_START=early, MERGE=merge,
+                ROPE=new is not None, HAS_NORM=new is not None and new.q_norm_weight is not None,
                 num_warps=tiles.num_warps, num_stages=tiles.num_stages, **self.decode_options, **pdl.launch_args(q.device),
             )  # fmt: skip
 
@@ -331,6 +349,18 @@ class TritonAttention:
 
         key = (self.prefill_tiles, q.dtype, kv_cache.dtype)
         launch_fitting(self.fitted, key, self.prefill_tiles, launch)
+
+
+def new_key_arguments(new: Unrotated | None, q: torch.Tensor, k_scale: float) -> tuple:
+    """decode_kernel's arguments k_ptr .. k_scale: those of `new`, or placeholders without it."""
+    if new is None:
+        return (q, q, 0, 0, q, q, q, q, 0.0, 1.0)
+    assert new.k.stride(2) == 1 and new.v.stride(2) == 1 and new.cos_sin.is_contiguous()
+    norms = (new.q_norm_weight, new.k_norm_weight) if new.q_norm_weight is not None else (q, q)
+    return (
+        new.k, new.v, new.k.stride(0), new.v.stride(0), new.slot_mapping, new.cos_sin, *norms,
+        new.eps, k_scale,
+    )  # fmt: skip
 
 
 def check_head_dim(head_dim: int) -> None:

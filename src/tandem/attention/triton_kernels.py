@@ -313,6 +313,16 @@ def decode_kernel(
     num_splits,
     num_prefix_splits,  # shared_prefix_kernel's partials of a grouped row, after its own split
     window,  # sliding window in tokens (1 << 30: none)
+    k_ptr,  # with ROPE: this step's k and v [num_seqs, NUM_KV_HEADS, HEAD_DIM] (strided rows)
+    v_ptr,
+    k_token_stride,
+    v_token_stride,
+    slot_ptr,  # [num_seqs] int: the cache slot of each row's new key (-1: none, padding)
+    cos_sin_ptr,  # [max_position, HEAD_DIM] float32: cos | sin
+    q_norm_ptr,  # [HEAD_DIM] per-head RMSNorm weights of q and k, with HAS_NORM
+    k_norm_ptr,
+    eps,
+    k_scale,  # an FP8 cache stores k / k_scale and v / v_scale (1.0 otherwise)
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,  # >= 16 rows for tl.dot
     NUM_KV_HEADS: tl.constexpr,
@@ -327,6 +337,8 @@ def decode_kernel(
     CASCADE: tl.constexpr,  # keys before prefix_lens[seq] are left to shared_prefix_kernel
     EARLY_START: tl.constexpr,  # DIRECT with CASCADE: run beside shared_prefix_kernel, see below
     MERGE: tl.constexpr,  # not DIRECT: the last split of a sequence's KV head to finish merges
+    ROPE: tl.constexpr,  # q is as projected: normed and rotated here, k and v stored here
+    HAS_NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Split s of a sequence covers an equal share of the key tiles in its window (past its
@@ -345,6 +357,13 @@ def decode_kernel(
     keys and queries read before it were written before that kernel began (its programs have
     all passed their own wait when this one starts), and they are read from the L2 (queries
     `.cg`, keys by 16-byte copies: a 16-bit cache).
+
+    ROPE (decode-only steps without shared prefixes): q, k and v come as the QKV projection
+    made them. Each program norms and rotates its rows' q as `fused.rope_qk` does (by position
+    seq_len - 1), and the one whose split holds that position stores the new k and v at the
+    row's slot (the block table's slot of that position, as the engine maps them), then waits
+    at a barrier of its threads before it reads a tile: the key is read back by the program
+    that stored it, and by no other. One launch a layer less.
     """
     if not EARLY_START:
         pdl.wait(PDL)
@@ -368,12 +387,24 @@ def decode_kernel(
     row_valid = rows < GROUP
     dims = tl.arange(0, HEAD_PAD)
     row_dims = row_valid[:, None] & (dims < HEAD_DIM)[None, :]
-    q = tl.load(
-        q_ptr + seq.to(tl.int64) * q_token_stride + head[:, None] * HEAD_DIM + dims[None, :],
-        mask=row_dims,
-        other=0.0,
-        cache_modifier=".cg",
-    )
+    q_rows = q_ptr + seq.to(tl.int64) * q_token_stride + head * HEAD_DIM
+    if ROPE:
+        position = seq_len - 1
+        q = _normed_rotated(
+            q_rows, row_valid, dims, position, cos_sin_ptr, q_norm_ptr, eps, HEAD_DIM, HAS_NORM
+        )
+        # the program whose keys hold the new one stores it, before any of its tiles is read
+        _store_new_key(
+            k_ptr + seq.to(tl.int64) * k_token_stride + kv_head * HEAD_DIM,
+            v_ptr + seq.to(tl.int64) * v_token_stride + kv_head * HEAD_DIM, cache_ptr,
+            kv_half_stride, tl.load(slot_ptr + seq).to(tl.int64), dims, position, cos_sin_ptr,
+            k_norm_ptr, eps, k_scale, v_scale,
+            (first_tile * BLOCK_N <= position) & (position < last_tile * BLOCK_N), NUM_KV_HEADS,
+            kv_head, HEAD_DIM, HAS_NORM,
+        )  # fmt: skip
+        tl.debug_barrier()  # every thread's stores visible to the program's loads after it
+    else:
+        q = tl.load(q_rows[:, None] + dims[None, :], mask=row_dims, other=0.0, cache_modifier=".cg")
     q = _product_dtype(q, cache_ptr)
     query_pos = tl.full([GROUP_PAD], seq_len - 1, tl.int32)
     row_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -443,6 +474,62 @@ def _store_output(out_ptr, row, acc, row_sum, row_dims, dims, HEAD_DIM: tl.const
         out.to(out_ptr.dtype.element_ty),
         mask=row_dims,
     )
+
+
+@triton.jit
+def _normed_rotated(
+    rows_ptr, row_valid, dims, position, cos_sin_ptr, weight_ptr, eps, HEAD_DIM: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    """Rows [R, HEAD_PAD] of heads at `rows_ptr` [R] (their first dimension each), per-head
+    RMSNorm'd by `weight_ptr` with HAS_NORM and rotated ("rotate half") by the cos and sin of
+    `position`, in the rows' dtype, as `fused.rope_qk` makes them: each dimension d beside its
+    partner d +- HEAD_DIM / 2, the first half's rotated x c - y s and the second's x c + y s."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    in_head = dims < HEAD_DIM
+    partner = tl.where(dims < HALF, dims + HALF, dims - HALF)
+    mask = row_valid[:, None] & in_head[None, :]
+    dtype = rows_ptr.dtype.element_ty
+    x = tl.load(rows_ptr[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(rows_ptr[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:  # rounded to the model dtype where the torch RMSNorm rounds
+        inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)
+        x = (x * inv_rms[:, None]).to(dtype).to(tl.float32)
+        y = (y * inv_rms[:, None]).to(dtype).to(tl.float32)
+        x = (tl.load(weight_ptr + dims, mask=in_head).to(tl.float32)[None, :] * x).to(dtype)
+        y = (tl.load(weight_ptr + partner, mask=in_head).to(tl.float32)[None, :] * y).to(dtype)
+        x, y = x.to(tl.float32), y.to(tl.float32)
+    half = tl.where(dims < HALF, dims, dims - HALF)
+    c = tl.load(cos_sin_ptr + position * HEAD_DIM + half, mask=in_head, other=0.0)[None, :]
+    s = tl.load(cos_sin_ptr + position * HEAD_DIM + HALF + half, mask=in_head, other=0.0)[None, :]
+    sign = tl.where(dims < HALF, -1.0, 1.0)[None, :]
+    return (x * c + sign * (y * s)).to(dtype)
+
+
+@triton.jit
+def _store_new_key(
+    k_row_ptr, v_row_ptr, cache_ptr, kv_half_stride, slot, dims, position, cos_sin_ptr,
+    k_norm_ptr, eps, k_scale, v_scale, holds, NUM_KV_HEADS: tl.constexpr, kv_head,
+    HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    """This step's key (normed, rotated) and value of one KV head stored at `slot` as rope_qk
+    stores them (an FP8 cache: k / k_scale and v / v_scale, saturated), where `holds` (the
+    program's keys hold its position) and the slot is one (-1: padding)."""
+    one = tl.arange(0, 1)
+    k = _normed_rotated(
+        k_row_ptr + one, one == 0, dims, position, cos_sin_ptr, k_norm_ptr, eps, HEAD_DIM,
+        HAS_NORM,
+    )  # fmt: skip
+    in_head = (dims < HEAD_DIM)[None, :]
+    v = tl.load(v_row_ptr + one[:, None] + dims[None, :], mask=in_head, other=0.0)
+    cache_dtype = cache_ptr.dtype.element_ty
+    if cache_dtype == tl.float8e4nv:  # quantized from the model-dtype values, as rope_qk does
+        k = tl.clamp(k.to(tl.float32) / k_scale, -448.0, 448.0)
+        v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0)
+    at = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM + one[:, None] + dims[None, :]
+    store = in_head & (slot >= 0) & holds
+    tl.store(cache_ptr + at, k.to(cache_dtype), mask=store)
+    tl.store(cache_ptr + kv_half_stride + at, v.to(cache_dtype), mask=store)
 
 
 @triton.jit

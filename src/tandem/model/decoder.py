@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.attention import AttentionBackend, AttentionMetadata
+from tandem.attention import AttentionBackend, AttentionMetadata, Unrotated, rotates_in_decode
 from tandem.attention.torch_ref import soft_cap
 from tandem.config import ModelConfig
 from tandem.model import fused, splitk
@@ -125,14 +125,18 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
         q_out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        rotate: bool = True,
+    ) -> torch.Tensor | Unrotated:
         """Up to the attention: q, k and v, their norms and rotary; k and v go to the cache and
-        q is returned [tokens, heads, head_dim] (in `q_out` when given)."""
+        q is returned [tokens, heads, head_dim] (in `q_out` when given). Without `rotate`, the
+        three as projected, for the attention's decode kernel to do the rest (`Unrotated`)."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm else ()
+        if not rotate:
+            return Unrotated(q, k, v, self.rope.cos_sin, slot_mapping, *norms)
         return rope_qk(
             q, k, v, positions, self.rope.cos_sin, kv_cache, slot_mapping, *norms, q_out=q_out,
             k_scale=self.k_scale, v_scale=self.v_scale,
@@ -191,11 +195,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp, linear) if mlp is None else mlp
 
-    def before_attention(self, x, residual, positions, kv_cache, slot_mapping, q_out=None):
+    def before_attention(
+        self, x, residual, positions, kv_cache, slot_mapping, q_out=None, rotate=True
+    ):  # fmt: skip
         """(q, the residual stream): the previous layer's output added to the stream, the norm,
-        and the attention's projections (this step's K/V stored)."""
+        and the attention's projections (this step's K/V stored; without `rotate` left to the
+        attention, see `Attention.project`)."""
         h, residual = self.input_layernorm.add_forward(x, residual)
-        q = self.self_attn.project(h, positions, kv_cache, slot_mapping, q_out)
+        q = self.self_attn.project(h, positions, kv_cache, slot_mapping, q_out, rotate)
         return q, residual
 
     def after_attention(self, attended, residual):
@@ -209,7 +216,10 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, positions, kv_cache, meta, attend):
         """(this layer's output, the residual stream before it); the caller adds the two. The
         residual stream is advanced in place (see `fused.add_rms_norm`)."""
-        q, residual = self.before_attention(x, residual, positions, kv_cache, meta.slot_mapping)
+        rotate = not rotates_in_decode(attend, meta)
+        q, residual = self.before_attention(
+            x, residual, positions, kv_cache, meta.slot_mapping, rotate=rotate
+        )
         attended = attend(q, kv_cache, meta, **self.self_attn.attend_options())
         return self.after_attention(attended, residual)
 

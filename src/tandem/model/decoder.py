@@ -216,7 +216,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, positions, kv_cache, meta, attend):
         """(this layer's output, the residual stream before it); the caller adds the two. The
         residual stream is advanced in place (see `fused.add_rms_norm`)."""
-        rotate = not rotates_in_decode(attend, meta)
+        # on CUDA with the fused kernels (TANDEM_FUSED_KERNELS=0 keeps rope_qk's torch version)
+        rotate = not (fused.use_kernels(x) and rotates_in_decode(attend, meta))
         q, residual = self.before_attention(
             x, residual, positions, kv_cache, meta.slot_mapping, rotate=rotate
         )

@@ -593,7 +593,8 @@ def test_decode_of_unrotated_q_equals_rope_qk_then_decode(
     dtype, num_kv_heads, group, head_dim, seq_lens, splits, window, norms, cache_dtype
 ):
     """The decode kernel norming and rotating q and k and storing k and v itself (`Unrotated`)
-    against `fused.rope_qk` (torch) storing them, then the decode of its q: the same output
+    against `fused.rope_qk` (torch on the CPU, its own kernel on the GPU) storing them, then
+    the decode of its q: the same output
     and the same cache, every other slot untouched. The last row is graph padding: seq_len 1,
     slot -1, so its garbage k and v are stored nowhere."""
     from tandem.attention import Unrotated

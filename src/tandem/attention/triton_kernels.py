@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from tandem import envs, pdl
+from tandem.model.fused import fp8_range, normed_rotated
 
 # Triton's CPU interpreter (the tests without a GPU), which runs no inline PTX; it is chosen
 # when the kernels are defined, as here
@@ -390,7 +391,7 @@ def decode_kernel(
     q_rows = q_ptr + seq.to(tl.int64) * q_token_stride + head * HEAD_DIM
     if ROPE:
         position = seq_len - 1
-        q = _normed_rotated(
+        q = normed_rotated(
             q_rows, row_valid, dims, position, cos_sin_ptr, q_norm_ptr, eps, HEAD_DIM, HAS_NORM
         )
         # the program whose keys hold the new one stores it, before any of its tiles is read
@@ -477,36 +478,6 @@ def _store_output(out_ptr, row, acc, row_sum, row_dims, dims, HEAD_DIM: tl.const
 
 
 @triton.jit
-def _normed_rotated(
-    rows_ptr, row_valid, dims, position, cos_sin_ptr, weight_ptr, eps, HEAD_DIM: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-):  # fmt: skip
-    """Rows [R, HEAD_PAD] of heads at `rows_ptr` [R] (their first dimension each), per-head
-    RMSNorm'd by `weight_ptr` with HAS_NORM and rotated ("rotate half") by the cos and sin of
-    `position`, in the rows' dtype, as `fused.rope_qk` makes them: each dimension d beside its
-    partner d +- HEAD_DIM / 2, the first half's rotated x c - y s and the second's x c + y s."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    in_head = dims < HEAD_DIM
-    partner = tl.where(dims < HALF, dims + HALF, dims - HALF)
-    mask = row_valid[:, None] & in_head[None, :]
-    dtype = rows_ptr.dtype.element_ty
-    x = tl.load(rows_ptr[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = tl.load(rows_ptr[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_NORM:  # rounded to the model dtype where the torch RMSNorm rounds
-        inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)
-        x = (x * inv_rms[:, None]).to(dtype).to(tl.float32)
-        y = (y * inv_rms[:, None]).to(dtype).to(tl.float32)
-        x = (tl.load(weight_ptr + dims, mask=in_head).to(tl.float32)[None, :] * x).to(dtype)
-        y = (tl.load(weight_ptr + partner, mask=in_head).to(tl.float32)[None, :] * y).to(dtype)
-        x, y = x.to(tl.float32), y.to(tl.float32)
-    half = tl.where(dims < HALF, dims, dims - HALF)
-    c = tl.load(cos_sin_ptr + position * HEAD_DIM + half, mask=in_head, other=0.0)[None, :]
-    s = tl.load(cos_sin_ptr + position * HEAD_DIM + HALF + half, mask=in_head, other=0.0)[None, :]
-    sign = tl.where(dims < HALF, -1.0, 1.0)[None, :]
-    return (x * c + sign * (y * s)).to(dtype)
-
-
-@triton.jit
 def _store_new_key(
     k_row_ptr, v_row_ptr, cache_ptr, kv_half_stride, slot, dims, position, cos_sin_ptr,
     k_norm_ptr, eps, k_scale, v_scale, holds, NUM_KV_HEADS: tl.constexpr, kv_head,
@@ -516,7 +487,7 @@ def _store_new_key(
     stores them (an FP8 cache: k / k_scale and v / v_scale, saturated), where `holds` (the
     program's keys hold its position) and the slot is one (-1: padding)."""
     one = tl.arange(0, 1)
-    k = _normed_rotated(
+    k = normed_rotated(
         k_row_ptr + one, one == 0, dims, position, cos_sin_ptr, k_norm_ptr, eps, HEAD_DIM,
         HAS_NORM,
     )  # fmt: skip
@@ -524,8 +495,8 @@ def _store_new_key(
     v = tl.load(v_row_ptr + one[:, None] + dims[None, :], mask=in_head, other=0.0)
     cache_dtype = cache_ptr.dtype.element_ty
     if cache_dtype == tl.float8e4nv:  # quantized from the model-dtype values, as rope_qk does
-        k = tl.clamp(k.to(tl.float32) / k_scale, -448.0, 448.0)
-        v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0)
+        k = fp8_range(k.to(tl.float32) / k_scale)
+        v = fp8_range(v.to(tl.float32) / v_scale)
     at = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM + one[:, None] + dims[None, :]
     store = in_head & (slot >= 0) & holds
     tl.store(cache_ptr + at, k.to(cache_dtype), mask=store)

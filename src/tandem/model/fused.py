@@ -306,26 +306,63 @@ def _norm_rotate_heads(
     dtype = x_ptr.dtype.element_ty  # the model's (an FP8 cache's output is not)
     a = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
-    if HAS_NORM:  # rounded to the model dtype where the torch RMSNorm rounds
+    if HAS_NORM:
         inv_rms = 1.0 / tl.sqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)
-        a = (a * inv_rms[:, None]).to(dtype).to(tl.float32)
-        b = (b * inv_rms[:, None]).to(dtype).to(tl.float32)
-        a = (tl.load(weight_ptr + dims, mask=dims < HALF).to(tl.float32) * a).to(dtype)
-        b = (tl.load(weight_ptr + HALF + dims, mask=dims < HALF).to(tl.float32) * b).to(dtype)
-        a, b = a.to(tl.float32), b.to(tl.float32)
+        a = _rms_scaled(a, inv_rms[:, None], tl.load(weight_ptr + dims, mask=dims < HALF), dtype)
+        b = _rms_scaled(
+            b, inv_rms[:, None], tl.load(weight_ptr + HALF + dims, mask=dims < HALF), dtype
+        )
     c = tl.load(cos_sin_ptr + position * (2 * HALF) + dims, mask=dims < HALF)
     s = tl.load(cos_sin_ptr + position * (2 * HALF) + HALF + dims, mask=dims < HALF)
     out = out_ptr + out_row * num_heads * 2 * HALF + heads * 2 * HALF + dims
     first, second = (a * c - b * s).to(dtype), (b * c + a * s).to(dtype)
     if FP8:  # quantized from the model-dtype values, as the torch version does
-        first = _fp8_range(first.to(tl.float32) / out_scale)
-        second = _fp8_range(second.to(tl.float32) / out_scale)
+        first = fp8_range(first.to(tl.float32) / out_scale)
+        second = fp8_range(second.to(tl.float32) / out_scale)
     tl.store(out, first.to(out_ptr.dtype.element_ty), mask=mask & write)
     tl.store(out + HALF, second.to(out_ptr.dtype.element_ty), mask=mask & write)
 
 
 @triton.jit
-def _fp8_range(x):
+def _rms_scaled(x, inv_rms, weight, dtype: tl.constexpr):
+    """float32 x of a row in `dtype` (the model's) times its 1 / RMS, then its weight, rounded
+    to `dtype` where the torch RMSNorm rounds; back in float32."""
+    x = (x * inv_rms).to(dtype).to(tl.float32)
+    return (weight.to(tl.float32) * x).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def normed_rotated(
+    rows_ptr, row_valid, dims, position, cos_sin_ptr, weight_ptr, eps, HEAD_DIM: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    """Rows [R, HEAD_PAD] of heads at `rows_ptr` [R] (their first dimension each), per-head
+    RMSNorm'd by `weight_ptr` with HAS_NORM and rotated ("rotate half") by the cos and sin of
+    `position`, in the rows' dtype, as `_norm_rotate_heads` makes them from a head's two halves:
+    here each dimension d beside its partner d +- HEAD_DIM / 2 in one full-width tile (the
+    decode attention's q tile), the first half's rotated x c - y s and the second's x c + y s."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    in_head = dims < HEAD_DIM
+    partner = tl.where(dims < HALF, dims + HALF, dims - HALF)
+    mask = row_valid[:, None] & in_head[None, :]
+    dtype = rows_ptr.dtype.element_ty
+    x = tl.load(rows_ptr[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(rows_ptr[:, None] + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:  # rounded to the model dtype where the torch RMSNorm rounds
+        inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)
+        x_weight = tl.load(weight_ptr + dims, mask=in_head)[None, :]
+        y_weight = tl.load(weight_ptr + partner, mask=in_head)[None, :]
+        x = _rms_scaled(x, inv_rms[:, None], x_weight, dtype)
+        y = _rms_scaled(y, inv_rms[:, None], y_weight, dtype)
+    half = tl.where(dims < HALF, dims, dims - HALF)
+    c = tl.load(cos_sin_ptr + position * HEAD_DIM + half, mask=in_head, other=0.0)[None, :]
+    s = tl.load(cos_sin_ptr + position * HEAD_DIM + HALF + half, mask=in_head, other=0.0)[None, :]
+    sign = tl.where(dims < HALF, -1.0, 1.0)[None, :]
+    return (x * c + sign * (y * s)).to(dtype)
+
+
+@triton.jit
+def fp8_range(x):
     return tl.clamp(x, -448.0, 448.0)  # e4m3's largest finite value: stored saturated
 
 
@@ -357,7 +394,7 @@ def rope_qk_kernel(
     mask = (heads < num_k_heads) & (slot >= 0) & (dims < 2 * HALF)
     v = tl.load(v_ptr + token * v_token_stride + heads * v_head_stride + dims, mask=mask)
     if FP8:
-        v = _fp8_range(v.to(tl.float32) / v_scale)
+        v = fp8_range(v.to(tl.float32) / v_scale)
     v = v.to(cache_ptr.dtype.element_ty)
     row = cache_ptr + kv_half_stride + slot * num_k_heads * 2 * HALF
     tl.store(row + heads * 2 * HALF + dims, v, mask=mask)

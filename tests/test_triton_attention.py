@@ -461,6 +461,41 @@ def test_large_decode_batches_take_the_large_batch_tiles():
     assert backend.tiles_for(128) == backend.tiles_for(256) == triton_backend.LARGE_BATCH_TILES
 
 
+def test_decode_steps_rotate_in_the_decode_kernel_under_the_large_batch_over_16_bit_caches():
+    """`Unrotated` q goes to the decode kernel at decode-only steps without shared prefixes of
+    fewer than LARGE_BATCH rows over a cache that is not FP8 (where it measured slower), while
+    `rotates` is on; inside `rotated_before` (graph capture's warm-up of the kernel that steps
+    with prefill take) never, and after it as before."""
+    from tandem.attention import SharedPrefixes, rotated_before, rotates_in_decode
+    from tandem.attention.torch_ref import torch_attention
+
+    backend = attention(2, 4, 64, max_seqs=256)
+    cache = make_cache(4, 16, 2, 64, torch.bfloat16)
+
+    def meta(rows, decode_only=True, shared=None):
+        lens = torch.ones(rows, dtype=torch.int32, device=DEVICE)
+        tables = torch.zeros(rows, 1, dtype=torch.int32, device=DEVICE)
+        return AttentionMetadata(lens, lens, lens, tables, decode_only, shared=shared)
+
+    small = triton_backend.LARGE_BATCH - 1
+    assert rotates_in_decode(backend, meta(1), cache)
+    assert rotates_in_decode(backend, meta(small), cache)
+    assert not rotates_in_decode(backend, meta(triton_backend.LARGE_BATCH), cache)
+    assert not rotates_in_decode(backend, meta(small, decode_only=False), cache)
+    zeros = torch.zeros(small, dtype=torch.int32, device=DEVICE)
+    shared = SharedPrefixes(zeros, zeros, zeros, zeros, zeros[:1], 1)
+    assert not rotates_in_decode(backend, meta(small, shared=shared), cache)
+    assert not rotates_in_decode(backend, meta(1), cache.to(torch.float8_e4m3fn))
+    assert rotates_in_decode(backend, meta(1), cache.float())  # float32: the CPU tests' models
+    with rotated_before(backend):
+        assert not rotates_in_decode(backend, meta(1), cache)
+    assert rotates_in_decode(backend, meta(1), cache)
+    with rotated_before(torch_attention):  # a backend without the rotary: nothing to switch
+        assert not rotates_in_decode(torch_attention, meta(1), cache)
+    backend.rotates = False  # TANDEM_FUSED_ROPE=0
+    assert not rotates_in_decode(backend, meta(1), cache)
+
+
 def windowed_decode_case(dtype, head_dim, window, soft_cap, splits, seq_lens):
     num_kv_heads, group, block_size = 2, 2, 16
     cache = make_cache(64, block_size, num_kv_heads, head_dim, dtype)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from tandem import envs
-from tandem.attention import AttentionBackend, AttentionMetadata, SharedPrefixes
+from tandem.attention import AttentionBackend, AttentionMetadata, SharedPrefixes, rotated_before
 from tandem.batch import StepBatch
 from tandem.io_slot import IOSlot, carry_over
 from tandem.kv_cache import copy_blocks
@@ -412,6 +412,9 @@ class Runner:
         def capture(key: tuple, run: Callable[[], object]) -> None:
             with torch.cuda.stream(self.compute_stream):
                 run()  # warm-up: kernels chosen, workspaces made
+                if key[0] == "forward" and key[1] == 0:  # a step with prefill's decode rows
+                    with rotated_before(self.attend):  # take the decode kernel at this size
+                        run()  # too: compiled here, not in the first such step
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=shared if shared_pool else None,
                                   stream=self.compute_stream):  # fmt: skip

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams, runner
+from tandem.attention.triton_backend import LARGE_BATCH, leading_single_tokens
 from tandem.bench import counting_jit_compiles
 from tandem.piecewise import PiecewiseGraphs
 from tandem.runner import Runner
@@ -199,6 +200,42 @@ def test_a_workload_of_other_shapes_compiles_no_kernel_after_the_first(make_tiny
               for i, t in enumerate([0.0, 1.0] * 6)]  # fmt: skip
     with counting_jit_compiles() as compiles:
         llm.generate(other, params, use_tqdm=False)
+    assert compiles == [0]
+
+
+def test_steps_with_prefill_and_a_large_decode_batch_compile_no_kernel_after_a_warm_up(make_tiny):
+    """Steps with prefill lead with their running requests' decode rows, which take the decode
+    kernel without the rotary where the decode graphs of fewer than 128 rows take it with.
+    Graph capture compiles it both ways, so after a warm-up of a few short requests (as `tandem
+    bench` runs one: one step with prefill, then decodes) a batch that grows to 160 requests,
+    its steps with prefill leading with a few to 159 decode rows, compiles nothing (small's first
+    timed run compiled two kernels, 2026-12-02)."""
+    llm = LLM(str(make_tiny("qwen3")), dtype="bfloat16", max_model_len=128, max_num_seqs=160,
+              max_num_batched_tokens=256, num_blocks=1024)  # fmt: skip
+    vocab = llm.engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(3)
+
+    def requests(count: int, length: int) -> list[dict]:
+        ids = torch.randint(0, vocab, (count, length), generator=g).tolist()
+        return [{"prompt_token_ids": row} for row in ids]
+
+    warm = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=0)
+    llm.generate(requests(4, 16), warm, use_tqdm=False)
+    leading = []  # of each step with prefill: its leading decode rows
+    build = llm.engine.builder.build
+
+    def counting_build(*args, **kwargs):
+        batch = build(*args, **kwargs)
+        if not batch.decode_only:
+            leading.append(leading_single_tokens(batch.query_start_loc))
+        return batch
+
+    llm.engine.builder.build = counting_build
+    params = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=1)
+    with counting_jit_compiles() as compiles:
+        llm.generate(requests(160, 16), params, use_tqdm=False)
+    met = [rows for rows in leading if rows]
+    assert min(met) < 32 and max(met) >= LARGE_BATCH  # small batches to the large-batch tiles
     assert compiles == [0]
 
 

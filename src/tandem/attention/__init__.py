@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -64,10 +66,27 @@ class Unrotated:
     eps: float = 0.0
 
 
-def rotates_in_decode(attend, meta: AttentionMetadata) -> bool:
+@contextlib.contextmanager
+def rotated_before(attend) -> Iterator[None]:
+    """Within the block, decode-only steps give `attend` q rotated and k and v stored
+    (`fused.rope_qk`), as steps with prefill give it their leading decode rows: a warm-up run
+    in it compiles the decode kernel those rows take (graph capture compiles the other)."""
+    before = getattr(attend, "rotates", None)
+    if before is None:
+        yield
+        return
+    attend.rotates = False
+    try:
+        yield
+    finally:
+        attend.rotates = before
+
+
+def rotates_in_decode(attend, meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
     """Whether this step's q and k go to `attend` unrotated (`Unrotated`): decode-only steps
-    without shared prefixes, on a backend that takes them (the Triton one)."""
-    return meta.decode_only and meta.shared is None and getattr(attend, "rotates_in_decode", False)
+    without shared prefixes, where the backend takes them (`takes_unrotated`: the Triton one's)."""
+    takes = getattr(attend, "takes_unrotated", None)
+    return meta.decode_only and meta.shared is None and takes is not None and takes(meta, kv_cache)
 
 
 class AttentionBackend(Protocol):

@@ -217,7 +217,7 @@ class DecoderLayer(nn.Module):
         """(this layer's output, the residual stream before it); the caller adds the two. The
         residual stream is advanced in place (see `fused.add_rms_norm`)."""
         # on CUDA with the fused kernels (TANDEM_FUSED_KERNELS=0 keeps rope_qk's torch version)
-        rotate = not (fused.use_kernels(x) and rotates_in_decode(attend, meta))
+        rotate = not (fused.use_kernels(x) and rotates_in_decode(attend, meta, kv_cache))
         q, residual = self.before_attention(
             x, residual, positions, kv_cache, meta.slot_mapping, rotate=rotate
         )

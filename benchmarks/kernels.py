@@ -9,6 +9,7 @@ Usage: PYTHONPATH=src python benchmarks/kernels.py [--json PATH] [--sweep-prefil
 timed on a 4K prompt and on a chunk of the small workload's prompts;
 --sweep-decode: decode time, reduce included, for each split count against the default's choice;
 --sweep-sampler: the sampler's chunks per row and warps per program;
+--eager SHAPE, alone: one decode call launched 3 times, eagerly, for Nsight Compute (`eager`);
 --sweep-small-ops, alone: the add + RMSNorm and rotary kernels' warps per program;
 --sweep-fp8-fusion, alone: the add + RMSNorm and SiLU * up quantizing as they store (W8A8
 inputs) against each kernel followed by quantize_tokens, and the SiLU kernel's warps;
@@ -87,6 +88,35 @@ def step_meta(seq_lens: list[int], starts: list[int], tables: torch.Tensor) -> A
     )
 
 
+def decode_setup(
+    batch: int,
+    context: int,
+    splits: int | None = None,
+    tiles: DecodeTiles | None = None,
+    ragged: tuple[int, int, bool] | None = None,
+    num_heads: int = NUM_HEADS,
+    kv_dtype: torch.dtype = torch.bfloat16,
+    num_kv_heads: int = NUM_KV_HEADS,
+) -> tuple:
+    """(backend, q, out, cache, meta) of one decode call: `bench_decode`'s arguments."""
+    contexts = [context] * batch
+    if ragged:
+        g = torch.Generator().manual_seed(0)
+        contexts = torch.randint(ragged[0], ragged[1] + 1, (batch,), generator=g).tolist()
+    cache, tables = paged_setup(contexts, kv_dtype, num_kv_heads)
+    lens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
+    order = torch.argsort(-lens.long(), stable=True).int() if ragged and ragged[2] else None
+    q = torch.randn(batch, num_heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    backend = TritonAttention(
+        num_heads, num_kv_heads, HEAD_DIM, batch, torch.device("cuda"), num_splits=splits
+    )
+    if tiles:
+        backend.decode_tiles = backend.large_batch_tiles = backend.single_sequence_tiles = tiles
+    meta = AttentionMetadata(lens, lens, lens, tables, decode_only=True, seq_order=order)
+    return backend, q, out, cache, meta
+
+
 def bench_decode(
     batch: int,
     context: int,
@@ -104,21 +134,10 @@ def bench_decode(
     near `context`), launched longest first when `ordered`, else in batch order. `num_heads`
     query heads share `num_kv_heads` KV heads (Llama-3-8B's 32 over 8 by default; Qwen3-0.6B has
     16 over 8, Qwen3-30B-A3B 32 over 4)."""
-    contexts = [context] * batch
-    if ragged:
-        g = torch.Generator().manual_seed(0)
-        contexts = torch.randint(ragged[0], ragged[1] + 1, (batch,), generator=g).tolist()
-    cache, tables = paged_setup(contexts, kv_dtype, num_kv_heads)
-    lens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
-    order = torch.argsort(-lens.long(), stable=True).int() if ragged and ragged[2] else None
-    q = torch.randn(batch, num_heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty_like(q)
-    backend = TritonAttention(
-        num_heads, num_kv_heads, HEAD_DIM, batch, torch.device("cuda"), num_splits=splits
+    backend, q, out, cache, meta = decode_setup(
+        batch, context, splits, tiles, ragged, num_heads, kv_dtype, num_kv_heads
     )
-    if tiles:
-        backend.decode_tiles = backend.large_batch_tiles = backend.single_sequence_tiles = tiles
-    meta = AttentionMetadata(lens, lens, lens, tables, decode_only=True, seq_order=order)
+    tables, lens, contexts = meta.block_tables, meta.seq_lens, meta.seq_lens.tolist()
     if check:
         backend.decode(q, out, cache, meta, HEAD_DIM**-0.5)
         expected = decode_attention(q.float(), cache.float(), tables, lens, HEAD_DIM**-0.5)
@@ -138,7 +157,7 @@ def bench_decode(
             "splits": backend.num_splits(batch), "tiles": backend.tiles_for(batch)._asdict()}  # fmt: skip
 
 
-def bench_shared_decode(
+def shared_decode_setup(
     own: int,
     shared_tiles: DecodeTiles = SHARED_PREFIX_TILES,
     prefix_splits: int | None = None,
@@ -146,16 +165,10 @@ def bench_shared_decode(
     groups: int = 32,
     n: int = 8,
     prefix: int = 1024,
-    breakdown: bool = False,
     splits: int | None = None,
-) -> dict:
-    """One decode call of rollout's shape, graph-replayed: `groups` prompts of `prefix` tokens,
-    `n` samples each with `own` keys of their own after it, the samples' shared blocks read once
-    per group (the shared-prefix kernel, then the decode kernel over the own keys, which merges
-    the prefix partials). The grid bound on groups is the engine's for 256 rows (half the rows).
-    Checked against the torch reference over each row's whole context first. `splits`: of each
-    row's own keys (the heuristic's by default). `breakdown`: each of the two launches timed
-    alone too (shared_us, decode_us)."""
+) -> tuple:
+    """(backend, q, out, cache, meta) of one rollout-shaped decode call: `bench_shared_decode`'s
+    arguments."""
     rows, shared_blocks = groups * n, prefix // BLOCK_SIZE
     own_blocks = -(-own // BLOCK_SIZE)
     cache, _ = paged_setup([groups * prefix + rows * own_blocks * BLOCK_SIZE])
@@ -185,6 +198,21 @@ def bench_shared_decode(
         backend.decode_tiles = backend.large_batch_tiles = tiles
     if prefix_splits:
         backend.prefix_splits = lambda _: prefix_splits
+    return backend, q, out, cache, meta
+
+
+def bench_shared_decode(own: int, breakdown: bool = False, **setup) -> dict:
+    """One decode call of rollout's shape, graph-replayed: `groups` prompts of `prefix` tokens,
+    `n` samples each with `own` keys of their own after it, the samples' shared blocks read once
+    per group (the shared-prefix kernel, then the decode kernel over the own keys, which merges
+    the prefix partials). The grid bound on groups is the engine's for 256 rows (half the rows).
+    Checked against the torch reference over each row's whole context first. `setup`:
+    `shared_decode_setup`'s keywords (`splits`: of each row's own keys, the heuristic's by
+    default). `breakdown`: each of the two launches timed alone too (shared_us, decode_us)."""
+    backend, q, out, cache, meta = shared_decode_setup(own, **setup)
+    tables, lens, rows = meta.block_tables, meta.seq_lens, q.shape[0]
+    groups, prefix = int(meta.shared.num_groups[0]), int(meta.shared.group_prefix[0])
+    n = rows // groups
     scale = HEAD_DIM**-0.5
     backend.decode(q, out, cache, meta, scale)
     expected = decode_attention(q.float(), cache.float(), tables, lens, scale)
@@ -232,7 +260,10 @@ def sweep_shared_prefix() -> None:
         for splits in (1, 2, 4):
             mark = "*" if shared_tiles == SHARED_PREFIX_TILES and splits == default_splits else " "
             try:
-                cells = [bench_shared_decode(own, shared_tiles, splits) for own in owns]
+                cells = [
+                    bench_shared_decode(own, shared_tiles=shared_tiles, prefix_splits=splits)
+                    for own in owns
+                ]
             except Exception as error:  # out of shared memory, or a wrong result
                 print(f"shared {shared_tiles} splits={splits}  failed: "
                       f"{str(error).splitlines()[0][:80]}", flush=True)  # fmt: skip
@@ -644,6 +675,33 @@ def sweep_prefill() -> None:
                     print(f"{tiles}{'*' if tiles == default else ' '} {cells}", flush=True)
 
 
+# the decode calls `--eager` launches: small's ragged steps over a bf16 and an e4m3 cache,
+# moe's batch 32 (32 query heads over 4 KV heads), rollout's 256 rows at 256 keys of their own
+EAGER_SHAPES = {
+    "small": dict(batch=256, context=600, ragged=(100, 1100, True), num_heads=16),
+    "small-fp8": dict(
+        batch=256, context=600, ragged=(100, 1100, True), num_heads=16, kv_dtype=torch.float8_e4m3fn
+    ),
+    "moe": dict(batch=32, context=640, num_kv_heads=4),
+    "seed": dict(batch=32, context=1024),
+}
+
+
+def eager(shape: str, times: int = 3) -> None:
+    """One decode call of `shape` (EAGER_SHAPES, or "rollout") launched `times` times eagerly,
+    for a profiler that reads one launch's hardware counters, e.g. Nsight Compute:
+    ncu --clock-control none -k regex:decode_kernel -s 2 -c 1 python3 benchmarks/kernels.py
+    --eager small-fp8"""
+    if shape == "rollout":
+        backend, q, out, cache, meta = shared_decode_setup(own=256)
+    else:
+        backend, q, out, cache, meta = decode_setup(**EAGER_SHAPES[shape])
+    for _ in range(times):
+        backend.decode(q, out, cache, meta, HEAD_DIM**-0.5)
+    torch.cuda.synchronize()
+    print(f"{shape}: {times} decode calls")
+
+
 def main() -> None:
     global HEAD_DIM
     parser = argparse.ArgumentParser()
@@ -662,8 +720,13 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="--sweep-decode-tiles over an e4m3 cache")  # fmt: skip
+    parser.add_argument("--eager", choices=[*EAGER_SHAPES, "rollout"],
+                        help="only launch that decode call 3 times, eagerly (for a profiler)")  # fmt: skip
     args = parser.parse_args()
     HEAD_DIM = args.head_dim
+    if args.eager:
+        eager(args.eager)
+        return
     kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
     if args.sweep_decode_tiles or args.decode_shapes:
         sweep_decode_tiles(kv_dtype, only_default=args.decode_shapes)

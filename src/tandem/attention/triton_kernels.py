@@ -69,7 +69,14 @@ def _cache_tile_as(x, q):
     instructions halve, and the conversion of V no longer waits on their pipe (sm_90: 168
     registers against 190). H200, graph-replayed: small's ragged decode shapes 111.7 / 177.2 µs
     against 119.6 / 190.5 with cvt; its uniform 256 x 600 123.0 against 121.5, and Llama-3-8B's
-    256 x 1K 189.3 against 185.5. K by bits too, or half of V's pairs by each, gained nothing."""
+    256 x 1K 189.3 against 185.5. K by bits too, or half of V's pairs by each, gained nothing.
+
+    Not kept: the cache holding each block's V transposed ([kv_heads, head_dim, block_size]), so
+    that V widens in the registers the products read, as K does, with no float16 tile through
+    shared memory (no ldmatrix.trans). Its kernel held 221 registers against 168 (4 programs an
+    SM against 5; Nsight Compute: 15% occupancy, waits on memory the largest stall): small's
+    ragged shapes took 123.2 / 193.8 µs against 111.7 / 177.4, small-fp8kv ran 30,748 tok/s
+    against 33,597-33,621 (H200, session 26)."""
     if x.dtype == tl.float8e4nv and q.dtype == tl.float16 and not INTERPRETED and V_BITS:
         return tl.inline_asm_elementwise(  # the values / 256 (`_v_factor`)
             _E4M3_BITS_ASM, "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4

@@ -129,6 +129,14 @@ def _attend_tile(
     """One online-softmax update over keys [key_start, key_start + BLOCK_N)."""
     key_pos = key_start + tl.arange(0, BLOCK_N)
     in_seq = key_pos < seq_len
+    # At 3 stages Triton pipelines these loads of the block table as 4-byte copies to shared
+    # memory, the last of each tile's copy groups, and the tile's wait then drains every group
+    # in flight (sm_90 SASS: DEPBAR.LE SB0, 0x0 in the key loops, as at 2 stages), so a program
+    # never has a tile loading while it computes another (Nsight Compute, moe's shape: 38% of
+    # the stall samples at that wait). Loaded in registers instead (ld.global.nc by inline asm), the 3-stage
+    # waits kept two groups in flight (0x2), but each key's entry was a load of its own: seed's
+    # 32 x 1K took 49.2 µs against 37.6, Llama-3-8B's 256 x 1K 270.7 against 250.6 (H200,
+    # session 26). One entry a block, widened to the keys in registers, is untried.
     if MASKED:
         block = tl.load(table_ptr + key_pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
     else:

@@ -135,8 +135,10 @@ def _attend_tile(
     # never has a tile loading while it computes another (Nsight Compute, moe's shape: 38% of
     # the stall samples at that wait). Loaded in registers instead (ld.global.nc by inline asm), the 3-stage
     # waits kept two groups in flight (0x2), but each key's entry was a load of its own: seed's
-    # 32 x 1K took 49.2 µs against 37.6, Llama-3-8B's 256 x 1K 270.7 against 250.6 (H200,
-    # session 26). One entry a block, widened to the keys in registers, is untried.
+    # 32 x 1K took 49.2 µs against 37.6, Llama-3-8B's 256 x 1K 270.7 against 250.6. One load a
+    # block, broadcast to its keys: moe's 32 x 640 22.0 against 14.3 and seed's 47.2 against
+    # 37.4 (each tile's copies then wait for a load on the program's own path), small's bf16
+    # shapes 1-2% faster and its e4m3 ones 9% slower (H200, session 26).
     if MASKED:
         block = tl.load(table_ptr + key_pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
     else:

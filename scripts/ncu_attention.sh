@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Nsight Compute over the decode attention kernels at the workloads' shapes (`benchmarks/
 # kernels.py --eager`): one call's launches each (the third call), with the sections that say
-# what bounds a kernel (throughput against its peaks, occupancy, warp stall reasons, the issue
-# slots, the warp stall reasons per instruction issued). Per shape in $OUT/ncu (or ./out/ncu):
+# what bounds a kernel (throughput against its peaks, occupancy, the issue slots, the warp stall
+# reasons, per kernel and per instruction). Per shape in $OUT/ncu (or ./out/ncu):
 # SHAPE.txt (the sections), SHAPE.stalls.txt (the stall reasons, cycles per instruction issued)
 # and SHAPE.sass.csv (the kernels' SASS, each instruction with its stall samples).
 #   NCU_SHAPES="small small-fp8 moe seed rollout"   the shapes (kernels.py's EAGER_SHAPES, rollout)

@@ -74,9 +74,9 @@ def _cache_tile_as(x, q):
     Not kept: the cache holding each block's V transposed ([kv_heads, head_dim, block_size]), so
     that V widens in the registers the products read, as K does, with no float16 tile through
     shared memory (no ldmatrix.trans). Its kernel held 221 registers against 168 (4 programs an
-    SM against 5; Nsight Compute: 15% occupancy, waits on memory the largest stall): small's
-    ragged shapes took 123.2 / 193.8 µs against 111.7 / 177.4, small-fp8kv ran 30,748 tok/s
-    against 33,597-33,621 (H200, session 26)."""
+    SM against 5; sm_90, compiled on the CPU): small's ragged shapes took 123.2 / 193.8 µs
+    against 111.7 / 177.4, small-fp8kv ran 30,748 tok/s against 33,597-33,621 (H200, session
+    26)."""
     if x.dtype == tl.float8e4nv and q.dtype == tl.float16 and not INTERPRETED and V_BITS:
         return tl.inline_asm_elementwise(  # the values / 256 (`_v_factor`)
             _E4M3_BITS_ASM, "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4
@@ -133,12 +133,12 @@ def _attend_tile(
     # memory, the last of each tile's copy groups, and the tile's wait then drains every group
     # in flight (sm_90 SASS: DEPBAR.LE SB0, 0x0 in the key loops, as at 2 stages), so a program
     # never has a tile loading while it computes another (Nsight Compute, moe's shape: 38% of
-    # the stall samples at that wait). Loaded in registers instead (ld.global.nc by inline asm), the 3-stage
-    # waits kept two groups in flight (0x2), but each key's entry was a load of its own: seed's
-    # 32 x 1K took 49.2 µs against 37.6, Llama-3-8B's 256 x 1K 270.7 against 250.6. One load a
-    # block, broadcast to its keys: moe's 32 x 640 22.0 against 14.3 and seed's 47.2 against
-    # 37.4 (each tile's copies then wait for a load on the program's own path), small's bf16
-    # shapes 1-2% faster and its e4m3 ones 9% slower (H200, session 26).
+    # the stall samples at that wait). Loaded in registers instead (ld.global.nc by inline
+    # asm), the 3-stage waits kept two groups in flight (0x2), but each key's entry was a load
+    # of its own: seed's 32 x 1K took 49.2 µs against 37.6, Llama-3-8B's 256 x 1K 270.7
+    # against 250.6. One load a block, broadcast to its keys: moe's 32 x 640 22.0 against 14.3
+    # and seed's 47.2 against 37.4 (each tile's copies then wait for a load on the program's
+    # own path), small's bf16 shapes 1-2% faster and its e4m3 ones 9% slower (H200, session 26).
     if MASKED:
         block = tl.load(table_ptr + key_pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
     else:

@@ -36,6 +36,7 @@ from tandem.attention import (
 )
 from tandem.attention.torch_ref import decode_attention, prefill_attention
 from tandem.attention.triton_backend import (
+    LARGE_BATCH_TILES,
     SHARED_PREFIX_TILES,
     DecodeTiles,
     PrefillTiles,
@@ -608,6 +609,73 @@ def sweep_moe_decode_tiles() -> None:
         print(f"fastest over the three: {','.join(map(str, best[1]))} splits {best[2]}")
 
 
+def sweep_deep_stages() -> None:
+    """Tiles at 5-9 stages against the defaults, on each workload's decode shapes (µs, * the
+    default). The block table's entries are loads the K and V copies depend on, so Triton's
+    pipeliner gives each of the two (num_stages - 1) // 2 stages: K and V are copied a tile
+    ahead at 2-4 stages and two tiles ahead from 5 (sm_90 SASS: the key loop's waits leave
+    copy groups in flight, against none). moe's shapes at one and two splits (two merged by the
+    last); rollout's decode call by shared-prefix tiles and splits, then by both kernels' tiles."""
+    small = dict(batch=256, context=600, ragged=(100, 1100, True), num_heads=16)
+    small_long = dict(batch=256, context=1050, ragged=(100, 2000, True), num_heads=16)
+    fp8 = torch.float8_e4m3fn
+    shapes = {
+        "small": (LARGE_BATCH_TILES, [small, small_long]),
+        "small-fp8kv": (
+            LARGE_BATCH_TILES,
+            [dict(small, kv_dtype=fp8), dict(small_long, kv_dtype=fp8)],
+        ),
+        "moe1 1x400": (DecodeTiles(32, 4, 1), [dict(batch=1, context=400, num_kv_heads=4)]),
+        "seed 32x1K": (DecodeTiles(), [dict(batch=32, context=1024)]),
+    }
+    candidates = [(64, 2, 5), (32, 2, 5), (32, 2, 7), (64, 4, 5), (32, 4, 5), (128, 4, 5),
+                  (64, 2, 6), (64, 4, 7)]  # fmt: skip
+    for name, (default, calls) in shapes.items():
+        for tiles in [default, *(DecodeTiles(*c) for c in candidates)]:
+            check = None if "kv_dtype" in calls[0] else dict(check=True, tiles=tiles, **calls[0])
+            times = decode_times(str(tiles), check, dict(enumerate(calls)), tiles=tiles)
+            if times is not None:
+                mark = "*" if tiles == default else " "
+                cells = " / ".join(f"{1000 * ms:.1f}" for ms in times.values())
+                print(f"{name:<12} {tuple(tiles)}{mark} us  {cells}", flush=True)
+    moe = {
+        "32x640": dict(batch=32, context=640, num_kv_heads=4),
+        "32x1152": dict(batch=32, context=1152, num_kv_heads=4),
+        "32x256": dict(batch=32, context=256, num_kv_heads=4),
+    }
+    for shape in [(128, 4, 3), (128, 4, 5), (128, 4, 6), (128, 4, 7), (64, 4, 5), (64, 4, 7),
+                  (64, 2, 5), (64, 2, 7), (128, 8, 5), (32, 4, 7), (32, 2, 9)]:  # fmt: skip
+        tiles = DecodeTiles(*shape)
+        for splits in (1, 2):
+            check = dict(check=True, splits=splits, tiles=tiles, **moe["32x640"])
+            times = decode_times(f"{shape} {splits}", check, moe, splits=splits, tiles=tiles)
+            if times is not None:
+                mark = "*" if tiles == DecodeTiles() and splits == 2 else " "
+                cells = " / ".join(f"{n}:{1000 * ms:.1f}" for n, ms in times.items())
+                print(f"moe {shape} splits {splits}{mark} us  {cells}", flush=True)
+    owns = (64, 256, 500)
+    runs = [(DecodeTiles(*shared), None, splits) for shared in [
+        (64, 4, 2), (64, 4, 5), (64, 4, 6), (64, 4, 7), (32, 4, 7), (32, 4, 9), (128, 4, 5),
+        (64, 8, 5), (32, 2, 7)] for splits in (1, 2)]  # fmt: skip
+    runs += [(DecodeTiles(*shared), DecodeTiles(*own), None) for shared, own in [
+        ((64, 4, 2), (64, 2, 5)), ((64, 4, 5), (64, 2, 5)), ((64, 4, 5), (32, 2, 5))]]  # fmt: skip
+    for shared_tiles, tiles, splits in runs:
+        label = f"rollout shared {tuple(shared_tiles)} splits {splits or 'default'} decode " + (
+            f"{tuple(tiles or LARGE_BATCH_TILES)}"
+        )
+        try:
+            cells = [
+                bench_shared_decode(
+                    own, shared_tiles=shared_tiles, tiles=tiles, prefix_splits=splits
+                )
+                for own in owns
+            ]
+        except Exception as error:
+            print(f"{label} failed: {str(error).splitlines()[0][:80]}", flush=True)
+            continue
+        print(f"{label} us  " + " / ".join(f"{1000 * c['ms']:.1f}" for c in cells), flush=True)
+
+
 def sweep_decode_tiles(kv_dtype: torch.dtype = torch.bfloat16, only_default: bool = False) -> None:
     """Each tile shape on the workloads' own decode shapes (small: Qwen3-0.6B's 16 heads over 8 KV
     heads, 256 ragged contexts longest first; seed: Llama-3-8B at 32 x 1K), in µs, * the default.
@@ -715,6 +783,7 @@ def main() -> None:
     parser.add_argument("--sweep-fp8-fusion", action="store_true", help="only this sweep")
     parser.add_argument("--sweep-shared-prefix", action="store_true", help="only this sweep")
     parser.add_argument("--sweep-moe-decode-tiles", action="store_true", help="only this sweep")
+    parser.add_argument("--sweep-deep-stages", action="store_true", help="only this sweep")
     parser.add_argument("--decode-shapes", action="store_true",
                         help="only the decode tile sweep's shapes, at the default tiles")  # fmt: skip
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
@@ -742,6 +811,9 @@ def main() -> None:
         return
     if args.sweep_shared_prefix:
         sweep_shared_prefix()
+        return
+    if args.sweep_deep_stages:
+        sweep_deep_stages()
         return
     if args.sweep_moe_decode_tiles:
         sweep_moe_decode_tiles()

@@ -100,13 +100,19 @@ def test_a_bad_pause_mode_is_a_value_error_and_the_engine_lives_on(folder):
 
 
 def test_offline_generate_waits_while_another_thread_pauses_it(folder, reference):
+    # long enough that the generation cannot end before the pause on a loaded machine (at 24
+    # tokens it once did, between the poll and the pause)
+    long = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
     llm = LLM(folder, **ENGINE_ARGS)
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, long, use_tqdm=False)]
+    assert [tokens[:24] for tokens in expected] == reference
     result: list = []
     worker = threading.Thread(
-        target=lambda: result.extend(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+        target=lambda: result.extend(llm.generate(PROMPTS, long, use_tqdm=False))
     )
     worker.start()
-    while llm.engine.num_steps < 4:
+    start = llm.engine.num_steps
+    while llm.engine.num_steps < start + 4:
         time.sleep(0.001)
     llm.pause_generation("keep")
     steps = llm.engine.num_steps
@@ -114,7 +120,7 @@ def test_offline_generate_waits_while_another_thread_pauses_it(folder, reference
     assert llm.engine.num_steps == steps and worker.is_alive()
     llm.resume_generation()
     worker.join(timeout=60)
-    assert [o.outputs[0].token_ids for o in result] == reference
+    assert [o.outputs[0].token_ids for o in result] == expected
 
 
 # 8 blocks of 8 tokens for four 31-token requests: some are swapped out when they sleep

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import triton
 
+from tandem.attention.triton_backend import SHARED_PREFIX_TILES
+
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 pytestmark = pytest.mark.skipif(
     not (BIN / "ptxas").exists() or not (BIN / "cuobjdump").exists(),
@@ -105,3 +107,62 @@ def test_decode_with_the_rotary_and_store_keeps_its_registers_and_v_path(cache, 
     rope = sass_ops(cache, (128, 4, 3), tmp_path, rope=True)
     assert rope["registers"] <= plain["registers"] + 16, (rope["registers"], plain["registers"])
     assert rope["LDS.U8"] == 0
+
+
+# The shared-prefix kernel at rollout's shape (Llama-3-8B: 32 heads over 8 KV heads, 8 samples
+# of a prompt a group: 32 rows), compiled as COMPILE compiles the decode kernel.
+COMPILE_SHARED = textwrap.dedent(
+    """
+    import sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from tandem.attention.triton_kernels import shared_prefix_kernel as kernel
+
+    block_n, num_warps, num_stages, out = sys.argv[1:]
+    types = {"q_ptr": "*bf16", "partial_out_ptr": "*fp32", "partial_ml_ptr": "*fp32",
+             "cache_ptr": "*bf16", "scale": "fp32", "v_scale": "fp32"}
+    constants = dict(GROUP=4, NUM_KV_HEADS=8, HEAD_DIM=128, HEAD_PAD=128, BLOCK_SIZE=16,
+                     BLOCK_N=int(block_n), SOFT_CAP=0.0, MAX_SPLITS=32, ROWS=32, PDL=False)
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constants else types.get(n, "*i32" if n.endswith("_ptr")
+                 else "i32") for n in names}
+    aligned = [n for n in names if n.endswith("_ptr") or n.endswith("_stride")]
+    source = ASTSource(
+        fn=kernel, signature=signature,
+        constexprs={(names.index(n),): v for n, v in constants.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    options = dict(num_warps=int(num_warps), num_stages=int(num_stages))
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    open(out, "wb").write(kernel.asm["cubin"])
+    """
+)
+# a wait for the copy groups in flight: DEPBAR.LE SB0, N leaves at most N of them unfinished
+WAIT = re.compile(r"DEPBAR\.LE SB0, (0x[0-9a-f]+)")
+
+
+def copy_waits(tiles: tuple[int, int, int], tmp_path: Path) -> collections.Counter:
+    """{groups left in flight: count} over the waits of shared_prefix_kernel's SASS."""
+    cubin = tmp_path / f"shared_{'_'.join(map(str, tiles))}.cubin"
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "0",
+        "PYTHONPATH": str(Path(__file__).parents[1] / "src"),
+    }
+    args = [sys.executable, "-c", COMPILE_SHARED, *map(str, tiles), str(cubin)]
+    subprocess.run(args, env=env, check=True, timeout=300)
+    sass = subprocess.run(
+        [str(BIN / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True
+    ).stdout
+    return collections.Counter(int(n, 16) for n in WAIT.findall(sass))
+
+
+def test_the_shared_prefix_kernel_keeps_copies_in_flight_at_its_default_stages(tmp_path):
+    """Why SHARED_PREFIX_TILES takes 5 stages: each tile's block-table entries are loads its K
+    and V copies depend on, so Triton's pipeliner gives each half the stages after the first,
+    and below 5 every wait in the key loop drains all the copies in flight (0); at the default
+    tiles some waits leave copy groups in flight, the next tiles' K and V loading while one is
+    computed."""
+    assert SHARED_PREFIX_TILES.num_stages >= 5
+    assert max(copy_waits(SHARED_PREFIX_TILES, tmp_path)) > 0
+    assert set(copy_waits(SHARED_PREFIX_TILES._replace(num_stages=4), tmp_path)) == {0}

@@ -57,7 +57,14 @@ LARGE_BATCH = 128  # sequences from which a decode batch takes LARGE_BATCH_TILES
 # 148 against 155 µs; Llama-3-8B, 100-1,900, 228 against 235 µs. At 32 x 1K (seed) and at 256
 # equal contexts the default tiles are 3-10% faster.
 LARGE_BATCH_TILES = DecodeTiles(block_n=64, num_warps=2, num_stages=2)
-SHARED_PREFIX_TILES = DecodeTiles(block_n=64, num_warps=4, num_stages=2)
+# The shared-prefix kernel at 5 stages: the block table's entries are loads that the K and V
+# copies depend on, so Triton's pipeliner gives each (num_stages - 1) // 2 stages, and from 5 K
+# and V are copied two tiles ahead (sm_90 SASS: the key loop's waits leave 3 copy groups in
+# flight, against none at 2-4 stages). H200, rollout's decode call (`kernels.py
+# --sweep-deep-stages`), µs at 64 / 256 / 500 own keys: 68.7 / 112.2 / 170.1 against 73.1 /
+# 116.8 / 175.3 at 2 stages; rollout 19,534 tok/s against 19,403 (session 27). The decode
+# kernel's tiles gained nothing from it: their programs share SMs four to six at a time.
+SHARED_PREFIX_TILES = DecodeTiles(block_n=64, num_warps=4, num_stages=5)
 
 
 def decode_tiles_setting() -> DecodeTiles | None:

@@ -129,16 +129,20 @@ def _attend_tile(
     """One online-softmax update over keys [key_start, key_start + BLOCK_N)."""
     key_pos = key_start + tl.arange(0, BLOCK_N)
     in_seq = key_pos < seq_len
-    # At 3 stages Triton pipelines these loads of the block table as 4-byte copies to shared
-    # memory, the last of each tile's copy groups, and the tile's wait then drains every group
-    # in flight (sm_90 SASS: DEPBAR.LE SB0, 0x0 in the key loops, as at 2 stages), so a program
-    # never has a tile loading while it computes another (Nsight Compute, moe's shape: 38% of
-    # the stall samples at that wait). Loaded in registers instead (ld.global.nc by inline
-    # asm), the 3-stage waits kept two groups in flight (0x2), but each key's entry was a load
-    # of its own: seed's 32 x 1K took 49.2 µs against 37.6, Llama-3-8B's 256 x 1K 270.7
-    # against 250.6. One load a block, broadcast to its keys: moe's 32 x 640 22.0 against 14.3
-    # and seed's 47.2 against 37.4 (each tile's copies then wait for a load on the program's
-    # own path), small's bf16 shapes 1-2% faster and its e4m3 ones 9% slower (H200, session 26).
+    # Triton's pipeliner gives these loads of the block table and the K and V copies whose
+    # addresses they make (num_stages - 1) // 2 stages each, the table's as 4-byte copies to
+    # shared memory: at 2-4 stages K and V are copied one tile ahead and each key loop's wait
+    # drains every copy group in flight (sm_90 SASS: DEPBAR.LE SB0, 0x0), so a tile loads only
+    # while the one before it is computed (Nsight Compute, moe's shape: 38% of the stall samples
+    # at that wait). From 5 stages they are copied two tiles ahead and the waits leave groups in
+    # flight: `SHARED_PREFIX_TILES` takes 5; the decode kernel's tiles at 5-7 stages gained
+    # nothing on small, small-fp8kv or seed (H200, session 27). Loaded in registers instead
+    # (ld.global.nc by inline asm), the 3-stage waits kept two groups in flight (0x2), but each
+    # key's entry was a load of its own: seed's 32 x 1K took 49.2 µs against 37.6, Llama-3-8B's
+    # 256 x 1K 270.7 against 250.6. One load a block, broadcast to its keys: moe's 32 x 640 22.0
+    # against 14.3 and seed's 47.2 against 37.4 (each tile's copies then wait for a load on the
+    # program's own path), small's bf16 shapes 1-2% faster and its e4m3 ones 9% slower (H200,
+    # session 26).
     if MASKED:
         block = tl.load(table_ptr + key_pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
     else:

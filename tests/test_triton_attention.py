@@ -661,3 +661,14 @@ def test_decode_of_unrotated_q_equals_rope_qk_then_decode(
     new = got_cache.flatten(1, 2)[:, slots[real]].float()
     want = expected_cache.flatten(1, 2)[:, slots[real]].float()
     torch.testing.assert_close(new, want, atol=tol * 8 if cache_dtype else tol, rtol=tol)
+
+
+def test_decode_splits_switch_fixes_the_split_count_above_one_sequence(monkeypatch):
+    """TANDEM_DECODE_SPLITS (comparisons) sets the splits of every batch of more than one
+    sequence; a single sequence keeps the heuristic's, and a constructor's count wins."""
+    default = attention(1, 4, 64).num_splits(1)
+    monkeypatch.setattr(triton_backend, "SPLITS_SETTING", 1)
+    backend = attention(1, 4, 64)
+    assert backend.num_splits(2) == backend.num_splits(32) == 1
+    assert backend.num_splits(1) == default > 1
+    assert attention(1, 4, 64, num_splits=4).num_splits(32) == 4

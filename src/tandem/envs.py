@@ -51,6 +51,9 @@ SWITCHES = {
         Switch("TANDEM_DECODE_TILES", "", "block_n,num_warps,num_stages",
                "one attention tile shape for every decode batch of more than one sequence "
                "(block_n a power of two >= 16, num_warps 1-16 a power of two, num_stages >= 1)"),
+        Switch("TANDEM_DECODE_SPLITS", "", "1, 2, 4, 8, 16 or 32",
+               "one split count of each context for every decode batch of more than one "
+               "sequence"),
         Switch("TANDEM_SHARED_PREFIX_TILES", "", "block_n,num_warps,num_stages",
                "the tile shape of the shared-prefix (cascade) attention kernel, as "
                "TANDEM_DECODE_TILES takes it"),
@@ -143,6 +146,16 @@ def decode_tiles() -> tuple[int, int, int] | None:
     return parse_decode_tiles(_value("TANDEM_DECODE_TILES"))
 
 
+def decode_splits() -> int | None:
+    """TANDEM_DECODE_SPLITS as an integer; None when unset."""
+    value = _value("TANDEM_DECODE_SPLITS")
+    if not value:
+        return None
+    if value not in ("1", "2", "4", "8", "16", "32"):
+        raise ValueError(f"TANDEM_DECODE_SPLITS={value!r}: expected 1, 2, 4, 8, 16 or 32")
+    return int(value)
+
+
 def shared_prefix_tiles() -> tuple[int, int, int] | None:
     """(block_n, num_warps, num_stages) from TANDEM_SHARED_PREFIX_TILES; None when unset."""
     name = "TANDEM_SHARED_PREFIX_TILES"
@@ -194,6 +207,7 @@ READERS = {
     "TANDEM_PIECEWISE": piecewise,
     "TANDEM_BLAS": blas,
     "TANDEM_DECODE_TILES": decode_tiles,
+    "TANDEM_DECODE_SPLITS": decode_splits,
     "TANDEM_SHARED_PREFIX_TILES": shared_prefix_tiles,
     "TANDEM_DECODE_MAXNREG": decode_maxnreg,
     "TANDEM_MOE_TILES": moe_tiles,

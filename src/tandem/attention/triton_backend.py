@@ -23,6 +23,7 @@ from tandem.model.fused import num_sms
 
 MAX_SPLITS = 32
 SPLIT_MERGE = envs.split_merge()
+SPLITS_SETTING = envs.decode_splits()
 # decode-only steps' rotary and K/V store in the decode kernel (`Unrotated`; TANDEM_FUSED_ROPE=0:
 # the decoder's own kernel first)
 FUSED_ROPE = envs.fused_rope()
@@ -210,6 +211,8 @@ class TritonAttention:
         """
         if self.fixed_splits is not None:
             return self.fixed_splits
+        if num_seqs > 1 and SPLITS_SETTING is not None:  # TANDEM_DECODE_SPLITS, comparisons
+            return SPLITS_SETTING
         wanted = cdiv(self.num_sms, num_seqs * self.num_kv_heads)
         return min(MAX_SPLITS, next_power_of_2(wanted))
 

@@ -238,12 +238,21 @@ def bench_shared_decode(own: int, breakdown: bool = False, **setup) -> dict:
     return row
 
 
-def sweep_shared_prefix() -> None:
+SHARED_GRID = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 3), (32, 4, 4), (64, 8, 3), (128, 8, 2),
+               (128, 4, 2)]  # fmt: skip
+OWN_GRID = [(64, 2, 2), (64, 2, 3), (32, 2, 3), (64, 4, 3), (128, 4, 3), (32, 4, 2)]
+
+
+def sweep_shared_prefix(
+    shared_grid=SHARED_GRID, prefix_splits=(1, 2, 4), own_grid=OWN_GRID, cuts: bool = True
+) -> None:
     """µs of rollout's decode call at three lengths of the samples' own keys: each shared-prefix
-    tile shape at 1, 2 and 4 splits of the shared keys (* the defaults), then each decode tile
-    shape for the own keys."""
+    tile shape of `shared_grid` at each of `prefix_splits` splits of the shared keys (* the
+    defaults), then each decode tile shape of `own_grid` for the own keys (the shared keys at
+    the default tiles). `cuts`: first the default tiles with 8 sequences a shared-prefix program
+    against the default's."""
     owns = (64, 256, 500)
-    for cut in (None, 8):  # rows per shared-prefix program: the default's, and 8 sequences
+    for cut in (None, 8) if cuts else ():  # rows per shared-prefix program: default's, and 8
         if cut:
             triton_backend.rows_per_shared_group = lambda *_, c=cut: c
         for own in owns:
@@ -255,10 +264,9 @@ def sweep_shared_prefix() -> None:
     default_splits = TritonAttention(
         NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, 256, torch.device("cuda")
     ).prefix_splits(SharedPrefixes(*(None,) * 5, max_groups=128))
-    for shared_tiles in (SHARED_PREFIX_TILES, DecodeTiles(64, 4, 3), DecodeTiles(64, 4, 4),
-                         DecodeTiles(32, 4, 3), DecodeTiles(32, 4, 4), DecodeTiles(64, 8, 3),
-                         DecodeTiles(128, 8, 2), DecodeTiles(128, 4, 2)):  # fmt: skip
-        for splits in (1, 2, 4):
+    grid = [SHARED_PREFIX_TILES, *(DecodeTiles(*t) for t in shared_grid)]
+    for shared_tiles in dict.fromkeys(grid):  # the default once
+        for splits in prefix_splits:
             mark = "*" if shared_tiles == SHARED_PREFIX_TILES and splits == default_splits else " "
             try:
                 cells = [
@@ -272,8 +280,7 @@ def sweep_shared_prefix() -> None:
             print(f"shared {shared_tiles} splits={splits}{mark} us  " + "  ".join(
                 f"own={own}:{1000 * c['ms']:.1f} ({c['TB/s']:.2f} TB/s)"
                 for own, c in zip(owns, cells, strict=True)), flush=True)  # fmt: skip
-    for tiles in (DecodeTiles(64, 2, 2), DecodeTiles(64, 2, 3), DecodeTiles(32, 2, 3),
-                  DecodeTiles(64, 4, 3), DecodeTiles(128, 4, 3), DecodeTiles(32, 4, 2)):  # fmt: skip
+    for tiles in (DecodeTiles(*t) for t in own_grid):
         try:
             cells = [bench_shared_decode(own, tiles=tiles) for own in owns]
         except Exception as error:
@@ -577,7 +584,10 @@ def decode_times(label: str, check: dict | None, shapes: dict, **launch) -> dict
         return None
 
 
-def sweep_moe_decode_tiles() -> None:
+MOE_GRID = [(32, 2, 2), (32, 4, 2), (64, 2, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3)]
+
+
+def sweep_moe_decode_tiles(grid=MOE_GRID, split_counts=(1, 2, 4)) -> None:
     """Qwen3-30B-A3B's batch-32 decode (32 query heads over 4 KV heads: 8 rows of a 16-row
     tile a program) by tile shape and split count, µs (* the defaults: 128-key tiles, 4 warps,
     3 stages, 2 splits, merged by the last). At 2 splits of 640 keys, 128-key tiles make 3 and 2
@@ -588,11 +598,10 @@ def sweep_moe_decode_tiles() -> None:
         "32x1152": dict(batch=32, context=1152, num_kv_heads=4),
     }
     default = DecodeTiles()
-    grid = [(32, 2, 2), (32, 4, 2), (64, 2, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3)]
     best: tuple[float, DecodeTiles, int] | None = None
     for block_n, num_warps, num_stages in grid:
         tiles = DecodeTiles(block_n, num_warps, num_stages)
-        for splits in (1, 2, 4):
+        for splits in split_counts:
             check = dict(check=True, splits=splits, tiles=tiles, **shapes["32x640"])
             times = decode_times(f"{tiles} {splits}", check, shapes, splits=splits, tiles=tiles)
             if times is None:
@@ -610,77 +619,36 @@ def sweep_moe_decode_tiles() -> None:
 
 
 def sweep_deep_stages() -> None:
-    """Tiles at 5-9 stages against the defaults, on each workload's decode shapes (µs, * the
-    default). The block table's entries are loads the K and V copies depend on, so Triton's
-    pipeliner gives each of the two (num_stages - 1) // 2 stages: K and V are copied a tile
-    ahead at 2-4 stages and two tiles ahead from 5 (sm_90 SASS: the key loop's waits leave
-    copy groups in flight, against none). moe's shapes at one and two splits (two merged by the
-    last); rollout's decode call by shared-prefix tiles and splits, then by both kernels' tiles."""
-    small = dict(batch=256, context=600, ragged=(100, 1100, True), num_heads=16)
-    small_long = dict(batch=256, context=1050, ragged=(100, 2000, True), num_heads=16)
-    fp8 = torch.float8_e4m3fn
-    shapes = {
-        "small": (LARGE_BATCH_TILES, [small, small_long]),
-        "small-fp8kv": (
-            LARGE_BATCH_TILES,
-            [dict(small, kv_dtype=fp8), dict(small_long, kv_dtype=fp8)],
-        ),
-        "moe1 1x400": (DecodeTiles(32, 4, 1), [dict(batch=1, context=400, num_kv_heads=4)]),
-        "seed 32x1K": (DecodeTiles(), [dict(batch=32, context=1024)]),
-    }
-    candidates = [(64, 2, 5), (32, 2, 5), (32, 2, 7), (64, 4, 5), (32, 4, 5), (128, 4, 5),
-                  (64, 2, 6), (64, 4, 7)]  # fmt: skip
-    for name, (default, calls) in shapes.items():
-        for tiles in [default, *(DecodeTiles(*c) for c in candidates)]:
-            check = None if "kv_dtype" in calls[0] else dict(check=True, tiles=tiles, **calls[0])
-            times = decode_times(str(tiles), check, dict(enumerate(calls)), tiles=tiles)
-            if times is not None:
-                mark = "*" if tiles == default else " "
-                cells = " / ".join(f"{1000 * ms:.1f}" for ms in times.values())
-                print(f"{name:<12} {tuple(tiles)}{mark} us  {cells}", flush=True)
-    moe = {
-        "32x640": dict(batch=32, context=640, num_kv_heads=4),
-        "32x1152": dict(batch=32, context=1152, num_kv_heads=4),
-        "32x256": dict(batch=32, context=256, num_kv_heads=4),
-    }
-    for shape in [(128, 4, 3), (128, 4, 5), (128, 4, 6), (128, 4, 7), (64, 4, 5), (64, 4, 7),
-                  (64, 2, 5), (64, 2, 7), (128, 8, 5), (32, 4, 7), (32, 2, 9)]:  # fmt: skip
-        tiles = DecodeTiles(*shape)
-        for splits in (1, 2):
-            check = dict(check=True, splits=splits, tiles=tiles, **moe["32x640"])
-            times = decode_times(f"{shape} {splits}", check, moe, splits=splits, tiles=tiles)
-            if times is not None:
-                mark = "*" if tiles == DecodeTiles() and splits == 2 else " "
-                cells = " / ".join(f"{n}:{1000 * ms:.1f}" for n, ms in times.items())
-                print(f"moe {shape} splits {splits}{mark} us  {cells}", flush=True)
-    owns = (64, 256, 500)
-    runs = [(DecodeTiles(*shared), None, splits) for shared in [
-        (64, 4, 2), (64, 4, 5), (64, 4, 6), (64, 4, 7), (32, 4, 7), (32, 4, 9), (128, 4, 5),
-        (64, 8, 5), (32, 2, 7)] for splits in (1, 2)]  # fmt: skip
-    runs += [(DecodeTiles(*shared), DecodeTiles(*own), None) for shared, own in [
-        ((64, 4, 2), (64, 2, 5)), ((64, 4, 5), (64, 2, 5)), ((64, 4, 5), (32, 2, 5))]]  # fmt: skip
-    for shared_tiles, tiles, splits in runs:
-        label = f"rollout shared {tuple(shared_tiles)} splits {splits or 'default'} decode " + (
-            f"{tuple(tiles or LARGE_BATCH_TILES)}"
-        )
-        try:
-            cells = [
-                bench_shared_decode(
-                    own, shared_tiles=shared_tiles, tiles=tiles, prefix_splits=splits
-                )
-                for own in owns
-            ]
-        except Exception as error:
-            print(f"{label} failed: {str(error).splitlines()[0][:80]}", flush=True)
-            continue
-        print(f"{label} us  " + " / ".join(f"{1000 * c['ms']:.1f}" for c in cells), flush=True)
+    """Tiles at 5-9 stages against the defaults. The block table's entries are loads the K and
+    V copies depend on, so Triton's pipeliner gives each of the two (num_stages - 1) // 2
+    stages: K and V are copied a tile ahead at 2-4 stages and two tiles ahead from 5 (sm_90
+    SASS: the key loop's waits leave copy groups in flight, against none). The decode tile
+    sweep's shapes over bf16 and e4m3 caches, moe's at one and two splits, rollout's decode call
+    by shared-prefix tiles and by the own keys' tiles."""
+    deep = [(64, 2, 5), (32, 2, 5), (32, 2, 7), (64, 4, 5), (32, 4, 5), (128, 4, 5), (64, 2, 6),
+            (64, 4, 7)]  # fmt: skip
+    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        sweep_decode_tiles(kv_dtype, grid=deep)
+    sweep_moe_decode_tiles(
+        [(128, 4, 3), (128, 4, 5), (128, 4, 6), (128, 4, 7), (64, 4, 5), (64, 4, 7), (64, 2, 5),
+         (64, 2, 7), (128, 8, 5), (32, 4, 7), (32, 2, 9)], split_counts=(1, 2),
+    )  # fmt: skip
+    sweep_shared_prefix(
+        [(64, 4, 2), (64, 4, 5), (64, 4, 6), (64, 4, 7), (32, 4, 7), (32, 4, 9), (128, 4, 5),
+         (64, 8, 5), (32, 2, 7)], prefix_splits=(1, 2),
+        own_grid=[(64, 2, 2), (64, 2, 5), (32, 2, 5)], cuts=False,
+    )  # fmt: skip
 
 
-def sweep_decode_tiles(kv_dtype: torch.dtype = torch.bfloat16, only_default: bool = False) -> None:
+def sweep_decode_tiles(
+    kv_dtype: torch.dtype = torch.bfloat16, only_default: bool = False, grid=None
+) -> None:
     """Each tile shape on the workloads' own decode shapes (small: Qwen3-0.6B's 16 heads over 8 KV
     heads, 256 ragged contexts longest first; seed: Llama-3-8B at 32 x 1K), in µs, * the default.
     `kv_dtype` e4m3: an FP8 cache, with 256-key tiles in the sweep too. `only_default`: the
-    tiles each shape takes by default, and nothing else."""
+    tiles each shape takes by default, and nothing else. `grid`: these (block_n, num_warps,
+    num_stages) and the two defaults (DecodeTiles(), LARGE_BATCH_TILES) instead of the full
+    sweep."""
     shapes = {
         "small 256x100-1100": dict(batch=256, context=600, ragged=(100, 1100, True), num_heads=16),
         "small 256x100-2000": dict(batch=256, context=1050, ragged=(100, 2000, True), num_heads=16),
@@ -697,21 +665,27 @@ def sweep_decode_tiles(kv_dtype: torch.dtype = torch.bfloat16, only_default: boo
         }
         print("default tiles, us  " + "  ".join(f"{n}:{1000 * ms:.1f}" for n, ms in times.items()))
         return
-    for block_n in (64, 128, 256) if fp8 else (32, 64, 128):
-        for num_warps in (4, 8) if fp8 else (2, 4, 8):
-            for num_stages in (2, 3, 4) if fp8 else (1, 2, 3, 4):
-                tiles = DecodeTiles(block_n, num_warps, num_stages)
-                # the check's reference reads a bf16 cache
-                check = None if fp8 else dict(batch=4, context=1000, tiles=tiles, check=True,
-                                              num_heads=16)  # fmt: skip
-                times = decode_times(str(tiles), check, shapes, tiles=tiles, kv_dtype=kv_dtype)
-                if times is None:
-                    continue
-                cells = "  ".join(f"{name}:{1000 * ms:.1f}" for name, ms in times.items())
-                print(f"{tiles}{'*' if tiles == default else ' '} us  {cells}", flush=True)
-                small = times["small 256x100-1100"] + times["small 256x100-2000"]
-                if best is None or small < best[0]:
-                    best = (small, tiles)
+    if grid is None:
+        grid = itertools.product(
+            (64, 128, 256) if fp8 else (32, 64, 128),
+            (4, 8) if fp8 else (2, 4, 8),
+            (2, 3, 4) if fp8 else (1, 2, 3, 4),
+        )
+    else:
+        grid = dict.fromkeys([tuple(default), tuple(LARGE_BATCH_TILES), *grid])
+    for shape in grid:
+        tiles = DecodeTiles(*shape)
+        # the check's reference reads a bf16 cache
+        check = None if fp8 else dict(batch=4, context=1000, tiles=tiles, check=True,
+                                      num_heads=16)  # fmt: skip
+        times = decode_times(str(tiles), check, shapes, tiles=tiles, kv_dtype=kv_dtype)
+        if times is None:
+            continue
+        cells = "  ".join(f"{name}:{1000 * ms:.1f}" for name, ms in times.items())
+        print(f"{tiles}{'*' if tiles == default else ' '} us  {cells}", flush=True)
+        small = times["small 256x100-1100"] + times["small 256x100-2000"]
+        if best is None or small < best[0]:
+            best = (small, tiles)
     if best:  # the last word: a TANDEM_DECODE_TILES value
         print(f"fastest on small's two ragged shapes: {','.join(map(str, best[1]))}")
 

@@ -4,6 +4,7 @@ wheel carries ptxas and cuobjdump), its shared-memory reads counted in the SASS.
 from __future__ import annotations
 
 import collections
+import json
 import os
 import re
 import subprocess
@@ -25,63 +26,79 @@ pytestmark = pytest.mark.skipif(
 # an instruction line: /*0a10*/ [@P0 | @!UP1] OPCODE.MODIFIERS operands
 OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)")
 
-# Compiled in a fresh interpreter: under TRITON_INTERPRET=1 (the CPU tests) Triton defines the
-# kernels for its interpreter. Small's decode shape (Qwen3-0.6B: 16 heads over 8 KV heads, head
-# dim 128, block size 16) at the given tiles, arguments specialized as a launch does them
-# (pointers and the strides multiples of 16).
+# A kernel of attention.triton_kernels compiled for sm_90, in a fresh interpreter: under
+# TRITON_INTERPRET=1 (the CPU tests) Triton defines the kernels for its interpreter. Its
+# arguments as a launch specializes them: `types` (the rest int32, or int32 pointers),
+# `constants`, and the pointers and `aligned` multiples of 16.
 COMPILE = textwrap.dedent(
     """
+    import json
     import sys
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from tandem.attention.triton_kernels import decode_kernel
+    from tandem.attention import triton_kernels
 
-    cache, block_n, num_warps, num_stages, rope, out = sys.argv[1:]
-    types = {"q_ptr": "*bf16", "out_ptr": "*bf16", "partial_out_ptr": "*fp32",
-             "partial_ml_ptr": "*fp32", "cache_ptr": "*" + cache, "kv_half_stride": "i64",
-             "scale": "fp32", "v_scale": "fp32", "k_ptr": "*bf16", "v_ptr": "*bf16",
-             "slot_ptr": "*i64", "cos_sin_ptr": "*fp32", "q_norm_ptr": "*bf16",
-             "k_norm_ptr": "*bf16", "eps": "fp32", "k_scale": "fp32"}
-    constants = dict(GROUP=2, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128, HEAD_PAD=128,
-                     BLOCK_SIZE=16, BLOCK_N=int(block_n), MAX_SPLITS=32, SOFT_CAP=0.0,
-                     DIRECT=True, ORDERED=True, CASCADE=False, EARLY_START=False, MERGE=False,
-                     ROPE=rope == "1", HAS_NORM=rope == "1", PDL=False)
-    names = decode_kernel.arg_names
-    signature = {n: "constexpr" if n in constants else types.get(n, "*i32" if n.endswith("_ptr")
-                 else "i32") for n in names}
-    aligned = [n for n in names if n.endswith("_ptr") or n in ("q_token_stride", "kv_half_stride",
-               "k_token_stride", "v_token_stride")]
+    name, spec, num_warps, num_stages, out = sys.argv[1:]
+    spec = json.loads(spec)
+    kernel, constants = getattr(triton_kernels, name), spec["constants"]
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constants else spec["types"].get(n, "*i32"
+                 if n.endswith("_ptr") else "i32") for n in names}
+    aligned = [n for n in names if n.endswith("_ptr") or n in spec["aligned"]]
     source = ASTSource(
-        fn=decode_kernel, signature=signature,
+        fn=kernel, signature=signature,
         constexprs={(names.index(n),): v for n, v in constants.items()},
         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     options = dict(num_warps=int(num_warps), num_stages=int(num_stages))
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    open(out, "wb").write(kernel.asm["cubin"])
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    open(out, "wb").write(compiled.asm["cubin"])
     """
 )
+
+
+def compile_sm90(
+    name: str, spec: dict, tiles: tuple[int, int, int], cubin: Path
+) -> tuple[str, int]:
+    """(SASS, registers a thread) of kernel `name` compiled with `spec` (COMPILE's types,
+    constants and aligned) at tiles (block_n, num_warps, num_stages)."""
+    block_n, num_warps, num_stages = tiles
+    spec = {**spec, "constants": {**spec["constants"], "BLOCK_N": block_n}}
+    src = str(Path(__file__).parents[1] / "src")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": src}
+    args = [sys.executable, "-c", COMPILE, name, json.dumps(spec), str(num_warps),
+            str(num_stages), str(cubin)]  # fmt: skip
+    subprocess.run(args, env=env, check=True, timeout=300)
+
+    def cuobjdump(flag: str) -> str:
+        command = [str(BIN / "cuobjdump"), flag, str(cubin)]
+        return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+    return cuobjdump("-sass"), int(re.search(r"REG:(\d+)", cuobjdump("-res-usage")).group(1))
 
 
 def sass_ops(
     cache: str, tiles: tuple[int, int, int], tmp_path: Path, rope: bool = False
 ) -> collections.Counter:
-    """{opcode with its modifiers: count} over decode_kernel's SASS, and "registers": its
+    """{opcode with its modifiers: count} over decode_kernel's SASS at small's decode shape
+    (Qwen3-0.6B: 16 heads over 8 KV heads, head dim 128, block size 16), and "registers": its
     registers a thread. `rope`: the kernel that norms, rotates and stores the new key (ROPE)."""
+    spec = {
+        "types": {"q_ptr": "*bf16", "out_ptr": "*bf16", "partial_out_ptr": "*fp32",
+                  "partial_ml_ptr": "*fp32", "cache_ptr": "*" + cache, "kv_half_stride": "i64",
+                  "scale": "fp32", "v_scale": "fp32", "k_ptr": "*bf16", "v_ptr": "*bf16",
+                  "slot_ptr": "*i64", "cos_sin_ptr": "*fp32", "q_norm_ptr": "*bf16",
+                  "k_norm_ptr": "*bf16", "eps": "fp32", "k_scale": "fp32"},
+        "constants": dict(GROUP=2, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128, HEAD_PAD=128,
+                          BLOCK_SIZE=16, MAX_SPLITS=32, SOFT_CAP=0.0, DIRECT=True, ORDERED=True,
+                          CASCADE=False, EARLY_START=False, MERGE=False, ROPE=rope,
+                          HAS_NORM=rope, PDL=False),
+        "aligned": ["q_token_stride", "kv_half_stride", "k_token_stride", "v_token_stride"],
+    }  # fmt: skip
     cubin = tmp_path / f"decode_{cache}_{int(rope)}.cubin"
-    src = str(Path(__file__).parents[1] / "src")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": src}
-    args = [sys.executable, "-c", COMPILE, cache, *map(str, tiles), str(int(rope)), str(cubin)]
-    subprocess.run(args, env=env, check=True, timeout=300)
-    sass = subprocess.run(
-        [str(BIN / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True
-    ).stdout
+    sass, registers = compile_sm90("decode_kernel", spec, tiles, cubin)
     ops = collections.Counter(OPCODE.findall(sass))
-    usage = subprocess.run(
-        [str(BIN / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True,
-        check=True,
-    ).stdout  # fmt: skip
-    ops["registers"] = int(re.search(r"REG:(\d+)", usage).group(1))
+    ops["registers"] = registers
     return ops
 
 
@@ -109,51 +126,22 @@ def test_decode_with_the_rotary_and_store_keeps_its_registers_and_v_path(cache, 
     assert rope["LDS.U8"] == 0
 
 
-# The shared-prefix kernel at rollout's shape (Llama-3-8B: 32 heads over 8 KV heads, 8 samples
-# of a prompt a group: 32 rows), compiled as COMPILE compiles the decode kernel.
-COMPILE_SHARED = textwrap.dedent(
-    """
-    import sys
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from tandem.attention.triton_kernels import shared_prefix_kernel as kernel
-
-    block_n, num_warps, num_stages, out = sys.argv[1:]
-    types = {"q_ptr": "*bf16", "partial_out_ptr": "*fp32", "partial_ml_ptr": "*fp32",
-             "cache_ptr": "*bf16", "scale": "fp32", "v_scale": "fp32"}
-    constants = dict(GROUP=4, NUM_KV_HEADS=8, HEAD_DIM=128, HEAD_PAD=128, BLOCK_SIZE=16,
-                     BLOCK_N=int(block_n), SOFT_CAP=0.0, MAX_SPLITS=32, ROWS=32, PDL=False)
-    names = kernel.arg_names
-    signature = {n: "constexpr" if n in constants else types.get(n, "*i32" if n.endswith("_ptr")
-                 else "i32") for n in names}
-    aligned = [n for n in names if n.endswith("_ptr") or n.endswith("_stride")]
-    source = ASTSource(
-        fn=kernel, signature=signature,
-        constexprs={(names.index(n),): v for n, v in constants.items()},
-        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    options = dict(num_warps=int(num_warps), num_stages=int(num_stages))
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    open(out, "wb").write(kernel.asm["cubin"])
-    """
-)
 # a wait for the copy groups in flight: DEPBAR.LE SB0, N leaves at most N of them unfinished
 WAIT = re.compile(r"DEPBAR\.LE SB0, (0x[0-9a-f]+)")
 
 
 def copy_waits(tiles: tuple[int, int, int], tmp_path: Path) -> collections.Counter:
-    """{groups left in flight: count} over the waits of shared_prefix_kernel's SASS."""
+    """{groups left in flight: count} over the waits of shared_prefix_kernel's SASS at rollout's
+    shape (Llama-3-8B: 32 heads over 8 KV heads, 8 samples of a prompt a group: 32 rows)."""
+    spec = {
+        "types": {"q_ptr": "*bf16", "partial_out_ptr": "*fp32", "partial_ml_ptr": "*fp32",
+                  "cache_ptr": "*bf16", "scale": "fp32", "v_scale": "fp32"},
+        "constants": dict(GROUP=4, NUM_KV_HEADS=8, HEAD_DIM=128, HEAD_PAD=128, BLOCK_SIZE=16,
+                          SOFT_CAP=0.0, MAX_SPLITS=32, ROWS=32, PDL=False),
+        "aligned": ["q_token_stride", "block_table_stride", "kv_half_stride"],
+    }  # fmt: skip
     cubin = tmp_path / f"shared_{'_'.join(map(str, tiles))}.cubin"
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "0",
-        "PYTHONPATH": str(Path(__file__).parents[1] / "src"),
-    }
-    args = [sys.executable, "-c", COMPILE_SHARED, *map(str, tiles), str(cubin)]
-    subprocess.run(args, env=env, check=True, timeout=300)
-    sass = subprocess.run(
-        [str(BIN / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True, check=True
-    ).stdout
+    sass, _ = compile_sm90("shared_prefix_kernel", spec, tiles, cubin)
     return collections.Counter(int(n, 16) for n in WAIT.findall(sass))
 
 

@@ -11,7 +11,12 @@ replay as the engine runs them, each call on a cold copy of the weight (`Rotatio
             heuristics pick the kernel);
   splitk    tandem's split-K kernel (`model/splitk.py`): float32 partial sums over slices of
             the input features, which the engine's residual add + RMSNorm adds up (not timed
-            here); F.linear where its plan declines (more than MAX_ROWS rows).
+            here unless --with-norm); F.linear where its plan declines (more than MAX_ROWS rows).
+  blas<s>   (o and down) cuBLAS's batched product over s slices of the input features, float32
+            outputs (`splitk.blas_slices`), which the norm adds up as it does split-K's;
+  residual  (o and down) what the engine runs for them (`splitk.residual_product`).
+  --with-norm times the o and down ways with the residual add + RMSNorm that follows them in
+            the engine (which adds up partial sums as it reads them), so every way pays its sum.
   autotune  (--autotune) torch.compile max-autotune of F.linear: Inductor times its Triton
             GEMM templates against cuBLAS and keeps the fastest; slow to compile.
   fp8       (--fp8) the weight in e4m3 with per-channel scales (`quant/linear.py`), W8A8: the
@@ -29,7 +34,7 @@ replay as the engine runs them, each call on a cold copy of the weight (`Rotatio
             tiles and K slices of the weight's shape, slices kept for o and down), beside
             F.linear and three variants of its tiles: 4 stages, 64-wide, 64-feature K steps.
 Usage: PYTHONPATH=src python benchmarks/gemm.py [--model llama-3-8b] [--rows 1 8 32] [--autotune]
-[--fp8] [--deterministic]
+[--fp8] [--deterministic] [--with-norm] [--matrices o down]
 [--sweep-splitk [--sweep-matrices o down]] [--sweep-w8a8]  (--sweep-w8a8, alone: each layer
 matrix's W8A8 split-K product under each tile shape; --sweep-splitk: those matrices under each split-K
 tile shape, warp count and split count, after the table; * marks the plan's pick; where the plan
@@ -49,8 +54,15 @@ import triton.testing
 
 from tandem.batch_invariant import invariant_tiles
 from tandem.config import ModelConfig, next_power_of_2
+from tandem.model.fused import add_rms_norm
 from tandem.model.loader import read_hf_config
-from tandem.model.splitk import SplitTiles, linear_partials, plan
+from tandem.model.splitk import (
+    SplitTiles,
+    blas_slices,
+    linear_partials,
+    plan,
+    residual_product,
+)
 from tandem.quant.fp8 import quantize_rows, quantize_tokens
 from tandem.quant.gemv import MAX_ROWS as GEMV_ROWS
 from tandem.quant.gemv import GemvTiles, fp8_gemv
@@ -100,10 +112,14 @@ def with_cublaslt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def variants(
-    weight: torch.Tensor, autotune: bool, fp8: bool = False, invariant_residual: bool | None = None
+    weight: torch.Tensor,
+    autotune: bool,
+    fp8: bool = False,
+    invariant_residual: bool | None = None,
+    residual: bool = False,
 ) -> dict:
     """way -> function of the input batch (`invariant_residual`: deterministic mode's ways,
-    True for the o and down matrices)."""
+    True for the o and down matrices; `residual`: the o and down matrices' own ways too)."""
     rotation = Rotation(weight)
     if invariant_residual is not None:
         tiles = invariant_tiles(*weight.shape, weight.device, invariant_residual)
@@ -140,12 +156,26 @@ def variants(
         "lt": lambda x: with_cublaslt(x, rotation.next()),
         "splitk": lambda x: linear_partials(x, rotation.next()),
     }
+    if residual:
+        ways["residual"] = lambda x: residual_product(x, rotation.next(), F.linear)
+        ways |= {
+            f"blas{s}": lambda x, s=s: blas_slices(x, rotation.next(), s)
+            for s in (2, 4, 8)
+            if weight.shape[1] % (64 * s) == 0
+        }
     if autotune:
         compiled = torch.compile(
             lambda x, w: F.linear(x, w), mode="max-autotune-no-cudagraphs", dynamic=False
         )
         ways["autotune"] = lambda x: compiled(x, rotation.next())
     return ways
+
+
+def with_norm(fn, rows: int, hidden: int):
+    """fn followed by the residual add + RMSNorm the engine runs on its output."""
+    residual = torch.zeros(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    weight = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+    return lambda x: add_rms_norm(fn(x), residual, weight, 1e-6)
 
 
 def fp8_dot(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
@@ -270,6 +300,8 @@ def main() -> None:
     parser.add_argument("--sweep-splitk", action="store_true")
     parser.add_argument("--sweep-matrices", nargs="+", default=["o", "down"])
     parser.add_argument("--sweep-w8a8", action="store_true", help="only this sweep")
+    parser.add_argument("--with-norm", action="store_true", help="o and down with their norm")
+    parser.add_argument("--matrices", nargs="+", help="these matrices only")
     args = parser.parse_args()
     cfg = ModelConfig.from_hf(read_hf_config(args.model)[0])
     if args.sweep_w8a8:
@@ -277,11 +309,14 @@ def main() -> None:
         return
     results = []
     for name, (out_features, in_features) in matrices(cfg).items():
+        if args.matrices and name not in args.matrices:
+            continue
         weight = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16)
         weight_bytes = weight.numel() * (1 if args.fp8 else weight.element_size())
         for rows in args.rows:
-            residual = name in ("o", "down") if args.deterministic else None
-            ways = variants(weight, args.autotune, args.fp8, residual)
+            to_norm = name in ("o", "down")
+            invariant = to_norm if args.deterministic else None
+            ways = variants(weight, args.autotune, args.fp8, invariant, to_norm and not args.fp8)
             x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
             expected = {way: F.linear(x, weight).float() for way in ways}
             if args.fp8:  # the operands as each FP8 way sees them: e4m3 read back
@@ -297,6 +332,8 @@ def main() -> None:
                 out = out.sum(0) if out.dim() == 3 else out  # split-K partial sums
                 # bf16 outputs of float32 sums, against float32 references
                 torch.testing.assert_close(out.float(), expected[way], atol=0.5, rtol=2e-2)
+                if args.with_norm and to_norm:  # the norm after it, adding partials up
+                    fn = with_norm(fn, rows, out_features)
                 us = time_us(fn, x)
                 rate = weight_bytes / (us / 1e6)
                 flops = 2 * rows * out_features * in_features

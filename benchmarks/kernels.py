@@ -645,10 +645,10 @@ def sweep_decode_tiles(
 ) -> None:
     """Each tile shape on the workloads' own decode shapes (small: Qwen3-0.6B's 16 heads over 8 KV
     heads, 256 ragged contexts longest first; seed: Llama-3-8B at 32 x 1K), in µs, * the default.
-    `kv_dtype` e4m3: an FP8 cache, with 256-key tiles in the sweep too. `only_default`: the
-    tiles each shape takes by default, and nothing else. `grid`: these (block_n, num_warps,
-    num_stages) and the two defaults (DecodeTiles(), LARGE_BATCH_TILES) instead of the full
-    sweep."""
+    `kv_dtype` e4m3: an FP8 cache, with 16- and 256-key tiles and one warp in the sweep too.
+    `only_default`: the tiles each shape takes by default, and nothing else. `grid`: these
+    (block_n, num_warps, num_stages) and the two defaults (DecodeTiles(), LARGE_BATCH_TILES)
+    instead of the full sweep."""
     shapes = {
         "small 256x100-1100": dict(batch=256, context=600, ragged=(100, 1100, True), num_heads=16),
         "small 256x100-2000": dict(batch=256, context=1050, ragged=(100, 2000, True), num_heads=16),
@@ -667,8 +667,8 @@ def sweep_decode_tiles(
         return
     if grid is None:
         grid = itertools.product(
-            (64, 128, 256) if fp8 else (32, 64, 128),
-            (4, 8) if fp8 else (2, 4, 8),
+            (16, 32, 64, 128, 256) if fp8 else (32, 64, 128),
+            (1, 2, 4, 8) if fp8 else (2, 4, 8),
             (2, 3, 4) if fp8 else (1, 2, 3, 4),
         )
     else:

@@ -94,3 +94,88 @@ def test_partials_at_llama_and_qwen_decode_sizes_in_bfloat16(rows, out_features,
     torch.testing.assert_close(
         splitk.linear_partials(x, weight).sum(0), expected, atol=0.05, rtol=1e-3
     )
+
+
+@pytest.mark.parametrize(("slices", "rows", "out_features", "in_features"),
+                         [(2, 72, 96, 256), (4, 130, 64, 512), (8, 65, 48, 1024)])  # fmt: skip
+def test_blas_slices_are_the_products_of_input_feature_slices(
+    slices, rows, out_features, in_features
+):
+    g = torch.Generator().manual_seed(slices)
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    x = torch.randn(rows, in_features, generator=g).to(dtype).to(DEVICE)
+    weight = (torch.randn(out_features, in_features, generator=g) / 8).to(dtype).to(DEVICE)
+    parts = splitk.blas_slices(x, weight, slices)
+    assert parts.shape == (slices, rows, out_features) and parts.dtype == torch.float32
+    part = in_features // slices
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    for s in range(slices):
+        features = slice(s * part, (s + 1) * part)
+        expected = x[:, features].double() @ weight[:, features].double().T
+        torch.testing.assert_close(parts[s].double(), expected, atol=tol, rtol=tol)
+
+
+def test_blas_slices_for_down_projections_whose_cublas_tiles_leave_sms_idle(monkeypatch):
+    """On 132 SMs, past 64 rows where split-K's plan declines: Llama-3-8B's down (4096 outputs
+    of 14336 features) takes two slices while twice cuBLAS's 128 x 128 output tiles fit one
+    wave; its o (as many features as outputs) keeps cuBLAS's product."""
+    monkeypatch.setattr(splitk, "num_sms", lambda device: 132)
+    monkeypatch.setattr(splitk, "BLAS_SLICES", None)
+    count = splitk.blas_slice_count
+    bf16 = torch.bfloat16
+    assert count(256, 4096, 14336, bf16, DEVICE) == 2  # 64 tiles
+    assert count(128, 4096, 14336, torch.float16, DEVICE) == 2
+    assert count(256, 4096, 4096, bf16, DEVICE) == 0  # o
+    assert count(256, 8192, 28672, bf16, DEVICE) == 0  # 128 tiles fill the device alone
+    assert count(64, 4096, 14336, bf16, DEVICE) == 0  # split-K's rows
+    assert count(splitk.MAX_ROWS + 1, 4096, 14336, bf16, DEVICE) == 0
+    assert count(256, 4096, 14336, torch.float32, DEVICE) == 0
+    assert count(256, 64, 8200, bf16, DEVICE) == 0  # halves not of whole 64-feature steps
+    monkeypatch.setattr(splitk, "BLAS_SLICES", 4)  # TANDEM_BLAS_SLICES
+    assert count(256, 4096, 4096, bf16, DEVICE) == 4
+    assert count(64, 4096, 4096, bf16, DEVICE) == 0
+    monkeypatch.setattr(splitk, "BLAS_SLICES", 0)
+    assert count(256, 4096, 14336, bf16, DEVICE) == 0
+
+
+def test_residual_product_takes_split_k_then_blas_slices_then_the_fallback(monkeypatch):
+    monkeypatch.setattr(splitk, "num_sms", lambda device: 132)
+    monkeypatch.setattr(splitk, "BLAS_SLICES", None)
+    g = torch.Generator().manual_seed(3)
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
+    calls = []
+
+    def fallback(x):
+        calls.append(x.shape)
+        return x.float() @ weight.float().T
+
+    weight = (torch.randn(2048, 4096, generator=g) / 8).to(dtype).to(DEVICE)
+    assert splitk.plan(256, 2048, 4096, DEVICE) is None  # its output tiles fill the SMs
+    for rows, parts in [(256, 2), (32, None), (512, 1)]:
+        x = torch.randn(rows, 4096, generator=g).to(dtype).to(DEVICE)
+        out = splitk.residual_product(x, weight, fallback)
+        if parts is None:  # split-K's own partials
+            assert out.shape[1:] == (rows, 2048) and out.shape[0] > 1
+        elif parts == 1:
+            assert out.shape == (rows, 2048) and calls == [x.shape]
+        else:
+            assert out.shape == (parts, rows, 2048)
+        expected = x.double() @ weight.double().T
+        got = out.sum(0) if out.dim() == 3 else out
+        torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=2e-3)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="cuBLAS's float32 outputs of bf16 need a GPU")
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"), [(256, 4096, 14336), (128, 4096, 14336)]
+)
+def test_residual_product_at_llama_decode_sizes_in_bfloat16(rows, out_features, in_features):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16, generator=g)
+    weight = torch.randn(
+        out_features, in_features, device="cuda", dtype=torch.bfloat16, generator=g
+    )
+    out = splitk.residual_product(x, weight, lambda x: None)
+    assert out.dim() == 3 and out.dtype == torch.float32  # slices, on the H200's 132 SMs
+    expected = x.float() @ weight.float().T
+    torch.testing.assert_close(out.sum(0), expected, atol=0.05, rtol=1e-3)

@@ -40,6 +40,10 @@ SWITCHES = {
         Switch("TANDEM_SPLITK", "1", "0, 1",
                "0: the decode steps' o and down projections through cuBLAS, not the split-K "
                "Triton kernel"),
+        Switch("TANDEM_BLAS_SLICES", "", "0, 1, 2, 4 or 8",
+               "the o and down projections of decode steps past 64 rows that split-K's Triton "
+               "kernel declines: 0, cuBLAS's own product; 1-8, cuBLAS's batched product over "
+               "that many slices of the input features in every case"),
         Switch("TANDEM_FP8_FUSED_QUANT", "1", "0, 1",
                "0: FP8 (W8A8) layers quantize their input in a launch of their own, not in the "
                "add + RMSNorm or SiLU * up kernel before them"),
@@ -100,6 +104,16 @@ def fused_rope() -> bool:
 
 def splitk() -> bool:
     return _flag("TANDEM_SPLITK")
+
+
+def blas_slices() -> int | None:
+    """TANDEM_BLAS_SLICES as an integer; None when unset."""
+    value = _value("TANDEM_BLAS_SLICES")
+    if not value:
+        return None
+    if value not in ("0", "1", "2", "4", "8"):
+        raise ValueError(f"TANDEM_BLAS_SLICES={value!r}: expected 0, 1, 2, 4 or 8")
+    return int(value)
 
 
 def fp8_fused_quant() -> bool:
@@ -203,6 +217,7 @@ READERS = {
     "TANDEM_SPLIT_MERGE": split_merge,
     "TANDEM_FUSED_ROPE": fused_rope,
     "TANDEM_SPLITK": splitk,
+    "TANDEM_BLAS_SLICES": blas_slices,
     "TANDEM_FP8_FUSED_QUANT": fp8_fused_quant,
     "TANDEM_PIECEWISE": piecewise,
     "TANDEM_BLAS": blas,

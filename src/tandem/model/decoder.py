@@ -63,7 +63,7 @@ def to_residual(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch
         if own is not None:
             return own(x)
         if splitk.ENABLED:
-            return splitk.linear_partials(x, linear.weight, fallback=linear)
+            return splitk.residual_product(x, linear.weight, fallback=linear)
     if tp.size == 1:
         return linear(x)
     # the input features are split across ranks: partial sums, all-reduced, then the bias

@@ -9,7 +9,10 @@ partial sums [splits, rows, out]; the residual add + RMSNorm kernel that always 
 On the H200 this took Llama-3-8B's batch-1 step from 4.48 to 4.37 ms (BENCHMARKS.md, eighth
 run). Past 64 rows only matrices with few output columns split (Qwen3-0.6B's o and down: small's
 256-row decode steps 5.10 -> 5.04 ms, eleventh run); larger ones fill the device alone and stay
-with cuBLAS. TANDEM_SPLITK=0 keeps F.linear, for comparisons.
+with cuBLAS, except down projections, whose product cuBLAS splits by K itself and adds up in a
+launch of its own: here cuBLAS's batched product over two halves of the input features, whose
+float32 slices the norm adds up instead (`blas_slices`). TANDEM_SPLITK=0 keeps F.linear, for
+comparisons.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from tandem.model.fused import num_sms
 from tandem.quant.fp8 import FP8_DTYPE
 
 ENABLED = envs.splitk()
+BLAS_SLICES = envs.blas_slices()
 # past 64 rows: 64-row tiles, one program per SM, four stages, where that means 2 or more
 # splits (BENCHMARKS.md, eleventh run: the best shapes of the sweep at 128 and 256 rows)
 MAX_ROWS = 256
@@ -142,3 +146,52 @@ def linear_partials(
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.launch_args(x.device),
     )  # fmt: skip
     return out if out_dtype is None else out[0]
+
+
+def blas_slice_count(rows: int, out_features: int, in_features: int, dtype: torch.dtype,
+                     device: torch.device) -> int:  # fmt: skip
+    """How many slices of the input features `blas_slices` takes for a product past 64 rows
+    that `plan` declines, or 0: cuBLAS's own product. Two where the input features are at least
+    twice the outputs (a down projection, for which cuBLAS splits K itself and adds its slices
+    in a launch of its own) and twice cuBLAS's 128 x 128 output tiles still fit one wave:
+    Llama-3-8B's down at 256 rows 54.1 -> 49.3 µs with the norm after it, at 128 rows 39.8 ->
+    38.2; its o (4,096 features) 20.1 -> 20.5 at 256 rows, and 4 or 8 slices slower everywhere
+    (H200, `benchmarks/gemm.py --with-norm`, BENCHMARKS.md session 29)."""
+    if rows <= 64 or rows > MAX_ROWS or dtype not in (torch.bfloat16, torch.float16):
+        return 0
+    if BLAS_SLICES is not None:
+        return BLAS_SLICES if in_features % max(1, BLAS_SLICES) == 0 else 0
+    tiles = cdiv(rows, 128) * cdiv(out_features, 128)
+    down_shaped = in_features >= 2 * out_features and in_features % 128 == 0
+    return 2 if down_shaped and 2 * tiles <= num_sms(device) else 0
+
+
+def blas_slices(x: torch.Tensor, weight: torch.Tensor, slices: int) -> torch.Tensor:
+    """[rows, in] x [out, in]^T -> [slices, rows, out] float32 partial sums (sum(0) is the
+    product), slice s over input features [s * in / slices, (s + 1) * in / slices): cuBLAS's
+    batched product of strided views, no copies, its float32 outputs kept (on CUDA; elsewhere
+    the same in float32). cuBLAS's own split-K adds its slices in a launch of its own; these the
+    next add + RMSNorm adds as it reads them, as it does `linear_partials`'."""
+    rows, in_features = x.shape
+    part = in_features // slices
+    # [slices, rows, part] and [slices, part, out], both views
+    a = x.view(rows, slices, part).transpose(0, 1)
+    b = weight.view(weight.shape[0], slices, part).permute(1, 2, 0)
+    if x.is_cuda:
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
+
+
+def residual_product(
+    x: torch.Tensor, weight: torch.Tensor, fallback: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """An o or down projection whose output the next add + RMSNorm takes: split-K partial sums
+    where `plan` takes them, cuBLAS's slices where `blas_slice_count` does, else `fallback(x)`
+    [rows, out]."""
+    rows, (out_features, in_features) = x.shape[0], weight.shape
+    if plan(rows, out_features, in_features, x.device) is None:
+        slices = blas_slice_count(rows, out_features, in_features, weight.dtype, x.device)
+        contiguous = x.is_contiguous() and weight.is_contiguous() and x.dtype == weight.dtype
+        if slices and contiguous:
+            return blas_slices(x, weight, slices)
+    return linear_partials(x, weight, fallback=fallback)

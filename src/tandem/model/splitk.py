@@ -189,9 +189,9 @@ def residual_product(
     where `plan` takes them, cuBLAS's slices where `blas_slice_count` does, else `fallback(x)`
     [rows, out]."""
     rows, (out_features, in_features) = x.shape[0], weight.shape
-    if plan(rows, out_features, in_features, x.device) is None:
-        slices = blas_slice_count(rows, out_features, in_features, weight.dtype, x.device)
-        contiguous = x.is_contiguous() and weight.is_contiguous() and x.dtype == weight.dtype
-        if slices and contiguous:
-            return blas_slices(x, weight, slices)
-    return linear_partials(x, weight, fallback=fallback)
+    tiles = plan(rows, out_features, in_features, x.device)
+    if tiles is not None:
+        return linear_partials(x, weight, tiles, fallback=fallback)
+    slices = blas_slice_count(rows, out_features, in_features, weight.dtype, x.device)
+    contiguous = x.is_contiguous() and weight.is_contiguous() and x.dtype == weight.dtype
+    return blas_slices(x, weight, slices) if slices and contiguous else fallback(x)

@@ -1,8 +1,9 @@
 """The MoE routing and alignment Triton kernels (interpreted on CPU) against their torch
 references and transformers' routers: `fused_topk` against `route` and the Qwen3-MoE and Mixtral
 routers, `align_by_expert` against `align_by_expert_torch`, `fused_topk_align` (both in one
-program) against the two kernels and the torch references, and a whole MoE block run by the
-kernels, its top_k partials summed by the add + RMSNorm after it, against transformers' block."""
+program) against the two kernels and the torch references, a whole MoE block run by the
+kernels, its top_k partials summed by the add + RMSNorm after it, against transformers' block,
+and a batch-1 step's fewer launches (`moe_one_token`) against the launches they replace."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 from tandem.config import ModelConfig
-from tandem.model import fused, fused_moe, moe, splitk
+from tandem.model import fused, fused_moe, moe, moe_one_token, splitk
+from tandem.model.decoder import RMSNorm
 from tandem.model.moe_routing import ONE_PROGRAM_MAX_PAIRS, fused_topk, fused_topk_align, route
 
 transformers = pytest.importorskip("transformers")
@@ -205,17 +207,53 @@ def tiny_moe_block(make_tiny, arch: str, tp=None):
     return layer, ours, cfg
 
 
+@pytest.mark.parametrize("tokens", [1, 11])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_moe_block_by_the_kernels_matches_transformers_block(make_tiny, monkeypatch, arch):
-    """Routing, alignment and both grouped GEMMs interpreted, against transformers (fp32): on
-    one device the block's output is its top_k partials, which sum to transformers' output."""
+def test_moe_block_by_the_kernels_matches_transformers_block(make_tiny, monkeypatch, arch, tokens):
+    """Routing, alignment and both grouped GEMMs interpreted (at one token the routing inside
+    GEMM 1), against transformers (fp32): on one device the block's output is its top_k
+    partials, which sum to transformers' output."""
     layer, ours, cfg = tiny_moe_block(make_tiny, arch)
     monkeypatch.setattr(fused, "use_kernels", lambda x: True)
-    x = torch.randn(11, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         partials = ours(x)
-        assert partials.shape == (cfg.num_experts_per_tok, 11, cfg.hidden_size)
+        assert partials.shape == (cfg.num_experts_per_tok, tokens, cfg.hidden_size)
         torch.testing.assert_close(partials.sum(0), layer(x[None])[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("slices", [False, True])
+@pytest.mark.parametrize(("num_experts", "top_k"), [(128, 8), (8, 2), (60, 4)])
+def test_one_tokens_routing_inside_gate_up_equals_the_three_launches(
+    num_experts, top_k, slices, renormalize, dtype
+):
+    """A batch-1 step's two launches (`routed_expert_outputs`: each GEMM 1 program routes the
+    token itself) against `fused_topk_align` then `expert_outputs`: the same experts, the same
+    alignment for GEMM 2, the same weights and outputs; from logits or the router's split-K
+    slices, in float32 and float16 (interpreted)."""
+    g = torch.Generator().manual_seed(num_experts + top_k)
+    hidden, inter = 64, 32
+    x = torch.randn(1, hidden, generator=g).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g) / 8).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=g) / 8).to(dtype)
+    router = (torch.randn(num_experts, hidden, generator=g) / 4).to(dtype)
+    logits = splitk.linear_partials(x, router) if slices else x @ router.T
+    assert logits.dim() == (3 if slices else 2)
+    got = moe_one_token.routed_expert_outputs(x, w13, w2, logits, top_k, renormalize)
+    block_m = fused_moe.block_m_for(top_k, num_experts)
+    weights, ids, blocks = fused_topk_align(logits, top_k, renormalize, block_m, dtype)
+    want = fused_moe.expert_outputs(x, w13, w2, weights, blocks, block_m)
+    assert got.shape == want.shape == (1, top_k, hidden) and got.dtype == dtype
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    # and against torch's experts from torch's routing of the same product
+    product = logits.sum(0).to(dtype) if slices else logits
+    ref_weights, ref_ids = route(product.float(), top_k, renormalize)
+    assert torch.equal(ids.long(), ref_ids)
+    ref = fused_moe.fused_experts_torch(x.float(), w13.float(), w2.float(), ref_weights, ref_ids)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float().sum(1), ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -303,3 +341,67 @@ def test_one_tokens_alignment_gives_each_pair_a_run_even_from_nan_logits(num_exp
     assert sorted(runs[:, 0].tolist()) == list(range(top_k))  # every pair starts one run
     assert bool((runs[:, 1:] == top_k).all())  # the rest is padding
     assert torch.equal(blocks.block_expert, ids[0][runs[:, 0].long()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("slices", [False, True])
+@pytest.mark.parametrize("num_experts", [128, 60])
+def test_norm_inside_the_routers_launch_equals_the_norm_then_the_router(num_experts, slices, dtype):
+    """`norm_and_router` (interpreted): the normed row, the sum and the router's slices equal
+    the add + RMSNorm kernel's then the split-K product's, from o's split-K slices or its
+    product, and leave the residual stream as it was."""
+    g = torch.Generator().manual_seed(num_experts)
+    hidden = 256
+    x = torch.randn(1, hidden, generator=g).to(dtype)
+    o_weight = (torch.randn(hidden, hidden, generator=g) / 16).to(dtype)
+    attended = splitk.linear_partials(x, o_weight) if slices else x @ o_weight.T
+    residual = torch.randn(1, hidden, generator=g).to(dtype)
+    norm_weight = (1 + torch.randn(hidden, generator=g) / 4).to(dtype)
+    router = (torch.randn(num_experts, hidden, generator=g) / 16).to(dtype)
+    before = residual.clone()
+    normed, summed, logits = moe_one_token.norm_and_router(
+        attended, residual, norm_weight, 1e-6, router
+    )
+    assert torch.equal(residual, before)
+    want_normed, want_summed = fused._add_rms_norm_triton(
+        attended, before.clone(), norm_weight, 1e-6
+    )
+    want_logits = splitk.linear_partials(want_normed, router)
+    assert torch.equal(summed, want_summed)
+    tol = 0 if dtype == torch.float32 else 1e-3  # float16: one rounding of 1 / rms may differ
+    torch.testing.assert_close(normed, want_normed, atol=tol, rtol=tol)
+    assert logits.shape == want_logits.shape and logits.dtype == torch.float32
+    torch.testing.assert_close(logits, want_logits, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_moe_block_after_attention_at_one_token_equals_the_norm_then_the_block(
+    make_tiny, monkeypatch, arch
+):
+    """The layer's seam (`SparseMoeBlock.after_attention`, interpreted): at one token the norm
+    inside the router's launch and the routing inside GEMM 1 give the block's partials and the
+    residual stream that the add + RMSNorm, then `forward`, give; past one token it declines."""
+    _, ours, cfg = tiny_moe_block(make_tiny, arch)
+    monkeypatch.setattr(fused, "use_kernels", lambda x: True)
+    norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    norm.weight.data = (
+        1 + torch.randn(cfg.hidden_size, generator=torch.Generator().manual_seed(4)) / 4
+    )
+    g = torch.Generator().manual_seed(3)
+    o_weight = torch.randn(cfg.hidden_size, cfg.hidden_size, generator=g) / 8
+    for tokens in (1, 2):
+        x = torch.randn(tokens, cfg.hidden_size, generator=g)
+        attended = splitk.linear_partials(x, o_weight)
+        start = torch.randn(tokens, cfg.hidden_size, generator=g)
+        with torch.no_grad():
+            residual = start.clone()
+            got = ours.after_attention(attended, residual, norm)
+            if tokens > 1:
+                assert got is None and torch.equal(residual, start)
+                continue
+            want_residual = start.clone()
+            normed, _ = fused.add_rms_norm(attended, want_residual, norm.weight, norm.eps)
+            want = ours(normed)
+        assert got.shape == want.shape == (cfg.num_experts_per_tok, 1, cfg.hidden_size)
+        assert torch.equal(residual, want_residual)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)

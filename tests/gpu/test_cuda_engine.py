@@ -104,24 +104,30 @@ def assert_greedy_matches_transformers(folder, **model_args) -> None:
         str(folder), dtype=torch.float32, **model_args
     ).cuda()
     for p, n, tokens in zip(prompts(model.config.vocab_size), MAX_TOKENS, ours, strict=True):
-        ids = torch.tensor([p["prompt_token_ids"]], device="cuda")
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=model.config.vocab_size - 1,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        theirs = out.sequences[0, ids.shape[1] :].tolist()
-        for i, (a, b) in enumerate(zip(tokens, theirs, strict=True)):
-            if a != b:
-                top2 = out.logits[i][0].topk(2).values
-                # Triton's float32 dots use TF32 (10-bit mantissa): ties are looser than on CPU
-                assert top2[0] - top2[1] < 2e-2, f"token {i} differs without a tie"
-                break
+        assert_tokens_match_transformers(model, p["prompt_token_ids"], n, tokens)
+
+
+def assert_tokens_match_transformers(model, prompt: list[int], n: int, tokens: list[int]):
+    """`tokens` equal transformers' greedy `n` tokens after `prompt`, up to where their top-2
+    logits tie."""
+    ids = torch.tensor([prompt], device="cuda")
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=model.config.vocab_size - 1,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    theirs = out.sequences[0, ids.shape[1] :].tolist()
+    for i, (a, b) in enumerate(zip(tokens, theirs, strict=True)):
+        if a != b:
+            top2 = out.logits[i][0].topk(2).values
+            # Triton's float32 dots use TF32 (10-bit mantissa): ties are looser than on CPU
+            assert top2[0] - top2[1] < 2e-2, f"token {i} differs without a tie"
+            break
 
 
 def test_bfloat16_graph_logprobs_close_to_eager(make_tiny):

@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cuda_engine import assert_greedy_matches_transformers, generate
+from test_cuda_engine import (
+    assert_greedy_matches_transformers,
+    assert_tokens_match_transformers,
+    generate,
+)
 
+from tandem import LLM, SamplingParams
 from tandem.attention import AttentionMetadata
 from tandem.attention.torch_ref import decode_attention, prefill_attention
 from tandem.attention.triton_backend import TritonAttention
-from tandem.model import fused, fused_moe, moe_routing, splitk
+from tandem.model import fused, fused_moe, moe_one_token, moe_routing, splitk
 
 pytestmark = [
     pytest.mark.gpu,
@@ -143,6 +148,40 @@ def test_routing_from_the_routers_split_k_slices_at_qwen3_30b_shape(tokens):
     torch.testing.assert_close(product, x @ router.T, atol=2e-2, rtol=2e-2)
 
 
+def test_one_tokens_routing_inside_gate_up_replays_as_the_three_launches():
+    """A batch-1 step's experts in two launches (`routed_expert_outputs`), from the router's
+    split-K slices, at Qwen3-30B's shapes in bf16, captured once and replayed on other inputs
+    and router weights: as eagerly, bit for bit, and as the routing launch then the grouped
+    GEMMs, the same experts and outputs within a float32 rounding of the weights."""
+    x, w13, w2, _, _ = qwen3_30b_experts(1)
+    router = torch.randn(128, 2048, device=CUDA).bfloat16() / 32
+
+    def two_launches():
+        return moe_one_token.routed_expert_outputs(
+            x, w13, w2, splitk.linear_partials(x, router), 8, True
+        )
+
+    def three_launches():
+        logits = splitk.linear_partials(x, router)
+        block_m = fused_moe.block_m_for(8, 128)
+        weights, _, blocks = moe_routing.fused_topk_align(logits, 8, True, block_m, x.dtype)
+        return fused_moe.expert_outputs(x, w13, w2, weights, blocks, block_m)
+
+    two_launches()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = two_launches()
+    for seed in (1, 2, 3):
+        g = torch.Generator(device=CUDA).manual_seed(seed)
+        x.copy_(torch.randn(x.shape, generator=g, device=CUDA))
+        router.copy_(torch.randn(router.shape, generator=g, device=CUDA) / 32)
+        graph.replay()
+        assert torch.equal(out, two_launches())
+        expected = three_launches()
+        # (another expert in a slot would differ by the whole output)
+        torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("tokens", [1, 32, 64])
 def test_moe_block_replays_in_a_cuda_graph_with_new_logits(tokens):
     """The block as the model runs it on one device (routing and alignment, one launch up to
@@ -234,3 +273,22 @@ def test_async_bfloat16_equals_sync(make_tiny, arch):
 @pytest.mark.parametrize("arch", NEW_ARCHS)
 def test_cuda_matches_transformers_greedy(make_tiny, arch):
     assert_greedy_matches_transformers(make_tiny(arch), attn_implementation="eager")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_one_sequence_moe_decode_matches_transformers_greedy(make_tiny, arch):
+    """Batch-1 decode steps, graphed and async (`moe_one_token`: the post-attention norm inside
+    the router's launch, the routing inside GEMM 1), against transformers' greedy tokens in
+    float32, up to where their top-2 logits tie."""
+    transformers = pytest.importorskip("transformers")
+    folder = make_tiny(arch)
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, num_blocks=64)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="eager"
+    ).cuda()
+    g = torch.Generator().manual_seed(5)
+    for length in (1, 23):
+        prompt = torch.randint(0, model.config.vocab_size, (length,), generator=g).tolist()
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        ours = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+        assert_tokens_match_transformers(model, prompt, 40, ours)

@@ -210,6 +210,11 @@ class DecoderLayer(nn.Module):
         one device the output may be partials [parts, rows, hidden] that the next add + RMSNorm
         sums (the down projection's split-K slices, a MoE block's top_k expert outputs)."""
         h = self.self_attn.output(attended)
+        # a MoE block may take the norm into its own launches (`moe.SparseMoeBlock`)
+        after_attention = getattr(self.mlp, "after_attention", None)
+        out = after_attention and after_attention(h, residual, self.post_attention_layernorm)
+        if out is not None:
+            return out, residual
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
 

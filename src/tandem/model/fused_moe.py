@@ -250,38 +250,54 @@ def grouped_gemm_kernel(
     block = tl.program_id(0)
     if block * BLOCK_M < tl.load(num_rows_ptr):
         pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-        valid = pairs < num_pairs
-        a_rows = pairs // TOP_K if A_PER_TOKEN else pairs
         expert = tl.load(block_expert_ptr + block).to(tl.int64)
-        if SILU_AND_MUL:  # the tile's columns interleave gate and up: E.g. rows g0 u0 g1 u1 ..
-            lanes = tl.arange(0, BLOCK_N)
-            cols = tl.program_id(1) * (BLOCK_N // 2) + lanes // 2
-            w_rows = cols + (lanes % 2) * N
-        else:
-            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            w_rows = cols
-        ks = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * a_stride + ks[None, :]
-        w_ptrs = w_ptr + expert * w_expert_stride + w_rows[None, :] * w_row_stride + ks[:, None]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k in range(0, K, BLOCK_K):
-            in_k = ks + k < K
-            a = tl.load(a_ptrs, mask=valid[:, None] & in_k[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=in_k[:, None] & (cols[None, :] < N), other=0.0)
-            acc = tl.dot(a, w, acc)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        if MUL_WEIGHT:
-            acc = acc * tl.load(topk_weights_ptr + pairs, mask=valid, other=0.0)[:, None]
-        out = acc.to(c_ptr.dtype.element_ty)
-        if SILU_AND_MUL:  # rounded where gate_up's store and `silu_and_mul` would round
-            gate, up = tl.split(tl.reshape(out, [BLOCK_M, BLOCK_N // 2, 2]))
-            g = gate.to(tl.float32)
-            silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-            out = (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
-            cols = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * c_stride + cols[None, :]
-        tl.store(c_ptrs, out, mask=valid[:, None] & (cols[None, :] < N))
+        expert_tile(
+            a_ptr, w_ptr, c_ptr, pairs, expert, topk_weights_ptr, num_pairs, N, K, a_stride,
+            w_expert_stride, w_row_stride, c_stride, TOP_K, A_PER_TOKEN, MUL_WEIGHT,
+            SILU_AND_MUL, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+
+
+@triton.jit
+def expert_tile(
+    a_ptr, w_ptr, c_ptr, pairs, expert, topk_weights_ptr, num_pairs, N, K, a_stride,
+    w_expert_stride, w_row_stride, c_stride, TOP_K: tl.constexpr, A_PER_TOKEN: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr, SILU_AND_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One program's tile of a grouped GEMM: the pairs [BLOCK_M] (num_pairs: padding) of one
+    expert, times its weight's columns of program_id(1)."""
+    valid = pairs < num_pairs
+    a_rows = pairs // TOP_K if A_PER_TOKEN else pairs
+    if SILU_AND_MUL:  # the tile's columns interleave gate and up: E.g. rows g0 u0 g1 u1 ..
+        lanes = tl.arange(0, BLOCK_N)
+        cols = tl.program_id(1) * (BLOCK_N // 2) + lanes // 2
+        w_rows = cols + (lanes % 2) * N
+    else:
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_rows = cols
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * a_stride + ks[None, :]
+    w_ptrs = w_ptr + expert * w_expert_stride + w_rows[None, :] * w_row_stride + ks[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        in_k = ks + k < K
+        a = tl.load(a_ptrs, mask=valid[:, None] & in_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=in_k[:, None] & (cols[None, :] < N), other=0.0)
+        acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if MUL_WEIGHT:
+        acc = acc * tl.load(topk_weights_ptr + pairs, mask=valid, other=0.0)[:, None]
+    out = acc.to(c_ptr.dtype.element_ty)
+    if SILU_AND_MUL:  # rounded where gate_up's store and `silu_and_mul` would round
+        gate, up = tl.split(tl.reshape(out, [BLOCK_M, BLOCK_N // 2, 2]))
+        g = gate.to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+        out = (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+        cols = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * c_stride + cols[None, :]
+    tl.store(c_ptrs, out, mask=valid[:, None] & (cols[None, :] < N))
 
 
 class MoeTiles(NamedTuple):

@@ -6,7 +6,8 @@ the routing and the pairs' alignment by expert are one Triton launch at decode s
 them) and the experts the grouped GEMMs of `fused_moe`; elsewhere both are the same arithmetic
 in torch (CPU engines; tests run the Triton kernels under the interpreter against it). A decode
 step's MoE block is then four launches: the router's product (split-K slices, `splitk`, which
-the routing adds up as it reads them), the routing, the two grouped GEMMs.
+the routing adds up as it reads them), the routing, the two grouped GEMMs. At one token the
+routing runs inside GEMM 1's programs (`moe_routing.routed_expert_outputs`): three launches.
 
 On one device the block returns each token's top_k weighted expert outputs as partials
 [top_k, tokens, hidden] (a view of GEMM 2's output): the residual add + RMSNorm that always
@@ -28,6 +29,7 @@ from torch import nn
 from tandem.config import ModelConfig
 from tandem.model import fused, splitk
 from tandem.model.fused_moe import block_m_for, expert_outputs, fused_experts_torch
+from tandem.model.moe_one_token import norm_and_router, routed_expert_outputs
 from tandem.model.moe_routing import fused_topk_align, route
 from tandem.parallel import TensorParallel
 
@@ -54,6 +56,29 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
 
+    def after_attention(
+        self, attended: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
+    ) -> torch.Tensor | None:
+        """The layer's residual add + RMSNorm after its attention (`norm`, the layer's
+        post-attention RMSNorm), then this block, where that is fewer launches: at one token on
+        one device with the Triton kernels (`moe_one_token`: the norm inside the router's
+        launch). The block's output as `forward` gives it, the residual stream advanced in place
+        as the norm advances it; elsewhere None, and the layer norms, then calls the block."""
+        hidden, experts = self.gate.weight.shape[1], self.gate.weight.shape[0]
+        one_token = residual is not None and residual.shape[0] == 1 and self.tp.size == 1
+        if not (one_token and self.hidden_act == "silu" and fused.use_kernels(residual)):
+            return None
+        if not splitk.ENABLED or splitk.plan(1, experts, hidden, residual.device) is None:
+            return None
+        normed, summed, logits = norm_and_router(
+            attended, residual, norm.weight, norm.eps, self.gate.weight
+        )
+        w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
+        pairs = routed_expert_outputs(
+            normed, w13, w2, logits, self.top_k, self.renormalize, summed, residual
+        )  # [1, top_k, hidden]
+        return pairs.transpose(0, 1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[tokens, hidden] -> [tokens, hidden] in x's dtype; on one device with the Triton
         kernels, [top_k, tokens, hidden] partials whose sum is that (for the next norm)."""
@@ -66,12 +91,17 @@ class SparseMoeBlock(nn.Module):
         # which the routing adds up as it reads them; past them [tokens, experts] (F.linear)
         router = splitk.linear_partials if splitk.ENABLED else F.linear
         router_logits = router(x, self.gate.weight)
-        block_m = block_m_for(x.shape[0] * self.top_k, w13.shape[0])
-        weights, _, blocks = fused_topk_align(
-            router_logits, self.top_k, self.renormalize, block_m, x.dtype
-        )
-        # [tokens, top_k, hidden]
-        pairs = expert_outputs(x, w13, w2, weights, blocks, block_m, self.hidden_act)
+        if x.shape[0] == 1 and self.hidden_act == "silu":  # the routing inside GEMM 1
+            pairs = routed_expert_outputs(
+                x, w13, w2, router_logits, self.top_k, self.renormalize
+            )  # [1, top_k, hidden]
+        else:
+            block_m = block_m_for(x.shape[0] * self.top_k, w13.shape[0])
+            weights, _, blocks = fused_topk_align(
+                router_logits, self.top_k, self.renormalize, block_m, x.dtype
+            )
+            # [tokens, top_k, hidden]
+            pairs = expert_outputs(x, w13, w2, weights, blocks, block_m, self.hidden_act)
         if self.tp.size == 1:
             return pairs.transpose(0, 1)
         return self.tp.all_reduce(pairs.sum(1))  # no atomics: deterministic

@@ -9,7 +9,8 @@ equal logits the lowest expert, so its choice never varies between runs or batch
 
 `fused_topk_align` adds the next step, the pairs sorted by expert for the grouped GEMMs
 (`fused_moe.align_by_expert`): at a decode step's few pairs both run in one program, one launch
-where there were two.
+where there were two. At one token `moe_one_token` goes further: each program of the first
+grouped GEMM routes the token itself, and the routing launch is gone.
 """
 
 from __future__ import annotations
@@ -57,8 +58,29 @@ def _topk_rows(
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr, PARTS: tl.constexpr, ROUND_TO: tl.constexpr,
 ):  # fmt: skip
-    """The routing of rows [first, first + BLOCK_T) (those past num_tokens masked): weights and
-    ids stored at [row, k] of [tokens, TOP_K]. With PARTS, the logits are that many float32
+    """The routing of rows [first, first + BLOCK_T) (`_topk_tile`) stored at [row, k] of
+    weights and ids [tokens, TOP_K]."""
+    top_weights, top_ids = _topk_tile(
+        logits_ptr, first, num_tokens, num_experts, logits_stride, part_stride, TOP_K,
+        RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K, PARTS, ROUND_TO,
+    )  # fmt: skip
+    rows = first + tl.arange(0, BLOCK_T)
+    slots = tl.arange(0, BLOCK_K)
+    out = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
+    in_out = (rows < num_tokens)[:, None] & (slots[None, :] < TOP_K)
+    tl.store(weights_ptr + out, top_weights, mask=in_out)
+    tl.store(ids_ptr + out, top_ids, mask=in_out)
+
+
+@triton.jit
+def _topk_tile(
+    logits_ptr, first, num_tokens, num_experts, logits_stride, part_stride, TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr, PARTS: tl.constexpr, ROUND_TO: tl.constexpr,
+):  # fmt: skip
+    """The routing of rows [first, first + BLOCK_T) (those past num_tokens masked): their
+    weights [BLOCK_T, BLOCK_K] float32 and expert ids [BLOCK_T, BLOCK_K] int32, slot k of a
+    row its k-th pick (slots past TOP_K zero). With PARTS, the logits are that many float32
     split-K slices of the router's product, added in order and rounded once to ROUND_TO, as
     the product stored in the model dtype would be."""
     rows = first + tl.arange(0, BLOCK_T)
@@ -99,10 +121,7 @@ def _topk_rows(
         keys = tl.where(experts[None, :] == pick[:, None], TAKEN, keys)
     if RENORMALIZE:
         top_weights = top_weights / tl.sum(top_weights, axis=1)[:, None]
-    out = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
-    in_out = in_rows[:, None] & (slots[None, :] < TOP_K)
-    tl.store(weights_ptr + out, top_weights, mask=in_out)
-    tl.store(ids_ptr + out, top_ids, mask=in_out)
+    return top_weights, top_ids
 
 
 @triton.jit

@@ -7,7 +7,8 @@ them) and the experts the grouped GEMMs of `fused_moe`; elsewhere both are the s
 in torch (CPU engines; tests run the Triton kernels under the interpreter against it). A decode
 step's MoE block is then four launches: the router's product (split-K slices, `splitk`, which
 the routing adds up as it reads them), the routing, the two grouped GEMMs. At one token the
-routing runs inside GEMM 1's programs (`moe_routing.routed_expert_outputs`): three launches.
+layer's post-attention norm runs inside the router's launch and the routing inside GEMM 1's
+programs (`moe_one_token`, through `after_attention`): three launches with the norm.
 
 On one device the block returns each token's top_k weighted expert outputs as partials
 [top_k, tokens, hidden] (a view of GEMM 2's output): the residual add + RMSNorm that always

@@ -129,6 +129,7 @@ def norm_and_router(
     parts = x.shape[0] if x.dim() == 3 else 0
     normed = torch.empty_like(residual)  # [1, hidden]
     summed = torch.empty_like(residual)  # [1, hidden]
+    # [splits, 1, experts] float32
     out = torch.empty(tiles.splits, 1, num_experts, dtype=torch.float32, device=x.device)
     norm_router_kernel[(cdiv(num_experts, tiles.block_n), tiles.splits)](
         x, residual, norm_weight, router, normed, summed, out, hidden, num_experts,
@@ -228,7 +229,7 @@ def routed_expert_outputs(
     block_m = block_m_for(top_k, num_experts)
     weights = torch.empty(1, top_k, dtype=torch.float32, device=device)  # [1, top_k]
     ids = torch.empty(1, top_k, dtype=torch.int32, device=device)  # [1, top_k]
-    blocks = empty_blocks(top_k, num_experts, block_m, device)
+    blocks = empty_blocks(top_k, num_experts, block_m, device)  # stored by program (0, 0)
     inter, hidden = w13.shape[1] // 2, w13.shape[2]
     act = torch.empty(top_k, inter, dtype=x.dtype, device=device)  # [top_k, inter]
     tiles = FLOAT32_TILES if x.dtype == torch.float32 else TILES

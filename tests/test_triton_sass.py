@@ -1,5 +1,7 @@
-"""The decode kernel's machine code over an FP8 cache: compiled for sm_90 on the CPU (Triton's
-wheel carries ptxas and cuobjdump), its shared-memory reads counted in the SASS."""
+"""Kernels' machine code, compiled for sm_90 on the CPU (Triton's wheel carries ptxas and
+cuobjdump): the decode kernel's shared-memory reads over an FP8 cache counted in its SASS, the
+shared-prefix kernel's copy waits, and the batch-1 MoE kernels compiling at all (the CPU tests
+run them under the interpreter, which takes what the GPU compiler may not)."""
 
 from __future__ import annotations
 
@@ -26,22 +28,28 @@ pytestmark = pytest.mark.skipif(
 # an instruction line: /*0a10*/ [@P0 | @!UP1] OPCODE.MODIFIERS operands
 OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)")
 
-# A kernel of attention.triton_kernels compiled for sm_90, in a fresh interpreter: under
-# TRITON_INTERPRET=1 (the CPU tests) Triton defines the kernels for its interpreter. Its
-# arguments as a launch specializes them: `types` (the rest int32, or int32 pointers),
-# `constants`, and the pointers and `aligned` multiples of 16.
+# A kernel compiled for sm_90, in a fresh interpreter: under TRITON_INTERPRET=1 (the CPU tests)
+# Triton defines the kernels for its interpreter. The kernel: a name in attention.triton_kernels,
+# or "module:name". Its arguments as a launch specializes them: `types` (the rest int32, or
+# int32 pointers), `constants` (a dtype as "tl.<name>"), and the pointers and `aligned`
+# multiples of 16.
 COMPILE = textwrap.dedent(
     """
+    import importlib
     import json
     import sys
     import triton
+    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from tandem.attention import triton_kernels
 
     name, spec, num_warps, num_stages, out = sys.argv[1:]
+    module, _, name = name.rpartition(":")
+    module = importlib.import_module(module or "tandem.attention.triton_kernels")
     spec = json.loads(spec)
-    kernel, constants = getattr(triton_kernels, name), spec["constants"]
+    kernel, constants = getattr(module, name), spec["constants"]
+    constants = {n: getattr(tl, v[3:]) if str(v).startswith("tl.") else v
+                 for n, v in constants.items()}
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constants else spec["types"].get(n, "*i32"
                  if n.endswith("_ptr") else "i32") for n in names}
@@ -154,3 +162,32 @@ def test_the_shared_prefix_kernel_keeps_copies_in_flight_at_its_default_stages(t
     assert SHARED_PREFIX_TILES.num_stages >= 5
     assert max(copy_waits(SHARED_PREFIX_TILES, tmp_path)) > 0
     assert set(copy_waits(SHARED_PREFIX_TILES._replace(num_stages=4), tmp_path)) == {0}
+
+
+MOE_ONE_TOKEN = {
+    "norm_router_kernel": {
+        "types": {"x_ptr": "*fp32", "residual_ptr": "*bf16", "norm_weight_ptr": "*bf16",
+                  "router_ptr": "*bf16", "normed_ptr": "*bf16", "summed_ptr": "*bf16",
+                  "out_ptr": "*fp32", "eps": "fp32"},
+        "constants": dict(PARTS=8, BLOCK_H=2048, BLOCK_M=16, BLOCK_K=128, PDL=True),
+        "aligned": ["hidden", "k_per_split", "part_stride"],
+    },
+    "routed_gate_up_kernel": {
+        "types": {"logits_ptr": "*fp32", "x_ptr": "*bf16", "w_ptr": "*bf16", "c_ptr": "*bf16",
+                  "weights_ptr": "*fp32", "summed_ptr": "*bf16", "residual_ptr": "*bf16"},
+        "constants": dict(TOP_K=8, RENORMALIZE=True, BLOCK_E=128, BLOCK_TOP=8, PARTS=16,
+                          ROUND_TO="tl.bfloat16", ROWS=128, COPY=True, BLOCK_H=2048, BLOCK_M=16,
+                          BLOCK_K=128, PDL=True),
+        "aligned": ["K", "N", "w_expert_stride", "w_row_stride", "c_stride"],
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kernel", sorted(MOE_ONE_TOKEN))
+def test_the_batch_1_moe_kernels_compile_for_sm90(kernel, tmp_path):
+    """`moe_one_token`'s kernels as a Qwen3-30B-A3B batch-1 step launches them (bf16, under
+    PDL, at the default MoE tiles): ptxas takes them, within the registers a thread has."""
+    cubin = tmp_path / f"{kernel}.cubin"
+    name = f"tandem.model.moe_one_token:{kernel}"
+    _, registers = compile_sm90(name, MOE_ONE_TOKEN[kernel], (64, 4, 3), cubin)
+    assert 0 < registers <= 255

@@ -143,6 +143,29 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 @triton.jit
+def summed_partials(ptrs, mask, part_stride, PARTS: tl.constexpr, DTYPE: tl.constexpr):
+    """The values at `ptrs`; with PARTS, that many partials (float32 split-K slices, or a MoE
+    block's top_k expert outputs) part_stride apart, added in order in float32 and rounded once
+    to DTYPE, as the product or torch's sum would be."""
+    if PARTS == 0:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        parts = tl.zeros(ptrs.shape, tl.float32)
+        for part in tl.static_range(PARTS):
+            parts += tl.load(ptrs + part * part_stride, mask=mask, other=0.0).to(tl.float32)
+        x = parts.to(DTYPE)
+    return x
+
+
+@triton.jit
+def scaled_rms(x, inv_rms, weight):
+    """weight * (x * inv_rms), each product rounded to x's dtype as torch's RMSNorm, then its
+    weight, would round it."""
+    normed = (x.to(tl.float32) * inv_rms).to(x.dtype)
+    return (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
 def add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, scale_ptr, x_stride, residual_stride, hidden, eps,
     part_stride, HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr,
@@ -152,23 +175,16 @@ def add_rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
-    if PARTS == 0:
-        x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
-    else:  # partials (split-K sums, or top_k expert outputs), added in order and rounded once
-        parts = tl.zeros([BLOCK], tl.float32)
-        for part in tl.static_range(PARTS):
-            part_ptr = x_ptr + part * part_stride + row * x_stride + cols
-            parts += tl.load(part_ptr, mask=mask, other=0.0).to(tl.float32)
-        x = parts.to(residual_ptr.dtype.element_ty)
+    x = summed_partials(
+        x_ptr + row * x_stride + cols, mask, part_stride, PARTS, residual_ptr.dtype.element_ty
+    )
     if HAS_RESIDUAL:  # the sum over the residual: each program reads its row before writing it
         residual = residual_ptr + row * residual_stride + cols
         x = (x.to(tl.float32) + tl.load(residual, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
         tl.store(residual, x, mask=mask)
     xf = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
-    normed = (xf * inv_rms).to(x.dtype)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    out = (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+    out = scaled_rms(x, inv_rms, tl.load(weight_ptr + cols, mask=mask, other=0.0))
     if FP8_OUT:  # the rounded output quantized per token, still in registers
         out = out.to(tl.float32)
         scale = token_scale(tl.max(tl.abs(out), axis=0), FP8_MAX, MIN_SCALE)

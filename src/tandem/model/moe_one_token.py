@@ -30,6 +30,7 @@ import triton.language as tl
 from tandem import pdl
 from tandem.config import cdiv, next_power_of_2
 from tandem.model import splitk
+from tandem.model.fused import scaled_rms, summed_partials
 from tandem.model.fused_moe import (
     FLOAT32_TILES,
     TILES,
@@ -46,13 +47,7 @@ def _summed_slice(x_ptr, residual_ptr, cols, mask, part_stride, PARTS: tl.conste
     """x + residual at `cols` of the one row, in the residual's dtype, as the add + RMSNorm
     kernel makes it: x's float32 slices added in order and rounded once (PARTS), then the sum
     rounded."""
-    if PARTS == 0:
-        x = tl.load(x_ptr + cols, mask=mask, other=0.0)
-    else:
-        parts = tl.zeros(cols.shape, tl.float32)
-        for part in tl.static_range(PARTS):
-            parts += tl.load(x_ptr + part * part_stride + cols, mask=mask, other=0.0)
-        x = parts.to(residual_ptr.dtype.element_ty)
+    x = summed_partials(x_ptr + cols, mask, part_stride, PARTS, residual_ptr.dtype.element_ty)
     residual = tl.load(residual_ptr + cols, mask=mask, other=0.0)
     return (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
 
@@ -91,9 +86,7 @@ def norm_router_kernel(
         # this slice of the row again (from the L1), normed as `fused.add_rms_norm` norms it
         k = start + tl.arange(0, BLOCK_K)
         s = _summed_slice(x_ptr, residual_ptr, k, k < hidden, part_stride, PARTS)
-        normed = (s.to(tl.float32) * inv_rms).to(s.dtype)
-        weight = tl.load(norm_weight_ptr + k, mask=k < hidden, other=0.0)
-        normed = (weight.to(tl.float32) * normed.to(tl.float32)).to(s.dtype)
+        normed = scaled_rms(s, inv_rms, tl.load(norm_weight_ptr + k, mask=k < hidden, other=0.0))
         if tile_n == 0:
             tl.store(normed_ptr + k, normed, mask=k < hidden)
             tl.store(summed_ptr + k, s, mask=k < hidden)

@@ -118,7 +118,7 @@ def norm_and_router(
     hidden, num_experts = residual.shape[-1], router.shape[0]
     assert residual.shape == (1, hidden) and router.is_contiguous() and x.stride(-1) == 1
     tiles = splitk.plan(1, num_experts, hidden, x.device)
-    assert tiles is not None  # `takes` asked
+    assert tiles is not None  # `SparseMoeBlock.after_attention` asked
     parts = x.shape[0] if x.dim() == 3 else 0
     normed = torch.empty_like(residual)  # [1, hidden]
     summed = torch.empty_like(residual)  # [1, hidden]

@@ -194,6 +194,22 @@ def test_fused_topk_align_takes_the_lowest_expert_among_equal_logits(num_experts
         torch.testing.assert_close(weights, expected / expected.sum(1, keepdim=True))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sixteen_bit_logits_route_by_int32_keys_as_torch_sorts_them(dtype):
+    """16-bit logits route by int32 keys (the logit's bits over the expert): the picks equal a
+    stable sort's, among signed values, infinities, the largest finite one and -0.0 == 0.0
+    ties (the lower expert first), and the weights torch's softmax of the same logits."""
+    largest = torch.finfo(dtype).max
+    values = torch.tensor([-0.0, 0.0, -1.5, 1.5, -3.0, 2.0, float("-inf"), largest, -2.0, 1e-3])
+    g = torch.Generator().manual_seed(1)
+    logits = values[torch.randint(0, len(values), (19, 60), generator=g)].to(dtype)
+    weights, ids = fused_topk(logits, 6, renormalize=False)
+    picks = torch.sort(-logits.float(), dim=1, stable=True).indices[:, :6]
+    assert torch.equal(ids.long(), picks)
+    expected = logits.float().softmax(1).gather(1, picks)
+    torch.testing.assert_close(weights, expected, atol=1e-6, rtol=1e-5)
+
+
 def tiny_moe_block(make_tiny, arch: str, tp=None):
     """(transformers' MoE block of layer 0, ours with its weights, the config), fp32."""
     folder = make_tiny(arch)

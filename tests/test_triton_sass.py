@@ -49,7 +49,7 @@ COMPILE = textwrap.dedent(
     spec = json.loads(spec)
     kernel, constants = getattr(module, name), spec["constants"]
     constants = {n: getattr(tl, v[3:]) if str(v).startswith("tl.") else v
-                 for n, v in constants.items()}
+                 for n, v in constants.items() if n in kernel.arg_names}
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constants else spec["types"].get(n, "*i32"
                  if n.endswith("_ptr") else "i32") for n in names}
@@ -162,6 +162,23 @@ def test_the_shared_prefix_kernel_keeps_copies_in_flight_at_its_default_stages(t
     assert SHARED_PREFIX_TILES.num_stages >= 5
     assert max(copy_waits(SHARED_PREFIX_TILES, tmp_path)) > 0
     assert set(copy_waits(SHARED_PREFIX_TILES._replace(num_stages=4), tmp_path)) == {0}
+
+
+def test_the_routing_of_bf16_logits_reduces_int32_keys_without_shuffles(tmp_path):
+    """`topk_softmax_kernel` over the router's bf16 slices (Qwen3-30B's 32-token step: 16
+    slices, 16 tokens x 128 experts a program): each round's max of the int32 keys is one
+    warp reduction (REDUX) where int64 keys took a tree of shuffles and selects."""
+    spec = {
+        "types": {"logits_ptr": "*fp32", "weights_ptr": "*fp32"},
+        "constants": dict(TOP_K=8, RENORMALIZE=True, BLOCK_T=16, BLOCK_E=128, BLOCK_K=8,
+                          PARTS=16, ROUND_TO="tl.bfloat16", PDL=True),
+        "aligned": ["logits_stride", "part_stride"],
+    }  # fmt: skip
+    cubin = tmp_path / "topk.cubin"
+    sass, _ = compile_sm90("tandem.model.moe_routing:topk_softmax_kernel", spec, (64, 4, 1), cubin)
+    ops = collections.Counter(OPCODE.findall(sass))
+    assert ops["REDUX.MAX.S32"] >= 8  # at least one a round
+    assert sum(n for op, n in ops.items() if op.startswith("SHFL")) < 100  # 364 with int64 keys
 
 
 MOE_ONE_TOKEN = {

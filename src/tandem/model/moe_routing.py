@@ -30,8 +30,10 @@ from tandem.model.fused_moe import (
     empty_blocks,
 )
 
-# the routing's key of an expert taken or not in the row, below every logit's (`_topk_rows`)
+# the routing's key of an expert taken or not in the row, below every logit's (`_topk_tile`):
+# of a float32 logit's int64 keys, and of a 16-bit logit's int32 ones
 TAKEN = tl.constexpr(-(2**63))
+TAKEN16 = tl.constexpr(-(2**31))
 
 
 def route(
@@ -50,6 +52,13 @@ def _float_order(bits):
     """int32 bits of a float32 -> an int32 that orders as the float does (negative floats'
     magnitude bits flipped), and back: the map is its own inverse."""
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _half_order(bits):
+    """int32 bits of a 16-bit float (sign-extended) -> an int32 in [-2**15, 2**15) that orders
+    as the float does, and back: `_float_order` at 16 bits."""
+    return bits ^ ((bits >> 15) & 0x7FFF)
 
 
 @triton.jit
@@ -95,17 +104,24 @@ def _topk_tile(
         for part in tl.static_range(PARTS):
             x += tl.load(logits_ptrs + part * part_stride, mask=mask, other=0.0)
         x = x.to(ROUND_TO)
+    compared = x  # the logits as the routing compares them: 16-bit in a 16-bit model
     x = tl.where(is_expert[None, :], x.to(tl.float32), -float("inf"))  # [BLOCK_T, BLOCK_E]
     row_max = tl.max(x, axis=1)
     denom = tl.sum(tl.exp(x - row_max[:, None]), axis=1)
     # k rounds of argmax over the experts not yet taken, the lowest expert among equal logits:
     # each logit and its expert as one integer key, so that a round is one max. The float's
-    # bits, made to order as an int32 (negative floats' magnitude bits flipped; -0.0 as 0.0),
-    # sit above BLOCK_E - 1 - expert.
-    ordered = _float_order(tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True))
-    keys = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - experts)[None, :].to(tl.int64)
+    # bits, made to order as an integer (negative floats' magnitude bits flipped; -0.0 as
+    # 0.0), sit above BLOCK_E - 1 - expert: a 16-bit logit's in an int32 key (half the
+    # shuffles and selects of a round), a float32 logit's in an int64 one.
+    index = (BLOCK_E - 1 - experts)[None, :]
     free = is_expert[None, :] & (rows[:, None] >= 0)  # [BLOCK_T, BLOCK_E]
-    keys = tl.where(free, keys, TAKEN)
+    if compared.dtype.primitive_bitwidth == 16:
+        zero = tl.zeros_like(compared)  # -0.0 as 0.0
+        bits = tl.where(compared == zero, zero, compared).to(tl.int16, bitcast=True)
+        keys = tl.where(free, (_half_order(bits.to(tl.int32)) << 16) | index, TAKEN16)
+    else:
+        ordered = _float_order(tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True))
+        keys = tl.where(free, (ordered.to(tl.int64) << 32) | index.to(tl.int64), TAKEN)
     slots = tl.arange(0, BLOCK_K)
     top_weights = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
     top_ids = tl.zeros([BLOCK_T, BLOCK_K], tl.int32)
@@ -113,12 +129,17 @@ def _topk_tile(
         best = tl.max(keys, axis=1)  # [BLOCK_T]
         pick = BLOCK_E - 1 - (best & (BLOCK_E - 1)).to(tl.int32)
         pick = tl.minimum(pick, num_experts - 1)  # an expert even were every key taken
-        logit = _float_order((best >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
+        if compared.dtype.primitive_bitwidth == 16:
+            half = _half_order(best >> 16).to(tl.int16)
+            logit = half.to(compared.dtype, bitcast=True).to(tl.float32)
+            keys = tl.where(experts[None, :] == pick[:, None], TAKEN16, keys)
+        else:
+            logit = _float_order((best >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
+            keys = tl.where(experts[None, :] == pick[:, None], TAKEN, keys)
         # its softmax probability, as the row's would be computed: exp(x - max) / sum
         weight = tl.exp(logit - row_max) / denom
         top_weights = tl.where(slots[None, :] == k, weight[:, None], top_weights)
         top_ids = tl.where(slots[None, :] == k, pick[:, None], top_ids)
-        keys = tl.where(experts[None, :] == pick[:, None], TAKEN, keys)
     if RENORMALIZE:
         top_weights = top_weights / tl.sum(top_weights, axis=1)[:, None]
     return top_weights, top_ids

@@ -18,6 +18,8 @@ import pytest
 import triton
 
 from tandem.attention.triton_backend import SHARED_PREFIX_TILES
+from tandem.model.fused_moe import align_chunk_and_scan
+from tandem.model.moe_routing import routing_tiles
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 pytestmark = pytest.mark.skipif(
@@ -166,8 +168,9 @@ def test_the_shared_prefix_kernel_keeps_copies_in_flight_at_its_default_stages(t
 
 def test_the_routing_of_bf16_logits_reduces_int32_keys_without_shuffles(tmp_path):
     """`topk_softmax_kernel` over the router's bf16 slices (Qwen3-30B's 32-token step: 16
-    slices, 16 tokens x 128 experts a program): each round's max of the int32 keys is one
-    warp reduction (REDUX) where int64 keys took a tree of shuffles and selects."""
+    slices, 16 tokens x 128 experts a program, the tile of the int64 keys' time): each round's
+    max of the int32 keys is one warp reduction (REDUX) where int64 keys took a tree of
+    shuffles and selects."""
     spec = {
         "types": {"logits_ptr": "*fp32", "weights_ptr": "*fp32"},
         "constants": dict(TOP_K=8, RENORMALIZE=True, BLOCK_T=16, BLOCK_E=128, BLOCK_K=8,
@@ -179,6 +182,31 @@ def test_the_routing_of_bf16_logits_reduces_int32_keys_without_shuffles(tmp_path
     ops = collections.Counter(OPCODE.findall(sass))
     assert ops["REDUX.MAX.S32"] >= 8  # at least one a round
     assert sum(n for op, n in ops.items() if op.startswith("SHFL")) < 100  # 364 with int64 keys
+
+
+def test_a_decode_steps_routing_and_alignment_are_short_chains(tmp_path):
+    """At Qwen3-30B's 32-token step (256 pairs over 128 experts) a program of each kernel is a
+    chain of dependent instructions that sets its time: the routing's tile (`routing_tiles`)
+    and the alignment's chunk (`align_chunk_and_scan`) keep it short, against 2,192 and 2,632
+    instructions a thread at the tiles of session 31."""
+    tiles = routing_tiles(128, 8)
+    routing = {
+        "types": {"logits_ptr": "*fp32", "weights_ptr": "*fp32"},
+        "constants": dict(TOP_K=8, RENORMALIZE=True, **tiles, PARTS=16, ROUND_TO="tl.bfloat16",
+                          PDL=True),
+        "aligned": ["logits_stride", "part_stride"],
+    }  # fmt: skip
+    chunk, scan = align_chunk_and_scan(256)
+    align = {
+        "types": {},
+        "constants": dict(BLOCK_M=16, BINS=128, CHUNK=chunk, SCAN=scan, PDL=True),
+        "aligned": [],
+    }
+    for name, spec, most in [("moe_routing:topk_softmax_kernel", routing, 1000),
+                             ("fused_moe:align_kernel", align, 1300)]:  # fmt: skip
+        cubin = tmp_path / f"{name.rpartition(':')[2]}.cubin"
+        sass, _ = compile_sm90(f"tandem.model.{name}", spec, (64, 4, 1), cubin)
+        assert len(OPCODE.findall(sass)) < most, name
 
 
 MOE_ONE_TOKEN = {

@@ -185,6 +185,18 @@ def align_in_one_program(
 
 ALIGN_CHUNK = 64
 ALIGN_SCAN = 1024
+# A decode step's pairs (up to ALIGN_SCAN) are placed in chunks this small: more programs, each
+# a quarter of the serial work (sm_90 code at 256 pairs: 1,224 instructions a thread against
+# 2,632), and every program's count of all the pairs is short. Prefills keep ALIGN_CHUNK, where
+# each program's count of every pair grows with the pairs.
+ALIGN_DECODE_CHUNK = 16
+
+
+def align_chunk_and_scan(num_pairs: int) -> tuple[int, int]:
+    """`align_kernel`'s (pairs each program places, pairs counted per step) at num_pairs."""
+    if num_pairs > ALIGN_SCAN:
+        return ALIGN_CHUNK, ALIGN_SCAN
+    return ALIGN_DECODE_CHUNK, max(ALIGN_DECODE_CHUNK, next_power_of_2(num_pairs))
 
 
 def align_bins(num_experts: int) -> int:
@@ -207,15 +219,16 @@ def empty_blocks(
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
     """`align_by_expert_torch` as one Triton launch: the same blocks, fixed shapes, no host sync.
-    Each program places ALIGN_CHUNK pairs after counting every pair (the counts are a histogram
-    per ALIGN_SCAN pairs), so no program waits on another."""
+    Each program places a chunk of pairs after counting every pair (the counts are a histogram
+    per scan of pairs), so no program waits on another."""
     flat = topk_ids.flatten()  # [pairs]
     assert flat.is_contiguous()
     num_pairs, device = flat.numel(), flat.device
     blocks = empty_blocks(num_pairs, num_experts, block_m, device)
-    align_kernel[(cdiv(num_pairs, ALIGN_CHUNK),)](
+    chunk, scan = align_chunk_and_scan(num_pairs)
+    align_kernel[(cdiv(num_pairs, chunk),)](
         flat, *blocks, num_pairs, num_experts, blocks.sorted_pairs.numel(), BLOCK_M=block_m,
-        BINS=align_bins(num_experts), CHUNK=ALIGN_CHUNK, SCAN=ALIGN_SCAN, num_warps=4,
+        BINS=align_bins(num_experts), CHUNK=chunk, SCAN=scan, num_warps=4,
         **pdl.launch_args(device),
     )  # fmt: skip
     return blocks

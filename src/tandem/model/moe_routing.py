@@ -248,10 +248,13 @@ def _align_one_token(
 
 def routing_tiles(num_experts: int, top_k: int) -> dict:
     """The routing kernels' tile shape: rows per tile independent of the batch (so a token's
-    weights never depend on it), experts and top_k padded to powers of two."""
+    weights never depend on it), experts and top_k padded to powers of two. A tile holds 512
+    logits, 4 a thread of the 4 warps: its k rounds are a chain of dependent instructions, so
+    small tiles in more programs finish sooner (Qwen3-30B's 128 experts: 4 rows a tile, sm_90
+    code of 672 instructions a thread, against 2,192 at 16 rows)."""
     block_e = next_power_of_2(num_experts)
     return {
-        "BLOCK_T": max(1, min(16, 2048 // block_e)),
+        "BLOCK_T": max(1, min(16, 512 // block_e)),
         "BLOCK_E": block_e,
         "BLOCK_K": next_power_of_2(top_k),
     }

@@ -116,6 +116,7 @@ def _topk_tile(
     index = (BLOCK_E - 1 - experts)[None, :]
     free = is_expert[None, :] & (rows[:, None] >= 0)  # [BLOCK_T, BLOCK_E]
     if compared.dtype.primitive_bitwidth == 16:
+        tl.static_assert(BLOCK_E <= 2**16, "a 16-bit logit's key holds its expert in 16 bits")
         zero = tl.zeros_like(compared)  # -0.0 as 0.0
         bits = tl.where(compared == zero, zero, compared).to(tl.int16, bitcast=True)
         keys = tl.where(free, (_half_order(bits.to(tl.int32)) << 16) | index, TAKEN16)

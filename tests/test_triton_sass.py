@@ -166,17 +166,22 @@ def test_the_shared_prefix_kernel_keeps_copies_in_flight_at_its_default_stages(t
     assert set(copy_waits(SHARED_PREFIX_TILES._replace(num_stages=4), tmp_path)) == {0}
 
 
-def test_the_routing_of_bf16_logits_reduces_int32_keys_without_shuffles(tmp_path):
-    """`topk_softmax_kernel` over the router's bf16 slices (Qwen3-30B's 32-token step: 16
-    slices, 16 tokens x 128 experts a program, the tile of the int64 keys' time): each round's
-    max of the int32 keys is one warp reduction (REDUX) where int64 keys took a tree of
-    shuffles and selects."""
-    spec = {
+def routing_spec(tiles: dict) -> dict:
+    """`topk_softmax_kernel` at `tiles` over Qwen3-30B's router as a decode step gives it: 16
+    float32 split-K slices of a bf16 product, top 8 renormalised, under PDL."""
+    return {
         "types": {"logits_ptr": "*fp32", "weights_ptr": "*fp32"},
-        "constants": dict(TOP_K=8, RENORMALIZE=True, BLOCK_T=16, BLOCK_E=128, BLOCK_K=8,
-                          PARTS=16, ROUND_TO="tl.bfloat16", PDL=True),
+        "constants": dict(TOP_K=8, RENORMALIZE=True, **tiles, PARTS=16, ROUND_TO="tl.bfloat16",
+                          PDL=True),
         "aligned": ["logits_stride", "part_stride"],
     }  # fmt: skip
+
+
+def test_the_routing_of_bf16_logits_reduces_int32_keys_without_shuffles(tmp_path):
+    """`topk_softmax_kernel` over the router's bf16 slices at 16 tokens x 128 experts a program
+    (the tile int64 keys were measured at): each round's max of the int32 keys is one warp
+    reduction (REDUX) where int64 keys took a tree of shuffles and selects."""
+    spec = routing_spec(dict(BLOCK_T=16, BLOCK_E=128, BLOCK_K=8))
     cubin = tmp_path / "topk.cubin"
     sass, _ = compile_sm90("tandem.model.moe_routing:topk_softmax_kernel", spec, (64, 4, 1), cubin)
     ops = collections.Counter(OPCODE.findall(sass))
@@ -188,14 +193,8 @@ def test_a_decode_steps_routing_and_alignment_are_short_chains(tmp_path):
     """At Qwen3-30B's 32-token step (256 pairs over 128 experts) a program of each kernel is a
     chain of dependent instructions that sets its time: the routing's tile (`routing_tiles`)
     and the alignment's chunk (`align_chunk_and_scan`) keep it short, against 2,192 and 2,632
-    instructions a thread at the tiles of session 31."""
-    tiles = routing_tiles(128, 8)
-    routing = {
-        "types": {"logits_ptr": "*fp32", "weights_ptr": "*fp32"},
-        "constants": dict(TOP_K=8, RENORMALIZE=True, **tiles, PARTS=16, ROUND_TO="tl.bfloat16",
-                          PDL=True),
-        "aligned": ["logits_stride", "part_stride"],
-    }  # fmt: skip
+    instructions a thread at 16-row tiles and 64-pair chunks."""
+    routing = routing_spec(routing_tiles(128, 8))
     chunk, scan = align_chunk_and_scan(256)
     align = {
         "types": {},

@@ -115,14 +115,18 @@ def _topk_tile(
     # shuffles and selects of a round), a float32 logit's in an int64 one.
     index = (BLOCK_E - 1 - experts)[None, :]
     free = is_expert[None, :] & (rows[:, None] >= 0)  # [BLOCK_T, BLOCK_E]
-    if compared.dtype.primitive_bitwidth == 16:
+    half_keys: tl.constexpr = compared.dtype.primitive_bitwidth == 16
+    if half_keys:
         tl.static_assert(BLOCK_E <= 2**16, "a 16-bit logit's key holds its expert in 16 bits")
         zero = tl.zeros_like(compared)  # -0.0 as 0.0
         bits = tl.where(compared == zero, zero, compared).to(tl.int16, bitcast=True)
-        keys = tl.where(free, (_half_order(bits.to(tl.int32)) << 16) | index, TAKEN16)
+        keys = (_half_order(bits.to(tl.int32)) << 16) | index
+        taken = TAKEN16
     else:
         ordered = _float_order(tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True))
-        keys = tl.where(free, (ordered.to(tl.int64) << 32) | index.to(tl.int64), TAKEN)
+        keys = (ordered.to(tl.int64) << 32) | index.to(tl.int64)
+        taken = TAKEN
+    keys = tl.where(free, keys, taken)
     slots = tl.arange(0, BLOCK_K)
     top_weights = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
     top_ids = tl.zeros([BLOCK_T, BLOCK_K], tl.int32)
@@ -130,13 +134,12 @@ def _topk_tile(
         best = tl.max(keys, axis=1)  # [BLOCK_T]
         pick = BLOCK_E - 1 - (best & (BLOCK_E - 1)).to(tl.int32)
         pick = tl.minimum(pick, num_experts - 1)  # an expert even were every key taken
-        if compared.dtype.primitive_bitwidth == 16:
+        if half_keys:
             half = _half_order(best >> 16).to(tl.int16)
             logit = half.to(compared.dtype, bitcast=True).to(tl.float32)
-            keys = tl.where(experts[None, :] == pick[:, None], TAKEN16, keys)
         else:
             logit = _float_order((best >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
-            keys = tl.where(experts[None, :] == pick[:, None], TAKEN, keys)
+        keys = tl.where(experts[None, :] == pick[:, None], taken, keys)
         # its softmax probability, as the row's would be computed: exp(x - max) / sum
         weight = tl.exp(logit - row_max) / denom
         top_weights = tl.where(slots[None, :] == k, weight[:, None], top_weights)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import shutil
 import signal
 import socket
@@ -548,6 +549,64 @@ def test_unimplemented_fields_at_values_that_ask_for_nothing_are_accepted(server
     chat = {"messages": MESSAGES, "max_tokens": 2, "tools": [], "tool_choice": "none"}
     chat |= {"response_format": {"type": "text"}, "parallel_tool_calls": False}
     assert post(server, "/v1/chat/completions", chat).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (  # a misspelt schema would otherwise leave any JSON object allowed
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"schmea": {}}}},
+            "response_format.json_schema.schmea",
+        ),
+        (
+            "/v1/chat/completions",
+            {"stream": True, "stream_options": {"include_usgae": True}},
+            "stream_options.include_usgae",
+        ),
+        (
+            "/v1/chat/completions",
+            {"tools": [{"type": "function", "function": {"name": "f", "parameter": {}}}]},
+            "tools.0.function.parameter",
+        ),
+        ("/tokenize", {"prompt": PROMPT, "return_token_strs": True}, "return_token_strs"),
+        ("/detokenize", {"tokens": [5], "skip_special": True}, "skip_special"),
+    ],
+)
+def test_a_nested_option_the_server_does_not_declare_is_a_400_naming_it(server, path, body, param):
+    if path == "/v1/chat/completions":
+        body = {"messages": MESSAGES, "max_tokens": 2, **body}
+    message = assert_openai_error(post(server, path, body), 400, param=param)
+    assert param.rsplit(".", 1)[-1] in message
+    nulls = {"response_format": {"type": "text", "json_schema": None, "x": None}}
+    accepted = post(
+        server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, **nulls}
+    )
+    assert accepted.status_code == 200, accepted.text
+
+
+def test_fields_clients_echo_back_with_messages_are_ignored_with_a_warning(server, offline):
+    """OpenAI's client returns an assistant message with "refusal" and "annotations"; sent back in
+    the next request they change nothing, and the server's log names them."""
+    echoed = {"role": "assistant", "content": "KV.", "refusal": None, "annotations": []}
+    messages = [*MESSAGES[:2], echoed, {**MESSAGES[3], "cache_control": {"type": "ephemeral"}}]
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("uvicorn.error")
+    log.addHandler(handler)
+    try:
+        body = {"messages": messages, "max_tokens": 4, "temperature": 0}
+        response = post(server, "/v1/chat/completions", body)
+    finally:
+        log.removeHandler(handler)
+    assert response.status_code == 200, response.text
+    [want] = offline.chat(MESSAGES, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert response.json()["choices"][0]["message"]["content"] == want.outputs[0].text
+    warned = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert "ignored the fields annotations of a ChatMessage" in warned
+    assert "ignored the fields cache_control of a ChatMessage" in warned
+    assert not any("refusal" in line for line in warned)  # null: nothing to ignore
 
 
 def test_special_tokens_and_stop_strings_in_the_text_as_the_offline_llm(client, offline):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -38,6 +39,45 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 }
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
 
+logger = logging.getLogger("uvicorn.error")  # the logger `tandem serve` prints
+
+
+def declared(model: type[BaseModel]) -> set[str]:
+    """The keys a request object of `model` may hold: its fields' names and aliases."""
+    return set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+
+
+class RequestOption(BaseModel):
+    """A nested object that sets how a request is served (stream_options, response_format, tools,
+    tool_choice), or a body without sampling (/tokenize, /detokenize): a field it does not declare
+    is a 400 naming it, as at a generation body's top level, so that a misspelt name (a
+    json_schema's "schmea") never loses what it asked for. Null fields ask for nothing and pass."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def drop_null_undeclared(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            keys = declared(cls)
+            return {k: v for k, v in data.items() if k in keys or v is not None}
+        return data
+
+
+class MessagePart(BaseModel):
+    """A chat message or a part of one. Clients send back the fields of earlier responses with
+    their messages (OpenAI's "refusal", "annotations"), which change nothing here: a field not
+    declared is ignored, with a warning when it is not null, as vLLM does."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def warn_undeclared(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            keys = declared(cls)
+            if names := sorted(str(k) for k, v in data.items() if k not in keys and v is not None):
+                logger.warning("ignored the fields %s of a %s", ", ".join(names), cls.__name__)
+        return data
+
 
 class OpenAIError(Exception):
     """An error the client caused or should see, sent as OpenAI's error JSON."""
@@ -65,19 +105,19 @@ class OpenAIError(Exception):
         return {"error": error}
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(RequestOption):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(RequestOption):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON object
     strict: bool | None = None  # the schema is always followed strictly
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(RequestOption):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -137,17 +177,17 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = None  # the prompt before the completion, with logprobs if asked
 
 
-class TextPart(BaseModel):
+class TextPart(MessagePart):
     type: Literal["text"]
     text: Text
 
 
-class FunctionCall(BaseModel):
+class FunctionCall(MessagePart):
     name: Text
     arguments: Text  # JSON text, as the model wrote it
 
 
-class ToolCall(BaseModel):
+class ToolCall(MessagePart):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
@@ -161,7 +201,7 @@ class ToolCall(BaseModel):
         return {"id": self.id, "type": "function", "function": function}
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(MessagePart):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's
@@ -192,23 +232,23 @@ class ChatMessage(BaseModel):
         return message
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(RequestOption):
     name: Text = Field(min_length=1)
     description: Text | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
     strict: bool | None = None
 
 
-class Tool(BaseModel):
+class Tool(RequestOption):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
+class NamedFunction(RequestOption):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(RequestOption):
     type: Literal["function"]
     function: NamedFunction
 
@@ -227,7 +267,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[Text, Any] | None = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestOption):
     model: str | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
@@ -238,6 +278,6 @@ class TokenizeRequest(BaseModel):
     chat_template_kwargs: dict[Text, Any] | None = None
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestOption):
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]]

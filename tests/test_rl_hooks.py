@@ -182,6 +182,9 @@ def test_admin_routes_pause_and_resume_behind_the_api_key(folder):
                 "/update_weights_from_path", json={"path": "/nowhere"}, headers=auth
             )
             assert missing.status_code == 400 and missing.json()["error"]["param"] == "path"
+            misspelt = client.post("/sleep", json={"levle": 2}, headers=auth)
+            assert misspelt.status_code == 400 and misspelt.json()["error"]["param"] == "levle"
+            assert not llm.engine.is_sleeping  # nothing was done
             slept = client.post("/sleep", json={"level": 1}, headers=auth).json()
             assert slept["freed_gib"] > 0
             assert client.post("/wake_up", headers=auth).json() == {"sleeping": False}

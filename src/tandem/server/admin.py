@@ -1,7 +1,8 @@
 """Admin routes for an RL trainer: pause/resume, sleep/wake-up, weights from a checkpoint.
 
 They sit behind the same API key as the OpenAI routes (app.py's middleware guards every path
-but /health and /metrics). Engine errors the caller caused come back as 400s naming the field.
+but /health and /metrics). Engine errors the caller caused come back as 400s naming the field,
+as does a field a body does not declare (a misspelt "levle" never falls back to the default).
 """
 
 from __future__ import annotations
@@ -9,25 +10,24 @@ from __future__ import annotations
 from typing import Literal
 
 from fastapi import APIRouter
-from pydantic import BaseModel
 
 from tandem.async_llm import AsyncLLM
-from tandem.server.protocol import OpenAIError
+from tandem.server.protocol import OpenAIError, RequestOption
 
 
-class PauseRequest(BaseModel):
+class PauseRequest(RequestOption):
     mode: Literal["keep", "abort"] = "keep"
 
 
-class ResumeRequest(BaseModel):
+class ResumeRequest(RequestOption):
     recompute_kv: bool = False
 
 
-class SleepRequest(BaseModel):
+class SleepRequest(RequestOption):
     level: Literal[1, 2] = 1
 
 
-class UpdateWeightsRequest(BaseModel):
+class UpdateWeightsRequest(RequestOption):
     path: str
 
 

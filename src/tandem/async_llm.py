@@ -151,6 +151,7 @@ class AsyncLLM:
         self.engine = engine  # the engine thread's from here on; read only what never changes
         self.tokenizer: Tokenizer | None = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.sampling_defaults = engine.sampling_defaults  # the model's (generation_config.py)
         self.stats = EngineStats(num_blocks=engine.num_blocks, num_free_blocks=engine.num_blocks)
         self._commands: queue.SimpleQueue[_Add | _Abort | _Stop | _Call] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders submissions against the thread's death

@@ -139,6 +139,17 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
         action="store_true",
         help="bit-identical outputs whatever else is batched (one device; slower)",
     )
+    parser.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults: auto (the model's generation_config.json), vllm (none), "
+        "or a folder with a generation_config.json",
+    )
+    parser.add_argument(
+        "--override-generation-config",
+        type=json_object,
+        help="JSON of sampling defaults on top, e.g. '{\"temperature\": 0.5}'",
+    )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -156,6 +167,17 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ignore-eos", action="store_true", help="go on past end-of-sequence tokens"
     )
+
+
+def json_object(text: str) -> dict:
+    """An argparse type: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from error
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def check_output_path(flag: str, path: str | None) -> None:

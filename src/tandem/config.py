@@ -323,6 +323,10 @@ class EngineConfig:
     # "swap" copies them to `swap_space` GiB of pinned host memory, "auto" picks per request
     preemption_mode: str = "auto"
     swap_space: float = 4.0
+    # the model's recommended sampling defaults (generation_config.py): "auto" from its
+    # generation_config.json, "vllm" none, or a folder holding one; override: fields on top
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
 
     def validate(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -384,6 +388,11 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
+        if not isinstance(self.generation_config, str):
+            raise ValueError(
+                "generation_config must be 'auto', 'vllm' or a folder, "
+                f"got {self.generation_config!r}"
             )
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(

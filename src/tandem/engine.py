@@ -19,6 +19,7 @@ from tandem.attention import get_backend, rows_per_shared_group
 from tandem.batch import BatchBuilder, StepBatch
 from tandem.batch_invariant import invariant_attention, make_batch_invariant
 from tandem.config import EngineConfig, ModelConfig, cdiv
+from tandem.generation_config import sampling_defaults
 from tandem.io_slot import MAX_BANNED_IDS
 from tandem.kv_cache import BlockAllocator, allocate_kv_cache, bytes_per_block
 from tandem.memory import num_kv_blocks
@@ -118,6 +119,11 @@ class Engine:
             else None
         )
         self.eos_token_ids = _eos_token_ids(cfg, folder, self.tokenizer)
+        # SamplingParams fields in place of its own defaults (LLM.generate without params, and
+        # the server's requests that leave them out)
+        self.sampling_defaults = sampling_defaults(
+            folder, config.generation_config, config.override_generation_config
+        )
         self._grammars: GrammarBackend | None = None  # made by the first constrained request
         self._grammars_lock = threading.Lock()
         self.model = build_model(

@@ -182,9 +182,14 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no SamplingParams: SamplingParams'
+        defaults with the model's recommended ones on top (`generation_config`, as in vLLM)."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def _params_per_prompt(self, sampling_params, count: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * count
+            return [self.get_default_sampling_params()] * count
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
         if not isinstance(sampling_params, Sequence) or isinstance(sampling_params, str | dict):

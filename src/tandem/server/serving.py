@@ -137,7 +137,10 @@ class OpenAIServing:
         self.check_request(body)
         # tokenizing a long prompt takes seconds: off the event loop, so other streams go on
         prompts = await asyncio.to_thread(self._completion_prompts, body.prompt)
-        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        defaults = self.llm.sampling_defaults
+        max_tokens = body.max_tokens
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
         if max_tokens == 0 and not body.echo:
             raise OpenAIError("max_tokens must be >= 1 unless echo is true", param="max_tokens")
         # echo with logprobs scores the prompt too; echo with max_tokens=0 only scores it
@@ -145,7 +148,7 @@ class OpenAIServing:
         if body.echo and (body.logprobs is not None or max_tokens == 0):
             prompt_logprobs = body.logprobs or 0
         params = sampling_params(
-            body, max_tokens, body.logprobs, prompt_logprobs, output_constraint(body)
+            body, defaults, max_tokens, body.logprobs, prompt_logprobs, output_constraint(body)
         )
         prompts = [self._kept(text, ids, params.truncate_prompt_tokens) for text, ids in prompts]
         generation = await self._start("cmpl", prompts, params, body)
@@ -180,12 +183,14 @@ class OpenAIServing:
         constraint = output_constraint(body, mode.constraint)
         text, ids = await asyncio.to_thread(chat_ids, self.tokenizer(), body)
         text, ids = self._kept(text, ids, body.truncate_prompt_tokens)
+        defaults = self.llm.sampling_defaults
+        room = max(1, self.llm.max_model_len - len(ids))
         max_tokens = next(
             (m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
-            max(1, self.llm.max_model_len - len(ids)),
+            min(room, defaults.get("max_tokens", room)),
         )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = sampling_params(body, max_tokens, logprobs, None, constraint)
+        params = sampling_params(body, defaults, max_tokens, logprobs, None, constraint)
         if not mode.skip_special_tokens:
             params = replace(params, skip_special_tokens=False)
         generation = await self._start("chatcmpl", [(text, ids)], params, body)
@@ -589,12 +594,14 @@ def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeRequ
 
 def sampling_params(
     body: SamplingRequest,
+    defaults: dict[str, Any],
     max_tokens: int,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
-    """The request's sampling fields as SamplingParams; unset fields take SamplingParams' defaults."""
+    """The request's sampling fields as SamplingParams; unset fields take the model's `defaults`
+    (its generation config's, `Engine.sampling_defaults`), then SamplingParams' own."""
     names = (
         "n",
         "temperature",
@@ -615,7 +622,8 @@ def sampling_params(
         "skip_special_tokens",
         "include_stop_str_in_output",
     )
-    given = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
+    given = {name: value for name, value in defaults.items() if name != "max_tokens"}
+    given |= {name: getattr(body, name) for name in names if getattr(body, name) is not None}
     if body.logit_bias is not None:
         given["logit_bias"] = token_id_keys(body.logit_bias)
     try:

@@ -9,8 +9,8 @@ fields a request leaves out with them.
 
 Only the sampling fields count (temperature, top_p, top_k, min_p, repetition_penalty, and
 max_new_tokens as max_tokens), and of them only values that differ from transformers'
-GenerationConfig defaults: a checkpoint that writes top_k 50 (transformers' default, which
-samples without top-k in vLLM) keeps top-k off. `override_generation_config` sets fields on top.
+GenerationConfig defaults, as vLLM reads them: a checkpoint that writes top_k 50, transformers'
+default, leaves top-k off. `override_generation_config` sets fields on top.
 """
 
 from __future__ import annotations

@@ -165,6 +165,22 @@ def test_sleep_and_wake_up_mid_generation_give_the_outputs_of_no_sleep(
     )
 
 
+def test_reset_prefix_cache_forgets_cached_prompts_and_changes_no_token(folder):
+    """A prompt seen before hits the cache (its full blocks); after the reset it computes every
+    token again, and the greedy tokens stay those of an engine that never cached."""
+    llm = LLM(folder, **ENGINE_ARGS)
+    prompt = {"prompt_token_ids": PROMPTS[0]["prompt_token_ids"] * 3}  # 21 tokens: 2 full blocks
+    first = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    again = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 16)
+    assert llm.reset_prefix_cache() is True
+    cold = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert cold.num_cached_tokens == 0
+    want = first.outputs[0].token_ids
+    assert again.outputs[0].token_ids == cold.outputs[0].token_ids == want
+    assert llm.engine.scheduler.cache.num_cached_blocks > 0  # the cold run cached its own
+
+
 def test_admin_routes_pause_and_resume_behind_the_api_key(folder):
     llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
     try:
@@ -185,6 +201,7 @@ def test_admin_routes_pause_and_resume_behind_the_api_key(folder):
             misspelt = client.post("/sleep", json={"levle": 2}, headers=auth)
             assert misspelt.status_code == 400 and misspelt.json()["error"]["param"] == "levle"
             assert not llm.engine.is_sleeping  # nothing was done
+            assert client.post("/reset_prefix_cache", headers=auth).json() == {"reset": True}
             slept = client.post("/sleep", json={"level": 1}, headers=auth).json()
             assert slept["freed_gib"] > 0
             assert client.post("/wake_up", headers=auth).json() == {"sleeping": False}

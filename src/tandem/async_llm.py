@@ -259,6 +259,11 @@ class AsyncLLM:
     async def update_weights_from_path(self, path: str | Path) -> None:
         await self._call(lambda engine: engine.update_weights_from_path(path))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt block, between two steps (see LLM.reset_prefix_cache)."""
+        await self._call(lambda engine: engine.reset_prefix_cache())
+        return True
+
     async def pause_generation(self, mode: str = "keep") -> None:
         """Stop stepping once the steps in flight are read back: "keep" holds every request
         and its KV, "abort" ends each stream with finish_reason "abort"."""

@@ -81,6 +81,14 @@ class LLM:
         with self._lock:
             self.engine.update_weights_from_path(path)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt block, e.g. after weights changed outside `update_weights`
+        (which forgets them itself); blocks held by running requests stay theirs. True, as
+        vLLM's: it cannot fail."""
+        with self._lock:
+            self.engine.reset_prefix_cache()
+        return True
+
     def pause_generation(self, mode: str = "keep") -> None:
         """Stop stepping: "keep" holds the requests (a running `generate` waits), "abort" ends them."""
         with self._lock:

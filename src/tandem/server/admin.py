@@ -1,4 +1,5 @@
-"""Admin routes for an RL trainer: pause/resume, sleep/wake-up, weights from a checkpoint.
+"""Admin routes for an RL trainer: pause/resume, sleep/wake-up, weights from a checkpoint,
+forgetting the prefix cache.
 
 They sit behind the same API key as the OpenAI routes (app.py's middleware guards every path
 but /health and /metrics). Engine errors the caller caused come back as 400s naming the field,
@@ -57,6 +58,10 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
     async def wake_up() -> dict[str, bool]:
         await _engine_call(llm.wake_up())
         return {"sleeping": False}
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, bool]:
+        return {"reset": await llm.reset_prefix_cache()}
 
     @router.post("/update_weights_from_path")
     async def update_weights_from_path(body: UpdateWeightsRequest) -> dict[str, bool]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import numbers
 import random
 import threading
@@ -14,12 +13,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tandem import penalties, piecewise, structured
+from tandem import generation_config, penalties, piecewise, structured
 from tandem.attention import get_backend, rows_per_shared_group
 from tandem.batch import BatchBuilder, StepBatch
 from tandem.batch_invariant import invariant_attention, make_batch_invariant
 from tandem.config import EngineConfig, ModelConfig, cdiv
-from tandem.generation_config import sampling_defaults
 from tandem.io_slot import MAX_BANNED_IDS
 from tandem.kv_cache import BlockAllocator, allocate_kv_cache, bytes_per_block
 from tandem.memory import num_kv_blocks
@@ -121,7 +119,7 @@ class Engine:
         self.eos_token_ids = _eos_token_ids(cfg, folder, self.tokenizer)
         # SamplingParams fields in place of its own defaults (LLM.generate without params, and
         # the server's requests that leave them out)
-        self.sampling_defaults = sampling_defaults(
+        self.sampling_defaults = generation_config.sampling_defaults(
             folder, config.generation_config, config.override_generation_config
         )
         self._grammars: GrammarBackend | None = None  # made by the first constrained request
@@ -788,11 +786,9 @@ def _eos_token_ids(
     cfg: ModelConfig, folder: Path | None, tokenizer: Tokenizer | None
 ) -> tuple[int, ...]:
     """EOS ids from generation_config.json when present, else config.json, else the tokenizer."""
-    path = folder / "generation_config.json" if folder else None
-    if path is not None and path.is_file():
-        eos = json.loads(path.read_text()).get("eos_token_id")
-        if eos is not None:
-            return tuple(eos) if isinstance(eos, list) else (eos,)
+    eos = generation_config.of_folder(folder).get("eos_token_id")
+    if eos is not None:
+        return tuple(eos) if isinstance(eos, list) else (eos,)
     if cfg.eos_token_ids:
         return cfg.eos_token_ids
     if tokenizer is not None and tokenizer.eos_token_id is not None:

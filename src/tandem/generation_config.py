@@ -43,7 +43,7 @@ def sampling_defaults(
     if generation_config == "vllm":
         config: dict[str, Any] = {}
     elif generation_config == "auto":
-        config = read(folder / FILE) if folder is not None and (folder / FILE).is_file() else {}
+        config = of_folder(folder)
     elif isinstance(generation_config, str) and (Path(generation_config) / FILE).is_file():
         config = read(Path(generation_config) / FILE)
     else:
@@ -70,6 +70,12 @@ def sampling_defaults(
     except (TypeError, ValueError) as error:
         raise ValueError(f"the generation config's sampling defaults {chosen}: {error}") from error
     return chosen
+
+
+def of_folder(folder: Path | None) -> dict[str, Any]:
+    """The model folder's generation_config.json ({} without one): its sampling defaults here,
+    its eos_token_id for the engine."""
+    return read(folder / FILE) if folder is not None and (folder / FILE).is_file() else {}
 
 
 def read(path: Path) -> dict[str, Any]:

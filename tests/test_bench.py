@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import numpy as np
 import pytest
@@ -626,6 +626,22 @@ def test_a_moe_decode_step_reads_the_experts_its_tokens_route_to():
     whole = cost.weight_bytes + 128 * one_expert + embedding
     assert whole == pytest.approx(cfg.num_params() * 2, rel=1e-4)  # the norms left out
     assert flops32[0] < 2 * cfg.num_params() * 32  # only the routed experts compute
+
+
+def test_a_shared_expert_is_read_by_every_step_as_a_dense_mlp(make_tiny):
+    """Qwen2-MoE: each MoE layer's shared expert and its gate count in the weights every step
+    reads and computes, as in the model's parameters."""
+    cfg = ModelConfig.from_hf(read_hf_config(str(make_tiny("qwen2_moe")))[0])
+    plain = replace(cfg, shared_expert_intermediate_size=0)
+    h, moe_layers = cfg.hidden_size, sum(cfg.moe_layers)
+    shared = moe_layers * (3 * h * cfg.shared_expert_intermediate_size + h)
+    assert moe_layers == 2 and cfg.shared_expert_intermediate_size == 48
+    assert ModelCost.of(cfg, 2).weight_bytes - ModelCost.of(plain, 2).weight_bytes == 2 * shared
+    flops = (
+        ModelCost.of(cfg, 2).layer_flops_per_token - ModelCost.of(plain, 2).layer_flops_per_token
+    )
+    assert flops == 2 * shared
+    assert cfg.num_params() - plain.num_params() == shared
 
 
 def test_a_json_schema_run_counts_the_tokens_made_and_compares_at_those_lengths(

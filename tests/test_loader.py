@@ -261,13 +261,32 @@ def test_unsupported_architecture_lists_the_supported_ones(make_tiny, tmp_path):
             "rope type 'mrope'",
         ),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+        ({"shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size"),
     ],
-    ids=["gelu", "mlp_bias", "mrope_legacy", "mrope_rope_parameters", "partial_rotary"],
+    ids=[
+        "gelu",
+        "mlp_bias",
+        "mrope_legacy",
+        "mrope_rope_parameters",
+        "partial_rotary",
+        "shared_expert",
+    ],
 )
 def test_unsupported_features_are_named(make_tiny, edit, named):
     config = {**read_json(make_tiny("llama") / "config.json"), **edit}
     with pytest.raises(ValueError, match=re.escape(named)):
         ModelConfig.from_hf(config)
+
+
+def test_qwen2_moe_reads_its_shared_expert_routing_and_biases(make_tiny):
+    """Qwen2-MoE: a shared expert, top k not renormalised, q/k/v biases and no o bias (its
+    qkv_bias), the dense layers of mlp_only_layers."""
+    config = read_json(make_tiny("qwen2_moe") / "config.json")
+    parsed = ModelConfig.from_hf(config)
+    assert parsed.shared_expert_intermediate_size == 48 and not parsed.norm_topk_prob
+    assert parsed.qkv_bias and not parsed.o_proj_bias and not parsed.qk_norm
+    assert parsed.moe_layers == (True, True, False)
+    assert not ModelConfig.from_hf({**config, "qkv_bias": False}).qkv_bias
 
 
 def test_mistral_with_a_sliding_window_windows_every_layer():

@@ -26,7 +26,7 @@ from test_engine_vs_transformers import (
 
 transformers = pytest.importorskip("transformers")
 
-NEW_ARCHS = ["qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3", "mistral_sliding"]
+NEW_ARCHS = ["qwen2_moe", "qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3", "mistral_sliding"]
 WINDOWED = {"gemma2": 16, "gemma3": 16, "phi3": 32, "mistral_sliding": 24}
 
 
@@ -105,7 +105,7 @@ def test_the_window_changes_the_tokens(make_tiny, tmp_path, arch):
     assert tokens[0][0].outputs[0].token_ids != tokens[1][0].outputs[0].token_ids
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral"])
 def test_router_matches_transformers_router_outputs_on_random_inputs(make_tiny, arch):
     folder = make_tiny(arch)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
@@ -122,6 +122,15 @@ def test_router_matches_transformers_router_outputs_on_random_inputs(make_tiny, 
     ours.gate.weight.data.copy_(router.weight)
     ours.experts.gate_up_proj.data.copy_(layer.experts.gate_up_proj)
     ours.experts.down_proj.data.copy_(layer.experts.down_proj)
+    if arch == "qwen2_moe":  # and the shared expert, scaled by its gate
+        shared = layer.shared_expert
+        ours.shared_expert.gate_up_proj.weight.data.copy_(
+            torch.cat([shared.gate_proj.weight, shared.up_proj.weight])
+        )
+        ours.shared_expert.down_proj.weight.data.copy_(shared.down_proj.weight)
+        ours.shared_expert_gate.weight.data.copy_(layer.shared_expert_gate.weight)
+        gated = torch.sigmoid(x @ layer.shared_expert_gate.weight.T) * shared(x)
+        assert gated.abs().mean() > 0.1 * layer(x[None])[0].abs().mean()  # a share that counts
     torch.testing.assert_close(ours(x), layer(x[None])[0], atol=1e-5, rtol=1e-5)
 
 
@@ -170,7 +179,7 @@ def test_align_by_expert_puts_each_pair_once_in_its_experts_blocks():
     assert (experts_of_rows[:-1] <= experts_of_rows[1:]).all()  # runs in expert order
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "phi3", "gemma2"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "phi3", "gemma2"])
 def test_engine_with_triton_kernels_gives_the_torch_tokens(make_tiny, arch, monkeypatch):
     """The Triton path (fused MoE, padded head size 48, windows and soft caps in the attention
     kernels), interpreted on CPU through the whole engine, against the torch path."""

@@ -426,7 +426,7 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
 
 # tiny.ARCH_CONFIGS' keys (tiny.py is not imported before a command needs it)
 TINY_ARCHS = ["gemma2", "gemma3", "llama", "mistral", "mistral_sliding", "mixtral", "phi3", "qwen2",
-              "qwen3", "qwen3_moe"]  # fmt: skip
+              "qwen2_moe", "qwen3", "qwen3_moe"]  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,6 +15,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "Gemma2ForCausalLM": "gemma2",
@@ -22,7 +23,7 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
 }
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-MOE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # architectures whose sliding_window (when set) applies to every layer
 WINDOWED_EVERYWHERE = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
@@ -75,6 +76,8 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[bool, ...] = ()
+    # Qwen2-MoE: a dense expert every token takes, scaled by sigmoid(its gate) (0: none)
+    shared_expert_intermediate_size: int = 0
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -102,7 +105,10 @@ class ModelConfig:
         window, sliding_layers = parse_window(hf, arch, num_layers)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        is_qwen2 = arch == "Qwen2ForCausalLM"
+        # Qwen2: q, k and v biases and no o bias (Qwen2-MoE: unless qkv_bias=false)
+        qkv_bias_only = arch == "Qwen2ForCausalLM" or (
+            arch == "Qwen2MoeForCausalLM" and bool(hf.get("qkv_bias", True))
+        )
         attention_bias = bool(hf.get("attention_bias") or False)
         gemma = arch in GEMMA
         return cls(
@@ -119,8 +125,8 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
-            qkv_bias=is_qwen2 or attention_bias,
-            o_proj_bias=attention_bias and not is_qwen2,
+            qkv_bias=qkv_bias_only or attention_bias,
+            o_proj_bias=attention_bias and not qkv_bias_only,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             torch_dtype=hf.get("dtype") or hf.get("torch_dtype"),
             eos_token_ids=eos_ids,
@@ -159,6 +165,8 @@ class ModelConfig:
         for layer in range(self.num_layers):
             if self.is_moe_layer(layer):
                 mlp = 3 * h * self.moe_intermediate_size * self.num_experts + h * self.num_experts
+                if self.shared_expert_intermediate_size:
+                    mlp += 3 * h * self.shared_expert_intermediate_size + h
             else:
                 mlp = 3 * h * self.intermediate_size
             total += attn + mlp + norms
@@ -176,8 +184,8 @@ def refuse_unimplemented(hf: dict[str, Any], arch: str) -> None:
         raise ValueError(f"unsupported partial_rotary_factor={partial} in config.json; only 1.0")
     if hf.get("use_bidirectional_attention"):
         raise ValueError("unsupported use_bidirectional_attention=true in config.json")
-    if hf.get("shared_expert_intermediate_size"):
-        raise ValueError("unsupported shared_expert_intermediate_size (shared experts)")
+    if hf.get("shared_expert_intermediate_size") and arch != "Qwen2MoeForCausalLM":
+        raise ValueError(f"unsupported shared_expert_intermediate_size (shared experts) for {arch}")
     kinds = set(hf.get("layer_types") or ())
     if kinds - {"sliding_attention", "full_attention"}:
         raise ValueError(f"unsupported layer_types {sorted(kinds)} in config.json")
@@ -236,7 +244,12 @@ def parse_window(
 ) -> tuple[int | None, tuple[bool, ...]]:
     """(sliding_window or None, which layers use it)."""
     window = hf.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+    if arch in (
+        "Qwen2ForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+    ):
         if window is not None and hf.get("use_sliding_window"):
             raise ValueError(
                 f"unsupported use_sliding_window=true (sliding_window={window}) for {arch}; "
@@ -287,6 +300,7 @@ def parse_moe(hf: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
         "moe_intermediate_size": inter,
         "norm_topk_prob": norm_topk_prob,
         "moe_layers": moe_layers,
+        "shared_expert_intermediate_size": hf.get("shared_expert_intermediate_size") or 0,
     }
 
 

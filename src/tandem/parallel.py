@@ -89,6 +89,10 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
             cfg.moe_intermediate_size % size == 0,
             f"moe_intermediate_size={cfg.moe_intermediate_size}",
         ),
+        (
+            cfg.shared_expert_intermediate_size % size == 0,
+            f"shared_expert_intermediate_size={cfg.shared_expert_intermediate_size}",
+        ),
     ]
     for ok, what in rules:
         if not ok:
@@ -96,13 +100,15 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
 
 
 def shard_config(cfg: ModelConfig, tp: TensorParallel) -> ModelConfig:
-    """The shapes one rank holds: its heads, KV heads and slice of the MLP (of every expert)."""
+    """The shapes one rank holds: its heads, KV heads and slice of the MLP (of every expert, the
+    shared one too)."""
     return replace(
         cfg,
         num_heads=tp.heads(cfg.num_heads)[1],
         num_kv_heads=tp.kv_heads(cfg.num_kv_heads)[1],
         intermediate_size=cfg.intermediate_size // tp.size,
         moe_intermediate_size=cfg.moe_intermediate_size // tp.size,
+        shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // tp.size,
     )
 
 
@@ -124,7 +130,7 @@ def shard_tensor(
         first, count = tp.heads(cfg.num_heads)
         return tensor.narrow(1, first * d, count * d)
     # an expert's MLP is sliced as a dense one, by its own intermediate size
-    inter = cfg.moe_intermediate_size if ".experts." in hf_name else cfg.intermediate_size
+    inter = intermediate_size_of(hf_name, cfg)
     if leaf in ("gate_proj", "up_proj"):
         first, count = tp.part(inter)
         return tensor.narrow(0, first, count)
@@ -135,6 +141,16 @@ def shard_tensor(
         first, count = tp.part(cfg.vocab_size)
         return tensor.narrow(0, first, max(0, min(count, cfg.vocab_size - first)))
     return tensor
+
+
+def intermediate_size_of(name: str, cfg: ModelConfig) -> int:
+    """The intermediate size of the MLP a tensor or parameter `name` belongs to: a routed
+    expert's, the shared expert's or the dense MLP's."""
+    if ".experts." in name:
+        return cfg.moe_intermediate_size
+    if ".shared_expert." in name:
+        return cfg.shared_expert_intermediate_size
+    return cfg.intermediate_size
 
 
 def free_port() -> int:

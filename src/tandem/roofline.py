@@ -72,6 +72,8 @@ class ModelCost:
         layer_params = cfg.num_layers * (h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h)
         layer_params += (cfg.num_layers - moe_layers) * 3 * h * cfg.intermediate_size
         layer_params += moe_layers * cfg.num_experts * h  # the routers
+        if shared := cfg.shared_expert_intermediate_size:  # Qwen2-MoE's, with their gates:
+            layer_params += moe_layers * (3 * h * shared + h)  # every step reads them
         lm_head_params = cfg.vocab_size * h
         return cls(
             weight_bytes=layer_params * linear_bytes + lm_head_params * dtype_bytes,

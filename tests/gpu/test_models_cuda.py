@@ -23,7 +23,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-NEW_ARCHS = ["qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3", "mistral_sliding"]
+NEW_ARCHS = ["qwen2_moe", "qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3", "mistral_sliding"]
 CUDA = torch.device("cuda")
 
 
@@ -275,7 +275,7 @@ def test_cuda_matches_transformers_greedy(make_tiny, arch):
     assert_greedy_matches_transformers(make_tiny(arch), attn_implementation="eager")
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "mixtral"])
 def test_one_sequence_moe_decode_matches_transformers_greedy(make_tiny, arch):
     """Batch-1 decode steps, graphed and async (`moe_one_token`: the post-attention norm inside
     the router's launch, the routing inside GEMM 1), against transformers' greedy tokens in

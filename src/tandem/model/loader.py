@@ -12,7 +12,7 @@ from safetensors import safe_open
 from tandem.config import ModelConfig
 from tandem.model import hf_names
 from tandem.model.decoder import Decoder
-from tandem.parallel import TensorParallel, shard_config, shard_tensor
+from tandem.parallel import TensorParallel, intermediate_size_of, shard_config, shard_tensor
 from tandem.quant import linear as fp8_linear
 from tandem.quant.checkpoint import Fp8Config, checkpoint_tensors, fit_tensor, fp8_config
 
@@ -165,12 +165,12 @@ def load_weights(model: Decoder, tensors, fit=None) -> None:
         )
 
 
-def stacked_sizes(model: Decoder) -> dict[str, list[int]]:
+def stacked_sizes(model: Decoder, name: str = "") -> dict[str, list[int]]:
+    """The slices' rows of each stacked parameter, as parameter `name` (one of them) has them:
+    gate_up_proj's by the intermediate size of its MLP (dense, or the shared expert)."""
     cfg = model.cfg
-    return {
-        "qkv_proj": [cfg.q_size, cfg.kv_size, cfg.kv_size],
-        "gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size],
-    }
+    inter = intermediate_size_of(name, cfg)
+    return {"qkv_proj": [cfg.q_size, cfg.kv_size, cfg.kv_size], "gate_up_proj": [inter, inter]}
 
 
 def destination(
@@ -197,7 +197,7 @@ def destination(
     elif leaf in STACKED:
         target, index = STACKED[leaf]
         name = f"{parent}.{target}.{kind}"
-        sizes = stacked_sizes(model)[target]
+        sizes = stacked_sizes(model, name)[target]
         offset = sum(sizes[:index])
         dest = params[name].data.narrow(0, offset, sizes[index]) if name in params else None
         key = f"{name}#{index}"

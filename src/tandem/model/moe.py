@@ -1,4 +1,5 @@
-"""Mixture-of-experts MLP (Qwen3-MoE, Mixtral): a top-k router and the routed experts.
+"""Mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE, Mixtral): a top-k router and the routed
+experts, and Qwen2-MoE's shared expert.
 
 Routing as both models define it (`moe_routing`): softmax over the experts in float32, the top
 k, renormalised to sum to one where the model asks (`norm_topk_prob`; Mixtral always). On CUDA
@@ -15,10 +16,15 @@ On one device the block returns each token's top_k weighted expert outputs as pa
 follows adds them up as it reads them (`fused.add_rms_norm`), as it does split-K partial sums,
 so the sum over top_k costs no launch and no pass of its own.
 
+Qwen2-MoE adds a shared expert, a dense MLP every token takes, its output scaled by
+sigmoid(shared_expert_gate(x)) and added to the routed experts' sum (`SharedExpert`); the block
+then returns that sum (on one device too), and a one-token step takes the general path.
+
 Tensor parallelism shards every expert's intermediate dimension: rank r holds rows
 [r * inter / size, (r + 1) * inter / size) of each expert's gate and up projections and those
 columns of its down projection; the router is replicated, and the partial outputs are
-all-reduced, as after a dense MLP.
+all-reduced, as after a dense MLP. The shared expert is sliced as a dense MLP (its gate
+replicated) and joins the routed sum before that all-reduce.
 """
 
 from __future__ import annotations
@@ -48,6 +54,20 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
 
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's shared expert: a dense SwiGLU MLP, gate and up projections stacked."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str):
+        super().__init__()
+        # [2 * inter, hidden]: gate rows, then up rows
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)  # [hidden, inter]
+        self.hidden_act = hidden_act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(fused.act_and_mul(self.gate_up_proj(x), self.hidden_act))
+
+
 class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
@@ -56,6 +76,16 @@ class SparseMoeBlock(nn.Module):
         self.hidden_act = cfg.hidden_act
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_expert = self.shared_expert_gate = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = SharedExpert(
+                cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act
+            )
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)  # [1, hidden]
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's share of the output, [tokens, hidden] (this rank's part)."""
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def after_attention(
         self, attended: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
@@ -68,6 +98,8 @@ class SparseMoeBlock(nn.Module):
         hidden, experts = self.gate.weight.shape[1], self.gate.weight.shape[0]
         one_token = residual is not None and residual.shape[0] == 1 and self.tp.size == 1
         if not (one_token and self.hidden_act == "silu" and fused.use_kernels(residual)):
+            return None
+        if self.shared_expert is not None:
             return None
         if not splitk.ENABLED or splitk.plan(1, experts, hidden, residual.device) is None:
             return None
@@ -87,6 +119,8 @@ class SparseMoeBlock(nn.Module):
         if not fused.use_kernels(x):
             weights, ids = route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
             out = fused_experts_torch(x, w13, w2, weights, ids, self.hidden_act)
+            if self.shared_expert is not None:
+                out = out + self.shared(x)
             return self.tp.all_reduce(out)
         # at decode sizes float32 slices [splits, tokens, experts] of the router's product,
         # which the routing adds up as it reads them; past them [tokens, experts] (F.linear)
@@ -103,6 +137,8 @@ class SparseMoeBlock(nn.Module):
             )
             # [tokens, top_k, hidden]
             pairs = expert_outputs(x, w13, w2, weights, blocks, block_m, self.hidden_act)
+        if self.shared_expert is not None:
+            return self.tp.all_reduce(pairs.sum(1) + self.shared(x))
         if self.tp.size == 1:
             return pairs.transpose(0, 1)
         return self.tp.all_reduce(pairs.sum(1))  # no atomics: deterministic

@@ -144,6 +144,28 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         "sliding_window": None,
         "tie_word_embeddings": False,
     },
+    # 8 experts, top 2 not renormalised, a shared expert with its gate, q/k/v biases, a dense
+    # layer after two MoE layers
+    "qwen2_moe": {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "model_type": "qwen2_moe",
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [2],
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "qkv_bias": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+    },
     # 4 experts, top 2 (always renormalised), GQA
     "mixtral": {
         "architectures": ["MixtralForCausalLM"],
@@ -219,9 +241,10 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
     },
 }
-QWEN_STYLE = {"qwen2", "qwen3", "qwen3_moe"}
+QWEN_STYLE = {"qwen2", "qwen3", "qwen2_moe", "qwen3_moe"}
 # per-expert tensor names of each MoE family: (block, gate, up, down)
 EXPERT_NAMES = {
+    "Qwen2MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "Qwen3MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2"),
 }
@@ -345,7 +368,8 @@ def weight_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], float, fl
 
 
 def mlp_specs(cfg: ModelConfig, i: int, matrix) -> dict[str, tuple[tuple[int, ...], float, float]]:
-    """Layer i's MLP: dense (Phi-3's gate and up fused), or a router and its experts."""
+    """Layer i's MLP: dense (Phi-3's gate and up fused), or a router and its experts (and
+    Qwen2-MoE's shared expert with its gate)."""
     h, ffn = cfg.hidden_size, cfg.intermediate_size
     if cfg.is_moe_layer(i):
         block, gate, up, down = EXPERT_NAMES[cfg.architecture]
@@ -356,6 +380,13 @@ def mlp_specs(cfg: ModelConfig, i: int, matrix) -> dict[str, tuple[tuple[int, ..
                 f"{prefix}.experts.{e}.{gate}.weight": matrix(inter, h),
                 f"{prefix}.experts.{e}.{up}.weight": matrix(inter, h),
                 f"{prefix}.experts.{e}.{down}.weight": matrix(h, inter, RESIDUAL_GAIN),
+            }
+        if shared := cfg.shared_expert_intermediate_size:
+            specs |= {
+                f"{prefix}.shared_expert.gate_proj.weight": matrix(shared, h),
+                f"{prefix}.shared_expert.up_proj.weight": matrix(shared, h),
+                f"{prefix}.shared_expert.down_proj.weight": matrix(h, shared, RESIDUAL_GAIN),
+                f"{prefix}.shared_expert_gate.weight": matrix(1, h),
             }
         return specs
     mlp = f"model.layers.{i}.mlp"

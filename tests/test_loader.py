@@ -35,6 +35,7 @@ KNOWN_SIZES = {
     "qwen3-0.6b": 0.596e9,
     "qwen3-8b": 8.19e9,
     "qwen3-30b-a3b": 30.5e9,
+    "qwen1.5-moe-a2.7b": 14.3e9,
     "mixtral-8x7b": 46.7e9,
     "gemma-3-12b": 11.77e9,  # the text model of the 12.2B (vision included) release
     "phi-3-mini": 3.82e9,

@@ -17,7 +17,7 @@ follows adds them up as it reads them (`fused.add_rms_norm`), as it does split-K
 so the sum over top_k costs no launch and no pass of its own.
 
 Qwen2-MoE adds a shared expert, a dense MLP every token takes, its output scaled by
-sigmoid(shared_expert_gate(x)) and added to the routed experts' sum (`SharedExpert`); the block
+sigmoid(shared_expert_gate(x)) and added to the routed experts' sum (`decoder.MLP`); the block
 then returns that sum (on one device too), and a one-token step takes the general path.
 
 Tensor parallelism shards every expert's intermediate dimension: rank r holds rows
@@ -29,12 +29,15 @@ replicated) and joins the routed sum before that all-reduce.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tandem.config import ModelConfig
 from tandem.model import fused, splitk
+from tandem.model.decoder import MLP
 from tandem.model.fused_moe import block_m_for, expert_outputs, fused_experts_torch
 from tandem.model.moe_one_token import norm_and_router, routed_expert_outputs
 from tandem.model.moe_routing import fused_topk_align, route
@@ -54,20 +57,6 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
 
-class SharedExpert(nn.Module):
-    """Qwen2-MoE's shared expert: a dense SwiGLU MLP, gate and up projections stacked."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str):
-        super().__init__()
-        # [2 * inter, hidden]: gate rows, then up rows
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)  # [hidden, inter]
-        self.hidden_act = hidden_act
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused.act_and_mul(self.gate_up_proj(x), self.hidden_act))
-
-
 class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
@@ -77,15 +66,15 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_expert = self.shared_expert_gate = None
-        if cfg.shared_expert_intermediate_size:
-            self.shared_expert = SharedExpert(
-                cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act
-            )
+        if shared := cfg.shared_expert_intermediate_size:  # Qwen2-MoE: a dense MLP of its own
+            self.shared_expert = MLP(replace(cfg, intermediate_size=shared), tp)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)  # [1, hidden]
 
     def shared(self, x: torch.Tensor) -> torch.Tensor:
-        """The shared expert's share of the output, [tokens, hidden] (this rank's part)."""
-        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        """The shared expert's share of the output, [tokens, hidden] (this rank's part, before
+        the block's one all-reduce)."""
+        mlp = self.shared_expert
+        return torch.sigmoid(self.shared_expert_gate(x)) * mlp.down_proj(mlp.activated(x))
 
     def after_attention(
         self, attended: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module

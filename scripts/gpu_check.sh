@@ -57,6 +57,7 @@ workload_args() {
     moe1) echo "--model qwen3-30b-a3b --input-len 128 --output-len 512 --num-prompts 1 --max-num-seqs 1" ;;
     # Qwen2-MoE (Qwen1.5-MoE-A2.7B's shape: 60 experts, top 4, a shared expert), as moe runs
     qwen2-moe) echo "--model qwen1.5-moe-a2.7b --input-len 128 --output-len 1024 --num-prompts 32 --max-num-seqs 32" ;;
+    qwen2-moe1) echo "--model qwen1.5-moe-a2.7b --input-len 128 --output-len 512 --num-prompts 1 --max-num-seqs 1" ;;
     # long generations outgrowing the KV cache (issue 30): half the final KV fits (64 x 1032
     # blocks of 2 MiB needed, about 0.6 of an H200 for weights and KV); a mode takes 7-8.5 min
     # of a call at REPEATS=1 (traced in its timed run), so one mode a call: SWAP_COMPARE= for

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tandem.config import ModelConfig
-from tandem.model import fused, fused_moe, moe, moe_one_token, splitk
+from tandem.model import fused, fused_moe, moe, moe_one_token, moe_shared, splitk
 from tandem.model.decoder import RMSNorm
 from tandem.model.moe_routing import ONE_PROGRAM_MAX_PAIRS, fused_topk, fused_topk_align, route
 
@@ -222,22 +222,59 @@ def tiny_moe_block(make_tiny, arch: str, tp=None):
     ours.gate.weight.data.copy_(layer.gate.weight)
     ours.experts.gate_up_proj.data.copy_(layer.experts.gate_up_proj)
     ours.experts.down_proj.data.copy_(layer.experts.down_proj)
+    if arch == "qwen2_moe":  # the shared expert and its gate
+        shared = layer.shared_expert
+        ours.shared_expert.gate_up_proj.weight.data.copy_(
+            torch.cat([shared.gate_proj.weight, shared.up_proj.weight])
+        )
+        ours.shared_expert.down_proj.weight.data.copy_(shared.down_proj.weight)
+        ours.shared_expert_gate.weight.data.copy_(layer.shared_expert_gate.weight)
     return layer, ours, cfg
 
 
 @pytest.mark.parametrize("tokens", [1, 11])
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_moe_block_by_the_kernels_matches_transformers_block(make_tiny, monkeypatch, arch, tokens):
     """Routing, alignment and both grouped GEMMs interpreted (at one token the routing inside
     GEMM 1), against transformers (fp32): on one device the block's output is its top_k
-    partials, which sum to transformers' output."""
+    partials, which sum to transformers' output; with a shared expert (Qwen2-MoE) the output
+    itself, joined in one launch (`moe_shared`)."""
     layer, ours, cfg = tiny_moe_block(make_tiny, arch)
     monkeypatch.setattr(fused, "use_kernels", lambda x: True)
     x = torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        partials = ours(x)
-        assert partials.shape == (cfg.num_experts_per_tok, tokens, cfg.hidden_size)
-        torch.testing.assert_close(partials.sum(0), layer(x[None])[0], atol=1e-4, rtol=1e-4)
+        got = ours(x)
+        if arch == "qwen2_moe":
+            assert got.shape == (tokens, cfg.hidden_size)
+        else:
+            assert got.shape == (cfg.num_experts_per_tok, tokens, cfg.hidden_size)
+            got = got.sum(0)
+        torch.testing.assert_close(got, layer(x[None])[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("tokens", "top_k", "hidden", "parts"), [(1, 4, 96, 3), (5, 2, 1100, 0)])
+def test_shared_join_equals_the_sum_the_gate_and_the_scale_in_torch(
+    dtype, tokens, top_k, hidden, parts
+):
+    """`join_shared` (interpreted): routed.sum(1) + sigmoid(x . gate) * shared, the shared
+    product given as float32 split-K slices or as itself, rounded where torch's ops round;
+    hidden sizes that no block divides, and one past a block (two column programs)."""
+    g = torch.Generator().manual_seed(tokens)
+    routed = torch.randn(tokens, top_k, hidden, generator=g).to(dtype)
+    shape = (parts, tokens, hidden) if parts else (tokens, hidden)
+    shared = torch.randn(shape, generator=g).to(torch.float32 if parts else dtype)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    gate = (torch.randn(1, hidden, generator=g) / hidden**0.5).to(dtype)
+    got = moe_shared.join_shared(routed, shared, x, gate)
+    want = moe_shared.join_shared_torch(routed, shared, x, gate)
+    assert got.dtype == dtype and got.shape == (tokens, hidden)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    # the reference itself: the sum, the gate and the scale as the block's torch path has them
+    full = shared.sum(0) if parts else shared.float()
+    direct = routed.float().sum(1) + torch.sigmoid(x.float() @ gate.float().T) * full.float()
+    torch.testing.assert_close(want.float(), direct, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -392,7 +429,7 @@ def test_norm_inside_the_routers_launch_equals_the_norm_then_the_router(num_expe
     torch.testing.assert_close(logits, want_logits, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_moe_block_after_attention_at_one_token_equals_the_norm_then_the_block(
     make_tiny, monkeypatch, arch
 ):
@@ -420,6 +457,11 @@ def test_moe_block_after_attention_at_one_token_equals_the_norm_then_the_block(
             want_residual = start.clone()
             normed, _ = fused.add_rms_norm(attended, want_residual, norm.weight, norm.eps)
             want = ours(normed)
-        assert got.shape == want.shape == (cfg.num_experts_per_tok, 1, cfg.hidden_size)
+        shape = (
+            (1, cfg.hidden_size)
+            if arch == "qwen2_moe"
+            else (cfg.num_experts_per_tok, 1, cfg.hidden_size)
+        )
+        assert got.shape == want.shape == shape
         assert torch.equal(residual, want_residual)
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)

@@ -18,7 +18,10 @@ so the sum over top_k costs no launch and no pass of its own.
 
 Qwen2-MoE adds a shared expert, a dense MLP every token takes, its output scaled by
 sigmoid(shared_expert_gate(x)) and added to the routed experts' sum (`decoder.MLP`); the block
-then returns that sum (on one device too), and a one-token step takes the general path.
+then returns that sum (on one device too). With the Triton kernels the shared down projection
+is split-K slices where `splitk` takes them, and one launch (`moe_shared.join_shared`) adds
+those and the routed outputs up and applies the gate; a one-token step runs it after
+`moe_one_token`'s launches.
 
 Tensor parallelism shards every expert's intermediate dimension: rank r holds rows
 [r * inter / size, (r + 1) * inter / size) of each expert's gate and up projections and those
@@ -41,6 +44,7 @@ from tandem.model.decoder import MLP
 from tandem.model.fused_moe import block_m_for, expert_outputs, fused_experts_torch
 from tandem.model.moe_one_token import norm_and_router, routed_expert_outputs
 from tandem.model.moe_routing import fused_topk_align, route
+from tandem.model.moe_shared import join_shared
 from tandem.parallel import TensorParallel
 
 
@@ -76,6 +80,18 @@ class SparseMoeBlock(nn.Module):
         mlp = self.shared_expert
         return torch.sigmoid(self.shared_expert_gate(x)) * mlp.down_proj(mlp.activated(x))
 
+    def joined(self, routed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The block's output with the shared expert, [tokens, hidden], from the routed
+        experts' weighted outputs [tokens, top_k, hidden] (Triton kernels: one launch after
+        the shared expert's products; this rank's part, before the all-reduce)."""
+        mlp = self.shared_expert
+        activated = mlp.activated(x)
+        if type(mlp.down_proj) is nn.Linear and splitk.ENABLED:
+            down = splitk.residual_product(activated, mlp.down_proj.weight, mlp.down_proj)
+        else:
+            down = mlp.down_proj(activated)
+        return join_shared(routed, down, x, self.shared_expert_gate.weight)
+
     def after_attention(
         self, attended: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
     ) -> torch.Tensor | None:
@@ -88,8 +104,6 @@ class SparseMoeBlock(nn.Module):
         one_token = residual is not None and residual.shape[0] == 1 and self.tp.size == 1
         if not (one_token and self.hidden_act == "silu" and fused.use_kernels(residual)):
             return None
-        if self.shared_expert is not None:
-            return None
         if not splitk.ENABLED or splitk.plan(1, experts, hidden, residual.device) is None:
             return None
         normed, summed, logits = norm_and_router(
@@ -99,6 +113,8 @@ class SparseMoeBlock(nn.Module):
         pairs = routed_expert_outputs(
             normed, w13, w2, logits, self.top_k, self.renormalize, summed, residual
         )  # [1, top_k, hidden]
+        if self.shared_expert is not None:
+            return self.joined(pairs, normed)
         return pairs.transpose(0, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,7 +143,7 @@ class SparseMoeBlock(nn.Module):
             # [tokens, top_k, hidden]
             pairs = expert_outputs(x, w13, w2, weights, blocks, block_m, self.hidden_act)
         if self.shared_expert is not None:
-            return self.tp.all_reduce(pairs.sum(1) + self.shared(x))
+            return self.tp.all_reduce(self.joined(pairs, x))
         if self.tp.size == 1:
             return pairs.transpose(0, 1)
         return self.tp.all_reduce(pairs.sum(1))  # no atomics: deterministic

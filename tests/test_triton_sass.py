@@ -235,3 +235,21 @@ def test_the_batch_1_moe_kernels_compile_for_sm90(kernel, tmp_path):
     name = f"tandem.model.moe_one_token:{kernel}"
     _, registers = compile_sm90(name, MOE_ONE_TOKEN[kernel], (64, 4, 3), cubin)
     assert 0 < registers <= 255
+
+
+def test_the_shared_expert_join_compiles_for_sm90(tmp_path):
+    """`moe_shared.join_shared`'s kernel as a Qwen1.5-MoE-A2.7B decode step launches it (bf16,
+    top 4, the down projection's float32 split-K slices, under PDL): ptxas takes it, within the
+    registers a thread has."""
+    spec = {
+        "types": {"routed_ptr": "*bf16", "shared_ptr": "*fp32", "x_ptr": "*bf16",
+                  "gate_ptr": "*bf16", "out_ptr": "*bf16"},
+        "constants": dict(TOP_K=4, SHARED_PARTS=8, BLOCK_H=2048, BLOCK=1024, PDL=True),
+        "aligned": ["hidden", "routed_token_stride", "routed_slot_stride", "shared_part_stride",
+                    "shared_token_stride", "x_stride"],
+    }  # fmt: skip
+    cubin = tmp_path / "shared_join_kernel.cubin"
+    _, registers = compile_sm90(
+        "tandem.model.moe_shared:shared_join_kernel", spec, (64, 4, 1), cubin
+    )
+    assert 0 < registers <= 255

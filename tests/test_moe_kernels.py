@@ -267,7 +267,9 @@ def test_shared_join_equals_the_sum_the_gate_and_the_scale_in_torch(
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     gate = (torch.randn(1, hidden, generator=g) / hidden**0.5).to(dtype)
     got = moe_shared.join_shared(routed, shared, x, gate)
-    want = moe_shared.join_shared_torch(routed, shared, x, gate)
+    # the block's torch path: the slices summed into the product, then torch's ops in x's dtype
+    product = shared.sum(0).to(dtype) if parts else shared
+    want = routed.sum(1) + torch.sigmoid(torch.nn.functional.linear(x, gate)) * product
     assert got.dtype == dtype and got.shape == (tokens, hidden)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)

@@ -83,12 +83,3 @@ def join_shared(
         **pdl.launch_args(x.device),
     )  # fmt: skip
     return out
-
-
-def join_shared_torch(
-    routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor, gate: torch.Tensor
-) -> torch.Tensor:
-    """`join_shared` in torch's ops (the reference)."""
-    if shared.dim() == 3:
-        shared = shared.sum(0).to(x.dtype)
-    return routed.sum(1) + torch.sigmoid(torch.nn.functional.linear(x, gate)) * shared

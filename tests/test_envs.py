@@ -30,6 +30,9 @@ ROOT = Path(__file__).parents[1]
         ("TANDEM_DECODE_MAXNREG", "300"),
         ("TANDEM_DECODE_MAXNREG", "many"),
         ("TANDEM_MOE_TILES", "64,48,4,3"),
+        ("TANDEM_FP8_DECODE", "cuda"),
+        ("TANDEM_FP8_DECODE_STAGES", "1"),
+        ("TANDEM_FP8_DECODE_ROW_LANES", "16"),
     ],
 )
 def test_a_value_a_switch_does_not_take_is_a_value_error_naming_it(monkeypatch, name, bad):
@@ -58,6 +61,9 @@ def test_unset_switches_take_their_defaults(monkeypatch):
         "TANDEM_DECODE_SPLITS": None,
         "TANDEM_SHARED_PREFIX_TILES": None,
         "TANDEM_DECODE_MAXNREG": None,
+        "TANDEM_FP8_DECODE": "gluon",
+        "TANDEM_FP8_DECODE_STAGES": 4,
+        "TANDEM_FP8_DECODE_ROW_LANES": 8,
         "TANDEM_MOE_TILES": None,
     }
 

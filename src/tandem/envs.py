@@ -64,6 +64,14 @@ SWITCHES = {
         Switch("TANDEM_DECODE_MAXNREG", "", "an integer 32-255",
                "the most registers a thread of the decode attention kernel may use (ptxas' cap, "
                "Triton's maxnreg; CUDA only)"),
+        Switch("TANDEM_FP8_DECODE", "gluon", "gluon, triton",
+               "triton: decode batches over an FP8 KV cache take the Triton decode kernel, not "
+               "the Gluon one (attention/fp8_decode.py)"),
+        Switch("TANDEM_FP8_DECODE_STAGES", "4", "an integer 2-8",
+               "tiles of keys in shared memory a program of the Gluon FP8 decode kernel"),
+        Switch("TANDEM_FP8_DECODE_ROW_LANES", "8", "2, 4 or 8",
+               "threads that copy one key's 128-byte row of K or V in the Gluon FP8 decode "
+               "kernel, 16 bytes each an instruction"),
         Switch("TANDEM_MOE_TILES", "", "block_n,block_k,num_warps,num_stages",
                "one tile shape for the fused MoE kernel's grouped GEMMs (block_n and block_k "
                "powers of two >= 16)"),
@@ -176,6 +184,27 @@ def shared_prefix_tiles() -> tuple[int, int, int] | None:
     return parse_decode_tiles(_value(name), name)
 
 
+def fp8_decode() -> str:
+    value = _value("TANDEM_FP8_DECODE")
+    if value not in ("gluon", "triton"):
+        raise ValueError(f"TANDEM_FP8_DECODE={value!r}: expected 'gluon' or 'triton'")
+    return value
+
+
+def fp8_decode_stages() -> int:
+    value = _value("TANDEM_FP8_DECODE_STAGES")
+    if not value.isdigit() or not 2 <= int(value) <= 8:
+        raise ValueError(f"TANDEM_FP8_DECODE_STAGES={value!r}: expected an integer from 2 to 8")
+    return int(value)
+
+
+def fp8_decode_row_lanes() -> int:
+    value = _value("TANDEM_FP8_DECODE_ROW_LANES")
+    if value not in ("2", "4", "8"):
+        raise ValueError(f"TANDEM_FP8_DECODE_ROW_LANES={value!r}: expected 2, 4 or 8")
+    return int(value)
+
+
 def decode_maxnreg() -> int | None:
     """TANDEM_DECODE_MAXNREG as an integer; None when unset."""
     value = _value("TANDEM_DECODE_MAXNREG")
@@ -225,6 +254,9 @@ READERS = {
     "TANDEM_DECODE_SPLITS": decode_splits,
     "TANDEM_SHARED_PREFIX_TILES": shared_prefix_tiles,
     "TANDEM_DECODE_MAXNREG": decode_maxnreg,
+    "TANDEM_FP8_DECODE": fp8_decode,
+    "TANDEM_FP8_DECODE_STAGES": fp8_decode_stages,
+    "TANDEM_FP8_DECODE_ROW_LANES": fp8_decode_row_lanes,
     "TANDEM_MOE_TILES": moe_tiles,
 }
 

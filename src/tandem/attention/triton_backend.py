@@ -11,7 +11,13 @@ import torch
 import triton
 
 from tandem import envs, pdl
-from tandem.attention import AttentionMetadata, SharedPrefixes, Unrotated, rows_per_shared_group
+from tandem.attention import (
+    AttentionMetadata,
+    SharedPrefixes,
+    Unrotated,
+    fp8_decode,
+    rows_per_shared_group,
+)
 from tandem.attention.triton_kernels import (
     decode_kernel,
     prefill_kernel,
@@ -268,6 +274,20 @@ class TritonAttention:
         # beside the shared-prefix kernel (see decode_kernel), where its reads come from the L2
         early = direct and shared is not None and kv_cache.element_size() == 2
 
+        # an FP8 cache's large batches: the Gluon kernel. H200, graph-replayed, µs against this
+        # module's kernel (session 36): small's 256 x 100-1,100 86.0 / 110.6, 256 x 100-2,000
+        # 138.8 / 175.5, 256 x 600 91.5 / 122.1, Llama-3-8B's 256 x 1K 145.2 / 187.8; seed's
+        # 32 x 1K (256 one-warp programs) 30.8 / 30.6 and, before its copies took whole rows,
+        # 36.2 / 30.6: smaller batches keep this kernel
+        plain = shared is None and new is None and not sliding_window and not soft_cap
+        if num_seqs >= LARGE_BATCH and fp8_decode.takes(
+            q, kv_cache, self.head_dim, self.group, splits, plain
+        ):
+            fp8_decode.decode(
+                q, out, kv_cache, meta.block_tables, meta.seq_lens, order, num_seqs,
+                self.num_kv_heads, self.group, scale, v_scale, pdl.launch_args(q.device),
+            )  # fmt: skip
+            return
         rope = new_key_arguments(new, q, k_scale)
 
         def launch(tiles: DecodeTiles) -> None:

@@ -79,12 +79,19 @@ def compile_sm90(
     args = [sys.executable, "-c", COMPILE, name, json.dumps(spec), str(num_warps),
             str(num_stages), str(cubin)]  # fmt: skip
     subprocess.run(args, env=env, check=True, timeout=300)
+    return disassembled(cubin)
+
+
+def disassembled(cubin: Path) -> tuple[str, int]:
+    """(SASS, registers a thread) of the one kernel in `cubin`; no register spills."""
 
     def cuobjdump(flag: str) -> str:
         command = [str(BIN / "cuobjdump"), flag, str(cubin)]
         return subprocess.run(command, capture_output=True, text=True, check=True).stdout
 
-    return cuobjdump("-sass"), int(re.search(r"REG:(\d+)", cuobjdump("-res-usage")).group(1))
+    usage = cuobjdump("-res-usage")
+    assert re.search(r"LOCAL:0\b", usage), usage
+    return cuobjdump("-sass"), int(re.search(r"REG:(\d+)", usage).group(1))
 
 
 def sass_ops(
@@ -253,3 +260,58 @@ def test_the_shared_expert_join_compiles_for_sm90(tmp_path):
         "tandem.model.moe_shared:shared_join_kernel", spec, (64, 4, 1), cubin
     )
     assert 0 < registers <= 255
+
+
+# the Gluon FP8 decode kernel (attention/fp8_decode.py) at small's shape, compiled as its launch
+# specializes it
+GLUON_COMPILE = textwrap.dedent(
+    """
+    import sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from tandem.attention import fp8_decode as f
+
+    out, stages = sys.argv[1], int(sys.argv[2])
+    p, kernel = f.plan(), f.fp8_decode_kernel
+    constants = dict(GROUP=2, NUM_KV_HEADS=8, HEAD_DIM=f.HEAD_DIM, ROWS=f.ROWS, BLOCK_SIZE=16,
+                     BLOCK_N=f.BLOCK_N, STAGES=stages, ORDERED=True, PDL=True,
+                     K_LAYOUT=p.k_layout, V_LAYOUT=p.v_layout, K_SHAPE=p.k_shape,
+                     K_ORDER=p.k_order, P_SHAPE=p.p_shape, P_ORDER=p.p_order,
+                     V_SHAPE=p.v_shape, V_ORDER=p.v_order)
+    types = dict(q_ptr="*bf16", out_ptr="*bf16", cache_ptr="*fp8e4nv", scale="fp32",
+                 v_scale="fp32", kv_half_stride="i64")
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constants else types.get(n, "*i32" if n.endswith("_ptr")
+                 else "i32") for n in names}
+    aligned = [n for n in names if n.endswith("_ptr") or n in ("block_table_stride", "kv_half_stride")]
+    source = GluonASTSource(
+        fn=kernel, signature=signature,
+        constexprs={(names.index(n),): v for n, v in constants.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
+    open(out, "wb").write(compiled.asm["cubin"])
+    """
+)
+
+
+@pytest.mark.parametrize("stages", [3, 4])
+def test_the_gluon_fp8_decode_reads_its_tiles_in_wide_loads_with_copies_in_flight(stages, tmp_path):
+    """No register spills; no shared-memory stores but the copies (its reorderings move no
+    data); each tile's K and V read by 16-byte loads and nothing narrower (8 each: 32 keys x 128
+    bytes over 32 threads); the key loop waits with STAGES - 2 copy groups still in flight."""
+    cubin = tmp_path / "fp8_decode.cubin"
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "0",
+        "PYTHONPATH": str(Path(__file__).parents[1] / "src"),
+    }
+    subprocess.run([sys.executable, "-c", GLUON_COMPILE, str(cubin), str(stages)], env=env,
+                   check=True, timeout=300)  # fmt: skip
+    sass, _ = disassembled(cubin)
+    # instructions that run (ptxas pads with loads under the never-true predicate @!PT)
+    ops = [op for line in sass.splitlines() if "@!PT" not in line for op in OPCODE.findall(line)]
+    assert not [op for op in ops if op.startswith("STS")]
+    assert [op for op in ops if op.startswith("LDS")] == ["LDS.128"] * 16
+    waits = WAIT.findall(sass)
+    assert int(waits[0], 16) == stages - 2

@@ -31,6 +31,7 @@ import triton.testing
 from tandem.attention import (
     AttentionMetadata,
     SharedPrefixes,
+    gluon_decode,
     rows_per_shared_group,
     triton_backend,
 )
@@ -167,12 +168,13 @@ def shared_decode_setup(
     n: int = 8,
     prefix: int = 1024,
     splits: int | None = None,
+    kv_dtype: torch.dtype = torch.bfloat16,
 ) -> tuple:
     """(backend, q, out, cache, meta) of one rollout-shaped decode call: `bench_shared_decode`'s
     arguments."""
     rows, shared_blocks = groups * n, prefix // BLOCK_SIZE
     own_blocks = -(-own // BLOCK_SIZE)
-    cache, _ = paged_setup([groups * prefix + rows * own_blocks * BLOCK_SIZE])
+    cache, _ = paged_setup([groups * prefix + rows * own_blocks * BLOCK_SIZE], kv_dtype)
     blocks = torch.randperm(cache.shape[1] - 1, device="cuda").int()
     shared = blocks[: groups * shared_blocks].view(groups, 1, shared_blocks).expand(groups, n, -1)
     owned = blocks[groups * shared_blocks :][: rows * own_blocks].view(groups, n, own_blocks)
@@ -224,7 +226,7 @@ def bench_shared_decode(own: int, breakdown: bool = False, **setup) -> dict:
         return 1000 * triton.testing.do_bench_cudagraph(fn, return_mode="median")
 
     total = us(lambda: backend.decode(q, out, cache, meta, scale))
-    kv_bytes = 2 * (groups * prefix + rows * own) * NUM_KV_HEADS * HEAD_DIM * 2  # each key once
+    kv_bytes = 2 * (groups * prefix + rows * own) * NUM_KV_HEADS * HEAD_DIM * cache.element_size()
     rate = kv_bytes / (total / 1e6)
     row = {"kernel": f"shared decode {groups}x{n} prefix={prefix} own={own}", "ms": total / 1e3,
            "TB/s": rate / 1e12, "ceiling_pct": 100 * rate / COPY_CEILING}  # fmt: skip
@@ -640,6 +642,40 @@ def sweep_deep_stages() -> None:
     )  # fmt: skip
 
 
+GLUON_GRID = [(16, 4, 16), (16, 3, 16), (16, 6, 16), (32, 3, 16), (32, 4, 16), (16, 4, 8)]
+
+
+def sweep_gluon_decode(grid=GLUON_GRID) -> None:
+    """The Gluon decode kernel over a bf16 cache (TANDEM_GLUON_DECODE=all) at each (block_n,
+    stages, row_lanes) of `grid`, then the Triton kernel, µs: the large-batch decode shapes
+    (small's 256 ragged rows checked against the torch reference) and rollout's decode call at
+    64 / 256 / 500 own keys (checked). Then rollout's call over an e4m3 cache (scales 1,
+    checked), each launch alone too: the Triton decode kernel, then the Gluon one."""
+    shapes = {
+        "small 256x100-1100": dict(batch=256, context=600, ragged=(100, 1100, True), num_heads=16),
+        "small 256x600": dict(batch=256, context=600, num_heads=16),
+        "llama 256x1K": dict(batch=256, context=1024),
+    }
+    for shape in [*grid, None]:
+        gluon_decode.SIXTEEN_BIT = shape is not None
+        if shape is not None:
+            gluon_decode.TILES[2] = gluon_decode.Tiles(*shape)
+        label = f"gluon {shape}" if shape else "triton"
+        bench_decode(check=True, **shapes["small 256x100-1100"])
+        times = {name: 1000 * bench_decode(**s)["ms"] for name, s in shapes.items()}
+        for own in (64, 256, 500):
+            times[f"rollout own={own}"] = 1000 * bench_shared_decode(own)["ms"]
+        print(f"{label:24s} " + "  ".join(f"{n}:{us:.1f}" for n, us in times.items()), flush=True)
+    gluon_decode.SIXTEEN_BIT = False
+    for gluon in (False, True):
+        gluon_decode.ENABLED = gluon
+        rows = [bench_shared_decode(own, breakdown=True, kv_dtype=torch.float8_e4m3fn)
+                for own in (64, 256, 500)]  # fmt: skip
+        print(f"e4m3 rollout, {'gluon' if gluon else 'triton'} decode: " + "  ".join(
+            f"{1000 * r['ms']:.1f} (shared {r['shared_us']:.1f}, own {r['decode_us']:.1f})"
+            for r in rows), flush=True)  # fmt: skip
+
+
 def sweep_decode_tiles(
     kv_dtype: torch.dtype = torch.bfloat16, only_default: bool = False, grid=None
 ) -> None:
@@ -758,6 +794,7 @@ def main() -> None:
     parser.add_argument("--sweep-shared-prefix", action="store_true", help="only this sweep")
     parser.add_argument("--sweep-moe-decode-tiles", action="store_true", help="only this sweep")
     parser.add_argument("--sweep-deep-stages", action="store_true", help="only this sweep")
+    parser.add_argument("--sweep-gluon-decode", action="store_true", help="only this sweep")
     parser.add_argument("--decode-shapes", action="store_true",
                         help="only the decode tile sweep's shapes, at the default tiles")  # fmt: skip
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
@@ -785,6 +822,9 @@ def main() -> None:
         return
     if args.sweep_shared_prefix:
         sweep_shared_prefix()
+        return
+    if args.sweep_gluon_decode:
+        sweep_gluon_decode()
         return
     if args.sweep_deep_stages:
         sweep_deep_stages()

@@ -2,9 +2,10 @@
 # The whole GPU check in one call: GPU tests (incl. the stream sanitizer run), kernel benchmark,
 # graph memory, then the named workloads async (with COMPARE="sync" by default, or e.g. "sync
 # transformers"; COMPARE= for async alone), each with a traced run. Results and logs go to $OUT
-# (or ./out) as results.tar.gz; a short table is printed last. rollout and chat (shared prompts)
-# compare with prefix caching off (CACHE_COMPARE) instead; long and long-4k (generations that
-# outgrow the KV cache) run preemption_mode auto against recompute and swap (SWAP_COMPARE).
+# (or ./out) as results.tar.gz; a short table is printed last. rollout, rollout-fp8kv and chat
+# (shared prompts) compare with prefix caching off (CACHE_COMPARE) instead; long and long-4k
+# (generations that outgrow the KV cache) run preemption_mode auto against recompute and swap
+# (SWAP_COMPARE).
 #   SKIP_TESTS=1        no tests
 #   SKIP_KERNELS=1      no kernel benchmark
 #   REPEATS=N           timed runs per mode (default 3)
@@ -53,6 +54,7 @@ workload_args() {
     seed-fp8) echo "$(workload_args seed) --quantization fp8" ;;
     latency-fp8) echo "$(workload_args latency) --quantization fp8" ;;
     small-fp8kv) echo "$(workload_args small) --kv-cache-dtype fp8" ;;
+    rollout-fp8kv) echo "$(workload_args rollout) --kv-cache-dtype fp8" ;;
     moe) echo "--model qwen3-30b-a3b --input-len 128 --output-len 1024 --num-prompts 32 --max-num-seqs 32" ;;
     moe1) echo "--model qwen3-30b-a3b --input-len 128 --output-len 512 --num-prompts 1 --max-num-seqs 1" ;;
     # Qwen2-MoE (Qwen1.5-MoE-A2.7B's shape: 60 experts, top 4, a shared expert), as moe runs
@@ -108,7 +110,7 @@ for name in "$@"; do
   args=$(workload_args "$name") || { echo "unknown workload $name"; continue; }
   echo "== $name"
   case $name in
-    rollout|chat) compare=${CACHE_COMPARE-no-prefix-caching} ;;
+    rollout|chat|rollout-fp8kv) compare=${CACHE_COMPARE-no-prefix-caching} ;;
     long*) compare=${SWAP_COMPARE-recompute swap} ;;  # the engine's own mode: auto
     *-json) compare=${JSON_COMPARE-unconstrained sync} ;;
     *) compare=${COMPARE-sync} ;;

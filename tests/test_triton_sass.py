@@ -262,25 +262,26 @@ def test_the_shared_expert_join_compiles_for_sm90(tmp_path):
     assert 0 < registers <= 255
 
 
-# the Gluon FP8 decode kernel (attention/fp8_decode.py) at small's shape, compiled as its launch
-# specializes it
+# the Gluon decode kernel (attention/gluon_decode.py) over e4m3 at small's shape, compiled as its
+# launch specializes it
 GLUON_COMPILE = textwrap.dedent(
     """
     import sys
     import triton
     from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
-    from tandem.attention import fp8_decode as f
+    from tandem.attention import gluon_decode as f
 
-    out, stages = sys.argv[1], int(sys.argv[2])
-    p, kernel = f.plan(), f.fp8_decode_kernel
+    out, stages, cascade = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "cascade"
+    p, kernel = f.plan(), f.gluon_decode_kernel
+    copy, shared = f.copy_layouts(1, f.ROW_LANES)
     constants = dict(GROUP=2, NUM_KV_HEADS=8, HEAD_DIM=f.HEAD_DIM, ROWS=f.ROWS, BLOCK_SIZE=16,
-                     BLOCK_N=f.BLOCK_N, STAGES=stages, ORDERED=True, PDL=True,
-                     K_LAYOUT=p.k_layout, V_LAYOUT=p.v_layout, K_SHAPE=p.k_shape,
-                     K_ORDER=p.k_order, P_SHAPE=p.p_shape, P_ORDER=p.p_order,
-                     V_SHAPE=p.v_shape, V_ORDER=p.v_order)
-    types = dict(q_ptr="*bf16", out_ptr="*bf16", cache_ptr="*fp8e4nv", scale="fp32",
-                 v_scale="fp32", kv_half_stride="i64")
+                     BLOCK_N=f.BLOCK_N, STAGES=stages, MAX_SPLITS=32, PRODUCT=gl.float16,
+                     ORDERED=True, CASCADE=cascade, EARLY_START=cascade, PDL=True, COPY=copy,
+                     SHARED=shared, **f._layout_args(p))
+    types = dict(q_ptr="*bf16", out_ptr="*bf16", partial_out_ptr="*fp32", partial_ml_ptr="*fp32",
+                 cache_ptr="*fp8e4nv", scale="fp32", v_scale="fp32", kv_half_stride="i64")
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constants else types.get(n, "*i32" if n.endswith("_ptr")
                  else "i32") for n in names}
@@ -295,23 +296,44 @@ GLUON_COMPILE = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("stages", [3, 4])
-def test_the_gluon_fp8_decode_reads_its_tiles_in_wide_loads_with_copies_in_flight(stages, tmp_path):
-    """No register spills; no shared-memory stores but the copies (its reorderings move no
-    data); each tile's K and V read by 16-byte loads and nothing narrower (8 each: 32 keys x 128
-    bytes over 32 threads); the key loop waits with STAGES - 2 copy groups still in flight."""
-    cubin = tmp_path / "fp8_decode.cubin"
+def gluon_decode_sass(tmp_path: Path, stages: int, cascade: bool) -> tuple[str, list[str]]:
+    """(SASS, the opcodes of the instructions that run) of the Gluon decode kernel over e4m3
+    (GLUON_COMPILE); `cascade`: merging shared prefixes' partials, started early. ptxas pads
+    with loads under the never-true predicate @!PT, which do not run."""
+    cubin = tmp_path / "gluon_decode.cubin"
     env = {
         **os.environ,
         "TRITON_INTERPRET": "0",
         "PYTHONPATH": str(Path(__file__).parents[1] / "src"),
     }
-    subprocess.run([sys.executable, "-c", GLUON_COMPILE, str(cubin), str(stages)], env=env,
+    mode = "cascade" if cascade else "plain"
+    subprocess.run([sys.executable, "-c", GLUON_COMPILE, str(cubin), str(stages), mode], env=env,
                    check=True, timeout=300)  # fmt: skip
     sass, _ = disassembled(cubin)
-    # instructions that run (ptxas pads with loads under the never-true predicate @!PT)
     ops = [op for line in sass.splitlines() if "@!PT" not in line for op in OPCODE.findall(line)]
+    return sass, ops
+
+
+@pytest.mark.parametrize("stages", [3, 4])
+def test_the_gluon_decode_reads_its_tiles_in_wide_loads_with_copies_in_flight(stages, tmp_path):
+    """No register spills; no shared-memory stores but the copies (its reorderings move no
+    data); each tile's K and V read by 16-byte loads and nothing narrower (8 each: 32 keys x 128
+    bytes over 32 threads); the key loop waits with STAGES - 2 copy groups still in flight."""
+    sass, ops = gluon_decode_sass(tmp_path, stages, cascade=False)
     assert not [op for op in ops if op.startswith("STS")]
     assert [op for op in ops if op.startswith("LDS")] == ["LDS.128"] * 16
     waits = WAIT.findall(sass)
     assert int(waits[0], 16) == stages - 2
+
+
+def test_the_gluon_decode_started_early_reads_what_earlier_kernels_wrote_from_the_l2(tmp_path):
+    """Started beside the shared-prefix kernel (EARLY_START), before its PDL wait the kernel
+    reads q and the K/V tiles, written by kernels before that one: past the L1, from the L2
+    (q's 2-byte loads `.STRONG.GPU`, the tiles' copies `LDGSTS.E.BYPASS.128`). Still no spills
+    and the same 16-byte tile reads."""
+    _, ops = gluon_decode_sass(tmp_path, 4, cascade=True)
+    copies = [op for op in ops if op.startswith("LDGSTS")]
+    assert copies and set(copies) == {"LDGSTS.E.BYPASS.128"}
+    q_loads = [op for op in ops if op.startswith("LDG.E.U16")]
+    assert len(q_loads) == 32 and set(q_loads) == {"LDG.E.U16.STRONG.GPU"}
+    assert [op for op in ops if op.startswith("LDS")] == ["LDS.128"] * 16

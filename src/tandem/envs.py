@@ -64,9 +64,10 @@ SWITCHES = {
         Switch("TANDEM_DECODE_MAXNREG", "", "an integer 32-255",
                "the most registers a thread of the decode attention kernel may use (ptxas' cap, "
                "Triton's maxnreg; CUDA only)"),
-        Switch("TANDEM_FP8_DECODE", "gluon", "gluon, triton",
-               "triton: decode batches over an FP8 KV cache take the Triton decode kernel, not "
-               "the Gluon one (attention/fp8_decode.py)"),
+        Switch("TANDEM_GLUON_DECODE", "fp8", "fp8, all, none",
+               "which decode batches of 128 rows or more take the Gluon decode kernel "
+               "(attention/gluon_decode.py) rather than the Triton one: those over an FP8 KV "
+               "cache, those over a 16-bit cache too, or none"),
         Switch("TANDEM_FP8_DECODE_STAGES", "4", "an integer 2-8",
                "tiles of keys in shared memory a program of the Gluon FP8 decode kernel"),
         Switch("TANDEM_FP8_DECODE_ROW_LANES", "8", "2, 4 or 8",
@@ -184,10 +185,10 @@ def shared_prefix_tiles() -> tuple[int, int, int] | None:
     return parse_decode_tiles(_value(name), name)
 
 
-def fp8_decode() -> str:
-    value = _value("TANDEM_FP8_DECODE")
-    if value not in ("gluon", "triton"):
-        raise ValueError(f"TANDEM_FP8_DECODE={value!r}: expected 'gluon' or 'triton'")
+def gluon_decode() -> str:
+    value = _value("TANDEM_GLUON_DECODE")
+    if value not in ("fp8", "all", "none"):
+        raise ValueError(f"TANDEM_GLUON_DECODE={value!r}: expected 'fp8', 'all' or 'none'")
     return value
 
 
@@ -254,7 +255,7 @@ READERS = {
     "TANDEM_DECODE_SPLITS": decode_splits,
     "TANDEM_SHARED_PREFIX_TILES": shared_prefix_tiles,
     "TANDEM_DECODE_MAXNREG": decode_maxnreg,
-    "TANDEM_FP8_DECODE": fp8_decode,
+    "TANDEM_GLUON_DECODE": gluon_decode,
     "TANDEM_FP8_DECODE_STAGES": fp8_decode_stages,
     "TANDEM_FP8_DECODE_ROW_LANES": fp8_decode_row_lanes,
     "TANDEM_MOE_TILES": moe_tiles,

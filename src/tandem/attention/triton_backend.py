@@ -15,7 +15,7 @@ from tandem.attention import (
     AttentionMetadata,
     SharedPrefixes,
     Unrotated,
-    fp8_decode,
+    gluon_decode,
     rows_per_shared_group,
 )
 from tandem.attention.triton_kernels import (
@@ -278,14 +278,20 @@ class TritonAttention:
         # module's kernel (session 36): small's 256 x 100-1,100 86.0 / 110.6, 256 x 100-2,000
         # 138.8 / 175.5, 256 x 600 91.5 / 122.1, Llama-3-8B's 256 x 1K 145.2 / 187.8; seed's
         # 32 x 1K (256 one-warp programs) 30.8 / 30.6 and, before its copies took whole rows,
-        # 36.2 / 30.6: smaller batches keep this kernel
-        plain = shared is None and new is None and not sliding_window and not soft_cap
-        if num_seqs >= LARGE_BATCH and fp8_decode.takes(
+        # 36.2 / 30.6: smaller batches keep this kernel. With shared prefixes it merges their
+        # partials: rollout's call over e4m3 at 64 / 256 / 500 own keys 73.5 / 98.7 / 130.5
+        # against 71.0 / 106.5 / 152.0 (session 37)
+        plain = new is None and not sliding_window and not soft_cap
+        if num_seqs >= LARGE_BATCH and gluon_decode.takes(
             q, kv_cache, self.head_dim, self.group, splits, plain
         ):
-            fp8_decode.decode(
+            cascade = None
+            if shared is not None:  # its keys by 16-byte copies over either cache: early start
+                cascade = (self.partial_out, self.partial_ml, prefix_lens, prefix_splits)
+            gluon_decode.decode(
                 q, out, kv_cache, meta.block_tables, meta.seq_lens, order, num_seqs,
                 self.num_kv_heads, self.group, scale, v_scale, pdl.launch_args(q.device),
+                cascade=cascade, early_start=cascade is not None,
             )  # fmt: skip
             return
         rope = new_key_arguments(new, q, k_scale)

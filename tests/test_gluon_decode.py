@@ -1,14 +1,14 @@
-"""The Gluon FP8 decode kernel (attention/fp8_decode.py) on the CPU: its reorderings of the
+"""The Gluon decode kernels (attention/gluon_decode.py) on the CPU: its reorderings of the
 products' summed dimensions against the plain products. The kernel has no interpreter: its
 sm_90 code is checked in tests/test_triton_sass.py, its outputs on the GPU in
-tests/gpu/test_fp8_decode_cuda.py."""
+tests/gpu/test_gluon_decode_cuda.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tandem.attention import fp8_decode
+from tandem.attention import gluon_decode
 
 
 @pytest.mark.parametrize("block_n", [16, 32, 64])
@@ -16,8 +16,8 @@ def test_the_plan_reorders_both_sides_of_each_product_alike(block_n):
     """One tile through the kernel's reorderings (q's dims by q_dims, K's and V's tiles and the
     probabilities by their shapes and orders, the output back through out_dims) gives the
     scores q K^T and the output p V of the plain products, in float64."""
-    p = fp8_decode.plan(block_n)
-    dims, rows = fp8_decode.HEAD_DIM, fp8_decode.ROWS
+    p = gluon_decode.plan(block_n)
+    dims, rows = gluon_decode.HEAD_DIM, gluon_decode.ROWS
     g = torch.Generator().manual_seed(block_n)
     q, k, v = (
         torch.randn(n, dims, generator=g, dtype=torch.float64) for n in (rows, block_n, block_n)

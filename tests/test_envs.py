@@ -95,7 +95,7 @@ def test_no_module_but_envs_reads_a_tandem_variable():
     every_name = set()
     for path in (ROOT / "src").rglob("*.py"):
         every_name |= set(re.findall(r"TANDEM_[A-Z0-9_]+", path.read_text()))
-    assert every_name <= set(envs.SWITCHES)
+    assert every_name <= set(envs.SWITCHES) | set(envs.RENAMED)
 
 
 def test_the_docs_table_lists_every_switch_with_its_default():
@@ -104,3 +104,9 @@ def test_the_docs_table_lists_every_switch_with_its_default():
     assert set(rows) == set(envs.SWITCHES)
     for name, switch in envs.SWITCHES.items():
         assert rows[name].strip() == (f"`{switch.default}`" if switch.default else "unset")
+
+
+def test_a_renamed_switch_names_its_new_name(monkeypatch):
+    monkeypatch.setenv("TANDEM_FP8_DECODE", "triton")
+    with pytest.raises(ValueError, match="TANDEM_FP8_DECODE was renamed: set TANDEM_GLUON_DECODE"):
+        envs.check_all()

@@ -262,8 +262,15 @@ READERS = {
 }
 
 
+# switches renamed: set under the old name, a run says which to set instead
+RENAMED = {"TANDEM_FP8_DECODE": "TANDEM_GLUON_DECODE (fp8, all or none; triton was none)"}
+
+
 def check_all() -> None:
     """Validate every switch now (the CLI does, before it loads a model)."""
+    for old, new in RENAMED.items():
+        if old in os.environ:
+            raise ValueError(f"{old} was renamed: set {new} instead")
     for read in READERS.values():
         read()
 

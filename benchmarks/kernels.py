@@ -642,6 +642,15 @@ def sweep_deep_stages() -> None:
     )  # fmt: skip
 
 
+# the workloads' own decode shapes (small: Qwen3-0.6B's 16 heads over 8 KV heads, 256 ragged
+# contexts longest first; seed: Llama-3-8B at 32 x 1K)
+DECODE_SHAPES = {
+    "small 256x100-1100": dict(batch=256, context=600, ragged=(100, 1100, True), num_heads=16),
+    "small 256x100-2000": dict(batch=256, context=1050, ragged=(100, 2000, True), num_heads=16),
+    "small 256x600": dict(batch=256, context=600, num_heads=16),
+    "seed 32x1K": dict(batch=32, context=1024),
+    "llama 256x1K": dict(batch=256, context=1024),
+}
 GLUON_GRID = [(16, 4, 16), (16, 3, 16), (16, 6, 16), (32, 3, 16), (32, 4, 16), (16, 4, 8)]
 
 
@@ -651,11 +660,7 @@ def sweep_gluon_decode(grid=GLUON_GRID) -> None:
     (small's 256 ragged rows checked against the torch reference) and rollout's decode call at
     64 / 256 / 500 own keys (checked). Then rollout's call over an e4m3 cache (scales 1,
     checked), each launch alone too: the Triton decode kernel, then the Gluon one."""
-    shapes = {
-        "small 256x100-1100": dict(batch=256, context=600, ragged=(100, 1100, True), num_heads=16),
-        "small 256x600": dict(batch=256, context=600, num_heads=16),
-        "llama 256x1K": dict(batch=256, context=1024),
-    }
+    shapes = {n: DECODE_SHAPES[n] for n in ("small 256x100-1100", "small 256x600", "llama 256x1K")}
     for shape in [*grid, None]:
         gluon_decode.SIXTEEN_BIT = shape is not None
         if shape is not None:
@@ -685,13 +690,7 @@ def sweep_decode_tiles(
     `only_default`: the tiles each shape takes by default, and nothing else. `grid`: these
     (block_n, num_warps, num_stages) and the two defaults (DecodeTiles(), LARGE_BATCH_TILES)
     instead of the full sweep."""
-    shapes = {
-        "small 256x100-1100": dict(batch=256, context=600, ragged=(100, 1100, True), num_heads=16),
-        "small 256x100-2000": dict(batch=256, context=1050, ragged=(100, 2000, True), num_heads=16),
-        "small 256x600": dict(batch=256, context=600, num_heads=16),
-        "seed 32x1K": dict(batch=32, context=1024),
-        "llama 256x1K": dict(batch=256, context=1024),
-    }
+    shapes = DECODE_SHAPES
     default = DecodeTiles()
     best: tuple[float, DecodeTiles] | None = None
     fp8 = kv_dtype != torch.bfloat16

@@ -157,7 +157,12 @@ def variants(
         "splitk": lambda x: linear_partials(x, rotation.next()),
     }
     if residual:
-        ways["residual"] = lambda x: residual_product(x, rotation.next(), F.linear)
+
+        def residual(x: torch.Tensor) -> torch.Tensor:
+            w = rotation.next()  # cuBLAS over the same copy where the engine falls back
+            return residual_product(x, w, lambda x: F.linear(x, w))
+
+        ways["residual"] = residual
         ways |= {
             f"blas{s}": lambda x, s=s: blas_slices(x, rotation.next(), s)
             for s in (2, 4, 8)

@@ -211,7 +211,8 @@ def bench_shared_decode(own: int, breakdown: bool = False, **setup) -> dict:
     the prefix partials). The grid bound on groups is the engine's for 256 rows (half the rows).
     Checked against the torch reference over each row's whole context first. `setup`:
     `shared_decode_setup`'s keywords (`splits`: of each row's own keys, the heuristic's by
-    default). `breakdown`: each of the two launches timed alone too (shared_us, decode_us)."""
+    default). `breakdown`: each of the two launches timed alone too (shared_us, decode_us), and
+    both started at once on two streams (concurrent_us)."""
     backend, q, out, cache, meta = shared_decode_setup(own, **setup)
     tables, lens, rows = meta.block_tables, meta.seq_lens, q.shape[0]
     groups, prefix = int(meta.shared.num_groups[0]), int(meta.shared.group_prefix[0])
@@ -235,8 +236,20 @@ def bench_shared_decode(own: int, breakdown: bool = False, **setup) -> dict:
         row["shared_us"] = us(
             lambda: backend.shared_prefix(q, cache, meta, scale, 1.0, 1, splits, 0.0)
         )
-        backend.shared_prefix = lambda *args: None
+        shared_prefix, backend.shared_prefix = backend.shared_prefix, lambda *args: None
         row["decode_us"] = us(lambda: backend.decode(q, out, cache, meta, scale))
+        # the two on two streams from the start, each unordered to the other (its merge reads
+        # partials it did not wait for: timing only): what overlapping them could reach
+        side = torch.cuda.Stream()
+
+        def concurrent() -> None:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                shared_prefix(q, cache, meta, scale, 1.0, 1, splits, 0.0)
+            backend.decode(q, out, cache, meta, scale)
+            torch.cuda.current_stream().wait_stream(side)
+
+        row["concurrent_us"] = us(concurrent)
     return row
 
 

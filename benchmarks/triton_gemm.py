@@ -1,0 +1,372 @@
+"""Triton GEMMs against cuBLAS at a decode step's shapes: whether a Triton kernel could take a
+projection from cuBLAS, and stream-K with it (one program an SM over equal runs of the product's
+(tile, K step) iterations, so that no wave runs part-empty: Llama-3-8B's gate_up at 256 rows is
+224 tiles of 256 x 128 on 132 SMs, 1.70 waves).
+
+Each way is timed from a CUDA graph replay on cold weights (gemm.py's `Rotation`) and checked
+against F.linear first. Ways (tile shapes as BMxBNxBK w<warps> s<stages>):
+  linear       F.linear (cuBLAS), what the decoder runs;
+  ptr          a one-tile-a-program kernel loading through pointers (cp.async), tiles grouped
+               8 row tiles a column;
+  tma          the same over TMA descriptors; `swap`: out^T = W x^T, the weight's tile as the
+               MMA's A (m64 x n256 products for 256 rows);
+  persistent   one program an SM looping over tiles, TMA; `ws`: Triton's warp specialization;
+  streamk      stream-K through pointers: the program holding a tile's first K step adds the
+               float32 partials the later programs of that tile left in a workspace, flagged
+               (release) and taken back to 0 (acquire); `dp`: a program a tile, no partials;
+  tmastreamk   stream-K over TMA, out^T = W x^T (the weight's 128-feature tile the MMA's A,
+               all 256 rows its B): whole tiles in rounds of one a program, then equal runs
+               of the rest's K steps, partials as above; `dp`: a program a tile;
+  flattmastreamk  the same with each run's loop over its tiles flattened with their K-step
+               loops, as the rounds' loop is (loads may run ahead across a tile's end).
+Usage: PYTHONPATH=src python benchmarks/triton_gemm.py [--model llama-3-8b] [--rows 256]
+[--matrices qkv o gate_up] [--ways tmastreamk persistent] (ways whose names start so)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from gemm import Rotation, matrices, time_us
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from tandem.config import ModelConfig
+from tandem.model.loader import read_hf_config
+
+
+@triton.jit
+def pointer_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr
+):  # fmt: skip
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    group = 8 * tiles_n  # 8 row tiles of a column of tiles side by side
+    first_m = pid // group * 8
+    group_size = min(tiles_m - first_m, 8)
+    tile_m = first_m + (pid % group) % group_size
+    tile_n = (pid % group) // group_size
+    m = tile_m * BM + tl.arange(0, BM)
+    n = tile_n * BN + tl.arange(0, BN)
+    k = tl.arange(0, BK)
+    x_ptrs = x_ptr + m[:, None] * K + k[None, :]
+    w_ptrs = w_ptr + n[None, :] * K + k[:, None]
+    acc = tl.zeros((BM, BN), tl.float32)
+    for _ in range(0, K, BK):
+        acc = tl.dot(tl.load(x_ptrs, mask=m[:, None] < M, other=0.0), tl.load(w_ptrs), acc)
+        x_ptrs += BK
+        w_ptrs += BK
+    tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(tl.bfloat16), mask=m[:, None] < M)
+
+
+@triton.jit
+def tma_kernel(
+    x_desc, w_desc, out_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    SWAP: tl.constexpr,
+):  # fmt: skip
+    tiles_m = tl.cdiv(M, BM)
+    tile_m, tile_n = tl.program_id(0) % tiles_m, tl.program_id(0) // tiles_m
+    if SWAP:
+        acc = tl.zeros((BN, BM), tl.float32)
+        for k in range(0, K, BK):
+            x = x_desc.load([tile_m * BM, k])
+            acc = tl.dot(w_desc.load([tile_n * BN, k]), x.T, acc)
+        out_desc.store([tile_m * BM, tile_n * BN], acc.T.to(tl.bfloat16))
+    else:
+        acc = tl.zeros((BM, BN), tl.float32)
+        for k in range(0, K, BK):
+            w = w_desc.load([tile_n * BN, k])
+            acc = tl.dot(x_desc.load([tile_m * BM, k]), w.T, acc)
+        out_desc.store([tile_m * BM, tile_n * BN], acc.to(tl.bfloat16))
+
+
+@triton.jit
+def persistent_kernel(
+    x_desc, w_desc, out_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    STAGES: tl.constexpr, PROGRAMS: tl.constexpr, WS: tl.constexpr,
+):  # fmt: skip
+    tiles_m = tl.cdiv(M, BM)
+    tiles = tiles_m * tl.cdiv(N, BN)
+    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True, warp_specialize=WS):
+        tile_m, tile_n = tile % tiles_m, tile // tiles_m
+        acc = tl.zeros((BM, BN), tl.float32)
+        for k in tl.range(0, K, BK, num_stages=STAGES):
+            w = w_desc.load([tile_n * BN, k])
+            acc = tl.dot(x_desc.load([tile_m * BM, k]), w.T, acc)
+        out_desc.store([tile_m * BM, tile_n * BN], acc.to(tl.bfloat16))
+
+
+@triton.jit
+def streamk_kernel(
+    x_ptr, w_ptr, out_ptr, partial_ptr, flag_ptr, M, N, K, total_iters, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr,
+):  # fmt: skip
+    programs = tl.num_programs(0)
+    pid = tl.program_id(0)
+    iters_per_tile = K // BK
+    first = pid * total_iters // programs
+    end = (pid + 1) * total_iters // programs
+    m = tl.arange(0, BM)  # one tile of rows: BM >= M
+    n_local = tl.arange(0, BN)
+    k_local = tl.arange(0, BK)
+    # a partial-sum slot's offsets: [BN, BM] under SWAP, else [BM, BN]
+    slot = n_local[:, None] * BM + m[None, :] if SWAP else m[:, None] * BN + n_local[None, :]
+    it = first
+    while it < end:
+        tile = it // iters_per_tile
+        tile_first = tile * iters_per_tile
+        tile_end = tile_first + iters_per_tile
+        stop = tl.minimum(end, tile_end)
+        n = tile * BN + n_local
+        k = (it - tile_first) * BK + k_local
+        if SWAP:  # out^T = W x^T
+            x_ptrs = x_ptr + m[None, :] * K + k[:, None]  # [BK, BM]
+            w_ptrs = w_ptr + n[:, None].to(tl.int64) * K + k[None, :]  # [BN, BK]
+            acc = tl.zeros((BN, BM), tl.float32)
+            for _ in range(it, stop):
+                x = tl.load(x_ptrs, mask=m[None, :] < M, other=0.0)
+                acc = tl.dot(tl.load(w_ptrs), x, acc)
+                x_ptrs += BK
+                w_ptrs += BK
+        else:
+            x_ptrs = x_ptr + m[:, None] * K + k[None, :]  # [BM, BK]
+            w_ptrs = w_ptr + n[None, :].to(tl.int64) * K + k[:, None]  # [BK, BN]
+            acc = tl.zeros((BM, BN), tl.float32)
+            for _ in range(it, stop):
+                x = tl.load(x_ptrs, mask=m[:, None] < M, other=0.0)
+                acc = tl.dot(x, tl.load(w_ptrs), acc)
+                x_ptrs += BK
+                w_ptrs += BK
+        if it == tile_first:  # the owner: the later programs' partials of this tile, then out
+            later = pid + 1
+            while (later < programs) & (later * total_iters // programs < tile_end):
+                while tl.atomic_cas(flag_ptr + later, 1, 0, sem="acquire") != 1:
+                    pass
+                acc += tl.load(partial_ptr + later * BM * BN + slot, cache_modifier=".cg")
+                later += 1
+            if SWAP:
+                out = out_ptr + m[None, :] * N + n[:, None]
+                tl.store(out, acc.to(tl.bfloat16), mask=m[None, :] < M)
+            else:
+                out = out_ptr + m[:, None] * N + n[None, :]
+                tl.store(out, acc.to(tl.bfloat16), mask=m[:, None] < M)
+        else:
+            tl.store(partial_ptr + pid * BM * BN + slot, acc, cache_modifier=".cg")
+            tl.debug_barrier()  # every thread's partials stored before the flag says so
+            tl.atomic_xchg(flag_ptr + pid, 1, sem="release")
+        it = stop
+
+
+@triton.jit
+def finish_run(
+    acc, tile, owner, pid, programs, base, total, iters_per_tile, out_desc, partial_ptr, flag_ptr,
+    BM: tl.constexpr, BN: tl.constexpr,
+):  # fmt: skip
+    """A run's end in `tile`: its owner adds the later programs' partials and stores the tile;
+    any other program leaves its partial sums [BN, BM] in its slot and flags them."""
+    slot = tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
+    if owner:
+        tile_end = (tile + 1) * iters_per_tile
+        later = pid + 1
+        start = base + later * total // programs
+        while (later < programs) & (start < tile_end):
+            later_end = base + (later + 1) * total // programs
+            if later_end > start:  # an empty run leaves no partial
+                while tl.atomic_cas(flag_ptr + later, 1, 0, sem="acquire") != 1:
+                    pass
+                acc += tl.load(partial_ptr + later * BN * BM + slot, cache_modifier=".cg")
+            later += 1
+            start = later_end
+        out_desc.store([0, tile * BN], acc.T.to(out_desc.dtype))
+    else:
+        tl.store(partial_ptr + pid * BN * BM + slot, acc, cache_modifier=".cg")
+        tl.debug_barrier()  # every thread's partials stored before the flag says so
+        tl.atomic_xchg(flag_ptr + pid, 1, sem="release")
+
+
+@triton.jit
+def tma_streamk_kernel(
+    x_desc, w_desc, out_desc, partial_ptr, flag_ptr, tiles, iters_per_tile, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, FLAT: tl.constexpr,
+    LAST_FIRST: tl.constexpr,
+):  # fmt: skip
+    """FLAT: a run's loop over its tiles flattened with their K-step loops (as the persistent
+    loop over whole tiles is), so loads may run ahead across a tile's end; else a loop a tile
+    inside a `while` over the run's tiles. LAST_FIRST: program ids reversed, for the
+    interpreter, which runs programs in order (a tile's later programs must store first)."""
+    programs = tl.num_programs(0)
+    pid = programs - 1 - tl.program_id(0) if LAST_FIRST else tl.program_id(0)
+    whole = tiles - tiles % programs  # whole tiles, in rounds of one a program
+    for tile in tl.range(pid, whole, programs, flatten=True):
+        acc = tl.zeros((BN, BM), tl.float32)
+        for k in tl.range(0, iters_per_tile, num_stages=STAGES):
+            x = x_desc.load([0, k * BK])
+            acc = tl.dot(w_desc.load([tile * BN, k * BK]), x.T, acc)
+        out_desc.store([0, tile * BN], acc.T.to(out_desc.dtype))
+    base = whole * iters_per_tile  # the other tiles' K steps in equal runs
+    total = (tiles - whole) * iters_per_tile
+    first = base + pid * total // programs
+    end = base + (pid + 1) * total // programs
+    if FLAT:
+        tiles_in_run = tl.cdiv(end, iters_per_tile) - first // iters_per_tile
+        for run_tile in tl.range(0, tiles_in_run, flatten=True):
+            tile = first // iters_per_tile + run_tile
+            lo = tl.maximum(first, tile * iters_per_tile)
+            hi = tl.minimum(end, (tile + 1) * iters_per_tile)
+            acc = tl.zeros((BN, BM), tl.float32)
+            for i in tl.range(lo, hi, num_stages=STAGES):
+                k = i - tile * iters_per_tile
+                x = x_desc.load([0, k * BK])
+                acc = tl.dot(w_desc.load([tile * BN, k * BK]), x.T, acc)
+            finish_run(acc, tile, lo == tile * iters_per_tile, pid, programs, base, total,
+                       iters_per_tile, out_desc, partial_ptr, flag_ptr, BM, BN)  # fmt: skip
+    else:
+        it = first
+        while it < end:
+            tile = it // iters_per_tile
+            tile_first = tile * iters_per_tile
+            stop = tl.minimum(end, tile_first + iters_per_tile)
+            acc = tl.zeros((BN, BM), tl.float32)
+            for i in tl.range(it, stop, num_stages=STAGES):
+                x = x_desc.load([0, (i - tile_first) * BK])
+                acc = tl.dot(w_desc.load([tile * BN, (i - tile_first) * BK]), x.T, acc)
+            finish_run(acc, tile, it == tile_first, pid, programs, base, total, iters_per_tile,
+                       out_desc, partial_ptr, flag_ptr, BM, BN)  # fmt: skip
+            it = stop
+
+
+def descriptors(x, weight, out, bm, bn, bk):
+    return (
+        TensorDescriptor.from_tensor(x, [bm, bk]),
+        TensorDescriptor.from_tensor(weight, [bn, bk]),
+        TensorDescriptor.from_tensor(out, [bm, bn]),
+    )
+
+
+def ways(rows: int, out_features: int, sms: int) -> dict:
+    """name -> fn(x, weight, out) for each Triton way and tile shape: the product in `out`, or
+    returned."""
+    found = {}
+    for bm, bn, bk, warps, stages in [(128, 128, 64, 4, 4), (128, 256, 64, 8, 3),
+                                      (256, 128, 64, 8, 3), (128, 128, 128, 8, 3)]:  # fmt: skip
+        shape = f"{bm}x{bn}x{bk}w{warps}s{stages}"
+        grid = (triton.cdiv(rows, bm) * triton.cdiv(out_features, bn),)
+        options = dict(num_warps=warps, num_stages=stages)
+        found[f"ptr {shape}"] = lambda x, w, out, bm=bm, bn=bn, bk=bk, g=grid, o=options: (
+            pointer_kernel[g](x, w, out, rows, out_features, x.shape[1], bm, bn, bk, **o)
+        )
+        for swap in (False, True):
+            found[f"tma {shape}{' swap' * swap}"] = (
+                lambda x, w, out, bm=bm, bn=bn, bk=bk, g=grid, o=options, s=swap: tma_kernel[g](
+                    *descriptors(x, w, out, bm, bn, bk), rows, out_features, x.shape[1], bm, bn,
+                    bk, s, **o,
+                )
+            )  # fmt: skip
+    for (bm, bn, bk, warps, stages), ws in itertools.product(
+        [(128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3)], (False, True)
+    ):
+        programs = min(sms, triton.cdiv(rows, bm) * triton.cdiv(out_features, bn))
+        name = f"persistent {bm}x{bn}x{bk}w{warps}s{stages}{' ws' * ws}"
+        found[name] = lambda x, w, out, bm=bm, bn=bn, bk=bk, p=programs, s=stages, ws=ws, nw=warps: (
+            persistent_kernel[(p,)](
+                *descriptors(x, w, out, bm, bn, bk), rows, out_features, x.shape[1], bm, bn, bk,
+                s, p, ws, num_warps=nw,
+            )
+        )  # fmt: skip
+    for (bn, warps, stages), swap, one_tile in itertools.product(
+        [(128, 8, 3), (128, 8, 4), (64, 4, 4)], (False, True), (False, True)
+    ):
+        name = f"streamk 256x{bn}x64w{warps}s{stages}{' swap' * swap}{' dp' * one_tile}"
+        found[name] = lambda x, w, out, bn=bn, nw=warps, ns=stages, s=swap, d=one_tile: streamk(
+            x, w, out, bn, nw, ns, s, programs=out_features // bn if d else sms
+        )
+    for (bn, warps, stages), flat, one_tile in itertools.product(
+        [(128, 8, 3), (64, 4, 4)], (False, True), (False, True)
+    ):
+        if flat and one_tile:  # a program a tile has no runs
+            continue
+        name = f"{'flat' * flat}tmastreamk 256x{bn}x64w{warps}s{stages}{' dp' * one_tile}"
+        found[name] = lambda x, w, out, bn=bn, nw=warps, ns=stages, f=flat, d=one_tile: tma_streamk(
+            x, w, out, bn, nw, ns, out_features // bn if d else sms, f
+        )
+    return found
+
+
+WORKSPACES: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def workspace(programs: int, bn: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partials, flags at 0) for `programs` programs of 256 x bn tiles, made before the
+    timing's graph capture and kept."""
+    if (programs, bn, device) not in WORKSPACES:
+        WORKSPACES[programs, bn, device] = (
+            torch.empty(programs * 256 * bn, device=device, dtype=torch.float32),
+            torch.zeros(programs, device=device, dtype=torch.int32),
+        )
+    return WORKSPACES[programs, bn, device]
+
+
+def streamk(x, weight, out, bn, num_warps, num_stages, swap, programs):
+    rows, in_features = x.shape
+    total_iters = weight.shape[0] // bn * (in_features // 64)
+    programs = min(programs, total_iters)
+    partials, flags = workspace(programs, bn, x.device)
+    streamk_kernel[(programs,)](
+        x, weight, out, partials, flags, rows, weight.shape[0], in_features, total_iters, 256, bn,
+        64, swap, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+
+
+def tma_streamk(x, weight, out, bn, num_warps, num_stages, programs, flat=False, bk=64):
+    tiles, iters_per_tile = weight.shape[0] // bn, x.shape[1] // bk
+    programs = min(programs, tiles * iters_per_tile)
+    partials, flags = workspace(programs, bn, x.device)
+    tma_streamk_kernel[(programs,)](
+        *descriptors(x, weight, out, 256, bn, bk), partials, flags, tiles, iters_per_tile, 256,
+        bn, bk, num_stages, flat, os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=num_warps,
+    )  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama-3-8b")
+    parser.add_argument("--rows", type=int, nargs="+", default=[256])
+    parser.add_argument("--matrices", nargs="+", default=["qkv", "o", "gate_up"])
+    parser.add_argument("--ways", nargs="+", help="only ways whose names start so")
+    args = parser.parse_args()
+    cfg = ModelConfig.from_hf(read_hf_config(args.model)[0])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name in args.matrices:
+        out_features, in_features = matrices(cfg)[name]
+        weight = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16)
+        weight /= 64
+        rotation = Rotation(weight)
+        for rows in args.rows:
+            x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(rows, out_features, device="cuda", dtype=torch.bfloat16)
+            expected = F.linear(x, weight)
+            cells = [f"linear {time_us(lambda x, r=rotation: F.linear(x, r.next()), x):.1f}"]
+            for way, fn in ways(rows, out_features, sms).items():
+                if args.ways and not way.startswith(tuple(args.ways)):
+                    continue
+                try:
+                    out.zero_()
+                    got = fn(x, weight, out)
+                    got = got if isinstance(got, torch.Tensor) else out
+                    torch.testing.assert_close(got, expected, atol=3e-2, rtol=3e-2)
+                    us = time_us(lambda x, fn=fn, r=rotation, o=out: fn(x, r.next(), o), x)
+                    cells.append(f"{way} {us:.1f}")
+                except Exception as error:  # a shape the compiler refuses: the rest run
+                    cells.append(f"{way} {type(error).__name__}")
+            print(f"{name} {out_features}x{in_features} M={rows} us: " + " | ".join(cells),
+                  flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -21,6 +21,7 @@ against F.linear first. Ways (tile shapes as BMxBNxBK w<warps> s<stages>):
                loops, as the rounds' loop is (loads may run ahead across a tile's end).
 Usage: PYTHONPATH=src python benchmarks/triton_gemm.py [--model llama-3-8b] [--rows 256]
 [--matrices qkv o gate_up] [--ways tmastreamk persistent] (ways whose names start so)
+[--timeline] (instead: one stamped launch of each stream-K form over TMA, `timeline`)
 """
 
 from __future__ import annotations
@@ -191,16 +192,18 @@ def finish_run(
 
 @triton.jit
 def tma_streamk_kernel(
-    x_desc, w_desc, out_desc, partial_ptr, flag_ptr, tiles, iters_per_tile, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, FLAT: tl.constexpr,
-    LAST_FIRST: tl.constexpr,
+    x_desc, w_desc, out_desc, partial_ptr, flag_ptr, times_ptr, tiles, iters_per_tile,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+    FLAT: tl.constexpr, LAST_FIRST: tl.constexpr, TIMES: tl.constexpr,
 ):  # fmt: skip
     """FLAT: a run's loop over its tiles flattened with their K-step loops (as the persistent
     loop over whole tiles is), so loads may run ahead across a tile's end; else a loop a tile
     inside a `while` over the run's tiles. LAST_FIRST: program ids reversed, for the
-    interpreter, which runs programs in order (a tile's later programs must store first)."""
+    interpreter, which runs programs in order (a tile's later programs must store first).
+    TIMES: each program stamps its timeline into times_ptr (`STAMPS`)."""
     programs = tl.num_programs(0)
     pid = programs - 1 - tl.program_id(0) if LAST_FIRST else tl.program_id(0)
+    stamp(times_ptr, pid, 0, TIMES)
     whole = tiles - tiles % programs  # whole tiles, in rounds of one a program
     for tile in tl.range(pid, whole, programs, flatten=True):
         acc = tl.zeros((BN, BM), tl.float32)
@@ -208,6 +211,7 @@ def tma_streamk_kernel(
             x = x_desc.load([0, k * BK])
             acc = tl.dot(w_desc.load([tile * BN, k * BK]), x.T, acc)
         out_desc.store([0, tile * BN], acc.T.to(out_desc.dtype))
+    stamp(times_ptr, pid, 1, TIMES)
     base = whole * iters_per_tile  # the other tiles' K steps in equal runs
     total = (tiles - whole) * iters_per_tile
     first = base + pid * total // programs
@@ -223,10 +227,13 @@ def tma_streamk_kernel(
                 k = i - tile * iters_per_tile
                 x = x_desc.load([0, k * BK])
                 acc = tl.dot(w_desc.load([tile * BN, k * BK]), x.T, acc)
+            stamp(times_ptr, pid, 2 + 2 * tl.minimum(run_tile, 2), TIMES)
             finish_run(acc, tile, lo == tile * iters_per_tile, pid, programs, base, total,
                        iters_per_tile, out_desc, partial_ptr, flag_ptr, BM, BN)  # fmt: skip
+            stamp(times_ptr, pid, 3 + 2 * tl.minimum(run_tile, 2), TIMES)
     else:
         it = first
+        run_tile = 0
         while it < end:
             tile = it // iters_per_tile
             tile_first = tile * iters_per_tile
@@ -235,9 +242,28 @@ def tma_streamk_kernel(
             for i in tl.range(it, stop, num_stages=STAGES):
                 x = x_desc.load([0, (i - tile_first) * BK])
                 acc = tl.dot(w_desc.load([tile * BN, (i - tile_first) * BK]), x.T, acc)
+            stamp(times_ptr, pid, 2 + 2 * tl.minimum(run_tile, 2), TIMES)
             finish_run(acc, tile, it == tile_first, pid, programs, base, total, iters_per_tile,
                        out_desc, partial_ptr, flag_ptr, BM, BN)  # fmt: skip
+            stamp(times_ptr, pid, 3 + 2 * tl.minimum(run_tile, 2), TIMES)
             it = stop
+            run_tile += 1
+    stamp(times_ptr, pid, 8, TIMES)
+    if TIMES:
+        tl.store(times_ptr + pid * 10 + 9, tl.extra.cuda.smid().to(tl.int64))
+
+
+# a program's timeline (ns, globaltimer): start, rounds done, then for each of its run's first
+# three tiles the K loop done and the finish (partials stored and flagged, or the owner's waits
+# and store) done, end; then its SM
+STAMPS = ["start", "rounds", "loop1", "finish1", "loop2", "finish2", "loop3", "finish3", "end",
+          "sm"]  # fmt: skip
+
+
+@triton.jit
+def stamp(times_ptr, pid, slot, TIMES: tl.constexpr):
+    if TIMES:
+        tl.store(times_ptr + pid * 10 + slot, tl.extra.cuda.globaltimer())
 
 
 def descriptors(x, weight, out, bm, bn, bk):
@@ -322,15 +348,56 @@ def streamk(x, weight, out, bn, num_warps, num_stages, swap, programs):
     )  # fmt: skip
 
 
-def tma_streamk(x, weight, out, bn, num_warps, num_stages, programs, flat=False, bk=64):
+def tma_streamk(x, weight, out, bn, num_warps, num_stages, programs, flat=False, bk=64,
+                times=None):  # fmt: skip
+    """`times`: an int64 tensor [programs, 10] to stamp each program's timeline into."""
     tiles, iters_per_tile = weight.shape[0] // bn, x.shape[1] // bk
     programs = min(programs, tiles * iters_per_tile)
     partials, flags = workspace(programs, bn, x.device)
     tma_streamk_kernel[(programs,)](
-        *descriptors(x, weight, out, 256, bn, bk), partials, flags, tiles, iters_per_tile, 256,
-        bn, bk, num_stages, flat, os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=num_warps,
+        *descriptors(x, weight, out, 256, bn, bk), partials, flags,
+        flags if times is None else times, tiles, iters_per_tile, 256, bn, bk, num_stages, flat,
+        os.environ.get("TRITON_INTERPRET") == "1", times is not None, num_warps=num_warps,
     )  # fmt: skip
+    return programs
+
+
+def timeline(x: torch.Tensor, weight: torch.Tensor, flat: bool, sms: int) -> None:
+    """One stream-K launch over TMA (256 x 128 tiles, 3 stages) with each program's timeline
+    stamped: µs of each phase over the programs (min / median / max), then the last three to
+    end. A program that starts late or waits long in a finish shows here."""
+    out = torch.empty(x.shape[0], weight.shape[0], device="cuda", dtype=x.dtype)
+    tma_streamk(x, weight, out, 128, 8, 3, sms, flat)  # compiled, workspace made
+    times = torch.zeros(sms, len(STAMPS), dtype=torch.int64, device="cuda")
+    torch.cuda.synchronize()
+    programs = tma_streamk(x, weight, out, 128, 8, 3, sms, flat, times=times)
+    torch.cuda.synchronize()
+    print("\n".join(timeline_report(times[:programs].cpu(), flat)))
+
+
+def timeline_report(times: torch.Tensor, flat: bool) -> list[str]:
+    """Lines of `timeline`'s report from the stamps [programs, len(STAMPS)] (0: not reached)."""
+    t = times.double()
+    origin = t[:, 0].min()
+    phases = {"start": (None, 0), "rounds": (0, 1), "end": (None, 8)}
+    for r in range(3):
+        phases[f"loop{r + 1}"] = (1 + 2 * r, 2 + 2 * r)
+        phases[f"finish{r + 1}"] = (2 + 2 * r, 3 + 2 * r)
+    cells = []
+    for name, (a, b) in phases.items():
+        present = t[:, b] > 0
+        if not present.any():
+            continue
+        us = (t[present, b] - (origin if a is None else t[present, a])) / 1000
+        cells.append(
+            f"{name} {us.min():.1f}/{us.median():.1f}/{us.max():.1f} ({int(present.sum())})"
+        )
+    lines = [f"  {'flattened' if flat else 'while'}: {len(t)} programs on "
+             f"{len(set(t[:, 9].tolist()))} SMs; µs min/median/max: " + " | ".join(cells)]  # fmt: skip
+    for pid in t[:, 8].argsort(descending=True)[:3].tolist():
+        stamps = [f"{(v - origin) / 1000:.1f}" if v > 0 else "-" for v in t[pid, :9].tolist()]
+        lines.append(f"    program {pid} (SM {int(t[pid, 9])}): " + " ".join(stamps))
+    return lines
 
 
 def main() -> None:
@@ -339,6 +406,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[256])
     parser.add_argument("--matrices", nargs="+", default=["qkv", "o", "gate_up"])
     parser.add_argument("--ways", nargs="+", help="only ways whose names start so")
+    parser.add_argument(
+        "--timeline", action="store_true", help="only stream-K over TMA, each program stamped"
+    )
     args = parser.parse_args()
     cfg = ModelConfig.from_hf(read_hf_config(args.model)[0])
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -350,6 +420,11 @@ def main() -> None:
         for rows in args.rows:
             x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(rows, out_features, device="cuda", dtype=torch.bfloat16)
+            if args.timeline:
+                print(f"{name} {out_features}x{in_features} M={rows} stream-K timeline")
+                for flat in (False, True):
+                    timeline(x, weight, flat, sms)
+                continue
             expected = F.linear(x, weight)
             cells = [f"linear {time_us(lambda x, r=rotation: F.linear(x, r.next()), x):.1f}"]
             for way, fn in ways(rows, out_features, sms).items():

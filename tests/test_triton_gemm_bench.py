@@ -40,3 +40,22 @@ def test_tma_stream_k_equals_the_product(rows, out_features, in_features, progra
     triton_gemm.tma_streamk(x, weight, out, 32, 4, 2, programs, flat, bk=16)
     expected = x.double() @ weight.double().T
     torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_the_timeline_report_reads_phases_from_the_stamps():
+    """Two programs' stamps (ns; 0 where a program did not get that far): each phase's min /
+    median / max µs, and the programs by their end, latest first."""
+    base = 1_000_000
+    first = [base, base + 50_000, base + 60_000, base + 61_000, base + 70_000, base + 72_000,
+             0, 0, base + 72_500, 3]  # fmt: skip
+    second = [base + 2_000, base + 52_000, base + 65_000, base + 80_000, 0, 0, 0, 0,
+              base + 80_500, 7]  # fmt: skip
+    lines = triton_gemm.timeline_report(torch.tensor([first, second]), flat=False)
+    assert lines[0].startswith("  while: 2 programs on 2 SMs; µs min/median/max: ")
+    cells = dict(cell.split(" ", 1) for cell in lines[0].split(": ", 2)[2].split(" | "))
+    assert cells["start"] == "0.0/0.0/2.0 (2)"
+    assert cells["rounds"] == "50.0/50.0/50.0 (2)"
+    assert cells["finish1"] == "1.0/1.0/15.0 (2)"  # torch's median of two: the lower
+    assert cells["loop2"] == "9.0/9.0/9.0 (1)" and "loop3" not in cells
+    assert cells["end"] == "72.5/72.5/80.5 (2)"
+    assert lines[1].startswith("    program 1 (SM 7): 2.0 52.0 65.0 80.0 - - - - 80.5")

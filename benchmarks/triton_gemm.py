@@ -19,9 +19,13 @@ against F.linear first. Ways (tile shapes as BMxBNxBK w<warps> s<stages>):
                of the rest's K steps, partials as above; `dp`: a program a tile;
   flattmastreamk  the same with each run's loop over its tiles flattened with their K-step
                loops, as the rounds' loop is (loads may run ahead across a tile's end).
+  lasttmastreamk  the flattened form with no waits: each program leaves its partial sums in a
+               slot of the tile, and the last to finish the tile (a count taken with acq_rel)
+               adds all its slots, 32 features at a time, and stores it.
 Usage: PYTHONPATH=src python benchmarks/triton_gemm.py [--model llama-3-8b] [--rows 256]
 [--matrices qkv o gate_up] [--ways tmastreamk persistent] (ways whose names start so)
-[--timeline] (instead: one stamped launch of each stream-K form over TMA, `timeline`)
+[--timeline] (instead: one stamped launch of each stream-K form over TMA, `timeline`: while,
+flattened and last)
 """
 
 from __future__ import annotations
@@ -191,14 +195,60 @@ def finish_run(
 
 
 @triton.jit
+def finish_last(
+    acc, tile, lo, hi, iters_per_tile, tiles, whole, programs, base, total, rows_in, out_desc,
+    out_ptr, partial_ptr, count_ptr, SLOTS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+):  # fmt: skip
+    """A run's end in `tile` (its K steps lo..hi): a whole tile is stored; otherwise the
+    partial sums [BM, BN] go to the tile's next free slot, and the program that finishes the
+    tile last adds its slots, 32 features at a time, all slots' loads at once (no layout
+    change of the accumulator, no waits), stores the tile and takes its two counters back to 0 for the next launch.
+    count_ptr: [2, tiles after the rounds] int32, slots taken and slots filled."""
+    tile_first = tile * iters_per_tile
+    tile_end = tile_first + iters_per_tile
+    if (lo == tile_first) & (hi == tile_end):
+        out_desc.store([0, tile * BN], acc.T.to(out_desc.dtype))
+    else:
+        split = tile - whole
+        split_tiles = tl.cdiv(total, iters_per_tile)
+        # the programs whose runs cross this tile: first run ending past its start, last run
+        # starting before its end (runs are never empty: total >= programs)
+        p_lo = tl.cdiv((tile_first - base + 1) * programs, total) - 1
+        p_hi = tl.cdiv((tile_end - base) * programs, total) - 1
+        slot = tl.atomic_add(count_ptr + split, 1, sem="relaxed")
+        rows = tl.arange(0, BM)
+        cols = tl.arange(0, BN)
+        partials = partial_ptr + (split * SLOTS).to(tl.int64) * BM * BN
+        tl.store(partials + slot * BM * BN + rows[:, None] * BN + cols[None, :], acc.T,
+                 cache_modifier=".cg")  # fmt: skip
+        tl.debug_barrier()  # every thread's partials stored before the count says so
+        filled = tl.atomic_add(count_ptr + split_tiles + split, 1, sem="acq_rel")
+        if filled == p_hi - p_lo:  # the last
+            tl.debug_barrier()
+            chunk = tl.arange(0, 32)
+            for c in tl.static_range(0, BN, 32):
+                offsets = rows[:, None] * BN + (c + chunk)[None, :]
+                sums = tl.zeros((BM, 32), tl.float32)
+                for s in tl.static_range(SLOTS):
+                    sums += tl.load(partials + s * BM * BN + offsets, mask=s <= p_hi - p_lo,
+                                    other=0.0, cache_modifier=".cg")  # fmt: skip
+                outs = out_ptr + rows[:, None] * (tiles * BN) + tile * BN + c + chunk[None, :]
+                tl.store(outs, sums.to(out_ptr.dtype.element_ty), mask=rows[:, None] < rows_in)
+            tl.atomic_xchg(count_ptr + split, 0, sem="relaxed")
+            tl.atomic_xchg(count_ptr + split_tiles + split, 0, sem="relaxed")
+
+
+@triton.jit
 def tma_streamk_kernel(
-    x_desc, w_desc, out_desc, partial_ptr, flag_ptr, times_ptr, tiles, iters_per_tile,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-    FLAT: tl.constexpr, LAST_FIRST: tl.constexpr, TIMES: tl.constexpr,
+    x_desc, w_desc, out_desc, partial_ptr, flag_ptr, times_ptr, out_ptr, rows_in, tiles,
+    iters_per_tile, SLOTS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+    FLAT: tl.constexpr, LAST: tl.constexpr, LAST_FIRST: tl.constexpr, TIMES: tl.constexpr,
 ):  # fmt: skip
     """FLAT: a run's loop over its tiles flattened with their K-step loops (as the persistent
     loop over whole tiles is), so loads may run ahead across a tile's end; else a loop a tile
-    inside a `while` over the run's tiles. LAST_FIRST: program ids reversed, for the
+    inside a `while` over the run's tiles. LAST (flattened only): no program waits; each
+    leaves its partial sums in a slot of its tile, and the last to finish the tile adds them
+    all (`finish_last`, SLOTS a tile). LAST_FIRST: program ids reversed, for the
     interpreter, which runs programs in order (a tile's later programs must store first).
     TIMES: each program stamps its timeline into times_ptr (`STAMPS`)."""
     programs = tl.num_programs(0)
@@ -228,8 +278,13 @@ def tma_streamk_kernel(
                 x = x_desc.load([0, k * BK])
                 acc = tl.dot(w_desc.load([tile * BN, k * BK]), x.T, acc)
             stamp(times_ptr, pid, 2 + 2 * tl.minimum(run_tile, 2), TIMES)
-            finish_run(acc, tile, lo == tile * iters_per_tile, pid, programs, base, total,
-                       iters_per_tile, out_desc, partial_ptr, flag_ptr, BM, BN)  # fmt: skip
+            if LAST:
+                finish_last(acc, tile, lo, hi, iters_per_tile, tiles, whole, programs, base,
+                            total, rows_in, out_desc, out_ptr, partial_ptr, flag_ptr, SLOTS, BM,
+                            BN)  # fmt: skip
+            else:
+                finish_run(acc, tile, lo == tile * iters_per_tile, pid, programs, base, total,
+                           iters_per_tile, out_desc, partial_ptr, flag_ptr, BM, BN)  # fmt: skip
             stamp(times_ptr, pid, 3 + 2 * tl.minimum(run_tile, 2), TIMES)
     else:
         it = first
@@ -320,10 +375,16 @@ def ways(rows: int, out_features: int, sms: int) -> dict:
         found[name] = lambda x, w, out, bn=bn, nw=warps, ns=stages, f=flat, d=one_tile: tma_streamk(
             x, w, out, bn, nw, ns, out_features // bn if d else sms, f
         )
+    for bn, warps, stages in [(128, 8, 3), (64, 4, 4)]:
+        found[f"lasttmastreamk 256x{bn}x64w{warps}s{stages}"] = (
+            lambda x, w, out, bn=bn, nw=warps, ns=stages: tma_streamk(
+                x, w, out, bn, nw, ns, sms, flat=True, last=True
+            )
+        )
     return found
 
 
-WORKSPACES: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def workspace(programs: int, bn: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -349,33 +410,52 @@ def streamk(x, weight, out, bn, num_warps, num_stages, swap, programs):
 
 
 def tma_streamk(x, weight, out, bn, num_warps, num_stages, programs, flat=False, bk=64,
-                times=None):  # fmt: skip
-    """`times`: an int64 tensor [programs, 10] to stamp each program's timeline into."""
+                times=None, last=False):  # fmt: skip
+    """`times`: an int64 tensor [programs, 10] to stamp each program's timeline into. `last`
+    (with `flat`): the last program to finish a tile adds its partials (`finish_last`)."""
     tiles, iters_per_tile = weight.shape[0] // bn, x.shape[1] // bk
     programs = min(programs, tiles * iters_per_tile)
-    partials, flags = workspace(programs, bn, x.device)
+    slots = 0
+    if last:  # runs never empty: the runs' K steps at least one a program
+        while (tiles % programs) * iters_per_tile < programs and tiles % programs:
+            programs -= 1
+        split_tiles, total = tiles % programs, tiles % programs * iters_per_tile
+        slots = triton.cdiv(iters_per_tile, max(total // programs, 1)) + 1
+        key = (programs, bn, x.device, "last", split_tiles, slots)
+        if key not in WORKSPACES:
+            size = max(split_tiles * slots, 1) * 256 * bn
+            WORKSPACES[key] = (
+                torch.empty(size, device=x.device, dtype=torch.float32),
+                torch.zeros(2 * max(split_tiles, 1), device=x.device, dtype=torch.int32),
+            )
+        partials, flags = WORKSPACES[key]
+    else:
+        partials, flags = workspace(programs, bn, x.device)
     tma_streamk_kernel[(programs,)](
         *descriptors(x, weight, out, 256, bn, bk), partials, flags,
-        flags if times is None else times, tiles, iters_per_tile, 256, bn, bk, num_stages, flat,
-        os.environ.get("TRITON_INTERPRET") == "1", times is not None, num_warps=num_warps,
+        flags if times is None else times, out, x.shape[0], tiles, iters_per_tile, slots, 256,
+        bn, bk, num_stages, flat, last, os.environ.get("TRITON_INTERPRET") == "1",
+        times is not None, num_warps=num_warps,
     )  # fmt: skip
     return programs
 
 
-def timeline(x: torch.Tensor, weight: torch.Tensor, flat: bool, sms: int) -> None:
+def timeline(x: torch.Tensor, weight: torch.Tensor, form: str, sms: int) -> None:
     """One stream-K launch over TMA (256 x 128 tiles, 3 stages) with each program's timeline
     stamped: µs of each phase over the programs (min / median / max), then the last three to
-    end. A program that starts late or waits long in a finish shows here."""
+    end. A program that starts late or waits long in a finish shows here. `form`: while,
+    flattened or last (`tma_streamk_kernel`'s FLAT and LAST)."""
     out = torch.empty(x.shape[0], weight.shape[0], device="cuda", dtype=x.dtype)
-    tma_streamk(x, weight, out, 128, 8, 3, sms, flat)  # compiled, workspace made
+    flat, last = form != "while", form == "last"
+    tma_streamk(x, weight, out, 128, 8, 3, sms, flat, last=last)  # compiled, workspace made
     times = torch.zeros(sms, len(STAMPS), dtype=torch.int64, device="cuda")
     torch.cuda.synchronize()
-    programs = tma_streamk(x, weight, out, 128, 8, 3, sms, flat, times=times)
+    programs = tma_streamk(x, weight, out, 128, 8, 3, sms, flat, times=times, last=last)
     torch.cuda.synchronize()
-    print("\n".join(timeline_report(times[:programs].cpu(), flat)))
+    print("\n".join(timeline_report(times[:programs].cpu(), form)))
 
 
-def timeline_report(times: torch.Tensor, flat: bool) -> list[str]:
+def timeline_report(times: torch.Tensor, form: str) -> list[str]:
     """Lines of `timeline`'s report from the stamps [programs, len(STAMPS)] (0: not reached)."""
     t = times.double()
     origin = t[:, 0].min()
@@ -392,7 +472,7 @@ def timeline_report(times: torch.Tensor, flat: bool) -> list[str]:
         cells.append(
             f"{name} {us.min():.1f}/{us.median():.1f}/{us.max():.1f} ({int(present.sum())})"
         )
-    lines = [f"  {'flattened' if flat else 'while'}: {len(t)} programs on "
+    lines = [f"  {form}: {len(t)} programs on "
              f"{len(set(t[:, 9].tolist()))} SMs; µs min/median/max: " + " | ".join(cells)]  # fmt: skip
     for pid in t[:, 8].argsort(descending=True)[:3].tolist():
         stamps = [f"{(v - origin) / 1000:.1f}" if v > 0 else "-" for v in t[pid, :9].tolist()]
@@ -422,8 +502,8 @@ def main() -> None:
             out = torch.empty(rows, out_features, device="cuda", dtype=torch.bfloat16)
             if args.timeline:
                 print(f"{name} {out_features}x{in_features} M={rows} stream-K timeline")
-                for flat in (False, True):
-                    timeline(x, weight, flat, sms)
+                for form in ("while", "flattened", "last"):
+                    timeline(x, weight, form, sms)
                 continue
             expected = F.linear(x, weight)
             cells = [f"linear {time_us(lambda x, r=rotation: F.linear(x, r.next()), x):.1f}"]

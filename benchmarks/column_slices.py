@@ -5,8 +5,9 @@ that the whole product's tiles leave part-empty, and which cuBLAS kernel each ru
 For each matrix and row count: F.linear's time, then for each cut (--cuts, the output features
 where one slice ends and the next begins; default the halves) the slices' products in turn,
 checked against F.linear, timed as one CUDA graph replay on cold weights (`gemm.py`'s
-`Rotation`), with each slice's own time after it. --kernels: instead, the name of each CUDA kernel one call runs (from torch's profiler),
-whole and in halves; cuBLAS's names carry their tile shape and cluster.
+`Rotation`), with each slice's own time after it. --kernels: instead, the name of each CUDA
+kernel one call runs (from torch's profiler), whole and in halves; cuBLAS's names carry their
+tile shape and cluster.
 Usage: PYTHONPATH=src python benchmarks/column_slices.py [--model llama-3-8b] [--rows 256 192 128]
 [--matrices gate_up lm_head qkv down] [--cuts 14336 16896/24064] [--kernels]
 """

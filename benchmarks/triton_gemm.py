@@ -202,7 +202,8 @@ def finish_last(
     """A run's end in `tile` (its K steps lo..hi): a whole tile is stored; otherwise the
     partial sums [BM, BN] go to the tile's next free slot, and the program that finishes the
     tile last adds its slots, 32 features at a time, all slots' loads at once (no layout
-    change of the accumulator, no waits), stores the tile and takes its two counters back to 0 for the next launch.
+    change of the accumulator, no waits), stores the tile and takes its two counters back to 0
+    for the next launch.
     count_ptr: [2, tiles after the rounds] int32, slots taken and slots filled."""
     tile_first = tile * iters_per_tile
     tile_end = tile_first + iters_per_tile
@@ -241,8 +242,9 @@ def finish_last(
 @triton.jit
 def tma_streamk_kernel(
     x_desc, w_desc, out_desc, partial_ptr, flag_ptr, times_ptr, out_ptr, rows_in, tiles,
-    iters_per_tile, SLOTS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-    FLAT: tl.constexpr, LAST: tl.constexpr, LAST_FIRST: tl.constexpr, TIMES: tl.constexpr,
+    iters_per_tile, SLOTS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    STAGES: tl.constexpr, FLAT: tl.constexpr, LAST: tl.constexpr, LAST_FIRST: tl.constexpr,
+    TIMES: tl.constexpr,
 ):  # fmt: skip
     """FLAT: a run's loop over its tiles flattened with their K-step loops (as the persistent
     loop over whole tiles is), so loads may run ahead across a tile's end; else a loop a tile
@@ -387,15 +389,19 @@ def ways(rows: int, out_features: int, sms: int) -> dict:
 WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def workspace(programs: int, bn: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(partials, flags at 0) for `programs` programs of 256 x bn tiles, made before the
-    timing's graph capture and kept."""
-    if (programs, bn, device) not in WORKSPACES:
-        WORKSPACES[programs, bn, device] = (
-            torch.empty(programs * 256 * bn, device=device, dtype=torch.float32),
-            torch.zeros(programs, device=device, dtype=torch.int32),
+def workspace(
+    programs: int, bn: int, device: torch.device, slots: int = 0, counts: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partials, flags at 0), made before the timing's graph capture and kept: a slot of
+    256 x bn float32 partials and a flag a program; or, given `slots` (partial slots) and
+    `counts` (counters), those."""
+    key = (programs, bn, device, slots, counts)
+    if key not in WORKSPACES:
+        WORKSPACES[key] = (
+            torch.empty((slots or programs) * 256 * bn, device=device, dtype=torch.float32),
+            torch.zeros(counts or programs, device=device, dtype=torch.int32),
         )
-    return WORKSPACES[programs, bn, device]
+    return WORKSPACES[key]
 
 
 def streamk(x, weight, out, bn, num_warps, num_stages, swap, programs):
@@ -421,14 +427,9 @@ def tma_streamk(x, weight, out, bn, num_warps, num_stages, programs, flat=False,
             programs -= 1
         split_tiles, total = tiles % programs, tiles % programs * iters_per_tile
         slots = triton.cdiv(iters_per_tile, max(total // programs, 1)) + 1
-        key = (programs, bn, x.device, "last", split_tiles, slots)
-        if key not in WORKSPACES:
-            size = max(split_tiles * slots, 1) * 256 * bn
-            WORKSPACES[key] = (
-                torch.empty(size, device=x.device, dtype=torch.float32),
-                torch.zeros(2 * max(split_tiles, 1), device=x.device, dtype=torch.int32),
-            )
-        partials, flags = WORKSPACES[key]
+        # `slots` slots a split tile; two counters a split tile (slots taken, slots filled)
+        partials, flags = workspace(programs, bn, x.device, max(split_tiles, 1) * slots,
+                                    2 * max(split_tiles, 1))  # fmt: skip
     else:
         partials, flags = workspace(programs, bn, x.device)
     tma_streamk_kernel[(programs,)](

@@ -76,5 +76,5 @@ def test_the_last_to_finish_a_tile_leaves_its_counters_at_zero():
         torch.testing.assert_close(
             out.double(), x.double() @ weight.double().T, atol=2e-2, rtol=2e-2
         )
-    counts = triton_gemm.WORKSPACES[programs, 32, x.device, "last", 2, 3][1]
+    counts = triton_gemm.workspace(programs, 32, x.device, 2 * 3, 2 * 2)[1]
     assert counts.tolist() == [0] * 4  # slots taken, slots filled: 2 tiles split over 3 runs

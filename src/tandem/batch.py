@@ -12,7 +12,7 @@ from tandem.prompt_logprobs import PromptLogprobStep, plan_rows
 from tandem.request import Request
 from tandem.sampling import fold_seed
 from tandem.scheduler import StepPlan
-from tandem.shared_prefix import group_shared_prefixes, shared_kv_tokens
+from tandem.shared_prefix import CopiedBlocks, group_shared_prefixes, shared_kv_tokens
 
 
 @dataclass
@@ -73,6 +73,10 @@ class RunningRows:
         self.repetition_penalty = np.ones(max_seqs, dtype=np.float32)
         self.needs_penalties = np.zeros(max_seqs, dtype=bool)
         self.constrained = np.zeros(max_seqs, dtype=bool)  # structured outputs: has a matcher
+        # its admission's copy on write (Request.copied_block): the index, -1 for none, and the
+        # copied publication
+        self.copy_index = np.full(max_seqs, -1, dtype=np.int32)
+        self.copy_publication = np.full(max_seqs, -1, dtype=np.int64)
         self.admitted: tuple[list[int], list[Request]] = ([], [])  # penalized, since the last step
         self.free_rows = list(range(max_seqs - 1, -1, -1))
         self.row_of: dict[str, int] = {}
@@ -118,6 +122,7 @@ class RunningRows:
         self.repetition_penalty[row] = params.repetition_penalty
         self.needs_penalties[row] = params.needs_penalties
         self.constrained[row] = request.matcher is not None
+        self.copy_index[row], self.copy_publication[row] = request.copied_block or (-1, -1)
         if params.needs_penalties:
             self.admitted[0].append(row)
             self.admitted[1].append(request)
@@ -131,12 +136,16 @@ class BatchBuilder:
         max_blocks: int,
         eos_ids: tuple[int, ...],
         shared_group_rows: int = 0,
+        publication: np.ndarray | None = None,
     ):
         self.block_size = block_size
         self.running_rows = RunningRows(max_seqs, max_blocks)
         self.eos_ids = eos_ids
         # most rows of a shared-prefix group; 0: the attention reads every row's whole context
         self.shared_group_rows = shared_group_rows
+        # the prefix cache's publication numbers of its blocks (PrefixCache.publication), which
+        # tell the copies of one cached block: their copied slots are shared too
+        self.publication = publication
 
     def build(
         self,
@@ -203,9 +212,16 @@ class BatchBuilder:
         num_groups = 0
         if self.shared_group_rows:
             real = min(decodes, num_seqs)
+            copies = None
+            if self.publication is not None:
+                copied = self.running_rows.copy_index[rows[:real]]
+                if (copied >= 0).any():
+                    publication = self.running_rows.copy_publication[rows[:real]]
+                    copies = CopiedBlocks(copied, publication, self.publication)
             num_groups = group_shared_prefixes(
-                tables[:real], computed_after[:real], self.block_size, self.shared_group_rows, x
-            )
+                tables[:real], computed_after[:real], self.block_size, self.shared_group_rows, x,
+                copies,
+            )  # fmt: skip
             x["prefix_lens"][real:decodes] = 0
         return StepBatch(
             step=step,

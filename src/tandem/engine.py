@@ -207,6 +207,7 @@ class Engine:
             max_blocks_per_seq,
             self.eos_token_ids,
             shared_rows,
+            self.scheduler.cache.publication,
         )
         self.runner = Runner(
             self.model,

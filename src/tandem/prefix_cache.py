@@ -16,6 +16,11 @@ before, the n samples of one), the request gets it copied on write: a block of i
 which the step copies the cached block's KV before its forward, and computes only the last
 token. Only a block published before the current schedule is copied: one published during it
 is written by the step being planned, after the copy would have read it.
+
+Each publication of a block gets a number (`publication`). A copy's first block_size - 1 slots
+hold, bit for bit, what the block held under that number (the last slot is the token the copy
+computes), so rows whose blocks at one index are copies of one publication, or that block
+itself, share those slots too (shared_prefix.py).
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ class PrefixCache:
         self.block_of: dict[bytes, int] = {}  # key -> block holding those tokens' KV
         self.key_of: dict[int, bytes] = {}  # the reverse, for eviction
         self.published_now: set[int] = set()  # published since `start_schedule`: not copyable
+        # [num_blocks] int64: each cached block's publication number, -1 while not cached
+        self.publication = np.full(allocator.num_blocks, -1, dtype=np.int64)
+        self.num_publications = 0
         allocator.on_reuse = self._evict
         # tokens looked up and tokens found, over every admission (vLLM's counters)
         self.num_queried_tokens = 0
@@ -108,6 +116,8 @@ class PrefixCache:
                 self.block_of[key] = block
                 self.key_of[block] = key
                 self.published_now.add(block)
+                self.publication[block] = self.num_publications
+                self.num_publications += 1
         request.num_published_blocks = num_full
 
     def reset(self) -> None:
@@ -115,6 +125,7 @@ class PrefixCache:
         self.block_of.clear()
         self.key_of.clear()
         self.published_now.clear()
+        self.publication.fill(-1)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -125,3 +136,4 @@ class PrefixCache:
         if key is not None:
             del self.block_of[key]
         self.published_now.discard(block)
+        self.publication[block] = -1

@@ -54,6 +54,9 @@ class Request:
     block_keys: list[bytes] = field(default_factory=list)
     num_published_blocks: int = 0
     num_cached_tokens: int | None = None
+    # (index, publication) where its admission copied a cached block on write: the block at
+    # that index of its table holds that publication's first block_size - 1 slots
+    copied_block: tuple[int, int] | None = None
     bad_words_token_ids: list[list[int]] = field(
         default_factory=list
     )  # params.bad_words, tokenized

@@ -173,8 +173,10 @@ class Scheduler:
         self.cache.count(request.num_tokens, num_cached)
         self.allocator.take(held)
         request.block_table = cached + self.allocator.allocate(needed)
+        request.copied_block = None
         if source is not None:
             plan.copies.append(BlockCopy(source, request.block_table[len(cached)]))
+            request.copied_block = (len(cached), int(self.cache.publication[source]))
             self.num_block_copies += 1
         request.num_computed_tokens = num_cached
         request.num_published_blocks = len(cached)

@@ -9,14 +9,38 @@ reads each shared block once per group (attention/triton_kernels.py, shared_pref
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import numpy as np
 
 MIN_SHARED_BLOCKS = 2  # fewer shared blocks save less than the extra launch costs
 
 
+class CopiedBlocks(NamedTuple):
+    """The decode rows' copies on write (prefix_cache.py): a row whose admission copied a cached
+    block holds, at table index `index` (-1: none), that block's first block_size - 1 slots as
+    publication number `publication` had them; `published` [num_blocks] is each cached
+    block's current publication number (-1: none)."""
+
+    index: np.ndarray  # [num_seqs] int32
+    publication: np.ndarray  # [num_seqs] int64
+    published: np.ndarray  # [num_blocks] int64
+
+    def shared_slots(self, rows: np.ndarray, tables: np.ndarray, at: int) -> bool:
+        """Whether the rows' blocks at table index `at` are copies of one publication, or the
+        block of that publication itself: their first block_size - 1 slots are then equal."""
+        copied = self.index[rows] == at
+        numbers = np.where(copied, self.publication[rows], self.published[tables[rows, at]])
+        return bool(copied.any() and numbers[0] >= 0 and (numbers == numbers[0]).all())
+
+
 def group_shared_prefixes(
-    tables: np.ndarray, seq_lens: np.ndarray, block_size: int, max_rows: int, x: dict
+    tables: np.ndarray,
+    seq_lens: np.ndarray,
+    block_size: int,
+    max_rows: int,
+    x: dict,
+    copies: CopiedBlocks | None = None,
 ) -> int:
     """Write the groups of rows that share leading blocks into the slot's host inputs `x`
     (prefix_lens, group_rows, group_starts, group_prefix, num_groups); returns their number.
@@ -25,6 +49,10 @@ def group_shared_prefixes(
     shares the block its new token goes to (a published block is never written), so the prefix
     stops before it. E.g. rows 0, 2 and 3 on blocks [7, 8, 9, ...], [7, 8, 5, ...], [7, 8, 9, ...]
     and seq_lens of 3 blocks and more: one group, rows [0, 2, 3], 2 blocks shared.
+
+    With `copies`, where the first block that differs is, in every row, a copy of one cached
+    block or that block (the n samples of a block-aligned prompt: each copies its last block
+    and computes its last token), the prefix goes on over its first block_size - 1 slots.
     """
     num_seqs = len(seq_lens)
     x["prefix_lens"][:num_seqs] = 0
@@ -49,16 +77,19 @@ def group_shared_prefixes(
         shared = limit if same.all() else int(np.argmin(same))
         if shared < MIN_SHARED_BLOCKS:
             continue
+        prefix = shared * block_size
+        if copies is not None and shared < limit and copies.shared_slots(rows, tables, shared):
+            prefix += block_size - 1
         for k in range(0, len(rows), max_rows):
             part = rows[k : k + max_rows]
             if len(part) < 2:
                 continue
             rows_out[used : used + len(part)] = part
             used += len(part)
-            prefixes[num_groups] = shared * block_size
+            prefixes[num_groups] = prefix
             num_groups += 1
             starts[num_groups] = used
-            x["prefix_lens"][part] = shared * block_size
+            x["prefix_lens"][part] = prefix
     x["num_groups"][0] = num_groups
     return num_groups
 

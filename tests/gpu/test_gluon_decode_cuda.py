@@ -134,10 +134,12 @@ def test_gluon_decode_replays_in_a_cuda_graph(dtype):
     torch.testing.assert_close(out.float(), reference(q, values, meta), atol=2e-2, rtol=2e-2)
 
 
-def shared_call(dtype, heads=32, kv_heads=8, block_size=16):
+def shared_call(dtype, heads=32, kv_heads=8, block_size=16, cut=False):
     """(backend, q, cache, meta, values) of a decode call of 160 rows where groups of 2 to 12
     rows share 2 to 70 leading blocks (the engine's grouping, groups cut at the cascade
-    kernel's rows), each with 1 to 300 keys of its own after them; 20 rows share nothing."""
+    kernel's rows), each with 1 to 300 keys of its own after them; 20 rows share nothing.
+    `cut`: each group's prefix ends 0 to block_size - 1 keys before its blocks do, as where
+    rows share a copied block's first slots (shared_prefix.py)."""
     g = torch.Generator().manual_seed(11)
     sizes = [2, 3, 4, 5, 8, 8, 8, 8, 8, 12, 12, 12, 12, 12, 12, 12, 2, 4]
     rows = sum(sizes) + 20
@@ -163,7 +165,13 @@ def shared_call(dtype, heads=32, kv_heads=8, block_size=16):
          "group_starts": np.full(rows // 2 + 1, rows, np.int32),
          "group_prefix": np.zeros(rows // 2, np.int32), "num_groups": np.zeros(1, np.int32)}  # fmt: skip
     max_rows = rows_per_shared_group(heads, kv_heads)
-    assert group_shared_prefixes(host, seq_lens, block_size, max_rows, x) >= len(sizes)
+    num_groups = group_shared_prefixes(host, seq_lens, block_size, max_rows, x)
+    assert num_groups >= len(sizes)
+    if cut:
+        for group, keys in enumerate(torch.randint(0, block_size, (num_groups,), generator=g)):
+            rows_of = x["group_rows"][x["group_starts"][group] : x["group_starts"][group + 1]]
+            x["group_prefix"][group] -= int(keys)
+            x["prefix_lens"][rows_of] -= int(keys)
     device = {name: torch.from_numpy(a).cuda() for name, a in x.items()}
     shared = SharedPrefixes(**device, max_groups=rows // 2)
     seq_lens_t = torch.from_numpy(seq_lens).cuda()
@@ -177,13 +185,14 @@ def shared_call(dtype, heads=32, kv_heads=8, block_size=16):
     return backend, q, cache, meta, values
 
 
+@pytest.mark.parametrize("cut", [False, True], ids=["whole-blocks", "cut-prefixes"])
 @pytest.mark.parametrize("dtype", [E4M3, torch.bfloat16], ids=["e4m3", "bf16"])
-def test_gluon_decode_merges_the_shared_prefixes_partials(monkeypatch, dtype):
+def test_gluon_decode_merges_the_shared_prefixes_partials(monkeypatch, dtype, cut):
     """Rows in groups that share leading blocks: the shared-prefix kernel's partials merged by
     the Gluon kernel after each row's own keys (beside that kernel: EARLY_START),
     against the reference over each row's whole context and against the Triton decode kernel,
-    eagerly and replayed in a CUDA graph."""
-    backend, q, cache, meta, values = shared_call(dtype)
+    eagerly and replayed in a CUDA graph; with `cut`, prefixes that end inside a block."""
+    backend, q, cache, meta, values = shared_call(dtype, cut=cut)
     launches = []
     launch = gluon_decode.decode
     monkeypatch.setattr(

@@ -27,7 +27,9 @@ class SharedPrefixes:
     prefix_lens: torch.Tensor  # [num_seqs] int32, keys the row's group shares; 0: in no group
     group_rows: torch.Tensor  # [num_seqs] int32, the grouped rows, group after group
     group_starts: torch.Tensor  # [max_groups + 1] int32, group g: group_rows[starts[g]:starts[g+1]]
-    group_prefix: torch.Tensor  # [max_groups] int32, keys group g shares (whole blocks)
+    # [max_groups] int32, keys group g shares: whole blocks, and where its rows copied one cached
+    # block on write, that block's first block_size - 1 slots (shared_prefix.py)
+    group_prefix: torch.Tensor
     num_groups: torch.Tensor  # [1] int32
     max_groups: int  # a bound on num_groups, for the launch grid
 

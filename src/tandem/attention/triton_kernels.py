@@ -583,7 +583,7 @@ def shared_prefix_kernel(
     block_tables_ptr,
     group_rows_ptr,  # [num_seqs] int32: the sequences of each group, group after group
     group_starts_ptr,  # [max_groups + 1] int32: group g is group_rows[starts[g]:starts[g + 1]]
-    group_prefix_ptr,  # [max_groups] int32: the keys its sequences share (whole blocks)
+    group_prefix_ptr,  # [max_groups] int32: the keys its sequences share
     num_groups_ptr,  # [1] int32: groups this step; programs past them return at once
     q_token_stride,
     block_table_stride,

@@ -107,6 +107,7 @@ def main() -> None:
         enqueue(0, 2)  # a warm-up round
         while engine.has_unfinished():
             engine.step()
+        engine.reset_prefix_cache()  # or the round below finds its prompts cached
         enqueue(1, 2)
         profiled = prefill_steps
     else:

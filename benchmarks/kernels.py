@@ -740,8 +740,10 @@ def sweep_decode_tiles(
 
 def sweep_prefill() -> None:
     """Each tile shape: checked on a 1K prompt against the reference, then timed on a 4K prompt
-    (Llama-3-8B heads) and on a chunk of the small workload's prompts (Qwen3-0.6B heads)."""
-    shapes = {"4K": dict(lengths=[4096]), "small chunk": dict(lengths=small_chunk(), num_heads=16)}
+    (Llama-3-8B heads), on a chunk of the small workload's prompts (Qwen3-0.6B heads) and on a
+    chunk of rollout's (8 prompts of 1,024 tokens, Llama-3-8B heads)."""
+    shapes = {"4K": dict(lengths=[4096]), "small chunk": dict(lengths=small_chunk(), num_heads=16),
+              "rollout chunk": dict(lengths=[1024] * 8)}  # fmt: skip
     default = PrefillTiles()
     for rows in (64, 128):
         for block_n in (32, 64, 128):

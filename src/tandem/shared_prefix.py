@@ -1,9 +1,11 @@
 """Which decode rows of a step share leading KV blocks, for cascade attention.
 
 Rows share a block when their block tables hold the same block id: the samples of one prompt,
-or requests whose common system prompt the prefix cache found. The groups are found on the
-host from the step's block tables, with numpy, and travel in the IO slot; the Triton decode then
-reads each shared block once per group (attention/triton_kernels.py, shared_prefix_kernel).
+or requests whose common system prompt the prefix cache found; past those, the first
+`block_size - 1` slots of a block that each row holds as a copy on write of one cached block (or
+as that block). The groups are found on the host from the step's block tables, with numpy, and
+travel in the IO slot; the Triton decode then reads each shared block once per group
+(attention/triton_kernels.py, shared_prefix_kernel).
 """
 
 from __future__ import annotations

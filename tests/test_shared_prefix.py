@@ -87,7 +87,7 @@ def test_copies_of_one_cached_block_share_its_first_slots():
     seed=st.integers(0, 2**16),
 )
 def test_a_prefix_past_whole_blocks_covers_only_slots_its_rows_hold_alike(events, seed):
-    """Rows on blocks 0 and 1, then each on its own block at index 2: one of three cached
+    """Rows on blocks 0 and 1, then each on its own block at index 2: one of two cached
     blocks (held), a copy of one made while it held some publication, whatever reuse did to the
     blocks after. Every group's prefix must cover only slots that all its rows hold alike,
     read through any of their tables."""

@@ -39,8 +39,8 @@ def head_major(cache: torch.Tensor, tables: torch.Tensor, q: torch.Tensor) -> tu
     return folded, per_head.reshape(seqs * heads, -1).int(), q.view(seqs * heads, -1, dim)
 
 
-def rollout_call(own: int, groups: int = 32, n: int = 8, prefix: int = 1024, shared: bool = True):
-    """(cache, tables, q, lens, group rows) of rollout's decode call: `groups` prompts of
+def rollout_call(own: int, groups: int = 32, n: int = 8, prefix: int = 1024):
+    """(cache, tables, q, lens) of rollout's decode call: `groups` prompts of
     `prefix` tokens, `n` samples each with `own` keys after it, on scattered blocks."""
     rows, shared_blocks, own_blocks = groups * n, prefix // BLOCK_SIZE, -(-own // BLOCK_SIZE)
     num_blocks = groups * shared_blocks + rows * own_blocks

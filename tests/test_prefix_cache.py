@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from tandem import LLM, SamplingParams
 from tandem.kv_cache import BlockAllocator
-from tandem.prefix_cache import ROOT_KEY, block_key
+from tandem.prefix_cache import ROOT_KEY, PrefixCache, block_key
 from tandem.request import Request, Status
 from tandem.scheduler import Scheduler
 from tandem.swap import SwapManager
@@ -208,6 +208,23 @@ def test_block_keys_chain_their_parents():
     assert block_key(first, [5, 6]) != block_key(block_key(ROOT_KEY, [9, 2, 3, 4]), [5, 6])
     assert block_key(first, [5, 6]) == block_key(block_key(ROOT_KEY, [1, 2, 3, 4]), [5, 6])
     assert block_key(first, [5, 6], extra=b"adapter-1") != block_key(first, [5, 6])
+
+
+def test_request_keys_chain_block_keys_across_prompt_and_outputs():
+    """PrefixCache.keys turns a run of blocks' tokens into bytes at once: the same keys as
+    block_key block by block, over prompt blocks, a block that spans prompt and outputs, and a
+    memo extended in two calls."""
+    cache = PrefixCache(BlockAllocator(8), 4)
+    params = SamplingParams(max_tokens=8)
+    request = Request("r", [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], params, seed=0)
+    request.output_token_ids = [5, 8, 9, 7]
+    tokens = request.prompt_token_ids + request.output_token_ids
+    expected = [block_key(ROOT_KEY, tokens[:4])]
+    for index in (1, 2):
+        expected.append(block_key(expected[-1], tokens[4 * index : 4 * index + 4]))
+    assert cache.keys(request, 1) == expected[:1]
+    assert cache.keys(request, 3) == expected
+    assert cache.keys(Request("s", tokens, params, seed=0), 3) == expected
 
 
 # ---- scheduler-level properties -------------------------------------------------------------

@@ -272,6 +272,8 @@ class Simulation:
         published_before = set(self.scheduler.cache.key_of)
         self.reused.clear()
         plan = self.scheduler.schedule()
+        ones = [n == 1 for n in plan.num_new_tokens]
+        assert ones == sorted(ones, reverse=True), "a one-token row behind a longer one"
         self.copy_swapped_blocks()  # before the step writes, as the engine orders them
         self.copy_on_write(plan, published_before)  # then the block copies, as the runner does
         for request, num_new in zip(plan.requests, plan.num_new_tokens, strict=True):
@@ -363,6 +365,32 @@ class Simulation:
         for key, block in cache.block_of.items():
             assert cache.key_of[block] == key
         self.check_swapped()
+
+
+def test_one_token_rows_lead_the_step_before_a_prompts_last_chunk():
+    """Two block-aligned prompts, two samples each, a budget of 10 tokens: the second step runs
+    the first prompt's decode, its second sample's last token (a copy of its cached block) and
+    the rest of the second prompt. The two one-token rows lead, though the scheduler plans the
+    running chunk before it admits the sample."""
+    scheduler = Scheduler(BlockAllocator(16), BLOCK, 8, 10, 64)
+    requests = []
+    for prompt in ([1] * 8, [2] * 8):
+        for sample in range(2):
+            params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+            requests.append(Request(f"{prompt[0]}-{sample}", prompt, params, seed=sample))
+            scheduler.add(requests[-1])
+    first = scheduler.schedule()
+    # the first prompt whole; its second sample waits (its copy's source is written in this
+    # step); the second prompt's first 2 tokens
+    assert [r.request_id for r in first.requests] == ["1-0", "2-0"]
+    assert first.num_new_tokens == [8, 2]
+    requests[0].output_token_ids.append(5)
+    second = scheduler.schedule()
+    assert [r.request_id for r in second.requests] == ["1-0", "1-1", "2-0"]
+    assert second.num_new_tokens == [1, 1, 6]
+    assert [(c.src, c.dst) for c in second.copies] == [
+        (requests[0].block_table[1], requests[1].block_table[1])
+    ]
 
 
 @settings(max_examples=40, deadline=None)

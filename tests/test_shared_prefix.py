@@ -257,12 +257,16 @@ def test_one_split_merges_the_prefix_partials_in_the_decode_kernel(monkeypatch, 
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="Triton's interpreter: CPU only")
-@pytest.mark.parametrize(("prompt_len", "prefix"), [(53, 52), (52, 51)])
-def test_engine_samples_of_one_prompt_decode_over_shared_blocks(make_tiny, prompt_len, prefix):
+@pytest.mark.parametrize(("prompt_len", "prefix", "first_groups"), [(53, 52, 1), (52, 51, 0)])
+def test_engine_samples_of_one_prompt_decode_over_shared_blocks(
+    make_tiny, prompt_len, prefix, first_groups
+):
     """The n samples of a prompt share its cached blocks; their decode steps go through the
     shared-prefix kernel (Triton's interpreter on CPU) and sample what a cache-less engine with
     the torch attention samples. A block-aligned prompt's samples copy its last block on write:
-    they share its first 3 of 4 slots too (prefix 51 of 52 tokens)."""
+    they share its first 3 of 4 slots too (prefix 51 of 52 tokens), from the step after the
+    prompt's. The other prompt's samples compute its last token in the prompt's own step, as
+    one-token rows that lead it: one group over the 13 blocks the step writes."""
     from tandem import LLM, SamplingParams
 
     folder = str(make_tiny("llama"))
@@ -285,7 +289,8 @@ def test_engine_samples_of_one_prompt_decode_over_shared_blocks(make_tiny, promp
     plain = LLM(folder, attention_backend="torch", enable_prefix_caching=False, **args)
     theirs = plain.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
 
-    assert groups[0] == 0 and all(g == 1 for g in groups[1:])  # prefill, then one group of 4
+    # the prompt's step (one group of its 3 other samples, or none), then one group of 4
+    assert groups[0] == first_groups and all(g == 1 for g in groups[1:])
     assert max(prefixes) == prefix
     assert [c.token_ids for c in ours.outputs] == [c.token_ids for c in theirs.outputs]
     assert len({tuple(c.token_ids) for c in ours.outputs}) > 1

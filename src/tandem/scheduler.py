@@ -29,6 +29,15 @@ class StepPlan:
     def __len__(self) -> int:
         return len(self.requests)
 
+    def single_tokens_first(self) -> None:
+        """Every row of one token before the longer ones, each kind in its planned order. The
+        attention gives a step's leading one-token rows to the decode kernel; behind a longer row
+        one would take a prefill program's tile of query rows to use one of them (rollout: the
+        samples admitted after a prompt's last chunk, about 5 ms of an 8,192-token step)."""
+        order = sorted(range(len(self.requests)), key=lambda i: self.num_new_tokens[i] != 1)
+        self.requests = [self.requests[i] for i in order]
+        self.num_new_tokens = [self.num_new_tokens[i] for i in order]
+
 
 class Scheduler:
     """FIFO admission, decode and chunked prefill mixed under a token budget; preemption by
@@ -96,6 +105,7 @@ class Scheduler:
             budget = self._resume(plan, budget)
             if not self.swapped:
                 self._admit(plan, budget)
+        plan.single_tokens_first()
         return plan
 
     def num_to_compute(self, request: Request) -> int:

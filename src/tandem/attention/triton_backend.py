@@ -200,8 +200,8 @@ class TritonAttention:
         if meta.decode_only:
             self.decode(q, out, kv_cache, meta, scale, **options)
             return out
-        # A step with prefill still leads with the running requests' one-token rows. They go to the
-        # decode kernel: in the prefill kernel each would fill a tile of query rows to use one.
+        # A step with prefill leads with its one-token rows (StepPlan.single_tokens_first). They go
+        # to the decode kernel: in the prefill kernel each would fill a tile of query rows to use one.
         decodes = leading_single_tokens(meta.query_start_loc_host)
         if decodes:
             self.decode(q, out, kv_cache, meta, scale, num_seqs=decodes, **options)

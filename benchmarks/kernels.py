@@ -6,7 +6,7 @@ Sampler: the Gumbel-max sampler's logits read per second against the copy ceilin
 Usage: PYTHONPATH=src python benchmarks/kernels.py [--json PATH] [--sweep-prefill] [--sweep-decode]
 [--sweep-sampler] [--sweep-small-ops] [--head-dim N]
 (--sweep-prefill: every prefill tile shape, each checked against the torch reference first,
-timed on a 4K prompt and on a chunk of the small workload's prompts;
+timed on a 4K prompt and on chunks of the small, rollout and chat workloads' prompts;
 --sweep-decode: decode time, reduce included, for each split count against the default's choice;
 --sweep-sampler: the sampler's chunks per row and warps per program;
 --eager SHAPE, alone: one decode call launched 3 times, eagerly, for Nsight Compute (`eager`);
@@ -322,16 +322,19 @@ def bench_prefill(
     check: bool = False,
     num_heads: int = NUM_HEADS,
     kv_dtype: torch.dtype = torch.bfloat16,
+    cached: int = 0,
 ) -> dict:
-    """One prefill call over whole prompts of `lengths` (no cached prefix), eager as the engine
-    runs it; `num_heads` query heads share the 8 KV heads (see bench_decode)."""
-    cache, tables = paged_setup(lengths)
+    """One prefill call over prompts whose last `lengths` tokens are computed after `cached`
+    tokens already in the cache (0: whole prompts), eager as the engine runs it; `num_heads`
+    query heads share the 8 KV heads (see bench_decode)."""
+    seq_lens = [cached + n for n in lengths]
+    cache, tables = paged_setup(seq_lens)
     starts = [0, *itertools.accumulate(lengths)]
     q = torch.randn(starts[-1], num_heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     backend = TritonAttention(num_heads, NUM_KV_HEADS, HEAD_DIM, len(lengths), torch.device("cuda"))
     backend.prefill_tiles = tiles or backend.prefill_tiles
-    meta = step_meta(lengths, starts, tables)
+    meta = step_meta(seq_lens, starts, tables)
     if check:
         backend.prefill(q, out, cache, meta, HEAD_DIM**-0.5)
         expected = prefill_attention(q.float(), cache.float(), meta, HEAD_DIM**-0.5)
@@ -339,12 +342,16 @@ def bench_prefill(
     ms = triton.testing.do_bench(
         lambda: backend.prefill(q, out, cache, meta, HEAD_DIM**-0.5), return_mode="median"
     )
-    # QK^T and PV over the causal (query, key) pairs: L(L + 1)/2 per prompt, as the roofline
-    flops = 2 * 2 * num_heads * HEAD_DIM * sum(n * (n + 1) // 2 for n in lengths)
+    # QK^T and PV over the causal (query, key) pairs: cached x L + L(L + 1)/2 a prompt, as the
+    # roofline counts them
+    pairs = sum(cached * n + n * (n + 1) // 2 for n in lengths)
+    flops = 2 * 2 * num_heads * HEAD_DIM * pairs
     rate = flops / (ms / 1e3)
     label = f"prefill L={lengths[0]}"
     if len(lengths) > 1:
         label = f"prefill {len(lengths)} prompts, {sum(lengths)} tokens"
+    if cached:
+        label += f" after {cached} cached"
     if num_heads != NUM_HEADS:
         label += f" {num_heads} heads"
     return {
@@ -739,11 +746,13 @@ def sweep_decode_tiles(
 
 
 def sweep_prefill() -> None:
-    """Each tile shape: checked on a 1K prompt against the reference, then timed on a 4K prompt
-    (Llama-3-8B heads), on a chunk of the small workload's prompts (Qwen3-0.6B heads) and on a
-    chunk of rollout's (8 prompts of 1,024 tokens, Llama-3-8B heads)."""
+    """Each tile shape: checked against the reference on a 1K prompt and on two prompts after
+    cached tokens, then timed on a 4K prompt (Llama-3-8B heads), on a chunk of the small
+    workload's prompts (Qwen3-0.6B heads), on one of rollout's (8 prompts of 1,024 tokens) and
+    on one of chat's (64 prompts' 128 own tokens after a cached 2,048-token system prompt)."""
     shapes = {"4K": dict(lengths=[4096]), "small chunk": dict(lengths=small_chunk(), num_heads=16),
-              "rollout chunk": dict(lengths=[1024] * 8)}  # fmt: skip
+              "rollout chunk": dict(lengths=[1024] * 8),
+              "chat chunk": dict(lengths=[128] * 64, cached=2048)}  # fmt: skip
     default = PrefillTiles()
     for rows in (64, 128):
         for block_n in (32, 64, 128):
@@ -752,6 +761,7 @@ def sweep_prefill() -> None:
                     tiles = PrefillTiles(rows, block_n, num_warps, num_stages)
                     try:
                         bench_prefill([1024], tiles, check=True)
+                        bench_prefill([128, 100], tiles, check=True, cached=300)
                         timed = {
                             name: bench_prefill(tiles=tiles, **shape)
                             for name, shape in shapes.items()

@@ -3,7 +3,9 @@ steps by default, or with --prefill the steps that prefill `batch` prompts of `i
 (after one warm-up round of the same prompts, so Triton's compiles are not in the profile). The
 CPU total against the CUDA total says whether eager prefill steps are bound by launches.
 With --gaps it also prints how much of each step the device sits idle between kernels, and after
-which kernels (kernel start and end times from the profiler's trace).
+which kernels (kernel start and end times from the profiler's trace). With --per-step the host
+waits for each profiled step before the next and each step's kernels are summed apart: whether
+steps of the same shape take the same kernel time.
 
 Usage: PYTHONPATH=src python benchmarks/profile_step.py [--model llama-3-8b] [--batch 32] [--prefill]
 [--quantization fp8] [--kv-cache-dtype fp8] [--n 8]
@@ -70,6 +72,32 @@ def kernel_gaps(events: list[dict], top: int = 8) -> str:
     return "\n".join(lines)
 
 
+def kernels_by_step(events: list[dict], top: int = 6) -> str:
+    """Chrome-trace events -> one line a step (kernels separated by an idle of STEP_BREAK_US or
+    more): its kernel time, kernel count, and its `top` kernel names by summed time."""
+    kernels = sorted(
+        (e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"),
+        key=lambda e: e["ts"],
+    )
+    steps: list[list[dict]] = []
+    end = None
+    for kernel in kernels:
+        if end is None or kernel["ts"] - end >= STEP_BREAK_US:
+            steps.append([])
+        steps[-1].append(kernel)
+        end = max(end or 0.0, kernel["ts"] + kernel["dur"])
+    lines = []
+    for index, step in enumerate(steps):
+        by_name: dict[str, float] = defaultdict(float)
+        for kernel in step:
+            by_name[kernel["name"][:40]] += kernel["dur"]
+        ranked = sorted(by_name.items(), key=lambda item: -item[1])[:top]
+        names = ", ".join(f"{name} {us / 1e3:.3f}" for name, us in ranked)
+        total = sum(kernel["dur"] for kernel in step)
+        lines.append(f"step {index}: {total / 1e3:.3f} ms, {len(step)} kernels; {names}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="llama-3-8b")
@@ -80,6 +108,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--prefill", action="store_true")
     parser.add_argument("--gaps", action="store_true", help="idle time between kernels in steps")
+    parser.add_argument("--per-step", action="store_true", help="each step's kernels apart")
     parser.add_argument("--quantization", choices=["fp8"], default=None)
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--n", type=int, default=1, help="samples per prompt (shared prefixes)")
@@ -120,17 +149,22 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(profiled):
             engine.step()
+            if args.per_step:
+                torch.cuda.synchronize()
         torch.cuda.synchronize()
     table = prof.key_averages().table(
         sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60
     )
     print(table)
-    if args.gaps:
+    if args.gaps or args.per_step:
         with tempfile.NamedTemporaryFile(suffix=".json") as file:
             prof.export_chrome_trace(file.name)
             with open(file.name) as trace:
                 events = json.load(trace)["traceEvents"]
-        print(kernel_gaps(events))
+        if args.gaps:
+            print(kernel_gaps(events))
+        if args.per_step:
+            print(kernels_by_step(events))
 
 
 if __name__ == "__main__":

@@ -44,3 +44,18 @@ def test_kernels_on_two_streams_count_once_where_they_run_side_by_side():
         "4 kernels in 1 steps: 0.047 ms of kernels, 0.040 ms with one running, 0.004 ms idle"
     )
     assert "attention -> attention" in report[1] and "1 x  4.00 us" in report[1]
+
+
+def test_kernels_by_step_sums_each_step_apart_and_ranks_its_kernels():
+    events = [
+        kernel("gemm", 0.0, 10.0),
+        kernel("norm", 12.0, 3.0),
+        kernel("gemm", 16.0, 20.0),
+        kernel("gemm", 500.0, 7.0),  # 464 us after the last kernel's end: the next step
+        kernel("copy", 508.0, 1.0),
+    ]
+    lines = profile_step.kernels_by_step(events).splitlines()
+    assert lines == [
+        "step 0: 0.033 ms, 3 kernels; gemm 0.030, norm 0.003",
+        "step 1: 0.008 ms, 2 kernels; gemm 0.007, copy 0.001",
+    ]

@@ -33,7 +33,11 @@ class StepPlan:
         """Every row of one token before the longer ones, each kind in its planned order. The
         attention gives a step's leading one-token rows to the decode kernel; behind a longer row
         one would take a prefill program's tile of query rows to use one of them (rollout: the
-        samples admitted after a prompt's last chunk, about 5 ms of an 8,192-token step)."""
+        samples admitted after a prompt's last chunk, about 5 ms of an 8,192-token step). A plan
+        already in that order, as every decode step is, is left as it is without sorting."""
+        ones = self.num_new_tokens.count(1)
+        if self.num_new_tokens[:ones].count(1) == ones:
+            return
         order = sorted(range(len(self.requests)), key=lambda i: self.num_new_tokens[i] != 1)
         self.requests = [self.requests[i] for i in order]
         self.num_new_tokens = [self.num_new_tokens[i] for i in order]

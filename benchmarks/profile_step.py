@@ -29,16 +29,19 @@ from tandem import LLM, SamplingParams
 STEP_BREAK_US = 50.0  # a longer idle is between steps (the host's turn), not inside one
 
 
+def kernel_events(events: list[dict]) -> list[dict]:
+    """The kernels of a chrome trace's events, by start time."""
+    kernels = (e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X")
+    return sorted(kernels, key=lambda e: e["ts"])
+
+
 def kernel_gaps(events: list[dict], top: int = 8) -> str:
     """Chrome-trace events -> a report of the device's idle time between kernels inside steps:
     the kernels' summed time, the time at least one runs (less than the sum where kernels run
     side by side: programmatic dependent launch, two streams), the idle gaps (each shorter than
     STEP_BREAK_US; copies count as idle) and the kernel pairs with the most idle time between
     them (the last kernel to end before the gap, and the next to start)."""
-    kernels = sorted(
-        (e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"),
-        key=lambda e: e["ts"],
-    )
+    kernels = kernel_events(events)
     summed = sum(e["dur"] for e in kernels)
     covered = idle = 0.0
     steps = 1 if kernels else 0
@@ -75,13 +78,9 @@ def kernel_gaps(events: list[dict], top: int = 8) -> str:
 def kernels_by_step(events: list[dict], top: int = 6) -> str:
     """Chrome-trace events -> one line a step (kernels separated by an idle of STEP_BREAK_US or
     more): its kernel time, kernel count, and its `top` kernel names by summed time."""
-    kernels = sorted(
-        (e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"),
-        key=lambda e: e["ts"],
-    )
     steps: list[list[dict]] = []
     end = None
-    for kernel in kernels:
+    for kernel in kernel_events(events):
         if end is None or kernel["ts"] - end >= STEP_BREAK_US:
             steps.append([])
         steps[-1].append(kernel)

@@ -206,6 +206,18 @@ def test_prompt_too_long_message_says_how_long_a_prompt_may_be(llm):
     assert_names(error, f"max_model_len is {MAX_LEN}", f"at most {MAX_LEN - 1} tokens")
 
 
+def test_numpy_token_ids_are_taken_as_python_ints(llm):
+    """Ids of any integer type pass (checked one by one, as Python ints are in bulk) and give
+    what the same Python ints give."""
+    import numpy as np
+
+    ids = [3, 17, 0, vocab_size(llm) - 1, 42]
+    [plain] = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    [typed] = llm.generate({"prompt_token_ids": list(np.array(ids))}, GREEDY, use_tqdm=False)
+    assert typed.prompt_token_ids == ids and {type(t) for t in typed.prompt_token_ids} == {int}
+    assert typed.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
 def test_token_id_out_of_vocab_message_states_the_vocab_range(llm):
     with pytest.raises(ValueError, match="prompt_token_ids") as error:
         llm.generate({"prompt_token_ids": [vocab_size(llm)]}, GREEDY, use_tqdm=False)

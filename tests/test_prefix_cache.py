@@ -227,6 +227,38 @@ def test_request_keys_chain_block_keys_across_prompt_and_outputs():
     assert cache.keys(Request("s", tokens, params, seed=0), 3) == expected
 
 
+def test_samples_of_one_prompt_matched_in_turn_hash_its_blocks_once(monkeypatch):
+    """A request matched right after one with an equal prompt takes that one's prompt keys
+    (the n samples of a prompt); the keys equal block_key's, and any other prompt, or a
+    request matched with outputs, is hashed from its own tokens."""
+    from tandem import prefix_cache
+
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    expected = [block_key(ROOT_KEY, prompt[:4])]
+    expected.append(block_key(expected[0], prompt[4:8]))
+    hashed = []
+    chained = prefix_cache.chained_key
+    monkeypatch.setattr(prefix_cache, "chained_key", lambda *a: hashed.append(1) or chained(*a))
+    cache = PrefixCache(BlockAllocator(8), 4)
+    params = SamplingParams(max_tokens=8)
+    samples = [Request(f"s{k}", list(prompt), params, seed=k) for k in range(3)]
+    for sample in samples:
+        cache.match(sample)
+        assert sample.block_keys == expected
+    assert len({id(sample.block_keys) for sample in samples}) == 3  # each extends its own
+    assert len(hashed) == 2  # the prompt's two full blocks, once
+    other = Request("o", [3, 1, 4, 1, 5, 9, 2, 7, 5, 3], params, seed=0)
+    cache.match(other)
+    assert other.block_keys[0] == expected[0] and other.block_keys[1] != expected[1]
+    assert len(hashed) == 4
+    samples[0].output_token_ids = [8, 8, 8, 8, 8, 8]  # 16 tokens: 4 full blocks
+    cache.match(samples[0])  # its memo extended over its outputs
+    late = Request("l", list(prompt), params, seed=9)
+    cache.match(late)
+    assert late.block_keys == expected  # the prompt's keys only, none of the outputs'
+    assert len(hashed) == 6
+
+
 # ---- scheduler-level properties -------------------------------------------------------------
 
 BLOCK = 4

@@ -59,6 +59,8 @@ class PrefixCache:
         # [num_blocks] int64: each cached block's publication number, -1 while not cached
         self.publication = np.full(allocator.num_blocks, -1, dtype=np.int64)
         self.num_publications = 0
+        # the prompt and key memo (Request.block_keys) of the request matched last (see match)
+        self.last_matched: tuple[list[int], list[bytes]] | None = None
         allocator.on_reuse = self._evict
         # tokens looked up and tokens found, over every admission (vLLM's counters)
         self.num_queried_tokens = 0
@@ -91,8 +93,16 @@ class PrefixCache:
         last token."""
         if not self.enabled or request.wants_prompt_logprobs or request.params.needs_token_history:
             return [], None
+        keys = request.block_keys
+        if not keys and self.last_matched is not None:
+            # the n samples of a prompt are matched one after another: its blocks hashed once
+            ids, their_keys = self.last_matched
+            if request.prompt_token_ids == ids:
+                keys.extend(their_keys[: len(ids) // self.block_size])
+        keys = self.keys(request, request.num_tokens // self.block_size)
+        self.last_matched = (request.prompt_token_ids, keys)
         blocks = []
-        for key in self.keys(request, request.num_tokens // self.block_size):
+        for key in keys:
             block = self.block_of.get(key)
             if block is None:
                 break

@@ -2,8 +2,11 @@
 
 torch asks cuBLASLt's heuristic for one algorithm per shape and runs it. This asks for up to
 --count, times each from a CUDA graph replay on cold weights (as `gemm.py` does), checks each
-against F.linear, and prints them fastest first beside F.linear's time.
+against F.linear, and prints them fastest first beside F.linear's time. --sustain S then
+times F.linear and the fastest few again under S seconds of sustained load each (`power.py`),
+where the power cap sets the clock, as in rollout's decode steps.
 Usage: PYTHONPATH=src python benchmarks/blaslt_algos.py [--model llama-3-8b] [--rows 128 256]
+[--sustain 2]
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import torch
 import torch.nn.functional as F
 from gemm import GEMM_PEAK, Rotation, matrices, time_us
+from power import Board, sustained
 
 from tandem.config import ModelConfig
 from tandem.model.loader import read_hf_config
@@ -163,7 +167,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[128, 256])
     parser.add_argument("--matrices", nargs="+", default=["qkv", "o", "gate_up", "down", "lm_head"])
     parser.add_argument("--count", type=int, default=64)
+    parser.add_argument("--sustain", type=float, default=0.0, help="seconds a candidate")
+    parser.add_argument("--sustain-top", type=int, default=4, help="candidates sustained")
     args = parser.parse_args()
+    board = Board() if args.sustain else None
     cfg = ModelConfig.from_hf(read_hf_config(args.model)[0])
     lt = load_cublaslt()
     torch.manual_seed(0)
@@ -200,6 +207,20 @@ def main() -> None:
             first = next((t for t in timed if t[1] == 0), None)
             if first is not None:
                 print(f"  heuristic's first: {first[0]:.1f} us")
+            if board is not None:
+                print("  sustained (F.linear, then the fastest; twice, the second round reversed):")
+                runs = [("F.linear", lambda x=x, r=rotation: F.linear(x, r.next()))]
+                for us, i, algo, _ in timed[: args.sustain_top]:
+                    if us < float("inf"):
+                        runs.append(
+                            (f"#{i}", lambda x=x, a=algo, m=mm, r=rotation: m(x, r.next(), a))
+                        )
+                results = {label: [] for label, _ in runs}
+                for order in (runs, runs[::-1]):
+                    for label, fn in order:
+                        results[label].append(sustained(fn, board, args.sustain))
+                for label, pair in results.items():
+                    print(f"  {label:>8} " + " | ".join(str(r) for r in pair))
 
 
 if __name__ == "__main__":

@@ -397,8 +397,8 @@ class Engine:
             raise ValueError("prompt is empty; give at least one token")
         vocab = self.model_config.vocab_size
         # Python ints in range, the usual prompt, are checked by C loops (type() is int leaves
-        # out bool): requests for 256 prompts of 900 tokens took 334 ms token by token on a
-        # 2-core CPU, 32 ms so.
+        # out bool): 256 requests of 900-token prompts took 334 ms checked token by token on a
+        # 2-core CPU, 32 ms checked so.
         plain = set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab
         if not plain:
             bad = next((t for t in ids if not _is_token_id(t) or not 0 <= t < vocab), None)

@@ -23,7 +23,7 @@ demo: setup
 	$(VENV)/bin/tandem trace plot out/demo_trace.json -o out/demo_timeline.png
 
 test: setup
-	$(VENV)/bin/pytest -q -x
+	$(VENV)/bin/pytest -q -x -n 2 --dist loadfile  # a file a worker at a time: its fixtures start once
 
 lint: setup
 	$(VENV)/bin/ruff check src tests

@@ -12,6 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one core per worker: two workers' OpenMP pools spinning on the same cores slow both
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import torch
 
 if not torch.cuda.is_available():

@@ -1,0 +1,73 @@
+"""rollout's or chat's requests timed through `LLM.generate`, as a user calls it.
+
+`tandem bench` times the engine after its requests are made; here each run's time includes
+making them (checking the prompts, matching them in the prefix cache), as in vLLM's own
+rollout script. One JSON line a run: {"workload", "run", "s", "tokens", "tok_s"}. A warm-up of a few
+short requests comes first; each run draws new prompts (chat: a new shared head), so no run
+finds the one before it in the prefix cache.
+
+    python3 benchmarks/through_generate.py chat --runs 3        # Llama-3-8B's shape, dummy weights
+    python3 benchmarks/through_generate.py rollout --runs 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from tandem import LLM, SamplingParams
+
+# name -> (prompts, shared head, unique tokens, samples a prompt, new tokens), as tandem bench
+WORKLOADS = {
+    "rollout": (32, 0, 1024, 8, 512),
+    "chat": (256, 2048, 128, 1, 256),
+}
+
+
+def prompts(rng, count: int, shared: int, unique: int, vocab: int) -> list[dict]:
+    head = rng.integers(0, vocab, size=shared).tolist()
+    return [
+        {"prompt_token_ids": head + rng.integers(0, vocab, size=unique).tolist()}
+        for _ in range(count)
+    ]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("workload", choices=sorted(WORKLOADS))
+    parser.add_argument("--model", default="llama-3-8b")
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="prompts, lengths and new tokens times this (a CPU check: 0.05)")  # fmt: skip
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    args = parser.parse_args(argv)
+    count, shared, unique, n, new = WORKLOADS[args.workload]
+    count, shared, unique, new = (  # the samples a prompt stay as they are
+        max(1, round(x * args.scale)) if x else 0 for x in (count, shared, unique, new)
+    )
+    llm = LLM(model=args.model, load_format=args.load_format, max_num_seqs=args.max_num_seqs)
+    vocab = llm.engine.model_config.vocab_size
+    rng = np.random.default_rng(0)
+    warm = SamplingParams(n=min(n, 2), temperature=1.0, max_tokens=8, ignore_eos=True)
+    llm.generate(prompts(rng, 2, shared, unique, vocab), warm, use_tqdm=False)
+    params = SamplingParams(n=n, temperature=1.0, max_tokens=new, ignore_eos=True)
+    results = []
+    for run in range(args.runs):
+        batch = prompts(rng, count, shared, unique, vocab)
+        start = time.perf_counter()
+        outputs = llm.generate(batch, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        made = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        result = {"workload": args.workload, "run": run, "s": round(seconds, 3),
+                  "tokens": made, "tok_s": round(made / seconds)}  # fmt: skip
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    return results
+
+
+if __name__ == "__main__":
+    main()

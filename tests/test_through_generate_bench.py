@@ -1,0 +1,41 @@
+"""benchmarks/through_generate.py on the tiny model: each run makes every request's new tokens and
+counts them, and chat's requests share their head in the prefix cache."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+# on the path only while it imports: see test_triton_gemm_bench.py
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+try:
+    import through_generate
+finally:
+    sys.path.pop(0)
+
+
+@pytest.mark.parametrize("workload", ["chat", "rollout"])
+def test_each_run_counts_the_tokens_it_made(make_tiny, workload, capsys):
+    runs = through_generate.main(
+        [workload, "--model", str(make_tiny("llama")), "--load-format", "auto", "--runs", "2",
+         "--scale", "0.03", "--max-num-seqs", "16"]
+    )  # fmt: skip
+    count, _, _, n, new = through_generate.WORKLOADS[workload]
+    made = round(count * 0.03) * n * round(new * 0.03)
+    assert [r["run"] for r in runs] == [0, 1]
+    assert [r["tokens"] for r in runs] == [made, made]
+    assert capsys.readouterr().out.count('"workload"') == 2
+
+
+def test_chat_prompts_share_their_head_and_differ_after_it():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    a = through_generate.prompts(rng, 3, 40, 8, 100)
+    b = through_generate.prompts(rng, 1, 40, 8, 100)
+    heads = {tuple(p["prompt_token_ids"][:40]) for p in a}
+    assert len(heads) == 1 and all(len(p["prompt_token_ids"]) == 48 for p in a)
+    assert len({tuple(p["prompt_token_ids"][40:]) for p in a}) == 3
+    assert tuple(b[0]["prompt_token_ids"][:40]) not in heads  # a new head each run

@@ -1,10 +1,10 @@
 """rollout's or chat's requests timed through `LLM.generate`, as a user calls it.
 
 `tandem bench` times the engine after its requests are made; here each run's time includes
-making them (checking the prompts, matching them in the prefix cache), as in vLLM's own
-rollout script. One JSON line a run: {"workload", "run", "s", "tokens", "tok_s"}. A warm-up of a few
-short requests comes first; each run draws new prompts (chat: a new shared head), so no run
-finds the one before it in the prefix cache.
+making them (checking the prompts, matching them in the prefix cache), as a user's script
+times it. One JSON line a run: {"workload", "run", "s", "tokens", "tok_s"}. A warm-up of a
+few short requests comes first; each run draws new prompts (chat: a new shared head), so no
+run finds the one before it in the prefix cache.
 
     python3 benchmarks/through_generate.py chat --runs 3        # Llama-3-8B's shape, dummy weights
     python3 benchmarks/through_generate.py rollout --runs 2

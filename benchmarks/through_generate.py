@@ -16,9 +16,8 @@ import argparse
 import json
 import time
 
-import numpy as np
-
 from tandem import LLM, SamplingParams
+from tandem.workload import random_workload
 
 # name -> (prompts, shared head, unique tokens, samples a prompt, new tokens), as tandem bench
 WORKLOADS = {
@@ -27,12 +26,10 @@ WORKLOADS = {
 }
 
 
-def prompts(rng, count: int, shared: int, unique: int, vocab: int) -> list[dict]:
-    head = rng.integers(0, vocab, size=shared).tolist()
-    return [
-        {"prompt_token_ids": head + rng.integers(0, vocab, size=unique).tolist()}
-        for _ in range(count)
-    ]
+def prompts(count: int, shared: int, unique: int, vocab: int, seed: int) -> list[dict]:
+    """`tandem bench`'s random prompts, each once (the engine makes its samples)."""
+    workload = random_workload(count, unique, 1, 0.0, vocab, seed, shared_prefix_len=shared)
+    return [{"prompt_token_ids": p} for p in workload.prompts]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -51,13 +48,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     llm = LLM(model=args.model, load_format=args.load_format, max_num_seqs=args.max_num_seqs)
     vocab = llm.engine.model_config.vocab_size
-    rng = np.random.default_rng(0)
     warm = SamplingParams(n=min(n, 2), temperature=1.0, max_tokens=8, ignore_eos=True)
-    llm.generate(prompts(rng, 2, shared, unique, vocab), warm, use_tqdm=False)
+    llm.generate(prompts(2, shared, unique, vocab, seed=0), warm, use_tqdm=False)
     params = SamplingParams(n=n, temperature=1.0, max_tokens=new, ignore_eos=True)
     results = []
     for run in range(args.runs):
-        batch = prompts(rng, count, shared, unique, vocab)
+        batch = prompts(count, shared, unique, vocab, seed=run + 1)
         start = time.perf_counter()
         outputs = llm.generate(batch, params, use_tqdm=False)
         seconds = time.perf_counter() - start

@@ -21,7 +21,7 @@
 #                       the prefill steps of the small workload's prompts)
 #   VARIANTS="TANDEM_PDL=0 TANDEM_BLAS=cublaslt"  each workload (async only) and each PROFILE
 #                       again under each of these environment settings, right after its own run:
-#                       A/B in one call
+#                       A/B in one call; "A=1+B=2": both settings in one variant
 #                       (e.g. TANDEM_FUSED_KERNELS=0: torch ops instead of the fused kernels)
 #   ARG_VARIANTS="--max-num-batched-tokens 16384;--max-num-seqs 128"  each workload again (async
 #                       only) with each ';'-separated entry's bench flags added (later flags win)
@@ -100,8 +100,9 @@ for shape in ${PROFILE:-}; do
   esac
   echo "== step profile $shape"
   for setting in "" ${VARIANTS:-}; do  # then the same profile under each variant's setting
-    tag=${setting//=/_}; file="$OUT/profile_${shape}${tag:+_${tag,,}}.txt"
-    env ${setting:+"$setting"} python3 benchmarks/profile_step.py --cuda-graphs --gaps $args \
+    tag=$(echo "$setting" | tr -cs 'a-zA-Z0-9' '_' | sed 's/_*$//')
+    file="$OUT/profile_${shape}${tag:+_${tag,,}}.txt"
+    env ${setting//+/ } python3 benchmarks/profile_step.py --cuda-graphs --gaps $args \
       --rows 16 > "$file" 2>&1
     echo "${setting:-defaults}:"; grep -E "Self (CPU|CUDA) time total|kernels in" "$file"
   done
@@ -132,8 +133,8 @@ for name in "$@"; do
       --repeats "${REPEATS:-3}" --output-json "$OUT/bench_${name}_${tag}.json" 2>&1 | tail -3
   done
   for setting in ${VARIANTS:-}; do
-    tag=${setting//=/_}
-    env "$setting" python3 -m tandem.cli bench throughput $args --load-format dummy \
+    tag=$(echo "$setting" | tr -cs 'a-zA-Z0-9' '_' | sed 's/_*$//')
+    env ${setting//+/ } python3 -m tandem.cli bench throughput $args --load-format dummy \
       --repeats "${REPEATS:-3}" --output-json "$OUT/bench_${name}_${tag,,}.json" 2>&1 | tail -3
   done
 done

@@ -115,8 +115,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or {"prompt_token_ids": [...]}); outputs in input order."""
-        if isinstance(prompts, str | dict):
+        """Generate for every prompt (text, {"prompt": text} or {"prompt_token_ids": [...]});
+        outputs in input order."""
+        if isinstance(prompts, str | dict) or not isinstance(prompts, Sequence):
             prompts = [prompts]
         params = self._params_per_prompt(sampling_params, len(prompts))
         groups = self._make_requests(prompts, params)
@@ -287,7 +288,12 @@ def _split_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None]:
         return prompt, None
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         return prompt.get("prompt"), prompt["prompt_token_ids"]
-    raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {prompt!r:.80}")
+    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+        return prompt["prompt"], None
+    raise ValueError(
+        "a prompt is a string, {'prompt': text} or {'prompt_token_ids': [...]}, "
+        f"got {prompt!r:.80}"
+    )
 
 
 def _request_output(request_id: str, group: list[Request]) -> RequestOutput:

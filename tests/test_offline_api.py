@@ -1,0 +1,61 @@
+"""The offline API as a vLLM user's script calls it: prompt forms, SamplingParams and outputs
+behave as vLLM documents them, checked against transformers on the same tiny checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tandem import LLM, SamplingParams
+from test_bad_input import transformers_greedy
+
+MAX_LEN = 32
+PROMPT = "The quick brown fox"
+GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folder(make_tiny) -> Path:
+    return make_tiny("qwen3")
+
+
+@pytest.fixture(scope="module")
+def llm(folder) -> LLM:
+    return LLM(str(folder), max_model_len=MAX_LEN, block_size=8)
+
+
+def hf_encode(folder: Path, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)(text)["input_ids"]
+
+
+def test_a_text_prompt_dict_is_generated_like_its_text(llm, folder):
+    [out] = llm.generate({"prompt": PROMPT}, GREEDY, use_tqdm=False)
+    prompt_ids = hf_encode(folder, PROMPT)
+    assert out.prompt == PROMPT
+    assert out.prompt_token_ids == prompt_ids
+    assert out.outputs[0].token_ids == transformers_greedy(
+        folder, tuple(prompt_ids), GREEDY.max_tokens
+    )
+
+
+def test_text_and_token_prompt_dicts_mix_in_one_call_in_input_order(llm, folder):
+    other = "Paged attention"
+    other_ids = hf_encode(folder, other)
+    prompts = [{"prompt": PROMPT}, {"prompt_token_ids": other_ids}, other]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    expected = [hf_encode(folder, PROMPT), other_ids, other_ids]
+    assert [o.prompt_token_ids for o in outs] == expected
+    assert [o.outputs[0].token_ids for o in outs] == [
+        transformers_greedy(folder, tuple(ids), GREEDY.max_tokens) for ids in expected
+    ]
+
+
+@pytest.mark.parametrize("prompt", [{"text": PROMPT}, {"prompt": 3}, 7, None])
+def test_a_prompt_of_no_known_form_is_a_value_error_naming_the_forms(llm, prompt):
+    with pytest.raises(ValueError, match="prompt_token_ids") as error:
+        llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert "'prompt'" in str(error.value)
+    assert not llm.engine.has_unfinished()

@@ -59,3 +59,13 @@ def test_a_prompt_of_no_known_form_is_a_value_error_naming_the_forms(llm, prompt
         llm.generate(prompt, GREEDY, use_tqdm=False)
     assert "'prompt'" in str(error.value)
     assert not llm.engine.has_unfinished()
+
+
+def test_max_tokens_none_generates_until_the_context_is_full_as_in_vllm(llm, folder):
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    [out] = llm.generate(PROMPT, params, use_tqdm=False)
+    prompt_ids = hf_encode(folder, PROMPT)
+    room = MAX_LEN - len(prompt_ids)
+    completion = out.outputs[0]
+    assert completion.finish_reason == "length"
+    assert completion.token_ids == transformers_greedy(folder, tuple(prompt_ids), room)

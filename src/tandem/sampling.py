@@ -32,7 +32,7 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: as many as max_model_len leaves room for
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -64,6 +64,8 @@ class SamplingParams:
         self.bad_words = list(self.bad_words or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.max_tokens is None:  # each request is cut where it fills max_model_len
+            self.max_tokens = MAX_TOKENS
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self.validate()

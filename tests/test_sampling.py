@@ -440,3 +440,14 @@ def test_zero_logprobs_returns_only_the_sampled_token(folder):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
     completion = make_llm(folder).generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
     assert [list(entry) for entry in completion.logprobs] == [[t] for t in completion.token_ids]
+
+
+def test_cumulative_logprob_sums_the_sampled_tokens_logprobs_and_is_none_without_logprobs(folder):
+    """As vLLM's CompletionOutput.cumulative_logprob: set only when logprobs were asked for."""
+    params = [sampled(seed=5, logprobs=0), sampled(seed=5)]
+    with_logprobs, without = make_llm(folder).generate(PROMPTS[:2], params, use_tqdm=False)
+    completion = with_logprobs.outputs[0]
+    reference = reference_logprobs(folder, with_logprobs.prompt_token_ids, completion.token_ids)
+    expected = reference.gather(1, torch.tensor(completion.token_ids)[:, None]).sum().item()
+    assert completion.cumulative_logprob == pytest.approx(expected, abs=1e-3)
+    assert without.outputs[0].cumulative_logprob is None

@@ -26,8 +26,9 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None  # the sum of logprobs' sampled entries; None without them
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id; None for EOS
 
 
@@ -304,15 +305,23 @@ def _request_output(request_id: str, group: list[Request]) -> RequestOutput:
         prompt_token_ids=first.prompt_token_ids,
         outputs=[
             CompletionOutput(
-                k,
-                r.output_text,
-                list(r.output_token_ids),
-                r.finish_reason,
-                r.logprobs,
-                r.stop_reason,
+                index=k,
+                text=r.output_text,
+                token_ids=list(r.output_token_ids),
+                cumulative_logprob=_cumulative_logprob(r),
+                logprobs=r.logprobs,
+                finish_reason=r.finish_reason,
+                stop_reason=r.stop_reason,
             )
             for k, r in enumerate(group)
         ],
         num_cached_tokens=first.num_cached_tokens or 0,
         prompt_logprobs=first.prompt_logprobs,
     )
+
+
+def _cumulative_logprob(request: Request) -> float | None:
+    if request.params.logprobs is None:
+        return None
+    entries, tokens = request.logprobs or [], request.output_token_ids
+    return sum(entry[t] for entry, t in zip(entries, tokens, strict=True))

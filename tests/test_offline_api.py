@@ -69,3 +69,15 @@ def test_max_tokens_none_generates_until_the_context_is_full_as_in_vllm(llm, fol
     completion = out.outputs[0]
     assert completion.finish_reason == "length"
     assert completion.token_ids == transformers_greedy(folder, tuple(prompt_ids), room)
+
+
+def test_clone_is_an_equal_deep_copy_as_vllms():
+    params = SamplingParams(stop=["\n"], logit_bias={5: 1.0}, structured_outputs={"regex": "a+"})
+    copy = params.clone()
+    assert copy == params and copy is not params
+    copy.stop.append("!")
+    copy.logit_bias[6] = -1.0
+    copy.structured_outputs.regex = "b+"
+    assert params.stop == ["\n"]
+    assert params.logit_bias == {5: 1.0}
+    assert params.structured_outputs.regex == "a+"

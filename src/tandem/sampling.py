@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -171,6 +172,10 @@ class SamplingParams:
                 raise ValueError(
                     f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
                 )
+
+    def clone(self) -> SamplingParams:
+        """A deep copy: changing its lists, dicts or constraint leaves this one as it is."""
+        return copy.deepcopy(self)
 
     @property
     def greedy(self) -> bool:

@@ -159,6 +159,17 @@ def test_an_invalid_request_raises_value_error_and_others_still_run(llm):
     assert asyncio.run(main())[-1].num_output_tokens == 4
 
 
+@pytest.mark.parametrize("prompt", [[1, 2, 3], None, {"text": PROMPTS[0]}])
+def test_a_prompt_of_no_known_form_is_a_value_error_naming_the_forms(llm, prompt):
+    async def main():
+        with pytest.raises(ValueError, match="prompt_token_ids") as error:
+            await collect(llm, prompt, SamplingParams(), "no-form")
+        assert "'prompt'" in str(error.value)
+        return await collect(llm, PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True), "ok")
+
+    assert asyncio.run(main())[-1].num_output_tokens == 4
+
+
 async def drain(stream) -> list:
     return [output async for output in stream]
 

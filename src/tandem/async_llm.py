@@ -24,7 +24,7 @@ from typing import Any
 
 from tandem.config import EngineConfig
 from tandem.engine import Engine
-from tandem.request import Request
+from tandem.request import Prompt, Request, split_prompt
 from tandem.sampling import SamplingParams
 from tandem.tokenizer import Tokenizer
 from tandem.weights import NamedTensors, check_named_tensors
@@ -214,13 +214,14 @@ class AsyncLLM:
 
     async def generate(
         self,
-        prompt: str | dict[str, Any],
+        prompt: Prompt,
         sampling_params: SamplingParams,
         request_id: str,
     ) -> AsyncIterator[StreamOutput]:
         """Stream one request's deltas; leaving the loop early aborts the request.
 
-        `prompt` is text or {"prompt_token_ids": [...]}; raises ValueError if the engine rejects it.
+        `prompt` is text, {"prompt": text} or {"prompt_token_ids": [...]}; raises ValueError if
+        the engine rejects it.
         One sample: n > 1 is a ValueError (make n requests, seed + k each, as the server does).
         """
         if sampling_params.n != 1:
@@ -228,10 +229,7 @@ class AsyncLLM:
                 f"AsyncLLM.generate streams one sample, got n={sampling_params.n}; call it once "
                 "per sample (with seed + k for sample k, as LLM.generate and the server do)"
             )
-        if isinstance(prompt, str):
-            text, ids = prompt, None
-        else:
-            text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        text, ids = split_prompt(prompt)
         stream = await self.add_request(request_id, sampling_params, text, ids)
         try:
             async for output in stream:

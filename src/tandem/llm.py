@@ -14,11 +14,9 @@ from tqdm import tqdm
 
 from tandem.config import EngineConfig
 from tandem.engine import Engine
-from tandem.request import Request
+from tandem.request import Prompt, Request, split_prompt
 from tandem.sampling import MAX_SEED, SamplingParams
 from tandem.weights import NamedTensors
-
-Prompt = str | dict[str, Any]
 
 
 @dataclass
@@ -224,7 +222,7 @@ class LLM:
         engine = self.engine
         for prompt, p in zip(prompts, params, strict=True):
             p.validate()  # n=0 would otherwise make no request to validate
-            text, ids = _split_prompt(prompt)
+            text, ids = split_prompt(prompt)
             base = str(self._next_id)
             self._next_id += 1
             group = []
@@ -282,19 +280,6 @@ def _score(entries: list[dict[int, float]], continuation: list[int]) -> ScoreOut
     token_logprobs = [e[t] for e, t in zip(entries, continuation, strict=True)]
     is_greedy = all(next(iter(e)) == t for e, t in zip(entries, continuation, strict=True))
     return ScoreOutput(sum(token_logprobs), is_greedy, token_logprobs)
-
-
-def _split_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None]:
-    if isinstance(prompt, str):
-        return prompt, None
-    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        return prompt.get("prompt"), prompt["prompt_token_ids"]
-    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-        return prompt["prompt"], None
-    raise ValueError(
-        "a prompt is a string, {'prompt': text} or {'prompt_token_ids': [...]}, "
-        f"got {prompt!r:.80}"
-    )
 
 
 def _request_output(request_id: str, group: list[Request]) -> RequestOutput:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tandem.sampling import SamplingParams
 
@@ -13,6 +13,9 @@ if TYPE_CHECKING:
     import xgrammar
 
     from tandem.tokenizer import IncrementalDetokenizer
+
+
+Prompt = str | dict[str, Any]  # text, {"prompt": text} or {"prompt_token_ids": [...]}
 
 
 class Status(enum.Enum):
@@ -106,3 +109,17 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+
+def split_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None]:
+    """(text, token ids) of a prompt in any of vLLM's three forms; one of the two may be None."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return prompt.get("prompt"), prompt["prompt_token_ids"]
+    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+        return prompt["prompt"], None
+    raise ValueError(
+        "a prompt is a string, {'prompt': text} or {'prompt_token_ids': [...]}, "
+        f"got {prompt!r:.80}"
+    )

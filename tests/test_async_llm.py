@@ -77,6 +77,13 @@ def test_concurrent_streams_match_the_offline_api_token_for_token(llm, offline):
         assert outputs[-1].num_output_tokens == len(completion.token_ids)
 
 
+def test_a_stream_without_detokenize_carries_the_offline_tokens_and_no_text(llm, offline):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, detokenize=False)
+    outputs = asyncio.run(collect(llm, PROMPTS[0], params, "ids-only"))
+    [expected] = offline.generate(PROMPTS[0], params, use_tqdm=False)
+    assert joined(outputs) == ("", expected.outputs[0].token_ids, "length")
+
+
 def test_streamed_text_never_includes_text_a_stop_string_later_trims(llm, offline):
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     text = offline.generate(PROMPTS[0], greedy, use_tqdm=False)[0].outputs[0].text

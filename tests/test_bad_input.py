@@ -107,6 +107,7 @@ BAD_SAMPLING = {
     ),
     "skip_special_tokens_not_bool": ({"skip_special_tokens": 0}, "skip_special_tokens", "True"),
     "ignore_eos_not_bool": ({"ignore_eos": "yes"}, "ignore_eos", "False"),
+    "detokenize_not_bool": ({"detokenize": 0}, "detokenize", "True"),
     "truncate_prompt_tokens_zero": ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "-1"),
     "truncate_prompt_tokens_below_minus_one": (
         {"truncate_prompt_tokens": -2},

@@ -81,3 +81,17 @@ def test_clone_is_an_equal_deep_copy_as_vllms():
     assert params.stop == ["\n"]
     assert params.logit_bias == {5: 1.0}
     assert params.structured_outputs.regex == "a+"
+
+
+def test_detokenize_false_returns_the_same_tokens_and_no_text_as_in_vllm(llm, folder):
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, detokenize=False)
+    [out] = llm.generate(PROMPT, params, use_tqdm=False)
+    prompt_ids = hf_encode(folder, PROMPT)
+    assert out.outputs[0].token_ids == transformers_greedy(folder, tuple(prompt_ids), 5)
+    assert out.outputs[0].text == ""
+
+
+def test_stop_strings_without_detokenize_are_a_value_error_naming_both():
+    with pytest.raises(ValueError, match="detokenize") as error:
+        SamplingParams(stop=["\n"], detokenize=False)
+    assert "stop" in str(error.value)

@@ -314,7 +314,8 @@ class Engine:
         prompt_token_ids: list[int] | None = None,
         stream_text: bool = False,
     ) -> Request:
-        """A validated Request, not yet queued; `stream_text` grows output_text with every token."""
+        """A validated Request, not yet queued; `stream_text` grows output_text with every token
+        (unless params.detokenize is False)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params.validate()
@@ -358,7 +359,7 @@ class Engine:
             grammars = self.grammars()
             request.matcher = grammars.matcher(grammars.compile(params.structured_outputs))
             request.token_filter = grammars.token_filter(params.structured_outputs)
-        if params.stop or stream_text:
+        if params.detokenize and (params.stop or stream_text):
             request.detokenizer = self._detokenizer(request)
         return request
 
@@ -756,7 +757,7 @@ class Engine:
             ended = reason in ("stop", "length") and num_out > request.params.min_tokens
             if ended and truncate_at_stop(request, len(delta)):
                 return "stop"
-        elif self.tokenizer is not None:
+        elif self.tokenizer is not None and request.params.detokenize:
             # as with the detokenizer: a stop token stays in token_ids but not in the text
             ids = request.output_token_ids[:-1] if stopped_by_token else request.output_token_ids
             request.output_text = self.tokenizer.decode(

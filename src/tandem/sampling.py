@@ -41,6 +41,7 @@ class SamplingParams:
     logprobs: int | None = None
     # the logprob of every prompt token after the first, plus the top `prompt_logprobs` ids
     prompt_logprobs: int | None = None
+    detokenize: bool = True  # False: outputs carry token ids only, their text stays ""
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # logits processors (penalties.py): over output tokens, over prompt and output tokens
@@ -84,7 +85,12 @@ class SamplingParams:
                 f"temperature must be a finite number >= 0 (at most {FLOAT32_MAX:.4g}, it "
                 f"travels as a float32), got {self.temperature!r}"
             )
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in (
+            "ignore_eos",
+            "detokenize",
+            "skip_special_tokens",
+            "include_stop_str_in_output",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -115,6 +121,11 @@ class SamplingParams:
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError(
+                "stop strings are matched in the text, which detokenize=False leaves out; set "
+                "detokenize=True or use stop_token_ids"
+            )
         for token_id in self.stop_token_ids:
             check_int("stop_token_ids", token_id, 0)
         if self.logprobs is not None:

@@ -91,6 +91,10 @@ BAD_SAMPLING = {
     "stop_empty_string": ({"stop": [""]}, "stop", "non-empty"),
     "stop_bare_empty_string": ({"stop": ""}, "stop", "non-empty"),
     "stop_token_ids_negative": ({"stop_token_ids": [-1]}, "stop_token_ids", ">= 0"),
+    "stop_not_a_list": ({"stop": 5}, "stop", "a list of strings"),
+    "stop_token_ids_not_a_list": ({"stop_token_ids": 5}, "stop_token_ids", "a list of token ids"),
+    "stop_token_ids_a_string": ({"stop_token_ids": "5"}, "stop_token_ids", "a list of token ids"),
+    "bad_words_not_a_list": ({"bad_words": 5}, "bad_words", "a list of strings"),
     "max_tokens_past_int32": ({"max_tokens": 2**31}, "max_tokens", str(2**31 - 1)),
     "bad_words_past_1024": ({"bad_words": ["a"] * 1025}, "bad_words", "1024"),
     # past float32: an inf temperature or a zero penalty made NaN logits that won every draw

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -57,13 +58,9 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if isinstance(self.bad_words, str):
-            self.bad_words = [self.bad_words]
-        self.bad_words = list(self.bad_words or [])
+        self.stop = _as_list("stop", self.stop, "a string or a list of strings", str)
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, "a list of token ids")
+        self.bad_words = _as_list("bad_words", self.bad_words, "a string or a list of strings", str)
         if self.top_k == -1:
             self.top_k = 0
         if self.max_tokens is None:  # each request is cut where it fills max_model_len
@@ -218,6 +215,17 @@ class SamplingParams:
             or self.allowed_token_ids is not None
             or self.bad_words
         )
+
+
+def _as_list(name: str, value: object, allowed: str, lone: type | None = None) -> list:
+    """None as [], a lone `lone` (a string) as [it], any other collection as a list of its items."""
+    if value is None:
+        return []
+    if lone is not None and isinstance(value, lone):
+        return [value]
+    if isinstance(value, str | bytes | dict) or not isinstance(value, Collection):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return list(value)
 
 
 def _is_number(value: object) -> bool:

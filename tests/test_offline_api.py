@@ -84,11 +84,16 @@ def test_clone_is_an_equal_deep_copy_as_vllms():
 
 
 def test_detokenize_false_returns_the_same_tokens_and_no_text_as_in_vllm(llm, folder):
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, detokenize=False)
+    params = SamplingParams(
+        temperature=0, max_tokens=5, ignore_eos=True, detokenize=False, logprobs=1
+    )
     [out] = llm.generate(PROMPT, params, use_tqdm=False)
     prompt_ids = hf_encode(folder, PROMPT)
     assert out.outputs[0].token_ids == transformers_greedy(folder, tuple(prompt_ids), 5)
     assert out.outputs[0].text == ""
+    assert {lp.decoded_token for entry in out.outputs[0].logprobs for lp in entry.values()} == {
+        None
+    }
 
 
 def test_stop_strings_without_detokenize_are_a_value_error_naming_both():

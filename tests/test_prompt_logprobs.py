@@ -266,3 +266,25 @@ def test_the_fused_path_soft_caps_gemma_2_logits(make_tiny, monkeypatch):
         [{"prompt_token_ids": ids}], SamplingParams(max_tokens=0, prompt_logprobs=1), use_tqdm=False
     )
     assert_matches_reference(out.prompt_logprobs, ids, 1, reference_logprobs(folder, ids))
+
+
+def test_prompt_logprobs_read_as_vllms_logprob_with_rank_and_decoded_token(make_tiny):
+    """The top k hold ranks 1..k in order and each token's text alone; the prompt token's own
+    rank where it is among them."""
+    folder = str(make_tiny("llama"))
+    llm = LLM(folder, max_model_len=64)
+    ids = prompts(llm.engine.model_config.vocab_size, [24])[0]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=5)
+    [out] = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+    reference = reference_logprobs(folder, ids)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    for p in range(1, len(ids)):
+        entry, row = out.prompt_logprobs[p], reference[p - 1]
+        for token_id, logprob in entry.items():
+            value = row[token_id].item()
+            assert logprob.logprob == pytest.approx(value, abs=TOLERANCE)
+            assert logprob.decoded_token == hf_tokenizer.decode([token_id])
+            if logprob.rank is not None:
+                more_likely = int((row > value + TOLERANCE).sum())
+                assert more_likely + 1 <= logprob.rank <= int((row >= value - TOLERANCE).sum())
+        assert [lp.rank for lp in list(entry.values())[:5]] == [1, 2, 3, 4, 5]

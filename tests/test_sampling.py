@@ -451,3 +451,29 @@ def test_cumulative_logprob_sums_the_sampled_tokens_logprobs_and_is_none_without
     expected = reference.gather(1, torch.tensor(completion.token_ids)[:, None]).sum().item()
     assert completion.cumulative_logprob == pytest.approx(expected, abs=1e-3)
     assert without.outputs[0].cumulative_logprob is None
+
+
+def test_logprobs_read_as_vllms_logprob_with_rank_and_decoded_token(folder):
+    """Each entry is a Logprob: .logprob, .rank (1 + the vocabulary's more likely tokens, also for
+    a sampled token outside the top 3) and .decoded_token (the token's text alone)."""
+    params = sampled(seed=3, temperature=2.0, logprobs=3)
+    llm = make_llm(folder)
+    completion = llm.generate(PROMPTS[2], params, use_tqdm=False)[0].outputs[0]
+    reference = reference_logprobs(
+        folder, llm.get_tokenizer().encode(PROMPTS[2]), completion.token_ids
+    )
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    ranks_outside_top3 = []
+    for step, (token, entry) in enumerate(
+        zip(completion.token_ids, completion.logprobs, strict=True)
+    ):
+        for token_id, logprob in entry.items():
+            value = reference[step, token_id].item()
+            assert logprob.logprob == pytest.approx(value, abs=1e-4)
+            more_likely = int((reference[step] > value + 1e-4).sum())
+            as_likely = int((reference[step] >= value - 1e-4).sum())
+            assert more_likely + 1 <= logprob.rank <= as_likely, (step, token_id)
+            assert logprob.decoded_token == hf_tokenizer.decode([token_id])
+        if entry[token].rank > 3:
+            ranks_outside_top3.append(entry[token].rank)
+    assert ranks_outside_top3  # temperature 2 sends some draws outside the top 3

@@ -7,7 +7,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tandem.llm import LLM, CompletionOutput, RequestOutput
+    from tandem.llm import LLM, CompletionOutput, Logprob, RequestOutput
     from tandem.sampling import SamplingParams
     from tandem.structured import StructuredOutputsParams
 
@@ -19,6 +19,7 @@ except PackageNotFoundError:  # run from a source tree that was never installed
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "Logprob",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",
@@ -30,6 +31,7 @@ __all__ = [
 _LAZY = {
     "LLM": "tandem.llm",
     "CompletionOutput": "tandem.llm",
+    "Logprob": "tandem.llm",
     "RequestOutput": "tandem.llm",
     "SamplingParams": "tandem.sampling",
     "StructuredOutputsParams": "tandem.structured",

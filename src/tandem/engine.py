@@ -704,6 +704,7 @@ class Engine:
         if request.logprobs is None:
             request.logprobs = []
         request.logprobs.append(entry)
+        request.sampled_ranks.append(int(out["sampled_rank"][row]))
 
     def _check_stop(self, request: Request) -> None:
         """As vLLM: EOS and stop_token_ids count from the min_tokens-th output on, stop strings

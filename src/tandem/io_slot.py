@@ -68,6 +68,7 @@ def output_fields(max_seqs: int) -> dict[str, tuple[tuple[int, ...], torch.dtype
         "sampled": ((b,), torch.int32),
         "top_ids": ((b, MAX_LOGPROBS), torch.int32),
         "sampled_logprob": ((b,), torch.float32),
+        "sampled_rank": ((b,), torch.int32),  # 1 + the tokens at least as likely, itself counted
         "top_logprobs": ((b, MAX_LOGPROBS), torch.float32),
     }
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,34 @@ from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.request import Prompt, Request, split_prompt
 from tandem.sampling import MAX_SEED, SamplingParams
+from tandem.tokenizer import Tokenizer
 from tandem.weights import NamedTensors
+
+
+class Logprob(float):
+    """A token's logprob, a float that also reads as vLLM's Logprob: `.logprob`, `.rank` (1 for
+    the most likely token; None for a prompt token outside the top k, whose rank is not computed)
+    and `.decoded_token` (the token's text alone; None with detokenize=False)."""
+
+    __slots__ = ("decoded_token", "rank")
+
+    def __new__(
+        cls, logprob: float, rank: int | None = None, decoded_token: str | None = None
+    ) -> Logprob:
+        self = super().__new__(cls, logprob)
+        self.rank = rank
+        self.decoded_token = decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, "
+            f"decoded_token={self.decoded_token!r})"
+        )
 
 
 @dataclass
@@ -25,7 +53,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None  # the sum of logprobs' sampled entries; None without them
-    logprobs: list[dict[int, float]] | None
+    # per output token: the top `logprobs` ids in rank order, then the sampled token
+    logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id; None for EOS
 
@@ -39,7 +68,7 @@ class RequestOutput:
     finished: bool = True
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     # with SamplingParams.prompt_logprobs: per prompt position, None for the first
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -119,9 +148,16 @@ class LLM:
         if isinstance(prompts, str | dict) or not isinstance(prompts, Sequence):
             prompts = [prompts]
         params = self._params_per_prompt(sampling_params, len(prompts))
+        groups = self._generate(prompts, params, use_tqdm)
+        token_text = _token_text(self.engine.tokenizer)
+        return [_request_output(rid, group, token_text) for rid, group in groups]
+
+    def _generate(
+        self, prompts: Sequence[Prompt], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[tuple[str, list[Request]]]:
         groups = self._make_requests(prompts, params)
         self._run([r for _, group in groups for r in group], use_tqdm)
-        return [_request_output(rid, group) for rid, group in groups]
+        return groups
 
     def score(
         self,
@@ -132,7 +168,7 @@ class LLM:
         """The log-likelihood of each continuation after its context, in one batch.
 
         Text contexts are encoded with the tokenizer's special tokens (e.g. BOS), continuations
-        without, and the two token lists joined. Runs `generate` with `prompt_logprobs=1` and
+        without, and the two token lists joined. Generates with `prompt_logprobs=1` and
         `max_tokens=0`: the joined prompt is prefilled once, nothing is sampled.
         """
         if len(contexts) != len(continuations):
@@ -144,12 +180,12 @@ class LLM:
         for context, continuation in pairs:
             if not context or not continuation:
                 raise ValueError("contexts and continuations must each give at least one token")
-        params = SamplingParams(max_tokens=0, prompt_logprobs=1)
+        params = [SamplingParams(max_tokens=0, prompt_logprobs=1)] * len(pairs)
         prompts = [{"prompt_token_ids": c + x} for c, x in pairs]
-        outputs = self.generate(prompts, params, use_tqdm)
+        groups = self._generate(prompts, params, use_tqdm)  # the floats, made into no Logprobs
         return [
-            _score(out.prompt_logprobs[len(c) :], x)
-            for out, (c, x) in zip(outputs, pairs, strict=True)
+            _score(group[0].prompt_logprobs[len(c) :], x)
+            for (_, group), (c, x) in zip(groups, pairs, strict=True)
         ]
 
     def _token_ids(self, text_or_ids: str | list[int], special: bool) -> list[int]:
@@ -282,7 +318,9 @@ def _score(entries: list[dict[int, float]], continuation: list[int]) -> ScoreOut
     return ScoreOutput(sum(token_logprobs), is_greedy, token_logprobs)
 
 
-def _request_output(request_id: str, group: list[Request]) -> RequestOutput:
+def _request_output(
+    request_id: str, group: list[Request], token_text: Callable[[int], str | None]
+) -> RequestOutput:
     first = group[0]
     return RequestOutput(
         request_id=request_id,
@@ -294,14 +332,14 @@ def _request_output(request_id: str, group: list[Request]) -> RequestOutput:
                 text=r.output_text,
                 token_ids=list(r.output_token_ids),
                 cumulative_logprob=_cumulative_logprob(r),
-                logprobs=r.logprobs,
+                logprobs=_sample_logprobs(r, token_text),
                 finish_reason=r.finish_reason,
                 stop_reason=r.stop_reason,
             )
             for k, r in enumerate(group)
         ],
         num_cached_tokens=first.num_cached_tokens or 0,
-        prompt_logprobs=first.prompt_logprobs,
+        prompt_logprobs=_prompt_logprobs(first, token_text),
     )
 
 
@@ -310,3 +348,57 @@ def _cumulative_logprob(request: Request) -> float | None:
         return None
     entries, tokens = request.logprobs or [], request.output_token_ids
     return sum(entry[t] for entry, t in zip(entries, tokens, strict=True))
+
+
+def _token_text(tokenizer: Tokenizer | None) -> Callable[[int], str | None]:
+    """A token's text alone, as vLLM decodes a logprob's token (special tokens kept)."""
+    if tokenizer is None:
+        return lambda token_id: None
+    return functools.cache(lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
+
+
+def _sample_logprobs(
+    request: Request, token_text: Callable[[int], str | None]
+) -> list[dict[int, Logprob]] | None:
+    if request.logprobs is None:
+        return None
+    num_top = request.params.logprobs
+    text = token_text if request.params.detokenize else _no_text
+    entries = zip(request.logprobs, request.output_token_ids, request.sampled_ranks, strict=True)
+    return [_logprobs(entry, num_top, token, rank, text) for entry, token, rank in entries]
+
+
+def _prompt_logprobs(
+    request: Request, token_text: Callable[[int], str | None]
+) -> list[dict[int, Logprob] | None] | None:
+    if request.prompt_logprobs is None:
+        return None
+    num_top = request.params.prompt_logprobs
+    text = token_text if request.params.detokenize else _no_text
+    return [
+        None if entry is None else _logprobs(entry, num_top, token, None, text)
+        for entry, token in zip(request.prompt_logprobs, request.prompt_token_ids, strict=True)
+    ]
+
+
+def _logprobs(
+    entry: dict[int, float],
+    num_top: int,
+    token: int,
+    token_rank: int | None,
+    text: Callable[[int], str | None],
+) -> dict[int, Logprob]:
+    """An entry's ids are the top `num_top` in rank order, then `token` unless among them; the
+    token's own rank is `token_rank` where known."""
+    return {
+        t: Logprob(
+            value,
+            token_rank if t == token and token_rank is not None else i + 1 if i < num_top else None,
+            text(t),
+        )
+        for i, (t, value) in enumerate(entry.items())
+    }
+
+
+def _no_text(token_id: int) -> None:
+    return None

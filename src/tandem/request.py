@@ -47,6 +47,7 @@ class Request:
     output_text: str = ""
     detokenizer: IncrementalDetokenizer | None = None  # kept only when text is needed per token
     logprobs: list[dict[int, float]] | None = None
+    sampled_ranks: list[int] = field(default_factory=list)  # each output token's, with logprobs
     # with params.prompt_logprobs: one entry per prompt position, None for the first (and for
     # positions not computed yet); prompt_logprobs_end is 1 + the last position filled
     prompt_logprobs: list[dict[int, float] | None] | None = None

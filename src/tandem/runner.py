@@ -384,10 +384,11 @@ class Runner:
         sampled = self.tp.broadcast(sample(logits, params, use_filters))  # rank 0's tokens rule
         out["sampled"][:num_seqs].copy_(sampled)
         if logprobs is not None:
-            sampled_logprob, top_ids, top_logprobs = top_logprobs_of(
+            sampled_logprob, sampled_rank, top_ids, top_logprobs = top_logprobs_of(
                 logprobs, sampled, num_top_logprobs
             )
             out["sampled_logprob"][:num_seqs].copy_(sampled_logprob)
+            out["sampled_rank"][:num_seqs].copy_(sampled_rank)
             out["top_ids"][:num_seqs, :num_top_logprobs].copy_(top_ids)
             out["top_logprobs"][:num_seqs, :num_top_logprobs].copy_(top_logprobs)
 

@@ -316,10 +316,12 @@ def _filter_sorted(scaled: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 
 def top_logprobs_of(logprobs: torch.Tensor, sampled: torch.Tensor, num_top: int):
-    """[rows, vocab] log-probabilities -> (of each sampled token, top `num_top` ids, their values)."""
+    """[rows, vocab] log-probabilities -> (of each sampled token its logprob and rank, the top
+    `num_top` ids, their values); the rank counts the tokens at least as likely (vLLM's)."""
     sampled_logprob = logprobs.gather(1, sampled[:, None])[:, 0]
+    sampled_rank = (logprobs >= sampled_logprob[:, None]).sum(dim=-1)
     top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
-    return sampled_logprob, top_ids, top_logprobs
+    return sampled_logprob, sampled_rank, top_ids, top_logprobs
 
 
 def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:

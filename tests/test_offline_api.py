@@ -100,3 +100,27 @@ def test_stop_strings_without_detokenize_are_a_value_error_naming_both():
     with pytest.raises(ValueError, match="detokenize") as error:
         SamplingParams(stop=["\n"], detokenize=False)
     assert "stop" in str(error.value)
+
+
+def test_chat_joins_openai_text_parts_with_newlines_as_vllm_does(llm, folder):
+    """vLLM renders a message whose content is OpenAI's list of text parts as their texts joined
+    by newlines; transformers renders that string here as the reference."""
+    from transformers import AutoTokenizer
+
+    parts = [{"type": "text", "text": "Red?"}, {"type": "text", "text": "Blue."}]
+    [out] = llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)
+    joined = [{"role": "user", "content": "Red?\nBlue."}]
+    expected = AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        joined, add_generation_prompt=True, tokenize=True
+    )
+    if not isinstance(expected, list):  # a BatchEncoding in newer transformers
+        expected = expected["input_ids"]
+    assert out.prompt_token_ids == expected
+    assert out.outputs[0].token_ids == transformers_greedy(folder, tuple(expected), 5)
+
+
+def test_chat_content_parts_other_than_text_are_a_value_error_naming_the_type(llm):
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    with pytest.raises(ValueError, match="image_url"):
+        llm.chat([{"role": "user", "content": [image]}], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished()

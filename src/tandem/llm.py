@@ -206,11 +206,13 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate. The template's
-        options as vLLM's LLM.chat takes them (`Tokenizer.apply_chat_template`)."""
+        options as vLLM's LLM.chat takes them (`Tokenizer.apply_chat_template`); a content given
+        as OpenAI's text parts is their texts joined by newlines, as vLLM renders it."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = [[_with_text_content(m) for m in c] for c in conversations]
         try:
             texts = [
                 tokenizer.apply_chat_template(
@@ -309,6 +311,22 @@ class LLM:
             if not self.engine.has_unfinished():
                 return None
             return self.engine.step()
+
+
+def _with_text_content(message: Any) -> Any:
+    """A message whose content is OpenAI's list of text parts, with their texts joined by newlines
+    (as vLLM renders it for templates that take a string); other messages as they are."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
+        return message
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or "text" not in part:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(
+                "a message's content parts must be text parts, {'type': 'text', 'text': ...}, "
+                f"for a text model; got a part of type {kind!r}"
+            )
+    return {**message, "content": "\n".join(part["text"] for part in content)}
 
 
 def _score(entries: list[dict[int, float]], continuation: list[int]) -> ScoreOutput:

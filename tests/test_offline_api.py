@@ -124,3 +124,27 @@ def test_chat_content_parts_other_than_text_are_a_value_error_naming_the_type(ll
     with pytest.raises(ValueError, match="image_url"):
         llm.chat([{"role": "user", "content": [image]}], GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished()
+
+
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def test_chat_template_argument_replaces_the_models_as_in_vllm(llm, folder):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "Hi"}]
+    [out] = llm.chat(messages, GREEDY, use_tqdm=False, chat_template=PLAIN_TEMPLATE)
+    expected = AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        messages, chat_template=PLAIN_TEMPLATE, add_generation_prompt=True, tokenize=False
+    )
+    assert out.prompt == expected
+    assert out.prompt_token_ids == hf_encode(folder, expected)
+
+
+def test_a_chat_template_that_does_not_compile_is_a_value_error(llm):
+    with pytest.raises(ValueError, match="chat template"):
+        llm.chat([{"role": "user", "content": "Hi"}], GREEDY, chat_template="{% for %}")
+    assert not llm.engine.has_unfinished()

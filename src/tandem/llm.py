@@ -204,10 +204,12 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate. The template's
         options as vLLM's LLM.chat takes them (`Tokenizer.apply_chat_template`); a content given
-        as OpenAI's text parts is their texts joined by newlines, as vLLM renders it."""
+        as OpenAI's text parts is their texts joined by newlines, as vLLM renders it;
+        `chat_template` (Jinja source) replaces the model's template."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
@@ -216,7 +218,12 @@ class LLM:
         try:
             texts = [
                 tokenizer.apply_chat_template(
-                    c, add_generation_prompt, tools, continue_final_message, chat_template_kwargs
+                    c,
+                    add_generation_prompt,
+                    tools,
+                    continue_final_message,
+                    chat_template_kwargs,
+                    chat_template=chat_template,
                 )
                 for c in conversations
             ]

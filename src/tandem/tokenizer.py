@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -100,6 +101,7 @@ class Tokenizer:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tokenize: bool = False,
+        chat_template: str | None = None,
     ) -> str | list[int]:
         """Render chat messages (and the tools they may call, OpenAI's {"type": "function",
         "function": {...}} objects) to the prompt text; encode it with add_special_tokens=False.
@@ -108,8 +110,12 @@ class Tokenizer:
         message's content, so that the model continues that message (with
         add_generation_prompt=False); `chat_template_kwargs` are more variables for the template
         (e.g. Qwen3's enable_thinking). `tokenize=True` returns the text's token ids instead, as
-        transformers' tokenizer does (whose default it is; here the text is)."""
-        if self._compiled_template is None:
+        transformers' tokenizer does (whose default it is; here the text is). `chat_template`
+        (Jinja source) renders instead of the model's template."""
+        template = (
+            compile_chat_template(chat_template) if chat_template else self._compiled_template
+        )
+        if template is None:
             raise ValueError(
                 "this model has no chat template (no chat_template.jinja and no chat_template in "
                 "tokenizer_config.json); send a plain text prompt instead of chat messages"
@@ -121,7 +127,7 @@ class Tokenizer:
             )
         extra = template_kwargs(chat_template_kwargs)
         # like transformers, special tokens that are unset stay undefined in the template
-        text = self._compiled_template.render(
+        text = template.render(
             **{**self.template_tokens, **extra},
             messages=messages,
             tools=tools,
@@ -226,6 +232,7 @@ class GenerationTag(Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
+@functools.lru_cache(maxsize=16)  # LLM.chat(chat_template=...) renders it once per conversation
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile a chat template in a sandbox with the globals, filters and tags transformers
     provides."""

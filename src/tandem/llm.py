@@ -182,7 +182,7 @@ class LLM:
                 raise ValueError("contexts and continuations must each give at least one token")
         params = [SamplingParams(max_tokens=0, prompt_logprobs=1)] * len(pairs)
         prompts = [{"prompt_token_ids": c + x} for c, x in pairs]
-        groups = self._generate(prompts, params, use_tqdm)  # the floats, made into no Logprobs
+        groups = self._generate(prompts, params, use_tqdm)  # read as floats: no Logprob made
         return [
             _score(group[0].prompt_logprobs[len(c) :], x)
             for (_, group), (c, x) in zip(groups, pairs, strict=True)

@@ -31,7 +31,7 @@ class Logprob(float):
     def __new__(
         cls, logprob: float, rank: int | None = None, decoded_token: str | None = None
     ) -> Logprob:
-        self = super().__new__(cls, logprob)
+        self = float.__new__(cls, logprob)  # not super(): this runs once per entry
         self.rank = rank
         self.decoded_token = decoded_token
         return self
@@ -415,14 +415,12 @@ def _logprobs(
 ) -> dict[int, Logprob]:
     """An entry's ids are the top `num_top` in rank order, then `token` unless among them; the
     token's own rank is `token_rank` where known."""
-    return {
-        t: Logprob(
-            value,
-            token_rank if t == token and token_rank is not None else i + 1 if i < num_top else None,
-            text(t),
-        )
-        for i, (t, value) in enumerate(entry.items())
-    }
+    out = {}
+    for rank, (t, value) in enumerate(entry.items(), 1):  # a loop: it runs once per prompt token
+        out[t] = Logprob(value, rank if rank <= num_top else None, text(t))
+    if token_rank is not None:
+        out[token].rank = token_rank
+    return out
 
 
 def _no_text(token_id: int) -> None:

@@ -7,6 +7,7 @@ depend on what else is in the batch, so a server busy with other requests must a
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import itertools
 import json
 import logging
@@ -340,6 +341,12 @@ def test_logprobs_cover_every_generated_token(client):
 
 def test_models_lists_the_served_model(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_version_answers_the_installed_package_version_as_vllm_does(server):
+    response = httpx.get(f"{server.url}/version", headers=AUTH)
+    assert response.status_code == 200
+    assert response.json() == {"version": importlib.metadata.version("tandem")}
 
 
 # ---- raw HTTP: tokenizer endpoints, SSE framing, errors -------------------------------------

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tandem import __version__
 from tandem.async_llm import AsyncLLM, EngineDeadError
 from tandem.server.admin import admin_router
 from tandem.server.metrics import ServerMetrics
@@ -67,6 +68,10 @@ def build_app(
             "max_model_len": llm.max_model_len,
         }
         return {"object": "list", "data": [model]}
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
 
     @app.get("/health")
     async def health() -> Response:

@@ -447,6 +447,28 @@ def test_a_prompt_longer_than_the_context_is_a_400(server):
     )
 
 
+def test_max_tokens_past_the_context_left_by_the_prompt_is_a_400_naming_it_as_vllm(server):
+    """vLLM refuses a prompt of P tokens with max_tokens past max_model_len - P; up to it runs."""
+    limit, prompt = ENGINE_ARGS["max_model_len"], [5] * 500
+    body = {"prompt": prompt, "max_tokens": limit - len(prompt) + 1}
+    message = assert_openai_error(post(server, "/v1/completions", body), 400, param="max_tokens")
+    assert str(limit - len(prompt)) in message
+    fits = {"prompt": prompt, "max_tokens": limit - len(prompt), "ignore_eos": True}
+    assert post(server, "/v1/completions", fits).json()["usage"]["total_tokens"] == limit
+    for field in ("max_tokens", "max_completion_tokens"):
+        chat = {"messages": MESSAGES, field: limit}
+        assert_openai_error(post(server, "/v1/chat/completions", chat), 400, param=field)
+    server.wait_until_idle()
+
+
+def test_truncate_prompt_tokens_minus_1_keeps_room_for_max_tokens(server):
+    """vLLM's -1 keeps the prompt's last max_model_len - max_tokens tokens."""
+    limit = ENGINE_ARGS["max_model_len"]
+    body = {"prompt": [5] * 600, "max_tokens": 20, "truncate_prompt_tokens": -1}
+    usage = post(server, "/v1/completions", body).json()["usage"]
+    assert usage["prompt_tokens"] == limit - 20
+
+
 @pytest.mark.parametrize(
     ("path", "body"),
     [

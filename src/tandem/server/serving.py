@@ -150,7 +150,9 @@ class OpenAIServing:
         params = sampling_params(
             body, defaults, max_tokens, body.logprobs, prompt_logprobs, output_constraint(body)
         )
-        prompts = [self._kept(text, ids, params.truncate_prompt_tokens) for text, ids in prompts]
+        keep = params.truncate_prompt_tokens
+        prompts = [self._kept(text, ids, keep, body.max_tokens) for text, ids in prompts]
+        self.check_room([ids for _, ids in prompts], body.max_tokens, "max_tokens")
         generation = await self._start("cmpl", prompts, params, body)
         if body.echo:
             for i, choice in enumerate(generation.choices):
@@ -159,13 +161,28 @@ class OpenAIServing:
         return await self._respond(generation, CompletionFormat, body, http)
 
     def _kept(
-        self, text: str | None, ids: list[int], keep: int | None
+        self, text: str | None, ids: list[int], keep: int | None, max_tokens: int | None
     ) -> tuple[str | None, list[int]]:
         """The prompt the model reads: its last `keep` ids (truncate_prompt_tokens; their text
         left to decoding where that cut them), else the prompt as given. The engine's own cut
-        then keeps them all."""
+        then keeps them all. As in vLLM, -1 leaves room for the `max_tokens` asked for."""
+        if keep == -1 and max_tokens:
+            keep = max(1, self.llm.max_model_len - max_tokens)
         kept = truncate_prompt(ids, keep, self.llm.max_model_len)
         return (text, ids) if len(kept) == len(ids) else (None, kept)
+
+    def check_room(self, prompts: list[list[int]], max_tokens: int | None, field: str) -> None:
+        """A 400, as vLLM's, for a `max_tokens` the context cannot hold after a prompt (one too
+        long to start is the engine's 400)."""
+        limit = self.llm.max_model_len
+        longest = max(len(ids) for ids in prompts)
+        if max_tokens is None or longest >= limit or longest + max_tokens <= limit:
+            return
+        message = (
+            f"{field} is {max_tokens} but the prompt has {longest} tokens and max_model_len is "
+            f"{limit}; ask for at most {limit - longest} tokens or shorten the prompt"
+        )
+        raise OpenAIError(message, param=field)
 
     def _prompt_text(self, text: str | None, ids: list[int]) -> str:
         if text is not None:
@@ -182,7 +199,9 @@ class OpenAIServing:
         mode = tool_mode(body, self.options.tool_call_parser)
         constraint = output_constraint(body, mode.constraint)
         text, ids = await asyncio.to_thread(chat_ids, self.tokenizer(), body)
-        text, ids = self._kept(text, ids, body.truncate_prompt_tokens)
+        field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+        text, ids = self._kept(text, ids, body.truncate_prompt_tokens, getattr(body, field))
+        self.check_room([ids], getattr(body, field), field)
         defaults = self.llm.sampling_defaults
         room = max(1, self.llm.max_model_len - len(ids))
         max_tokens = next(

@@ -222,6 +222,15 @@ def test_chat_without_max_tokens_may_fill_the_context(client):
     assert response.choices[0].finish_reason == "length"
 
 
+def test_a_completion_with_max_tokens_null_may_fill_the_context_as_in_vllm(server):
+    """vLLM's /v1/completions defaults max_tokens to 16 when it is left out, and reads an
+    explicit null as no limit but the context."""
+    body = {"prompt": PROMPT, "temperature": 0, "ignore_eos": True}
+    assert post(server, "/v1/completions", body).json()["usage"]["completion_tokens"] == 16
+    usage = post(server, "/v1/completions", {**body, "max_tokens": None}).json()["usage"]
+    assert usage["total_tokens"] == ENGINE_ARGS["max_model_len"]
+
+
 def test_streamed_completion_joins_to_the_full_completion_and_reports_usage(client):
     args = {"model": MODEL, "prompt": PROMPT, "max_tokens": 20, "temperature": 1.0, "seed": 11}
     full = client.completions.create(**args)

@@ -139,7 +139,10 @@ class OpenAIServing:
         prompts = await asyncio.to_thread(self._completion_prompts, body.prompt)
         defaults = self.llm.sampling_defaults
         max_tokens = body.max_tokens
-        if max_tokens is None:
+        if max_tokens is None and "max_tokens" in body.model_fields_set:  # null: up to the context
+            room = max(1, self.llm.max_model_len - min(len(ids) for _, ids in prompts))
+            max_tokens = min(room, defaults.get("max_tokens", room))
+        elif max_tokens is None:
             max_tokens = defaults.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
         if max_tokens == 0 and not body.echo:
             raise OpenAIError("max_tokens must be >= 1 unless echo is true", param="max_tokens")

@@ -185,6 +185,32 @@ def test_chat_template_options_that_cannot_work_are_400s(server):
     assert post(server, "/v1/chat/completions", {**body, "chat_template_kwargs": {}}).is_success
 
 
+def test_add_special_tokens_sets_whether_the_prompt_gets_the_tokenizers_bos(
+    server, client, offline
+):
+    """vLLM's field: on by default for a completion's text prompt, off for a chat's rendered
+    template (which writes its own); either may be turned the other way."""
+    tokenizer = offline.get_tokenizer()
+    bare = tokenizer.encode(PROMPT, add_special_tokens=False)
+    assert len(bare) < len(tokenizer.encode(PROMPT))  # the tokenizer adds a BOS
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    response = client.completions.create(**body, extra_body={"add_special_tokens": False})
+    [want] = offline.generate(
+        {"prompt_token_ids": bare}, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False
+    )
+    assert response.usage.prompt_tokens == len(bare)
+    assert response.choices[0].text == want.outputs[0].text
+    template = tokenizer.apply_chat_template(MESSAGES)
+    for add, ids in ((False, tokenizer.encode(template, add_special_tokens=False)),
+                     (True, tokenizer.encode(template))):  # fmt: skip
+        chat = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=1, extra_body={"add_special_tokens": add}
+        )
+        assert chat.usage.prompt_tokens == len(ids)
+        body = {"messages": MESSAGES, "add_special_tokens": add}
+        assert post(server, "/tokenize", body).json()["tokens"] == ids
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, offline):
     """As vLLM's field: the completion reads only the last k prompt tokens (usage counts them),
     and a chat without max_tokens may fill the context left after the cut."""

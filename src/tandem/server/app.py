@@ -92,7 +92,8 @@ def build_app(
         if body.messages is not None:
             _, tokens = await asyncio.to_thread(chat_ids, tokenizer, body)
         else:
-            tokens = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
+            add_special_tokens = body.add_special_tokens is not False
+            tokens = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.max_model_len}
 
     @app.post("/detokenize")

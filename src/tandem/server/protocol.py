@@ -175,6 +175,7 @@ class CompletionRequest(SamplingRequest):
     prompt: Text | list[int] | list[Text] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = None  # the prompt before the completion, with logprobs if asked
+    add_special_tokens: bool = True  # a text prompt gets the tokenizer's BOS
 
 
 class TextPart(MessagePart):
@@ -265,6 +266,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[Text, Any] | None = None
+    add_special_tokens: bool = False  # the template writes its own BOS
 
 
 class TokenizeRequest(RequestOption):
@@ -272,7 +274,7 @@ class TokenizeRequest(RequestOption):
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None  # given to the chat template with the messages
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # None: a prompt's True, messages' False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[Text, Any] | None = None

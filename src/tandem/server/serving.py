@@ -136,7 +136,9 @@ class OpenAIServing:
         self.check_model(body.model)
         self.check_request(body)
         # tokenizing a long prompt takes seconds: off the event loop, so other streams go on
-        prompts = await asyncio.to_thread(self._completion_prompts, body.prompt)
+        prompts = await asyncio.to_thread(
+            self._completion_prompts, body.prompt, body.add_special_tokens
+        )
         defaults = self.llm.sampling_defaults
         max_tokens = body.max_tokens
         if max_tokens is None and "max_tokens" in body.model_fields_set:  # null: up to the context
@@ -232,14 +234,16 @@ class OpenAIServing:
             message = f"a stop string is longer than {limits.max_stop_string_length} characters"
             raise OpenAIError(message, param="stop")
 
-    def _completion_prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
+    def _completion_prompts(
+        self, prompt: Any, add_special_tokens: bool
+    ) -> list[tuple[str | None, list[int]]]:
         """A prompt or a batch of them, as (text, token ids) pairs."""
         if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
             prompt = [prompt]  # one prompt, as text or as token ids
         if all(isinstance(p, list) for p in prompt):
             return [(None, p) for p in prompt]
         tokenizer = self.tokenizer()
-        return [(p, tokenizer.encode(p)) for p in prompt]
+        return [(p, tokenizer.encode(p, add_special_tokens)) for p in prompt]
 
     async def _start(
         self,
@@ -590,7 +594,7 @@ def chat_ids(
 ) -> tuple[str, list[int]]:
     """The rendered chat prompt of a request's messages and its token ids."""
     text = chat_prompt(tokenizer, body)
-    return text, tokenizer.encode(text, add_special_tokens=False)
+    return text, tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
 
 
 def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeRequest) -> str:

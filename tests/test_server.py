@@ -11,6 +11,7 @@ import importlib.metadata
 import itertools
 import json
 import logging
+import re
 import shutil
 import signal
 import socket
@@ -36,7 +37,7 @@ from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.server.app import build_app
 from tandem.server.options import ServerOptions
-from tandem.server.serving import CompletionFormat, sse
+from tandem.server.serving import CompletionFormat, Generation, sse
 
 ENGINE_ARGS = {"max_model_len": 512, "block_size": 8}
 MODEL = "tiny-llama"
@@ -340,7 +341,8 @@ def test_legacy_top_logprobs_keep_the_likeliest_of_ids_that_share_a_text(server)
     tokenizer = server.llm.engine.tokenizer
     lone = [i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]) == "\ufffd"][:3]
     assert len(lone) == 3
-    fmt = CompletionFormat(MODEL, tokenizer, generation=None)
+    generation = Generation("cmpl", 0, [], 0, num_top_logprobs=2, return_token_ids=False)
+    fmt = CompletionFormat(MODEL, tokenizer, generation)
     # as entries are written: the top ids by rank, then the token itself
     entry = {lone[0]: -0.1, 5: -2.0, lone[1]: -19.7}
     assert fmt._by_text(entry) == {"\ufffd": -0.1, tokenizer.decode([5]): -2.0}
@@ -372,6 +374,25 @@ def test_logprobs_cover_every_generated_token(client):
     content = chat.choices[0].logprobs.content
     assert len(content) == 6 and all(len(t.top_logprobs) == 3 for t in content)
     assert all(t.top_logprobs[0].logprob == t.logprob for t in content)  # greedy takes the top
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id_as_vllm(client):
+    """vLLM's field: every token in logprobs is "token_id:<id>", its ids those generated."""
+    extra = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+    args = {"model": MODEL, "max_tokens": 5, "temperature": 1.0, "seed": 3, "extra_body": extra}
+    completion = client.completions.create(prompt=PROMPT, logprobs=2, **args).choices[0]
+    named = [f"token_id:{t}" for t in completion.model_extra["token_ids"]]
+    assert completion.logprobs.tokens == named
+    for token, top in zip(named, completion.logprobs.top_logprobs, strict=True):
+        assert token in top and all(re.fullmatch(r"token_id:\d+", key) for key in top)
+    chat = client.chat.completions.create(
+        messages=MESSAGES, logprobs=True, top_logprobs=2, **args
+    ).choices[0]
+    content = chat.logprobs.content
+    assert [t.token for t in content] == [f"token_id:{t}" for t in chat.model_extra["token_ids"]]
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode())
+        assert all(re.fullmatch(r"token_id:\d+", top.token) for top in entry.top_logprobs)
 
 
 def test_models_lists_the_served_model(client):

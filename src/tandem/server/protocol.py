@@ -152,6 +152,7 @@ class SamplingRequest(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[Text] | None = None
     return_token_ids: bool | None = None  # add each choice's generated token ids
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:<id>"
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: all that fit)

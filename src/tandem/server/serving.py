@@ -82,6 +82,7 @@ class Generation:
     num_prompt_tokens: int
     num_top_logprobs: int | None
     return_token_ids: bool
+    tokens_as_ids: bool = False  # logprobs name each token "token_id:<id>", not by its text
     n: int = 1  # choices per prompt
     reader: Callable[[], OutputReader] = PlainOutput  # chat: how a choice's text is read
 
@@ -285,6 +286,7 @@ class OpenAIServing:
             num_prompt_tokens=sum(len(ids) for _, ids in prompts),
             num_top_logprobs=params.logprobs,
             return_token_ids=bool(body.return_token_ids),
+            tokens_as_ids=bool(body.return_tokens_as_token_ids),
             n=params.n,
         )
 
@@ -401,6 +403,10 @@ class Format:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def label(self, token_id: int) -> str:
+        """A token as logprobs name it: its text, or its id (return_tokens_as_token_ids)."""
+        return f"token_id:{token_id}" if self.generation.tokens_as_ids else self.piece(token_id)
+
     def token_ids(self, token_ids: list[int]) -> dict[str, list[int]]:
         return {"token_ids": token_ids} if self.generation.return_token_ids else {}
 
@@ -469,7 +475,7 @@ class CompletionFormat(Format):
         """OpenAI's legacy logprobs object; the first prompt token of an echo has none."""
         tokens = [self.piece(t) for t in token_ids]
         return {
-            "tokens": tokens,
+            "tokens": [self.label(t) for t in token_ids],
             "token_logprobs": [
                 None if e is None else e[t] for t, e in zip(token_ids, entries, strict=True)
             ],
@@ -483,7 +489,7 @@ class CompletionFormat(Format):
         hidden by a less likely one written after it (lm-eval's is_greedy reads the max)."""
         by_text: dict[str, float] = {}
         for token_id, logprob in entry.items():
-            text = self.piece(token_id)
+            text = self.label(token_id)
             by_text[text] = max(logprob, by_text.get(text, logprob))
         return by_text
 
@@ -563,8 +569,8 @@ class ChatFormat(Format):
         return {"content": content}
 
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
-        piece = self.piece(token_id)
-        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+        label = self.label(token_id)
+        return {"token": label, "logprob": logprob, "bytes": list(label.encode())}
 
 
 def finish_reason(reason: str | None, reader: OutputReader) -> str | None:

@@ -572,6 +572,8 @@ def test_a_top_k_past_the_samplers_int32_range_is_a_400_and_the_engine_keeps_ser
     [
         ("best_of", 3),
         ("suffix", " end"),
+        ("use_beam_search", True),
+        ("priority", 1),
         ("max_token", 50),  # a misspelt field must not fall back to the default silently
     ],
 )
@@ -626,6 +628,11 @@ def test_unimplemented_fields_at_values_that_ask_for_nothing_are_accepted(server
         "suffix": None,
         "skip_special_tokens": True,
         "user": "alice",
+        # vLLM's fields at their defaults, which clients written for it may send every time
+        "use_beam_search": False,
+        "length_penalty": 1.0,
+        "priority": 0,
+        "spaces_between_special_tokens": True,
     }
     body = {"prompt": PROMPT, "max_tokens": 2, "ignore_eos": True, **neutral}
     completion = post(server, "/v1/completions", body)

@@ -36,6 +36,11 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
     "tools": ([],),  # /v1/completions: chat declares tools and tool_choice
     "tool_choice": ("none", "auto"),
+    # vLLM's, at its defaults
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "priority": (0,),
+    "spaces_between_special_tokens": (True,),
 }
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
 

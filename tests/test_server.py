@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
+import transformers
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -422,6 +423,16 @@ def test_tokenize_and_detokenize_round_trip(server, offline):
     assert chat["tokens"] == tokenizer.encode(template, add_special_tokens=False)
 
 
+def test_tokenize_returns_the_vocabularys_token_strings_when_asked_as_vllm(server, folder):
+    """vLLM's return_token_strs: token_strs are the ids' entries in the vocabulary (Hugging
+    Face's convert_ids_to_tokens), null unless asked for."""
+    body = {"prompt": PROMPT + " \u00e9t\u00e9"}
+    assert post(server, "/tokenize", body).json()["token_strs"] is None
+    tokenized = post(server, "/tokenize", {**body, "return_token_strs": True}).json()
+    reference = transformers.AutoTokenizer.from_pretrained(folder)
+    assert tokenized["token_strs"] == reference.convert_ids_to_tokens(tokenized["tokens"])
+
+
 def test_a_stream_is_server_sent_events_ending_with_done(server):
     body = {"prompt": PROMPT, "max_tokens": 4, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH) as r:
@@ -661,7 +672,7 @@ def test_unimplemented_fields_at_values_that_ask_for_nothing_are_accepted(server
             {"tools": [{"type": "function", "function": {"name": "f", "parameter": {}}}]},
             "tools.0.function.parameter",
         ),
-        ("/tokenize", {"prompt": PROMPT, "return_token_strs": True}, "return_token_strs"),
+        ("/tokenize", {"prompt": PROMPT, "return_token_str": True}, "return_token_str"),
         ("/detokenize", {"tokens": [5], "skip_special": True}, "skip_special"),
     ],
 )

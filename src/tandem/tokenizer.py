@@ -80,6 +80,10 @@ class Tokenizer:
         """Text of `ids`; ids past the tokenizer's vocab decode to nothing."""
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
+        """The vocabulary's entry of each id (e.g. "Ġthe"), not its decoded text."""
+        return [self.backend.id_to_token(i) for i in ids]
+
     @property
     def vocab_size(self) -> int:
         """Number of token ids the tokenizer knows, added tokens included."""

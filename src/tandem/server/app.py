@@ -94,7 +94,13 @@ def build_app(
         else:
             add_special_tokens = body.add_special_tokens is not False
             tokens = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.max_model_len}
+        strs = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        return {
+            "tokens": tokens,
+            "count": len(tokens),
+            "max_model_len": llm.max_model_len,
+            "token_strs": strs,
+        }
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:

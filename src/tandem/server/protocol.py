@@ -281,6 +281,7 @@ class TokenizeRequest(RequestOption):
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None  # given to the chat template with the messages
     add_special_tokens: bool | None = None  # None: a prompt's True, messages' False
+    return_token_strs: bool = False  # add each id's entry in the vocabulary
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[Text, Any] | None = None

@@ -528,6 +528,14 @@ def test_max_tokens_past_the_context_left_by_the_prompt_is_a_400_naming_it_as_vl
     server.wait_until_idle()
 
 
+def test_a_chat_max_tokens_below_1_is_a_400_naming_the_field_the_request_gave(server):
+    for field in ("max_tokens", "max_completion_tokens"):
+        for value in (0, -1):
+            chat = {"messages": MESSAGES, field: value}
+            message = assert_openai_error(post(server, "/v1/chat/completions", chat), 400, field)
+            assert message.startswith(f"{field} must be >= 1")
+
+
 def test_truncate_prompt_tokens_minus_1_keeps_room_for_max_tokens(server):
     """vLLM's -1 keeps the prompt's last max_model_len - max_tokens tokens."""
     limit = ENGINE_ARGS["max_model_len"]

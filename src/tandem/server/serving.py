@@ -206,14 +206,14 @@ class OpenAIServing:
         constraint = output_constraint(body, mode.constraint)
         text, ids = await asyncio.to_thread(chat_ids, self.tokenizer(), body)
         field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
-        text, ids = self._kept(text, ids, body.truncate_prompt_tokens, getattr(body, field))
-        self.check_room([ids], getattr(body, field), field)
+        asked = getattr(body, field)
+        if asked is not None and asked < 1:  # a chat cannot score its prompt alone
+            raise OpenAIError(f"{field} must be >= 1, got {asked}", param=field)
+        text, ids = self._kept(text, ids, body.truncate_prompt_tokens, asked)
+        self.check_room([ids], asked, field)
         defaults = self.llm.sampling_defaults
         room = max(1, self.llm.max_model_len - len(ids))
-        max_tokens = next(
-            (m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
-            min(room, defaults.get("max_tokens", room)),
-        )
+        max_tokens = min(room, defaults.get("max_tokens", room)) if asked is None else asked
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling_params(body, defaults, max_tokens, logprobs, None, constraint)
         if not mode.skip_special_tokens:

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -431,6 +432,25 @@ def test_tokenize_returns_the_vocabularys_token_strings_when_asked_as_vllm(serve
     tokenized = post(server, "/tokenize", {**body, "return_token_strs": True}).json()
     reference = transformers.AutoTokenizer.from_pretrained(folder)
     assert tokenized["token_strs"] == reference.convert_ids_to_tokens(tokenized["tokens"])
+
+
+def test_the_response_id_carries_the_x_request_id_header_or_the_request_id_field_as_vllm(
+    server,
+):
+    """vLLM's response id is "cmpl-" or "chatcmpl-" and the X-Request-Id header, else the body's
+    request_id; calls that share one still run side by side."""
+    body = {"prompt": PROMPT, "max_tokens": 30, "ignore_eos": True, "request_id": "from-body"}
+    with ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(lambda _: post(server, "/v1/completions", body), range(2)))
+    assert [r.json()["id"] for r in both] == ["cmpl-from-body"] * 2
+    header = {**AUTH, "X-Request-Id": "from-header"}
+    chat = {"messages": MESSAGES, "max_tokens": 2, "request_id": "from-body"}
+    response = post(server, "/v1/chat/completions", chat, headers=header)
+    assert response.json()["id"] == "chatcmpl-from-header"
+    stream = {"prompt": PROMPT, "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=stream, headers=header) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line[6:7] == "{"]
+    assert {e["id"] for e in events} == {"cmpl-from-header"}
 
 
 def test_a_stream_is_server_sent_events_ending_with_done(server):

@@ -158,6 +158,7 @@ class SamplingRequest(BaseModel):
     bad_words: list[Text] | None = None
     return_token_ids: bool | None = None  # add each choice's generated token ids
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:<id>"
+    request_id: Text | None = None  # the response's id, after "cmpl-" (X-Request-Id wins)
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: all that fit)

@@ -159,7 +159,7 @@ class OpenAIServing:
         keep = params.truncate_prompt_tokens
         prompts = [self._kept(text, ids, keep, body.max_tokens) for text, ids in prompts]
         self.check_room([ids for _, ids in prompts], body.max_tokens, "max_tokens")
-        generation = await self._start("cmpl", prompts, params, body)
+        generation = await self._start("cmpl", prompts, params, body, http)
         if body.echo:
             for i, choice in enumerate(generation.choices):
                 text, ids = prompts[i // params.n]
@@ -218,7 +218,7 @@ class OpenAIServing:
         params = sampling_params(body, defaults, max_tokens, logprobs, None, constraint)
         if not mode.skip_special_tokens:
             params = replace(params, skip_special_tokens=False)
-        generation = await self._start("chatcmpl", [(text, ids)], params, body)
+        generation = await self._start("chatcmpl", [(text, ids)], params, body, http)
         generation.reader = mode.reader
         return await self._respond(generation, ChatFormat, body, http)
 
@@ -252,9 +252,12 @@ class OpenAIServing:
         prompts: list[tuple[str | None, list[int]]],
         params: SamplingParams,
         body: SamplingRequest,
+        http: HttpRequest,
     ) -> Generation:
-        """Queue n engine requests per prompt, all validated by the engine, or none."""
-        arrival, call_id = time.perf_counter(), f"{kind}-{uuid.uuid4().hex}"
+        """Queue n engine requests per prompt, all validated by the engine, or none. The
+        response's id is the client's (X-Request-Id, else request_id) when it gives one; the
+        engine's stay unique, so calls that share an id run side by side."""
+        arrival, call_id = time.perf_counter(), uuid.uuid4().hex
         num_sequences, limit = len(prompts) * params.n, self.options.max_sequences_per_request
         if num_sequences > limit:
             message = (
@@ -263,7 +266,7 @@ class OpenAIServing:
             )
             raise OpenAIError(message, param="n")
         requests = [
-            (f"{call_id}-{i}-{k}", seeded(params, k), text, ids)
+            (f"{kind}-{call_id}-{i}-{k}", seeded(params, k), text, ids)
             for i, (text, ids) in enumerate(prompts)
             for k in range(params.n)
         ]
@@ -279,8 +282,9 @@ class OpenAIServing:
                 raise invalid_request(error, body) from error
             raise error
         choices = [Choice(s, LatencyTracker(self.metrics, arrival)) for s in streams]
+        client_id = http.headers.get("X-Request-Id", body.request_id)
         return Generation(
-            id=call_id,
+            id=f"{kind}-{client_id or call_id}",
             created=int(time.time()),
             choices=choices,
             num_prompt_tokens=sum(len(ids) for _, ids in prompts),

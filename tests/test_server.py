@@ -417,11 +417,24 @@ def test_tokenize_and_detokenize_round_trip(server, offline):
     text = httpx.post(
         f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}, headers=AUTH
     ).json()
-    assert text["prompt"] == offline.get_tokenizer().decode(tokens["tokens"])
+    bos = offline.get_tokenizer().decode(tokens["tokens"][:1], skip_special_tokens=False)
+    assert text["prompt"] == bos + PROMPT
     chat = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}, headers=AUTH).json()
     tokenizer = offline.get_tokenizer()
     template = tokenizer.apply_chat_template(MESSAGES)
     assert chat["tokens"] == tokenizer.encode(template, add_special_tokens=False)
+
+
+def test_detokenize_keeps_special_tokens_as_vllm(server, folder):
+    """vLLM decodes as Hugging Face's decode does by default: the chat template's special tokens
+    stay in the text, so a rendered chat prompt comes back whole."""
+    tokens = post(server, "/tokenize", {"messages": MESSAGES}).json()["tokens"]
+    text = post(server, "/detokenize", {"tokens": tokens}).json()["prompt"]
+    reference = transformers.AutoTokenizer.from_pretrained(folder)
+    assert text == reference.decode(tokens)
+    assert text == reference.apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_tokenize_returns_the_vocabularys_token_strings_when_asked_as_vllm(server, folder):

@@ -105,7 +105,8 @@ def build_app(
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
         serving.check_model(body.model)
-        return {"prompt": serving.tokenizer().decode(body.tokens)}
+        # as vLLM's: special tokens (a chat template's markers, BOS) stay in the text
+        return {"prompt": serving.tokenizer().decode(body.tokens, skip_special_tokens=False)}
 
     return app
 

@@ -789,6 +789,9 @@ def test_chat_top_logprobs_needs_logprobs_and_is_at_most_20(server):
     assert_openai_error(post(server, "/v1/chat/completions", without_logprobs), 400, "top_logprobs")
     too_many = {**body, "logprobs": True, "top_logprobs": 21}
     assert_openai_error(post(server, "/v1/chat/completions", too_many), 400, "top_logprobs")
+    # as vLLM's: 0 asks for nothing, so it needs no logprobs
+    zero = post(server, "/v1/chat/completions", {**body, "top_logprobs": 0})
+    assert zero.status_code == 200 and zero.json()["choices"][0]["logprobs"] is None
 
 
 def test_chat_without_messages_is_a_400(server):

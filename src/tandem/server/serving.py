@@ -200,7 +200,7 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, http: HttpRequest) -> Response:
         self.check_model(body.model)
         self.check_request(body)
-        if body.top_logprobs is not None and not body.logprobs:
+        if body.top_logprobs and not body.logprobs:
             raise OpenAIError("top_logprobs needs logprobs set to true", param="top_logprobs")
         mode = tool_mode(body, self.options.tool_call_parser)
         constraint = output_constraint(body, mode.constraint)

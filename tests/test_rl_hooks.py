@@ -209,6 +209,23 @@ def test_admin_routes_pause_and_resume_behind_the_api_key(folder):
         llm.shutdown()
 
 
+def test_sleep_takes_its_level_as_a_query_parameter_as_vllms_route_does(folder):
+    """vLLM's POST /sleep?level=2: the level is honoured, not left at 1; one that differs from
+    the body's, or is not 1 or 2, is a 400 and nothing sleeps."""
+    llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
+    try:
+        with TestClient(build_app(llm, "tiny")) as client:
+            for query, body in (("?level=3", None), ("?level=2", {"level": 1})):
+                refused = client.post(f"/sleep{query}", json=body)
+                assert refused.status_code == 400 and "level" in refused.json()["error"]["param"]
+                assert not llm.engine.is_sleeping
+            assert client.post("/sleep?level=2").status_code == 200
+            assert llm.engine.memory.level == 2
+            assert client.post("/wake_up").status_code == 200
+    finally:
+        llm.shutdown()
+
+
 def test_generate_on_a_paused_engine_raises_instead_of_waiting_for_itself(folder):
     llm = LLM(folder, **ENGINE_ARGS)
     llm.pause_generation()

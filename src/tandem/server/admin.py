@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 
 from tandem.async_llm import AsyncLLM
 from tandem.server.protocol import OpenAIError, RequestOption
@@ -50,8 +50,14 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
         return {"paused": await llm.is_paused()}
 
     @router.post("/sleep")
-    async def sleep(body: SleepRequest | None = None) -> dict[str, float]:
-        freed = await _engine_call(llm.sleep((body or SleepRequest()).level))
+    async def sleep(
+        body: SleepRequest | None = None, level: int | None = Query(None, ge=1, le=2)
+    ) -> dict[str, float]:
+        # vLLM's route reads ?level=; the body's, when both are given, must agree
+        if body is not None and level is not None and body.level != level:
+            message = f"the query's level={level} and the body's level={body.level} differ"
+            raise OpenAIError(message, param="level")
+        freed = await _engine_call(llm.sleep(level or (body or SleepRequest()).level))
         return {"freed_gib": freed / 2**30}
 
     @router.post("/wake_up")

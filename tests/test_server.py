@@ -537,6 +537,12 @@ def test_an_unknown_model_is_a_404_model_not_found(server):
     assert_openai_error(post(server, "/v1/chat/completions", chat), 404, param="model")
 
 
+def test_an_empty_model_name_asks_for_the_served_model_as_in_vllm(server):
+    body = {"model": "", "prompt": PROMPT, "max_tokens": 2}
+    assert post(server, "/v1/completions", body).json()["model"] == MODEL
+    assert post(server, "/tokenize", {"model": "", "prompt": PROMPT}).status_code == 200
+
+
 def test_a_prompt_longer_than_the_context_is_a_400(server):
     body = {"prompt": [5] * ENGINE_ARGS["max_model_len"]}
     message = assert_openai_error(post(server, "/v1/completions", body), 400, param="prompt")

@@ -113,7 +113,7 @@ class OpenAIServing:
         self.open: set[Generation] = set()  # the calls being answered, for `end_all`
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model and model != self.model_name:  # as vLLM's, null or "" asks for the one served
             raise OpenAIError(
                 f"model {model!r} is not served here; use {self.model_name!r}",
                 404,

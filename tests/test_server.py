@@ -284,6 +284,29 @@ def test_continuous_usage_stats_give_every_chunk_the_usage_so_far(client):
     assert text == client.completions.create(**args).choices[0].text
 
 
+def test_continuous_usage_counts_the_chunks_own_prompt_and_choice_as_vllm(client):
+    """With several prompts and n, vLLM's chunk usage is its choice's: its prompt's tokens and
+    the tokens that choice has made so far; the last chunk's usage is the whole call's."""
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14]]
+    args = {"model": MODEL, "prompt": prompts, "max_tokens": 5, "n": 2, "seed": 1}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    stream = client.completions.create(
+        **args, stream=True, stream_options=options, extra_body=extra
+    )
+    chunks = list(stream)
+    made = [0] * 4
+    for chunk in chunks[:-1]:
+        [choice] = chunk.choices
+        made[choice.index] += len(choice.model_extra["token_ids"])
+        prompt = prompts[choice.index // 2]
+        assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens) == (
+            len(prompt),
+            made[choice.index],
+        )
+    assert chunks[-1].usage.completion_tokens == sum(made) == 20
+
+
 def test_streamed_chat_sends_the_role_first_then_content_deltas(client):
     args = {"model": MODEL, "messages": MESSAGES, "max_tokens": 16, "temperature": 0}
     full = client.chat.completions.create(**args)
@@ -343,7 +366,7 @@ def test_legacy_top_logprobs_keep_the_likeliest_of_ids_that_share_a_text(server)
     tokenizer = server.llm.engine.tokenizer
     lone = [i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]) == "\ufffd"][:3]
     assert len(lone) == 3
-    generation = Generation("cmpl", 0, [], 0, num_top_logprobs=2, return_token_ids=False)
+    generation = Generation("cmpl", 0, [], [], num_top_logprobs=2, return_token_ids=False)
     fmt = CompletionFormat(MODEL, tokenizer, generation)
     # as entries are written: the top ids by rank, then the token itself
     entry = {lone[0]: -0.1, 5: -2.0, lone[1]: -19.7}

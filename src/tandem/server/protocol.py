@@ -112,7 +112,7 @@ class OpenAIError(Exception):
 
 class StreamOptions(RequestOption):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries its choice's usage so far
 
 
 class JsonSchemaFormat(RequestOption):

@@ -79,7 +79,7 @@ class Generation:
     id: str
     created: int
     choices: list[Choice]
-    num_prompt_tokens: int
+    prompt_lengths: list[int]  # [num_prompts]
     num_top_logprobs: int | None
     return_token_ids: bool
     tokens_as_ids: bool = False  # logprobs name each token "token_id:<id>", not by its text
@@ -90,12 +90,14 @@ class Generation:
         completion_tokens = sum(len(c.token_ids) for c in self.choices)
         # prompt tokens count each prompt once, and so do its cached ones: its first sample's
         cached = sum(c.num_cached_tokens for c in self.choices[:: self.n])
-        return {
-            "prompt_tokens": self.num_prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": self.num_prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
+        return usage(sum(self.prompt_lengths), completion_tokens, cached)
+
+    def choice_usage(self, index: int) -> dict:
+        """What one choice has used so far: its prompt and its own tokens (vLLM's usage of a
+        chunk with continuous_usage_stats)."""
+        choice = self.choices[index]
+        prompt_tokens = self.prompt_lengths[index // self.n]
+        return usage(prompt_tokens, len(choice.token_ids), choice.num_cached_tokens)
 
     def abort_unfinished(self) -> None:
         for choice in self.choices:
@@ -287,7 +289,7 @@ class OpenAIServing:
             id=f"{kind}-{client_id or call_id}",
             created=int(time.time()),
             choices=choices,
-            num_prompt_tokens=sum(len(ids) for _, ids in prompts),
+            prompt_lengths=[len(ids) for _, ids in prompts],
             num_top_logprobs=params.logprobs,
             return_token_ids=bool(body.return_token_ids),
             tokens_as_ids=bool(body.return_tokens_as_token_ids),
@@ -341,7 +343,7 @@ class OpenAIServing:
         self, generation: Generation, fmt: Format, include_usage: bool, continuous: bool = False
     ) -> AsyncIterator[str]:
         """The stream's chunks; with `include_usage` a last chunk of usage (before it each chunk
-        says "usage": null, or with `continuous` the usage so far)."""
+        says "usage": null, or with `continuous` its choice's usage so far)."""
         chunk_envelope = fmt.envelope(chunk=True)
         usage_field = {"usage": None} if include_usage else {}
         ended = False  # the stream reached its end, or an error event; else the client left
@@ -353,7 +355,7 @@ class OpenAIServing:
                 if delta is not None:
                     choice.started = True
                     if continuous:
-                        usage_field = {"usage": generation.usage()}
+                        usage_field = {"usage": generation.choice_usage(index)}
                     yield sse({**chunk_envelope, "choices": [delta], **usage_field})
             if include_usage:
                 yield sse({**chunk_envelope, "choices": [], "usage": generation.usage()})
@@ -575,6 +577,15 @@ class ChatFormat(Format):
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
         label = self.label(token_id)
         return {"token": label, "logprob": logprob, "bytes": list(label.encode())}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def finish_reason(reason: str | None, reader: OutputReader) -> str | None:

@@ -209,9 +209,9 @@ def test_admin_routes_pause_and_resume_behind_the_api_key(folder):
         llm.shutdown()
 
 
-def test_sleep_takes_its_level_as_a_query_parameter_as_vllms_route_does(folder):
+def test_sleep_takes_vllms_level_query_parameter_and_is_sleeping_reports_it(folder):
     """vLLM's POST /sleep?level=2: the level is honoured, not left at 1; one that differs from
-    the body's, or is not 1 or 2, is a 400 and nothing sleeps."""
+    the body's, or is not 1 or 2, is a 400 and nothing sleeps. GET /is_sleeping says whether it does."""
     llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
     try:
         with TestClient(build_app(llm, "tiny")) as client:
@@ -219,9 +219,12 @@ def test_sleep_takes_its_level_as_a_query_parameter_as_vllms_route_does(folder):
                 refused = client.post(f"/sleep{query}", json=body)
                 assert refused.status_code == 400 and "level" in refused.json()["error"]["param"]
                 assert not llm.engine.is_sleeping
+            assert client.get("/is_sleeping").json() == {"is_sleeping": False}
             assert client.post("/sleep?level=2").status_code == 200
             assert llm.engine.memory.level == 2
+            assert client.get("/is_sleeping").json() == {"is_sleeping": True}  # vLLM's route
             assert client.post("/wake_up").status_code == 200
+            assert client.get("/is_sleeping").json() == {"is_sleeping": False}
     finally:
         llm.shutdown()
 

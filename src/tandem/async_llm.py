@@ -285,6 +285,9 @@ class AsyncLLM:
     async def is_paused(self) -> bool:
         return await self._call(lambda engine: engine.paused)
 
+    async def is_sleeping(self) -> bool:
+        return await self._call(lambda engine: engine.is_sleeping)
+
     async def _call(self, function: Callable[[Engine], Any]) -> Any:
         loop = asyncio.get_running_loop()
         done = loop.create_future()

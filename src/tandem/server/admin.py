@@ -60,6 +60,10 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
         freed = await _engine_call(llm.sleep(level or (body or SleepRequest()).level))
         return {"freed_gib": freed / 2**30}
 
+    @router.get("/is_sleeping")
+    async def is_sleeping() -> dict[str, bool]:
+        return {"is_sleeping": await llm.is_sleeping()}
+
     @router.post("/wake_up")
     async def wake_up() -> dict[str, bool]:
         await _engine_call(llm.wake_up())

@@ -142,7 +142,7 @@ def test_echo_scores_a_batch_of_token_id_prompts(client, folder):
 @pytest.mark.parametrize(
     ("path", "body", "field"),
     [
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": "sometimes"}, "echo"),
         ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
         ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0, "echo": False}, "max_tokens"),
         ("/v1/completions", {"prompt": PROMPT, "echo": True, "logprobs": 21}, "logprobs"),

@@ -169,6 +169,26 @@ def test_chat_continues_the_final_message_as_llm_chat_does(client, offline):
     assert text.endswith("assistant\nThe KV")
 
 
+def test_chat_echo_puts_the_continued_message_before_the_answer_as_vllm(client, offline):
+    """vLLM's chat echo: the final message's content leads the answer's when it is of the
+    answer's role (the assistant's, or with add_generation_prompt false the final message's),
+    in one answer and at the start of a stream; other roles are not echoed."""
+    messages = [*MESSAGES[:2], {"role": "assistant", "content": "The KV"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True, "echo": True}
+    args = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0}
+    params = SamplingParams(max_tokens=8, temperature=0)
+    [want] = offline.chat(messages, params, use_tqdm=False, add_generation_prompt=False,
+                          continue_final_message=True)  # fmt: skip
+    answer = client.chat.completions.create(**args, extra_body=options).choices[0].message
+    assert answer.content == "The KV" + want.outputs[0].text
+    stream = client.chat.completions.create(**args, extra_body=options, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == answer.content
+    [plain] = offline.chat(MESSAGES, params, use_tqdm=False)
+    user_last = client.chat.completions.create(**{**args, "messages": MESSAGES},
+                                               extra_body={"echo": True})  # fmt: skip
+    assert user_last.choices[0].message.content == plain.outputs[0].text
+
+
 def test_tokenize_takes_the_chat_template_options(server, offline):
     messages = [*MESSAGES[:2], {"role": "assistant", "content": "The KV"}]
     options = {"add_generation_prompt": False, "continue_final_message": True}

@@ -32,7 +32,6 @@ MAX_TOKEN_ID = 2**32 - 1  # the tokenizer's u32
 # request (IGNORED_FIELDS), or is one tandem does not implement at a value that asks for nothing.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
-    "echo": (False,),
     "suffix": ("",),
     "tools": ([],),  # /v1/completions: chat declares tools and tool_choice
     "tool_choice": ("none", "auto"),
@@ -226,12 +225,14 @@ class ChatMessage(MessagePart):
             raise ValueError("a tool message needs the tool_call_id it answers")
         return self
 
-    def as_template_input(self) -> dict[str, Any]:
+    def text(self) -> str:
         content = self.content or ""
-        text = content if isinstance(content, str) else "".join(part.text for part in content)
+        return content if isinstance(content, str) else "".join(part.text for part in content)
+
+    def as_template_input(self) -> dict[str, Any]:
         # OpenAI's newer name for the system role; chat templates know "system"
         role = "system" if self.role == "developer" else self.role
-        message: dict[str, Any] = {"role": role, "content": text}
+        message: dict[str, Any] = {"role": role, "content": self.text()}
         if self.tool_calls:
             message["tool_calls"] = [call.as_template_input() for call in self.tool_calls]
         for name in ("tool_call_id", "name"):
@@ -274,6 +275,14 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     chat_template_kwargs: dict[Text, Any] | None = None
     add_special_tokens: bool = False  # the template writes its own BOS
+    echo: bool = False  # vLLM's: the final message's text leads the answer's if of its role
+
+    def echoed(self) -> str:
+        """The text echo puts before the answer: the final message's, when it is of the answer's
+        role (the assistant's, or without a generation prompt the final message's own)."""
+        final = self.messages[-1]
+        role = "assistant" if self.add_generation_prompt else final.role
+        return final.text() if self.echo and final.role == role else ""
 
 
 class TokenizeRequest(RequestOption):

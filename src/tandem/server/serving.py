@@ -85,6 +85,7 @@ class Generation:
     tokens_as_ids: bool = False  # logprobs name each token "token_id:<id>", not by its text
     n: int = 1  # choices per prompt
     reader: Callable[[], OutputReader] = PlainOutput  # chat: how a choice's text is read
+    echoed: str = ""  # chat with echo: the text before each answer
 
     def usage(self) -> dict:
         completion_tokens = sum(len(c.token_ids) for c in self.choices)
@@ -221,7 +222,7 @@ class OpenAIServing:
         if not mode.skip_special_tokens:
             params = replace(params, skip_special_tokens=False)
         generation = await self._start("chatcmpl", [(text, ids)], params, body, http)
-        generation.reader = mode.reader
+        generation.reader, generation.echoed = mode.reader, body.echoed()
         return await self._respond(generation, ChatFormat, body, http)
 
     def check_request(self, body: SamplingRequest) -> None:
@@ -527,8 +528,9 @@ class ChatFormat(Format):
             choice.reader = self.generation.reader()
         read = choice.reader.feed(output.text, final=output.finished)
         delta: dict[str, Any] = {} if choice.started else {"role": "assistant"}
-        if read.content or (not choice.started and isinstance(choice.reader, PlainOutput)):
-            delta["content"] = read.content  # plain chat starts with content, "" if none yet
+        content = read.content if choice.started else self.generation.echoed + read.content
+        if content or (not choice.started and isinstance(choice.reader, PlainOutput)):
+            delta["content"] = content  # plain chat starts with content, "" if none yet
         if read.calls:
             delta["tool_calls"] = [call.as_openai() for call in read.calls]
         if not (delta or self.shows(output)):
@@ -549,6 +551,8 @@ class ChatFormat(Format):
             message["content"], tool_calls = collect(reader, choice.text)
             if tool_calls:
                 message["tool_calls"] = tool_calls
+        if self.generation.echoed:
+            message["content"] = self.generation.echoed + (message["content"] or "")
         return {
             "index": index,
             "message": message,

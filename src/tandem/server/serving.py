@@ -175,8 +175,8 @@ class OpenAIServing:
         """The prompt the model reads: its last `keep` ids (truncate_prompt_tokens; their text
         left to decoding where that cut them), else the prompt as given. The engine's own cut
         then keeps them all. As in vLLM, -1 leaves room for the `max_tokens` asked for."""
-        if keep == -1 and max_tokens:
-            keep = max(1, self.llm.max_model_len - max_tokens)
+        if keep == -1 and max_tokens and max_tokens < self.llm.max_model_len:
+            keep = self.llm.max_model_len - max_tokens
         kept = truncate_prompt(ids, keep, self.llm.max_model_len)
         return (text, ids) if len(kept) == len(ids) else (None, kept)
 

@@ -189,6 +189,19 @@ def test_chat_echo_puts_the_continued_message_before_the_answer_as_vllm(client, 
     assert user_last.choices[0].message.content == plain.outputs[0].text
 
 
+def test_text_parts_of_a_message_reach_the_template_joined_by_newlines_as_vllm(server):
+    """vLLM renders a content of text parts as their texts joined by newlines."""
+    parts = [{"type": "text", "text": "Name a"}, {"type": "text", "text": "cache."}]
+    as_parts = [{"role": "user", "content": parts}]
+    as_text = [{"role": "user", "content": "Name a\ncache."}]
+    tokens = [
+        post(server, "/tokenize", {"messages": m}).json()["tokens"] for m in (as_parts, as_text)
+    ]
+    assert tokens[0] == tokens[1]
+    chat = post(server, "/v1/chat/completions", {"messages": as_parts, "max_tokens": 1}).json()
+    assert chat["usage"]["prompt_tokens"] == len(tokens[1])
+
+
 def test_tokenize_takes_the_chat_template_options(server, offline):
     messages = [*MESSAGES[:2], {"role": "assistant", "content": "The KV"}]
     options = {"add_generation_prompt": False, "continue_final_message": True}

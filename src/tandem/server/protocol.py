@@ -226,8 +226,9 @@ class ChatMessage(MessagePart):
         return self
 
     def text(self) -> str:
+        """The content as text; text parts are joined by newlines, as vLLM renders them."""
         content = self.content or ""
-        return content if isinstance(content, str) else "".join(part.text for part in content)
+        return content if isinstance(content, str) else "\n".join(part.text for part in content)
 
     def as_template_input(self) -> dict[str, Any]:
         # OpenAI's newer name for the system role; chat templates know "system"

@@ -83,7 +83,7 @@ BAD_SAMPLING = {
     "max_tokens_zero": ({"max_tokens": 0}, "max_tokens", ">= 1"),
     "min_tokens_above_max_tokens": ({"max_tokens": 4, "min_tokens": 5}, "min_tokens", "max_tokens"),
     "min_tokens_negative": ({"min_tokens": -1}, "min_tokens", ">= 0"),
-    "seed_negative": ({"seed": -1}, "seed", ">= 0"),
+    "seed_below_int64": ({"seed": -(2**63) - 1}, "seed", str(-(2**63))),
     "seed_above_63_bits": ({"seed": 2**63}, "seed", str(2**63 - 1)),
     "logprobs_above_20": ({"logprobs": 21}, "logprobs", "[0, 20]"),
     "logprobs_negative": ({"logprobs": -1}, "logprobs", ">= 0"),

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tandem import LLM, SamplingParams
+from tandem.sampling import fold_seed
 from test_bad_input import transformers_greedy
 
 MAX_LEN = 32
@@ -148,3 +149,13 @@ def test_a_chat_template_that_does_not_compile_is_a_value_error(llm):
     with pytest.raises(ValueError, match="chat template"):
         llm.chat([{"role": "user", "content": "Hi"}], GREEDY, chat_template="{% for %}")
     assert not llm.engine.has_unfinished()
+
+
+def test_seed_minus_one_is_no_seed_and_other_negative_seeds_seed_as_in_vllm(llm):
+    assert SamplingParams(seed=-1).seed is None
+    seeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=-7)
+    [alone] = llm.generate(PROMPT, seeded, use_tqdm=False)
+    beside = llm.generate([PROMPT, "Another prompt"], [seeded, GREEDY], use_tqdm=False)
+    assert alone.outputs[0].token_ids == beside[0].outputs[0].token_ids
+    assert {fold_seed(-1 - k) for k in range(64)}.isdisjoint(fold_seed(k) for k in range(64))
+    assert [fold_seed(k) for k in (0, 7, 2**31 - 1, 2**31)] == [0, 7, 2**31 - 1, -(2**31)]

@@ -570,7 +570,7 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
         ("n", 129),
         ("max_tokens", 0),
         ("min_tokens", 99),
-        ("seed", -1),
+        ("seed", 2**63),
         ("stop", [""]),
         ("stop_token_ids", [10**6]),
         ("logprobs", 50),

@@ -15,7 +15,7 @@ from tandem.structured import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_N = 128  # samples per prompt (OpenAI's limit): one call must not queue millions of requests
-MAX_SEED = 2**63 - 1
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # an int64, as vLLM takes it; -1 means no seed
 MAX_TOP_K = 2**31 - 1
 MAX_TOKENS = 2**31 - 1  # past any context (where max_tokens is cut); min_tokens fits an int64
 MAX_BAD_WORDS = 1024  # each is tokenized as the request is made, on the engine's thread
@@ -63,6 +63,8 @@ class SamplingParams:
         self.bad_words = _as_list("bad_words", self.bad_words, "a string or a list of strings", str)
         if self.top_k == -1:
             self.top_k = 0
+        if self.seed == -1:  # as vLLM: the engine draws one
+            self.seed = None
         if self.max_tokens is None:  # each request is cut where it fills max_model_len
             self.max_tokens = MAX_TOKENS
         if isinstance(self.structured_outputs, dict):
@@ -98,7 +100,7 @@ class SamplingParams:
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None:
-            check_int("seed", self.seed, 0)
+            check_int("seed", self.seed, MIN_SEED)
             if self.seed > MAX_SEED:
                 raise ValueError(f"seed must be <= {MAX_SEED}, got {self.seed}")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
@@ -233,8 +235,11 @@ def _is_number(value: object) -> bool:
 
 
 def fold_seed(seed: int) -> int:
-    """A 64-bit seed as a signed 32-bit value for the int32 input buffer."""
-    folded = (seed ^ (seed >> 32)) & 0xFFFFFFFF
+    """A 64-bit seed (negative: its two's complement) as a signed 32-bit value for the int32 input
+    buffer: the low half, mixed with the high half times an odd constant, so that a seed below
+    2**32 keeps its value and -1 - k does not fold onto k."""
+    high = (seed >> 32) & 0xFFFFFFFF
+    folded = (seed ^ (high * 0x9E3779B9)) & 0xFFFFFFFF
     return folded - (1 << 32) if folded >= 1 << 31 else folded
 
 

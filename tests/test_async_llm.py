@@ -177,6 +177,23 @@ def test_a_prompt_of_no_known_form_is_a_value_error_naming_the_forms(llm, prompt
     assert asyncio.run(main())[-1].num_output_tokens == 4
 
 
+def test_generate_takes_the_cache_salt_of_a_prompt_dict(llm):
+    """Only a request of the same salt finds the blocks a salted prompt left in the cache."""
+    ids = list(range(40, 60))  # 20 tokens: 2 full blocks of 8
+
+    async def cached(salt: str | None, request_id: str) -> int:
+        prompt = {"prompt_token_ids": ids, "cache_salt": salt}
+        outputs = await collect(llm, prompt, SamplingParams(max_tokens=2), request_id)
+        return outputs[0].num_cached_tokens
+
+    async def main():
+        return [await cached(salt, f"salted-{k}") for k, salt in enumerate(["a", "b", None, "a"])]
+
+    assert asyncio.run(main()) == [0, 0, 0, 16]
+    with pytest.raises(ValueError, match="cache_salt"):
+        asyncio.run(cached("", "empty-salt"))
+
+
 async def drain(stream) -> list:
     return [output async for output in stream]
 

@@ -94,8 +94,9 @@ def test_greedy_tokens_with_caching_equal_without_and_transformers(
         assert cached_llm.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("cache_salt", [None, "tenant"], ids=["unsalted", "salted"])
 @pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
-def test_n_samples_prefill_their_prompt_once(make_tiny, async_batching):
+def test_n_samples_prefill_their_prompt_once(make_tiny, async_batching, cache_salt):
     folder = str(make_tiny("llama"))
     llm = LLM(folder, block_size=4, num_blocks=128, max_model_len=64, async_batching=async_batching)
     scheduled = []
@@ -109,14 +110,20 @@ def test_n_samples_prefill_their_prompt_once(make_tiny, async_batching):
     llm.engine.scheduler.schedule = counting_schedule
     prompt = list(range(7, 37))  # 30 tokens: 7 full blocks of 4 and 2 tokens over
     params = SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
-    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    salted = {"prompt_token_ids": prompt, "cache_salt": cache_salt}
+    out = llm.generate(salted, params, use_tqdm=False)[0]
 
-    # the first sample computes the prompt; each other one only the 2 tokens past its 7 cached blocks
+    # the first sample computes the prompt; each other one only the 2 tokens past its 7 cached
+    # blocks (the samples share their prompt's salt)
     assert sum(scheduled) == 30 + 3 * 2 + 4 * 5
     alone = LLM(folder, block_size=4, num_blocks=128, max_model_len=64, enable_prefix_caching=False)
     plain = alone.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
     assert [c.token_ids for c in out.outputs] == [c.token_ids for c in plain.outputs]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # seeds stay per sample
+    # later, a request of another salt finds none of those blocks, one of the same salt all 7
+    again = [{"prompt_token_ids": prompt, "cache_salt": s} for s in ("other", cache_salt)]
+    outs = llm.generate(again, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [0, 28]
 
 
 @pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
@@ -182,6 +189,43 @@ def test_num_cached_tokens_counts_whole_blocks_of_the_prompt(make_tiny):
     # 36 other tokens need 9 of the 10 blocks: every cached block of range(1, 13) is evicted
     assert run(list(range(100, 136))).num_cached_tokens == 0
     assert run(list(range(1, 11))).num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+def test_requests_share_cached_blocks_only_with_requests_of_their_cache_salt(
+    make_tiny, async_batching
+):
+    """vLLM's cache_salt: a salted prompt hits only blocks cached under its salt; no salt shares
+    with no salt alone. The tokens stay those of an uncached run and of transformers."""
+    folder = str(make_tiny("llama"))
+    args = dict(block_size=4, num_blocks=64, max_model_len=40, async_batching=async_batching)
+    llm = LLM(folder, **args)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = list(range(3, 13))  # 10 tokens: 2 full blocks can be cached
+
+    def run(*salts):
+        prompts = [{"prompt_token_ids": prompt, "cache_salt": s} for s in salts]
+        return llm.generate(prompts, params, use_tqdm=False)
+
+    # in one call: "b" right after an equal prompt of "a" (so not taking a's keys), then "a"
+    outs = run("a", "b", "a") + run("a", "b", "c", None) + run(None)
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 8, 8, 8, 0, 0, 8]
+    want = reference(folder, tuple(prompt), 6)
+    plain = LLM(folder, **args, enable_prefix_caching=False).generate(
+        {"prompt_token_ids": prompt}, params, use_tqdm=False
+    )[0]
+    assert plain.outputs[0].token_ids == want
+    assert all(o.outputs[0].token_ids == want for o in outs)
+    assert llm.engine.allocator.num_free == llm.engine.num_blocks
+
+
+@pytest.mark.parametrize("salt", ["", 5, b"a", ["a"]], ids=["empty", "int", "bytes", "list"])
+def test_a_cache_salt_that_is_not_a_non_empty_string_is_a_value_error(make_tiny, salt):
+    llm = LLM(str(make_tiny("llama")), block_size=4, num_blocks=16, max_model_len=32)
+    prompts = [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [1, 2, 3], "cache_salt": salt}]
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished()
 
 
 def test_disabled_cache_never_hits(make_tiny):
@@ -257,6 +301,26 @@ def test_samples_of_one_prompt_matched_in_turn_hash_its_blocks_once(monkeypatch)
     cache.match(late)
     assert late.block_keys == expected  # the prompt's keys only, none of the outputs'
     assert len(hashed) == 6
+
+
+def test_a_cache_salt_is_the_first_blocks_extra_key_and_parts_the_whole_chain():
+    """A salted request's first key takes the salt as its extra key, and every later key chains
+    from it; a request matched right after an equal prompt of another salt hashes its own."""
+    cache = PrefixCache(BlockAllocator(8), 4)
+    params = SamplingParams(max_tokens=8)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    expected = [block_key(ROOT_KEY, prompt[:4], extra=b"tenant")]
+    expected.append(block_key(expected[0], prompt[4:8]))
+    salted = Request("s", list(prompt), params, seed=0, cache_salt="tenant")
+    cache.match(salted)
+    assert salted.block_keys == expected
+    for salt in (None, "other"):
+        request = Request(f"{salt}", list(prompt), params, seed=0, cache_salt=salt)
+        cache.match(request)
+        assert not set(request.block_keys) & set(expected)
+    again = Request("again", list(prompt), params, seed=0, cache_salt="tenant")
+    cache.match(again)
+    assert again.block_keys == expected
 
 
 # ---- scheduler-level properties -------------------------------------------------------------

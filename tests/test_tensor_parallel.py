@@ -363,3 +363,24 @@ def test_two_ranks_copy_the_same_blocks_on_write_and_sample_the_tokens_of_one(ma
         return [c.token_ids for o in out for c in o.outputs]
 
     assert run_n(2) == run_n(1)
+
+
+def test_two_ranks_key_salted_prompts_alike(make_tiny):
+    """Every rank hashes a request's cache salt, so each maps the same cached blocks."""
+    folder = make_tiny("llama")
+    ids = list(range(5, 29))  # 3 whole blocks of 8
+    prompts = [{"prompt_token_ids": ids, "cache_salt": s} for s in ("a", "b", "a", None)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def run_salted(tensor_parallel_size: int) -> list[list[int]]:
+        llm = LLM(str(folder), max_model_len=96, num_blocks=24, block_size=8,
+                  tensor_parallel_size=tensor_parallel_size)  # fmt: skip
+        try:
+            first = llm.generate(prompts[:1], params, use_tqdm=False)
+            out = first + llm.generate(prompts[1:], params, use_tqdm=False)
+            assert [o.num_cached_tokens for o in out] == [0, 0, 23, 0]
+        finally:
+            llm.engine.shutdown()
+        return [o.outputs[0].token_ids for o in out]
+
+    assert run_salted(2) == run_salted(1)

@@ -24,7 +24,7 @@ from typing import Any
 
 from tandem.config import EngineConfig
 from tandem.engine import Engine
-from tandem.request import Prompt, Request, split_prompt
+from tandem.request import Prompt, Request, prompt_cache_salt, split_prompt
 from tandem.sampling import SamplingParams
 from tandem.tokenizer import Tokenizer
 from tandem.weights import NamedTensors, check_named_tensors
@@ -112,6 +112,7 @@ class _Add:
     params: SamplingParams
     prompt: str | None
     prompt_token_ids: list[int] | None
+    cache_salt: str | None
     stream: RequestStream
     accepted: asyncio.Future[None]
 
@@ -191,8 +192,10 @@ class AsyncLLM:
         params: SamplingParams,
         prompt: str | None = None,
         prompt_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
-        """Queue a request once the engine thread has validated it (ValueError if invalid)."""
+        """Queue a request once the engine thread has validated it (ValueError if invalid);
+        `cache_salt` shares cached blocks only with requests of the same salt."""
         loop = asyncio.get_running_loop()
         if params.structured_outputs is not None:
             # compiled in a worker thread first: a grammar new to the backend's cache takes up
@@ -201,7 +204,9 @@ class AsyncLLM:
             await loop.run_in_executor(None, self._compile, params)
         stream = RequestStream(request_id, loop, self._abort_soon)
         accepted = loop.create_future()
-        self._submit(_Add(request_id, params, prompt, prompt_token_ids, stream, accepted))
+        self._submit(
+            _Add(request_id, params, prompt, prompt_token_ids, cache_salt, stream, accepted)
+        )
         try:
             await accepted
         except asyncio.CancelledError:
@@ -220,8 +225,8 @@ class AsyncLLM:
     ) -> AsyncIterator[StreamOutput]:
         """Stream one request's deltas; leaving the loop early aborts the request.
 
-        `prompt` is text, {"prompt": text} or {"prompt_token_ids": [...]}; raises ValueError if
-        the engine rejects it.
+        `prompt` is text, {"prompt": text} or {"prompt_token_ids": [...]}, a dict with an
+        optional "cache_salt"; raises ValueError if the engine rejects it.
         One sample: n > 1 is a ValueError (make n requests, seed + k each, as the server does).
         """
         if sampling_params.n != 1:
@@ -230,7 +235,8 @@ class AsyncLLM:
                 "per sample (with seed + k for sample k, as LLM.generate and the server do)"
             )
         text, ids = split_prompt(prompt)
-        stream = await self.add_request(request_id, sampling_params, text, ids)
+        salt = prompt_cache_salt(prompt)
+        stream = await self.add_request(request_id, sampling_params, text, ids, salt)
         try:
             async for output in stream:
                 yield output
@@ -364,7 +370,12 @@ class AsyncLLM:
             if add.request_id in self._sent:  # its stream has not ended (it may have finished)
                 raise ValueError(f"request_id {add.request_id!r} is already in use")
             request = self.engine.make_request(
-                add.request_id, add.params, add.prompt, add.prompt_token_ids, stream_text=True
+                add.request_id,
+                add.params,
+                add.prompt,
+                add.prompt_token_ids,
+                stream_text=True,
+                cache_salt=add.cache_salt,
             )
         except Exception as error:  # a request the engine rejects must not stop the engine
             _post(add.stream.loop, _resolve, [(add.accepted, error)])

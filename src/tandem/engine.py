@@ -301,7 +301,8 @@ class Engine:
         self.scheduler.add(request)
         if self.workers is not None:
             params = replace(request.params, seed=request.seed)
-            self.commands.append(("add", request.request_id, params, request.prompt_token_ids))
+            ids, salt = request.prompt_token_ids, request.cache_salt
+            self.commands.append(("add", request.request_id, params, ids, salt))
         if self.scheduler.num_to_compute(request) == 0:  # max_tokens=0 with a one-token prompt
             self._finish(request, "length")
             self.finished_unscheduled.append(request)
@@ -313,11 +314,15 @@ class Engine:
         prompt: str | None = None,
         prompt_token_ids: list[int] | None = None,
         stream_text: bool = False,
+        cache_salt: str | None = None,
     ) -> Request:
         """A validated Request, not yet queued; `stream_text` grows output_text with every token
-        (unless params.detokenize is False)."""
+        (unless params.detokenize is False); `cache_salt` shares cached blocks only with
+        requests of the same salt (vLLM's)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r:.80}")
         params.validate()
         if params.stop and self.tokenizer is None:
             raise ValueError(
@@ -353,7 +358,9 @@ class Engine:
             )
         bad_words = self._bad_words_token_ids(params)
         penalties.check_request(params, bad_words, self.model_config.vocab_size)
-        request = Request(request_id, prompt_token_ids, params, params.seed, prompt=prompt)
+        request = Request(
+            request_id, prompt_token_ids, params, params.seed, prompt=prompt, cache_salt=cache_salt
+        )
         request.bad_words_token_ids = bad_words
         if params.structured_outputs is not None:
             grammars = self.grammars()

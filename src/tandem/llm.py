@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from tandem.config import EngineConfig
 from tandem.engine import Engine
-from tandem.request import Prompt, Request, split_prompt
+from tandem.request import Prompt, Request, prompt_cache_salt, split_prompt
 from tandem.sampling import MAX_SEED, SamplingParams
 from tandem.tokenizer import Tokenizer
 from tandem.weights import NamedTensors
@@ -143,8 +143,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text, {"prompt": text} or {"prompt_token_ids": [...]});
-        outputs in input order."""
+        """Generate for every prompt (text, {"prompt": text} or {"prompt_token_ids": [...]}, a
+        dict with an optional "cache_salt"); outputs in input order."""
         if isinstance(prompts, str | dict) or not isinstance(prompts, Sequence):
             prompts = [prompts]
         params = self._params_per_prompt(sampling_params, len(prompts))
@@ -268,6 +268,7 @@ class LLM:
         for prompt, p in zip(prompts, params, strict=True):
             p.validate()  # n=0 would otherwise make no request to validate
             text, ids = split_prompt(prompt)
+            salt = prompt_cache_salt(prompt)
             base = str(self._next_id)
             self._next_id += 1
             group = []
@@ -278,7 +279,7 @@ class LLM:
                     else replace(p, seed=(p.seed + k) % (MAX_SEED + 1))
                 )
                 rid = base if p.n == 1 else f"{base}-{k}"
-                group.append(engine.make_request(rid, sibling, prompt=text, prompt_token_ids=ids))
+                group.append(engine.make_request(rid, sibling, text, ids, cache_salt=salt))
                 ids = ids if ids is not None else group[0].prompt_token_ids
             groups.append((base, group))
         return groups

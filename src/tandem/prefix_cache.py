@@ -1,8 +1,11 @@
 """Automatic prefix caching: full KV blocks found again by the hash of the tokens they hold.
 
 A block's key chains its parent's key with its own token ids (and room for extra keys, such as
-an adapter id), so equal keys mean equal leading tokens, hence equal KV. A request admitted with
-nothing computed maps its longest run of cached leading blocks instead of computing them.
+an adapter id), so equal keys mean equal leading tokens, hence equal KV. A request's cache salt
+is its first block's extra key: through the chain every key of a salted request differs from
+those of another salt, or of none, so only requests with one salt share blocks. A request
+admitted with nothing computed maps its longest run of cached leading blocks instead of
+computing them.
 
 A block is published (made findable) once its tokens are all known on the host and a launched
 step writes its last KV entry. Every step runs on the one compute stream after the steps
@@ -48,6 +51,12 @@ def chained_key(parent: bytes, token_bytes: bytes | memoryview, extra: bytes = b
     return digest.digest()
 
 
+def salt_key(cache_salt: str | None) -> bytes:
+    """A cache salt as the extra key of a first block (b"" without one). Any str encodes, lone
+    surrogates too, and distinct salts to distinct bytes."""
+    return cache_salt.encode("utf-8", "surrogatepass") if cache_salt else b""
+
+
 class PrefixCache:
     def __init__(self, allocator: BlockAllocator, block_size: int, enabled: bool = True):
         self.allocator = allocator
@@ -59,8 +68,8 @@ class PrefixCache:
         # [num_blocks] int64: each cached block's publication number, -1 while not cached
         self.publication = np.full(allocator.num_blocks, -1, dtype=np.int64)
         self.num_publications = 0
-        # the prompt and key memo (Request.block_keys) of the request matched last (see match)
-        self.last_matched: tuple[list[int], list[bytes]] | None = None
+        # the prompt, salt and key memo (Request.block_keys) of the request matched last (match)
+        self.last_matched: tuple[list[int], str | None, list[bytes]] | None = None
         allocator.on_reuse = self._evict
         # tokens looked up and tokens found, over every admission (vLLM's counters)
         self.num_queried_tokens = 0
@@ -79,8 +88,8 @@ class PrefixCache:
         )
         width = size * 8  # a block's int64 token ids
         for index in range(num_blocks - first):
-            parent = keys[-1] if keys else ROOT_KEY
-            keys.append(chained_key(parent, data[index * width : (index + 1) * width]))
+            parent, extra = (keys[-1], b"") if keys else (ROOT_KEY, salt_key(request.cache_salt))
+            keys.append(chained_key(parent, data[index * width : (index + 1) * width], extra))
         return keys
 
     def match(self, request: Request) -> tuple[list[int], int | None]:
@@ -96,11 +105,11 @@ class PrefixCache:
         keys = request.block_keys
         if not keys and self.last_matched is not None:
             # the n samples of a prompt are matched one after another: its blocks hashed once
-            ids, their_keys = self.last_matched
-            if request.prompt_token_ids == ids:
+            ids, salt, their_keys = self.last_matched
+            if request.prompt_token_ids == ids and request.cache_salt == salt:
                 keys.extend(their_keys[: len(ids) // self.block_size])
         keys = self.keys(request, request.num_tokens // self.block_size)
-        self.last_matched = (request.prompt_token_ids, keys)
+        self.last_matched = (request.prompt_token_ids, request.cache_salt, keys)
         blocks = []
         for key in keys:
             block = self.block_of.get(key)

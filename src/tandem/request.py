@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from tandem.tokenizer import IncrementalDetokenizer
 
 
-Prompt = str | dict[str, Any]  # text, {"prompt": text} or {"prompt_token_ids": [...]}
+# text, {"prompt": text} or {"prompt_token_ids": [...]}; a dict may add {"cache_salt": str}
+Prompt = str | dict[str, Any]
 
 
 class Status(enum.Enum):
@@ -32,6 +33,7 @@ class Request:
     params: SamplingParams
     seed: int | None  # the sampling seed: params.seed, or drawn by the engine when queued
     prompt: str | None = None
+    cache_salt: str | None = None  # shares cached blocks only with requests of this salt
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
@@ -124,3 +126,8 @@ def split_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None]:
         "a prompt is a string, {'prompt': text} or {'prompt_token_ids': [...]}, "
         f"got {prompt!r:.80}"
     )
+
+
+def prompt_cache_salt(prompt: Prompt) -> Any:
+    """A prompt dict's "cache_salt" as given (the engine checks it), else None."""
+    return prompt.get("cache_salt") if isinstance(prompt, dict) else None

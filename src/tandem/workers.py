@@ -48,8 +48,8 @@ class Workers:
             self.processes.append(process)
 
     def step(self, commands: list[tuple[Any, ...]]) -> None:
-        """Apply `commands` (("add", request_id, params, prompt_token_ids), ("abort", id) or
-        ("reset_prefix_cache",)), then step."""
+        """Apply `commands` (("add", request_id, params, prompt_token_ids, cache_salt),
+        ("abort", id) or ("reset_prefix_cache",)), then step."""
         self.check()
         for pipe in self.pipes:
             try:
@@ -150,9 +150,11 @@ def follow(engine: Any, pipe: multiprocessing.connection.Connection) -> None:
             break
         for command in commands:
             if command[0] == "add":
-                _, request_id, params, prompt_token_ids = command
+                _, request_id, params, prompt_token_ids, cache_salt = command
                 engine.enqueue(
-                    engine.make_request(request_id, params, prompt_token_ids=prompt_token_ids)
+                    engine.make_request(
+                        request_id, params, prompt_token_ids=prompt_token_ids, cache_salt=cache_salt
+                    )
                 )
             elif command[0] == "reset_prefix_cache":
                 engine.reset_prefix_cache()

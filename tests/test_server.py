@@ -275,6 +275,32 @@ def test_truncate_prompt_tokens_out_of_range_is_a_400_on_both_routes(server):
         assert_openai_error(response, 400, "truncate_prompt_tokens")
 
 
+def test_cache_salt_shares_cached_prompt_tokens_only_within_a_salt_on_both_routes(server):
+    """vLLM's cache_salt: usage.prompt_tokens_details.cached_tokens counts only blocks cached
+    under the request's own salt (none: shared with unsalted requests only)."""
+    ids = list(range(300, 340))  # 40 token ids: 5 full blocks of 8, in no other test
+    messages = [{"role": "user", "content": "Salted tenants keep their prefixes apart. " * 4}]
+    for path, body in [
+        ("/v1/completions", {"prompt": ids, "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": messages, "max_tokens": 2}),
+    ]:
+        cached = []
+        for salt in ("tenant-a", "tenant-a", "tenant-b", None):
+            response = post(server, path, {**body, "cache_salt": salt}).json()
+            cached.append(response["usage"]["prompt_tokens_details"]["cached_tokens"])
+        assert cached[0] == 0 and cached[1] >= 16 and cached[2:] == [0, 0], (path, cached)
+
+
+@pytest.mark.parametrize("salt", ["", 5, ["a"]], ids=["empty", "int", "list"])
+def test_a_cache_salt_that_is_not_a_non_empty_string_is_a_400_naming_it(server, salt):
+    for path, body in [
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "cache_salt": salt}),
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "cache_salt": salt}),
+    ]:
+        message = assert_openai_error(post(server, path, body), 400, "cache_salt")
+        assert "string" in message.lower()  # what a salt must be, not that there is none
+
+
 def test_chat_without_max_tokens_may_fill_the_context(client):
     response = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, temperature=0, extra_body={"ignore_eos": True}

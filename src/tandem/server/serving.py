@@ -269,7 +269,7 @@ class OpenAIServing:
             )
             raise OpenAIError(message, param="n")
         requests = [
-            (f"{kind}-{call_id}-{i}-{k}", seeded(params, k), text, ids)
+            (f"{kind}-{call_id}-{i}-{k}", seeded(params, k), text, ids, body.cache_salt)
             for i, (text, ids) in enumerate(prompts)
             for k in range(params.n)
         ]

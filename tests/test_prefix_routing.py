@@ -43,6 +43,20 @@ def test_chats_with_one_system_prompt_share_a_key_whatever_the_question():
     assert a == b != c
 
 
+def test_requests_of_different_cache_salts_have_different_keys():
+    """Only requests of one salt (or all without) can share cached blocks, so only they must meet."""
+    for path, body in [
+        ("/v1/completions", {"prompt": SYSTEM + "What is a KV cache?"}),
+        ("/v1/chat/completions", {"messages": [{"role": "system", "content": SYSTEM}]}),
+    ]:
+        keys = [
+            prefix_key(path, json.dumps({**body, "cache_salt": salt}).encode(), BLOCK)
+            for salt in ("tenant-a", "tenant-a", "tenant-b", None)
+        ]
+        assert keys[0] == keys[1] and len(set(keys[1:])) == 3
+        assert keys[3] == prefix_key(path, json.dumps(body).encode(), BLOCK)
+
+
 def test_requests_without_a_prompt_have_no_key():
     assert prefix_key("/v1/models", b"", BLOCK) is None
     assert prefix_key("/v1/completions", b"not json", BLOCK) is None

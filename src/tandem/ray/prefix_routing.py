@@ -2,9 +2,11 @@
 
 A request's key is its prompt's first block: the first `block_size` token ids, or for text the
 first `block_size * CHARS_PER_TOKEN` characters (chat: the messages as role/content lines).
-Two prompts can share cached KV blocks only if they share that first block, so equal keys are
-what must land together. A consistent-hash ring maps keys to replicas: when a replica goes
-(or comes back under a new id), only the keys it owned move.
+Two prompts can share cached KV blocks only if they share that first block and their
+`cache_salt` (none, or one string), so the key holds the salt too: equal keys are what must land
+together, and tenants of one system prompt under different salts spread. A consistent-hash ring
+maps keys to replicas: when a replica goes (or comes back under a new id), only the keys it
+owned move.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ def prefix_key(path: str, body: bytes, block_size: int) -> str | None:
         return None
     if key is None:
         return None
+    salt = request.get("cache_salt")
+    if isinstance(salt, str) and salt:
+        key = f"salt:{json.dumps(salt)}:{key}"  # a JSON string ends where it ends: no overlap
     try:  # the ring hashes UTF-8: a key with a lone surrogate routes anywhere (the app: 400)
         return encodable(key)
     except ValueError:

@@ -189,6 +189,21 @@ def test_chat_echo_puts_the_continued_message_before_the_answer_as_vllm(client, 
     assert user_last.choices[0].message.content == plain.outputs[0].text
 
 
+def test_chat_without_a_generation_prompt_answers_in_the_final_messages_role(server):
+    """vLLM answers with the final message's role when add_generation_prompt is false (the
+    model continues that message), in one answer and in a stream's first delta."""
+    body = {"messages": MESSAGES, "max_tokens": 2, "add_generation_prompt": False}
+    answer = post(server, "/v1/chat/completions", body).json()
+    assert answer["choices"][0]["message"]["role"] == MESSAGES[-1]["role"] == "user"
+    with httpx.stream(
+        "POST", f"{server.url}/v1/chat/completions", json={**body, "stream": True}, headers=AUTH
+    ) as response:
+        first = next(line for line in response.iter_lines() if line.startswith("data: "))
+    assert json.loads(first.removeprefix("data: "))["choices"][0]["delta"]["role"] == "user"
+    prompted = post(server, "/v1/chat/completions", {**body, "add_generation_prompt": True})
+    assert prompted.json()["choices"][0]["message"]["role"] == "assistant"
+
+
 def test_text_parts_of_a_message_reach_the_template_joined_by_newlines_as_vllm(server):
     """vLLM renders a content of text parts as their texts joined by newlines."""
     parts = [{"type": "text", "text": "Name a"}, {"type": "text", "text": "cache."}]

@@ -280,12 +280,14 @@ class ChatCompletionRequest(SamplingRequest):
     add_special_tokens: bool = False  # the template writes its own BOS
     echo: bool = False  # vLLM's: the final message's text leads the answer's if of its role
 
+    def answer_role(self) -> str:
+        """The assistant's, or without a generation prompt the final message's (as vLLM)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
     def echoed(self) -> str:
-        """The text echo puts before the answer: the final message's, when it is of the answer's
-        role (the assistant's, or without a generation prompt the final message's own)."""
+        """The text echo puts before the answer: the final message's, when of the answer's role."""
         final = self.messages[-1]
-        role = "assistant" if self.add_generation_prompt else final.role
-        return final.text() if self.echo and final.role == role else ""
+        return final.text() if self.echo and final.role == self.answer_role() else ""
 
 
 class TokenizeRequest(RequestOption):

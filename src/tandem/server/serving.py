@@ -86,6 +86,7 @@ class Generation:
     n: int = 1  # choices per prompt
     reader: Callable[[], OutputReader] = PlainOutput  # chat: how a choice's text is read
     echoed: str = ""  # chat with echo: the text before each answer
+    role: str = "assistant"  # chat: the answer's
 
     def usage(self) -> dict:
         completion_tokens = sum(len(c.token_ids) for c in self.choices)
@@ -223,6 +224,7 @@ class OpenAIServing:
             params = replace(params, skip_special_tokens=False)
         generation = await self._start("chatcmpl", [(text, ids)], params, body, http)
         generation.reader, generation.echoed = mode.reader, body.echoed()
+        generation.role = body.answer_role()
         return await self._respond(generation, ChatFormat, body, http)
 
     def check_request(self, body: SamplingRequest) -> None:
@@ -527,7 +529,7 @@ class ChatFormat(Format):
         if choice.reader is None:
             choice.reader = self.generation.reader()
         read = choice.reader.feed(output.text, final=output.finished)
-        delta: dict[str, Any] = {} if choice.started else {"role": "assistant"}
+        delta: dict[str, Any] = {} if choice.started else {"role": self.generation.role}
         content = read.content if choice.started else self.generation.echoed + read.content
         if content or (not choice.started and isinstance(choice.reader, PlainOutput)):
             delta["content"] = content  # plain chat starts with content, "" if none yet
@@ -546,7 +548,7 @@ class ChatFormat(Format):
 
     def final_choice(self, index: int, choice: Choice) -> dict:
         reader = self.generation.reader()
-        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        message: dict[str, Any] = {"role": self.generation.role, "content": choice.text}
         if not isinstance(reader, PlainOutput):
             message["content"], tool_calls = collect(reader, choice.text)
             if tool_calls:

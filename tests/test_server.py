@@ -498,6 +498,21 @@ def test_models_lists_the_served_model(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_the_model_card_has_vllms_fields(server, folder):
+    """vLLM's card: root is the model as given to the server, parent null (no adapters),
+    max_model_len, and one model_permission entry."""
+    [card] = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"]
+    assert (card["root"], card["parent"], card["max_model_len"]) == (
+        folder,
+        None,
+        ENGINE_ARGS["max_model_len"],
+    )
+    [permission] = card["permission"]
+    assert permission["object"] == "model_permission" and permission["id"].startswith("modelperm-")
+    assert (permission["allow_sampling"], permission["allow_logprobs"]) == (True, True)
+    assert (permission["organization"], permission["group"]) == ("*", None)
+
+
 def test_version_answers_the_installed_package_version_as_vllm_does(server):
     response = httpx.get(f"{server.url}/version", headers=AUTH)
     assert response.status_code == 200

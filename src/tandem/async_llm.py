@@ -150,6 +150,7 @@ class AsyncLLM:
 
     def __init__(self, engine: Engine):
         self.engine = engine  # the engine thread's from here on; read only what never changes
+        self.model = engine.config.model  # the folder or preset it was built from
         self.tokenizer: Tokenizer | None = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.sampling_defaults = engine.sampling_defaults  # the model's (generation_config.py)

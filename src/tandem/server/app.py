@@ -60,12 +60,16 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        created = int(time.time())
         model = {
             "id": model_name,
             "object": "model",
-            "created": int(time.time()),
+            "created": created,
             "owned_by": "tandem",
+            "root": llm.model,
+            "parent": None,  # a base model; vLLM names the base of a LoRA adapter here
             "max_model_len": llm.max_model_len,
+            "permission": [model_permission(created)],
         }
         return {"object": "list", "data": [model]}
 
@@ -109,6 +113,24 @@ def build_app(
         return {"prompt": serving.tokenizer().decode(body.tokens, skip_special_tokens=False)}
 
     return app
+
+
+def model_permission(created: int) -> dict[str, Any]:
+    """vLLM's one permission entry of a model card: sampling and logprobs, nothing else."""
+    return {
+        "id": f"modelperm-{secrets.token_hex(16)}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
 
 
 def add_error_handlers(app: FastAPI) -> None:

@@ -325,13 +325,20 @@ def test_chat_without_max_tokens_may_fill_the_context(client):
     assert response.choices[0].finish_reason == "length"
 
 
-def test_a_completion_with_max_tokens_null_may_fill_the_context_as_in_vllm(server):
-    """vLLM's /v1/completions defaults max_tokens to 16 when it is left out, and reads an
-    explicit null as no limit but the context."""
+def test_a_completion_without_max_tokens_asks_for_16_and_the_context_must_hold_them(server):
+    """vLLM 0.26's /v1/completions reads a left-out or null max_tokens as 16, and, as for one
+    given, a prompt that leaves fewer than 16 tokens of the context is a 400 naming it."""
     body = {"prompt": PROMPT, "temperature": 0, "ignore_eos": True}
-    assert post(server, "/v1/completions", body).json()["usage"]["completion_tokens"] == 16
-    usage = post(server, "/v1/completions", {**body, "max_tokens": None}).json()["usage"]
-    assert usage["total_tokens"] == ENGINE_ARGS["max_model_len"]
+    for max_tokens in ({}, {"max_tokens": None}):
+        answer = post(server, "/v1/completions", {**body, **max_tokens}).json()
+        assert answer["usage"]["completion_tokens"] == 16
+    long = {"prompt": [5] * (ENGINE_ARGS["max_model_len"] - 10), "temperature": 0}
+    for max_tokens in ({}, {"max_tokens": None}):
+        refused = post(server, "/v1/completions", {**long, **max_tokens})
+        assert "16" in assert_openai_error(refused, 400, param="max_tokens")
+    assert post(server, "/v1/completions", {**long, "max_tokens": 10}).status_code == 200
+    kept = post(server, "/v1/completions", {**long, "truncate_prompt_tokens": -1}).json()
+    assert kept["usage"]["prompt_tokens"] == ENGINE_ARGS["max_model_len"] - 16
 
 
 def test_streamed_completion_joins_to_the_full_completion_and_reports_usage(client):

@@ -145,12 +145,11 @@ class OpenAIServing:
             self._completion_prompts, body.prompt, body.add_special_tokens
         )
         defaults = self.llm.sampling_defaults
-        max_tokens = body.max_tokens
-        if max_tokens is None and "max_tokens" in body.model_fields_set:  # null: up to the context
-            room = max(1, self.llm.max_model_len - min(len(ids) for _, ids in prompts))
-            max_tokens = min(room, defaults.get("max_tokens", room))
-        elif max_tokens is None:
-            max_tokens = defaults.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+        # as vLLM's: left out or null, max_tokens is 16, and the context must hold them
+        asked = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        max_tokens = asked
+        if body.max_tokens is None:
+            max_tokens = min(asked, defaults.get("max_tokens", asked))
         if max_tokens == 0 and not body.echo:
             raise OpenAIError("max_tokens must be >= 1 unless echo is true", param="max_tokens")
         # echo with logprobs scores the prompt too; echo with max_tokens=0 only scores it
@@ -161,8 +160,8 @@ class OpenAIServing:
             body, defaults, max_tokens, body.logprobs, prompt_logprobs, output_constraint(body)
         )
         keep = params.truncate_prompt_tokens
-        prompts = [self._kept(text, ids, keep, body.max_tokens) for text, ids in prompts]
-        self.check_room([ids for _, ids in prompts], body.max_tokens, "max_tokens")
+        prompts = [self._kept(text, ids, keep, asked) for text, ids in prompts]
+        self.check_room([ids for _, ids in prompts], asked, "max_tokens")
         generation = await self._start("cmpl", prompts, params, body, http)
         if body.echo:
             for i, choice in enumerate(generation.choices):

@@ -229,6 +229,38 @@ def test_sleep_takes_vllms_level_query_parameter_and_is_sleeping_reports_it(fold
         llm.shutdown()
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_wake_up_by_tags_wakes_the_weights_then_the_kv_cache_as_vllm(folder, reference, level):
+    """vLLM's POST /wake_up?tags=weights, then ?tags=kv_cache (the order RL trainers use, to
+    load new weights before the cache takes its memory): each wakes the part it names, one
+    naming parts awake already does nothing and is no error, an unknown tag is a 400."""
+    llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
+    engine = llm.engine
+    try:
+        with TestClient(build_app(llm, "tiny")) as client:
+            assert client.post(f"/sleep?level={level}").status_code == 200
+            unknown = client.post("/wake_up?tags=weights&tags=scheduler")
+            assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "tags"
+            assert client.post("/wake_up?tags=weights").status_code == 200
+            assert all(p.untyped_storage().nbytes() > 0 for p in engine.model.parameters())
+            assert engine.kv_caches[0].untyped_storage().nbytes() == 0
+            assert client.get("/is_sleeping").json() == {"is_sleeping": True}
+            assert client.post("/wake_up?tags=weights").status_code == 200  # awake already
+            body = {"path": folder}  # the trainer's weights go in while the cache sleeps
+            assert client.post("/update_weights_from_path", json=body).status_code == 200
+            assert client.post("/wake_up?tags=kv_cache").status_code == 200
+            assert client.get("/is_sleeping").json() == {"is_sleeping": False}
+            assert engine.kv_caches[0].untyped_storage().nbytes() > 0
+            assert client.post("/wake_up").status_code == 200  # awake: nothing to do
+            prompt = {"prompt": PROMPTS[0]["prompt_token_ids"], "max_tokens": 24}
+            greedy = {"temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            answer = client.post("/v1/completions", json={**prompt, **greedy}).json()
+            tokens = answer["choices"][0]["token_ids"]
+            assert tokens == reference[0]
+    finally:
+        llm.shutdown()
+
+
 def test_generate_on_a_paused_engine_raises_instead_of_waiting_for_itself(folder):
     llm = LLM(folder, **ENGINE_ARGS)
     llm.pause_generation()

@@ -286,8 +286,9 @@ class AsyncLLM:
 
         return await self._call(sleep)
 
-    async def wake_up(self) -> None:
-        await self._call(lambda engine: engine.wake_up())
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back the memory of the parts named ("weights", "kv_cache"; None: both)."""
+        await self._call(lambda engine: engine.wake_up(tags))
 
     async def is_paused(self) -> bool:
         return await self._call(lambda engine: engine.paused)

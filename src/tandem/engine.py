@@ -38,7 +38,7 @@ from tandem.roofline import step_work
 from tandem.runner import Runner
 from tandem.sampling import SamplingParams, truncate_prompt
 from tandem.scheduler import Scheduler
-from tandem.sleep import LEVELS, DeviceMemory
+from tandem.sleep import LEVELS, PARTS, DeviceMemory
 from tandem.structured import BACKEND as GRAMMAR_BACKEND
 from tandem.structured import GrammarBackend, accept
 from tandem.swap import SwapManager, Swapper, check_swap_space
@@ -465,9 +465,10 @@ class Engine:
         self._update_weights(read_checkpoint(path), ("update_weights_from_path", str(path)))
 
     def _update_weights(self, pairs: list[tuple[str, torch.Tensor]], on_others: tuple) -> None:
-        if self.is_sleeping:
+        if "weights" in self.memory.asleep:
             raise RuntimeError(
-                "the weights have no device memory while asleep; call wake_up() first"
+                "the weights have no device memory while asleep; call wake_up() (or "
+                "wake_up(['weights'])) first"
             )
         copies = plan_update(self.model, self.model_config, self.tp, pairs)  # raises first
         if self.workers is not None:  # the other ranks validate alike: same names and shapes
@@ -508,7 +509,7 @@ class Engine:
         rank."""
         if level not in LEVELS:
             raise ValueError(f"level must be 1 or 2, got {level!r}")
-        if self.memory.level is not None:
+        if self.is_sleeping:
             raise RuntimeError("the engine is asleep already; call wake_up() first")
         if self.workers is not None:
             self._on_other_ranks("sleep", level)
@@ -520,23 +521,30 @@ class Engine:
             torch.cuda.empty_cache()
         return freed
 
-    def wake_up(self) -> None:
-        """Take the memory again (the same tensors; captured graphs made anew) and step again."""
-        if self.memory.level is None:
-            raise RuntimeError("the engine is not asleep")
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the memory of the parts named ("weights", "kv_cache"; None: both) again, the
+        same tensors; parts awake already stay as they are. Once both are awake the captured
+        graphs are made anew and the engine steps again."""
+        parts = set(PARTS if tags is None else tags)
+        if unknown := sorted(parts - set(PARTS)):
+            raise ValueError(f"unknown tags {unknown}; wake_up takes {list(PARTS)}")
+        if not parts & self.memory.asleep:
+            return
         if self.workers is not None:
-            self._on_other_ranks("wake_up")
-        self.memory.wake_up()
-        if self.runner.cuda and (self.runner.graph_sizes or self.runner.token_buckets):
+            self._on_other_ranks("wake_up", tags)
+        self.memory.wake_up(parts)
+        graphs = self.runner.graph_sizes or self.runner.token_buckets
+        if not self.is_sleeping and self.runner.cuda and graphs:
             self.runner.capture_graphs()
 
     @property
     def is_sleeping(self) -> bool:
-        return self.memory.level is not None
+        """Whether some part has no device memory (vLLM's: until every part woke)."""
+        return bool(self.memory.asleep)
 
     @property
     def can_step(self) -> bool:
-        return not self.paused and self.memory.level is None
+        return not self.paused and not self.is_sleeping
 
     def drain(self) -> list[Request]:
         """Read back and process every step in flight; nothing new is launched."""

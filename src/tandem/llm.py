@@ -132,9 +132,10 @@ class LLM:
         with self._lock:
             return self.engine.sleep(level)
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back the memory of the parts named ("weights", "kv_cache"; None: both)."""
         with self._lock:
-            self.engine.wake_up()
+            self.engine.wake_up(tags)
             self._resumed.notify_all()
 
     def generate(

@@ -6,6 +6,8 @@ weights to host memory (pinned on CUDA) and copies them back on wake-up; level 2
 for a caller that sends new ones with `update_weights`. A re-allocated storage may land at
 another device address, so the engine frees its captured CUDA graphs before sleeping and
 captures them again on wake-up (docs/ARCHITECTURE.md, "Sleep mode", says why not cuMem).
+The two parts wake together or one at a time (vLLM's tags), the weights first for a trainer
+that sends new ones before the cache takes its memory.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 
 LEVELS = (1, 2)
+PARTS = ("weights", "kv_cache")  # what wake_up's tags name
 
 
 class DeviceMemory:
@@ -23,12 +26,13 @@ class DeviceMemory:
         self.kv_cache = kv_cache  # a view of the one cache tensor every layer's cache views
         self.weight_bytes = [w.untyped_storage().nbytes() for w in weights]
         self.kv_bytes = kv_cache.untyped_storage().nbytes()
-        self.host_weights: list[torch.Tensor] | None = None  # level 1 while asleep
+        self.host_weights: list[torch.Tensor] | None = None  # level 1 while the weights sleep
         self.level: int | None = None  # while asleep
+        self.asleep: set[str] = set()  # the parts with no device memory: PARTS, then fewer
 
     def sleep(self, level: int) -> int:
         """Give the memory back; returns the bytes freed on the device."""
-        assert self.level is None, "already asleep"
+        assert not self.asleep, "already asleep"
         if level == 1:
             pin = self.kv_cache.is_cuda
             self.host_weights = [to_host(w, pin) for w in self.weights]
@@ -37,23 +41,29 @@ class DeviceMemory:
         for w in self.weights:
             w.untyped_storage().resize_(0)
         self.kv_cache.untyped_storage().resize_(0)
-        self.level = level
+        self.level, self.asleep = level, set(PARTS)
         return sum(self.weight_bytes) + self.kv_bytes
 
-    def wake_up(self) -> None:
-        """Storages back at their sizes: the level-1 weights copied back, the KV cache zeroed;
-        after level 2 the weights hold garbage until `update_weights` fills them."""
-        assert self.level is not None, "not asleep"
-        for w, nbytes in zip(self.weights, self.weight_bytes, strict=True):
-            w.untyped_storage().resize_(nbytes)
-        if self.host_weights is not None:
-            for w, host in zip(self.weights, self.host_weights, strict=True):
-                w.copy_(host, non_blocking=True)
-        self.kv_cache.untyped_storage().resize_(self.kv_bytes)
-        self.kv_cache.untyped_storage().fill_(0)
+    def wake_up(self, parts: set[str]) -> None:
+        """Storages of the `parts` asleep back at their sizes: the level-1 weights copied back,
+        the KV cache zeroed; after level 2 the weights hold garbage until `update_weights`."""
+        assert parts <= set(PARTS), parts
+        if "weights" in parts & self.asleep:
+            for w, nbytes in zip(self.weights, self.weight_bytes, strict=True):
+                w.untyped_storage().resize_(nbytes)
+            if self.host_weights is not None:
+                for w, host in zip(self.weights, self.host_weights, strict=True):
+                    w.copy_(host, non_blocking=True)
+        if "kv_cache" in parts & self.asleep:
+            self.kv_cache.untyped_storage().resize_(self.kv_bytes)
+            self.kv_cache.untyped_storage().fill_(0)
         if self.kv_cache.is_cuda:
             torch.cuda.synchronize(self.kv_cache.device)  # before the pinned copies are freed
-        self.host_weights, self.level = None, None
+        self.asleep -= parts
+        if "weights" not in self.asleep:
+            self.host_weights = None
+        if not self.asleep:
+            self.level = None
 
 
 def to_host(tensor: torch.Tensor, pin: bool) -> torch.Tensor:

@@ -8,7 +8,7 @@ as does a field a body does not declare (a misspelt "levle" never falls back to 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
 
@@ -65,9 +65,10 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
         return {"is_sleeping": await llm.is_sleeping()}
 
     @router.post("/wake_up")
-    async def wake_up() -> dict[str, bool]:
-        await _engine_call(llm.wake_up())
-        return {"sleeping": False}
+    async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> dict[str, bool]:
+        # vLLM's ?tags=weights&tags=kv_cache: the parts to wake (none given: all)
+        await _engine_call(llm.wake_up(tags), param="tags")
+        return {"sleeping": await llm.is_sleeping()}
 
     @router.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict[str, bool]:

@@ -190,7 +190,7 @@ def test_admin_routes_pause_and_resume_behind_the_api_key(folder):
             assert client.post("/pause_generation", json={"mode": "keep"}, headers=auth).json() == {
                 "paused": True
             }
-            assert client.get("/is_paused", headers=auth).json() == {"paused": True}
+            assert client.get("/is_paused", headers=auth).json() == {"is_paused": True}
             bad = client.post("/pause_generation", json={"mode": "later"}, headers=auth)
             assert bad.status_code == 400 and "mode" in bad.text
             assert client.post("/resume_generation", headers=auth).json() == {"paused": False}
@@ -205,6 +205,37 @@ def test_admin_routes_pause_and_resume_behind_the_api_key(folder):
             slept = client.post("/sleep", json={"level": 1}, headers=auth).json()
             assert slept["freed_gib"] > 0
             assert client.post("/wake_up", headers=auth).json() == {"sleeping": False}
+    finally:
+        llm.shutdown()
+
+
+async def finish_reason(llm: AsyncLLM, request_id: str) -> str | None:
+    async for out in llm.generate(PROMPTS[0], GREEDY, request_id):
+        if out.finished:
+            return out.finish_reason
+    return None
+
+
+def test_vllms_pause_and_resume_routes_take_its_query_parameters_and_answer_its_shapes(folder):
+    """vLLM's POST /pause?mode=abort|keep (abort by default: in-flight requests end with
+    finish_reason "abort"; its older wait_for_inflight_requests asks for "wait"), POST /resume,
+    GET /is_paused answering {"is_paused": ...}."""
+    llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
+    try:
+        with TestClient(build_app(llm, "tiny")) as client:
+            assert client.post("/pause?mode=keep").json() == {"status": "paused"}
+            assert client.get("/is_paused").json() == {"is_paused": True}
+            kept = client.portal.start_task_soon(finish_reason, llm, "kept")
+            while llm.stats.num_waiting + llm.stats.num_running == 0:
+                time.sleep(0.01)
+            assert client.post("/pause").json() == {"status": "paused"}  # mode=abort
+            assert kept.result(timeout=10) == "abort"
+            for query in ("?mode=later", "?mode=wait", "?wait_for_inflight_requests=true"):
+                refused = client.post(f"/pause{query}")
+                assert refused.status_code == 400 and "mode" in refused.json()["error"]["param"]
+            assert client.post("/resume").json() == {"status": "resumed"}
+            assert client.get("/is_paused").json() == {"is_paused": False}
+            assert client.portal.call(finish_reason, llm, "after") == "length"
     finally:
         llm.shutdown()
 

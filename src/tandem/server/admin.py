@@ -1,6 +1,10 @@
 """Admin routes for an RL trainer: pause/resume, sleep/wake-up, weights from a checkpoint,
 forgetting the prefix cache.
 
+vLLM's routes take its query parameters and answer its shapes (/pause, /resume, /is_paused,
+/sleep, /wake_up, /is_sleeping); /pause_generation and /resume_generation, tandem's older
+spelling, take a JSON body and answer {"paused": ...}.
+
 They sit behind the same API key as the OpenAI routes (app.py's middleware guards every path
 but /health and /metrics). Engine errors the caller caused come back as 400s naming the field,
 as does a field a body does not declare (a misspelt "levle" never falls back to the default).
@@ -45,9 +49,31 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
         await llm.resume_generation((body or ResumeRequest()).recompute_kv)
         return {"paused": False}
 
+    @router.post("/pause")
+    async def pause(
+        mode: Literal["abort", "wait", "keep"] = "abort",
+        wait_for_inflight_requests: bool = False,
+        clear_cache: bool = True,
+    ) -> dict[str, str]:
+        if mode == "wait" or wait_for_inflight_requests:  # vLLM's older spelling of mode=wait
+            message = (
+                "mode 'wait' (let the requests in flight finish first) is not supported; "
+                "pause with 'keep' (they go on after /resume) or 'abort'"
+            )
+            raise OpenAIError(message, param="mode")
+        await llm.pause_generation(mode)
+        if clear_cache and mode == "abort":  # as vLLM's, a kept request keeps its cache
+            await llm.reset_prefix_cache()
+        return {"status": "paused"}
+
+    @router.post("/resume")
+    async def resume() -> dict[str, str]:
+        await llm.resume_generation()
+        return {"status": "resumed"}
+
     @router.get("/is_paused")
     async def is_paused() -> dict[str, bool]:
-        return {"paused": await llm.is_paused()}
+        return {"is_paused": await llm.is_paused()}
 
     @router.post("/sleep")
     async def sleep(

@@ -98,7 +98,7 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
 
     @router.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict[str, bool]:
-        return {"reset": await llm.reset_prefix_cache()}
+        return {"success": await llm.reset_prefix_cache()}  # vLLM's answer
 
     @router.post("/update_weights_from_path")
     async def update_weights_from_path(body: UpdateWeightsRequest) -> dict[str, bool]:

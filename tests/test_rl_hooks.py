@@ -241,6 +241,28 @@ def test_vllms_pause_and_resume_routes_take_its_query_parameters_and_answer_its_
         llm.shutdown()
 
 
+def test_sleep_ends_the_requests_in_flight_unless_mode_is_keep_as_vllm(folder):
+    """vLLM's POST /sleep?mode=abort (its default) ends the requests in flight with
+    finish_reason "abort"; ?mode=keep holds them, and they finish after waking."""
+    llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
+    try:
+        with TestClient(build_app(llm, "tiny")) as client:
+            for query, want in (("", "abort"), ("&mode=keep", "length")):
+                assert client.post("/pause?mode=keep").status_code == 200
+                request = client.portal.start_task_soon(finish_reason, llm, f"r{query}")
+                while llm.stats.num_waiting + llm.stats.num_running == 0:
+                    time.sleep(0.01)
+                assert client.post(f"/sleep?level=1{query}").status_code == 200
+                assert client.post("/wake_up").status_code == 200
+                assert client.post("/resume").status_code == 200
+                assert request.result(timeout=10) == want
+            refused = client.post("/sleep?mode=wait")
+            assert refused.status_code == 400 and "mode" in refused.json()["error"]["param"]
+            assert not llm.engine.is_sleeping
+    finally:
+        llm.shutdown()
+
+
 def test_sleep_takes_vllms_level_query_parameter_and_is_sleeping_reports_it(folder):
     """vLLM's POST /sleep?level=2: the level is honoured, not left at 1; one that differs from
     the body's, or is not 1 or 2, is a 400 and nothing sleeps. GET /is_sleeping says whether it does."""

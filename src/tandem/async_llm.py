@@ -277,11 +277,17 @@ class AsyncLLM:
     async def resume_generation(self, recompute_kv: bool = False) -> None:
         await self._call(lambda engine: engine.resume_generation(recompute_kv))
 
-    async def sleep(self, level: int = 1) -> int:
-        """Free the KV cache and the weights' device memory (see Engine.sleep); bytes freed."""
+    async def sleep(self, level: int = 1, mode: str = "keep") -> int:
+        """Free the KV cache and the weights' device memory (see Engine.sleep); bytes freed.
+        The requests in flight go on after `wake_up` ("keep") or end now ("abort")."""
+        if mode not in ("keep", "abort"):
+            raise ValueError(f"mode must be 'keep' or 'abort', got {mode!r}")
 
         def sleep(engine: Engine) -> int:
             self._publish(engine.drain())
+            if mode == "abort":
+                for request_id in list(engine.requests):
+                    self._abort(request_id)
             return engine.sleep(level)
 
         return await self._call(sleep)

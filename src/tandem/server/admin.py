@@ -55,12 +55,7 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
         wait_for_inflight_requests: bool = False,
         clear_cache: bool = True,
     ) -> dict[str, str]:
-        if mode == "wait" or wait_for_inflight_requests:  # vLLM's older spelling of mode=wait
-            message = (
-                "mode 'wait' (let the requests in flight finish first) is not supported; "
-                "pause with 'keep' (they go on after /resume) or 'abort'"
-            )
-            raise OpenAIError(message, param="mode")
+        check_pause_mode("wait" if wait_for_inflight_requests else mode)  # its older spelling
         await llm.pause_generation(mode)
         if clear_cache and mode == "abort":  # as vLLM's, a kept request keeps its cache
             await llm.reset_prefix_cache()
@@ -77,13 +72,16 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
 
     @router.post("/sleep")
     async def sleep(
-        body: SleepRequest | None = None, level: int | None = Query(None, ge=1, le=2)
+        body: SleepRequest | None = None,
+        level: int | None = Query(None, ge=1, le=2),
+        mode: Literal["abort", "wait", "keep"] = "abort",
     ) -> dict[str, float]:
         # vLLM's route reads ?level=; the body's, when both are given, must agree
         if body is not None and level is not None and body.level != level:
             message = f"the query's level={level} and the body's level={body.level} differ"
             raise OpenAIError(message, param="level")
-        freed = await _engine_call(llm.sleep(level or (body or SleepRequest()).level))
+        check_pause_mode(mode)
+        freed = await _engine_call(llm.sleep(level or (body or SleepRequest()).level, mode))
         return {"freed_gib": freed / 2**30}
 
     @router.get("/is_sleeping")
@@ -106,6 +104,15 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
         return {"updated": True}
 
     return router
+
+
+def check_pause_mode(mode: str) -> None:
+    if mode == "wait":
+        message = (
+            "mode 'wait' (let the requests in flight finish first) is not supported; use "
+            "'keep' (they go on after /resume or /wake_up) or 'abort'"
+        )
+        raise OpenAIError(message, param="mode")
 
 
 async def _engine_call(call, param: str | None = None):

@@ -62,3 +62,22 @@ def test_sleep_frees_the_weights_and_kv_cache_and_wakes_to_the_same_tokens(check
     if level == 2:
         llm.update_weights_from_path(a)
     assert tokens(llm) == before
+
+
+def test_wake_up_by_tags_loads_new_weights_before_the_cache_and_captures_graphs_once(checkpoints):
+    """The trainer's order (vLLM's tags): sleep at level 2, wake the weights alone, send new
+    ones while the cache still has no memory, then wake the cache: graphs captured once, at the
+    end, and the tokens are those of an engine started on the new weights."""
+    a, b = checkpoints
+    llm = LLM(a, **ENGINE_ARGS)
+    engine = llm.engine
+    num_graphs = len(engine.runner.graphs)
+    llm.sleep(2)
+    llm.wake_up(["weights"])
+    assert engine.is_sleeping and not engine.runner.graphs
+    assert engine.memory.kv_cache.untyped_storage().nbytes() == 0
+    state = {k: v.cuda() for k, v in load_file(f"{b}/model.safetensors").items()}
+    llm.update_weights(state.items())
+    llm.wake_up(["kv_cache"])
+    assert not engine.is_sleeping and len(engine.runner.graphs) == num_graphs
+    assert tokens(llm) == tokens(LLM(b, **ENGINE_ARGS))

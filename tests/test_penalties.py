@@ -304,7 +304,10 @@ def reference(folder: str) -> tuple[list, list[tuple[list[int], torch.Tensor, in
     without.bad_words = []
     ids = prompts(vocab)[6]
     tokens, _, _ = generate(ids, ReferenceProcessors(without, len(ids), []))
-    pairs = [tokenizer.decode(tokens[i : i + 2]) for i in range(len(tokens) - 1)]
+    pairs = [
+        tokenizer.decode(tokens[i : i + 2], skip_special_tokens=True)
+        for i in range(len(tokens) - 1)
+    ]
     found = (
         p for i, p in enumerate(pairs) if tokens[i : i + 2] in bad_word_token_ids(tokenizer, [p])
     )

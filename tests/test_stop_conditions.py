@@ -33,10 +33,10 @@ class Greedy:
     tokenizer: Tokenizer
 
     def text(self, num_tokens: int) -> str:
-        return self.tokenizer.decode(self.token_ids[:num_tokens])
+        return self.tokenizer.decode(self.token_ids[:num_tokens], skip_special_tokens=True)
 
     def piece(self, index: int) -> str:
-        return self.tokenizer.decode([self.token_ids[index]])
+        return self.tokenizer.decode([self.token_ids[index]], skip_special_tokens=True)
 
     def first_index(self, token_id: int) -> int:
         return self.token_ids.index(token_id)

@@ -93,7 +93,75 @@ def test_vocab_size_and_special_ids_match_transformers(make_tiny, arch):
     assert ours.eos_token_id == reference.eos_token_id
     assert set(reference.all_special_ids) <= set(ours.all_special_ids)
     for token_id in ours.all_special_ids:
-        assert ours.decode([token_id]) == ""
+        assert ours.decode([token_id], skip_special_tokens=True) == ""
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_calling_the_tokenizer_gives_what_transformers_gives(make_tiny, arch, add_special_tokens):
+    folder = make_tiny(arch)
+    ours, reference = Tokenizer.from_dir(folder), hf_tokenizer(folder)
+    for text in (TEXTS[2], TEXTS[:4]):
+        expected = reference(text, add_special_tokens=add_special_tokens)
+        encoding = ours(text, add_special_tokens=add_special_tokens)
+        assert encoding == dict(expected)
+        assert encoding.input_ids == expected.input_ids
+        assert encoding.attention_mask == expected.attention_mask
+
+
+def test_calling_the_tokenizer_on_what_is_not_text_raises_type_error(make_tiny):
+    tokenizer = Tokenizer.from_dir(make_tiny("qwen2"))
+    for text in (None, 42, [1, 2], ["a", None]):
+        with pytest.raises(TypeError, match="text must be"):
+            tokenizer(text)
+    with pytest.raises(AttributeError):
+        _ = tokenizer("a").token_type_ids
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_keeps_special_tokens_by_default_and_takes_one_id_as_transformers(make_tiny, arch):
+    folder = make_tiny(arch)
+    ours, reference = Tokenizer.from_dir(folder), hf_tokenizer(folder)
+    batch = [ours.encode(text) for text in TEXTS]
+    assert [ours.decode(ids) for ids in batch] == [reference.decode(ids) for ids in batch]
+    assert ours.batch_decode(batch) == reference.batch_decode(batch)
+    expected = reference.batch_decode(batch, skip_special_tokens=True)
+    assert ours.batch_decode(batch, skip_special_tokens=True) == expected
+    for token_id in (5, ours.eos_token_id, len(ours) + 3):
+        assert ours.decode(token_id) == reference.decode(token_id)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_vocab_and_token_lookups_match_transformers(make_tiny, arch):
+    folder = make_tiny(arch)
+    ours, reference = Tokenizer.from_dir(folder), hf_tokenizer(folder)
+    assert len(ours) == len(reference)
+    assert ours.get_vocab() == reference.get_vocab()
+    tokens = [*reference.convert_ids_to_tokens(list(range(0, len(ours), 37))), "Hello", "<zz>"]
+    assert ours.convert_tokens_to_ids(tokens) == reference.convert_tokens_to_ids(tokens)
+    assert ours.convert_tokens_to_ids(tokens[1]) == reference.convert_tokens_to_ids(tokens[1])
+    assert ours.convert_ids_to_tokens(ours.eos_token_id) == reference.eos_token
+
+
+@pytest.mark.parametrize(
+    ("arch", "config"),
+    [
+        ("llama", {}),
+        ("qwen3", {}),
+        (
+            "mistral",
+            {"pad_token": "fox", "unk_token": {"__type": "AddedToken", "content": "<unk>"}},
+        ),
+    ],
+)
+def test_pad_unk_and_special_tokens_match_transformers(make_tiny, tmp_path, arch, config):
+    folder = variant(make_tiny(arch), tmp_path / "m", **config)
+    ours, reference = Tokenizer.from_dir(folder), AutoTokenizer.from_pretrained(folder)
+    for name in ("pad_token", "pad_token_id", "unk_token", "unk_token_id", "eos_token"):
+        assert getattr(ours, name) == getattr(reference, name), name
+    assert set(reference.all_special_tokens) <= set(ours.all_special_tokens)
+    assert ours.convert_tokens_to_ids(ours.all_special_tokens) == ours.all_special_ids
+    assert ours.convert_tokens_to_ids("<zz>") == reference.convert_tokens_to_ids("<zz>")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -264,7 +332,8 @@ def test_tokenizer_config_variants_encode_like_transformers(make_tiny, tmp_path,
     for text in [*TEXTS, "the fox <unk> <|new_eos|>"]:
         assert ours.encode(text) == reference(text).input_ids
         ids = reference(text).input_ids
-        assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+        expected = reference.decode(ids, skip_special_tokens=True)
+        assert ours.decode(ids, skip_special_tokens=True) == expected
 
 
 @cache
@@ -304,7 +373,7 @@ def test_detokenizer_deltas_concatenate_to_full_decode(make_tiny, arch, data):
 def test_detokenizer_never_emits_a_partial_character(make_tiny, arch, text, data):
     tokenizer = tiny_tokenizer(make_tiny(arch))
     ids = tokenizer.encode(text, add_special_tokens=False)
-    full_text = tokenizer.decode(ids)
+    full_text = tokenizer.decode(ids, skip_special_tokens=True)
     chunk_sizes = data.draw(st.lists(st.integers(1, 3), max_size=len(ids)))
     detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"))
     deltas = stream(detokenizer, ids, chunk_sizes)
@@ -330,7 +399,9 @@ def test_detokenizer_output_starting_inside_a_prompt_character_matches_decode(ma
     prompt, output = split[:2], split[2:]  # the prompt ends after the first byte of 語
     detokenizer = IncrementalDetokenizer(tokenizer, prompt)
     deltas = [detokenizer.add([token_id]) for token_id in output]
-    assert "".join(deltas) + detokenizer.flush() == tokenizer.decode(output)
+    assert "".join(deltas) + detokenizer.flush() == tokenizer.decode(
+        output, skip_special_tokens=True
+    )
 
 
 def test_detokenizer_decodes_only_a_small_window_per_step(make_tiny):
@@ -338,7 +409,7 @@ def test_detokenizer_decodes_only_a_small_window_per_step(make_tiny):
     window_sizes = []
 
     class SpyTokenizer(Tokenizer):
-        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
             window_sizes.append(len(ids))
             return super().decode(ids, skip_special_tokens)
 
@@ -347,5 +418,5 @@ def test_detokenizer_decodes_only_a_small_window_per_step(make_tiny):
     detokenizer = IncrementalDetokenizer(spy, tokenizer.encode("Hello"))
     for token_id in ids:
         detokenizer.add([token_id])
-    assert detokenizer.text == tokenizer.decode(ids)
+    assert detokenizer.text == tokenizer.decode(ids, skip_special_tokens=True)
     assert max(window_sizes) <= 8

@@ -18,8 +18,19 @@ NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 DETOKENIZE_CONTEXT = 5  # prompt tokens a detokenizer window starts with, so spacing decodes right
 
 
+class BatchEncoding(dict):
+    """`input_ids` and `attention_mask`, read as keys or as attributes (`enc.input_ids`)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
 class Tokenizer:
-    """A `tokenizers` tokenizer plus the special tokens and chat template of a model folder."""
+    """A `tokenizers` tokenizer plus the special tokens and chat template of a model folder,
+    called as transformers' tokenizer is (`tok(text)`, `decode`, `apply_chat_template`, ...)."""
 
     def __init__(
         self,
@@ -39,10 +50,13 @@ class Tokenizer:
             **(template_tokens or {}),
             **{n: t for n, t in (("bos_token", bos_token), ("eos_token", eos_token)) if t},
         }
+        self.pad_token = self.template_tokens.get("pad_token")
+        self.unk_token = self.template_tokens.get("unk_token")
         self._compiled_template = compile_chat_template(chat_template) if chat_template else None
         added = backend.get_added_tokens_decoder()
         # the ids decode(skip_special_tokens=True) drops: every added token marked special
         self.all_special_ids = sorted(i for i, token in added.items() if token.special)
+        self.all_special_tokens = [added[i].content for i in self.all_special_ids]
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -72,17 +86,51 @@ class Tokenizer:
             backend, special["bos_token"], special["eos_token"], chat_template, template_tokens
         )
 
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> BatchEncoding:
+        """`input_ids` and `attention_mask` of a text, or lists of them for a list of texts."""
+        if isinstance(text, str):
+            ids = self.encode(text, add_special_tokens)
+            return BatchEncoding(input_ids=ids, attention_mask=[1] * len(ids))
+        if not isinstance(text, list | tuple) or not all(isinstance(t, str) for t in text):
+            raise TypeError(
+                f"text must be a string or a list of strings, got {type(text).__name__}"
+            )
+        ids = [self.encode(t, add_special_tokens) for t in text]
+        return BatchEncoding(input_ids=ids, attention_mask=[[1] * len(i) for i in ids])
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; add_special_tokens runs tokenizer.json's post-processor (e.g. BOS)."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        """Text of `ids`; ids past the tokenizer's vocab decode to nothing."""
+    def decode(self, ids: int | list[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids` (or of one id); ids past the tokenizer's vocab decode to nothing."""
+        ids = [ids] if isinstance(ids, int) else ids
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
+    def batch_decode(
+        self, sequences: list[list[int]], skip_special_tokens: bool = False
+    ) -> list[str]:
+        """`decode` of each list of ids."""
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
+
+    def convert_ids_to_tokens(self, ids: int | list[int]) -> str | list[str | None] | None:
         """The vocabulary's entry of each id (e.g. "Ġthe"), not its decoded text."""
+        if isinstance(ids, int):
+            return self.backend.id_to_token(ids)
         return [self.backend.id_to_token(i) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | list[int | None] | None:
+        """The id of each vocabulary entry; unk_token's id (None without one) where none is."""
+        if isinstance(tokens, str):
+            return self._id_or_unk(tokens)
+        return [self._id_or_unk(t) for t in tokens]
+
+    def get_vocab(self) -> dict[str, int]:
+        """Each vocabulary entry's id, added tokens included."""
+        return self.backend.get_vocab(with_added_tokens=True)
 
     @property
     def vocab_size(self) -> int:
@@ -91,11 +139,26 @@ class Tokenizer:
 
     @property
     def bos_token_id(self) -> int | None:
-        return None if self.bos_token is None else self.backend.token_to_id(self.bos_token)
+        return self._id_of(self.bos_token)
 
     @property
     def eos_token_id(self) -> int | None:
-        return None if self.eos_token is None else self.backend.token_to_id(self.eos_token)
+        return self._id_of(self.eos_token)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._id_of(self.pad_token)
+
+    @property
+    def unk_token_id(self) -> int | None:
+        return self._id_of(self.unk_token)
+
+    def _id_or_unk(self, token: str) -> int | None:
+        token_id = self.backend.token_to_id(token)
+        return self.unk_token_id if token_id is None else token_id
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
 
     def apply_chat_template(
         self,

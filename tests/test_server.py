@@ -251,7 +251,7 @@ def test_add_special_tokens_sets_whether_the_prompt_gets_the_tokenizers_bos(
     )
     assert response.usage.prompt_tokens == len(bare)
     assert response.choices[0].text == want.outputs[0].text
-    template = tokenizer.apply_chat_template(MESSAGES)
+    template = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     for add, ids in ((False, tokenizer.encode(template, add_special_tokens=False)),
                      (True, tokenizer.encode(template))):  # fmt: skip
         chat = client.chat.completions.create(
@@ -540,7 +540,7 @@ def test_tokenize_and_detokenize_round_trip(server, offline):
     assert text["prompt"] == bos + PROMPT
     chat = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}, headers=AUTH).json()
     tokenizer = offline.get_tokenizer()
-    template = tokenizer.apply_chat_template(MESSAGES)
+    template = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     assert chat["tokens"] == tokenizer.encode(template, add_special_tokens=False)
 
 

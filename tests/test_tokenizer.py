@@ -173,7 +173,43 @@ def test_chat_template_matches_transformers(make_tiny, arch, add_generation_prom
         expected = reference.apply_chat_template(
             chat, tokenize=False, add_generation_prompt=add_generation_prompt
         )
-        assert ours.apply_chat_template(chat, add_generation_prompt) == expected
+        ours_text = ours.apply_chat_template(
+            chat, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        assert ours_text == expected
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"add_generation_prompt": True},
+        {"return_dict": False},
+        {"tokenize": False},
+        {"add_generation_prompt": True, "tokenize": False, "return_dict": False},
+    ],
+)
+def test_chat_template_defaults_and_batches_match_transformers(make_tiny, arch, options):
+    """Code written for vLLM's get_tokenizer() calls apply_chat_template(messages) for ids."""
+    folder = make_tiny(arch)
+    ours, reference = Tokenizer.from_dir(folder), hf_tokenizer(folder)
+    for conversation in (CHATS[1], CHATS):
+        expected = reference.apply_chat_template(conversation, **options)
+        rendered = ours.apply_chat_template(conversation, **options)
+        if isinstance(expected, str) or not hasattr(expected, "keys"):
+            assert rendered == expected
+        else:
+            assert rendered == dict(expected)
+            assert rendered.input_ids == expected.input_ids
+
+
+def test_chat_template_refuses_what_is_not_a_conversation(make_tiny):
+    tokenizer = Tokenizer.from_dir(make_tiny("qwen3"))
+    with pytest.raises(TypeError, match="conversation must be"):
+        tokenizer.apply_chat_template("Hi")
+    with pytest.raises(TypeError, match="conversation"):
+        tokenizer.apply_chat_template(messages=CHATS[0])
 
 
 CONTINUED = [
@@ -199,7 +235,9 @@ def test_continue_final_message_cuts_as_transformers_does(make_tiny, tmp_path, c
     expected = hf_tokenizer(folder).apply_chat_template(
         chat, tokenize=False, add_generation_prompt=False, continue_final_message=True
     )
-    ours = Tokenizer.from_dir(folder).apply_chat_template(chat, False, continue_final_message=True)
+    ours = Tokenizer.from_dir(folder).apply_chat_template(
+        chat, continue_final_message=True, tokenize=False
+    )
     assert ours == expected
     assert not ours.endswith(f"</{chat[-1]['role']}>\n")
 
@@ -212,9 +250,15 @@ def test_chat_template_kwargs_reach_the_template_as_in_transformers(make_tiny, t
     expected = hf_tokenizer(folder).apply_chat_template(
         CHATS[1], tokenize=False, add_generation_prompt=True, **(kwargs or {})
     )
-    ours = Tokenizer.from_dir(folder).apply_chat_template(CHATS[1], chat_template_kwargs=kwargs)
+    ours = Tokenizer.from_dir(folder).apply_chat_template(
+        CHATS[1], add_generation_prompt=True, tokenize=False, chat_template_kwargs=kwargs
+    )
     assert ours == expected
     assert ours.endswith("<think></think>") == (kwargs == {"enable_thinking": False})
+    as_arguments = Tokenizer.from_dir(folder).apply_chat_template(
+        CHATS[1], add_generation_prompt=True, tokenize=False, **(kwargs or {})
+    )
+    assert as_arguments == expected
 
 
 def test_tokenize_true_gives_the_ids_transformers_gives(make_tiny):
@@ -222,14 +266,15 @@ def test_tokenize_true_gives_the_ids_transformers_gives(make_tiny):
     ours, reference = Tokenizer.from_dir(folder), hf_tokenizer(folder)
     expected = reference.apply_chat_template(CHATS[1], tokenize=True, add_generation_prompt=True)
     expected = expected["input_ids"] if hasattr(expected, "keys") else expected  # BatchEncoding
-    assert ours.apply_chat_template(CHATS[1], True, tokenize=True) == list(expected)
+    ids = ours.apply_chat_template(CHATS[1], add_generation_prompt=True, return_dict=False)
+    assert ids == list(expected)
 
 
 def test_chat_template_options_refuse_what_cannot_work(make_tiny, tmp_path):
     tokenizer = Tokenizer.from_dir(make_tiny("qwen2"))
     chat = CONTINUED[0]
     with pytest.raises(ValueError, match="cannot both be true"):
-        tokenizer.apply_chat_template(chat, True, continue_final_message=True)
+        tokenizer.apply_chat_template(chat, add_generation_prompt=True, continue_final_message=True)
     for kwargs in ({"messages": []}, {"add_generation_prompt": False}, {1: 2}, ["x"]):
         with pytest.raises(ValueError, match="chat_template_kwargs"):
             tokenizer.apply_chat_template(chat, chat_template_kwargs=kwargs)
@@ -238,12 +283,12 @@ def test_chat_template_options_refuse_what_cannot_work(make_tiny, tmp_path):
     )
     with pytest.raises(ValueError, match="no text to continue"):
         Tokenizer.from_dir(folder).apply_chat_template(
-            [{"role": "user", "content": [{"type": "image"}]}], False, continue_final_message=True
+            [{"role": "user", "content": [{"type": "image"}]}], continue_final_message=True
         )
     template = "{% for m in messages[:-1] %}{{ m.content }}{% endfor %}"  # drops the last one
     folder = variant(make_tiny("qwen2"), tmp_path / "b", drop_template=True, chat_template=template)
     with pytest.raises(ValueError, match="does not contain"):
-        Tokenizer.from_dir(folder).apply_chat_template(chat, False, continue_final_message=True)
+        Tokenizer.from_dir(folder).apply_chat_template(chat, continue_final_message=True)
 
 
 def test_chat_template_from_tokenizer_config_with_tojson_and_strftime(make_tiny, tmp_path):
@@ -254,7 +299,7 @@ def test_chat_template_from_tokenizer_config_with_tojson_and_strftime(make_tiny,
     folder = variant(make_tiny("llama"), tmp_path / "m", drop_template=True, chat_template=template)
     chat = [{"role": "user", "content": "<b>café</b> & 日本"}]
     expected = hf_tokenizer(folder).apply_chat_template(chat, tokenize=False)
-    assert Tokenizer.from_dir(folder).apply_chat_template(chat) == expected
+    assert Tokenizer.from_dir(folder).apply_chat_template(chat, tokenize=False) == expected
     assert "<b>café</b>" in expected
 
 
@@ -273,7 +318,7 @@ def test_generation_tags_and_every_special_token_render_as_in_transformers(make_
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
     expected = hf_tokenizer(folder).apply_chat_template(chat, tokenize=False)
     assert "A:Yo" in expected and expected.endswith("|<|pad|>|<|unk|>")
-    assert Tokenizer.from_dir(folder).apply_chat_template(chat) == expected
+    assert Tokenizer.from_dir(folder).apply_chat_template(chat, tokenize=False) == expected
 
 
 def test_chat_template_jinja_file_takes_precedence_over_config(make_tiny, tmp_path):
@@ -290,7 +335,10 @@ def test_named_default_template_is_picked_from_a_template_list(make_tiny, tmp_pa
         make_tiny("qwen2"), tmp_path / "m", drop_template=True, chat_template=templates
     )
     assert (
-        Tokenizer.from_dir(folder).apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
+        Tokenizer.from_dir(folder).apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=False
+        )
+        == "hi"
     )
 
 

@@ -220,11 +220,12 @@ class LLM:
             texts = [
                 tokenizer.apply_chat_template(
                     c,
-                    add_generation_prompt,
                     tools,
-                    continue_final_message,
-                    chat_template_kwargs,
                     chat_template=chat_template,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    tokenize=False,
+                    chat_template_kwargs=chat_template_kwargs,
                 )
                 for c in conversations
             ]

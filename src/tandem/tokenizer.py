@@ -162,23 +162,33 @@ class Tokenizer:
 
     def apply_chat_template(
         self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
+        conversation: list[dict[str, Any]] | list[list[dict[str, Any]]],
         tools: list[dict[str, Any]] | None = None,
-        continue_final_message: bool = False,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        tokenize: bool = False,
+        *,
         chat_template: str | None = None,
-    ) -> str | list[int]:
-        """Render chat messages (and the tools they may call, OpenAI's {"type": "function",
-        "function": {...}} objects) to the prompt text; encode it with add_special_tokens=False.
+        add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
+        tokenize: bool = True,
+        return_dict: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> str | list[str] | list[int] | list[list[int]] | BatchEncoding:
+        """Render a chat (or a list of chats) and the tools it may call (OpenAI's {"type":
+        "function", "function": {...}} objects) with the chat template, as transformers does:
+        by default to a BatchEncoding of its ids (encoded with add_special_tokens=False), to the
+        ids alone with return_dict=False, to the text with tokenize=False.
 
-        As transformers and vLLM do: `continue_final_message` ends the text right after the last
-        message's content, so that the model continues that message (with
-        add_generation_prompt=False); `chat_template_kwargs` are more variables for the template
-        (e.g. Qwen3's enable_thinking). `tokenize=True` returns the text's token ids instead, as
-        transformers' tokenizer does (whose default it is; here the text is). `chat_template`
-        (Jinja source) renders instead of the model's template."""
+        `continue_final_message` ends the text right after the last message's content, so that
+        the model continues that message (with add_generation_prompt=False); `chat_template_kwargs`
+        and other keyword arguments are more variables for the template (e.g. Qwen3's
+        enable_thinking); `chat_template` (Jinja source) renders instead of the model's template."""
+        if not isinstance(conversation, list | tuple):
+            raise TypeError(
+                f"conversation must be a list of messages (or of chats), got "
+                f"{type(conversation).__name__}"
+            )
+        if "messages" in kwargs:
+            raise TypeError("apply_chat_template takes the messages as `conversation`")
         template = (
             compile_chat_template(chat_template) if chat_template else self._compiled_template
         )
@@ -192,16 +202,24 @@ class Tokenizer:
                 "add_generation_prompt and continue_final_message cannot both be true: set "
                 "add_generation_prompt to false to continue the final message"
             )
-        extra = template_kwargs(chat_template_kwargs)
         # like transformers, special tokens that are unset stay undefined in the template
-        text = template.render(
-            **{**self.template_tokens, **extra},
-            messages=messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-        )
-        text = continued(text, messages) if continue_final_message else text
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        variables = {**self.template_tokens, **template_kwargs(chat_template_kwargs), **kwargs}
+        batched = bool(conversation) and isinstance(conversation[0], list | tuple)
+        texts = []
+        for messages in conversation if batched else [conversation]:
+            text = template.render(
+                **variables,
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+            )
+            texts.append(continued(text, messages) if continue_final_message else text)
+        if not tokenize:
+            return texts if batched else texts[0]
+        encoding = self(texts, add_special_tokens=False)
+        if not batched:
+            encoding = BatchEncoding({name: rows[0] for name, rows in encoding.items()})
+        return encoding if return_dict else encoding.input_ids
 
 
 # the variables apply_chat_template sets itself

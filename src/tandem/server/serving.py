@@ -631,10 +631,11 @@ def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeRequ
         return encodable(
             tokenizer.apply_chat_template(
                 [m.as_template_input() for m in body.messages],
-                body.add_generation_prompt,
                 [t.model_dump(exclude_none=True) for t in tools] if tools else None,
-                body.continue_final_message,
-                body.chat_template_kwargs,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                tokenize=False,
+                chat_template_kwargs=body.chat_template_kwargs,
             )
         )  # JSON the template renders may unescape a lone surrogate ("\\ud800") into it
     except ValueError as error:  # no template, the template's raise_exception, a surrogate

@@ -445,7 +445,7 @@ def test_legacy_top_logprobs_keep_the_likeliest_of_ids_that_share_a_text(server)
     """Lone bytes of a character all decode to "\ufffd": keyed by text, the top-1 must not be
     overwritten by the token after it in the entry (lm-eval's is_greedy reads the max)."""
     tokenizer = server.llm.engine.tokenizer
-    lone = [i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]) == "\ufffd"][:3]
+    lone = [i for i in range(len(tokenizer)) if tokenizer.decode([i]) == "\ufffd"][:3]
     assert len(lone) == 3
     generation = Generation("cmpl", 0, [], [], num_top_logprobs=2, return_token_ids=False)
     fmt = CompletionFormat(MODEL, tokenizer, generation)

@@ -280,7 +280,7 @@ def test_json_strings_take_no_raw_control_bytes(folder, any_whitespace):
               "required": ["s"]}  # fmt: skip
     constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=not any_whitespace)
     compiled = grammars.compile(constraint)
-    pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in range(tokenizer.vocab_size)]
+    pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in range(len(tokenizer))]
     forbidden = {chr(c) for c in range(0x20)} - ({"\t", "\n", "\r"} if any_whitespace else set())
 
     def allowed_controls(token_filter) -> set[int]:

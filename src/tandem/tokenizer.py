@@ -99,7 +99,8 @@ class Tokenizer:
         return BatchEncoding(input_ids=ids, attention_mask=[[1] * len(i) for i in ids])
 
     def __len__(self) -> int:
-        return self.vocab_size
+        """Number of token ids the tokenizer knows, added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; add_special_tokens runs tokenizer.json's post-processor (e.g. BOS)."""
@@ -134,8 +135,8 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """Number of token ids the tokenizer knows, added tokens included."""
-        return self.backend.get_vocab_size(with_added_tokens=True)
+        """Number of token ids of the base vocabulary, added tokens left out (`len` counts them)."""
+        return self.backend.get_vocab_size(with_added_tokens=False)
 
     @property
     def bos_token_id(self) -> int | None:

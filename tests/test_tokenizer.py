@@ -8,7 +8,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
@@ -129,6 +131,17 @@ def test_decode_keeps_special_tokens_by_default_and_takes_one_id_as_transformers
     assert ours.batch_decode(batch, skip_special_tokens=True) == expected
     for token_id in (5, ours.eos_token_id, len(ours) + 3):
         assert ours.decode(token_id) == reference.decode(token_id)
+
+
+@pytest.mark.parametrize("to_array", [np.array, torch.tensor])
+def test_decode_takes_arrays_and_tensors_as_transformers(make_tiny, to_array):
+    """RL code decodes the sampled ids as they come out of its training framework."""
+    folder = make_tiny("llama")
+    ours, reference = Tokenizer.from_dir(folder), hf_tokenizer(folder)
+    batch = [ours.encode(text)[:5] for text in TEXTS[1:4]]
+    assert ours.batch_decode(to_array(batch)) == reference.batch_decode(to_array(batch))
+    assert ours.decode(to_array(batch[1])) == reference.decode(to_array(batch[1]))
+    assert ours.decode(to_array(batch[1])[0]) == reference.decode(to_array(batch[1])[0])
 
 
 @pytest.mark.parametrize("arch", ARCHS)

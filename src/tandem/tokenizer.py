@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar, NoReturn
@@ -106,15 +107,18 @@ class Tokenizer:
         """Token ids of `text`; add_special_tokens runs tokenizer.json's post-processor (e.g. BOS)."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: int | list[int], skip_special_tokens: bool = False) -> str:
-        """Text of `ids` (or of one id); ids past the tokenizer's vocab decode to nothing."""
+    def decode(self, ids: int | Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids` (or of one id; a numpy array or a torch tensor as well); ids past the
+        tokenizer's vocab decode to nothing."""
+        ids = ids.tolist() if hasattr(ids, "tolist") else ids
         ids = [ids] if isinstance(ids, int) else ids
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def batch_decode(
-        self, sequences: list[list[int]], skip_special_tokens: bool = False
+        self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = False
     ) -> list[str]:
-        """`decode` of each list of ids."""
+        """`decode` of each list of ids (or row of a numpy array or torch tensor)."""
+        sequences = sequences.tolist() if hasattr(sequences, "tolist") else sequences
         return [self.decode(ids, skip_special_tokens) for ids in sequences]
 
     def convert_ids_to_tokens(self, ids: int | list[int]) -> str | list[str | None] | None:

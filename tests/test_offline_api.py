@@ -120,6 +120,25 @@ def test_chat_joins_openai_text_parts_with_newlines_as_vllm_does(llm, folder):
     assert out.outputs[0].token_ids == transformers_greedy(folder, tuple(expected), 5)
 
 
+def test_get_tokenizer_serves_an_rl_loop_as_transformers_tokenizer_does(llm, folder):
+    """A GRPO script renders the prompt with the tokenizer vLLM hands out, generates from its ids
+    and decodes the completion; each step gives what transformers' tokenizer gives."""
+    from transformers import AutoTokenizer
+
+    reference, tokenizer = AutoTokenizer.from_pretrained(folder), llm.get_tokenizer()
+    messages = [{"role": "user", "content": "Hi"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    assert ids == reference.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    [out] = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    [chat] = llm.chat(messages, GREEDY, use_tqdm=False)
+    completion = out.outputs[0].token_ids
+    assert completion == chat.outputs[0].token_ids
+    for skip in (True, False):
+        expected = reference.batch_decode([completion], skip_special_tokens=skip)
+        assert tokenizer.batch_decode([completion], skip_special_tokens=skip) == expected
+    assert (len(tokenizer), tokenizer.pad_token_id) == (len(reference), reference.pad_token_id)
+
+
 def test_chat_content_parts_other_than_text_are_a_value_error_naming_the_type(llm):
     image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
     with pytest.raises(ValueError, match="image_url"):

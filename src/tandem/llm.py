@@ -95,7 +95,8 @@ class LLM:
         """Stop the tensor-parallel worker processes (nothing to do on one device)."""
         self.engine.shutdown()
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer, called as transformers' is (None for a model without one)."""
         return self.engine.tokenizer
 
     # ---- RL hooks (safe from another thread: applied between two steps) ------------------

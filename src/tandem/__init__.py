@@ -7,7 +7,8 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tandem.llm import LLM, CompletionOutput, Logprob, RequestOutput
+    from tandem.llm import LLM
+    from tandem.outputs import CompletionOutput, Logprob, RequestOutput
     from tandem.sampling import SamplingParams
     from tandem.structured import StructuredOutputsParams
 
@@ -30,9 +31,9 @@ __all__ = [
 # does not load the engine and torch's CUDA set-up with it.
 _LAZY = {
     "LLM": "tandem.llm",
-    "CompletionOutput": "tandem.llm",
-    "Logprob": "tandem.llm",
-    "RequestOutput": "tandem.llm",
+    "CompletionOutput": "tandem.outputs",
+    "Logprob": "tandem.outputs",
+    "RequestOutput": "tandem.outputs",
     "SamplingParams": "tandem.sampling",
     "StructuredOutputsParams": "tandem.structured",
 }

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,60 +14,20 @@ from tqdm import tqdm
 
 from tandem.config import EngineConfig
 from tandem.engine import Engine
+from tandem.outputs import (
+    CompletionOutput,
+    Logprob,
+    RequestOutput,
+    TokenText,
+    cumulative_logprob,
+    no_text,
+    prompt_logprobs,
+    sample_logprobs,
+    token_text,
+)
 from tandem.request import Prompt, Request, prompt_cache_salt, split_prompt
-from tandem.sampling import MAX_SEED, SamplingParams
-from tandem.tokenizer import Tokenizer
+from tandem.sampling import SamplingParams, seeded
 from tandem.weights import NamedTensors
-
-
-class Logprob(float):
-    """A token's logprob, a float that also reads as vLLM's Logprob: `.logprob`, `.rank` (1 for
-    the most likely token; None for a prompt token outside the top k, whose rank is not computed)
-    and `.decoded_token` (the token's text alone; None with detokenize=False)."""
-
-    __slots__ = ("decoded_token", "rank")
-
-    def __new__(
-        cls, logprob: float, rank: int | None = None, decoded_token: str | None = None
-    ) -> Logprob:
-        self = float.__new__(cls, logprob)  # not super(): this runs once per entry
-        self.rank = rank
-        self.decoded_token = decoded_token
-        return self
-
-    @property
-    def logprob(self) -> float:
-        return float(self)
-
-    def __repr__(self) -> str:
-        return (
-            f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, "
-            f"decoded_token={self.decoded_token!r})"
-        )
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    cumulative_logprob: float | None  # the sum of logprobs' sampled entries; None without them
-    # per output token: the top `logprobs` ids in rank order, then the sampled token
-    logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None  # the stop string or stop token id; None for EOS
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool = True
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    # with SamplingParams.prompt_logprobs: per prompt position, None for the first
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -151,8 +110,8 @@ class LLM:
             prompts = [prompts]
         params = self._params_per_prompt(sampling_params, len(prompts))
         groups = self._generate(prompts, params, use_tqdm)
-        token_text = _token_text(self.engine.tokenizer)
-        return [_request_output(rid, group, token_text) for rid, group in groups]
+        text = token_text(self.engine.tokenizer)
+        return [_request_output(rid, group, text) for rid, group in groups]
 
     def _generate(
         self, prompts: Sequence[Prompt], params: list[SamplingParams], use_tqdm: bool
@@ -276,13 +235,8 @@ class LLM:
             self._next_id += 1
             group = []
             for k in range(p.n):
-                sibling = (
-                    p
-                    if p.seed is None or k == 0
-                    else replace(p, seed=(p.seed + k) % (MAX_SEED + 1))
-                )
                 rid = base if p.n == 1 else f"{base}-{k}"
-                group.append(engine.make_request(rid, sibling, text, ids, cache_salt=salt))
+                group.append(engine.make_request(rid, seeded(p, k), text, ids, cache_salt=salt))
                 ids = ids if ids is not None else group[0].prompt_token_ids
             groups.append((base, group))
         return groups
@@ -347,9 +301,7 @@ def _score(entries: list[dict[int, float]], continuation: list[int]) -> ScoreOut
     return ScoreOutput(sum(token_logprobs), is_greedy, token_logprobs)
 
 
-def _request_output(
-    request_id: str, group: list[Request], token_text: Callable[[int], str | None]
-) -> RequestOutput:
+def _request_output(request_id: str, group: list[Request], text: TokenText) -> RequestOutput:
     first = group[0]
     return RequestOutput(
         request_id=request_id,
@@ -361,71 +313,34 @@ def _request_output(
                 text=r.output_text,
                 token_ids=list(r.output_token_ids),
                 cumulative_logprob=_cumulative_logprob(r),
-                logprobs=_sample_logprobs(r, token_text),
+                logprobs=_sample_logprobs(r, text),
                 finish_reason=r.finish_reason,
                 stop_reason=r.stop_reason,
             )
             for k, r in enumerate(group)
         ],
         num_cached_tokens=first.num_cached_tokens or 0,
-        prompt_logprobs=_prompt_logprobs(first, token_text),
+        prompt_logprobs=_prompt_logprobs(first, text),
     )
 
 
 def _cumulative_logprob(request: Request) -> float | None:
     if request.params.logprobs is None:
         return None
-    entries, tokens = request.logprobs or [], request.output_token_ids
-    return sum(entry[t] for entry, t in zip(entries, tokens, strict=True))
+    return cumulative_logprob(request.logprobs or [], request.output_token_ids)
 
 
-def _token_text(tokenizer: Tokenizer | None) -> Callable[[int], str | None]:
-    """A token's text alone, as vLLM decodes a logprob's token (special tokens kept)."""
-    if tokenizer is None:
-        return lambda token_id: None
-    return functools.cache(lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
-
-
-def _sample_logprobs(
-    request: Request, token_text: Callable[[int], str | None]
-) -> list[dict[int, Logprob]] | None:
+def _sample_logprobs(request: Request, text: TokenText) -> list[dict[int, Logprob]] | None:
     if request.logprobs is None:
         return None
-    num_top = request.params.logprobs
-    text = token_text if request.params.detokenize else _no_text
-    entries = zip(request.logprobs, request.output_token_ids, request.sampled_ranks, strict=True)
-    return [_logprobs(entry, num_top, token, rank, text) for entry, token, rank in entries]
+    text = text if request.params.detokenize else no_text
+    tokens, ranks = request.output_token_ids, request.sampled_ranks
+    return sample_logprobs(request.logprobs, tokens, ranks, request.params.logprobs, text)
 
 
-def _prompt_logprobs(
-    request: Request, token_text: Callable[[int], str | None]
-) -> list[dict[int, Logprob] | None] | None:
+def _prompt_logprobs(request: Request, text: TokenText) -> list[dict[int, Logprob] | None] | None:
     if request.prompt_logprobs is None:
         return None
-    num_top = request.params.prompt_logprobs
-    text = token_text if request.params.detokenize else _no_text
-    return [
-        None if entry is None else _logprobs(entry, num_top, token, None, text)
-        for entry, token in zip(request.prompt_logprobs, request.prompt_token_ids, strict=True)
-    ]
-
-
-def _logprobs(
-    entry: dict[int, float],
-    num_top: int,
-    token: int,
-    token_rank: int | None,
-    text: Callable[[int], str | None],
-) -> dict[int, Logprob]:
-    """An entry's ids are the top `num_top` in rank order, then `token` unless among them; the
-    token's own rank is `token_rank` where known."""
-    out = {}
-    for rank, (t, value) in enumerate(entry.items(), 1):  # a loop: it runs once per prompt token
-        out[t] = Logprob(value, rank if rank <= num_top else None, text(t))
-    if token_rank is not None:
-        out[token].rank = token_rank
-    return out
-
-
-def _no_text(token_id: int) -> None:
-    return None
+    text = text if request.params.detokenize else no_text
+    tokens, num_top = request.prompt_token_ids, request.params.prompt_logprobs
+    return prompt_logprobs(request.prompt_logprobs, tokens, num_top, text)

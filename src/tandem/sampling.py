@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -217,6 +217,13 @@ class SamplingParams:
             or self.allowed_token_ids is not None
             or self.bad_words
         )
+
+
+def seeded(params: SamplingParams, k: int) -> SamplingParams:
+    """The k-th of n samples: seed + k when seeded, as vLLM seeds them."""
+    if params.seed is None or k == 0:
+        return params
+    return replace(params, seed=(params.seed + k) % (MAX_SEED + 1))
 
 
 def _as_list(name: str, value: object, allowed: str, lone: type | None = None) -> list:

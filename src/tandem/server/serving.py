@@ -17,7 +17,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.async_llm import AsyncLLM, EngineDeadError, RequestStream, StreamOutput
-from tandem.sampling import MAX_SEED, SamplingParams, truncate_prompt
+from tandem.sampling import SamplingParams, seeded, truncate_prompt
 from tandem.server.constraints import constraint_field, output_constraint, tool_mode
 from tandem.server.metrics import LatencyTracker, ServerMetrics
 from tandem.server.options import ServerOptions
@@ -698,13 +698,6 @@ def token_id_keys(logit_bias: dict[str, float]) -> dict[int, float]:
     except ValueError as error:
         message = f"logit_bias keys must be token ids, got {list(logit_bias)!r}"
         raise OpenAIError(message, param="logit_bias") from error
-
-
-def seeded(params: SamplingParams, k: int) -> SamplingParams:
-    """The k-th of n samples: seed + k when seeded, as the offline LLM does."""
-    if params.seed is None or k == 0:
-        return params
-    return replace(params, seed=(params.seed + k) % (MAX_SEED + 1))
 
 
 def invalid_request(error: ValueError, body: SamplingRequest) -> OpenAIError:

@@ -1,21 +1,27 @@
-"""AsyncLLM: the engine on its own thread, streamed deltas, aborts, failures and shutdown."""
+"""AsyncLLM: the engine on its own thread, vLLM's RequestOutputs per output kind (n samples in one
+stream), aborts, failures and shutdown."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import pytest
 
-from tandem import LLM, SamplingParams
-from tandem.async_llm import AsyncLLM, EngineDeadError, StreamOutput
+from tandem import LLM, RequestOutput, SamplingParams
+from tandem.async_llm import AsyncLLM, EngineDeadError
 from tandem.config import EngineConfig
 from tandem.engine import Engine
+from tandem.sampling import RequestOutputKind
+from test_bad_input import transformers_greedy
 
 ENGINE_ARGS = {"max_model_len": 256, "block_size": 8}
 PROMPTS = ["Our scheduler reads", "The quick brown fox", "Paged attention", "Hello"]
+KINDS = list(RequestOutputKind)
+CUMULATIVE, DELTA, FINAL_ONLY = KINDS
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +46,17 @@ async def collect(llm: AsyncLLM, prompt, params: SamplingParams, request_id: str
     return outputs
 
 
-def joined(outputs: list[StreamOutput]) -> tuple[str, list[int], str | None]:
-    text = "".join(o.text for o in outputs)
-    tokens = [t for o in outputs for t in o.token_ids]
-    return text, tokens, outputs[-1].finish_reason
+def joined(outputs: list[RequestOutput]) -> tuple[str, list[int], str | None]:
+    """(text, token ids, finish reason) of a one-sample CUMULATIVE stream: its last output's."""
+    completion = outputs[-1].outputs[0]
+    return completion.text, completion.token_ids, completion.finish_reason
+
+
+async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.001)
 
 
 async def wait_until_idle(llm: AsyncLLM, timeout: float = 5.0) -> None:
@@ -74,7 +87,6 @@ def test_concurrent_streams_match_the_offline_api_token_for_token(llm, offline):
         completion = want.outputs[0]
         assert joined(outputs) == (completion.text, completion.token_ids, completion.finish_reason)
         assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
-        assert outputs[-1].num_output_tokens == len(completion.token_ids)
 
 
 def test_a_stream_without_detokenize_carries_the_offline_tokens_and_no_text(llm, offline):
@@ -94,7 +106,10 @@ def test_streamed_text_never_includes_text_a_stop_string_later_trims(llm, offlin
         if text[i : i + n].strip() and text.find(text[i : i + n]) == i
     ]
     assert len(stops) >= 5
-    params = [SamplingParams(temperature=0, max_tokens=40, stop=[s, "never seen"]) for s in stops]
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, stop=[s, "never seen"], output_kind=DELTA)
+        for s in stops
+    ]
 
     async def main():
         return await asyncio.gather(
@@ -103,25 +118,29 @@ def test_streamed_text_never_includes_text_a_stop_string_later_trims(llm, offlin
 
     streamed = asyncio.run(main())
     for stop, outputs in zip(stops, streamed, strict=True):
-        assert joined(outputs)[0] == text[: text.find(stop)], stop
-        assert outputs[-1].finish_reason == "stop"
+        assert "".join(o.outputs[0].text for o in outputs) == text[: text.find(stop)], stop
+        assert outputs[-1].outputs[0].finish_reason == "stop"
 
 
-def test_abort_ends_the_stream_with_abort_and_frees_every_block(llm):
-    params = SamplingParams(max_tokens=200, ignore_eos=True)
+@pytest.mark.parametrize("n", [1, 3])
+def test_abort_ends_every_sample_of_the_stream_with_abort_and_frees_every_block(llm, n):
+    """`abort(request_id)` of a stream of n samples stops each of them."""
+    params = SamplingParams(n=n, temperature=1.0, seed=2, max_tokens=200, ignore_eos=True)
 
     async def main():
         outputs = []
-        async for out in llm.generate(PROMPTS[1], params, "to-abort"):
+        async for out in llm.generate(PROMPTS[1], params, f"to-abort-{n}"):
             outputs.append(out)
-            if len(outputs) == 3:
-                await llm.abort("to-abort")
+            if len(outputs) == 2:
+                await llm.abort(f"to-abort-{n}")
         await wait_until_idle(llm)
         return outputs
 
     outputs = asyncio.run(main())
-    assert outputs[-1].finished and outputs[-1].finish_reason == "abort"
-    assert outputs[-1].num_output_tokens < 200
+    whole = whole_samples(outputs, CUMULATIVE)
+    assert outputs[-1].finished
+    assert [whole[k].finish_reason for k in range(n)] == ["abort"] * n
+    assert all(len(whole[k].token_ids) < 200 for k in range(n))
 
 
 def test_leaving_generate_early_aborts_the_request(llm):
@@ -163,7 +182,7 @@ def test_an_invalid_request_raises_value_error_and_others_still_run(llm):
             )
         return await collect(llm, PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True), "ok")
 
-    assert asyncio.run(main())[-1].num_output_tokens == 4
+    assert len(joined(asyncio.run(main()))[1]) == 4
 
 
 @pytest.mark.parametrize("prompt", [[1, 2, 3], None, {"text": PROMPTS[0]}])
@@ -174,7 +193,7 @@ def test_a_prompt_of_no_known_form_is_a_value_error_naming_the_forms(llm, prompt
         assert "'prompt'" in str(error.value)
         return await collect(llm, PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True), "ok")
 
-    assert asyncio.run(main())[-1].num_output_tokens == 4
+    assert len(joined(asyncio.run(main()))[1]) == 4
 
 
 def test_generate_takes_the_cache_salt_of_a_prompt_dict(llm):
@@ -192,6 +211,170 @@ def test_generate_takes_the_cache_salt_of_a_prompt_dict(llm):
     assert asyncio.run(main()) == [0, 0, 0, 16]
     with pytest.raises(ValueError, match="cache_salt"):
         asyncio.run(cached("", "empty-salt"))
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
+SEEDED = SamplingParams(temperature=1.0, seed=11, max_tokens=10, logprobs=2, prompt_logprobs=1)
+
+
+def whole_samples(outputs: list[RequestOutput], kind: RequestOutputKind) -> dict:
+    """Each sample's whole completion: the last of its index, or (DELTA) its deltas joined."""
+    whole = {}
+    for output in outputs:
+        for c in output.outputs:
+            if kind is DELTA and c.index in whole:
+                w = whole[c.index]
+                w.text, w.token_ids = w.text + c.text, w.token_ids + c.token_ids
+                w.logprobs = None if c.logprobs is None else w.logprobs + c.logprobs
+                w.cumulative_logprob = c.cumulative_logprob
+                w.finish_reason, w.stop_reason = c.finish_reason, c.stop_reason
+            else:
+                whole[c.index] = replace(c)
+    return whole
+
+
+def described(entries) -> list | None:
+    """Logprob entries as plain values, so that rank and decoded_token are compared too."""
+    if entries is None:
+        return None
+    return [
+        None if e is None else [(t, lp.logprob, lp.rank, lp.decoded_token) for t, lp in e.items()]
+        for e in entries
+    ]
+
+
+def samples(outputs: list[RequestOutput], kind: RequestOutputKind) -> list[tuple]:
+    whole = whole_samples(outputs, kind)
+    return [whole_sample(whole[k]) for k in sorted(whole)]
+
+
+def whole_sample(c) -> tuple:
+    return (c.index, c.text, c.token_ids, c.cumulative_logprob, described(c.logprobs),
+            c.finish_reason, c.stop_reason)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+@pytest.mark.parametrize("base", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_every_output_kind_adds_up_to_the_offline_output(llm, offline, kind, base):
+    """CUMULATIVE: every output is all so far; DELTA: the outputs join into it; FINAL_ONLY: one
+    output. Logprobs with ranks and decoded tokens, and prompt logprobs, as the offline API's."""
+    params = replace(base, output_kind=kind)
+    request_id = f"kind-{kind.name}-{base.temperature}"
+    outputs = asyncio.run(collect(llm, PROMPTS[1], params, request_id))
+    [expected] = offline.generate(PROMPTS[1], params, use_tqdm=False)
+    assert samples(outputs, kind) == [whole_sample(expected.outputs[0])]
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    for output in outputs:
+        assert (output.request_id, output.prompt) == (request_id, PROMPTS[1])
+        assert output.prompt_token_ids == expected.prompt_token_ids
+    assert described(outputs[0].prompt_logprobs) == described(expected.prompt_logprobs)
+    if kind is FINAL_ONLY:
+        assert len(outputs) == 1
+    elif kind is DELTA:
+        assert all(o.prompt_logprobs is None for o in outputs[1:])  # sent once, as vLLM's
+        assert sum(len(o.outputs[0].token_ids) for o in outputs) == len(
+            expected.outputs[0].token_ids
+        )
+    else:
+        tokens = [o.outputs[0].token_ids for o in outputs]
+        assert all(b[: len(a)] == a and len(b) > len(a) for a, b in itertools.pairwise(tokens))
+        assert 1 < len(outputs) <= params.max_tokens
+
+
+def test_a_cumulative_greedy_stream_ends_with_transformers_greedy_tokens(llm, folder):
+    outputs = asyncio.run(collect(llm, PROMPTS[0], GREEDY, "greedy-vs-transformers"))
+    prompt_ids = tuple(outputs[-1].prompt_token_ids)
+    assert joined(outputs)[1] == transformers_greedy(folder, prompt_ids, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_n_samples_share_one_stream_with_indexes_0_to_n_and_the_offline_samples(llm, offline, kind):
+    """As vLLM aggregates a request's n samples: each output carries the samples that changed
+    since the last one, in index order; a finished sample is not sent again; FINAL_ONLY sends
+    all n once, at the end."""
+    params = replace(SEEDED, n=3, output_kind=kind)
+    outputs = asyncio.run(collect(llm, PROMPTS[2], params, f"n3-{kind.name}"))
+    [expected] = offline.generate(PROMPTS[2], params, use_tqdm=False)
+    assert samples(outputs, kind) == [whole_sample(c) for c in expected.outputs]
+    assert len({tuple(c.token_ids) for c in expected.outputs}) == 3  # seed + k for sample k
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    finished = set()
+    for output in outputs:
+        indexes = [c.index for c in output.outputs]
+        assert indexes == sorted(set(indexes)) and set(indexes) <= {0, 1, 2} - finished
+        finished |= {c.index for c in output.outputs if c.finish_reason is not None}
+    assert finished == {0, 1, 2}
+    if kind is FINAL_ONLY:
+        assert len(outputs) == 1 and [c.index for c in outputs[0].outputs] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("kind", [CUMULATIVE, DELTA], ids=lambda k: k.name)
+def test_a_consumer_that_falls_behind_gets_what_it_missed_in_one_output(llm, offline, kind):
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, output_kind=kind)
+
+    async def main():
+        generator = llm.generate(PROMPTS[0], params, f"behind-{kind.name}")
+        first = await anext(generator)
+        await wait_until_idle(llm)
+        await asyncio.sleep(0)  # the last step's outputs, posted before the stats, are delivered
+        return [first] + [out async for out in generator]
+
+    outputs = asyncio.run(main())
+    [expected] = offline.generate(PROMPTS[0], params, use_tqdm=False)
+    assert len(outputs) == 2 and outputs[1].finished
+    assert samples(outputs, kind) == [whole_sample(expected.outputs[0])]
+
+
+def test_cancelling_a_stream_of_n_samples_aborts_each_and_frees_its_blocks(llm):
+    params = SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        await wait_until_idle(llm)
+        free, aborted = llm.stats.num_free_blocks, llm.stats.num_finished.get("abort", 0)
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in llm.generate(PROMPTS[3], params, "n-cancelled"):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(started.wait(), 30)
+        await until(lambda: llm.stats.num_running == 4)
+        assert llm.stats.num_free_blocks < free
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_until_idle(llm)
+        return free, aborted
+
+    free, aborted = asyncio.run(main())
+    assert llm.stats.num_free_blocks == free
+    assert llm.stats.num_finished["abort"] == aborted + 4
+
+
+@pytest.mark.parametrize("kind", ["DELTA", 1, None])
+def test_an_output_kind_other_than_a_request_output_kind_is_a_value_error(llm, kind):
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind=kind)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    params.output_kind = kind
+
+    async def main():
+        with pytest.raises(ValueError, match="output_kind"):
+            await collect(llm, PROMPTS[0], params, "bad-kind")
+        return await collect(llm, PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True), "ok")
+
+    assert len(joined(asyncio.run(main()))[1]) == 4
+
+
+def test_the_offline_generate_returns_whole_outputs_whatever_the_output_kind(offline):
+    """As vLLM's LLM.generate, which only ever asks for the final output."""
+    outputs = [
+        offline.generate(PROMPTS[2], replace(SEEDED, output_kind=kind), use_tqdm=False)[0].outputs
+        for kind in KINDS
+    ]
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert [o.finish_reason for o in outputs[2]] == ["length"]
 
 
 async def drain(stream) -> list:
@@ -215,14 +398,6 @@ def test_an_id_whose_stream_is_still_open_is_in_use_even_once_its_request_finish
 
     [output] = asyncio.run(main())
     assert output.finished and output.finish_reason == "length"
-
-
-def test_generate_with_n_above_one_is_a_value_error_not_one_silent_sample(llm):
-    async def main():
-        with pytest.raises(ValueError, match="n=3"):
-            await collect(llm, PROMPTS[0], SamplingParams(n=3), "three")
-
-    asyncio.run(main())
 
 
 def test_the_idle_engine_thread_waits_on_its_queue(folder):

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 from fastapi.testclient import TestClient
 
 from tandem import LLM, SamplingParams
 from tandem.async_llm import AsyncLLM
+from tandem.sampling import RequestOutputKind
 from tandem.server.app import build_app
 
 ENGINE_ARGS = {"max_model_len": 128, "block_size": 8, "dtype": "float32"}
@@ -31,10 +33,11 @@ def reference(folder) -> list[list[int]]:
 
 
 async def stream_tokens(llm: AsyncLLM, index: int, got: list[list[int]], reasons: list) -> None:
-    async for out in llm.generate(PROMPTS[index], GREEDY, f"r{index}"):
-        got[index] += out.token_ids
+    params = replace(GREEDY, output_kind=RequestOutputKind.DELTA)
+    async for out in llm.generate(PROMPTS[index], params, f"r{index}"):
+        got[index] += out.outputs[0].token_ids
         if out.finished:
-            reasons[index] = out.finish_reason
+            reasons[index] = out.outputs[0].finish_reason
 
 
 def test_async_pause_keep_loses_no_request_and_repeats_no_token(folder, reference):
@@ -213,7 +216,7 @@ def test_admin_routes_pause_and_resume_behind_the_api_key(folder):
 async def finish_reason(llm: AsyncLLM, request_id: str) -> str | None:
     async for out in llm.generate(PROMPTS[0], GREEDY, request_id):
         if out.finished:
-            return out.finish_reason
+            return out.outputs[0].finish_reason
     return None
 
 

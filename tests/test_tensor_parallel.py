@@ -110,7 +110,8 @@ def test_the_streaming_api_drives_two_ranks(make_tiny):
 
     async def one(i: int) -> list[int]:
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i], ignore_eos=True)
-        return [t async for out in llm.generate(PROMPTS[i], params, f"r{i}") for t in out.token_ids]
+        outputs = [out async for out in llm.generate(PROMPTS[i], params, f"r{i}")]
+        return outputs[-1].outputs[0].token_ids
 
     async def all_requests() -> list[list[int]]:
         return await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))

@@ -6,6 +6,9 @@ outputs go back per step with `loop.call_soon_threadsafe`, one call per event lo
 
     asyncio: add_request ──put──> commands ──> engine thread: make_request, enqueue, step
     asyncio: RequestStream.outputs <──call_soon_threadsafe── StreamOutput deltas of the step
+
+`generate` queues a request's n samples with one shared outputs queue and folds their deltas
+into vLLM's RequestOutputs (outputs.py).
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from typing import Any
 
 from tandem.config import EngineConfig
 from tandem.engine import Engine
+from tandem.outputs import OutputCollector, RequestOutput, token_text
 from tandem.request import Prompt, Request, prompt_cache_salt, split_prompt
-from tandem.sampling import SamplingParams
+from tandem.sampling import SamplingParams, seeded
 from tandem.tokenizer import Tokenizer
 from tandem.weights import NamedTensors, check_named_tensors
 
@@ -53,6 +57,8 @@ class StreamOutput:
     # with SamplingParams.prompt_logprobs, in the request's first output: per prompt position
     prompt_logprobs: list[dict[int, float] | None] | None = None
     stop_reason: int | str | None = None  # once finished: the stop string or stop token id
+    prompt_token_ids: list[int] | None = None  # in the request's first output
+    sampled_ranks: list[int] | None = None  # with logprobs: each new token's rank
 
 
 @dataclass(frozen=True)
@@ -79,11 +85,15 @@ class RequestStream:
     """The asyncio end of one request: iterate it for StreamOutputs until one is finished."""
 
     def __init__(
-        self, request_id: str, loop: asyncio.AbstractEventLoop, abort: Callable[[str], None]
+        self,
+        request_id: str,
+        loop: asyncio.AbstractEventLoop,
+        abort: Callable[[str], None],
+        outputs: asyncio.Queue[StreamOutput | BaseException] | None = None,  # or its own
     ):
         self.request_id = request_id
         self.loop = loop
-        self.outputs: asyncio.Queue[StreamOutput | BaseException] = asyncio.Queue()
+        self.outputs = asyncio.Queue() if outputs is None else outputs
         self.finished = False  # its last output (or error) has been read
         self._abort = abort
 
@@ -154,6 +164,8 @@ class AsyncLLM:
         self.tokenizer: Tokenizer | None = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.sampling_defaults = engine.sampling_defaults  # the model's (generation_config.py)
+        self._token_text = token_text(self.tokenizer)  # decoded on the asyncio side, cached
+        self._samples: dict[str, list[str]] = {}  # generate's request ids of n > 1: sample ids
         self.stats = EngineStats(num_blocks=engine.num_blocks, num_free_blocks=engine.num_blocks)
         self._commands: queue.SimpleQueue[_Add | _Abort | _Stop | _Call] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders submissions against the thread's death
@@ -197,13 +209,24 @@ class AsyncLLM:
     ) -> RequestStream:
         """Queue a request once the engine thread has validated it (ValueError if invalid);
         `cache_salt` shares cached blocks only with requests of the same salt."""
+        return await self._add_request(request_id, params, prompt, prompt_token_ids, cache_salt)
+
+    async def _add_request(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        prompt: str | None,
+        prompt_token_ids: list[int] | None,
+        cache_salt: str | None,
+        outputs: asyncio.Queue[StreamOutput | BaseException] | None = None,
+    ) -> RequestStream:
         loop = asyncio.get_running_loop()
         if params.structured_outputs is not None:
             # compiled in a worker thread first: a grammar new to the backend's cache takes up
             # to a second to compile, which the engine thread would spend between two steps,
             # with the GPU idle; there it is then a cache hit
             await loop.run_in_executor(None, self._compile, params)
-        stream = RequestStream(request_id, loop, self._abort_soon)
+        stream = RequestStream(request_id, loop, self._abort_soon, outputs)
         accepted = loop.create_future()
         self._submit(
             _Add(request_id, params, prompt, prompt_token_ids, cache_salt, stream, accepted)
@@ -223,30 +246,74 @@ class AsyncLLM:
         prompt: Prompt,
         sampling_params: SamplingParams,
         request_id: str,
-    ) -> AsyncIterator[StreamOutput]:
-        """Stream one request's deltas; leaving the loop early aborts the request.
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request as vLLM's RequestOutputs, as `sampling_params.output_kind` says;
+        its n samples (seed + k for sample k) share the stream, and leaving the loop early
+        aborts them all.
 
         `prompt` is text, {"prompt": text} or {"prompt_token_ids": [...]}, a dict with an
         optional "cache_salt"; raises ValueError if the engine rejects it.
-        One sample: n > 1 is a ValueError (make n requests, seed + k each, as the server does).
         """
-        if sampling_params.n != 1:
-            raise ValueError(
-                f"AsyncLLM.generate streams one sample, got n={sampling_params.n}; call it once "
-                "per sample (with seed + k for sample k, as LLM.generate and the server do)"
-            )
+        sampling_params.validate()  # n=0 would otherwise queue nothing to validate
         text, ids = split_prompt(prompt)
         salt = prompt_cache_salt(prompt)
-        stream = await self.add_request(request_id, sampling_params, text, ids, salt)
+        n = sampling_params.n
+        sample_ids = [request_id] if n == 1 else [f"{request_id}-{k}" for k in range(n)]
+        index = {sample_id: k for k, sample_id in enumerate(sample_ids)}
+        outputs: asyncio.Queue[StreamOutput | BaseException] = asyncio.Queue()
+        collector = OutputCollector(request_id, text, sampling_params, self._token_text)
+        streams = await self._add_samples(sample_ids, sampling_params, text, ids, salt, outputs)
+        if n > 1:
+            self._samples[request_id] = sample_ids
         try:
-            async for output in stream:
-                yield output
+            while not collector.finished:
+                # what came while the consumer was away goes into one output, as in vLLM
+                for item in await _take_all(outputs):
+                    if isinstance(item, BaseException):
+                        raise item
+                    k = index[item.request_id]
+                    streams[k].finished = item.finished  # read here, not through the stream
+                    collector.add(k, item)
+                if (output := collector.take()) is not None:
+                    yield output
         finally:
-            stream.abort()
+            if n > 1:
+                del self._samples[request_id]
+            for stream in streams:
+                stream.abort()
+
+    async def _add_samples(
+        self,
+        sample_ids: list[str],
+        params: SamplingParams,
+        prompt: str | None,
+        prompt_token_ids: list[int] | None,
+        cache_salt: str | None,
+        outputs: asyncio.Queue[StreamOutput | BaseException],
+    ) -> list[RequestStream]:
+        """Queue every sample (the engine thread takes them between the same two steps), or
+        none: one rejected aborts the others."""
+        results = await asyncio.gather(
+            *(
+                self._add_request(
+                    sample_id, seeded(params, k), prompt, prompt_token_ids, cache_salt, outputs
+                )
+                for k, sample_id in enumerate(sample_ids)
+            ),
+            return_exceptions=True,
+        )
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        if len(streams) < len(results):
+            for stream in streams:
+                stream.abort()
+            raise next(r for r in results if not isinstance(r, RequestStream))
+        return streams
 
     async def abort(self, request_id: str) -> None:
-        """Stop a request; its stream ends with finish_reason "abort". Unknown ids are ignored."""
-        self._abort_soon(request_id)
+        """Stop a request (all samples of a `generate` of n > 1); its stream ends with
+        finish_reason "abort". Unknown ids are ignored."""
+        for sample_id in self._samples.get(request_id, [request_id]):
+            self._abort_soon(sample_id)
 
     def shutdown(self) -> None:
         """Stop the engine thread; streams still open get EngineDeadError."""
@@ -422,6 +489,7 @@ class AsyncLLM:
         text_end = len(request.output_text) if request.finished else streamable_text_end(request)
         assert text_end >= sent.num_chars, "text already streamed was trimmed"
         logprobs = request.logprobs[sent.num_tokens :] if request.logprobs is not None else None
+        ranks = request.sampled_ranks[sent.num_tokens :] if logprobs is not None else None
         first = not sent.prompt_sent
         sent.prompt_sent = True
         output = StreamOutput(
@@ -437,6 +505,8 @@ class AsyncLLM:
             num_cached_tokens=request.num_cached_tokens or 0,
             prompt_logprobs=request.prompt_logprobs if first else None,
             stop_reason=request.stop_reason,
+            prompt_token_ids=request.prompt_token_ids if first else None,
+            sampled_ranks=ranks,
         )
         self._num_generation_tokens += len(tokens) - sent.num_tokens
         sent.num_tokens, sent.num_chars = len(tokens), text_end
@@ -492,6 +562,14 @@ def streamable_text_end(request: Request) -> int:
 def _post(loop: asyncio.AbstractEventLoop, callback, items: list) -> None:
     with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
         loop.call_soon_threadsafe(callback, items)
+
+
+async def _take_all(outputs: asyncio.Queue) -> list:
+    """Everything the queue holds, waiting for a first item if it holds none."""
+    items = [await outputs.get()]
+    while not outputs.empty():
+        items.append(outputs.get_nowait())
+    return items
 
 
 def _deliver(items: list[tuple[RequestStream, StreamOutput | BaseException]]) -> None:

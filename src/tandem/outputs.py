@@ -1,12 +1,21 @@
-"""What generation returns, shaped like vLLM's outputs."""
+"""What generation returns, shaped like vLLM's outputs, and the AsyncLLM stream's fold into them:
+
+StreamOutput deltas of sample k ──OutputCollector.add──> samples[k]
+OutputCollector.take ──> RequestOutput per SamplingParams.output_kind
+"""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from tandem.sampling import RequestOutputKind, SamplingParams
 from tandem.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from tandem.async_llm import StreamOutput
 
 
 class Logprob(float):
@@ -117,3 +126,113 @@ def _logprobs(
     if token_rank is not None:
         out[token].rank = token_rank
     return out
+
+
+@dataclass
+class _Sample:
+    """One sample's output as the next RequestOutput carries it: all of it so far, or (DELTA)
+    what came since the last one."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class OutputCollector:
+    """Folds the StreamOutputs of one request's n samples into vLLM's RequestOutputs, as
+    `params.output_kind` says: each carries the samples that changed since the last one, whole
+    so far (CUMULATIVE) or only what is new (DELTA); FINAL_ONLY gives one, every sample, at the
+    end. Request-wide fields (num_cached_tokens, prompt_logprobs) are sample 0's."""
+
+    def __init__(
+        self, request_id: str, prompt: str | None, params: SamplingParams, text: TokenText
+    ):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.kind = params.output_kind
+        self.num_top, self.num_prompt_top = params.logprobs, params.prompt_logprobs
+        self.text = text if params.detokenize else no_text
+        with_logprobs = params.logprobs is not None
+        self.samples = [
+            _Sample(
+                logprobs=[] if with_logprobs else None,
+                cumulative_logprob=0 if with_logprobs else None,
+            )
+            for _ in range(params.n)
+        ]
+        self.changed: set[int] = set()  # samples with outputs since the last RequestOutput
+        self.num_unfinished = params.n
+        self.prompt_token_ids: list[int] = []
+        self.num_cached_tokens = 0
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.num_unfinished == 0
+
+    def add(self, index: int, output: StreamOutput) -> None:
+        """Take in what sample `index` gained in one step."""
+        if output.prompt_token_ids is not None:  # a sample's first output
+            self.prompt_token_ids = output.prompt_token_ids
+        if index == 0:
+            self.num_cached_tokens = output.num_cached_tokens
+            if output.prompt_logprobs is not None:
+                self.prompt_logprobs = prompt_logprobs(
+                    output.prompt_logprobs, self.prompt_token_ids, self.num_prompt_top, self.text
+                )
+        sample = self.samples[index]
+        sample.text += output.text
+        sample.token_ids += output.token_ids
+        if sample.logprobs is not None:
+            sample.logprobs += sample_logprobs(
+                output.logprobs, output.token_ids, output.sampled_ranks, self.num_top, self.text
+            )
+            sample.cumulative_logprob = cumulative_logprob(
+                output.logprobs, output.token_ids, sample.cumulative_logprob
+            )
+        if output.finished:
+            sample.finish_reason, sample.stop_reason = output.finish_reason, output.stop_reason
+            self.num_unfinished -= 1
+        self.changed.add(index)
+
+    def take(self) -> RequestOutput | None:
+        """The RequestOutput of what was added since the last one; None while FINAL_ONLY waits."""
+        if self.kind is RequestOutputKind.FINAL_ONLY and not self.finished:
+            return None
+        final_only = self.kind is RequestOutputKind.FINAL_ONLY
+        indexes = range(len(self.samples)) if final_only else sorted(self.changed)
+        self.changed.clear()
+        output = RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[self._completion(k) for k in indexes],
+            finished=self.finished,
+            num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs,
+        )
+        if self.kind is RequestOutputKind.DELTA:  # sent once
+            self.prompt_logprobs = None
+        return output
+
+    def _completion(self, index: int) -> CompletionOutput:
+        sample = self.samples[index]
+        completion = CompletionOutput(
+            index=index,
+            text=sample.text,
+            token_ids=sample.token_ids,
+            cumulative_logprob=sample.cumulative_logprob,
+            logprobs=sample.logprobs,
+            finish_reason=sample.finish_reason,
+            stop_reason=sample.stop_reason,
+        )
+        if self.kind is RequestOutputKind.DELTA:  # the next one starts empty
+            sample.text, sample.token_ids = "", []
+            sample.logprobs = None if sample.logprobs is None else []
+        else:  # the sample grows on: this output keeps what it has now
+            completion.token_ids = list(sample.token_ids)
+            completion.logprobs = None if sample.logprobs is None else list(sample.logprobs)
+        return completion

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import enum
 import math
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
@@ -22,6 +23,14 @@ MAX_BAD_WORDS = 1024  # each is tokenized as the request is made, on the engine'
 FLOAT32_MAX = 3.4028234663852886e38  # past it a float32 is inf: inf temperatures make NaN logits
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32 (below: 0 or denormal)
 GREEDY_BELOW = 1e-5  # a temperature under it is greedy, as in vLLM (1e-39 overflowed logits / T)
+
+
+class RequestOutputKind(enum.Enum):
+    """What each of AsyncLLM.generate's RequestOutputs carries (vLLM's names and values)."""
+
+    CUMULATIVE = 0  # every output so far
+    DELTA = 1  # only what is new since the last one
+    FINAL_ONLY = 2  # nothing until the end, then everything
 
 
 @dataclass
@@ -56,6 +65,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # keep only the prompt's last k tokens (-1: as many as max_model_len leaves room for)
     truncate_prompt_tokens: int | None = None
+    # what AsyncLLM.generate yields; the offline LLM.generate returns final outputs whatever it is
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.stop = _as_list("stop", self.stop, "a string or a list of strings", str)
@@ -131,6 +142,11 @@ class SamplingParams:
             check_int("logprobs", self.logprobs, 0)
             if self.logprobs > MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(
+                "output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), got "
+                f"{self.output_kind!r}"
+            )
         self._validate_logits_processors()
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):

@@ -27,6 +27,7 @@ from tandem.outputs import (
 )
 from tandem.request import Prompt, Request, prompt_cache_salt, split_prompt
 from tandem.sampling import SamplingParams, seeded
+from tandem.tokenizer import Tokenizer
 from tandem.weights import NamedTensors
 
 

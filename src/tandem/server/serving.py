@@ -483,7 +483,9 @@ class CompletionFormat(Format):
         """OpenAI's legacy logprobs object; the first prompt token of an echo has none."""
         tokens = [self.piece(t) for t in token_ids]
         return {
-            "tokens": [self.label(t) for t in token_ids],
+            "tokens": [self.label(t) for t in token_ids]
+            if self.generation.tokens_as_ids
+            else tokens,
             "token_logprobs": [
                 None if e is None else e[t] for t, e in zip(token_ids, entries, strict=True)
             ],

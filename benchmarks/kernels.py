@@ -15,7 +15,6 @@ timed on a 4K prompt and on chunks of the small, rollout and chat workloads' pro
 inputs) against each kernel followed by quantize_tokens, and the SiLU kernel's warps;
 --sweep-shared-prefix, alone: rollout's decode call (32 prompts x 8 samples over a 1,024-token
 shared prefix) under each shared-prefix tile shape and split count, then each decode tile shape;
---sweep-shared-programs, alone: that call with the shared-prefix groups dealt to fewer programs;
 --head-dim: the attention kernels at another head size, e.g. 96 (tiles padded to 128) beside
 128, or 128 on this tree beside main's: a power-of-two size must lose nothing to the padding)
 """
@@ -170,12 +169,9 @@ def shared_decode_setup(
     prefix: int = 1024,
     splits: int | None = None,
     kv_dtype: torch.dtype = torch.bfloat16,
-    max_groups: int | None = None,
-    shared_programs: int | None = None,
 ) -> tuple:
     """(backend, q, out, cache, meta) of one rollout-shaped decode call: `bench_shared_decode`'s
-    arguments. `max_groups`: the grid's bound on groups (default: the engine's for these rows,
-    half of them); `shared_programs`: TANDEM_SHARED_PREFIX_PROGRAMS's setting."""
+    arguments."""
     rows, shared_blocks = groups * n, prefix // BLOCK_SIZE
     own_blocks = -(-own // BLOCK_SIZE)
     cache, _ = paged_setup([groups * prefix + rows * own_blocks * BLOCK_SIZE], kv_dtype)
@@ -184,7 +180,7 @@ def shared_decode_setup(
     owned = blocks[groups * shared_blocks :][: rows * own_blocks].view(groups, n, own_blocks)
     tables = torch.cat([shared, owned], dim=2).reshape(rows, -1).contiguous()
     lens = torch.full((rows,), prefix + own, dtype=torch.int32, device="cuda")
-    max_groups = max_groups or rows // 2
+    max_groups = rows // 2
     starts = torch.zeros(max_groups + 1, dtype=torch.int32, device="cuda")
     starts[: groups + 1] = torch.arange(0, rows + 1, n, dtype=torch.int32, device="cuda")
     starts[groups + 1 :] = rows
@@ -201,7 +197,6 @@ def shared_decode_setup(
         NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, rows, torch.device("cuda"), num_splits=splits
     )
     backend.shared_prefix_tiles = shared_tiles
-    backend.shared_programs = shared_programs
     if tiles:
         backend.decode_tiles = backend.large_batch_tiles = tiles
     if prefix_splits:
@@ -309,42 +304,6 @@ def sweep_shared_prefix(
         print(f"decode {tiles} us  " + "  ".join(
             f"own={own}:{1000 * c['ms']:.1f}" for own, c in zip(owns, cells, strict=True)),
             flush=True)  # fmt: skip
-
-
-def sweep_shared_programs(
-    programs=(None, 8, 16, 17, 33),
-    shared_grid=(SHARED_PREFIX_TILES, (64, 4, 3)),
-    own_grid=((64, 2, 1), (32, 2, 2), (32, 1, 2), (64, 1, 2)),
-) -> None:
-    """µs of rollout's decode call (as `sweep_shared_prefix`'s) with the shared-prefix kernel's
-    groups dealt to `programs` programs a KV head (None: one per group of the grid's bound, *),
-    at each shared-prefix tile shape; first the grid bound on groups at the step's 32 against
-    the engine's 128 (programs launched only to return, and their cost); last the decode
-    kernel's tiles of `own_grid` (fewer stages or warps: more of its programs an SM), with one
-    program a group and with 16. Each call also timed as its two launches alone and as both on
-    two streams."""
-    owns = (64, 256, 500)
-
-    def line(label: str, **setup) -> None:
-        try:
-            cells = [bench_shared_decode(own, breakdown=True, **setup) for own in owns]
-        except Exception as error:  # out of shared memory, or a wrong result
-            print(f"{label}  failed: {str(error).splitlines()[0][:80]}", flush=True)
-            return
-        print(f"{label} us  " + "  ".join(
-            f"own={own}:{1000 * c['ms']:.1f} (shared {c['shared_us']:.1f}, decode "
-            f"{c['decode_us']:.1f}, both on two streams {c['concurrent_us']:.1f})"
-            for own, c in zip(owns, cells, strict=True)), flush=True)  # fmt: skip
-
-    line("grid bound 32 groups, one split", max_groups=32, prefix_splits=1)
-    for shared_tiles in map(DecodeTiles._make, shared_grid):
-        for count in programs:
-            mark = "*" if count is None and shared_tiles == SHARED_PREFIX_TILES else " "
-            line(f"shared {shared_tiles} programs={count}{mark}", shared_tiles=shared_tiles,
-                 shared_programs=count)  # fmt: skip
-    for tiles in map(DecodeTiles._make, own_grid):
-        for count in (None, 16):
-            line(f"decode {tiles} programs={count}", tiles=tiles, shared_programs=count)
 
 
 def small_chunk(tokens: int = 8192) -> list[int]:
@@ -857,7 +816,6 @@ def main() -> None:
     parser.add_argument("--sweep-decode-splits", action="store_true", help="only this sweep")
     parser.add_argument("--sweep-fp8-fusion", action="store_true", help="only this sweep")
     parser.add_argument("--sweep-shared-prefix", action="store_true", help="only this sweep")
-    parser.add_argument("--sweep-shared-programs", action="store_true", help="only this sweep")
     parser.add_argument("--sweep-moe-decode-tiles", action="store_true", help="only this sweep")
     parser.add_argument("--sweep-deep-stages", action="store_true", help="only this sweep")
     parser.add_argument("--sweep-gluon-decode", action="store_true", help="only this sweep")
@@ -888,9 +846,6 @@ def main() -> None:
         return
     if args.sweep_shared_prefix:
         sweep_shared_prefix()
-        return
-    if args.sweep_shared_programs:
-        sweep_shared_programs()
         return
     if args.sweep_gluon_decode:
         sweep_gluon_decode()

@@ -143,15 +143,12 @@ def shared_tables(seq_lens, shared, block_size, max_blocks, num_blocks):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    ("num_kv_heads", "group", "splits", "spare_groups", "programs"),
-    [(2, 4, None, 0, None), (2, 4, 2, 3, None), (4, 1, 1, 0, None), (1, 8, 3, 1, None),
-     (2, 4, None, 3, 1), (1, 8, 3, 1, 2)],
-)  # fmt: skip
+    ("num_kv_heads", "group", "splits", "spare_groups"),
+    [(2, 4, None, 0), (2, 4, 2, 3), (4, 1, 1, 0), (1, 8, 3, 1)],
+)
 def test_decode_over_shared_blocks_matches_reference(
-    dtype, num_kv_heads, group, splits, spare_groups, programs
+    dtype, num_kv_heads, group, splits, spare_groups
 ):
-    """`programs`: the shared-prefix kernel's programs a KV head, fewer than the groups (each
-    takes groups in turn: one takes all three, or two take two and one) or one a group (None)."""
     block_size, head_dim, num_blocks, max_blocks = 16, 64, 96, 16
     seq_lens = [150, 97, 200, 81, 90, 64, 33]
     shared = [([0, 1, 2], 5), ([3, 4], 4), ([5, 6], 2)]
@@ -160,7 +157,6 @@ def test_decode_over_shared_blocks_matches_reference(
     backend = triton_backend.TritonAttention(
         num_kv_heads * group, num_kv_heads, head_dim, 8, DEVICE, num_splits=splits
     )
-    backend.shared_programs = programs
     max_rows = 2  # cuts the first group in two: rows [0, 1] and row 2 alone, in no group
     num_groups = group_shared_prefixes(tables.numpy(), np.array(seq_lens), block_size, max_rows, x)
     assert num_groups == 3 and x["prefix_lens"][2] == 0

@@ -147,21 +147,17 @@ def test_decode_with_the_rotary_and_store_keeps_its_registers_and_v_path(cache, 
 WAIT = re.compile(r"DEPBAR\.LE SB0, (0x[0-9a-f]+)")
 
 
-def copy_waits(
-    tiles: tuple[int, int, int], tmp_path: Path, dealt: bool = False
-) -> collections.Counter:
+def copy_waits(tiles: tuple[int, int, int], tmp_path: Path) -> collections.Counter:
     """{groups left in flight: count} over the waits of shared_prefix_kernel's SASS at rollout's
-    shape (Llama-3-8B: 32 heads over 8 KV heads, 8 samples of a prompt a group: 32 rows);
-    `dealt`: its programs taking groups in turn (DEALT)."""
+    shape (Llama-3-8B: 32 heads over 8 KV heads, 8 samples of a prompt a group: 32 rows)."""
     spec = {
         "types": {"q_ptr": "*bf16", "partial_out_ptr": "*fp32", "partial_ml_ptr": "*fp32",
                   "cache_ptr": "*bf16", "scale": "fp32", "v_scale": "fp32"},
         "constants": dict(GROUP=4, NUM_KV_HEADS=8, HEAD_DIM=128, HEAD_PAD=128, BLOCK_SIZE=16,
-                          SOFT_CAP=0.0, MAX_SPLITS=32, ROWS=32, DEALT=dealt,
-                          PDL=False),
+                          SOFT_CAP=0.0, MAX_SPLITS=32, ROWS=32, PDL=False),
         "aligned": ["q_token_stride", "block_table_stride", "kv_half_stride"],
     }  # fmt: skip
-    cubin = tmp_path / f"shared_{'_'.join(map(str, tiles))}_{dealt}.cubin"
+    cubin = tmp_path / f"shared_{'_'.join(map(str, tiles))}.cubin"
     sass, _ = compile_sm90("shared_prefix_kernel", spec, tiles, cubin)
     return collections.Counter(int(n, 16) for n in WAIT.findall(sass))
 
@@ -174,8 +170,6 @@ def test_the_shared_prefix_kernel_keeps_copies_in_flight_at_its_default_stages(t
     computed."""
     assert SHARED_PREFIX_TILES.num_stages >= 5
     assert max(copy_waits(SHARED_PREFIX_TILES, tmp_path)) > 0
-    # the same key loop where each program takes groups in turn
-    assert max(copy_waits(SHARED_PREFIX_TILES, tmp_path, dealt=True)) > 0
     assert set(copy_waits(SHARED_PREFIX_TILES._replace(num_stages=4), tmp_path)) == {0}
 
 

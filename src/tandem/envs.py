@@ -61,9 +61,6 @@ SWITCHES = {
         Switch("TANDEM_SHARED_PREFIX_TILES", "", "block_n,num_warps,num_stages",
                "the tile shape of the shared-prefix (cascade) attention kernel, as "
                "TANDEM_DECODE_TILES takes it"),
-        Switch("TANDEM_SHARED_PREFIX_PROGRAMS", "", "an integer 1-4096",
-               "programs per KV head (and split) that the shared-prefix kernel deals its groups "
-               "to in turn; unset: one program per group the step's graph bounds"),
         Switch("TANDEM_DECODE_MAXNREG", "", "an integer 32-255",
                "the most registers a thread of the decode attention kernel may use (ptxas' cap, "
                "Triton's maxnreg; CUDA only)"),
@@ -188,11 +185,6 @@ def shared_prefix_tiles() -> tuple[int, int, int] | None:
     return parse_decode_tiles(_value(name), name)
 
 
-def shared_prefix_programs() -> int | None:
-    """TANDEM_SHARED_PREFIX_PROGRAMS as an integer; None when unset."""
-    return _optional_int("TANDEM_SHARED_PREFIX_PROGRAMS", 1, 4096)
-
-
 def gluon_decode() -> str:
     value = _value("TANDEM_GLUON_DECODE")
     if value not in ("fp8", "all", "none"):
@@ -216,16 +208,11 @@ def fp8_decode_row_lanes() -> int:
 
 def decode_maxnreg() -> int | None:
     """TANDEM_DECODE_MAXNREG as an integer; None when unset."""
-    return _optional_int("TANDEM_DECODE_MAXNREG", 32, 255)
-
-
-def _optional_int(name: str, low: int, high: int) -> int | None:
-    """The switch `name` as an integer from `low` to `high`; None when unset."""
-    value = _value(name)
+    value = _value("TANDEM_DECODE_MAXNREG")
     if not value:
         return None
-    if not value.isdigit() or not low <= int(value) <= high:
-        raise ValueError(f"{name}={value!r}: expected an integer from {low} to {high}")
+    if not value.isdigit() or not 32 <= int(value) <= 255:
+        raise ValueError(f"TANDEM_DECODE_MAXNREG={value!r}: expected an integer from 32 to 255")
     return int(value)
 
 
@@ -267,7 +254,6 @@ READERS = {
     "TANDEM_DECODE_TILES": decode_tiles,
     "TANDEM_DECODE_SPLITS": decode_splits,
     "TANDEM_SHARED_PREFIX_TILES": shared_prefix_tiles,
-    "TANDEM_SHARED_PREFIX_PROGRAMS": shared_prefix_programs,
     "TANDEM_DECODE_MAXNREG": decode_maxnreg,
     "TANDEM_GLUON_DECODE": gluon_decode,
     "TANDEM_FP8_DECODE_STAGES": fp8_decode_stages,

@@ -146,8 +146,6 @@ class TritonAttention:
             DecodeTiles(*shared_setting) if shared_setting else SHARED_PREFIX_TILES
         )
         self.num_sms = num_sms(device)
-        # programs a KV head's shared-prefix groups are dealt to (None: one per group bound)
-        self.shared_programs = envs.shared_prefix_programs()
         self.decode_options = decode_launch_options(device)
         self.rotates = FUSED_ROPE  # see takes_unrotated
         self.fitted: dict[tuple, DecodeTiles | PrefillTiles] = {}  # see launch_fitting
@@ -345,8 +343,7 @@ class TritonAttention:
         rows, after the rows' own."""
         shared = meta.shared
         rows = rows_per_shared_group(self.num_heads, self.num_kv_heads) * self.group
-        programs = min(shared.max_groups, self.shared_programs or shared.max_groups)
-        grid = (self.num_kv_heads, programs, splits)
+        grid = (self.num_kv_heads, shared.max_groups, splits)
 
         def launch(tiles: DecodeTiles) -> None:
             shared_prefix_kernel[grid](
@@ -356,8 +353,7 @@ class TritonAttention:
                 first_split, GROUP=self.group, NUM_KV_HEADS=self.num_kv_heads,
                 HEAD_DIM=self.head_dim, HEAD_PAD=self.head_pad, BLOCK_SIZE=kv_cache.shape[2],
                 BLOCK_N=tiles.block_n, SOFT_CAP=soft_cap, MAX_SPLITS=MAX_SPLITS,
-                ROWS=max(16, next_power_of_2(rows)), DEALT=programs < shared.max_groups,
-                num_warps=tiles.num_warps,
+                ROWS=max(16, next_power_of_2(rows)), num_warps=tiles.num_warps,
                 num_stages=tiles.num_stages, **pdl.launch_args(q.device),
             )  # fmt: skip
 

@@ -600,91 +600,60 @@ def shared_prefix_kernel(
     SOFT_CAP: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
     ROWS: tl.constexpr,  # >= 16, a power of two: up to ROWS // GROUP sequences x GROUP heads
-    DEALT: tl.constexpr,  # fewer programs on the grid's groups axis than the bound on groups
     PDL: tl.constexpr,
 ):
     """Attention of a group of decode rows over the blocks they share, each key tile read once for
     all of them (cascade attention): the group's queries are the rows of one tile, split s covers
     an equal share of the shared tiles. `decode_kernel` does each row's keys after the prefix and
-    `reduce_kernel` merges both.
-
-    A program a group (up to the grid's bound, which a graph fixes: those past the step's groups
-    return at once), or DEALT: the grid's programs take the groups in turn, so that none is
-    launched only to return (TANDEM_SHARED_PREFIX_PROGRAMS, for comparisons)."""
+    `reduce_kernel` merges both."""
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)  # the decode kernel, over the rows' own keys meanwhile
     kv_head = tl.program_id(0)
+    group = tl.program_id(1)
     split = tl.program_id(2)
-    if DEALT:  # fewer programs than groups: group g is program g % num_programs(1)'s
-        for group in range(tl.program_id(1), tl.load(num_groups_ptr), tl.num_programs(1)):
-            _shared_group_partials(
-                group, kv_head, split, q_ptr, partial_out_ptr, partial_ml_ptr, cache_ptr,
-                block_tables_ptr, group_rows_ptr, group_starts_ptr, group_prefix_ptr,
-                q_token_stride, block_table_stride, kv_half_stride, scale, v_scale, first_split,
-                GROUP, NUM_KV_HEADS, HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, SOFT_CAP,
-                MAX_SPLITS, ROWS,
+    if group < tl.load(num_groups_ptr):
+        start = tl.load(group_starts_ptr + group)
+        count = tl.load(group_starts_ptr + group + 1) - start
+        prefix = tl.load(group_prefix_ptr + group)
+        # row r is member r // GROUP of the group, head kv_head * GROUP + r % GROUP
+        rows = tl.arange(0, ROWS)
+        member = rows // GROUP
+        row_valid = member < count
+        seq = tl.load(group_rows_ptr + start + member, mask=row_valid, other=0).to(tl.int64)
+        head = kv_head * GROUP + rows % GROUP
+        dims = tl.arange(0, HEAD_PAD)
+        row_dims = row_valid[:, None] & (dims < HEAD_DIM)[None, :]
+        q = tl.load(
+            q_ptr + (seq * q_token_stride + head * HEAD_DIM)[:, None] + dims[None, :],
+            mask=row_dims,
+            other=0.0,
+        )
+        q = _product_dtype(q, cache_ptr)
+        num_tiles = tl.cdiv(prefix, BLOCK_N)
+        tiles_per_split = tl.cdiv(num_tiles, tl.num_programs(2))
+        first_tile = split * tiles_per_split
+        last_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
+        query_pos = tl.full([ROWS], prefix, tl.int32)  # every shared key is visible
+        row_max = tl.full([ROWS], float("-inf"), tl.float32)
+        row_sum = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
+        leader = tl.load(group_rows_ptr + start).to(tl.int64)
+        table = block_tables_ptr + leader * block_table_stride  # the shared blocks: any member's
+        full_tiles = prefix // BLOCK_N
+        for t in range(first_tile, tl.minimum(last_tile, full_tiles)):
+            row_max, row_sum, acc = _attend_tile(
+                q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head, t * BLOCK_N,
+                query_pos, prefix, 1 << 30, scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, HEAD_PAD,
+                BLOCK_N, SOFT_CAP, False,
             )  # fmt: skip
-    elif tl.program_id(1) < tl.load(num_groups_ptr):  # a program a group
-        _shared_group_partials(
-            tl.program_id(1), kv_head, split, q_ptr, partial_out_ptr, partial_ml_ptr, cache_ptr,
-            block_tables_ptr, group_rows_ptr, group_starts_ptr, group_prefix_ptr, q_token_stride,
-            block_table_stride, kv_half_stride, scale, v_scale, first_split, GROUP, NUM_KV_HEADS,
-            HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, SOFT_CAP, MAX_SPLITS, ROWS,
-        )  # fmt: skip
-
-
-@triton.jit
-def _shared_group_partials(
-    group, kv_head, split, q_ptr, partial_out_ptr, partial_ml_ptr, cache_ptr, block_tables_ptr,
-    group_rows_ptr, group_starts_ptr, group_prefix_ptr, q_token_stride, block_table_stride,
-    kv_half_stride, scale, v_scale, first_split, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SOFT_CAP: tl.constexpr, MAX_SPLITS: tl.constexpr, ROWS: tl.constexpr,
-):  # fmt: skip
-    """shared_prefix_kernel's partials of one group's rows of KV head `kv_head` over split
-    `split` of the group's shared keys."""
-    start = tl.load(group_starts_ptr + group)
-    count = tl.load(group_starts_ptr + group + 1) - start
-    prefix = tl.load(group_prefix_ptr + group)
-    # row r is member r // GROUP of the group, head kv_head * GROUP + r % GROUP
-    rows = tl.arange(0, ROWS)
-    member = rows // GROUP
-    row_valid = member < count
-    seq = tl.load(group_rows_ptr + start + member, mask=row_valid, other=0).to(tl.int64)
-    head = kv_head * GROUP + rows % GROUP
-    dims = tl.arange(0, HEAD_PAD)
-    row_dims = row_valid[:, None] & (dims < HEAD_DIM)[None, :]
-    q = tl.load(
-        q_ptr + (seq * q_token_stride + head * HEAD_DIM)[:, None] + dims[None, :],
-        mask=row_dims,
-        other=0.0,
-    )
-    q = _product_dtype(q, cache_ptr)
-    num_tiles = tl.cdiv(prefix, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, tl.num_programs(2))
-    first_tile = split * tiles_per_split
-    last_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
-    query_pos = tl.full([ROWS], prefix, tl.int32)  # every shared key is visible
-    row_max = tl.full([ROWS], float("-inf"), tl.float32)
-    row_sum = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
-    leader = tl.load(group_rows_ptr + start).to(tl.int64)
-    table = block_tables_ptr + leader * block_table_stride  # the shared blocks: any member's
-    full_tiles = prefix // BLOCK_N
-    for t in range(first_tile, tl.minimum(last_tile, full_tiles)):
-        row_max, row_sum, acc = _attend_tile(
-            q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head, t * BLOCK_N,
-            query_pos, prefix, 1 << 30, scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, HEAD_PAD,
-            BLOCK_N, SOFT_CAP, False,
-        )  # fmt: skip
-    for t in range(tl.maximum(first_tile, full_tiles), last_tile):
-        row_max, row_sum, acc = _attend_tile(
-            q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head, t * BLOCK_N,
-            query_pos, prefix, 1 << 30, scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, HEAD_PAD,
-            BLOCK_N, SOFT_CAP, True,
-        )  # fmt: skip
-    acc = acc * v_scale
-    base = (seq * (GROUP * NUM_KV_HEADS) + head) * MAX_SPLITS + first_split + split
-    tl.store(partial_out_ptr + base[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_dims)
-    tl.store(partial_ml_ptr + base * 2, row_max, mask=row_valid)
-    tl.store(partial_ml_ptr + base * 2 + 1, row_sum, mask=row_valid)
+        for t in range(tl.maximum(first_tile, full_tiles), last_tile):
+            row_max, row_sum, acc = _attend_tile(
+                q, row_max, row_sum, acc, cache_ptr, table, kv_half_stride, kv_head, t * BLOCK_N,
+                query_pos, prefix, 1 << 30, scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, HEAD_PAD,
+                BLOCK_N, SOFT_CAP, True,
+            )  # fmt: skip
+        acc = acc * v_scale
+        base = (seq * (GROUP * NUM_KV_HEADS) + head) * MAX_SPLITS + first_split + split
+        tl.store(partial_out_ptr + base[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_dims)
+        tl.store(partial_ml_ptr + base * 2, row_max, mask=row_valid)
+        tl.store(partial_ml_ptr + base * 2 + 1, row_sum, mask=row_valid)

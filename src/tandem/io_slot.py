@@ -142,6 +142,14 @@ class IOSlot:
             MaskBuffers(max_seqs, mask_vocab_size, device) if mask_vocab_size is not None else None
         )
 
+    def clear_device(self) -> None:
+        """Zero the device inputs and outputs, as they start. Graph capture's warm-ups run on
+        them; after steps they hold rows of different steps, which together may name blocks,
+        lengths and groups no step has (sleep mode captures again after waking)."""
+        for buffers in (self.dev_in, self.dev_out):
+            for block in buffers.blocks.values():
+                block.zero_()
+
 
 def carry_over(
     input_ids: torch.Tensor, carry_index: torch.Tensor, prev_sampled: torch.Tensor

@@ -401,6 +401,9 @@ class Runner:
         stream after the previous one. Largest first, so smaller graphs fit in the pool it sized.
         (`shared_pool=False` gives each graph its own pool; benchmarks/graph_memory.py compares.)
         """
+        with torch.cuda.stream(self.compute_stream):  # the warm-ups' inputs: as at start
+            for slot in self.slots:
+                slot.clear_device()
         shared = torch.cuda.graph_pool_handle()
         if self.pieces is not None:  # the larger activations: first
             inputs = [(s.dev_in, self.slots[1 - s.index].dev_out["sampled"]) for s in self.slots]

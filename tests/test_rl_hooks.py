@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -89,6 +90,36 @@ def test_async_pause_abort_ends_every_stream_with_finish_reason_abort(folder):
     asyncio.run(main())
 
 
+def test_async_pause_wait_lets_the_admitted_requests_finish_and_holds_new_ones(folder, reference):
+    """vLLM's mode "wait": the requests already running finish (all their tokens), then the
+    engine pauses; a request added meanwhile waits, untouched, and runs after the resume."""
+
+    async def main() -> None:
+        llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
+        got, reasons = [[] for _ in PROMPTS], [None] * len(PROMPTS)
+        try:
+            tasks = [asyncio.create_task(stream_tokens(llm, i, got, reasons)) for i in range(2)]
+            while len(got[0]) < 3:
+                await asyncio.sleep(0.001)
+            pausing = asyncio.create_task(llm.pause_generation("wait"))
+            while not await llm.is_paused():
+                await asyncio.sleep(0.001)
+            held = asyncio.create_task(stream_tokens(llm, 2, got, reasons))
+            await asyncio.wait_for(pausing, timeout=30)
+            assert llm.engine.paused and reasons[:2] == ["length"] * 2
+            assert got[:2] == reference[:2]
+            steps = llm.engine.num_steps
+            await asyncio.sleep(0.2)
+            assert llm.engine.num_steps == steps and got[2] == [] and not held.done()
+            await llm.resume_generation()
+            await asyncio.wait_for(asyncio.gather(held, *tasks), timeout=30)
+            assert got[2] == reference[2] and not await llm.is_paused()
+        finally:
+            llm.shutdown()
+
+    asyncio.run(main())
+
+
 def test_a_bad_pause_mode_is_a_value_error_and_the_engine_lives_on(folder):
     async def main() -> None:
         llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
@@ -121,6 +152,40 @@ def test_offline_generate_waits_while_another_thread_pauses_it(folder, reference
     steps = llm.engine.num_steps
     time.sleep(0.3)
     assert llm.engine.num_steps == steps and worker.is_alive()
+    llm.resume_generation()
+    worker.join(timeout=60)
+    assert [o.outputs[0].token_ids for o in result] == expected
+
+
+def test_offline_pause_wait_returns_once_the_admitted_requests_finished(folder):
+    """Two rows: `generate` in another thread admits two prompts of four; pause_generation
+    ("wait") returns once those two have every token, the other two not begun; after the
+    resume the call ends with the tokens of an engine never paused."""
+    long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    llm = LLM(folder, max_num_seqs=2, **ENGINE_ARGS)
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, long, use_tqdm=False)]
+    result: list = []
+    worker = threading.Thread(
+        target=lambda: result.extend(llm.generate(PROMPTS, long, use_tqdm=False))
+    )
+    step, steps = llm.engine.step, []
+
+    def step_then_hold() -> list:  # the hold lands at the fourth step, whatever the timing
+        steps.append(step())
+        if len(steps) == 4:
+            llm.engine.pause_generation("wait")
+        return steps[-1]
+
+    llm.engine.step = step_then_hold
+    worker.start()
+    while len(steps) < 4:
+        time.sleep(0.001)
+    llm.pause_generation("wait")  # returns once the engine paused
+    held = list(llm.engine.requests.values())  # the finished two have left the engine
+    assert llm.engine.paused and worker.is_alive()
+    assert len(held) == 2 and all(
+        not r.output_token_ids and not r.num_computed_tokens for r in held
+    )
     llm.resume_generation()
     worker.join(timeout=60)
     assert [o.outputs[0].token_ids for o in result] == expected
@@ -221,9 +286,9 @@ async def finish_reason(llm: AsyncLLM, request_id: str) -> str | None:
 
 
 def test_vllms_pause_and_resume_routes_take_its_query_parameters_and_answer_its_shapes(folder):
-    """vLLM's POST /pause?mode=abort|keep (abort by default: in-flight requests end with
-    finish_reason "abort"; its older wait_for_inflight_requests asks for "wait"), POST /resume,
-    GET /is_paused answering {"is_paused": ...}."""
+    """vLLM's POST /pause?mode=abort|keep|wait (abort by default: in-flight requests end with
+    finish_reason "abort"; "wait", or its older wait_for_inflight_requests, answers once they
+    finished), POST /resume, GET /is_paused answering {"is_paused": ...}."""
     llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
     try:
         with TestClient(build_app(llm, "tiny")) as client:
@@ -234,9 +299,16 @@ def test_vllms_pause_and_resume_routes_take_its_query_parameters_and_answer_its_
                 time.sleep(0.01)
             assert client.post("/pause").json() == {"status": "paused"}  # mode=abort
             assert kept.result(timeout=10) == "abort"
-            for query in ("?mode=later", "?mode=wait", "?wait_for_inflight_requests=true"):
-                refused = client.post(f"/pause{query}")
-                assert refused.status_code == 400 and "mode" in refused.json()["error"]["param"]
+            refused = client.post("/pause?mode=later")
+            assert refused.status_code == 400 and "mode" in refused.json()["error"]["param"]
+            for query in ("?mode=wait", "?wait_for_inflight_requests=true"):
+                assert client.post("/resume").json() == {"status": "resumed"}
+                running = client.portal.start_task_soon(finish_reason, llm, f"run{query}")
+                while llm.stats.num_running == 0:
+                    time.sleep(0.01)
+                assert client.post(f"/pause{query}").json() == {"status": "paused"}
+                assert running.result(timeout=10) == "length"  # it finished, not aborted
+                assert client.get("/is_paused").json() == {"is_paused": True}
             assert client.post("/resume").json() == {"status": "resumed"}
             assert client.get("/is_paused").json() == {"is_paused": False}
             assert client.portal.call(finish_reason, llm, "after") == "length"
@@ -259,9 +331,36 @@ def test_sleep_ends_the_requests_in_flight_unless_mode_is_keep_as_vllm(folder):
                 assert client.post("/wake_up").status_code == 200
                 assert client.post("/resume").status_code == 200
                 assert request.result(timeout=10) == want
-            refused = client.post("/sleep?mode=wait")
+            refused = client.post("/sleep?mode=later")
             assert refused.status_code == 400 and "mode" in refused.json()["error"]["param"]
             assert not llm.engine.is_sleeping
+    finally:
+        llm.shutdown()
+
+
+def test_sleep_mode_wait_lets_the_running_request_finish_and_wake_up_resumes(folder, reference):
+    """vLLM's POST /sleep?mode=wait: the running request finishes before the engine sleeps; one
+    sent meanwhile is held through the sleep and runs once /wake_up wakes every part."""
+    llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
+    got, reasons = [[] for _ in PROMPTS], [None] * len(PROMPTS)
+    try:
+        with TestClient(build_app(llm, "tiny")) as client:
+            running = client.portal.start_task_soon(stream_tokens, llm, 0, got, reasons)
+            while len(got[0]) < 3:
+                time.sleep(0.001)
+            sleeping = ThreadPoolExecutor(1).submit(client.post, "/sleep?level=1&mode=wait")
+            while not client.portal.call(llm.is_paused):
+                time.sleep(0.001)
+            held = client.portal.start_task_soon(stream_tokens, llm, 1, got, reasons)
+            assert sleeping.result(timeout=30).status_code == 200
+            running.result(timeout=10)
+            assert got[0] == reference[0] and reasons[0] == "length"
+            assert llm.engine.is_sleeping and got[1] == [] and not held.done()
+            assert client.post("/wake_up?tags=weights").status_code == 200
+            assert got[1] == [] and client.portal.call(llm.is_paused)
+            assert client.post("/wake_up?tags=kv_cache").status_code == 200
+            held.result(timeout=30)
+            assert got[1] == reference[1] and not client.portal.call(llm.is_paused)
     finally:
         llm.shutdown()
 

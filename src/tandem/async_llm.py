@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.config import EngineConfig
-from tandem.engine import Engine
+from tandem.engine import PAUSE_MODES, Engine
 from tandem.outputs import OutputCollector, RequestOutput, token_text
 from tandem.request import Prompt, Request, prompt_cache_salt, split_prompt
 from tandem.sampling import SamplingParams, seeded
@@ -179,6 +179,9 @@ class AsyncLLM:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._num_finished: Counter[str] = Counter()
+        # pause_generation("wait") callers, answered once the engine paused (engine thread only)
+        self._pause_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._resume_on_wake = False  # sleep(mode="wait") paused the engine: wake_up resumes
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -338,33 +341,59 @@ class AsyncLLM:
 
     async def pause_generation(self, mode: str = "keep") -> None:
         """Stop stepping once the steps in flight are read back: "keep" holds every request
-        and its KV, "abort" ends each stream with finish_reason "abort"."""
-        await self._call(lambda engine: self._publish(engine.pause_generation(mode)))
+        and its KV, "abort" ends each stream with finish_reason "abort"; "wait" admits nothing
+        new and returns once the admitted requests have finished (or on `resume_generation`)."""
+        if mode != "wait":
+            await self._call(lambda engine: self._publish(engine.pause_generation(mode)))
+            return
+        loop = asyncio.get_running_loop()
+        drained = loop.create_future()
+
+        def hold(engine: Engine) -> None:
+            engine.pause_generation(mode)
+            self._pause_waiters.append((loop, drained))
+
+        await self._call(hold)
+        await drained
 
     async def resume_generation(self, recompute_kv: bool = False) -> None:
         await self._call(lambda engine: engine.resume_generation(recompute_kv))
 
     async def sleep(self, level: int = 1, mode: str = "keep") -> int:
         """Free the KV cache and the weights' device memory (see Engine.sleep); bytes freed.
-        The requests in flight go on after `wake_up` ("keep") or end now ("abort")."""
-        if mode not in ("keep", "abort"):
-            raise ValueError(f"mode must be 'keep' or 'abort', got {mode!r}")
+        The requests in flight go on after `wake_up` ("keep"), end now ("abort"), or finish
+        first ("wait": new ones wait until the engine is awake again, as in vLLM)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(
+                f"mode must be one of {', '.join(map(repr, PAUSE_MODES))}, got {mode!r}"
+            )
+        if mode == "wait":
+            await self.pause_generation("wait")
 
         def sleep(engine: Engine) -> int:
             self._publish(engine.drain())
             if mode == "abort":
                 for request_id in list(engine.requests):
                     self._abort(request_id)
-            return engine.sleep(level)
+            freed = engine.sleep(level)
+            self._resume_on_wake = mode == "wait"  # the pause was the sleep's
+            return freed
 
         return await self._call(sleep)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """Take back the memory of the parts named ("weights", "kv_cache"; None: both)."""
-        await self._call(lambda engine: engine.wake_up(tags))
+
+        def wake_up(engine: Engine) -> None:
+            engine.wake_up(tags)
+            if self._resume_on_wake and not engine.is_sleeping:
+                self._resume_on_wake = False
+                engine.resume_generation()
+
+        await self._call(wake_up)
 
     async def is_paused(self) -> bool:
-        return await self._call(lambda engine: engine.paused)
+        return await self._call(lambda engine: engine.is_paused)
 
     async def is_sleeping(self) -> bool:
         return await self._call(lambda engine: engine.is_sleeping)
@@ -392,6 +421,7 @@ class AsyncLLM:
             while self._apply_commands(block=not self._can_step()):
                 if self._can_step():
                     self._publish(self.engine.step())
+                self._settle_pause_waiters()
                 self._progress_at = time.monotonic()
                 self.stats = self._snapshot()
             self._die(EngineDeadError("the engine was shut down"))
@@ -428,6 +458,13 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return True
+
+    def _settle_pause_waiters(self) -> None:
+        """pause_generation("wait") returns once the engine paused (or was resumed first)."""
+        if self._pause_waiters and (self.engine.paused or not self.engine.is_paused):
+            waiters, self._pause_waiters = self._pause_waiters, []
+            for loop, drained in waiters:
+                _post(loop, _settle, [(drained, None, None)])
 
     def _can_step(self) -> bool:
         return self.engine.has_unfinished() and self.engine.can_step
@@ -535,6 +572,9 @@ class AsyncLLM:
         for sent in self._sent.values():
             per_loop[sent.stream.loop].append((sent.stream, error))
         self._sent.clear()
+        for loop, drained in self._pause_waiters:
+            _post(loop, _settle, [(drained, None, error)])
+        self._pause_waiters.clear()
         while True:
             try:
                 command = self._commands.get_nowait()

@@ -52,6 +52,8 @@ from tandem.weights import (
 )
 from tandem.workers import Workers
 
+PAUSE_MODES = ("keep", "abort", "wait")  # pause_generation's: vLLM's names
+
 
 class Engine:
     """Continuous batching over a paged KV cache.
@@ -478,12 +480,20 @@ class Engine:
 
     def pause_generation(self, mode: str = "keep") -> list[Request]:
         """Stop stepping after the steps in flight are read back. "keep" holds every request and
-        its KV until `resume_generation`; "abort" finishes them with finish_reason "abort".
+        its KV until `resume_generation`; "abort" finishes them with finish_reason "abort";
+        "wait" (vLLM's) admits nothing new and goes on stepping until the admitted requests
+        finish, then pauses (`paused` turns True in that step; the waiting ones stay queued).
         Returns the requests that got a token or finished meanwhile."""
-        if mode not in ("keep", "abort"):
-            raise ValueError(f"mode must be 'keep' or 'abort', got {mode!r}")
+        if mode not in PAUSE_MODES:
+            raise ValueError(
+                f"mode must be one of {', '.join(map(repr, PAUSE_MODES))}, got {mode!r}"
+            )
         if self.workers is not None:
             self._on_other_ranks("pause_generation", mode)
+        if mode == "wait":
+            self.scheduler.admitting = False
+            self._pause_once_drained()
+            return []
         updated = self.drain()
         if mode == "abort":
             aborted = list(self.requests.values())
@@ -501,6 +511,18 @@ class Engine:
         if recompute_kv:
             self._preempt_running()
         self.paused = False
+        self.scheduler.admitting = True
+
+    @property
+    def is_paused(self) -> bool:
+        """Paused, or pausing: `pause_generation("wait")` holds new requests (vLLM's)."""
+        return self.paused or not self.scheduler.admitting
+
+    def _pause_once_drained(self) -> None:
+        """`pause_generation("wait")`'s end: paused once no admitted request is left."""
+        started = self.scheduler.has_started_work() or self.in_flight or self.finished_unscheduled
+        if not self.scheduler.admitting and not started:
+            self.paused = True
 
     def sleep(self, level: int = 1) -> int:
         """Give back the device memory of the KV cache and the weights (level 1: kept in host
@@ -606,7 +628,8 @@ class Engine:
         due = not self.async_batching or len(self.in_flight) > 1 or not launched
         updated, self.finished_unscheduled = self.finished_unscheduled, []
         if self.in_flight and due:
-            return updated + self._process(self.in_flight.popleft())
+            updated += self._process(self.in_flight.popleft())
+        self._pause_once_drained()
         return updated
 
     def _launch_next(self) -> bool:

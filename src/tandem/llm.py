@@ -79,9 +79,13 @@ class LLM:
         return True
 
     def pause_generation(self, mode: str = "keep") -> None:
-        """Stop stepping: "keep" holds the requests (a running `generate` waits), "abort" ends them."""
+        """Stop stepping: "keep" holds the requests (a running `generate` waits), "abort" ends
+        them, "wait" returns once a running `generate`'s admitted requests have finished (its
+        others wait for `resume_generation`)."""
         with self._lock:
             self.engine.pause_generation(mode)
+            while self.engine.is_paused and not self.engine.paused:  # "wait": until drained
+                self._resumed.wait()
 
     def resume_generation(self, recompute_kv: bool = False) -> None:
         with self._lock:
@@ -276,7 +280,10 @@ class LLM:
                 self._resumed.wait()
             if not self.engine.has_unfinished():
                 return None
-            return self.engine.step()
+            updated = self.engine.step()
+            if self.engine.paused:  # e.g. pause_generation("wait") drained: wake its caller
+                self._resumed.notify_all()
+            return updated
 
 
 def _with_text_content(message: Any) -> Any:

@@ -82,12 +82,17 @@ class Scheduler:
         self.swapped: deque[Request] = deque()
         self.num_preemptions = 0
         self.num_block_copies = 0  # copy-on-write admissions, over the engine's life
+        self.admitting = True  # False: the waiting queue is held (pause_generation's "wait")
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
+
+    def has_started_work(self) -> bool:
+        """Whether a request has been admitted and not finished: running or swapped out."""
+        return bool(self.running or self.swapped)
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
@@ -107,7 +112,7 @@ class Scheduler:
             budget -= num_new
         if not plan.preempted:
             budget = self._resume(plan, budget)
-            if not self.swapped:
+            if not self.swapped and self.admitting:
                 self._admit(plan, budget)
         plan.single_tokens_first()
         return plan

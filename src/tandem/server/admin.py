@@ -21,7 +21,7 @@ from tandem.server.protocol import OpenAIError, RequestOption
 
 
 class PauseRequest(RequestOption):
-    mode: Literal["keep", "abort"] = "keep"
+    mode: Literal["keep", "abort", "wait"] = "keep"
 
 
 class ResumeRequest(RequestOption):
@@ -55,9 +55,9 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
         wait_for_inflight_requests: bool = False,
         clear_cache: bool = True,
     ) -> dict[str, str]:
-        check_pause_mode("wait" if wait_for_inflight_requests else mode)  # its older spelling
-        await llm.pause_generation(mode)
-        if clear_cache and mode == "abort":  # as vLLM's, a kept request keeps its cache
+        mode = "wait" if wait_for_inflight_requests else mode  # its older spelling
+        await llm.pause_generation(mode)  # "wait": answered once the admitted requests finished
+        if clear_cache and mode != "keep":  # as vLLM's, a kept request keeps its cache
             await llm.reset_prefix_cache()
         return {"status": "paused"}
 
@@ -80,7 +80,6 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
         if body is not None and level is not None and body.level != level:
             message = f"the query's level={level} and the body's level={body.level} differ"
             raise OpenAIError(message, param="level")
-        check_pause_mode(mode)
         freed = await _engine_call(llm.sleep(level or (body or SleepRequest()).level, mode))
         return {"freed_gib": freed / 2**30}
 
@@ -104,15 +103,6 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
         return {"updated": True}
 
     return router
-
-
-def check_pause_mode(mode: str) -> None:
-    if mode == "wait":
-        message = (
-            "mode 'wait' (let the requests in flight finish first) is not supported; use "
-            "'keep' (they go on after /resume or /wake_up) or 'abort'"
-        )
-        raise OpenAIError(message, param="mode")
 
 
 async def _engine_call(call, param: str | None = None):

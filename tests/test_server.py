@@ -1321,3 +1321,41 @@ def test_health_is_503_while_a_step_does_not_return_and_200_once_it_does(folder)
     finally:
         release.set()
         llm.shutdown()
+
+
+def test_prompt_logprobs_as_vllm_per_completion_choice_and_once_for_a_chat(server, offline):
+    """vLLM's prompt_logprobs field: each completion choice (and a chat response, once) holds,
+    per prompt position, None for the first, then {"token id": {"logprob", "rank",
+    "decoded_token"}}: the top k in rank order and the prompt token, with the values
+    LLM.generate gives; with stream it is a 400 naming the field."""
+    ids = offline.get_tokenizer().encode(PROMPT)
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)
+    [want] = offline.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+    body = {"prompt": ids, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2, "n": 2}
+    choices = post(server, "/v1/completions", body).json()["choices"]
+    expected = [None] + [
+        {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+         for t, lp in entry.items()}
+        for entry in want.prompt_logprobs[1:]
+    ]  # fmt: skip
+    assert len(choices) == 2
+    for choice in choices:
+        got = choice["prompt_logprobs"]
+        assert len(got) == len(ids) and got[0] is None
+        for position, (g, w) in enumerate(zip(got[1:], expected[1:], strict=True), 1):
+            assert list(g) == list(w) and str(ids[position]) in g
+            for key in w:
+                assert g[key]["rank"] == w[key]["rank"]
+                assert g[key]["decoded_token"] == w[key]["decoded_token"]
+                assert g[key]["logprob"] == pytest.approx(w[key]["logprob"], abs=1e-5)
+    plain = post(server, "/v1/completions", {**body, "prompt_logprobs": None}).json()
+    assert "prompt_logprobs" not in plain["choices"][0]
+    chat = post(server, "/v1/chat/completions",
+                {"messages": MESSAGES, "max_tokens": 1, "prompt_logprobs": 1}).json()  # fmt: skip
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 1
+    assert all(1 <= len(entry) <= 2 for entry in chat["prompt_logprobs"][1:])
+    streamed = post(server, "/v1/completions", {**body, "stream": True})
+    assert streamed.status_code == 400
+    assert streamed.json()["error"]["param"] == "prompt_logprobs"
+    negative = post(server, "/v1/completions", {**body, "prompt_logprobs": -2})
+    assert negative.status_code == 400

@@ -161,6 +161,8 @@ class SamplingRequest(BaseModel):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: all that fit)
+    # each prompt token's logprob and the top k at its position (not with stream)
+    prompt_logprobs: int | None = Field(None, ge=0)
     # shares cached blocks only with requests of the same salt
     cache_salt: Annotated[str, Field(min_length=1), AfterValidator(encodable)] | None = None
     response_format: ResponseFormat | None = None

@@ -17,6 +17,8 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.async_llm import AsyncLLM, EngineDeadError, RequestStream, StreamOutput
+from tandem.outputs import prompt_logprobs as logprob_objects
+from tandem.outputs import token_text
 from tandem.sampling import SamplingParams, seeded, truncate_prompt
 from tandem.server.constraints import constraint_field, output_constraint, tool_mode
 from tandem.server.metrics import LatencyTracker, ServerMetrics
@@ -58,6 +60,7 @@ class Choice:
     # with echo: the prompt's text and ids, and its logprobs from the first output
     echo: tuple[str, list[int]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # from the first output
     reader: OutputReader | None = None  # chat: its streamed text read into content and tool calls
 
     def add(self, output: StreamOutput) -> None:
@@ -65,6 +68,8 @@ class Choice:
         self.num_cached_tokens = output.num_cached_tokens
         if output.prompt_logprobs is not None:
             self.prompt_logprobs = output.prompt_logprobs
+        if output.prompt_token_ids is not None:
+            self.prompt_token_ids = output.prompt_token_ids
         self.text += output.text
         self.token_ids += output.token_ids
         self.logprobs += output.logprobs or []
@@ -84,6 +89,7 @@ class Generation:
     return_token_ids: bool
     tokens_as_ids: bool = False  # logprobs name each token "token_id:<id>", not by its text
     n: int = 1  # choices per prompt
+    num_prompt_logprobs: int | None = None  # the request's prompt_logprobs: shown in the response
     reader: Callable[[], OutputReader] = PlainOutput  # chat: how a choice's text is read
     echoed: str = ""  # chat with echo: the text before each answer
     role: str = "assistant"  # chat: the answer's
@@ -153,8 +159,8 @@ class OpenAIServing:
         if max_tokens == 0 and not body.echo:
             raise OpenAIError("max_tokens must be >= 1 unless echo is true", param="max_tokens")
         # echo with logprobs scores the prompt too; echo with max_tokens=0 only scores it
-        prompt_logprobs = None
-        if body.echo and (body.logprobs is not None or max_tokens == 0):
+        prompt_logprobs = body.prompt_logprobs
+        if prompt_logprobs is None and body.echo and (body.logprobs is not None or max_tokens == 0):
             prompt_logprobs = body.logprobs or 0
         params = sampling_params(
             body, defaults, max_tokens, body.logprobs, prompt_logprobs, output_constraint(body)
@@ -218,7 +224,9 @@ class OpenAIServing:
         room = max(1, self.llm.max_model_len - len(ids))
         max_tokens = min(room, defaults.get("max_tokens", room)) if asked is None else asked
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = sampling_params(body, defaults, max_tokens, logprobs, None, constraint)
+        params = sampling_params(
+            body, defaults, max_tokens, logprobs, body.prompt_logprobs, constraint
+        )
         if not mode.skip_special_tokens:
             params = replace(params, skip_special_tokens=False)
         generation = await self._start("chatcmpl", [(text, ids)], params, body, http)
@@ -231,6 +239,9 @@ class OpenAIServing:
         check_supported(body)
         if body.stream_options is not None and not body.stream:
             raise OpenAIError("stream_options needs stream set to true", param="stream_options")
+        if body.prompt_logprobs is not None and body.stream:  # as vLLM's
+            message = "prompt_logprobs are not available when stream is true"
+            raise OpenAIError(message, param="prompt_logprobs")
         stop, limits = body.stop_strings(), self.options
         if len(stop) > limits.max_stop_strings:
             message = f"stop has {len(stop)} strings; at most {limits.max_stop_strings} are allowed"
@@ -296,6 +307,7 @@ class OpenAIServing:
             return_token_ids=bool(body.return_token_ids),
             tokens_as_ids=bool(body.return_tokens_as_token_ids),
             n=params.n,
+            num_prompt_logprobs=body.prompt_logprobs,
         )
 
     async def _respond(
@@ -335,11 +347,14 @@ class OpenAIServing:
         finally:
             generation.abort_unfinished()
             self.open.discard(generation)
-        return {
+        response = {
             **fmt.envelope(chunk=False),
             "choices": [fmt.final_choice(i, c) for i, c in enumerate(generation.choices)],
             "usage": generation.usage(),
         }
+        if generation.num_prompt_logprobs is not None:
+            fmt.add_prompt_logprobs(response)
+        return response
 
     async def _events(
         self, generation: Generation, fmt: Format, include_usage: bool, continuous: bool = False
@@ -405,6 +420,34 @@ class Format:
 
     def final_choice(self, index: int, choice: Choice) -> dict:
         raise NotImplementedError
+
+    def add_prompt_logprobs(self, response: dict[str, Any]) -> None:
+        """The request's prompt_logprobs, as vLLM's: in each choice."""
+        for index, choice in enumerate(response["choices"]):
+            choice["prompt_logprobs"] = self.prompt_logprobs(index)
+
+    def prompt_logprobs(self, index: int) -> list[dict[str, dict[str, Any]] | None]:
+        """Choice `index`'s prompt logprobs as vLLM serializes its Logprobs: per prompt position
+        (None for the first) {"token id": {"logprob", "rank", "decoded_token"}}, -inf as -9999."""
+        choice = self.generation.choices[index]
+        first = self.generation.choices[index - index % self.generation.n]  # its prompt's
+        entries = choice.prompt_logprobs or first.prompt_logprobs or []
+        ids = choice.prompt_token_ids or first.prompt_token_ids or []
+        text = token_text(self.tokenizer)
+        num_top = self.generation.num_prompt_logprobs or 0
+        return [
+            None
+            if entry is None
+            else {
+                str(t): {
+                    "logprob": max(p, -9999.0),
+                    "rank": p.rank,
+                    "decoded_token": p.decoded_token,
+                }
+                for t, p in entry.items()
+            }
+            for entry in logprob_objects(entries, ids, num_top, text)
+        ]
 
     def piece(self, token_id: int) -> str:
         if self.tokenizer is None:
@@ -525,6 +568,10 @@ class CompletionFormat(Format):
 class ChatFormat(Format):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
+
+    def add_prompt_logprobs(self, response: dict[str, Any]) -> None:
+        """vLLM's chat response holds them once, beside its choices (one prompt)."""
+        response["prompt_logprobs"] = self.prompt_logprobs(0)
 
     def delta_choice(self, index: int, choice: Choice, output: StreamOutput) -> dict | None:
         if choice.reader is None:

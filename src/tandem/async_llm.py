@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.config import EngineConfig
-from tandem.engine import PAUSE_MODES, Engine
+from tandem.engine import Engine, check_pause_mode
 from tandem.outputs import OutputCollector, RequestOutput, token_text
 from tandem.request import Prompt, Request, prompt_cache_salt, split_prompt
 from tandem.sampling import SamplingParams, seeded
@@ -265,7 +265,11 @@ class AsyncLLM:
         index = {sample_id: k for k, sample_id in enumerate(sample_ids)}
         outputs: asyncio.Queue[StreamOutput | BaseException] = asyncio.Queue()
         collector = OutputCollector(request_id, text, sampling_params, self._token_text)
-        streams = await self._add_samples(sample_ids, sampling_params, text, ids, salt, outputs)
+        samples = [
+            (sample_id, seeded(sampling_params, k), text, ids, salt)
+            for k, sample_id in enumerate(sample_ids)
+        ]
+        streams = await self.add_requests(samples, outputs)
         if n > 1:
             self._samples[request_id] = sample_ids
         try:
@@ -285,24 +289,16 @@ class AsyncLLM:
             for stream in streams:
                 stream.abort()
 
-    async def _add_samples(
+    async def add_requests(
         self,
-        sample_ids: list[str],
-        params: SamplingParams,
-        prompt: str | None,
-        prompt_token_ids: list[int] | None,
-        cache_salt: str | None,
-        outputs: asyncio.Queue[StreamOutput | BaseException],
+        requests: list[tuple[str, SamplingParams, str | None, list[int] | None, str | None]],
+        outputs: asyncio.Queue[StreamOutput | BaseException] | None = None,
     ) -> list[RequestStream]:
-        """Queue every sample (the engine thread takes them between the same two steps), or
-        none: one rejected aborts the others."""
+        """Queue every (request_id, params, prompt, prompt_token_ids, cache_salt) or none: one
+        the engine rejects aborts the others, and its error is raised. They reach the engine
+        thread together, between the same two steps; `outputs`: one queue for all of them."""
         results = await asyncio.gather(
-            *(
-                self._add_request(
-                    sample_id, seeded(params, k), prompt, prompt_token_ids, cache_salt, outputs
-                )
-                for k, sample_id in enumerate(sample_ids)
-            ),
+            *(self._add_request(*request, outputs) for request in requests),
             return_exceptions=True,
         )
         streams = [r for r in results if isinstance(r, RequestStream)]
@@ -363,10 +359,7 @@ class AsyncLLM:
         """Free the KV cache and the weights' device memory (see Engine.sleep); bytes freed.
         The requests in flight go on after `wake_up` ("keep"), end now ("abort"), or finish
         first ("wait": new ones wait until the engine is awake again, as in vLLM)."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(
-                f"mode must be one of {', '.join(map(repr, PAUSE_MODES))}, got {mode!r}"
-            )
+        check_pause_mode(mode)
         if mode == "wait":
             await self.pause_generation("wait")
 

@@ -55,6 +55,11 @@ from tandem.workers import Workers
 PAUSE_MODES = ("keep", "abort", "wait")  # pause_generation's: vLLM's names
 
 
+def check_pause_mode(mode: str) -> None:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"mode must be one of {', '.join(map(repr, PAUSE_MODES))}, got {mode!r}")
+
+
 class Engine:
     """Continuous batching over a paged KV cache.
 
@@ -484,10 +489,7 @@ class Engine:
         "wait" (vLLM's) admits nothing new and goes on stepping until the admitted requests
         finish, then pauses (`paused` turns True in that step; the waiting ones stay queued).
         Returns the requests that got a token or finished meanwhile."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(
-                f"mode must be one of {', '.join(map(repr, PAUSE_MODES))}, got {mode!r}"
-            )
+        check_pause_mode(mode)
         if self.workers is not None:
             self._on_other_ranks("pause_generation", mode)
         if mode == "wait":
@@ -520,8 +522,9 @@ class Engine:
 
     def _pause_once_drained(self) -> None:
         """`pause_generation("wait")`'s end: paused once no admitted request is left."""
-        started = self.scheduler.has_started_work() or self.in_flight or self.finished_unscheduled
-        if not self.scheduler.admitting and not started:
+        if self.scheduler.admitting:  # every step but those of a pause "wait": one read
+            return
+        if not (self.scheduler.has_started_work() or self.in_flight or self.finished_unscheduled):
             self.paused = True
 
     def sleep(self, level: int = 1) -> int:

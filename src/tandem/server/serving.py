@@ -285,17 +285,10 @@ class OpenAIServing:
             for i, (text, ids) in enumerate(prompts)
             for k in range(params.n)
         ]
-        results = await asyncio.gather(
-            *(self.llm.add_request(*request) for request in requests), return_exceptions=True
-        )
-        streams = [r for r in results if isinstance(r, RequestStream)]
-        if len(streams) < len(results):
-            for stream in streams:
-                stream.abort()
-            error = next(r for r in results if not isinstance(r, RequestStream))
-            if isinstance(error, ValueError):
-                raise invalid_request(error, body) from error
-            raise error
+        try:
+            streams = await self.llm.add_requests(requests)
+        except ValueError as error:
+            raise invalid_request(error, body) from error
         choices = [Choice(s, LatencyTracker(self.metrics, arrival)) for s in streams]
         client_id = http.headers.get("X-Request-Id", body.request_id)
         return Generation(
@@ -429,10 +422,8 @@ class Format:
     def prompt_logprobs(self, index: int) -> list[dict[str, dict[str, Any]] | None]:
         """Choice `index`'s prompt logprobs as vLLM serializes its Logprobs: per prompt position
         (None for the first) {"token id": {"logprob", "rank", "decoded_token"}}, -inf as -9999."""
-        choice = self.generation.choices[index]
-        first = self.generation.choices[index - index % self.generation.n]  # its prompt's
-        entries = choice.prompt_logprobs or first.prompt_logprobs or []
-        ids = choice.prompt_token_ids or first.prompt_token_ids or []
+        choice = self.generation.choices[index]  # each sample of a prompt scores it too
+        entries, ids = choice.prompt_logprobs or [], choice.prompt_token_ids or []
         text = token_text(self.tokenizer)
         num_top = self.generation.num_prompt_logprobs or 0
         return [

@@ -178,3 +178,30 @@ def test_seed_minus_one_is_no_seed_and_other_negative_seeds_seed_as_in_vllm(llm)
     assert alone.outputs[0].token_ids == beside[0].outputs[0].token_ids
     assert {fold_seed(-1 - k) for k in range(64)}.isdisjoint(fold_seed(k) for k in range(64))
     assert [fold_seed(k) for k in (0, 7, 2**31 - 1, 2**31)] == [0, 7, 2**31 - 1, -(2**31)]
+
+
+def test_request_ids_stay_unique_when_several_threads_make_requests(llm):
+    """Each generate call takes its ids from one counter; threads switching every microsecond
+    (as a server's workers may call generate) never draw the same id twice."""
+    import sys
+    import threading
+
+    params = [SamplingParams(max_tokens=1)]
+    ids: list[str] = []
+
+    def make() -> None:
+        for _ in range(300):
+            [(base, _group)] = llm._make_requests([{"prompt_token_ids": [1, 2, 3]}], params)
+            ids.append(base)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=make) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(ids) == 2400 and len(set(ids)) == 2400

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -45,7 +46,7 @@ class LLM:
 
     def __init__(self, model: str, **engine_args: Any):
         self.engine = Engine(EngineConfig(model=model, **engine_args))
-        self._next_id = 0
+        self._ids = itertools.count()  # next() is atomic: generate may run in several threads
         # the engine is stepped under this lock, so the RL hooks below, called from another
         # thread while `generate` runs, land between two steps; `_resumed` wakes a paused loop
         self._lock = threading.RLock()
@@ -236,8 +237,7 @@ class LLM:
             p.validate()  # n=0 would otherwise make no request to validate
             text, ids = split_prompt(prompt)
             salt = prompt_cache_salt(prompt)
-            base = str(self._next_id)
-            self._next_id += 1
+            base = str(next(self._ids))
             group = []
             for k in range(p.n):
                 rid = base if p.n == 1 else f"{base}-{k}"

@@ -60,7 +60,10 @@ def kernel_times(llm: LLM, rows: int) -> dict[str, float]:
     targets = torch.randint(0, vocab, (rows,), device=weight.device)
     values = torch.empty(rows, 2, device=weight.device)
     ids = torch.empty(rows, 1, dtype=torch.int32, device=weight.device)
-    fused = kernel_ms(lambda: lm_head_logprobs(hidden, index, weight, targets, vocab, values, ids))
+    ranks = torch.empty(rows, dtype=torch.int32, device=weight.device)
+    fused = kernel_ms(
+        lambda: lm_head_logprobs(hidden, index, weight, targets, vocab, values, ids, ranks)
+    )
     matmul = kernel_ms(lambda: F.linear(hidden, weight))
     flops = 2 * rows * hidden_size * vocab
     return {

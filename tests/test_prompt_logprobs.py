@@ -50,6 +50,9 @@ def assert_matches_reference(entries, ids: list[int], k: int, reference: torch.T
         entry, row, target = entries[p], reference[p - 1], ids[p]
         assert entry is not None, f"position {p} has no logprobs"
         assert abs(entry[target] - row[target].item()) < TOLERANCE, f"position {p}"
+        assert_ranks_within(
+            torch.tensor([entry[target].rank]), row[None], row[target, None], TOLERANCE
+        )
         top = row.topk(k) if k else None
         ranked = list(entry)[:k]
         assert len(entry) in (k, k + 1) and (target in ranked or len(entry) == k + 1)
@@ -57,6 +60,17 @@ def assert_matches_reference(entries, ids: list[int], k: int, reference: torch.T
             for token, value in zip(ranked, top.values.tolist(), strict=True):
                 assert abs(entry[token] - row[token].item()) < TOLERANCE
                 assert abs(entry[token] - value) < TOLERANCE  # the top k, in rank order
+
+
+def assert_ranks_within(
+    ranks: torch.Tensor, reference: torch.Tensor, wanted: torch.Tensor, tolerance: float
+) -> None:
+    """Each rank [rows] counts the ids at least as likely as the row's target (vLLM's rank),
+    up to ids within `tolerance` of the target's logprob `wanted` [rows] in `reference`."""
+    more_likely = (reference > wanted[:, None] + tolerance).sum(-1)
+    at_least = (reference >= wanted[:, None] - tolerance).sum(-1)
+    ranks = ranks.long().cpu()
+    assert bool(((more_likely.cpu() + 1 <= ranks) & (ranks <= at_least.cpu())).all()), ranks
 
 
 def run_pieces_eagerly(monkeypatch) -> None:
@@ -201,9 +215,12 @@ def test_fused_lm_head_kernel_matches_log_softmax(rows, softcap):
     targets = torch.randint(0, vocab, (rows,), generator=g)
     values = torch.empty(rows, 2)
     ids = torch.empty(rows, 1, dtype=torch.int32)
-    lm_head_logprobs(tokens, index, weight, targets, vocab, values, ids, 3, softcap)
+    ranks = torch.empty(rows, dtype=torch.int32)
+    lm_head_logprobs(tokens, index, weight, targets, vocab, values, ids, ranks, 3, softcap)
     reference = soft_cap(tokens[index] @ weight[:vocab].T, softcap).log_softmax(-1)
-    assert torch.allclose(values[:, 0], reference.gather(1, targets[:, None])[:, 0], atol=1e-4)
+    wanted = reference.gather(1, targets[:, None])[:, 0]
+    assert torch.allclose(values[:, 0], wanted, atol=1e-4)
+    assert_ranks_within(ranks, reference, wanted, 1e-4)
     assert torch.allclose(values[:, 1], reference.max(-1).values, atol=1e-4)
     assert torch.equal(ids[:, 0].long(), reference.argmax(-1))
 
@@ -269,8 +286,8 @@ def test_the_fused_path_soft_caps_gemma_2_logits(make_tiny, monkeypatch):
 
 
 def test_prompt_logprobs_read_as_vllms_logprob_with_rank_and_decoded_token(make_tiny):
-    """The top k hold ranks 1..k in order and each token's text alone; the prompt token's own
-    rank where it is among them."""
+    """The top k hold ranks 1..k in order and each token's text alone; the prompt token holds its
+    own rank, within the top k or not (as vLLM's)."""
     folder = str(make_tiny("llama"))
     llm = LLM(folder, max_model_len=64)
     ids = prompts(llm.engine.model_config.vocab_size, [24])[0]
@@ -284,7 +301,6 @@ def test_prompt_logprobs_read_as_vllms_logprob_with_rank_and_decoded_token(make_
             value = row[token_id].item()
             assert logprob.logprob == pytest.approx(value, abs=TOLERANCE)
             assert logprob.decoded_token == hf_tokenizer.decode([token_id])
-            if logprob.rank is not None:
-                more_likely = int((row > value + TOLERANCE).sum())
-                assert more_likely + 1 <= logprob.rank <= int((row >= value - TOLERANCE).sum())
+            more_likely = int((row > value + TOLERANCE).sum())
+            assert more_likely + 1 <= logprob.rank <= int((row >= value - TOLERANCE).sum())
         assert [lp.rank for lp in list(entry.values())[:5]] == [1, 2, 3, 4, 5]

@@ -56,6 +56,7 @@ class StreamOutput:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     # with SamplingParams.prompt_logprobs, in the request's first output: per prompt position
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None  # beside prompt_logprobs: each token's rank
     stop_reason: int | str | None = None  # once finished: the stop string or stop token id
     prompt_token_ids: list[int] | None = None  # in the request's first output
     sampled_ranks: list[int] | None = None  # with logprobs: each new token's rank
@@ -534,6 +535,7 @@ class AsyncLLM:
             time=now,
             num_cached_tokens=request.num_cached_tokens or 0,
             prompt_logprobs=request.prompt_logprobs if first else None,
+            prompt_ranks=request.prompt_ranks if first else None,
             stop_reason=request.stop_reason,
             prompt_token_ids=request.prompt_token_ids if first else None,
             sampled_ranks=ranks,

@@ -350,5 +350,7 @@ def _prompt_logprobs(request: Request, text: TokenText) -> list[dict[int, Logpro
     if request.prompt_logprobs is None:
         return None
     text = text if request.params.detokenize else no_text
-    tokens, num_top = request.prompt_token_ids, request.params.prompt_logprobs
-    return prompt_logprobs(request.prompt_logprobs, tokens, num_top, text)
+    tokens, ranks = request.prompt_token_ids, request.prompt_ranks
+    return prompt_logprobs(
+        request.prompt_logprobs, tokens, ranks, request.params.prompt_logprobs, text
+    )

@@ -19,9 +19,9 @@ if TYPE_CHECKING:
 
 
 class Logprob(float):
-    """A token's logprob, a float that also reads as vLLM's Logprob: `.logprob`, `.rank` (1 for
-    the most likely token; None for a prompt token outside the top k, whose rank is not computed)
-    and `.decoded_token` (the token's text alone; None with detokenize=False)."""
+    """A token's logprob, a float that also reads as vLLM's Logprob: `.logprob`, `.rank` (the
+    tokens at least as likely, itself included: 1 for the most likely) and `.decoded_token` (the
+    token's text alone; None with detokenize=False)."""
 
     __slots__ = ("decoded_token", "rank")
 
@@ -103,11 +103,16 @@ def sample_logprobs(
 
 
 def prompt_logprobs(
-    entries: list[dict[int, float] | None], token_ids: list[int], num_top: int, text: TokenText
+    entries: list[dict[int, float] | None],
+    token_ids: list[int],
+    ranks: list[int | None],
+    num_top: int,
+    text: TokenText,
 ) -> list[dict[int, Logprob] | None]:
+    entries_and_tokens = zip(entries, token_ids, ranks, strict=True)
     return [
-        None if entry is None else _logprobs(entry, num_top, token, None, text)
-        for entry, token in zip(entries, token_ids, strict=True)
+        None if entry is None else _logprobs(entry, num_top, token, rank, text)
+        for entry, token, rank in entries_and_tokens
     ]
 
 
@@ -181,7 +186,11 @@ class OutputCollector:
             self.num_cached_tokens = output.num_cached_tokens
             if output.prompt_logprobs is not None:
                 self.prompt_logprobs = prompt_logprobs(
-                    output.prompt_logprobs, self.prompt_token_ids, self.num_prompt_top, self.text
+                    output.prompt_logprobs,
+                    self.prompt_token_ids,
+                    output.prompt_ranks,
+                    self.num_prompt_top,
+                    self.text,
                 )
         sample = self.samples[index]
         sample.text += output.text

@@ -4,9 +4,10 @@ The hidden row at position p predicts the token at p + 1, so a request's prompt 
 from the rows of its prompt chunks at positions 0 .. P-2, whatever step computes them: each
 chunk contributes its positions. The host lists those rows and their target tokens (all prompt
 tokens, known on the host) in the slot's `PromptLogprobBuffers`; on the device the step gathers
-the rows after the forward pass and reduces them to the target's logprob plus the top-k, a few
-rows at a time (`SUB_CHUNK_BYTES`), never the whole prompt's [rows, vocab] at once. Only
-[rows, 1 + k] values and [rows, k] ids come back, on the D2H stream with the step's other outputs.
+the rows after the forward pass and reduces them to the target's logprob and rank plus the
+top-k, a few rows at a time (`SUB_CHUNK_BYTES`), never the whole prompt's [rows, vocab] at once.
+Only [rows, 1 + k] values, [rows, k] ids and [rows] ranks come back, on the D2H stream with the
+step's other outputs.
 
 Steps with such rows run eagerly or as pieces (never a whole decode graph). Filling an entry is
 idempotent, so a preempted request that recomputes its prompt writes the same entries again.
@@ -69,9 +70,12 @@ class PromptLogprobBuffers:
         self.host_values, self.dev_values = pair(width * max_tokens, torch.float32)
         # [rows, k] int32: the top k ids
         self.host_ids, self.dev_ids = pair(MAX_LOGPROBS * max_tokens, torch.int32)
+        # [rows] int32: the target's rank, the ids at least as likely (itself included: vLLM's)
+        self.host_ranks, self.dev_ranks = pair(max_tokens, torch.int32)
         self.np_pairs = self.host_pairs.numpy()
         self.np_values = self.host_values.numpy()
         self.np_ids = self.host_ids.numpy()
+        self.np_ranks = self.host_ranks.numpy()
 
     def copy_in(self, num_rows: int) -> None:
         """H2D of the step's rows, on the current stream (the caller's h2d_stream)."""
@@ -81,6 +85,7 @@ class PromptLogprobBuffers:
         """D2H of the step's results, on the current stream (the caller's d2h_stream)."""
         n, k = num_rows * (1 + num_top), num_rows * num_top
         self.host_values[:n].copy_(self.dev_values[:n], non_blocking=True)
+        self.host_ranks[:num_rows].copy_(self.dev_ranks[:num_rows], non_blocking=True)
         if k:
             self.host_ids[:k].copy_(self.dev_ids[:k], non_blocking=True)
 
@@ -135,18 +140,20 @@ def compute(
     num_top: int,
 ) -> None:
     """Reduce the step's prompt-logprob rows of `hidden` [tokens, hidden] to the targets'
-    logprobs and the top `num_top` into the device outputs, a sub-chunk of rows at a time."""
+    logprobs and ranks and the top `num_top` into the device outputs, a sub-chunk of rows at a
+    time."""
     pairs = buffers.dev_pairs[: 2 * step_rows].view(step_rows, 2).long()
     rows, targets = pairs[:, 0], pairs[:, 1]
     values = buffers.dev_values[: step_rows * (1 + num_top)].view(step_rows, 1 + num_top)
     ids = buffers.dev_ids[: step_rows * num_top].view(step_rows, num_top)
+    ranks = buffers.dev_ranks[:step_rows]
     weight = fused_lm_head(model, num_top)
     if weight is not None:
         from tandem.prompt_logprobs_kernel import lm_head_logprobs
 
         cfg = model.cfg
         lm_head_logprobs(
-            hidden, rows, weight, targets, cfg.vocab_size, values, ids,
+            hidden, rows, weight, targets, cfg.vocab_size, values, ids, ranks,
             softcap=cfg.final_logit_softcapping,
         )  # fmt: skip
         return
@@ -154,7 +161,9 @@ def compute(
     for a in range(0, step_rows, sub_rows):
         b = min(a + sub_rows, step_rows)
         logprobs = model.compute_logits(hidden[rows[a:b]]).log_softmax(-1, dtype=torch.float32)
-        values[a:b, 0] = logprobs.gather(1, targets[a:b, None])[:, 0]
+        target_logprobs = logprobs.gather(1, targets[a:b, None])
+        values[a:b, 0] = target_logprobs[:, 0]
+        ranks[a:b] = (logprobs >= target_logprobs).sum(-1)
         if num_top:
             top = logprobs.topk(num_top, dim=-1)
             values[a:b, 1:] = top.values
@@ -174,7 +183,8 @@ def fused_lm_head(model: Decoder, num_top: int) -> torch.Tensor | None:
 
 def store(step: PromptLogprobStep, buffers: PromptLogprobBuffers) -> None:
     """Write a read-back step's results into its requests' `prompt_logprobs`: per position, the
-    top ids in rank order, then the prompt token (the same form as `Request.logprobs`)."""
+    top ids in rank order, then the prompt token (the same form as `Request.logprobs`); and the
+    prompt token's rank into `prompt_ranks`."""
     width = 1 + step.num_top
     values = buffers.np_values[: step.num_rows * width].reshape(step.num_rows, width)
     ids = buffers.np_ids[: step.num_rows * step.num_top].reshape(step.num_rows, step.num_top)
@@ -198,4 +208,5 @@ def store(step: PromptLogprobStep, buffers: PromptLogprobBuffers) -> None:
             entry = dict(zip(row_ids, row_values[1 : 1 + k], strict=True))
             entry[target] = row_values[0]
             entries[pos + j] = entry
+        request.prompt_ranks[pos : pos + count] = buffers.np_ranks[a : a + count].tolist()
         request.prompt_logprobs_end = max(request.prompt_logprobs_end, pos + count)

@@ -53,6 +53,7 @@ class Request:
     # with params.prompt_logprobs: one entry per prompt position, None for the first (and for
     # positions not computed yet); prompt_logprobs_end is 1 + the last position filled
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None  # each prompt token's rank, beside its entry
     prompt_logprobs_end: int = 1
     num_preemptions: int = 0
     # prefix caching: the keys of its full blocks so far, how many of its blocks are published,
@@ -73,6 +74,7 @@ class Request:
     def __post_init__(self) -> None:
         if self.wants_prompt_logprobs:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+            self.prompt_ranks = [None] * len(self.prompt_token_ids)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

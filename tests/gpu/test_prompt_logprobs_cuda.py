@@ -10,6 +10,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.prompt_logprobs_kernel import lm_head_logprobs
+from test_prompt_logprobs import assert_ranks_within
 
 pytestmark = [
     pytest.mark.gpu,
@@ -106,10 +107,12 @@ def test_fused_lm_head_kernel_at_llama_3_8b_shape(rows):
     targets = torch.randint(0, vocab, (rows,), device="cuda", generator=g)
     values = torch.empty(rows, 2, device="cuda")
     ids = torch.empty(rows, 1, dtype=torch.int32, device="cuda")
-    lm_head_logprobs(tokens, index, weight, targets, vocab, values, ids)
+    ranks = torch.empty(rows, dtype=torch.int32, device="cuda")
+    lm_head_logprobs(tokens, index, weight, targets, vocab, values, ids, ranks)
     reference = (tokens[index].float() @ weight.float().T).log_softmax(-1)
     wanted = reference.gather(1, targets[:, None])[:, 0]
     assert torch.allclose(values[:, 0], wanted, atol=2e-3)
+    assert_ranks_within(ranks, reference, wanted, 2e-3)
     assert torch.allclose(values[:, 1], reference.max(-1).values, atol=2e-3)
     top2 = reference.topk(2).values
     clear = top2[:, 0] - top2[:, 1] > 1e-2  # no near-tie between the two best

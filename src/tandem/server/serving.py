@@ -60,6 +60,7 @@ class Choice:
     # with echo: the prompt's text and ids, and its logprobs from the first output
     echo: tuple[str, list[int]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None  # each prompt token's, beside prompt_logprobs
     prompt_token_ids: list[int] | None = None  # from the first output
     reader: OutputReader | None = None  # chat: its streamed text read into content and tool calls
 
@@ -67,7 +68,7 @@ class Choice:
         self.tracker.observe(output)
         self.num_cached_tokens = output.num_cached_tokens
         if output.prompt_logprobs is not None:
-            self.prompt_logprobs = output.prompt_logprobs
+            self.prompt_logprobs, self.prompt_ranks = output.prompt_logprobs, output.prompt_ranks
         if output.prompt_token_ids is not None:
             self.prompt_token_ids = output.prompt_token_ids
         self.text += output.text
@@ -424,6 +425,7 @@ class Format:
         (None for the first) {"token id": {"logprob", "rank", "decoded_token"}}, -inf as -9999."""
         choice = self.generation.choices[index]  # each sample of a prompt scores it too
         entries, ids = choice.prompt_logprobs or [], choice.prompt_token_ids or []
+        ranks = choice.prompt_ranks or []
         text = token_text(self.tokenizer)
         num_top = self.generation.num_prompt_logprobs or 0
         return [
@@ -437,7 +439,7 @@ class Format:
                 }
                 for t, p in entry.items()
             }
-            for entry in logprob_objects(entries, ids, num_top, text)
+            for entry in logprob_objects(entries, ids, ranks, num_top, text)
         ]
 
     def piece(self, token_id: int) -> str:

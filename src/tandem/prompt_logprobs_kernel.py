@@ -58,8 +58,12 @@ def target_logits_kernel(
     products = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
     for k0 in range(0, hidden_size, BLOCK_K):
         mask = in_rows[:, None] & (k0 + k < hidden_size)[None, :]
-        a = tl.load(hidden_ptr + token[:, None] * hidden_stride + (k0 + k)[None, :], mask=mask)
-        b = tl.load(weight_ptr + target[:, None] * hidden_size + (k0 + k)[None, :], mask=mask)
+        a = tl.load(
+            hidden_ptr + token[:, None] * hidden_stride + (k0 + k)[None, :], mask=mask, other=0.0
+        )
+        b = tl.load(
+            weight_ptr + target[:, None] * hidden_size + (k0 + k)[None, :], mask=mask, other=0.0
+        )
         products += a.to(tl.float32) * b.to(tl.float32)
     logit = tl.sum(products, axis=1)
     if SOFTCAP:

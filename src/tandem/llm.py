@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,9 @@ class LLM:
         # thread while `generate` runs, land between two steps; `_resumed` wakes a paused loop
         self._lock = threading.RLock()
         self._resumed = threading.Condition(self._lock)
+        # hooks waiting for the lock; the stepping thread lets them take it first (`_hook`)
+        self._asking = threading.Condition()
+        self._num_asking = 0
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (nothing to do on one device)."""
@@ -62,20 +66,38 @@ class LLM:
 
     # ---- RL hooks (safe from another thread: applied between two steps) ------------------
 
+    @contextmanager
+    def _hook(self) -> Iterator[None]:
+        """The step lock for a hook, taken before the stepping thread's next step: `_step` waits
+        until every hook that asked has had it. A plain lock is not fair: the stepping thread,
+        releasing it and taking it back at once, could keep a hook out for a whole generation."""
+        with self._asking:
+            self._num_asking += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._asking:
+                self._num_asking -= 1
+                self._asking.notify_all()
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     def update_weights(self, named_tensors: NamedTensors) -> None:
         """Copy (Hugging Face name, tensor) pairs into the weights in place (see Engine)."""
-        with self._lock:
+        with self._hook():
             self.engine.update_weights(named_tensors)
 
     def update_weights_from_path(self, path: str | Path) -> None:
-        with self._lock:
+        with self._hook():
             self.engine.update_weights_from_path(path)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt block, e.g. after weights changed outside `update_weights`
         (which forgets them itself); blocks held by running requests stay theirs. True, as
         vLLM's: it cannot fail."""
-        with self._lock:
+        with self._hook():
             self.engine.reset_prefix_cache()
         return True
 
@@ -83,24 +105,24 @@ class LLM:
         """Stop stepping: "keep" holds the requests (a running `generate` waits), "abort" ends
         them, "wait" returns once a running `generate`'s admitted requests have finished (its
         others wait for `resume_generation`)."""
-        with self._lock:
+        with self._hook():
             self.engine.pause_generation(mode)
             while self.engine.is_paused and not self.engine.paused:  # "wait": until drained
                 self._resumed.wait()
 
     def resume_generation(self, recompute_kv: bool = False) -> None:
-        with self._lock:
+        with self._hook():
             self.engine.resume_generation(recompute_kv)
             self._resumed.notify_all()
 
     def sleep(self, level: int = 1) -> int:
         """Free the KV cache and the weights' device memory (see Engine.sleep); bytes freed."""
-        with self._lock:
+        with self._hook():
             return self.engine.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Take back the memory of the parts named ("weights", "kv_cache"; None: both)."""
-        with self._lock:
+        with self._hook():
             self.engine.wake_up(tags)
             self._resumed.notify_all()
 
@@ -247,7 +269,7 @@ class LLM:
         return groups
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> None:
-        with self._lock:
+        with self._hook():  # another thread's generate may be stepping
             if not self.engine.can_step:  # this thread would wait for itself
                 raise RuntimeError(
                     "the engine is paused or asleep; call resume_generation() / wake_up() first"
@@ -268,13 +290,15 @@ class LLM:
                         )
         except BaseException:
             # e.g. Ctrl-C: the call's requests must not run on inside the next call
-            with self._lock:
+            with self._hook():
                 for request in requests:
                     self.engine.abort(request.request_id)
             raise
 
     def _step(self) -> list[Request] | None:
         """What the next step updated, waiting while paused or asleep; None when all are done."""
+        with self._asking:  # hooks from other threads first
+            self._asking.wait_for(lambda: self._num_asking == 0)
         with self._lock:
             while self.engine.has_unfinished() and not self.engine.can_step:
                 self._resumed.wait()

@@ -205,3 +205,15 @@ def test_request_ids_stay_unique_when_several_threads_make_requests(llm):
     finally:
         sys.setswitchinterval(interval)
     assert len(ids) == 2400 and len(set(ids)) == 2400
+
+
+def test_extra_args_ride_with_the_request_as_in_vllm(llm):
+    """vLLM's SamplingParams.extra_args, for custom sampling code: kept as given (not used by
+    the engine's own sampling); anything but a dict is a ValueError naming the field."""
+    params = SamplingParams(temperature=0, max_tokens=2, extra_args={"tag": "a", "k": [1, 2]})
+    [out] = llm.generate(PROMPT, params, use_tqdm=False)
+    [plain] = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert params.clone().extra_args == {"tag": "a", "k": [1, 2]}
+    with pytest.raises(ValueError, match=r"^extra_args must be a dict"):
+        SamplingParams(extra_args=["tag"])

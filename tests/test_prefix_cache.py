@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import random
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -226,6 +227,29 @@ def test_a_cache_salt_that_is_not_a_non_empty_string_is_a_value_error(make_tiny,
     with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
         llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
     assert not llm.engine.has_unfinished()
+
+
+def test_skip_reading_prefix_cache_computes_the_prompt_and_still_publishes_it(make_tiny):
+    """vLLM's SamplingParams.skip_reading_prefix_cache: such a request takes no cached block
+    (the same tokens as an uncached run) while its own blocks serve the requests after it; it
+    defaults to True with prompt_logprobs, False otherwise."""
+    folder = str(make_tiny("llama"))
+    llm = LLM(folder, block_size=4, num_blocks=32, max_model_len=40)
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    skipping = replace(greedy, skip_reading_prefix_cache=True)
+    prompt = {"prompt_token_ids": list(range(1, 11))}  # 2 full blocks can be cached
+
+    def run(params):
+        return llm.generate(prompt, params, use_tqdm=False)[0]
+
+    first, skipped, read = run(skipping), run(skipping), run(greedy)
+    assert [o.num_cached_tokens for o in (first, skipped, read)] == [0, 0, 8]
+    want = reference(folder, tuple(prompt["prompt_token_ids"]), 3)
+    assert all(o.outputs[0].token_ids == want for o in (first, skipped, read))
+    assert SamplingParams(prompt_logprobs=0).skip_reading_prefix_cache is True
+    assert greedy.skip_reading_prefix_cache is False
+    with pytest.raises(ValueError, match="skip_reading_prefix_cache must be True or False"):
+        SamplingParams(skip_reading_prefix_cache="yes")
 
 
 def test_disabled_cache_never_hits(make_tiny):

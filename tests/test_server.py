@@ -39,7 +39,8 @@ from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.server.app import build_app
 from tandem.server.options import ServerOptions
-from tandem.server.serving import CompletionFormat, Generation, sse
+from tandem.server.protocol import CompletionRequest
+from tandem.server.serving import CompletionFormat, Generation, sampling_params, sse
 
 ENGINE_ARGS = {"max_model_len": 512, "block_size": 8}
 MODEL = "tiny-llama"
@@ -796,6 +797,24 @@ def test_out_of_range_penalties_and_unknown_token_ids_are_400s_naming_the_field(
     message = assert_openai_error(post(server, "/v1/completions", body), 400, param=field)
     assert field in message
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_vllm_xargs_reach_the_request_as_extra_args_and_change_no_token(server, offline):
+    """vLLM's vllm_xargs (for custom sampling code) become SamplingParams.extra_args; the
+    engine's own sampling ignores them, as vLLM's does; anything but a dict is a 400."""
+    xargs = {"tag": "a", "weights": [1, 2.5]}
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "vllm_xargs": xargs}
+    for path, request in (
+        ("/v1/completions", body),
+        ("/v1/chat/completions", {**body, "prompt": None, "messages": MESSAGES}),
+    ):
+        response = post(server, path, {k: v for k, v in request.items() if v is not None})
+        assert response.status_code == 200, response.text
+    [want] = offline_completion(offline, PROMPT, max_tokens=4, temperature=0)
+    assert post(server, "/v1/completions", body).json()["choices"][0]["text"] == want.text
+    params = sampling_params(CompletionRequest(**body), {}, 4, None)
+    assert params.extra_args == xargs
+    assert_openai_error(post(server, "/v1/completions", {**body, "vllm_xargs": [1]}), 400)
 
 
 def test_unimplemented_fields_at_values_that_ask_for_nothing_are_accepted(server):

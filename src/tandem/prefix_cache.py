@@ -98,9 +98,15 @@ class PrefixCache:
         is always computed, its logits are needed. Nothing is taken: `take` the blocks to hold
         them. A request that wants prompt logprobs matches nothing: it computes every prompt
         position's hidden row; nor does one whose penalties count the tokens as the steps feed
-        them (penalties.py). A scoring request (max_tokens=0) copies nothing: it computes no
-        last token."""
-        if not self.enabled or request.wants_prompt_logprobs or request.params.needs_token_history:
+        them (penalties.py), nor one whose params say skip_reading_prefix_cache. A scoring
+        request (max_tokens=0) copies nothing: it computes no last token."""
+        params = request.params
+        if (
+            not self.enabled
+            or request.wants_prompt_logprobs
+            or params.needs_token_history
+            or params.skip_reading_prefix_cache
+        ):
             return [], None
         keys = request.block_keys
         if not keys and self.last_matched is not None:

@@ -7,6 +7,7 @@ import enum
 import math
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -67,6 +68,11 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # what AsyncLLM.generate yields; the offline LLM.generate returns final outputs whatever it is
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # True: no blocks from the prefix cache (its own are still published for others); None: as
+    # vLLM, True with prompt_logprobs (which never read the cache, whatever this says)
+    skip_reading_prefix_cache: bool | None = None
+    # vLLM's free-form arguments for custom sampling code: carried with the request, unused here
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.stop = _as_list("stop", self.stop, "a string or a list of strings", str)
@@ -78,6 +84,8 @@ class SamplingParams:
             self.seed = None
         if self.max_tokens is None:  # each request is cut where it fills max_model_len
             self.max_tokens = MAX_TOKENS
+        if self.skip_reading_prefix_cache is None:
+            self.skip_reading_prefix_cache = self.prompt_logprobs is not None
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self.validate()
@@ -100,6 +108,7 @@ class SamplingParams:
             "detokenize",
             "skip_special_tokens",
             "include_stop_str_in_output",
+            "skip_reading_prefix_cache",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -142,6 +151,8 @@ class SamplingParams:
             check_int("logprobs", self.logprobs, 0)
             if self.logprobs > MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(
                 "output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), got "

@@ -168,6 +168,8 @@ class SamplingRequest(BaseModel):
     response_format: ResponseFormat | None = None
     # StructuredOutputsParams' fields (tandem/structured.py): one constraint and its options
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's free-form arguments for custom sampling code: SamplingParams.extra_args
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or ())

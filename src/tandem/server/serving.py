@@ -721,6 +721,8 @@ def sampling_params(
     given |= {name: getattr(body, name) for name in names if getattr(body, name) is not None}
     if body.logit_bias is not None:
         given["logit_bias"] = token_id_keys(body.logit_bias)
+    if body.vllm_xargs is not None:
+        given["extra_args"] = body.vllm_xargs
     try:
         return SamplingParams(
             **given,

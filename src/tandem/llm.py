@@ -55,6 +55,7 @@ class LLM:
         # hooks waiting for the lock; the stepping thread lets them take it first (`_hook`)
         self._asking = threading.Condition()
         self._num_asking = 0
+        self._enqueued: list[tuple[str, list[Request]]] = []  # `enqueue`d, not yet returned
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (nothing to do on one device)."""
@@ -134,10 +135,38 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, {"prompt": text} or {"prompt_token_ids": [...]}, a
         dict with an optional "cache_salt"); outputs in input order."""
-        if isinstance(prompts, str | dict) or not isinstance(prompts, Sequence):
-            prompts = [prompts]
-        params = self._params_per_prompt(sampling_params, len(prompts))
-        groups = self._generate(prompts, params, use_tqdm)
+        groups = self._requests_for(prompts, sampling_params)
+        self._run([r for _, group in groups for r in group], use_tqdm)
+        text = token_text(self.engine.tokenizer)
+        return [_request_output(rid, group, text) for rid, group in groups]
+
+    def enqueue(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[str]:
+        """Queue prompts without running them, as vLLM's: `wait_for_completion` runs them (a
+        `generate` in between runs them too). Their request ids, in input order."""
+        del use_tqdm  # queueing shows no progress
+        groups = self._requests_for(prompts, sampling_params)
+        with self._hook():
+            for _, group in groups:
+                for request in group:
+                    self.engine.enqueue(request)
+            self._enqueued += groups
+        return [rid for rid, _ in groups]
+
+    def wait_for_completion(
+        self, output_type: type | tuple[type, ...] | None = None, *, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
+        """Run every `enqueue`d request to its end; their outputs in the order queued."""
+        if output_type is not None and not issubclass(RequestOutput, output_type):
+            raise TypeError(f"this engine's outputs are RequestOutputs, not {output_type!r}")
+        with self._hook():
+            self._check_can_step()
+            groups, self._enqueued = self._enqueued, []
+        self._run([r for _, group in groups for r in group], use_tqdm, queued=True)
         text = token_text(self.engine.tokenizer)
         return [_request_output(rid, group, text) for rid, group in groups]
 
@@ -249,6 +278,15 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} sampling_params for {count} prompts")
         return list(sampling_params)
 
+    def _requests_for(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[tuple[str, list[Request]]]:
+        if isinstance(prompts, str | dict) or not isinstance(prompts, Sequence):
+            prompts = [prompts]
+        return self._make_requests(prompts, self._params_per_prompt(sampling_params, len(prompts)))
+
     def _make_requests(
         self, prompts: Sequence[Prompt], params: list[SamplingParams]
     ) -> list[tuple[str, list[Request]]]:
@@ -268,14 +306,19 @@ class LLM:
             groups.append((base, group))
         return groups
 
-    def _run(self, requests: list[Request], use_tqdm: bool) -> None:
-        with self._hook():  # another thread's generate may be stepping
-            if not self.engine.can_step:  # this thread would wait for itself
-                raise RuntimeError(
-                    "the engine is paused or asleep; call resume_generation() / wake_up() first"
-                )
-            for request in requests:
-                self.engine.enqueue(request)
+    def _check_can_step(self) -> None:
+        if not self.engine.can_step:  # this thread would wait for itself
+            raise RuntimeError(
+                "the engine is paused or asleep; call resume_generation() / wake_up() first"
+            )
+
+    def _run(self, requests: list[Request], use_tqdm: bool, queued: bool = False) -> None:
+        """Step until `requests` (queued here unless `queued`) and all others have finished."""
+        if not queued:
+            with self._hook():  # another thread's generate may be stepping
+                self._check_can_step()
+                for request in requests:
+                    self.engine.enqueue(request)
         bar = tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm)
         start, num_out = time.perf_counter(), 0
         try:

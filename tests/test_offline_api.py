@@ -120,6 +120,10 @@ def test_chat_joins_openai_text_parts_with_newlines_as_vllm_does(llm, folder):
     assert out.outputs[0].token_ids == transformers_greedy(folder, tuple(expected), 5)
 
 
+def test_get_world_size_counts_one_process_without_tensor_parallelism_as_vllm(llm):
+    assert llm.get_world_size() == llm.get_world_size(include_dp=False) == 1
+
+
 def test_get_tokenizer_serves_an_rl_loop_as_transformers_tokenizer_does(llm, folder):
     """A GRPO script renders the prompt with the tokenizer vLLM hands out, generates from its ids
     and decodes the completion; each step gives what transformers' tokenizer gives."""

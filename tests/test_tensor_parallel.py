@@ -132,6 +132,7 @@ def test_a_rank_that_died_is_named_and_the_engine_still_shuts_down(make_tiny):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm = LLM(str(folder), max_model_len=96, num_blocks=12, block_size=8, tensor_parallel_size=2)
     try:
+        assert llm.get_world_size() == llm.get_world_size(include_dp=False) == 2  # vLLM's
         expected = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids
         worker = llm.engine.workers.processes[0]
         os.kill(worker.pid, signal.SIGKILL)

@@ -61,6 +61,12 @@ class LLM:
         """Stop the tensor-parallel worker processes (nothing to do on one device)."""
         self.engine.shutdown()
 
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """The processes serving this LLM, as vLLM's: its tensor-parallel ranks (one LLM has no
+        pipeline or data parallelism; Ray's replicas are LLMs of their own)."""
+        del include_dp
+        return self.engine.config.tensor_parallel_size
+
     def get_tokenizer(self) -> Tokenizer | None:
         """The model's tokenizer, called as transformers' is (None for a model without one)."""
         return self.engine.tokenizer

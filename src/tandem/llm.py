@@ -142,9 +142,8 @@ class LLM:
         """Generate for every prompt (text, {"prompt": text} or {"prompt_token_ids": [...]}, a
         dict with an optional "cache_salt"); outputs in input order."""
         groups = self._requests_for(prompts, sampling_params)
-        self._run([r for _, group in groups for r in group], use_tqdm)
-        text = token_text(self.engine.tokenizer)
-        return [_request_output(rid, group, text) for rid, group in groups]
+        self._run(groups, use_tqdm)
+        return self._outputs(groups)
 
     def enqueue(
         self,
@@ -172,15 +171,14 @@ class LLM:
         with self._hook():
             self._check_can_step()
             groups, self._enqueued = self._enqueued, []
-        self._run([r for _, group in groups for r in group], use_tqdm, queued=True)
-        text = token_text(self.engine.tokenizer)
-        return [_request_output(rid, group, text) for rid, group in groups]
+        self._run(groups, use_tqdm, queued=True)
+        return self._outputs(groups)
 
     def _generate(
         self, prompts: Sequence[Prompt], params: list[SamplingParams], use_tqdm: bool
     ) -> list[tuple[str, list[Request]]]:
         groups = self._make_requests(prompts, params)
-        self._run([r for _, group in groups for r in group], use_tqdm)
+        self._run(groups, use_tqdm)
         return groups
 
     def score(
@@ -318,8 +316,16 @@ class LLM:
                 "the engine is paused or asleep; call resume_generation() / wake_up() first"
             )
 
-    def _run(self, requests: list[Request], use_tqdm: bool, queued: bool = False) -> None:
-        """Step until `requests` (queued here unless `queued`) and all others have finished."""
+    def _outputs(self, groups: list[tuple[str, list[Request]]]) -> list[RequestOutput]:
+        text = token_text(self.engine.tokenizer)
+        return [_request_output(rid, group, text) for rid, group in groups]
+
+    def _run(
+        self, groups: list[tuple[str, list[Request]]], use_tqdm: bool, queued: bool = False
+    ) -> None:
+        """Step until the groups' requests (queued here unless `queued`) and all others have
+        finished."""
+        requests = [r for _, group in groups for r in group]
         if not queued:
             with self._hook():  # another thread's generate may be stepping
                 self._check_can_step()

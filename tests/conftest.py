@@ -39,6 +39,14 @@ def make_tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]
     return make
 
 
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """Two tiny llama checkpoints of one shape, drawn with different seeds (weight updates)."""
+    a = make_tiny_model(tmp_path_factory.mktemp("a"), "llama", seed=1)
+    b = make_tiny_model(tmp_path_factory.mktemp("b"), "llama", seed=2)
+    return str(a), str(b)
+
+
 @pytest.fixture
 def run_sanitized(tmp_path: Path) -> Callable[[str], str]:
     """run_sanitized(script) -> stdout of `python -c script TMP/tiny` under PyTorch's CUDA stream

@@ -7,19 +7,10 @@ import torch
 from safetensors.torch import load_file
 
 from tandem import LLM, SamplingParams
-from tandem.model.tiny import make_tiny_model
 
 ENGINE_ARGS = {"max_model_len": 128, "block_size": 8, "dtype": "float32"}
 PROMPTS = [{"prompt_token_ids": [5 + i, 17, 30 + 2 * i, 9, 11, 12, 40, 41, 3]} for i in range(4)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> tuple[str, str]:
-    """Two tiny llama checkpoints of one shape, drawn with different seeds."""
-    a = make_tiny_model(tmp_path_factory.mktemp("a"), "llama", seed=1)
-    b = make_tiny_model(tmp_path_factory.mktemp("b"), "llama", seed=2)
-    return str(a), str(b)
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ from tandem.outputs import OutputCollector, RequestOutput, token_text
 from tandem.request import Prompt, Request, prompt_cache_salt, split_prompt
 from tandem.sampling import SamplingParams, seeded
 from tandem.tokenizer import Tokenizer
+from tandem.weight_transfer import request_field, required_field
 from tandem.weights import NamedTensors, check_named_tensors
 
 logger = logging.getLogger(__name__)
@@ -323,10 +324,28 @@ class AsyncLLM:
 
     # ---- RL hooks: run on the engine thread between two steps -----------------------------
 
-    async def update_weights(self, named_tensors: NamedTensors) -> None:
-        """Copy (Hugging Face name, tensor) pairs into the weights in place (see Engine)."""
+    async def update_weights(self, named_tensors: NamedTensors | dict | Any) -> None:
+        """Copy (Hugging Face name, tensor) pairs into the weights in place (see Engine), or
+        receive the tensors a trainer broadcasts (vLLM's `{"update_info": {...}}`; see
+        LLM.update_weights)."""
+        update_info = request_field(named_tensors, "update_info")
+        if update_info is not None:
+            await self._call(lambda engine: engine.receive_weights(update_info))
+            return
         pairs = check_named_tensors(named_tensors)  # a generator is drained on this thread
         await self._call(lambda engine: engine.update_weights(pairs))
+
+    async def init_weight_transfer_engine(self, request: dict | Any) -> None:
+        """Join the trainer's process group (see LLM.init_weight_transfer_engine)."""
+        init_info = required_field(request, "init_info")
+        await self._call(lambda engine: engine.init_weight_transfer_engine(init_info))
+
+    async def start_weight_update(self) -> None:
+        """No step runs from now until `finish_weight_update`."""
+        await self._call(lambda engine: self._publish(engine.start_weight_update()))
+
+    async def finish_weight_update(self) -> None:
+        await self._call(lambda engine: engine.finish_weight_update())
 
     async def update_weights_from_path(self, path: str | Path) -> None:
         await self._call(lambda engine: engine.update_weights_from_path(path))

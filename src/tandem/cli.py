@@ -150,6 +150,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
         type=json_object,
         help="JSON of sampling defaults on top, e.g. '{\"temperature\": 0.5}'",
     )
+    parser.add_argument(
+        "--weight-transfer-config",
+        type=json_object,
+        help="let a trainer process broadcast weights (POST /init_weight_transfer_engine, "
+        '/update_weights), e.g. \'{"backend": "nccl"}\' (NCCL on CUDA, gloo on CPU)',
+    )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -341,8 +341,13 @@ class EngineConfig:
     # generation_config.json, "vllm" none, or a folder holding one; override: fields on top
     generation_config: str = "auto"
     override_generation_config: dict | None = None
+    # lets a trainer process send weights (weight_transfer.py): {"backend": "nccl"}, or None
+    weight_transfer_config: Any = None
 
     def validate(self) -> None:
+        from tandem.weight_transfer import as_config  # torch.distributed, only when validating
+
+        self.weight_transfer_config = as_config(self.weight_transfer_config)
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)

@@ -43,6 +43,7 @@ from tandem.structured import BACKEND as GRAMMAR_BACKEND
 from tandem.structured import GrammarBackend, accept
 from tandem.swap import SwapManager, Swapper, check_swap_space
 from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
+from tandem.weight_transfer import WeightReceiver
 from tandem.weights import (
     NamedTensors,
     apply_update,
@@ -238,6 +239,11 @@ class Engine:
         self.async_batching = config.async_batching
         self.memory = DeviceMemory([p.detach() for p in self.model.parameters()], self.kv_caches[0])
         self.paused = False  # pause_generation: no step until resume_generation
+        # a trainer process's weights (weight_transfer.py), where weight_transfer_config asks
+        transfer = config.weight_transfer_config
+        self.weight_receiver = (
+            WeightReceiver(transfer, self.device, rank, self.tp.size) if transfer else None
+        )
         self.in_flight: deque[StepBatch] = deque()
         # finished when queued (nothing to compute: max_tokens=0, one prompt token); the next step
         # returns them
@@ -472,16 +478,79 @@ class Engine:
         self._update_weights(read_checkpoint(path), ("update_weights_from_path", str(path)))
 
     def _update_weights(self, pairs: list[tuple[str, torch.Tensor]], on_others: tuple) -> None:
-        if "weights" in self.memory.asleep:
-            raise RuntimeError(
-                "the weights have no device memory while asleep; call wake_up() (or "
-                "wake_up(['weights'])) first"
-            )
+        self._check_weights_awake()
         copies = plan_update(self.model, self.model_config, self.tp, pairs)  # raises first
         if self.workers is not None:  # the other ranks validate alike: same names and shapes
             self._on_other_ranks(*on_others)
         apply_update(copies, self.runner.compute_stream if self.runner.cuda else None)
         self._forget_cached_kv()
+
+    def _check_weights_awake(self) -> None:
+        if "weights" in self.memory.asleep:
+            raise RuntimeError(
+                "the weights have no device memory while asleep; call wake_up() (or "
+                "wake_up(['weights'])) first"
+            )
+
+    # ---- weights broadcast by a trainer process (weight_transfer.py; vLLM's calls) ---------
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        """Join the trainer's process group, every rank; returns once all its members have."""
+        info = self._receiver().parse_init(init_info)
+        if self.workers is not None:
+            self._on_other_ranks("init_weight_transfer_engine", init_info)
+        self._receiver().join(info)
+
+    def start_weight_update(self) -> list[Request]:
+        """Take no step until `finish_weight_update`; returns the requests that got a token
+        or finished in the steps that were in flight."""
+        if self._receiver().active:
+            raise RuntimeError(
+                "start_weight_update was called while a weight update is active; call "
+                "finish_weight_update first"
+            )
+        if self.workers is not None:
+            self._on_other_ranks("start_weight_update")
+        self.weight_receiver.active = True
+        return self.drain()
+
+    def receive_weights(self, update_info: dict) -> None:
+        """Receive the tensors `update_info` announces and copy them into the weights. A bad
+        name or shape raises (on rank 0) once they have arrived, and nothing is copied."""
+        receiver = self._receiver()
+        info = receiver.parse_update(update_info)
+        self._check_weights_awake()
+        if self.workers is not None:
+            self._on_other_ranks("receive_weights", update_info)
+        try:
+            plan_update(self.model, self.model_config, self.tp, receiver.placeholders(info))
+        except ValueError:
+            for _ in receiver.receive(info):  # the trainer's broadcasts still complete
+                pass
+            if self.tp.rank == 0:  # the others check alike: one error, from rank 0
+                raise
+            return
+        stream = self.runner.compute_stream if self.runner.cuda else None
+        for pairs in receiver.receive(info, stream):
+            copies = plan_update(self.model, self.model_config, self.tp, pairs)
+            apply_update(copies, stream, synchronize=False)
+        self._forget_cached_kv()
+
+    def finish_weight_update(self) -> None:
+        """Step again (unless paused or asleep)."""
+        if not self._receiver().active:
+            raise RuntimeError("finish_weight_update was called without start_weight_update")
+        if self.workers is not None:
+            self._on_other_ranks("finish_weight_update")
+        self.weight_receiver.active = False
+
+    def _receiver(self) -> WeightReceiver:
+        if self.weight_receiver is None:
+            raise RuntimeError(
+                "weight transfer is not configured: start the engine with "
+                'weight_transfer_config={"backend": "nccl"}'
+            )
+        return self.weight_receiver
 
     def pause_generation(self, mode: str = "keep") -> list[Request]:
         """Stop stepping after the steps in flight are read back. "keep" holds every request and
@@ -568,8 +637,19 @@ class Engine:
         return bool(self.memory.asleep)
 
     @property
+    def hold(self) -> str | None:
+        """Why no step may run now (asleep, paused, a weight update under way), or None."""
+        if self.is_sleeping:
+            return "the engine is asleep; call wake_up()"
+        if self.paused:
+            return "generation is paused; call resume_generation()"
+        if self.weight_receiver is not None and self.weight_receiver.active:
+            return "a weight update is under way; call finish_weight_update()"
+        return None
+
+    @property
     def can_step(self) -> bool:
-        return not self.paused and not self.is_sleeping
+        return self.hold is None
 
     def drain(self) -> list[Request]:
         """Read back and process every step in flight; nothing new is launched."""
@@ -614,11 +694,7 @@ class Engine:
         if self.closed:
             raise RuntimeError("this engine was shut down")
         if not self.can_step:
-            raise RuntimeError(
-                "the engine is asleep; call wake_up()"
-                if self.is_sleeping
-                else "generation is paused; call resume_generation()"
-            )
+            raise RuntimeError(self.hold)
         if self.workers is not None:
             self.workers.step(self.commands)
             self.commands = []

@@ -30,6 +30,7 @@ from tandem.outputs import (
 from tandem.request import Prompt, Request, prompt_cache_salt, split_prompt
 from tandem.sampling import SamplingParams, seeded
 from tandem.tokenizer import Tokenizer
+from tandem.weight_transfer import request_field, required_field
 from tandem.weights import NamedTensors
 
 
@@ -91,10 +92,33 @@ class LLM:
         finally:
             self._lock.release()
 
-    def update_weights(self, named_tensors: NamedTensors) -> None:
-        """Copy (Hugging Face name, tensor) pairs into the weights in place (see Engine)."""
+    def update_weights(self, named_tensors: NamedTensors | dict | Any) -> None:
+        """Copy (Hugging Face name, tensor) pairs into the weights in place (see Engine); or,
+        given vLLM's `{"update_info": {...}}` (or a WeightTransferUpdateRequest), receive the
+        tensors it announces from the trainer's broadcast (see weight_transfer.py)."""
+        update_info = request_field(named_tensors, "update_info")
         with self._hook():
-            self.engine.update_weights(named_tensors)
+            if update_info is None:
+                self.engine.update_weights(named_tensors)
+            else:
+                self.engine.receive_weights(update_info)
+
+    def init_weight_transfer_engine(self, request: dict | Any) -> None:
+        """Join the trainer's process group: `{"init_info": {"master_address", "master_port",
+        "rank_offset", "world_size"}}` (vLLM's); returns once every member has joined."""
+        init_info = required_field(request, "init_info")
+        with self._hook():
+            self.engine.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        """No step runs from now until `finish_weight_update`: none reads a half-sent model."""
+        with self._hook():
+            self.engine.start_weight_update()
+
+    def finish_weight_update(self) -> None:
+        with self._hook():
+            self.engine.finish_weight_update()
+            self._resumed.notify_all()
 
     def update_weights_from_path(self, path: str | Path) -> None:
         with self._hook():
@@ -312,9 +336,7 @@ class LLM:
 
     def _check_can_step(self) -> None:
         if not self.engine.can_step:  # this thread would wait for itself
-            raise RuntimeError(
-                "the engine is paused or asleep; call resume_generation() / wake_up() first"
-            )
+            raise RuntimeError(self.engine.hold)
 
     def _outputs(self, groups: list[tuple[str, list[Request]]]) -> list[RequestOutput]:
         text = token_text(self.engine.tokenizer)
@@ -351,7 +373,8 @@ class LLM:
             raise
 
     def _step(self) -> list[Request] | None:
-        """What the next step updated, waiting while paused or asleep; None when all are done."""
+        """What the next step updated, waiting while the engine is held (paused, asleep, taking
+        weights); None when all are done."""
         with self._asking:  # hooks from other threads first
             self._asking.wait_for(lambda: self._num_asking == 0)
         with self._lock:

@@ -59,11 +59,14 @@ def plan_update(
 
 
 def apply_update(
-    copies: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream | None
+    copies: list[tuple[torch.Tensor, torch.Tensor]],
+    stream: torch.cuda.Stream | None,
+    synchronize: bool = True,
 ) -> None:
     """Copy on `stream` (the compute stream on CUDA: after every step launched before, before
     every step launched after); returns once the copies are done, so the caller may free its
-    tensors."""
+    tensors, unless `synchronize` is False (the caller then keeps them until `stream` has
+    run the copies)."""
     if stream is None:
         for dest, source in copies:
             dest.copy_(source)
@@ -72,7 +75,8 @@ def apply_update(
     with torch.cuda.stream(stream):
         for dest, source in copies:
             dest.copy_(source, non_blocking=True)
-    stream.synchronize()
+    if synchronize:
+        stream.synchronize()
 
 
 def read_checkpoint(path: str | Path) -> list[tuple[str, torch.Tensor]]:

@@ -8,7 +8,6 @@ import torch
 from safetensors.torch import load_file
 
 from tandem import LLM, SamplingParams
-from tandem.model.tiny import make_tiny_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -20,13 +19,6 @@ PROMPTS = [
     {"prompt_token_ids": [(5 * i + 3 * j) % 200 + 3 for j in range(20 + i)]} for i in range(6)
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> tuple[str, str]:
-    a = make_tiny_model(tmp_path_factory.mktemp("a"), "llama", seed=1)
-    b = make_tiny_model(tmp_path_factory.mktemp("b"), "llama", seed=2)
-    return str(a), str(b)
 
 
 def tokens(llm: LLM) -> list[list[int]]:

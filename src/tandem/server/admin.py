@@ -1,5 +1,5 @@
-"""Admin routes for an RL trainer: pause/resume, sleep/wake-up, weights from a checkpoint,
-forgetting the prefix cache.
+"""Admin routes for an RL trainer: pause/resume, sleep/wake-up, weights from a checkpoint or
+broadcast by the trainer, forgetting the prefix cache.
 
 vLLM's routes take its query parameters and answer its shapes (/pause, /resume, /is_paused,
 /sleep, /wake_up, /is_sleeping); /pause_generation and /resume_generation, tandem's older
@@ -12,7 +12,7 @@ as does a field a body does not declare (a misspelt "levle" never falls back to 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
 
@@ -34,6 +34,14 @@ class SleepRequest(RequestOption):
 
 class UpdateWeightsRequest(RequestOption):
     path: str
+
+
+class InitWeightTransferRequest(RequestOption):
+    init_info: dict[str, Any]
+
+
+class WeightTransferUpdateRequest(RequestOption):
+    update_info: dict[str, Any]
 
 
 def admin_router(llm: AsyncLLM) -> APIRouter:
@@ -96,6 +104,32 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
     @router.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict[str, bool]:
         return {"success": await llm.reset_prefix_cache()}  # vLLM's answer
+
+    # vLLM's weight transfer (weight_transfer.py): the trainer broadcasts, these announce it
+    @router.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(body: InitWeightTransferRequest) -> dict[str, str]:
+        await _engine_call(llm.init_weight_transfer_engine(body.model_dump()), param="init_info")
+        return {"message": "Weight transfer initialized"}
+
+    @router.post("/start_weight_update")
+    async def start_weight_update() -> dict[str, str]:
+        await _engine_call(llm.start_weight_update())
+        return {"message": "Weight update started"}
+
+    @router.post("/update_weights")
+    async def update_weights(body: WeightTransferUpdateRequest) -> dict[str, str]:
+        await _engine_call(llm.update_weights(body.model_dump()), param="update_info")
+        return {"message": "Weights updated"}
+
+    @router.post("/finish_weight_update")
+    async def finish_weight_update() -> dict[str, str]:
+        await _engine_call(llm.finish_weight_update())
+        return {"message": "Weight update finished"}
+
+    @router.get("/get_world_size")
+    async def get_world_size(include_dp: bool = True) -> dict[str, int]:
+        del include_dp  # one engine: no data parallelism inside it (as LLM.get_world_size)
+        return {"world_size": llm.engine.config.tensor_parallel_size}
 
     @router.post("/update_weights_from_path")
     async def update_weights_from_path(body: UpdateWeightsRequest) -> dict[str, bool]:

@@ -4,6 +4,9 @@ tensors over the trainer's gloo group, generates what a fresh engine on B does."
 from __future__ import annotations
 
 import asyncio
+import base64
+import pickle
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -18,12 +21,12 @@ from tandem.async_llm import AsyncLLM
 from tandem.parallel import free_port
 from tandem.server.app import build_app
 from tandem.weight_transfer import (
+    IPCTrainerSendWeightsArgs,
+    IPCWeightTransferUpdateInfo,
     NCCLWeightTransferEngine,
-    TensorSpec,
-    packed_chunks,
-    tensor_specs,
     update_info_for,
 )
+from tandem.weight_transfer.common import TensorSpec, packed_chunks, tensor_specs, unpack
 from test_server import running
 from test_weight_update import ENGINE_ARGS, GREEDY, PROMPTS, tokens_and_logprobs
 
@@ -385,3 +388,58 @@ def test_the_server_answers_a_bad_weight_transfer_call_with_a_400(server, path, 
     response = httpx.post(f"{url}{path}", json=body, timeout=JOIN_S)
     assert response.status_code == 400, response.text
     assert error in response.text
+
+
+def test_the_ipc_backend_needs_cuda(checkpoints):
+    with pytest.raises(ValueError, match="CUDA memory"):
+        LLM(checkpoints[0], **ENGINE_ARGS, weight_transfer_config={"backend": "ipc"})
+
+
+SPECS = {"names": ["w", "b"], "dtype_names": ["bfloat16", "float32"], "shapes": [[2, 3], [3]]}
+
+
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({"ipc_handles": [{}], "ipc_handles_pickled": "x"}, "not both"),
+        ({"ipc_handles": [{}]}, "one {uuid: handle} dict per tensor"),
+        ({"ipc_handles": {}, "packed": True, "tensor_sizes": [12, 4]}, "tensor_sizes"),
+        ({"ipc_handles": [{}], "packed": True, "tensor_sizes": [12, 12]}, "one {uuid: handle}"),
+    ],
+)
+def test_a_malformed_ipc_update_info_is_a_value_error(fields, error):
+    with pytest.raises(ValueError, match=re.escape(error)):
+        IPCWeightTransferUpdateInfo(**SPECS, **fields)
+
+
+def test_pickled_ipc_handles_are_read_only_where_the_config_allows():
+    handles = [{"GPU-1": ("args",)}, {"GPU-1": ("more",)}]
+    pickled = base64.b64encode(pickle.dumps(handles)).decode()
+    info = IPCWeightTransferUpdateInfo(**SPECS, ipc_handles_pickled=pickled)
+    with pytest.raises(ValueError, match="allow_pickled_handles"):
+        info.handles(allow_pickled=False)
+    assert info.handles(allow_pickled=True) == handles
+    with pytest.raises(ValueError, match="needs ipc_handles"):
+        IPCWeightTransferUpdateInfo(**SPECS).handles(allow_pickled=True)
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        ({"send_mode": "grpc"}, "send_mode"),
+        ({"send_mode": "http"}, "url"),
+        ({"send_mode": "ray"}, "llm_handle"),
+    ],
+)
+def test_the_ipc_trainers_send_mode_is_checked(args, error):
+    with pytest.raises(ValueError, match=error):
+        IPCTrainerSendWeightsArgs(**args)
+
+
+def test_packed_tensors_off_their_alignment_are_copied_not_misviewed():
+    """A bf16 tensor of odd length puts the next float32 off a 4-byte boundary."""
+    specs = tensor_specs(["a", "b"], ["bfloat16", "float32"], [[3], [2]])
+    a, b = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16), torch.tensor([4.5, -1.25])
+    buffer = torch.cat([a.view(torch.uint8), b.view(torch.uint8)])
+    (_, got_a), (_, got_b) = unpack(buffer, specs)
+    assert torch.equal(got_a, a) and torch.equal(got_b, b)

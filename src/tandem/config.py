@@ -341,7 +341,7 @@ class EngineConfig:
     # generation_config.json, "vllm" none, or a folder holding one; override: fields on top
     generation_config: str = "auto"
     override_generation_config: dict | None = None
-    # lets a trainer process send weights (weight_transfer.py): {"backend": "nccl"}, or None
+    # lets a trainer process send weights (weight_transfer/): {"backend": "nccl" or "ipc"}
     weight_transfer_config: Any = None
 
     def validate(self) -> None:

@@ -43,7 +43,7 @@ from tandem.structured import BACKEND as GRAMMAR_BACKEND
 from tandem.structured import GrammarBackend, accept
 from tandem.swap import SwapManager, Swapper, check_swap_space
 from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
-from tandem.weight_transfer import WeightReceiver
+from tandem.weight_transfer import WeightReceiver, make_receiver
 from tandem.weights import (
     NamedTensors,
     apply_update,
@@ -239,10 +239,10 @@ class Engine:
         self.async_batching = config.async_batching
         self.memory = DeviceMemory([p.detach() for p in self.model.parameters()], self.kv_caches[0])
         self.paused = False  # pause_generation: no step until resume_generation
-        # a trainer process's weights (weight_transfer.py), where weight_transfer_config asks
+        # a trainer process's weights (weight_transfer/), where weight_transfer_config asks
         transfer = config.weight_transfer_config
         self.weight_receiver = (
-            WeightReceiver(transfer, self.device, rank, self.tp.size) if transfer else None
+            make_receiver(transfer, self.device, rank, self.tp.size) if transfer else None
         )
         self.in_flight: deque[StepBatch] = deque()
         # finished when queued (nothing to compute: max_tokens=0, one prompt token); the next step
@@ -492,7 +492,7 @@ class Engine:
                 "wake_up(['weights'])) first"
             )
 
-    # ---- weights broadcast by a trainer process (weight_transfer.py; vLLM's calls) ---------
+    # ---- weights sent by a trainer process (weight_transfer/; vLLM's calls) ----------------
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         """Join the trainer's process group, every rank; returns once all its members have."""
@@ -525,8 +525,7 @@ class Engine:
         try:
             plan_update(self.model, self.model_config, self.tp, receiver.placeholders(info))
         except ValueError:
-            for _ in receiver.receive(info):  # the trainer's broadcasts still complete
-                pass
+            receiver.drain(info)  # the trainer's broadcasts still complete
             if self.tp.rank == 0:  # the others check alike: one error, from rank 0
                 raise
             return

@@ -95,7 +95,7 @@ class LLM:
     def update_weights(self, named_tensors: NamedTensors | dict | Any) -> None:
         """Copy (Hugging Face name, tensor) pairs into the weights in place (see Engine); or,
         given vLLM's `{"update_info": {...}}` (or a WeightTransferUpdateRequest), receive the
-        tensors it announces from the trainer's broadcast (see weight_transfer.py)."""
+        tensors it announces from the trainer (see weight_transfer/)."""
         update_info = request_field(named_tensors, "update_info")
         with self._hook():
             if update_info is None:

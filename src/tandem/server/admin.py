@@ -105,7 +105,7 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
     async def reset_prefix_cache() -> dict[str, bool]:
         return {"success": await llm.reset_prefix_cache()}  # vLLM's answer
 
-    # vLLM's weight transfer (weight_transfer.py): the trainer broadcasts, these announce it
+    # vLLM's weight transfer (weight_transfer/): the trainer sends, these announce it
     @router.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(body: InitWeightTransferRequest) -> dict[str, str]:
         await _engine_call(llm.init_weight_transfer_engine(body.model_dump()), param="init_info")

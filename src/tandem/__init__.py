@@ -7,6 +7,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from tandem.beam_search import BeamSearchParams
     from tandem.llm import LLM
     from tandem.outputs import CompletionOutput, Logprob, RequestOutput
     from tandem.sampling import SamplingParams
@@ -19,6 +20,7 @@ except PackageNotFoundError:  # run from a source tree that was never installed
 
 __all__ = [
     "LLM",
+    "BeamSearchParams",
     "CompletionOutput",
     "Logprob",
     "RequestOutput",
@@ -31,6 +33,7 @@ __all__ = [
 # does not load the engine and torch's CUDA set-up with it.
 _LAZY = {
     "LLM": "tandem.llm",
+    "BeamSearchParams": "tandem.beam_search",
     "CompletionOutput": "tandem.outputs",
     "Logprob": "tandem.outputs",
     "RequestOutput": "tandem.outputs",

@@ -14,6 +14,7 @@ from typing import Any
 import jinja2
 from tqdm import tqdm
 
+from tandem.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.outputs import (
@@ -233,6 +234,17 @@ class LLM:
             _score(group[0].prompt_logprobs[len(c) :], x)
             for (_, group), (c, x) in zip(groups, pairs, strict=True)
         ]
+
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (beam_search.py): each prompt's best `params.beam_width`
+        sequences, best first; `concurrency_limit` prompts searched at a time."""
+        return beam_search(self, prompts, params, use_tqdm, concurrency_limit)
 
     def _token_ids(self, text_or_ids: str | list[int], special: bool) -> list[int]:
         if not isinstance(text_or_ids, str):

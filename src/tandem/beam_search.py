@@ -1,0 +1,189 @@
+"""Beam search, as vLLM's `LLM.beam_search` runs it: one token a round for every live beam.
+
+Each round generates one token for every live beam of the prompts in flight, with the top
+2 x beam_width logprobs (the model's own distribution), extends each beam by each of those
+tokens, and keeps the beam_width best by score (cumulative logprob / length ** length_penalty,
+an EOS not counted in the length). A beam that reaches an end-of-sequence token, or the context
+length, is complete; after max_tokens rounds the live beams join the complete ones, and the
+beam_width best of those are the answer. The beams of a prompt share its blocks in the prefix
+cache, so a round computes about one token per beam.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tqdm import tqdm
+
+from tandem.config import check_int
+from tandem.outputs import Logprob
+from tandem.request import Prompt, split_prompt
+from tandem.sampling import MAX_LOGPROBS, SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.llm import LLM
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's fields."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0  # each round's sampled token joins its top 2 x beam_width
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False  # taken for vLLM's signature: no stop strings here
+    structured_outputs: Any = None
+
+    def validate(self) -> None:
+        check_int("beam_width", self.beam_width, 1)
+        if 2 * self.beam_width > MAX_LOGPROBS:
+            raise ValueError(
+                f"beam_width must be at most {MAX_LOGPROBS // 2} (each round reads the top "
+                f"2 x beam_width logprobs, at most {MAX_LOGPROBS}), got {self.beam_width}"
+            )
+        check_int("max_tokens", self.max_tokens, 1)
+        if self.structured_outputs is not None:
+            raise ValueError("beam search does not take structured_outputs here; use generate")
+        for name in ("temperature", "length_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+
+@dataclass
+class BeamSearchSequence:
+    """A beam: the prompt's tokens and its own, each of its tokens' logprobs (the round's top
+    ones), and their sum."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    text: str | None = None  # the whole sequence's, prompt included (vLLM's)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's best beams, best first (at most beam_width)."""
+
+    sequences: list[BeamSearchSequence]
+
+
+def score(beam: BeamSearchSequence, eos_token_ids: tuple[int, ...], length_penalty: float) -> float:
+    """Cumulative logprob over the length (the whole sequence's, less a final EOS) to the
+    power length_penalty, as transformers' and vLLM's beam scorers."""
+    length = len(beam.tokens) - (beam.tokens[-1] in eos_token_ids)
+    return beam.cum_logprob / length**length_penalty
+
+
+def beam_search(
+    llm: LLM,
+    prompts: Sequence[Prompt],
+    params: BeamSearchParams,
+    use_tqdm: bool = False,
+    concurrency_limit: int | None = None,
+) -> list[BeamSearchOutput]:
+    """The prompts' best beams; `concurrency_limit` prompts searched at a time (all: None)."""
+    params.validate()
+    if isinstance(prompts, str | dict):
+        prompts = [prompts]
+    if concurrency_limit is not None:
+        check_int("concurrency_limit", concurrency_limit, 1)
+    engine = llm.engine
+    starts = [_prompt_tokens(engine.tokenizer, prompt) for prompt in prompts]
+    for index, tokens in enumerate(starts):
+        if not tokens:
+            raise ValueError(f"prompts[{index}] has no tokens")
+        if len(tokens) >= engine.max_model_len:
+            raise ValueError(
+                f"prompts[{index}] has {len(tokens)} tokens; max_model_len={engine.max_model_len} "
+                "leaves none to generate"
+            )
+    eos = () if params.ignore_eos else engine.eos_token_ids
+    round_params = SamplingParams(
+        max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature
+    )
+
+    def key(beam: BeamSearchSequence) -> float:
+        return score(beam, engine.eos_token_ids, params.length_penalty)
+
+    searches = [_Search(tokens) for tokens in starts]
+    size = concurrency_limit or max(len(searches), 1)
+    for first in range(0, len(searches), size):
+        batch = searches[first : first + size]
+        rounds = tqdm(range(params.max_tokens), desc="beam search", disable=not use_tqdm)
+        for _ in rounds:
+            if not _round(llm, batch, round_params, params.beam_width, eos, key):
+                break
+    tokenizer = engine.tokenizer
+    outputs = []
+    for search in searches:
+        for beam in search.beams:  # live after max_tokens rounds
+            beam.finish_reason = "length"
+        best = sorted(search.complete + search.beams, key=key, reverse=True)[: params.beam_width]
+        for beam in best:
+            beam.text = tokenizer.decode(beam.tokens) if tokenizer is not None else None
+        outputs.append(BeamSearchOutput(best))
+    return outputs
+
+
+@dataclass
+class _Search:
+    """One prompt's live and complete beams."""
+
+    prompt: list[int]
+    beams: list[BeamSearchSequence] = field(init=False)
+    complete: list[BeamSearchSequence] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.beams = [BeamSearchSequence(list(self.prompt))]
+
+
+def _round(llm, batch: list[_Search], params: SamplingParams, width: int, eos, key) -> bool:
+    """One token for every live beam; False once no beam is live."""
+    limit = llm.engine.max_model_len
+    for search in batch:  # a beam the context cannot extend is complete
+        for beam in search.beams:
+            if len(beam.tokens) >= limit:
+                beam.finish_reason = "length"
+                search.complete.append(beam)
+        search.beams = [b for b in search.beams if len(b.tokens) < limit]
+    live = [beam for search in batch for beam in search.beams]
+    if not live:
+        return False
+    prompts = [{"prompt_token_ids": beam.tokens} for beam in live]
+    outputs = iter(llm.generate(prompts, params, use_tqdm=False))
+    for search in batch:
+        candidates = []
+        for beam in search.beams:
+            top = next(outputs).outputs[0].logprobs[0]
+            for token, logprob in top.items():
+                candidate = BeamSearchSequence(
+                    [*beam.tokens, token],
+                    [*beam.logprobs, top],
+                    beam.cum_logprob + float(logprob),
+                )
+                if token in eos:
+                    candidate.finish_reason = "stop"
+                    search.complete.append(candidate)
+                else:
+                    candidates.append(candidate)
+        search.beams = sorted(candidates, key=key, reverse=True)[:width]
+    return True
+
+
+def _prompt_tokens(tokenizer, prompt: Prompt) -> list[int]:
+    """A prompt's token ids, a text encoded as the engine encodes one."""
+    text, ids = split_prompt(prompt)
+    if ids is not None:
+        return list(ids)
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer.json; pass prompt_token_ids instead of text")
+    return tokenizer.encode(text)

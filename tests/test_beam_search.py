@@ -1,0 +1,154 @@
+"""Beam search against the same search run directly over transformers' log-softmax (fp32)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem import LLM, BeamSearchParams, SamplingParams
+
+ENGINE_ARGS = {"max_model_len": 64, "block_size": 8, "dtype": "float32"}
+PROMPTS = [[5, 17, 30, 9, 11], [40, 41, 3, 7], [8, 8, 8, 8, 8, 8, 8, 8, 2]]
+
+
+@pytest.fixture(scope="module")
+def hf_model(make_tiny):
+    from transformers import AutoModelForCausalLM
+
+    folder = make_tiny("llama")
+    return folder, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def next_logprobs(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0, -1].float().log_softmax(-1)
+
+
+def reference(model, prompt, width, max_tokens, eos=(), length_penalty=1.0, max_len=64):
+    """The search written out: extend every beam by its 2 x width most likely tokens, keep the
+    width best by cumulative logprob / length ** length_penalty; EOS ends a beam."""
+
+    def score(beam):
+        tokens, cum = beam
+        return cum / (len(tokens) - (tokens[-1] in eos)) ** length_penalty
+
+    beams, complete = [(list(prompt), 0.0)], []
+    for _ in range(max_tokens):
+        complete += [b for b in beams if len(b[0]) >= max_len]
+        beams = [b for b in beams if len(b[0]) < max_len]
+        if not beams:
+            break
+        candidates = []
+        for tokens, cum in beams:
+            top = next_logprobs(model, tokens).topk(2 * width)
+            for logprob, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                beam = ([*tokens, token], cum + logprob)
+                (complete if token in eos else candidates).append(beam)
+        beams = sorted(candidates, key=score, reverse=True)[:width]
+    return sorted(complete + beams, key=score, reverse=True)[:width]
+
+
+def assert_same(outputs, expected_per_prompt) -> None:
+    for output, expected in zip(outputs, expected_per_prompt, strict=True):
+        assert [s.tokens for s in output.sequences] == [t for t, _ in expected]
+        for sequence, (_, cum) in zip(output.sequences, expected, strict=True):
+            assert sequence.cum_logprob == pytest.approx(cum, abs=1e-4)
+            generated = sequence.tokens[len(sequence.tokens) - len(sequence.logprobs) :]
+            each = [float(top[t]) for top, t in zip(sequence.logprobs, generated, strict=True)]
+            assert sum(each) == pytest.approx(sequence.cum_logprob)
+
+
+@pytest.mark.parametrize(("width", "length_penalty"), [(1, 1.0), (3, 1.0), (4, 0.5), (2, 2.0)])
+def test_beams_equal_the_search_over_transformers_logprobs(hf_model, width, length_penalty):
+    folder, model = hf_model
+    llm = LLM(str(folder), **ENGINE_ARGS)
+    params = BeamSearchParams(beam_width=width, max_tokens=6, length_penalty=length_penalty)
+    outputs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
+    expected = [reference(model, p, width, 6, length_penalty=length_penalty) for p in PROMPTS]
+    assert_same(outputs, expected)
+    sequence = outputs[0].sequences[0]
+    assert sequence.text == llm.get_tokenizer().decode(sequence.tokens)  # prompt included
+    assert sequence.finish_reason == "length"
+
+
+def test_width_one_is_greedy(hf_model):
+    folder, _ = hf_model
+    llm = LLM(str(folder), **ENGINE_ARGS)
+    [output] = llm.beam_search([{"prompt_token_ids": PROMPTS[0]}], BeamSearchParams(1, 8))
+    [greedy] = llm.generate(
+        {"prompt_token_ids": PROMPTS[0]},
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert output.sequences[0].tokens == PROMPTS[0] + greedy.outputs[0].token_ids
+
+
+def test_an_eos_ends_its_beam_and_ignore_eos_extends_it(hf_model, tmp_path):
+    """The second most likely first token made the model's EOS (generation_config.json): the
+    beam through it is complete after one token, scored without the EOS in its length."""
+    folder, model = hf_model
+    eos_folder = Path(shutil.copytree(folder, tmp_path / "eos"))
+    eos = int(next_logprobs(model, PROMPTS[0]).topk(2).indices[1])
+    (eos_folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    llm = LLM(str(eos_folder), **ENGINE_ARGS)
+    prompt = [{"prompt_token_ids": PROMPTS[0]}]
+    for length_penalty in (1.0, 0.0):  # 0: the EOS beam's single logprob wins against sums
+        params = BeamSearchParams(beam_width=3, max_tokens=5, length_penalty=length_penalty)
+        [output] = llm.beam_search(prompt, params)
+        expected = reference(model, PROMPTS[0], 3, 5, eos=(eos,), length_penalty=length_penalty)
+        assert_same([output], [expected])
+        ended = [s for s in output.sequences if s.tokens[-1] == eos]
+        assert all(s.finish_reason == "stop" and len(s.logprobs) == 1 for s in ended)
+    assert ended  # with length_penalty 0 the one-token beam is among the best
+    [output] = llm.beam_search(prompt, BeamSearchParams(3, 5, ignore_eos=True, length_penalty=0.0))
+    assert all(len(s.tokens) == len(PROMPTS[0]) + 5 for s in output.sequences)
+
+
+def test_beams_stop_at_the_context_length(hf_model):
+    folder, model = hf_model
+    llm = LLM(str(folder), **{**ENGINE_ARGS, "max_model_len": 8})
+    [output] = llm.beam_search([{"prompt_token_ids": PROMPTS[0]}], BeamSearchParams(2, 10))
+    assert [s.tokens for s in output.sequences] == [
+        t for t, _ in reference(model, PROMPTS[0], 2, 10, max_len=8)
+    ]
+    assert all(len(s.tokens) == 8 for s in output.sequences)
+
+
+def test_a_concurrency_limit_searches_a_few_prompts_at_a_time_to_the_same_beams(hf_model):
+    folder, _ = hf_model
+    llm = LLM(str(folder), **ENGINE_ARGS)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    together = llm.beam_search(prompts, params)
+    apart = llm.beam_search(prompts, params, concurrency_limit=1)
+    assert [[s.tokens for s in o.sequences] for o in apart] == [
+        [s.tokens for s in o.sequences] for o in together
+    ]
+
+
+@pytest.mark.parametrize(
+    ("params", "error"),
+    [
+        (BeamSearchParams(beam_width=11, max_tokens=4), "at most 10"),
+        (BeamSearchParams(beam_width=0, max_tokens=4), "beam_width"),
+        (BeamSearchParams(beam_width=2, max_tokens=0), "max_tokens"),
+        (BeamSearchParams(beam_width=2, max_tokens=4, temperature=-1.0), "temperature"),
+        (BeamSearchParams(beam_width=2, max_tokens=4, structured_outputs=object()), "structured"),
+    ],
+)
+def test_bad_params_are_value_errors(hf_model, params, error):
+    folder, _ = hf_model
+    llm = LLM(str(folder), **ENGINE_ARGS)
+    with pytest.raises(ValueError, match=error):
+        llm.beam_search([{"prompt_token_ids": PROMPTS[0]}], params)
+
+
+def test_a_prompt_filling_the_context_is_a_value_error(hf_model):
+    folder, _ = hf_model
+    llm = LLM(str(folder), **{**ENGINE_ARGS, "max_model_len": 8})
+    with pytest.raises(ValueError, match="max_model_len=8"):
+        llm.beam_search([{"prompt_token_ids": list(range(3, 11))}], BeamSearchParams(2, 2))

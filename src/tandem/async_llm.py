@@ -50,7 +50,7 @@ class StreamOutput:
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
     finished: bool
-    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    finish_reason: str | None  # "stop", "length", "repetition" or "abort" once finished
     num_prompt_tokens: int
     num_output_tokens: int  # all tokens so far
     time: float  # time.perf_counter() when the engine thread produced it

@@ -33,6 +33,7 @@ from tandem.parallel import (
 from tandem.profiler import NoTimeline, Timeline
 from tandem.prompt_logprobs import has_rows as has_prompt_logprob_rows
 from tandem.prompt_logprobs import store as store_prompt_logprobs
+from tandem.repetition import ends_in_repetition
 from tandem.request import Request
 from tandem.roofline import step_work
 from tandem.runner import Runner
@@ -849,6 +850,13 @@ class Engine:
             self._finish(request, "stop")
         elif num_out >= params.max_tokens or num_known >= self.max_model_len:
             self._finish(request, "length")
+        elif (
+            params.repetition_detection is not None
+            and num_out >= params.min_tokens
+            and ends_in_repetition(request.output_token_ids, params.repetition_detection)
+        ):
+            request.stop_reason = "repetition_detected"  # vLLM's
+            self._finish(request, "repetition")
         return None
 
     def _finish(
@@ -871,7 +879,9 @@ class Engine:
             delta = request.detokenizer.flush()
             request.output_text += delta
             num_out = len(request.output_token_ids)
-            ended = reason in ("stop", "length") and num_out > request.params.min_tokens
+            ended = (
+                reason in ("stop", "length", "repetition") and num_out > request.params.min_tokens
+            )
             if ended and truncate_at_stop(request, len(delta)):
                 return "stop"
         elif self.tokenizer is not None and request.params.detokenize:

@@ -13,6 +13,7 @@ import torch
 
 from tandem.config import check_int
 from tandem.model import fused
+from tandem.repetition import RepetitionDetectionParams, as_params
 from tandem.structured import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
@@ -73,6 +74,8 @@ class SamplingParams:
     skip_reading_prefix_cache: bool | None = None
     # vLLM's free-form arguments for custom sampling code: carried with the request, unused here
     extra_args: dict[str, Any] | None = None
+    # finish once the output ends in a repeated n-gram (repetition.py); a dict of its fields too
+    repetition_detection: RepetitionDetectionParams | None = None
 
     def __post_init__(self) -> None:
         self.stop = _as_list("stop", self.stop, "a string or a list of strings", str)
@@ -88,6 +91,7 @@ class SamplingParams:
             self.skip_reading_prefix_cache = self.prompt_logprobs is not None
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        self.repetition_detection = as_params(self.repetition_detection)
         self.validate()
 
     def validate(self) -> None:

@@ -170,6 +170,8 @@ class SamplingRequest(BaseModel):
     structured_outputs: dict[str, Any] | None = None
     # vLLM's free-form arguments for custom sampling code: SamplingParams.extra_args
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
+    # vLLM's: finish ("repetition") once the output ends in a repeated n-gram
+    repetition_detection: dict[str, int] | None = None
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or ())

@@ -716,6 +716,7 @@ def sampling_params(
         "truncate_prompt_tokens",
         "skip_special_tokens",
         "include_stop_str_in_output",
+        "repetition_detection",
     )
     given = {name: value for name, value in defaults.items() if name != "max_tokens"}
     given |= {name: getattr(body, name) for name in names if getattr(body, name) is not None}

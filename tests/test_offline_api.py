@@ -248,3 +248,15 @@ def test_enqueue_then_wait_for_completion_gives_generates_outputs_in_queued_orde
     assert not llm.engine.has_unfinished() and llm.wait_for_completion(use_tqdm=False) == []
     with pytest.raises(TypeError, match="RequestOutput"):
         llm.wait_for_completion(int)
+
+
+def test_enqueue_chat_queues_conversations_that_wait_for_completion_answers_as_chat(llm):
+    conversations = [[{"role": "user", "content": "Red?"}], [{"role": "user", "content": "Blue"}]]
+    want = llm.chat(conversations, GREEDY, use_tqdm=False)
+    steps = llm.engine.num_steps
+    ids = llm.enqueue_chat(conversations, GREEDY)
+    assert len(ids) == 2 and llm.engine.num_steps == steps  # queued, not run
+    outs = llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in outs] == ids
+    assert [o.prompt_token_ids for o in outs] == [o.prompt_token_ids for o in want]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]

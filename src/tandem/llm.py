@@ -268,6 +268,49 @@ class LLM:
         options as vLLM's LLM.chat takes them (`Tokenizer.apply_chat_template`); a content given
         as OpenAI's text parts is their texts joined by newlines, as vLLM renders it;
         `chat_template` (Jinja source) replaces the model's template."""
+        prompts = self._chat_prompts(
+            messages,
+            add_generation_prompt,
+            continue_final_message,
+            tools,
+            chat_template_kwargs,
+            chat_template,
+        )
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def enqueue_chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[str]:
+        """`chat`'s conversations queued as `enqueue` queues prompts (vLLM's): their request
+        ids; `wait_for_completion` runs them."""
+        prompts = self._chat_prompts(
+            messages,
+            add_generation_prompt,
+            continue_final_message,
+            tools,
+            chat_template_kwargs,
+            chat_template,
+        )
+        return self.enqueue(prompts, sampling_params, use_tqdm)
+
+    def _chat_prompts(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        tools: list[dict[str, Any]] | None,
+        chat_template_kwargs: dict[str, Any] | None,
+        chat_template: str | None,
+    ) -> list[dict[str, Any]]:
+        """Each conversation rendered by the chat template, as a prompt of ids and text."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
@@ -288,11 +331,10 @@ class LLM:
             ]
         except jinja2.TemplateError as error:  # e.g. a message without "role" or "content"
             raise ValueError(f"chat template failed on the messages: {error}") from error
-        prompts = [
+        return [
             {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text}
             for text in texts
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` sample with when given no SamplingParams: SamplingParams'

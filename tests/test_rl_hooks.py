@@ -457,3 +457,73 @@ def test_generate_on_a_paused_engine_raises_instead_of_waiting_for_itself(folder
     assert not llm.engine.requests  # nothing was queued
     llm.resume_generation()
     assert len(llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 24
+
+
+def generating(llm: LLM, params: SamplingParams = GREEDY):
+    """A generate of PROMPTS on another thread, started and a few steps in; its outputs land
+    in the returned list."""
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(llm.generate(PROMPTS, params)))
+    steps = llm.engine.num_steps
+    thread.start()
+    while llm.engine.num_steps < steps + 3:
+        time.sleep(0.001)
+    return thread, results
+
+
+def test_sleep_level_0_holds_the_steps_until_wake_up_and_frees_nothing(folder, reference):
+    """vLLM's level 0: the steps stop (a generate on another thread waits, its requests keep
+    their KV), no memory is given back, and wake_up(["scheduling"]) lets it finish as if it
+    had never slept; this thread's generate is an error meanwhile, not a wait for itself."""
+    llm = LLM(folder, **ENGINE_ARGS)
+    engine = llm.engine
+    thread, results = generating(llm)
+    assert llm.sleep(0) == 0
+    assert engine.is_sleeping and not engine.memory.asleep
+    assert all(p.untyped_storage().nbytes() > 0 for p in engine.model.parameters())
+    steps = engine.num_steps
+    with pytest.raises(RuntimeError, match="asleep"):
+        llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+    time.sleep(0.2)
+    assert engine.num_steps == steps and not results
+    with pytest.raises(RuntimeError, match="asleep already"):
+        llm.sleep(1)
+    llm.wake_up(["scheduling"])
+    thread.join(30)
+    assert [o.outputs[0].token_ids for o in results[0]] == reference
+    assert not engine.is_sleeping
+    llm.sleep(0)
+    llm.wake_up()  # every tag, "scheduling" among them
+    assert not engine.is_sleeping
+
+
+def test_offline_sleep_abort_ends_a_running_generate_and_wait_lets_it_finish(folder, reference):
+    llm = LLM(folder, **ENGINE_ARGS)
+    long = replace(GREEDY, max_tokens=100)
+    thread, results = generating(llm, long)
+    llm.sleep(1, mode="abort")
+    thread.join(30)
+    assert {o.outputs[0].finish_reason for o in results[0]} == {"abort"}
+    llm.wake_up()
+    thread, results = generating(llm)
+    llm.sleep(1, mode="wait")  # returns once the running generate's requests are done
+    thread.join(30)
+    assert [o.outputs[0].token_ids for o in results[0]] == reference
+    assert llm.engine.is_sleeping
+    llm.wake_up()
+    assert not llm.engine.is_paused  # the sleep's own pause ends with it
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == (
+        reference
+    )
+
+
+def test_the_server_sleeps_at_level_0_and_wakes_the_scheduling_tag(folder):
+    llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
+    try:
+        with TestClient(build_app(llm, "tiny")) as client:
+            assert client.post("/sleep?level=0&mode=keep").json() == {"freed_gib": 0.0}
+            assert client.get("/is_sleeping").json() == {"is_sleeping": True}
+            assert not llm.engine.memory.asleep
+            assert client.post("/wake_up?tags=scheduling").json() == {"sleeping": False}
+    finally:
+        llm.shutdown()

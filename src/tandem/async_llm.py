@@ -183,7 +183,6 @@ class AsyncLLM:
         self._num_finished: Counter[str] = Counter()
         # pause_generation("wait") callers, answered once the engine paused (engine thread only)
         self._pause_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
-        self._resume_on_wake = False  # sleep(mode="wait") paused the engine: wake_up resumes
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -376,9 +375,10 @@ class AsyncLLM:
         await self._call(lambda engine: engine.resume_generation(recompute_kv))
 
     async def sleep(self, level: int = 1, mode: str = "keep") -> int:
-        """Free the KV cache and the weights' device memory (see Engine.sleep); bytes freed.
-        The requests in flight go on after `wake_up` ("keep"), end now ("abort"), or finish
-        first ("wait": new ones wait until the engine is awake again, as in vLLM)."""
+        """Free the KV cache and the weights' device memory (see Engine.sleep; level 0 only
+        holds the steps); bytes freed. The requests in flight go on after `wake_up` ("keep"),
+        end now ("abort"), or finish first ("wait": new ones wait until the engine is awake
+        again, as in vLLM)."""
         check_pause_mode(mode)
         if mode == "wait":
             await self.pause_generation("wait")
@@ -389,21 +389,15 @@ class AsyncLLM:
                 for request_id in list(engine.requests):
                     self._abort(request_id)
             freed = engine.sleep(level)
-            self._resume_on_wake = mode == "wait"  # the pause was the sleep's
+            engine.resume_on_wake = mode == "wait"  # the pause was the sleep's
             return freed
 
         return await self._call(sleep)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        """Take back the memory of the parts named ("weights", "kv_cache"; None: both)."""
-
-        def wake_up(engine: Engine) -> None:
-            engine.wake_up(tags)
-            if self._resume_on_wake and not engine.is_sleeping:
-                self._resume_on_wake = False
-                engine.resume_generation()
-
-        await self._call(wake_up)
+        """Take back the memory of the parts named ("weights", "kv_cache"; None: both, and the
+        steps a level 0 sleep held: vLLM's "scheduling")."""
+        await self._call(lambda engine: engine.wake_up(tags))
 
     async def is_paused(self) -> bool:
         return await self._call(lambda engine: engine.is_paused)

@@ -240,6 +240,8 @@ class Engine:
         self.async_batching = config.async_batching
         self.memory = DeviceMemory([p.detach() for p in self.model.parameters()], self.kv_caches[0])
         self.paused = False  # pause_generation: no step until resume_generation
+        self.scheduling_asleep = False  # sleep(0): no step until wake_up
+        self.resume_on_wake = False  # a sleep's own pause (mode "wait"): wake_up resumes
         # a trainer process's weights (weight_transfer/), where weight_transfer_config asks
         transfer = config.weight_transfer_config
         self.weight_receiver = (
@@ -599,12 +601,17 @@ class Engine:
     def sleep(self, level: int = 1) -> int:
         """Give back the device memory of the KV cache and the weights (level 1: kept in host
         memory; level 2: dropped, send new ones with `update_weights` after `wake_up`). Running
-        and swapped requests recompute their KV after `wake_up`. Returns the bytes freed on this
+        and swapped requests recompute their KV after `wake_up`. Level 0 (vLLM's) only holds
+        the steps, requests keeping their KV, until `wake_up`. Returns the bytes freed on this
         rank."""
-        if level not in LEVELS:
-            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        if level not in (0, *LEVELS):
+            raise ValueError(f"level must be 0, 1 or 2, got {level!r}")
         if self.is_sleeping:
             raise RuntimeError("the engine is asleep already; call wake_up() first")
+        if level == 0:  # the other ranks step only when this one says so: nothing to tell them
+            self.drain()
+            self.scheduling_asleep = True
+            return 0
         if self.workers is not None:
             self._on_other_ranks("sleep", level)
         self.drain()  # tokens in flight are kept (call `drain` first to see who got one)
@@ -620,21 +627,26 @@ class Engine:
         same tensors; parts awake already stay as they are. Once both are awake the captured
         graphs are made anew and the engine steps again."""
         parts = set(PARTS if tags is None else tags)
-        if unknown := sorted(parts - set(PARTS)):
-            raise ValueError(f"unknown tags {unknown}; wake_up takes {list(PARTS)}")
-        if not parts & self.memory.asleep:
-            return
-        if self.workers is not None:
-            self._on_other_ranks("wake_up", tags)
-        self.memory.wake_up(parts)
-        graphs = self.runner.graph_sizes or self.runner.token_buckets
-        if not self.is_sleeping and self.runner.cuda and graphs:
-            self.runner.capture_graphs()
+        if unknown := sorted(parts - {*PARTS, "scheduling"}):
+            raise ValueError(f"unknown tags {unknown}; wake_up takes {[*PARTS, 'scheduling']}")
+        if parts & self.memory.asleep:
+            if self.workers is not None:
+                self._on_other_ranks("wake_up", tags)
+            self.memory.wake_up(parts & set(PARTS))
+            graphs = self.runner.graph_sizes or self.runner.token_buckets
+            if not self.memory.asleep and self.runner.cuda and graphs:
+                self.runner.capture_graphs()
+        if not self.memory.asleep:  # as vLLM: the steps go on once every part is back
+            self.scheduling_asleep = False
+            if self.resume_on_wake:
+                self.resume_on_wake = False
+                self.resume_generation()
 
     @property
     def is_sleeping(self) -> bool:
-        """Whether some part has no device memory (vLLM's: until every part woke)."""
-        return bool(self.memory.asleep)
+        """Whether some part has no device memory, or the steps are held by a level 0 sleep
+        (vLLM's: until every part woke)."""
+        return bool(self.memory.asleep) or self.scheduling_asleep
 
     @property
     def hold(self) -> str | None:

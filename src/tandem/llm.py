@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from tandem.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from tandem.config import EngineConfig
-from tandem.engine import Engine
+from tandem.engine import Engine, check_pause_mode
 from tandem.outputs import (
     CompletionOutput,
     Logprob,
@@ -147,13 +147,27 @@ class LLM:
             self.engine.resume_generation(recompute_kv)
             self._resumed.notify_all()
 
-    def sleep(self, level: int = 1) -> int:
-        """Free the KV cache and the weights' device memory (see Engine.sleep); bytes freed."""
+    def sleep(self, level: int = 1, mode: str = "keep") -> int:
+        """Free the KV cache and the weights' device memory (see Engine.sleep; level 0 only
+        holds the steps); bytes freed. Requests of a `generate` running on another thread go
+        on after `wake_up` ("keep"), end now ("abort"), or finish first ("wait"; its others
+        wait for the wake-up), as AsyncLLM.sleep and vLLM's."""
+        check_pause_mode(mode)
+        if mode == "wait":
+            self.pause_generation("wait")
         with self._hook():
-            return self.engine.sleep(level)
+            self.engine.drain()
+            if mode == "abort":
+                for request_id in list(self.engine.requests):
+                    self.engine.abort(request_id)
+            freed = self.engine.sleep(level)
+            self.engine.resume_on_wake = mode == "wait"  # the pause was the sleep's
+            self._resumed.notify_all()  # a waiting generate whose requests ended
+            return freed
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Take back the memory of the parts named ("weights", "kv_cache"; None: both)."""
+        """Take back the memory of the parts named ("weights", "kv_cache"; None: both, and the
+        steps a level 0 sleep held: vLLM's "scheduling")."""
         with self._hook():
             self.engine.wake_up(tags)
             self._resumed.notify_all()

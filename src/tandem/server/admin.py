@@ -29,7 +29,7 @@ class ResumeRequest(RequestOption):
 
 
 class SleepRequest(RequestOption):
-    level: Literal[1, 2] = 1
+    level: Literal[0, 1, 2] = 1
 
 
 class UpdateWeightsRequest(RequestOption):
@@ -81,14 +81,16 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
     @router.post("/sleep")
     async def sleep(
         body: SleepRequest | None = None,
-        level: int | None = Query(None, ge=1, le=2),
+        level: int | None = Query(None, ge=0, le=2),
         mode: Literal["abort", "wait", "keep"] = "abort",
     ) -> dict[str, float]:
         # vLLM's route reads ?level=; the body's, when both are given, must agree
         if body is not None and level is not None and body.level != level:
             message = f"the query's level={level} and the body's level={body.level} differ"
             raise OpenAIError(message, param="level")
-        freed = await _engine_call(llm.sleep(level or (body or SleepRequest()).level, mode))
+        if level is None:
+            level = (body or SleepRequest()).level
+        freed = await _engine_call(llm.sleep(level, mode))
         return {"freed_gib": freed / 2**30}
 
     @router.get("/is_sleeping")

@@ -331,6 +331,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         access_log=args.access_log,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser,
     )
     options.validate()
     llm = AsyncLLM.from_model(args.model, **engine_kwargs(args))
@@ -340,6 +341,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     from tandem.server.options import ServerOptions
+    from tandem.server.reasoning import PARSERS as REASONING_PARSERS
     from tandem.server.tool_calls import PARSERS
 
     defaults = ServerOptions()
@@ -402,6 +404,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--enable-auto-tool-choice",
         action="store_true",
         help="vLLM's flag for tool_choice 'auto'; needs --tool-call-parser, which alone enables it",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=list(REASONING_PARSERS),
+        help="split a chat answer's thinking (<think>...</think>) into message.reasoning "
+        "(default: none; it stays in the content)",
     )
 
 

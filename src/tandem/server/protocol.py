@@ -285,6 +285,19 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[Text, Any] | None = None
     add_special_tokens: bool = False  # the template writes its own BOS
     echo: bool = False  # vLLM's: the final message's text leads the answer's if of its role
+    # vLLM's: the template's reasoning_effort, and enable_thinking unless the kwargs set it
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
+    include_reasoning: bool = True  # False: message.reasoning is left out (--reasoning-parser)
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's variables: chat_template_kwargs, with reasoning_effort's."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        given = self.chat_template_kwargs or {}
+        thinking = {"enable_thinking": self.reasoning_effort != "none"}
+        return {"reasoning_effort": self.reasoning_effort, **thinking, **given}
 
     def answer_role(self) -> str:
         """The assistant's, or without a generation prompt the final message's (as vLLM)."""
@@ -306,6 +319,9 @@ class TokenizeRequest(RequestOption):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[Text, Any] | None = None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        return self.chat_template_kwargs
 
 
 class DetokenizeRequest(RequestOption):

@@ -31,6 +31,8 @@ from tandem.server.protocol import (
     TokenizeRequest,
     encodable,
 )
+from tandem.server.reasoning import PARSERS as REASONING_PARSERS
+from tandem.server.reasoning import ReasoningSplitter, split
 from tandem.server.tool_calls import NamedToolOutput, OutputReader, PlainOutput, collect
 from tandem.structured import BACKEND as GRAMMAR_BACKEND
 from tandem.structured import StructuredOutputsParams
@@ -63,6 +65,7 @@ class Choice:
     prompt_ranks: list[int | None] | None = None  # each prompt token's, beside prompt_logprobs
     prompt_token_ids: list[int] | None = None  # from the first output
     reader: OutputReader | None = None  # chat: its streamed text read into content and tool calls
+    splitter: ReasoningSplitter | None = None  # chat with a reasoning parser: its thinking apart
 
     def add(self, output: StreamOutput) -> None:
         self.tracker.observe(output)
@@ -92,6 +95,9 @@ class Generation:
     n: int = 1  # choices per prompt
     num_prompt_logprobs: int | None = None  # the request's prompt_logprobs: shown in the response
     reader: Callable[[], OutputReader] = PlainOutput  # chat: how a choice's text is read
+    # chat with a reasoning parser: how a choice's thinking is told from its content
+    reasoning: Callable[[], ReasoningSplitter] | None = None
+    include_reasoning: bool = True
     echoed: str = ""  # chat with echo: the text before each answer
     role: str = "assistant"  # chat: the answer's
 
@@ -233,6 +239,13 @@ class OpenAIServing:
         generation = await self._start("chatcmpl", [(text, ids)], params, body, http)
         generation.reader, generation.echoed = mode.reader, body.echoed()
         generation.role = body.answer_role()
+        if self.options.reasoning_parser is not None:
+            parser = REASONING_PARSERS[self.options.reasoning_parser]
+            kwargs, constrained = body.template_kwargs(), constraint is not None
+            # a constraint holds from the first token: such an answer thinks only if its
+            # grammar opens with <think>
+            generation.reasoning = lambda: parser.splitter(kwargs, must_open=constrained)
+            generation.include_reasoning = body.include_reasoning
         return await self._respond(generation, ChatFormat, body, http)
 
     def check_request(self, body: SamplingRequest) -> None:
@@ -569,8 +582,14 @@ class ChatFormat(Format):
     def delta_choice(self, index: int, choice: Choice, output: StreamOutput) -> dict | None:
         if choice.reader is None:
             choice.reader = self.generation.reader()
-        read = choice.reader.feed(output.text, final=output.finished)
+            choice.splitter = self.generation.reasoning and self.generation.reasoning()
+        reasoning, text = "", output.text
+        if choice.splitter is not None:
+            reasoning, text = choice.splitter.feed(text, final=output.finished)
+        read = choice.reader.feed(text, final=output.finished)
         delta: dict[str, Any] = {} if choice.started else {"role": self.generation.role}
+        if reasoning and self.generation.include_reasoning:
+            delta["reasoning"] = reasoning
         content = read.content if choice.started else self.generation.echoed + read.content
         if content or (not choice.started and isinstance(choice.reader, PlainOutput)):
             delta["content"] = content  # plain chat starts with content, "" if none yet
@@ -589,9 +608,15 @@ class ChatFormat(Format):
 
     def final_choice(self, index: int, choice: Choice) -> dict:
         reader = self.generation.reader()
-        message: dict[str, Any] = {"role": self.generation.role, "content": choice.text}
+        text, reasoning = choice.text, None
+        if self.generation.reasoning is not None:
+            reasoning, text = split(self.generation.reasoning(), choice.text)
+        message: dict[str, Any] = {"role": self.generation.role, "content": text}
+        if self.generation.reasoning is not None:
+            message["content"] = text or None  # vLLM's: null when the answer only thought
+            message["reasoning"] = reasoning if self.generation.include_reasoning else None
         if not isinstance(reader, PlainOutput):
-            message["content"], tool_calls = collect(reader, choice.text)
+            message["content"], tool_calls = collect(reader, text)
             if tool_calls:
                 message["tool_calls"] = tool_calls
         if self.generation.echoed:
@@ -677,7 +702,7 @@ def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeRequ
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 tokenize=False,
-                chat_template_kwargs=body.chat_template_kwargs,
+                chat_template_kwargs=body.template_kwargs(),
             )
         )  # JSON the template renders may unescape a lone surrogate ("\\ud800") into it
     except ValueError as error:  # no template, the template's raise_exception, a surrogate

@@ -337,7 +337,7 @@ def test_a_decode_rows_slot_is_its_tables_slot_of_its_last_position(make_tiny, m
     from tandem import LLM, SamplingParams
 
     llm = LLM(str(make_tiny("llama")), attention_backend="triton", max_model_len=64,
-              num_blocks=30, block_size=4, max_num_batched_tokens=64)  # fmt: skip
+              num_blocks=16, block_size=4, max_num_batched_tokens=64)  # fmt: skip
     engine = llm.engine
     seen = []
     launch = engine.runner.launch
@@ -354,8 +354,8 @@ def test_a_decode_rows_slot_is_its_tables_slot_of_its_last_position(make_tiny, m
         launch(batch, timeline)
 
     monkeypatch.setattr(engine.runner, "launch", record)
-    params = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, n=3)
-    prompts = [{"prompt_token_ids": list(range(7 * i + 1, 7 * i + 14))} for i in range(4)]
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True, n=3)
+    prompts = [{"prompt_token_ids": list(range(7 * i + 1, 7 * i + 14))} for i in range(2)]
     llm.generate(prompts, params, use_tqdm=False)
     assert len(seen) > 10 and engine.scheduler.num_preemptions > 0
 

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
+import shutil
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from tandem import LLM, SamplingParams
 from tandem.async_llm import AsyncLLM
+from tandem.reasoning import PARSERS, ThinkTokens, split
 from tandem.server.app import build_app
-from tandem.server.options import ServerOptions
-from tandem.server.reasoning import PARSERS, split
 from test_server import running
 
 # (parser, enable_thinking, answer text) -> (reasoning, content), as vLLM's parsers split them
@@ -34,7 +36,7 @@ CASES = [
 
 
 def feed_in_pieces(parser: str, thinking: bool, pieces: list[str]) -> tuple[str, str]:
-    splitter = PARSERS[parser].splitter({"enable_thinking": thinking})
+    splitter = PARSERS[parser].splitter(True, {"enable_thinking": thinking})
     reasoning, content = "", ""
     for i, piece in enumerate(pieces):
         r, c = splitter.feed(piece, final=i == len(pieces) - 1)
@@ -44,7 +46,7 @@ def feed_in_pieces(parser: str, thinking: bool, pieces: list[str]) -> tuple[str,
 
 @pytest.mark.parametrize(("parser", "thinking", "text", "expected"), CASES)
 def test_a_whole_answer_splits_as_vllm_splits_it(parser, thinking, text, expected):
-    reasoning, content = split(PARSERS[parser].splitter({"enable_thinking": thinking}), text)
+    reasoning, content = split(PARSERS[parser].splitter(True, {"enable_thinking": thinking}), text)
     assert (reasoning or "", content) == expected
 
 
@@ -56,29 +58,92 @@ def test_any_cut_into_deltas_gives_the_whole_answers_split(parser, thinking, tex
     assert feed_in_pieces(parser, thinking, [*text, ""]) == expected  # a character at a time
 
 
-def test_a_constrained_answer_thinks_only_if_it_opens_with_the_tag():
-    splitter = PARSERS["qwen3"].splitter(None, must_open=True)
-    assert split(splitter, '{"a": 1}') == (None, '{"a": 1}')
-    splitter = PARSERS["qwen3"].splitter(None, must_open=True)
-    assert split(splitter, "<think>hm</think>{}") == ("hm", "{}")
+def test_a_prompt_closes_the_thinking_when_its_last_tag_is_the_end_tag():
+    think = ThinkTokens(start=7, end=8)
+    assert not think.ended([1, 2, 3]) and not think.ended([8, 1, 7, 4])
+    assert think.ended([7, 5, 8, 2]) and think.ended([8])
+    splitter = PARSERS["deepseek_r1"].splitter(thinking=False)  # the prompt closed it
+    assert split(splitter, "plain</think>x") == (None, "plain</think>x")
 
 
-def test_an_unknown_reasoning_parser_is_a_value_error():
+def test_an_unknown_reasoning_parser_is_a_value_error(make_tiny):
     with pytest.raises(ValueError, match="qwen3"):
-        ServerOptions(reasoning_parser="qwen4").validate()
+        LLM(str(make_tiny("llama")), reasoning_parser="qwen4", **ENGINE_ARGS)
 
 
-THINKING = "<think>[a-z]{4}</think>[A-Z][a-z]{2}"  # what the regex makes the model write
+def test_a_vocabulary_without_the_tags_is_a_value_error(make_tiny):
+    with pytest.raises(ValueError, match="</think> as tokens"):
+        LLM(str(make_tiny("llama")), reasoning_parser="qwen3", **ENGINE_ARGS)
+
+
+ENGINE_ARGS = {"max_model_len": 256, "dtype": "float32"}
+LETTERS = "[a-z]{5}"
+PROMPT = [40, 41, 3, 7, 90, 12]
 
 
 @pytest.fixture(scope="module")
-def server(make_tiny) -> Iterator[str]:
-    llm = AsyncLLM.from_model(str(make_tiny("llama")), max_model_len=256, dtype="float32")
+def thinking_model(make_tiny, tmp_path_factory) -> tuple[str, ThinkTokens]:
+    """The tiny llama with <think> and </think> added to its tokenizer (ids inside the model's
+    vocabulary, which is larger than the tokenizer's)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    folder = tmp_path_factory.mktemp("thinking") / "model"
+    shutil.copytree(make_tiny("llama"), folder)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.add_tokens(
+        [AddedToken("<think>", special=False), AddedToken("</think>", special=False)]
+    )
+    tokenizer.save(str(folder / "tokenizer.json"))
+    think = ThinkTokens(tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>"))
+    return str(folder), think
+
+
+def thinking_then_end(folder: str, end: int) -> tuple[int, list[int]]:
+    """A logit bias on </think> under which the greedy answer thinks a few tokens and then
+    ends its thinking, and those tokens (found by trying; the model is fixed)."""
+    llm = LLM(folder, **ENGINE_ARGS)
+    for bias in range(2, 40, 2):
+        params = SamplingParams(temperature=0.0, max_tokens=12, logit_bias={end: bias})
+        [out] = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)
+        tokens = out.outputs[0].token_ids
+        if end in tokens[2:10]:
+            return bias, tokens[: tokens.index(end)]
+    raise AssertionError("no bias makes the answer think and then end: the test is void")
+
+
+@pytest.mark.parametrize("async_batching", [True, False])
+def test_the_grammar_starts_once_the_thinking_ends(thinking_model, async_batching):
+    """While thinking, the answer samples as if unconstrained (the same tokens as without a
+    grammar); the </think> read back starts the grammar, which shapes the rest."""
+    folder, think = thinking_model
+    bias, thought = thinking_then_end(folder, think.end)
+    llm = LLM(folder, reasoning_parser="qwen3", async_batching=async_batching, **ENGINE_ARGS)
+    params = SamplingParams(temperature=0.0, max_tokens=20, logit_bias={think.end: bias},
+                            structured_outputs={"regex": LETTERS})  # fmt: skip
+    [out] = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)
+    tokens = out.outputs[0].token_ids
+    assert tokens[: len(thought) + 1] == [*thought, think.end]
+    rest = llm.get_tokenizer().decode(tokens[len(thought) + 1 :], skip_special_tokens=True)
+    assert re.fullmatch(LETTERS, rest) and out.outputs[0].finish_reason == "stop"
+    # a prompt that closed the thinking is constrained from its first token
+    closed = {"prompt_token_ids": [*PROMPT, think.start, 5, think.end]}
+    [out] = llm.generate(closed, params, use_tqdm=False)
+    assert re.fullmatch(LETTERS, out.outputs[0].text)
+    # without the parser the grammar holds from the first token: </think> is never sampled
+    plain = LLM(folder, async_batching=async_batching, **ENGINE_ARGS)
+    [out] = plain.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)
+    assert re.fullmatch(LETTERS, out.outputs[0].text) and think.end not in out.outputs[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def server(thinking_model) -> Iterator[tuple[str, ThinkTokens, int, str]]:
+    folder, think = thinking_model
+    bias, thought = thinking_then_end(folder, think.end)
+    llm = AsyncLLM.from_model(folder, reasoning_parser="qwen3", **ENGINE_ARGS)
+    text = llm.tokenizer.decode(thought, skip_special_tokens=True)
     try:
-        with running(
-            build_app(llm, "tiny", options=ServerOptions(reasoning_parser="qwen3"))
-        ) as url:
-            yield url
+        with running(build_app(llm, "tiny")) as url:
+            yield url, think, bias, text
     finally:
         llm.shutdown()
 
@@ -103,31 +168,25 @@ def streamed(url: str, **fields) -> tuple[str, str]:
 
 
 def test_the_server_puts_the_thinking_in_message_reasoning(server):
-    constrained = {"structured_outputs": {"regex": THINKING}}
-    message = chat(server, **constrained).json()["choices"][0]["message"]
-    assert len(message["reasoning"]) == 4 and message["reasoning"].isalpha()
-    assert len(message["content"]) == 3 and message["content"][0].isupper()
-    assert streamed(server, **constrained) == (message["reasoning"], message["content"])
-    hidden = chat(server, include_reasoning=False, **constrained).json()["choices"][0]["message"]
+    url, think, bias, _ = server
+    fields = {"logit_bias": {str(think.end): bias}, "structured_outputs": {"regex": LETTERS}}
+    message = chat(url, **fields).json()["choices"][0]["message"]
+    assert message["reasoning"] and re.fullmatch(LETTERS, message["content"])
+    assert streamed(url, **fields) == (message["reasoning"], message["content"])
+    hidden = chat(url, include_reasoning=False, **fields).json()["choices"][0]["message"]
     assert hidden["reasoning"] is None and hidden["content"] == message["content"]
 
 
 def test_the_thinking_runs_until_the_end_tag_unless_the_template_turns_it_off(server):
-    """Without a constraint the answer thinks from its first token (a thinking template opens
-    <think> in the prompt); the random model never closes it, so all of it is reasoning.
+    """Without the bias the answer never closes its thinking: all of it is reasoning.
     enable_thinking false, or reasoning_effort "none", makes it all content."""
-    thought = chat(server).json()["choices"][0]["message"]
+    url, _, _, _ = server
+    thought = chat(url).json()["choices"][0]["message"]
     assert thought["reasoning"] and thought["content"] is None
     for fields in (
         {"chat_template_kwargs": {"enable_thinking": False}},
         {"reasoning_effort": "none"},
     ):
-        said = chat(server, **fields).json()["choices"][0]["message"]
+        said = chat(url, **fields).json()["choices"][0]["message"]
         assert said["reasoning"] is None and said["content"]
-    assert chat(server, reasoning_effort="sometimes").status_code == 400
-
-
-def test_a_constrained_answer_without_the_tag_is_all_content(server):
-    regex = {"structured_outputs": {"regex": "[a-z]{5}"}}
-    message = chat(server, **regex).json()["choices"][0]["message"]
-    assert message["reasoning"] is None and len(message["content"]) == 5
+    assert chat(url, reasoning_effort="sometimes").status_code == 400

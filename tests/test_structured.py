@@ -287,7 +287,9 @@ def test_json_strings_take_no_raw_control_bytes(folder, any_whitespace):
         matcher = grammars.matcher(compiled)
         for t in tokenizer.encode('{"s": "', add_special_tokens=False):
             assert matcher.accept_token(t)
-        request = SimpleNamespace(matcher=matcher, token_filter=token_filter, finished=False)
+        request = SimpleNamespace(
+            matcher=matcher, token_filter=token_filter, finished=False, reasoning_end_id=None
+        )
         mask = torch.zeros(1, grammars.words, dtype=torch.int32)
         grammars.fill_masks(mask, [request], [0], 1)
         bits = ((mask[0][:, None] >> torch.arange(32)) & 1).view(-1)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from tandem import envs
 from tandem.config import EngineConfig
+from tandem.reasoning import PARSERS as REASONING_PARSERS
 
 if TYPE_CHECKING:
     from tandem.profiler import Timeline
@@ -149,6 +150,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
         "--override-generation-config",
         type=json_object,
         help="JSON of sampling defaults on top, e.g. '{\"temperature\": 0.5}'",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=list(REASONING_PARSERS),
+        help="the model's thinking (<think>...</think>): a structured-output grammar starts "
+        "after it, and the server puts it in message.reasoning (default: none)",
     )
     parser.add_argument(
         "--weight-transfer-config",
@@ -331,7 +338,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
         access_log=args.access_log,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
-        reasoning_parser=args.reasoning_parser,
     )
     options.validate()
     llm = AsyncLLM.from_model(args.model, **engine_kwargs(args))
@@ -341,7 +347,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     from tandem.server.options import ServerOptions
-    from tandem.server.reasoning import PARSERS as REASONING_PARSERS
     from tandem.server.tool_calls import PARSERS
 
     defaults = ServerOptions()
@@ -404,12 +409,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--enable-auto-tool-choice",
         action="store_true",
         help="vLLM's flag for tool_choice 'auto'; needs --tool-call-parser, which alone enables it",
-    )
-    parser.add_argument(
-        "--reasoning-parser",
-        choices=list(REASONING_PARSERS),
-        help="split a chat answer's thinking (<think>...</think>) into message.reasoning "
-        "(default: none; it stays in the content)",
     )
 
 

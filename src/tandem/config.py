@@ -343,11 +343,16 @@ class EngineConfig:
     override_generation_config: dict | None = None
     # lets a trainer process send weights (weight_transfer/): {"backend": "nccl" or "ipc"}
     weight_transfer_config: Any = None
+    # "qwen3" or "deepseek_r1" (reasoning.py): a structured-output grammar starts after the
+    # thinking; the server splits the thinking into message.reasoning
+    reasoning_parser: str | None = None
 
     def validate(self) -> None:
+        from tandem.reasoning import check_parser
         from tandem.weight_transfer import as_config  # torch.distributed, only when validating
 
         self.weight_transfer_config = as_config(self.weight_transfer_config)
+        check_parser(self.reasoning_parser)
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)

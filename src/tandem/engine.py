@@ -33,6 +33,7 @@ from tandem.parallel import (
 from tandem.profiler import NoTimeline, Timeline
 from tandem.prompt_logprobs import has_rows as has_prompt_logprob_rows
 from tandem.prompt_logprobs import store as store_prompt_logprobs
+from tandem.reasoning import ThinkTokens
 from tandem.repetition import ends_in_repetition
 from tandem.request import Request
 from tandem.roofline import step_work
@@ -242,6 +243,12 @@ class Engine:
         self.paused = False  # pause_generation: no step until resume_generation
         self.scheduling_asleep = False  # sleep(0): no step until wake_up
         self.resume_on_wake = False  # a sleep's own pause (mode "wait"): wake_up resumes
+        # <think> / </think> of a reasoning model (reasoning.py), where reasoning_parser says
+        self.think_tokens = (
+            ThinkTokens.of(config.reasoning_parser, self.tokenizer)
+            if config.reasoning_parser
+            else None
+        )
         # a trainer process's weights (weight_transfer/), where weight_transfer_config asks
         transfer = config.weight_transfer_config
         self.weight_receiver = (
@@ -382,6 +389,8 @@ class Engine:
             grammars = self.grammars()
             request.matcher = grammars.matcher(grammars.compile(params.structured_outputs))
             request.token_filter = grammars.token_filter(params.structured_outputs)
+            if self.think_tokens is not None and not self.think_tokens.ended(prompt_token_ids):
+                request.reasoning_end_id = self.think_tokens.end  # the grammar after thinking
         if params.detokenize and (params.stop or stream_text):
             request.detokenizer = self._detokenizer(request)
         return request

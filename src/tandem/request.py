@@ -70,6 +70,8 @@ class Request:
     # params.structured_outputs' matcher (structured.py), advanced by every output token read
     matcher: xgrammar.GrammarMatcher | None = None
     token_filter: np.ndarray | None = None  # [ceil(vocab / 32)] int32, ANDed into its masks
+    # while set, the request thinks (reasoning.py): its grammar waits for this token, </think>
+    reasoning_end_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.wants_prompt_logprobs:

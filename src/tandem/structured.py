@@ -183,7 +183,10 @@ class GrammarBackend:
         in `rows` (requests[row] has a live matcher), all ones elsewhere."""
         host = bitmask.numpy()
         host[:num_rows] = -1
-        live = [r for r in rows if not requests[r].finished]
+        # a request still thinking (reasoning.py) samples freely: its row stays all ones
+        live = [
+            r for r in rows if not requests[r].finished and requests[r].reasoning_end_id is None
+        ]
         if live:
             matchers = [requests[r].matcher for r in live]
             self.batch.batch_fill_next_token_bitmask(matchers, bitmask, live)
@@ -219,7 +222,12 @@ def _backend_message(error: Exception) -> str:
 def accept(request: Request, token: int) -> str | None:
     """Advance the request's matcher by its new output token: None to go on, "stop" when the
     grammar has ended, "abort" when the token breaks it (no allowed token was left to sample,
-    e.g. allowed_token_ids outside the grammar)."""
+    e.g. allowed_token_ids outside the grammar). While the request thinks, its tokens are not
+    the grammar's: the end of thinking starts it."""
+    if request.reasoning_end_id is not None:
+        if token == request.reasoning_end_id:
+            request.reasoning_end_id = None
+        return None
     matcher = request.matcher
     if not matcher.accept_token(token):
         return "abort"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.server.reasoning import PARSERS as REASONING_PARSERS
 from tandem.server.tool_calls import PARSERS
 
 
@@ -23,8 +22,6 @@ class ServerOptions:
     # tool_choice "auto": the parser of the model's tool-call format (tool_calls.PARSERS)
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False  # vLLM's flag; a parser alone enables it here too
-    # chat answers' thinking into message.reasoning (reasoning.PARSERS)
-    reasoning_parser: str | None = None
 
     def validate(self) -> None:
         for name in ("max_request_bytes", "max_sequences_per_request", "max_stop_strings"):
@@ -35,11 +32,6 @@ class ServerOptions:
                 f"max_stop_string_length must be at least 1, got {self.max_stop_string_length}"
             )
         self.validate_tool_options()
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(
-                f"reasoning_parser {self.reasoning_parser!r} is not known; choose one of "
-                f"{', '.join(REASONING_PARSERS)}"
-            )
         for name in ("health_stall_timeout_s", "drain_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

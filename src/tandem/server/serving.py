@@ -19,6 +19,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tandem.async_llm import AsyncLLM, EngineDeadError, RequestStream, StreamOutput
 from tandem.outputs import prompt_logprobs as logprob_objects
 from tandem.outputs import token_text
+from tandem.reasoning import PARSERS as REASONING_PARSERS
+from tandem.reasoning import ReasoningSplitter, split
 from tandem.sampling import SamplingParams, seeded, truncate_prompt
 from tandem.server.constraints import constraint_field, output_constraint, tool_mode
 from tandem.server.metrics import LatencyTracker, ServerMetrics
@@ -31,8 +33,6 @@ from tandem.server.protocol import (
     TokenizeRequest,
     encodable,
 )
-from tandem.server.reasoning import PARSERS as REASONING_PARSERS
-from tandem.server.reasoning import ReasoningSplitter, split
 from tandem.server.tool_calls import NamedToolOutput, OutputReader, PlainOutput, collect
 from tandem.structured import BACKEND as GRAMMAR_BACKEND
 from tandem.structured import StructuredOutputsParams
@@ -239,12 +239,10 @@ class OpenAIServing:
         generation = await self._start("chatcmpl", [(text, ids)], params, body, http)
         generation.reader, generation.echoed = mode.reader, body.echoed()
         generation.role = body.answer_role()
-        if self.options.reasoning_parser is not None:
-            parser = REASONING_PARSERS[self.options.reasoning_parser]
-            kwargs, constrained = body.template_kwargs(), constraint is not None
-            # a constraint holds from the first token: such an answer thinks only if its
-            # grammar opens with <think>
-            generation.reasoning = lambda: parser.splitter(kwargs, must_open=constrained)
+        name, think = self.llm.engine.config.reasoning_parser, self.llm.engine.think_tokens
+        if name is not None:  # the answer thinks first unless its prompt closed the thinking
+            thinking, kwargs = not think.ended(ids), body.template_kwargs()
+            generation.reasoning = lambda: REASONING_PARSERS[name].splitter(thinking, kwargs)
             generation.include_reasoning = body.include_reasoning
         return await self._respond(generation, ChatFormat, body, http)
 

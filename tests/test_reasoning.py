@@ -190,3 +190,55 @@ def test_the_thinking_runs_until_the_end_tag_unless_the_template_turns_it_off(se
         said = chat(url, **fields).json()["choices"][0]["message"]
         assert said["reasoning"] is None and said["content"]
     assert chat(url, reasoning_effort="sometimes").status_code == 400
+
+
+def greedy(llm: LLM, prompt: list[int], **fields) -> list[int]:
+    params = SamplingParams(temperature=0.0, max_tokens=12, **fields)
+    [out] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    return out.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("async_batching", [True, False])
+@pytest.mark.parametrize("budget", [0, 2, 5])
+def test_a_thinking_budget_forces_the_end_tag_after_that_many_tokens(
+    thinking_model, async_batching, budget
+):
+    """The first `budget` tokens are the free answer's, then </think>, then the answer goes
+    on as it would from a prompt holding those tokens and the tag."""
+    folder, think = thinking_model
+    llm = LLM(folder, reasoning_parser="qwen3", async_batching=async_batching, **ENGINE_ARGS)
+    free = greedy(llm, PROMPT)
+    assert think.end not in free[: budget + 1], "the free answer ends its thinking: test void"
+    tokens = greedy(llm, PROMPT, thinking_token_budget=budget)
+    assert tokens[: budget + 1] == [*free[:budget], think.end]
+    rest = greedy(llm, [*PROMPT, *tokens[: budget + 1]])
+    assert tokens[budget + 1 :] == rest[: len(tokens) - budget - 1]
+
+
+def test_a_budget_the_thinking_stays_within_forces_nothing(thinking_model):
+    folder, think = thinking_model
+    bias, thought = thinking_then_end(folder, think.end)
+    llm = LLM(folder, reasoning_parser="qwen3", **ENGINE_ARGS)
+    biased = greedy(llm, PROMPT, logit_bias={think.end: bias})
+    assert greedy(llm, PROMPT, logit_bias={think.end: bias}, thinking_token_budget=10) == biased
+    # a spent budget, then a grammar: </think>, then the regex's letters
+    params = {"thinking_token_budget": 1, "structured_outputs": {"regex": LETTERS}}
+    tokens = greedy(llm, PROMPT, **params)
+    assert tokens[1] == think.end and len(thought) > 1
+    assert re.fullmatch(LETTERS, llm.get_tokenizer().decode(tokens[2:], skip_special_tokens=True))
+
+
+def test_a_thinking_budget_without_a_reasoning_parser_is_a_value_error(thinking_model):
+    folder, _ = thinking_model
+    llm = LLM(folder, **ENGINE_ARGS)
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        greedy(llm, PROMPT, thinking_token_budget=3)
+    with pytest.raises(ValueError, match="thinking_token_budget"):
+        SamplingParams(thinking_token_budget=-1)
+
+
+def test_the_server_takes_a_thinking_budget(server):
+    url, think, _, _ = server
+    [choice] = chat(url, thinking_token_budget=3, return_token_ids=True).json()["choices"]
+    assert choice["token_ids"][3] == think.end and think.end not in choice["token_ids"][:3]
+    assert choice["message"]["reasoning"] and choice["message"]["content"]

@@ -72,7 +72,7 @@ class RunningRows:
         self.frequency_penalty = np.zeros(max_seqs, dtype=np.float32)
         self.repetition_penalty = np.ones(max_seqs, dtype=np.float32)
         self.needs_penalties = np.zeros(max_seqs, dtype=bool)
-        self.constrained = np.zeros(max_seqs, dtype=bool)  # structured outputs: has a matcher
+        self.constrained = np.zeros(max_seqs, dtype=bool)  # masked rows: see `take`
         # its admission's copy on write (Request.copied_block): the index, -1 for none, and the
         # copied publication
         self.copy_index = np.full(max_seqs, -1, dtype=np.int32)
@@ -121,7 +121,8 @@ class RunningRows:
         self.frequency_penalty[row] = params.frequency_penalty
         self.repetition_penalty[row] = params.repetition_penalty
         self.needs_penalties[row] = params.needs_penalties
-        self.constrained[row] = request.matcher is not None
+        # a grammar, or a thinking budget: its masks come from the host (structured.py)
+        self.constrained[row] = request.matcher is not None or request.thinking_left is not None
         self.copy_index[row], self.copy_publication[row] = request.copied_block or (-1, -1)
         if params.needs_penalties:
             self.admitted[0].append(row)

@@ -389,8 +389,20 @@ class Engine:
             grammars = self.grammars()
             request.matcher = grammars.matcher(grammars.compile(params.structured_outputs))
             request.token_filter = grammars.token_filter(params.structured_outputs)
-            if self.think_tokens is not None and not self.think_tokens.ended(prompt_token_ids):
-                request.reasoning_end_id = self.think_tokens.end  # the grammar after thinking
+        if params.thinking_token_budget is not None:
+            if self.think_tokens is None or not self.runner.masks:
+                raise ValueError(
+                    "thinking_token_budget needs reasoning_parser and the structured-output "
+                    f"backend ({GRAMMAR_BACKEND}), which forces </think> through token masks"
+                )
+            request.thinking_left = params.thinking_token_budget
+        gated = request.matcher is not None or request.thinking_left is not None
+        if (
+            gated
+            and self.think_tokens is not None
+            and not self.think_tokens.ended(prompt_token_ids)
+        ):
+            request.reasoning_end_id = self.think_tokens.end  # thinking: no grammar until it
         if params.detokenize and (params.stop or stream_text):
             request.detokenizer = self._detokenizer(request)
         return request
@@ -811,7 +823,8 @@ class Engine:
             if batch.num_top_logprobs is not None and request.params.logprobs is not None:
                 self._append_logprobs(request, out, row)
             updated.append(request)
-            ended = accept(request, sampled[row]) if request.matcher is not None else None
+            gated = request.matcher is not None or request.reasoning_end_id is not None
+            ended = accept(request, sampled[row]) if gated else None
             if ended is not None:  # the grammar is complete (its stop token), or broken
                 self._finish(request, ended, stopped_by_token=True)
                 continue

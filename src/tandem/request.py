@@ -72,6 +72,7 @@ class Request:
     token_filter: np.ndarray | None = None  # [ceil(vocab / 32)] int32, ANDed into its masks
     # while set, the request thinks (reasoning.py): its grammar waits for this token, </think>
     reasoning_end_id: int | None = None
+    thinking_left: int | None = None  # thinking_token_budget's rest: at 0, </think> is forced
 
     def __post_init__(self) -> None:
         if self.wants_prompt_logprobs:

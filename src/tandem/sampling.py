@@ -76,6 +76,8 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None
     # finish once the output ends in a repeated n-gram (repetition.py); a dict of its fields too
     repetition_detection: RepetitionDetectionParams | None = None
+    # with reasoning_parser: after this many thinking tokens, </think> is the only one allowed
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         self.stop = _as_list("stop", self.stop, "a string or a list of strings", str)
@@ -207,6 +209,8 @@ class SamplingParams:
             raise ValueError(
                 f"bad_words must be a list of non-blank strings, got {self.bad_words!r}"
             )
+        if self.thinking_token_budget is not None:
+            check_int("thinking_token_budget", self.thinking_token_budget, 0)
         if self.prompt_logprobs is not None:
             check_int("prompt_logprobs", self.prompt_logprobs, 0)
             if self.prompt_logprobs > MAX_LOGPROBS:

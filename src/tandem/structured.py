@@ -179,20 +179,25 @@ class GrammarBackend:
     def fill_masks(
         self, bitmask: torch.Tensor, requests: list[Request], rows: list[int], num_rows: int
     ) -> None:
-        """Rows [0, num_rows) of the host `bitmask`: the next-token mask of each constrained row
-        in `rows` (requests[row] has a live matcher), all ones elsewhere."""
+        """Rows [0, num_rows) of the host `bitmask`: the next-token mask of each masked row in
+        `rows` (a live matcher, or a thinking budget: reasoning.py), all ones elsewhere."""
         host = bitmask.numpy()
         host[:num_rows] = -1
-        # a request still thinking (reasoning.py) samples freely: its row stays all ones
-        live = [
-            r for r in rows if not requests[r].finished and requests[r].reasoning_end_id is None
-        ]
-        if live:
-            matchers = [requests[r].matcher for r in live]
-            self.batch.batch_fill_next_token_bitmask(matchers, bitmask, live)
-        for r in live:
+        live = [r for r in rows if not requests[r].finished]
+        # a request still thinking samples freely (its row stays all ones) until its budget is
+        # spent, when </think> alone is allowed; the grammar's masks start after the thinking
+        grammar = [r for r in live if requests[r].reasoning_end_id is None and requests[r].matcher]
+        if grammar:
+            matchers = [requests[r].matcher for r in grammar]
+            self.batch.batch_fill_next_token_bitmask(matchers, bitmask, grammar)
+        for r in grammar:
             if requests[r].token_filter is not None:
                 host[r] &= requests[r].token_filter
+        for r in live:
+            end = requests[r].reasoning_end_id
+            if end is not None and requests[r].thinking_left == 0:
+                host[r] = 0
+                host[r, end // 32] = np.uint32(1 << (end % 32)).view(np.int32)
 
 
 def control_free_tokens(decoded_vocab: list[bytes], vocab_size: int, any_whitespace: bool):
@@ -227,8 +232,12 @@ def accept(request: Request, token: int) -> str | None:
     if request.reasoning_end_id is not None:
         if token == request.reasoning_end_id:
             request.reasoning_end_id = None
+        elif request.thinking_left:
+            request.thinking_left -= 1
         return None
     matcher = request.matcher
+    if matcher is None:  # a thinking budget alone, its thinking over
+        return None
     if not matcher.accept_token(token):
         return "abort"
     return "stop" if matcher.is_terminated() else None

@@ -172,6 +172,8 @@ class SamplingRequest(BaseModel):
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
     # vLLM's: finish ("repetition") once the output ends in a repeated n-gram
     repetition_detection: dict[str, int] | None = None
+    # vLLM's, with --reasoning-parser: after this many thinking tokens, </think> is forced
+    thinking_token_budget: int | None = None
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or ())

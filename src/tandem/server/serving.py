@@ -740,6 +740,7 @@ def sampling_params(
         "skip_special_tokens",
         "include_stop_str_in_output",
         "repetition_detection",
+        "thinking_token_budget",
     )
     given = {name: value for name, value in defaults.items() if name != "max_tokens"}
     given |= {name: getattr(body, name) for name in names if getattr(body, name) is not None}

@@ -152,3 +152,60 @@ def test_a_prompt_filling_the_context_is_a_value_error(hf_model):
     llm = LLM(str(folder), **{**ENGINE_ARGS, "max_model_len": 8})
     with pytest.raises(ValueError, match="max_model_len=8"):
         llm.beam_search([{"prompt_token_ids": list(range(3, 11))}], BeamSearchParams(2, 2))
+
+
+@pytest.fixture(scope="module")
+def server(hf_model):
+    from tandem.async_llm import AsyncLLM
+    from tandem.server.app import build_app
+    from test_server import running
+
+    folder, _ = hf_model
+    llm = AsyncLLM.from_model(str(folder), **ENGINE_ARGS)
+    try:
+        with running(build_app(llm, "tiny")) as url:
+            yield url
+    finally:
+        llm.shutdown()
+
+
+def test_the_servers_use_beam_search_answers_the_best_beams(hf_model, server):
+    """vLLM's use_beam_search: n beams per prompt, the generated part of each, best first, as
+    the offline search finds them."""
+    import httpx
+
+    folder, _ = hf_model
+    llm = LLM(str(folder), **ENGINE_ARGS)
+    offline = llm.beam_search(
+        [{"prompt_token_ids": p} for p in PROMPTS[:2]],
+        BeamSearchParams(beam_width=3, max_tokens=5, temperature=0.0),
+    )
+    body = {"model": "tiny", "prompt": PROMPTS[:2], "max_tokens": 5, "n": 3, "temperature": 0.0,
+            "use_beam_search": True}  # fmt: skip
+    answer = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()
+    texts = [c["text"] for c in answer["choices"]]
+    tokenizer = llm.get_tokenizer()
+    want = [
+        tokenizer.decode(s.tokens[len(p) :], skip_special_tokens=True)
+        for p, out in zip(PROMPTS[:2], offline, strict=True)
+        for s in out.sequences
+    ]
+    assert texts == want and answer["usage"]["completion_tokens"] == 6 * 5
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Why?"}], "max_tokens": 4,
+            "n": 2, "temperature": 0.0, "use_beam_search": True}  # fmt: skip
+    choices = httpx.post(f"{server}/v1/chat/completions", json=chat, timeout=60).json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    assert all(c["message"]["role"] == "assistant" for c in choices)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [({"stream": True}, "stream"), ({"logprobs": 2}, "logprobs"), ({"n": 11}, "n")],
+)
+def test_beam_search_refuses_what_it_does_not_take_with_a_400(server, extra, param):
+    import httpx
+
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 3, "use_beam_search": True}
+    response = httpx.post(f"{server}/v1/completions", json={**body, **extra}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param

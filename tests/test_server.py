@@ -750,7 +750,6 @@ def test_a_top_k_past_the_samplers_int32_range_is_a_400_and_the_engine_keeps_ser
     [
         ("best_of", 3),
         ("suffix", " end"),
-        ("use_beam_search", True),
         ("priority", 1),
         ("max_token", 50),  # a misspelt field must not fall back to the default silently
     ],

@@ -91,47 +91,100 @@ def beam_search(
     concurrency_limit: int | None = None,
 ) -> list[BeamSearchOutput]:
     """The prompts' best beams; `concurrency_limit` prompts searched at a time (all: None)."""
-    params.validate()
     if isinstance(prompts, str | dict):
         prompts = [prompts]
     if concurrency_limit is not None:
         check_int("concurrency_limit", concurrency_limit, 1)
     engine = llm.engine
     starts = [_prompt_tokens(engine.tokenizer, prompt) for prompt in prompts]
-    for index, tokens in enumerate(starts):
-        if not tokens:
-            raise ValueError(f"prompts[{index}] has no tokens")
-        if len(tokens) >= engine.max_model_len:
-            raise ValueError(
-                f"prompts[{index}] has {len(tokens)} tokens; max_model_len={engine.max_model_len} "
-                "leaves none to generate"
-            )
-    eos = () if params.ignore_eos else engine.eos_token_ids
-    round_params = SamplingParams(
-        max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature
-    )
-
-    def key(beam: BeamSearchSequence) -> float:
-        return score(beam, engine.eos_token_ids, params.length_penalty)
-
-    searches = [_Search(tokens) for tokens in starts]
-    size = concurrency_limit or max(len(searches), 1)
-    for first in range(0, len(searches), size):
-        batch = searches[first : first + size]
-        rounds = tqdm(range(params.max_tokens), desc="beam search", disable=not use_tqdm)
-        for _ in rounds:
-            if not _round(llm, batch, round_params, params.beam_width, eos, key):
-                break
-    tokenizer = engine.tokenizer
+    size = concurrency_limit or max(len(starts), 1)
+    searches = [  # every prompt checked before any is searched
+        BeamSearch(starts[first : first + size], params, engine, first)
+        for first in range(0, len(starts), size)
+    ]
     outputs = []
     for search in searches:
-        for beam in search.beams:  # live after max_tokens rounds
-            beam.finish_reason = "length"
-        best = sorted(search.complete + search.beams, key=key, reverse=True)[: params.beam_width]
-        for beam in best:
-            beam.text = tokenizer.decode(beam.tokens) if tokenizer is not None else None
-        outputs.append(BeamSearchOutput(best))
+        for _ in tqdm(range(params.max_tokens), desc="beam search", disable=not use_tqdm):
+            if not (beams := search.next_round()):
+                break
+            prompts = [{"prompt_token_ids": tokens} for tokens in beams]
+            answers = llm.generate(prompts, search.round_params, use_tqdm=False)
+            search.advance([answer.outputs[0].logprobs[0] for answer in answers])
+        outputs += search.best(engine.tokenizer)
     return outputs
+
+
+class BeamSearch:
+    """The search of a few prompts, a round at a time: `next_round` gives every live beam's
+    tokens, each to be generated one token with `round_params`; `advance` takes each one's top
+    logprobs, in that order. The driver (LLM.beam_search, the server's) runs the rounds."""
+
+    def __init__(
+        self, starts: list[list[int]], params: BeamSearchParams, engine: Any, first: int = 0
+    ):
+        params.validate()
+        for index, tokens in enumerate(starts, first):
+            if not tokens:
+                raise ValueError(f"prompts[{index}] has no tokens")
+            if len(tokens) >= engine.max_model_len:
+                raise ValueError(
+                    f"prompts[{index}] has {len(tokens)} tokens; max_model_len="
+                    f"{engine.max_model_len} leaves none to generate"
+                )
+        self.params, self.limit = params, engine.max_model_len
+        self.eos_token_ids = engine.eos_token_ids
+        self.ends = () if params.ignore_eos else engine.eos_token_ids  # what completes a beam
+        self.round_params = SamplingParams(
+            max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature
+        )
+        self.searches = [_Search(tokens) for tokens in starts]
+
+    def key(self, beam: BeamSearchSequence) -> float:
+        return score(beam, self.eos_token_ids, self.params.length_penalty)
+
+    def next_round(self) -> list[list[int]]:
+        """Every live beam's tokens (none: the search is over); a beam the context cannot
+        extend is complete first."""
+        for search in self.searches:
+            for beam in search.beams:
+                if len(beam.tokens) >= self.limit:
+                    beam.finish_reason = "length"
+                    search.complete.append(beam)
+            search.beams = [b for b in search.beams if len(b.tokens) < self.limit]
+        return [beam.tokens for search in self.searches for beam in search.beams]
+
+    def advance(self, tops: list[dict[int, Logprob]]) -> None:
+        """Each live beam extended by each of its top tokens; the beam_width best kept."""
+        tops_of = iter(tops)
+        for search in self.searches:
+            candidates = []
+            for beam in search.beams:
+                top = next(tops_of)
+                for token, logprob in top.items():
+                    candidate = BeamSearchSequence(
+                        [*beam.tokens, token],
+                        [*beam.logprobs, top],
+                        beam.cum_logprob + float(logprob),
+                    )
+                    if token in self.ends:
+                        candidate.finish_reason = "stop"
+                        search.complete.append(candidate)
+                    else:
+                        candidates.append(candidate)
+            search.beams = sorted(candidates, key=self.key, reverse=True)[: self.params.beam_width]
+
+    def best(self, tokenizer: Any) -> list[BeamSearchOutput]:
+        """Each prompt's beam_width best beams, complete or live, with their text."""
+        outputs = []
+        for search in self.searches:
+            for beam in search.beams:  # live after the last round
+                beam.finish_reason = "length"
+            ranked = sorted(search.complete + search.beams, key=self.key, reverse=True)
+            best = ranked[: self.params.beam_width]
+            for beam in best:
+                beam.text = tokenizer.decode(beam.tokens) if tokenizer is not None else None
+            outputs.append(BeamSearchOutput(best))
+        return outputs
 
 
 @dataclass
@@ -144,39 +197,6 @@ class _Search:
 
     def __post_init__(self) -> None:
         self.beams = [BeamSearchSequence(list(self.prompt))]
-
-
-def _round(llm, batch: list[_Search], params: SamplingParams, width: int, eos, key) -> bool:
-    """One token for every live beam; False once no beam is live."""
-    limit = llm.engine.max_model_len
-    for search in batch:  # a beam the context cannot extend is complete
-        for beam in search.beams:
-            if len(beam.tokens) >= limit:
-                beam.finish_reason = "length"
-                search.complete.append(beam)
-        search.beams = [b for b in search.beams if len(b.tokens) < limit]
-    live = [beam for search in batch for beam in search.beams]
-    if not live:
-        return False
-    prompts = [{"prompt_token_ids": beam.tokens} for beam in live]
-    outputs = iter(llm.generate(prompts, params, use_tqdm=False))
-    for search in batch:
-        candidates = []
-        for beam in search.beams:
-            top = next(outputs).outputs[0].logprobs[0]
-            for token, logprob in top.items():
-                candidate = BeamSearchSequence(
-                    [*beam.tokens, token],
-                    [*beam.logprobs, top],
-                    beam.cum_logprob + float(logprob),
-                )
-                if token in eos:
-                    candidate.finish_reason = "stop"
-                    search.complete.append(candidate)
-                else:
-                    candidates.append(candidate)
-        search.beams = sorted(candidates, key=key, reverse=True)[:width]
-    return True
 
 
 def _prompt_tokens(tokenizer, prompt: Prompt) -> list[int]:

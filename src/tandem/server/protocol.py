@@ -36,8 +36,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "tools": ([],),  # /v1/completions: chat declares tools and tool_choice
     "tool_choice": ("none", "auto"),
     # vLLM's, at its defaults
-    "use_beam_search": (False,),
-    "length_penalty": (1.0,),
     "priority": (0,),
     "spaces_between_special_tokens": (True,),
 }
@@ -174,6 +172,9 @@ class SamplingRequest(BaseModel):
     repetition_detection: dict[str, int] | None = None
     # vLLM's, with --reasoning-parser: after this many thinking tokens, </think> is forced
     thinking_token_budget: int | None = None
+    # vLLM's: the n best beams of a beam search (server/beam_search.py), scored with this
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or ())

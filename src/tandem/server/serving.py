@@ -22,6 +22,7 @@ from tandem.outputs import token_text
 from tandem.reasoning import PARSERS as REASONING_PARSERS
 from tandem.reasoning import ReasoningSplitter, split
 from tandem.sampling import SamplingParams, seeded, truncate_prompt
+from tandem.server import beam_search
 from tandem.server.constraints import constraint_field, output_constraint, tool_mode
 from tandem.server.metrics import LatencyTracker, ServerMetrics
 from tandem.server.options import ServerOptions
@@ -175,6 +176,8 @@ class OpenAIServing:
         keep = params.truncate_prompt_tokens
         prompts = [self._kept(text, ids, keep, asked) for text, ids in prompts]
         self.check_room([ids for _, ids in prompts], asked, "max_tokens")
+        if body.use_beam_search:
+            return await self._beam_search(body, [ids for _, ids in prompts], max_tokens)
         generation = await self._start("cmpl", prompts, params, body, http)
         if body.echo:
             for i, choice in enumerate(generation.choices):
@@ -236,6 +239,8 @@ class OpenAIServing:
         )
         if not mode.skip_special_tokens:
             params = replace(params, skip_special_tokens=False)
+        if body.use_beam_search:
+            return await self._beam_search(body, [ids], max_tokens)
         generation = await self._start("chatcmpl", [(text, ids)], params, body, http)
         generation.reader, generation.echoed = mode.reader, body.echoed()
         generation.role = body.answer_role()
@@ -245,6 +250,26 @@ class OpenAIServing:
             generation.reasoning = lambda: REASONING_PARSERS[name].splitter(thinking, kwargs)
             generation.include_reasoning = body.include_reasoning
         return await self._respond(generation, ChatFormat, body, http)
+
+    async def _beam_search(
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        starts: list[list[int]],
+        max_tokens: int,
+    ) -> Response:
+        """`use_beam_search`: the n best beams of each prompt, answered whole."""
+        beam_search.check(body)
+        params = beam_search.params_of(body, max_tokens, self.llm.sampling_defaults)
+        num_sequences = len(starts) * params.beam_width
+        if num_sequences > self.options.max_sequences_per_request:
+            message = (
+                f"this request asks for {num_sequences} beams; at most "
+                f"{self.options.max_sequences_per_request} are allowed in one request"
+            )
+            raise OpenAIError(message, param="n")
+        outputs = await beam_search.search(self.llm, starts, params)
+        answer = beam_search.response(body, self.model_name, starts, outputs, self.llm.tokenizer)
+        return JSONResponse(answer)
 
     def check_request(self, body: SamplingRequest) -> None:
         """400 for what this server does not implement, or what passes its limits."""

@@ -186,7 +186,11 @@ class GrammarBackend:
         live = [r for r in rows if not requests[r].finished]
         # a request still thinking samples freely (its row stays all ones) until its budget is
         # spent, when </think> alone is allowed; the grammar's masks start after the thinking
-        grammar = [r for r in live if requests[r].reasoning_end_id is None and requests[r].matcher]
+        grammar = [
+            r
+            for r in live
+            if requests[r].reasoning_end_id is None and requests[r].matcher is not None
+        ]
         if grammar:
             matchers = [requests[r].matcher for r in grammar]
             self.batch.batch_fill_next_token_bitmask(matchers, bitmask, grammar)

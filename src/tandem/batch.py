@@ -13,6 +13,8 @@ from tandem.request import Request
 from tandem.sampling import fold_seed
 from tandem.scheduler import StepPlan
 from tandem.shared_prefix import CopiedBlocks, group_shared_prefixes, shared_kv_tokens
+from tandem.token_logprobs import TokenLogprobStep
+from tandem.token_logprobs import plan_rows as plan_token_rows
 
 
 @dataclass
@@ -41,6 +43,7 @@ class StepBatch:
     # (state rows, their requests) that penalized requests took for this step: reset first
     penalty_admissions: tuple[list[int], list[Request]] | None = None
     prompt_logprobs: PromptLogprobStep | None = None  # rows at prompt positions that want them
+    token_logprobs: TokenLogprobStep | None = None  # rows that name logprob_token_ids
     # rows that sample under a structured-output constraint: the step's sampling waits for
     # their token masks (structured.py), launched once the CPU has them
     mask_rows: list[int] = field(default_factory=list)
@@ -114,7 +117,7 @@ class RunningRows:
         self.min_p[row] = params.min_p
         self.top_k[row] = params.top_k
         self.seed[row] = fold_seed(request.seed)
-        self.logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.logprobs[row] = -1 if params.logprobs is None else params.num_top_logprobs
         self.min_tokens[row] = params.min_tokens
         self.needs_filter[row] = params.needs_filter
         self.presence_penalty[row] = params.presence_penalty
@@ -197,6 +200,9 @@ class BatchBuilder:
         num_outputs = np.fromiter((r.num_output_tokens for r in requests), np.int64, num_seqs)
         samples = computed_after == self.running_rows.prompt_len[rows] + num_outputs
         use_filters, num_top_logprobs = self._fill_sampling(x, requests, rows, num_outputs)
+        token_logprobs = (  # only steps with logprobs may have rows that name ids
+            plan_token_rows(requests, slot.token_logprobs) if num_top_logprobs is not None else None
+        )
         use_penalties = bool(self.running_rows.needs_penalties[rows].any())
         if use_penalties:
             self._fill_penalties(x, rows, seq_of_token, positions, computed_after)
@@ -244,6 +250,7 @@ class BatchBuilder:
             use_penalties=use_penalties,
             penalty_admissions=self.running_rows.take_admitted(),
             prompt_logprobs=prompt_logprobs,
+            token_logprobs=token_logprobs,
             # rows that sample under a constraint (a planned request is never finished)
             mask_rows=np.flatnonzero(self.running_rows.constrained[rows] & samples).tolist(),
         )

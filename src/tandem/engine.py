@@ -44,6 +44,8 @@ from tandem.sleep import LEVELS, PARTS, DeviceMemory
 from tandem.structured import BACKEND as GRAMMAR_BACKEND
 from tandem.structured import GrammarBackend, accept
 from tandem.swap import SwapManager, Swapper, check_swap_space
+from tandem.token_logprobs import check_vocab as check_token_logprob_ids
+from tandem.token_logprobs import entry as token_logprob_entry
 from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
 from tandem.weight_transfer import WeightReceiver, make_receiver
 from tandem.weights import (
@@ -379,6 +381,7 @@ class Engine:
             raise ValueError(
                 f"with min_tokens, at most {MAX_BANNED_IDS - len(self.eos_token_ids)} stop_token_ids are supported"
             )
+        check_token_logprob_ids(params.logprob_token_ids, self.model_config.vocab_size)
         bad_words = self._bad_words_token_ids(params)
         penalties.check_request(params, bad_words, self.model_config.vocab_size)
         request = Request(
@@ -821,7 +824,7 @@ class Engine:
                 continue  # stopped or aborted while this step was in flight: discard
             request.output_token_ids.append(sampled[row])
             if batch.num_top_logprobs is not None and request.params.logprobs is not None:
-                self._append_logprobs(request, out, row)
+                self._append_logprobs(request, batch, out, row)
             updated.append(request)
             gated = request.matcher is not None or request.reasoning_end_id is not None
             ended = accept(request, sampled[row]) if gated else None
@@ -844,13 +847,13 @@ class Engine:
                 scored.append(request)
         return scored
 
-    def _append_logprobs(self, request: Request, out, row: int) -> None:
-        n = request.params.logprobs
-        entry = dict(
-            zip(
-                out["top_ids"][row, :n].tolist(), out["top_logprobs"][row, :n].tolist(), strict=True
-            )
-        )
+    def _append_logprobs(self, request: Request, batch: StepBatch, out, row: int) -> None:
+        n, named = request.params.logprobs, request.params.logprob_token_ids
+        if named is not None:  # the ids it named, in its order
+            entry = token_logprob_entry(batch.token_logprobs, batch.slot.token_logprobs, row, named)
+        else:
+            top_ids, top_logprobs = out["top_ids"][row, :n], out["top_logprobs"][row, :n]
+            entry = dict(zip(top_ids.tolist(), top_logprobs.tolist(), strict=True))
         entry[request.output_token_ids[-1]] = float(out["sampled_logprob"][row])
         if request.logprobs is None:
             request.logprobs = []

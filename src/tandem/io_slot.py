@@ -15,6 +15,7 @@ import torch
 from tandem.prompt_logprobs import PromptLogprobBuffers
 from tandem.sampling import MAX_LOGPROBS
 from tandem.structured import MaskBuffers
+from tandem.token_logprobs import TokenLogprobBuffers
 
 MAX_BANNED_IDS = 32  # EOS ids plus stop_token_ids suppressed while a request is under min_tokens
 
@@ -137,6 +138,8 @@ class IOSlot:
         self.np_out = self.host_out.numpy()
         # copied only in steps with prompt-logprob rows, and only those rows
         self.prompt_logprobs = PromptLogprobBuffers(max_tokens, device)
+        # logprob_token_ids' ids and values, copied only in steps with rows that name ids
+        self.token_logprobs = TokenLogprobBuffers(max_seqs, device)
         # structured outputs' token masks, copied only in steps with constrained rows
         self.masks = (
             MaskBuffers(max_seqs, mask_vocab_size, device) if mask_vocab_size is not None else None

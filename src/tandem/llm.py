@@ -513,7 +513,7 @@ def _sample_logprobs(request: Request, text: TokenText) -> list[dict[int, Logpro
         return None
     text = text if request.params.detokenize else no_text
     tokens, ranks = request.output_token_ids, request.sampled_ranks
-    return sample_logprobs(request.logprobs, tokens, ranks, request.params.logprobs, text)
+    return sample_logprobs(request.logprobs, tokens, ranks, request.params.num_top_logprobs, text)
 
 
 def _prompt_logprobs(request: Request, text: TokenText) -> list[dict[int, Logprob] | None] | None:

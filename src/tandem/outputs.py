@@ -158,7 +158,7 @@ class OutputCollector:
         self.request_id = request_id
         self.prompt = prompt
         self.kind = params.output_kind
-        self.num_top, self.num_prompt_top = params.logprobs, params.prompt_logprobs
+        self.num_top, self.num_prompt_top = params.num_top_logprobs, params.prompt_logprobs
         self.text = text if params.detokenize else no_text
         with_logprobs = params.logprobs is not None
         self.samples = [

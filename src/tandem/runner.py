@@ -46,6 +46,8 @@ from tandem.prompt_logprobs import compute as compute_prompt_logprobs
 from tandem.sampling import SamplingTensors, sample, top_logprobs_of
 from tandem.structured import apply_masks
 from tandem.swap import SwapCopy, Swapper
+from tandem.token_logprobs import TokenLogprobStep
+from tandem.token_logprobs import gather as gather_token_logprobs
 
 WAIT_POLL_S = 50e-6  # tensor parallelism: how often the step wait looks at the other ranks
 # The library torch's CUDA matmuls go through in the captured decode graphs; eager steps
@@ -183,6 +185,8 @@ class Runner:
             slot.dev_in.copy_from(slot.host_in)
             if batch.prompt_logprobs is not None:
                 slot.prompt_logprobs.copy_in(batch.prompt_logprobs.num_rows)
+            if batch.token_logprobs is not None:
+                slot.token_logprobs.copy_in(batch.token_logprobs)
             timing.end(0)
             self.h2d_done[i].record()
         with torch.cuda.stream(self.compute_stream):
@@ -227,6 +231,8 @@ class Runner:
                 slot.prompt_logprobs.copy_out(
                     batch.prompt_logprobs.num_rows, batch.prompt_logprobs.num_top
                 )
+            if batch.token_logprobs is not None:
+                slot.token_logprobs.copy_out(batch.token_logprobs)
             timing.end(2)
             self.d2h_done[i].record()
 
@@ -284,6 +290,7 @@ class Runner:
             batch.num_top_logprobs,
             batch.use_penalties,
             batch.use_mask,
+            batch.token_logprobs,
         )
         if batch.prompt_logprobs is not None:  # never captured
             compute_prompt_logprobs(
@@ -352,10 +359,12 @@ class Runner:
         num_top_logprobs: int | None,
         use_penalties: bool = False,
         use_mask: bool = False,
+        token_logprobs: TokenLogprobStep | None = None,
     ) -> None:
         """[num_seqs, vocab] logits -> the slot's sampled tokens (and logprobs); fixed shapes
         given its arguments, so capturable. `input_ids` (None: made again from the slot) feed
-        the penalty state; `use_mask` applies the slot's token masks last."""
+        the penalty state; `use_mask` applies the slot's token masks last; `token_logprobs`
+        (steps with logprobs only, never captured) gathers the logprobs of the ids rows name."""
         x, out = slot.dev_in, slot.dev_out
         # logprobs describe the model's own distribution, before min_tokens bans and filters
         logprobs = (
@@ -391,6 +400,8 @@ class Runner:
             out["sampled_rank"][:num_seqs].copy_(sampled_rank)
             out["top_ids"][:num_seqs, :num_top_logprobs].copy_(top_ids)
             out["top_logprobs"][:num_seqs, :num_top_logprobs].copy_(top_logprobs)
+        if token_logprobs is not None:
+            gather_token_logprobs(logprobs, slot.token_logprobs, token_logprobs)
 
     def capture_graphs(self, shared_pool: bool = True) -> None:
         """Per slot and padded size, the forward graphs (shared-prefix groups on/off) and the

@@ -17,6 +17,7 @@ from tandem.repetition import RepetitionDetectionParams, as_params
 from tandem.structured import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
+MAX_LOGPROB_TOKEN_IDS = 128  # the width of token_logprobs.TokenLogprobBuffers' rows (vLLM's)
 MAX_N = 128  # samples per prompt (OpenAI's limit): one call must not queue millions of requests
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # an int64, as vLLM takes it; -1 means no seed
 MAX_TOP_K = 2**31 - 1
@@ -51,6 +52,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # each output position's logprobs of exactly these ids (and of the sampled token) in place of
+    # the top `logprobs`; logprobs becomes their count
+    logprob_token_ids: list[int] | None = None
     # the logprob of every prompt token after the first, plus the top `prompt_logprobs` ids
     prompt_logprobs: int | None = None
     detokenize: bool = True  # False: outputs carry token ids only, their text stays ""
@@ -94,6 +98,14 @@ class SamplingParams:
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self.repetition_detection = as_params(self.repetition_detection)
+        if self.logprob_token_ids is not None:
+            self.logprob_token_ids = _as_list(
+                "logprob_token_ids", self.logprob_token_ids, "a list of token ids"
+            )
+            if not self.logprob_token_ids:  # as vLLM's server: an empty list asks for nothing
+                self.logprob_token_ids = None
+            elif self.logprobs is None:
+                self.logprobs = len(self.logprob_token_ids)
         self.validate()
 
     def validate(self) -> None:
@@ -155,8 +167,10 @@ class SamplingParams:
             check_int("stop_token_ids", token_id, 0)
         if self.logprobs is not None:
             check_int("logprobs", self.logprobs, 0)
-            if self.logprobs > MAX_LOGPROBS:
+            if self.logprobs > MAX_LOGPROBS and self.logprob_token_ids is None:
                 raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.logprob_token_ids is not None:
+            self._validate_logprob_token_ids()
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
         if not isinstance(self.output_kind, RequestOutputKind):
@@ -172,6 +186,22 @@ class SamplingParams:
                     f"{type(self.structured_outputs).__name__}"
                 )
             self.structured_outputs.validate()
+
+    def _validate_logprob_token_ids(self) -> None:
+        ids = self.logprob_token_ids
+        if not isinstance(ids, list) or not 1 <= len(ids) <= MAX_LOGPROB_TOKEN_IDS:
+            raise ValueError(
+                f"logprob_token_ids must be a list of 1 to {MAX_LOGPROB_TOKEN_IDS} token ids, got "
+                f"{ids!r}"[:300]
+            )
+        for token_id in ids:
+            check_int("logprob_token_ids", token_id, 0)
+        if self.logprobs != len(ids):
+            raise ValueError(
+                "when both logprobs and logprob_token_ids are set, logprobs must equal "
+                f"len(logprob_token_ids); got logprobs={self.logprobs}, "
+                f"len(logprob_token_ids)={len(ids)}"
+            )
 
     def _validate_logits_processors(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -221,6 +251,12 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         """A deep copy: changing its lists, dicts or constraint leaves this one as it is."""
         return copy.deepcopy(self)
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        """The top ids, in rank order, of each output position's logprobs (None: no logprobs;
+        0 with logprob_token_ids, whose ids are the ones named)."""
+        return 0 if self.logprob_token_ids is not None else self.logprobs
 
     @property
     def greedy(self) -> bool:

@@ -140,3 +140,52 @@ SANITIZED_RUN = textwrap.dedent(
 
 def test_prompt_logprobs_are_clean_under_the_stream_sanitizer(run_sanitized):
     assert run_sanitized(SANITIZED_RUN).count("ok") == 2
+
+
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+def test_logprob_token_ids_on_cuda_match_transformers_with_only_the_d2h_wait(
+    make_tiny, counted_waits, async_batching
+):
+    """Named ids' logprobs (token_logprobs.py) beside top-k and plain rows, float32 on CUDA:
+    within 1e-3 of transformers', the step loop waiting only on its D2H events."""
+    folder = str(make_tiny("llama"))
+    llm = LLM(folder, dtype="float32", max_model_len=128, async_batching=async_batching)
+    ids = prompts(llm.engine.model_config.vocab_size)[:4]
+    named = [[5, 17, 99, 3], None, [42], None]
+    params = [
+        SamplingParams(seed=i, temperature=1.0, max_tokens=8, ignore_eos=True,
+                       logprob_token_ids=n, logprobs=None if n else (2 if i == 1 else None))
+        for i, n in enumerate(named)
+    ]  # fmt: skip
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sorted(counted_waits) == list(range(llm.engine.num_steps))
+    for prompt, out, n in zip(ids, outputs, named, strict=True):
+        completion = out.outputs[0]
+        if n is None:
+            continue
+        rows = reference(folder, prompt + completion.token_ids)[len(prompt) - 1 :]
+        for step, (token, entry) in enumerate(
+            zip(completion.token_ids, completion.logprobs, strict=True)
+        ):
+            assert set(entry) == {*n, token}
+            for t, logprob in entry.items():
+                assert logprob.logprob == pytest.approx(rows[step, t].item(), abs=1e-3)
+
+
+def test_logprob_token_ids_are_clean_under_the_stream_sanitizer(run_sanitized):
+    script = textwrap.dedent("""
+        import sys
+        from tandem import LLM, SamplingParams
+        from tandem.model.tiny import make_tiny_model
+        llm = LLM(str(make_tiny_model(sys.argv[1], "llama")), max_model_len=128)
+        params = [SamplingParams(max_tokens=12, ignore_eos=True, logprob_token_ids=[5, 9]),
+                  SamplingParams(max_tokens=9, ignore_eos=True)]
+        outs = llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 2, params, use_tqdm=False)
+        assert all(set(e) >= {5, 9} for e in outs[0].outputs[0].logprobs)
+        print("ok")
+    """)
+    assert run_sanitized(script).strip().endswith("ok")

@@ -172,6 +172,8 @@ class SamplingRequest(BaseModel):
     repetition_detection: dict[str, int] | None = None
     # vLLM's, with --reasoning-parser: after this many thinking tokens, </think> is forced
     thinking_token_budget: int | None = None
+    # vLLM's, with logprobs: each position's logprobs of exactly these ids (and the sampled one)
+    logprob_token_ids: list[int] | None = None
     # vLLM's: the n best beams of a beam search (server/beam_search.py), scored with this
     use_beam_search: bool = False
     length_penalty: float = 1.0

@@ -166,12 +166,16 @@ class OpenAIServing:
             max_tokens = min(asked, defaults.get("max_tokens", asked))
         if max_tokens == 0 and not body.echo:
             raise OpenAIError("max_tokens must be >= 1 unless echo is true", param="max_tokens")
+        if max_tokens == 0 and body.logprob_token_ids:
+            message = "logprob_token_ids needs generated tokens; max_tokens is 0"
+            raise OpenAIError(message, param="logprob_token_ids")
         # echo with logprobs scores the prompt too; echo with max_tokens=0 only scores it
         prompt_logprobs = body.prompt_logprobs
         if prompt_logprobs is None and body.echo and (body.logprobs is not None or max_tokens == 0):
             prompt_logprobs = body.logprobs or 0
+        logprobs = None if body.logprob_token_ids else body.logprobs  # then: their count
         params = sampling_params(
-            body, defaults, max_tokens, body.logprobs, prompt_logprobs, output_constraint(body)
+            body, defaults, max_tokens, logprobs, prompt_logprobs, output_constraint(body)
         )
         keep = params.truncate_prompt_tokens
         prompts = [self._kept(text, ids, keep, asked) for text, ids in prompts]
@@ -233,7 +237,9 @@ class OpenAIServing:
         defaults = self.llm.sampling_defaults
         room = max(1, self.llm.max_model_len - len(ids))
         max_tokens = min(room, defaults.get("max_tokens", room)) if asked is None else asked
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        logprobs = (
+            (body.top_logprobs or 0) if body.logprobs and not body.logprob_token_ids else None
+        )
         params = sampling_params(
             body, defaults, max_tokens, logprobs, body.prompt_logprobs, constraint
         )
@@ -279,6 +285,12 @@ class OpenAIServing:
         if body.prompt_logprobs is not None and body.stream:  # as vLLM's
             message = "prompt_logprobs are not available when stream is true"
             raise OpenAIError(message, param="prompt_logprobs")
+        if body.logprob_token_ids and body.use_beam_search:
+            message = "logprob_token_ids is not supported with use_beam_search"
+            raise OpenAIError(message, param="logprob_token_ids")
+        if body.logprob_token_ids and (body.logprobs is None or body.logprobs is False):
+            message = "logprob_token_ids needs logprobs set"
+            raise OpenAIError(message, param="logprob_token_ids")
         stop, limits = body.stop_strings(), self.options
         if len(stop) > limits.max_stop_strings:
             message = f"stop has {len(stop)} strings; at most {limits.max_stop_strings} are allowed"
@@ -766,6 +778,7 @@ def sampling_params(
         "include_stop_str_in_output",
         "repetition_detection",
         "thinking_token_budget",
+        "logprob_token_ids",
     )
     given = {name: value for name, value in defaults.items() if name != "max_tokens"}
     given |= {name: getattr(body, name) for name in names if getattr(body, name) is not None}

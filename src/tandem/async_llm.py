@@ -323,6 +323,16 @@ class AsyncLLM:
 
     # ---- RL hooks: run on the engine thread between two steps -----------------------------
 
+    async def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list:
+        """vLLM's: `method` on every rank's engine between two steps (see LLM.collective_rpc)."""
+        return await self._call(lambda engine: engine.collective_rpc(method, timeout, args, kwargs))
+
     async def update_weights(self, named_tensors: NamedTensors | dict | Any) -> None:
         """Copy (Hugging Face name, tensor) pairs into the weights in place (see Engine), or
         receive the tensors a trainer broadcasts (vLLM's `{"update_info": {...}}`; see

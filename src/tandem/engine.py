@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import random
 import threading
@@ -9,6 +10,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,6 +39,7 @@ from tandem.reasoning import ThinkTokens
 from tandem.repetition import ends_in_repetition
 from tandem.request import Request
 from tandem.roofline import step_work
+from tandem.rpc import apply_to_model, check_call, pickled, run_call
 from tandem.runner import Runner
 from tandem.sampling import SamplingParams, truncate_prompt
 from tandem.scheduler import Scheduler
@@ -712,6 +715,40 @@ class Engine:
         self.scheduler.cache.reset()
         for request in self.scheduler.running:
             request.num_published_blocks = cdiv(self.max_model_len, self.block_size)
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> list:
+        """vLLM's: `method` (an Engine method's name, or a function taking the engine first) on
+        every rank at once, between steps (see rpc.py); each rank's result, rank 0's first. On
+        each rank the call sees that rank's engine alone: a method that drives the other ranks
+        itself (update_weights, sleep) does not drive them from rank 0 here."""
+        check_call(type(self), method, args, kwargs)
+        workers = self.workers
+        if workers is None:  # one rank: the call need not pickle (a lambda will do)
+            return [run_call(self, method, tuple(args), kwargs or {})]
+        workers.start_rpc(
+            self.commands, pickled(method, args, kwargs)
+        )  # first: a call may join a collective
+        self.commands = []
+        self.workers = None
+        try:
+            ours = run_call(self, method, tuple(args), kwargs or {})
+        except Exception:
+            with contextlib.suppress(Exception):  # the others' answers: not left in the pipes
+                workers.rpc_results(timeout)
+            raise
+        finally:
+            self.workers = workers
+        return [ours, *workers.rpc_results(timeout)]
+
+    def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> list:
+        """vLLM's: `func(model)` on every rank's model; each rank's result."""
+        return self.collective_rpc(apply_to_model, args=(func,))
 
     def _on_other_ranks(self, method: str, *args) -> None:
         """Run `method(*args)` on every other rank's engine now, after the commands queued so far."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +92,23 @@ class LLM:
             yield
         finally:
             self._lock.release()
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list:
+        """vLLM's: an Engine method's name, or a function taking the engine first, run on
+        every tensor-parallel rank between steps (see rpc.py); each rank's result."""
+        with self._hook():
+            return self.engine.collective_rpc(method, timeout, args, kwargs)
+
+    def apply_model(self, func: Callable[[Any], Any]) -> list:
+        """vLLM's: `func(model)` on every rank's model, between steps; each rank's result."""
+        with self._hook():
+            return self.engine.apply_model(func)
 
     def update_weights(self, named_tensors: NamedTensors | dict | Any) -> None:
         """Copy (Hugging Face name, tensor) pairs into the weights in place (see Engine); or,

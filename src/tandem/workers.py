@@ -20,8 +20,10 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from tandem.config import EngineConfig
+from tandem.rpc import run_pickled
 
 JOIN_TIMEOUT_S = 30  # shutdown: how long the other ranks get to leave before they are killed
+RPC_POLL_S = 0.05  # collective_rpc: how often rank 0 looks at the others while it waits
 
 
 class RankExited(RuntimeError):
@@ -36,6 +38,7 @@ class Workers:
         self.pipes: list[multiprocessing.connection.Connection] = []
         self.processes = []
         self.errors: dict[int, str] = {}  # rank -> the traceback it sent before it exited
+        self.rpc_calls = 0  # collective_rpc calls so far: each answer names its call
         for rank in range(1, config.tensor_parallel_size):
             ours, theirs = ctx.Pipe()
             process = ctx.Process(
@@ -63,6 +66,43 @@ class Workers:
         self.check()
         for pipe in self.pipes:
             pipe.send(("apply", commands))
+
+    def start_rpc(self, commands: list[tuple[Any, ...]], payload: bytes) -> None:
+        """Apply `commands`, then start the pickled call (rpc.py) on every rank."""
+        self.apply(commands)
+        self.rpc_calls += 1
+        for pipe in self.pipes:
+            pipe.send(("rpc", (self.rpc_calls, payload)))
+
+    def rpc_results(self, timeout: float | None) -> list:
+        """The call's results in rank order. RuntimeError naming the ranks where it raised;
+        TimeoutError after `timeout` seconds without every result (a late one is dropped when
+        it comes)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        replies = []
+        for rank, pipe in enumerate(self.pipes, 1):
+            while True:
+                while not pipe.poll(RPC_POLL_S):
+                    self.check()
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"tensor-parallel rank {rank} did not answer in {timeout} s"
+                        )
+                message = pipe.recv()
+                if message[0] == "error":  # its traceback, sent as it exits
+                    self.errors[rank] = message[1]
+                    raise RankExited(
+                        f"tensor-parallel rank {rank} failed{self._last_error(rank, pipe)}"
+                    )
+                if message[1] == self.rpc_calls:  # not a late answer to a call that timed out
+                    replies.append(message[2:])
+                    break
+        failed = [
+            f"rank {r}:\n{value}" for r, (kind, value) in enumerate(replies, 1) if kind != "result"
+        ]
+        if failed:
+            raise RuntimeError("the call failed on other ranks:\n" + "\n".join(failed))
+        return [value for _, value in replies]
 
     def check(self) -> None:
         """Raise if a rank's process is gone: the others would wait for it at their next collective."""
@@ -148,6 +188,10 @@ def follow(engine: Any, pipe: multiprocessing.connection.Connection) -> None:
             os._exit(0)  # could wait forever on a collective rank 0 never joins
         if order == "stop":
             break
+        if order == "rpc":  # commands: (the call's number, the pickled call: rpc.py)
+            call, payload = commands
+            pipe.send(("rpc", call, *run_pickled(engine, payload)))
+            continue
         for command in commands:
             if command[0] == "add":
                 _, request_id, params, prompt_token_ids, cache_salt = command

@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tandem import __version__
 from tandem.async_llm import AsyncLLM, EngineDeadError
+from tandem.server import tokens
 from tandem.server.admin import admin_router
 from tandem.server.metrics import ServerMetrics
 from tandem.server.options import ServerOptions
@@ -27,6 +28,7 @@ from tandem.server.protocol import (
     TokenizeRequest,
 )
 from tandem.server.serving import OpenAIServing, ServerShuttingDown, chat_ids
+from tandem.server.tokens import GenerateRequest
 
 OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key
 
@@ -57,6 +59,10 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: HttpRequest) -> Response:
         return await serving.chat(body, http)
+
+    @app.post("/inference/v1/generate")
+    async def generate_tokens(body: GenerateRequest, http: HttpRequest) -> Response:
+        return await tokens.generate(serving, body, http)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

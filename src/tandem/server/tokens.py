@@ -1,0 +1,108 @@
+"""vLLM's token-in, token-out endpoint: `POST /inference/v1/generate`, for RL rollouts and
+routers that tokenize and detokenize themselves.
+
+The prompt is `token_ids`, the sampling fields are SamplingParams' own in a nested
+`sampling_params` object (left out, `max_tokens` fills the context as the chat endpoint's
+does), and each choice answers with its token ids and, with logprobs, each token's logprob
+named "token_id:<id>". No text is made unless stop strings need it (`detokenize` off).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, Any
+
+from fastapi import Request as HttpRequest
+from fastapi.responses import Response
+from pydantic import AfterValidator, Field
+
+from tandem.sampling import SamplingParams
+from tandem.server.protocol import OpenAIError, RequestOption, StreamOptions, encodable
+from tandem.server.serving import ChatFormat, Choice, OpenAIServing
+
+PARAMS = {f.name for f in dataclasses.fields(SamplingParams)}
+SET_BY_THE_SERVER = ("output_kind",)  # as vLLM's: a stream gets deltas, others the final output
+
+
+class GenerateRequest(RequestOption):
+    """vLLM's GenerateRequest (its multimodal and disaggregation fields aside)."""
+
+    request_id: str | None = None  # the response's id, after "generate-tokens-"
+    token_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    model: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    cache_salt: Annotated[str, Field(min_length=1), AfterValidator(encodable)] | None = None
+    priority: Annotated[int, Field(ge=0, le=0)] = 0  # no priority scheduling here: 0 alone
+
+    # what OpenAIServing reads of a request body
+    return_token_ids = property(lambda self: True)
+    return_tokens_as_token_ids = property(lambda self: True)
+    prompt_logprobs = property(lambda self: self.sampling_params.get("prompt_logprobs"))
+
+
+class TokensFormat(ChatFormat):
+    """Choices of token ids, logprobs as chat spells them (by "token_id:<id>")."""
+
+    object = chunk_object = ""
+
+    def envelope(self, chunk: bool) -> dict[str, Any]:
+        if chunk:
+            return {"request_id": self.generation.id}
+        generation = self.generation
+        return {
+            "request_id": generation.id,
+            "model": self.model_name,
+            "created": generation.created,
+        }
+
+    def delta_choice(self, index: int, choice: Choice, output) -> dict | None:
+        if not (output.token_ids or output.finished):
+            return None
+        return {
+            "index": index,
+            "logprobs": self._logprobs(output.token_ids, output.logprobs),
+            "finish_reason": output.finish_reason,
+            "token_ids": output.token_ids,
+        }
+
+    def final_choice(self, index: int, choice: Choice) -> dict:
+        return {
+            "index": index,
+            "logprobs": self._logprobs(choice.token_ids, choice.logprobs),
+            "finish_reason": choice.finish_reason,
+            "token_ids": choice.token_ids,
+        }
+
+
+def sampling_params(body: GenerateRequest, max_model_len: int, defaults: dict) -> SamplingParams:
+    """The request's SamplingParams; a 400 naming an unknown or bad field."""
+    fields = {k: v for k, v in body.sampling_params.items() if k not in SET_BY_THE_SERVER}
+    unknown = sorted(set(fields) - PARAMS)
+    if unknown:
+        raise OpenAIError(
+            f"sampling_params has no field {unknown[0]!r}", param=f"sampling_params.{unknown[0]}"
+        )
+    if fields.get("max_tokens") is None:  # as the chat endpoint: what the context leaves
+        room = max(1, max_model_len - len(body.token_ids))
+        fields["max_tokens"] = min(room, defaults.get("max_tokens", room))
+    fields.setdefault("detokenize", bool(fields.get("stop")))
+    try:
+        return SamplingParams(**fields)
+    except (ValueError, TypeError) as error:
+        raise OpenAIError(f"sampling_params: {error}", param="sampling_params") from error
+
+
+async def generate(serving: OpenAIServing, body: GenerateRequest, http: HttpRequest) -> Response:
+    serving.check_model(body.model)
+    if body.stream_options is not None and not body.stream:
+        raise OpenAIError("stream_options needs stream set to true", param="stream_options")
+    params = sampling_params(body, serving.llm.max_model_len, serving.llm.sampling_defaults)
+    if params.prompt_logprobs is not None and body.stream:
+        message = "prompt_logprobs are not available when stream is true"
+        raise OpenAIError(message, param="sampling_params")
+    serving.check_room([body.token_ids], params.max_tokens, "sampling_params.max_tokens")
+    prompts = [(None, body.token_ids)]
+    generation = await serving._start("generate-tokens", prompts, params, body, http)
+    return await serving._respond(generation, TokensFormat, body, http)

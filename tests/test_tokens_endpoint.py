@@ -1,0 +1,112 @@
+"""vLLM's token-in, token-out endpoint (/inference/v1/generate) against the offline API on the
+same model: the same tokens and logprobs, whole and streamed, and its 400s."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tandem import LLM, SamplingParams
+from tandem.async_llm import AsyncLLM
+from tandem.server.app import build_app
+from test_server import running
+
+ENGINE_ARGS = {"max_model_len": 128, "dtype": "float32"}
+PROMPT = [1, 2, 3, 40, 41]
+
+
+@pytest.fixture(scope="module")
+def folder(make_tiny) -> str:
+    return str(make_tiny("llama"))
+
+
+@pytest.fixture(scope="module")
+def url(folder) -> Iterator[str]:
+    llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
+    try:
+        with running(build_app(llm, "tiny")) as served:
+            yield served
+    finally:
+        llm.shutdown()
+
+
+def generate(url: str, **body) -> httpx.Response:
+    return httpx.post(f"{url}/inference/v1/generate", json=body, timeout=60)
+
+
+def test_tokens_and_logprobs_are_the_offline_apis(url, folder):
+    fields = {"seed": 7, "temperature": 1.0, "max_tokens": 9, "n": 3, "logprobs": 2,
+              "prompt_logprobs": 1, "ignore_eos": True}  # fmt: skip
+    response = generate(url, token_ids=PROMPT, sampling_params=fields, request_id="r1")
+    assert response.status_code == 200, response.text
+    body = response.json()
+    [offline] = LLM(folder, **ENGINE_ARGS).generate(
+        {"prompt_token_ids": PROMPT}, SamplingParams(**fields), use_tqdm=False
+    )
+    assert body["request_id"] == "generate-tokens-r1" and body["model"] == "tiny"
+    assert body["usage"]["prompt_tokens"] == len(PROMPT)
+    assert body["usage"]["completion_tokens"] == 27
+    assert len(body["choices"]) == 3
+    for choice, sample in zip(body["choices"], offline.outputs, strict=True):
+        assert choice["token_ids"] == sample.token_ids
+        assert choice["finish_reason"] == "length"
+        content = choice["logprobs"]["content"]
+        assert [c["token"] for c in content] == [f"token_id:{t}" for t in sample.token_ids]
+        for entry, expected, token in zip(content, sample.logprobs, sample.token_ids, strict=True):
+            assert entry["logprob"] == pytest.approx(expected[token].logprob, abs=1e-5)
+            tops = {t["token"]: t["logprob"] for t in entry["top_logprobs"]}
+            wanted = {f"token_id:{t}": lp.logprob for t, lp in list(expected.items())[:2]}
+            assert tops == pytest.approx(wanted, abs=1e-5)
+    prompt_logprobs = body["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == len(PROMPT)
+    for entry, expected in zip(prompt_logprobs[1:], offline.prompt_logprobs[1:], strict=True):
+        assert {int(t): e["logprob"] for t, e in entry.items()} == pytest.approx(
+            {t: lp.logprob for t, lp in expected.items()}, abs=1e-5
+        )
+
+
+def test_a_stream_sends_the_same_tokens_then_usage(url):
+    fields = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
+    whole = generate(url, token_ids=PROMPT, sampling_params=fields).json()["choices"][0]
+    streamed = generate(url, token_ids=PROMPT, sampling_params=fields, stream=True,
+                        stream_options={"include_usage": True})  # fmt: skip
+    assert streamed.status_code == 200
+    events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    tokens = [t for c in chunks[:-1] for t in c["choices"][0]["token_ids"]]
+    assert tokens == whole["token_ids"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_left_out_max_tokens_fills_the_context(url):
+    body = generate(url, token_ids=PROMPT, sampling_params={"ignore_eos": True}).json()
+    assert len(body["choices"][0]["token_ids"]) == ENGINE_ARGS["max_model_len"] - len(PROMPT)
+    assert body["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"token_ids": []}, "token_ids"),
+        ({"token_ids": [1, -2]}, "token_ids.1"),
+        ({"token_ids": [1], "sampling_params": {"tempature": 1}}, "sampling_params.tempature"),
+        ({"token_ids": [1], "sampling_params": {"top_p": 0}}, "sampling_params"),
+        ({"token_ids": [1], "sampling_params": {"max_tokens": 1000}}, "sampling_params.max_tokens"),
+        ({"token_ids": [1], "priority": 2}, "priority"),
+        ({"token_ids": [1], "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"token_ids": [1], "stream": True, "sampling_params": {"prompt_logprobs": 0}},
+         "sampling_params"),
+        ({"token_ids": [1], "model": "other"}, "model"),
+        ({"token_ids": [1], "prompt": "x"}, "prompt"),
+    ],
+)  # fmt: skip
+def test_bad_requests_are_400s_and_the_server_goes_on(url, body, param):
+    response = generate(url, **body)
+    assert response.status_code in (400, 404), response.text
+    assert response.json()["error"]["param"] == param
+    assert generate(url, token_ids=[1], sampling_params={"max_tokens": 2}).status_code == 200

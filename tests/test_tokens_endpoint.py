@@ -110,3 +110,57 @@ def test_bad_requests_are_400s_and_the_server_goes_on(url, body, param):
     assert response.status_code in (400, 404), response.text
     assert response.json()["error"]["param"] == param
     assert generate(url, token_ids=[1], sampling_params={"max_tokens": 2}).status_code == 200
+
+
+# ---- the render endpoints ----------------------------------------------------------------------
+
+
+def post(url: str, route: str, **body) -> httpx.Response:
+    return httpx.post(f"{url}{route}", json={"model": "tiny", **body}, timeout=60)
+
+
+def test_a_rendered_completion_generates_what_the_completion_does(url):
+    fields = {"max_tokens": 7, "temperature": 0.8, "seed": 3, "logit_bias": {"220": 5.0},
+              "logprobs": 1, "stop_token_ids": [2]}  # fmt: skip
+    prompts = ["The quick brown fox", "Hello, café"]
+    answer = post(url, "/v1/completions", prompt=prompts, return_token_ids=True, **fields).json()
+    response = post(url, "/v1/completions/render", prompt=prompts, **fields)
+    assert response.status_code == 200, response.text
+    rendered = response.json()
+    tokenized = post(url, "/tokenize", prompt=prompts[1]).json()["tokens"]
+    assert len(rendered) == 2 and rendered[1]["token_ids"] == tokenized
+    assert rendered[0]["sampling_params"]["logit_bias"] == {"220": 5.0}
+    for request, choice in zip(rendered, answer["choices"], strict=True):
+        out = generate(url, **request).json()["choices"][0]
+        assert out["token_ids"] == choice["token_ids"]
+        assert [c["logprob"] for c in out["logprobs"]["content"]] == pytest.approx(
+            choice["logprobs"]["token_logprobs"], abs=1e-5
+        )
+
+
+def test_a_rendered_chat_holds_its_template_and_generates_what_the_chat_does(url):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    fields = {"messages": messages, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    rendered = post(url, "/v1/chat/completions/render", **fields).json()
+    tokenized = post(url, "/tokenize", messages=messages).json()
+    assert rendered["token_ids"] == tokenized["tokens"]
+    assert rendered["sampling_params"]["max_tokens"] == 6
+    answer = post(url, "/v1/chat/completions", return_token_ids=True, **fields).json()
+    out = generate(url, **rendered).json()["choices"][0]
+    assert out["token_ids"] == answer["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "status", "param"),
+    [
+        ("/v1/completions/render", {"prompt": "Hi", "use_beam_search": True, "n": 2}, 400,
+         "use_beam_search"),
+        ("/v1/completions/render", {"prompt": "Hi", "model": "other"}, 404, "model"),
+        ("/v1/chat/completions/render", {"messages": []}, 400, "messages"),
+        ("/v1/completions/render", {"prompt": "Hi", "max_tokens": 500}, 400, "max_tokens"),
+    ],
+)  # fmt: skip
+def test_bad_render_requests_are_errors(url, route, body, status, param):
+    response = post(url, route, **body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param

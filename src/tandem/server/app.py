@@ -64,6 +64,14 @@ def build_app(
     async def generate_tokens(body: GenerateRequest, http: HttpRequest) -> Response:
         return await tokens.generate(serving, body, http)
 
+    @app.post("/v1/completions/render")
+    async def render_completion(body: CompletionRequest) -> list[dict[str, Any]]:
+        return await tokens.render_completion(serving, body)
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat(body: ChatCompletionRequest) -> dict[str, Any]:
+        return await tokens.render_chat(serving, body)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         created = int(time.time())

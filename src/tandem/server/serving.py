@@ -23,7 +23,7 @@ from tandem.reasoning import PARSERS as REASONING_PARSERS
 from tandem.reasoning import ReasoningSplitter, split
 from tandem.sampling import SamplingParams, seeded, truncate_prompt
 from tandem.server import beam_search
-from tandem.server.constraints import constraint_field, output_constraint, tool_mode
+from tandem.server.constraints import ToolMode, constraint_field, output_constraint, tool_mode
 from tandem.server.metrics import LatencyTracker, ServerMetrics
 from tandem.server.options import ServerOptions
 from tandem.server.protocol import (
@@ -152,6 +152,21 @@ class OpenAIServing:
         return self.llm.tokenizer
 
     async def completions(self, body: CompletionRequest, http: HttpRequest) -> Response:
+        prompts, params, max_tokens = await self.completion_inputs(body)
+        if body.use_beam_search:
+            return await self._beam_search(body, [ids for _, ids in prompts], max_tokens)
+        generation = await self._start("cmpl", prompts, params, body, http)
+        if body.echo:
+            for i, choice in enumerate(generation.choices):
+                text, ids = prompts[i // params.n]
+                choice.echo = (self._prompt_text(text, ids), ids)
+        return await self._respond(generation, CompletionFormat, body, http)
+
+    async def completion_inputs(
+        self, body: CompletionRequest
+    ) -> tuple[list[tuple[str | None, list[int]]], SamplingParams, int]:
+        """A checked completion request's prompts as the model reads them (text, ids), their
+        SamplingParams and max_tokens."""
         self.check_model(body.model)
         self.check_request(body)
         # tokenizing a long prompt takes seconds: off the event loop, so other streams go on
@@ -180,14 +195,7 @@ class OpenAIServing:
         keep = params.truncate_prompt_tokens
         prompts = [self._kept(text, ids, keep, asked) for text, ids in prompts]
         self.check_room([ids for _, ids in prompts], asked, "max_tokens")
-        if body.use_beam_search:
-            return await self._beam_search(body, [ids for _, ids in prompts], max_tokens)
-        generation = await self._start("cmpl", prompts, params, body, http)
-        if body.echo:
-            for i, choice in enumerate(generation.choices):
-                text, ids = prompts[i // params.n]
-                choice.echo = (self._prompt_text(text, ids), ids)
-        return await self._respond(generation, CompletionFormat, body, http)
+        return prompts, params, max_tokens
 
     def _kept(
         self, text: str | None, ids: list[int], keep: int | None, max_tokens: int | None
@@ -221,6 +229,24 @@ class OpenAIServing:
         return self.llm.tokenizer.decode(ids, skip_special_tokens=False)
 
     async def chat(self, body: ChatCompletionRequest, http: HttpRequest) -> Response:
+        text, ids, params, mode = await self.chat_inputs(body)
+        if body.use_beam_search:
+            return await self._beam_search(body, [ids], params.max_tokens)
+        generation = await self._start("chatcmpl", [(text, ids)], params, body, http)
+        generation.reader, generation.echoed = mode.reader, body.echoed()
+        generation.role = body.answer_role()
+        name, think = self.llm.engine.config.reasoning_parser, self.llm.engine.think_tokens
+        if name is not None:  # the answer thinks first unless its prompt closed the thinking
+            thinking, kwargs = not think.ended(ids), body.template_kwargs()
+            generation.reasoning = lambda: REASONING_PARSERS[name].splitter(thinking, kwargs)
+            generation.include_reasoning = body.include_reasoning
+        return await self._respond(generation, ChatFormat, body, http)
+
+    async def chat_inputs(
+        self, body: ChatCompletionRequest
+    ) -> tuple[str, list[int], SamplingParams, ToolMode]:
+        """A checked chat request's rendered prompt (text, ids), its SamplingParams and how
+        its answer is read (tools)."""
         self.check_model(body.model)
         self.check_request(body)
         if body.top_logprobs and not body.logprobs:
@@ -245,17 +271,7 @@ class OpenAIServing:
         )
         if not mode.skip_special_tokens:
             params = replace(params, skip_special_tokens=False)
-        if body.use_beam_search:
-            return await self._beam_search(body, [ids], max_tokens)
-        generation = await self._start("chatcmpl", [(text, ids)], params, body, http)
-        generation.reader, generation.echoed = mode.reader, body.echoed()
-        generation.role = body.answer_role()
-        name, think = self.llm.engine.config.reasoning_parser, self.llm.engine.think_tokens
-        if name is not None:  # the answer thinks first unless its prompt closed the thinking
-            thinking, kwargs = not think.ended(ids), body.template_kwargs()
-            generation.reasoning = lambda: REASONING_PARSERS[name].splitter(thinking, kwargs)
-            generation.include_reasoning = body.include_reasoning
-        return await self._respond(generation, ChatFormat, body, http)
+        return text, ids, params, mode
 
     async def _beam_search(
         self,

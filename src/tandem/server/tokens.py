@@ -1,15 +1,20 @@
 """vLLM's token-in, token-out endpoint: `POST /inference/v1/generate`, for RL rollouts and
-routers that tokenize and detokenize themselves.
+routers that tokenize and detokenize themselves, and its render endpoints.
 
 The prompt is `token_ids`, the sampling fields are SamplingParams' own in a nested
 `sampling_params` object (left out, `max_tokens` fills the context as the chat endpoint's
 does), and each choice answers with its token ids and, with logprobs, each token's logprob
 named "token_id:<id>". No text is made unless stop strings need it (`detokenize` off).
+
+`POST /v1/completions/render` and `/v1/chat/completions/render` take the generation endpoints'
+bodies and answer the generate request(s) they make: the prompt as the model reads it (a
+chat's template rendered) and every SamplingParams field, run nowhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from typing import Annotated, Any
 
 from fastapi import Request as HttpRequest
@@ -17,8 +22,15 @@ from fastapi.responses import Response
 from pydantic import AfterValidator, Field
 
 from tandem.sampling import SamplingParams
-from tandem.server.protocol import OpenAIError, RequestOption, StreamOptions, encodable
-from tandem.server.serving import ChatFormat, Choice, OpenAIServing
+from tandem.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    RequestOption,
+    StreamOptions,
+    encodable,
+)
+from tandem.server.serving import ChatFormat, Choice, OpenAIServing, token_id_keys
 
 PARAMS = {f.name for f in dataclasses.fields(SamplingParams)}
 SET_BY_THE_SERVER = ("output_kind",)  # as vLLM's: a stream gets deltas, others the final output
@@ -88,6 +100,8 @@ def sampling_params(body: GenerateRequest, max_model_len: int, defaults: dict) -
         room = max(1, max_model_len - len(body.token_ids))
         fields["max_tokens"] = min(room, defaults.get("max_tokens", room))
     fields.setdefault("detokenize", bool(fields.get("stop")))
+    if isinstance(fields.get("logit_bias"), dict):  # JSON's keys are strings
+        fields["logit_bias"] = token_id_keys(fields["logit_bias"])
     try:
         return SamplingParams(**fields)
     except (ValueError, TypeError) as error:
@@ -106,3 +120,51 @@ async def generate(serving: OpenAIServing, body: GenerateRequest, http: HttpRequ
     prompts = [(None, body.token_ids)]
     generation = await serving._start("generate-tokens", prompts, params, body, http)
     return await serving._respond(generation, TokensFormat, body, http)
+
+
+async def render_completion(serving: OpenAIServing, body: CompletionRequest) -> list[dict]:
+    """The generate request of each prompt of a completion request."""
+    prompts, params, _ = await serving.completion_inputs(body)
+    if body.use_beam_search:
+        raise OpenAIError("the render endpoints take no use_beam_search", param="use_beam_search")
+    call_id = uuid.uuid4().hex
+    return [
+        rendered(f"cmpl-{call_id}-{i}", ids, params, body) for i, (_, ids) in enumerate(prompts)
+    ]
+
+
+async def render_chat(serving: OpenAIServing, body: ChatCompletionRequest) -> dict:
+    """The generate request of a chat request: its template rendered, its fields as params."""
+    _, ids, params, _ = await serving.chat_inputs(body)
+    if body.use_beam_search:
+        raise OpenAIError("the render endpoints take no use_beam_search", param="use_beam_search")
+    return rendered(f"chatcmpl-{uuid.uuid4().hex}", ids, params, body)
+
+
+def rendered(request_id: str, ids: list[int], params: SamplingParams, body) -> dict:
+    stream = bool(body.stream)
+    options = body.stream_options.model_dump() if stream and body.stream_options else None
+    return {
+        "request_id": request_id,
+        "token_ids": ids,
+        "sampling_params": as_fields(params),
+        "model": body.model,
+        "stream": stream,
+        "stream_options": options,
+        "cache_salt": body.cache_salt,
+        "priority": 0,
+    }
+
+
+def as_fields(params: SamplingParams) -> dict[str, Any]:
+    """Every SamplingParams field as JSON takes it (nested parameters as objects), those the
+    server sets left out: what `sampling_params` makes the same SamplingParams of."""
+    fields = {}
+    for f in dataclasses.fields(params):
+        value = getattr(params, f.name)
+        if f.name in SET_BY_THE_SERVER:
+            continue
+        if dataclasses.is_dataclass(value):
+            value = dataclasses.asdict(value)
+        fields[f.name] = value
+    return fields

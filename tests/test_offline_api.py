@@ -260,3 +260,24 @@ def test_enqueue_chat_queues_conversations_that_wait_for_completion_answers_as_c
     assert [o.request_id for o in outs] == ids
     assert [o.prompt_token_ids for o in outs] == [o.prompt_token_ids for o in want]
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+
+
+def test_a_groups_output_is_built_when_it_finishes_not_when_the_run_ends(llm, monkeypatch):
+    """generate builds each prompt's RequestOutput (its Logprob objects) once its samples have
+    finished, while the device runs the next step, so the end of a run builds only the last."""
+    import tandem.llm
+
+    built_at, original = {}, tandem.llm._request_output
+
+    def recording(request_id, group, text):
+        built_at[request_id] = llm.engine.num_steps
+        return original(request_id, group, text)
+
+    monkeypatch.setattr(tandem.llm, "_request_output", recording)
+    lengths = [2, 9, 4, 15]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, n=2, logprobs=1) for n in lengths]
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7]} for i in range(4)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[1].token_ids) for o in outs] == lengths  # in input order, whole
+    steps = [built_at[o.request_id] for o in outs]
+    assert steps[0] < steps[2] < steps[1] < steps[3] == llm.engine.num_steps

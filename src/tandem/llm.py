@@ -198,8 +198,7 @@ class LLM:
         """Generate for every prompt (text, {"prompt": text} or {"prompt_token_ids": [...]}, a
         dict with an optional "cache_salt"); outputs in input order."""
         groups = self._requests_for(prompts, sampling_params)
-        self._run(groups, use_tqdm)
-        return self._outputs(groups)
+        return self._run(groups, use_tqdm)
 
     def enqueue(
         self,
@@ -227,14 +226,13 @@ class LLM:
         with self._hook():
             self._check_can_step()
             groups, self._enqueued = self._enqueued, []
-        self._run(groups, use_tqdm, queued=True)
-        return self._outputs(groups)
+        return self._run(groups, use_tqdm, queued=True)
 
     def _generate(
         self, prompts: Sequence[Prompt], params: list[SamplingParams], use_tqdm: bool
     ) -> list[tuple[str, list[Request]]]:
         groups = self._make_requests(prompts, params)
-        self._run(groups, use_tqdm)
+        self._run(groups, use_tqdm, outputs=False)
         return groups
 
     def score(
@@ -423,16 +421,18 @@ class LLM:
         if not self.engine.can_step:  # this thread would wait for itself
             raise RuntimeError(self.engine.hold)
 
-    def _outputs(self, groups: list[tuple[str, list[Request]]]) -> list[RequestOutput]:
-        text = token_text(self.engine.tokenizer)
-        return [_request_output(rid, group, text) for rid, group in groups]
-
     def _run(
-        self, groups: list[tuple[str, list[Request]]], use_tqdm: bool, queued: bool = False
-    ) -> None:
+        self,
+        groups: list[tuple[str, list[Request]]],
+        use_tqdm: bool,
+        queued: bool = False,
+        outputs: bool = True,
+    ) -> list[RequestOutput]:
         """Step until the groups' requests (queued here unless `queued`) and all others have
-        finished."""
+        finished; with `outputs`, each group's RequestOutput, built as the group finishes (while
+        the device runs the next step) rather than all at the end."""
         requests = [r for _, group in groups for r in group]
+        finished_groups = _FinishedGroups(groups, token_text(self.engine.tokenizer))
         if not queued:
             with self._hook():  # another thread's generate may be stepping
                 self._check_can_step()
@@ -445,6 +445,8 @@ class LLM:
                 while (updated := self._step()) is not None:
                     num_out += len(updated)
                     finished = sum(r.finished for r in updated)
+                    if finished and outputs:
+                        finished_groups.add(updated)
                     if finished or updated:
                         bar.update(finished)
                         bar.set_postfix_str(
@@ -456,6 +458,7 @@ class LLM:
                 for request in requests:
                     self.engine.abort(request.request_id)
             raise
+        return finished_groups.outputs() if outputs else []
 
     def _step(self) -> list[Request] | None:
         """What the next step updated, waiting while the engine is held (paused, asleep, taking
@@ -471,6 +474,30 @@ class LLM:
             if self.engine.paused:  # e.g. pause_generation("wait") drained: wake its caller
                 self._resumed.notify_all()
             return updated
+
+
+class _FinishedGroups:
+    """The RequestOutput of each group (a prompt's n samples), built once all its requests
+    have finished: during the run, while the device computes the next step."""
+
+    def __init__(self, groups: list[tuple[str, list[Request]]], text: TokenText):
+        self.groups, self.text = groups, text
+        self.group_of = {id(r): i for i, (_, group) in enumerate(groups) for r in group}
+        self.built: dict[int, RequestOutput] = {}
+
+    def add(self, updated: list[Request]) -> None:
+        for request in updated:
+            i = self.group_of.get(id(request)) if request.finished else None
+            if i is None or i in self.built or not all(r.finished for r in self.groups[i][1]):
+                continue
+            self.built[i] = _request_output(*self.groups[i], self.text)
+
+    def outputs(self) -> list[RequestOutput]:
+        """Every group's, in order (those that finished without a step built now)."""
+        return [
+            self.built[i] if i in self.built else _request_output(*group, self.text)
+            for i, group in enumerate(self.groups)
+        ]
 
 
 def _with_text_content(message: Any) -> Any:

@@ -181,7 +181,8 @@ def test_logprob_token_ids_are_clean_under_the_stream_sanitizer(run_sanitized):
         import sys
         from tandem import LLM, SamplingParams
         from tandem.model.tiny import make_tiny_model
-        llm = LLM(str(make_tiny_model(sys.argv[1], "llama")), max_model_len=128)
+        llm = LLM(str(make_tiny_model(sys.argv[1], "llama")), max_model_len=128,
+                  cuda_graphs=False)  # logprob steps run eagerly anyway
         params = [SamplingParams(max_tokens=12, ignore_eos=True, logprob_token_ids=[5, 9]),
                   SamplingParams(max_tokens=9, ignore_eos=True)]
         outs = llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 2, params, use_tqdm=False)

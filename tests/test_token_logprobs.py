@@ -69,6 +69,27 @@ def test_named_ids_do_not_change_the_tokens(folder):
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
+def test_only_steps_with_rows_that_name_ids_plan_them_padded_to_the_widest():
+    """The slot's buffers are written (and copied) only for steps with such rows; each row holds
+    its ids then zeros, up to the step's widest list."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tandem.token_logprobs import TokenLogprobBuffers, plan_rows
+
+    def request(ids):
+        logprobs = None if ids else 2  # a row with top-k logprobs, or none named
+        return SimpleNamespace(params=SamplingParams(logprob_token_ids=ids, logprobs=logprobs))
+
+    buffers = TokenLogprobBuffers(4, torch.device("cpu"))
+    assert plan_rows([request(None), request(None)], buffers) is None
+    step = plan_rows([request([7, 8, 9]), request(None), request([4])], buffers)
+    assert (step.num_rows, step.width) == (3, 3)
+    rows = buffers.np_ids[:9].reshape(3, 3).tolist()
+    assert rows == [[7, 8, 9], [0, 0, 0], [4, 0, 0]]
+
+
 def test_logprobs_becomes_the_count_of_named_ids():
     assert SamplingParams(logprob_token_ids=(4, 5, 6)).logprobs == 3
     assert SamplingParams(logprob_token_ids=[4, 5], logprobs=2).logprob_token_ids == [4, 5]

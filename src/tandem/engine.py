@@ -731,9 +731,8 @@ class Engine:
         workers = self.workers
         if workers is None:  # one rank: the call need not pickle (a lambda will do)
             return [run_call(self, method, tuple(args), kwargs or {})]
-        workers.start_rpc(
-            self.commands, pickled(method, args, kwargs)
-        )  # first: a call may join a collective
+        # the others first: a call may join a collective; then ours with the others detached
+        workers.start_rpc(self.commands, pickled(method, args, kwargs))
         self.commands = []
         self.workers = None
         try:

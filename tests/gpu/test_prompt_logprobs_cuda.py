@@ -149,7 +149,10 @@ def test_logprob_token_ids_on_cuda_match_transformers_with_only_the_d2h_wait(
     """Named ids' logprobs (token_logprobs.py) beside top-k and plain rows, float32 on CUDA:
     within 1e-3 of transformers', the step loop waiting only on its D2H events."""
     folder = str(make_tiny("llama"))
-    llm = LLM(folder, dtype="float32", max_model_len=128, async_batching=async_batching)
+    # every step has a logprob row, so runs eagerly: no graphs to capture
+    llm = LLM(
+        folder, dtype="float32", max_model_len=128, async_batching=async_batching, cuda_graphs=False
+    )
     ids = prompts(llm.engine.model_config.vocab_size)[:4]
     named = [[5, 17, 99, 3], None, [42], None]
     params = [

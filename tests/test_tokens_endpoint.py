@@ -94,6 +94,7 @@ def test_left_out_max_tokens_fills_the_context(url):
     [
         ({"token_ids": []}, "token_ids"),
         ({"token_ids": [1, -2]}, "token_ids.1"),
+        ({"token_ids": [1, 10**6]}, "token_ids"),  # outside the vocabulary: the engine's check
         ({"token_ids": [1], "sampling_params": {"tempature": 1}}, "sampling_params.tempature"),
         ({"token_ids": [1], "sampling_params": {"top_p": 0}}, "sampling_params"),
         ({"token_ids": [1], "sampling_params": {"max_tokens": 1000}}, "sampling_params.max_tokens"),

@@ -828,8 +828,8 @@ def invalid_request(error: ValueError, body: SamplingRequest) -> OpenAIError:
     word, fields = str(error).split(" ", 1)[0], type(body).model_fields
     if word in (GRAMMAR_BACKEND, "structured_outputs"):  # the engine's constraint errors
         word = constraint_field(body)
-    if word.startswith("prompt"):  # prompt, prompt_token_ids: what the prompt or messages made
-        word = "prompt" if "prompt" in fields else "messages"
+    if word.startswith("prompt"):  # prompt, prompt_token_ids: the body's field that made it
+        word = next(name for name in ("prompt", "messages", "token_ids") if name in fields)
     param = word if word in fields else None
     return OpenAIError(str(error), param=param)
 

@@ -108,12 +108,23 @@ def test_a_call_that_does_not_pickle_cannot_reach_other_ranks(checkpoints):
     assert len(sizes) == 2 and sizes[0] == sizes[1]
 
 
-def test_async_llm_runs_the_call_between_steps(checkpoints):
-    async def scenario() -> list:
+def test_async_llm_runs_the_call_between_steps_of_a_running_request(checkpoints):
+    from tandem import SamplingParams
+
+    async def scenario() -> tuple[list, list, int, object]:
         llm = AsyncLLM.from_model(checkpoints[0], **ENGINE_ARGS)
         try:
-            return await llm.collective_rpc(lambda engine: engine.num_steps >= 0)
+            params = SamplingParams(max_tokens=40, ignore_eos=True)
+            stream = llm.generate({"prompt_token_ids": [1, 2, 3]}, params, "r")
+            first = await anext(stream)  # the request is running
+            blocks = await llm.collective_rpc(lambda engine: engine.num_blocks)
+            steps = await llm.collective_rpc(lambda engine: engine.num_steps)
+            rest = [output async for output in stream]
+            return blocks, steps, len(first.outputs[0].token_ids), rest[-1]
         finally:
             llm.shutdown()
 
-    assert asyncio.run(scenario()) == [True]
+    blocks, steps, num_first, last = asyncio.run(scenario())
+    assert blocks == [LLM(checkpoints[0], **ENGINE_ARGS).engine.num_blocks]
+    assert num_first <= steps[0] < 40 + 1  # mid-generation, between two steps
+    assert len(last.outputs[0].token_ids) == 40  # and the request went on to its end

@@ -124,8 +124,7 @@ class RunningRows:
         self.frequency_penalty[row] = params.frequency_penalty
         self.repetition_penalty[row] = params.repetition_penalty
         self.needs_penalties[row] = params.needs_penalties
-        # a grammar, or a thinking budget: its masks come from the host (structured.py)
-        self.constrained[row] = request.matcher is not None or request.thinking_left is not None
+        self.constrained[row] = request.masked  # its masks come from the host (structured.py)
         self.copy_index[row], self.copy_publication[row] = request.copied_block or (-1, -1)
         if params.needs_penalties:
             self.admitted[0].append(row)

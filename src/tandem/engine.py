@@ -402,9 +402,8 @@ class Engine:
                     f"backend ({GRAMMAR_BACKEND}), which forces </think> through token masks"
                 )
             request.thinking_left = params.thinking_token_budget
-        gated = request.matcher is not None or request.thinking_left is not None
         if (
-            gated
+            request.masked
             and self.think_tokens is not None
             and not self.think_tokens.ended(prompt_token_ids)
         ):
@@ -728,15 +727,16 @@ class Engine:
         each rank the call sees that rank's engine alone: a method that drives the other ranks
         itself (update_weights, sleep) does not drive them from rank 0 here."""
         check_call(type(self), method, args, kwargs)
+        call = (method, tuple(args), kwargs or {})
         workers = self.workers
         if workers is None:  # one rank: the call need not pickle (a lambda will do)
-            return [run_call(self, method, tuple(args), kwargs or {})]
+            return [run_call(self, *call)]
         # the others first: a call may join a collective; then ours with the others detached
-        workers.start_rpc(self.commands, pickled(method, args, kwargs))
+        workers.start_rpc(self.commands, pickled(*call))
         self.commands = []
         self.workers = None
         try:
-            ours = run_call(self, method, tuple(args), kwargs or {})
+            ours = run_call(self, *call)
         except Exception:
             with contextlib.suppress(Exception):  # the others' answers: not left in the pipes
                 workers.rpc_results(timeout)

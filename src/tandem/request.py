@@ -74,6 +74,11 @@ class Request:
     reasoning_end_id: int | None = None
     thinking_left: int | None = None  # thinking_token_budget's rest: at 0, </think> is forced
 
+    @property
+    def masked(self) -> bool:
+        """Its rows sample under token masks from the host: a grammar, or a thinking budget."""
+        return self.matcher is not None or self.thinking_left is not None
+
     def __post_init__(self) -> None:
         if self.wants_prompt_logprobs:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)

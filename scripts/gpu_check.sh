@@ -2,7 +2,7 @@
 # The whole GPU check in one call: GPU tests (incl. the stream sanitizer run), kernel benchmark,
 # graph memory, then the named workloads async (with COMPARE="sync" by default, or e.g. "sync
 # transformers"; COMPARE= for async alone), each with a traced run. Results and logs go to $OUT
-# (or ./out) as results.tar.gz; a short table is printed last. rollout, rollout-fp8kv and chat
+# (or ./out) as results.tar.gz; a short table is printed last. rollout (and its variants) and chat
 # (shared prompts) compare with prefix caching off (CACHE_COMPARE) instead; long and long-4k
 # (generations that outgrow the KV cache) run preemption_mode auto against recompute and swap
 # (SWAP_COMPARE).
@@ -48,6 +48,8 @@ workload_args() {
     small) echo "--model qwen3-0.6b --input-len 562 --output-len 562 --range-ratio 0.822 --num-prompts 256" ;;
     latency) echo "--model llama-3-8b --input-len 128 --output-len 512 --num-prompts 1 --max-num-seqs 1" ;;
     rollout) echo "--model llama-3-8b --input-len 1024 --output-len 512 --num-prompts 32 --n 8" ;;
+    # as RL rollouts run it: each sampled token's logprob returned (vLLM's logprobs=0)
+    rollout-logprobs) echo "$(workload_args rollout) --logprobs 0" ;;
     chat) echo "--model llama-3-8b --shared-prefix-len 2048 --input-len 128 --output-len 256 --num-prompts 256" ;;
     # deterministic mode's cost (issue 29): each beside its plain workload in the same call
     seed-det|small-det|latency-det) echo "$(workload_args "${1%-det}") --deterministic" ;;
@@ -111,7 +113,7 @@ for name in "$@"; do
   args=$(workload_args "$name") || { echo "unknown workload $name"; continue; }
   echo "== $name"
   case $name in
-    rollout|chat|rollout-fp8kv) compare=${CACHE_COMPARE-no-prefix-caching} ;;
+    rollout|rollout-*|chat) compare=${CACHE_COMPARE-no-prefix-caching} ;;
     long*) compare=${SWAP_COMPARE-recompute swap} ;;  # the engine's own mode: auto
     *-json) compare=${JSON_COMPARE-unconstrained sync} ;;
     *) compare=${COMPARE-sync} ;;

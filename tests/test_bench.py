@@ -4,6 +4,7 @@ transformers' continuous batching on the same weights."""
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
 from dataclasses import fields, replace
 
@@ -53,6 +54,7 @@ WORKLOAD_KEYS = {
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "logprobs",
     "json_schema",
     "repeats",
     "prompt_tokens",
@@ -398,6 +400,28 @@ def test_throughput_with_penalty_flags_gives_every_request_those_penalties(
     assert report["workload"]["output_tokens"] == 2 * 4
     assert report["workload"]["repetition_penalty"] == 1.1
     assert seen and set(seen) == {(0.5, 0.5, 1.1)}
+
+
+def test_throughput_with_logprobs_returns_every_sampled_tokens_logprob(
+    make_tiny, tmp_path, monkeypatch
+):
+    made = []
+    make_request = Engine.make_request
+
+    def recording(self, request_id, params, **kwargs):
+        made.append(make_request(self, request_id, params, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(Engine, "make_request", recording)
+    args = ["--num-prompts", "2", "--n", "2", "--input-len", "8", "--output-len", "4"]
+    args += ["--repeats", "1", "--logprobs", "0"]
+    report = run_bench(tmp_path, "throughput", "--model", str(make_tiny("llama")), *args)
+    assert report["workload"]["logprobs"] == 0
+    assert made and {r.params.logprobs for r in made} == {0}
+    for request in made:
+        assert len(request.logprobs) == 4
+        for token, entry in zip(request.output_token_ids, request.logprobs, strict=True):
+            assert list(entry) == [token] and -math.inf < entry[token] <= 0.0
 
 
 def test_a_failed_traced_run_keeps_the_timed_results_saved_before_it(

@@ -86,14 +86,14 @@ def time_engine(
     temperature: float,
     batch_size: int | None = None,
     record_tokens: bool = False,
-    penalties: dict[str, float] | None = None,
+    fields: dict | None = None,
     structured: StructuredOutputsParams | None = None,
 ) -> Run:
     """Submit `workload` in waves of `batch_size` and step until every token is out.
 
     With `record_tokens`, each token is stamped when `step` hands it back on the host;
-    `penalties` are SamplingParams fields every request gets (presence_penalty, ...), and
-    `structured` its constraint: then a request ends where its grammar does, or at max_tokens.
+    `fields` are SamplingParams fields every request gets (presence_penalty, logprobs, ...),
+    and `structured` its constraint: then a request ends where its grammar does, or at max_tokens.
     """
     requests = [
         engine.make_request(
@@ -104,7 +104,7 @@ def time_engine(
                 ignore_eos=True,
                 seed=i,
                 structured_outputs=structured,
-                **(penalties or {}),
+                **(fields or {}),
             ),
             prompt_token_ids=prompt,
         )
@@ -142,11 +142,11 @@ def time_generate(
     llm: LLM,
     workload: Workload,
     temperature: float,
-    penalties: dict[str, float] | None = None,
+    fields: dict | None = None,
     structured: StructuredOutputsParams | None = None,
 ) -> tuple[float, int]:
     """Wall seconds and engine steps for the whole workload submitted at once."""
-    run = time_engine(llm.engine, workload, temperature, penalties=penalties, structured=structured)
+    run = time_engine(llm.engine, workload, temperature, fields=fields, structured=structured)
     return run.seconds, run.steps
 
 
@@ -281,7 +281,7 @@ def run_bench(
         constraint = None if mode.endswith("unconstrained") else structured
         if constraint is None and structured is not None:  # the constrained run's token counts
             workload = Workload(workload.prompts, constrained_lens)
-        time_engine(engine, warmup, args.temperature, penalties=penalties_of(args),
+        time_engine(engine, warmup, args.temperature, fields=request_fields_of(args),
                     structured=constraint)  # fmt: skip
         retries = allocator_retries(engine.device)
         preempted, swapped = engine.scheduler.num_preemptions, swap.num_swapped_out
@@ -302,7 +302,7 @@ def run_bench(
                         args.temperature,
                         batch_size,
                         args.mode == "latency",
-                        penalties_of(args),
+                        request_fields_of(args),
                         constraint,
                     )
                 )
@@ -470,9 +470,10 @@ def structured_of(args: argparse.Namespace) -> StructuredOutputsParams | None:
     return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
 
 
-def penalties_of(args: argparse.Namespace) -> dict[str, float]:
-    """The --presence/--frequency/--repetition-penalty every request gets."""
-    names = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+def request_fields_of(args: argparse.Namespace) -> dict:
+    """The SamplingParams fields every request gets: --presence/--frequency/--repetition-penalty
+    and --logprobs."""
+    names = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs")
     return {name: getattr(args, name) for name in names}
 
 
@@ -491,7 +492,7 @@ def workload_info(args: argparse.Namespace, workload: Workload, batch_size: int 
         "n": args.n if args.dataset == "random" else None,
         "batch_size": batch_size,
         "temperature": args.temperature,
-        **penalties_of(args),
+        **request_fields_of(args),
         "json_schema": getattr(args, "json_schema", None),
         "repeats": args.repeats,
         "prompt_tokens": workload.num_prompt_tokens,
@@ -553,7 +554,7 @@ def trace_run(
     """One more run with the timeline on; saves the trace and its PNG, returns its summary."""
     llm.engine.reset_prefix_cache()
     llm.engine.start_trace()
-    elapsed, _ = time_generate(llm, workload, args.temperature, penalties_of(args), structured)
+    elapsed, _ = time_generate(llm, workload, args.temperature, request_fields_of(args), structured)
     return save_trace(llm.engine.stop_trace(), elapsed, args, mode, cost, hardware)
 
 
@@ -748,6 +749,12 @@ def add_bench_args(parser: argparse.ArgumentParser, latency: bool = False) -> No
     parser.add_argument("--presence-penalty", type=float, default=0.0, help="every request's")
     parser.add_argument("--frequency-penalty", type=float, default=0.0, help="every request's")
     parser.add_argument("--repetition-penalty", type=float, default=1.0, help="every request's")
+    parser.add_argument(
+        "--logprobs",
+        type=int,
+        help="every request's SamplingParams.logprobs: its sampled tokens' logprobs and this many "
+        "top ones (0: the sampled token's alone, as RL rollouts ask)",
+    )
     parser.add_argument(
         "--json-schema",
         help="a JSON schema file every request's output follows (structured outputs; a request "

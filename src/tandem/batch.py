@@ -33,7 +33,7 @@ class StepBatch:
     num_top_logprobs: int | None  # None when no request asked for logprobs
     seq_lens: list[int]
     query_start_loc: list[int]
-    graphed: bool  # replays a CUDA graph of num_seqs_padded rows
+    graphed: bool  # replays a forward graph of num_seqs_padded rows (and see sampling_graphed)
     # otherwise, the token rows of the pieces that run it (piecewise.py), or None: eagerly
     token_bucket: int | None = None
     num_copies: int = 0  # cached blocks copied on write before the forward (copy_src/dst)
@@ -52,6 +52,13 @@ class StepBatch:
     @property
     def use_mask(self) -> bool:
         return bool(self.mask_rows)
+
+    @property
+    def sampling_graphed(self) -> bool:
+        """Whether a sampling graph follows the forward graph. A step with logprobs samples
+        eagerly from the forward graph's logits: its outputs' widths (top logprobs, named ids)
+        vary from step to step."""
+        return self.graphed and self.num_top_logprobs is None
 
 
 class RunningRows:

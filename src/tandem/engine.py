@@ -799,8 +799,7 @@ class Engine:
             graph_size = self.runner.padded_size(
                 len(plan.requests),
                 decode_only=plan.num_tokens == len(plan.requests),
-                wants_logprobs=any(r.params.logprobs is not None for r in plan.requests)
-                or has_prompt_logprob_rows(plan.requests, plan.num_new_tokens),
+                needs_hidden=has_prompt_logprob_rows(plan.requests, plan.num_new_tokens),
             )
             bucket = None if graph_size is not None else self.runner.token_bucket(plan.num_tokens)
             batch = self.builder.build(plan, slot, step, graph_size, bucket)

@@ -148,11 +148,12 @@ class Runner:
         if self.pieces is not None:
             self.pieces.release()
 
-    def padded_size(self, num_seqs: int, decode_only: bool, wants_logprobs: bool) -> int | None:
-        """Rows of the graph that will run a step, or None when the step runs eagerly."""
+    def padded_size(self, num_seqs: int, decode_only: bool, needs_hidden: bool) -> int | None:
+        """Rows of the graph that will run a step, or None when the step runs eagerly.
+        `needs_hidden`: prompt logprobs read the hidden states, which a graph does not keep."""
         if (
             not decode_only
-            or wants_logprobs
+            or needs_hidden
             or not self.graph_sizes
             or num_seqs > self.graph_sizes[-1]
         ):
@@ -260,6 +261,8 @@ class Runner:
         shared = batch.num_shared_groups > 0
         if batch.graphed:
             self.graphs[("forward", batch.slot.index, batch.num_seqs_padded, shared)].replay()
+            if not batch.sampling_graphed:  # sampled eagerly from the graph's logits
+                self.forwarded = (None, self.logits[: len(batch.requests)], None)
             return
         self.forwarded = self._forward(
             batch.slot,
@@ -273,7 +276,7 @@ class Runner:
         )
 
     def _sample_step(self, batch: StepBatch) -> None:
-        if batch.graphed:
+        if batch.sampling_graphed:
             key = (batch.slot.index, batch.num_seqs_padded)
             key += (batch.use_filters, batch.use_penalties, batch.use_mask)
             self.graphs[("sample", *key)].replay()

@@ -7,8 +7,9 @@ into the slot's `TokenLogprobBuffers` as the step is built; on the device the sa
 them from the step's log-softmax (which steps with logprobs compute anyway) and the D2H stream
 brings back [rows, width] values with the step's other outputs, so no new wait.
 
-Steps with logprobs run eagerly (`Runner.padded_size`), so nothing here is captured. The
-buffers are copied only in steps with such rows, and only their first rows and columns.
+Steps with logprobs sample eagerly (`StepBatch.sampling_graphed`), so nothing here is
+captured. The buffers are copied only in steps with such rows, and only their first rows and
+columns.
 """
 
 from __future__ import annotations

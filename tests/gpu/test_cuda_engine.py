@@ -147,6 +147,61 @@ def test_bfloat16_graph_logprobs_close_to_eager(make_tiny):
             assert abs(first_a[token] - first_b[token]) < 0.05
 
 
+def logprob_params() -> list[SamplingParams]:
+    """Seeded sampling with each kind of logprobs beside rows without, and a penalized row."""
+    kinds = [
+        {"logprobs": 0},
+        {"logprobs": 3},
+        {},
+        {"logprob_token_ids": [5, 9, 700]},
+        {"logprobs": 1, "repetition_penalty": 1.3},
+        {},
+        {"logprobs": 0},
+        {"logprobs": 2},
+    ]
+    return [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=i, **kind)
+            for i, (n, kind) in enumerate(zip(MAX_TOKENS, kinds, strict=True))]  # fmt: skip
+
+
+def test_logprob_steps_replay_the_forward_graph_and_equal_eager_steps(
+    make_tiny, monkeypatch, counted_waits
+):
+    """A decode step with logprobs replays its forward graph and samples eagerly from the graph's
+    logits: in float32 the same tokens as an engine without graphs, the same logprobs (TF32
+    rounding apart), and the step loop still waits only on d2h_done."""
+    steps = []
+    original = Runner._sample_step
+
+    def recorded(self, batch):
+        steps.append((batch.graphed, batch.sampling_graphed, batch.num_top_logprobs is not None))
+        return original(self, batch)
+
+    monkeypatch.setattr(Runner, "_sample_step", recorded)
+    outs = {}
+    for graphs in (False, True):
+        llm = LLM(str(make_tiny("llama")), max_model_len=256, max_num_batched_tokens=32,
+                  num_blocks=256, cuda_graphs=graphs)  # fmt: skip
+        counted_waits.clear()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            outs[graphs] = llm.generate(prompts(704), logprob_params(), use_tqdm=False)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert sorted(counted_waits) == list(range(llm.engine.num_steps))
+        assert llm.engine.allocator.num_free == llm.engine.num_blocks
+    assert (True, False, True) in steps  # logprob steps on the forward graph
+    assert (True, True, False) not in steps  # every step here has a logprob row
+    for eager, graphed in zip(outs[False], outs[True], strict=True):
+        a, b = eager.outputs[0], graphed.outputs[0]
+        assert a.token_ids == b.token_ids
+        assert (a.logprobs is None) == (b.logprobs is None)
+        for entry_a, entry_b in zip(a.logprobs or [], b.logprobs or [], strict=True):
+            assert entry_a.keys() == entry_b.keys()
+            for token, logprob in entry_a.items():
+                assert entry_b[token].logprob == pytest.approx(logprob.logprob, abs=2e-3)
+                assert entry_b[token].rank == logprob.rank
+
+
 @pytest.mark.parametrize("library", ["cublas", "cublaslt"])
 def test_graphs_capture_the_chosen_blas_and_eager_steps_keep_torchs(
     make_tiny, monkeypatch, library

@@ -269,9 +269,9 @@ def test_a_groups_output_is_built_when_it_finishes_not_when_the_run_ends(llm, mo
 
     built_at, original = {}, tandem.llm._request_output
 
-    def recording(request_id, group, text):
+    def recording(request_id, group, text, logprobs_of):
         built_at[request_id] = llm.engine.num_steps
-        return original(request_id, group, text)
+        return original(request_id, group, text, logprobs_of)
 
     monkeypatch.setattr(tandem.llm, "_request_output", recording)
     lengths = [2, 9, 4, 15]
@@ -281,3 +281,40 @@ def test_a_groups_output_is_built_when_it_finishes_not_when_the_run_ends(llm, mo
     assert [len(o.outputs[1].token_ids) for o in outs] == lengths  # in input order, whole
     steps = [built_at[o.request_id] for o in outs]
     assert steps[0] < steps[2] < steps[1] < steps[3] == llm.engine.num_steps
+
+
+def test_sample_logprobs_are_built_step_by_step_each_once(llm, monkeypatch):
+    """generate turns each step's new sample logprobs into Logprob objects during the run (while
+    the device runs the next step): samples that all end in the last step leave only that
+    step's entries to build then; the result equals building all of them at the end."""
+    import tandem.llm
+    from tandem.outputs import no_text
+
+    built, original = [], tandem.llm.sample_logprobs
+
+    def recording(entries, *args):
+        built.append((llm.engine.num_steps, len(entries)))
+        return original(entries, *args)
+
+    monkeypatch.setattr(tandem.llm, "sample_logprobs", recording)
+    made, make_request = [], llm.engine.make_request
+
+    def keep(*args, **kwargs):
+        made.append(make_request(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(llm.engine, "make_request", keep)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, n=3, logprobs=2, seed=4)
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    assert sum(n for _, n in built) == 3 * 12  # each entry once
+    assert len({step for step, _ in built}) >= 10  # step by step, not at the end
+    # after the last launch: the last two steps' entries (async: one step in flight)
+    assert sum(n for step, n in built if step == llm.engine.num_steps) <= 2 * 3
+    for request, sample in zip(made, outs[0].outputs, strict=True):
+        whole = original(
+            request.logprobs, request.output_token_ids, request.sampled_ranks, 2, no_text
+        )
+        assert sample.logprobs == whole
+        assert [[e.rank for e in d.values()] for d in sample.logprobs] == [
+            [e.rank for e in d.values()] for d in whole
+        ]

@@ -445,7 +445,7 @@ class LLM:
                 while (updated := self._step()) is not None:
                     num_out += len(updated)
                     finished = sum(r.finished for r in updated)
-                    if finished and outputs:
+                    if outputs:
                         finished_groups.add(updated)
                     if finished or updated:
                         bar.update(finished)
@@ -478,26 +478,44 @@ class LLM:
 
 class _FinishedGroups:
     """The RequestOutput of each group (a prompt's n samples), built once all its requests
-    have finished: during the run, while the device computes the next step."""
+    have finished, and their sample logprobs' Logprob objects step by step: during the run,
+    while the device computes the next step, not all after the last (a rollout whose samples
+    all end together would otherwise build every one of them then)."""
 
     def __init__(self, groups: list[tuple[str, list[Request]]], text: TokenText):
         self.groups, self.text = groups, text
         self.group_of = {id(r): i for i, (_, group) in enumerate(groups) for r in group}
         self.built: dict[int, RequestOutput] = {}
+        self.logprobs: dict[int, list[dict[int, Logprob]]] = {}  # id(request) -> so far
 
     def add(self, updated: list[Request]) -> None:
+        """A step's updated requests: their new logprobs built, finished groups' outputs too."""
         for request in updated:
-            i = self.group_of.get(id(request)) if request.finished else None
-            if i is None or i in self.built or not all(r.finished for r in self.groups[i][1]):
+            i = self.group_of.get(id(request))
+            if i is None:
                 continue
-            self.built[i] = _request_output(*self.groups[i], self.text)
+            if request.logprobs is not None:
+                self._logprobs_of(request)
+            if not request.finished or i in self.built:
+                continue
+            if all(r.finished for r in self.groups[i][1]):
+                self.built[i] = self._output(i)
 
     def outputs(self) -> list[RequestOutput]:
         """Every group's, in order (those that finished without a step built now)."""
-        return [
-            self.built[i] if i in self.built else _request_output(*group, self.text)
-            for i, group in enumerate(self.groups)
-        ]
+        return [self.built.get(i) or self._output(i) for i in range(len(self.groups))]
+
+    def _output(self, i: int) -> RequestOutput:
+        return _request_output(*self.groups[i], self.text, self._logprobs_of)
+
+    def _logprobs_of(self, request: Request) -> list[dict[int, Logprob]] | None:
+        """The request's sample logprobs as Logprob objects, those not built yet built now."""
+        if request.logprobs is None:
+            return None
+        built = self.logprobs.setdefault(id(request), [])
+        if len(built) < len(request.logprobs):
+            built += _sample_logprobs(request, self.text, start=len(built))
+        return built
 
 
 def _with_text_content(message: Any) -> Any:
@@ -523,7 +541,13 @@ def _score(entries: list[dict[int, float]], continuation: list[int]) -> ScoreOut
     return ScoreOutput(sum(token_logprobs), is_greedy, token_logprobs)
 
 
-def _request_output(request_id: str, group: list[Request], text: TokenText) -> RequestOutput:
+def _request_output(
+    request_id: str,
+    group: list[Request],
+    text: TokenText,
+    logprobs_of: Callable[[Request], list[dict[int, Logprob]] | None],
+) -> RequestOutput:
+    """The group's RequestOutput, each request's sample logprobs from `logprobs_of`."""
     first = group[0]
     return RequestOutput(
         request_id=request_id,
@@ -535,7 +559,7 @@ def _request_output(request_id: str, group: list[Request], text: TokenText) -> R
                 text=r.output_text,
                 token_ids=list(r.output_token_ids),
                 cumulative_logprob=_cumulative_logprob(r),
-                logprobs=_sample_logprobs(r, text),
+                logprobs=logprobs_of(r),
                 finish_reason=r.finish_reason,
                 stop_reason=r.stop_reason,
             )
@@ -552,12 +576,16 @@ def _cumulative_logprob(request: Request) -> float | None:
     return cumulative_logprob(request.logprobs or [], request.output_token_ids)
 
 
-def _sample_logprobs(request: Request, text: TokenText) -> list[dict[int, Logprob]] | None:
+def _sample_logprobs(
+    request: Request, text: TokenText, start: int = 0
+) -> list[dict[int, Logprob]] | None:
+    """The request's sample logprobs from output position `start` on, as Logprob objects."""
     if request.logprobs is None:
         return None
     text = text if request.params.detokenize else no_text
-    tokens, ranks = request.output_token_ids, request.sampled_ranks
-    return sample_logprobs(request.logprobs, tokens, ranks, request.params.num_top_logprobs, text)
+    entries, end = request.logprobs[start:], len(request.logprobs)
+    tokens, ranks = request.output_token_ids[start:end], request.sampled_ranks[start:end]
+    return sample_logprobs(entries, tokens, ranks, request.params.num_top_logprobs, text)
 
 
 def _prompt_logprobs(request: Request, text: TokenText) -> list[dict[int, Logprob] | None] | None:

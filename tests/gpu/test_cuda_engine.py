@@ -179,8 +179,8 @@ def test_logprob_steps_replay_the_forward_graph_and_equal_eager_steps(
     monkeypatch.setattr(Runner, "_sample_step", recorded)
     outs = {}
     for graphs in (False, True):
-        llm = LLM(str(make_tiny("llama")), max_model_len=256, max_num_batched_tokens=32,
-                  num_blocks=256, cuda_graphs=graphs)  # fmt: skip
+        llm = LLM(str(make_tiny("llama")), dtype="float32", max_model_len=256,
+                  max_num_batched_tokens=32, num_blocks=256, cuda_graphs=graphs)  # fmt: skip
         counted_waits.clear()
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -195,11 +195,26 @@ def test_logprob_steps_replay_the_forward_graph_and_equal_eager_steps(
         a, b = eager.outputs[0], graphed.outputs[0]
         assert a.token_ids == b.token_ids
         assert (a.logprobs is None) == (b.logprobs is None)
-        for entry_a, entry_b in zip(a.logprobs or [], b.logprobs or [], strict=True):
-            assert entry_a.keys() == entry_b.keys()
-            for token, logprob in entry_a.items():
-                assert entry_b[token].logprob == pytest.approx(logprob.logprob, abs=2e-3)
-                assert entry_b[token].rank == logprob.rank
+        if a.logprobs is None:
+            continue
+        for entry_a, entry_b, token in zip(a.logprobs, b.logprobs, a.token_ids, strict=True):
+            assert_entries_close(entry_a, entry_b, token, tolerance=2e-3)
+
+
+def assert_entries_close(a: dict, b: dict, sampled: int, tolerance: float) -> None:
+    """Two runs' logprob entries of one position (whose sampled token is `sampled`): the same
+    ids with values within `tolerance` and the same ranks, but where rounding breaks a near-tie
+    the other way (an id at the edge of the top ones, a rank one off)."""
+    for token in a.keys() & b.keys():
+        assert b[token].logprob == pytest.approx(a[token].logprob, abs=tolerance)
+        rank_a, rank_b = a[token].rank, b[token].rank
+        assert (rank_a is None) == (rank_b is None)
+        assert rank_a is None or abs(rank_a - rank_b) <= 1
+    for token in a.keys() ^ b.keys():  # among one run's top ones alone: tied with their last
+        value = (a.get(token) or b.get(token)).logprob
+        other = b if token in a else a
+        last = min(v.logprob for t, v in other.items() if t != sampled)
+        assert abs(last - value) <= tolerance
 
 
 @pytest.mark.parametrize("library", ["cublas", "cublaslt"])

@@ -76,7 +76,8 @@ def test_a_vocabulary_without_the_tags_is_a_value_error(make_tiny):
         LLM(str(make_tiny("llama")), reasoning_parser="qwen3", **ENGINE_ARGS)
 
 
-ENGINE_ARGS = {"max_model_len": 256, "dtype": "float32"}
+# a small KV cache: on a GPU, several engines of one test live at once
+ENGINE_ARGS = {"max_model_len": 256, "dtype": "float32", "num_blocks": 128}
 LETTERS = "[a-z]{5}"
 PROMPT = [40, 41, 3, 7, 90, 12]
 

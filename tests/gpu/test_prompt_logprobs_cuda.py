@@ -149,7 +149,7 @@ def test_logprob_token_ids_on_cuda_match_transformers_with_only_the_d2h_wait(
     """Named ids' logprobs (token_logprobs.py) beside top-k and plain rows, float32 on CUDA:
     within 1e-3 of transformers', the step loop waiting only on its D2H events."""
     folder = str(make_tiny("llama"))
-    # every step has a logprob row, so runs eagerly: no graphs to capture
+    # cuda_graphs=False: every step has a logprob row, so no sampling graph would replay
     llm = LLM(
         folder, dtype="float32", max_model_len=128, async_batching=async_batching, cuda_graphs=False
     )
@@ -185,7 +185,7 @@ def test_logprob_token_ids_are_clean_under_the_stream_sanitizer(run_sanitized):
         from tandem import LLM, SamplingParams
         from tandem.model.tiny import make_tiny_model
         llm = LLM(str(make_tiny_model(sys.argv[1], "llama")), max_model_len=128,
-                  cuda_graphs=False)  # logprob steps run eagerly anyway
+                  num_blocks=32, cuda_graphs=False)  # the test process holds the device too
         params = [SamplingParams(max_tokens=12, ignore_eos=True, logprob_token_ids=[5, 9]),
                   SamplingParams(max_tokens=9, ignore_eos=True)]
         outs = llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 2, params, use_tqdm=False)

@@ -1,8 +1,9 @@
 """Weights from a trainer process (weight_transfer/): how long a whole model takes to go in, and
 at what rate, through "ipc" (a trainer on the engine's GPU hands over CUDA IPC handles of a
 packed buffer) or "nccl" (a trainer on GPU 1 broadcasts; gloo between CPU processes without
-CUDA). The trainer sends the engine's own dummy weights, so the greedy tokens after the update
-must equal those before; the run checks that.
+CUDA). The trainer sends the engine's own dummy weights, so the weights after the update must
+equal those before, bit for bit; the run checks that (each parameter's bits summed, before and
+after), and reports whether the greedy tokens agree too (each run from a cold prefix cache).
 
 Usage: PYTHONPATH=src python3 benchmarks/weight_transfer.py [--model llama-3-8b]
        [--backend ipc|nccl] [--packed-mb 1024] [--repeats 3]
@@ -62,7 +63,17 @@ def trainer(args: argparse.Namespace, dtype: torch.dtype, init_info: dict, pipe)
         pipe.send("sent")
 
 
+def fingerprint(llm: LLM) -> list[int]:
+    """Each parameter's bits summed as integers: equal weights give equal sums."""
+    integer = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+    return [
+        int(p.detach().view(integer[p.element_size()]).sum(dtype=torch.int64))
+        for p in llm.engine.model.parameters()
+    ]
+
+
 def greedy(llm: LLM) -> list[list[int]]:
+    llm.reset_prefix_cache()  # every run computes its prompts whole, as after an update
     vocab = llm.engine.model_config.vocab_size
     prompts = [
         {"prompt_token_ids": [(7 * i + 13 * j) % vocab for j in range(40)]} for i in range(8)
@@ -87,6 +98,7 @@ def main() -> None:
     )
     dtype = llm.engine.dtype
     nbytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+    weights = fingerprint(llm)
     before = greedy(llm)
     repeatable = greedy(llm) == before  # without an update: are the greedy tokens run to run?
     init_info = {
@@ -124,14 +136,17 @@ def main() -> None:
         seconds.append(time.perf_counter() - start)
     ours.send("stop")
     process.join()
+    unchanged = fingerprint(llm) == weights
     same = greedy(llm) == before
     median = statistics.median(seconds)
     print(
         f"{args.model} ({nbytes / GIB:.2f} GiB, {dtype}), backend {args.backend}, packed "
         f"{args.packed_mb} MiB: {median:.2f} s a whole update (median of "
         f"{', '.join(f'{s:.2f}' for s in seconds)}), {nbytes / GIB / median:.1f} GiB/s; "
-        f"greedy tokens after identical: {same} (a second run before any update: {repeatable})"
+        f"weights after identical: {unchanged}; greedy tokens after identical: {same} (a second "
+        f"run before any update: {repeatable})"
     )
+    assert unchanged, "the update changed the weights it should have written back as they were"
     assert same or not repeatable, "the update changed the model's greedy tokens"
 
 

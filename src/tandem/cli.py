@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tandem import envs
-from tandem.config import EngineConfig
+from tandem.config import LOGPROBS_MODES, EngineConfig
 from tandem.reasoning import PARSERS as REASONING_PARSERS
 
 if TYPE_CHECKING:
@@ -150,6 +150,14 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
         "--override-generation-config",
         type=json_object,
         help="JSON of sampling defaults on top, e.g. '{\"temperature\": 0.5}'",
+    )
+    parser.add_argument(
+        "--logprobs-mode",
+        default="raw_logprobs",
+        choices=list(LOGPROBS_MODES),
+        help="what sample logprobs hold: the model's log-softmax or logits (raw_*), or those "
+        "the sampler draws from after penalties, temperature and top-k/top-p/min-p "
+        "(processed_*) (default: raw_logprobs)",
     )
     parser.add_argument(
         "--reasoning-parser",

@@ -29,6 +29,10 @@ ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "g
 WINDOWED_EVERYWHERE = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
+# what sample logprobs hold (vLLM's logprobs_mode): the model's own log-softmax or logits
+# ("raw"), or those the sampler draws from ("processed": after penalties, bans, token masks,
+# temperature and top-k/top-p/min-p)
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 DTYPES = {
     "float32": torch.float32,
@@ -346,6 +350,8 @@ class EngineConfig:
     # "qwen3" or "deepseek_r1" (reasoning.py): a structured-output grammar starts after the
     # thinking; the server splits the thinking into message.reasoning
     reasoning_parser: str | None = None
+    # one of LOGPROBS_MODES: what sample logprobs hold (prompt logprobs stay raw_logprobs)
+    logprobs_mode: str = "raw_logprobs"
 
     def validate(self) -> None:
         from tandem.reasoning import check_parser
@@ -389,6 +395,10 @@ class EngineConfig:
             raise ValueError(
                 "deterministic=True runs on one device: the all-reduce of tensor_parallel_size > 1 "
                 "sums in an order that follows the batch size"
+            )
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
             )
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(

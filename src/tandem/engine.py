@@ -240,6 +240,7 @@ class Engine:
             swapper=self.swapper,
             # token masks for structured outputs, where the backend and a tokenizer are here
             mask_vocab_size=cfg.vocab_size if self.tokenizer and structured.available() else None,
+            logprobs_mode=config.logprobs_mode,
         )
         if self.runner.cuda and (self.runner.graph_sizes or self.runner.token_buckets):
             self.runner.capture_graphs()

@@ -43,7 +43,13 @@ from tandem.penalties import PenaltyState
 from tandem.piecewise import PiecewiseGraphs, bucket_for, token_buckets
 from tandem.profiler import NoTimeline, Timeline
 from tandem.prompt_logprobs import compute as compute_prompt_logprobs
-from tandem.sampling import SamplingTensors, sample, top_logprobs_of
+from tandem.sampling import (
+    SamplingTensors,
+    logprob_values,
+    processed_logits,
+    sample,
+    top_logprobs_of,
+)
 from tandem.structured import apply_masks
 from tandem.swap import SwapCopy, Swapper
 from tandem.token_logprobs import TokenLogprobStep
@@ -87,8 +93,10 @@ class Runner:
         penalties: PenaltyState | None = None,
         swapper: Swapper | None = None,
         mask_vocab_size: int | None = None,
+        logprobs_mode: str = "raw_logprobs",
     ):
         self.model = model
+        self.logprobs_mode = logprobs_mode  # config.LOGPROBS_MODES: what sample logprobs hold
         self.penalties = penalties  # needed by steps with use_penalties
         self.tp = tp
         self.kv_caches = kv_caches
@@ -369,12 +377,10 @@ class Runner:
         the penalty state; `use_mask` applies the slot's token masks last; `token_logprobs`
         (steps with logprobs only, never captured) gathers the logprobs of the ids rows name."""
         x, out = slot.dev_in, slot.dev_out
-        # logprobs describe the model's own distribution, before min_tokens bans and filters
-        logprobs = (
-            logits.log_softmax(dim=-1, dtype=torch.float32)
-            if num_top_logprobs is not None
-            else None
-        )
+        # raw logprobs describe the model's own distribution, before min_tokens bans and filters
+        raw = self.logprobs_mode.startswith("raw")
+        wanted = num_top_logprobs is not None
+        logprobs = logprob_values(logits, self.logprobs_mode) if wanted and raw else None
         if use_penalties:  # the step's tokens counted into the state, then the logits processed
             if input_ids is None:
                 ids, carry = x["input_ids"][:num_tokens], x["carry_index"][:num_tokens]
@@ -393,6 +399,10 @@ class Runner:
             seeds=x["seeds"][:num_seqs],
             positions=x["sample_positions"][:num_seqs],
         )
+        if wanted and not raw:  # what the sampler draws from
+            logprobs = logprob_values(
+                processed_logits(logits, params, use_filters), self.logprobs_mode
+            )
         sampled = self.tp.broadcast(sample(logits, params, use_filters))  # rank 0's tokens rule
         out["sampled"][:num_seqs].copy_(sampled)
         if logprobs is not None:

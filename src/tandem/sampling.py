@@ -398,6 +398,24 @@ def _filter_sorted(scaled: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return scaled.masked_fill(~keep, float("-inf"))
 
 
+def processed_logits(logits: torch.Tensor, t: SamplingTensors, use_filters: bool) -> torch.Tensor:
+    """[rows, vocab] logits (after penalties, bans and masks) -> float32 as `sample` draws from
+    them: divided by each row's temperature (greedy rows by 1), and with filters -inf outside
+    each row's top-k, top-p and min-p."""
+    scaled = logits.float() / torch.where(t.temperature == 0, 1.0, t.temperature)[:, None]
+    if not use_filters:
+        return scaled
+    ordered, token_ids = scaled.sort(dim=-1, descending=True)
+    return torch.empty_like(scaled).scatter_(1, token_ids, _filter_sorted(ordered, t))
+
+
+def logprob_values(logits: torch.Tensor, mode: str) -> torch.Tensor:
+    """[rows, vocab] logits -> float32 values sample logprobs report in `mode` (LOGPROBS_MODES)."""
+    if mode.endswith("logits"):
+        return logits.float()
+    return logits.log_softmax(dim=-1, dtype=torch.float32)
+
+
 def top_logprobs_of(logprobs: torch.Tensor, sampled: torch.Tensor, num_top: int):
     """[rows, vocab] log-probabilities -> (of each sampled token its logprob and rank, the top
     `num_top` ids, their values); the rank counts the tokens at least as likely (vLLM's)."""

@@ -1,0 +1,116 @@
+"""vLLM's logprobs_mode: sample logprobs as the model's log-softmax or logits ("raw"), or as
+those the sampler draws from ("processed": temperature and top-k/top-p/min-p applied), against
+transformers' logits and a direct per-row formula; the mode never changes the tokens."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.config import LOGPROBS_MODES
+from tandem.sampling import processed_logits
+from test_sampling import PROMPTS, folder, hf_model, make_llm, tensors
+
+__all__ = ["folder"]  # the fixture, used by name
+
+TEMPERATURE, TOP_K = 0.7, 8
+
+
+def filtered_row(row: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float):
+    """One row as the sampler draws from it, element by element: scaled, then -inf outside the
+    top-k, outside the smallest set of those whose mass reaches top_p, and below min_p x the
+    most likely one's probability."""
+    scaled = row.double() / (temperature or 1.0)
+    order = sorted(range(len(row)), key=lambda i: -scaled[i].item())
+    kept = order[: top_k or len(row)]
+    probs = torch.softmax(scaled[kept], dim=0).tolist()
+    out = torch.full_like(scaled, -math.inf)
+    mass = 0.0
+    for token, p in zip(kept, probs, strict=True):
+        if (top_p < 1 and mass >= top_p) or p < min_p * probs[0]:
+            continue
+        out[token] = scaled[token]
+        mass += p
+    return out
+
+
+def test_processed_logits_match_the_sampler_filters_element_by_element():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 40, generator=g) * 3
+    rows = [(0.5, 0, 1.0, 0.0), (1.0, 3, 1.0, 0.0), (0.8, 0, 0.6, 0.0), (1.3, 0, 1.0, 0.2),
+            (0.0, 4, 0.9, 0.1)]  # fmt: skip
+    t = tensors(5, *[list(column) for column in zip(*rows, strict=True)])
+    got = processed_logits(logits, t, use_filters=True)
+    for i, row in enumerate(rows):
+        expected = filtered_row(logits[i], *row)
+        assert torch.equal(got[i].isinf(), expected.isinf()), i
+        finite = ~expected.isinf()
+        torch.testing.assert_close(got[i][finite].double(), expected[finite], rtol=1e-6, atol=1e-5)
+    # without filters: the scaled logits alone
+    plain = processed_logits(logits[:1], tensors(1, 0.5), use_filters=False)
+    torch.testing.assert_close(plain, logits[:1] / 0.5)
+
+
+def reference_values(folder: str, prompt_ids: list[int], output_ids: list[int], mode: str):
+    """[outputs, vocab] float64: transformers' logits at each output position, in `mode`."""
+    ids = torch.tensor([prompt_ids + output_ids[:-1]])
+    with torch.no_grad():
+        logits = hf_model(folder)(ids).logits[0, len(prompt_ids) - 1 :].double()
+    if mode.startswith("processed"):
+        logits = torch.stack([filtered_row(row, TEMPERATURE, TOP_K, 1.0, 0.0) for row in logits])
+    return logits.log_softmax(dim=-1) if mode.endswith("logprobs") else logits
+
+
+@pytest.mark.parametrize("mode", LOGPROBS_MODES)
+def test_sample_logprobs_hold_what_the_mode_names(folder, mode):
+    params = SamplingParams(seed=5, temperature=TEMPERATURE, top_k=TOP_K, max_tokens=8,
+                            ignore_eos=True, logprobs=2)  # fmt: skip
+    default = make_llm(folder).generate(PROMPTS[:2], params, use_tqdm=False)
+    outs = make_llm(folder, logprobs_mode=mode).generate(PROMPTS[:2], params, use_tqdm=False)
+    for out, plain in zip(outs, default, strict=True):
+        completion = out.outputs[0]
+        assert completion.token_ids == plain.outputs[0].token_ids  # the mode samples nothing
+        reference = reference_values(folder, out.prompt_token_ids, completion.token_ids, mode)
+        for step, (token, entry) in enumerate(
+            zip(completion.token_ids, completion.logprobs, strict=True)
+        ):
+            expected = reference[step]
+            top = expected.topk(2).indices.tolist()
+            assert list(entry)[:2] == top or set(list(entry)[:2]) == set(top)
+            for t, value in entry.items():
+                assert value.logprob == pytest.approx(expected[t].item(), abs=1e-4), (step, t)
+            assert entry[token].rank == int((expected >= expected[token]).sum())
+        total = sum(reference[i][t].item() for i, t in enumerate(completion.token_ids))
+        assert completion.cumulative_logprob == pytest.approx(total, abs=1e-3)
+
+
+def test_an_unknown_logprobs_mode_is_a_value_error_naming_the_modes(folder):
+    with pytest.raises(ValueError, match=r"logprobs_mode must be one of .*processed_logprobs"):
+        LLM(folder, logprobs_mode="processed")
+
+
+def test_processed_logprobs_follow_the_penalties_too(folder):
+    """A repetition penalty changes what the sampler draws from: processed logits divide (or
+    multiply) every seen token's logit by it before the temperature and top-k."""
+    penalty = 1.6
+    params = SamplingParams(seed=2, temperature=TEMPERATURE, top_k=TOP_K, max_tokens=8,
+                            ignore_eos=True, logprobs=1, repetition_penalty=penalty)  # fmt: skip
+    llm = make_llm(folder, logprobs_mode="processed_logits")
+    [out] = llm.generate(PROMPTS[2], params, use_tqdm=False)
+    completion, prompt = out.outputs[0], out.prompt_token_ids
+    ids = torch.tensor([prompt + completion.token_ids[:-1]])
+    with torch.no_grad():
+        logits = hf_model(folder)(ids).logits[0, len(prompt) - 1 :].double()
+    for step, (token, entry) in enumerate(
+        zip(completion.token_ids, completion.logprobs, strict=True)
+    ):
+        row = logits[step].clone()
+        seen = sorted({*prompt, *completion.token_ids[:step]})
+        row[seen] = torch.where(row[seen] > 0, row[seen] / penalty, row[seen] * penalty)
+        expected = filtered_row(row, TEMPERATURE, TOP_K, 1.0, 0.0)
+        for t, value in entry.items():
+            assert value.logprob == pytest.approx(expected[t].item(), abs=1e-4), (step, t)
+        assert entry[token].rank == int((expected >= expected[token]).sum())

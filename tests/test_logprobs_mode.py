@@ -114,3 +114,18 @@ def test_processed_logprobs_follow_the_penalties_too(folder):
         for t, value in entry.items():
             assert value.logprob == pytest.approx(expected[t].item(), abs=1e-4), (step, t)
         assert entry[token].rank == int((expected >= expected[token]).sum())
+
+
+@pytest.mark.parametrize("mode", ["raw_logits", "raw_logprobs"])
+def test_raw_values_keep_the_ids_min_tokens_bans(folder, mode):
+    """min_tokens bans EOS in the sampler's logits; the raw values are the model's own, so the
+    banned id keeps its finite value."""
+    llm = make_llm(folder, logprobs_mode=mode)
+    eos = min(llm.engine.eos_token_ids)
+    params = SamplingParams(seed=1, top_k=TOP_K, max_tokens=6, min_tokens=6,
+                            logprob_token_ids=[eos])  # fmt: skip
+    [out] = llm.generate(PROMPTS[3], params, use_tqdm=False)
+    completion = out.outputs[0]
+    reference = reference_values(folder, out.prompt_token_ids, completion.token_ids, mode)
+    for step, entry in enumerate(completion.logprobs):
+        assert entry[eos].logprob == pytest.approx(reference[step][eos].item(), abs=1e-4)

@@ -410,9 +410,10 @@ def processed_logits(logits: torch.Tensor, t: SamplingTensors, use_filters: bool
 
 
 def logprob_values(logits: torch.Tensor, mode: str) -> torch.Tensor:
-    """[rows, vocab] logits -> float32 values sample logprobs report in `mode` (LOGPROBS_MODES)."""
+    """[rows, vocab] logits -> float32 values sample logprobs report in `mode` (LOGPROBS_MODES),
+    a tensor of their own (the sampler bans ids in its logits in place)."""
     if mode.endswith("logits"):
-        return logits.float()
+        return logits.to(torch.float32, copy=True)
     return logits.log_softmax(dim=-1, dtype=torch.float32)
 
 

@@ -411,9 +411,11 @@ def processed_logits(logits: torch.Tensor, t: SamplingTensors, use_filters: bool
 
 def logprob_values(logits: torch.Tensor, mode: str) -> torch.Tensor:
     """[rows, vocab] logits -> float32 values sample logprobs report in `mode` (LOGPROBS_MODES),
-    a tensor of their own (the sampler bans ids in its logits in place)."""
-    if mode.endswith("logits"):
+    never the sampler's own tensor (it bans ids in its logits in place)."""
+    if mode == "raw_logits":
         return logits.to(torch.float32, copy=True)
+    if mode == "processed_logits":  # processed_logits made them: float32, of their own
+        return logits
     return logits.log_softmax(dim=-1, dtype=torch.float32)
 
 

@@ -5,11 +5,12 @@ transformers' logits and a direct per-row formula; the mode never changes the to
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
 
-from tandem import LLM, SamplingParams
+from tandem import LLM, SamplingParams, sampling
 from tandem.config import LOGPROBS_MODES
 from tandem.sampling import processed_logits
 from test_sampling import PROMPTS, folder, hf_model, make_llm, tensors
@@ -129,3 +130,27 @@ def test_raw_values_keep_the_ids_min_tokens_bans(folder, mode):
     reference = reference_values(folder, out.prompt_token_ids, completion.token_ids, mode)
     for step, entry in enumerate(completion.logprobs):
         assert entry[eos].logprob == pytest.approx(reference[step][eos].item(), abs=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_the_fused_logprob_kernels_report_what_the_torch_path_does(folder, mode, monkeypatch):
+    """Sample logprobs through the Triton kernels (interpreted here; CUDA's path) against the
+    torch ops, in one batch: top ids, named ids, a min_tokens ban, a penalized row."""
+    params = [
+        SamplingParams(seed=3, temperature=TEMPERATURE, top_k=TOP_K, max_tokens=6,
+                       ignore_eos=True, logprobs=3),
+        SamplingParams(seed=4, max_tokens=6, min_tokens=6, logprob_token_ids=[0, 7, 300]),
+        SamplingParams(seed=5, max_tokens=6, ignore_eos=True, logprobs=0,
+                       repetition_penalty=1.4),
+    ]  # fmt: skip
+    torch_path = make_llm(folder, logprobs_mode=mode).generate(PROMPTS[:3], params, use_tqdm=False)
+    monkeypatch.setattr(sampling, "fused", types.SimpleNamespace(use_kernels=lambda x: True))
+    kernels = make_llm(folder, logprobs_mode=mode).generate(PROMPTS[:3], params, use_tqdm=False)
+    for a, b in zip(torch_path, kernels, strict=True):
+        first, second = a.outputs[0], b.outputs[0]
+        assert first.token_ids == second.token_ids
+        for entry_a, entry_b in zip(first.logprobs, second.logprobs, strict=True):
+            assert list(entry_a) == list(entry_b)
+            for t, value in entry_a.items():
+                assert entry_b[t].logprob == pytest.approx(value.logprob, abs=1e-5)
+                assert entry_b[t].rank == value.rank

@@ -84,3 +84,36 @@ def test_a_chunk_of_banned_tokens_keeps_the_row_s_best():
         3,
     )
     assert out.tolist() == [5000]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_chunks", [None, 1, 3])
+@pytest.mark.parametrize("logprobs", [True, False])
+def test_sampled_logprobs_equal_the_log_softmax_s_and_the_rank_count(dtype, num_chunks, logprobs):
+    """The sampled ids' log-softmax (or logit) and rank, from one read of the logits: against
+    torch's float32 log_softmax and a direct count, with ties at the sampled value, -inf ids
+    (banned or filtered) and a row whose first chunk is all -inf."""
+    g = torch.Generator().manual_seed(3)
+    rows, vocab = 5, 5000
+    logits = (torch.randn(rows, vocab, generator=g) * 4).to(dtype)
+    logits[1, :2500] = float("-inf")
+    logits[2, ::7] = float("-inf")
+    sampled = torch.tensor([17, 4321, 8, 2049, 4999])
+    logits[3, [5, 600, 4000]] = logits[3, 2049].item()  # three other ids tie with the sampled one
+    value = torch.empty(rows, device=DEVICE)
+    rank = torch.empty(rows, dtype=torch.int32, device=DEVICE)
+    shift = kernel.sampled_logprobs(
+        logits.to(DEVICE), sampled.to(DEVICE), logprobs, value, rank, num_chunks
+    )
+    x = logits.float()
+    target = x.gather(1, sampled[:, None])[:, 0]
+    expected = x.log_softmax(dim=-1).gather(1, sampled[:, None])[:, 0] if logprobs else target
+    torch.testing.assert_close(value.cpu(), expected, rtol=0, atol=2e-5)
+    assert rank.cpu().tolist() == (x >= target[:, None]).sum(dim=-1).tolist()
+    assert rank[3].item() == 4 + int((x[3] > target[3]).sum())
+    if logprobs:  # any id's logprob is its logit less the shift
+        torch.testing.assert_close(
+            x - shift.cpu()[:, None], x.log_softmax(dim=-1), atol=2e-5, rtol=0
+        )
+    else:
+        assert shift.cpu().tolist() == [0.0] * rows

@@ -45,10 +45,10 @@ from tandem.profiler import NoTimeline, Timeline
 from tandem.prompt_logprobs import compute as compute_prompt_logprobs
 from tandem.sampling import (
     SamplingTensors,
-    logprob_values,
     processed_logits,
     sample,
-    top_logprobs_of,
+    sampled_logprobs,
+    top_logprobs,
 )
 from tandem.structured import apply_masks
 from tandem.swap import SwapCopy, Swapper
@@ -377,10 +377,14 @@ class Runner:
         the penalty state; `use_mask` applies the slot's token masks last; `token_logprobs`
         (steps with logprobs only, never captured) gathers the logprobs of the ids rows name."""
         x, out = slot.dev_in, slot.dev_out
-        # raw logprobs describe the model's own distribution, before min_tokens bans and filters
+        # raw logprobs describe the model's own distribution, before penalties, bans and masks:
+        # the bans and masks below change the logits in place unless penalties copied them first
         raw = self.logprobs_mode.startswith("raw")
         wanted = num_top_logprobs is not None
-        logprobs = logprob_values(logits, self.logprobs_mode) if wanted and raw else None
+        changed_in_place = (use_filters or use_mask) and not use_penalties
+        source = None
+        if wanted and raw:
+            source = logits.clone() if changed_in_place else logits
         if use_penalties:  # the step's tokens counted into the state, then the logits processed
             if input_ids is None:
                 ids, carry = x["input_ids"][:num_tokens], x["carry_index"][:num_tokens]
@@ -399,22 +403,22 @@ class Runner:
             seeds=x["seeds"][:num_seqs],
             positions=x["sample_positions"][:num_seqs],
         )
-        if wanted and not raw:  # what the sampler draws from
-            logprobs = logprob_values(
-                processed_logits(logits, params, use_filters), self.logprobs_mode
-            )
+        if wanted and not raw:  # what the sampler draws from (a float32 tensor of its own)
+            source = processed_logits(logits, params, use_filters)
         sampled = self.tp.broadcast(sample(logits, params, use_filters))  # rank 0's tokens rule
         out["sampled"][:num_seqs].copy_(sampled)
-        if logprobs is not None:
-            sampled_logprob, sampled_rank, top_ids, top_logprobs = top_logprobs_of(
-                logprobs, sampled, num_top_logprobs
-            )
-            out["sampled_logprob"][:num_seqs].copy_(sampled_logprob)
-            out["sampled_rank"][:num_seqs].copy_(sampled_rank)
+        if source is None:
+            return
+        shift = sampled_logprobs(
+            source, sampled, self.logprobs_mode, out["sampled_logprob"][:num_seqs],
+            out["sampled_rank"][:num_seqs],
+        )  # fmt: skip
+        if num_top_logprobs:
+            top_ids, top_values = top_logprobs(source, shift, num_top_logprobs)
             out["top_ids"][:num_seqs, :num_top_logprobs].copy_(top_ids)
-            out["top_logprobs"][:num_seqs, :num_top_logprobs].copy_(top_logprobs)
+            out["top_logprobs"][:num_seqs, :num_top_logprobs].copy_(top_values)
         if token_logprobs is not None:
-            gather_token_logprobs(logprobs, slot.token_logprobs, token_logprobs)
+            gather_token_logprobs(source, shift, slot.token_logprobs, token_logprobs)
 
     def capture_graphs(self, shared_pool: bool = True) -> None:
         """Per slot and padded size, the forward graphs (shared-prefix groups on/off) and the

@@ -409,23 +409,38 @@ def processed_logits(logits: torch.Tensor, t: SamplingTensors, use_filters: bool
     return torch.empty_like(scaled).scatter_(1, token_ids, _filter_sorted(ordered, t))
 
 
-def logprob_values(logits: torch.Tensor, mode: str) -> torch.Tensor:
-    """[rows, vocab] logits -> float32 values sample logprobs report in `mode` (LOGPROBS_MODES),
-    never the sampler's own tensor (it bans ids in its logits in place)."""
-    if mode == "raw_logits":
-        return logits.to(torch.float32, copy=True)
-    if mode == "processed_logits":  # processed_logits made them: float32, of their own
-        return logits
-    return logits.log_softmax(dim=-1, dtype=torch.float32)
+def sampled_logprobs(
+    values: torch.Tensor,
+    sampled: torch.Tensor,
+    mode: str,
+    value_out: torch.Tensor,
+    rank_out: torch.Tensor,
+) -> torch.Tensor:
+    """[rows, vocab] values sample logprobs are taken from (raw or processed logits, by `mode`,
+    LOGPROBS_MODES) -> value_out [rows] = each sampled id's logprob (`*_logprobs`) or logit,
+    rank_out [rows] = the ids at least as likely, itself included (vLLM's rank). Returns each
+    row's shift ([rows] float32: its logsumexp, or 0 for `*_logits`): any id's reported value is
+    its value less the shift."""
+    logprobs = mode.endswith("logprobs")
+    if fused.use_kernels(values):  # one read of the values, no [rows, vocab] float32 copy
+        from tandem.sampling_kernel import sampled_logprobs as fused_sampled_logprobs
+
+        return fused_sampled_logprobs(values, sampled, logprobs, value_out, rank_out)
+    x = values.float()
+    target = x.gather(1, sampled[:, None])[:, 0]
+    shift = torch.logsumexp(x, dim=-1) if logprobs else torch.zeros_like(target)
+    value_out.copy_(target - shift)
+    rank_out.copy_((x >= target[:, None]).sum(dim=-1))
+    return shift
 
 
-def top_logprobs_of(logprobs: torch.Tensor, sampled: torch.Tensor, num_top: int):
-    """[rows, vocab] log-probabilities -> (of each sampled token its logprob and rank, the top
-    `num_top` ids, their values); the rank counts the tokens at least as likely (vLLM's)."""
-    sampled_logprob = logprobs.gather(1, sampled[:, None])[:, 0]
-    sampled_rank = (logprobs >= sampled_logprob[:, None]).sum(dim=-1)
-    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
-    return sampled_logprob, sampled_rank, top_ids, top_logprobs
+def top_logprobs(
+    values: torch.Tensor, shift: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top `num_top` ids of each row of values and their reported values (float32, less
+    the rows' shift from `sampled_logprobs`)."""
+    top, ids = values.topk(num_top, dim=-1)
+    return ids, top.float() - shift[:, None]
 
 
 def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:

@@ -1,12 +1,18 @@
-"""Fused Gumbel-max sampling for rows without top-k/top-p/min-p: one pass over the logits.
+"""Fused sampling kernels: Gumbel-max sampling, and the sampled tokens' logprobs and ranks.
 
-Computes, per row, argmax(logits / temperature + gumbel(seed, position, token)) with the same
-counter-based hash as `sampling.gumbel_noise`, or the plain argmax for temperature 0, without
-materializing the [rows, vocab] noise. On CUDA the noise's two logs are the hardware's
-approximate log2 (2.3x faster at 256 rows with 4-warp programs, BENCHMARKS.md eighth run): the
-torch sampler's tokens, except where a row's two best scores lie within that approximation
-(millionths). Each row's vocabulary is cut into chunks so that a few rows still fill the device;
-a second, small kernel picks each row's best chunk.
+`gumbel_argmax`, for rows without top-k/top-p/min-p, computes per row argmax(logits /
+temperature + gumbel(seed, position, token)) with the same counter-based hash as
+`sampling.gumbel_noise`, or the plain argmax for temperature 0, without materializing the
+[rows, vocab] noise. On CUDA the noise's two logs are the hardware's approximate log2 (2.3x
+faster at 256 rows with 4-warp programs, BENCHMARKS.md eighth run): the torch sampler's tokens,
+except where a row's two best scores lie within that approximation (millionths).
+
+`sampled_logprobs`, in steps with sample logprobs, reads the logits once more for each row's
+logsumexp and the sampled token's rank, where a log-softmax would write and read them again in
+float32 (a [256, 128256] step: 131 MB each way).
+
+Each row's vocabulary is cut into chunks so that a few rows still fill the device; a second,
+small kernel combines each row's chunks.
 """
 
 from __future__ import annotations
@@ -147,3 +153,116 @@ def gumbel_argmax(
         **pdl.launch_args(logits.device),
     )
     return out
+
+
+@triton.jit(do_not_specialize=["num_chunks"])  # per step: see attention.triton_kernels
+def logprob_stats_kernel(
+    values_ptr,  # [rows, vocab], any float dtype (read as float32; -inf allowed)
+    sampled_ptr,  # [rows] int64
+    chunk_max_ptr,  # [rows, num_chunks] float32: each chunk's max value
+    chunk_sum_ptr,  # [rows, num_chunks] float32: its sum of exp(value - max)
+    chunk_above_ptr,  # [rows, num_chunks] int32: its ids valued at least the sampled one
+    values_stride,
+    vocab,
+    chunk_len,  # a multiple of BLOCK
+    num_chunks,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl.wait(PDL)
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    row_ptr = values_ptr + row.to(tl.int64) * values_stride
+    target = tl.load(row_ptr + tl.load(sampled_ptr + row)).to(tl.float32)
+    first = chunk * chunk_len
+    end = tl.minimum(first + chunk_len, vocab)
+    lane = tl.arange(0, BLOCK)
+    # each lane keeps its own online max and sum (log2 units), reduced once after the loop
+    lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    lane_sum = tl.zeros([BLOCK], tl.float32)
+    above = tl.zeros([BLOCK], tl.int32)
+    for start in range(first, end, BLOCK):
+        token = start + lane
+        value = tl.load(row_ptr + token, mask=token < end, other=float("-inf")).to(tl.float32)
+        above += (value >= target).to(tl.int32)
+        scaled = value * 1.4426950408889634
+        new_max = tl.maximum(lane_max, scaled)
+        safe = tl.where(new_max == float("-inf"), 0.0, new_max)  # lanes that saw only -inf
+        lane_sum = lane_sum * tl.exp2(lane_max - safe) + tl.exp2(scaled - safe)
+        lane_max = new_max
+    best = tl.max(lane_max, axis=0)
+    safe = tl.where(best == float("-inf"), 0.0, best)
+    total = tl.sum(lane_sum * tl.exp2(lane_max - safe), axis=0)
+    at = row * num_chunks + chunk
+    tl.store(chunk_max_ptr + at, best * 0.6931471805599453)  # back to natural-log units
+    tl.store(chunk_sum_ptr + at, total)
+    tl.store(chunk_above_ptr + at, tl.sum(above, axis=0))
+
+
+@triton.jit(do_not_specialize=["num_chunks"])  # per step: see attention.triton_kernels
+def logprob_combine_kernel(
+    values_ptr,
+    sampled_ptr,
+    chunk_max_ptr,
+    chunk_sum_ptr,
+    chunk_above_ptr,
+    value_out_ptr,  # [rows] float32: the sampled id's value, less the row's logsumexp if LOGPROBS
+    rank_out_ptr,  # [rows] int32: the ids valued at least the sampled one (itself included)
+    shift_out_ptr,  # [rows] float32: the logsumexp if LOGPROBS, else 0
+    values_stride,
+    num_chunks,
+    CHUNKS: tl.constexpr,
+    LOGPROBS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl.wait(PDL)
+    row = tl.program_id(0)
+    chunks = tl.arange(0, CHUNKS)
+    used = chunks < num_chunks
+    at = row * num_chunks + chunks
+    chunk_max = tl.load(chunk_max_ptr + at, mask=used, other=float("-inf"))
+    chunk_sum = tl.load(chunk_sum_ptr + at, mask=used, other=0.0)
+    above = tl.load(chunk_above_ptr + at, mask=used, other=0)
+    sampled = tl.load(sampled_ptr + row)
+    target = tl.load(values_ptr + row.to(tl.int64) * values_stride + sampled).to(tl.float32)
+    shift = 0.0
+    if LOGPROBS:
+        best = tl.max(chunk_max, axis=0)
+        weight = tl.where(chunk_max == float("-inf"), 0.0, tl.exp(chunk_max - best))
+        shift = best + tl.log(tl.sum(chunk_sum * weight, axis=0))
+    tl.store(value_out_ptr + row, target - shift)
+    tl.store(rank_out_ptr + row, tl.sum(above, axis=0))
+    tl.store(shift_out_ptr + row, shift)
+
+
+def sampled_logprobs(
+    values: torch.Tensor,
+    sampled: torch.Tensor,
+    logprobs: bool,
+    value_out: torch.Tensor,
+    rank_out: torch.Tensor,
+    num_chunks: int | None = None,
+) -> torch.Tensor:
+    """[rows, vocab] values (logits, any float dtype) and [rows] sampled ids -> value_out = the
+    sampled id's value (less the row's logsumexp if `logprobs`: its log-probability), rank_out =
+    the ids valued at least as high; returns each row's shift ([rows] float32: that logsumexp, or
+    0). One read of the values, never a [rows, vocab] float32 copy."""
+    rows, vocab = values.shape
+    blocks = cdiv(vocab, BLOCK)
+    if num_chunks is None:  # as gumbel_argmax's: a few rows still fill the device
+        num_chunks = cdiv(8 * num_sms(values.device), rows)
+    chunk_len = cdiv(blocks, max(1, min(num_chunks, blocks))) * BLOCK
+    num_chunks = cdiv(vocab, chunk_len)
+    stats = torch.empty(2, rows, num_chunks, dtype=torch.float32, device=values.device)
+    above = torch.empty(rows, num_chunks, dtype=torch.int32, device=values.device)
+    logprob_stats_kernel[(rows, num_chunks)](
+        values, sampled, stats[0], stats[1], above, values.stride(0), vocab, chunk_len,
+        num_chunks, BLOCK=BLOCK, num_warps=NUM_WARPS, **pdl.launch_args(values.device),
+    )  # fmt: skip
+    shift = torch.empty(rows, dtype=torch.float32, device=values.device)
+    logprob_combine_kernel[(rows,)](
+        values, sampled, stats[0], stats[1], above, value_out, rank_out, shift, values.stride(0),
+        num_chunks, CHUNKS=next_power_of_2(blocks), LOGPROBS=logprobs,
+        **pdl.launch_args(values.device),
+    )  # fmt: skip
+    return shift

@@ -4,8 +4,8 @@ A request that names token ids gets, at each output position, the logprobs of ex
 ids (and of the sampled token, as with `logprobs`) in place of the top ones: a label set
 scored at every step without reading back the whole vocabulary. The host writes each row's ids
 into the slot's `TokenLogprobBuffers` as the step is built; on the device the sampling gathers
-them from the step's log-softmax (which steps with logprobs compute anyway) and the D2H stream
-brings back [rows, width] values with the step's other outputs, so no new wait.
+their logits less each row's logsumexp (which steps with logprobs compute anyway) and the D2H
+stream brings back [rows, width] values with the step's other outputs, so no new wait.
 
 Steps with logprobs sample eagerly (`StepBatch.sampling_graphed`), so nothing here is
 captured. The buffers are copied only in steps with such rows, and only their first rows and
@@ -74,11 +74,15 @@ def plan_rows(requests: list[Request], buffers: TokenLogprobBuffers) -> TokenLog
     return step
 
 
-def gather(logprobs: torch.Tensor, buffers: TokenLogprobBuffers, step: TokenLogprobStep) -> None:
-    """[rows, vocab] log-probabilities -> the named ids' values in the device buffer."""
-    n = step.num_rows * step.width
-    ids = buffers.dev_ids[:n].view(step.num_rows, step.width).long()
-    torch.gather(logprobs[: step.num_rows], 1, ids, out=buffers.dev_values[:n].view(ids.shape))
+def gather(
+    values: torch.Tensor, shift: torch.Tensor, buffers: TokenLogprobBuffers, step: TokenLogprobStep
+) -> None:
+    """[rows, vocab] values (logits) less each row's shift (its logsumexp: see
+    `sampling.sampled_logprobs`) at the named ids -> their logprobs in the device buffer."""
+    n, rows = step.num_rows * step.width, step.num_rows
+    ids = buffers.dev_ids[:n].view(rows, step.width).long()
+    out = buffers.dev_values[:n].view(ids.shape)
+    torch.sub(values[:rows].gather(1, ids).float(), shift[:rows, None], out=out)
 
 
 def entry(

@@ -3,11 +3,13 @@ behave as vLLM documents them, checked against transformers on the same tiny che
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
 
 from tandem import LLM, SamplingParams
+from tandem import llm as llm_module
 from tandem.sampling import fold_seed
 from test_bad_input import transformers_greedy
 
@@ -318,3 +320,53 @@ def test_sample_logprobs_are_built_step_by_step_each_once(llm, monkeypatch):
         assert [[e.rank for e in d.values()] for d in sample.logprobs] == [
             [e.rank for e in d.values()] for d in whole
         ]
+
+
+def test_generate_holds_full_garbage_collections_while_it_runs(llm, monkeypatch):
+    """A full collection walks every live object (a rollout's logprob entries: pauses longer
+    than the step the device has queued): none starts inside generate, however much the
+    loop allocates; the young generations are still collected, and the threshold the
+    caller set comes back afterwards."""
+    collections = []
+    gc.callbacks.append(lambda phase, info: phase == "start" and collections.append(info))
+    step, kept = llm.engine.step, []
+
+    def allocating_step():
+        kept.append([[] for _ in range(20_000)])  # survivors enough for a full collection
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", allocating_step)
+    old = gc.get_threshold()
+    gc.set_threshold(700, 10, 5)
+    try:
+        gc.collect()
+        collections.clear()
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        llm.generate(["held"] * 2, params, use_tqdm=False)
+        during = [c["generation"] for c in collections]
+        assert gc.get_threshold() == (700, 10, 5)
+        kept.clear()
+        collections.clear()
+        for _ in range(20):  # the same allocations outside generate do collect in full
+            kept.append([[] for _ in range(20_000)])
+        after = [c["generation"] for c in collections]
+    finally:
+        gc.callbacks.pop()
+        gc.set_threshold(*old)
+    assert 0 in during and 2 not in during
+    assert 2 in after
+
+
+def test_overlapping_generate_loops_restore_the_threshold_when_the_last_ends():
+    old = gc.get_threshold()
+    gc.set_threshold(700, 10, 7)
+    try:
+        first, second = llm_module._full_collections_held(), llm_module._full_collections_held()
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
+        assert gc.get_threshold()[2] > 10**6  # the second still runs
+        second.__exit__(None, None, None)
+        assert gc.get_threshold() == (700, 10, 7)
+    finally:
+        gc.set_threshold(*old)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 import time
@@ -440,25 +441,27 @@ class LLM:
                     self.engine.enqueue(request)
         bar = tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm)
         start, num_out = time.perf_counter(), 0
-        try:
-            with bar:
-                while (updated := self._step()) is not None:
-                    num_out += len(updated)
-                    finished = sum(r.finished for r in updated)
-                    if outputs:
-                        finished_groups.add(updated)
-                    if finished or updated:
-                        bar.update(finished)
-                        bar.set_postfix_str(
-                            f"{num_out / (time.perf_counter() - start):.0f} tok/s", refresh=False
-                        )
-        except BaseException:
-            # e.g. Ctrl-C: the call's requests must not run on inside the next call
-            with self._hook():
-                for request in requests:
-                    self.engine.abort(request.request_id)
-            raise
-        return finished_groups.outputs() if outputs else []
+        with _full_collections_held():  # and while the outputs are built
+            try:
+                with bar:
+                    while (updated := self._step()) is not None:
+                        num_out += len(updated)
+                        finished = sum(r.finished for r in updated)
+                        if outputs:
+                            finished_groups.add(updated)
+                        if finished or updated:
+                            bar.update(finished)
+                            bar.set_postfix_str(
+                                f"{num_out / (time.perf_counter() - start):.0f} tok/s",
+                                refresh=False,
+                            )
+            except BaseException:
+                # e.g. Ctrl-C: the call's requests must not run on inside the next call
+                with self._hook():
+                    for request in requests:
+                        self.engine.abort(request.request_id)
+                raise
+            return finished_groups.outputs() if outputs else []
 
     def _step(self) -> list[Request] | None:
         """What the next step updated, waiting while the engine is held (paused, asleep, taking
@@ -474,6 +477,36 @@ class LLM:
             if self.engine.paused:  # e.g. pause_generation("wait") drained: wake its caller
                 self._resumed.notify_all()
             return updated
+
+
+_held_lock = threading.Lock()
+_held_runs = 0  # generate loops running (threads may run several at once)
+_saved_threshold = 0
+
+
+@contextmanager
+def _full_collections_held() -> Iterator[None]:
+    """No automatic full (oldest-generation) garbage collection while generate loops run and
+    build their outputs; the young generations are still collected. A full collection walks
+    every object alive, the outputs built so far included: with a rollout's 131k sample-logprob
+    entries (a Logprob and a dict each) one took 40-200 ms on a 2-core host, and the device, one
+    step ahead (about 13 ms), idled through it. The first full collection after the call comes
+    in the caller's own allocations. The first loop in holds them, the last one out restores
+    the threshold it found."""
+    global _held_runs, _saved_threshold
+    with _held_lock:
+        if _held_runs == 0:
+            first, second, _saved_threshold = gc.get_threshold()
+            gc.set_threshold(first, second, 1 << 30)  # gen-1 collections before a full one
+        _held_runs += 1
+    try:
+        yield
+    finally:
+        with _held_lock:
+            _held_runs -= 1
+            if _held_runs == 0:
+                first, second, _ = gc.get_threshold()
+                gc.set_threshold(first, second, _saved_threshold)
 
 
 class _FinishedGroups:

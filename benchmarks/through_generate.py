@@ -8,6 +8,7 @@ run finds the one before it in the prefix cache.
 
     python3 benchmarks/through_generate.py chat --runs 3        # Llama-3-8B's shape, dummy weights
     python3 benchmarks/through_generate.py rollout --runs 2
+    python3 benchmarks/through_generate.py rollout --logprobs 0   # each sampled token's logprob, as RL asks
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--scale", type=float, default=1.0,
                         help="prompts, lengths and new tokens times this (a CPU check: 0.05)")  # fmt: skip
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--logprobs", type=int, default=None,
+                        help="SamplingParams.logprobs of every request (0: the sampled token's)")  # fmt: skip
     args = parser.parse_args(argv)
     count, shared, unique, n, new = WORKLOADS[args.workload]
     count, shared, unique, new = (  # the samples a prompt stay as they are
@@ -50,7 +53,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     vocab = llm.engine.model_config.vocab_size
     warm = SamplingParams(n=min(n, 2), temperature=1.0, max_tokens=8, ignore_eos=True)
     llm.generate(prompts(2, shared, unique, vocab, seed=0), warm, use_tqdm=False)
-    params = SamplingParams(n=n, temperature=1.0, max_tokens=new, ignore_eos=True)
+    params = SamplingParams(
+        n=n, temperature=1.0, max_tokens=new, ignore_eos=True, logprobs=args.logprobs
+    )
     results = []
     for run in range(args.runs):
         batch = prompts(count, shared, unique, vocab, seed=run + 1)
@@ -60,6 +65,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         made = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         result = {"workload": args.workload, "run": run, "s": round(seconds, 3),
                   "tokens": made, "tok_s": round(made / seconds)}  # fmt: skip
+        if args.logprobs is not None:  # every position's entry came back
+            result["logprob_entries"] = sum(len(c.logprobs) for o in outputs for c in o.outputs)
         print(json.dumps(result), flush=True)
         results.append(result)
     return results

@@ -29,6 +29,14 @@ def test_each_run_counts_the_tokens_it_made(make_tiny, workload, capsys):
     assert capsys.readouterr().out.count('"workload"') == 2
 
 
+def test_with_logprobs_every_sample_position_brings_its_entry(make_tiny):
+    [run] = through_generate.main(
+        ["rollout", "--model", str(make_tiny("llama")), "--load-format", "auto", "--runs", "1",
+         "--scale", "0.03", "--max-num-seqs", "16", "--logprobs", "0"]
+    )  # fmt: skip
+    assert run["logprob_entries"] == run["tokens"] > 0
+
+
 def test_chat_prompts_share_their_head_and_differ_after_it():
     a = through_generate.prompts(3, 40, 8, 100, seed=1)
     b = through_generate.prompts(1, 40, 8, 100, seed=2)

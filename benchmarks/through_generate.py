@@ -9,6 +9,7 @@ run finds the one before it in the prefix cache.
     python3 benchmarks/through_generate.py chat --runs 3        # Llama-3-8B's shape, dummy weights
     python3 benchmarks/through_generate.py rollout --runs 2
     python3 benchmarks/through_generate.py rollout --logprobs 0   # each sampled token's logprob, as RL asks
+    python3 benchmarks/through_generate.py rollout --logprobs 0 --flat-logprobs
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--logprobs", type=int, default=None,
                         help="SamplingParams.logprobs of every request (0: the sampled token's)")  # fmt: skip
+    parser.add_argument("--flat-logprobs", action="store_true",
+                        help="the logprobs as one FlatLogprobs a sample (SamplingParams.flat_logprobs)")  # fmt: skip
     args = parser.parse_args(argv)
     count, shared, unique, n, new = WORKLOADS[args.workload]
     count, shared, unique, new = (  # the samples a prompt stay as they are
@@ -54,8 +57,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     warm = SamplingParams(n=min(n, 2), temperature=1.0, max_tokens=8, ignore_eos=True)
     llm.generate(prompts(2, shared, unique, vocab, seed=0), warm, use_tqdm=False)
     params = SamplingParams(
-        n=n, temperature=1.0, max_tokens=new, ignore_eos=True, logprobs=args.logprobs
-    )
+        n=n, temperature=1.0, max_tokens=new, ignore_eos=True, logprobs=args.logprobs,
+        flat_logprobs=args.flat_logprobs,
+    )  # fmt: skip
     results = []
     for run in range(args.runs):
         batch = prompts(count, shared, unique, vocab, seed=run + 1)

@@ -15,6 +15,7 @@ from tandem import LLM, RequestOutput, SamplingParams
 from tandem.async_llm import AsyncLLM, EngineDeadError
 from tandem.config import EngineConfig
 from tandem.engine import Engine
+from tandem.outputs import FlatLogprobs
 from tandem.sampling import RequestOutputKind
 from test_bad_input import transformers_greedy
 
@@ -254,12 +255,16 @@ def whole_sample(c) -> tuple:
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
-@pytest.mark.parametrize("base", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "base",
+    [GREEDY, SEEDED, replace(SEEDED, flat_logprobs=True)],
+    ids=["greedy", "seeded", "seeded-flat"],
+)
 def test_every_output_kind_adds_up_to_the_offline_output(llm, offline, kind, base):
     """CUMULATIVE: every output is all so far; DELTA: the outputs join into it; FINAL_ONLY: one
     output. Logprobs with ranks and decoded tokens, and prompt logprobs, as the offline API's."""
     params = replace(base, output_kind=kind)
-    request_id = f"kind-{kind.name}-{base.temperature}"
+    request_id = f"kind-{kind.name}-{base.temperature}-{base.flat_logprobs}"
     outputs = asyncio.run(collect(llm, PROMPTS[1], params, request_id))
     [expected] = offline.generate(PROMPTS[1], params, use_tqdm=False)
     assert samples(outputs, kind) == [whole_sample(expected.outputs[0])]
@@ -268,6 +273,9 @@ def test_every_output_kind_adds_up_to_the_offline_output(llm, offline, kind, bas
         assert (output.request_id, output.prompt) == (request_id, PROMPTS[1])
         assert output.prompt_token_ids == expected.prompt_token_ids
     assert described(outputs[0].prompt_logprobs) == described(expected.prompt_logprobs)
+    form = FlatLogprobs if base.flat_logprobs else list
+    assert all(isinstance(c.logprobs, form) for o in outputs for c in o.outputs)
+    assert isinstance(outputs[0].prompt_logprobs, form) or base.prompt_logprobs is None
     if kind is FINAL_ONLY:
         assert len(outputs) == 1
     elif kind is DELTA:

@@ -29,10 +29,11 @@ def test_each_run_counts_the_tokens_it_made(make_tiny, workload, capsys):
     assert capsys.readouterr().out.count('"workload"') == 2
 
 
-def test_with_logprobs_every_sample_position_brings_its_entry(make_tiny):
+@pytest.mark.parametrize("flat", [[], ["--flat-logprobs"]], ids=["dicts", "flat"])
+def test_with_logprobs_every_sample_position_brings_its_entry(make_tiny, flat):
     [run] = through_generate.main(
         ["rollout", "--model", str(make_tiny("llama")), "--load-format", "auto", "--runs", "1",
-         "--scale", "0.03", "--max-num-seqs", "16", "--logprobs", "0"]
+         "--scale", "0.03", "--max-num-seqs", "16", "--logprobs", "0", *flat]
     )  # fmt: skip
     assert run["logprob_entries"] == run["tokens"] > 0
 

@@ -20,8 +20,10 @@ from tandem.config import EngineConfig
 from tandem.engine import Engine, check_pause_mode
 from tandem.outputs import (
     CompletionOutput,
-    Logprob,
+    FlatLogprobs,
+    PromptLogprobs,
     RequestOutput,
+    SampleLogprobs,
     TokenText,
     cumulative_logprob,
     no_text,
@@ -519,7 +521,7 @@ class _FinishedGroups:
         self.groups, self.text = groups, text
         self.group_of = {id(r): i for i, (_, group) in enumerate(groups) for r in group}
         self.built: dict[int, RequestOutput] = {}
-        self.logprobs: dict[int, list[dict[int, Logprob]]] = {}  # id(request) -> so far
+        self.logprobs: dict[int, SampleLogprobs] = {}  # id(request) -> so far
 
     def add(self, updated: list[Request]) -> None:
         """A step's updated requests: their new logprobs built, finished groups' outputs too."""
@@ -541,11 +543,16 @@ class _FinishedGroups:
     def _output(self, i: int) -> RequestOutput:
         return _request_output(*self.groups[i], self.text, self._logprobs_of)
 
-    def _logprobs_of(self, request: Request) -> list[dict[int, Logprob]] | None:
-        """The request's sample logprobs as Logprob objects, those not built yet built now."""
+    def _logprobs_of(self, request: Request) -> SampleLogprobs | None:
+        """The request's sample logprobs as Logprob objects (or one FlatLogprobs), those not built
+        yet built now."""
         if request.logprobs is None:
             return None
-        built = self.logprobs.setdefault(id(request), [])
+        built = self.logprobs.get(id(request))
+        if built is None:
+            built = self.logprobs[id(request)] = (
+                FlatLogprobs() if request.params.flat_logprobs else []
+            )
         if len(built) < len(request.logprobs):
             built += _sample_logprobs(request, self.text, start=len(built))
         return built
@@ -578,7 +585,7 @@ def _request_output(
     request_id: str,
     group: list[Request],
     text: TokenText,
-    logprobs_of: Callable[[Request], list[dict[int, Logprob]] | None],
+    logprobs_of: Callable[[Request], SampleLogprobs | None],
 ) -> RequestOutput:
     """The group's RequestOutput, each request's sample logprobs from `logprobs_of`."""
     first = group[0]
@@ -609,23 +616,25 @@ def _cumulative_logprob(request: Request) -> float | None:
     return cumulative_logprob(request.logprobs or [], request.output_token_ids)
 
 
-def _sample_logprobs(
-    request: Request, text: TokenText, start: int = 0
-) -> list[dict[int, Logprob]] | None:
+def _sample_logprobs(request: Request, text: TokenText, start: int = 0) -> SampleLogprobs | None:
     """The request's sample logprobs from output position `start` on, as Logprob objects."""
     if request.logprobs is None:
         return None
     text = text if request.params.detokenize else no_text
     entries, end = request.logprobs[start:], len(request.logprobs)
     tokens, ranks = request.output_token_ids[start:end], request.sampled_ranks[start:end]
-    return sample_logprobs(entries, tokens, ranks, request.params.num_top_logprobs, text)
+    params = request.params
+    return sample_logprobs(
+        entries, tokens, ranks, params.num_top_logprobs, text, params.flat_logprobs
+    )
 
 
-def _prompt_logprobs(request: Request, text: TokenText) -> list[dict[int, Logprob] | None] | None:
+def _prompt_logprobs(request: Request, text: TokenText) -> PromptLogprobs | None:
     if request.prompt_logprobs is None:
         return None
     text = text if request.params.detokenize else no_text
     tokens, ranks = request.prompt_token_ids, request.prompt_ranks
     return prompt_logprobs(
-        request.prompt_logprobs, tokens, ranks, request.params.prompt_logprobs, text
-    )
+        request.prompt_logprobs, tokens, ranks, request.params.prompt_logprobs, text,
+        request.params.flat_logprobs,
+    )  # fmt: skip

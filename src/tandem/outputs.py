@@ -7,9 +7,9 @@ OutputCollector.take ──> RequestOutput per SamplingParams.output_kind
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, overload
 
 from tandem.sampling import RequestOutputKind, SamplingParams
 from tandem.tokenizer import Tokenizer
@@ -51,7 +51,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None  # the sum of logprobs' sampled entries; None without them
     # per output token: the top `logprobs` ids in rank order, then the sampled token
-    logprobs: list[dict[int, Logprob]] | None
+    logprobs: SampleLogprobs | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id; None for EOS
 
@@ -65,7 +65,7 @@ class RequestOutput:
     finished: bool = True
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     # with SamplingParams.prompt_logprobs: per prompt position, None for the first
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 TokenText = Callable[[int], str | None]
@@ -95,11 +95,10 @@ def sample_logprobs(
     ranks: list[int],
     num_top: int,
     text: TokenText,
-) -> list[dict[int, Logprob]]:
-    entries_and_tokens = zip(entries, token_ids, ranks, strict=True)
-    return [
-        _logprobs(entry, num_top, token, rank, text) for entry, token, rank in entries_and_tokens
-    ]
+    flat: bool = False,
+) -> SampleLogprobs:
+    """Each output position's entry with its Logprob objects; `flat`: as one FlatLogprobs."""
+    return _built(entries, token_ids, ranks, num_top, text, flat)
 
 
 def prompt_logprobs(
@@ -108,8 +107,19 @@ def prompt_logprobs(
     ranks: list[int | None],
     num_top: int,
     text: TokenText,
-) -> list[dict[int, Logprob] | None]:
+    flat: bool = False,
+) -> PromptLogprobs:
+    """As `sample_logprobs`, with None for the first prompt position."""
+    return _built(entries, token_ids, ranks, num_top, text, flat)
+
+
+def _built(entries, token_ids, ranks, num_top, text, flat):
     entries_and_tokens = zip(entries, token_ids, ranks, strict=True)
+    if flat:
+        out = FlatLogprobs()
+        for entry, token, rank in entries_and_tokens:
+            out.add_entry(entry, num_top, token, rank, text)
+        return out
     return [
         None if entry is None else _logprobs(entry, num_top, token, rank, text)
         for entry, token, rank in entries_and_tokens
@@ -134,13 +144,102 @@ def _logprobs(
 
 
 @dataclass
+class FlatLogprobs(Sequence):
+    """A request's logprobs in vLLM's flat form (`SamplingParams.flat_logprobs`): position p's
+    ids, values, ranks and texts are items start_indices[p]:end_indices[p] of six flat lists,
+    and indexing p builds its {id: Logprob} then (None for a position without an entry: a
+    prompt's first). The garbage collector walks the six lists, where list[dict[int, Logprob]]
+    gives it a dict and a Logprob per entry (a rollout's 131k: full collections of 40-200 ms)."""
+
+    start_indices: list[int] = field(default_factory=list)
+    end_indices: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int | None] = field(default_factory=list)
+    decoded_tokens: list[str | None] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.start_indices)
+
+    @overload
+    def __getitem__(self, index: int) -> dict[int, Logprob] | None: ...
+    @overload
+    def __getitem__(self, index: slice) -> FlatLogprobs: ...
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            out = FlatLogprobs()
+            for p in range(*index.indices(len(self))):
+                out.append(self[p])
+            return out
+        start, end = self.start_indices[index], self.end_indices[index]
+        if start == end:
+            return None
+        columns = (self.token_ids, self.logprobs, self.ranks, self.decoded_tokens)
+        t, value, rank, text = (column[start:end] for column in columns)
+        return {i: Logprob(v, r, d) for i, v, r, d in zip(t, value, rank, text, strict=True)}
+
+    def append(self, entry: dict[int, Logprob] | None) -> None:
+        """One more position: an entry as the list form holds it, or None."""
+        self.start_indices.append(len(self.token_ids))
+        for token_id, logprob in (entry or {}).items():
+            self.token_ids.append(token_id)
+            self.logprobs.append(float(logprob))
+            self.ranks.append(logprob.rank)
+            self.decoded_tokens.append(logprob.decoded_token)
+        self.end_indices.append(len(self.token_ids))
+
+    def add_entry(
+        self,
+        entry: dict[int, float] | None,
+        num_top: int,
+        token: int,
+        token_rank: int | None,
+        text: TokenText,
+    ) -> None:
+        """One more position from the engine's entry, ranked as `_logprobs` ranks it."""
+        self.start_indices.append(len(self.token_ids))
+        for rank, (t, value) in enumerate((entry or {}).items(), 1):
+            self.token_ids.append(t)
+            self.logprobs.append(value)
+            known = t == token and token_rank is not None
+            self.ranks.append(token_rank if known else rank if rank <= num_top else None)
+            self.decoded_tokens.append(text(t))
+        self.end_indices.append(len(self.token_ids))
+
+    def __iadd__(self, other: Iterable[dict[int, Logprob] | None]) -> FlatLogprobs:
+        if not isinstance(other, FlatLogprobs):
+            for entry in other:
+                self.append(entry)
+            return self
+        shift = len(self.token_ids)
+        self.start_indices += [i + shift for i in other.start_indices]
+        self.end_indices += [i + shift for i in other.end_indices]
+        for name in ("token_ids", "logprobs", "ranks", "decoded_tokens"):
+            getattr(self, name).extend(getattr(other, name))
+        return self
+
+    def __add__(self, other: Iterable[dict[int, Logprob] | None]) -> FlatLogprobs:
+        out = self.copy()
+        out += other
+        return out
+
+    def copy(self) -> FlatLogprobs:
+        return FlatLogprobs(*(list(getattr(self, f.name)) for f in fields(self)))
+
+
+# what CompletionOutput.logprobs and RequestOutput.prompt_logprobs hold (vLLM's names)
+SampleLogprobs = list[dict[int, Logprob]] | FlatLogprobs
+PromptLogprobs = list[dict[int, Logprob] | None] | FlatLogprobs
+
+
+@dataclass
 class _Sample:
     """One sample's output as the next RequestOutput carries it: all of it so far, or (DELTA)
     what came since the last one."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] | None = None
+    logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -160,10 +259,11 @@ class OutputCollector:
         self.kind = params.output_kind
         self.num_top, self.num_prompt_top = params.num_top_logprobs, params.prompt_logprobs
         self.text = text if params.detokenize else no_text
+        self.flat = params.flat_logprobs
         with_logprobs = params.logprobs is not None
         self.samples = [
             _Sample(
-                logprobs=[] if with_logprobs else None,
+                logprobs=(FlatLogprobs() if self.flat else []) if with_logprobs else None,
                 cumulative_logprob=0 if with_logprobs else None,
             )
             for _ in range(params.n)
@@ -172,7 +272,7 @@ class OutputCollector:
         self.num_unfinished = params.n
         self.prompt_token_ids: list[int] = []
         self.num_cached_tokens = 0
-        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self.prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -191,14 +291,16 @@ class OutputCollector:
                     output.prompt_ranks,
                     self.num_prompt_top,
                     self.text,
+                    self.flat,
                 )
         sample = self.samples[index]
         sample.text += output.text
         sample.token_ids += output.token_ids
         if sample.logprobs is not None:
             sample.logprobs += sample_logprobs(
-                output.logprobs, output.token_ids, output.sampled_ranks, self.num_top, self.text
-            )
+                output.logprobs, output.token_ids, output.sampled_ranks, self.num_top, self.text,
+                self.flat,
+            )  # fmt: skip
             sample.cumulative_logprob = cumulative_logprob(
                 output.logprobs, output.token_ids, sample.cumulative_logprob
             )
@@ -240,8 +342,8 @@ class OutputCollector:
         )
         if self.kind is RequestOutputKind.DELTA:  # the next one starts empty
             sample.text, sample.token_ids = "", []
-            sample.logprobs = None if sample.logprobs is None else []
+            sample.logprobs = None if sample.logprobs is None else type(sample.logprobs)()
         else:  # the sample grows on: this output keeps what it has now
             completion.token_ids = list(sample.token_ids)
-            completion.logprobs = None if sample.logprobs is None else list(sample.logprobs)
+            completion.logprobs = None if sample.logprobs is None else sample.logprobs.copy()
         return completion

@@ -57,6 +57,9 @@ class SamplingParams:
     logprob_token_ids: list[int] | None = None
     # the logprob of every prompt token after the first, plus the top `prompt_logprobs` ids
     prompt_logprobs: int | None = None
+    # logprobs and prompt_logprobs as one FlatLogprobs each (flat lists) in place of a list of
+    # {id: Logprob} dicts: vLLM's, for fewer objects for the garbage collector to walk
+    flat_logprobs: bool = False
     detokenize: bool = True  # False: outputs carry token ids only, their text stays ""
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -127,6 +130,7 @@ class SamplingParams:
             "skip_special_tokens",
             "include_stop_str_in_output",
             "skip_reading_prefix_cache",
+            "flat_logprobs",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -851,6 +851,7 @@ class Engine:
     def _append_outputs(self, batch: StepBatch, out: dict[str, np.ndarray]) -> list[Request]:
         num_seqs = len(batch.requests)
         sampled = out["sampled"][:num_seqs].tolist()
+        logprobs = None if batch.num_top_logprobs is None else _step_logprobs(out, num_seqs, batch)
         updated = self._append_prompt_logprobs(batch) if batch.prompt_logprobs else []
         for row, request in enumerate(batch.requests):
             if not batch.samples[row]:
@@ -859,8 +860,8 @@ class Engine:
             if request.finished:
                 continue  # stopped or aborted while this step was in flight: discard
             request.output_token_ids.append(sampled[row])
-            if batch.num_top_logprobs is not None and request.params.logprobs is not None:
-                self._append_logprobs(request, batch, out, row)
+            if logprobs is not None and request.params.logprobs is not None:
+                self._append_logprobs(request, batch, logprobs, row)
             updated.append(request)
             gated = request.matcher is not None or request.reasoning_end_id is not None
             ended = accept(request, sampled[row]) if gated else None
@@ -883,18 +884,19 @@ class Engine:
                 scored.append(request)
         return scored
 
-    def _append_logprobs(self, request: Request, batch: StepBatch, out, row: int) -> None:
+    def _append_logprobs(
+        self, request: Request, batch: StepBatch, logprobs: StepLogprobs, row: int
+    ) -> None:
         n, named = request.params.logprobs, request.params.logprob_token_ids
         if named is not None:  # the ids it named, in its order
             entry = token_logprob_entry(batch.token_logprobs, batch.slot.token_logprobs, row, named)
         else:
-            top_ids, top_logprobs = out["top_ids"][row, :n], out["top_logprobs"][row, :n]
-            entry = dict(zip(top_ids.tolist(), top_logprobs.tolist(), strict=True))
-        entry[request.output_token_ids[-1]] = float(out["sampled_logprob"][row])
+            entry = dict(zip(logprobs.top_ids[row][:n], logprobs.top_values[row][:n], strict=True))
+        entry[request.output_token_ids[-1]] = logprobs.sampled[row]
         if request.logprobs is None:
             request.logprobs = []
         request.logprobs.append(entry)
-        request.sampled_ranks.append(int(out["sampled_rank"][row]))
+        request.sampled_ranks.append(logprobs.ranks[row])
 
     def _check_stop(self, request: Request) -> None:
         """As vLLM: EOS and stop_token_ids count from the min_tokens-th output on, stop strings
@@ -983,6 +985,25 @@ class Engine:
             raise ValueError("cuda_graphs=True needs device='cuda'")
         eager = self.config.cuda_graphs is False or self.config.enforce_eager
         return self.device.type == "cuda" and not eager
+
+
+class StepLogprobs(NamedTuple):
+    """A step's sample-logprob outputs read back as lists, once for all its rows."""
+
+    sampled: list[float]  # [rows] each sampled token's value
+    ranks: list[int]  # [rows]
+    top_ids: list[list[int]]  # [rows][the step's widest top-k]
+    top_values: list[list[float]]
+
+
+def _step_logprobs(out: dict[str, np.ndarray], num_seqs: int, batch: StepBatch) -> StepLogprobs:
+    width = batch.num_top_logprobs
+    return StepLogprobs(
+        out["sampled_logprob"][:num_seqs].tolist(),
+        out["sampled_rank"][:num_seqs].tolist(),
+        out["top_ids"][:num_seqs, :width].tolist(),
+        out["top_logprobs"][:num_seqs, :width].tolist(),
+    )
 
 
 def _is_token_id(value: object) -> bool:

@@ -12,7 +12,7 @@ import torch
 
 from tandem import LLM, SamplingParams, sampling
 from tandem.config import LOGPROBS_MODES
-from tandem.sampling import processed_logits
+from tandem.sampling import draw, processed_logits, sample
 from test_sampling import PROMPTS, folder, hf_model, make_llm, tensors
 
 __all__ = ["folder"]  # the fixture, used by name
@@ -154,3 +154,19 @@ def test_the_fused_logprob_kernels_report_what_the_torch_path_does(folder, mode,
             for t, value in entry_a.items():
                 assert entry_b[t].logprob == pytest.approx(value.logprob, abs=1e-5)
                 assert entry_b[t].rank == value.rank
+
+
+def test_drawing_from_processed_values_picks_the_sampler_s_tokens():
+    """A processed-mode logprob step draws from the values it reports, sorted once: the same
+    token as `sample`'s draw in sorted order, for every filter and for greedy rows."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 300, generator=g) * 3
+    rows = [(0.7, 8, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (1.3, 0, 1.0, 0.1), (0.0, 5, 0.9, 0.0),
+            (0.5, 40, 0.95, 0.05), (1.0, 1, 1.0, 0.0)]  # fmt: skip
+    for seed in range(5):
+        t = tensors(6, *[list(column) for column in zip(*rows, strict=True)], seeds=seed,
+                    positions=list(range(6)))  # fmt: skip
+        expected = sample(logits, t, use_filters=True)
+        assert draw(logits, processed_logits(logits, t, use_filters=True), t).tolist() == (
+            expected.tolist()
+        )

@@ -45,6 +45,7 @@ from tandem.profiler import NoTimeline, Timeline
 from tandem.prompt_logprobs import compute as compute_prompt_logprobs
 from tandem.sampling import (
     SamplingTensors,
+    draw,
     processed_logits,
     sample,
     sampled_logprobs,
@@ -405,7 +406,11 @@ class Runner:
         )
         if wanted and not raw:  # what the sampler draws from (a float32 tensor of its own)
             source = processed_logits(logits, params, use_filters)
-        sampled = self.tp.broadcast(sample(logits, params, use_filters))  # rank 0's tokens rule
+        if wanted and not raw and use_filters:  # sorted once, for the values: draw from them
+            sampled = draw(logits, source, params)
+        else:
+            sampled = sample(logits, params, use_filters)
+        sampled = self.tp.broadcast(sampled)  # rank 0's tokens rule
         out["sampled"][:num_seqs].copy_(sampled)
         if source is None:
             return

@@ -388,6 +388,16 @@ def sample(logits: torch.Tensor, t: SamplingTensors, use_filters: bool) -> torch
     return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
 
+def draw(logits: torch.Tensor, processed: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """The token `sample` draws, from `processed_logits`' values of the logits (a logprob step
+    in a processed mode has them): the noise depends on the token id alone, so the Gumbel-max
+    choice in vocabulary order is the one `sample` makes in sorted order, without its sort.
+    Greedy rows take the logits' own argmax."""
+    token_ids = torch.arange(processed.shape[-1], device=processed.device)
+    choice = (processed + gumbel_noise(t.seeds, t.positions, token_ids)).argmax(dim=-1)
+    return torch.where(t.temperature == 0, logits.float().argmax(dim=-1), choice)
+
+
 def _filter_sorted(scaled: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Mask (to -inf) tokens outside top-k, top-p and min-p; `scaled` is sorted descending per row."""
     vocab = scaled.shape[-1]

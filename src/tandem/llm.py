@@ -492,9 +492,10 @@ def _full_collections_held() -> Iterator[None]:
     build their outputs; the young generations are still collected. A full collection walks
     every object alive, the outputs built so far included: with a rollout's 131k sample-logprob
     entries (a Logprob and a dict each) one took 40-200 ms on a 2-core host, and the device, one
-    step ahead (about 13 ms), idled through it. The first full collection after the call comes
-    in the caller's own allocations. The first loop in holds them, the last one out restores
-    the threshold it found."""
+    step ahead (about 13 ms), idled through it. generate makes no reference cycles (a test
+    holds it to that), so nothing waits on a full collection to be freed meanwhile; the first
+    one after the call comes in the caller's own allocations. The first loop in holds them,
+    the last one out restores the threshold it found."""
     global _held_runs, _saved_threshold
     with _held_lock:
         if _held_runs == 0:

@@ -160,6 +160,17 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
         "(processed_*) (default: raw_logprobs)",
     )
     parser.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="the most top ids a request's logprobs or prompt_logprobs may ask for (at most 20)",
+    )
+    parser.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="load no tokenizer: prompts come as token ids, outputs carry no text",
+    )
+    parser.add_argument(
         "--reasoning-parser",
         choices=list(REASONING_PARSERS),
         help="the model's thinking (<think>...</think>): a structured-output grammar starts "

@@ -352,9 +352,15 @@ class EngineConfig:
     reasoning_parser: str | None = None
     # one of LOGPROBS_MODES: what sample logprobs hold (prompt logprobs stay raw_logprobs)
     logprobs_mode: str = "raw_logprobs"
+    # the most top ids a request's logprobs or prompt_logprobs may ask for (vLLM's; at most 20,
+    # the width of the slots' logprob buffers)
+    max_logprobs: int = 20
+    # no tokenizer loaded (vLLM's): prompts come as token ids, outputs carry no text
+    skip_tokenizer_init: bool = False
 
     def validate(self) -> None:
         from tandem.reasoning import check_parser
+        from tandem.sampling import MAX_LOGPROBS
         from tandem.weight_transfer import as_config  # torch.distributed, only when validating
 
         self.weight_transfer_config = as_config(self.weight_transfer_config)
@@ -395,6 +401,16 @@ class EngineConfig:
             raise ValueError(
                 "deterministic=True runs on one device: the all-reduce of tensor_parallel_size > 1 "
                 "sums in an order that follows the batch size"
+            )
+        check_int("max_logprobs", self.max_logprobs, 0)
+        if self.max_logprobs > MAX_LOGPROBS:
+            raise ValueError(
+                f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the engine returns at most "
+                f"{MAX_LOGPROBS} top ids a position), got {self.max_logprobs}"
+            )
+        if not isinstance(self.skip_tokenizer_init, bool):
+            raise ValueError(
+                f"skip_tokenizer_init must be True or False, got {self.skip_tokenizer_init!r}"
             )
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(

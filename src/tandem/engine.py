@@ -126,10 +126,9 @@ class Engine:
         self.dtype = config.resolve_dtype(cfg, self.device)
         self.max_model_len = config.resolve_max_model_len(cfg)
         tokenizer_dir = Path(config.tokenizer) if config.tokenizer else folder
+        found = tokenizer_dir and (tokenizer_dir / "tokenizer.json").is_file()
         self.tokenizer = (
-            Tokenizer.from_dir(tokenizer_dir)
-            if tokenizer_dir and (tokenizer_dir / "tokenizer.json").is_file()
-            else None
+            Tokenizer.from_dir(tokenizer_dir) if found and not config.skip_tokenizer_init else None
         )
         self.eos_token_ids = _eos_token_ids(cfg, folder, self.tokenizer)
         # SamplingParams fields in place of its own defaults (LLM.generate without params, and
@@ -353,6 +352,7 @@ class Engine:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r:.80}")
         params.validate()
+        self._check_num_logprobs(params)
         if params.stop and self.tokenizer is None:
             raise ValueError(
                 "stop strings need the model's tokenizer.json; pass stop_token_ids instead"
@@ -364,7 +364,8 @@ class Engine:
                 )
             if self.tokenizer is None:
                 raise ValueError(
-                    "this model has no tokenizer.json; pass prompt_token_ids instead of text"
+                    "no tokenizer here (skip_tokenizer_init=True, or the model has no "
+                    "tokenizer.json); pass prompt_token_ids instead of text"
                 )
             prompt_token_ids = self.tokenizer.encode(prompt)
         prompt_token_ids = self._check_token_ids(
@@ -442,6 +443,17 @@ class Engine:
         if self.tokenizer is None:
             raise ValueError("bad_words need the model's tokenizer.json; use logit_bias instead")
         return penalties.bad_word_token_ids(self.tokenizer, params.bad_words)
+
+    def _check_num_logprobs(self, params: SamplingParams) -> None:
+        """vLLM's max_logprobs: the most top ids a request may ask for."""
+        most = self.config.max_logprobs
+        asked = (("logprobs", params.num_top_logprobs), ("prompt_logprobs", params.prompt_logprobs))
+        for name, num in asked:
+            if num is not None and num > most:
+                raise ValueError(
+                    f"{name}={num} asks for more top ids than max_logprobs={most} allows "
+                    "(an engine argument)"
+                )
 
     def _check_token_ids(self, ids: list[int]) -> list[int]:
         if not ids:

@@ -282,7 +282,10 @@ class LLM:
         if not isinstance(text_or_ids, str):
             return list(text_or_ids)
         if self.engine.tokenizer is None:
-            raise ValueError("this model has no tokenizer.json; pass token ids instead of text")
+            raise ValueError(
+                "no tokenizer here (skip_tokenizer_init=True, or the model has no "
+                "tokenizer.json); pass token ids instead of text"
+            )
         return self.engine.tokenizer.encode(text_or_ids, add_special_tokens=special)
 
     def chat(

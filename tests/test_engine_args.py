@@ -1,0 +1,54 @@
+"""vLLM's engine arguments max_logprobs and skip_tokenizer_init, taken by LLM and the CLI."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem import LLM, SamplingParams
+from tandem.cli import build_parser, engine_kwargs
+from test_bad_input import transformers_greedy
+
+
+@pytest.fixture(scope="module")
+def folder(make_tiny) -> str:
+    return str(make_tiny("llama"))
+
+
+def test_requests_asking_more_top_ids_than_max_logprobs_are_value_errors(folder):
+    llm = LLM(folder, max_model_len=64, max_logprobs=2)
+    [out] = llm.generate("Hello", SamplingParams(max_tokens=3, logprobs=2), use_tqdm=False)
+    assert all(len(entry) >= 2 for entry in out.outputs[0].logprobs)
+    for fields in ({"logprobs": 3}, {"prompt_logprobs": 5}):
+        with pytest.raises(ValueError, match=r"max_logprobs=2"):
+            llm.generate("Hello", SamplingParams(max_tokens=3, **fields), use_tqdm=False)
+    # named ids are not top ids: logprob_token_ids has a limit of its own
+    named = SamplingParams(max_tokens=3, logprob_token_ids=[1, 2, 3, 4])
+    [out] = llm.generate("Hello", named, use_tqdm=False)
+    assert list(out.outputs[0].logprobs[0])[:4] == [1, 2, 3, 4]
+    assert not llm.engine.has_unfinished()  # the refused requests left nothing behind
+
+
+@pytest.mark.parametrize("bad", [21, -1, 2.5])
+def test_max_logprobs_outside_0_to_20_is_a_value_error(folder, bad):
+    with pytest.raises(ValueError, match="max_logprobs"):
+        LLM(folder, max_logprobs=bad)
+
+
+def test_skip_tokenizer_init_takes_token_ids_and_gives_token_ids_without_text(folder):
+    llm = LLM(folder, max_model_len=64, skip_tokenizer_init=True)
+    assert llm.engine.tokenizer is None
+    ids = [5, 17, 300, 42]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    [out] = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+    assert out.outputs[0].text == ""
+    assert out.outputs[0].token_ids == transformers_greedy(folder, tuple(ids), 6)
+    with pytest.raises(ValueError, match="skip_tokenizer_init=True"):
+        llm.generate("text needs a tokenizer", params, use_tqdm=False)
+
+
+def test_the_cli_takes_both_as_vllm_spells_them(folder):
+    args = build_parser().parse_args(
+        ["generate", folder, "a prompt", "--max-logprobs", "5", "--skip-tokenizer-init"]
+    )
+    kwargs = engine_kwargs(args)
+    assert (kwargs["max_logprobs"], kwargs["skip_tokenizer_init"]) == (5, True)

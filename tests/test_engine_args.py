@@ -1,4 +1,5 @@
-"""vLLM's engine arguments max_logprobs and skip_tokenizer_init, taken by LLM and the CLI."""
+"""vLLM's engine arguments max_logprobs and skip_tokenizer_init, and those taken for its signature
+(an RL framework's LLM(...) call runs unchanged), by LLM and the CLI."""
 
 from __future__ import annotations
 
@@ -52,3 +53,34 @@ def test_the_cli_takes_both_as_vllm_spells_them(folder):
     )
     kwargs = engine_kwargs(args)
     assert (kwargs["max_logprobs"], kwargs["skip_tokenizer_init"]) == (5, True)
+
+
+def test_an_rl_framework_s_vllm_arguments_are_taken(folder):
+    llm = LLM(folder, max_model_len=64, enable_sleep_mode=True, disable_custom_all_reduce=True,
+              enable_chunked_prefill=True, disable_log_stats=True, enable_prefix_caching=True,
+              skip_tokenizer_init=False, trust_remote_code=False, seed=0)  # fmt: skip
+    [out] = llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2
+    assert llm.sleep(1) > 0 and llm.wake_up() is None  # sleep mode works whatever the flag
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [({"enable_chunked_prefill": False}, "always splits a prompt"),
+     ({"disable_log_stats": False}, "logs no periodic stats"),
+     ({"enable_sleep_mode": "yes"}, "enable_sleep_mode must be True or False")],
+)  # fmt: skip
+def test_values_tandem_cannot_honour_are_value_errors_saying_why(folder, args, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(folder, **args)
+
+
+def test_the_cli_takes_vllm_s_flags_of_an_rl_or_serving_script(folder):
+    args = build_parser().parse_args(
+        ["serve", folder, "--enable-sleep-mode", "--disable-custom-all-reduce",
+         "--disable-log-stats"]
+    )  # fmt: skip
+    kwargs = engine_kwargs(args)
+    assert kwargs["enable_sleep_mode"] and kwargs["disable_custom_all_reduce"]
+    assert kwargs["disable_log_stats"] is True
+    assert engine_kwargs(build_parser().parse_args(["serve", folder]))["disable_log_stats"] is True

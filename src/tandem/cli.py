@@ -170,6 +170,14 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
         action="store_true",
         help="load no tokenizer: prompts come as token ids, outputs carry no text",
     )
+    for flag in ("--enable-sleep-mode", "--disable-custom-all-reduce"):
+        parser.add_argument(flag, action="store_true", help="taken as vLLM's; no effect here")
+    parser.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        default=True,
+        help="taken as vLLM's: tandem logs no periodic stats",
+    )
     parser.add_argument(
         "--reasoning-parser",
         choices=list(REASONING_PARSERS),

@@ -357,6 +357,14 @@ class EngineConfig:
     max_logprobs: int = 20
     # no tokenizer loaded (vLLM's): prompts come as token ids, outputs carry no text
     skip_tokenizer_init: bool = False
+    # taken for vLLM's signature, whatever their values: sleep mode needs no allocator of its
+    # own here (LLM.sleep always works), and tensor parallelism all-reduces through NCCL alone
+    enable_sleep_mode: bool = False
+    disable_custom_all_reduce: bool = False
+    # vLLM's, with only the value that is tandem's behaviour: long prompts are always split over
+    # steps, and no periodic stats are logged
+    enable_chunked_prefill: bool = True
+    disable_log_stats: bool = True
 
     def validate(self) -> None:
         from tandem.reasoning import check_parser
@@ -408,9 +416,24 @@ class EngineConfig:
                 f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the engine returns at most "
                 f"{MAX_LOGPROBS} top ids a position), got {self.max_logprobs}"
             )
-        if not isinstance(self.skip_tokenizer_init, bool):
+        for name in (
+            "skip_tokenizer_init",
+            "enable_sleep_mode",
+            "disable_custom_all_reduce",
+            "enable_chunked_prefill",
+            "disable_log_stats",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not self.enable_chunked_prefill:
             raise ValueError(
-                f"skip_tokenizer_init must be True or False, got {self.skip_tokenizer_init!r}"
+                "enable_chunked_prefill=False is not supported: tandem always splits a prompt "
+                "longer than a step's token budget (max_num_batched_tokens) over steps"
+            )
+        if not self.disable_log_stats:
+            raise ValueError(
+                "disable_log_stats=False is not supported: tandem logs no periodic stats (the "
+                "server's /metrics and `tandem bench` report them)"
             )
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(

@@ -389,18 +389,11 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be a number in (0, 1], got {utilization!r}"
             )
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(
-                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}"
-            )
-        if not isinstance(self.deterministic, bool):
-            raise ValueError(f"deterministic must be True or False, got {self.deterministic!r}")
-        if not isinstance(self.trust_remote_code, bool):
-            raise ValueError(
-                f"trust_remote_code must be True or False, got {self.trust_remote_code!r}"
-            )
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        check_bools(
+            self, "enable_prefix_caching", "deterministic", "trust_remote_code", "enforce_eager",
+            "skip_tokenizer_init", "enable_sleep_mode", "disable_custom_all_reduce",
+            "enable_chunked_prefill", "disable_log_stats",
+        )  # fmt: skip
         if self.enforce_eager and self.cuda_graphs:
             raise ValueError(
                 "enforce_eager=True runs no CUDA graphs: it contradicts cuda_graphs=True"
@@ -416,15 +409,6 @@ class EngineConfig:
                 f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the engine returns at most "
                 f"{MAX_LOGPROBS} top ids a position), got {self.max_logprobs}"
             )
-        for name in (
-            "skip_tokenizer_init",
-            "enable_sleep_mode",
-            "disable_custom_all_reduce",
-            "enable_chunked_prefill",
-            "disable_log_stats",
-        ):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not self.enable_chunked_prefill:
             raise ValueError(
                 "enable_chunked_prefill=False is not supported: tandem always splits a prompt "
@@ -530,6 +514,14 @@ def check_int(name: str, value: Any, low: int, note: str = "") -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         note = f" {note}" if note else ""
         raise ValueError(f"{name} must be an integer >= {low}{note}, got {value!r}")
+
+
+def check_bools(obj: Any, *names: str) -> None:
+    """Raise a ValueError naming the first of `names` whose value on `obj` is not a bool."""
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def cdiv(a: int, b: int) -> int:

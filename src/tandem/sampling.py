@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tandem.config import check_int
+from tandem.config import check_bools, check_int
 from tandem.model import fused
 from tandem.repetition import RepetitionDetectionParams, as_params
 from tandem.structured import StructuredOutputsParams
@@ -124,16 +124,10 @@ class SamplingParams:
                 f"temperature must be a finite number >= 0 (at most {FLOAT32_MAX:.4g}, it "
                 f"travels as a float32), got {self.temperature!r}"
             )
-        for name in (
-            "ignore_eos",
-            "detokenize",
-            "skip_special_tokens",
-            "include_stop_str_in_output",
-            "skip_reading_prefix_cache",
-            "flat_logprobs",
-        ):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        check_bools(
+            self, "ignore_eos", "detokenize", "skip_special_tokens", "include_stop_str_in_output",
+            "skip_reading_prefix_cache", "flat_logprobs",
+        )  # fmt: skip
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         check_int("top_k", self.top_k, -1, "(0 or -1 disables it)")

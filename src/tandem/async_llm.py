@@ -19,14 +19,15 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tandem.config import EngineConfig
 from tandem.engine import Engine, check_pause_mode
+from tandem.metrics import EngineStats
 from tandem.outputs import OutputCollector, RequestOutput, token_text
 from tandem.request import Prompt, Request, prompt_cache_salt, split_prompt
 from tandem.sampling import SamplingParams, seeded
@@ -61,26 +62,6 @@ class StreamOutput:
     stop_reason: int | str | None = None  # once finished: the stop string or stop token id
     prompt_token_ids: list[int] | None = None  # in the request's first output
     sampled_ranks: list[int] | None = None  # with logprobs: each new token's rank
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot the engine thread publishes after every step (read from any thread)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    num_preemptions: int = 0
-    num_prompt_tokens: int = 0  # of requests that produced a first token
-    num_generation_tokens: int = 0
-    num_finished: dict[str, int] = field(default_factory=dict)  # by finish reason
-    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admission
-    prefix_cache_hits: int = 0  # of those, tokens found there
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
 
 
 class RequestStream:
@@ -177,10 +158,7 @@ class AsyncLLM:
         # work, and whether it is waiting for work (then no progress is due)
         self._progress_at = time.monotonic()
         self._idle = True
-        self._sent: dict[str, _Sent] = {}  # engine thread only, as are the two counters
-        self._num_prompt_tokens = 0
-        self._num_generation_tokens = 0
-        self._num_finished: Counter[str] = Counter()
+        self._sent: dict[str, _Sent] = {}  # engine thread only
         # pause_generation("wait") callers, answered once the engine paused (engine thread only)
         self._pause_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
@@ -440,7 +418,7 @@ class AsyncLLM:
                     self._publish(self.engine.step())
                 self._settle_pause_waiters()
                 self._progress_at = time.monotonic()
-                self.stats = self._snapshot()
+                self.stats = self.engine.stats()
             self._die(EngineDeadError("the engine was shut down"))
         except BaseException as error:
             logger.exception("the engine thread failed")
@@ -531,15 +509,12 @@ class AsyncLLM:
             output = self._delta(request, sent, now)
             if request.finished:
                 del self._sent[request.request_id]
-                self._num_finished[request.finish_reason] += 1
             per_loop[sent.stream.loop].append((sent.stream, output))
         for loop, items in per_loop.items():
             _post(loop, _deliver, items)
 
     def _delta(self, request: Request, sent: _Sent, now: float) -> StreamOutput:
         tokens = request.output_token_ids
-        if sent.num_tokens == 0 and tokens:
-            self._num_prompt_tokens += request.num_prompt_tokens
         text_end = len(request.output_text) if request.finished else streamable_text_end(request)
         assert text_end >= sent.num_chars, "text already streamed was trimmed"
         logprobs = request.logprobs[sent.num_tokens :] if request.logprobs is not None else None
@@ -563,24 +538,8 @@ class AsyncLLM:
             prompt_token_ids=request.prompt_token_ids if first else None,
             sampled_ranks=ranks,
         )
-        self._num_generation_tokens += len(tokens) - sent.num_tokens
         sent.num_tokens, sent.num_chars = len(tokens), text_end
         return output
-
-    def _snapshot(self) -> EngineStats:
-        scheduler = self.engine.scheduler
-        return EngineStats(
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            num_blocks=self.engine.num_blocks,
-            num_free_blocks=self.engine.allocator.num_free,
-            num_preemptions=scheduler.num_preemptions,
-            num_prompt_tokens=self._num_prompt_tokens,
-            num_generation_tokens=self._num_generation_tokens,
-            num_finished=dict(self._num_finished),
-            prefix_cache_queries=scheduler.cache.num_queried_tokens,
-            prefix_cache_hits=scheduler.cache.num_hit_tokens,
-        )
 
     def _die(self, error: EngineDeadError) -> None:
         """Fail every open stream and every command still queued; later submissions raise."""

@@ -23,6 +23,7 @@ from tandem.config import EngineConfig, ModelConfig, cdiv
 from tandem.io_slot import MAX_BANNED_IDS
 from tandem.kv_cache import BlockAllocator, allocate_kv_cache, bytes_per_block
 from tandem.memory import num_kv_blocks
+from tandem.metrics import EngineStats, RequestCounts
 from tandem.model.loader import build_model, read_hf_config
 from tandem.parallel import (
     TensorParallel,
@@ -264,6 +265,7 @@ class Engine:
         # returns them
         self.finished_unscheduled: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.counts = RequestCounts()  # tokens made and requests finished so far (stats())
         self.num_steps = 0
         self.seed_rng = random.Random(config.seed)
         self.timeline: Timeline | NoTimeline = NoTimeline()
@@ -502,6 +504,21 @@ class Engine:
         self.scheduler.cache.reset()
         if self.workers is not None:
             self.commands.append(("reset_prefix_cache",))
+
+    def stats(self) -> EngineStats:
+        """The engine's counters and gauges now (metrics.py); call it between steps."""
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_blocks=self.num_blocks,
+            num_free_blocks=self.allocator.num_free,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=self.counts.prompt_tokens,
+            num_generation_tokens=self.counts.generation_tokens,
+            num_finished=dict(self.counts.finished),
+            prefix_cache_queries=self.scheduler.cache.num_queried_tokens,
+            prefix_cache_hits=self.scheduler.cache.num_hit_tokens,
+        )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self.in_flight or self.finished_unscheduled)
@@ -872,6 +889,9 @@ class Engine:
             if request.finished:
                 continue  # stopped or aborted while this step was in flight: discard
             request.output_token_ids.append(sampled[row])
+            self.counts.generation_tokens += 1
+            if len(request.output_token_ids) == 1:
+                self.counts.prompt_tokens += request.num_prompt_tokens
             if logprobs is not None and request.params.logprobs is not None:
                 self._append_logprobs(request, batch, logprobs, row)
             updated.append(request)
@@ -956,6 +976,7 @@ class Engine:
         if not text_is_final:
             reason = self._final_text(request, reason, stopped_by_token)
         self.scheduler.finish(request, reason)
+        self.counts.finished[reason] += 1
         self.builder.running_rows.release(request)
         self.requests.pop(request.request_id, None)
 

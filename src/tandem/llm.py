@@ -18,6 +18,7 @@ from tqdm import tqdm
 from tandem.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from tandem.config import EngineConfig
 from tandem.engine import Engine, check_pause_mode
+from tandem.metrics import Metric, engine_metrics
 from tandem.outputs import (
     CompletionOutput,
     FlatLogprobs,
@@ -75,6 +76,13 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer | None:
         """The model's tokenizer, called as transformers' is (None for a model without one)."""
         return self.engine.tokenizer
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: the engine's counters and gauges now (tokens made, requests finished by
+        reason, preemptions, prefix-cache queries and hits, running and waiting requests, KV
+        cache usage), named as the server's /metrics names them."""
+        with self._hook():  # between two steps of a generate on another thread
+            return engine_metrics(self.engine.stats())
 
     # ---- RL hooks (safe from another thread: applied between two steps) ------------------
 

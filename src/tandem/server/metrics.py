@@ -9,55 +9,34 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from tandem.async_llm import AsyncLLM, StreamOutput
+from tandem.metrics import HELP, Gauge, engine_metrics
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
 class EngineCollector(Collector):
-    """The engine thread's latest EngineStats as gauges and counters."""
+    """The engine thread's latest EngineStats as gauges and counters (`metrics.engine_metrics`:
+    the names `LLM.get_metrics` gives too)."""
 
     def __init__(self, llm: AsyncLLM):
         self.llm = llm
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.llm.stats
-        yield GaugeMetricFamily(
-            "tandem_num_requests_running", "Requests in the running batch", stats.num_running
-        )
-        yield GaugeMetricFamily(
-            "tandem_num_requests_waiting", "Requests queued for admission", stats.num_waiting
-        )
-        yield GaugeMetricFamily(
-            "tandem_kv_cache_usage_perc", "Fraction of KV cache blocks in use", stats.kv_cache_usage
-        )
-        yield CounterMetricFamily(
-            "tandem_prompt_tokens",
-            "Prompt tokens of requests that started",
-            stats.num_prompt_tokens,
-        )
-        yield CounterMetricFamily(
-            "tandem_generation_tokens", "Generated tokens", stats.num_generation_tokens
-        )
-        yield CounterMetricFamily(
-            "tandem_num_preemptions", "Requests preempted for KV blocks", stats.num_preemptions
-        )
-        yield CounterMetricFamily(
-            "tandem_prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache",
-            stats.prefix_cache_queries,
-        )
-        yield CounterMetricFamily(
-            "tandem_prefix_cache_hits",
-            "Prompt tokens found in the prefix cache",
-            stats.prefix_cache_hits,
-        )
-        finished = CounterMetricFamily(
-            "tandem_requests_finished", "Finished requests by finish reason", labels=["reason"]
-        )
-        for reason, count in sorted(stats.num_finished.items()):
-            finished.add_metric([reason], count)
-        yield finished
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+        for metric in engine_metrics(self.llm.stats):
+            family = families.get(metric.name)
+            if family is None:
+                kind = GaugeMetricFamily if isinstance(metric, Gauge) else CounterMetricFamily
+                family = families[metric.name] = kind(
+                    metric.name, HELP[metric.name], labels=list(metric.labels)
+                )
+            family.add_metric(list(metric.labels.values()), metric.value)
+        yield from families.values()
+        if "tandem_requests_finished" not in families:  # before any finished: no samples yet
+            yield CounterMetricFamily(
+                "tandem_requests_finished", HELP["tandem_requests_finished"], labels=["reason"]
+            )
 
 
 class ServerMetrics:

@@ -1,0 +1,90 @@
+"""The engine's counters and gauges: `Engine.stats()` snapshots them, `LLM.get_metrics()` returns
+them as vLLM's metric objects, and the server's /metrics exports the same names."""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine between two steps (read from any thread)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0  # of requests that produced a first token
+    num_generation_tokens: int = 0
+    num_finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0  # of those, tokens found there
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+@dataclass
+class RequestCounts:
+    """What the engine's requests have made so far, counted as their tokens are read back."""
+
+    prompt_tokens: int = 0  # of requests that produced a first token
+    generation_tokens: int = 0
+    finished: Tally[str] = field(default_factory=Tally)  # by finish reason
+
+
+@dataclass
+class Metric:
+    """vLLM's metric objects (`vllm.v1.metrics.reader`): a name and its labels."""
+
+    name: str
+    labels: dict[str, str]
+
+
+@dataclass
+class Counter(Metric):
+    """A count that only grows."""
+
+    value: int
+
+
+@dataclass
+class Gauge(Metric):
+    """A value that goes up and down."""
+
+    value: float
+
+
+# name -> what it measures, as /metrics describes it (the counters' samples get "_total")
+HELP = {
+    "tandem_num_requests_running": "Requests in the running batch",
+    "tandem_num_requests_waiting": "Requests queued for admission",
+    "tandem_kv_cache_usage_perc": "Fraction of KV cache blocks in use",
+    "tandem_prompt_tokens": "Prompt tokens of requests that started",
+    "tandem_generation_tokens": "Generated tokens",
+    "tandem_num_preemptions": "Requests preempted for KV blocks",
+    "tandem_prefix_cache_queries": "Prompt tokens looked up in the prefix cache",
+    "tandem_prefix_cache_hits": "Prompt tokens found in the prefix cache",
+    "tandem_requests_finished": "Finished requests by finish reason",
+}
+
+
+def engine_metrics(stats: EngineStats) -> list[Metric]:
+    """The snapshot as metrics, in HELP's order; finished requests one counter per reason."""
+    return [
+        Gauge("tandem_num_requests_running", {}, stats.num_running),
+        Gauge("tandem_num_requests_waiting", {}, stats.num_waiting),
+        Gauge("tandem_kv_cache_usage_perc", {}, stats.kv_cache_usage),
+        Counter("tandem_prompt_tokens", {}, stats.num_prompt_tokens),
+        Counter("tandem_generation_tokens", {}, stats.num_generation_tokens),
+        Counter("tandem_num_preemptions", {}, stats.num_preemptions),
+        Counter("tandem_prefix_cache_queries", {}, stats.prefix_cache_queries),
+        Counter("tandem_prefix_cache_hits", {}, stats.prefix_cache_hits),
+        *(
+            Counter("tandem_requests_finished", {"reason": reason}, count)
+            for reason, count in sorted(stats.num_finished.items())
+        ),
+    ]

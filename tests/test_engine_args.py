@@ -1,12 +1,16 @@
-"""vLLM's engine arguments max_logprobs and skip_tokenizer_init, and those taken for its signature
-(an RL framework's LLM(...) call runs unchanged), by LLM and the CLI."""
+"""vLLM's engine arguments max_logprobs, skip_tokenizer_init and disable_log_stats, and those
+taken for its signature (an RL framework's LLM(...) call runs unchanged), by LLM and the CLI."""
 
 from __future__ import annotations
+
+import logging
+from dataclasses import replace
 
 import pytest
 
 from tandem import LLM, SamplingParams
 from tandem.cli import build_parser, engine_kwargs
+from tandem.metrics import LOG_INTERVAL_S, EngineStats, StatLogger
 from test_bad_input import transformers_greedy
 
 
@@ -67,7 +71,6 @@ def test_an_rl_framework_s_vllm_arguments_are_taken(folder):
 @pytest.mark.parametrize(
     ("args", "message"),
     [({"enable_chunked_prefill": False}, "always splits a prompt"),
-     ({"disable_log_stats": False}, "logs no periodic stats"),
      ({"enable_sleep_mode": "yes"}, "enable_sleep_mode must be True or False")],
 )  # fmt: skip
 def test_values_tandem_cannot_honour_are_value_errors_saying_why(folder, args, message):
@@ -84,3 +87,35 @@ def test_the_cli_takes_vllm_s_flags_of_an_rl_or_serving_script(folder):
     assert kwargs["enable_sleep_mode"] and kwargs["disable_custom_all_reduce"]
     assert kwargs["disable_log_stats"] is True
     assert engine_kwargs(build_parser().parse_args(["serve", folder]))["disable_log_stats"] is True
+
+
+def test_the_stats_line_gives_the_rates_since_the_line_before(caplog):
+    """vLLM's periodic stats line (disable_log_stats=False): throughputs and the prefix cache's
+    hit rate since the line before, the requests and KV cache usage now."""
+    logger = StatLogger(now=0.0)
+    first = EngineStats(num_running=3, num_waiting=1, num_blocks=10, num_free_blocks=5,
+                        num_prompt_tokens=100, num_generation_tokens=50,
+                        prefix_cache_queries=80, prefix_cache_hits=20)  # fmt: skip
+    second = replace(first, num_running=2, num_waiting=0, num_free_blocks=9,
+                     num_prompt_tokens=160, num_generation_tokens=250,
+                     prefix_cache_queries=100, prefix_cache_hits=35)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="tandem.metrics"):
+        logger.maybe_log(lambda: first, now=LOG_INTERVAL_S - 1)  # not yet
+        logger.maybe_log(lambda: first, now=LOG_INTERVAL_S)
+        logger.maybe_log(lambda: second, now=3 * LOG_INTERVAL_S)
+    assert [r.getMessage() for r in caplog.records] == [
+        "prompt throughput 10.0 tokens/s, generation throughput 5.0 tokens/s, running 3, "
+        "waiting 1 requests, KV cache usage 50.0%, prefix cache hit rate 25.0%",
+        "prompt throughput 3.0 tokens/s, generation throughput 10.0 tokens/s, running 2, "
+        "waiting 0 requests, KV cache usage 10.0%, prefix cache hit rate 75.0%",
+    ]
+
+
+def test_disable_log_stats_false_logs_from_the_engine_s_steps(folder, caplog):
+    llm = LLM(folder, max_model_len=64, disable_log_stats=False)
+    assert LLM(folder, max_model_len=64).engine.stat_logger is None  # the default: no lines
+    llm.engine.stat_logger.last_at = -LOG_INTERVAL_S  # the first step is due a line
+    with caplog.at_level(logging.INFO, logger="tandem.metrics"):
+        llm.generate("Paged attention", SamplingParams(max_tokens=4), use_tqdm=False)
+    lines = [r.getMessage() for r in caplog.records if r.name == "tandem.metrics"]
+    assert len(lines) == 1 and lines[0].startswith("prompt throughput")

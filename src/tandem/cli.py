@@ -176,7 +176,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
         "--disable-log-stats",
         action="store_true",
         default=True,
-        help="taken as vLLM's: tandem logs no periodic stats",
+        help="taken as vLLM's; the default here (stats every 10 s: LLM(disable_log_stats=False))",
     )
     parser.add_argument(
         "--reasoning-parser",

@@ -362,8 +362,9 @@ class EngineConfig:
     enable_sleep_mode: bool = False
     disable_custom_all_reduce: bool = False
     # vLLM's, with only the value that is tandem's behaviour: long prompts are always split over
-    # steps, and no periodic stats are logged
+    # steps
     enable_chunked_prefill: bool = True
+    # False: a line of stats every 10 s of stepping, on the "tandem.metrics" logger (vLLM's)
     disable_log_stats: bool = True
 
     def validate(self) -> None:
@@ -413,11 +414,6 @@ class EngineConfig:
             raise ValueError(
                 "enable_chunked_prefill=False is not supported: tandem always splits a prompt "
                 "longer than a step's token budget (max_num_batched_tokens) over steps"
-            )
-        if not self.disable_log_stats:
-            raise ValueError(
-                "disable_log_stats=False is not supported: tandem logs no periodic stats (the "
-                "server's /metrics and `tandem bench` report them)"
             )
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(

@@ -6,6 +6,7 @@ import contextlib
 import numbers
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
@@ -23,7 +24,7 @@ from tandem.config import EngineConfig, ModelConfig, cdiv
 from tandem.io_slot import MAX_BANNED_IDS
 from tandem.kv_cache import BlockAllocator, allocate_kv_cache, bytes_per_block
 from tandem.memory import num_kv_blocks
-from tandem.metrics import EngineStats, RequestCounts
+from tandem.metrics import EngineStats, RequestCounts, StatLogger
 from tandem.model.loader import build_model, read_hf_config
 from tandem.parallel import (
     TensorParallel,
@@ -266,6 +267,8 @@ class Engine:
         self.finished_unscheduled: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.counts = RequestCounts()  # tokens made and requests finished so far (stats())
+        # disable_log_stats=False: a line of stats every few seconds of stepping
+        self.stat_logger = None if config.disable_log_stats else StatLogger(time.monotonic())
         self.num_steps = 0
         self.seed_rng = random.Random(config.seed)
         self.timeline: Timeline | NoTimeline = NoTimeline()
@@ -811,6 +814,8 @@ class Engine:
         if self.in_flight and due:
             updated += self._process(self.in_flight.popleft())
         self._pause_once_drained()
+        if self.stat_logger is not None:
+            self.stat_logger.maybe_log(self.stats, time.monotonic())
         return updated
 
     def _launch_next(self) -> bool:

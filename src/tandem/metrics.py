@@ -1,10 +1,15 @@
 """The engine's counters and gauges: `Engine.stats()` snapshots them, `LLM.get_metrics()` returns
-them as vLLM's metric objects, and the server's /metrics exports the same names."""
+them as vLLM's metric objects, the server's /metrics exports the same names, and `StatLogger`
+logs them every few seconds (disable_log_stats=False)."""
 
 from __future__ import annotations
 
+import logging
 from collections import Counter as Tally
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -88,3 +93,34 @@ def engine_metrics(stats: EngineStats) -> list[Metric]:
             for reason, count in sorted(stats.num_finished.items())
         ),
     ]
+
+
+LOG_INTERVAL_S = 10.0  # vLLM's
+
+
+class StatLogger:
+    """With disable_log_stats=False (vLLM's): every LOG_INTERVAL_S of stepping, one INFO line on
+    the "tandem.metrics" logger with the throughputs since the line before, the requests running
+    and waiting, the KV cache usage and the prefix cache's hit rate since the line before."""
+
+    def __init__(self, now: float):
+        self.last_at = now
+        self.last = EngineStats()
+
+    def maybe_log(self, stats: Callable[[], EngineStats], now: float) -> None:
+        if now - self.last_at < LOG_INTERVAL_S:
+            return
+        current, seconds = stats(), now - self.last_at
+        queried = current.prefix_cache_queries - self.last.prefix_cache_queries
+        hits = current.prefix_cache_hits - self.last.prefix_cache_hits
+        logger.info(
+            "prompt throughput %.1f tokens/s, generation throughput %.1f tokens/s, running %d, "
+            "waiting %d requests, KV cache usage %.1f%%, prefix cache hit rate %.1f%%",
+            (current.num_prompt_tokens - self.last.num_prompt_tokens) / seconds,
+            (current.num_generation_tokens - self.last.num_generation_tokens) / seconds,
+            current.num_running,
+            current.num_waiting,
+            100 * current.kv_cache_usage,
+            100 * hits / queried if queried else 0.0,
+        )
+        self.last_at, self.last = now, current

@@ -311,6 +311,14 @@ class AsyncLLM:
         """vLLM's: `method` on every rank's engine between two steps (see LLM.collective_rpc)."""
         return await self._call(lambda engine: engine.collective_rpc(method, timeout, args, kwargs))
 
+    async def start_profile(self) -> None:
+        """vLLM's: every rank's profiler on (see LLM.start_profile)."""
+        await self.collective_rpc("start_profile")
+
+    async def stop_profile(self) -> list[str | None]:
+        """vLLM's: every rank's profiler off; each rank's trace file (see LLM.stop_profile)."""
+        return await self.collective_rpc("stop_profile")
+
     async def update_weights(self, named_tensors: NamedTensors | dict | Any) -> None:
         """Copy (Hugging Face name, tensor) pairs into the weights in place (see Engine), or
         receive the tensors a trainer broadcasts (vLLM's `{"update_info": {...}}`; see

@@ -185,6 +185,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
         "after it, and the server puts it in message.reasoning (default: none)",
     )
     parser.add_argument(
+        "--profiler-config",
+        type=json_object,
+        help="JSON of vLLM's profiler settings for start/stop_profile, e.g. "
+        '\'{"profiler": "torch", "torch_profiler_dir": "/tmp/traces"}\'',
+    )
+    parser.add_argument(
         "--weight-transfer-config",
         type=json_object,
         help="let a trainer process broadcast weights (POST /init_weight_transfer_engine, "

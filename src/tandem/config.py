@@ -366,10 +366,14 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     # False: a line of stats every 10 s of stepping, on the "tandem.metrics" logger (vLLM's)
     disable_log_stats: bool = True
+    # vLLM's: {"profiler": "torch", "torch_profiler_dir": "/abs/dir", ...} lets
+    # LLM.start_profile()/stop_profile() run torch.profiler ("cuda": the CUDA profiler's range)
+    profiler_config: dict | None = None
 
     def validate(self) -> None:
         from tandem.reasoning import check_parser
         from tandem.sampling import MAX_LOGPROBS
+        from tandem.torch_profile import checked_config
         from tandem.weight_transfer import as_config  # torch.distributed, only when validating
 
         self.weight_transfer_config = as_config(self.weight_transfer_config)
@@ -410,6 +414,7 @@ class EngineConfig:
                 f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the engine returns at most "
                 f"{MAX_LOGPROBS} top ids a position), got {self.max_logprobs}"
             )
+        self.profiler_config = checked_config(self.profiler_config)
         if not self.enable_chunked_prefill:
             raise ValueError(
                 "enable_chunked_prefill=False is not supported: tandem always splits a prompt "

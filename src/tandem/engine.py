@@ -52,6 +52,7 @@ from tandem.swap import SwapManager, Swapper, check_swap_space
 from tandem.token_logprobs import check_vocab as check_token_logprob_ids
 from tandem.token_logprobs import entry as token_logprob_entry
 from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
+from tandem.torch_profile import Profile
 from tandem.weight_transfer import WeightReceiver, make_receiver
 from tandem.weights import (
     NamedTensors,
@@ -269,6 +270,8 @@ class Engine:
         self.counts = RequestCounts()  # tokens made and requests finished so far (stats())
         # disable_log_stats=False: a line of stats every few seconds of stepping
         self.stat_logger = None if config.disable_log_stats else StatLogger(time.monotonic())
+        profiling = config.profiler_config
+        self.profile = None if profiling is None else Profile(profiling, rank, self.device)
         self.num_steps = 0
         self.seed_rng = random.Random(config.seed)
         self.timeline: Timeline | NoTimeline = NoTimeline()
@@ -507,6 +510,23 @@ class Engine:
         self.scheduler.cache.reset()
         if self.workers is not None:
             self.commands.append(("reset_prefix_cache",))
+
+    def start_profile(self) -> None:
+        """This rank's profiler on, between two steps (profiler_config; LLM.start_profile)."""
+        if self.profile is None:
+            raise RuntimeError(
+                "profiling is off: pass profiler_config={'profiler': 'torch', "
+                "'torch_profiler_dir': '/an/absolute/dir'} to the engine"
+            )
+        self.profile.start()
+
+    def stop_profile(self) -> str | None:
+        """This rank's profiler off; the trace file it wrote (torch), or None (cuda)."""
+        if self.profile is None:
+            raise RuntimeError("profiling is off: no profiler_config was given")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the steps launched so far, in the trace
+        return self.profile.stop()
 
     def stats(self) -> EngineStats:
         """The engine's counters and gauges now (metrics.py); call it between steps."""

@@ -77,6 +77,14 @@ class LLM:
         """The model's tokenizer, called as transformers' is (None for a model without one)."""
         return self.engine.tokenizer
 
+    def start_profile(self) -> None:
+        """vLLM's: every rank's profiler on (the engine's profiler_config), between two steps."""
+        self.collective_rpc("start_profile")
+
+    def stop_profile(self) -> list[str | None]:
+        """vLLM's: every rank's profiler off; each rank's trace file (None: the CUDA profiler)."""
+        return self.collective_rpc("stop_profile")
+
     def get_metrics(self) -> list[Metric]:
         """vLLM's: the engine's counters and gauges now (tokens made, requests finished by
         reason, preemptions, prefix-cache queries and hits, running and waiting requests, KV

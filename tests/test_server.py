@@ -11,6 +11,7 @@ import importlib.metadata
 import itertools
 import json
 import logging
+import os
 import re
 import shutil
 import signal
@@ -1377,3 +1378,23 @@ def test_prompt_logprobs_as_vllm_per_completion_choice_and_once_for_a_chat(serve
     assert streamed.json()["error"]["param"] == "prompt_logprobs"
     negative = post(server, "/v1/completions", {**body, "prompt_logprobs": -2})
     assert negative.status_code == 400
+
+
+def test_start_and_stop_profile_write_a_trace_or_say_profiling_is_off(server, folder, tmp_path):
+    """vLLM's /start_profile and /stop_profile: with the engine's profiler_config a trace file of
+    the requests between them; without it a 400 naming profiler_config."""
+    response = httpx.post(f"{server.url}/start_profile", headers=AUTH)
+    assert_openai_error(response, 400, "profiler_config")
+    config = {"profiler": "torch", "torch_profiler_dir": str(tmp_path)}
+    llm = AsyncLLM.from_model(folder, **ENGINE_ARGS, profiler_config=config)
+    try:
+        with running(build_app(llm, MODEL, api_key=API_KEY)) as url:
+            assert httpx.post(f"{url}/start_profile", headers=AUTH).json() == {
+                "status": "profiling"
+            }
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3}
+            assert httpx.post(f"{url}/v1/completions", json=body, headers=AUTH).status_code == 200
+            [trace] = httpx.post(f"{url}/stop_profile", headers=AUTH).json()["traces"]
+    finally:
+        llm.shutdown()
+    assert trace.startswith(str(tmp_path)) and os.path.getsize(trace) > 0

@@ -1,5 +1,5 @@
 """Admin routes for an RL trainer: pause/resume, sleep/wake-up, weights from a checkpoint or
-broadcast by the trainer, forgetting the prefix cache.
+broadcast by the trainer, forgetting the prefix cache; and the profiler's start and stop.
 
 vLLM's routes take its query parameters and answer its shapes (/pause, /resume, /is_paused,
 /sleep, /wake_up, /is_sleeping); /pause_generation and /resume_generation, tandem's older
@@ -127,6 +127,16 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
     async def finish_weight_update() -> dict[str, str]:
         await _engine_call(llm.finish_weight_update())
         return {"message": "Weight update finished"}
+
+    # vLLM's, with the engine's profiler_config (without it: a 400 naming it)
+    @router.post("/start_profile")
+    async def start_profile() -> dict[str, str]:
+        await _engine_call(llm.start_profile(), param="profiler_config")
+        return {"status": "profiling"}
+
+    @router.post("/stop_profile")
+    async def stop_profile() -> dict[str, list[str | None]]:
+        return {"traces": await _engine_call(llm.stop_profile(), param="profiler_config")}
 
     @router.get("/get_world_size")
     async def get_world_size(include_dp: bool = True) -> dict[str, int]:

@@ -383,7 +383,7 @@ class Runner:
         raw = self.logprobs_mode.startswith("raw")
         wanted = num_top_logprobs is not None
         changed_in_place = (use_filters or use_mask) and not use_penalties
-        source = None
+        source = sampled = None
         if wanted and raw:
             source = logits.clone() if changed_in_place else logits
         if use_penalties:  # the step's tokens counted into the state, then the logits processed
@@ -406,9 +406,9 @@ class Runner:
         )
         if wanted and not raw:  # what the sampler draws from (a float32 tensor of its own)
             source = processed_logits(logits, params, use_filters)
-        if wanted and not raw and use_filters:  # sorted once, for the values: draw from them
-            sampled = draw(logits, source, params)
-        else:
+            # with filters those values are sorted once already: the tokens drawn from them
+            sampled = draw(logits, source, params) if use_filters else None
+        if sampled is None:
             sampled = sample(logits, params, use_filters)
         sampled = self.tp.broadcast(sampled)  # rank 0's tokens rule
         out["sampled"][:num_seqs].copy_(sampled)

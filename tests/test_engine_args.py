@@ -112,8 +112,10 @@ def test_the_stats_line_gives_the_rates_since_the_line_before(caplog):
 
 
 def test_disable_log_stats_false_logs_from_the_engine_s_steps(folder, caplog):
+    default = LLM(folder, max_model_len=64)
+    assert default.engine.stat_logger is None  # the default: no lines
+    del default  # one engine at a time: each takes most of a GPU's memory
     llm = LLM(folder, max_model_len=64, disable_log_stats=False)
-    assert LLM(folder, max_model_len=64).engine.stat_logger is None  # the default: no lines
     llm.engine.stat_logger.last_at = -LOG_INTERVAL_S  # the first step is due a line
     with caplog.at_level(logging.INFO, logger="tandem.metrics"):
         llm.generate("Paged attention", SamplingParams(max_tokens=4), use_tqdm=False)

@@ -117,3 +117,22 @@ def test_sampled_logprobs_equal_the_log_softmax_s_and_the_rank_count(dtype, num_
         )
     else:
         assert shift.cpu().tolist() == [0.0] * rows
+
+
+def test_sampled_logprobs_keep_their_bits_whatever_rows_share_the_step():
+    """Deterministic mode's promise for the logsumexp: rows two at a time and all 64 at once
+    (the argmax kernel's chunking would cut a row 20 ways in the first, once in the second)
+    give the same bits."""
+    g = torch.Generator().manual_seed(5)
+    rows, vocab = 64, 40_000
+    logits = (torch.randn(rows, vocab, generator=g) * 4).to(DEVICE)
+    sampled = torch.randint(0, vocab, (rows,), generator=g).to(DEVICE)
+
+    def run(first: int, count: int) -> list[tuple[float, float, int]]:
+        value = torch.empty(count, device=DEVICE)
+        rank = torch.empty(count, dtype=torch.int32, device=DEVICE)
+        at = slice(first, first + count)
+        shift = kernel.sampled_logprobs(logits[at], sampled[at], True, value, rank)
+        return list(zip(value.tolist(), shift.tolist(), rank.tolist(), strict=True))
+
+    assert [r for first in range(0, rows, 2) for r in run(first, 2)] == run(0, rows)

@@ -12,7 +12,9 @@ logsumexp and the sampled token's rank, where a log-softmax would write and read
 float32 (a [256, 128256] step: 131 MB each way).
 
 Each row's vocabulary is cut into chunks so that a few rows still fill the device; a second,
-small kernel combines each row's chunks.
+small kernel combines each row's chunks. The argmax's chunks depend on the row count (a maximum
+is the same in any order); the logsumexp's are a fixed length, so that a row's logprobs keep
+their bits whatever rows share its step (deterministic mode's promise).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from tandem.model.fused import num_sms
 
 BLOCK = 2048
 NUM_WARPS = 8  # per program, the engine's launch
+LOGPROB_CHUNK_BLOCKS = 2  # BLOCKs of ids per logsumexp chunk: 63 chunks of Llama 3's vocabulary
 
 
 @triton.jit
@@ -246,11 +249,12 @@ def sampled_logprobs(
     """[rows, vocab] values (logits, any float dtype) and [rows] sampled ids -> value_out = the
     sampled id's value (less the row's logsumexp if `logprobs`: its log-probability), rank_out =
     the ids valued at least as high; returns each row's shift ([rows] float32: that logsumexp, or
-    0). One read of the values, never a [rows, vocab] float32 copy."""
+    0). One read of the values, never a [rows, vocab] float32 copy. By default the chunks'
+    length is fixed: a row's sums never depend on how many rows the step has."""
     rows, vocab = values.shape
     blocks = cdiv(vocab, BLOCK)
-    if num_chunks is None:  # as gumbel_argmax's: a few rows still fill the device
-        num_chunks = cdiv(8 * num_sms(values.device), rows)
+    if num_chunks is None:
+        num_chunks = cdiv(blocks, LOGPROB_CHUNK_BLOCKS)
     chunk_len = cdiv(blocks, max(1, min(num_chunks, blocks))) * BLOCK
     num_chunks = cdiv(vocab, chunk_len)
     stats = torch.empty(2, rows, num_chunks, dtype=torch.float32, device=values.device)

@@ -69,6 +69,36 @@ def test_a_request_from_the_prefix_cache_gives_the_bits_of_it_computed(folder, a
     assert out.num_cached_tokens > 0
 
 
+@pytest.mark.parametrize(
+    "engine_args",
+    [{}, {"async_batching": False, "max_num_batched_tokens": 7}],
+    ids=["async", "sync-chunks-7"],
+)
+def test_a_prompt_s_logprobs_keep_their_bits_in_a_batch_and_in_chunks(folder, engine_args):
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+
+    def prompt_logprobs(batch, **args):
+        llm = LLM(folder, deterministic=True, max_model_len=128, block_size=8, **args)
+        return llm.generate([TARGET, *batch], params, use_tqdm=False)[0].prompt_logprobs
+
+    alone = prompt_logprobs([])
+    assert len(alone) == len(TARGET["prompt_token_ids"]) and alone[0] is None
+    assert prompt_logprobs(others(8), **engine_args) == alone
+
+
+def test_prompt_logprobs_leave_the_fused_lm_head_kernel_to_the_default_mode(folder, monkeypatch):
+    """The kernel splits the vocabulary by the step's rows: deterministic mode takes the
+    batch-invariant LM head and a log-softmax per row instead."""
+    from tandem import prompt_logprobs
+    from tandem.model import fused
+
+    models = [LLM(folder, max_model_len=64, **args).engine.runner.model
+              for args in ({}, {"deterministic": True})]  # fmt: skip
+    monkeypatch.setattr(fused, "use_kernels", lambda x: True)
+    default, deterministic = (prompt_logprobs.fused_lm_head(m, 0) for m in models)
+    assert default is not None and deterministic is None
+
+
 def test_deterministic_and_tensor_parallel_together_are_refused(folder):
     with pytest.raises(ValueError, match="deterministic"):
         LLM(folder, deterministic=True, tensor_parallel_size=2)

@@ -18,7 +18,11 @@ the prefix cache. The batch-dependent choices of the default mode, and what repl
 - tensor parallelism: the all-reduce's algorithm follows the message size, so deterministic
   mode runs on one device only (EngineConfig.validate).
 The sampler is per row already: Gumbel noise keyed by seed, position and token, and an argmax
-that is exact however the vocabulary is chunked (the smallest token wins a tie).
+that is exact however the vocabulary is chunked (the smallest token wins a tie). Sample
+logprobs sum each row's exponentials in vocabulary chunks of a fixed length, in every mode
+(`sampling_kernel.sampled_logprobs`). Prompt logprobs take the invariant LM head and a
+log-softmax per row here, not the fused LM-head kernel, whose vocabulary splits and row tiles
+follow the step's rows (`prompt_logprobs.fused_lm_head`).
 """
 
 from __future__ import annotations

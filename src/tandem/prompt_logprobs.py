@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from tandem.model import fused
 from tandem.request import Request
@@ -174,9 +175,12 @@ def fused_lm_head(model: Decoder, num_top: int) -> torch.Tensor | None:
     """The LM head's weight when the fused kernel can stand for `compute_logits` (CUDA, one
     device, at most the top-1): it reduces each row over the vocabulary without writing logits.
     It computes what `compute_logits` does: hidden @ weight.T, soft-capped where the model
-    caps its final logits (Gemma 2)."""
+    caps its final logits (Gemma 2). Not in deterministic mode (`model.linear` is the
+    batch-invariant GEMM there): the kernel's vocabulary splits and row tiles follow the step's
+    rows, so a prompt's logprobs would change with its neighbours and chunk sizes."""
     weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    if num_top > 1 or model.tp.size > 1 or not fused.use_kernels(weight):
+    plain = model.linear is F.linear
+    if num_top > 1 or model.tp.size > 1 or not plain or not fused.use_kernels(weight):
         return None
     return weight
 

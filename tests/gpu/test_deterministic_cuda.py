@@ -27,8 +27,11 @@ def prompts(count: int, vocab: int, seed: int) -> list[dict]:
     return [{"prompt_token_ids": torch.randint(0, vocab, (n,), generator=g).tolist()} for n in lens]
 
 
-def target_in_batches(deterministic: bool, async_batching: bool, num_blocks: int | None = None):
-    """The target request's (tokens, logprobs) alone and in batches of 1, 7, 32, 100 others."""
+def target_in_batches(
+    deterministic: bool, async_batching: bool, num_blocks: int | None = None, params=PARAMS
+):
+    """The target request's (tokens, logprobs, prompt logprobs) alone and in batches of 1, 7,
+    32, 100 others."""
     llm = LLM("qwen3-0.6b", deterministic=deterministic, async_batching=async_batching,
               num_blocks=num_blocks, max_num_batched_tokens=512, **MODEL_ARGS)  # fmt: skip
     vocab = llm.engine.model_config.vocab_size
@@ -37,8 +40,9 @@ def target_in_batches(deterministic: bool, async_batching: bool, num_blocks: int
     for count in (0, 1, 7, 32, 100):
         batch = target + prompts(count, vocab, seed=count + 1)
         llm.engine.reset_prefix_cache()  # each batch computes the target's KV again
-        out = llm.generate(batch, [PARAMS] + [OTHERS] * count, use_tqdm=False)[0].outputs[0]
-        results.append((out.token_ids, out.logprobs))
+        out = llm.generate(batch, [params] + [OTHERS] * count, use_tqdm=False)[0]
+        sample = out.outputs[0]
+        results.append((sample.token_ids, sample.logprobs, out.prompt_logprobs))
     preemptions = llm.engine.scheduler.num_preemptions
     llm.shutdown()
     del llm  # the next engine sizes its cache by the free memory: this one's is given back
@@ -50,6 +54,15 @@ def target_in_batches(deterministic: bool, async_batching: bool, num_blocks: int
 @pytest.mark.parametrize("async_batching", [True, False], ids=["async", "sync"])
 def test_deterministic_mode_gives_the_bits_of_the_request_alone(async_batching):
     results, _ = target_in_batches(True, async_batching)
+    assert all(r == results[0] for r in results[1:])
+
+
+def test_deterministic_prompt_logprobs_keep_their_bits_in_batches():
+    """Prompt logprobs take the batch-invariant LM head, not the fused kernel whose vocabulary
+    splits follow the step's rows."""
+    params = SamplingParams(max_tokens=2, prompt_logprobs=1)
+    results, _ = target_in_batches(True, True, params=params)
+    assert results[0][2] is not None and len(results[0][2]) > 8
     assert all(r == results[0] for r in results[1:])
 
 

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+# Hugging Face Hub names resolve from the local cache alone: no test reaches the network
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # one core per worker: two workers' OpenMP pools spinning on the same cores slow both
     os.environ.setdefault("OMP_NUM_THREADS", "1")

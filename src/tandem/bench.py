@@ -248,7 +248,12 @@ def run_bench(
 ) -> dict:
     """The workload on our engine (and the comparisons asked for); `save` gets the report after
     each finished part."""
-    hf_config, folder = read_hf_config(args.model)
+    hf_config, folder = read_hf_config(
+        args.model,
+        engine_args.get("revision"),
+        engine_args.get("download_dir"),
+        engine_args.get("load_format") != "dummy",
+    )
     cfg = ModelConfig.from_hf(hf_config)
     workload = load_workload(args, cfg, folder)
     if engine_args.get("max_model_len") is None:

@@ -42,13 +42,23 @@ class Parser(argparse.ArgumentParser):
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -> None:
-    model_help = "a Hugging Face model folder, or a preset name with --load-format dummy"
+    model_help = "a Hugging Face model folder or Hub repository id, or a preset name with --load-format dummy"
     if model_flag:
         parser.add_argument("--model", required=True, help=model_help)
     else:
         parser.add_argument("model", help=model_help)
     parser.add_argument(
-        "--tokenizer", help="a folder whose tokenizer.json to use (default: the model's own)"
+        "--tokenizer",
+        help="a folder or Hub repository whose tokenizer.json to use (default: the model's own)",
+    )
+    parser.add_argument(
+        "--revision", help="a Hub model's branch, tag or commit (default: its default branch)"
+    )
+    parser.add_argument(
+        "--tokenizer-revision", help="the tokenizer's branch, tag or commit, from the Hub"
+    )
+    parser.add_argument(
+        "--download-dir", help="where Hub models are downloaded (default: the Hub's cache)"
     )
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu"

@@ -312,9 +312,16 @@ def parse_moe(hf: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
 class EngineConfig:
     """Settings of one engine; `validate` turns user mistakes into ValueErrors naming the field."""
 
+    # a model folder, a preset name (random weights), or a Hugging Face Hub repository id
     model: str
-    # a folder with the tokenizer.json to use (vLLM's `tokenizer`): default, the model's own
+    # a folder or Hub repository with the tokenizer.json to use (vLLM's `tokenizer`): default,
+    # the model's own
     tokenizer: str | None = None
+    # vLLM's: a Hub model's branch, tag or commit (None: its default branch), the tokenizer's
+    # (when it is a Hub repository), and where downloads go (None: the Hub's cache)
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
     device: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
@@ -408,6 +415,10 @@ class EngineConfig:
                 "deterministic=True runs on one device: the all-reduce of tensor_parallel_size > 1 "
                 "sums in an order that follows the batch size"
             )
+        for name in ("tokenizer", "revision", "tokenizer_revision", "download_dir"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
         check_int("max_logprobs", self.max_logprobs, 0)
         if self.max_logprobs > MAX_LOGPROBS:
             raise ValueError(
@@ -431,7 +442,8 @@ class EngineConfig:
         space = self.swap_space
         if not isinstance(space, int | float) or isinstance(space, bool) or not space >= 0:
             raise ValueError(f"swap_space must be a number of GiB >= 0, got {space!r}")
-        if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
+        tokenizer = self.tokenizer and Path(self.tokenizer).expanduser()
+        if tokenizer and tokenizer.is_dir() and not (tokenizer / "tokenizer.json").is_file():
             raise ValueError(
                 f"tokenizer must be a folder with a tokenizer.json, got {self.tokenizer!r}"
             )

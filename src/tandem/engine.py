@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from tandem import generation_config, penalties, piecewise, structured
+from tandem import generation_config, hub, penalties, piecewise, structured
 from tandem.attention import get_backend, rows_per_shared_group
 from tandem.batch import BatchBuilder, StepBatch
 from tandem.batch_invariant import invariant_attention, make_batch_invariant
@@ -83,7 +83,9 @@ class Engine:
     def __init__(self, config: EngineConfig, rank: int = 0, port: int | None = None):
         config.validate()
         self.config = config
-        hf_config, folder = read_hf_config(config.model)
+        hf_config, folder = read_hf_config(
+            config.model, config.revision, config.download_dir, config.load_format != "dummy"
+        )
         self.model_config = cfg = ModelConfig.from_hf(hf_config)
         check_shardable(cfg, config.tensor_parallel_size)
         self.tp = TensorParallel(rank, config.tensor_parallel_size)
@@ -128,11 +130,9 @@ class Engine:
     ) -> None:
         self.dtype = config.resolve_dtype(cfg, self.device)
         self.max_model_len = config.resolve_max_model_len(cfg)
-        tokenizer_dir = Path(config.tokenizer) if config.tokenizer else folder
+        tokenizer_dir = None if config.skip_tokenizer_init else hub.tokenizer_folder(config, folder)
         found = tokenizer_dir and (tokenizer_dir / "tokenizer.json").is_file()
-        self.tokenizer = (
-            Tokenizer.from_dir(tokenizer_dir) if found and not config.skip_tokenizer_init else None
-        )
+        self.tokenizer = Tokenizer.from_dir(tokenizer_dir) if found else None
         self.eos_token_ids = _eos_token_ids(cfg, folder, self.tokenizer)
         # SamplingParams fields in place of its own defaults (LLM.generate without params, and
         # the server's requests that leave them out)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from tandem import hub
 from tandem.config import ModelConfig
 from tandem.model import hf_names
 from tandem.model.decoder import Decoder
@@ -33,22 +34,29 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
 
 
-def read_hf_config(model: str) -> tuple[dict, Path | None]:
-    """config.json of a folder, or of a preset name; returns (config, folder or None for a preset)."""
+def read_hf_config(
+    model: str, revision: str | None = None, download_dir: str | None = None, weights: bool = True
+) -> tuple[dict, Path | None]:
+    """config.json of a folder, of a preset name, or else of a Hugging Face Hub repository (its
+    snapshot at `revision` in `download_dir`, the safetensors too if `weights`: `hub.snapshot`);
+    returns (config, folder or None for a preset)."""
     folder = Path(model).expanduser()
-    if folder.is_dir():
-        path = folder / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"{folder} has no config.json; is it a Hugging Face model folder?"
-            )
-        return json.loads(path.read_text()), folder
     preset = PRESETS_DIR / f"{model}.json"
-    if preset.is_file():
-        return json.loads(preset.read_text()), None
-    raise FileNotFoundError(
-        f"model {model!r} is neither a folder nor a preset; presets: {', '.join(preset_names())}"
-    )
+    if not folder.is_dir():
+        if preset.is_file():
+            return json.loads(preset.read_text()), None
+        unknown = f"model {model!r} is neither a folder nor a preset (presets: "
+        unknown += f"{', '.join(preset_names())})"
+        if hub.is_path(model):
+            raise FileNotFoundError(f"{unknown}: no such folder")
+        try:
+            folder = hub.snapshot(model, revision, download_dir, weights)
+        except FileNotFoundError as error:
+            raise FileNotFoundError(f"{unknown}, and {error}") from error
+    path = folder / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{model} has no config.json; is it a Hugging Face model folder?")
+    return json.loads(path.read_text()), folder
 
 
 def build_model(

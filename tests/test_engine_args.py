@@ -1,16 +1,22 @@
-"""vLLM's engine arguments max_logprobs, skip_tokenizer_init and disable_log_stats, and those
-taken for its signature (an RL framework's LLM(...) call runs unchanged), by LLM and the CLI."""
+"""vLLM's engine arguments max_logprobs, skip_tokenizer_init, disable_log_stats and
+hf_overrides, and those taken for its signature (an RL framework's LLM(...) call runs
+unchanged), by LLM and the CLI."""
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from tandem import LLM, SamplingParams
 from tandem.cli import build_parser, engine_kwargs
+from tandem.config import EngineConfig
 from tandem.metrics import LOG_INTERVAL_S, EngineStats, StatLogger
+from tandem.model.loader import merged
 from test_bad_input import transformers_greedy
 
 
@@ -121,3 +127,64 @@ def test_disable_log_stats_false_logs_from_the_engine_s_steps(folder, caplog):
         llm.generate("Paged attention", SamplingParams(max_tokens=4), use_tqdm=False)
     lines = [r.getMessage() for r in caplog.records if r.name == "tandem.metrics"]
     assert len(lines) == 1 and lines[0].startswith("prompt throughput")
+
+
+def test_hf_overrides_generate_what_the_changed_config_does(folder, tmp_path):
+    """Against transformers reading a copy of the folder whose config.json has the change."""
+    changed = Path(shutil.copytree(folder, tmp_path / "changed"))
+    config = json.loads((changed / "config.json").read_text())
+    config["rms_norm_eps"] = 0.5
+    (changed / "config.json").write_text(json.dumps(config))
+    ids = (5, 17, 300, 42)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = LLM(folder, max_model_len=64, hf_overrides={"rms_norm_eps": 0.5})
+    [out] = llm.generate({"prompt_token_ids": list(ids)}, params, use_tqdm=False)
+    expected = transformers_greedy(changed, ids, 6)
+    assert out.outputs[0].token_ids == expected
+    assert expected != transformers_greedy(Path(folder), ids, 6)  # the change changes tokens
+
+
+def test_hf_overrides_merge_into_nested_configs():
+    config = {"text_config": {"rope_theta": 1.0, "vocab_size": 9}, "architectures": ["A"]}
+    overrides = {"text_config": {"rope_theta": 2.0}, "architectures": ["B"], "new": 1}
+    assert merged(config, overrides) == {
+        "text_config": {"rope_theta": 2.0, "vocab_size": 9},
+        "architectures": ["B"],
+        "new": 1,
+    }
+
+
+@pytest.mark.parametrize("backend", [None, "mp", "uni", "external_launcher"])
+def test_the_executor_backends_of_one_process_per_rank_are_taken(folder, backend):
+    EngineConfig(folder, distributed_executor_backend=backend).validate()
+    EngineConfig(folder, tokenizer_mode="hf", model_impl="vllm", hf_token=True).validate()
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        ({"distributed_executor_backend": "ray"}, "tandem.ray"),
+        ({"distributed_executor_backend": "external_launcher", "tensor_parallel_size": 2},
+         "caller's process"),
+        ({"distributed_executor_backend": "threads"}, "distributed_executor_backend"),
+        ({"tokenizer_mode": "mistral"}, "tokenizer.json"),
+        ({"model_impl": "transformers"}, "model_impl"),
+        ({"hf_overrides": lambda config: config}, "hf_overrides"),
+        ({"hf_overrides": [("rope_theta", 1)]}, "hf_overrides"),
+        ({"hf_token": ""}, "hf_token"),
+    ],
+)  # fmt: skip
+def test_vllm_s_other_values_are_value_errors_saying_why(folder, args, words):
+    with pytest.raises(ValueError, match=words):
+        LLM(folder, **args)
+
+
+def test_the_cli_takes_vllm_s_model_flags(folder):
+    args = build_parser().parse_args(
+        ["generate", folder, "a prompt", "--hf-overrides", '{"rope_theta": 1000.0}', "--hf-token",
+         "--distributed-executor-backend", "uni", "--tokenizer-mode", "hf", "--model-impl", "vllm"]
+    )  # fmt: skip
+    kwargs = engine_kwargs(args)
+    assert kwargs["hf_overrides"] == {"rope_theta": 1000.0} and kwargs["hf_token"] is True
+    assert kwargs["distributed_executor_backend"] == "uni"
+    assert (kwargs["tokenizer_mode"], kwargs["model_impl"]) == ("hf", "vllm")

@@ -87,10 +87,11 @@ def test_only_what_the_engine_reads_is_fetched(cache, make_tiny, monkeypatch):
         return str(make_tiny("llama"))
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    LLM("org/other", revision="r1", download_dir="/d", **ENGINE_ARGS)
+    LLM("org/other", revision="r1", download_dir="/d", hf_token="hf_x", **ENGINE_ARGS)
     LLM("org/other", load_format="dummy", **ENGINE_ARGS)
     (repo, real), (_, dummy) = asked
     assert repo == "org/other" and (real["revision"], real["cache_dir"]) == ("r1", "/d")
+    assert (real["token"], dummy["token"]) == ("hf_x", None)
     assert {"*.json", "*.jinja", "*.safetensors"} <= set(real["allow_patterns"])
     assert {"*.json", "*.jinja"} <= set(dummy["allow_patterns"])
     assert "*.safetensors" not in dummy["allow_patterns"] and dummy["revision"] is None

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import triton
 
-from tandem import envs, pdl, piecewise, runner
+from tandem import envs, hub, pdl, piecewise, runner
 from tandem.config import PREEMPTION_MODES, EngineConfig, ModelConfig
 from tandem.engine import Engine
 from tandem.llm import LLM
@@ -250,9 +250,9 @@ def run_bench(
     each finished part."""
     hf_config, folder = read_hf_config(
         args.model,
-        engine_args.get("revision"),
-        engine_args.get("download_dir"),
-        engine_args.get("load_format") != "dummy",
+        hub.Source(engine_args.get("revision"), engine_args.get("download_dir")),
+        weights=engine_args.get("load_format") != "dummy",
+        overrides=engine_args.get("hf_overrides"),
     )
     cfg = ModelConfig.from_hf(hf_config)
     workload = load_workload(args, cfg, folder)

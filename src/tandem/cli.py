@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tandem import envs
-from tandem.config import LOGPROBS_MODES, EngineConfig
+from tandem.config import (
+    EXECUTOR_BACKENDS,
+    LOGPROBS_MODES,
+    MODEL_IMPLS,
+    TOKENIZER_MODES,
+    EngineConfig,
+)
 from tandem.reasoning import PARSERS as REASONING_PARSERS
 
 if TYPE_CHECKING:
@@ -59,6 +65,34 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
     )
     parser.add_argument(
         "--download-dir", help="where Hub models are downloaded (default: the Hub's cache)"
+    )
+    parser.add_argument(
+        "--hf-token",
+        nargs="?",
+        const=True,
+        help="the Hub's token for private or gated models (bare flag: the saved login's)",
+    )
+    parser.add_argument(
+        "--hf-overrides",
+        type=json_object,
+        help="JSON of config.json fields to change, e.g. '{\"rope_theta\": 1000000}'",
+    )
+    parser.add_argument(
+        "--distributed-executor-backend",
+        choices=list(EXECUTOR_BACKENDS),
+        help="vLLM's; tandem starts its tensor-parallel ranks itself ('mp')",
+    )
+    parser.add_argument(
+        "--tokenizer-mode",
+        default="auto",
+        choices=list(TOKENIZER_MODES),
+        help="vLLM's; tokenizer.json's fast tokenizer either way",
+    )
+    parser.add_argument(
+        "--model-impl",
+        default="auto",
+        choices=list(MODEL_IMPLS),
+        help="vLLM's; the engine's own model code either way",
     )
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu"

@@ -33,6 +33,10 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 # ("raw"), or those the sampler draws from ("processed": after penalties, bans, token masks,
 # temperature and top-k/top-p/min-p)
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+# vLLM's values of these arguments that are tandem's behaviour (EngineConfig.check_vllm_choices)
+EXECUTOR_BACKENDS = ("mp", "uni", "external_launcher")
+TOKENIZER_MODES = ("auto", "hf")
+MODEL_IMPLS = ("auto", "vllm")
 
 DTYPES = {
     "float32": torch.float32,
@@ -322,6 +326,18 @@ class EngineConfig:
     revision: str | None = None
     tokenizer_revision: str | None = None
     download_dir: str | None = None
+    # vLLM's: the Hub's token for private or gated repositories (True: the saved login's)
+    hf_token: bool | str | None = None
+    # vLLM's: fields merged into the model's config.json as it is read (a dict merges into a
+    # nested config)
+    hf_overrides: dict | None = None
+    # vLLM's, taking the values that are tandem's behaviour (the others are ValueErrors saying
+    # why): ranks are processes the engine starts on this machine ("mp"; "uni" and
+    # "external_launcher" run one in the caller's process, as tensor_parallel_size=1 does), the
+    # tokenizer is tokenizer.json's fast one, and the model code is the engine's own
+    distributed_executor_backend: str | None = None
+    tokenizer_mode: str = "auto"
+    model_impl: str = "auto"
     device: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
@@ -419,6 +435,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
+        self.check_vllm_choices()
         check_int("max_logprobs", self.max_logprobs, 0)
         if self.max_logprobs > MAX_LOGPROBS:
             raise ValueError(
@@ -467,6 +484,48 @@ class EngineConfig:
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}"
+            )
+
+    def check_vllm_choices(self) -> None:
+        """vLLM's arguments that tandem takes for one behaviour: the other values, ValueErrors."""
+        token = self.hf_token
+        if (
+            token is not None
+            and not isinstance(token, bool)
+            and not (isinstance(token, str) and token)
+        ):
+            raise ValueError(f"hf_token must be a non-empty string, a bool or None, got {token!r}")
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(
+                "hf_overrides must be a dict of config.json fields (a callable is not taken: "
+                f"tandem reads the config as a dict), got {type(self.hf_overrides).__name__}"
+            )
+        backend = self.distributed_executor_backend
+        if backend not in (None, "ray", *EXECUTOR_BACKENDS):
+            raise ValueError(
+                f"distributed_executor_backend must be None or one of {EXECUTOR_BACKENDS}, "
+                f"got {backend!r}"
+            )
+        if backend == "ray":
+            raise ValueError(
+                "distributed_executor_backend='ray' is not supported: tandem runs tensor-parallel "
+                "ranks as processes of its own on one machine (None or 'mp'); Ray spreads "
+                "engines for data parallelism instead (tandem.ray, --data-parallel-size)"
+            )
+        if backend in ("uni", "external_launcher") and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"distributed_executor_backend={backend!r} runs one rank in the caller's process: "
+                "with tensor_parallel_size > 1 tandem starts its ranks itself (None or 'mp')"
+            )
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ValueError(
+                f"tokenizer_mode must be one of {TOKENIZER_MODES}: tandem reads the model's "
+                f"tokenizer.json (a fast tokenizer) alone, got {self.tokenizer_mode!r}"
+            )
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(
+                f"model_impl must be one of {MODEL_IMPLS} (the engine's own model code), got "
+                f"{self.model_impl!r}"
             )
 
     def resolve_device(self, rank: int = 0) -> torch.device:

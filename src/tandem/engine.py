@@ -84,7 +84,10 @@ class Engine:
         config.validate()
         self.config = config
         hf_config, folder = read_hf_config(
-            config.model, config.revision, config.download_dir, config.load_format != "dummy"
+            config.model,
+            hub.Source(config.revision, config.download_dir, config.hf_token),
+            weights=config.load_format != "dummy",
+            overrides=config.hf_overrides,
         )
         self.model_config = cfg = ModelConfig.from_hf(hf_config)
         check_shardable(cfg, config.tensor_parallel_size)

@@ -10,7 +10,7 @@ template, and the safetensors weights unless the weights are random (`load_forma
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from tandem.config import EngineConfig
@@ -19,16 +19,26 @@ CONFIG_FILES = ["*.json", "*.jinja"]  # configs, tokenizer.json and its config, 
 WEIGHT_FILES = ["*.safetensors"]
 
 
+class Source(NamedTuple):
+    """Where a repository is read: vLLM's `revision` (a branch, tag or commit; None: the default
+    branch), `download_dir` (None: the Hub's cache) and `hf_token` (None: the environment's or
+    saved login's token, as huggingface_hub finds it)."""
+
+    revision: str | None = None
+    download_dir: str | None = None
+    token: bool | str | None = None
+
+
+DEFAULT = Source()
+
+
 def is_path(name: str) -> bool:
     """Whether a name that is no folder was meant as one (a path), not as a repository id."""
     return name.startswith(("/", ".", "~")) or name.count("/") > 1
 
 
-def snapshot(
-    repo_id: str, revision: str | None, download_dir: str | None, weights: bool = True
-) -> Path:
-    """The local folder of `repo_id` at `revision` (a branch, tag or commit; None: the default
-    branch), fetched into `download_dir` (None: the Hub's cache) where it is not there yet. A
+def snapshot(repo_id: str, source: Source, weights: bool = True) -> Path:
+    """The local folder of `repo_id` as `source` names it, fetched where it is not there yet. A
     repository that cannot be found or fetched is a FileNotFoundError saying why."""
     import huggingface_hub
     from huggingface_hub.errors import HFValidationError
@@ -37,8 +47,9 @@ def snapshot(
     try:
         folder = huggingface_hub.snapshot_download(
             repo_id,
-            revision=revision,
-            cache_dir=download_dir,
+            revision=source.revision,
+            cache_dir=source.download_dir,
+            token=source.token,
             allow_patterns=patterns,
             # offline: the cache alone, for a commit too (the Hub would be asked for its files)
             local_files_only=huggingface_hub.is_offline_mode(),
@@ -48,7 +59,7 @@ def snapshot(
             f"{repo_id!r} is not a Hugging Face Hub repository id: {error}"
         ) from error
     except (OSError, ValueError) as error:  # not found, no such revision, offline and not cached
-        at = f" at revision {revision!r}" if revision else ""
+        at = f" at revision {source.revision!r}" if source.revision else ""
         raise FileNotFoundError(
             f"could not fetch the Hugging Face Hub repository {repo_id!r}{at}: {error}"
         ) from error
@@ -66,7 +77,8 @@ def tokenizer_folder(config: EngineConfig, model_folder: Path | None) -> Path | 
     if not folder.is_dir():
         if is_path(name):
             raise FileNotFoundError(f"tokenizer {name!r}: no such folder")
-        folder = snapshot(name, config.tokenizer_revision, config.download_dir, weights=False)
+        source = Source(config.tokenizer_revision, config.download_dir, config.hf_token)
+        folder = snapshot(name, source, weights=False)
     if not (folder / "tokenizer.json").is_file():
         raise FileNotFoundError(f"tokenizer {name!r} has no tokenizer.json")
     return folder

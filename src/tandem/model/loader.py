@@ -35,28 +35,42 @@ def preset_names() -> list[str]:
 
 
 def read_hf_config(
-    model: str, revision: str | None = None, download_dir: str | None = None, weights: bool = True
+    model: str,
+    source: hub.Source = hub.DEFAULT,
+    weights: bool = True,
+    overrides: dict | None = None,
 ) -> tuple[dict, Path | None]:
     """config.json of a folder, of a preset name, or else of a Hugging Face Hub repository (its
-    snapshot at `revision` in `download_dir`, the safetensors too if `weights`: `hub.snapshot`);
-    returns (config, folder or None for a preset)."""
+    snapshot as `source` names it, the safetensors too if `weights`: `hub.snapshot`), with
+    vLLM's `hf_overrides` merged in; returns (config, folder or None for a preset)."""
     folder = Path(model).expanduser()
     preset = PRESETS_DIR / f"{model}.json"
     if not folder.is_dir():
         if preset.is_file():
-            return json.loads(preset.read_text()), None
+            return merged(json.loads(preset.read_text()), overrides), None
         unknown = f"model {model!r} is neither a folder nor a preset (presets: "
         unknown += f"{', '.join(preset_names())})"
         if hub.is_path(model):
             raise FileNotFoundError(f"{unknown}: no such folder")
         try:
-            folder = hub.snapshot(model, revision, download_dir, weights)
+            folder = hub.snapshot(model, source, weights)
         except FileNotFoundError as error:
             raise FileNotFoundError(f"{unknown}, and {error}") from error
     path = folder / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{model} has no config.json; is it a Hugging Face model folder?")
-    return json.loads(path.read_text()), folder
+    return merged(json.loads(path.read_text()), overrides), folder
+
+
+def merged(config: dict, overrides: dict | None) -> dict:
+    """`config` with `overrides` on top; a dict over a dict merges into it (vLLM's hf_overrides:
+    {"text_config": {"rope_theta": ...}} changes that one field of the nested config)."""
+    for key, value in (overrides or {}).items():
+        old = config.get(key)
+        config[key] = (
+            merged(dict(old), value) if isinstance(old, dict) and isinstance(value, dict) else value
+        )
+    return config
 
 
 def build_model(

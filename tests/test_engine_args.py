@@ -1,9 +1,10 @@
 """vLLM's engine arguments max_logprobs, skip_tokenizer_init, disable_log_stats and
-hf_overrides, and those taken for its signature (an RL framework's LLM(...) call runs
-unchanged), by LLM and the CLI."""
+hf_overrides, and those taken for its signature (an RL framework's LLM(...) and generate(...)
+calls run unchanged: lora_request and priority too), by LLM, AsyncLLM and the CLI."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import shutil
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tandem import LLM, SamplingParams
+from tandem.async_llm import AsyncLLM
 from tandem.cli import build_parser, engine_kwargs
 from tandem.config import EngineConfig
 from tandem.metrics import LOG_INTERVAL_S, EngineStats, StatLogger
@@ -172,6 +174,7 @@ def test_the_executor_backends_of_one_process_per_rank_are_taken(folder, backend
         ({"hf_overrides": lambda config: config}, "hf_overrides"),
         ({"hf_overrides": [("rope_theta", 1)]}, "hf_overrides"),
         ({"hf_token": ""}, "hf_token"),
+        ({"scheduling_policy": "priority"}, "first come, first served"),
     ],
 )  # fmt: skip
 def test_vllm_s_other_values_are_value_errors_saying_why(folder, args, words):
@@ -188,3 +191,48 @@ def test_the_cli_takes_vllm_s_model_flags(folder):
     assert kwargs["hf_overrides"] == {"rope_theta": 1000.0} and kwargs["hf_token"] is True
     assert kwargs["distributed_executor_backend"] == "uni"
     assert (kwargs["tokenizer_mode"], kwargs["model_impl"]) == ("hf", "vllm")
+
+
+def test_generate_takes_vllm_s_lora_request_and_priority_at_their_defaults(folder):
+    llm = LLM(folder, max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompts = ["Hello there", "Paged attention"]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    got = llm.generate(prompts, params, use_tqdm=False, lora_request=None, priority=[0, 0])
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert llm.chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False, lora_request=None)
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [({"lora_request": object()}, "lora_request"), ({"priority": [0, 1]}, "priority"),
+     ({"priority": [True, 0]}, "priority")],
+)  # fmt: skip
+def test_an_adapter_or_a_priority_is_a_value_error_that_queues_nothing(folder, options, words):
+    llm = LLM(folder, max_model_len=64)
+    params = SamplingParams(max_tokens=3)
+    with pytest.raises(ValueError, match=words):
+        llm.generate(["Hello there", "Paged attention"], params, use_tqdm=False, **options)
+    with pytest.raises(ValueError, match=words):
+        llm.enqueue(["Hello there", "Paged attention"], params, **options)
+    assert not llm.engine.has_unfinished()
+    if "lora_request" in options:
+        with pytest.raises(ValueError, match=words):
+            llm.chat([{"role": "user", "content": "Hi"}], params, **options)
+
+
+def test_async_generate_takes_lora_request_and_priority_at_their_defaults(folder):
+    llm = AsyncLLM.from_model(folder, max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def run(**options) -> list[int]:
+        outs = [o async for o in llm.generate("Hello there", params, "r", **options)]
+        return outs[-1].outputs[0].token_ids
+
+    try:
+        assert asyncio.run(run(lora_request=None, priority=0)) == asyncio.run(run())
+        for options in ({"lora_request": object()}, {"priority": 2}):
+            with pytest.raises(ValueError, match=next(iter(options))):
+                asyncio.run(run(**options))
+    finally:
+        llm.shutdown()

@@ -29,7 +29,13 @@ from tandem.config import EngineConfig
 from tandem.engine import Engine, check_pause_mode
 from tandem.metrics import EngineStats
 from tandem.outputs import OutputCollector, RequestOutput, token_text
-from tandem.request import Prompt, Request, prompt_cache_salt, split_prompt
+from tandem.request import (
+    Prompt,
+    Request,
+    check_request_options,
+    prompt_cache_salt,
+    split_prompt,
+)
 from tandem.sampling import SamplingParams, seeded
 from tandem.tokenizer import Tokenizer
 from tandem.weight_transfer import request_field, required_field
@@ -228,14 +234,18 @@ class AsyncLLM:
         prompt: Prompt,
         sampling_params: SamplingParams,
         request_id: str,
+        lora_request: Any = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request as vLLM's RequestOutputs, as `sampling_params.output_kind` says;
         its n samples (seed + k for sample k) share the stream, and leaving the loop early
         aborts them all.
 
         `prompt` is text, {"prompt": text} or {"prompt_token_ids": [...]}, a dict with an
-        optional "cache_salt"; raises ValueError if the engine rejects it.
+        optional "cache_salt"; raises ValueError if the engine rejects it (and for vLLM's
+        `lora_request` and `priority` other than None and 0: `check_request_options`).
         """
+        check_request_options(lora_request, priority)
         sampling_params.validate()  # n=0 would otherwise queue nothing to validate
         text, ids = split_prompt(prompt)
         salt = prompt_cache_salt(prompt)

@@ -16,6 +16,7 @@ from tandem.config import (
     EXECUTOR_BACKENDS,
     LOGPROBS_MODES,
     MODEL_IMPLS,
+    SCHEDULING_POLICIES,
     TOKENIZER_MODES,
     EngineConfig,
 )
@@ -93,6 +94,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
         default="auto",
         choices=list(MODEL_IMPLS),
         help="vLLM's; the engine's own model code either way",
+    )
+    parser.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=list(SCHEDULING_POLICIES),
+        help="vLLM's; requests run first come, first served",
     )
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu"

@@ -37,6 +37,7 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 EXECUTOR_BACKENDS = ("mp", "uni", "external_launcher")
 TOKENIZER_MODES = ("auto", "hf")
 MODEL_IMPLS = ("auto", "vllm")
+SCHEDULING_POLICIES = ("fcfs",)
 
 DTYPES = {
     "float32": torch.float32,
@@ -334,10 +335,12 @@ class EngineConfig:
     # vLLM's, taking the values that are tandem's behaviour (the others are ValueErrors saying
     # why): ranks are processes the engine starts on this machine ("mp"; "uni" and
     # "external_launcher" run one in the caller's process, as tensor_parallel_size=1 does), the
-    # tokenizer is tokenizer.json's fast one, and the model code is the engine's own
+    # tokenizer is tokenizer.json's fast one, the model code is the engine's own, and requests
+    # run first come, first served
     distributed_executor_backend: str | None = None
     tokenizer_mode: str = "auto"
     model_impl: str = "auto"
+    scheduling_policy: str = "fcfs"  # first come, first served (vLLM's default)
     device: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
@@ -521,6 +524,11 @@ class EngineConfig:
             raise ValueError(
                 f"tokenizer_mode must be one of {TOKENIZER_MODES}: tandem reads the model's "
                 f"tokenizer.json (a fast tokenizer) alone, got {self.tokenizer_mode!r}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}: requests run first "
+                f"come, first served, got {self.scheduling_policy!r}"
             )
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(

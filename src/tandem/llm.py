@@ -32,7 +32,7 @@ from tandem.outputs import (
     sample_logprobs,
     token_text,
 )
-from tandem.request import Prompt, Request, prompt_cache_salt, split_prompt
+from tandem.request import Prompt, Request, check_request_options, prompt_cache_salt, split_prompt
 from tandem.sampling import SamplingParams, seeded
 from tandem.tokenizer import Tokenizer
 from tandem.weight_transfer import request_field, required_field
@@ -213,9 +213,13 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, {"prompt": text} or {"prompt_token_ids": [...]}, a
-        dict with an optional "cache_salt"); outputs in input order."""
+        dict with an optional "cache_salt"); outputs in input order. `lora_request` and
+        `priority` are vLLM's, taken as None (and priorities 0): `check_request_options`."""
+        check_request_options(lora_request, priority)
         groups = self._requests_for(prompts, sampling_params)
         return self._run(groups, use_tqdm)
 
@@ -224,10 +228,13 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
+        priority: list[int] | None = None,
     ) -> list[str]:
         """Queue prompts without running them, as vLLM's: `wait_for_completion` runs them (a
         `generate` in between runs them too). Their request ids, in input order."""
         del use_tqdm  # queueing shows no progress
+        check_request_options(lora_request, priority)
         groups = self._requests_for(prompts, sampling_params)
         with self._hook():
             for _, group in groups:
@@ -309,6 +316,7 @@ class LLM:
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
@@ -319,6 +327,7 @@ class LLM:
         options as vLLM's LLM.chat takes them (`Tokenizer.apply_chat_template`); a content given
         as OpenAI's text parts is their texts joined by newlines, as vLLM renders it;
         `chat_template` (Jinja source) replaces the model's template."""
+        check_request_options(lora_request)
         prompts = self._chat_prompts(
             messages,
             add_generation_prompt,
@@ -334,6 +343,7 @@ class LLM:
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
@@ -342,6 +352,7 @@ class LLM:
     ) -> list[str]:
         """`chat`'s conversations queued as `enqueue` queues prompts (vLLM's): their request
         ids; `wait_for_completion` runs them."""
+        check_request_options(lora_request)
         prompts = self._chat_prompts(
             messages,
             add_generation_prompt,

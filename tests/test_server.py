@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import wait_until_healthy
 from tandem import LLM, SamplingParams
 from tandem.async_llm import AsyncLLM
-from tandem.cli import main
+from tandem.cli import build_parser, main
 from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.server.app import build_app
@@ -505,6 +505,24 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id_as_vllm(client):
 
 def test_models_lists_the_served_model(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_several_served_names_are_each_answered_as_the_first(server):
+    """vLLM's --served-model-name a b: either name in a request; answers carry the first."""
+    with running(build_app(server.llm, ["first-name", "second-name"])) as url:
+        cards = httpx.get(f"{url}/v1/models").json()["data"]
+        assert [card["id"] for card in cards] == ["first-name", "second-name"]
+        body = {"model": "second-name", "prompt": "Hello", "max_tokens": 2}
+        response = httpx.post(f"{url}/v1/completions", json=body)
+        assert response.status_code == 200 and response.json()["model"] == "first-name"
+        response = httpx.post(f"{url}/v1/completions", json={**body, "model": MODEL})
+        message = assert_openai_error(response, 404, param="model")
+        assert "'first-name' or 'second-name'" in message
+    for bad in ([], [""], ["a", 3]):
+        with pytest.raises(ValueError, match="served model names"):
+            build_app(server.llm, bad)
+    args = build_parser().parse_args(["serve", "m", "--served-model-name", "a", "b"])
+    assert args.served_model_name == ["a", "b"]
 
 
 def test_the_model_card_has_vllms_fields(server, folder):

@@ -440,7 +440,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         help="require 'Authorization: Bearer KEY' (not on /health and /metrics; default: none)",
     )
-    parser.add_argument("--served-model-name", help="the model name clients send (default: MODEL)")
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        help="the model names clients may send, answers carrying the first (default: MODEL)",
+    )
     parser.add_argument(
         "--max-request-bytes",
         type=int,

@@ -72,7 +72,9 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
 class EngineReplica:
     """One engine and the OpenAI app over it; `forward` runs a request through the app."""
 
-    def __init__(self, model: str, served_model_name: str, api_key: str | None, **engine_args):
+    def __init__(
+        self, model: str, served_model_name: str | list[str], api_key: str | None, **engine_args
+    ):
         self.llm = AsyncLLM.from_model(model, **engine_args)
         self.app = build_app(self.llm, served_model_name, api_key)
         self.name = serve.get_replica_context().replica_id.to_full_id_str()
@@ -196,7 +198,7 @@ def build_serve_app(
     model: str,
     engine_args: dict[str, Any],
     data_parallel_size: int,
-    served_model_name: str | None = None,
+    served_model_name: str | list[str] | None = None,
     api_key: str | None = None,
     health_check_period_s: float = 10.0,
     num_ingress_replicas: int | None = None,
@@ -229,7 +231,7 @@ def serve_data_parallel(
     data_parallel_size: int,
     host: str,
     port: int,
-    served_model_name: str | None = None,
+    served_model_name: str | list[str] | None = None,
     api_key: str | None = None,
 ) -> None:
     """Serve on host:port until interrupted (joins RAY_ADDRESS's cluster, or starts one here)."""

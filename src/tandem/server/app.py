@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI
@@ -35,16 +36,20 @@ OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key
 
 def build_app(
     llm: AsyncLLM,
-    model_name: str,
+    model_name: str | Sequence[str],
     api_key: str | None = None,
     options: ServerOptions | None = None,
 ) -> FastAPI:
-    """The OpenAI-compatible API over `llm`, serving it as `model_name`."""
+    """The OpenAI-compatible API over `llm`, serving it as `model_name`: requests may name any
+    of several names (vLLM's served_model_name list), answers carry the first."""
     options = options or ServerOptions(api_key=api_key)
     options.validate()
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
+    if not names or not all(isinstance(name, str) and name for name in names):
+        raise ValueError(f"served model names must be non-empty strings, got {model_name!r}")
     app = FastAPI(title="tandem")
     metrics = ServerMetrics(llm)
-    serving = OpenAIServing(llm, model_name, metrics, options)
+    serving = OpenAIServing(llm, names, metrics, options)
     app.state.llm, app.state.serving = llm, serving
     if options.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
@@ -75,17 +80,20 @@ def build_app(
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         created = int(time.time())
-        model = {
-            "id": model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "tandem",
-            "root": llm.model,
-            "parent": None,  # a base model; vLLM names the base of a LoRA adapter here
-            "max_model_len": llm.max_model_len,
-            "permission": [model_permission(created)],
-        }
-        return {"object": "list", "data": [model]}
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "tandem",
+                "root": llm.model,
+                "parent": None,  # a base model; vLLM names the base of a LoRA adapter here
+                "max_model_len": llm.max_model_len,
+                "permission": [model_permission(created)],
+            }
+            for name in names
+        ]
+        return {"object": "list", "data": cards}
 
     @app.get("/version")
     async def version() -> dict[str, str]:

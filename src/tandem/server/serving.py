@@ -122,18 +122,20 @@ class Generation:
 
 class OpenAIServing:
     def __init__(
-        self, llm: AsyncLLM, model_name: str, metrics: ServerMetrics, options: ServerOptions
+        self, llm: AsyncLLM, model_names: list[str], metrics: ServerMetrics, options: ServerOptions
     ):
         self.llm = llm
-        self.model_name = model_name
+        self.model_names = model_names  # any of them names the model in a request
+        self.model_name = model_names[0]  # the one answers carry
         self.metrics = metrics
         self.options = options
         self.open: set[Generation] = set()  # the calls being answered, for `end_all`
 
     def check_model(self, model: str | None) -> None:
-        if model and model != self.model_name:  # as vLLM's, null or "" asks for the one served
+        if model and model not in self.model_names:  # as vLLM's, null or "" asks for the first
+            served = " or ".join(map(repr, self.model_names))
             raise OpenAIError(
-                f"model {model!r} is not served here; use {self.model_name!r}",
+                f"model {model!r} is not served here; use {served}",
                 404,
                 param="model",
                 code="model_not_found",

@@ -9,7 +9,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tandem.beam_search import BeamSearchParams
     from tandem.llm import LLM
-    from tandem.outputs import CompletionOutput, Logprob, RequestOutput
+    from tandem.outputs import (
+        CompletionOutput,
+        EmbeddingOutput,
+        EmbeddingRequestOutput,
+        Logprob,
+        RequestOutput,
+    )
+    from tandem.pooling import PoolingParams
     from tandem.sampling import SamplingParams
     from tandem.structured import StructuredOutputsParams
 
@@ -22,7 +29,10 @@ __all__ = [
     "LLM",
     "BeamSearchParams",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "Logprob",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",
@@ -35,6 +45,9 @@ _LAZY = {
     "LLM": "tandem.llm",
     "BeamSearchParams": "tandem.beam_search",
     "CompletionOutput": "tandem.outputs",
+    "EmbeddingOutput": "tandem.outputs",
+    "EmbeddingRequestOutput": "tandem.outputs",
+    "PoolingParams": "tandem.pooling",
     "Logprob": "tandem.outputs",
     "RequestOutput": "tandem.outputs",
     "SamplingParams": "tandem.sampling",

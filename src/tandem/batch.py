@@ -8,6 +8,8 @@ import numpy as np
 
 from tandem import penalties
 from tandem.io_slot import MAX_BANNED_IDS, IOSlot
+from tandem.pooling import PoolingStep
+from tandem.pooling import plan_rows as plan_pooled_rows
 from tandem.prompt_logprobs import PromptLogprobStep, plan_rows
 from tandem.request import Request
 from tandem.sampling import fold_seed
@@ -43,6 +45,7 @@ class StepBatch:
     # (state rows, their requests) that penalized requests took for this step: reset first
     penalty_admissions: tuple[list[int], list[Request]] | None = None
     prompt_logprobs: PromptLogprobStep | None = None  # rows at prompt positions that want them
+    pooling: PoolingStep | None = None  # embedding requests' last prompt tokens (pooling.py)
     token_logprobs: TokenLogprobStep | None = None  # rows that name logprob_token_ids
     # rows that sample under a structured-output constraint: the step's sampling waits for
     # their token masks (structured.py), launched once the CPU has them
@@ -205,6 +208,7 @@ class BatchBuilder:
         prompt_logprobs = plan_rows(requests, start, num_new, qsl, slot.prompt_logprobs)
         num_outputs = np.fromiter((r.num_output_tokens for r in requests), np.int64, num_seqs)
         samples = computed_after == self.running_rows.prompt_len[rows] + num_outputs
+        pooling = plan_pooled_rows(requests, samples, qsl, slot.pooling)
         use_filters, num_top_logprobs = self._fill_sampling(x, requests, rows, num_outputs)
         token_logprobs = (  # only steps with logprobs may have rows that name ids
             plan_token_rows(requests, slot.token_logprobs) if num_top_logprobs is not None else None
@@ -256,6 +260,7 @@ class BatchBuilder:
             use_penalties=use_penalties,
             penalty_admissions=self.running_rows.take_admitted(),
             prompt_logprobs=prompt_logprobs,
+            pooling=pooling,
             token_logprobs=token_logprobs,
             # rows that sample under a constraint (a planned request is never finished)
             mask_rows=np.flatnonzero(self.running_rows.constrained[rows] & samples).tolist(),

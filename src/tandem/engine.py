@@ -34,6 +34,9 @@ from tandem.parallel import (
     leave_process_group,
     rank0_check,
 )
+from tandem.pooling import PoolingParams, pooling_refusal
+from tandem.pooling import has_rows as has_pooled_rows
+from tandem.pooling import store as store_embeddings
 from tandem.profiler import NoTimeline, Timeline
 from tandem.prompt_logprobs import has_rows as has_prompt_logprob_rows
 from tandem.prompt_logprobs import store as store_prompt_logprobs
@@ -137,6 +140,7 @@ class Engine:
         found = tokenizer_dir and (tokenizer_dir / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer.from_dir(tokenizer_dir) if found else None
         self.eos_token_ids = _eos_token_ids(cfg, folder, self.tokenizer)
+        self.pooling_refusal = pooling_refusal(folder)  # None: embeddings pool the last token
         # SamplingParams fields in place of its own defaults (LLM.generate without params, and
         # the server's requests that leave them out)
         self.sampling_defaults = generation_config.sampling_defaults(
@@ -341,7 +345,7 @@ class Engine:
         if self.workers is not None:
             params = replace(request.params, seed=request.seed)
             ids, salt = request.prompt_token_ids, request.cache_salt
-            self.commands.append(("add", request.request_id, params, ids, salt))
+            self.commands.append(("add", request.request_id, params, ids, salt, request.pooling))
         if self.scheduler.num_to_compute(request) == 0:  # max_tokens=0 with a one-token prompt
             self._finish(request, "length")
             self.finished_unscheduled.append(request)
@@ -354,16 +358,20 @@ class Engine:
         prompt_token_ids: list[int] | None = None,
         stream_text: bool = False,
         cache_salt: str | None = None,
+        pooling: PoolingParams | None = None,
     ) -> Request:
         """A validated Request, not yet queued; `stream_text` grows output_text with every token
         (unless params.detokenize is False); `cache_salt` shares cached blocks only with
-        requests of the same salt (vLLM's)."""
+        requests of the same salt (vLLM's); with `pooling`, an embedding request (pooling.py:
+        `params` one greedy token, which carries it)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r:.80}")
         params.validate()
         self._check_num_logprobs(params)
+        if pooling is not None:
+            self._check_pooling(pooling, params)
         if params.stop and self.tokenizer is None:
             raise ValueError(
                 "stop strings need the model's tokenizer.json; pass stop_token_ids instead"
@@ -404,6 +412,7 @@ class Engine:
             request_id, prompt_token_ids, params, params.seed, prompt=prompt, cache_salt=cache_salt
         )
         request.bad_words_token_ids = bad_words
+        request.pooling = pooling
         if params.structured_outputs is not None:
             grammars = self.grammars()
             request.matcher = grammars.matcher(grammars.compile(params.structured_outputs))
@@ -424,6 +433,13 @@ class Engine:
         if params.detokenize and (params.stop or stream_text):
             request.detokenizer = self._detokenizer(request)
         return request
+
+    def _check_pooling(self, pooling: PoolingParams, params: SamplingParams) -> None:
+        if self.pooling_refusal is not None:
+            raise ValueError(self.pooling_refusal)
+        if params.n != 1 or params.max_tokens != 1:
+            raise ValueError("an embedding request is carried by SamplingParams(max_tokens=1)")
+        pooling.validate(self.model_config.hidden_size)
 
     def grammars(self) -> GrammarBackend:
         """The structured-output backend over this model's tokenizer (built on first use, by
@@ -857,7 +873,8 @@ class Engine:
             graph_size = self.runner.padded_size(
                 len(plan.requests),
                 decode_only=plan.num_tokens == len(plan.requests),
-                needs_hidden=has_prompt_logprob_rows(plan.requests, plan.num_new_tokens),
+                needs_hidden=has_prompt_logprob_rows(plan.requests, plan.num_new_tokens)
+                or has_pooled_rows(plan.requests, plan.num_new_tokens),
             )
             bucket = None if graph_size is not None else self.runner.token_bucket(plan.num_tokens)
             batch = self.builder.build(plan, slot, step, graph_size, bucket)
@@ -910,6 +927,8 @@ class Engine:
         sampled = out["sampled"][:num_seqs].tolist()
         logprobs = None if batch.num_top_logprobs is None else _step_logprobs(out, num_seqs, batch)
         updated = self._append_prompt_logprobs(batch) if batch.prompt_logprobs else []
+        if batch.pooling is not None:
+            updated += self._append_embeddings(batch)
         for row, request in enumerate(batch.requests):
             if not batch.samples[row]:
                 continue
@@ -930,6 +949,18 @@ class Engine:
                 continue
             self._check_stop(request)
         return updated
+
+    def _append_embeddings(self, batch: StepBatch) -> list[Request]:
+        """Store the step's embeddings; finish their requests (the token they sampled from the
+        same row is discarded)."""
+        store_embeddings(batch.pooling, batch.slot.pooling)
+        embedded = []
+        for request in batch.pooling.requests:
+            if not request.finished:
+                self.counts.prompt_tokens += request.num_prompt_tokens
+                self._finish(request, "length")
+                embedded.append(request)
+        return embedded
 
     def _append_prompt_logprobs(self, batch: StepBatch) -> list[Request]:
         """Store the step's prompt logprobs; finish the scoring requests (max_tokens=0) that

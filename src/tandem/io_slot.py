@@ -12,6 +12,7 @@ from math import prod
 import numpy as np
 import torch
 
+from tandem.pooling import PoolingBuffers
 from tandem.prompt_logprobs import PromptLogprobBuffers
 from tandem.sampling import MAX_LOGPROBS
 from tandem.structured import MaskBuffers
@@ -119,6 +120,7 @@ class IOSlot:
         max_blocks: int,
         device: torch.device,
         mask_vocab_size: int | None = None,
+        hidden_size: int = 1,
     ):
         pin = device.type == "cuda"
         self.index = index
@@ -140,6 +142,8 @@ class IOSlot:
         self.prompt_logprobs = PromptLogprobBuffers(max_tokens, device)
         # logprob_token_ids' ids and values, copied only in steps with rows that name ids
         self.token_logprobs = TokenLogprobBuffers(max_seqs, device)
+        # embedding requests' rows and vectors, copied only in steps that pool rows
+        self.pooling = PoolingBuffers(max_seqs, hidden_size, device)
         # structured outputs' token masks, copied only in steps with constrained rows
         self.masks = (
             MaskBuffers(max_seqs, mask_vocab_size, device) if mask_vocab_size is not None else None

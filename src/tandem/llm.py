@@ -21,6 +21,8 @@ from tandem.engine import Engine, check_pause_mode
 from tandem.metrics import Metric, engine_metrics
 from tandem.outputs import (
     CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
     FlatLogprobs,
     PromptLogprobs,
     RequestOutput,
@@ -32,6 +34,7 @@ from tandem.outputs import (
     sample_logprobs,
     token_text,
 )
+from tandem.pooling import PoolingParams
 from tandem.request import Prompt, Request, check_request_options, prompt_cache_salt, split_prompt
 from tandem.sampling import SamplingParams, seeded
 from tandem.tokenizer import Tokenizer
@@ -260,6 +263,52 @@ class LLM:
         groups = self._make_requests(prompts, params)
         self._run(groups, use_tqdm, outputs=False)
         return groups
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: Any = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's embeddings (pooling.py): each prompt's last token's final hidden state,
+        L2-normalized unless its PoolingParams say not (`dimensions` keeps the first values);
+        outputs in input order. The prompts run through the step loop beside any others."""
+        check_request_options(lora_request)
+        if isinstance(prompts, str | dict) or not isinstance(prompts, Sequence):
+            prompts = [prompts]
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params or PoolingParams()] * len(prompts)
+        if len(pooling_params) != len(prompts):
+            raise ValueError(f"got {len(pooling_params)} pooling_params for {len(prompts)} prompts")
+        carrier = SamplingParams(
+            max_tokens=1, temperature=0.0, detokenize=False,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )  # fmt: skip
+        groups = []
+        for prompt, pooling in zip(prompts, pooling_params, strict=True):
+            if not isinstance(pooling, PoolingParams):
+                raise TypeError(
+                    f"pooling_params must be PoolingParams, got {type(pooling).__name__}"
+                )
+            text, ids = split_prompt(prompt)
+            rid = str(next(self._ids))
+            request = self.engine.make_request(
+                rid, carrier, text, ids, cache_salt=prompt_cache_salt(prompt), pooling=pooling
+            )
+            groups.append((rid, [request]))
+        self._run(groups, use_tqdm, outputs=False)
+        return [
+            EmbeddingRequestOutput(
+                rid,
+                EmbeddingOutput(r.embedding),
+                r.prompt_token_ids,
+                num_cached_tokens=r.num_cached_tokens or 0,
+            )
+            for rid, [r] in groups
+        ]
 
     def score(
         self,

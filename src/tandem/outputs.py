@@ -68,6 +68,26 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
 
 
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # L2-normalized unless the request's PoolingParams say not
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's output of `LLM.embed`: one prompt's vector."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
 TokenText = Callable[[int], str | None]
 
 

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import numpy as np
     import xgrammar
 
+    from tandem.pooling import PoolingParams
     from tandem.tokenizer import IncrementalDetokenizer
 
 
@@ -55,6 +56,9 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_ranks: list[int | None] | None = None  # each prompt token's rank, beside its entry
     prompt_logprobs_end: int = 1
+    # an embedding request (pooling.py): its params, and its vector once its prompt is computed
+    pooling: PoolingParams | None = None
+    embedding: list[float] | None = None
     num_preemptions: int = 0
     # prefix caching: the keys of its full blocks so far, how many of its blocks are published,
     # and the prompt tokens its first admission found cached

@@ -41,6 +41,7 @@ from tandem.model.decoder import Decoder
 from tandem.parallel import TensorParallel
 from tandem.penalties import PenaltyState
 from tandem.piecewise import PiecewiseGraphs, bucket_for, token_buckets
+from tandem.pooling import compute as compute_pooled
 from tandem.profiler import NoTimeline, Timeline
 from tandem.prompt_logprobs import compute as compute_prompt_logprobs
 from tandem.sampling import (
@@ -105,8 +106,10 @@ class Runner:
         self.device = device
         # with mask_vocab_size, each slot holds token-mask rows and steps may take masks
         self.masks = mask_vocab_size is not None
+        hidden = model.cfg.hidden_size  # the pooled rows' width (embedding requests)
         self.slots = [
-            IOSlot(i, max_tokens, max_seqs, max_blocks, device, mask_vocab_size) for i in range(2)
+            IOSlot(i, max_tokens, max_seqs, max_blocks, device, mask_vocab_size, hidden)
+            for i in range(2)
         ]
         self.cuda = device.type == "cuda"
         # decode-only steps of up to max_seqs rows replay a graph captured for the next size up
@@ -197,6 +200,8 @@ class Runner:
                 slot.prompt_logprobs.copy_in(batch.prompt_logprobs.num_rows)
             if batch.token_logprobs is not None:
                 slot.token_logprobs.copy_in(batch.token_logprobs)
+            if batch.pooling is not None:
+                slot.pooling.copy_in(len(batch.pooling.requests))
             timing.end(0)
             self.h2d_done[i].record()
         with torch.cuda.stream(self.compute_stream):
@@ -243,6 +248,8 @@ class Runner:
                 )
             if batch.token_logprobs is not None:
                 slot.token_logprobs.copy_out(batch.token_logprobs)
+            if batch.pooling is not None:
+                slot.pooling.copy_out(len(batch.pooling.requests))
             timing.end(2)
             self.d2h_done[i].record()
 
@@ -309,6 +316,8 @@ class Runner:
                 self.model, hidden, batch.slot.prompt_logprobs, batch.prompt_logprobs.num_rows,
                 batch.prompt_logprobs.num_top,
             )  # fmt: skip
+        if batch.pooling is not None:  # never captured
+            compute_pooled(hidden, batch.slot.pooling, len(batch.pooling.requests))
 
     @torch.inference_mode()
     def _forward(

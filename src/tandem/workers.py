@@ -51,7 +51,7 @@ class Workers:
             self.processes.append(process)
 
     def step(self, commands: list[tuple[Any, ...]]) -> None:
-        """Apply `commands` (("add", request_id, params, prompt_token_ids, cache_salt),
+        """Apply `commands` (("add", request_id, params, prompt_token_ids, cache_salt, pooling),
         ("abort", id) or ("reset_prefix_cache",)), then step."""
         self.check()
         for pipe in self.pipes:
@@ -194,10 +194,14 @@ def follow(engine: Any, pipe: multiprocessing.connection.Connection) -> None:
             continue
         for command in commands:
             if command[0] == "add":
-                _, request_id, params, prompt_token_ids, cache_salt = command
+                _, request_id, params, prompt_token_ids, cache_salt, pooling = command
                 engine.enqueue(
                     engine.make_request(
-                        request_id, params, prompt_token_ids=prompt_token_ids, cache_salt=cache_salt
+                        request_id,
+                        params,
+                        prompt_token_ids=prompt_token_ids,
+                        cache_salt=cache_salt,
+                        pooling=pooling,
                     )
                 )
             elif command[0] == "reset_prefix_cache":

@@ -1,0 +1,140 @@
+"""Embeddings (vLLM's `LLM.embed` and the server's /v1/embeddings): a request's vector is the
+final hidden state of its last prompt token, after the model's last norm (the last-token pooling
+of decoder embedding models such as Qwen3-Embedding), L2-normalized unless asked not to.
+
+A pooling request runs as a one-token generation: the step that computes its last prompt token
+samples from that token's row, as any prompt's last step does, and the same row of the hidden
+states is its vector. The host lists each such row's index among the step's tokens in the slot's
+`PoolingBuffers`; after the forward pass the step gathers those rows into the slot's device
+output, which comes back on the D2H stream with the step's other outputs. The engine then
+finishes the request with its vector instead of the sampled token. Such steps run eagerly or as
+pieces (never a whole decode graph), as steps with prompt-logprob rows do. Normalizing and
+truncating (`dimensions`, for Matryoshka models) happen on the host: a vector per request.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from tandem.request import Request
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """vLLM's pooling parameters of an embedding request: `normalize` (L2, the default) and
+    `dimensions` (keep the first that many values, then normalize: Matryoshka embeddings)."""
+
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def validate(self, hidden_size: int) -> None:
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be True or False, got {self.normalize!r}")
+        d = self.dimensions
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or not d > 0):
+            raise ValueError(f"dimensions must be a positive int or None, got {d!r}")
+        if d is not None and d > hidden_size:
+            raise ValueError(f"dimensions={d} is more than the model's {hidden_size} values")
+
+
+@dataclass
+class PoolingStep:
+    """The step's pooling requests, in the order of their rows in `PoolingBuffers`."""
+
+    requests: list[Request]
+
+
+class PoolingBuffers:
+    """One slot's pooling rows and vectors, host (pinned on CUDA) and device."""
+
+    def __init__(self, max_seqs: int, hidden_size: int, device: torch.device):
+        pin = device.type == "cuda"
+
+        def pair(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+            return host, (torch.zeros(shape, dtype=dtype, device=device) if pin else host)
+
+        # [max_seqs] int32: each pooled row's index among the step's tokens
+        self.host_rows, self.dev_rows = pair((max_seqs,), torch.int32)
+        # [max_seqs, hidden_size] float32: those rows of the final hidden states
+        self.host_vectors, self.dev_vectors = pair((max_seqs, hidden_size), torch.float32)
+        self.np_rows = self.host_rows.numpy()
+        self.np_vectors = self.host_vectors.numpy()
+
+    def copy_in(self, num_rows: int) -> None:
+        """H2D of the step's row indices, on the current stream (the caller's h2d_stream)."""
+        self.dev_rows[:num_rows].copy_(self.host_rows[:num_rows], non_blocking=True)
+
+    def copy_out(self, num_rows: int) -> None:
+        """D2H of the step's vectors, on the current stream (the caller's d2h_stream)."""
+        self.host_vectors[:num_rows].copy_(self.dev_vectors[:num_rows], non_blocking=True)
+
+
+def has_rows(requests: list[Request], num_new_tokens: list[int]) -> bool:
+    """Whether a planned step computes a pooling request's last prompt token (num_computed_tokens
+    already counts the step's tokens)."""
+    return any(
+        r.pooling is not None
+        and r.num_computed_tokens - n < r.num_prompt_tokens <= r.num_computed_tokens
+        for r, n in zip(requests, num_new_tokens, strict=True)
+    )
+
+
+def plan_rows(
+    requests: list[Request],
+    samples: np.ndarray,
+    query_start_loc: np.ndarray,
+    buffers: PoolingBuffers,
+) -> PoolingStep | None:
+    """List the rows of the step's pooling requests that sample (their last prompt token is in
+    the step: its row is the last of their tokens) in `buffers`' host side; None if none."""
+    pooled = []
+    for i, request in enumerate(requests):
+        if request.pooling is not None and samples[i]:
+            buffers.np_rows[len(pooled)] = int(query_start_loc[i + 1]) - 1
+            pooled.append(request)
+    return PoolingStep(pooled) if pooled else None
+
+
+@torch.inference_mode()
+def compute(hidden: torch.Tensor, buffers: PoolingBuffers, num_rows: int) -> None:
+    """Gather the step's pooled rows of `hidden` [tokens, hidden] into the device vectors."""
+    rows = buffers.dev_rows[:num_rows].long()
+    buffers.dev_vectors[:num_rows].copy_(hidden[rows])
+
+
+def store(step: PoolingStep, buffers: PoolingBuffers) -> None:
+    """Give each of a read-back step's requests its vector, truncated and normalized as its
+    params say (float64 sums, float32 values as vLLM returns them)."""
+    for k, request in enumerate(step.requests):
+        if request.finished:
+            continue  # aborted while the step was in flight
+        params = request.pooling
+        vector = buffers.np_vectors[k, : params.dimensions].astype(np.float64)
+        if params.normalize:
+            vector /= max(math.sqrt(float(vector @ vector)), 1e-12)
+        request.embedding = vector.astype(np.float32).tolist()
+
+
+def pooling_refusal(folder: Path | None) -> str | None:
+    """Why this model's embeddings are refused, or None: a sentence-transformers model folder
+    says how it pools (1_Pooling/config.json), and the engine pools the last token alone."""
+    path = folder / "1_Pooling" / "config.json" if folder is not None else None
+    if path is None or not path.is_file():
+        return None
+    modes = {k: v for k, v in json.loads(path.read_text()).items() if k.startswith("pooling_mode")}
+    other = sorted(k for k, v in modes.items() if v and k != "pooling_mode_lasttoken")
+    if not other:
+        return None
+    return (
+        f"this model pools by {', '.join(other)} (its 1_Pooling/config.json); tandem's "
+        "embeddings take the last token's hidden state (pooling_mode_lasttoken) alone"
+    )

@@ -1,0 +1,172 @@
+"""Embeddings (LLM.embed, pooling.py): each prompt's last token's final hidden state, against
+transformers' base model, L2-normalized or not, truncated to `dimensions`; beside generation,
+with chunked prefill, the prefix cache, preemption, sync and async, two ranks; bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tandem import LLM, PoolingParams, SamplingParams
+from tandem.pooling import PoolingBuffers, plan_rows
+from tandem.request import Request
+
+PROMPTS = ["Hello there", "Paged attention is neat", "café au lait " * 5, "The quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def folder(make_tiny) -> str:
+    return str(make_tiny("llama"))
+
+
+@cache
+def reference(folder: str, ids: tuple[int, ...]) -> np.ndarray:
+    """transformers' base model: the last token's final hidden state (after the last norm)."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).last_hidden_state[0, -1].double().numpy()
+
+
+def normalized(v: np.ndarray) -> np.ndarray:
+    return v / np.linalg.norm(v)
+
+
+def assert_embeds(folder: str, outs, normalize: bool = True, dimensions: int | None = None):
+    for out in outs:
+        want = reference(folder, tuple(out.prompt_token_ids))[:dimensions]
+        want = normalized(want) if normalize else want
+        np.testing.assert_allclose(out.outputs.embedding, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize(
+    "engine_args",
+    [{}, {"async_batching": False}, {"max_num_batched_tokens": 5}],  # chunks of 5 tokens
+    ids=["async", "sync", "chunked"],
+)
+def test_embeddings_are_the_last_token_s_normalized_hidden_state(make_tiny, arch, engine_args):
+    folder = str(make_tiny(arch))
+    llm = LLM(folder, max_model_len=64, **engine_args)
+    outs = llm.embed(PROMPTS, use_tqdm=False)
+    assert [o.outputs.hidden_size for o in outs] == [llm.engine.model_config.hidden_size] * 4
+    assert_embeds(folder, outs)
+    assert all(abs(np.linalg.norm(o.outputs.embedding) - 1) < 1e-6 for o in outs)
+    assert not llm.engine.has_unfinished()
+
+
+def test_normalize_false_and_dimensions(folder):
+    llm = LLM(folder, max_model_len=64)
+    raw = llm.embed(PROMPTS[:2], pooling_params=PoolingParams(normalize=False), use_tqdm=False)
+    assert_embeds(folder, raw, normalize=False)
+    per_prompt = [PoolingParams(dimensions=16), PoolingParams(dimensions=8, normalize=False)]
+    short = llm.embed(PROMPTS[:2], pooling_params=per_prompt, use_tqdm=False)
+    assert_embeds(folder, short[:1], dimensions=16)
+    assert_embeds(folder, short[1:], normalize=False, dimensions=8)
+
+
+def test_embeddings_run_beside_generation_and_leave_its_tokens_alone(folder):
+    llm = LLM(folder, max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    ids = llm.enqueue(PROMPTS, params)  # generations in flight while the embeddings step
+    outs = llm.embed(PROMPTS, use_tqdm=False)
+    assert_embeds(folder, outs)
+    done = {o.request_id: o.outputs[0].token_ids for o in llm.wait_for_completion(use_tqdm=False)}
+    assert [done[i] for i in ids] == alone
+
+
+def test_a_cached_prompt_gives_the_same_embedding(folder):
+    llm = LLM(folder, max_model_len=64, block_size=4)
+    prompt = {"prompt_token_ids": list(range(3, 30))}
+    first, second = (llm.embed(prompt, use_tqdm=False)[0] for _ in range(2))
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == 24  # 6 full blocks
+    np.testing.assert_allclose(second.outputs.embedding, first.outputs.embedding, atol=1e-6)
+    assert_embeds(folder, [second])
+
+
+def test_embeddings_through_preemption(folder):
+    llm = LLM(folder, max_model_len=96, num_blocks=14, block_size=8)
+    generate = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm.enqueue(["A long story begins " * 3] * 3, generate)
+    outs = llm.embed([{"prompt_token_ids": list(range(5, 5 + n))} for n in (30, 45, 20)])
+    assert_embeds(folder, outs)
+    llm.wait_for_completion(use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_two_ranks_embed_as_one(folder):
+    one = LLM(folder, max_model_len=64).embed(PROMPTS, use_tqdm=False)
+    llm = LLM(folder, max_model_len=64, tensor_parallel_size=2)
+    try:
+        two = llm.embed(PROMPTS, use_tqdm=False)
+    finally:
+        llm.shutdown()  # its process group: one open at a time in a process
+    for a, b in zip(one, two, strict=True):
+        np.testing.assert_allclose(a.outputs.embedding, b.outputs.embedding, atol=1e-5)
+
+
+def test_plan_rows_take_each_sampling_pooling_request_s_last_token_row():
+    """Rows of the step's tokens: request 0 (3 tokens) pools its last, request 1 generates,
+    request 2 (4 tokens) is mid-prompt (no sample), request 3 (2 tokens) pools at row 10."""
+    requests = [Request(str(i), [1, 2, 3], SamplingParams(max_tokens=1), 0) for i in range(4)]
+    for i in (0, 2, 3):
+        requests[i].pooling = PoolingParams()
+    buffers = PoolingBuffers(8, 4, torch.device("cpu"))
+    qsl = np.array([0, 3, 4, 8, 10])
+    step = plan_rows(requests, np.array([True, True, False, True]), qsl, buffers)
+    assert step.requests == [requests[0], requests[3]]
+    assert buffers.np_rows[:2].tolist() == [2, 9]
+    assert plan_rows(requests[1:3], np.array([True, False]), qsl[1:4], buffers) is None
+
+
+@pytest.mark.parametrize(
+    ("pooling", "words"),
+    [
+        (PoolingParams(dimensions=65), "more than the model's 64"),
+        (PoolingParams(dimensions=0), "dimensions"),
+        (PoolingParams(normalize="yes"), "normalize"),
+    ],
+)
+def test_bad_pooling_params_are_value_errors_that_queue_nothing(folder, pooling, words):
+    llm = LLM(folder, max_model_len=64)
+    with pytest.raises(ValueError, match=words):
+        llm.embed(PROMPTS[:2], pooling_params=[PoolingParams(), pooling])
+    assert not llm.engine.has_unfinished()
+
+
+def test_other_bad_calls(folder):
+    llm = LLM(folder, max_model_len=64)
+    with pytest.raises(ValueError, match="2 pooling_params for 3 prompts"):
+        llm.embed(PROMPTS[:3], pooling_params=[PoolingParams()] * 2)
+    with pytest.raises(TypeError, match="PoolingParams"):
+        llm.embed(PROMPTS[:1], pooling_params=[{"normalize": False}])
+    with pytest.raises(ValueError, match="lora_request"):
+        llm.embed(PROMPTS[:1], lora_request=object())
+    assert len(llm.embed([], use_tqdm=False)) == 0
+
+
+@pytest.mark.parametrize(("mode", "refused"), [("pooling_mode_lasttoken", False),
+                                               ("pooling_mode_mean_tokens", True)])  # fmt: skip
+def test_a_sentence_transformers_model_that_pools_otherwise_is_refused(
+    folder, tmp_path, mode, refused
+):
+    model = Path(shutil.copytree(folder, tmp_path / "model"))
+    (model / "1_Pooling").mkdir()
+    modes = {"pooling_mode_lasttoken": False, "pooling_mode_mean_tokens": False, mode: True}
+    (model / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64,
+                                                                 **modes}))  # fmt: skip
+    llm = LLM(str(model), max_model_len=64)
+    if refused:
+        with pytest.raises(ValueError, match="pooling_mode_mean_tokens"):
+            llm.embed(PROMPTS[:1], use_tqdm=False)
+        assert llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    else:
+        assert_embeds(folder, llm.embed(PROMPTS[:1], use_tqdm=False))

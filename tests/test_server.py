@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import transformers
@@ -33,7 +34,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import wait_until_healthy
-from tandem import LLM, SamplingParams
+from tandem import LLM, PoolingParams, SamplingParams
 from tandem.async_llm import AsyncLLM
 from tandem.cli import build_parser, main
 from tandem.config import EngineConfig
@@ -523,6 +524,42 @@ def test_several_served_names_are_each_answered_as_the_first(server):
             build_app(server.llm, bad)
     args = build_parser().parse_args(["serve", "m", "--served-model-name", "a", "b"])
     assert args.served_model_name == ["a", "b"]
+
+
+def test_embeddings_equal_the_offline_api_s(client, server, offline):
+    """The OpenAI client (which asks for base64 and decodes it), then floats by hand."""
+    inputs = ["Hello there", "Paged attention is neat"]
+    want = [o.outputs.embedding for o in offline.embed(inputs, use_tqdm=False)]
+    answer = client.embeddings.create(model=MODEL, input=inputs)
+    assert [d.index for d in answer.data] == [0, 1]
+    for got, expected in zip(answer.data, want, strict=True):
+        np.testing.assert_allclose(got.embedding, expected, atol=1e-6)
+    ids = [offline.engine.tokenizer.encode(text) for text in inputs]
+    assert answer.usage.prompt_tokens == answer.usage.total_tokens == sum(map(len, ids))
+    body = {"input": ids[1], "encoding_format": "float", "dimensions": 16}
+    response = httpx.post(f"{server.url}/v1/embeddings", json=body, headers=AUTH)
+    assert response.status_code == 200, response.text
+    [item] = response.json()["data"]
+    short = offline.embed({"prompt_token_ids": ids[1]}, pooling_params=PoolingParams(dimensions=16))
+    np.testing.assert_allclose(item["embedding"], short[0].outputs.embedding, atol=1e-6)
+    assert len(item["embedding"]) == 16 and response.json()["model"] == MODEL
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"input": []}, 400, "input"),
+        ({"input": [[]]}, 400, "input"),
+        ({"input": "Hi", "dimensions": 100000}, 400, "input"),
+        ({"input": [10**6]}, 400, "input"),  # past the vocabulary
+        ({"input": "Hi", "encoding_format": "int8"}, 400, None),
+        ({"input": "Hi", "model": "other"}, 404, "model"),
+    ],
+)
+def test_bad_embedding_requests_are_openai_errors(server, body, status, param):
+    response = httpx.post(f"{server.url}/v1/embeddings", json=body, headers=AUTH)
+    assert_openai_error(response, status, param)
+    assert not server.llm.engine.has_unfinished()
 
 
 def test_the_model_card_has_vllms_fields(server, folder):

@@ -28,7 +28,14 @@ from typing import Any
 from tandem.config import EngineConfig
 from tandem.engine import Engine, check_pause_mode
 from tandem.metrics import EngineStats
-from tandem.outputs import OutputCollector, RequestOutput, token_text
+from tandem.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    OutputCollector,
+    RequestOutput,
+    token_text,
+)
+from tandem.pooling import PoolingParams
 from tandem.request import (
     Prompt,
     Request,
@@ -68,6 +75,7 @@ class StreamOutput:
     stop_reason: int | str | None = None  # once finished: the stop string or stop token id
     prompt_token_ids: list[int] | None = None  # in the request's first output
     sampled_ranks: list[int] | None = None  # with logprobs: each new token's rank
+    embedding: list[float] | None = None  # an embedding request's vector (pooling.py)
 
 
 class RequestStream:
@@ -114,6 +122,7 @@ class _Add:
     cache_salt: str | None
     stream: RequestStream
     accepted: asyncio.Future[None]
+    pooling: PoolingParams | None = None  # an embedding request
 
 
 @dataclass
@@ -207,6 +216,7 @@ class AsyncLLM:
         prompt_token_ids: list[int] | None,
         cache_salt: str | None,
         outputs: asyncio.Queue[StreamOutput | BaseException] | None = None,
+        pooling: PoolingParams | None = None,
     ) -> RequestStream:
         loop = asyncio.get_running_loop()
         if params.structured_outputs is not None:
@@ -217,7 +227,9 @@ class AsyncLLM:
         stream = RequestStream(request_id, loop, self._abort_soon, outputs)
         accepted = loop.create_future()
         self._submit(
-            _Add(request_id, params, prompt, prompt_token_ids, cache_salt, stream, accepted)
+            _Add(
+                request_id, params, prompt, prompt_token_ids, cache_salt, stream, accepted, pooling
+            )
         )
         try:
             await accepted
@@ -277,6 +289,42 @@ class AsyncLLM:
                 del self._samples[request_id]
             for stream in streams:
                 stream.abort()
+
+    async def encode(
+        self,
+        prompt: Prompt,
+        pooling_params: PoolingParams | None,
+        request_id: str,
+        lora_request: Any = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> AsyncIterator[EmbeddingRequestOutput]:
+        """vLLM's: one prompt's embedding (pooling.py; `LLM.embed`), yielded once it is computed;
+        leaving the loop early aborts it. Raises ValueError if the engine rejects it."""
+        check_request_options(lora_request)
+        carrier = SamplingParams(
+            max_tokens=1, temperature=0.0, detokenize=False,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )  # fmt: skip
+        text, ids = split_prompt(prompt)
+        prompt_ids = ids
+        pooling = pooling_params or PoolingParams()
+        if not isinstance(pooling, PoolingParams):
+            raise TypeError(f"pooling_params must be PoolingParams, got {type(pooling).__name__}")
+        stream = await self._add_request(
+            request_id, carrier, text, ids, prompt_cache_salt(prompt), pooling=pooling
+        )
+        try:
+            async for output in stream:
+                if output.prompt_token_ids is not None:  # in the first output
+                    prompt_ids = output.prompt_token_ids
+                if output.embedding is not None:  # an aborted request ends without one
+                    vector = EmbeddingOutput(output.embedding)
+                    cached = output.num_cached_tokens
+                    yield EmbeddingRequestOutput(
+                        request_id, vector, prompt_ids, num_cached_tokens=cached
+                    )
+        finally:
+            stream.abort()
 
     async def add_requests(
         self,
@@ -501,6 +549,7 @@ class AsyncLLM:
                 add.prompt_token_ids,
                 stream_text=True,
                 cache_salt=add.cache_salt,
+                pooling=add.pooling,
             )
         except Exception as error:  # a request the engine rejects must not stop the engine
             _post(add.stream.loop, _resolve, [(add.accepted, error)])
@@ -555,6 +604,7 @@ class AsyncLLM:
             stop_reason=request.stop_reason,
             prompt_token_ids=request.prompt_token_ids if first else None,
             sampled_ranks=ranks,
+            embedding=request.embedding,
         )
         sent.num_tokens, sent.num_chars = len(tokens), text_end
         return output

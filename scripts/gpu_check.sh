@@ -14,6 +14,8 @@
 #   SWEEP=1             kernel sweeps: decode split counts, prefill tile shapes, sampler launch
 #                       (SWEEP=sampler, prefill, decode or decode-tiles: that sweep alone)
 #   GRAPH_MEMORY=1      graph memory with and without the shared pool
+#   EMBED=1             embeddings (benchmarks/embed.py: LLM.embed against prefilling the same
+#                       prompts, GPU active of a traced embedding run)
 #   GEMM=1              each decode GEMM of both presets against the copy ceiling (GEMM=autotune:
 #                       Inductor's max-autotune too; GEMM=splitk: then a sweep of the split-K
 #                       kernel's tiles on the o and down matrices)
@@ -90,6 +92,8 @@ if [ -n "${GEMM:-}" ]; then
       2>&1 | grep -v Warning | tee "$OUT/gemm_$model.txt"
   done
 fi
+[ -n "${EMBED:-}" ] && python3 benchmarks/embed.py --output-json "$OUT/embed.json" \
+  --trace /tmp/traces/trace_embed.json | tee "$OUT/embed.txt"
 [ -n "${GRAPH_MEMORY:-}" ] && python3 benchmarks/graph_memory.py --model qwen3-0.6b --max-num-seqs 256 \
   | tee "$OUT/graph_memory.txt"
 for shape in ${PROFILE:-}; do

@@ -113,18 +113,22 @@ def test_two_ranks_embed_as_one(folder):
         np.testing.assert_allclose(a.outputs.embedding, b.outputs.embedding, atol=1e-5)
 
 
-def test_plan_rows_take_each_sampling_pooling_request_s_last_token_row():
-    """Rows of the step's tokens: request 0 (3 tokens) pools its last, request 1 generates,
-    request 2 (4 tokens) is mid-prompt (no sample), request 3 (2 tokens) pools at row 10."""
+def test_plan_rows_take_each_sampling_pooling_request_s_last_token_row(folder):
+    """Request 0 (3 tokens) pools its last, request 1 generates, request 2 (4 tokens) is
+    mid-prompt (no sample), request 3 (2 tokens) pools: token rows 2 and 9."""
     requests = [Request(str(i), [1, 2, 3], SamplingParams(max_tokens=1), 0) for i in range(4)]
     for i in (0, 2, 3):
         requests[i].pooling = PoolingParams()
     buffers = PoolingBuffers(8, 4, torch.device("cpu"))
-    qsl = np.array([0, 3, 4, 8, 10])
-    step = plan_rows(requests, np.array([True, True, False, True]), qsl, buffers)
+    step = plan_rows(requests, np.array([0, 3]), np.array([0, 3, 4, 8, 10]), buffers)
     assert step.requests == [requests[0], requests[3]]
     assert buffers.np_rows[:2].tolist() == [2, 9]
-    assert plan_rows(requests[1:3], np.array([True, False]), qsl[1:4], buffers) is None
+    # the builder's choice of those rows: pooling requests' rows that sample, none otherwise
+    llm = LLM(folder, max_model_len=64)
+    builder = llm.engine.builder
+    rows = builder.running_rows.rows(requests)
+    samples = np.array([True, True, False, True])
+    assert np.flatnonzero(builder.running_rows.pooled[rows] & samples).tolist() == [0, 3]
 
 
 @pytest.mark.parametrize(

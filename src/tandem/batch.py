@@ -86,6 +86,7 @@ class RunningRows:
         self.repetition_penalty = np.ones(max_seqs, dtype=np.float32)
         self.needs_penalties = np.zeros(max_seqs, dtype=bool)
         self.constrained = np.zeros(max_seqs, dtype=bool)  # masked rows: see `take`
+        self.pooled = np.zeros(max_seqs, dtype=bool)  # embedding requests (pooling.py)
         # its admission's copy on write (Request.copied_block): the index, -1 for none, and the
         # copied publication
         self.copy_index = np.full(max_seqs, -1, dtype=np.int32)
@@ -135,6 +136,7 @@ class RunningRows:
         self.repetition_penalty[row] = params.repetition_penalty
         self.needs_penalties[row] = params.needs_penalties
         self.constrained[row] = request.masked  # its masks come from the host (structured.py)
+        self.pooled[row] = request.pooling is not None
         self.copy_index[row], self.copy_publication[row] = request.copied_block or (-1, -1)
         if params.needs_penalties:
             self.admitted[0].append(row)
@@ -208,7 +210,8 @@ class BatchBuilder:
         prompt_logprobs = plan_rows(requests, start, num_new, qsl, slot.prompt_logprobs)
         num_outputs = np.fromiter((r.num_output_tokens for r in requests), np.int64, num_seqs)
         samples = computed_after == self.running_rows.prompt_len[rows] + num_outputs
-        pooling = plan_pooled_rows(requests, samples, qsl, slot.pooling)
+        pooled = np.flatnonzero(self.running_rows.pooled[rows] & samples)
+        pooling = plan_pooled_rows(requests, pooled, qsl, slot.pooling) if len(pooled) else None
         use_filters, num_top_logprobs = self._fill_sampling(x, requests, rows, num_outputs)
         token_logprobs = (  # only steps with logprobs may have rows that name ids
             plan_token_rows(requests, slot.token_logprobs) if num_top_logprobs is not None else None

@@ -90,18 +90,16 @@ def has_rows(requests: list[Request], num_new_tokens: list[int]) -> bool:
 
 def plan_rows(
     requests: list[Request],
-    samples: np.ndarray,
+    pooled: np.ndarray,
     query_start_loc: np.ndarray,
     buffers: PoolingBuffers,
-) -> PoolingStep | None:
-    """List the rows of the step's pooling requests that sample (their last prompt token is in
-    the step: its row is the last of their tokens) in `buffers`' host side; None if none."""
-    pooled = []
-    for i, request in enumerate(requests):
-        if request.pooling is not None and samples[i]:
-            buffers.np_rows[len(pooled)] = int(query_start_loc[i + 1]) - 1
-            pooled.append(request)
-    return PoolingStep(pooled) if pooled else None
+) -> PoolingStep:
+    """List the token rows of the step's pooling requests that sample (`pooled`: their indices
+    among the step's requests; their last prompt token is in the step, the last of their
+    tokens) in `buffers`' host side. E.g. query_start_loc [0, 3, 4, 8], pooled [0, 2] -> rows
+    [2, 7]."""
+    buffers.np_rows[: len(pooled)] = query_start_loc[pooled + 1] - 1
+    return PoolingStep([requests[i] for i in pooled])
 
 
 @torch.inference_mode()

@@ -174,3 +174,21 @@ def test_a_sentence_transformers_model_that_pools_otherwise_is_refused(
         assert llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
     else:
         assert_embeds(folder, llm.embed(PROMPTS[:1], use_tqdm=False))
+
+
+def test_an_embedding_aborted_mid_prompt_comes_back_unfinished(folder):
+    """As a pause's abort ends it: no vector, finished False; the engine goes on."""
+    llm = LLM(folder, max_model_len=64, max_num_batched_tokens=8)  # its prompt takes 5 steps
+    step = llm.engine.step
+
+    def step_then_abort():
+        updated = step()
+        for request_id in list(llm.engine.requests):
+            llm.engine.abort(request_id)
+        return updated
+
+    llm.engine.step = step_then_abort
+    [out] = llm.embed({"prompt_token_ids": list(range(3, 40))}, use_tqdm=False)
+    assert out.outputs.embedding is None and not out.finished
+    llm.engine.step = step
+    assert_embeds(folder, llm.embed(PROMPTS[:1], use_tqdm=False))

@@ -305,6 +305,7 @@ class LLM:
                 rid,
                 EmbeddingOutput(r.embedding),
                 r.prompt_token_ids,
+                finished=r.embedding is not None,  # not when aborted (a pause's abort)
                 num_cached_tokens=r.num_cached_tokens or 0,
             )
             for rid, [r] in groups

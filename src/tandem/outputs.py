@@ -70,11 +70,12 @@ class RequestOutput:
 
 @dataclass
 class EmbeddingOutput:
-    embedding: list[float]  # L2-normalized unless the request's PoolingParams say not
+    # L2-normalized unless the request's PoolingParams say not; None if it was aborted
+    embedding: list[float] | None
 
     @property
     def hidden_size(self) -> int:
-        return len(self.embedding)
+        return len(self.embedding or ())
 
 
 @dataclass

@@ -40,6 +40,7 @@ def normalized(v: np.ndarray) -> np.ndarray:
 
 
 def assert_embeds(folder: str, outs, normalize: bool = True, dimensions: int | None = None):
+    """Each output against transformers: normalized (vLLM's use_activation) or not."""
     for out in outs:
         want = reference(folder, tuple(out.prompt_token_ids))[:dimensions]
         want = normalized(want) if normalize else want
@@ -62,11 +63,11 @@ def test_embeddings_are_the_last_token_s_normalized_hidden_state(make_tiny, arch
     assert not llm.engine.has_unfinished()
 
 
-def test_normalize_false_and_dimensions(folder):
+def test_use_activation_false_and_dimensions(folder):
     llm = LLM(folder, max_model_len=64)
-    raw = llm.embed(PROMPTS[:2], pooling_params=PoolingParams(normalize=False), use_tqdm=False)
+    raw = llm.embed(PROMPTS[:2], pooling_params=PoolingParams(use_activation=False), use_tqdm=False)
     assert_embeds(folder, raw, normalize=False)
-    per_prompt = [PoolingParams(dimensions=16), PoolingParams(dimensions=8, normalize=False)]
+    per_prompt = [PoolingParams(dimensions=16), PoolingParams(dimensions=8, use_activation=False)]
     short = llm.embed(PROMPTS[:2], pooling_params=per_prompt, use_tqdm=False)
     assert_embeds(folder, short[:1], dimensions=16)
     assert_embeds(folder, short[1:], normalize=False, dimensions=8)
@@ -136,7 +137,7 @@ def test_plan_rows_take_each_sampling_pooling_request_s_last_token_row(folder):
     [
         (PoolingParams(dimensions=65), "more than the model's 64"),
         (PoolingParams(dimensions=0), "dimensions"),
-        (PoolingParams(normalize="yes"), "normalize"),
+        (PoolingParams(use_activation="yes"), "use_activation"),
     ],
 )
 def test_bad_pooling_params_are_value_errors_that_queue_nothing(folder, pooling, words):
@@ -151,7 +152,7 @@ def test_other_bad_calls(folder):
     with pytest.raises(ValueError, match="2 pooling_params for 3 prompts"):
         llm.embed(PROMPTS[:3], pooling_params=[PoolingParams()] * 2)
     with pytest.raises(TypeError, match="PoolingParams"):
-        llm.embed(PROMPTS[:1], pooling_params=[{"normalize": False}])
+        llm.embed(PROMPTS[:1], pooling_params=[{"use_activation": False}])
     with pytest.raises(ValueError, match="lora_request"):
         llm.embed(PROMPTS[:1], lora_request=object())
     assert len(llm.embed([], use_tqdm=False)) == 0

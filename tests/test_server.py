@@ -543,6 +543,13 @@ def test_embeddings_equal_the_offline_api_s(client, server, offline):
     short = offline.embed({"prompt_token_ids": ids[1]}, pooling_params=PoolingParams(dimensions=16))
     np.testing.assert_allclose(item["embedding"], short[0].outputs.embedding, atol=1e-6)
     assert len(item["embedding"]) == 16 and response.json()["model"] == MODEL
+    for field in ("use_activation", "normalize"):  # vLLM's name, and its older one
+        raw = {"input": inputs[0], "encoding_format": "float", field: False}
+        response = httpx.post(f"{server.url}/v1/embeddings", json=raw, headers=AUTH)
+        unnormalized = offline.embed(inputs[0], pooling_params=PoolingParams(use_activation=False))
+        np.testing.assert_allclose(
+            response.json()["data"][0]["embedding"], unnormalized[0].outputs.embedding, atol=1e-6
+        )
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,12 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
 }
+# sequence classifiers (reward models): the decoder with a `score` matrix of num_labels rows
+# in place of its LM head, read at the last token (pooling.py)
+CLASSIFIERS = {
+    arch.replace("ForCausalLM", "ForSequenceClassification"): arch
+    for arch in SUPPORTED_ARCHITECTURES
+}
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
@@ -87,13 +93,16 @@ class ModelConfig:
     moe_layers: tuple[bool, ...] = ()
     # Qwen2-MoE: a dense expert every token takes, scaled by sigmoid(its gate) (0: none)
     shared_expert_intermediate_size: int = 0
+    # a sequence classifier's labels (CLASSIFIERS); 0 for a generative model
+    num_labels: int = 0
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Parse a config.json dict; raises ValueError for what tandem cannot run, naming the
         field (a field that changes the math and is not implemented is never ignored)."""
         archs = hf.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        classifier = next((CLASSIFIERS[a] for a in archs if a in CLASSIFIERS), None)
+        arch = classifier or next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
                 f"unsupported architecture {archs or hf.get('model_type')!r} in config.json; "
@@ -133,7 +142,8 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+            # a classifier has no LM head: the embeddings stand in for the token it samples
+            tie_word_embeddings=bool(classifier or hf.get("tie_word_embeddings", gemma)),
             qkv_bias=qkv_bias_only or attention_bias,
             o_proj_bias=attention_bias and not qkv_bias_only,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
@@ -147,6 +157,9 @@ class ModelConfig:
             attn_logit_softcapping=hf.get("attn_logit_softcapping") if gemma else None,
             final_logit_softcapping=hf.get("final_logit_softcapping") if gemma else None,
             **parse_moe(hf, arch, num_layers),
+            num_labels=(len(hf.get("id2label") or {}) or int(hf.get("num_labels", 2)))
+            if classifier
+            else 0,
         )
 
     @property

@@ -29,15 +29,18 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PoolingParams:
-    """vLLM's pooling parameters of an embedding request: `normalize` (L2, the default) and
-    `dimensions` (keep the first that many values, then normalize: Matryoshka embeddings)."""
+    """vLLM's pooling parameters of an embedding request: `use_activation` (for embeddings the L2
+    normalization; None: on) and `dimensions` (keep the first that many values, then normalize:
+    Matryoshka embeddings)."""
 
-    normalize: bool = True
+    use_activation: bool | None = None
     dimensions: int | None = None
 
     def validate(self, hidden_size: int) -> None:
-        if not isinstance(self.normalize, bool):
-            raise ValueError(f"normalize must be True or False, got {self.normalize!r}")
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise ValueError(
+                f"use_activation must be True, False or None, got {self.use_activation!r}"
+            )
         d = self.dimensions
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or not d > 0):
             raise ValueError(f"dimensions must be a positive int or None, got {d!r}")
@@ -117,7 +120,7 @@ def store(step: PoolingStep, buffers: PoolingBuffers) -> None:
             continue  # aborted while the step was in flight
         params = request.pooling
         vector = buffers.np_vectors[k, : params.dimensions].astype(np.float64)
-        if params.normalize:
+        if params.use_activation is not False:
             vector /= max(math.sqrt(float(vector @ vector)), 1e-12)
         request.embedding = vector.astype(np.float32).tolist()
 

@@ -1,6 +1,6 @@
 """OpenAI's embeddings endpoint, `POST /v1/embeddings`, over `AsyncLLM.encode` (pooling.py):
 each input's last token's final hidden state, L2-normalized unless `normalize` is false
-(vLLM's field), its first `dimensions` values kept first; as floats or, with
+(vLLM's `use_activation`, or its older `normalize`), its first `dimensions` values kept first; as floats or, with
 `encoding_format: "base64"`, as base64 of little-endian float32 bytes (OpenAI's form)."""
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ class EmbeddingRequest(RequestOption):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None  # labels the request only
-    normalize: bool = True  # vLLM's
+    use_activation: bool | None = None  # vLLM's: the L2 normalization (None: on)
+    normalize: bool | None = None  # vLLM's older name for it
     truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None  # vLLM's
 
     def prompts(self) -> list[str | dict[str, list[int]]]:
@@ -51,7 +52,8 @@ async def embeddings(serving: OpenAIServing, body: EmbeddingRequest) -> dict[str
     if len(prompts) > limit:
         message = f"this request has {len(prompts)} inputs; at most {limit} are allowed"
         raise OpenAIError(message, param="input")
-    pooling = PoolingParams(normalize=body.normalize, dimensions=body.dimensions)
+    activation = body.use_activation if body.use_activation is not None else body.normalize
+    pooling = PoolingParams(use_activation=activation, dimensions=body.dimensions)
     call_id = uuid.uuid4().hex
 
     async def one(i: int, prompt):

@@ -193,3 +193,64 @@ def test_an_embedding_aborted_mid_prompt_comes_back_unfinished(folder):
     assert out.outputs.embedding is None and not out.finished
     llm.engine.step = step
     assert_embeds(folder, llm.embed(PROMPTS[:1], use_tqdm=False))
+
+
+@pytest.fixture(scope="module")
+def classifiers(make_tiny, tmp_path_factory) -> dict[int, tuple[str, torch.nn.Module]]:
+    """Tiny LlamaForSequenceClassification checkpoints of 3 labels and of 1 (a reward model),
+    written by transformers, with the tiny Llama's tokenizer: labels -> (folder, the model)."""
+    from transformers import AutoConfig, LlamaForSequenceClassification
+
+    base = make_tiny("llama")
+    made = {}
+    for num_labels in (3, 1):
+        config = AutoConfig.from_pretrained(base)
+        config.num_labels, config.architectures = num_labels, ["LlamaForSequenceClassification"]
+        torch.manual_seed(num_labels)
+        model = LlamaForSequenceClassification(config).eval()
+        folder = tmp_path_factory.mktemp(f"classifier-{num_labels}")
+        model.save_pretrained(folder)
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy(base / name, folder / name)
+        made[num_labels] = (str(folder), model)
+    return made
+
+
+def transformers_scores(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():  # the last token's (the prompts hold no pad token)
+        return model(torch.tensor([ids])).logits[0].double().numpy()
+
+
+@pytest.mark.parametrize("engine_args", [{}, {"max_num_batched_tokens": 5}], ids=["", "chunked"])
+def test_classify_gives_the_score_head_s_softmax_at_the_last_token(classifiers, engine_args):
+    folder, model = classifiers[3]
+    llm = LLM(folder, max_model_len=64, **engine_args)
+    assert llm.engine.model_config.num_labels == 3
+    for out in llm.classify(PROMPTS, use_tqdm=False):
+        logits = transformers_scores(model, out.prompt_token_ids)
+        want = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+        np.testing.assert_allclose(out.outputs.probs, want, rtol=1e-4, atol=1e-6)
+        assert out.outputs.num_classes == 3 and out.finished
+    raw = llm.classify(PROMPTS[:1], pooling_params=PoolingParams(use_activation=False))[0]
+    want = transformers_scores(model, raw.prompt_token_ids)
+    np.testing.assert_allclose(raw.outputs.probs, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_one_label_reward_model_gives_the_sigmoid_of_its_score(classifiers):
+    folder, model = classifiers[1]
+    llm = LLM(folder, max_model_len=64)
+    for out in llm.classify(PROMPTS, use_tqdm=False):
+        [score] = transformers_scores(model, out.prompt_token_ids)
+        np.testing.assert_allclose(out.outputs.probs, [1 / (1 + np.exp(-score))], rtol=1e-4)
+
+
+def test_classifiers_and_generators_each_refuse_the_other_s_calls(classifiers, folder):
+    classifier = LLM(classifiers[3][0], max_model_len=64)
+    with pytest.raises(ValueError, match=r"LLM\.classify"):
+        classifier.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="dimensions"):
+        classifier.classify(PROMPTS[:1], pooling_params=PoolingParams(dimensions=4))
+    assert classifier.embed(PROMPTS[:1], use_tqdm=False)[0].outputs.hidden_size == 64
+    with pytest.raises(ValueError, match="sequence classifier"):
+        LLM(folder, max_model_len=64).classify(PROMPTS[:1])
+    assert not classifier.engine.has_unfinished()

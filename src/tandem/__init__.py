@@ -10,6 +10,8 @@ if TYPE_CHECKING:
     from tandem.beam_search import BeamSearchParams
     from tandem.llm import LLM
     from tandem.outputs import (
+        ClassificationOutput,
+        ClassificationRequestOutput,
         CompletionOutput,
         EmbeddingOutput,
         EmbeddingRequestOutput,
@@ -28,6 +30,8 @@ except PackageNotFoundError:  # run from a source tree that was never installed
 __all__ = [
     "LLM",
     "BeamSearchParams",
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
@@ -44,6 +48,8 @@ __all__ = [
 _LAZY = {
     "LLM": "tandem.llm",
     "BeamSearchParams": "tandem.beam_search",
+    "ClassificationOutput": "tandem.outputs",
+    "ClassificationRequestOutput": "tandem.outputs",
     "CompletionOutput": "tandem.outputs",
     "EmbeddingOutput": "tandem.outputs",
     "EmbeddingRequestOutput": "tandem.outputs",

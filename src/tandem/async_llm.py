@@ -75,7 +75,7 @@ class StreamOutput:
     stop_reason: int | str | None = None  # once finished: the stop string or stop token id
     prompt_token_ids: list[int] | None = None  # in the request's first output
     sampled_ranks: list[int] | None = None  # with logprobs: each new token's rank
-    embedding: list[float] | None = None  # an embedding request's vector (pooling.py)
+    pooled: list[float] | None = None  # a pooling request's output (pooling.py)
 
 
 class RequestStream:
@@ -317,8 +317,8 @@ class AsyncLLM:
             async for output in stream:
                 if output.prompt_token_ids is not None:  # in the first output
                     prompt_ids = output.prompt_token_ids
-                if output.embedding is not None:  # an aborted request ends without one
-                    vector = EmbeddingOutput(output.embedding)
+                if output.pooled is not None:  # an aborted request ends without one
+                    vector = EmbeddingOutput(output.pooled)
                     cached = output.num_cached_tokens
                     yield EmbeddingRequestOutput(
                         request_id, vector, prompt_ids, num_cached_tokens=cached
@@ -604,7 +604,7 @@ class AsyncLLM:
             stop_reason=request.stop_reason,
             prompt_token_ids=request.prompt_token_ids if first else None,
             sampled_ranks=ranks,
-            embedding=request.embedding,
+            pooled=request.pooled,
         )
         sent.num_tokens, sent.num_chars = len(tokens), text_end
         return output

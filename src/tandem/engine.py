@@ -372,6 +372,11 @@ class Engine:
         self._check_num_logprobs(params)
         if pooling is not None:
             self._check_pooling(pooling, params)
+        elif self.model_config.num_labels:
+            raise ValueError(
+                "this model is a sequence classifier (no LM head): use LLM.classify, or "
+                "LLM.embed for its hidden states"
+            )
         if params.stop and self.tokenizer is None:
             raise ValueError(
                 "stop strings need the model's tokenizer.json; pass stop_token_ids instead"
@@ -435,11 +440,11 @@ class Engine:
         return request
 
     def _check_pooling(self, pooling: PoolingParams, params: SamplingParams) -> None:
-        if self.pooling_refusal is not None:
+        if self.pooling_refusal is not None and pooling.task == "embed":
             raise ValueError(self.pooling_refusal)
         if params.n != 1 or params.max_tokens != 1:
             raise ValueError("an embedding request is carried by SamplingParams(max_tokens=1)")
-        pooling.validate(self.model_config.hidden_size)
+        pooling.validate(self.model_config.hidden_size, self.model_config.num_labels)
 
     def grammars(self) -> GrammarBackend:
         """The structured-output backend over this model's tokenizer (built on first use, by

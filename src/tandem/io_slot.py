@@ -121,6 +121,7 @@ class IOSlot:
         device: torch.device,
         mask_vocab_size: int | None = None,
         hidden_size: int = 1,
+        num_labels: int = 0,
     ):
         pin = device.type == "cuda"
         self.index = index
@@ -143,7 +144,7 @@ class IOSlot:
         # logprob_token_ids' ids and values, copied only in steps with rows that name ids
         self.token_logprobs = TokenLogprobBuffers(max_seqs, device)
         # embedding requests' rows and vectors, copied only in steps that pool rows
-        self.pooling = PoolingBuffers(max_seqs, hidden_size, device)
+        self.pooling = PoolingBuffers(max_seqs, hidden_size, device, num_labels)
         # structured outputs' token masks, copied only in steps with constrained rows
         self.masks = (
             MaskBuffers(max_seqs, mask_vocab_size, device) if mask_vocab_size is not None else None

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,8 @@ from tandem.config import EngineConfig
 from tandem.engine import Engine, check_pause_mode
 from tandem.metrics import Metric, engine_metrics
 from tandem.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -277,6 +279,34 @@ class LLM:
         L2-normalized unless its PoolingParams say not (`dimensions` keeps the first values);
         outputs in input order. The prompts run through the step loop beside any others."""
         check_request_options(lora_request)
+        requests = self._pool(prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm)
+        return [EmbeddingRequestOutput(**_pooled(r, EmbeddingOutput)) for r in requests]
+
+    def classify(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: Any = None,
+    ) -> list[ClassificationRequestOutput]:
+        """vLLM's classification with a sequence classifier (reward models among them): each
+        prompt's last token's final hidden state through the checkpoint's score head, as
+        probabilities (softmax; sigmoid for one label) unless `use_activation=False`."""
+        check_request_options(lora_request)
+        requests = self._pool(prompts, pooling_params, "classify", truncate_prompt_tokens, use_tqdm)
+        return [ClassificationRequestOutput(**_pooled(r, ClassificationOutput)) for r in requests]
+
+    def _pool(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None,
+        task: str,
+        truncate_prompt_tokens: int | None,
+        use_tqdm: bool,
+    ) -> list[Request]:
+        """Run the prompts as pooling requests of `task` (pooling.py), in input order."""
         if isinstance(prompts, str | dict) or not isinstance(prompts, Sequence):
             prompts = [prompts]
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
@@ -296,20 +326,12 @@ class LLM:
             text, ids = split_prompt(prompt)
             rid = str(next(self._ids))
             request = self.engine.make_request(
-                rid, carrier, text, ids, cache_salt=prompt_cache_salt(prompt), pooling=pooling
-            )
+                rid, carrier, text, ids, cache_salt=prompt_cache_salt(prompt),
+                pooling=replace(pooling, task=task),
+            )  # fmt: skip
             groups.append((rid, [request]))
         self._run(groups, use_tqdm, outputs=False)
-        return [
-            EmbeddingRequestOutput(
-                rid,
-                EmbeddingOutput(r.embedding),
-                r.prompt_token_ids,
-                finished=r.embedding is not None,  # not when aborted (a pause's abort)
-                num_cached_tokens=r.num_cached_tokens or 0,
-            )
-            for rid, [r] in groups
-        ]
+        return [request for _, [request] in groups]
 
     def score(
         self,
@@ -653,6 +675,18 @@ def _with_text_content(message: Any) -> Any:
                 f"for a text model; got a part of type {kind!r}"
             )
     return {**message, "content": "\n".join(part["text"] for part in content)}
+
+
+def _pooled(request: Request, output: type) -> dict[str, Any]:
+    """A pooling request's output fields, `output` holding what it pooled (None, and finished
+    False, when it was aborted, e.g. by a pause's abort)."""
+    return {
+        "request_id": request.request_id,
+        "outputs": output(request.pooled),
+        "prompt_token_ids": request.prompt_token_ids,
+        "finished": request.pooled is not None,
+        "num_cached_tokens": request.num_cached_tokens or 0,
+    }
 
 
 def _score(entries: list[dict[int, float]], continuation: list[int]) -> ScoreOutput:

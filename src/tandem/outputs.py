@@ -89,6 +89,26 @@ class EmbeddingRequestOutput:
     num_cached_tokens: int = 0
 
 
+@dataclass
+class ClassificationOutput:
+    probs: list[float] | None  # softmax (one label: sigmoid) unless use_activation=False
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs or ())
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """vLLM's output of `LLM.classify`: one prompt's class probabilities."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
 TokenText = Callable[[int], str | None]
 
 

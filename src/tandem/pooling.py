@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from tandem.request import Request
 
 
+TASKS = ("embed", "classify")
+
+
 @dataclass(frozen=True)
 class PoolingParams:
     """vLLM's pooling parameters of an embedding request: `use_activation` (for embeddings the L2
@@ -35,8 +38,18 @@ class PoolingParams:
 
     use_activation: bool | None = None
     dimensions: int | None = None
+    task: str = "embed"  # or "classify": set by LLM.embed / LLM.classify, as vLLM's
 
-    def validate(self, hidden_size: int) -> None:
+    def validate(self, hidden_size: int, num_labels: int) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if self.task == "classify" and not num_labels:
+            raise ValueError(
+                "classify needs a sequence classifier (a *ForSequenceClassification checkpoint, "
+                "with its score head); this model generates"
+            )
+        if self.task == "classify" and self.dimensions is not None:
+            raise ValueError("dimensions applies to embeddings, not to classify")
         if self.use_activation is not None and not isinstance(self.use_activation, bool):
             raise ValueError(
                 f"use_activation must be True, False or None, got {self.use_activation!r}"
@@ -58,7 +71,7 @@ class PoolingStep:
 class PoolingBuffers:
     """One slot's pooling rows and vectors, host (pinned on CUDA) and device."""
 
-    def __init__(self, max_seqs: int, hidden_size: int, device: torch.device):
+    def __init__(self, max_seqs: int, hidden_size: int, device: torch.device, num_labels: int = 0):
         pin = device.type == "cuda"
 
         def pair(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,8 +82,11 @@ class PoolingBuffers:
         self.host_rows, self.dev_rows = pair((max_seqs,), torch.int32)
         # [max_seqs, hidden_size] float32: those rows of the final hidden states
         self.host_vectors, self.dev_vectors = pair((max_seqs, hidden_size), torch.float32)
+        # [max_seqs, num_labels] float32: a classifier's scores of those rows (none: 0 labels)
+        self.host_scores, self.dev_scores = pair((max_seqs, num_labels), torch.float32)
         self.np_rows = self.host_rows.numpy()
         self.np_vectors = self.host_vectors.numpy()
+        self.np_scores = self.host_scores.numpy()
 
     def copy_in(self, num_rows: int) -> None:
         """H2D of the step's row indices, on the current stream (the caller's h2d_stream)."""
@@ -79,6 +95,8 @@ class PoolingBuffers:
     def copy_out(self, num_rows: int) -> None:
         """D2H of the step's vectors, on the current stream (the caller's d2h_stream)."""
         self.host_vectors[:num_rows].copy_(self.dev_vectors[:num_rows], non_blocking=True)
+        if self.dev_scores.shape[1]:
+            self.host_scores[:num_rows].copy_(self.dev_scores[:num_rows], non_blocking=True)
 
 
 def has_rows(requests: list[Request], num_new_tokens: list[int]) -> bool:
@@ -106,10 +124,15 @@ def plan_rows(
 
 
 @torch.inference_mode()
-def compute(hidden: torch.Tensor, buffers: PoolingBuffers, num_rows: int) -> None:
-    """Gather the step's pooled rows of `hidden` [tokens, hidden] into the device vectors."""
-    rows = buffers.dev_rows[:num_rows].long()
-    buffers.dev_vectors[:num_rows].copy_(hidden[rows])
+def compute(
+    hidden: torch.Tensor, buffers: PoolingBuffers, num_rows: int, score: torch.nn.Module | None
+) -> None:
+    """Gather the step's pooled rows of `hidden` [tokens, hidden] into the device vectors, and
+    a classifier's `score` of them into the device scores."""
+    rows = hidden[buffers.dev_rows[:num_rows].long()]
+    buffers.dev_vectors[:num_rows].copy_(rows)
+    if score is not None:
+        buffers.dev_scores[:num_rows].copy_(score(rows))
 
 
 def store(step: PoolingStep, buffers: PoolingBuffers) -> None:
@@ -119,10 +142,20 @@ def store(step: PoolingStep, buffers: PoolingBuffers) -> None:
         if request.finished:
             continue  # aborted while the step was in flight
         params = request.pooling
-        vector = buffers.np_vectors[k, : params.dimensions].astype(np.float64)
-        if params.use_activation is not False:
-            vector /= max(math.sqrt(float(vector @ vector)), 1e-12)
-        request.embedding = vector.astype(np.float32).tolist()
+        if params.task == "classify":
+            values = buffers.np_scores[k].astype(np.float64)
+            if params.use_activation is not False:  # sigmoid for one label, as vLLM's
+                values = softmax(values) if len(values) > 1 else 1 / (1 + np.exp(-values))
+        else:
+            values = buffers.np_vectors[k, : params.dimensions].astype(np.float64)
+            if params.use_activation is not False:
+                values /= max(math.sqrt(float(values @ values)), 1e-12)
+        request.pooled = values.astype(np.float32).tolist()
+
+
+def softmax(values: np.ndarray) -> np.ndarray:
+    exp = np.exp(values - values.max())
+    return exp / exp.sum()
 
 
 def pooling_refusal(folder: Path | None) -> str | None:

@@ -56,9 +56,10 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_ranks: list[int | None] | None = None  # each prompt token's rank, beside its entry
     prompt_logprobs_end: int = 1
-    # an embedding request (pooling.py): its params, and its vector once its prompt is computed
+    # a pooling request (pooling.py): its params, and its output once its prompt is computed
+    # (the embedding, or a classifier's probabilities)
     pooling: PoolingParams | None = None
-    embedding: list[float] | None = None
+    pooled: list[float] | None = None
     num_preemptions: int = 0
     # prefix caching: the keys of its full blocks so far, how many of its blocks are published,
     # and the prompt tokens its first admission found cached

@@ -106,9 +106,10 @@ class Runner:
         self.device = device
         # with mask_vocab_size, each slot holds token-mask rows and steps may take masks
         self.masks = mask_vocab_size is not None
-        hidden = model.cfg.hidden_size  # the pooled rows' width (embedding requests)
+        # the pooled rows' width, and a classifier's scores' (pooling requests)
+        hidden, labels = model.cfg.hidden_size, model.cfg.num_labels
         self.slots = [
-            IOSlot(i, max_tokens, max_seqs, max_blocks, device, mask_vocab_size, hidden)
+            IOSlot(i, max_tokens, max_seqs, max_blocks, device, mask_vocab_size, hidden, labels)
             for i in range(2)
         ]
         self.cuda = device.type == "cuda"
@@ -317,7 +318,9 @@ class Runner:
                 batch.prompt_logprobs.num_top,
             )  # fmt: skip
         if batch.pooling is not None:  # never captured
-            compute_pooled(hidden, batch.slot.pooling, len(batch.pooling.requests))
+            compute_pooled(
+                hidden, batch.slot.pooling, len(batch.pooling.requests), self.model.score
+            )
 
     @torch.inference_mode()
     def _forward(

@@ -264,6 +264,10 @@ class Decoder(nn.Module):
             else nn.Linear(cfg.hidden_size, self.embed_tokens.per_rank, bias=False)
         )
         self.linear = F.linear  # the LM head's product (batch_invariant.py swaps it)
+        # a sequence classifier's head, read at a prompt's last token (pooling.py); replicated
+        self.score = (
+            nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False) if cfg.num_labels else None
+        )
 
     def forward(
         self,

@@ -364,6 +364,8 @@ def weight_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], float, fl
     specs["model.norm.weight"] = norm(h)
     if not cfg.tie_word_embeddings:
         specs["lm_head.weight"] = ((vocab, h), embed_std, 0.0)
+    if cfg.num_labels:
+        specs["score.weight"] = matrix(cfg.num_labels, h)
     return specs
 
 

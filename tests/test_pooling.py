@@ -254,3 +254,33 @@ def test_classifiers_and_generators_each_refuse_the_other_s_calls(classifiers, f
     with pytest.raises(ValueError, match="sequence classifier"):
         LLM(folder, max_model_len=64).classify(PROMPTS[:1])
     assert not classifier.engine.has_unfinished()
+
+
+def test_the_server_s_classify_route_answers_what_llm_classify_does(classifiers, folder):
+    import httpx
+
+    from tandem.async_llm import AsyncLLM
+    from tandem.server.app import build_app
+    from test_server import running
+
+    classifier, _ = classifiers[3]
+    want = LLM(classifier, max_model_len=64).classify(PROMPTS[:2], use_tqdm=False)
+    for model, served in ((classifier, True), (folder, False)):
+        llm = AsyncLLM.from_model(model, max_model_len=64)
+        try:
+            with running(build_app(llm, "m")) as url:
+                response = httpx.post(f"{url}/classify", json={"input": PROMPTS[:2]})
+                if not served:  # a generative model: a 400 saying why
+                    assert response.status_code == 400
+                    assert "sequence classifier" in response.json()["error"]["message"]
+                    continue
+                body = response.json()
+                assert [d["index"] for d in body["data"]] == [0, 1] and body["model"] == "m"
+                for got, out in zip(body["data"], want, strict=True):
+                    np.testing.assert_allclose(got["probs"], out.outputs.probs, atol=1e-6)
+                    assert got["label"] == f"LABEL_{int(np.argmax(out.outputs.probs))}"
+                    assert got["num_classes"] == 3
+                tokens = sum(len(out.prompt_token_ids) for out in want)
+                assert body["usage"]["prompt_tokens"] == tokens
+        finally:
+            llm.shutdown()

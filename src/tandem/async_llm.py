@@ -29,6 +29,8 @@ from tandem.config import EngineConfig
 from tandem.engine import Engine, check_pause_mode
 from tandem.metrics import EngineStats
 from tandem.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     OutputCollector,
@@ -297,9 +299,10 @@ class AsyncLLM:
         request_id: str,
         lora_request: Any = None,
         truncate_prompt_tokens: int | None = None,
-    ) -> AsyncIterator[EmbeddingRequestOutput]:
-        """vLLM's: one prompt's embedding (pooling.py; `LLM.embed`), yielded once it is computed;
-        leaving the loop early aborts it. Raises ValueError if the engine rejects it."""
+    ) -> AsyncIterator[EmbeddingRequestOutput | ClassificationRequestOutput]:
+        """vLLM's: one prompt's embedding (pooling.py; `LLM.embed`), or its class probabilities
+        with `PoolingParams(task="classify")` (`LLM.classify`), yielded once computed; leaving
+        the loop early aborts it. Raises ValueError if the engine rejects it."""
         check_request_options(lora_request)
         carrier = SamplingParams(
             max_tokens=1, temperature=0.0, detokenize=False,
@@ -318,11 +321,11 @@ class AsyncLLM:
                 if output.prompt_token_ids is not None:  # in the first output
                     prompt_ids = output.prompt_token_ids
                 if output.pooled is not None:  # an aborted request ends without one
-                    vector = EmbeddingOutput(output.pooled)
+                    classify = pooling.task == "classify"
+                    kind = ClassificationRequestOutput if classify else EmbeddingRequestOutput
+                    pooled = (ClassificationOutput if classify else EmbeddingOutput)(output.pooled)
                     cached = output.num_cached_tokens
-                    yield EmbeddingRequestOutput(
-                        request_id, vector, prompt_ids, num_cached_tokens=cached
-                    )
+                    yield kind(request_id, pooled, prompt_ids, num_cached_tokens=cached)
         finally:
             stream.abort()
 

@@ -141,6 +141,9 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(tokenizer_dir) if found else None
         self.eos_token_ids = _eos_token_ids(cfg, folder, self.tokenizer)
         self.pooling_refusal = pooling_refusal(folder)  # None: embeddings pool the last token
+        # a classifier's label names, by index (config.json's id2label; else LABEL_i)
+        id2label = hf_config.get("id2label") or {}
+        self.class_labels = [id2label.get(str(i), f"LABEL_{i}") for i in range(cfg.num_labels)]
         # SamplingParams fields in place of its own defaults (LLM.generate without params, and
         # the server's requests that leave them out)
         self.sampling_defaults = generation_config.sampling_defaults(

@@ -19,7 +19,12 @@ from tandem import __version__
 from tandem.async_llm import AsyncLLM, EngineDeadError
 from tandem.server import tokens
 from tandem.server.admin import admin_router
-from tandem.server.embeddings import EmbeddingRequest, embeddings
+from tandem.server.embeddings import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    classify,
+    embeddings,
+)
 from tandem.server.metrics import ServerMetrics
 from tandem.server.options import ServerOptions
 from tandem.server.protocol import (
@@ -69,6 +74,10 @@ def build_app(
     @app.post("/v1/embeddings")
     async def create_embeddings(body: EmbeddingRequest) -> dict[str, Any]:
         return await embeddings(serving, body)
+
+    @app.post("/classify")
+    async def create_classification(body: ClassificationRequest) -> dict[str, Any]:
+        return await classify(serving, body)
 
     @app.post("/inference/v1/generate")
     async def generate_tokens(body: GenerateRequest, http: HttpRequest) -> Response:

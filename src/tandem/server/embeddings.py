@@ -1,7 +1,8 @@
-"""OpenAI's embeddings endpoint, `POST /v1/embeddings`, over `AsyncLLM.encode` (pooling.py):
-each input's last token's final hidden state, L2-normalized unless `normalize` is false
-(vLLM's `use_activation`, or its older `normalize`), its first `dimensions` values kept first; as floats or, with
-`encoding_format: "base64"`, as base64 of little-endian float32 bytes (OpenAI's form)."""
+"""The pooling endpoints over `AsyncLLM.encode` (pooling.py). OpenAI's `POST /v1/embeddings`:
+each input's last token's final hidden state, L2-normalized unless vLLM's `use_activation`
+(or its older `normalize`) is false, its first `dimensions` values kept first; as floats or,
+with `encoding_format: "base64"`, as base64 of little-endian float32 bytes (OpenAI's form).
+vLLM's `POST /classify` (a sequence classifier): each input's class probabilities and label."""
 
 from __future__ import annotations
 
@@ -21,14 +22,13 @@ from tandem.server.serving import OpenAIServing
 TokenIds = list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]]
 
 
-class EmbeddingRequest(RequestOption):
+class PoolingRequest(RequestOption):
+    """What the pooling endpoints share: the inputs and vLLM's options."""
+
     model: str | None = None
     input: Text | list[Text] | TokenIds | list[TokenIds]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None  # labels the request only
-    use_activation: bool | None = None  # vLLM's: the L2 normalization (None: on)
-    normalize: bool | None = None  # vLLM's older name for it
+    use_activation: bool | None = None  # vLLM's: normalize / softmax (None: on)
     truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None  # vLLM's
 
     def prompts(self) -> list[str | dict[str, list[int]]]:
@@ -43,48 +43,84 @@ class EmbeddingRequest(RequestOption):
         return [item if isinstance(item, str) else {"prompt_token_ids": item} for item in inputs]
 
 
-async def embeddings(serving: OpenAIServing, body: EmbeddingRequest) -> dict[str, Any]:
-    """Every input embedded side by side in the step loop; one the engine rejects is a 400 and
-    the others are aborted."""
+class EmbeddingRequest(PoolingRequest):
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    normalize: bool | None = None  # vLLM's older name for use_activation
+
+
+class ClassificationRequest(PoolingRequest):
+    pass
+
+
+async def pooled(
+    serving: OpenAIServing, body: PoolingRequest, pooling: PoolingParams, kind: str
+) -> tuple[str, list]:
+    """Every input pooled side by side in the step loop: (the call's id, each input's output);
+    one the engine rejects is a 400 and the others are aborted."""
     serving.check_model(body.model)
     prompts = body.prompts()
     limit = serving.options.max_sequences_per_request
     if len(prompts) > limit:
         message = f"this request has {len(prompts)} inputs; at most {limit} are allowed"
         raise OpenAIError(message, param="input")
-    activation = body.use_activation if body.use_activation is not None else body.normalize
-    pooling = PoolingParams(use_activation=activation, dimensions=body.dimensions)
-    call_id = uuid.uuid4().hex
+    call_id = f"{kind}-{uuid.uuid4().hex}"
 
     async def one(i: int, prompt):
         outputs = serving.llm.encode(
-            prompt, pooling, f"embd-{call_id}-{i}",
-            truncate_prompt_tokens=body.truncate_prompt_tokens,
-        )  # fmt: skip
+            prompt, pooling, f"{call_id}-{i}", truncate_prompt_tokens=body.truncate_prompt_tokens
+        )
         async for output in outputs:
             return output
-        raise OpenAIError("the request was aborted before its embedding", 503, "server_error")
+        raise OpenAIError("the request was aborted before its output", 503, "server_error")
 
     tasks = [asyncio.create_task(one(i, prompt)) for i, prompt in enumerate(prompts)]
     try:
-        results = await asyncio.gather(*tasks)
+        return call_id, await asyncio.gather(*tasks)
     except ValueError as error:
         raise OpenAIError(str(error), param="input") from error
     finally:
         for task in tasks:  # the others, when one failed: their streams abort as they end
             task.cancel()
-    data = []
-    for index, output in enumerate(results):
-        vector = output.outputs.embedding
-        if body.encoding_format == "base64":
-            vector = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
-        data.append({"index": index, "object": "embedding", "embedding": vector})
-    num_tokens = sum(len(output.prompt_token_ids) for output in results)
+
+
+def answer(serving: OpenAIServing, call_id: str, data: list[dict], outputs: list) -> dict:
+    num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
     return {
-        "id": f"embd-{call_id}",
+        "id": call_id,
         "object": "list",
         "created": int(time.time()),
         "model": serving.model_name,
         "data": data,
         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
     }
+
+
+async def embeddings(serving: OpenAIServing, body: EmbeddingRequest) -> dict[str, Any]:
+    activation = body.use_activation if body.use_activation is not None else body.normalize
+    pooling = PoolingParams(use_activation=activation, dimensions=body.dimensions)
+    call_id, outputs = await pooled(serving, body, pooling, "embd")
+    data = []
+    for index, output in enumerate(outputs):
+        vector = output.outputs.embedding
+        if body.encoding_format == "base64":
+            vector = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+        data.append({"index": index, "object": "embedding", "embedding": vector})
+    return answer(serving, call_id, data, outputs)
+
+
+async def classify(serving: OpenAIServing, body: ClassificationRequest) -> dict[str, Any]:
+    """vLLM's /classify: each input's class probabilities and its most likely label."""
+    pooling = PoolingParams(use_activation=body.use_activation, task="classify")
+    call_id, outputs = await pooled(serving, body, pooling, "classify")
+    labels = serving.llm.engine.class_labels
+    data = [
+        {
+            "index": index,
+            "label": labels[int(np.argmax(output.outputs.probs))],
+            "probs": output.outputs.probs,
+            "num_classes": output.outputs.num_classes,
+        }
+        for index, output in enumerate(outputs)
+    ]
+    return answer(serving, call_id, data, outputs)

@@ -1,6 +1,8 @@
 """Embeddings (vLLM's `LLM.embed` and the server's /v1/embeddings): a request's vector is the
 final hidden state of its last prompt token, after the model's last norm (the last-token pooling
-of decoder embedding models such as Qwen3-Embedding), L2-normalized unless asked not to.
+of decoder embedding models such as Qwen3-Embedding), L2-normalized unless asked not to. A
+sequence classifier's (`LLM.classify`, /classify) is its score head on that state, as
+probabilities (softmax; sigmoid for one label) unless asked not to.
 
 A pooling request runs as a one-token generation: the step that computes its last prompt token
 samples from that token's row, as any prompt's last step does, and the same row of the hidden
@@ -9,7 +11,8 @@ states is its vector. The host lists each such row's index among the step's toke
 output, which comes back on the D2H stream with the step's other outputs. The engine then
 finishes the request with its vector instead of the sampled token. Such steps run eagerly or as
 pieces (never a whole decode graph), as steps with prompt-logprob rows do. Normalizing and
-truncating (`dimensions`, for Matryoshka models) happen on the host: a vector per request.
+truncating (`dimensions`, for Matryoshka models) and the probabilities happen on the host: a
+vector per request.
 """
 
 from __future__ import annotations

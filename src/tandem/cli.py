@@ -15,9 +15,7 @@ from tandem import envs
 from tandem.config import (
     EXECUTOR_BACKENDS,
     LOGPROBS_MODES,
-    MODEL_IMPLS,
-    SCHEDULING_POLICIES,
-    TOKENIZER_MODES,
+    ONE_BEHAVIOUR,
     EngineConfig,
 )
 from tandem.reasoning import PARSERS as REASONING_PARSERS
@@ -83,24 +81,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
         choices=list(EXECUTOR_BACKENDS),
         help="vLLM's; tandem starts its tensor-parallel ranks itself ('mp')",
     )
-    parser.add_argument(
-        "--tokenizer-mode",
-        default="auto",
-        choices=list(TOKENIZER_MODES),
-        help="vLLM's; tokenizer.json's fast tokenizer either way",
-    )
-    parser.add_argument(
-        "--model-impl",
-        default="auto",
-        choices=list(MODEL_IMPLS),
-        help="vLLM's; the engine's own model code either way",
-    )
-    parser.add_argument(
-        "--scheduling-policy",
-        default="fcfs",
-        choices=list(SCHEDULING_POLICIES),
-        help="vLLM's; requests run first come, first served",
-    )
+    for name, (values, behaviour) in ONE_BEHAVIOUR.items():  # --tokenizer-mode, ...
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, default=values[0], choices=values, help=f"vLLM's; {behaviour}")
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu"
     )

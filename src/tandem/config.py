@@ -41,9 +41,12 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # vLLM's values of these arguments that are tandem's behaviour (EngineConfig.check_vllm_choices)
 EXECUTOR_BACKENDS = ("mp", "uni", "external_launcher")
-TOKENIZER_MODES = ("auto", "hf")
-MODEL_IMPLS = ("auto", "vllm")
-SCHEDULING_POLICIES = ("fcfs",)
+# field -> (its values, the first the default; what tandem does whatever the value)
+ONE_BEHAVIOUR = {
+    "tokenizer_mode": (("auto", "hf"), "tandem reads the model's tokenizer.json (a fast one)"),
+    "model_impl": (("auto", "vllm"), "the model code is the engine's own"),
+    "scheduling_policy": (("fcfs",), "requests run first come, first served"),
+}
 
 DTYPES = {
     "float32": torch.float32,
@@ -533,21 +536,11 @@ class EngineConfig:
                 f"distributed_executor_backend={backend!r} runs one rank in the caller's process: "
                 "with tensor_parallel_size > 1 tandem starts its ranks itself (None or 'mp')"
             )
-        if self.tokenizer_mode not in TOKENIZER_MODES:
-            raise ValueError(
-                f"tokenizer_mode must be one of {TOKENIZER_MODES}: tandem reads the model's "
-                f"tokenizer.json (a fast tokenizer) alone, got {self.tokenizer_mode!r}"
-            )
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(
-                f"scheduling_policy must be one of {SCHEDULING_POLICIES}: requests run first "
-                f"come, first served, got {self.scheduling_policy!r}"
-            )
-        if self.model_impl not in MODEL_IMPLS:
-            raise ValueError(
-                f"model_impl must be one of {MODEL_IMPLS} (the engine's own model code), got "
-                f"{self.model_impl!r}"
-            )
+        for name, (values, behaviour) in ONE_BEHAVIOUR.items():
+            if getattr(self, name) not in values:
+                raise ValueError(
+                    f"{name} must be one of {values} ({behaviour}), got {getattr(self, name)!r}"
+                )
 
     def resolve_device(self, rank: int = 0) -> torch.device:
         """The device of tensor-parallel rank `rank` (GPU `rank` on CUDA)."""

@@ -16,6 +16,9 @@
 #   GRAPH_MEMORY=1      graph memory with and without the shared pool
 #   EMBED=1             embeddings (benchmarks/embed.py: LLM.embed against prefilling the same
 #                       prompts, GPU active of a traced embedding run)
+#   LORA=1              LoRA adapters (benchmarks/lora.py: the same requests without adapters, under
+#                       an adapter engine naming none, and under 4 adapters; GPU active of a traced
+#                       adapter run)
 #   GEMM=1              each decode GEMM of both presets against the copy ceiling (GEMM=autotune:
 #                       Inductor's max-autotune too; GEMM=splitk: then a sweep of the split-K
 #                       kernel's tiles on the o and down matrices)
@@ -94,6 +97,8 @@ if [ -n "${GEMM:-}" ]; then
 fi
 [ -n "${EMBED:-}" ] && python3 benchmarks/embed.py --output-json "$OUT/embed.json" \
   --trace /tmp/traces/trace_embed.json | tee "$OUT/embed.txt"
+[ -n "${LORA:-}" ] && python3 benchmarks/lora.py --output-json "$OUT/lora.json" \
+  --trace /tmp/traces/trace_lora.json | tee "$OUT/lora.txt"
 [ -n "${GRAPH_MEMORY:-}" ] && python3 benchmarks/graph_memory.py --model qwen3-0.6b --max-num-seqs 256 \
   | tee "$OUT/graph_memory.txt"
 for shape in ${PROFILE:-}; do

@@ -33,7 +33,11 @@ def llm(folder) -> LLM:
 def transformers_greedy(folder: Path, prompt_ids: tuple[int, ...], max_tokens: int) -> list[int]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        folder,
+        dtype=torch.float32,
+        attn_implementation="eager",  # Gemma 2's soft cap
+    ).eval()
     out = model.generate(
         torch.tensor([prompt_ids]),
         attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),

@@ -153,7 +153,7 @@ def test_other_bad_calls(folder):
         llm.embed(PROMPTS[:3], pooling_params=[PoolingParams()] * 2)
     with pytest.raises(TypeError, match="PoolingParams"):
         llm.embed(PROMPTS[:1], pooling_params=[{"use_activation": False}])
-    with pytest.raises(ValueError, match="lora_request"):
+    with pytest.raises(TypeError, match="lora_request"):
         llm.embed(PROMPTS[:1], lora_request=object())
     assert len(llm.embed([], use_tqdm=False)) == 0
 

@@ -111,6 +111,8 @@ class HashLM:
     changes what a request reads, so its tokens stop matching `expected_output`.
     """
 
+    lora = None  # the decoder's LoRA adapters: none here
+
     def __init__(self, engine: Engine, eos_percent: int):
         self.block_size = engine.block_size
         self.num_slots = engine.num_blocks * engine.block_size

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tandem.beam_search import BeamSearchParams
     from tandem.llm import LLM
+    from tandem.lora import LoRARequest
     from tandem.outputs import (
         ClassificationOutput,
         ClassificationRequestOutput,
@@ -35,6 +36,7 @@ __all__ = [
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
+    "LoRARequest",
     "Logprob",
     "PoolingParams",
     "RequestOutput",
@@ -54,6 +56,7 @@ _LAZY = {
     "EmbeddingOutput": "tandem.outputs",
     "EmbeddingRequestOutput": "tandem.outputs",
     "PoolingParams": "tandem.pooling",
+    "LoRARequest": "tandem.lora",
     "Logprob": "tandem.outputs",
     "RequestOutput": "tandem.outputs",
     "SamplingParams": "tandem.sampling",

@@ -27,6 +27,7 @@ from typing import Any
 
 from tandem.config import EngineConfig
 from tandem.engine import Engine, check_pause_mode
+from tandem.lora import LoRARequest
 from tandem.metrics import EngineStats
 from tandem.outputs import (
     ClassificationOutput,
@@ -125,6 +126,7 @@ class _Add:
     stream: RequestStream
     accepted: asyncio.Future[None]
     pooling: PoolingParams | None = None  # an embedding request
+    lora_request: LoRARequest | None = None  # its LoRA adapter
 
 
 @dataclass
@@ -219,6 +221,7 @@ class AsyncLLM:
         cache_salt: str | None,
         outputs: asyncio.Queue[StreamOutput | BaseException] | None = None,
         pooling: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         loop = asyncio.get_running_loop()
         if params.structured_outputs is not None:
@@ -226,13 +229,16 @@ class AsyncLLM:
             # to a second to compile, which the engine thread would spend between two steps,
             # with the GPU idle; there it is then a cache hit
             await loop.run_in_executor(None, self._compile, params)
+        if lora_request is not None and self.engine.adapter_cache is not None:
+            # likewise an adapter's folder, read in a worker thread first (a bad one is
+            # refused by the engine's own check, which raises its error to the caller)
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                await loop.run_in_executor(None, self.engine.adapter_cache.get, lora_request)
         stream = RequestStream(request_id, loop, self._abort_soon, outputs)
         accepted = loop.create_future()
-        self._submit(
-            _Add(
-                request_id, params, prompt, prompt_token_ids, cache_salt, stream, accepted, pooling
-            )
-        )
+        add = _Add(request_id, params, prompt, prompt_token_ids, cache_salt, stream, accepted)
+        add.pooling, add.lora_request = pooling, lora_request
+        self._submit(add)
         try:
             await accepted
         except asyncio.CancelledError:
@@ -248,7 +254,7 @@ class AsyncLLM:
         prompt: Prompt,
         sampling_params: SamplingParams,
         request_id: str,
-        lora_request: Any = None,
+        lora_request: LoRARequest | None = None,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request as vLLM's RequestOutputs, as `sampling_params.output_kind` says;
@@ -256,10 +262,11 @@ class AsyncLLM:
         aborts them all.
 
         `prompt` is text, {"prompt": text} or {"prompt_token_ids": [...]}, a dict with an
-        optional "cache_salt"; raises ValueError if the engine rejects it (and for vLLM's
-        `lora_request` and `priority` other than None and 0: `check_request_options`).
+        optional "cache_salt"; `lora_request` runs it under a LoRA adapter (enable_lora=True);
+        raises ValueError if the engine rejects it (and for vLLM's `priority` other than 0:
+        `check_request_options`).
         """
-        check_request_options(lora_request, priority)
+        check_request_options(priority)
         sampling_params.validate()  # n=0 would otherwise queue nothing to validate
         text, ids = split_prompt(prompt)
         salt = prompt_cache_salt(prompt)
@@ -267,12 +274,14 @@ class AsyncLLM:
         sample_ids = [request_id] if n == 1 else [f"{request_id}-{k}" for k in range(n)]
         index = {sample_id: k for k, sample_id in enumerate(sample_ids)}
         outputs: asyncio.Queue[StreamOutput | BaseException] = asyncio.Queue()
-        collector = OutputCollector(request_id, text, sampling_params, self._token_text)
+        collector = OutputCollector(
+            request_id, text, sampling_params, self._token_text, lora_request
+        )
         samples = [
             (sample_id, seeded(sampling_params, k), text, ids, salt)
             for k, sample_id in enumerate(sample_ids)
         ]
-        streams = await self.add_requests(samples, outputs)
+        streams = await self.add_requests(samples, outputs, lora_request)
         if n > 1:
             self._samples[request_id] = sample_ids
         try:
@@ -297,13 +306,12 @@ class AsyncLLM:
         prompt: Prompt,
         pooling_params: PoolingParams | None,
         request_id: str,
-        lora_request: Any = None,
+        lora_request: LoRARequest | None = None,
         truncate_prompt_tokens: int | None = None,
     ) -> AsyncIterator[EmbeddingRequestOutput | ClassificationRequestOutput]:
         """vLLM's: one prompt's embedding (pooling.py; `LLM.embed`), or its class probabilities
         with `PoolingParams(task="classify")` (`LLM.classify`), yielded once computed; leaving
         the loop early aborts it. Raises ValueError if the engine rejects it."""
-        check_request_options(lora_request)
         carrier = SamplingParams(
             max_tokens=1, temperature=0.0, detokenize=False,
             truncate_prompt_tokens=truncate_prompt_tokens,
@@ -314,8 +322,9 @@ class AsyncLLM:
         if not isinstance(pooling, PoolingParams):
             raise TypeError(f"pooling_params must be PoolingParams, got {type(pooling).__name__}")
         stream = await self._add_request(
-            request_id, carrier, text, ids, prompt_cache_salt(prompt), pooling=pooling
-        )
+            request_id, carrier, text, ids, prompt_cache_salt(prompt), pooling=pooling,
+            lora_request=lora_request,
+        )  # fmt: skip
         try:
             async for output in stream:
                 if output.prompt_token_ids is not None:  # in the first output
@@ -333,12 +342,17 @@ class AsyncLLM:
         self,
         requests: list[tuple[str, SamplingParams, str | None, list[int] | None, str | None]],
         outputs: asyncio.Queue[StreamOutput | BaseException] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestStream]:
         """Queue every (request_id, params, prompt, prompt_token_ids, cache_salt) or none: one
         the engine rejects aborts the others, and its error is raised. They reach the engine
-        thread together, between the same two steps; `outputs`: one queue for all of them."""
+        thread together, between the same two steps; `outputs`: one queue for all of them;
+        `lora_request`: the LoRA adapter of all of them."""
         results = await asyncio.gather(
-            *(self._add_request(*request, outputs) for request in requests),
+            *(
+                self._add_request(*request, outputs, lora_request=lora_request)
+                for request in requests
+            ),
             return_exceptions=True,
         )
         streams = [r for r in results if isinstance(r, RequestStream)]
@@ -553,6 +567,7 @@ class AsyncLLM:
                 stream_text=True,
                 cache_salt=add.cache_salt,
                 pooling=add.pooling,
+                lora_request=add.lora_request,
             )
         except Exception as error:  # a request the engine rejects must not stop the engine
             _post(add.stream.loop, _resolve, [(add.accepted, error)])

@@ -8,6 +8,7 @@ import numpy as np
 
 from tandem import penalties
 from tandem.io_slot import MAX_BANNED_IDS, IOSlot
+from tandem.lora import Adapter
 from tandem.pooling import PoolingStep
 from tandem.pooling import plan_rows as plan_pooled_rows
 from tandem.prompt_logprobs import PromptLogprobStep, plan_rows
@@ -44,6 +45,8 @@ class StepBatch:
     use_penalties: bool = False  # some row keeps penalty state (penalties.py)
     # (state rows, their requests) that penalized requests took for this step: reset first
     penalty_admissions: tuple[list[int], list[Request]] | None = None
+    # (slot, adapter): LoRA adapters loaded before the forward (lora.py)
+    adapter_loads: list[tuple[int, Adapter]] = field(default_factory=list)
     prompt_logprobs: PromptLogprobStep | None = None  # rows at prompt positions that want them
     pooling: PoolingStep | None = None  # embedding requests' last prompt tokens (pooling.py)
     token_logprobs: TokenLogprobStep | None = None  # rows that name logprob_token_ids
@@ -87,6 +90,7 @@ class RunningRows:
         self.needs_penalties = np.zeros(max_seqs, dtype=bool)
         self.constrained = np.zeros(max_seqs, dtype=bool)  # masked rows: see `take`
         self.pooled = np.zeros(max_seqs, dtype=bool)  # embedding requests (pooling.py)
+        self.lora_slot = np.full(max_seqs, -1, dtype=np.int32)  # its adapter's slot (lora.py)
         # its admission's copy on write (Request.copied_block): the index, -1 for none, and the
         # copied publication
         self.copy_index = np.full(max_seqs, -1, dtype=np.int32)
@@ -137,6 +141,7 @@ class RunningRows:
         self.needs_penalties[row] = params.needs_penalties
         self.constrained[row] = request.masked  # its masks come from the host (structured.py)
         self.pooled[row] = request.pooling is not None
+        self.lora_slot[row] = request.lora_slot
         self.copy_index[row], self.copy_publication[row] = request.copied_block or (-1, -1)
         if params.needs_penalties:
             self.admitted[0].append(row)
@@ -207,6 +212,8 @@ class BatchBuilder:
         x["copy_dst"][:num_copies] = [copy.dst for copy in plan.copies]
 
         self._fill_token_ids(x, requests, start, num_new, qsl)
+        if "lora_slots" in x:
+            x["lora_slots"][:num_tokens] = self.running_rows.lora_slot[rows][seq_of_token]
         prompt_logprobs = plan_rows(requests, start, num_new, qsl, slot.prompt_logprobs)
         num_outputs = np.fromiter((r.num_output_tokens for r in requests), np.int64, num_seqs)
         samples = computed_after == self.running_rows.prompt_len[rows] + num_outputs
@@ -262,6 +269,7 @@ class BatchBuilder:
             shared_kv_tokens=shared_kv_tokens(x, num_groups),
             use_penalties=use_penalties,
             penalty_admissions=self.running_rows.take_admitted(),
+            adapter_loads=plan.adapter_loads,
             prompt_logprobs=prompt_logprobs,
             pooling=pooling,
             token_logprobs=token_logprobs,
@@ -344,3 +352,5 @@ def fill_token_padding(x: dict[str, np.ndarray], start: int, end: int) -> None:
     x["positions"][start:end] = 0
     x["slot_mapping"][start:end] = -1
     x["carry_index"][start:end] = -1
+    if "lora_slots" in x:
+        x["lora_slots"][start:end] = -1

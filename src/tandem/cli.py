@@ -147,6 +147,14 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
         help="reuse the KV of cached prompt prefixes (default: on)",
     )
     parser.add_argument(
+        "--enable-lora", action="store_true", help="run LoRA adapters that requests name"
+    )
+    parser.add_argument("--max-loras", type=int, default=1, help="LoRA adapters in one step")
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="the highest adapter rank")
+    parser.add_argument(
+        "--max-cpu-loras", type=int, help="adapters kept read in host memory (default: max loras)"
+    )
+    parser.add_argument(
         "--preemption-mode",
         default="auto",
         choices=["recompute", "swap", "auto"],
@@ -381,7 +389,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port}: a port is in 0-65535")
     check_data_parallel_size(args.data_parallel_size)
+    adapters = lora_modules(args.lora_modules, args.enable_lora)
     if args.data_parallel_size > 1:
+        if adapters:
+            raise ValueError("--lora-modules is served by one engine (--data-parallel-size 1)")
         from tandem.ray.serve import serve_data_parallel
 
         serve_data_parallel(
@@ -405,11 +416,35 @@ def cmd_serve(args: argparse.Namespace) -> None:
         access_log=args.access_log,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        lora_modules=adapters,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     options.validate()
     llm = AsyncLLM.from_model(args.model, **engine_kwargs(args))
     if serve(llm, args.served_model_name or args.model, args.host, args.port, options):
         sys.exit(f"tandem: error: the engine failed ({llm.failure!r}); the server stopped")
+
+
+def lora_modules(specs: list[str] | None, enable_lora: bool) -> tuple:
+    """--lora-modules' NAME=PATH (or vLLM's JSON {"name", "path"}) as LoRARequests, ids from 1."""
+    from tandem.lora import LoRARequest
+
+    if specs and not enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    adapters = []
+    for lora_id, spec in enumerate(specs or [], start=1):
+        if spec.lstrip().startswith("{"):
+            fields = json.loads(spec)  # a ValueError where it is no JSON
+            fields = fields if isinstance(fields, dict) else {}
+            name, path = fields.get("name"), fields.get("path")
+        else:
+            name, _, path = spec.partition("=")
+        if not name or not path:
+            raise ValueError(
+                f"--lora-modules takes NAME=PATH or JSON with name and path, got {spec!r}"
+            )
+        adapters.append(LoRARequest(name, lora_id, path))
+    return tuple(adapters)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -427,6 +462,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--served-model-name",
         nargs="+",
         help="the model names clients may send, answers carrying the first (default: MODEL)",
+    )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        help="LoRA adapters served as models: NAME=PATH (a PEFT folder) each; needs --enable-lora",
+    )
+    parser.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
     )
     parser.add_argument(
         "--max-request-bytes",

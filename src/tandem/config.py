@@ -375,6 +375,12 @@ class EngineConfig:
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
+    # LoRA adapters (lora.py): up to max_loras in one step, each of rank <= max_lora_rank;
+    # max_cpu_loras adapters kept read in host memory (None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     quantization: str | None = None  # "fp8": FP8 weights of a bf16 checkpoint, made at load
     kv_cache_dtype: str = "auto"  # "fp8" (e4m3, per-tensor scales): half a bf16 cache's bytes
     # bit-identical tokens and logprobs whatever else is batched (batch_invariant.py)
@@ -441,6 +447,7 @@ class EngineConfig:
             "skip_tokenizer_init", "enable_sleep_mode", "disable_custom_all_reduce",
             "enable_chunked_prefill", "disable_log_stats",
         )  # fmt: skip
+        self.check_lora()
         if self.enforce_eager and self.cuda_graphs:
             raise ValueError(
                 "enforce_eager=True runs no CUDA graphs: it contradicts cuda_graphs=True"
@@ -503,6 +510,22 @@ class EngineConfig:
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}"
+            )
+
+    def check_lora(self) -> None:
+        check_bools(self, "enable_lora")
+        check_int("max_loras", self.max_loras, 1)
+        check_int("max_lora_rank", self.max_lora_rank, 1)
+        if self.max_cpu_loras is not None:
+            check_int("max_cpu_loras", self.max_cpu_loras, self.max_loras, "(max_loras)")
+        if self.enable_lora and self.quantization is not None:
+            raise ValueError(
+                "enable_lora=True runs adapters on unquantized weights: drop quantization"
+            )
+        if self.enable_lora and self.deterministic:
+            raise ValueError(
+                "enable_lora=True with deterministic=True is not supported: the adapters' "
+                "products are not batch-invariant"
             )
 
     def check_vllm_choices(self) -> None:

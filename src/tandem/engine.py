@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import numbers
 import random
 import threading
@@ -23,9 +24,11 @@ from tandem.batch_invariant import invariant_attention, make_batch_invariant
 from tandem.config import EngineConfig, ModelConfig, cdiv
 from tandem.io_slot import MAX_BANNED_IDS
 from tandem.kv_cache import BlockAllocator, allocate_kv_cache, bytes_per_block
+from tandem.lora import AdapterCache, AdapterSlots, LoRARequest, read_adapter
 from tandem.memory import num_kv_blocks
 from tandem.metrics import EngineStats, RequestCounts, StatLogger
 from tandem.model.loader import build_model, read_hf_config
+from tandem.model.lora import LoRALayers
 from tandem.parallel import (
     TensorParallel,
     check_shardable,
@@ -169,6 +172,20 @@ class Engine:
         self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
         if config.deterministic:
             make_batch_invariant(self.model)
+        # LoRA adapters: their device slots (before the KV cache takes what memory is left), and
+        # the adapters read from disk as requests name them
+        self.adapter_cache: AdapterCache | None = None
+        adapter_slots = None
+        if config.enable_lora:
+            self.model.lora = LoRALayers(
+                self.model, config.max_loras, config.max_lora_rank, config.max_num_batched_tokens
+            )
+            read = functools.partial(
+                read_adapter, shapes=self.model.lora.shapes(), max_rank=config.max_lora_rank,
+                full_cfg=cfg, tp=self.tp, dtype=self.dtype, pin=self.device.type == "cuda",
+            )  # fmt: skip
+            self.adapter_cache = AdapterCache(read, config.max_cpu_loras or config.max_loras)
+            adapter_slots = AdapterSlots(config.max_loras, self.adapter_cache)
         local = self.model.cfg  # this rank's heads and MLP slice
         self.attention_backend = config.resolve_attention_backend(cfg, self.device)
         self.attend = get_backend(
@@ -215,6 +232,7 @@ class Engine:
             self.max_model_len,
             config.enable_prefix_caching,
             swap,
+            adapter_slots,
         )
         self.swapper = (
             Swapper(self.kv_caches, num_host_blocks, self.device) if num_host_blocks else None
@@ -344,11 +362,14 @@ class Engine:
         if request.seed is None:  # drawn here, so a request made but never queued draws nothing
             request.seed = self.seed_rng.getrandbits(63)
         self.requests[request.request_id] = request
+        if request.lora_request is not None:  # its adapter stays read until it finishes
+            self.adapter_cache.hold(request.lora_request.lora_int_id)
         self.scheduler.add(request)
         if self.workers is not None:
             params = replace(request.params, seed=request.seed)
             ids, salt = request.prompt_token_ids, request.cache_salt
-            self.commands.append(("add", request.request_id, params, ids, salt, request.pooling))
+            pooling, lora = request.pooling, request.lora_request
+            self.commands.append(("add", request.request_id, params, ids, salt, pooling, lora))
         if self.scheduler.num_to_compute(request) == 0:  # max_tokens=0 with a one-token prompt
             self._finish(request, "length")
             self.finished_unscheduled.append(request)
@@ -362,17 +383,21 @@ class Engine:
         stream_text: bool = False,
         cache_salt: str | None = None,
         pooling: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """A validated Request, not yet queued; `stream_text` grows output_text with every token
         (unless params.detokenize is False); `cache_salt` shares cached blocks only with
         requests of the same salt (vLLM's); with `pooling`, an embedding request (pooling.py:
-        `params` one greedy token, which carries it)."""
+        `params` one greedy token, which carries it); with `lora_request`, run under that LoRA
+        adapter (read here: its errors are raised here)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r:.80}")
         params.validate()
         self._check_num_logprobs(params)
+        if lora_request is not None:
+            self._check_lora(lora_request)
         if pooling is not None:
             self._check_pooling(pooling, params)
         elif self.model_config.num_labels:
@@ -421,6 +446,7 @@ class Engine:
         )
         request.bad_words_token_ids = bad_words
         request.pooling = pooling
+        request.lora_request = lora_request
         if params.structured_outputs is not None:
             grammars = self.grammars()
             request.matcher = grammars.matcher(grammars.compile(params.structured_outputs))
@@ -441,6 +467,19 @@ class Engine:
         if params.detokenize and (params.stop or stream_text):
             request.detokenizer = self._detokenizer(request)
         return request
+
+    def _check_lora(self, lora_request: LoRARequest) -> None:
+        """TypeError/ValueError unless the engine can run the adapter, which it reads now."""
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(
+                f"lora_request must be a tandem.LoRARequest, got {type(lora_request).__name__}"
+            )
+        if self.adapter_cache is None:
+            raise ValueError(
+                f"lora_request names adapter {lora_request.lora_name!r}, but this engine runs no "
+                "LoRA adapters: start it with enable_lora=True"
+            )
+        self.adapter_cache.get(lora_request)
 
     def _check_pooling(self, pooling: PoolingParams, params: SamplingParams) -> None:
         if self.pooling_refusal is not None and pooling.task == "embed":
@@ -1043,6 +1082,8 @@ class Engine:
         if not text_is_final:
             reason = self._final_text(request, reason, stopped_by_token)
         self.scheduler.finish(request, reason)
+        if request.lora_request is not None:
+            self.adapter_cache.drop(request.lora_request.lora_int_id)
         self.counts.finished[reason] += 1
         self.builder.running_rows.release(request)
         self.requests.pop(request.request_id, None)

@@ -22,10 +22,12 @@ MAX_BANNED_IDS = 32  # EOS ids plus stop_token_ids suppressed while a request is
 
 
 def input_fields(
-    max_tokens: int, max_seqs: int, max_blocks: int
+    max_tokens: int, max_seqs: int, max_blocks: int, lora: bool = False
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     t, b = max_tokens, max_seqs
-    return {
+    # with LoRA adapters (model/lora.py): each token's adapter slot, -1 for the base model
+    adapters = {"lora_slots": ((t,), torch.int32)} if lora else {}
+    return adapters | {
         "input_ids": ((t,), torch.int32),  # 0 where the token is carried over
         "positions": ((t,), torch.int32),
         "slot_mapping": ((t,), torch.int32),  # -1 for padding rows
@@ -122,17 +124,13 @@ class IOSlot:
         mask_vocab_size: int | None = None,
         hidden_size: int = 1,
         num_labels: int = 0,
+        lora: bool = False,
     ):
         pin = device.type == "cuda"
         self.index = index
-        self.host_in = PackedBuffers(
-            input_fields(max_tokens, max_seqs, max_blocks), torch.device("cpu"), pin
-        )
-        self.dev_in = (
-            PackedBuffers(input_fields(max_tokens, max_seqs, max_blocks), device, False)
-            if pin
-            else self.host_in
-        )
+        fields = input_fields(max_tokens, max_seqs, max_blocks, lora)
+        self.host_in = PackedBuffers(fields, torch.device("cpu"), pin)
+        self.dev_in = PackedBuffers(fields, device, False) if pin else self.host_in
         self.host_out = PackedBuffers(output_fields(max_seqs), torch.device("cpu"), pin)
         self.dev_out = (
             PackedBuffers(output_fields(max_seqs), device, False) if pin else self.host_out

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from tandem.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from tandem.config import EngineConfig
 from tandem.engine import Engine, check_pause_mode
+from tandem.lora import LoRARequest, per_prompt
 from tandem.metrics import Metric, engine_metrics
 from tandem.outputs import (
     ClassificationOutput,
@@ -218,14 +219,15 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        lora_request: Any = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, {"prompt": text} or {"prompt_token_ids": [...]}, a
-        dict with an optional "cache_salt"); outputs in input order. `lora_request` and
-        `priority` are vLLM's, taken as None (and priorities 0): `check_request_options`."""
-        check_request_options(lora_request, priority)
-        groups = self._requests_for(prompts, sampling_params)
+        dict with an optional "cache_salt"); outputs in input order. `lora_request`: one LoRA
+        adapter for all, or one per prompt (None: the base model; needs enable_lora=True).
+        `priority` is vLLM's, taken as None (and priorities 0): `check_request_options`."""
+        check_request_options(priority=priority)
+        groups = self._requests_for(prompts, sampling_params, lora_request)
         return self._run(groups, use_tqdm)
 
     def enqueue(
@@ -233,14 +235,14 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        lora_request: Any = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: list[int] | None = None,
     ) -> list[str]:
         """Queue prompts without running them, as vLLM's: `wait_for_completion` runs them (a
         `generate` in between runs them too). Their request ids, in input order."""
         del use_tqdm  # queueing shows no progress
-        check_request_options(lora_request, priority)
-        groups = self._requests_for(prompts, sampling_params)
+        check_request_options(priority=priority)
+        groups = self._requests_for(prompts, sampling_params, lora_request)
         with self._hook():
             for _, group in groups:
                 for request in group:
@@ -273,13 +275,14 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-        lora_request: Any = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """vLLM's embeddings (pooling.py): each prompt's last token's final hidden state,
         L2-normalized unless its PoolingParams say not (`dimensions` keeps the first values);
         outputs in input order. The prompts run through the step loop beside any others."""
-        check_request_options(lora_request)
-        requests = self._pool(prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm)
+        requests = self._pool(
+            prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm, lora_request
+        )
         return [EmbeddingRequestOutput(**_pooled(r, EmbeddingOutput)) for r in requests]
 
     def classify(
@@ -289,13 +292,14 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-        lora_request: Any = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[ClassificationRequestOutput]:
         """vLLM's classification with a sequence classifier (reward models among them): each
         prompt's last token's final hidden state through the checkpoint's score head, as
         probabilities (softmax; sigmoid for one label) unless `use_activation=False`."""
-        check_request_options(lora_request)
-        requests = self._pool(prompts, pooling_params, "classify", truncate_prompt_tokens, use_tqdm)
+        requests = self._pool(
+            prompts, pooling_params, "classify", truncate_prompt_tokens, use_tqdm, lora_request
+        )
         return [ClassificationRequestOutput(**_pooled(r, ClassificationOutput)) for r in requests]
 
     def _pool(
@@ -305,10 +309,12 @@ class LLM:
         task: str,
         truncate_prompt_tokens: int | None,
         use_tqdm: bool,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
     ) -> list[Request]:
         """Run the prompts as pooling requests of `task` (pooling.py), in input order."""
         if isinstance(prompts, str | dict) or not isinstance(prompts, Sequence):
             prompts = [prompts]
+        loras = per_prompt(lora_request, len(prompts))
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             pooling_params = [pooling_params or PoolingParams()] * len(prompts)
         if len(pooling_params) != len(prompts):
@@ -318,7 +324,7 @@ class LLM:
             truncate_prompt_tokens=truncate_prompt_tokens,
         )  # fmt: skip
         groups = []
-        for prompt, pooling in zip(prompts, pooling_params, strict=True):
+        for prompt, pooling, lora in zip(prompts, pooling_params, loras, strict=True):
             if not isinstance(pooling, PoolingParams):
                 raise TypeError(
                     f"pooling_params must be PoolingParams, got {type(pooling).__name__}"
@@ -327,7 +333,7 @@ class LLM:
             rid = str(next(self._ids))
             request = self.engine.make_request(
                 rid, carrier, text, ids, cache_salt=prompt_cache_salt(prompt),
-                pooling=replace(pooling, task=task),
+                pooling=replace(pooling, task=task), lora_request=lora,
             )  # fmt: skip
             groups.append((rid, [request]))
         self._run(groups, use_tqdm, outputs=False)
@@ -388,7 +394,7 @@ class LLM:
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        lora_request: Any = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
@@ -399,7 +405,6 @@ class LLM:
         options as vLLM's LLM.chat takes them (`Tokenizer.apply_chat_template`); a content given
         as OpenAI's text parts is their texts joined by newlines, as vLLM renders it;
         `chat_template` (Jinja source) replaces the model's template."""
-        check_request_options(lora_request)
         prompts = self._chat_prompts(
             messages,
             add_generation_prompt,
@@ -408,14 +413,14 @@ class LLM:
             chat_template_kwargs,
             chat_template,
         )
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def enqueue_chat(
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        lora_request: Any = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
@@ -424,7 +429,6 @@ class LLM:
     ) -> list[str]:
         """`chat`'s conversations queued as `enqueue` queues prompts (vLLM's): their request
         ids; `wait_for_completion` runs them."""
-        check_request_options(lora_request)
         prompts = self._chat_prompts(
             messages,
             add_generation_prompt,
@@ -433,7 +437,7 @@ class LLM:
             chat_template_kwargs,
             chat_template,
         )
-        return self.enqueue(prompts, sampling_params, use_tqdm)
+        return self.enqueue(prompts, sampling_params, use_tqdm, lora_request)
 
     def _chat_prompts(
         self,
@@ -498,18 +502,24 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[tuple[str, list[Request]]]:
         if isinstance(prompts, str | dict) or not isinstance(prompts, Sequence):
             prompts = [prompts]
-        return self._make_requests(prompts, self._params_per_prompt(sampling_params, len(prompts)))
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        return self._make_requests(prompts, params, per_prompt(lora_request, len(prompts)))
 
     def _make_requests(
-        self, prompts: Sequence[Prompt], params: list[SamplingParams]
+        self,
+        prompts: Sequence[Prompt],
+        params: list[SamplingParams],
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[tuple[str, list[Request]]]:
         """Validate everything before queueing anything: one bad prompt rejects the whole call."""
         groups = []
         engine = self.engine
-        for prompt, p in zip(prompts, params, strict=True):
+        loras = loras or [None] * len(prompts)
+        for prompt, p, lora in zip(prompts, params, loras, strict=True):
             p.validate()  # n=0 would otherwise make no request to validate
             text, ids = split_prompt(prompt)
             salt = prompt_cache_salt(prompt)
@@ -517,7 +527,11 @@ class LLM:
             group = []
             for k in range(p.n):
                 rid = base if p.n == 1 else f"{base}-{k}"
-                group.append(engine.make_request(rid, seeded(p, k), text, ids, cache_salt=salt))
+                group.append(
+                    engine.make_request(
+                        rid, seeded(p, k), text, ids, cache_salt=salt, lora_request=lora
+                    )
+                )
                 ids = ids if ids is not None else group[0].prompt_token_ids
             groups.append((base, group))
         return groups
@@ -722,6 +736,7 @@ def _request_output(
         ],
         num_cached_tokens=first.num_cached_tokens or 0,
         prompt_logprobs=_prompt_logprobs(first, text),
+        lora_request=first.lora_request,
     )
 
 

@@ -16,6 +16,7 @@ from tandem.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from tandem.async_llm import StreamOutput
+    from tandem.lora import LoRARequest
 
 
 class Logprob(float):
@@ -66,6 +67,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     # with SamplingParams.prompt_logprobs: per prompt position, None for the first
     prompt_logprobs: PromptLogprobs | None = None
+    lora_request: LoRARequest | None = None  # the LoRA adapter it ran under
 
 
 @dataclass
@@ -293,10 +295,16 @@ class OutputCollector:
     end. Request-wide fields (num_cached_tokens, prompt_logprobs) are sample 0's."""
 
     def __init__(
-        self, request_id: str, prompt: str | None, params: SamplingParams, text: TokenText
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        text: TokenText,
+        lora_request: LoRARequest | None = None,
     ):
         self.request_id = request_id
         self.prompt = prompt
+        self.lora_request = lora_request
         self.kind = params.output_kind
         self.num_top, self.num_prompt_top = params.num_top_logprobs, params.prompt_logprobs
         self.text = text if params.detokenize else no_text
@@ -365,6 +373,7 @@ class OutputCollector:
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
             prompt_logprobs=self.prompt_logprobs,
+            lora_request=self.lora_request,
         )
         if self.kind is RequestOutputKind.DELTA:  # sent once
             self.prompt_logprobs = None

@@ -98,6 +98,8 @@ class PiecewiseGraphs:
             ids = carry_over(inputs["input_ids"][:rows], inputs["carry_index"][:rows], prev_sampled)
             positions.copy_(inputs["positions"][:rows])
             slot_mapping.copy_(inputs["slot_mapping"][:rows])
+            if model.lora is not None:  # each token's adapter, for every piece's projections
+                model.lora.select(inputs["lora_slots"][:rows])
             residual.copy_(model.embed(ids))
             x, add_to = residual, None  # layer 0 normalizes the embeddings, which start the stream
         else:

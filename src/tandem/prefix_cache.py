@@ -1,9 +1,10 @@
 """Automatic prefix caching: full KV blocks found again by the hash of the tokens they hold.
 
-A block's key chains its parent's key with its own token ids (and room for extra keys, such as
-an adapter id), so equal keys mean equal leading tokens, hence equal KV. A request's cache salt
-is its first block's extra key: through the chain every key of a salted request differs from
-those of another salt, or of none, so only requests with one salt share blocks. A request
+A block's key chains its parent's key with its own token ids (and extra keys), so equal keys
+mean equal leading tokens, hence equal KV. A request's LoRA adapter and cache salt make its first
+block's extra key: through the chain every key of a salted request differs from those of another
+salt, or of none, so only requests with one salt share blocks, and only requests of one adapter
+(or none) share KV, which each adapter computes differently. A request
 admitted with nothing computed maps its longest run of cached leading blocks instead of
 computing them.
 
@@ -57,6 +58,13 @@ def salt_key(cache_salt: str | None) -> bytes:
     return cache_salt.encode("utf-8", "surrogatepass") if cache_salt else b""
 
 
+def first_extra_key(request: Request) -> bytes:
+    """The extra key of a request's first block: its adapter's (KV differs under each), then
+    its salt's. An adapter's key starts with 0xff, which no UTF-8 salt does."""
+    lora = request.lora_request
+    return (lora.cache_key if lora else b"") + salt_key(request.cache_salt)
+
+
 class PrefixCache:
     def __init__(self, allocator: BlockAllocator, block_size: int, enabled: bool = True):
         self.allocator = allocator
@@ -68,8 +76,9 @@ class PrefixCache:
         # [num_blocks] int64: each cached block's publication number, -1 while not cached
         self.publication = np.full(allocator.num_blocks, -1, dtype=np.int64)
         self.num_publications = 0
-        # the prompt, salt and key memo (Request.block_keys) of the request matched last (match)
-        self.last_matched: tuple[list[int], str | None, list[bytes]] | None = None
+        # the prompt, first extra key and key memo (Request.block_keys) of the request matched
+        # last (match)
+        self.last_matched: tuple[list[int], bytes, list[bytes]] | None = None
         allocator.on_reuse = self._evict
         # tokens looked up and tokens found, over every admission (vLLM's counters)
         self.num_queried_tokens = 0
@@ -88,7 +97,7 @@ class PrefixCache:
         )
         width = size * 8  # a block's int64 token ids
         for index in range(num_blocks - first):
-            parent, extra = (keys[-1], b"") if keys else (ROOT_KEY, salt_key(request.cache_salt))
+            parent, extra = (keys[-1], b"") if keys else (ROOT_KEY, first_extra_key(request))
             keys.append(chained_key(parent, data[index * width : (index + 1) * width], extra))
         return keys
 
@@ -111,11 +120,11 @@ class PrefixCache:
         keys = request.block_keys
         if not keys and self.last_matched is not None:
             # the n samples of a prompt are matched one after another: its blocks hashed once
-            ids, salt, their_keys = self.last_matched
-            if request.prompt_token_ids == ids and request.cache_salt == salt:
+            ids, extra, their_keys = self.last_matched
+            if request.prompt_token_ids == ids and first_extra_key(request) == extra:
                 keys.extend(their_keys[: len(ids) // self.block_size])
         keys = self.keys(request, request.num_tokens // self.block_size)
-        self.last_matched = (request.prompt_token_ids, request.cache_salt, keys)
+        self.last_matched = (request.prompt_token_ids, first_extra_key(request), keys)
         blocks = []
         for key in keys:
             block = self.block_of.get(key)

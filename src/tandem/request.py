@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import numpy as np
     import xgrammar
 
+    from tandem.lora import LoRARequest
     from tandem.pooling import PoolingParams
     from tandem.tokenizer import IncrementalDetokenizer
 
@@ -35,6 +36,8 @@ class Request:
     seed: int | None  # the sampling seed: params.seed, or drawn by the engine when queued
     prompt: str | None = None
     cache_salt: str | None = None  # shares cached blocks only with requests of this salt
+    lora_request: LoRARequest | None = None  # its adapter (lora.py); None: the base model
+    lora_slot: int = -1  # while running, the device slot of its adapter (-1: none)
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
@@ -148,15 +151,10 @@ def prompt_cache_salt(prompt: Prompt) -> Any:
     return prompt.get("cache_salt") if isinstance(prompt, dict) else None
 
 
-def check_request_options(lora_request: Any = None, priority: Any = None) -> None:
-    """vLLM's per-request `lora_request` and `priority`, taken at the values that are tandem's
-    behaviour: no adapter, and priority 0 (first come, first served, as vLLM's default
-    scheduling_policy "fcfs" runs every request); the others are ValueErrors saying why."""
-    if lora_request is not None:
-        raise ValueError(
-            "lora_request is not supported: tandem runs no LoRA adapters; merge the adapter into "
-            "the base weights (LLM.update_weights takes the merged tensors)"
-        )
+def check_request_options(priority: Any = None) -> None:
+    """vLLM's per-request `priority`, taken at the value that is tandem's behaviour: priority 0
+    (first come, first served, as vLLM's default scheduling_policy "fcfs" runs every request);
+    the others are ValueErrors saying why."""
     values = priority if isinstance(priority, list | tuple) else [priority]
     if any(p is not None and (isinstance(p, bool) or p != 0) for p in values):
         raise ValueError(

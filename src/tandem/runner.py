@@ -108,8 +108,11 @@ class Runner:
         self.masks = mask_vocab_size is not None
         # the pooled rows' width, and a classifier's scores' (pooling requests)
         hidden, labels = model.cfg.hidden_size, model.cfg.num_labels
+        lora = model.lora is not None  # the slots carry each token's adapter slot
         self.slots = [
-            IOSlot(i, max_tokens, max_seqs, max_blocks, device, mask_vocab_size, hidden, labels)
+            IOSlot(
+                i, max_tokens, max_seqs, max_blocks, device, mask_vocab_size, hidden, labels, lora
+            )
             for i in range(2)
         ]
         self.cuda = device.type == "cuda"
@@ -275,6 +278,8 @@ class Runner:
             copy_blocks(self.kv_caches, x["copy_src"][:n], x["copy_dst"][:n])
         if batch.penalty_admissions is not None:
             self.penalties.admit(*batch.penalty_admissions)
+        for lora_slot, adapter in batch.adapter_loads:  # after every step launched before
+            self.model.lora.load(lora_slot, adapter)
         shared = batch.num_shared_groups > 0
         if batch.graphed:
             self.graphs[("forward", batch.slot.index, batch.num_seqs_padded, shared)].replay()
@@ -362,6 +367,8 @@ class Runner:
             input_ids = carry_over(
                 x["input_ids"][:num_tokens], x["carry_index"][:num_tokens], prev_sampled
             )
+            if self.model.lora is not None:
+                self.model.lora.select(x["lora_slots"][:num_tokens])
             hidden = self.model(
                 input_ids, x["positions"][:num_tokens], self.kv_caches, meta, self.attend
             )

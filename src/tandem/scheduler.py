@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from tandem.config import cdiv
 from tandem.kv_cache import BlockAllocator, BlockCopy
+from tandem.lora import Adapter, AdapterSlots
 from tandem.prefix_cache import PrefixCache
 from tandem.request import Request, Status
 from tandem.swap import SwapManager
@@ -21,6 +22,8 @@ class StepPlan:
     preempted: list[Request] = field(default_factory=list)
     # copy-on-write of cached blocks, run before the step's forward (prefix_cache.py)
     copies: list[BlockCopy] = field(default_factory=list)
+    # LoRA adapters loaded into device slots before the step's forward (lora.py)
+    adapter_loads: list[tuple[int, Adapter]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +60,8 @@ class Scheduler:
     earlier in the same step count, so the samples of one prompt prefill it once. One whose last
     token's block is cached whole computes that token alone, in a copy of the block; when the
     block was computed in this same step, it waits for the next (admission goes on behind it).
+    A request of a LoRA adapter holds its adapter's device slot while it runs (lora.py); where
+    every slot is held by other adapters it waits likewise, admission going on behind it.
     """
 
     def __init__(
@@ -68,6 +73,7 @@ class Scheduler:
         max_model_len: int,
         enable_prefix_caching: bool = True,
         swap: SwapManager | None = None,
+        adapters: AdapterSlots | None = None,
     ):
         self.allocator = allocator
         self.block_size = block_size
@@ -83,6 +89,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_block_copies = 0  # copy-on-write admissions, over the engine's life
         self.admitting = True  # False: the waiting queue is held (pause_generation's "wait")
+        self.adapters = adapters  # LoRA's device slots, held by running requests
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -114,6 +121,8 @@ class Scheduler:
             budget = self._resume(plan, budget)
             if not self.swapped and self.admitting:
                 self._admit(plan, budget)
+        if self.adapters is not None:
+            plan.adapter_loads = self.adapters.take_loads()
         plan.single_tokens_first()
         return plan
 
@@ -146,7 +155,10 @@ class Scheduler:
             grown = total - len(request.host_blocks)
             if not self.allocator.can_allocate(self.swap.device_blocks_needed(request) + grown):
                 break
+            if not self._adapter_fits(request):
+                break
             self.swapped.popleft()
+            self._take_adapter(request)
             request.block_table = self.swap.swap_in(request) + self.allocator.allocate(grown)
             request.status = Status.RUNNING
             self.running.append(request)
@@ -155,11 +167,16 @@ class Scheduler:
         return budget
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
-        deferred = []  # their copy source is written by this step: admitted from the next one
+        # their copy source is written by this step, or their adapter finds every slot held by
+        # others: admitted from a later step, in their order
+        deferred = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.num_pending_tokens:
                 break  # preempted with a token still in flight; admit once it is read back
+            if not self._adapter_fits(request):
+                deferred.append(self.waiting.popleft())
+                continue
             cached, source = self.cache.match(request)
             if source is not None and not self.cache.copyable(source):
                 deferred.append(self.waiting.popleft())
@@ -189,6 +206,7 @@ class Scheduler:
         if not self.allocator.can_allocate(needed + self.allocator.num_free_among(held)):
             return False
         self.waiting.popleft()
+        self._take_adapter(request)
         self.cache.count(request.num_tokens, num_cached)
         self.allocator.take(held)
         request.block_table = cached + self.allocator.allocate(needed)
@@ -205,6 +223,15 @@ class Scheduler:
         self.running.append(request)
         self._plan(plan, request, num_new)
         return True
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether the request's LoRA adapter (if any) has a device slot or can take one."""
+        lora = request.lora_request
+        return lora is None or self.adapters.can_acquire(lora)
+
+    def _take_adapter(self, request: Request) -> None:
+        if request.lora_request is not None:
+            request.lora_slot = self.adapters.acquire(request.lora_request)
 
     def _reserve_blocks(self, request: Request, num_new: int, plan: StepPlan) -> bool:
         """Grow the request's block table to cover this step, preempting the newest requests if needed."""
@@ -263,7 +290,11 @@ class Scheduler:
         request.finish_reason = reason
 
     def _release_blocks(self, request: Request) -> None:
-        """Publish what the request completed, then free its blocks, last first."""
+        """Publish what the request completed, then free its blocks, last first, and give
+        back its adapter's slot."""
+        if request.lora_slot >= 0:
+            self.adapters.release(request.lora_slot)
+            request.lora_slot = -1
         self.cache.publish(request)
         self.allocator.free(request.block_table[::-1])
         request.block_table = []

@@ -15,6 +15,7 @@ from tandem.attention.torch_ref import soft_cap
 from tandem.config import ModelConfig
 from tandem.model import fused, splitk
 from tandem.model.fused import act_and_mul, add_rms_norm, rope_qk
+from tandem.model.lora import LoRALayers, with_lora
 from tandem.model.rope import RotaryEmbedding
 from tandem.parallel import TensorParallel
 from tandem.quant.checkpoint import Fp8Config
@@ -56,7 +57,8 @@ def to_residual(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch
     so on one device it may be split-K partial sums [splits, rows, out] that the norm adds up
     (`splitk`). x may come quantized for an FP8 layer (`Fp8Rows`, see `MLP.quantize_out`)."""
     values = x.values if isinstance(x, Fp8Rows) else x
-    if tp.size == 1 and linear.bias is None and fused.use_kernels(values):
+    lora = vars(linear).get("lora")  # LoRA adapters: the plain product plus their delta
+    if tp.size == 1 and linear.bias is None and fused.use_kernels(values) and lora is None:
         # a layer's own way: FP8 layers', and deterministic mode's slices in a split count
         # fixed by the weight (batch_invariant.py)
         own = getattr(linear, "residual_partials", None)
@@ -64,10 +66,16 @@ def to_residual(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch
             return own(x)
         if splitk.ENABLED:
             return splitk.residual_product(x, linear.weight, fallback=linear)
+    return row_parallel(linear, x, tp)
+
+
+def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The product of a projection whose input features are split across ranks: partial sums
+    (with their LoRA delta), all-reduced, then the bias; on one device the layer itself."""
     if tp.size == 1:
-        return linear(x)
-    # the input features are split across ranks: partial sums, all-reduced, then the bias
-    y = tp.all_reduce(F.linear(x, linear.weight) if type(linear) is nn.Linear else linear(x, False))
+        return with_lora(linear, x, linear(x))
+    partial = F.linear(x, linear.weight) if type(linear) is nn.Linear else linear(x, False)
+    y = tp.all_reduce(with_lora(linear, x, partial))
     return y if linear.bias is None else y + linear.bias
 
 
@@ -130,7 +138,8 @@ class Attention(nn.Module):
         """Up to the attention: q, k and v, their norms and rotary; k and v go to the cache and
         q is returned [tokens, heads, head_dim] (in `q_out` when given). Without `rotate`, the
         three as projected, for the attention's decode kernel to do the rest (`Unrotated`)."""
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = with_lora(self.qkv_proj, x, self.qkv_proj(x))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -174,7 +183,7 @@ class MLP(nn.Module):
     def activated(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor | Fp8Rows:
         """act(gate) * up: [rows, hidden] -> [rows, inter], quantized where `quantize_out`
         says so."""
-        gate_up = self.gate_up_proj(x)
+        gate_up = with_lora(self.gate_up_proj, x, self.gate_up_proj(x))
         fp8_out = wants_fp8_out(self.quantize_out, gate_up)
         return act_and_mul(gate_up, self.hidden_act, fp8_out)
 
@@ -264,6 +273,8 @@ class Decoder(nn.Module):
             else nn.Linear(cfg.hidden_size, self.embed_tokens.per_rank, bias=False)
         )
         self.linear = F.linear  # the LM head's product (batch_invariant.py swaps it)
+        # LoRA adapters' weights and the step's mask, where the engine runs adapters (lora.py)
+        self.lora: LoRALayers | None = None
         # a sequence classifier's head, read at a prompt's last token (pooling.py); replicated
         self.score = (
             nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False) if cfg.num_labels else None

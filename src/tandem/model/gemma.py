@@ -9,12 +9,10 @@ so the norms here are tandem's own. Alternating sliding-window and full layers a
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.config import ModelConfig
-from tandem.model.decoder import DecoderLayer, RMSNorm
+from tandem.model.decoder import DecoderLayer, RMSNorm, row_parallel
 from tandem.model.rope import RotaryEmbedding
 from tandem.parallel import TensorParallel
 
@@ -28,17 +26,6 @@ GEMMA_NORMS = (
     "k_norm",
     "norm",
 )
-
-
-def project(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """A row-parallel projection whose output goes to a norm of its own (not a residual add,
-    so never split-K partials): partial sums all-reduced, then the bias (an FP8 layer leaves it
-    out when called with False). On one device the layer itself runs: deterministic mode's
-    product, where it is on."""
-    if tp.size == 1:
-        return linear(x)
-    y = tp.all_reduce(F.linear(x, linear.weight) if type(linear) is nn.Linear else linear(x, False))
-    return y if linear.bias is None else y + linear.bias
 
 
 class GemmaDecoderLayer(DecoderLayer):
@@ -61,8 +48,8 @@ class GemmaDecoderLayer(DecoderLayer):
         """(this layer's output, the residual stream before it): the attention's output
         normed, added to the stream, normed again for the MLP, whose output is normed too."""
         h = self.post_attention_layernorm(
-            project(self.self_attn.o_proj, attended.flatten(1), self.tp)
+            row_parallel(self.self_attn.o_proj, attended.flatten(1), self.tp)
         )
         h, residual = self.pre_feedforward_layernorm.add_forward(h, residual)
-        h = project(self.mlp.down_proj, self.mlp.activated(h), self.tp)
+        h = row_parallel(self.mlp.down_proj, self.mlp.activated(h), self.tp)
         return self.post_feedforward_layernorm(h), residual

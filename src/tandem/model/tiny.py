@@ -303,6 +303,51 @@ def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0) -> Path:
     return out
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_tiny_lora(
+    out_dir: str | Path,
+    base: str | Path,
+    rank: int = 8,
+    seed: int = 0,
+    targets: tuple[str, ...] = LORA_TARGETS,
+    alpha: float | None = None,
+) -> Path:
+    """Write a random LoRA adapter of model `base` (a checkpoint folder or a preset) as PEFT
+    saves one (adapter_config.json, adapter_model.safetensors); its delta is about half the
+    size of a weight."""
+    from tandem.model.loader import read_hf_config  # it imports the decoder
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, (shape, _, _) in weight_specs(
+        ModelConfig.from_hf(read_hf_config(str(base))[0])
+    ).items():
+        module = name.removesuffix(".weight")
+        leaf = module.rpartition(".")[2]
+        if ".layers." not in name or ".expert" in name or leaf not in targets:
+            continue  # the decoder layers' projections, not a MoE block's experts
+        rows, cols = shape
+        a = torch.randn(rank, cols, generator=generator) * cols**-0.5
+        b = torch.randn(rows, rank, generator=generator) * 0.5 * rank**-0.5
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": rank if alpha is None else alpha,
+        "target_modules": list(targets),
+        "bias": "none",
+        "base_model_name_or_path": str(base),
+    }
+    write_json(out / "adapter_config.json", config)
+    save_file(tensors, out / "adapter_model.safetensors", {"format": "pt"})
+    return out
+
+
 def random_weights(
     hf_config: dict[str, Any], seed: int, dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tandem import __version__
 from tandem.async_llm import AsyncLLM, EngineDeadError
 from tandem.server import tokens
+from tandem.server.adapters import adapter_router
 from tandem.server.admin import admin_router
 from tandem.server.embeddings import (
     ClassificationRequest,
@@ -53,15 +54,20 @@ def build_app(
     names = [model_name] if isinstance(model_name, str) else list(model_name)
     if not names or not all(isinstance(name, str) and name for name in names):
         raise ValueError(f"served model names must be non-empty strings, got {model_name!r}")
+    clashing = [lora.lora_name for lora in options.lora_modules if lora.lora_name in names]
+    if clashing:
+        raise ValueError(f"LoRA module names {clashing} are served model names already")
     app = FastAPI(title="tandem")
     metrics = ServerMetrics(llm)
-    serving = OpenAIServing(llm, names, metrics, options)
+    serving = OpenAIServing(llm, names, metrics, options, options.lora_modules)
     app.state.llm, app.state.serving = llm, serving
     if options.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_request_bytes)
     add_error_handlers(app)
     app.include_router(admin_router(llm))  # RL: pause, sleep, weights (behind the API key)
+    if options.allow_runtime_lora_updating:
+        app.include_router(adapter_router(serving))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HttpRequest) -> Response:
@@ -106,6 +112,10 @@ def build_app(
                 "permission": [model_permission(created)],
             }
             for name in names
+        ]
+        cards += [  # as vLLM lists a LoRA adapter: its folder as root, the model as parent
+            {**cards[0], "id": lora.lora_name, "root": lora.lora_path, "parent": names[0]}
+            for lora in serving.adapters.values()
         ]
         return {"object": "list", "data": cards}
 

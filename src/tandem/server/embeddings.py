@@ -68,8 +68,9 @@ async def pooled(
 
     async def one(i: int, prompt):
         outputs = serving.llm.encode(
-            prompt, pooling, f"{call_id}-{i}", truncate_prompt_tokens=body.truncate_prompt_tokens
-        )
+            prompt, pooling, f"{call_id}-{i}", serving.adapter(body.model),
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
+        )  # fmt: skip
         async for output in outputs:
             return output
         raise OpenAIError("the request was aborted before its output", 503, "server_error")
@@ -84,13 +85,15 @@ async def pooled(
             task.cancel()
 
 
-def answer(serving: OpenAIServing, call_id: str, data: list[dict], outputs: list) -> dict:
+def answer(
+    serving: OpenAIServing, body: PoolingRequest, call_id: str, data: list[dict], outputs: list
+) -> dict:
     num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
     return {
         "id": call_id,
         "object": "list",
         "created": int(time.time()),
-        "model": serving.model_name,
+        "model": serving.answered_name(body.model),
         "data": data,
         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
     }
@@ -106,7 +109,7 @@ async def embeddings(serving: OpenAIServing, body: EmbeddingRequest) -> dict[str
         if body.encoding_format == "base64":
             vector = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
         data.append({"index": index, "object": "embedding", "embedding": vector})
-    return answer(serving, call_id, data, outputs)
+    return answer(serving, body, call_id, data, outputs)
 
 
 async def classify(serving: OpenAIServing, body: ClassificationRequest) -> dict[str, Any]:
@@ -123,4 +126,4 @@ async def classify(serving: OpenAIServing, body: ClassificationRequest) -> dict[
         }
         for index, output in enumerate(outputs)
     ]
-    return answer(serving, call_id, data, outputs)
+    return answer(serving, body, call_id, data, outputs)

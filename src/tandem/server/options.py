@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tandem.lora import LoRARequest
 from tandem.server.tool_calls import PARSERS
 
 
@@ -22,6 +23,11 @@ class ServerOptions:
     # tool_choice "auto": the parser of the model's tool-call format (tool_calls.PARSERS)
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False  # vLLM's flag; a parser alone enables it here too
+    # LoRA adapters that requests name as their model (vLLM's --lora-modules)
+    lora_modules: tuple[LoRARequest, ...] = ()
+    # vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (its
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING): off, they are 404s
+    allow_runtime_lora_updating: bool = False
 
     def validate(self) -> None:
         for name in ("max_request_bytes", "max_sequences_per_request", "max_stop_strings"):
@@ -32,6 +38,9 @@ class ServerOptions:
                 f"max_stop_string_length must be at least 1, got {self.max_stop_string_length}"
             )
         self.validate_tool_options()
+        names = [lora.lora_name for lora in self.lora_modules]
+        if len(set(names)) < len(names):
+            raise ValueError(f"lora_modules must have distinct names, got {names}")
         for name in ("health_stall_timeout_s", "drain_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -8,7 +8,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -17,6 +17,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.async_llm import AsyncLLM, EngineDeadError, RequestStream, StreamOutput
+from tandem.lora import LoRARequest
 from tandem.outputs import prompt_logprobs as logprob_objects
 from tandem.outputs import token_text
 from tandem.reasoning import PARSERS as REASONING_PARSERS
@@ -122,18 +123,36 @@ class Generation:
 
 class OpenAIServing:
     def __init__(
-        self, llm: AsyncLLM, model_names: list[str], metrics: ServerMetrics, options: ServerOptions
+        self,
+        llm: AsyncLLM,
+        model_names: list[str],
+        metrics: ServerMetrics,
+        options: ServerOptions,
+        lora_modules: Sequence[LoRARequest] = (),
     ):
         self.llm = llm
         self.model_names = model_names  # any of them names the model in a request
         self.model_name = model_names[0]  # the one answers carry
+        # LoRA adapters served under their names (vLLM's --lora-modules, and those loaded at
+        # run time: server/adapters.py, which numbers them on from next_lora_id)
+        self.adapters = {lora.lora_name: lora for lora in lora_modules}
+        self.next_lora_id = 1 + max((lora.lora_int_id for lora in lora_modules), default=0)
         self.metrics = metrics
         self.options = options
         self.open: set[Generation] = set()  # the calls being answered, for `end_all`
 
+    def adapter(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's model names, None for the base model."""
+        return self.adapters.get(model) if model else None
+
+    def answered_name(self, model: str | None) -> str:
+        """The model name an answer carries: the adapter's, or the first served name."""
+        return model if self.adapter(model) else self.model_name
+
     def check_model(self, model: str | None) -> None:
-        if model and model not in self.model_names:  # as vLLM's, null or "" asks for the first
-            served = " or ".join(map(repr, self.model_names))
+        # as vLLM's, null or "" asks for the first
+        if model and model not in self.model_names and model not in self.adapters:
+            served = " or ".join(map(repr, [*self.model_names, *self.adapters]))
             raise OpenAIError(
                 f"model {model!r} is not served here; use {served}",
                 404,
@@ -283,6 +302,8 @@ class OpenAIServing:
     ) -> Response:
         """`use_beam_search`: the n best beams of each prompt, answered whole."""
         beam_search.check(body)
+        if self.adapter(body.model) is not None:
+            raise OpenAIError("use_beam_search runs on the base model, not a LoRA adapter", 400)
         params = beam_search.params_of(body, max_tokens, self.llm.sampling_defaults)
         num_sequences = len(starts) * params.beam_width
         if num_sequences > self.options.max_sequences_per_request:
@@ -353,7 +374,7 @@ class OpenAIServing:
             for k in range(params.n)
         ]
         try:
-            streams = await self.llm.add_requests(requests)
+            streams = await self.llm.add_requests(requests, lora_request=self.adapter(body.model))
         except ValueError as error:
             raise invalid_request(error, body) from error
         choices = [Choice(s, LatencyTracker(self.metrics, arrival)) for s in streams]
@@ -377,7 +398,7 @@ class OpenAIServing:
         body: SamplingRequest,
         http: HttpRequest,
     ) -> Response:
-        fmt = format_type(self.model_name, self.llm.tokenizer, generation)
+        fmt = format_type(self.answered_name(body.model), self.llm.tokenizer, generation)
         self.open.add(generation)
         if body.stream:
             options = body.stream_options

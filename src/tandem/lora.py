@@ -1,0 +1,348 @@
+"""LoRA adapters: PEFT folders read into host memory, and the device slots they run in.
+
+A request names its adapter with a `LoRARequest` (vLLM's). The engine reads the folder when the
+request is made (`AdapterCache`): errors are the caller's, raised before anything is queued.
+On the device `max_loras` slots hold adapters (model/lora.py); the scheduler gives a request
+its adapter's slot when it admits it (`AdapterSlots`), loading the adapter into a slot that no
+running request holds where it is in none. The load runs on the compute stream before the
+step's forward: every step launched before it, which may still read the slot's old adapter,
+has read it first.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tandem.config import ModelConfig
+from tandem.parallel import TensorParallel, shard_tensor
+
+# a PEFT tensor of a decoder layer's projection: layer, module, A or B
+PEFT_KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# a checkpoint matrix -> (our projection, its lane); fused checkpoint matrices split into lanes
+LANES = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+PROJECTIONS = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}  # -> lanes
+ROW_PARALLEL = ("o_proj", "down_proj")  # their input features are split across ranks
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's: an adapter's name, its id (>= 1; one id, one adapter) and its PEFT folder."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"lora_name must be a non-empty string, got {self.lora_name!r}")
+        lora_id = self.lora_int_id
+        if not isinstance(lora_id, int) or isinstance(lora_id, bool) or lora_id < 1:
+            raise ValueError(f"lora_int_id must be an integer >= 1, got {lora_id!r}")
+        if not isinstance(self.lora_path, str) or not self.lora_path:
+            raise ValueError(
+                f"lora_path must name the adapter's PEFT folder, got {self.lora_path!r}"
+            )
+
+    @property
+    def cache_key(self) -> bytes:
+        """The prefix cache's extra key of a first block: KV under one adapter is its own (0xff
+        first, a byte no UTF-8 cache salt holds, and the id's end marked by a 0)."""
+        return b"\xfflora:" + str(self.lora_int_id).encode() + b"\0"
+
+
+def per_prompt(lora_request, count: int) -> list[LoRARequest | None]:
+    """A call's `lora_request` (one for all, or one per prompt) as one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    if not isinstance(lora_request, list | tuple):
+        raise TypeError(
+            "lora_request must be a LoRARequest, a list of them (one per prompt) or None, "
+            f"got {type(lora_request).__name__}"
+        )
+    if len(lora_request) != count:
+        raise ValueError(f"got {len(lora_request)} lora_requests for {count} prompts")
+    return list(lora_request)
+
+
+# (layer, projection) -> (A [lanes, rank, in] and B [out, lanes, rank], B scaled), this rank's
+HostWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class Adapter:
+    request: LoRARequest
+    weights: HostWeights
+
+
+@dataclass(frozen=True)
+class ProjectionShape:
+    """A projection of this rank: its input width and the output rows of each lane."""
+
+    in_features: int
+    lane_rows: tuple[int, ...]
+
+
+def read_adapter(
+    request: LoRARequest,
+    shapes: dict[int, dict[str, ProjectionShape]],
+    max_rank: int,
+    full_cfg: ModelConfig,
+    tp: TensorParallel,
+    dtype: torch.dtype,
+    pin: bool,
+) -> Adapter:
+    """The adapter of `request.lora_path` as this rank's host blocks for every projection in
+    `shapes` (layer -> projection -> shape; a MoE layer has no MLP projections). ValueError for
+    what the engine cannot run, saying what it is."""
+    folder = Path(request.lora_path).expanduser()
+    config_path = folder / "adapter_config.json"
+    if not config_path.is_file():
+        raise ValueError(f"LoRA adapter {request.lora_name!r}: {folder} has no adapter_config.json")
+    config = json.loads(config_path.read_text())
+    rank, scale = check_adapter_config(request, config, max_rank)
+    pairs = read_pairs(request, folder)
+    weights: HostWeights = {}
+    for layer, modules in shapes.items():
+        for projection, shape in modules.items():
+            lanes = len(shape.lane_rows)
+            a = torch.zeros(lanes, max_rank, shape.in_features, dtype=dtype)
+            b = torch.zeros(sum(shape.lane_rows), lanes, max_rank, dtype=dtype)
+            weights[(layer, projection)] = (a, b)
+    for (layer, module), (lora_a, lora_b) in pairs.items():
+        if layer not in shapes:
+            raise ValueError(
+                f"LoRA adapter {request.lora_name!r} has weights for layer {layer}; the model "
+                f"has {len(shapes)} layers"
+            )
+        for leaf, part_b in split_fused(module, lora_b, full_cfg):
+            projection, lane = LANES[leaf]
+            if projection not in shapes[layer]:
+                raise ValueError(
+                    f"LoRA adapter {request.lora_name!r} targets {leaf} of layer {layer}, which "
+                    "is a mixture-of-experts block: LoRA on experts is not supported"
+                )
+            block = "self_attn" if projection in ("qkv_proj", "o_proj") else "mlp"
+            name = f"model.layers.{layer}.{block}.{leaf}.weight"  # as the base weight shards
+            this_a, this_b = lora_a, part_b
+            if projection in ROW_PARALLEL:
+                this_a = shard_tensor(name, lora_a, full_cfg, tp)
+            else:
+                this_b = shard_tensor(name, part_b, full_cfg, tp)
+            a, b = weights[(layer, projection)]
+            shape = shapes[layer][projection]
+            first = sum(shape.lane_rows[:lane])
+            rows = shape.lane_rows[lane]
+            fits = (this_a.shape[0], this_b.shape[1]) == (rank, rank)
+            if not fits or this_a.shape[1] != a.shape[2] or this_b.shape[0] != rows:
+                raise ValueError(
+                    f"LoRA adapter {request.lora_name!r}: {leaf} of layer {layer} has A "
+                    f"{tuple(lora_a.shape)} and B {tuple(part_b.shape)}, which do not fit rank "
+                    f"{rank} and the base model's projection (an adapter of another model?)"
+                )
+            a[lane, :rank] = this_a.to(dtype)
+            b[first : first + rows, lane, :rank] = (this_b.float() * scale).to(dtype)
+    if pin:
+        weights = {key: (a.pin_memory(), b.pin_memory()) for key, (a, b) in weights.items()}
+    return Adapter(request, weights)
+
+
+def check_adapter_config(request: LoRARequest, config: dict, max_rank: int) -> tuple[int, float]:
+    """(rank, scale) of a PEFT LoRA config; ValueError for what the engine does not run."""
+    name = request.lora_name
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"LoRA adapter {name!r} is a {config['peft_type']} adapter, not LORA")
+    rank = config.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(
+            f"LoRA adapter {name!r}: adapter_config.json's r must be >= 1, got {rank!r}"
+        )
+    if rank > max_rank:
+        raise ValueError(
+            f"LoRA adapter {name!r} has rank {rank}, over max_lora_rank={max_rank}; start the "
+            f"engine with max_lora_rank >= {rank}"
+        )
+    unsupported = {
+        "use_dora": "DoRA",
+        "rank_pattern": "per-module ranks (rank_pattern)",
+        "alpha_pattern": "per-module alphas (alpha_pattern)",
+        "modules_to_save": "modules_to_save (fully trained modules)",
+        "fan_in_fan_out": "fan_in_fan_out weights",
+    }
+    for key, what in unsupported.items():
+        if config.get(key):
+            raise ValueError(f"LoRA adapter {name!r} uses {what}, which is not supported")
+    if config.get("bias", "none") != "none":
+        raise ValueError(f"LoRA adapter {name!r} trains biases ({config['bias']!r}): not supported")
+    alpha = config.get("lora_alpha", rank)
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return rank, scale
+
+
+def read_pairs(request: LoRARequest, folder: Path) -> dict[tuple[int, str], tuple]:
+    """(layer, module) -> (A [r, in], B [out, r]) of the folder's adapter_model.safetensors."""
+    path = folder / "adapter_model.safetensors"
+    if not path.is_file():
+        raise ValueError(
+            f"LoRA adapter {request.lora_name!r}: {folder} has no adapter_model.safetensors"
+        )
+    found: dict[tuple[int, str, str], torch.Tensor] = {}
+    with safe_open(str(path), framework="pt") as f:
+        for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            match = PEFT_KEY.search(key)
+            if match is None or (match[3] not in LANES and match[3] not in FUSED):
+                raise ValueError(
+                    f"LoRA adapter {request.lora_name!r} has {key!r}: only LoRA on the decoder "
+                    "layers' q/k/v/o and gate/up/down projections is supported"
+                )
+            found[(int(match[1]), match[3], match[4])] = f.get_tensor(key)
+    pairs = {}
+    for (layer, module, kind), tensor in found.items():
+        if kind == "A":
+            lora_b = found.get((layer, module, "B"))
+            if lora_b is None or lora_b.shape[1] != tensor.shape[0]:
+                raise ValueError(
+                    f"LoRA adapter {request.lora_name!r}: {module} of layer {layer} lacks a "
+                    "lora_B matching its lora_A"
+                )
+            pairs[(layer, module)] = (tensor, lora_b)
+    if len(pairs) * 2 != len(found):
+        raise ValueError(f"LoRA adapter {request.lora_name!r}: a lora_B has no lora_A")
+    return pairs
+
+
+def split_fused(
+    module: str, lora_b: torch.Tensor, cfg: ModelConfig
+) -> list[tuple[str, torch.Tensor]]:
+    """A fused checkpoint matrix's B (Phi-3's qkv_proj, gate_up_proj) cut into its matrices'."""
+    if module not in FUSED:
+        return [(module, lora_b)]
+    if module == "qkv_proj":
+        sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+    else:
+        sizes = [cfg.intermediate_size] * 2
+    if lora_b.shape[0] != sum(sizes):
+        raise ValueError(
+            f"a LoRA adapter's {module} B has {lora_b.shape[0]} rows; the base model's {module} "
+            f"has {sum(sizes)} (an adapter of another model?)"
+        )
+    return list(zip(FUSED[module], lora_b.split(sizes), strict=True))
+
+
+class AdapterCache:
+    """Adapters read from disk, by id: those of unfinished requests always, and up to
+    `max_cpu_loras` others, least recently used dropped first. Thread-safe: AsyncLLM reads an
+    adapter off the engine thread first, so that its steps never wait on a disk."""
+
+    def __init__(self, read: Callable[[LoRARequest], Adapter], max_cpu_loras: int):
+        self.read = read
+        self.max_cpu_loras = max_cpu_loras
+        self.adapters: OrderedDict[int, Adapter] = OrderedDict()
+        self.users: dict[int, int] = {}  # id -> unfinished requests naming it
+        self.lock = threading.Lock()  # held for bookkeeping only, never while reading
+
+    def get(self, request: LoRARequest) -> Adapter:
+        """The adapter, read if it is not held; ValueError where one id names two adapters."""
+        with self.lock:
+            held = self._held(request)
+        if held is not None:
+            return held
+        adapter = self.read(request)
+        with self.lock:
+            held = self._held(request)  # read by another thread meanwhile
+            if held is not None:
+                return held
+            self.adapters[request.lora_int_id] = adapter
+            self._trim()
+        return adapter
+
+    def _held(self, request: LoRARequest) -> Adapter | None:
+        held = self.adapters.get(request.lora_int_id)
+        if held is None:
+            return None
+        if (held.request.lora_name, held.request.lora_path) != (
+            request.lora_name,
+            request.lora_path,
+        ):
+            raise ValueError(
+                f"lora_int_id {request.lora_int_id} names adapter {held.request.lora_name!r} "
+                f"({held.request.lora_path}); {request.lora_name!r} ({request.lora_path}) "
+                "needs an id of its own"
+            )
+        self.adapters.move_to_end(request.lora_int_id)
+        return held
+
+    def hold(self, lora_id: int) -> None:
+        with self.lock:
+            self.users[lora_id] = self.users.get(lora_id, 0) + 1
+
+    def drop(self, lora_id: int) -> None:
+        with self.lock:
+            self.users[lora_id] -= 1
+            if not self.users[lora_id]:
+                del self.users[lora_id]
+            self._trim()
+
+    def _trim(self) -> None:
+        idle = [i for i in self.adapters if i not in self.users]  # least recently used first
+        for lora_id in idle[: max(0, len(self.adapters) - self.max_cpu_loras)]:
+            del self.adapters[lora_id]
+
+
+class AdapterSlots:
+    """Which adapter each device slot holds and how many running requests hold it. A slot that
+    none holds may take another adapter (its loads go with the next step: `take_loads`)."""
+
+    def __init__(self, num_slots: int, cache: AdapterCache):
+        self.cache = cache
+        self.adapter_of: list[int | None] = [None] * num_slots  # slot -> adapter id
+        self.holders = [0] * num_slots
+        self.last_use = [0] * num_slots  # for choosing the least recently used free slot
+        self.clock = 0
+        self.loads: list[tuple[int, Adapter]] = []  # (slot, adapter), for the next step
+
+    def can_acquire(self, lora: LoRARequest) -> bool:
+        """Whether the adapter is in a slot, or a slot is held by no running request."""
+        return lora.lora_int_id in self.adapter_of or 0 in self.holders
+
+    def acquire(self, lora: LoRARequest) -> int:
+        """The slot a request of adapter `lora` runs in, held for it (`can_acquire` first)."""
+        self.clock += 1
+        lora_id = lora.lora_int_id
+        if lora_id in self.adapter_of:
+            slot = self.adapter_of.index(lora_id)
+        else:
+            free = [s for s, holders in enumerate(self.holders) if holders == 0]
+            # an empty slot first, else the least recently used
+            slot = min(free, key=lambda s: (self.adapter_of[s] is not None, self.last_use[s]))
+            self.adapter_of[slot] = lora_id
+            self.loads.append((slot, self.cache.get(lora)))
+        self.holders[slot] += 1
+        self.last_use[slot] = self.clock
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.holders[slot] -= 1
+
+    def take_loads(self) -> list[tuple[int, Adapter]]:
+        loads, self.loads = self.loads, []
+        return loads

@@ -1,0 +1,343 @@
+"""LoRA adapters (lora.py, model/lora.py): a request under an adapter gives the tokens of the
+base weights with the adapter merged in (W + alpha / r * B @ A, written out and run by
+transformers); adapters and the base model mix in one step, slots are reused, the prefix cache
+keeps each adapter's KV apart; bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tandem import LLM, LoRARequest, SamplingParams
+from tandem.async_llm import AsyncLLM
+from tandem.cli import build_parser, lora_modules
+from tandem.engine import Engine
+from tandem.model.lora import LoRALayers
+from tandem.model.tiny import make_tiny_lora
+from tandem.prefix_cache import first_extra_key
+from tandem.request import Request
+from tandem.server.app import build_app
+from tandem.server.options import ServerOptions
+from tandem.tokenizer import Tokenizer
+from test_bad_input import transformers_greedy as greedy_of
+from test_server import running
+
+PROMPTS = ["Hello there", "The quick brown fox jumps over", "café au lait " * 4, "Paged KV"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+FUSED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # Phi-3's checkpoint matrices
+
+
+def merged_folder(base: Path, adapter: Path, out: Path) -> Path:
+    """The base checkpoint with the adapter merged into its weights: W + alpha / r * B @ A."""
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / config["r"]
+    weights = load_file(base / "model.safetensors")
+    lora = load_file(adapter / "adapter_model.safetensors")
+    for name in weights:
+        module = f"base_model.model.{name.removesuffix('.weight')}"
+        if f"{module}.lora_A.weight" in lora:
+            delta = lora[f"{module}.lora_B.weight"] @ lora[f"{module}.lora_A.weight"]
+            weights[name] = weights[name] + scale * delta
+    shutil.copytree(base, out)
+    save_file(weights, out / "model.safetensors", {"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_models(make_tiny, tmp_path_factory):
+    """arch -> (base folder, {adapter id: (adapter folder, merged folder)})."""
+    made = {}
+
+    def make(arch: str):
+        if arch not in made:
+            base = make_tiny(arch)
+            targets = FUSED if arch == "phi3" else None
+            adapters = {}
+            for lora_id, rank in ((1, 8), (2, 4)):
+                root = tmp_path_factory.mktemp(f"lora-{arch}-{lora_id}")
+                options = {"targets": targets} if targets else {}
+                adapter = make_tiny_lora(root / "adapter", base, rank, seed=lora_id, **options)
+                adapters[lora_id] = (adapter, merged_folder(base, adapter, root / "merged"))
+            made[arch] = (base, adapters)
+        return made[arch]
+
+    return make
+
+
+def request_of(adapters, lora_id: int) -> LoRARequest:
+    return LoRARequest(f"adapter-{lora_id}", lora_id, str(adapters[lora_id][0]))
+
+
+def transformers_greedy(folder: str | Path, prompt: str) -> list[int]:
+    """transformers' greedy tokens of the checkpoint `folder` for `prompt`."""
+    ids = Tokenizer.from_dir(Path(folder)).encode(prompt)
+    return greedy_of(Path(folder), tuple(ids), GREEDY.max_tokens)
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "phi3", "qwen3_moe"])
+def test_adapter_tokens_equal_transformers_with_the_adapter_merged(lora_models, arch):
+    base, adapters = lora_models(arch)
+    llm = LLM(str(base), max_model_len=64, enable_lora=True, max_loras=2)
+    for lora_id in (1, 2):
+        got = tokens(llm.generate(PROMPTS, GREEDY, False, request_of(adapters, lora_id)))
+        merged = str(adapters[lora_id][1])
+        assert got == [transformers_greedy(merged, p) for p in PROMPTS]
+    plain = tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert plain == [transformers_greedy(str(base), p) for p in PROMPTS]
+    assert plain != got  # the adapters change the tokens
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [{}, {"async_batching": False}, {"max_num_batched_tokens": 7}, {"pieces": True}],
+    ids=["async", "sync", "chunked", "pieces"],
+)
+def test_adapters_and_the_base_model_mix_in_one_step(lora_models, monkeypatch, engine_args):
+    base, adapters = lora_models("llama")
+    if engine_args.pop("pieces", False):  # steps cut at their attentions (piecewise.py)
+        monkeypatch.setattr(Engine, "_use_piecewise", lambda self: True)
+    llm = LLM(str(base), max_model_len=64, enable_lora=True, max_loras=2, **engine_args)
+    loras = [request_of(adapters, 1), None, request_of(adapters, 2), request_of(adapters, 1)]
+    outputs = llm.generate(PROMPTS, GREEDY, False, loras)
+    assert [o.lora_request for o in outputs] == loras
+    got = tokens(outputs)
+    folders = [adapters[1][1], base, adapters[2][1], adapters[1][1]]
+    assert got == [transformers_greedy(str(f), p) for f, p in zip(folders, PROMPTS, strict=True)]
+
+
+def test_one_slot_serves_two_adapters_in_turn(lora_models):
+    """max_loras=1: an adapter's requests wait while the other's run (base requests do not),
+    then take the slot over; every output is its own adapter's."""
+    base, adapters = lora_models("llama")
+    llm = LLM(str(base), max_model_len=64, enable_lora=True, max_loras=1)
+    loads = []
+    load = llm.engine.model.lora.load
+    llm.engine.model.lora.load = lambda slot, adapter: (loads.append(adapter), load(slot, adapter))
+    prompts = PROMPTS * 2
+    loras = [request_of(adapters, 1 + i % 2) if i % 4 != 1 else None for i in range(8)]
+    got = tokens(llm.generate(prompts, GREEDY, False, loras))
+    folders = [base if lora is None else adapters[lora.lora_int_id][1] for lora in loras]
+    assert got == [transformers_greedy(str(f), p) for f, p in zip(folders, prompts, strict=True)]
+    assert len(loads) >= 2 and {a.request.lora_int_id for a in loads} == {1, 2}
+    assert llm.engine.scheduler.adapters.holders == [0]
+
+
+def test_the_prefix_cache_keeps_each_adapter_s_kv_apart(lora_models):
+    base, adapters = lora_models("llama")
+    llm = LLM(str(base), max_model_len=96, enable_lora=True, max_loras=2, block_size=4)
+    prompt = "a shared prompt of some length, " * 2
+    first = llm.generate(prompt, GREEDY, False, request_of(adapters, 1))[0]
+    again = llm.generate(prompt, GREEDY, False, request_of(adapters, 1))[0]
+    other = llm.generate(prompt, GREEDY, False, request_of(adapters, 2))[0]
+    plain = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0
+    assert other.num_cached_tokens == 0 and plain.num_cached_tokens == 0
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids
+    assert other.outputs[0].token_ids == transformers_greedy(str(adapters[2][1]), prompt)
+    assert plain.outputs[0].token_ids == transformers_greedy(str(base), prompt)
+
+
+def test_first_block_keys_differ_by_adapter_and_never_meet_a_salt():
+    def key(lora_id=None, salt=None):
+        lora = LoRARequest("x", lora_id, "/adapter") if lora_id else None
+        return first_extra_key(Request("r", [1], GREEDY, 0, cache_salt=salt, lora_request=lora))
+
+    keys = [key(), key(1), key(2), key(1, "s"), key(salt="s"), key(12)]
+    assert len(set(keys)) == len(keys)
+    assert key(salt="\udcfflora:1") != key(1)  # no salt's UTF-8 starts with the adapter's 0xff
+
+
+def test_the_delta_of_each_token_is_its_own_slot_s_adapter():
+    """model/lora.py's two masked products against the direct formula, token by token."""
+
+    class Stub(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(4, 6)
+            attn = torch.nn.Module()
+            attn.qkv_proj, attn.o_proj = torch.nn.Linear(6, 10), torch.nn.Linear(6, 6)
+            layer = torch.nn.Module()
+            layer.self_attn, layer.mlp = attn, torch.nn.Module()
+            self.layers = [layer]
+            self.cfg = type("Cfg", (), {"q_size": 6, "kv_size": 2, "intermediate_size": 0})
+
+    torch.manual_seed(0)
+    model = Stub()
+    lora = LoRALayers(model, slots=3, rank=2, max_tokens=8)
+    a = {s: torch.randn(3, 2, 6) for s in range(3)}  # [lanes, rank, in]
+    b = {s: torch.randn(10, 3, 2) for s in range(3)}  # [out, lanes, rank]
+    for slot in range(3):  # lane i's B is non-zero in its own rows only (q 0-5, k 6-7, v 8-9)
+        for lane, rows in enumerate((range(0, 6), range(6, 8), range(8, 10))):
+            keep = torch.zeros(10, dtype=torch.bool)
+            keep[list(rows)] = True
+            b[slot][~keep, lane] = 0
+        lora.projections[(0, "qkv_proj")].load(slot, a[slot], b[slot])
+    token_slots = torch.tensor([2, -1, 0, 1, 2], dtype=torch.int32)
+    lora.select(token_slots)
+    x, y = torch.randn(5, 6), torch.randn(5, 10)
+    got = lora.projections[(0, "qkv_proj")].add(x, y)
+    for t, slot in enumerate(token_slots.tolist()):
+        want = y[t].clone()
+        if slot >= 0:
+            for lane in range(3):
+                want += b[slot][:, lane] @ (a[slot][lane] @ x[t])
+        torch.testing.assert_close(got[t], want)
+
+
+def test_an_embedding_under_an_adapter_is_the_merged_model_s(lora_models):
+    base, adapters = lora_models("llama")
+    llm = LLM(str(base), max_model_len=64, enable_lora=True)
+    ours = llm.embed(PROMPTS[:2], use_tqdm=False, lora_request=request_of(adapters, 1))
+    theirs = LLM(str(adapters[1][1]), max_model_len=64).embed(PROMPTS[:2], use_tqdm=False)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(a.outputs.embedding), torch.tensor(b.outputs.embedding)
+        )
+
+
+def test_async_llm_streams_under_an_adapter(lora_models):
+    base, adapters = lora_models("llama")
+
+    async def main():
+        llm = AsyncLLM.from_model(str(base), max_model_len=64, enable_lora=True)
+        try:
+            final = None
+            stream = llm.generate(PROMPTS[1], GREEDY, "r1", lora_request=request_of(adapters, 2))
+            async for output in stream:
+                final = output
+            assert final.lora_request == request_of(adapters, 2)
+            return final.outputs[0].token_ids
+        finally:
+            llm.shutdown()
+
+    assert asyncio.run(main()) == transformers_greedy(str(adapters[2][1]), PROMPTS[1])
+
+
+def test_two_ranks_give_one_rank_s_tokens_under_adapters(lora_models):
+    base, adapters = lora_models("qwen3")
+    loras = [request_of(adapters, 1), None, request_of(adapters, 2), request_of(adapters, 1)]
+    results = []
+    for size in (1, 2):
+        llm = LLM(str(base), max_model_len=64, enable_lora=True, max_loras=2,
+                  tensor_parallel_size=size)  # fmt: skip
+        try:
+            results.append(tokens(llm.generate(PROMPTS, GREEDY, False, loras)))
+        finally:
+            llm.engine.shutdown()
+    assert results[0] == results[1]
+
+
+def test_bad_adapters_are_refused_and_harm_no_other_request(lora_models, tmp_path):
+    base, adapters = lora_models("llama")
+    llm = LLM(str(base), max_model_len=64, enable_lora=True, max_lora_rank=8)
+    queued = llm.enqueue(PROMPTS[:2], GREEDY, lora_request=request_of(adapters, 1))
+    with pytest.raises(ValueError, match=r"no adapter_config\.json"):
+        llm.generate("x", GREEDY, False, LoRARequest("missing", 3, str(tmp_path / "none")))
+    high = make_tiny_lora(tmp_path / "high", base, rank=16)
+    with pytest.raises(ValueError, match="over max_lora_rank=8"):
+        llm.generate("x", GREEDY, False, LoRARequest("high", 4, str(high)))
+    with pytest.raises(ValueError, match="needs an id of its own"):
+        llm.generate("x", GREEDY, False, LoRARequest("other", 1, str(adapters[2][0])))
+    head = make_tiny_lora(tmp_path / "head", base, rank=4)
+    tensors = load_file(head / "adapter_model.safetensors")
+    tensors["base_model.model.lm_head.lora_A.weight"] = torch.zeros(4, 64)
+    save_file(tensors, head / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match="lm_head"):
+        llm.generate("x", GREEDY, False, LoRARequest("head", 5, str(head)))
+    dora = make_tiny_lora(tmp_path / "dora", base, rank=4)
+    config = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(ValueError, match="DoRA"):
+        llm.generate("x", GREEDY, False, LoRARequest("dora", 6, str(dora)))
+    foreign = lora_models("qwen3")[1][1][0]  # another model's adapter
+    with pytest.raises(ValueError, match="another model"):
+        llm.generate("x", GREEDY, False, LoRARequest("foreign", 7, str(foreign)))
+    with pytest.raises(TypeError, match="LoRARequest"):
+        llm.generate("x", GREEDY, False, {"lora_name": "a"})
+    with pytest.raises(ValueError, match="2 lora_requests for 1 prompts"):
+        llm.generate(["x"], GREEDY, False, [None, None])
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("zero", 0, str(adapters[1][0]))
+    outputs = llm.wait_for_completion(use_tqdm=False)  # the queued requests are whole
+    assert [o.request_id for o in outputs] == queued
+    assert tokens(outputs) == [transformers_greedy(str(adapters[1][1]), p) for p in PROMPTS[:2]]
+    assert not llm.engine.has_unfinished() and llm.engine.adapter_cache.users == {}
+
+
+def test_adapters_need_enable_lora_and_unquantized_weights(lora_models):
+    base, adapters = lora_models("llama")
+    llm = LLM(str(base), max_model_len=64)
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        llm.generate("x", GREEDY, False, request_of(adapters, 1))
+    with pytest.raises(ValueError, match="drop quantization"):
+        LLM(str(base), enable_lora=True, quantization="fp8")
+    with pytest.raises(ValueError, match="max_loras"):
+        LLM(str(base), enable_lora=True, max_loras=0)
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        LLM(str(base), enable_lora=True, max_loras=2, max_cpu_loras=1)
+
+
+def test_the_server_serves_lora_modules_as_models(lora_models):
+    """--lora-modules NAME=PATH: the adapter is a model of /v1/models whose requests run under
+    it and whose answers carry its name; the base model and an unknown name as before."""
+    base, adapters = lora_models("llama")
+    args = build_parser().parse_args(
+        ["serve", str(base), "--enable-lora", "--lora-modules", f"one={adapters[1][0]}",
+         f'{{"name": "two", "path": "{adapters[2][0]}"}}']
+    )  # fmt: skip
+    modules = lora_modules(args.lora_modules, args.enable_lora)
+    assert [(m.lora_name, m.lora_int_id) for m in modules] == [("one", 1), ("two", 2)]
+    llm = AsyncLLM.from_model(str(base), max_model_len=64, enable_lora=True, max_loras=2)
+    try:
+        with running(build_app(llm, "base", options=ServerOptions(lora_modules=modules))) as url:
+            cards = httpx.get(f"{url}/v1/models").json()["data"]
+            assert [(c["id"], c["parent"]) for c in cards] == [
+                ("base", None), ("one", "base"), ("two", "base"),
+            ]  # fmt: skip
+            for model, folder in (("two", adapters[2][1]), ("base", base)):
+                body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0}
+                body |= {"ignore_eos": True, "return_token_ids": True}
+                answer = httpx.post(f"{url}/v1/completions", json=body)
+                assert answer.status_code == 200 and answer.json()["model"] == model
+                got = answer.json()["choices"][0]["token_ids"]
+                assert got == transformers_greedy(str(folder), PROMPTS[1])
+            body = {"model": "three", "prompt": "x", "max_tokens": 2}
+            assert httpx.post(f"{url}/v1/completions", json=body).status_code == 404
+            load = {"lora_name": "three", "lora_path": str(adapters[2][0])}
+            assert httpx.post(f"{url}/v1/load_lora_adapter", json=load).status_code == 404
+        options = ServerOptions(lora_modules=modules, allow_runtime_lora_updating=True)
+        with running(build_app(llm, "base", options=options)) as url:
+            answer = httpx.post(f"{url}/v1/load_lora_adapter", json=load)
+            assert answer.status_code == 200 and "three" in answer.text
+            assert httpx.post(f"{url}/v1/load_lora_adapter", json=load).status_code == 400
+            bad = {"lora_name": "four", "lora_path": "/no/such/folder"}
+            answer = httpx.post(f"{url}/v1/load_lora_adapter", json=bad)
+            assert answer.status_code == 400 and "adapter_config.json" in answer.text
+            assert "three" in [c["id"] for c in httpx.get(f"{url}/v1/models").json()["data"]]
+            body = {"model": "three", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0,
+                    "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+            answer = httpx.post(f"{url}/v1/completions", json=body).json()
+            assert answer["choices"][0]["token_ids"] == transformers_greedy(
+                adapters[2][1], PROMPTS[1]
+            )
+            unload = {"lora_name": "three"}
+            assert httpx.post(f"{url}/v1/unload_lora_adapter", json=unload).status_code == 200
+            assert httpx.post(f"{url}/v1/completions", json=body).status_code == 404
+            assert httpx.post(f"{url}/v1/unload_lora_adapter", json=unload).status_code == 404
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="needs --enable-lora"):
+        lora_modules(["one=/x"], False)
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        lora_modules(["one"], True)

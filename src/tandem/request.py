@@ -35,6 +35,10 @@ class Request:
     seed: int | None  # the sampling seed: params.seed, or drawn by the engine when queued
     prompt: str | None = None
     cache_salt: str | None = None  # shares cached blocks only with requests of this salt
+    # vLLM's: under scheduling_policy "priority", lower values are served first, then earlier
+    # arrivals (its place in the order requests were queued: Scheduler.add)
+    priority: int = 0
+    arrival: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"

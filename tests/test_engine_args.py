@@ -174,7 +174,7 @@ def test_the_executor_backends_of_one_process_per_rank_are_taken(folder, backend
         ({"hf_overrides": lambda config: config}, "hf_overrides"),
         ({"hf_overrides": [("rope_theta", 1)]}, "hf_overrides"),
         ({"hf_token": ""}, "hf_token"),
-        ({"scheduling_policy": "priority"}, "first come, first served"),
+        ({"scheduling_policy": "lottery"}, "'fcfs', 'priority'"),
     ],
 )  # fmt: skip
 def test_vllm_s_other_values_are_value_errors_saying_why(folder, args, words):
@@ -205,8 +205,7 @@ def test_generate_takes_vllm_s_lora_request_and_priority_at_their_defaults(folde
 
 @pytest.mark.parametrize(
     ("options", "words"),
-    [({"lora_request": object()}, "lora_request"), ({"priority": [0, 1]}, "priority"),
-     ({"priority": [True, 0]}, "priority")],
+    [({"lora_request": object()}, "lora_request"), ({"priority": [0, 1]}, "scheduling_policy")],
 )  # fmt: skip
 def test_an_adapter_or_a_priority_is_a_value_error_that_queues_nothing(folder, options, words):
     llm = LLM(folder, max_model_len=64)

@@ -3,8 +3,13 @@ arrivals; the least important running request is the one preempted. "fcfs" is un
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from tandem import LLM
+from tandem.async_llm import AsyncLLM
+from tandem.cli import build_parser, engine_kwargs
 from tandem.kv_cache import BlockAllocator
 from tandem.request import Request
 from tandem.sampling import SamplingParams
@@ -13,7 +18,7 @@ from tandem.swap import SwapManager
 
 BLOCK = 4
 
-# ---- the scheduler alone ----------------------------------------------------------------------
+# ---- the scheduler alone ---------------------------------------------------------------------
 
 
 def make_scheduler(
@@ -157,3 +162,127 @@ def test_nothing_is_preempted_to_admit_a_more_important_request():
         plan = step(scheduler)
         assert names(plan.requests) == "a" and not plan.preempted
     assert names(scheduler.waiting) == "b"
+
+
+# ---- the engine on the tiny model ------------------------------------------------------------
+
+PROMPTS = [{"prompt_token_ids": list(range(3 + 7 * i, 20 + 9 * i))} for i in range(5)]
+PRIORITIES = [2, 0, 1, -1, 0]
+BY_PRIORITY = [3, 1, 4, 2, 0]  # the prompts' indices by (priority, arrival)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folder(make_tiny) -> str:
+    return str(make_tiny("llama"))
+
+
+def run_queued(llm: LLM, priority: list[int] | None = None) -> tuple[list[Request], list[str]]:
+    """PROMPTS queued at once and run to the end: their requests in input order, and the ids
+    in the order they finished."""
+    ids = llm.enqueue(PROMPTS, GREEDY, priority=priority)
+    requests = [llm.engine.requests[rid] for rid in ids]
+    finished = []
+    while llm.engine.has_unfinished():
+        finished += [r.request_id for r in llm.engine.step() if r.finished]
+    return requests, finished
+
+
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+def test_one_at_a_time_requests_finish_in_priority_order_with_the_tokens_of_fcfs(
+    folder, async_batching
+):
+    engine_args = {"max_model_len": 96, "max_num_seqs": 1, "async_batching": async_batching}
+    fcfs, fcfs_order = run_queued(LLM(folder, **engine_args))
+    requests, order = run_queued(
+        LLM(folder, scheduling_policy="priority", **engine_args), PRIORITIES
+    )
+    assert fcfs_order == [r.request_id for r in fcfs]
+    assert order == [requests[i].request_id for i in BY_PRIORITY]
+    assert [r.output_token_ids for r in requests] == [r.output_token_ids for r in fcfs]
+
+
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+def test_under_block_pressure_the_most_important_request_is_never_preempted(folder, async_batching):
+    """96 token slots for about 190 tokens: requests are preempted (by recompute, so the
+    victims' tokens are recomputed), never the one of priority -1, and the greedy tokens are
+    fcfs's."""
+    engine_args = {"max_model_len": 96, "num_blocks": 12, "block_size": 8,
+                   "max_num_batched_tokens": 24, "preemption_mode": "recompute",
+                   "async_batching": async_batching}  # fmt: skip
+    fcfs, _ = run_queued(LLM(folder, **engine_args))
+    llm = LLM(folder, scheduling_policy="priority", **engine_args)
+    requests, _ = run_queued(llm, PRIORITIES)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert requests[3].num_preemptions == 0 and fcfs[3].num_preemptions > 0
+    assert [r.output_token_ids for r in requests] == [r.output_token_ids for r in fcfs]
+    assert llm.engine.allocator.num_free == llm.engine.num_blocks
+
+
+def test_async_generate_takes_any_int_priority_under_the_priority_policy(folder):
+    llm = AsyncLLM.from_model(
+        folder, max_model_len=96, max_num_seqs=1, scheduling_policy="priority"
+    )
+
+    async def finish_order() -> list[str]:
+        """Five requests that reach the engine between the same two steps; one runs at a time."""
+        streams = await llm.add_requests(
+            [(f"r{i}", GREEDY, None, p["prompt_token_ids"], None, priority)
+             for i, (p, priority) in enumerate(zip(PROMPTS, PRIORITIES, strict=True))]
+        )  # fmt: skip
+        order = []
+
+        async def drain(stream) -> None:
+            async for output in stream:
+                if output.finished:
+                    order.append(stream.request_id)
+
+        await asyncio.gather(*(drain(stream) for stream in streams))
+        return order
+
+    async def tokens(priority: int) -> list[int]:
+        outputs = [o async for o in llm.generate(PROMPTS[0], GREEDY, "g", priority=priority)]
+        return outputs[-1].outputs[0].token_ids
+
+    try:
+        assert asyncio.run(finish_order()) == [f"r{i}" for i in BY_PRIORITY]
+        assert asyncio.run(tokens(-7)) == asyncio.run(tokens(2**40))
+        with pytest.raises(TypeError, match="priority must be an int"):
+            asyncio.run(tokens(1.5))
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("priority", [[0, 1.5], [True, 0], ["1", 0], 1])
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_priority_that_is_no_int_is_a_type_error_that_queues_nothing(folder, policy, priority):
+    llm = LLM(folder, max_model_len=64, scheduling_policy=policy)
+    for call in (llm.generate, llm.enqueue):
+        with pytest.raises(TypeError, match="priority must be"):
+            call(["Hello there", "Paged attention"], GREEDY, priority=priority)
+    assert not llm.engine.has_unfinished()
+
+
+def test_a_priority_under_fcfs_is_a_value_error_naming_the_policy_and_queues_nothing(folder):
+    llm = LLM(folder, max_model_len=64)
+    for call in (llm.generate, llm.enqueue):
+        with pytest.raises(ValueError, match="scheduling_policy='priority'"):
+            call(["Hello there", "Paged attention"], GREEDY, priority=[0, -1])
+    assert not llm.engine.has_unfinished()
+
+
+def test_one_priority_per_prompt(folder):
+    llm = LLM(folder, max_model_len=64, scheduling_policy="priority")
+    with pytest.raises(ValueError, match="got 1 priorities for 2 prompts"):
+        llm.generate(["Hello there", "Paged attention"], GREEDY, priority=[1])
+    assert not llm.engine.has_unfinished()
+
+
+def test_the_cli_takes_the_scheduling_policy(folder, capsys):
+    parse = build_parser().parse_args
+    args = parse(["generate", folder, "a prompt", "--scheduling-policy", "priority"])
+    assert engine_kwargs(args)["scheduling_policy"] == "priority"
+    assert engine_kwargs(parse(["generate", folder, "a prompt"]))["scheduling_policy"] == "fcfs"
+    with pytest.raises(SystemExit):
+        parse(["generate", folder, "a prompt", "--scheduling-policy", "lottery"])
+    assert "'fcfs', 'priority'" in capsys.readouterr().err

@@ -125,6 +125,7 @@ class _Add:
     stream: RequestStream
     accepted: asyncio.Future[None]
     pooling: PoolingParams | None = None  # an embedding request
+    priority: int = 0
 
 
 @dataclass
@@ -205,10 +206,14 @@ class AsyncLLM:
         prompt: str | None = None,
         prompt_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Queue a request once the engine thread has validated it (ValueError if invalid);
-        `cache_salt` shares cached blocks only with requests of the same salt."""
-        return await self._add_request(request_id, params, prompt, prompt_token_ids, cache_salt)
+        `cache_salt` shares cached blocks only with requests of the same salt; `priority` as
+        `generate` takes it."""
+        return await self._add_request(
+            request_id, params, prompt, prompt_token_ids, cache_salt, priority
+        )
 
     async def _add_request(
         self,
@@ -217,6 +222,7 @@ class AsyncLLM:
         prompt: str | None,
         prompt_token_ids: list[int] | None,
         cache_salt: str | None,
+        priority: int = 0,
         outputs: asyncio.Queue[StreamOutput | BaseException] | None = None,
         pooling: PoolingParams | None = None,
     ) -> RequestStream:
@@ -230,7 +236,15 @@ class AsyncLLM:
         accepted = loop.create_future()
         self._submit(
             _Add(
-                request_id, params, prompt, prompt_token_ids, cache_salt, stream, accepted, pooling
+                request_id,
+                params,
+                prompt,
+                prompt_token_ids,
+                cache_salt,
+                stream,
+                accepted,
+                pooling,
+                priority,
             )
         )
         try:
@@ -257,9 +271,10 @@ class AsyncLLM:
 
         `prompt` is text, {"prompt": text} or {"prompt_token_ids": [...]}, a dict with an
         optional "cache_salt"; raises ValueError if the engine rejects it (and for vLLM's
-        `lora_request` and `priority` other than None and 0: `check_request_options`).
+        `lora_request` other than None: `check_request_options`). `priority` is vLLM's: under
+        scheduling_policy "priority" lower is served first; under "fcfs", 0 alone.
         """
-        check_request_options(lora_request, priority)
+        check_request_options(lora_request)
         sampling_params.validate()  # n=0 would otherwise queue nothing to validate
         text, ids = split_prompt(prompt)
         salt = prompt_cache_salt(prompt)
@@ -269,7 +284,7 @@ class AsyncLLM:
         outputs: asyncio.Queue[StreamOutput | BaseException] = asyncio.Queue()
         collector = OutputCollector(request_id, text, sampling_params, self._token_text)
         samples = [
-            (sample_id, seeded(sampling_params, k), text, ids, salt)
+            (sample_id, seeded(sampling_params, k), text, ids, salt, priority)
             for k, sample_id in enumerate(sample_ids)
         ]
         streams = await self.add_requests(samples, outputs)
@@ -331,14 +346,14 @@ class AsyncLLM:
 
     async def add_requests(
         self,
-        requests: list[tuple[str, SamplingParams, str | None, list[int] | None, str | None]],
+        requests: list[tuple[str, SamplingParams, str | None, list[int] | None, str | None, int]],
         outputs: asyncio.Queue[StreamOutput | BaseException] | None = None,
     ) -> list[RequestStream]:
-        """Queue every (request_id, params, prompt, prompt_token_ids, cache_salt) or none: one
-        the engine rejects aborts the others, and its error is raised. They reach the engine
-        thread together, between the same two steps; `outputs`: one queue for all of them."""
+        """Queue every (request_id, params, prompt, prompt_token_ids, cache_salt, priority) or
+        none: one the engine rejects aborts the others, and its error is raised. They reach the
+        engine thread together, between the same two steps; `outputs`: one queue for all."""
         results = await asyncio.gather(
-            *(self._add_request(*request, outputs) for request in requests),
+            *(self._add_request(*request, outputs=outputs) for request in requests),
             return_exceptions=True,
         )
         streams = [r for r in results if isinstance(r, RequestStream)]
@@ -553,6 +568,7 @@ class AsyncLLM:
                 stream_text=True,
                 cache_salt=add.cache_salt,
                 pooling=add.pooling,
+                priority=add.priority,
             )
         except Exception as error:  # a request the engine rejects must not stop the engine
             _post(add.stream.loop, _resolve, [(add.accepted, error)])

@@ -222,10 +222,11 @@ class LLM:
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, {"prompt": text} or {"prompt_token_ids": [...]}, a
-        dict with an optional "cache_salt"); outputs in input order. `lora_request` and
-        `priority` are vLLM's, taken as None (and priorities 0): `check_request_options`."""
-        check_request_options(lora_request, priority)
-        groups = self._requests_for(prompts, sampling_params)
+        dict with an optional "cache_salt"); outputs in input order. `priority` is vLLM's, one
+        per prompt (scheduling_policy "priority": lower first; "fcfs": 0s alone);
+        `lora_request` is vLLM's, taken as None: `check_request_options`."""
+        check_request_options(lora_request)
+        groups = self._requests_for(prompts, sampling_params, priority)
         return self._run(groups, use_tqdm)
 
     def enqueue(
@@ -239,8 +240,8 @@ class LLM:
         """Queue prompts without running them, as vLLM's: `wait_for_completion` runs them (a
         `generate` in between runs them too). Their request ids, in input order."""
         del use_tqdm  # queueing shows no progress
-        check_request_options(lora_request, priority)
-        groups = self._requests_for(prompts, sampling_params)
+        check_request_options(lora_request)
+        groups = self._requests_for(prompts, sampling_params, priority)
         with self._hook():
             for _, group in groups:
                 for request in group:
@@ -498,18 +499,24 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        priority: Sequence[int] | None = None,
     ) -> list[tuple[str, list[Request]]]:
         if isinstance(prompts, str | dict) or not isinstance(prompts, Sequence):
             prompts = [prompts]
-        return self._make_requests(prompts, self._params_per_prompt(sampling_params, len(prompts)))
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        return self._make_requests(prompts, params, _priorities(priority, len(prompts)))
 
     def _make_requests(
-        self, prompts: Sequence[Prompt], params: list[SamplingParams]
+        self,
+        prompts: Sequence[Prompt],
+        params: list[SamplingParams],
+        priorities: Sequence[int] | None = None,
     ) -> list[tuple[str, list[Request]]]:
         """Validate everything before queueing anything: one bad prompt rejects the whole call."""
         groups = []
         engine = self.engine
-        for prompt, p in zip(prompts, params, strict=True):
+        priorities = priorities or [0] * len(prompts)
+        for prompt, p, priority in zip(prompts, params, priorities, strict=True):
             p.validate()  # n=0 would otherwise make no request to validate
             text, ids = split_prompt(prompt)
             salt = prompt_cache_salt(prompt)
@@ -517,7 +524,11 @@ class LLM:
             group = []
             for k in range(p.n):
                 rid = base if p.n == 1 else f"{base}-{k}"
-                group.append(engine.make_request(rid, seeded(p, k), text, ids, cache_salt=salt))
+                group.append(
+                    engine.make_request(
+                        rid, seeded(p, k), text, ids, cache_salt=salt, priority=priority
+                    )
+                )
                 ids = ids if ids is not None else group[0].prompt_token_ids
             groups.append((base, group))
         return groups
@@ -581,6 +592,19 @@ class LLM:
             if self.engine.paused:  # e.g. pause_generation("wait") drained: wake its caller
                 self._resumed.notify_all()
             return updated
+
+
+def _priorities(priority: Sequence[int] | None, count: int) -> Sequence[int]:
+    """vLLM's `priority` argument of `generate`: one per prompt (None: 0 for each)."""
+    if priority is None:
+        return [0] * count
+    if not isinstance(priority, Sequence) or isinstance(priority, str):
+        raise TypeError(
+            f"priority must be a list of ints, one per prompt, got {type(priority).__name__}"
+        )
+    if len(priority) != count:
+        raise ValueError(f"got {len(priority)} priorities for {count} prompts")
+    return priority
 
 
 _held_lock = threading.Lock()

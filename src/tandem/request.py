@@ -152,18 +152,12 @@ def prompt_cache_salt(prompt: Prompt) -> Any:
     return prompt.get("cache_salt") if isinstance(prompt, dict) else None
 
 
-def check_request_options(lora_request: Any = None, priority: Any = None) -> None:
-    """vLLM's per-request `lora_request` and `priority`, taken at the values that are tandem's
-    behaviour: no adapter, and priority 0 (first come, first served, as vLLM's default
-    scheduling_policy "fcfs" runs every request); the others are ValueErrors saying why."""
+def check_request_options(lora_request: Any = None) -> None:
+    """vLLM's per-request `lora_request`, taken at the value that is tandem's behaviour: no
+    adapter; the others are ValueErrors saying why. (`priority` is the engine's to check:
+    `Engine.check_priority`.)"""
     if lora_request is not None:
         raise ValueError(
             "lora_request is not supported: tandem runs no LoRA adapters; merge the adapter into "
             "the base weights (LLM.update_weights takes the merged tensors)"
-        )
-    values = priority if isinstance(priority, list | tuple) else [priority]
-    if any(p is not None and (isinstance(p, bool) or p != 0) for p in values):
-        raise ValueError(
-            "priority is not supported: requests run first come, first served (vLLM's "
-            f"scheduling_policy 'fcfs', every priority 0), got {priority!r}"
         )

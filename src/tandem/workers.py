@@ -51,8 +51,8 @@ class Workers:
             self.processes.append(process)
 
     def step(self, commands: list[tuple[Any, ...]]) -> None:
-        """Apply `commands` (("add", request_id, params, prompt_token_ids, cache_salt, pooling),
-        ("abort", id) or ("reset_prefix_cache",)), then step."""
+        """Apply `commands` (("add", request_id, params, prompt_token_ids, cache_salt, pooling,
+        priority), ("abort", id) or ("reset_prefix_cache",)), then step."""
         self.check()
         for pipe in self.pipes:
             try:
@@ -194,7 +194,7 @@ def follow(engine: Any, pipe: multiprocessing.connection.Connection) -> None:
             continue
         for command in commands:
             if command[0] == "add":
-                _, request_id, params, prompt_token_ids, cache_salt, pooling = command
+                _, request_id, params, prompt_token_ids, cache_salt, pooling, priority = command
                 engine.enqueue(
                     engine.make_request(
                         request_id,
@@ -202,6 +202,7 @@ def follow(engine: Any, pipe: multiprocessing.connection.Connection) -> None:
                         prompt_token_ids=prompt_token_ids,
                         cache_salt=cache_salt,
                         pooling=pooling,
+                        priority=priority,
                     )
                 )
             elif command[0] == "reset_prefix_cache":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
 from tandem import LLM
@@ -14,7 +15,9 @@ from tandem.kv_cache import BlockAllocator
 from tandem.request import Request
 from tandem.sampling import SamplingParams
 from tandem.scheduler import Scheduler, StepPlan
+from tandem.server.app import build_app
 from tandem.swap import SwapManager
+from test_server import running
 
 BLOCK = 4
 
@@ -286,3 +289,38 @@ def test_the_cli_takes_the_scheduling_policy(folder, capsys):
     with pytest.raises(SystemExit):
         parse(["generate", folder, "a prompt", "--scheduling-policy", "lottery"])
     assert "'fcfs', 'priority'" in capsys.readouterr().err
+
+
+# ---- the server --------------------------------------------------------------------------------
+
+
+def test_the_server_takes_any_int_priority_under_the_priority_policy(folder):
+    """vLLM's extra field `priority` on the generation endpoints, the token-in one and beam
+    search; the render endpoints pass it on."""
+    llm = AsyncLLM.from_model(folder, max_model_len=96, scheduling_policy="priority")
+    completion = {"prompt": "Our scheduler reads", "max_tokens": 4, "temperature": 0}
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+    def post(url: str, path: str, body: dict) -> dict:
+        response = httpx.post(f"{url}{path}", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    try:
+        with running(build_app(llm, "tiny")) as url:
+            text = post(url, "/v1/completions", completion)["choices"][0]["text"]
+            for priority in (-3, 7):
+                answer = post(url, "/v1/completions", {**completion, "priority": priority})
+                assert answer["choices"][0]["text"] == text
+                post(url, "/v1/chat/completions", {**chat, "priority": priority})
+                beams = {**completion, "use_beam_search": True, "n": 2, "priority": priority}
+                assert len(post(url, "/v1/completions", beams)["choices"]) == 2
+                [rendered] = post(
+                    url, "/v1/completions/render", {**completion, "priority": priority}
+                )
+                assert rendered["priority"] == priority
+                post(url, "/inference/v1/generate", rendered)
+            response = httpx.post(f"{url}/v1/completions", json={**completion, "priority": 0.5})
+            assert response.status_code == 400 and response.json()["error"]["param"] == "priority"
+    finally:
+        llm.shutdown()

@@ -58,6 +58,14 @@ def step(scheduler: Scheduler) -> StepPlan:
     return plan
 
 
+def step_until_preempted(scheduler: Scheduler) -> StepPlan:
+    for _ in range(8):
+        plan = step(scheduler)
+        if plan.preempted:
+            return plan
+    pytest.fail("nothing was preempted")
+
+
 def names(requests) -> str:
     return "".join(r.request_id for r in requests)
 
@@ -77,7 +85,7 @@ def test_waiting_requests_are_admitted_by_priority_then_arrival(policy, order):
 
 
 def three_running(policy: str) -> Scheduler:
-    """a (priority 0) and b (2) admitted, then c (1): a block each and room for three more."""
+    """a (priority 0) and b (2) admitted, then c (1) a step later, in 6 blocks of 4."""
     scheduler = make_scheduler(policy, num_blocks=6)
     queue(scheduler, 0, 2)
     step(scheduler)
@@ -95,10 +103,7 @@ def test_under_block_pressure_the_victim_is_the_least_important_running_request(
     """a and b grow into their third blocks with none free: fcfs preempts the newest (c),
     priority the least important (b, admitted before c)."""
     scheduler = three_running(policy)
-    for _ in range(8):
-        plan = step(scheduler)
-        if plan.preempted:
-            break
+    plan = step_until_preempted(scheduler)
     assert names(plan.preempted) == victim
     assert sorted(names(scheduler.running)) == list(running)
     assert names(plan.requests) == running  # the victim's blocks went to the others
@@ -110,8 +115,7 @@ def test_a_preempted_request_goes_back_to_its_place_in_the_waiting_order(policy,
     requests that came after it, d (1) and e (3)."""
     scheduler = three_running(policy)
     queue(scheduler, 1, 3)  # d and e wait: every sequence slot is taken
-    while not step(scheduler).preempted:
-        pass
+    step_until_preempted(scheduler)
     assert names(scheduler.waiting) == waiting
 
 

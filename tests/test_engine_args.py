@@ -174,7 +174,7 @@ def test_the_executor_backends_of_one_process_per_rank_are_taken(folder, backend
         ({"hf_overrides": lambda config: config}, "hf_overrides"),
         ({"hf_overrides": [("rope_theta", 1)]}, "hf_overrides"),
         ({"hf_token": ""}, "hf_token"),
-        ({"scheduling_policy": "priority"}, "first come, first served"),
+        ({"scheduling_policy": "lottery"}, "'fcfs', 'priority'"),
     ],
 )  # fmt: skip
 def test_vllm_s_other_values_are_value_errors_saying_why(folder, args, words):
@@ -203,13 +203,13 @@ def test_generate_takes_vllm_s_lora_request_and_priority_at_their_defaults(folde
     assert llm.chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False, lora_request=None)
 
 
-@pytest.mark.parametrize("priority", [[0, 1], [True, 0]])
-def test_a_priority_is_a_value_error_that_queues_nothing(folder, priority):
+@pytest.mark.parametrize(("priority", "error"), [([0, 1], ValueError), ([True, 0], TypeError)])
+def test_a_priority_under_fcfs_is_refused_and_queues_nothing(folder, priority, error):
     llm = LLM(folder, max_model_len=64)
     params = SamplingParams(max_tokens=3)
-    with pytest.raises(ValueError, match="priority"):
+    with pytest.raises(error, match="priority"):
         llm.generate(["Hello there", "Paged attention"], params, use_tqdm=False, priority=priority)
-    with pytest.raises(ValueError, match="priority"):
+    with pytest.raises(error, match="priority"):
         llm.enqueue(["Hello there", "Paged attention"], params, priority=priority)
     assert not llm.engine.has_unfinished()
 
@@ -224,7 +224,7 @@ def test_async_generate_takes_lora_request_and_priority_at_their_defaults(folder
 
     try:
         assert asyncio.run(run(lora_request=None, priority=0)) == asyncio.run(run())
-        with pytest.raises(ValueError, match="priority"):
+        with pytest.raises(ValueError, match="scheduling_policy"):
             asyncio.run(run(priority=2))
         with pytest.raises(TypeError, match="LoRARequest"):
             asyncio.run(run(lora_request=object()))

@@ -133,6 +133,19 @@ def test_one_slot_serves_two_adapters_in_turn(lora_models):
     assert llm.engine.scheduler.adapters.holders == [0]
 
 
+def test_priorities_order_requests_of_several_adapters(lora_models):
+    """scheduling_policy="priority" with one slot for two adapters: every output its adapter's."""
+    base, adapters = lora_models("llama")
+    llm = LLM(str(base), max_model_len=64, enable_lora=True, max_loras=1, max_num_seqs=2,
+              scheduling_policy="priority")  # fmt: skip
+    loras = [request_of(adapters, 1 + i % 2) if i != 2 else None for i in range(6)]
+    prompts = (PROMPTS * 2)[:6]
+    outputs = llm.generate(prompts, GREEDY, False, loras, priority=[3, 0, 2, -1, 1, 0])
+    folders = [base if lora is None else adapters[lora.lora_int_id][1] for lora in loras]
+    want = [transformers_greedy(f, p) for f, p in zip(folders, prompts, strict=True)]
+    assert tokens(outputs) == want
+
+
 def test_the_prefix_cache_keeps_each_adapter_s_kv_apart(lora_models):
     base, adapters = lora_models("llama")
     llm = LLM(str(base), max_model_len=96, enable_lora=True, max_loras=2, block_size=4)

@@ -18,7 +18,7 @@ from tandem import LLM, SamplingParams
 from tandem.kv_cache import BlockAllocator
 from tandem.prefix_cache import ROOT_KEY, PrefixCache, block_key
 from tandem.request import Request, Status
-from tandem.scheduler import Scheduler
+from tandem.scheduler import Scheduler, by_priority
 from tandem.swap import SwapManager
 
 transformers = pytest.importorskip("transformers")
@@ -358,14 +358,20 @@ class Simulation:
     and its owners say it holds."""
 
     def __init__(
-        self, num_blocks: int, budget: int, rng: random.Random, num_host_blocks: int | None = None
+        self,
+        num_blocks: int,
+        budget: int,
+        rng: random.Random,
+        num_host_blocks: int | None = None,
+        policy: str = "fcfs",
     ):
-        """With `num_host_blocks`, preemption swaps to that many host blocks while they last."""
+        """With `num_host_blocks`, preemption swaps to that many host blocks while they last;
+        under the "priority" policy, requests take random priorities."""
         self.allocator = BlockAllocator(num_blocks)
         swap = None
         if num_host_blocks is not None:
             swap = SwapManager(self.allocator, num_host_blocks, "swap")
-        self.scheduler = Scheduler(self.allocator, BLOCK, 6, budget, 64, swap=swap)
+        self.scheduler = Scheduler(self.allocator, BLOCK, 6, budget, 64, swap=swap, policy=policy)
         self.kv = np.full(num_blocks * BLOCK, -1, dtype=np.int64)  # token id per cache slot
         self.host_kv = np.full((num_host_blocks or 0) * BLOCK, -1, dtype=np.int64)  # per host slot
         self.reused: set[int] = set()  # blocks handed to a new owner in this step
@@ -384,6 +390,8 @@ class Simulation:
     def add(self, prompt: list[int], max_tokens: int) -> None:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         request = Request(str(self.next_id), prompt, params, seed=0)
+        if self.scheduler.priority:
+            request.priority = self.rng.randrange(-2, 3)
         self.next_id += 1
         self.scheduler.add(request)
         self.live.append(request)
@@ -472,6 +480,11 @@ class Simulation:
         self.live.remove(request)
 
     def check(self) -> None:
+        scheduler = self.scheduler
+        if scheduler.priority:  # the queues, and running itself, in (priority, arrival) order
+            for requests in (scheduler.running, scheduler.waiting, scheduler.swapped):
+                order = [by_priority(r) for r in requests]
+                assert order == sorted(order)
         held = np.zeros(self.allocator.num_blocks, dtype=np.int32)
         for request in self.scheduler.running:
             held[request.block_table] += 1
@@ -522,13 +535,15 @@ def test_one_token_rows_lead_the_step_before_a_prompts_last_chunk():
 @pytest.mark.parametrize(
     "num_host_blocks", [None, 0, 6, 64], ids=["recompute", "no-room", "6", "64"]
 )
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_blocks_stay_accounted_and_hold_their_owners_tokens(
-    seed, num_blocks, budget, num_host_blocks
+    seed, num_blocks, budget, num_host_blocks, policy
 ):
     """With swapping too: no leak on the device or the host, the host pool never exceeded
-    (recompute takes over when it is full), every swapped block's tokens kept."""
+    (recompute takes over when it is full), every swapped block's tokens kept; under either
+    scheduling policy."""
     rng = random.Random(seed)
-    sim = Simulation(num_blocks, budget, rng, num_host_blocks)
+    sim = Simulation(num_blocks, budget, rng, num_host_blocks, policy)
     heads = [[rng.randrange(50) for _ in range(rng.randrange(1, 14))] for _ in range(3)]
     max_new = 8 if num_host_blocks is None else 40  # longer outputs: more preemption
     for _ in range(60):

@@ -178,6 +178,7 @@ class Arrival:
     ignore_eos: bool
     abort_after: int | None  # steps after its arrival at which it is aborted, if unfinished
     prompt_of: int | None = None  # repeat this arrival's prompt (its first prompt_len tokens)
+    priority: int = 0  # under scheduling_policy "priority"
 
     def prompt(self, index: int, max_model_len: int) -> list[int]:
         """Distinct per request unless `prompt_of` says whose to repeat."""
@@ -322,7 +323,9 @@ def run_workload(
                     temperature=0, max_tokens=arrival.max_tokens, ignore_eos=arrival.ignore_eos
                 )
                 prompt = arrival.prompt(i, engine.max_model_len)
-                requests[rid] = engine.make_request(rid, params, prompt_token_ids=prompt)
+                requests[rid] = engine.make_request(
+                    rid, params, prompt_token_ids=prompt, priority=arrival.priority
+                )
                 engine.enqueue(requests[rid])
             due = arrival.abort_after is not None and arrival.step + arrival.abort_after == step
             if due and not requests[rid].finished:
@@ -536,3 +539,49 @@ def test_repeated_block_aligned_prompts_copied_on_write_leak_nothing_and_get_the
         for i, a in enumerate(workload)
     ]
     assert_workload_runs_exactly(engine, model, workload)
+
+
+# ---- scheduling_policy "priority" ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+@settings(max_examples=40, deadline=None)
+@given(
+    limits=small_engines(),
+    workload=arrivals,
+    priorities=st.lists(st.integers(-2, 2), min_size=8, max_size=8),
+    host_blocks=st.sampled_from([0, 64]),  # recompute alone, or swapping
+)
+def test_under_priority_scheduling_the_queues_keep_their_order_and_every_request_its_tokens(
+    make_tiny, async_batching, limits, workload, priorities, host_blocks
+):
+    """The hash model keeps its tokens in the real KV cache, so swapped requests carry them."""
+    folder = make_tiny("llama")
+    cfg = ModelConfig.from_hf(read_hf_config(str(folder))[0])
+    per_block = bytes_per_block(cfg, limits["block_size"], torch.float32)
+    config = EngineConfig(
+        str(folder),
+        device="cpu",
+        async_batching=async_batching,
+        scheduling_policy="priority",
+        preemption_mode="swap",
+        swap_space=(host_blocks + 0.5) * per_block / 2**30,
+        **limits,
+    )
+    engine = Engine(config)
+    model = engine.runner.model = KVHashLM(engine, 5)
+    scheduler = engine.scheduler
+    schedule = scheduler.schedule
+
+    def ordered_schedule():
+        plan = schedule()
+        for requests in (scheduler.running, scheduler.waiting, scheduler.swapped):
+            order = [(r.priority, r.arrival) for r in requests]
+            assert order == sorted(order)
+        return plan
+
+    scheduler.schedule = ordered_schedule
+    workload = [replace(a, priority=p) for a, p in zip(workload, priorities, strict=False)]
+    assert_workload_runs_exactly(engine, model, workload)
+    if scheduler.swap.num_swapped_out:
+        event("swapped")

@@ -813,7 +813,6 @@ def test_a_top_k_past_the_samplers_int32_range_is_a_400_and_the_engine_keeps_ser
     [
         ("best_of", 3),
         ("suffix", " end"),
-        ("priority", 1),
         ("max_token", 50),  # a misspelt field must not fall back to the default silently
     ],
 )
@@ -821,6 +820,16 @@ def test_a_field_the_server_does_not_implement_is_a_400_naming_it(server, field,
     body = {"prompt": PROMPT, "max_tokens": 2, field: value}
     message = assert_openai_error(post(server, "/v1/completions", body), 400, param=field)
     assert field in message
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": MESSAGES}),
+     ("/v1/completions", {"prompt": PROMPT, "use_beam_search": True, "n": 2})],
+)  # fmt: skip
+def test_a_priority_under_fcfs_is_a_400_naming_the_policy(server, path, body):
+    response = post(server, path, {**body, "max_tokens": 2, "priority": -1})
+    assert "scheduling-policy priority" in assert_openai_error(response, 400, param="priority")
 
 
 def test_penalties_bias_and_token_lists_reach_the_engine_as_the_offline_api_applies_them(

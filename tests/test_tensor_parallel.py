@@ -386,3 +386,32 @@ def test_two_ranks_key_salted_prompts_alike(make_tiny):
         return [o.outputs[0].token_ids for o in out]
 
     assert run_salted(2) == run_salted(1)
+
+
+def waiting_order(engine) -> list[tuple[str, int]]:
+    return [(r.request_id, r.priority) for r in engine.scheduler.waiting]
+
+
+def test_two_ranks_queue_by_priority_alike_and_give_the_tokens_of_one(make_tiny):
+    """Every rank gets each request's priority with the request, so all keep one queue order
+    and preempt the same victims."""
+    folder = make_tiny("llama")
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+
+    def run_by_priority(tensor_parallel_size: int) -> tuple[list, list[list[int]]]:
+        llm = LLM(str(folder), max_model_len=96, num_blocks=12, block_size=8,
+                  max_num_batched_tokens=24, scheduling_policy="priority",
+                  tensor_parallel_size=tensor_parallel_size)  # fmt: skip
+        try:
+            llm.enqueue(PROMPTS, params, priority=[2, 0, 1, -1, 0])
+            [order, *others] = llm.collective_rpc(waiting_order)
+            assert others == [order] * (tensor_parallel_size - 1)
+            outputs = llm.wait_for_completion(use_tqdm=False)
+            assert llm.engine.scheduler.num_preemptions > 0
+        finally:
+            llm.engine.shutdown()
+        return order, [o.outputs[0].token_ids for o in outputs]
+
+    order, tokens = run_by_priority(2)
+    assert [priority for _, priority in order] == [-1, 0, 0, 1, 2]
+    assert (order, tokens) == run_by_priority(1)

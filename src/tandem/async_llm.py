@@ -42,7 +42,6 @@ from tandem.pooling import PoolingParams
 from tandem.request import (
     Prompt,
     Request,
-    check_request_options,
     prompt_cache_salt,
     split_prompt,
 )
@@ -126,6 +125,7 @@ class _Add:
     stream: RequestStream
     accepted: asyncio.Future[None]
     pooling: PoolingParams | None = None  # an embedding request
+    priority: int = 0
     lora_request: LoRARequest | None = None  # its LoRA adapter
 
 
@@ -207,10 +207,14 @@ class AsyncLLM:
         prompt: str | None = None,
         prompt_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Queue a request once the engine thread has validated it (ValueError if invalid);
-        `cache_salt` shares cached blocks only with requests of the same salt."""
-        return await self._add_request(request_id, params, prompt, prompt_token_ids, cache_salt)
+        `cache_salt` shares cached blocks only with requests of the same salt; `priority` as
+        `generate` takes it."""
+        return await self._add_request(
+            request_id, params, prompt, prompt_token_ids, cache_salt, priority
+        )
 
     async def _add_request(
         self,
@@ -219,6 +223,7 @@ class AsyncLLM:
         prompt: str | None,
         prompt_token_ids: list[int] | None,
         cache_salt: str | None,
+        priority: int = 0,
         outputs: asyncio.Queue[StreamOutput | BaseException] | None = None,
         pooling: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
@@ -237,7 +242,7 @@ class AsyncLLM:
         stream = RequestStream(request_id, loop, self._abort_soon, outputs)
         accepted = loop.create_future()
         add = _Add(request_id, params, prompt, prompt_token_ids, cache_salt, stream, accepted)
-        add.pooling, add.lora_request = pooling, lora_request
+        add.pooling, add.priority, add.lora_request = pooling, priority, lora_request
         self._submit(add)
         try:
             await accepted
@@ -263,10 +268,9 @@ class AsyncLLM:
 
         `prompt` is text, {"prompt": text} or {"prompt_token_ids": [...]}, a dict with an
         optional "cache_salt"; `lora_request` runs it under a LoRA adapter (enable_lora=True);
-        raises ValueError if the engine rejects it (and for vLLM's `priority` other than 0:
-        `check_request_options`).
+        `priority` is vLLM's: under scheduling_policy "priority" lower is served first; under
+        "fcfs", 0 alone. Raises ValueError if the engine rejects it.
         """
-        check_request_options(priority)
         sampling_params.validate()  # n=0 would otherwise queue nothing to validate
         text, ids = split_prompt(prompt)
         salt = prompt_cache_salt(prompt)
@@ -278,7 +282,7 @@ class AsyncLLM:
             request_id, text, sampling_params, self._token_text, lora_request
         )
         samples = [
-            (sample_id, seeded(sampling_params, k), text, ids, salt)
+            (sample_id, seeded(sampling_params, k), text, ids, salt, priority)
             for k, sample_id in enumerate(sample_ids)
         ]
         streams = await self.add_requests(samples, outputs, lora_request)
@@ -340,17 +344,17 @@ class AsyncLLM:
 
     async def add_requests(
         self,
-        requests: list[tuple[str, SamplingParams, str | None, list[int] | None, str | None]],
+        requests: list[tuple[str, SamplingParams, str | None, list[int] | None, str | None, int]],
         outputs: asyncio.Queue[StreamOutput | BaseException] | None = None,
         lora_request: LoRARequest | None = None,
     ) -> list[RequestStream]:
-        """Queue every (request_id, params, prompt, prompt_token_ids, cache_salt) or none: one
-        the engine rejects aborts the others, and its error is raised. They reach the engine
-        thread together, between the same two steps; `outputs`: one queue for all of them;
+        """Queue every (request_id, params, prompt, prompt_token_ids, cache_salt, priority) or
+        none: one the engine rejects aborts the others, and its error is raised. They reach the
+        engine thread together, between the same two steps; `outputs`: one queue for all;
         `lora_request`: the LoRA adapter of all of them."""
         results = await asyncio.gather(
             *(
-                self._add_request(*request, outputs, lora_request=lora_request)
+                self._add_request(*request, outputs=outputs, lora_request=lora_request)
                 for request in requests
             ),
             return_exceptions=True,
@@ -568,6 +572,7 @@ class AsyncLLM:
                 cache_salt=add.cache_salt,
                 pooling=add.pooling,
                 lora_request=add.lora_request,
+                priority=add.priority,
             )
         except Exception as error:  # a request the engine rejects must not stop the engine
             _post(add.stream.loop, _resolve, [(add.accepted, error)])

@@ -16,6 +16,7 @@ from tandem.config import (
     EXECUTOR_BACKENDS,
     LOGPROBS_MODES,
     ONE_BEHAVIOUR,
+    SCHEDULING_POLICIES,
     EngineConfig,
 )
 from tandem.reasoning import PARSERS as REASONING_PARSERS
@@ -84,6 +85,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
     for name, (values, behaviour) in ONE_BEHAVIOUR.items():  # --tokenizer-mode, ...
         flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, default=values[0], choices=values, help=f"vLLM's; {behaviour}")
+    parser.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=list(SCHEDULING_POLICIES),
+        help="vLLM's: first come, first served, or by each request's priority (lower first, "
+        "then arrival)",
+    )
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu"
     )

@@ -35,6 +35,8 @@ ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "g
 WINDOWED_EVERYWHERE = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
+# vLLM's: first come, first served, or by each request's priority (lower first), then arrival
+SCHEDULING_POLICIES = ("fcfs", "priority")
 # what sample logprobs hold (vLLM's logprobs_mode): the model's own log-softmax or logits
 # ("raw"), or those the sampler draws from ("processed": after penalties, bans, token masks,
 # temperature and top-k/top-p/min-p)
@@ -45,7 +47,6 @@ EXECUTOR_BACKENDS = ("mp", "uni", "external_launcher")
 ONE_BEHAVIOUR = {
     "tokenizer_mode": (("auto", "hf"), "tandem reads the model's tokenizer.json (a fast one)"),
     "model_impl": (("auto", "vllm"), "the model code is the engine's own"),
-    "scheduling_policy": (("fcfs",), "requests run first come, first served"),
 }
 
 DTYPES = {
@@ -351,12 +352,13 @@ class EngineConfig:
     # vLLM's, taking the values that are tandem's behaviour (the others are ValueErrors saying
     # why): ranks are processes the engine starts on this machine ("mp"; "uni" and
     # "external_launcher" run one in the caller's process, as tensor_parallel_size=1 does), the
-    # tokenizer is tokenizer.json's fast one, the model code is the engine's own, and requests
-    # run first come, first served
+    # tokenizer is tokenizer.json's fast one, and the model code is the engine's own
     distributed_executor_backend: str | None = None
     tokenizer_mode: str = "auto"
     model_impl: str = "auto"
-    scheduling_policy: str = "fcfs"  # first come, first served (vLLM's default)
+    # vLLM's: "fcfs" (first come, first served) or "priority" (each request's priority, lower
+    # first, then arrival; the least important running request is the one preempted)
+    scheduling_policy: str = "fcfs"
     device: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
@@ -481,6 +483,11 @@ class EngineConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
             )
         space = self.swap_space
         if not isinstance(space, int | float) or isinstance(space, bool) or not space >= 0:

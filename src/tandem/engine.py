@@ -232,6 +232,7 @@ class Engine:
             self.max_model_len,
             config.enable_prefix_caching,
             swap,
+            config.scheduling_policy,
             adapter_slots,
         )
         self.swapper = (
@@ -368,8 +369,8 @@ class Engine:
         if self.workers is not None:
             params = replace(request.params, seed=request.seed)
             ids, salt = request.prompt_token_ids, request.cache_salt
-            pooling, lora = request.pooling, request.lora_request
-            self.commands.append(("add", request.request_id, params, ids, salt, pooling, lora))
+            add = ("add", request.request_id, params, ids, salt, request.pooling)
+            self.commands.append((*add, request.lora_request, request.priority))
         if self.scheduler.num_to_compute(request) == 0:  # max_tokens=0 with a one-token prompt
             self._finish(request, "length")
             self.finished_unscheduled.append(request)
@@ -384,14 +385,16 @@ class Engine:
         cache_salt: str | None = None,
         pooling: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> Request:
         """A validated Request, not yet queued; `stream_text` grows output_text with every token
         (unless params.detokenize is False); `cache_salt` shares cached blocks only with
         requests of the same salt (vLLM's); with `pooling`, an embedding request (pooling.py:
         `params` one greedy token, which carries it); with `lora_request`, run under that LoRA
-        adapter (read here: its errors are raised here)."""
+        adapter (read here: its errors are raised here); `priority`: `check_priority`."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        self.check_priority(priority)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r:.80}")
         params.validate()
@@ -444,6 +447,7 @@ class Engine:
         request = Request(
             request_id, prompt_token_ids, params, params.seed, prompt=prompt, cache_salt=cache_salt
         )
+        request.priority = int(priority)
         request.bad_words_token_ids = bad_words
         request.pooling = pooling
         request.lora_request = lora_request
@@ -480,6 +484,18 @@ class Engine:
                 "LoRA adapters: start it with enable_lora=True"
             )
         self.adapter_cache.get(lora_request)
+
+    def check_priority(self, priority: int) -> None:
+        """vLLM's per-request priority: any int under scheduling_policy "priority" (lower is
+        served first), 0 alone under "fcfs"."""
+        if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        if priority != 0 and self.config.scheduling_policy == "fcfs":
+            raise ValueError(
+                f"priority is {priority}, but scheduling_policy is 'fcfs', which serves every "
+                "request at priority 0; start the engine with scheduling_policy='priority' "
+                "(--scheduling-policy priority)"
+            )
 
     def _check_pooling(self, pooling: PoolingParams, params: SamplingParams) -> None:
         if self.pooling_refusal is not None and pooling.task == "embed":

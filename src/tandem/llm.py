@@ -38,7 +38,7 @@ from tandem.outputs import (
     token_text,
 )
 from tandem.pooling import PoolingParams
-from tandem.request import Prompt, Request, check_request_options, prompt_cache_salt, split_prompt
+from tandem.request import Prompt, Request, prompt_cache_salt, split_prompt
 from tandem.sampling import SamplingParams, seeded
 from tandem.tokenizer import Tokenizer
 from tandem.weight_transfer import request_field, required_field
@@ -225,9 +225,9 @@ class LLM:
         """Generate for every prompt (text, {"prompt": text} or {"prompt_token_ids": [...]}, a
         dict with an optional "cache_salt"); outputs in input order. `lora_request`: one LoRA
         adapter for all, or one per prompt (None: the base model; needs enable_lora=True).
-        `priority` is vLLM's, taken as None (and priorities 0): `check_request_options`."""
-        check_request_options(priority=priority)
-        groups = self._requests_for(prompts, sampling_params, lora_request)
+        `priority` is vLLM's, one per prompt (scheduling_policy "priority": lower first; "fcfs":
+        0s alone)."""
+        groups = self._requests_for(prompts, sampling_params, lora_request, priority)
         return self._run(groups, use_tqdm)
 
     def enqueue(
@@ -241,8 +241,7 @@ class LLM:
         """Queue prompts without running them, as vLLM's: `wait_for_completion` runs them (a
         `generate` in between runs them too). Their request ids, in input order."""
         del use_tqdm  # queueing shows no progress
-        check_request_options(priority=priority)
-        groups = self._requests_for(prompts, sampling_params, lora_request)
+        groups = self._requests_for(prompts, sampling_params, lora_request, priority)
         with self._hook():
             for _, group in groups:
                 for request in group:
@@ -503,23 +502,27 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[tuple[str, list[Request]]]:
         if isinstance(prompts, str | dict) or not isinstance(prompts, Sequence):
             prompts = [prompts]
         params = self._params_per_prompt(sampling_params, len(prompts))
-        return self._make_requests(prompts, params, per_prompt(lora_request, len(prompts)))
+        loras = per_prompt(lora_request, len(prompts))
+        return self._make_requests(prompts, params, loras, _priorities(priority, len(prompts)))
 
     def _make_requests(
         self,
         prompts: Sequence[Prompt],
         params: list[SamplingParams],
         loras: list[LoRARequest | None] | None = None,
+        priorities: Sequence[int] | None = None,
     ) -> list[tuple[str, list[Request]]]:
         """Validate everything before queueing anything: one bad prompt rejects the whole call."""
         groups = []
         engine = self.engine
         loras = loras or [None] * len(prompts)
-        for prompt, p, lora in zip(prompts, params, loras, strict=True):
+        priorities = priorities or [0] * len(prompts)
+        for prompt, p, lora, priority in zip(prompts, params, loras, priorities, strict=True):
             p.validate()  # n=0 would otherwise make no request to validate
             text, ids = split_prompt(prompt)
             salt = prompt_cache_salt(prompt)
@@ -529,7 +532,13 @@ class LLM:
                 rid = base if p.n == 1 else f"{base}-{k}"
                 group.append(
                     engine.make_request(
-                        rid, seeded(p, k), text, ids, cache_salt=salt, lora_request=lora
+                        rid,
+                        seeded(p, k),
+                        text,
+                        ids,
+                        cache_salt=salt,
+                        lora_request=lora,
+                        priority=priority,
                     )
                 )
                 ids = ids if ids is not None else group[0].prompt_token_ids
@@ -595,6 +604,19 @@ class LLM:
             if self.engine.paused:  # e.g. pause_generation("wait") drained: wake its caller
                 self._resumed.notify_all()
             return updated
+
+
+def _priorities(priority: Sequence[int] | None, count: int) -> Sequence[int]:
+    """vLLM's `priority` argument of `generate`: one per prompt (None: 0 for each)."""
+    if priority is None:
+        return [0] * count
+    if not isinstance(priority, Sequence) or isinstance(priority, str):
+        raise TypeError(
+            f"priority must be a list of ints, one per prompt, got {type(priority).__name__}"
+        )
+    if len(priority) != count:
+        raise ValueError(f"got {len(priority)} priorities for {count} prompts")
+    return priority
 
 
 _held_lock = threading.Lock()

@@ -38,6 +38,10 @@ class Request:
     cache_salt: str | None = None  # shares cached blocks only with requests of this salt
     lora_request: LoRARequest | None = None  # its adapter (lora.py); None: the base model
     lora_slot: int = -1  # while running, the device slot of its adapter (-1: none)
+    # vLLM's: under scheduling_policy "priority", lower values are served first, then earlier
+    # arrivals (its place in the order requests were queued: Scheduler.add)
+    priority: int = 0
+    arrival: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
@@ -149,15 +153,3 @@ def split_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None]:
 def prompt_cache_salt(prompt: Prompt) -> Any:
     """A prompt dict's "cache_salt" as given (the engine checks it), else None."""
     return prompt.get("cache_salt") if isinstance(prompt, dict) else None
-
-
-def check_request_options(priority: Any = None) -> None:
-    """vLLM's per-request `priority`, taken at the value that is tandem's behaviour: priority 0
-    (first come, first served, as vLLM's default scheduling_policy "fcfs" runs every request);
-    the others are ValueErrors saying why."""
-    values = priority if isinstance(priority, list | tuple) else [priority]
-    if any(p is not None and (isinstance(p, bool) or p != 0) for p in values):
-        raise ValueError(
-            "priority is not supported: requests run first come, first served (vLLM's "
-            f"scheduling_policy 'fcfs', every priority 0), got {priority!r}"
-        )

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from bisect import insort
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from tandem.config import cdiv
 from tandem.kv_cache import BlockAllocator, BlockCopy
@@ -46,16 +49,69 @@ class StepPlan:
         self.num_new_tokens = [self.num_new_tokens[i] for i in order]
 
 
-class Scheduler:
-    """FIFO admission, decode and chunked prefill mixed under a token budget; preemption by
-    recompute or by swap.
+by_priority = attrgetter("priority", "arrival")  # scheduling_policy "priority"'s order
 
-    Running requests are served first, oldest first. When blocks run out, the most recently
-    admitted running request is preempted. By recompute, its blocks are freed (what they
-    cached stays cached) and it returns to the front of the queue to recompute what the cache
-    no longer holds. By swap (swap.py: chosen per victim, for those whose recompute costs more
-    than the copies), its KV goes to host memory and it waits in `swapped`; swapped requests
-    resume, oldest first, before anything new is admitted.
+
+def _reversed_priority(request: Request) -> tuple[int, int]:
+    return -request.priority, -request.arrival
+
+
+class ArrivalQueue(deque[Request]):
+    """First come, first served ("fcfs"): requests in arrival order; one put back (preempted,
+    or deferred at admission) goes to the front, to be served first again."""
+
+    add = deque.append
+    put_back = deque.appendleft
+
+
+class PriorityQueue:
+    """vLLM's "priority" policy: requests by (priority, arrival), the lowest first; one put back
+    takes its place in that order again. A list kept in reverse order with bisect: the head is
+    at its end, taken without moving the others."""
+
+    def __init__(self) -> None:
+        self._last_first: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        insort(self._last_first, request, key=_reversed_priority)
+
+    put_back = add
+
+    def __getitem__(self, index: int) -> Request:
+        return self._last_first[-1 - index]
+
+    def popleft(self) -> Request:
+        """Take the head, the request served next."""
+        return self._last_first.pop()
+
+    def pop(self) -> Request:
+        """Take the request served last."""
+        return self._last_first.pop(0)
+
+    def remove(self, request: Request) -> None:
+        self._last_first.remove(request)
+
+    def __iter__(self) -> Iterator[Request]:
+        return reversed(self._last_first)
+
+    def __len__(self) -> int:
+        return len(self._last_first)
+
+
+class Scheduler:
+    """Admission in the policy's order, decode and chunked prefill mixed under a token budget;
+    preemption by recompute or by swap.
+
+    Under "fcfs" (first come, first served), running requests are served oldest first; when
+    blocks run out, the most recently admitted is preempted. By recompute, its blocks are freed
+    (what they cached stays cached) and it returns to the front of the queue to recompute what
+    the cache no longer holds. By swap (swap.py: chosen per victim, for those whose recompute
+    costs more than the copies), its KV goes to host memory and it waits in `swapped`; swapped
+    requests resume, oldest first, before anything new is admitted.
+    Under "priority" (vLLM's), every queue and `running` itself are in (priority, arrival)
+    order: the most important are served first, the victim is the least important, newest
+    running request, a preempted one goes back to its place in that order, and waiting and
+    swapped requests take turns by it. Nothing is preempted to admit a request.
     An admitted request starts after its longest cached prefix (prefix_cache.py); blocks computed
     earlier in the same step count, so the samples of one prompt prefill it once. One whose last
     token's block is cached whole computes that token alone, in a copy of the block; when the
@@ -73,6 +129,7 @@ class Scheduler:
         max_model_len: int,
         enable_prefix_caching: bool = True,
         swap: SwapManager | None = None,
+        policy: str = "fcfs",
         adapters: AdapterSlots | None = None,
     ):
         self.allocator = allocator
@@ -81,18 +138,24 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.cache = PrefixCache(allocator, block_size, enable_prefix_caching)
-        self.waiting: deque[Request] = deque()
+        self.priority = policy == "priority"
+        queue = PriorityQueue if self.priority else ArrivalQueue
+        self.waiting: ArrivalQueue | PriorityQueue = queue()
+        # the last admitted at the end ("priority": in by_priority order): the victim is the last
         self.running: list[Request] = []
         self.swap = swap or SwapManager(allocator, 0)
         self.swap.watch_reuse()  # after the cache's hook: copies out before the cache forgets
-        self.swapped: deque[Request] = deque()
+        self.swapped: ArrivalQueue | PriorityQueue = queue()
+        self.num_arrivals = 0
         self.num_preemptions = 0
         self.num_block_copies = 0  # copy-on-write admissions, over the engine's life
         self.admitting = True  # False: the waiting queue is held (pause_generation's "wait")
         self.adapters = adapters  # LoRA's device slots, held by running requests
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        request.arrival = self.num_arrivals
+        self.num_arrivals += 1
+        self.waiting.add(request)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -119,7 +182,7 @@ class Scheduler:
             budget -= num_new
         if not plan.preempted:
             budget = self._resume(plan, budget)
-            if not self.swapped and self.admitting:
+            if self.admitting and (not self.swapped or self.priority):
                 self._admit(plan, budget)
         if self.adapters is not None:
             plan.adapter_loads = self.adapters.take_loads()
@@ -145,11 +208,19 @@ class Scheduler:
         self.cache.publish(request)
 
     def _resume(self, plan: StepPlan, budget: int) -> int:
-        """Swap requests back in, oldest first, while their blocks fit; returns the budget left."""
+        """Swap requests back in, in the queue's order, while their blocks fit; returns the
+        budget left."""
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.swapped[0]
             if request.num_pending_tokens:
                 break  # swapped with a token still in flight; resume once it is read back
+            if (
+                self.priority
+                and self.admitting
+                and self.waiting
+                and by_priority(self.waiting[0]) < by_priority(request)
+            ):
+                break  # a waiting request ranks first: admitted first
             num_new = min(self.num_to_compute(request), budget)
             total = cdiv(request.num_computed_tokens + num_new, self.block_size)
             grown = total - len(request.host_blocks)
@@ -160,8 +231,7 @@ class Scheduler:
             self.swapped.popleft()
             self._take_adapter(request)
             request.block_table = self.swap.swap_in(request) + self.allocator.allocate(grown)
-            request.status = Status.RUNNING
-            self.running.append(request)
+            self._run(request)
             self._plan(plan, request, num_new)
             budget -= num_new
         return budget
@@ -174,6 +244,8 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_pending_tokens:
                 break  # preempted with a token still in flight; admit once it is read back
+            if self.swapped and by_priority(self.swapped[0]) < by_priority(request):
+                break  # "priority": a swapped request ranks first, resumed first
             if not self._adapter_fits(request):
                 deferred.append(self.waiting.popleft())
                 continue
@@ -184,7 +256,8 @@ class Scheduler:
             if not self._admit_one(plan, request, cached, source, budget):
                 break
             budget -= plan.num_new_tokens[-1]
-        self.waiting.extendleft(reversed(deferred))
+        for request in reversed(deferred):  # "fcfs": the first deferred at the front again
+            self.waiting.put_back(request)
         # the copy sources were held only so that no admission reused one; later writers of
         # them are steps launched after this one, whose copies run first
         self.allocator.free([copy.src for copy in plan.copies])
@@ -219,10 +292,16 @@ class Scheduler:
         request.num_published_blocks = len(cached)
         if request.num_cached_tokens is None:  # its first admission
             request.num_cached_tokens = num_cached
-        request.status = Status.RUNNING
-        self.running.append(request)
+        self._run(request)
         self._plan(plan, request, num_new)
         return True
+
+    def _run(self, request: Request) -> None:
+        request.status = Status.RUNNING
+        if self.priority:
+            insort(self.running, request, key=by_priority)
+        else:
+            self.running.append(request)
 
     def _adapter_fits(self, request: Request) -> bool:
         """Whether the request's LoRA adapter (if any) has a device slot or can take one."""
@@ -234,7 +313,8 @@ class Scheduler:
             request.lora_slot = self.adapters.acquire(request.lora_request)
 
     def _reserve_blocks(self, request: Request, num_new: int, plan: StepPlan) -> bool:
-        """Grow the request's block table to cover this step, preempting the newest requests if needed."""
+        """Grow the request's block table to cover this step, preempting the last running
+        requests if needed (the newest; "priority": the least important, newest)."""
         needed = cdiv(request.num_computed_tokens + num_new, self.block_size) - len(
             request.block_table
         )
@@ -251,30 +331,32 @@ class Scheduler:
 
     def preempt(self, request: Request, recompute: bool = False) -> None:
         """Stop a running request: by swap where the swap policy says so, unless `recompute`
-        (its KV is stale), else back to the front of the queue to recompute its KV."""
+        (its KV is stale), else back to the queue (its front; "priority": its place) to
+        recompute its KV."""
         self.running.remove(request)
         self.cache.publish(request)
         if not recompute and self.swap.should_swap(request):
             self.swap.swap_out(request)
             request.status = Status.SWAPPED
-            self.swapped.appendleft(request)
+            self.swapped.put_back(request)
         else:
             request.num_computed_tokens = 0
             request.status = Status.WAITING
-            self.waiting.appendleft(request)
+            self.waiting.put_back(request)
         self._release_blocks(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
 
     def recompute_swapped(self) -> None:
-        """Every swapped request to the front of the queue, in the order they would resume,
-        to recompute its KV: its host copy is dropped (stale after a weight update)."""
+        """Every swapped request to the front of the queue ("priority": to its place), in the
+        order they would resume, to recompute its KV: its host copy is dropped (stale after a
+        weight update)."""
         while self.swapped:
             request = self.swapped.pop()
             self.swap.release(request)
             request.num_computed_tokens = 0
             request.status = Status.WAITING
-            self.waiting.appendleft(request)
+            self.waiting.put_back(request)
 
     def finish(self, request: Request, reason: str) -> None:
         """Retire a request (stop, length or abort) and return its blocks."""

@@ -51,8 +51,8 @@ class Workers:
             self.processes.append(process)
 
     def step(self, commands: list[tuple[Any, ...]]) -> None:
-        """Apply `commands` (("add", request_id, params, prompt_token_ids, cache_salt, pooling, lora),
-        ("abort", id) or ("reset_prefix_cache",)), then step."""
+        """Apply `commands` (("add", request_id, params, prompt_token_ids, cache_salt, pooling,
+        lora_request, priority), ("abort", id) or ("reset_prefix_cache",)), then step."""
         self.check()
         for pipe in self.pipes:
             try:
@@ -194,7 +194,9 @@ def follow(engine: Any, pipe: multiprocessing.connection.Connection) -> None:
             continue
         for command in commands:
             if command[0] == "add":
-                _, request_id, params, prompt_token_ids, cache_salt, pooling, lora = command
+                _, request_id, params, prompt_token_ids, cache_salt, pooling, lora, priority = (
+                    command
+                )
                 engine.enqueue(
                     engine.make_request(
                         request_id,
@@ -203,6 +205,7 @@ def follow(engine: Any, pipe: multiprocessing.connection.Connection) -> None:
                         cache_salt=cache_salt,
                         pooling=pooling,
                         lora_request=lora,
+                        priority=priority,
                     )
                 )
             elif command[0] == "reset_prefix_cache":

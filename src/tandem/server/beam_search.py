@@ -56,9 +56,10 @@ def params_of(body: SamplingRequest, max_tokens: int, defaults: dict[str, Any]) 
 
 
 async def search(
-    llm: AsyncLLM, starts: list[list[int]], params: BeamSearchParams
+    llm: AsyncLLM, starts: list[list[int]], params: BeamSearchParams, priority: int = 0
 ) -> list[BeamSearchOutput]:
-    """Each prompt's best beams, a round's one-token requests run side by side."""
+    """Each prompt's best beams, a round's one-token requests run side by side (each at
+    `priority`)."""
     try:
         beams = BeamSearch(starts, params, llm.engine)
     except ValueError as error:
@@ -72,7 +73,12 @@ async def search(
         answers = await asyncio.gather(
             *(
                 last(
-                    llm.generate({"prompt_token_ids": t}, round_params, f"beam-{call}-{index}-{i}")
+                    llm.generate(
+                        {"prompt_token_ids": t},
+                        round_params,
+                        f"beam-{call}-{index}-{i}",
+                        priority=priority,
+                    )
                 )
                 for i, t in enumerate(tokens)
             )

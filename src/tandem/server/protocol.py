@@ -35,8 +35,7 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
     "tools": ([],),  # /v1/completions: chat declares tools and tool_choice
     "tool_choice": ("none", "auto"),
-    # vLLM's, at its defaults
-    "priority": (0,),
+    # vLLM's, at its default
     "spaces_between_special_tokens": (True,),
 }
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
@@ -177,6 +176,8 @@ class SamplingRequest(BaseModel):
     # vLLM's: the n best beams of a beam search (server/beam_search.py), scored with this
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # vLLM's: lower is served first under --scheduling-policy priority; under fcfs, 0 alone
+    priority: int = 0
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or ())

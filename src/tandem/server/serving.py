@@ -312,13 +312,17 @@ class OpenAIServing:
                 f"{self.options.max_sequences_per_request} are allowed in one request"
             )
             raise OpenAIError(message, param="n")
-        outputs = await beam_search.search(self.llm, starts, params)
+        outputs = await beam_search.search(self.llm, starts, params, body.priority)
         answer = beam_search.response(body, self.model_name, starts, outputs, self.llm.tokenizer)
         return JSONResponse(answer)
 
     def check_request(self, body: SamplingRequest) -> None:
         """400 for what this server does not implement, or what passes its limits."""
         check_supported(body)
+        try:
+            self.llm.engine.check_priority(body.priority)
+        except ValueError as error:  # a priority under fcfs
+            raise OpenAIError(str(error), param="priority") from error
         if body.stream_options is not None and not body.stream:
             raise OpenAIError("stream_options needs stream set to true", param="stream_options")
         if body.prompt_logprobs is not None and body.stream:  # as vLLM's
@@ -368,8 +372,9 @@ class OpenAIServing:
                 f"sequences; at most {limit} are allowed in one request"
             )
             raise OpenAIError(message, param="n")
+        salt, priority = body.cache_salt, body.priority
         requests = [
-            (f"{kind}-{call_id}-{i}-{k}", seeded(params, k), text, ids, body.cache_salt)
+            (f"{kind}-{call_id}-{i}-{k}", seeded(params, k), text, ids, salt, priority)
             for i, (text, ids) in enumerate(prompts)
             for k in range(params.n)
         ]

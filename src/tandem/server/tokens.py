@@ -46,7 +46,7 @@ class GenerateRequest(RequestOption):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     cache_salt: Annotated[str, Field(min_length=1), AfterValidator(encodable)] | None = None
-    priority: Annotated[int, Field(ge=0, le=0)] = 0  # no priority scheduling here: 0 alone
+    priority: int = 0  # lower is served first under --scheduling-policy priority; fcfs: 0
 
     # what OpenAIServing reads of a request body
     return_token_ids = property(lambda self: True)
@@ -152,7 +152,7 @@ def rendered(request_id: str, ids: list[int], params: SamplingParams, body) -> d
         "stream": stream,
         "stream_options": options,
         "cache_salt": body.cache_salt,
-        "priority": 0,
+        "priority": body.priority,
     }
 
 

@@ -455,6 +455,23 @@ class KVHashLM(HashLM):
         self.cached_position[:] = -1
 
 
+def swapping_engine(make_tiny, async_batching: bool, limits: dict, host_blocks: int, **options):
+    """An engine of the tiny llama that preempts by swap into about `host_blocks` host blocks."""
+    folder = make_tiny("llama")
+    cfg = ModelConfig.from_hf(read_hf_config(str(folder))[0])
+    per_block = bytes_per_block(cfg, limits["block_size"], torch.float32)
+    config = EngineConfig(
+        str(folder),
+        device="cpu",
+        async_batching=async_batching,
+        preemption_mode="swap",
+        swap_space=(host_blocks + 0.5) * per_block / 2**30,
+        **limits,
+        **options,
+    )
+    return Engine(config)
+
+
 @pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
 @settings(max_examples=40, deadline=None)
 @given(
@@ -466,18 +483,7 @@ class KVHashLM(HashLM):
 def test_with_swapping_no_block_leaks_on_device_or_host_and_every_request_gets_its_tokens(
     make_tiny, async_batching, limits, workload, eos_percent, host_blocks
 ):
-    folder = make_tiny("llama")
-    cfg = ModelConfig.from_hf(read_hf_config(str(folder))[0])
-    per_block = bytes_per_block(cfg, limits["block_size"], torch.float32)
-    config = EngineConfig(
-        str(folder),
-        device="cpu",
-        async_batching=async_batching,
-        preemption_mode="swap",
-        swap_space=(host_blocks + 0.5) * per_block / 2**30,
-        **limits,
-    )
-    engine = Engine(config)
+    engine = swapping_engine(make_tiny, async_batching, limits, host_blocks)
     swap = engine.scheduler.swap
     assert swap.host.num_blocks == min(
         host_blocks, limits["max_num_seqs"] * cdiv(limits["max_model_len"], limits["block_size"])
@@ -556,19 +562,9 @@ def test_under_priority_scheduling_the_queues_keep_their_order_and_every_request
     make_tiny, async_batching, limits, workload, priorities, host_blocks
 ):
     """The hash model keeps its tokens in the real KV cache, so swapped requests carry them."""
-    folder = make_tiny("llama")
-    cfg = ModelConfig.from_hf(read_hf_config(str(folder))[0])
-    per_block = bytes_per_block(cfg, limits["block_size"], torch.float32)
-    config = EngineConfig(
-        str(folder),
-        device="cpu",
-        async_batching=async_batching,
-        scheduling_policy="priority",
-        preemption_mode="swap",
-        swap_space=(host_blocks + 0.5) * per_block / 2**30,
-        **limits,
+    engine = swapping_engine(
+        make_tiny, async_batching, limits, host_blocks, scheduling_policy="priority"
     )
-    engine = Engine(config)
     model = engine.runner.model = KVHashLM(engine, 5)
     scheduler = engine.scheduler
     schedule = scheduler.schedule

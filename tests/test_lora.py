@@ -27,6 +27,7 @@ from tandem.server.app import build_app
 from tandem.server.options import ServerOptions
 from tandem.tokenizer import Tokenizer
 from test_bad_input import transformers_greedy as greedy_of
+from test_hub import cache_repo
 from test_server import running
 
 PROMPTS = ["Hello there", "The quick brown fox jumps over", "café au lait " * 4, "Paged KV"]
@@ -159,6 +160,17 @@ def test_the_prefix_cache_keeps_each_adapter_s_kv_apart(lora_models):
     assert first.outputs[0].token_ids == again.outputs[0].token_ids
     assert other.outputs[0].token_ids == transformers_greedy(str(adapters[2][1]), prompt)
     assert plain.outputs[0].token_ids == transformers_greedy(str(base), prompt)
+
+
+def test_an_adapter_named_by_a_hub_repository_id(lora_models, tmp_path):
+    """lora_path may be a Hub repository id, read from the Hub's cache (offline in the tests)."""
+    base, adapters = lora_models("llama")
+    cache_repo(tmp_path, "org/adapter", {"c" * 40: ("main", adapters[2][0])})
+    llm = LLM(str(base), max_model_len=64, enable_lora=True, download_dir=str(tmp_path))
+    got = tokens(llm.generate(PROMPTS[:1], GREEDY, False, LoRARequest("hub", 9, "org/adapter")))
+    assert got == [transformers_greedy(adapters[2][1], PROMPTS[0])]
+    with pytest.raises(ValueError, match="org/missing"):
+        llm.generate("x", GREEDY, False, LoRARequest("gone", 10, "org/missing"))
 
 
 def test_first_block_keys_differ_by_adapter_and_never_meet_a_salt():

@@ -183,6 +183,7 @@ class Engine:
             read = functools.partial(
                 read_adapter, shapes=self.model.lora.shapes(), max_rank=config.max_lora_rank,
                 full_cfg=cfg, tp=self.tp, dtype=self.dtype, pin=self.device.type == "cuda",
+                source=hub.Source(None, config.download_dir, config.hf_token),
             )  # fmt: skip
             self.adapter_cache = AdapterCache(read, config.max_cpu_loras or config.max_loras)
             adapter_slots = AdapterSlots(config.max_loras, self.adapter_cache)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from tandem import hub
 from tandem.config import ModelConfig
 from tandem.parallel import TensorParallel, shard_tensor
 
@@ -110,11 +111,13 @@ def read_adapter(
     tp: TensorParallel,
     dtype: torch.dtype,
     pin: bool,
+    source: hub.Source = hub.DEFAULT,
 ) -> Adapter:
-    """The adapter of `request.lora_path` as this rank's host blocks for every projection in
-    `shapes` (layer -> projection -> shape; a MoE layer has no MLP projections). ValueError for
-    what the engine cannot run, saying what it is."""
-    folder = Path(request.lora_path).expanduser()
+    """The adapter of `request.lora_path` (a PEFT folder, or a Hugging Face Hub repository id
+    read as `source` says) as this rank's host blocks for every projection in `shapes` (layer
+    -> projection -> shape; a MoE layer has no MLP projections). ValueError for what the engine
+    cannot run, saying what it is."""
+    folder = adapter_folder(request, source)
     config_path = folder / "adapter_config.json"
     if not config_path.is_file():
         raise ValueError(f"LoRA adapter {request.lora_name!r}: {folder} has no adapter_config.json")
@@ -164,6 +167,20 @@ def read_adapter(
     if pin:
         weights = {key: (a.pin_memory(), b.pin_memory()) for key, (a, b) in weights.items()}
     return Adapter(request, weights)
+
+
+def adapter_folder(request: LoRARequest, source: hub.Source) -> Path:
+    """The adapter's local folder: `lora_path` itself, or the Hub repository it names (fetched
+    into the Hub's cache, as vLLM takes one)."""
+    folder = Path(request.lora_path).expanduser()
+    if folder.is_dir() or hub.is_path(request.lora_path):
+        return folder
+    try:
+        return hub.snapshot(request.lora_path, source)
+    except FileNotFoundError as error:
+        raise ValueError(
+            f"LoRA adapter {request.lora_name!r}: no such folder, and {error}"
+        ) from error
 
 
 def check_adapter_config(request: LoRARequest, config: dict, max_rank: int) -> tuple[int, float]:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from tandem import LLM, SamplingParams
+from tandem.model.tiny import make_tiny_model
 
 ENGINE_ARGS = {"max_model_len": 128, "block_size": 8, "dtype": "float32"}
 PROMPTS = [{"prompt_token_ids": [5 + i, 17, 30 + 2 * i, 9, 11, 12, 40, 41, 3]} for i in range(4)]
@@ -42,6 +43,38 @@ def test_update_weights_then_generate_equals_a_fresh_engine_on_the_new_checkpoin
     assert cache.num_hit_tokens == hits  # A's cached KV was forgotten
     llm.update_weights_from_path(a)
     assert [t for t, _ in tokens_and_logprobs(llm)] == [t for t, _ in on_a]
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "mixtral", "phi3", "qwen3_moe"])
+def test_each_architecture_s_checkpoint_names_update_as_they_load(tmp_path, arch):
+    """Gemma's norms (stored as 1 + w), Mixtral's expert names, Phi-3's fused matrices and
+    transformers 5's fused experts go through the loader's mapping in an update too."""
+    a, b = (
+        make_tiny_model(tmp_path / name, arch, seed=seed) for name, seed in (("a", 1), ("b", 2))
+    )
+    if arch == "qwen3_moe":  # b's experts as transformers 5 saves them: one tensor per layer
+        fuse_experts(b / "model.safetensors")
+    llm = LLM(str(a), **ENGINE_ARGS)
+    llm.update_weights_from_path(b)
+    assert tokens_and_logprobs(llm) == tokens_and_logprobs(LLM(str(b), **ENGINE_ARGS))
+
+
+def fuse_experts(path) -> None:
+    """Rewrite per-expert gate/up/down matrices as fused [experts, ...] tensors per layer."""
+    state = load_file(path)
+    fused: dict[str, torch.Tensor] = {}
+    for layer in {k.split(".experts.")[0] for k in state if ".experts." in k}:
+        count = len({k for k in state if k.startswith(f"{layer}.experts.") and "down_proj" in k})
+        expert = [f"{layer}.experts.{e}" for e in range(count)]
+        gate_up = [
+            torch.cat([state.pop(f"{x}.gate_proj.weight"), state.pop(f"{x}.up_proj.weight")])
+            for x in expert
+        ]
+        fused[f"{layer}.experts.gate_up_proj"] = torch.stack(gate_up)
+        fused[f"{layer}.experts.down_proj"] = torch.stack(
+            [state.pop(f"{x}.down_proj.weight") for x in expert]
+        )
+    save_file({**state, **fused}, path)
 
 
 def test_a_layer_by_layer_stream_of_tensors_is_applied_like_a_state_dict(checkpoints, fresh):

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from tandem.config import ModelConfig
+from tandem.model import hf_names
 from tandem.model.decoder import Decoder
 from tandem.model.loader import destination, iter_safetensors
 from tandem.parallel import TensorParallel, shard_tensor
@@ -50,7 +51,9 @@ def plan_update(
         )
     params = dict(model.named_parameters())
     copies = []
-    for name, tensor in pairs:
+    # under the loader's names, as a checkpoint is loaded (Mixtral's experts, Phi-3's fused
+    # matrices split, Gemma's norms stored as 1 + w)
+    for name, tensor in hf_names.normalized(pairs, cfg):
         source = shard_tensor(name, tensor, cfg, tp)
         found = destination(model, params, name, source)
         if found is not None:

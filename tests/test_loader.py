@@ -39,6 +39,7 @@ KNOWN_SIZES = {
     "mixtral-8x7b": 46.7e9,
     "gemma-3-12b": 11.77e9,  # the text model of the 12.2B (vision included) release
     "phi-3-mini": 3.82e9,
+    "phi-4-mini": 3.84e9,
 }
 
 
@@ -294,6 +295,23 @@ def test_mistral_with_a_sliding_window_windows_every_layer():
     config = read_json(PRESETS_DIR / "mistral-7b.json") | {"sliding_window": 4096}
     parsed = ModelConfig.from_hf(config)
     assert parsed.sliding_window == 4096 and parsed.sliding_layers == (True,) * 32
+
+
+def test_a_window_wider_than_any_sequence_is_no_window():
+    """Phi-4-mini's sliding_window (262,144) is past its max_position_embeddings (131,072): no
+    layer is windowed, so the cascade decode still reads shared blocks once."""
+    parsed = ModelConfig.from_hf(read_json(PRESETS_DIR / "phi-4-mini.json"))
+    assert parsed.sliding_window is None and parsed.sliding_layers == ()
+    assert (parsed.head_dim, parsed.rotary_dim) == (128, 96)  # partial_rotary_factor 0.75
+
+
+def test_partial_rotary_is_refused_where_transformers_has_none():
+    config = read_json(PRESETS_DIR / "llama-3-8b.json") | {"partial_rotary_factor": 0.5}
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        ModelConfig.from_hf(config)
+    odd = read_json(PRESETS_DIR / "phi-4-mini.json") | {"partial_rotary_factor": 0.7}
+    with pytest.raises(ValueError, match="even"):
+        ModelConfig.from_hf(odd)
 
 
 def test_qwen_with_use_sliding_window_is_refused_naming_the_field():

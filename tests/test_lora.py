@@ -59,7 +59,7 @@ def lora_models(make_tiny, tmp_path_factory):
     def make(arch: str):
         if arch not in made:
             base = make_tiny(arch)
-            targets = FUSED if arch == "phi3" else None
+            targets = FUSED if arch.startswith("phi") else None
             adapters = {}
             for lora_id, rank in ((1, 8), (2, 4)):
                 root = tmp_path_factory.mktemp(f"lora-{arch}-{lora_id}")
@@ -86,7 +86,7 @@ def tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "phi3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "phi3", "phi4_mini", "qwen3_moe"])
 def test_adapter_tokens_equal_transformers_with_the_adapter_merged(lora_models, arch):
     base, adapters = lora_models(arch)
     llm = LLM(str(base), max_model_len=64, enable_lora=True, max_loras=2)
@@ -249,8 +249,9 @@ def test_async_llm_streams_under_an_adapter(lora_models):
     assert asyncio.run(main()) == transformers_greedy(str(adapters[2][1]), PROMPTS[1])
 
 
-def test_two_ranks_give_one_rank_s_tokens_under_adapters(lora_models):
-    base, adapters = lora_models("qwen3")
+@pytest.mark.parametrize("arch", ["qwen3", "phi4_mini"])
+def test_two_ranks_give_one_rank_s_tokens_under_adapters(lora_models, arch):
+    base, adapters = lora_models(arch)
     loras = [request_of(adapters, 1), None, request_of(adapters, 2), request_of(adapters, 1)]
     results = []
     for size in (1, 2):

@@ -30,6 +30,8 @@ CLASSIFIERS = {
 }
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# architectures whose heads may rotate only their leading dimensions (partial_rotary_factor)
+PARTIAL_ROTARY = ("Phi3ForCausalLM",)
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # architectures whose sliding_window (when set) applies to every layer
 WINDOWED_EVERYWHERE = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
@@ -99,6 +101,9 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     # a sequence classifier's labels (CLASSIFIERS); 0 for a generative model
     num_labels: int = 0
+    # the leading dimensions of a head that rotate (partial_rotary_factor; 0: all head_dim);
+    # the loader reorders q and k so that they rotate as a full-width table (rope.py)
+    rotary_dim: int = 0
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -123,6 +128,8 @@ class ModelConfig:
             )
         num_heads = hf["num_attention_heads"]
         num_layers = hf["num_hidden_layers"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        rotary_dim = rotary_dim_of(hf, head_dim)
         rope_theta, rope_scaling, rope_local_theta = parse_rope(hf, arch)
         window, sliding_layers = parse_window(hf, arch, num_layers)
         eos = hf.get("eos_token_id")
@@ -141,7 +148,7 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -164,6 +171,7 @@ class ModelConfig:
             num_labels=(len(hf.get("id2label") or {}) or int(hf.get("num_labels", 2)))
             if classifier
             else 0,
+            rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
         )
 
     @property
@@ -204,10 +212,12 @@ def refuse_unimplemented(hf: dict[str, Any], arch: str) -> None:
     does not implement."""
     if hf.get("mlp_bias"):
         raise ValueError("unsupported mlp_bias=true in config.json")
-    rope = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
-    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise ValueError(f"unsupported partial_rotary_factor={partial} in config.json; only 1.0")
+    partial = partial_rotary_factor(hf)
+    if partial != 1.0 and arch not in PARTIAL_ROTARY:
+        raise ValueError(
+            f"unsupported partial_rotary_factor={partial} in config.json for {arch}; only 1.0 "
+            f"(partial rotary: {', '.join(PARTIAL_ROTARY)})"
+        )
     if hf.get("use_bidirectional_attention"):
         raise ValueError("unsupported use_bidirectional_attention=true in config.json")
     if hf.get("shared_expert_intermediate_size") and arch != "Qwen2MoeForCausalLM":
@@ -215,6 +225,24 @@ def refuse_unimplemented(hf: dict[str, Any], arch: str) -> None:
     kinds = set(hf.get("layer_types") or ())
     if kinds - {"sliding_attention", "full_attention"}:
         raise ValueError(f"unsupported layer_types {sorted(kinds)} in config.json")
+
+
+def partial_rotary_factor(hf: dict[str, Any]) -> float:
+    rope = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    return 1.0 if partial is None else float(partial)
+
+
+def rotary_dim_of(hf: dict[str, Any], head_dim: int) -> int:
+    """The dimensions of each head that rotate: the first head_dim * partial_rotary_factor
+    (Phi-4-mini: 0.75), an even number whose rest is even too (`hf_names.rotary_order`)."""
+    dim = int(head_dim * partial_rotary_factor(hf))
+    if not 0 < dim <= head_dim or dim % 2 or (head_dim - dim) % 2:
+        raise ValueError(
+            f"partial_rotary_factor={partial_rotary_factor(hf)} of head_dim {head_dim} leaves "
+            f"{dim} rotary dimensions; an even number with an even rest is supported"
+        )
+    return dim
 
 
 def parse_rope(hf: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | None, float | None]:
@@ -285,6 +313,8 @@ def parse_window(
     if arch == "LlamaForCausalLM" or window is None:
         return None, ()
     if arch in WINDOWED_EVERYWHERE:
+        if window >= hf.get("max_position_embeddings", 4096):
+            return None, ()  # wider than any sequence (Phi-4-mini's 262,144): no window at all
         layers = (True,) * num_layers
     else:  # Gemma: alternating sliding and full layers
         kinds = hf.get("layer_types")

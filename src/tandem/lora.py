@@ -25,6 +25,7 @@ from safetensors import safe_open
 
 from tandem import hub
 from tandem.config import ModelConfig
+from tandem.model.rope import rotary_rows
 from tandem.parallel import TensorParallel, shard_tensor
 
 # a PEFT tensor of a decoder layer's projection: layer, module, A or B
@@ -146,11 +147,12 @@ def read_adapter(
                 )
             block = "self_attn" if projection in ("qkv_proj", "o_proj") else "mlp"
             name = f"model.layers.{layer}.{block}.{leaf}.weight"  # as the base weight shards
-            this_a, this_b = lora_a, part_b
+            # q and k rows in the loader's order (partial rotary), then this rank's slice
+            this_a, this_b = lora_a, rotary_rows(name, part_b, full_cfg)
             if projection in ROW_PARALLEL:
                 this_a = shard_tensor(name, lora_a, full_cfg, tp)
             else:
-                this_b = shard_tensor(name, part_b, full_cfg, tp)
+                this_b = shard_tensor(name, this_b, full_cfg, tp)
             a, b = weights[(layer, projection)]
             shape = shapes[layer][projection]
             first = sum(shape.lane_rows[:lane])

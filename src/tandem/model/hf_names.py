@@ -5,6 +5,8 @@ knows (Llama's, plus per-expert `mlp.experts.{j}.{gate,up,down}_proj`), before s
 - Phi-3: fused `qkv_proj` and `gate_up_proj` split into q/k/v and gate/up (so that tensor
   parallelism slices each part as for Llama, and the loader stacks them back).
 - Gemma: norm weights w stored as 1 + w (Gemma's RMSNorm multiplies by 1 + w).
+- Partial rotary (Phi-4-mini): q and k rows of each head reordered (`rope.rotary_order`), so that
+  the rotary table rotates its first dimensions and leaves the others as they are.
 - Expert weights fused per layer, as transformers 5 saves them (`mlp.experts.gate_up_proj`
   [experts, 2 * inter, hidden], `mlp.experts.down_proj`), split per expert.
 """
@@ -18,6 +20,7 @@ import torch
 
 from tandem.config import GEMMA, ModelConfig
 from tandem.model.gemma import GEMMA_NORMS
+from tandem.model.rope import rotary_rows
 
 MIXTRAL_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # (layer prefix, expert, projection) of a per-expert tensor name
@@ -27,7 +30,14 @@ EXPERT_NAME = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_pr
 def normalized(
     tensors: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of a checkpoint -> the same weights under the loader's names."""
+    """(name, tensor) pairs of a checkpoint -> the same weights under the loader's names (and,
+    with partial rotary, q and k in the order that rotates as a full-width table)."""
+    return ((name, rotary_rows(name, tensor, cfg)) for name, tensor in renamed(tensors, cfg))
+
+
+def renamed(
+    tensors: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
     gemma = cfg.architecture in GEMMA
     for name, tensor in tensors:
         if cfg.architecture == "MixtralForCausalLM":

@@ -20,7 +20,9 @@ class Ropes(NamedTuple):
 
 
 def rotary_embeddings(cfg: ModelConfig, max_position: int) -> Ropes:
-    full = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+    full = RotaryEmbedding(
+        cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim
+    )
     if cfg.rope_local_theta is None:
         return Ropes(full, full)
     return Ropes(full, RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_local_theta, None))

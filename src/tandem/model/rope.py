@@ -14,9 +14,13 @@ is longer, recomputes its cache at that point).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from tandem.config import ModelConfig
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -106,11 +110,58 @@ def rope_angles(
 
 
 class RotaryEmbedding(torch.nn.Module):
+    """The table of a head of `head_dim` whose first `rotary_dim` dimensions rotate (0: all).
+    With partial rotary, the frequencies are those of a `rotary_dim` head and the table's other
+    columns cos 1, sin 0: dimensions that stay as they are, once the loader has reordered q and
+    k so that pairs (i, i + rotary_dim / 2) sit at (j, j + head_dim / 2) (`hf_names`)."""
+
     def __init__(
-        self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        rotary_dim: int = 0,
     ):
         super().__init__()
-        angles, attention_factor = rope_angles(head_dim, max_position, theta, scaling)
+        dim = rotary_dim or head_dim
+        angles, attention_factor = rope_angles(dim, max_position, theta, scaling)
+        still = (head_dim - dim) // 2  # columns of dimensions that do not rotate
+        cos = F.pad(angles.cos() * attention_factor, (0, still), value=1.0)
+        sin = F.pad(angles.sin() * attention_factor, (0, still), value=0.0)
         # [max_position, head_dim] float32: cos in the first half, sin in the second
-        cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1) * attention_factor
-        self.register_buffer("cos_sin", cos_sin, persistent=False)
+        self.register_buffer("cos_sin", torch.cat([cos, sin], dim=-1), persistent=False)
+
+
+def rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """A head's dimensions in the order that rotates as a full-width table: the rotary pairs
+    (i, i + rotary_dim / 2) at (j, j + head_dim / 2), the other dimensions in the columns whose
+    angle is 0. E.g. head_dim 8, rotary_dim 4 -> [0, 1, 4, 5, 2, 3, 6, 7]."""
+    half, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    return torch.cat(
+        [
+            torch.arange(0, half),
+            torch.arange(rotary_dim, rotary_dim + rest),
+            torch.arange(half, rotary_dim),
+            torch.arange(rotary_dim + rest, head_dim),
+        ]
+    )
+
+
+def rotary_rows(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """A q or k tensor (projection rows, bias, per-row scales, head norm) with each head's
+    dimensions in `rotary_order`; any other tensor as it is. ValueError for a q or k tensor
+    whose rows are not whole heads (block-quantized scales)."""
+    leaf = name.rpartition(".")[0].rpartition(".")[2]
+    if not cfg.rotary_dim or leaf not in ("q_proj", "k_proj", "q_norm", "k_norm"):
+        return tensor
+    if tensor.numel() == 1:  # a per-tensor scale
+        return tensor
+    d = cfg.head_dim
+    if tensor.shape[0] % d:
+        raise ValueError(
+            f"checkpoint tensor {name!r} of shape {tuple(tensor.shape)} is not whole heads of "
+            f"{d} rows: its rotary dimensions cannot be reordered (partial_rotary_factor)"
+        )
+    heads = tensor.reshape(tensor.shape[0] // d, d, *tensor.shape[1:])
+    return heads[:, rotary_order(d, cfg.rotary_dim)].reshape(tensor.shape)

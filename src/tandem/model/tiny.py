@@ -240,28 +240,18 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         "sliding_window": 32,
         "tie_word_embeddings": False,
     },
-    # Phi-4-mini's shape of Phi-3: three quarters of each head rotates, tied embeddings, longrope
-    # over the rotary dimensions (18 of 24 pairs), no window
-    "phi4_mini": {
-        "architectures": ["Phi3ForCausalLM"],
-        "model_type": "phi3",
-        "hidden_size": 96,
-        "num_attention_heads": 2,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_key_value_heads": 1,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "partial_rotary_factor": 0.75,
-        "original_max_position_embeddings": 256,
-        "rope_scaling": {
-            "type": "longrope",
-            "short_factor": [1.0 + 0.02 * i for i in range(18)],
-            "long_factor": [1.0 + 0.5 * i for i in range(18)],
-        },
-        "sliding_window": None,
-        "tie_word_embeddings": True,
+}
+# Phi-4-mini's shape of Phi-3: three quarters of each head rotates, tied embeddings, longrope
+# over the rotary dimensions (18 of 24 pairs), no window
+ARCH_CONFIGS["phi4_mini"] = ARCH_CONFIGS["phi3"] | {
+    "partial_rotary_factor": 0.75,
+    "rope_scaling": {
+        "type": "longrope",
+        "short_factor": [1.0 + 0.02 * i for i in range(18)],
+        "long_factor": [1.0 + 0.5 * i for i in range(18)],
     },
+    "sliding_window": None,
+    "tie_word_embeddings": True,
 }
 QWEN_STYLE = {"qwen2", "qwen3", "qwen2_moe", "qwen3_moe"}
 # per-expert tensor names of each MoE family: (block, gate, up, down)

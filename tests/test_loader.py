@@ -40,6 +40,7 @@ KNOWN_SIZES = {
     "gemma-3-12b": 11.77e9,  # the text model of the 12.2B (vision included) release
     "phi-3-mini": 3.82e9,
     "phi-4-mini": 3.84e9,
+    "smollm3-3b": 3.08e9,
 }
 
 
@@ -303,6 +304,17 @@ def test_a_window_wider_than_any_sequence_is_no_window():
     parsed = ModelConfig.from_hf(read_json(PRESETS_DIR / "phi-4-mini.json"))
     assert parsed.sliding_window is None and parsed.sliding_layers == ()
     assert (parsed.head_dim, parsed.rotary_dim) == (128, 96)  # partial_rotary_factor 0.75
+
+
+def test_smollm3_leaves_every_fourth_layer_without_position_embedding():
+    parsed = ModelConfig.from_hf(read_json(PRESETS_DIR / "smollm3-3b.json"))
+    assert parsed.rope_layers == tuple((i + 1) % 4 != 0 for i in range(36))
+    explicit = read_json(PRESETS_DIR / "smollm3-3b.json") | {"no_rope_layers": [1, 0] * 18}
+    assert ModelConfig.from_hf(explicit).rope_layers == (True, False) * 18
+    with pytest.raises(ValueError, match="no_rope_layers has 2 entries for 36 layers"):
+        ModelConfig.from_hf(explicit | {"no_rope_layers": [1, 0]})
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        ModelConfig.from_hf(explicit | {"use_sliding_window": True, "sliding_window": 4096})
 
 
 def test_partial_rotary_is_refused_where_transformers_has_none():

@@ -1,7 +1,8 @@
 """The architectures beyond Llama's family against transformers (fp32, tiny random checkpoints):
 Qwen3-MoE and Mixtral (routed experts), Gemma 2 and 3 (sliding and full layers, soft caps,
 scaled embeddings, GeGLU, extra norms), Phi-3 (fused weights, head_dim 48, longrope, a window),
-Phi-4-mini's Phi-3 (partial rotary), Mistral with a sliding window. Prompts are longer than
+Phi-4-mini's Phi-3 (partial rotary), SmolLM3 (a layer without position embedding), Mistral with
+a sliding window. Prompts are longer than
 every window."""
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from test_engine_vs_transformers import (
 transformers = pytest.importorskip("transformers")
 
 NEW_ARCHS = [
-    "qwen2_moe", "qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3", "phi4_mini", "mistral_sliding"
+    "qwen2_moe", "qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3", "phi4_mini", "smollm3",
+    "mistral_sliding",
 ]  # fmt: skip
 WINDOWED = {"gemma2": 16, "gemma3": 16, "phi3": 32, "mistral_sliding": 24}
 

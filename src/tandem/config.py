@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
+    "SmolLM3ForCausalLM": "smollm3",
 }
 # sequence classifiers (reward models): the decoder with a `score` matrix of num_labels rows
 # in place of its LM head, read at the last token (pooling.py)
@@ -104,6 +105,9 @@ class ModelConfig:
     # the leading dimensions of a head that rotate (partial_rotary_factor; 0: all head_dim);
     # the loader reorders q and k so that they rotate as a full-width table (rope.py)
     rotary_dim: int = 0
+    # per layer: whether its q and k rotate (SmolLM3's no_rope_layers: a layer of 0 has no
+    # position embedding); empty: every layer's do
+    rope_layers: tuple[bool, ...] = ()
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -172,6 +176,7 @@ class ModelConfig:
             if classifier
             else 0,
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
+            rope_layers=parse_rope_layers(hf, arch, num_layers),
         )
 
     @property
@@ -293,6 +298,22 @@ def parse_rope(hf: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | N
     return theta, {"rope_type": rope_type, **params}, local_theta
 
 
+def parse_rope_layers(hf: dict[str, Any], arch: str, num_layers: int) -> tuple[bool, ...]:
+    """SmolLM3's layers that rotate q and k: `no_rope_layers` (1: rotary, 0: none), else every
+    `no_rope_layer_interval`-th layer without (transformers' default); () for the others."""
+    if arch != "SmolLM3ForCausalLM":
+        return ()
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        interval = hf.get("no_rope_layer_interval", 4)
+        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if len(flags) < num_layers:
+        raise ValueError(
+            f"no_rope_layers has {len(flags)} entries for {num_layers} layers in config.json"
+        )
+    return tuple(bool(flag) for flag in flags[:num_layers])
+
+
 def parse_window(
     hf: dict[str, Any], arch: str, num_layers: int
 ) -> tuple[int | None, tuple[bool, ...]]:
@@ -303,6 +324,7 @@ def parse_window(
         "Qwen2MoeForCausalLM",
         "Qwen3ForCausalLM",
         "Qwen3MoeForCausalLM",
+        "SmolLM3ForCausalLM",
     ):
         if window is not None and hf.get("use_sliding_window"):
             raise ValueError(

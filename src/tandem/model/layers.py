@@ -10,21 +10,23 @@ from tandem.config import GEMMA, ModelConfig
 from tandem.model.decoder import DecoderLayer
 from tandem.model.gemma import GemmaDecoderLayer
 from tandem.model.moe import SparseMoeBlock
-from tandem.model.rope import RotaryEmbedding
+from tandem.model.rope import NoRotation, RotaryEmbedding
 from tandem.parallel import TensorParallel
 
 
 class Ropes(NamedTuple):
     full: RotaryEmbedding  # rope_theta with rope_scaling
     sliding: RotaryEmbedding  # Gemma 3's sliding layers: rope_local_theta, unscaled; else `full`
+    none: NoRotation | None = None  # SmolLM3's layers without position embedding
 
 
 def rotary_embeddings(cfg: ModelConfig, max_position: int) -> Ropes:
     full = RotaryEmbedding(
         cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim
     )
+    none = NoRotation(cfg.head_dim, max_position) if cfg.rope_layers else None
     if cfg.rope_local_theta is None:
-        return Ropes(full, full)
+        return Ropes(full, full, none)
     return Ropes(full, RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_local_theta, None))
 
 
@@ -43,4 +45,5 @@ def make_layer(
         rope = ropes.sliding if sliding else ropes.full
         return GemmaDecoderLayer(cfg, rope, tp, window, linear)
     mlp = SparseMoeBlock(cfg, tp) if cfg.is_moe_layer(index) else None
-    return DecoderLayer(cfg, ropes.full, tp, mlp=mlp, sliding_window=window, linear=linear)
+    rope = ropes.none if cfg.rope_layers and not cfg.rope_layers[index] else ropes.full
+    return DecoderLayer(cfg, rope, tp, mlp=mlp, sliding_window=window, linear=linear)

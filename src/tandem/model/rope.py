@@ -133,6 +133,20 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos_sin", torch.cat([cos, sin], dim=-1), persistent=False)
 
 
+class NoRotation(torch.nn.Module):
+    """The table of a layer without position embedding (SmolLM3's NoPE layers): angle 0
+    everywhere, so the rotary kernels leave q and k as they are."""
+
+    def __init__(self, head_dim: int, max_position: int):
+        super().__init__()
+        ones, zeros = (
+            torch.ones(max_position, head_dim // 2),
+            torch.zeros(max_position, head_dim // 2),
+        )
+        # [max_position, head_dim] float32: cos 1 | sin 0
+        self.register_buffer("cos_sin", torch.cat([ones, zeros], dim=-1), persistent=False)
+
+
 def rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
     """A head's dimensions in the order that rotates as a full-width table: the rotary pairs
     (i, i + rotary_dim / 2) at (j, j + head_dim / 2), the other dimensions in the columns whose

@@ -253,6 +253,18 @@ ARCH_CONFIGS["phi4_mini"] = ARCH_CONFIGS["phi3"] | {
     "sliding_window": None,
     "tie_word_embeddings": True,
 }
+# SmolLM3: Llama's layers, tied embeddings, and a layer without position embedding
+# (no_rope_layers 0) among ones with
+ARCH_CONFIGS["smollm3"] = ARCH_CONFIGS["llama"] | {
+    "architectures": ["SmolLM3ForCausalLM"],
+    "model_type": "smollm3",
+    "num_hidden_layers": 3,
+    "no_rope_layers": [1, 0, 1],
+    "rope_theta": 5000000.0,
+    "rope_scaling": None,
+    "use_sliding_window": False,
+    "tie_word_embeddings": True,
+}
 QWEN_STYLE = {"qwen2", "qwen3", "qwen2_moe", "qwen3_moe"}
 # per-expert tensor names of each MoE family: (block, gate, up, down)
 EXPERT_NAMES = {

@@ -41,6 +41,7 @@ KNOWN_SIZES = {
     "phi-3-mini": 3.82e9,
     "phi-4-mini": 3.84e9,
     "smollm3-3b": 3.08e9,
+    "olmo-2-7b": 7.30e9,
 }
 
 
@@ -315,6 +316,15 @@ def test_smollm3_leaves_every_fourth_layer_without_position_embedding():
         ModelConfig.from_hf(explicit | {"no_rope_layers": [1, 0]})
     with pytest.raises(ValueError, match="use_sliding_window"):
         ModelConfig.from_hf(explicit | {"use_sliding_window": True, "sliding_window": 4096})
+
+
+def test_olmo_runs_on_one_device():
+    """Its q and k norms span every head, which ranks would split."""
+    from tandem.parallel import check_shardable
+
+    parsed = ModelConfig.from_hf(read_json(PRESETS_DIR / "olmo-2-7b.json"))
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        check_shardable(parsed, 2)
 
 
 def test_partial_rotary_is_refused_where_transformers_has_none():

@@ -86,7 +86,9 @@ def tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "phi3", "phi4_mini", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen3", "gemma2", "phi3", "phi4_mini", "qwen3_moe", "olmo3"]
+)
 def test_adapter_tokens_equal_transformers_with_the_adapter_merged(lora_models, arch):
     base, adapters = lora_models(arch)
     llm = LLM(str(base), max_model_len=64, enable_lora=True, max_loras=2)

@@ -1,8 +1,9 @@
 """The architectures beyond Llama's family against transformers (fp32, tiny random checkpoints):
 Qwen3-MoE and Mixtral (routed experts), Gemma 2 and 3 (sliding and full layers, soft caps,
 scaled embeddings, GeGLU, extra norms), Phi-3 (fused weights, head_dim 48, longrope, a window),
-Phi-4-mini's Phi-3 (partial rotary), SmolLM3 (a layer without position embedding), Mistral with
-a sliding window. Prompts are longer than
+Phi-4-mini's Phi-3 (partial rotary), SmolLM3 (a layer without position embedding), OLMo 2 and 3
+(norms after the sublayers, q and k normed whole; OLMo 3's windows and full-layer YaRN), Mistral
+with a sliding window. Prompts are longer than
 every window."""
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ transformers = pytest.importorskip("transformers")
 
 NEW_ARCHS = [
     "qwen2_moe", "qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3", "phi4_mini", "smollm3",
-    "mistral_sliding",
+    "olmo2", "olmo3", "mistral_sliding",
 ]  # fmt: skip
-WINDOWED = {"gemma2": 16, "gemma3": 16, "phi3": 32, "mistral_sliding": 24}
+WINDOWED = {"gemma2": 16, "gemma3": 16, "phi3": 32, "olmo3": 16, "mistral_sliding": 24}
 
 
 def test_the_prompts_reach_past_every_window():
@@ -43,7 +44,8 @@ def test_the_prompts_reach_past_every_window():
 
 @pytest.mark.parametrize(
     ("arch", "pieces"),
-    [(arch, False) for arch in NEW_ARCHS] + [("qwen3_moe", True), ("gemma3", True)],
+    [(arch, False) for arch in NEW_ARCHS]
+    + [("qwen3_moe", True), ("gemma3", True), ("olmo3", True)],
 )
 def test_greedy_matches_transformers_with_chunked_prefill_and_preemption(
     make_tiny, monkeypatch, arch, pieces

@@ -22,6 +22,8 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
+    "Olmo2ForCausalLM": "olmo2",
+    "Olmo3ForCausalLM": "olmo3",
 }
 # sequence classifiers (reward models): the decoder with a `score` matrix of num_labels rows
 # in place of its LM head, read at the last token (pooling.py)
@@ -30,6 +32,8 @@ CLASSIFIERS = {
     for arch in SUPPORTED_ARCHITECTURES
 }
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# norms after the attention and the MLP, q and k normed over all heads (model/olmo.py)
+OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 # architectures whose heads may rotate only their leading dimensions (partial_rotary_factor)
 PARTIAL_ROTARY = ("Phi3ForCausalLM",)
@@ -199,6 +203,8 @@ class ModelConfig:
             h if self.o_proj_bias else 0
         )
         norms = (4 if self.architecture in GEMMA else 2) * h + (2 * d if self.qk_norm else 0)
+        if self.architecture in OLMO:  # q and k normed whole
+            norms += self.q_size + self.kv_size
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         total = embed + h
         for layer in range(self.num_layers):
@@ -256,15 +262,17 @@ def parse_rope(hf: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | N
     layer type for Gemma 3)."""
     params = dict(hf.get("rope_parameters") or {})
     local_theta = None
-    if arch == "Gemma3ForCausalLM":
+    if arch in ("Gemma3ForCausalLM", "Olmo3ForCausalLM"):
+        # sliding layers: default rope at their own base (OLMo 3: the full layers' base)
+        default_local = 10000.0 if arch == "Gemma3ForCausalLM" else hf.get("rope_theta", 500000.0)
         if "full_attention" in params or "sliding_attention" in params:
             local = params.get("sliding_attention") or {}
             if local.get("rope_type", "default") != "default":
                 raise ValueError("unsupported rope_type for sliding_attention layers: only default")
-            local_theta = float(local.get("rope_theta", 10000.0))
+            local_theta = float(local.get("rope_theta", default_local))
             params = dict(params.get("full_attention") or {})
         else:
-            local_theta = float(hf.get("rope_local_base_freq", 10000.0))
+            local_theta = float(hf.get("rope_local_base_freq", default_local))
     theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
     if hf.get("rope_scaling"):
         params.update(hf["rope_scaling"])
@@ -318,7 +326,9 @@ def parse_window(
     hf: dict[str, Any], arch: str, num_layers: int
 ) -> tuple[int | None, tuple[bool, ...]]:
     """(sliding_window or None, which layers use it)."""
-    window = hf.get("sliding_window")
+    if arch == "Olmo2ForCausalLM":
+        return None, ()
+    window = hf.get("sliding_window", 4096 if arch == "Olmo3ForCausalLM" else None)
     if arch in (
         "Qwen2ForCausalLM",
         "Qwen2MoeForCausalLM",
@@ -341,7 +351,8 @@ def parse_window(
     else:  # Gemma: alternating sliding and full layers
         kinds = hf.get("layer_types")
         if kinds is None:
-            pattern = hf.get("sliding_window_pattern", 2 if arch == "Gemma2ForCausalLM" else 6)
+            default = {"Gemma2ForCausalLM": 2, "Olmo3ForCausalLM": 4}.get(arch, 6)
+            pattern = hf.get("sliding_window_pattern", default)
             kinds = [
                 "sliding_attention" if (i + 1) % pattern else "full_attention"
                 for i in range(num_layers)

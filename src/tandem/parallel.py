@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tandem.config import ModelConfig, cdiv
+from tandem.config import OLMO, ModelConfig, cdiv
 
 STORE_TIMEOUT_S = 600  # how long a rank > 0 tries to reach rank 0's rendezvous store
 
@@ -78,6 +78,11 @@ class TensorParallel:
 def check_shardable(cfg: ModelConfig, size: int) -> None:
     if size == 1:
         return
+    if cfg.architecture in OLMO:
+        raise ValueError(
+            f"{cfg.architecture} runs with tensor_parallel_size=1: its q and k norms span every "
+            "attention head, which tensor parallelism splits across ranks"
+        )
     rules = [
         (cfg.num_heads % size == 0, f"num_attention_heads={cfg.num_heads}"),
         (

@@ -138,18 +138,24 @@ class Attention(nn.Module):
         """Up to the attention: q, k and v, their norms and rotary; k and v go to the cache and
         q is returned [tokens, heads, head_dim] (in `q_out` when given). Without `rotate`, the
         three as projected, for the attention's decode kernel to do the rest (`Unrotated`)."""
-        qkv = with_lora(self.qkv_proj, x, self.qkv_proj(x))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm else ()
+        q, k, v, norms = self.heads(x)
         if not rotate:
             return Unrotated(q, k, v, self.rope.cos_sin, slot_mapping, *norms)
         return rope_qk(
             q, k, v, positions, self.rope.cos_sin, kv_cache, slot_mapping, *norms, q_out=q_out,
             k_scale=self.k_scale, v_scale=self.v_scale,
         )  # fmt: skip
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
+        """(q, k, v) [tokens, heads, head_dim] as projected, and the per-head norms' arguments
+        for the rotary (q and k norm weights and eps; () without them)."""
+        qkv = with_lora(self.qkv_proj, x, self.qkv_proj(x))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm else ()
+        return q, k, v, norms
 
     def attend_options(self) -> dict:
         """This layer's arguments to the attention backend besides q, the cache and metadata."""

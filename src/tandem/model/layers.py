@@ -6,10 +6,11 @@ from typing import NamedTuple
 
 from torch import nn
 
-from tandem.config import GEMMA, ModelConfig
+from tandem.config import GEMMA, OLMO, ModelConfig
 from tandem.model.decoder import DecoderLayer
 from tandem.model.gemma import GemmaDecoderLayer
 from tandem.model.moe import SparseMoeBlock
+from tandem.model.olmo import OlmoDecoderLayer
 from tandem.model.rope import NoRotation, RotaryEmbedding
 from tandem.parallel import TensorParallel
 
@@ -41,9 +42,12 @@ def make_layer(
     """Layer `index`; `linear` is the class of its projections (FP8 or not)."""
     sliding = bool(cfg.sliding_layers) and cfg.sliding_layers[index]
     window = cfg.sliding_window if sliding else None
+    rope = ropes.sliding if sliding else ropes.full  # the same table but for Gemma 3, OLMo 3
     if cfg.architecture in GEMMA:
-        rope = ropes.sliding if sliding else ropes.full
         return GemmaDecoderLayer(cfg, rope, tp, window, linear)
+    if cfg.architecture in OLMO:
+        return OlmoDecoderLayer(cfg, rope, tp, window, linear)
     mlp = SparseMoeBlock(cfg, tp) if cfg.is_moe_layer(index) else None
-    rope = ropes.none if cfg.rope_layers and not cfg.rope_layers[index] else ropes.full
+    if cfg.rope_layers and not cfg.rope_layers[index]:
+        rope = ropes.none
     return DecoderLayer(cfg, rope, tp, mlp=mlp, sliding_window=window, linear=linear)

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as BpeTokenizer
 
-from tandem.config import GEMMA, ModelConfig, cdiv
+from tandem.config import GEMMA, OLMO, ModelConfig, cdiv
 
 BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [BOS, EOS, IM_START, IM_END]
@@ -265,6 +265,26 @@ ARCH_CONFIGS["smollm3"] = ARCH_CONFIGS["llama"] | {
     "use_sliding_window": False,
     "tie_word_embeddings": True,
 }
+# OLMo 2: norms on the attention's and MLP's outputs, none on their inputs; q and k normed whole
+ARCH_CONFIGS["olmo2"] = ARCH_CONFIGS["llama"] | {
+    "architectures": ["Olmo2ForCausalLM"],
+    "model_type": "olmo2",
+    "rope_scaling": None,
+}
+# OLMo 3: three sliding layers to a full one, YaRN on the full ones only
+ARCH_CONFIGS["olmo3"] = ARCH_CONFIGS["olmo2"] | {
+    "architectures": ["Olmo3ForCausalLM"],
+    "model_type": "olmo3",
+    "num_hidden_layers": 4,
+    "sliding_window": 16,
+    "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 16.0,
+        "original_max_position_embeddings": 64,
+        "attention_factor": 1.2,
+    },
+}
 QWEN_STYLE = {"qwen2", "qwen3", "qwen2_moe", "qwen3_moe"}
 # per-expert tensor names of each MoE family: (block, gate, up, down)
 EXPERT_NAMES = {
@@ -390,6 +410,7 @@ def weight_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], float, fl
     q, kv, d = cfg.q_size, cfg.kv_size, cfg.head_dim
     embed_std = LOGIT_STD / h**0.5
     gemma = cfg.architecture in GEMMA
+    olmo = cfg.architecture in OLMO
 
     def matrix(rows: int, cols: int, gain: float = 1.0) -> tuple[tuple[int, ...], float, float]:
         return (rows, cols), gain * cols**-0.5, 0.0
@@ -421,6 +442,14 @@ def weight_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], float, fl
         if cfg.qk_norm:
             specs |= {f"{attn}.q_norm.weight": norm(d), f"{attn}.k_norm.weight": norm(d)}
         specs |= mlp_specs(cfg, i, matrix)
+        if olmo:  # norms on the attention's and the MLP's outputs; q and k normed whole
+            specs |= {
+                f"{attn}.q_norm.weight": norm(q),
+                f"{attn}.k_norm.weight": norm(kv),
+                f"{layer}.post_attention_layernorm.weight": norm(h, RESIDUAL_GAIN),
+                f"{layer}.post_feedforward_layernorm.weight": norm(h, RESIDUAL_GAIN),
+            }
+            continue
         specs |= {
             f"{layer}.input_layernorm.weight": norm(h),
             f"{layer}.post_attention_layernorm.weight": norm(h, RESIDUAL_GAIN if gemma else 1.0),

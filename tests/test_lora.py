@@ -369,3 +369,27 @@ def test_the_server_serves_lora_modules_as_models(lora_models):
         lora_modules(["one=/x"], False)
     with pytest.raises(ValueError, match="NAME=PATH"):
         lora_modules(["one"], True)
+
+
+def test_beam_search_and_score_run_under_adapters(lora_models):
+    """Each prompt's beams, and each pair's log-likelihood, under its adapter: those of the
+    model with that adapter merged in (the merged folder, adapters off)."""
+    from tandem import BeamSearchParams
+
+    base, adapters = lora_models("llama")
+    llm = LLM(str(base), max_model_len=64, enable_lora=True, max_loras=2)
+    params = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)
+    loras = [request_of(adapters, 1), None, request_of(adapters, 2)]
+    got = llm.beam_search(PROMPTS[:3], params, lora_request=loras)
+    for out, folder, prompt in zip(
+        got, [adapters[1][1], base, adapters[2][1]], PROMPTS, strict=False
+    ):
+        [want] = LLM(str(folder), max_model_len=64).beam_search([prompt], params)
+        assert [b.tokens for b in out.sequences] == [b.tokens for b in want.sequences]
+    scored = llm.score(PROMPTS[:2], [" the end", " more"], lora_request=request_of(adapters, 2))
+    merged = LLM(str(adapters[2][1]), max_model_len=64).score(PROMPTS[:2], [" the end", " more"])
+    plain = LLM(str(base), max_model_len=64).score(PROMPTS[:2], [" the end", " more"])
+    for a, b, c in zip(scored, merged, plain, strict=True):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and a.logprob != pytest.approx(
+            c.logprob
+        )

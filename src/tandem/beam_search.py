@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from tandem.config import check_int
+from tandem.lora import LoRARequest, per_prompt
 from tandem.outputs import Logprob
 from tandem.request import Prompt, split_prompt
 from tandem.sampling import MAX_LOGPROBS, SamplingParams
@@ -89,17 +90,20 @@ def beam_search(
     params: BeamSearchParams,
     use_tqdm: bool = False,
     concurrency_limit: int | None = None,
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
 ) -> list[BeamSearchOutput]:
-    """The prompts' best beams; `concurrency_limit` prompts searched at a time (all: None)."""
+    """The prompts' best beams; `concurrency_limit` prompts searched at a time (all: None);
+    `lora_request` as `LLM.generate` takes it, each prompt's beams under its adapter."""
     if isinstance(prompts, str | dict):
         prompts = [prompts]
     if concurrency_limit is not None:
         check_int("concurrency_limit", concurrency_limit, 1)
     engine = llm.engine
     starts = [_prompt_tokens(engine.tokenizer, prompt) for prompt in prompts]
+    loras = per_prompt(lora_request, len(starts))
     size = concurrency_limit or max(len(starts), 1)
     searches = [  # every prompt checked before any is searched
-        BeamSearch(starts[first : first + size], params, engine, first)
+        BeamSearch(starts[first : first + size], params, engine, first, loras[first : first + size])
         for first in range(0, len(starts), size)
     ]
     outputs = []
@@ -108,7 +112,7 @@ def beam_search(
             if not (beams := search.next_round()):
                 break
             prompts = [{"prompt_token_ids": tokens} for tokens in beams]
-            answers = llm.generate(prompts, search.round_params, use_tqdm=False)
+            answers = llm.generate(prompts, search.round_params, False, search.round_loras())
             search.advance([answer.outputs[0].logprobs[0] for answer in answers])
         outputs += search.best(engine.tokenizer)
     return outputs
@@ -120,7 +124,12 @@ class BeamSearch:
     logprobs, in that order. The driver (LLM.beam_search, the server's) runs the rounds."""
 
     def __init__(
-        self, starts: list[list[int]], params: BeamSearchParams, engine: Any, first: int = 0
+        self,
+        starts: list[list[int]],
+        params: BeamSearchParams,
+        engine: Any,
+        first: int = 0,
+        loras: list[LoRARequest | None] | None = None,
     ):
         params.validate()
         for index, tokens in enumerate(starts, first):
@@ -137,7 +146,8 @@ class BeamSearch:
         self.round_params = SamplingParams(
             max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature
         )
-        self.searches = [_Search(tokens) for tokens in starts]
+        loras = loras or [None] * len(starts)
+        self.searches = [_Search(tokens, lora) for tokens, lora in zip(starts, loras, strict=True)]
 
     def key(self, beam: BeamSearchSequence) -> float:
         return score(beam, self.eos_token_ids, self.params.length_penalty)
@@ -152,6 +162,10 @@ class BeamSearch:
                     search.complete.append(beam)
             search.beams = [b for b in search.beams if len(b.tokens) < self.limit]
         return [beam.tokens for search in self.searches for beam in search.beams]
+
+    def round_loras(self) -> list[LoRARequest | None]:
+        """The LoRA adapter of each beam `next_round` gave, in its order."""
+        return [search.lora for search in self.searches for _ in search.beams]
 
     def advance(self, tops: list[dict[int, Logprob]]) -> None:
         """Each live beam extended by each of its top tokens; the beam_width best kept."""
@@ -192,6 +206,7 @@ class _Search:
     """One prompt's live and complete beams."""
 
     prompt: list[int]
+    lora: LoRARequest | None = None  # its adapter, None: the base model
     beams: list[BeamSearchSequence] = field(init=False)
     complete: list[BeamSearchSequence] = field(default_factory=list)
 

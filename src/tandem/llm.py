@@ -261,9 +261,13 @@ class LLM:
         return self._run(groups, use_tqdm, queued=True)
 
     def _generate(
-        self, prompts: Sequence[Prompt], params: list[SamplingParams], use_tqdm: bool
+        self,
+        prompts: Sequence[Prompt],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[tuple[str, list[Request]]]:
-        groups = self._make_requests(prompts, params)
+        groups = self._make_requests(prompts, params, loras)
         self._run(groups, use_tqdm, outputs=False)
         return groups
 
@@ -343,8 +347,10 @@ class LLM:
         contexts: Sequence[str | list[int]],
         continuations: Sequence[str | list[int]],
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[ScoreOutput]:
-        """The log-likelihood of each continuation after its context, in one batch.
+        """The log-likelihood of each continuation after its context, in one batch (under a
+        LoRA adapter, or one per pair, as `generate` takes them).
 
         Text contexts are encoded with the tokenizer's special tokens (e.g. BOS), continuations
         without, and the two token lists joined. Generates with `prompt_logprobs=1` and
@@ -361,7 +367,8 @@ class LLM:
                 raise ValueError("contexts and continuations must each give at least one token")
         params = [SamplingParams(max_tokens=0, prompt_logprobs=1)] * len(pairs)
         prompts = [{"prompt_token_ids": c + x} for c, x in pairs]
-        groups = self._generate(prompts, params, use_tqdm)  # read as floats: no Logprob made
+        loras = per_prompt(lora_request, len(prompts))
+        groups = self._generate(prompts, params, use_tqdm, loras)  # floats: no Logprob made
         return [
             _score(group[0].prompt_logprobs[len(c) :], x)
             for (_, group), (c, x) in zip(groups, pairs, strict=True)
@@ -373,10 +380,12 @@ class LLM:
         params: BeamSearchParams,
         use_tqdm: bool = False,
         concurrency_limit: int | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's beam search (beam_search.py): each prompt's best `params.beam_width`
-        sequences, best first; `concurrency_limit` prompts searched at a time."""
-        return beam_search(self, prompts, params, use_tqdm, concurrency_limit)
+        sequences, best first; `concurrency_limit` prompts searched at a time; `lora_request`
+        as `generate` takes it."""
+        return beam_search(self, prompts, params, use_tqdm, concurrency_limit, lora_request)
 
     def _token_ids(self, text_or_ids: str | list[int], special: bool) -> list[int]:
         if not isinstance(text_or_ids, str):

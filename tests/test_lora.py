@@ -87,7 +87,7 @@ def tokens(outputs) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama", "qwen3", "gemma2", "phi3", "phi4_mini", "qwen3_moe", "olmo3"]
+    "arch", ["llama", "qwen3", "gemma2", "phi3", "phi4_mini", "qwen3_moe", "olmo3", "granite"]
 )
 def test_adapter_tokens_equal_transformers_with_the_adapter_merged(lora_models, arch):
     base, adapters = lora_models(arch)

@@ -2,8 +2,8 @@
 Qwen3-MoE and Mixtral (routed experts), Gemma 2 and 3 (sliding and full layers, soft caps,
 scaled embeddings, GeGLU, extra norms), Phi-3 (fused weights, head_dim 48, longrope, a window),
 Phi-4-mini's Phi-3 (partial rotary), SmolLM3 (a layer without position embedding), OLMo 2 and 3
-(norms after the sublayers, q and k normed whole; OLMo 3's windows and full-layer YaRN), Mistral
-with a sliding window. Prompts are longer than
+(norms after the sublayers, q and k normed whole; OLMo 3's windows and full-layer YaRN), Granite
+(its four multipliers), Mistral with a sliding window. Prompts are longer than
 every window."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ transformers = pytest.importorskip("transformers")
 
 NEW_ARCHS = [
     "qwen2_moe", "qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3", "phi4_mini", "smollm3",
-    "olmo2", "olmo3", "mistral_sliding",
+    "olmo2", "olmo3", "granite", "mistral_sliding",
 ]  # fmt: skip
 WINDOWED = {"gemma2": 16, "gemma3": 16, "phi3": 32, "olmo3": 16, "mistral_sliding": 24}
 
@@ -68,6 +68,28 @@ def test_greedy_matches_transformers_with_chunked_prefill_and_preemption(
     assert llm.engine.scheduler.num_preemptions > 0
     for out, (tokens, logits) in zip(outputs, reference(folder), strict=True):
         assert_same_greedy(out.outputs[0].token_ids, tokens, logits)
+
+
+@pytest.mark.parametrize("arch", ["granite", "olmo3", "phi4_mini", "smollm3"])
+def test_prompt_logprobs_equal_transformers(make_tiny, arch):
+    """What greedy tokens cannot show (Granite's logits_scaling leaves every argmax alone): each
+    prompt position's logprob against transformers' log-softmax, past the windows."""
+    folder = str(make_tiny(arch))
+    vocab = ModelConfig.from_hf(
+        json.loads((make_tiny(arch) / "config.json").read_text())
+    ).vocab_size
+    ids = max(prompts(vocab), key=len)
+    llm = LLM(folder, max_model_len=96, max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    [out] = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+    ours = torch.tensor([next(iter(entry.values())) for entry in out.prompt_logprobs[1:]])
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    )
+    with torch.no_grad():
+        logprobs = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    theirs = logprobs[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
 
 
 def test_phi3_past_its_original_length_takes_the_long_factors_as_transformers(make_tiny, tmp_path):

@@ -24,6 +24,7 @@ SUPPORTED_ARCHITECTURES = {
     "SmolLM3ForCausalLM": "smollm3",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
+    "GraniteForCausalLM": "granite",
 }
 # sequence classifiers (reward models): the decoder with a `score` matrix of num_labels rows
 # in place of its LM head, read at the last token (pooling.py)
@@ -112,6 +113,13 @@ class ModelConfig:
     # per layer: whether its q and k rotate (SmolLM3's no_rope_layers: a layer of 0 has no
     # position embedding); empty: every layer's do
     rope_layers: tuple[bool, ...] = ()
+    # Granite's multipliers (None: 1): the softmax scale (for head_dim ** -0.5), the embeddings',
+    # what each attention and MLP adds to the residual stream (folded into the o and down
+    # projections at load: hf_names), and the logits' divisor
+    attention_multiplier: float | None = None
+    embedding_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    logits_scaling: float | None = None
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -181,6 +189,7 @@ class ModelConfig:
             else 0,
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
             rope_layers=parse_rope_layers(hf, arch, num_layers),
+            **parse_multipliers(hf, arch),
         )
 
     @property
@@ -304,6 +313,18 @@ def parse_rope(hf: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | N
         if params.get(key) is None:
             raise ValueError(f"rope type {rope_type!r} needs rope_scaling.{key} in config.json")
     return theta, {"rope_type": rope_type, **params}, local_theta
+
+
+def parse_multipliers(hf: dict[str, Any], arch: str) -> dict[str, float | None]:
+    """Granite's four multipliers, those that are not 1 (as floats); {} for other models."""
+    if arch != "GraniteForCausalLM":
+        return {}
+    names = ("attention_multiplier", "embedding_multiplier", "residual_multiplier")
+    values = {name: hf.get(name, 1.0) for name in (*names, "logits_scaling")}
+    for name, value in values.items():
+        if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive number in config.json, got {value!r}")
+    return {name: None if value == 1 else float(value) for name, value in values.items()}
 
 
 def parse_rope_layers(hf: dict[str, Any], arch: str, num_layers: int) -> tuple[bool, ...]:

@@ -25,7 +25,6 @@ from safetensors import safe_open
 
 from tandem import hub
 from tandem.config import ModelConfig
-from tandem.model.rope import rotary_rows
 from tandem.parallel import TensorParallel, shard_tensor
 
 # a PEFT tensor of a decoder layer's projection: layer, module, A or B
@@ -118,6 +117,8 @@ def read_adapter(
     read as `source` says) as this rank's host blocks for every projection in `shapes` (layer
     -> projection -> shape; a MoE layer has no MLP projections). ValueError for what the engine
     cannot run, saying what it is."""
+    from tandem.model.hf_names import output_rows  # it imports the decoder, which imports us
+
     folder = adapter_folder(request, source)
     config_path = folder / "adapter_config.json"
     if not config_path.is_file():
@@ -147,8 +148,8 @@ def read_adapter(
                 )
             block = "self_attn" if projection in ("qkv_proj", "o_proj") else "mlp"
             name = f"model.layers.{layer}.{block}.{leaf}.weight"  # as the base weight shards
-            # q and k rows in the loader's order (partial rotary), then this rank's slice
-            this_a, this_b = lora_a, rotary_rows(name, part_b, full_cfg)
+            # B's rows as the loader keeps the base weight's, then this rank's slice
+            this_a, this_b = lora_a, output_rows(name, part_b, full_cfg)
             if projection in ROW_PARALLEL:
                 this_a = shard_tensor(name, lora_a, full_cfg, tp)
             else:

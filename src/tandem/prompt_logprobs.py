@@ -179,7 +179,7 @@ def fused_lm_head(model: Decoder, num_top: int) -> torch.Tensor | None:
     batch-invariant GEMM there): the kernel's vocabulary splits and row tiles follow the step's
     rows, so a prompt's logprobs would change with its neighbours and chunk sizes."""
     weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    plain = model.linear is F.linear
+    plain = model.linear is F.linear and model.cfg.logits_scaling is None  # not Granite's
     if num_top > 1 or model.tp.size > 1 or not plain or not fused.use_kernels(weight):
         return None
     return weight

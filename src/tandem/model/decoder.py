@@ -116,7 +116,7 @@ class Attention(nn.Module):
             cfg.head_dim,
         )
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_multiplier or cfg.head_dim**-0.5
         # an FP8 KV cache's per-tensor scales (the checkpoint's, see loader.set_kv_scales)
         self.k_scale = self.v_scale = 1.0
         # q, k and v projections stacked into one matrix: [q_size + 2 * kv_size, hidden]
@@ -313,6 +313,8 @@ class Decoder(nn.Module):
         a full extra pass over the largest tensor of a decode step. With `out` ([rows, vocab]),
         into it: the LM head's product itself where nothing follows it, else a copy."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.cfg.logits_scaling is not None:  # Granite: logits / s, as (hidden / s) @ W.T
+            hidden = hidden * (1.0 / self.cfg.logits_scaling)
         direct = (
             self.tp.size == 1
             and self.linear is F.linear

@@ -7,6 +7,7 @@ knows (Llama's, plus per-expert `mlp.experts.{j}.{gate,up,down}_proj`), before s
 - Gemma: norm weights w stored as 1 + w (Gemma's RMSNorm multiplies by 1 + w).
 - Partial rotary (Phi-4-mini): q and k rows of each head reordered (`rope.rotary_order`), so that
   the rotary table rotates its first dimensions and leaves the others as they are.
+- Granite: the o and down projections times residual_multiplier (what each sublayer adds).
 - Expert weights fused per layer, as transformers 5 saves them (`mlp.experts.gate_up_proj`
   [experts, 2 * inter, hidden], `mlp.experts.down_proj`), split per expert.
 """
@@ -32,7 +33,20 @@ def normalized(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of a checkpoint -> the same weights under the loader's names (and,
     with partial rotary, q and k in the order that rotates as a full-width table)."""
-    return ((name, rotary_rows(name, tensor, cfg)) for name, tensor in renamed(tensors, cfg))
+    return ((name, output_rows(name, tensor, cfg)) for name, tensor in renamed(tensors, cfg))
+
+
+def output_rows(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """A tensor whose rows are a projection's outputs (its weight, bias or scales; a LoRA
+    adapter's B), as the model keeps them: q and k heads reordered for partial rotary
+    (`rope.rotary_rows`), the o and down projections times Granite's residual_multiplier
+    (FP8 codes keep their values: their scales carry it; activation scales do not)."""
+    tensor = rotary_rows(name, tensor, cfg)
+    module, _, kind = name.rpartition(".")
+    scaled = module.rpartition(".")[2] in ("o_proj", "down_proj") and kind != "input_scale"
+    if cfg.residual_multiplier is None or not scaled or tensor.dtype.itemsize == 1:
+        return tensor
+    return tensor * cfg.residual_multiplier
 
 
 def renamed(

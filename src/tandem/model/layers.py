@@ -32,8 +32,9 @@ def rotary_embeddings(cfg: ModelConfig, max_position: int) -> Ropes:
 
 
 def embed_scale(cfg: ModelConfig) -> float | None:
-    """What the embeddings are multiplied by (Gemma: sqrt(hidden_size)); None: nothing."""
-    return cfg.hidden_size**0.5 if cfg.architecture in GEMMA else None
+    """What the embeddings are multiplied by (Gemma: sqrt(hidden_size), Granite: its
+    embedding_multiplier); None: nothing."""
+    return cfg.hidden_size**0.5 if cfg.architecture in GEMMA else cfg.embedding_multiplier
 
 
 def make_layer(

@@ -285,6 +285,17 @@ ARCH_CONFIGS["olmo3"] = ARCH_CONFIGS["olmo2"] | {
         "attention_factor": 1.2,
     },
 }
+# Granite: Llama's layers with a softmax scale, an embedding multiplier, what each sublayer
+# adds scaled, and the logits divided
+ARCH_CONFIGS["granite"] = ARCH_CONFIGS["llama"] | {
+    "architectures": ["GraniteForCausalLM"],
+    "model_type": "granite",
+    "rope_scaling": None,
+    "attention_multiplier": 0.2,
+    "embedding_multiplier": 2.0,
+    "residual_multiplier": 0.5,
+    "logits_scaling": 4.0,
+}
 QWEN_STYLE = {"qwen2", "qwen3", "qwen2_moe", "qwen3_moe"}
 # per-expert tensor names of each MoE family: (block, gate, up, down)
 EXPERT_NAMES = {

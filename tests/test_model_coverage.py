@@ -208,10 +208,14 @@ def test_align_by_expert_puts_each_pair_once_in_its_experts_blocks():
     assert (experts_of_rows[:-1] <= experts_of_rows[1:]).all()  # runs in expert order
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "phi3", "gemma2"])
+@pytest.mark.parametrize(
+    "arch", ["qwen2_moe", "qwen3_moe", "phi3", "gemma2", "phi4_mini", "smollm3", "olmo3", "granite"]
+)
 def test_engine_with_triton_kernels_gives_the_torch_tokens(make_tiny, arch, monkeypatch):
     """The Triton path (fused MoE, padded head size 48, windows and soft caps in the attention
-    kernels), interpreted on CPU through the whole engine, against the torch path."""
+    kernels; partial rotary and unrotated layers through the rotary kernels, OLMo's whole-width
+    q and k norms, Granite's scales), interpreted on CPU through the whole engine, against the
+    torch path."""
     # 41 and 18 tokens: past every window
     requests = [
         {"prompt_token_ids": list(range(5, 46))},

@@ -20,7 +20,7 @@ from tandem.async_llm import AsyncLLM
 from tandem.cli import build_parser, lora_modules
 from tandem.engine import Engine
 from tandem.model.lora import LoRALayers
-from tandem.model.tiny import make_tiny_lora
+from tandem.model.tiny import LORA_TARGETS, make_tiny_lora
 from tandem.prefix_cache import first_extra_key
 from tandem.request import Request
 from tandem.server.app import build_app
@@ -59,12 +59,12 @@ def lora_models(make_tiny, tmp_path_factory):
     def make(arch: str):
         if arch not in made:
             base = make_tiny(arch)
-            targets = FUSED if arch.startswith("phi") else None
+            # GLM-4's gate and up are one checkpoint matrix, as Phi-3's q/k/v and gate/up are
+            targets = FUSED if arch.startswith("phi") else (*LORA_TARGETS, "gate_up_proj")
             adapters = {}
             for lora_id, rank in ((1, 8), (2, 4)):
                 root = tmp_path_factory.mktemp(f"lora-{arch}-{lora_id}")
-                options = {"targets": targets} if targets else {}
-                adapter = make_tiny_lora(root / "adapter", base, rank, seed=lora_id, **options)
+                adapter = make_tiny_lora(root / "adapter", base, rank, lora_id, targets)
                 adapters[lora_id] = (adapter, merged_folder(base, adapter, root / "merged"))
             made[arch] = (base, adapters)
         return made[arch]
@@ -87,7 +87,8 @@ def tokens(outputs) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama", "qwen3", "gemma2", "phi3", "phi4_mini", "qwen3_moe", "olmo3", "granite"]
+    "arch",
+    ["llama", "qwen3", "gemma2", "phi3", "phi4_mini", "qwen3_moe", "olmo3", "granite", "glm4"],
 )
 def test_adapter_tokens_equal_transformers_with_the_adapter_merged(lora_models, arch):
     base, adapters = lora_models(arch)

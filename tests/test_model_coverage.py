@@ -3,7 +3,8 @@ Qwen3-MoE and Mixtral (routed experts), Gemma 2 and 3 (sliding and full layers, 
 scaled embeddings, GeGLU, extra norms), Phi-3 (fused weights, head_dim 48, longrope, a window),
 Phi-4-mini's Phi-3 (partial rotary), SmolLM3 (a layer without position embedding), OLMo 2 and 3
 (norms after the sublayers, q and k normed whole; OLMo 3's windows and full-layer YaRN), Granite
-(its four multipliers), Mistral with a sliding window. Prompts are longer than
+(its four multipliers), GLM-4 (sandwich norms, half of each head rotating in neighbouring pairs),
+Mistral with a sliding window. Prompts are longer than
 every window."""
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ transformers = pytest.importorskip("transformers")
 
 NEW_ARCHS = [
     "qwen2_moe", "qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3", "phi4_mini", "smollm3",
-    "olmo2", "olmo3", "granite", "mistral_sliding",
+    "olmo2", "olmo3", "granite", "glm4", "mistral_sliding",
 ]  # fmt: skip
 WINDOWED = {"gemma2": 16, "gemma3": 16, "phi3": 32, "olmo3": 16, "mistral_sliding": 24}
 
@@ -70,7 +71,7 @@ def test_greedy_matches_transformers_with_chunked_prefill_and_preemption(
         assert_same_greedy(out.outputs[0].token_ids, tokens, logits)
 
 
-@pytest.mark.parametrize("arch", ["granite", "olmo3", "phi4_mini", "smollm3"])
+@pytest.mark.parametrize("arch", ["granite", "olmo3", "phi4_mini", "smollm3", "glm4"])
 def test_prompt_logprobs_equal_transformers(make_tiny, arch):
     """What greedy tokens cannot show (Granite's logits_scaling leaves every argmax alone): each
     prompt position's logprob against transformers' log-softmax, past the windows."""
@@ -209,7 +210,18 @@ def test_align_by_expert_puts_each_pair_once_in_its_experts_blocks():
 
 
 @pytest.mark.parametrize(
-    "arch", ["qwen2_moe", "qwen3_moe", "phi3", "gemma2", "phi4_mini", "smollm3", "olmo3", "granite"]
+    "arch",
+    [
+        "qwen2_moe",
+        "qwen3_moe",
+        "phi3",
+        "gemma2",
+        "phi4_mini",
+        "smollm3",
+        "olmo3",
+        "granite",
+        "glm4",
+    ],
 )
 def test_engine_with_triton_kernels_gives_the_torch_tokens(make_tiny, arch, monkeypatch):
     """The Triton path (fused MoE, padded head size 48, windows and soft caps in the attention

@@ -29,7 +29,9 @@ def run(
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi4_mini", "glm4"]
+)
 def test_two_ranks_give_the_greedy_tokens_of_one_with_chunking_and_preemption(make_tiny, arch):
     # mistral's single KV head is replicated on both ranks; the others split their KV heads;
     # the MoE experts (and qwen2_moe's shared expert) are split as the dense MLPs are

@@ -25,6 +25,7 @@ SUPPORTED_ARCHITECTURES = {
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
     "GraniteForCausalLM": "granite",
+    "Glm4ForCausalLM": "glm4",
 }
 # sequence classifiers (reward models): the decoder with a `score` matrix of num_labels rows
 # in place of its LM head, read at the last token (pooling.py)
@@ -37,7 +38,10 @@ GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 # architectures whose heads may rotate only their leading dimensions (partial_rotary_factor)
-PARTIAL_ROTARY = ("Phi3ForCausalLM",)
+PARTIAL_ROTARY = ("Phi3ForCausalLM", "Glm4ForCausalLM")
+# norms around each sublayer, before and after it (gemma.GemmaDecoderLayer's four; GLM-4 names
+# them otherwise: hf_names)
+SANDWICH = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Glm4ForCausalLM")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # architectures whose sliding_window (when set) applies to every layer
 WINDOWED_EVERYWHERE = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
@@ -110,6 +114,8 @@ class ModelConfig:
     # the leading dimensions of a head that rotate (partial_rotary_factor; 0: all head_dim);
     # the loader reorders q and k so that they rotate as a full-width table (rope.py)
     rotary_dim: int = 0
+    # GLM-4: the rotary pairs are neighbours (2i, 2i + 1), not halves; reordered likewise
+    rotary_interleaved: bool = False
     # per layer: whether its q and k rotate (SmolLM3's no_rope_layers: a layer of 0 has no
     # position embedding); empty: every layer's do
     rope_layers: tuple[bool, ...] = ()
@@ -144,14 +150,16 @@ class ModelConfig:
             )
         num_heads = hf["num_attention_heads"]
         num_layers = hf["num_hidden_layers"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        # as transformers reads it: GLM-4's config class defaults head_dim to 128
+        default_head_dim = 128 if arch == "Glm4ForCausalLM" else hf["hidden_size"] // num_heads
+        head_dim = hf.get("head_dim") or default_head_dim
         rotary_dim = rotary_dim_of(hf, head_dim)
         rope_theta, rope_scaling, rope_local_theta = parse_rope(hf, arch)
         window, sliding_layers = parse_window(hf, arch, num_layers)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         # Qwen2: q, k and v biases and no o bias (Qwen2-MoE: unless qkv_bias=false)
-        qkv_bias_only = arch == "Qwen2ForCausalLM" or (
+        qkv_bias_only = arch in ("Qwen2ForCausalLM", "Glm4ForCausalLM") or (
             arch == "Qwen2MoeForCausalLM" and bool(hf.get("qkv_bias", True))
         )
         attention_bias = bool(hf.get("attention_bias") or False)
@@ -188,6 +196,7 @@ class ModelConfig:
             if classifier
             else 0,
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
+            rotary_interleaved=arch == "Glm4ForCausalLM",
             rope_layers=parse_rope_layers(hf, arch, num_layers),
             **parse_multipliers(hf, arch),
         )
@@ -211,7 +220,7 @@ class ModelConfig:
         attn += (self.q_size + 2 * self.kv_size if self.qkv_bias else 0) + (
             h if self.o_proj_bias else 0
         )
-        norms = (4 if self.architecture in GEMMA else 2) * h + (2 * d if self.qk_norm else 0)
+        norms = (4 if self.architecture in SANDWICH else 2) * h + (2 * d if self.qk_norm else 0)
         if self.architecture in OLMO:  # q and k normed whole
             norms += self.q_size + self.kv_size
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)

@@ -2,11 +2,14 @@
 knows (Llama's, plus per-expert `mlp.experts.{j}.{gate,up,down}_proj`), before sharding.
 
 - Mixtral: `block_sparse_moe` -> `mlp`, experts' w1, w3, w2 -> gate_proj, up_proj, down_proj.
-- Phi-3: fused `qkv_proj` and `gate_up_proj` split into q/k/v and gate/up (so that tensor
-  parallelism slices each part as for Llama, and the loader stacks them back).
+- Phi-3 (and GLM-4's `gate_up_proj`): fused `qkv_proj` and `gate_up_proj` split into q/k/v and
+  gate/up (so that tensor parallelism slices each part as for Llama, and the loader stacks them
+  back).
+- GLM-4: its sandwich norms under Gemma's layer's names (`GLM4_NORMS`).
 - Gemma: norm weights w stored as 1 + w (Gemma's RMSNorm multiplies by 1 + w).
-- Partial rotary (Phi-4-mini): q and k rows of each head reordered (`rope.rotary_order`), so that
-  the rotary table rotates its first dimensions and leaves the others as they are.
+- Partial or interleaved rotary (Phi-4-mini, GLM-4): q and k rows of each head reordered
+  (`rope.rotary_order`), so that the rotary table rotates its pairs as halves and leaves the
+  other dimensions as they are.
 - Granite: the o and down projections times residual_multiplier (what each sublayer adds).
 - Expert weights fused per layer, as transformers 5 saves them (`mlp.experts.gate_up_proj`
   [experts, 2 * inter, hidden], `mlp.experts.down_proj`), split per expert.
@@ -24,6 +27,14 @@ from tandem.model.gemma import GEMMA_NORMS
 from tandem.model.rope import rotary_rows
 
 MIXTRAL_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# checkpoints that store q/k/v or gate/up as one matrix (GLM-4: gate_up_proj alone)
+FUSED_CHECKPOINTS = ("Phi3ForCausalLM", "Glm4ForCausalLM")
+# GLM-4's norms around its sublayers -> gemma.GemmaDecoderLayer's names
+GLM4_NORMS = {
+    "post_self_attn_layernorm": "post_attention_layernorm",
+    "post_attention_layernorm": "pre_feedforward_layernorm",
+    "post_mlp_layernorm": "post_feedforward_layernorm",
+}
 # (layer prefix, expert, projection) of a per-expert tensor name
 EXPERT_NAME = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -58,8 +69,10 @@ def renamed(
             name = mixtral_name(name)
         module, _, kind = name.rpartition(".")
         leaf = module.rpartition(".")[2]
-        if cfg.architecture == "Phi3ForCausalLM" and leaf in ("qkv_proj", "gate_up_proj"):
+        if cfg.architecture in FUSED_CHECKPOINTS and leaf in ("qkv_proj", "gate_up_proj"):
             yield from split_fused(module, kind, tensor, cfg)
+        elif cfg.architecture == "Glm4ForCausalLM" and leaf in GLM4_NORMS:
+            yield f"{module.rpartition('.')[0]}.{GLM4_NORMS[leaf]}.{kind}", tensor
         elif leaf == "experts" and kind in ("gate_up_proj", "down_proj"):
             yield from split_experts(module, kind, tensor)
         elif gemma and leaf in GEMMA_NORMS:

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 from torch import nn
 
-from tandem.config import GEMMA, OLMO, ModelConfig
+from tandem.config import GEMMA, OLMO, SANDWICH, ModelConfig
 from tandem.model.decoder import DecoderLayer
 from tandem.model.gemma import GemmaDecoderLayer
 from tandem.model.moe import SparseMoeBlock
@@ -44,7 +44,7 @@ def make_layer(
     sliding = bool(cfg.sliding_layers) and cfg.sliding_layers[index]
     window = cfg.sliding_window if sliding else None
     rope = ropes.sliding if sliding else ropes.full  # the same table but for Gemma 3, OLMo 3
-    if cfg.architecture in GEMMA:
+    if cfg.architecture in SANDWICH:
         return GemmaDecoderLayer(cfg, rope, tp, window, linear)
     if cfg.architecture in OLMO:
         return OlmoDecoderLayer(cfg, rope, tp, window, linear)

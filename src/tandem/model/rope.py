@@ -147,16 +147,21 @@ class NoRotation(torch.nn.Module):
         self.register_buffer("cos_sin", torch.cat([ones, zeros], dim=-1), persistent=False)
 
 
-def rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+def rotary_order(head_dim: int, rotary_dim: int, interleaved: bool = False) -> torch.Tensor:
     """A head's dimensions in the order that rotates as a full-width table: the rotary pairs
-    (i, i + rotary_dim / 2) at (j, j + head_dim / 2), the other dimensions in the columns whose
-    angle is 0. E.g. head_dim 8, rotary_dim 4 -> [0, 1, 4, 5, 2, 3, 6, 7]."""
+    (i, i + rotary_dim / 2) (`interleaved`: (2i, 2i + 1)) at (j, j + head_dim / 2), the other
+    dimensions in the columns whose angle is 0. E.g. head_dim 8, rotary_dim 4 ->
+    [0, 1, 4, 5, 2, 3, 6, 7]; interleaved -> [0, 2, 4, 5, 1, 3, 6, 7]."""
     half, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    if interleaved:
+        first, second = torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2)
+    else:
+        first, second = torch.arange(0, half), torch.arange(half, rotary_dim)
     return torch.cat(
         [
-            torch.arange(0, half),
+            first,
             torch.arange(rotary_dim, rotary_dim + rest),
-            torch.arange(half, rotary_dim),
+            second,
             torch.arange(rotary_dim + rest, head_dim),
         ]
     )
@@ -167,7 +172,8 @@ def rotary_rows(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> torch.Tens
     dimensions in `rotary_order`; any other tensor as it is. ValueError for a q or k tensor
     whose rows are not whole heads (block-quantized scales)."""
     leaf = name.rpartition(".")[0].rpartition(".")[2]
-    if not cfg.rotary_dim or leaf not in ("q_proj", "k_proj", "q_norm", "k_norm"):
+    reordered = cfg.rotary_dim or cfg.rotary_interleaved
+    if not reordered or leaf not in ("q_proj", "k_proj", "q_norm", "k_norm"):
         return tensor
     if tensor.numel() == 1:  # a per-tensor scale
         return tensor
@@ -178,4 +184,5 @@ def rotary_rows(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> torch.Tens
             f"{d} rows: its rotary dimensions cannot be reordered (partial_rotary_factor)"
         )
     heads = tensor.reshape(tensor.shape[0] // d, d, *tensor.shape[1:])
-    return heads[:, rotary_order(d, cfg.rotary_dim)].reshape(tensor.shape)
+    order = rotary_order(d, cfg.rotary_dim or d, cfg.rotary_interleaved)
+    return heads[:, order].reshape(tensor.shape)

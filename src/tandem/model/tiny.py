@@ -296,6 +296,17 @@ ARCH_CONFIGS["granite"] = ARCH_CONFIGS["llama"] | {
     "residual_multiplier": 0.5,
     "logits_scaling": 4.0,
 }
+# GLM-4: norms before and after each sublayer, half of each head rotating in neighbouring
+# pairs, q/k/v biases, gate and up fused
+ARCH_CONFIGS["glm4"] = ARCH_CONFIGS["llama"] | {
+    "architectures": ["Glm4ForCausalLM"],
+    "model_type": "glm4",
+    "head_dim": 16,
+    "partial_rotary_factor": 0.5,
+    "attention_bias": True,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+}
 QWEN_STYLE = {"qwen2", "qwen3", "qwen2_moe", "qwen3_moe"}
 # per-expert tensor names of each MoE family: (block, gate, up, down)
 EXPERT_NAMES = {
@@ -461,6 +472,14 @@ def weight_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], float, fl
                 f"{layer}.post_feedforward_layernorm.weight": norm(h, RESIDUAL_GAIN),
             }
             continue
+        if cfg.architecture == "Glm4ForCausalLM":  # Gemma's four norms under its own names
+            specs |= {
+                f"{layer}.input_layernorm.weight": norm(h),
+                f"{layer}.post_self_attn_layernorm.weight": norm(h, RESIDUAL_GAIN),
+                f"{layer}.post_attention_layernorm.weight": norm(h),
+                f"{layer}.post_mlp_layernorm.weight": norm(h, RESIDUAL_GAIN),
+            }
+            continue
         specs |= {
             f"{layer}.input_layernorm.weight": norm(h),
             f"{layer}.post_attention_layernorm.weight": norm(h, RESIDUAL_GAIN if gemma else 1.0),
@@ -502,7 +521,7 @@ def mlp_specs(cfg: ModelConfig, i: int, matrix) -> dict[str, tuple[tuple[int, ..
         return specs
     mlp = f"model.layers.{i}.mlp"
     down = {f"{mlp}.down_proj.weight": matrix(h, ffn, RESIDUAL_GAIN)}
-    if cfg.architecture == "Phi3ForCausalLM":
+    if cfg.architecture in ("Phi3ForCausalLM", "Glm4ForCausalLM"):  # gate and up fused
         return {f"{mlp}.gate_up_proj.weight": matrix(2 * ffn, h)} | down
     return {
         f"{mlp}.gate_proj.weight": matrix(ffn, h),

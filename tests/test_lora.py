@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tandem import LLM, LoRARequest, SamplingParams
+from tandem import LLM, BeamSearchParams, LoRARequest, SamplingParams
 from tandem.async_llm import AsyncLLM
 from tandem.cli import build_parser, lora_modules
 from tandem.engine import Engine
@@ -360,6 +360,13 @@ def test_the_server_serves_lora_modules_as_models(lora_models):
             assert answer["choices"][0]["token_ids"] == transformers_greedy(
                 adapters[2][1], PROMPTS[1]
             )
+            beams = {"model": "three", "prompt": PROMPTS[1], "max_tokens": 4, "n": 2,
+                     "use_beam_search": True, "ignore_eos": True}  # fmt: skip
+            answer = httpx.post(f"{url}/v1/completions", json=beams).json()
+            params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+            [want] = LLM(str(adapters[2][1]), max_model_len=64).beam_search(PROMPTS[1:2], params)
+            texts = [choice["text"] for choice in answer["choices"]]
+            assert all(t and b.text.endswith(t) for b, t in zip(want.sequences, texts, strict=True))
             unload = {"lora_name": "three"}
             assert httpx.post(f"{url}/v1/unload_lora_adapter", json=unload).status_code == 200
             assert httpx.post(f"{url}/v1/completions", json=body).status_code == 404
@@ -375,8 +382,6 @@ def test_the_server_serves_lora_modules_as_models(lora_models):
 def test_beam_search_and_score_run_under_adapters(lora_models):
     """Each prompt's beams, and each pair's log-likelihood, under its adapter: those of the
     model with that adapter merged in (the merged folder, adapters off)."""
-    from tandem import BeamSearchParams
-
     base, adapters = lora_models("llama")
     llm = LLM(str(base), max_model_len=64, enable_lora=True, max_loras=2)
     params = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)

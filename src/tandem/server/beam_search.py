@@ -12,6 +12,7 @@ from typing import Any
 
 from tandem.async_llm import AsyncLLM
 from tandem.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from tandem.lora import LoRARequest
 from tandem.sampling import RequestOutputKind
 from tandem.server.protocol import (
     ChatCompletionRequest,
@@ -56,10 +57,14 @@ def params_of(body: SamplingRequest, max_tokens: int, defaults: dict[str, Any]) 
 
 
 async def search(
-    llm: AsyncLLM, starts: list[list[int]], params: BeamSearchParams, priority: int = 0
+    llm: AsyncLLM,
+    starts: list[list[int]],
+    params: BeamSearchParams,
+    priority: int = 0,
+    lora_request: LoRARequest | None = None,
 ) -> list[BeamSearchOutput]:
     """Each prompt's best beams, a round's one-token requests run side by side (each at
-    `priority`)."""
+    `priority`, under `lora_request`'s adapter)."""
     try:
         beams = BeamSearch(starts, params, llm.engine)
     except ValueError as error:
@@ -77,7 +82,8 @@ async def search(
                         {"prompt_token_ids": t},
                         round_params,
                         f"beam-{call}-{index}-{i}",
-                        priority=priority,
+                        lora_request,
+                        priority,
                     )
                 )
                 for i, t in enumerate(tokens)

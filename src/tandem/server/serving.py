@@ -302,8 +302,6 @@ class OpenAIServing:
     ) -> Response:
         """`use_beam_search`: the n best beams of each prompt, answered whole."""
         beam_search.check(body)
-        if self.adapter(body.model) is not None:
-            raise OpenAIError("use_beam_search runs on the base model, not a LoRA adapter", 400)
         params = beam_search.params_of(body, max_tokens, self.llm.sampling_defaults)
         num_sequences = len(starts) * params.beam_width
         if num_sequences > self.options.max_sequences_per_request:
@@ -312,7 +310,8 @@ class OpenAIServing:
                 f"{self.options.max_sequences_per_request} are allowed in one request"
             )
             raise OpenAIError(message, param="n")
-        outputs = await beam_search.search(self.llm, starts, params, body.priority)
+        adapter = self.adapter(body.model)
+        outputs = await beam_search.search(self.llm, starts, params, body.priority, adapter)
         answer = beam_search.response(body, self.model_name, starts, outputs, self.llm.tokenizer)
         return JSONResponse(answer)
 

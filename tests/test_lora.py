@@ -86,10 +86,13 @@ def tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize(
-    "arch",
-    ["llama", "qwen3", "gemma2", "phi3", "phi4_mini", "qwen3_moe", "olmo3", "granite", "glm4"],
-)
+LORA_ARCHS = [
+    "llama", "qwen3", "gemma2", "phi3", "phi4_mini", "qwen3_moe", "olmo3", "granite", "glm4",
+    "ernie4_5",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", LORA_ARCHS)
 def test_adapter_tokens_equal_transformers_with_the_adapter_merged(lora_models, arch):
     base, adapters = lora_models(arch)
     llm = LLM(str(base), max_model_len=64, enable_lora=True, max_loras=2)

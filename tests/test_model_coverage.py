@@ -4,7 +4,7 @@ scaled embeddings, GeGLU, extra norms), Phi-3 (fused weights, head_dim 48, longr
 Phi-4-mini's Phi-3 (partial rotary), SmolLM3 (a layer without position embedding), OLMo 2 and 3
 (norms after the sublayers, q and k normed whole; OLMo 3's windows and full-layer YaRN), Granite
 (its four multipliers), GLM-4 (sandwich norms, half of each head rotating in neighbouring pairs),
-Mistral with a sliding window. Prompts are longer than
+Seed-OSS (an o bias apart), ERNIE 4.5 (neighbouring rotary pairs), Mistral with a sliding window. Prompts are longer than
 every window."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ transformers = pytest.importorskip("transformers")
 
 NEW_ARCHS = [
     "qwen2_moe", "qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3", "phi4_mini", "smollm3",
-    "olmo2", "olmo3", "granite", "glm4", "mistral_sliding",
+    "olmo2", "olmo3", "granite", "glm4", "seed_oss", "ernie4_5", "mistral_sliding",
 ]  # fmt: skip
 WINDOWED = {"gemma2": 16, "gemma3": 16, "phi3": 32, "olmo3": 16, "mistral_sliding": 24}
 
@@ -71,7 +71,9 @@ def test_greedy_matches_transformers_with_chunked_prefill_and_preemption(
         assert_same_greedy(out.outputs[0].token_ids, tokens, logits)
 
 
-@pytest.mark.parametrize("arch", ["granite", "olmo3", "phi4_mini", "smollm3", "glm4"])
+@pytest.mark.parametrize(
+    "arch", ["granite", "olmo3", "phi4_mini", "smollm3", "glm4", "seed_oss", "ernie4_5"]
+)
 def test_prompt_logprobs_equal_transformers(make_tiny, arch):
     """What greedy tokens cannot show (Granite's logits_scaling leaves every argmax alone): each
     prompt position's logprob against transformers' log-softmax, past the windows."""
@@ -221,6 +223,7 @@ def test_align_by_expert_puts_each_pair_once_in_its_experts_blocks():
         "olmo3",
         "granite",
         "glm4",
+        "ernie4_5",
     ],
 )
 def test_engine_with_triton_kernels_gives_the_torch_tokens(make_tiny, arch, monkeypatch):

@@ -26,6 +26,8 @@ SUPPORTED_ARCHITECTURES = {
     "Olmo3ForCausalLM": "olmo3",
     "GraniteForCausalLM": "granite",
     "Glm4ForCausalLM": "glm4",
+    "SeedOssForCausalLM": "seed_oss",
+    "Ernie4_5ForCausalLM": "ernie4_5",
 }
 # sequence classifiers (reward models): the decoder with a `score` matrix of num_labels rows
 # in place of its LM head, read at the last token (pooling.py)
@@ -39,6 +41,11 @@ OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 # architectures whose heads may rotate only their leading dimensions (partial_rotary_factor)
 PARTIAL_ROTARY = ("Phi3ForCausalLM", "Glm4ForCausalLM")
+# config classes whose head_dim defaults to 128 (not hidden_size / heads) where config.json
+# leaves it out, as transformers reads them
+HEAD_DIM_128 = ("Glm4ForCausalLM", "SeedOssForCausalLM", "Ernie4_5ForCausalLM")
+# rotary pairs (2i, 2i + 1), GPT-J's layout, not halves (reordered at load: rope.rotary_rows)
+INTERLEAVED_ROTARY = ("Glm4ForCausalLM", "Ernie4_5ForCausalLM")
 # norms around each sublayer, before and after it (gemma.GemmaDecoderLayer's four; GLM-4 names
 # them otherwise: hf_names)
 SANDWICH = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Glm4ForCausalLM")
@@ -150,8 +157,7 @@ class ModelConfig:
             )
         num_heads = hf["num_attention_heads"]
         num_layers = hf["num_hidden_layers"]
-        # as transformers reads it: GLM-4's config class defaults head_dim to 128
-        default_head_dim = 128 if arch == "Glm4ForCausalLM" else hf["hidden_size"] // num_heads
+        default_head_dim = 128 if arch in HEAD_DIM_128 else hf["hidden_size"] // num_heads
         head_dim = hf.get("head_dim") or default_head_dim
         rotary_dim = rotary_dim_of(hf, head_dim)
         rope_theta, rope_scaling, rope_local_theta = parse_rope(hf, arch)
@@ -163,6 +169,8 @@ class ModelConfig:
             arch == "Qwen2MoeForCausalLM" and bool(hf.get("qkv_bias", True))
         )
         attention_bias = bool(hf.get("attention_bias") or False)
+        # Seed-OSS: the o projection's bias apart (attention_out_bias)
+        o_bias = hf.get("attention_out_bias", attention_bias and not qkv_bias_only)
         gemma = arch in GEMMA
         return cls(
             architecture=arch,
@@ -178,9 +186,11 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             # a classifier has no LM head: the embeddings stand in for the token it samples
-            tie_word_embeddings=bool(classifier or hf.get("tie_word_embeddings", gemma)),
+            tie_word_embeddings=bool(
+                classifier or hf.get("tie_word_embeddings", gemma or arch == "Ernie4_5ForCausalLM")
+            ),
             qkv_bias=qkv_bias_only or attention_bias,
-            o_proj_bias=attention_bias and not qkv_bias_only,
+            o_proj_bias=bool(o_bias),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             torch_dtype=hf.get("dtype") or hf.get("torch_dtype"),
             eos_token_ids=eos_ids,
@@ -196,7 +206,7 @@ class ModelConfig:
             if classifier
             else 0,
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
-            rotary_interleaved=arch == "Glm4ForCausalLM",
+            rotary_interleaved=arch in INTERLEAVED_ROTARY,
             rope_layers=parse_rope_layers(hf, arch, num_layers),
             **parse_multipliers(hf, arch),
         )
@@ -241,6 +251,8 @@ def refuse_unimplemented(hf: dict[str, Any], arch: str) -> None:
     does not implement."""
     if hf.get("mlp_bias"):
         raise ValueError("unsupported mlp_bias=true in config.json")
+    if hf.get("use_bias"):  # ERNIE 4.5's, which puts biases in the MLP too
+        raise ValueError("unsupported use_bias=true in config.json (biases in the MLP)")
     partial = partial_rotary_factor(hf)
     if partial != 1.0 and arch not in PARTIAL_ROTARY:
         raise ValueError(

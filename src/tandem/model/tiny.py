@@ -307,6 +307,24 @@ ARCH_CONFIGS["glm4"] = ARCH_CONFIGS["llama"] | {
     "rope_theta": 10000.0,
     "rope_scaling": None,
 }
+# Seed-OSS: Llama's layers with q/k/v biases and an o bias apart
+ARCH_CONFIGS["seed_oss"] = ARCH_CONFIGS["llama"] | {
+    "architectures": ["SeedOssForCausalLM"],
+    "model_type": "seed_oss",
+    "head_dim": 16,
+    "attention_bias": True,
+    "attention_out_bias": True,
+    "rope_scaling": None,
+}
+# ERNIE 4.5: Llama's layers, every dimension rotating in neighbouring pairs, tied embeddings
+ARCH_CONFIGS["ernie4_5"] = ARCH_CONFIGS["llama"] | {
+    "architectures": ["Ernie4_5ForCausalLM"],
+    "model_type": "ernie4_5",
+    "head_dim": 16,
+    "use_bias": False,
+    "rope_scaling": None,
+    "tie_word_embeddings": True,
+}
 QWEN_STYLE = {"qwen2", "qwen3", "qwen2_moe", "qwen3_moe"}
 # per-expert tensor names of each MoE family: (block, gate, up, down)
 EXPERT_NAMES = {

@@ -140,6 +140,28 @@ def test_one_slot_serves_two_adapters_in_turn(lora_models):
     assert llm.engine.scheduler.adapters.holders == [0]
 
 
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+def test_preempted_requests_give_their_slot_back_and_resume_under_their_adapter(
+    lora_models, preemption_mode, async_batching
+):
+    """Too few KV blocks for every request at once: running requests are preempted (by
+    recompute or swap) while others hold or wait for the one adapter slot; every output is
+    still its adapter's, and every slot and block comes back."""
+    base, adapters = lora_models("llama")
+    llm = LLM(str(base), max_model_len=64, enable_lora=True, max_loras=1, block_size=4,
+              num_blocks=16, max_num_batched_tokens=16, preemption_mode=preemption_mode,
+              async_batching=async_batching)  # fmt: skip
+    prompts = (PROMPTS * 2)[:6]
+    loras = [request_of(adapters, 1 + i % 2) if i != 3 else None for i in range(6)]
+    got = tokens(llm.generate(prompts, GREEDY, False, loras))
+    assert llm.engine.scheduler.num_preemptions > 0
+    folders = [base if lora is None else adapters[lora.lora_int_id][1] for lora in loras]
+    assert got == [transformers_greedy(f, p) for f, p in zip(folders, prompts, strict=True)]
+    assert llm.engine.scheduler.adapters.holders == [0]
+    assert llm.engine.allocator.num_free == llm.engine.num_blocks
+
+
 def test_priorities_order_requests_of_several_adapters(lora_models):
     """scheduling_policy="priority" with one slot for two adapters: every output its adapter's."""
     base, adapters = lora_models("llama")

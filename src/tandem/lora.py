@@ -117,15 +117,13 @@ def read_adapter(
     read as `source` says) as this rank's host blocks for every projection in `shapes` (layer
     -> projection -> shape; a MoE layer has no MLP projections). ValueError for what the engine
     cannot run, saying what it is."""
-    from tandem.model.hf_names import output_rows  # it imports the decoder, which imports us
+    from tandem.model import hf_names  # it imports the decoder, which imports us
 
     folder = adapter_folder(request, source)
     config_path = folder / "adapter_config.json"
     if not config_path.is_file():
         raise ValueError(f"LoRA adapter {request.lora_name!r}: {folder} has no adapter_config.json")
-    config = json.loads(config_path.read_text())
-    rank, scale = check_adapter_config(request, config, max_rank)
-    pairs = read_pairs(request, folder)
+    rank, scale = check_adapter_config(request, json.loads(config_path.read_text()), max_rank)
     weights: HostWeights = {}
     for layer, modules in shapes.items():
         for projection, shape in modules.items():
@@ -133,43 +131,67 @@ def read_adapter(
             a = torch.zeros(lanes, max_rank, shape.in_features, dtype=dtype)
             b = torch.zeros(sum(shape.lane_rows), lanes, max_rank, dtype=dtype)
             weights[(layer, projection)] = (a, b)
-    for (layer, module), (lora_a, lora_b) in pairs.items():
+    for (layer, module), (lora_a, lora_b) in read_pairs(request, folder).items():
         if layer not in shapes:
             raise ValueError(
                 f"LoRA adapter {request.lora_name!r} has weights for layer {layer}; the model "
                 f"has {len(shapes)} layers"
             )
-        for leaf, part_b in split_fused(module, lora_b, full_cfg):
-            projection, lane = LANES[leaf]
-            if projection not in shapes[layer]:
-                raise ValueError(
-                    f"LoRA adapter {request.lora_name!r} targets {leaf} of layer {layer}, which "
-                    "is a mixture-of-experts block: LoRA on experts is not supported"
-                )
-            block = "self_attn" if projection in ("qkv_proj", "o_proj") else "mlp"
-            name = f"model.layers.{layer}.{block}.{leaf}.weight"  # as the base weight shards
-            # B's rows as the loader keeps the base weight's, then this rank's slice
-            this_a, this_b = lora_a, output_rows(name, part_b, full_cfg)
-            if projection in ROW_PARALLEL:
-                this_a = shard_tensor(name, lora_a, full_cfg, tp)
-            else:
-                this_b = shard_tensor(name, this_b, full_cfg, tp)
-            a, b = weights[(layer, projection)]
-            shape = shapes[layer][projection]
-            first = sum(shape.lane_rows[:lane])
-            rows = shape.lane_rows[lane]
-            fits = (this_a.shape[0], this_b.shape[1]) == (rank, rank)
-            if not fits or this_a.shape[1] != a.shape[2] or this_b.shape[0] != rows:
-                raise ValueError(
-                    f"LoRA adapter {request.lora_name!r}: {leaf} of layer {layer} has A "
-                    f"{tuple(lora_a.shape)} and B {tuple(part_b.shape)}, which do not fit rank "
-                    f"{rank} and the base model's projection (an adapter of another model?)"
-                )
-            a[lane, :rank] = this_a.to(dtype)
-            b[first : first + rows, lane, :rank] = (this_b.float() * scale).to(dtype)
+        attention = module in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+        base = f"model.layers.{layer}.{'self_attn' if attention else 'mlp'}.{module}"
+        # a fused checkpoint matrix's B (Phi-3's qkv_proj, GLM-4's gate_up_proj) cut as its
+        # weight is: into the matrices it stacks
+        parts = (
+            hf_names.split_fused(base, "weight", lora_b, full_cfg)
+            if module in FUSED
+            else [(f"{base}.weight", lora_b)]
+        )
+        try:
+            for name, part_b in parts:
+                # B's rows as the loader keeps the base weight's (hf_names.output_rows)
+                part_b = hf_names.output_rows(name, part_b, full_cfg)
+                place(weights, shapes[layer], name, (lora_a, part_b), (rank, scale), full_cfg, tp)
+        except ValueError as error:
+            raise ValueError(f"LoRA adapter {request.lora_name!r}: {error}") from error
     if pin:
         weights = {key: (a.pin_memory(), b.pin_memory()) for key, (a, b) in weights.items()}
     return Adapter(request, weights)
+
+
+def place(
+    weights: HostWeights,
+    shapes: dict[str, ProjectionShape],
+    name: str,
+    pair: tuple[torch.Tensor, torch.Tensor],
+    rank_and_scale: tuple[int, float],
+    cfg: ModelConfig,
+    tp: TensorParallel,
+) -> None:
+    """One checkpoint matrix's A [r, in] and B [out, r] (`name`: its weight's) into its
+    projection's lane of the layer's host blocks: this rank's slice, B times the scale."""
+    (lora_a, lora_b), (rank, scale) = pair, rank_and_scale
+    layer, leaf = int(name.split(".")[2]), name.split(".")[-2]
+    projection, lane = LANES[leaf]
+    if projection not in shapes:
+        raise ValueError(
+            f"a LoRA adapter targets {leaf} of layer {layer}, which is a mixture-of-experts "
+            "block: LoRA on experts is not supported"
+        )
+    if projection in ROW_PARALLEL:  # sliced as the weight is: A by input, B by output
+        lora_a = shard_tensor(name, lora_a, cfg, tp)
+    else:
+        lora_b = shard_tensor(name, lora_b, cfg, tp)
+    a, b = weights[(layer, projection)]
+    shape = shapes[projection]
+    first, rows = sum(shape.lane_rows[:lane]), shape.lane_rows[lane]
+    if lora_a.shape != (rank, a.shape[2]) or lora_b.shape != (rows, rank):
+        raise ValueError(
+            f"a LoRA adapter's {leaf} of layer {layer} has A {tuple(lora_a.shape)} and B "
+            f"{tuple(lora_b.shape)} here, which do not fit its rank {rank} and the base model's "
+            f"projection ({a.shape[2]} inputs, {rows} outputs): an adapter of another model?"
+        )
+    a[lane, :rank] = lora_a.to(a.dtype)
+    b[first : first + rows, lane, :rank] = (lora_b.float() * scale).to(b.dtype)
 
 
 def adapter_folder(request: LoRARequest, source: hub.Source) -> Path:
@@ -248,24 +270,6 @@ def read_pairs(request: LoRARequest, folder: Path) -> dict[tuple[int, str], tupl
     if len(pairs) * 2 != len(found):
         raise ValueError(f"LoRA adapter {request.lora_name!r}: a lora_B has no lora_A")
     return pairs
-
-
-def split_fused(
-    module: str, lora_b: torch.Tensor, cfg: ModelConfig
-) -> list[tuple[str, torch.Tensor]]:
-    """A fused checkpoint matrix's B (Phi-3's qkv_proj, gate_up_proj) cut into its matrices'."""
-    if module not in FUSED:
-        return [(module, lora_b)]
-    if module == "qkv_proj":
-        sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
-    else:
-        sizes = [cfg.intermediate_size] * 2
-    if lora_b.shape[0] != sum(sizes):
-        raise ValueError(
-            f"a LoRA adapter's {module} B has {lora_b.shape[0]} rows; the base model's {module} "
-            f"has {sum(sizes)} (an adapter of another model?)"
-        )
-    return list(zip(FUSED[module], lora_b.split(sizes), strict=True))
 
 
 class AdapterCache:

@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from tandem import LLM, SamplingParams
 from tandem.kv_cache import BlockAllocator
 from tandem.prefix_cache import ROOT_KEY, PrefixCache, block_key
+from tandem.queues import by_priority
 from tandem.request import Request, Status
-from tandem.scheduler import Scheduler, by_priority
+from tandem.scheduler import Scheduler
 from tandem.swap import SwapManager
 
 transformers = pytest.importorskip("transformers")

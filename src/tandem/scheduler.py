@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 from bisect import insort
-from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from operator import attrgetter
 
 from tandem.config import cdiv
 from tandem.kv_cache import BlockAllocator, BlockCopy
 from tandem.lora import Adapter, AdapterSlots
 from tandem.prefix_cache import PrefixCache
+from tandem.queues import ArrivalQueue, PriorityQueue, by_priority
 from tandem.request import Request, Status
 from tandem.swap import SwapManager
 
@@ -47,55 +45,6 @@ class StepPlan:
         order = sorted(range(len(self.requests)), key=lambda i: self.num_new_tokens[i] != 1)
         self.requests = [self.requests[i] for i in order]
         self.num_new_tokens = [self.num_new_tokens[i] for i in order]
-
-
-by_priority = attrgetter("priority", "arrival")  # scheduling_policy "priority"'s order
-
-
-def _reversed_priority(request: Request) -> tuple[int, int]:
-    return -request.priority, -request.arrival
-
-
-class ArrivalQueue(deque[Request]):
-    """First come, first served ("fcfs"): requests in arrival order; one put back (preempted,
-    or deferred at admission) goes to the front, to be served first again."""
-
-    add = deque.append
-    put_back = deque.appendleft
-
-
-class PriorityQueue:
-    """vLLM's "priority" policy: requests by (priority, arrival), the lowest first; one put back
-    takes its place in that order again. A list kept in reverse order with bisect: the head is
-    at its end, taken without moving the others."""
-
-    def __init__(self) -> None:
-        self._last_first: list[Request] = []
-
-    def add(self, request: Request) -> None:
-        insort(self._last_first, request, key=_reversed_priority)
-
-    put_back = add
-
-    def __getitem__(self, index: int) -> Request:
-        return self._last_first[-1 - index]
-
-    def popleft(self) -> Request:
-        """Take the head, the request served next."""
-        return self._last_first.pop()
-
-    def pop(self) -> Request:
-        """Take the request served last."""
-        return self._last_first.pop(0)
-
-    def remove(self, request: Request) -> None:
-        self._last_first.remove(request)
-
-    def __iter__(self) -> Iterator[Request]:
-        return reversed(self._last_first)
-
-    def __len__(self) -> int:
-        return len(self._last_first)
 
 
 class Scheduler:

@@ -19,7 +19,7 @@ from tandem import LLM, BeamSearchParams, LoRARequest, SamplingParams
 from tandem.async_llm import AsyncLLM
 from tandem.cli import build_parser, lora_modules
 from tandem.engine import Engine
-from tandem.model.lora import LoRALayers
+from tandem.model.lora import LoRALayers, LoRAProjection
 from tandem.model.tiny import LORA_TARGETS, make_tiny_lora
 from tandem.prefix_cache import first_extra_key
 from tandem.request import Request
@@ -121,6 +121,28 @@ def test_adapters_and_the_base_model_mix_in_one_step(lora_models, monkeypatch, e
     got = tokens(outputs)
     folders = [adapters[1][1], base, adapters[2][1], adapters[1][1]]
     assert got == [transformers_greedy(str(f), p) for f, p in zip(folders, PROMPTS, strict=True)]
+
+
+def test_steps_whose_rows_name_no_adapter_leave_the_products_out(lora_models, monkeypatch):
+    """An adapter engine's steps of base-model rows alone run no LoRA product (decode graphs are
+    captured both ways on CUDA); a step with an adapter row runs them, base rows included."""
+    base, adapters = lora_models("llama")
+    llm = LLM(str(base), max_model_len=64, enable_lora=True)
+    products = []
+    add = LoRAProjection.add
+
+    def counted(self, x, y):
+        products.append(self.layers.active)
+        return add(self, x, y)
+
+    monkeypatch.setattr(LoRAProjection, "add", counted)
+    plain = tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert products and not any(products)
+    products.clear()
+    loras = [None, request_of(adapters, 1), None, None]
+    mixed = tokens(llm.generate(PROMPTS, GREEDY, False, loras))
+    assert all(products)
+    assert mixed[0] == plain[0] and mixed[2:] == plain[2:] and mixed[1] != plain[1]
 
 
 def test_one_slot_serves_two_adapters_in_turn(lora_models):

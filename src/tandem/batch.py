@@ -47,6 +47,7 @@ class StepBatch:
     penalty_admissions: tuple[list[int], list[Request]] | None = None
     # (slot, adapter): LoRA adapters loaded before the forward (lora.py)
     adapter_loads: list[tuple[int, Adapter]] = field(default_factory=list)
+    uses_lora: bool = False  # some row runs under a LoRA adapter
     prompt_logprobs: PromptLogprobStep | None = None  # rows at prompt positions that want them
     pooling: PoolingStep | None = None  # embedding requests' last prompt tokens (pooling.py)
     token_logprobs: TokenLogprobStep | None = None  # rows that name logprob_token_ids
@@ -212,8 +213,11 @@ class BatchBuilder:
         x["copy_dst"][:num_copies] = [copy.dst for copy in plan.copies]
 
         self._fill_token_ids(x, requests, start, num_new, qsl)
+        uses_lora = False
         if "lora_slots" in x:
-            x["lora_slots"][:num_tokens] = self.running_rows.lora_slot[rows][seq_of_token]
+            lora_slots = self.running_rows.lora_slot[rows]
+            x["lora_slots"][:num_tokens] = lora_slots[seq_of_token]
+            uses_lora = bool((lora_slots >= 0).any())
         prompt_logprobs = plan_rows(requests, start, num_new, qsl, slot.prompt_logprobs)
         num_outputs = np.fromiter((r.num_output_tokens for r in requests), np.int64, num_seqs)
         samples = computed_after == self.running_rows.prompt_len[rows] + num_outputs
@@ -270,6 +274,7 @@ class BatchBuilder:
             use_penalties=use_penalties,
             penalty_admissions=self.running_rows.take_admitted(),
             adapter_loads=plan.adapter_loads,
+            uses_lora=uses_lora,
             prompt_logprobs=prompt_logprobs,
             pooling=pooling,
             token_logprobs=token_logprobs,

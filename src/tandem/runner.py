@@ -14,7 +14,8 @@ launching a step returns at once and the CPU blocks only in `wait`, on the step'
 A step is two launches, its forward pass (up to the logits) and its sampling. Both are enqueued
 at once, except in a step with structured-output rows (structured.py): its sampling is launched
 once the CPU has that step's token masks, after reading back the step before (engine.py). CUDA
-graphs follow the split: a forward graph per (slot, size, shared-prefix groups on/off) writes
+graphs follow the split: a forward graph per (slot, size, shared-prefix groups on/off, LoRA
+products on/off) writes
 the logits into one buffer, and small sampling graphs per (slot, size, filters, penalties,
 masks) read them. The two slots alternate, so these waits only ever order a slot against its
 own previous use. Swap copies (swap.py) run on a fourth stream after every step launched
@@ -118,7 +119,7 @@ class Runner:
         self.cuda = device.type == "cuda"
         # decode-only steps of up to max_seqs rows replay a graph captured for the next size up
         self.graph_sizes = graph_batch_sizes(min(max_seqs, max_tokens)) if cuda_graphs else []
-        # ("forward", slot, rows, shared-prefix groups on/off) and
+        # ("forward", slot, rows, shared-prefix groups on/off, LoRA products on/off) and
         # ("sample", slot, rows, use_filters, use_penalties, use_mask) -> graph
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         # [graph_sizes[-1], vocab] in the LM head's dtype: a forward graph's logits, which the
@@ -278,11 +279,15 @@ class Runner:
             copy_blocks(self.kv_caches, x["copy_src"][:n], x["copy_dst"][:n])
         if batch.penalty_admissions is not None:
             self.penalties.admit(*batch.penalty_admissions)
-        for lora_slot, adapter in batch.adapter_loads:  # after every step launched before
-            self.model.lora.load(lora_slot, adapter)
+        lora = self.model.lora
+        if lora is not None:
+            for lora_slot, adapter in batch.adapter_loads:  # after every step launched before
+                lora.load(lora_slot, adapter)
+            lora.active = batch.uses_lora  # eager steps; a decode graph of its kind below
         shared = batch.num_shared_groups > 0
         if batch.graphed:
-            self.graphs[("forward", batch.slot.index, batch.num_seqs_padded, shared)].replay()
+            key = ("forward", batch.slot.index, batch.num_seqs_padded, shared, batch.uses_lora)
+            self.graphs[key].replay()
             if not batch.sampling_graphed:  # sampled eagerly from the graph's logits
                 self.forwarded = (None, self.logits[: len(batch.requests)], None)
             return
@@ -367,7 +372,7 @@ class Runner:
             input_ids = carry_over(
                 x["input_ids"][:num_tokens], x["carry_index"][:num_tokens], prev_sampled
             )
-            if self.model.lora is not None:
+            if self.model.lora is not None and self.model.lora.active:
                 self.model.lora.select(x["lora_slots"][:num_tokens])
             hidden = self.model(
                 input_ids, x["positions"][:num_tokens], self.kv_caches, meta, self.attend
@@ -457,6 +462,8 @@ class Runner:
             for slot in self.slots:
                 slot.clear_device()
         shared = torch.cuda.graph_pool_handle()
+        if self.model.lora is not None:  # the pieces run every step: with LoRA's products
+            self.model.lora.active = True
         if self.pieces is not None:  # the larger activations: first
             inputs = [(s.dev_in, self.slots[1 - s.index].dev_out["sampled"]) for s in self.slots]
             self.pieces.capture(self.token_buckets, inputs, shared, self.compute_stream)
@@ -478,18 +485,26 @@ class Runner:
             self.graphs[key] = graph
 
         largest = self.graph_sizes[-1] if self.graph_sizes else 0
+        lora = self.model.lora
+        # with LoRA adapters, a decode graph with their products and one without (a step whose
+        # rows name no adapter); the pieces always have them
+        lora_kinds = (True, False) if lora is not None else (False,)
         for size in reversed(self.graph_sizes):
             for slot in self.slots:
-                for cascade in (False, True) if self.cascade else (False,):
+                for cascade, with_lora in itertools.product(
+                    (False, True) if self.cascade else (False,), lora_kinds
+                ):
                     groups = max(1, size // 2) if cascade else None  # a group has 2 rows or more
                     args = (slot, size, size, True, None, None, None, groups)
+                    if lora is not None:
+                        lora.active = with_lora
                     if self.logits is None:  # its shape and dtype: the LM head's own
                         with torch.cuda.stream(self.compute_stream):
                             logits = self._forward(*args)[1]
                             self.logits = logits.new_empty(largest, logits.shape[1])
                     out = self.logits[:size]
                     forward = functools.partial(self._forward, *args, logits_out=out)
-                    capture(("forward", slot.index, size, cascade), forward)
+                    capture(("forward", slot.index, size, cascade, with_lora), forward)
                 for variant in self._sampling_variants():
                     use_filters, use_penalties, use_mask = variant
                     args = (slot, self.logits[:size], None, size, size, use_filters, None)

@@ -10,9 +10,10 @@ and v in qkv_proj; gate and up in gate_up_proj; one in o_proj and down_proj):
 Lane i's columns of B are non-zero only in the rows of matrix i, so two products serve every
 matrix and every slot of a step at once. The mask ([tokens, slots * rank]) is made at the start
 of each forward from the tokens' slots (`select`), inside the step's graphs: a step with any mix
-of adapters replays the graphs of one without. A row-parallel projection (o, down) under tensor
-parallelism adds its delta to its partial sums before their all-reduce: the delta is linear in
-the rank's input columns too.
+of adapters replays the same graphs. A step whose rows name no adapter leaves the products
+out (`LoRALayers.active`; decode graphs are captured both ways). A row-parallel projection
+(o, down) under tensor parallelism adds its delta to its partial sums before their all-reduce:
+the delta is linear in the rank's input columns too.
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ class LoRAProjection:
         self.b = torch.zeros(linear.out_features, width, dtype=weight.dtype, device=weight.device)
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y + this step's LoRA delta of x ([rows, in]; y [rows, out])."""
+        """y + this step's LoRA delta of x ([rows, in]; y [rows, out]); y alone in a step
+        whose rows name no adapter (`LoRALayers.active`)."""
+        if not self.layers.active:
+            return y
         h = F.linear(x, self.a)
         rows = h.shape[0]
         h.view(rows, self.lanes, -1).mul_(self.layers.mask[:rows, None])
@@ -73,6 +77,9 @@ class LoRALayers:
         # [slots * rank] int32: the slot of each column
         self.column_slot = torch.arange(slots * rank, device=weight.device, dtype=torch.int32)
         self.column_slot //= rank
+        # False: the step's rows name no adapter, so the products are left out (the runner sets
+        # it per step, and captures a decode graph of each kind)
+        self.active = True
         self.projections: dict[tuple[int, str], LoRAProjection] = {}
         for index, layer in enumerate(model.layers):
             parents = {"qkv_proj": layer.self_attn, "o_proj": layer.self_attn}

@@ -23,6 +23,7 @@ from tandem.model.lora import LoRALayers, LoRAProjection
 from tandem.model.tiny import LORA_TARGETS, make_tiny_lora
 from tandem.prefix_cache import first_extra_key
 from tandem.request import Request
+from tandem.runner import Runner
 from tandem.server.app import build_app
 from tandem.server.options import ServerOptions
 from tandem.tokenizer import Tokenizer
@@ -124,24 +125,48 @@ def test_adapters_and_the_base_model_mix_in_one_step(lora_models, monkeypatch, e
 
 
 def test_steps_whose_rows_name_no_adapter_leave_the_products_out(lora_models, monkeypatch):
-    """An adapter engine's steps of base-model rows alone run no LoRA product (decode graphs are
-    captured both ways on CUDA); a step with an adapter row runs them, base rows included."""
+    """An adapter engine's steps of base-model rows alone run no LoRA product, eagerly or in a
+    decode graph (captured both ways on CUDA); a step with an adapter row runs them, its base
+    rows included, and every row's tokens are its own model's."""
     base, adapters = lora_models("llama")
     llm = LLM(str(base), max_model_len=64, enable_lora=True)
-    products = []
-    add = LoRAProjection.add
+    runner = llm.engine.runner
+    steps = []  # per step: (uses_lora, the eager products' `active`, the graph keys replayed)
+    add, forward_step = LoRAProjection.add, Runner._forward_step
+    graph_keys = {id(graph): key for key, graph in runner.graphs.items()}
 
-    def counted(self, x, y):
-        products.append(self.layers.active)
+    def counted_add(self, x, y):
+        steps[-1][1].append(self.layers.active)
         return add(self, x, y)
 
-    monkeypatch.setattr(LoRAProjection, "add", counted)
+    def recorded_step(self, batch):
+        steps.append((batch.uses_lora, [], []))
+        return forward_step(self, batch)
+
+    monkeypatch.setattr(LoRAProjection, "add", counted_add)
+    monkeypatch.setattr(Runner, "_forward_step", recorded_step)
+    if runner.graphs:
+        replay = torch.cuda.CUDAGraph.replay
+
+        def recorded_replay(graph):
+            if steps and id(graph) in graph_keys:
+                steps[-1][2].append(graph_keys[id(graph)])
+            return replay(graph)
+
+        monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", recorded_replay)
+
     plain = tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
-    assert products and not any(products)
-    products.clear()
+    assert steps and not any(uses for uses, _, _ in steps)
+    assert not any(active for _, eager, _ in steps for active in eager)
+    forward_keys = [key for _, _, keys in steps for key in keys if key[0] == "forward"]
+    assert all(key[-1] is False for key in forward_keys)
+    assert forward_keys or any(eager for _, eager, _ in steps)  # some step ran, eager or graphed
+    steps.clear()
     loras = [None, request_of(adapters, 1), None, None]
     mixed = tokens(llm.generate(PROMPTS, GREEDY, False, loras))
-    assert all(products)
+    assert all(uses for uses, _, _ in steps)  # request 1 runs to the end with the others
+    assert all(active for _, eager, _ in steps for active in eager)
+    assert all(key[-1] is True for _, _, keys in steps for key in keys if key[0] == "forward")
     assert mixed[0] == plain[0] and mixed[2:] == plain[2:] and mixed[1] != plain[1]
 
 

@@ -19,8 +19,11 @@ from tandem import LLM, BeamSearchParams, LoRARequest, SamplingParams
 from tandem.async_llm import AsyncLLM
 from tandem.cli import build_parser, lora_modules
 from tandem.engine import Engine
+from tandem.model import fused, splitk
+from tandem.model.decoder import to_residual
 from tandem.model.lora import LoRALayers, LoRAProjection
 from tandem.model.tiny import LORA_TARGETS, make_tiny_lora
+from tandem.parallel import TensorParallel
 from tandem.prefix_cache import first_extra_key
 from tandem.request import Request
 from tandem.runner import Runner
@@ -258,20 +261,23 @@ def test_first_block_keys_differ_by_adapter_and_never_meet_a_salt():
     assert key(salt="\udcfflora:1") != key(1)  # no salt's UTF-8 starts with the adapter's 0xff
 
 
+class Stub(torch.nn.Module):
+    """One attention layer's projections (no MLP): hidden size `hidden`, q and kv sizes."""
+
+    def __init__(self, hidden: int = 6, q: int = 6, kv: int = 2, o_bias: bool = True):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(4, hidden)
+        attn = torch.nn.Module()
+        attn.qkv_proj = torch.nn.Linear(hidden, q + 2 * kv)
+        attn.o_proj = torch.nn.Linear(q, hidden, bias=o_bias)
+        layer = torch.nn.Module()
+        layer.self_attn, layer.mlp = attn, torch.nn.Module()
+        self.layers = [layer]
+        self.cfg = type("Cfg", (), {"q_size": q, "kv_size": kv, "intermediate_size": 0})
+
+
 def test_the_delta_of_each_token_is_its_own_slot_s_adapter():
     """model/lora.py's two masked products against the direct formula, token by token."""
-
-    class Stub(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed_tokens = torch.nn.Embedding(4, 6)
-            attn = torch.nn.Module()
-            attn.qkv_proj, attn.o_proj = torch.nn.Linear(6, 10), torch.nn.Linear(6, 6)
-            layer = torch.nn.Module()
-            layer.self_attn, layer.mlp = attn, torch.nn.Module()
-            self.layers = [layer]
-            self.cfg = type("Cfg", (), {"q_size": 6, "kv_size": 2, "intermediate_size": 0})
-
     torch.manual_seed(0)
     model = Stub()
     lora = LoRALayers(model, slots=3, rank=2, max_tokens=8)
@@ -293,6 +299,31 @@ def test_the_delta_of_each_token_is_its_own_slot_s_adapter():
             for lane in range(3):
                 want += b[slot][:, lane] @ (a[slot][lane] @ x[t])
         torch.testing.assert_close(got[t], want)
+
+
+def test_the_o_projection_takes_split_k_in_a_step_without_adapter_rows(monkeypatch):
+    """to_residual: with adapter rows, the plain product plus the delta; without (`active`
+    False), split-K's partial sums, whose sum is the plain product."""
+    monkeypatch.setattr(fused, "use_kernels", lambda x: True)  # interpreted on CPU
+    monkeypatch.setattr(splitk, "ENABLED", True)
+    monkeypatch.setattr(splitk, "num_sms", lambda device: 8)
+    torch.manual_seed(0)
+    model = Stub(hidden=64, q=256, kv=16, o_bias=False)
+    lora = LoRALayers(model, slots=2, rank=2, max_tokens=8)
+    o_proj = model.layers[0].self_attn.o_proj
+    a, b = torch.randn(1, 2, 256), torch.randn(64, 1, 2)
+    lora.projections[(0, "o_proj")].load(1, a, b)
+    lora.select(torch.tensor([1, -1, 1], dtype=torch.int32))
+    x = torch.randn(3, 256)
+    plain = x @ o_proj.weight.T
+    got = to_residual(o_proj, x, TensorParallel())
+    delta = torch.stack([b[:, 0] @ (a[0] @ row) for row in x])
+    delta[1] = 0
+    torch.testing.assert_close(got, plain + delta, atol=1e-4, rtol=1e-4)
+    lora.active = False
+    partials = to_residual(o_proj, x, TensorParallel())
+    assert partials.dim() == 3 and partials.shape[0] > 1  # [splits, rows, out]
+    torch.testing.assert_close(partials.sum(0), plain, atol=1e-4, rtol=1e-4)
 
 
 def test_an_embedding_under_an_adapter_is_the_merged_model_s(lora_models):

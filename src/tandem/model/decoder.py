@@ -57,8 +57,10 @@ def to_residual(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch
     so on one device it may be split-K partial sums [splits, rows, out] that the norm adds up
     (`splitk`). x may come quantized for an FP8 layer (`Fp8Rows`, see `MLP.quantize_out`)."""
     values = x.values if isinstance(x, Fp8Rows) else x
-    lora = vars(linear).get("lora")  # LoRA adapters: the plain product plus their delta
-    if tp.size == 1 and linear.bias is None and fused.use_kernels(values) and lora is None:
+    # LoRA adapters in this step: the plain product plus their delta
+    lora = vars(linear).get("lora")
+    with_adapters = lora is not None and lora.layers.active
+    if tp.size == 1 and linear.bias is None and fused.use_kernels(values) and not with_adapters:
         # a layer's own way: FP8 layers', and deterministic mode's slices in a split count
         # fixed by the weight (batch_invariant.py)
         own = getattr(linear, "residual_partials", None)

@@ -34,7 +34,9 @@ def url(folder) -> Iterator[str]:
 
 
 def generate(url: str, **body) -> httpx.Response:
-    return httpx.post(f"{url}/inference/v1/generate", json=body, timeout=60)
+    content = json.dumps(body)  # escapes as JSON may hold them: a lone surrogate too
+    headers = {"content-type": "application/json"}
+    return httpx.post(f"{url}/inference/v1/generate", content=content, headers=headers, timeout=60)
 
 
 def test_tokens_and_logprobs_are_the_offline_apis(url, folder):
@@ -104,6 +106,7 @@ def test_left_out_max_tokens_fills_the_context(url):
          "sampling_params"),
         ({"token_ids": [1], "model": "other"}, "model"),
         ({"token_ids": [1], "prompt": "x"}, "prompt"),
+        ({"token_ids": [1], "request_id": "\udcff"}, "request_id"),  # no UTF-8 answer holds it
     ],
 )  # fmt: skip
 def test_bad_requests_are_400s_and_the_server_goes_on(url, body, param):

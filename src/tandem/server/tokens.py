@@ -28,6 +28,7 @@ from tandem.server.protocol import (
     OpenAIError,
     RequestOption,
     StreamOptions,
+    Text,
     encodable,
 )
 from tandem.server.serving import ChatFormat, Choice, OpenAIServing, token_id_keys
@@ -39,7 +40,7 @@ SET_BY_THE_SERVER = ("output_kind",)  # as vLLM's: a stream gets deltas, others 
 class GenerateRequest(RequestOption):
     """vLLM's GenerateRequest (its multimodal and disaggregation fields aside)."""
 
-    request_id: str | None = None  # the response's id, after "generate-tokens-"
+    request_id: Text | None = None  # the response's id, after "generate-tokens-"
     token_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     model: str | None = None

@@ -101,6 +101,7 @@ BAD_SAMPLING = {
     "bad_words_not_a_list": ({"bad_words": 5}, "bad_words", "a list of strings"),
     "max_tokens_past_int32": ({"max_tokens": 2**31}, "max_tokens", str(2**31 - 1)),
     "bad_words_past_1024": ({"bad_words": ["a"] * 1025}, "bad_words", "1024"),
+    "bad_words_lone_surrogate": ({"bad_words": ["a \udcff"]}, "bad_words", "UTF-8"),
     # past float32: an inf temperature or a zero penalty made NaN logits that won every draw
     "temperature_past_float32": ({"temperature": 1e39}, "temperature", "float32"),
     "repetition_penalty_under_float32": (

@@ -237,6 +237,12 @@ class SamplingParams:
             raise ValueError(
                 f"bad_words must be a list of non-blank strings, got {self.bad_words!r}"
             )
+        for word in self.bad_words:  # the tokenizer takes UTF-8: no lone surrogate
+            if not word.isascii():
+                try:
+                    word.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ValueError(f"bad_words must be UTF-8 text, got {word!r}") from None
         if self.thinking_token_budget is not None:
             check_int("thinking_token_budget", self.thinking_token_budget, 0)
         if self.prompt_logprobs is not None:

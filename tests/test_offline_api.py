@@ -152,6 +152,32 @@ def test_chat_content_parts_other_than_text_are_a_value_error_naming_the_type(ll
     assert not llm.engine.has_unfinished()
 
 
+@pytest.mark.parametrize(
+    "messages",
+    [
+        {"role": "user", "content": "Hi"},
+        "Hi",
+        [[{"role": "user"}], "Hi"],
+        [{"role": "user"}, "x"],
+        3,
+    ],
+)
+def test_chat_messages_that_are_no_conversation_are_a_type_error(llm, messages):
+    with pytest.raises(TypeError, match="messages must be a conversation"):
+        llm.chat(messages, GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+
+
+def test_chat_takes_one_conversation_or_a_list_of_them(llm):
+    one = [{"role": "user", "content": "Hi"}]
+    other = [{"role": "user", "content": "Name a cache."}]
+    [single] = llm.chat(one, GREEDY, use_tqdm=False)
+    both = llm.chat([one, tuple(other)], GREEDY, use_tqdm=False)
+    assert [o.prompt for o in both] == [single.prompt, llm.chat(other, GREEDY, False)[0].prompt]
+    assert both[0].outputs[0].token_ids == single.outputs[0].token_ids
+    assert llm.chat([], GREEDY, use_tqdm=False) == []
+
+
 PLAIN_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"

@@ -460,8 +460,7 @@ class LLM:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        conversations = [[_with_text_content(m) for m in c] for c in conversations]
+        conversations = [[_with_text_content(m) for m in c] for c in _conversations(messages)]
         try:
             texts = [
                 tokenizer.apply_chat_template(
@@ -704,6 +703,25 @@ class _FinishedGroups:
         if len(built) < len(request.logprobs):
             built += _sample_logprobs(request, self.text, start=len(built))
         return built
+
+
+def _conversations(messages: Any) -> list[list[dict[str, Any]]]:
+    """`chat`'s messages, one conversation (a list of message dicts) or a list of them, as a list
+    of conversations."""
+
+    def is_list(value: Any) -> bool:
+        return isinstance(value, Sequence) and not isinstance(value, str | bytes)
+
+    if is_list(messages) and messages and all(isinstance(m, dict) for m in messages):
+        return [list(messages)]
+    if is_list(messages) and all(
+        is_list(c) and all(isinstance(m, dict) for m in c) for c in messages
+    ):
+        return [list(c) for c in messages]
+    raise TypeError(
+        "messages must be a conversation (a list of message dicts such as {'role': 'user', "
+        f"'content': ...}}) or a list of conversations, got {type(messages).__name__}"
+    )
 
 
 def _with_text_content(message: Any) -> Any:

@@ -355,6 +355,7 @@ BAD_ENGINE_ARGS = {
         "gpu_memory_utilization",
         "number",
     ),
+    "swap_space_infinite": ({"swap_space": float("inf")}, "swap_space", "finite number"),
     "unknown_dtype": ({"dtype": "float8"}, "dtype", "bfloat16"),
     "unknown_load_format": ({"load_format": "pt"}, "load_format", "'dummy'"),
     "unknown_device": ({"device": "tpu"}, "device", "'cuda'"),

@@ -595,8 +595,12 @@ class EngineConfig:
                 f"got {self.scheduling_policy!r}"
             )
         space = self.swap_space
-        if not isinstance(space, int | float) or isinstance(space, bool) or not space >= 0:
-            raise ValueError(f"swap_space must be a number of GiB >= 0, got {space!r}")
+        if (
+            not isinstance(space, int | float)
+            or isinstance(space, bool)
+            or not 0 <= space < float("inf")
+        ):
+            raise ValueError(f"swap_space must be a finite number of GiB >= 0, got {space!r}")
         tokenizer = self.tokenizer and Path(self.tokenizer).expanduser()
         if tokenizer and tokenizer.is_dir() and not (tokenizer / "tokenizer.json").is_file():
             raise ValueError(

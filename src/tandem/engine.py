@@ -322,9 +322,8 @@ class Engine:
         if config.preemption_mode == "recompute":
             return 0
         per_block = bytes_per_block(local, config.block_size, self.dtype)
-        wanted = min(
-            int(config.swap_space * 2**30) // per_block, config.max_num_seqs * max_blocks_per_seq
-        )
+        most = config.max_num_seqs * max_blocks_per_seq  # every sequence's blocks at once
+        wanted = int(min(config.swap_space * 2**30, most * per_block)) // per_block
         check_swap_space(config.swap_space, wanted * per_block)
         return self.tp.min(wanted, self.device)  # every rank schedules alike
 

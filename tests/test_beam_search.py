@@ -147,6 +147,13 @@ def test_bad_params_are_value_errors(hf_model, params, error):
         llm.beam_search([{"prompt_token_ids": PROMPTS[0]}], params)
 
 
+@pytest.mark.parametrize("params", [None, {"beam_width": 2}, SamplingParams(max_tokens=4)])
+def test_params_other_than_beam_search_params_are_a_type_error(hf_model, params):
+    llm = LLM(str(hf_model[0]), **ENGINE_ARGS)
+    with pytest.raises(TypeError, match="BeamSearchParams"):
+        llm.beam_search([{"prompt_token_ids": PROMPTS[0]}], params)
+
+
 def test_a_prompt_filling_the_context_is_a_value_error(hf_model):
     folder, _ = hf_model
     llm = LLM(str(folder), **{**ENGINE_ARGS, "max_model_len": 8})

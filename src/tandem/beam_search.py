@@ -94,6 +94,8 @@ def beam_search(
 ) -> list[BeamSearchOutput]:
     """The prompts' best beams; `concurrency_limit` prompts searched at a time (all: None);
     `lora_request` as `LLM.generate` takes it, each prompt's beams under its adapter."""
+    if not isinstance(params, BeamSearchParams):
+        raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
     if isinstance(prompts, str | dict):
         prompts = [prompts]
     if concurrency_limit is not None:

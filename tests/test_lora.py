@@ -36,6 +36,7 @@ from test_server import running
 
 PROMPTS = ["Hello there", "The quick brown fox jumps over", "café au lait " * 4, "Paged KV"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+JSON = {"content-type": "application/json"}
 FUSED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # Phi-3's checkpoint matrices
 
 
@@ -456,6 +457,18 @@ def test_the_server_serves_lora_modules_as_models(lora_models):
             bad = {"lora_name": "four", "lora_path": "/no/such/folder"}
             answer = httpx.post(f"{url}/v1/load_lora_adapter", json=bad)
             assert answer.status_code == 400 and "adapter_config.json" in answer.text
+            for bad, param in [
+                ({"lora_name": "\udcff", "lora_path": load["lora_path"]}, "lora_name"),
+                ({"lora_name": "four", "lora_path": "\udcff"}, "lora_path"),
+                ({"lora_name": "four", "lora_path": "a" * 300}, "lora_path"),  # ENAMETOOLONG
+                ({"lora_name": "", "lora_path": load["lora_path"]}, "lora_name"),
+            ]:
+                content = json.dumps(bad)  # escapes a lone surrogate, as JSON may
+                answer = httpx.post(f"{url}/v1/load_lora_adapter", content=content, headers=JSON)
+                assert answer.status_code == 400 and answer.json()["error"]["param"] == param
+            content = json.dumps({"lora_name": "\udcff"})
+            answer = httpx.post(f"{url}/v1/unload_lora_adapter", content=content, headers=JSON)
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == "lora_name"
             assert "three" in [c["id"] for c in httpx.get(f"{url}/v1/models").json()["data"]]
             body = {"model": "three", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0,
                     "ignore_eos": True, "return_token_ids": True}  # fmt: skip

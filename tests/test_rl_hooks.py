@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -298,6 +299,11 @@ def test_admin_routes_pause_and_resume_behind_the_api_key(folder):
                 "/update_weights_from_path", json={"path": "/nowhere"}, headers=auth
             )
             assert missing.status_code == 400 and missing.json()["error"]["param"] == "path"
+            for path in ("a" * 300, "\udcff"):  # a name too long for the system; no UTF-8
+                content = json.dumps({"path": path})
+                headers = {**auth, "content-type": "application/json"}
+                answer = client.post("/update_weights_from_path", content=content, headers=headers)
+                assert answer.status_code == 400 and answer.json()["error"]["param"] == "path"
             misspelt = client.post("/sleep", json={"levle": 2}, headers=auth)
             assert misspelt.status_code == 400 and misspelt.json()["error"]["param"] == "levle"
             assert not llm.engine.is_sleeping  # nothing was done

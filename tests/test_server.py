@@ -41,7 +41,7 @@ from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.server.app import build_app
 from tandem.server.options import ServerOptions
-from tandem.server.protocol import CompletionRequest
+from tandem.server.protocol import CompletionRequest, OpenAIError
 from tandem.server.serving import CompletionFormat, Generation, sampling_params, sse
 
 ENGINE_ARGS = {"max_model_len": 512, "block_size": 8}
@@ -1469,3 +1469,14 @@ def test_start_and_stop_profile_write_a_trace_or_say_profiling_is_off(server, fo
     finally:
         llm.shutdown()
     assert trace.startswith(str(tmp_path)) and os.path.getsize(trace) > 0
+
+
+def test_an_error_quoting_text_that_utf_8_cannot_hold_is_still_sent():
+    """An error message may quote the client's text: a lone surrogate is sent as its escape."""
+    response = OpenAIError("no adapter named '\udcff'", param="lora_name").response()
+    assert json.loads(response.body)["error"] == {
+        "message": "no adapter named '\\udcff'",
+        "type": "invalid_request_error",
+        "param": "lora_name",
+        "code": None,
+    }

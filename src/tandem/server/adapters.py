@@ -7,22 +7,24 @@ it (requests already running under it finish under it). Behind the API key like 
 from __future__ import annotations
 
 import asyncio
+from typing import Annotated
 
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
+from pydantic import Field
 
 from tandem.lora import LoRARequest
-from tandem.server.protocol import OpenAIError, RequestOption
+from tandem.server.protocol import OpenAIError, RequestOption, Text
 from tandem.server.serving import OpenAIServing
 
 
 class LoadLoRAAdapterRequest(RequestOption):
-    lora_name: str
-    lora_path: str
+    lora_name: Annotated[Text, Field(min_length=1)]
+    lora_path: Annotated[Text, Field(min_length=1)]
 
 
 class UnloadLoRAAdapterRequest(RequestOption):
-    lora_name: str
+    lora_name: Text
     lora_int_id: int | None = None
 
 
@@ -42,7 +44,7 @@ def adapter_router(serving: OpenAIServing) -> APIRouter:
         try:
             lora = LoRARequest(name, serving.next_lora_id, body.lora_path)
             await asyncio.to_thread(cache.get, lora)  # read off the event loop and the engine
-        except ValueError as error:
+        except (ValueError, OSError) as error:  # OSError: a path the system refuses
             raise OpenAIError(str(error), param="lora_path") from error
         serving.next_lora_id += 1
         serving.adapters[name] = lora

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query
 
 from tandem.async_llm import AsyncLLM
-from tandem.server.protocol import OpenAIError, RequestOption
+from tandem.server.protocol import OpenAIError, RequestOption, Text
 
 
 class PauseRequest(RequestOption):
@@ -33,7 +33,7 @@ class SleepRequest(RequestOption):
 
 
 class UpdateWeightsRequest(RequestOption):
-    path: str
+    path: Text
 
 
 class InitWeightTransferRequest(RequestOption):
@@ -154,5 +154,5 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
 async def _engine_call(call, param: str | None = None):
     try:
         return await call
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as error:
+    except (ValueError, TypeError, OSError, RuntimeError) as error:  # OSError: a bad path
         raise OpenAIError(str(error), 400, param=param) from error

@@ -102,7 +102,9 @@ class OpenAIError(Exception):
         return JSONResponse(self.body(), status_code=self.status_code)
 
     def body(self) -> dict[str, Any]:
-        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        # a message may quote what the client sent: a lone surrogate in it as its escape
+        message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
+        error = {"message": message, "type": self.type, "param": self.param, "code": self.code}
         return {"error": error}
 
 

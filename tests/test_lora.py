@@ -495,7 +495,7 @@ def test_the_server_serves_lora_modules_as_models(lora_models):
         lora_modules(["one"], True)
 
 
-def test_beam_search_and_score_run_under_adapters(lora_models):
+def test_beam_search_and_loglikelihood_run_under_adapters(lora_models):
     """Each prompt's beams, and each pair's log-likelihood, under its adapter: those of the
     model with that adapter merged in (the merged folder, adapters off)."""
     base, adapters = lora_models("llama")
@@ -508,9 +508,10 @@ def test_beam_search_and_score_run_under_adapters(lora_models):
     ):
         [want] = LLM(str(folder), max_model_len=64).beam_search([prompt], params)
         assert [b.tokens for b in out.sequences] == [b.tokens for b in want.sequences]
-    scored = llm.score(PROMPTS[:2], [" the end", " more"], lora_request=request_of(adapters, 2))
-    merged = LLM(str(adapters[2][1]), max_model_len=64).score(PROMPTS[:2], [" the end", " more"])
-    plain = LLM(str(base), max_model_len=64).score(PROMPTS[:2], [" the end", " more"])
+    ends = [" the end", " more"]
+    scored = llm.loglikelihood(PROMPTS[:2], ends, lora_request=request_of(adapters, 2))
+    merged = LLM(str(adapters[2][1]), max_model_len=64).loglikelihood(PROMPTS[:2], ends)
+    plain = LLM(str(base), max_model_len=64).loglikelihood(PROMPTS[:2], ends)
     for a, b, c in zip(scored, merged, plain, strict=True):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and a.logprob != pytest.approx(
             c.logprob

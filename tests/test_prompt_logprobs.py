@@ -143,13 +143,13 @@ def test_prompt_logprobs_are_the_same_alone_and_in_a_batch(make_tiny):
         assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"
 
 
-def test_score_is_the_continuation_log_likelihood(make_tiny):
+def test_loglikelihood_is_the_continuation_s_log_likelihood(make_tiny):
     folder = str(make_tiny("llama"))
     llm = LLM(folder, max_model_len=128, num_blocks=32, max_num_batched_tokens=8)
     tokenizer = llm.get_tokenizer()
     contexts = ["The quick brown fox", "one two", [5, 6, 7]]
     continuations = [" jumps over", " three four five", [8]]
-    scores = llm.score(contexts, continuations, use_tqdm=False)
+    scores = llm.loglikelihood(contexts, continuations, use_tqdm=False)
     for context, continuation, score in zip(contexts, continuations, scores, strict=True):
         c = context if isinstance(context, list) else tokenizer.encode(context)
         x = (
@@ -172,7 +172,7 @@ def test_score_is_the_continuation_log_likelihood(make_tiny):
         .outputs[0]
         .token_ids
     )
-    assert llm.score([[5, 6, 7]], [greedy], use_tqdm=False)[0].is_greedy
+    assert llm.loglikelihood([[5, 6, 7]], [greedy], use_tqdm=False)[0].is_greedy
 
 
 def test_scoring_a_one_token_prompt_finishes_at_once(make_tiny):

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
         EmbeddingRequestOutput,
         Logprob,
         RequestOutput,
+        ScoringOutput,
+        ScoringRequestOutput,
     )
     from tandem.pooling import PoolingParams
     from tandem.sampling import SamplingParams
@@ -41,6 +43,8 @@ __all__ = [
     "PoolingParams",
     "RequestOutput",
     "SamplingParams",
+    "ScoringOutput",
+    "ScoringRequestOutput",
     "StructuredOutputsParams",
     "__version__",
 ]
@@ -60,6 +64,8 @@ _LAZY = {
     "Logprob": "tandem.outputs",
     "RequestOutput": "tandem.outputs",
     "SamplingParams": "tandem.sampling",
+    "ScoringOutput": "tandem.outputs",
+    "ScoringRequestOutput": "tandem.outputs",
     "StructuredOutputsParams": "tandem.structured",
 }
 

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from tandem import generation_config, hub, penalties, piecewise, structured
+from tandem import generation_config, hub, penalties, piecewise, scoring, structured
 from tandem.attention import get_backend, rows_per_shared_group
 from tandem.batch import BatchBuilder, StepBatch
 from tandem.batch_invariant import invariant_attention, make_batch_invariant
@@ -147,6 +147,8 @@ class Engine:
         # a classifier's label names, by index (config.json's id2label; else LABEL_i)
         id2label = hf_config.get("id2label") or {}
         self.class_labels = [id2label.get(str(i), f"LABEL_{i}") for i in range(cfg.num_labels)]
+        # a cross-encoder's pair prompt: the tokenizer's pair encoding, else the texts joined
+        self.separates_pairs = scoring.separates_pairs(hf_config)
         # SamplingParams fields in place of its own defaults (LLM.generate without params, and
         # the server's requests that leave them out)
         self.sampling_defaults = generation_config.sampling_defaults(

@@ -15,6 +15,7 @@ from typing import Any
 import jinja2
 from tqdm import tqdm
 
+from tandem import scoring
 from tandem.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from tandem.config import EngineConfig
 from tandem.engine import Engine, check_pause_mode
@@ -30,6 +31,7 @@ from tandem.outputs import (
     PromptLogprobs,
     RequestOutput,
     SampleLogprobs,
+    ScoringRequestOutput,
     TokenText,
     cumulative_logprob,
     no_text,
@@ -46,7 +48,7 @@ from tandem.weights import NamedTensors
 
 
 @dataclass
-class ScoreOutput:
+class LoglikelihoodOutput:
     """How likely a continuation is after its context."""
 
     logprob: float  # the sum over the continuation's tokens
@@ -344,11 +346,45 @@ class LLM:
 
     def score(
         self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's scores of text pairs (scoring.py): 1:1, 1:N or N:N, one output per pair. A
+        classifier of one label (a cross-encoder) scores each pair as one prompt; any other
+        model by the cosine similarity of the two texts' embeddings. `lora_request` as
+        `generate` takes it, one per pair."""
+        firsts, seconds = scoring.pairs(data_1, data_2)
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise TypeError(
+                f"pooling_params must be PoolingParams, got {type(pooling_params).__name__}"
+            )
+        engine = self.engine
+        loras = per_prompt(lora_request, len(firsts))
+        if scoring.cross_encodes(engine.model_config.num_labels):
+            prompts = scoring.pair_prompts(
+                engine.tokenizer, firsts, seconds, engine.separates_pairs
+            )
+            task = "classify"
+        else:  # every first text, then every second, each embedded alone
+            prompts, loras, task = firsts + seconds, loras + loras, "embed"
+        requests = self._pool(
+            prompts, pooling_params, task, truncate_prompt_tokens, use_tqdm, loras
+        )
+        return scoring.outputs(requests, task == "classify", engine.tokenizer)
+
+    def loglikelihood(
+        self,
         contexts: Sequence[str | list[int]],
         continuations: Sequence[str | list[int]],
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-    ) -> list[ScoreOutput]:
+    ) -> list[LoglikelihoodOutput]:
         """The log-likelihood of each continuation after its context, in one batch (under a
         LoRA adapter, or one per pair, as `generate` takes them).
 
@@ -370,7 +406,7 @@ class LLM:
         loras = per_prompt(lora_request, len(prompts))
         groups = self._generate(prompts, params, use_tqdm, loras)  # floats: no Logprob made
         return [
-            _score(group[0].prompt_logprobs[len(c) :], x)
+            _loglikelihood(group[0].prompt_logprobs[len(c) :], x)
             for (_, group), (c, x) in zip(groups, pairs, strict=True)
         ]
 
@@ -752,11 +788,11 @@ def _pooled(request: Request, output: type) -> dict[str, Any]:
     }
 
 
-def _score(entries: list[dict[int, float]], continuation: list[int]) -> ScoreOutput:
+def _loglikelihood(entries: list[dict[int, float]], continuation: list[int]) -> LoglikelihoodOutput:
     # each entry holds the top-1 id first, then the token itself when it ranked lower
     token_logprobs = [e[t] for e, t in zip(entries, continuation, strict=True)]
     is_greedy = all(next(iter(e)) == t for e, t in zip(entries, continuation, strict=True))
-    return ScoreOutput(sum(token_logprobs), is_greedy, token_logprobs)
+    return LoglikelihoodOutput(sum(token_logprobs), is_greedy, token_logprobs)
 
 
 def _request_output(

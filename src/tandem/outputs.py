@@ -111,6 +111,22 @@ class ClassificationRequestOutput:
     num_cached_tokens: int = 0
 
 
+@dataclass
+class ScoringOutput:
+    score: float | None  # see scoring.py; None if it was aborted
+
+
+@dataclass
+class ScoringRequestOutput:
+    """vLLM's output of `LLM.score`: one pair's score."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]  # the pair's prompt; two embedded texts: both, a pad between
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
 TokenText = Callable[[int], str | None]
 
 

@@ -107,6 +107,11 @@ class Tokenizer:
         """Token ids of `text`; add_special_tokens runs tokenizer.json's post-processor (e.g. BOS)."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, text: str, pair: str) -> list[int]:
+        """Token ids of two texts as one sequence, joined by tokenizer.json's post-processor's
+        pair template (as transformers' `tokenizer(text, text_pair)`): a cross-encoder's input."""
+        return self.backend.encode(text, pair=pair, add_special_tokens=True).ids
+
     def decode(self, ids: int | Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids` (or of one id; a numpy array or a torch tensor as well); ids past the
         tokenizer's vocab decode to nothing."""

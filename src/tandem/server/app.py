@@ -23,8 +23,12 @@ from tandem.server.admin import admin_router
 from tandem.server.embeddings import (
     ClassificationRequest,
     EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
     classify,
     embeddings,
+    rerank,
+    score,
 )
 from tandem.server.metrics import ServerMetrics
 from tandem.server.options import ServerOptions
@@ -84,6 +88,17 @@ def build_app(
     @app.post("/classify")
     async def create_classification(body: ClassificationRequest) -> dict[str, Any]:
         return await classify(serving, body)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def create_score(body: ScoreRequest) -> dict[str, Any]:
+        return await score(serving, body)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def create_rerank(body: RerankRequest) -> dict[str, Any]:
+        return await rerank(serving, body)
 
     @app.post("/inference/v1/generate")
     async def generate_tokens(body: GenerateRequest, http: HttpRequest) -> Response:

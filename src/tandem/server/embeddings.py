@@ -2,7 +2,10 @@
 each input's last token's final hidden state, L2-normalized unless vLLM's `use_activation`
 (or its older `normalize`) is false, its first `dimensions` values kept first; as floats or,
 with `encoding_format: "base64"`, as base64 of little-endian float32 bytes (OpenAI's form).
-vLLM's `POST /classify` (a sequence classifier): each input's class probabilities and label."""
+vLLM's `POST /classify` (a sequence classifier): each input's class probabilities and label.
+vLLM's `POST /score` (`text_1` against `text_2`, 1:1, 1:N or N:N) and `POST /rerank` (a query's
+documents, most relevant first, the best `top_n`; Jina's and Cohere's form): pair scores as
+`LLM.score` makes them (scoring.py); `/v1/score`, `/v1/rerank` and `/v2/rerank` answer the same."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import Field
 
+from tandem import scoring
 from tandem.pooling import PoolingParams
 from tandem.server.protocol import MAX_TOKEN_ID, OpenAIError, RequestOption, Text
 from tandem.server.serving import OpenAIServing
@@ -53,22 +57,51 @@ class ClassificationRequest(PoolingRequest):
     pass
 
 
+class ScoreRequest(RequestOption):
+    """vLLM's ScoreRequest (its multimodal fields aside)."""
+
+    model: str | None = None
+    text_1: Text | list[Text]
+    text_2: Text | list[Text]
+    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
+    use_activation: bool | None = None  # a cross-encoder's sigmoid (None: on)
+
+
+class RerankRequest(RequestOption):
+    """vLLM's RerankRequest (its multimodal fields aside)."""
+
+    model: str | None = None
+    query: Text
+    documents: list[Text]
+    top_n: Annotated[int, Field(ge=0)] = 0  # the best top_n results; 0: all
+    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
+    use_activation: bool | None = None
+
+
 async def pooled(
-    serving: OpenAIServing, body: PoolingRequest, pooling: PoolingParams, kind: str
+    serving: OpenAIServing,
+    body: PoolingRequest | ScoreRequest | RerankRequest,
+    pooling: PoolingParams,
+    kind: str,
+    prompts: list | None = None,
+    param: str = "input",
 ) -> tuple[str, list]:
     """Every input pooled side by side in the step loop: (the call's id, each input's output);
-    one the engine rejects is a 400 and the others are aborted."""
+    one the engine rejects is a 400 and the others are aborted. The inputs: `prompts`, else
+    the body's, each under the body's model's adapter."""
     serving.check_model(body.model)
-    prompts = body.prompts()
+    prompts = body.prompts() if prompts is None else prompts
     limit = serving.options.max_sequences_per_request
     if len(prompts) > limit:
         message = f"this request has {len(prompts)} inputs; at most {limit} are allowed"
-        raise OpenAIError(message, param="input")
+        raise OpenAIError(message, param=param)
     call_id = f"{kind}-{uuid.uuid4().hex}"
+
+    adapter = serving.adapter(body.model)
 
     async def one(i: int, prompt):
         outputs = serving.llm.encode(
-            prompt, pooling, f"{call_id}-{i}", serving.adapter(body.model),
+            prompt, pooling, f"{call_id}-{i}", adapter,
             truncate_prompt_tokens=body.truncate_prompt_tokens,
         )  # fmt: skip
         async for output in outputs:
@@ -79,7 +112,7 @@ async def pooled(
     try:
         return call_id, await asyncio.gather(*tasks)
     except ValueError as error:
-        raise OpenAIError(str(error), param="input") from error
+        raise OpenAIError(str(error), param=param) from error
     finally:
         for task in tasks:  # the others, when one failed: their streams abort as they end
             task.cancel()
@@ -127,3 +160,69 @@ async def classify(serving: OpenAIServing, body: ClassificationRequest) -> dict[
         for index, output in enumerate(outputs)
     ]
     return answer(serving, body, call_id, data, outputs)
+
+
+async def scored(
+    serving: OpenAIServing,
+    body: ScoreRequest | RerankRequest,
+    firsts: list[str],
+    seconds: list[str],
+) -> tuple[str, list[float], int]:
+    """`LLM.score`'s pair scores over the step loop: (the call's id, each pair's score, the
+    prompt tokens read)."""
+    engine = serving.llm.engine
+    param = "text_2" if isinstance(body, ScoreRequest) else "documents"
+    try:
+        cross_encoded = scoring.cross_encodes(engine.model_config.num_labels)
+        if cross_encoded:
+            tokenizer, separate = engine.tokenizer, engine.separates_pairs
+            prompts = scoring.pair_prompts(tokenizer, firsts, seconds, separate)
+        else:
+            prompts = firsts + seconds
+    except ValueError as error:
+        raise OpenAIError(str(error), param="model") from error
+    task = "classify" if cross_encoded else "embed"
+    pooling = PoolingParams(use_activation=body.use_activation, task=task)
+    call_id, outputs = await pooled(serving, body, pooling, "score", prompts, param=param)
+    vectors = [
+        output.outputs.probs if cross_encoded else output.outputs.embedding for output in outputs
+    ]
+    num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+    return call_id, scoring.scores(cross_encoded, vectors), num_tokens
+
+
+async def score(serving: OpenAIServing, body: ScoreRequest) -> dict[str, Any]:
+    """vLLM's /score: each pair's score, in pair order."""
+    try:
+        firsts, seconds = scoring.pairs(body.text_1, body.text_2)
+    except ValueError as error:
+        raise OpenAIError(str(error), param="text_2") from error
+    call_id, scores, num_tokens = await scored(serving, body, firsts, seconds)
+    return {
+        "id": call_id,
+        "object": "list",
+        "created": int(time.time()),
+        "model": serving.answered_name(body.model),
+        "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+    }
+
+
+async def rerank(serving: OpenAIServing, body: RerankRequest) -> dict[str, Any]:
+    """vLLM's /rerank: the documents by their score against the query, best first (ties in
+    document order), the best `top_n` of them (0: all)."""
+    if not body.documents:
+        raise OpenAIError("documents must hold at least one text", param="documents")
+    firsts, seconds = scoring.pairs(body.query, body.documents)
+    call_id, scores, num_tokens = await scored(serving, body, firsts, seconds)
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    results = [
+        {"index": i, "document": {"text": body.documents[i]}, "relevance_score": scores[i]}
+        for i in order[: body.top_n or None]
+    ]
+    return {
+        "id": call_id,
+        "model": serving.answered_name(body.model),
+        "usage": {"total_tokens": num_tokens},
+        "results": results,
+    }

@@ -149,6 +149,7 @@ def test_run_batch_over_two_engines_resumes_and_answers_every_line_once(
 
 # ---- tandem serve --data-parallel-size 2 ----------------------------------------------------
 
+MAX_STOP_STRINGS = 2  # the replicas' --max-stop-strings
 SERVE_ARGS = {"max_model_len": 1024, "block_size": 8, "num_blocks": 512, "device": "cpu"}
 LONG = {"max_tokens": 900, "temperature": 0, "extra_body": {"ignore_eos": True}}
 
@@ -158,11 +159,13 @@ def service(local_ray, folder):
     from ray import serve
 
     from tandem.ray.serve import build_serve_app
+    from tandem.server.options import ServerOptions
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    options = ServerOptions(max_stop_strings=MAX_STOP_STRINGS)
     app = build_serve_app(
-        folder, SERVE_ARGS, 2, "tiny", health_check_period_s=1.0, num_ingress_replicas=1
+        folder, SERVE_ARGS, 2, "tiny", options, health_check_period_s=1.0, num_ingress_replicas=1
     )
     serve.run(app, name="tandem", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
@@ -200,6 +203,16 @@ def test_two_replicas_answer_the_openai_client_as_one_engine(client, folder):
     streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
     [want] = llm.generate("Ray", SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
     assert streamed == want.outputs[0].text
+
+
+def test_every_replica_serves_with_the_server_options(client):
+    """`tandem serve --data-parallel-size N`'s server flags hold in each replica's app."""
+    stop = [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]
+    for prompt in PROMPTS[:4]:  # prompts of different prefixes: both replicas, as routed
+        with pytest.raises(openai.BadRequestError, match="stop"):
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=2, stop=stop)
+    ok = client.completions.create(model="tiny", prompt="x", max_tokens=2, stop=stop[:-1])
+    assert ok.choices[0].finish_reason in ("length", "stop")
 
 
 def test_requests_sharing_a_prefix_go_to_one_replica(client):
@@ -268,3 +281,20 @@ def engine_replicas() -> set[str]:
 
     actors = list_named_actors(all_namespaces=True)
     return {a["name"] for a in actors if "#EngineReplica#" in a["name"]}
+
+
+def test_serve_with_data_parallel_size_hands_its_server_flags_to_the_replicas(folder, monkeypatch):
+    from tandem import cli
+    from tandem.ray import serve as ray_serve
+
+    calls = []
+    monkeypatch.setattr(ray_serve, "serve_data_parallel", lambda *args: calls.append(args))
+    argv = ["serve", folder, "--data-parallel-size", "2", "--max-stop-strings", "3"]
+    cli.main([*argv, "--api-key", "k", "--tool-call-parser", "hermes"])
+    [(model, _, size, _, _, _, options)] = calls
+    assert (model, size) == (folder, 2)
+    assert (options.max_stop_strings, options.api_key, options.tool_call_parser) == (
+        3,
+        "k",
+        "hermes",
+    )

@@ -398,21 +398,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise ValueError(f"--port {args.port}: a port is in 0-65535")
     check_data_parallel_size(args.data_parallel_size)
     adapters = lora_modules(args.lora_modules, args.enable_lora)
-    if args.data_parallel_size > 1:
-        if adapters:
-            raise ValueError("--lora-modules is served by one engine (--data-parallel-size 1)")
-        from tandem.ray.serve import serve_data_parallel
-
-        serve_data_parallel(
-            args.model,
-            engine_kwargs(args),
-            args.data_parallel_size,
-            args.host,
-            args.port,
-            args.served_model_name,
-            args.api_key,
-        )
-        return
+    if args.data_parallel_size > 1 and adapters:
+        raise ValueError("--lora-modules is served by one engine (--data-parallel-size 1)")
     options = ServerOptions(
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,
@@ -428,6 +415,19 @@ def cmd_serve(args: argparse.Namespace) -> None:
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     options.validate()
+    if args.data_parallel_size > 1:  # every replica serves with these options
+        from tandem.ray.serve import serve_data_parallel
+
+        serve_data_parallel(
+            args.model,
+            engine_kwargs(args),
+            args.data_parallel_size,
+            args.host,
+            args.port,
+            args.served_model_name,
+            options,
+        )
+        return
     llm = AsyncLLM.from_model(args.model, **engine_kwargs(args))
     if serve(llm, args.served_model_name or args.model, args.host, args.port, options):
         sys.exit(f"tandem: error: the engine failed ({llm.failure!r}); the server stopped")

@@ -36,6 +36,7 @@ from tandem.async_llm import AsyncLLM
 from tandem.ray.data import actor_resources
 from tandem.ray.prefix_routing import prefix_key, ring_order
 from tandem.server.app import build_app
+from tandem.server.options import ServerOptions
 from tandem.server.protocol import OpenAIError
 
 logger = logging.getLogger(__name__)
@@ -73,10 +74,14 @@ class EngineReplica:
     """One engine and the OpenAI app over it; `forward` runs a request through the app."""
 
     def __init__(
-        self, model: str, served_model_name: str | list[str], api_key: str | None, **engine_args
+        self,
+        model: str,
+        served_model_name: str | list[str],
+        options: ServerOptions | None,
+        **engine_args,
     ):
         self.llm = AsyncLLM.from_model(model, **engine_args)
-        self.app = build_app(self.llm, served_model_name, api_key)
+        self.app = build_app(self.llm, served_model_name, options=options)
         self.name = serve.get_replica_context().replica_id.to_full_id_str()
 
     async def forward(
@@ -176,7 +181,7 @@ class Ingress:
         self.engine = engine
         self.block_size = block_size
 
-    @ingress_app.api_route("/{path:path}", methods=["GET", "POST"])
+    @ingress_app.api_route("/{path:path}", methods=["GET", "POST", "OPTIONS"])
     async def forward(self, path: str, http: HttpRequest) -> Response:
         body = await http.body()
         request = ForwardedRequest(
@@ -199,14 +204,17 @@ def build_serve_app(
     engine_args: dict[str, Any],
     data_parallel_size: int,
     served_model_name: str | list[str] | None = None,
-    api_key: str | None = None,
+    options: ServerOptions | None = None,
     health_check_period_s: float = 10.0,
     num_ingress_replicas: int | None = None,
 ) -> serve.Application:
     """The Ray Serve application: ingress replicas (default: one per engine) and
-    `data_parallel_size` engine replicas."""
+    `data_parallel_size` engine replicas, each serving the app of `tandem serve` with
+    `options`."""
     if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {data_parallel_size!r}")
+    if options is not None:
+        options.validate()  # here, not first in each replica
     resources = actor_resources(engine_args)
     engine = serve.deployment(
         EngineReplica,
@@ -215,7 +223,7 @@ def build_serve_app(
         ray_actor_options={"num_cpus": resources["num_cpus"], "num_gpus": resources["num_gpus"]},
         request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter),
         health_check_period_s=health_check_period_s,
-    ).bind(model, served_model_name or model, api_key, **engine_args)
+    ).bind(model, served_model_name or model, options, **engine_args)
     ingress = serve.deployment(
         Ingress,
         num_replicas=num_ingress_replicas or data_parallel_size,
@@ -232,11 +240,11 @@ def serve_data_parallel(
     host: str,
     port: int,
     served_model_name: str | list[str] | None = None,
-    api_key: str | None = None,
+    options: ServerOptions | None = None,
 ) -> None:
     """Serve on host:port until interrupted (joins RAY_ADDRESS's cluster, or starts one here)."""
     if not ray.is_initialized():
         ray.init()
-    app = build_serve_app(model, engine_args, data_parallel_size, served_model_name, api_key)
+    app = build_serve_app(model, engine_args, data_parallel_size, served_model_name, options)
     serve.start(http_options={"host": host, "port": port})
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=True)

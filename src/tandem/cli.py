@@ -413,6 +413,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         lora_modules=adapters,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        chat_template=args.chat_template,
+        trust_request_chat_template=args.trust_request_chat_template,
+        response_role=args.response_role,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
     )
     options.validate()
     if args.data_parallel_size > 1:  # every replica serves with these options
@@ -535,6 +539,38 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="vLLM's flag for tool_choice 'auto'; needs --tool-call-parser, which alone enables it",
     )
+    parser.add_argument(
+        "--chat-template",
+        type=chat_template,
+        help="the chat template of every chat request: a Jinja file, or the template itself "
+        "(default: the model's)",
+    )
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a chat with the template its request sends (chat_template); refused without",
+    )
+    parser.add_argument(
+        "--response-role",
+        default=defaults.response_role,
+        help="the role of a chat answer after a generation prompt",
+    )
+    parser.add_argument(
+        "--default-chat-template-kwargs",
+        type=json_object,
+        help="chat template variables as JSON, e.g. '{\"enable_thinking\": false}'; a "
+        "request's chat_template_kwargs override them",
+    )
+
+
+def chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the value itself where it reads as a template."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if any(mark in value for mark in ("{%", "{{", "\n")):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is neither a file nor a Jinja template")
 
 
 def check_data_parallel_size(size: int) -> None:

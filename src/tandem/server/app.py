@@ -155,7 +155,7 @@ def build_app(
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError("give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            _, tokens = await asyncio.to_thread(chat_ids, tokenizer, body)
+            _, tokens = await asyncio.to_thread(chat_ids, tokenizer, body, serving.options)
         else:
             add_special_tokens = body.add_special_tokens is not False
             tokens = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens)

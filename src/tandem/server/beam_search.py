@@ -104,6 +104,7 @@ def response(
     starts: list[list[int]],
     outputs: list[BeamSearchOutput],
     tokenizer: Any,
+    response_role: str = "assistant",
 ) -> dict[str, Any]:
     """The OpenAI response: choice i * n + k is prompt i's k-th best beam."""
     chat = isinstance(body, ChatCompletionRequest)
@@ -115,7 +116,7 @@ def response(
             text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer else ""
             choice: dict[str, Any] = {"index": len(choices)}
             if chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"] = {"role": body.answer_role(response_role), "content": text}
             else:
                 choice |= {"text": text, "logprobs": None}
             choices.append(choice | {"finish_reason": beam.finish_reason, "stop_reason": None})

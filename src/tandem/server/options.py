@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import jinja2
 
 from tandem.lora import LoRARequest
 from tandem.server.tool_calls import PARSERS
+from tandem.tokenizer import compile_chat_template
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,14 @@ class ServerOptions:
     # vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (its
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING): off, they are 404s
     allow_runtime_lora_updating: bool = False
+    # the chat template of every chat request, Jinja source (--chat-template reads it from a
+    # file or takes it inline); None: the model's
+    chat_template: str | None = None
+    # vLLM's --trust-request-chat-template: a request's own chat_template is a 400 without it
+    trust_request_chat_template: bool = False
+    response_role: str = "assistant"  # a chat answer's role after a generation prompt (vLLM's)
+    # vLLM's --default-chat-template-kwargs: template variables a request's own override
+    default_chat_template_kwargs: dict[str, Any] | None = None
 
     def validate(self) -> None:
         for name in ("max_request_bytes", "max_sequences_per_request", "max_stop_strings"):
@@ -44,6 +56,29 @@ class ServerOptions:
         for name in ("health_stall_timeout_s", "drain_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        self.validate_chat_options()
+
+    def validate_chat_options(self) -> None:
+        if self.chat_template is not None:
+            try:
+                compile_chat_template(self.chat_template)
+            except jinja2.TemplateError as error:
+                raise ValueError(
+                    f"chat_template (--chat-template) does not compile: {error}"
+                ) from error
+        if not isinstance(self.response_role, str) or not self.response_role:
+            raise ValueError(
+                f"response_role must be a non-empty string, got {self.response_role!r}"
+            )
+        kwargs = self.default_chat_template_kwargs
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError(f"default_chat_template_kwargs must be a JSON object, got {kwargs!r}")
+
+    def chat_template_kwargs(self, given: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A request's template variables over the server's defaults."""
+        if not self.default_chat_template_kwargs:
+            return given
+        return {**self.default_chat_template_kwargs, **(given or {})}
 
     def validate_tool_options(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:

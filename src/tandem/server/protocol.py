@@ -291,6 +291,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[Text, Any] | None = None
+    chat_template: Text | None = None  # vLLM's: Jinja source (--trust-request-chat-template)
     add_special_tokens: bool = False  # the template writes its own BOS
     echo: bool = False  # vLLM's: the final message's text leads the answer's if of its role
     # vLLM's: the template's reasoning_effort, and enable_thinking unless the kwargs set it
@@ -307,14 +308,15 @@ class ChatCompletionRequest(SamplingRequest):
         thinking = {"enable_thinking": self.reasoning_effort != "none"}
         return {"reasoning_effort": self.reasoning_effort, **thinking, **given}
 
-    def answer_role(self) -> str:
-        """The assistant's, or without a generation prompt the final message's (as vLLM)."""
-        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+    def answer_role(self, response_role: str = "assistant") -> str:
+        """`response_role` (--response-role), or without a generation prompt the final
+        message's (as vLLM)."""
+        return response_role if self.add_generation_prompt else self.messages[-1].role
 
-    def echoed(self) -> str:
+    def echoed(self, response_role: str = "assistant") -> str:
         """The text echo puts before the answer: the final message's, when of the answer's role."""
         final = self.messages[-1]
-        return final.text() if self.echo and final.role == self.answer_role() else ""
+        return final.text() if self.echo and final.role == self.answer_role(response_role) else ""
 
 
 class TokenizeRequest(RequestOption):
@@ -327,6 +329,7 @@ class TokenizeRequest(RequestOption):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[Text, Any] | None = None
+    chat_template: Text | None = None  # as the chat request's
 
     def template_kwargs(self) -> dict[str, Any] | None:
         return self.chat_template_kwargs

@@ -254,8 +254,9 @@ class OpenAIServing:
         if body.use_beam_search:
             return await self._beam_search(body, [ids], params.max_tokens)
         generation = await self._start("chatcmpl", [(text, ids)], params, body, http)
-        generation.reader, generation.echoed = mode.reader, body.echoed()
-        generation.role = body.answer_role()
+        role = self.options.response_role
+        generation.reader, generation.echoed = mode.reader, body.echoed(role)
+        generation.role = body.answer_role(role)
         name, think = self.llm.engine.config.reasoning_parser, self.llm.engine.think_tokens
         if name is not None:  # the answer thinks first unless its prompt closed the thinking
             thinking, kwargs = not think.ended(ids), body.template_kwargs()
@@ -274,7 +275,7 @@ class OpenAIServing:
             raise OpenAIError("top_logprobs needs logprobs set to true", param="top_logprobs")
         mode = tool_mode(body, self.options.tool_call_parser)
         constraint = output_constraint(body, mode.constraint)
-        text, ids = await asyncio.to_thread(chat_ids, self.tokenizer(), body)
+        text, ids = await asyncio.to_thread(chat_ids, self.tokenizer(), body, self.options)
         field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
         asked = getattr(body, field)
         if asked is not None and asked < 1:  # a chat cannot score its prompt alone
@@ -312,7 +313,9 @@ class OpenAIServing:
             raise OpenAIError(message, param="n")
         adapter = self.adapter(body.model)
         outputs = await beam_search.search(self.llm, starts, params, body.priority, adapter)
-        answer = beam_search.response(body, self.model_name, starts, outputs, self.llm.tokenizer)
+        answer = beam_search.response(
+            body, self.model_name, starts, outputs, self.llm.tokenizer, self.options.response_role
+        )
         return JSONResponse(answer)
 
     def check_request(self, body: SamplingRequest) -> None:
@@ -761,26 +764,37 @@ def check_supported(body: SamplingRequest) -> None:
 
 
 def chat_ids(
-    tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeRequest
+    tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeRequest, options: ServerOptions
 ) -> tuple[str, list[int]]:
     """The rendered chat prompt of a request's messages and its token ids."""
-    text = chat_prompt(tokenizer, body)
+    text = chat_prompt(tokenizer, body, options)
     return text, tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
 
 
-def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeRequest) -> str:
-    """The request's messages rendered by the chat template with its options; a 400 if the
-    template or the options refuse them."""
+def chat_prompt(
+    tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeRequest, options: ServerOptions
+) -> str:
+    """The request's messages rendered by the chat template with its options: the request's
+    template where the server trusts it, else the server's (--chat-template), else the model's;
+    the server's default variables under the request's. A 400 if the template or the options
+    refuse them."""
+    if body.chat_template is not None and not options.trust_request_chat_template:
+        raise OpenAIError(
+            "this server renders chats with its own template; a request's chat_template needs "
+            "--trust-request-chat-template",
+            param="chat_template",
+        )
     tools = body.tools
     try:
         return encodable(
             tokenizer.apply_chat_template(
                 [m.as_template_input() for m in body.messages],
                 [t.model_dump(exclude_none=True) for t in tools] if tools else None,
+                chat_template=body.chat_template or options.chat_template,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 tokenize=False,
-                chat_template_kwargs=body.template_kwargs(),
+                chat_template_kwargs=options.chat_template_kwargs(body.template_kwargs()),
             )
         )  # JSON the template renders may unescape a lone surrogate ("\\ud800") into it
     except ValueError as error:  # no template, the template's raise_exception, a surrogate

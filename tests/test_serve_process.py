@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -62,10 +63,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def process(command: list[str]) -> Iterator[tuple[subprocess.Popen, str]]:
+def process(
+    command: list[str], scheme: str = "http", verify: ssl.SSLContext | bool = True
+) -> Iterator[tuple[subprocess.Popen, str]]:
     """Start a server process, wait for /health, yield it and its URL; kill it if still up."""
     port = command[command.index("PORT")] = str(free_port())
-    url = f"http://127.0.0.1:{port}"
+    url = f"{scheme}://127.0.0.1:{port}"
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV,
                             text=True)  # fmt: skip
     try:
@@ -74,7 +77,7 @@ def process(command: list[str]) -> Iterator[tuple[subprocess.Popen, str]]:
             assert proc.poll() is None, proc.stdout.read()
             assert time.monotonic() < deadline, "the server did not come up"
             with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health").status_code == 200:
+                if httpx.get(f"{url}/health", verify=verify).status_code == 200:
                     break
             time.sleep(0.1)
         yield proc, url

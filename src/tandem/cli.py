@@ -417,8 +417,22 @@ def cmd_serve(args: argparse.Namespace) -> None:
         trust_request_chat_template=args.trust_request_chat_template,
         response_role=args.response_role,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
+        allowed_origins=tuple(args.allowed_origins),
+        allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers),
+        allow_credentials=args.allow_credentials,
+        root_path=args.root_path,
+        disable_fastapi_docs=args.disable_fastapi_docs,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
+        uvicorn_log_level=args.uvicorn_log_level,
     )
     options.validate()
+    if args.data_parallel_size > 1 and options.one_server_only():
+        flags = ", ".join(options.one_server_only())
+        raise ValueError(f"{flags}: one server's, not Ray Serve's (--data-parallel-size 1)")
     if args.data_parallel_size > 1:  # every replica serves with these options
         from tandem.ray.serve import serve_data_parallel
 
@@ -460,7 +474,7 @@ def lora_modules(specs: list[str] | None, enable_lora: bool) -> tuple:
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    from tandem.server.options import ServerOptions
+    from tandem.server.options import LOG_LEVELS, ServerOptions
     from tandem.server.tool_calls import PARSERS
 
     defaults = ServerOptions()
@@ -555,12 +569,47 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=defaults.response_role,
         help="the role of a chat answer after a generation prompt",
     )
+    for name, what in (("origins", "origins"), ("methods", "methods"), ("headers", "headers")):
+        parser.add_argument(
+            f"--allowed-{name}",
+            type=json_strings,
+            default=list(getattr(defaults, f"allowed_{name}")),
+            help=f"CORS: the allowed {what}, a JSON list",
+        )
+    parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    parser.add_argument("--root-path", help="the path prefix of a proxy in front of the server")
+    parser.add_argument(
+        "--disable-fastapi-docs", action="store_true", help="serve no /docs, /redoc, /openapi.json"
+    )
+    parser.add_argument("--ssl-keyfile", help="TLS: the private key (PEM) of --ssl-certfile")
+    parser.add_argument("--ssl-certfile", help="TLS: the certificate chain (PEM): serve https")
+    parser.add_argument("--ssl-ca-certs", help="TLS: CA certificates to verify clients with")
+    parser.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=defaults.ssl_cert_reqs,
+        help="TLS: client certificates, 0 not asked, 1 optional, 2 required",
+    )
+    parser.add_argument(
+        "--uvicorn-log-level", choices=LOG_LEVELS, help="uvicorn's log level (default: info)"
+    )
     parser.add_argument(
         "--default-chat-template-kwargs",
         type=json_object,
         help="chat template variables as JSON, e.g. '{\"enable_thinking\": false}'; a "
         "request's chat_template_kwargs override them",
     )
+
+
+def json_strings(value: str) -> list[str]:
+    """An argparse type: a JSON list of strings."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from error
+    if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
+    return parsed
 
 
 def chat_template(value: str) -> str:

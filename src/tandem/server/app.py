@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -43,6 +44,7 @@ from tandem.server.serving import OpenAIServing, ServerShuttingDown, chat_ids
 from tandem.server.tokens import GenerateRequest
 
 OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key
+DOCS_ROUTES = ("docs_url", "redoc_url", "openapi_url")  # FastAPI's; None: not served
 
 
 def build_app(
@@ -61,13 +63,21 @@ def build_app(
     clashing = [lora.lora_name for lora in options.lora_modules if lora.lora_name in names]
     if clashing:
         raise ValueError(f"LoRA module names {clashing} are served model names already")
-    app = FastAPI(title="tandem")
+    docs = {} if not options.disable_fastapi_docs else dict.fromkeys(DOCS_ROUTES)
+    app = FastAPI(title="tandem", **docs)  # --root-path is uvicorn's (lifecycle.uvicorn_config)
     metrics = ServerMetrics(llm)
     serving = OpenAIServing(llm, names, metrics, options, options.lora_modules)
     app.state.llm, app.state.serving = llm, serving
     if options.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_request_bytes)
+    app.add_middleware(  # the outermost: a preflight is answered before the API key is asked
+        CORSMiddleware,
+        allow_origins=options.allowed_origins,
+        allow_methods=options.allowed_methods,
+        allow_headers=options.allowed_headers,
+        allow_credentials=options.allow_credentials,
+    )
     add_error_handlers(app)
     app.include_router(admin_router(llm))  # RL: pause, sleep, weights (behind the API key)
     if options.allow_runtime_lora_updating:

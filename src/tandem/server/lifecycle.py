@@ -16,6 +16,7 @@ import threading
 from collections.abc import Iterator
 
 import uvicorn
+from fastapi import FastAPI
 
 from tandem.async_llm import AsyncLLM
 from tandem.server.app import build_app
@@ -68,18 +69,29 @@ class Server(uvicorn.Server):
             end.cancel()
 
 
+def uvicorn_config(app: FastAPI, host: str, port: int, options: ServerOptions) -> uvicorn.Config:
+    """How uvicorn serves `app`: the address, TLS, the root path, logging, the drain."""
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        # off by default: per-request lines would compete with the engine thread for the GIL
+        access_log=options.access_log,
+        timeout_graceful_shutdown=options.drain_timeout_s + SHUTDOWN_MARGIN_S,
+        log_level=options.uvicorn_log_level,
+        root_path=options.root_path or "",
+        ssl_keyfile=options.ssl_keyfile,
+        ssl_certfile=options.ssl_certfile,
+        ssl_ca_certs=options.ssl_ca_certs,
+        ssl_cert_reqs=options.ssl_cert_reqs,
+    )
+
+
 def serve(llm: AsyncLLM, model_name: str, host: str, port: int, options: ServerOptions) -> int:
     """Serve until a signal (then 0) or a fatal engine error (then 1); the engine is shut down."""
     try:
         app = build_app(llm, model_name, options=options)
-        config = uvicorn.Config(
-            app,
-            host=host,
-            port=port,
-            # off by default: per-request lines would compete with the engine thread for the GIL
-            access_log=options.access_log,
-            timeout_graceful_shutdown=options.drain_timeout_s + SHUTDOWN_MARGIN_S,
-        )
+        config = uvicorn_config(app, host, port, options)
         server = Server(config, llm, app.state.serving, options)
         server.run()
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -10,6 +11,8 @@ import jinja2
 from tandem.lora import LoRARequest
 from tandem.server.tool_calls import PARSERS
 from tandem.tokenizer import compile_chat_template
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,20 @@ class ServerOptions:
     response_role: str = "assistant"  # a chat answer's role after a generation prompt (vLLM's)
     # vLLM's --default-chat-template-kwargs: template variables a request's own override
     default_chat_template_kwargs: dict[str, Any] | None = None
+    # CORS (vLLM's flags and defaults: any origin, method and header; no credentials)
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    root_path: str | None = None  # the path prefix of a proxy in front (FastAPI's root_path)
+    disable_fastapi_docs: bool = False  # no /docs, /redoc, /openapi.json
+    # TLS (uvicorn's): the certificate chain and its key, PEM files; CA certificates and
+    # whether clients must present a certificate (ssl.CERT_NONE 0, OPTIONAL 1, REQUIRED 2)
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
+    uvicorn_log_level: str | None = None  # None: uvicorn's ("info")
 
     def validate(self) -> None:
         for name in ("max_request_bytes", "max_sequences_per_request", "max_stop_strings"):
@@ -57,6 +74,34 @@ class ServerOptions:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         self.validate_chat_options()
+        self.validate_http_options()
+
+    def validate_http_options(self) -> None:
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"{name} must be a list of strings, got {value!r}")
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) {path!r} is not a file")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError(
+                f"ssl_cert_reqs must be 0 (none), 1 (optional) or 2 (required), got "
+                f"{self.ssl_cert_reqs!r}"
+            )
+        if self.uvicorn_log_level not in (None, *LOG_LEVELS):
+            raise ValueError(
+                f"uvicorn_log_level must be one of {', '.join(LOG_LEVELS)}, got "
+                f"{self.uvicorn_log_level!r}"
+            )
+
+    def one_server_only(self) -> list[str]:
+        """The flags Ray Serve's proxy does not take (--data-parallel-size): those set."""
+        names = ("root_path", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "uvicorn_log_level")
+        return [f"--{name.replace('_', '-')}" for name in names if getattr(self, name) is not None]
 
     def validate_chat_options(self) -> None:
         if self.chat_template is not None:

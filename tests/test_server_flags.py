@@ -1,0 +1,231 @@
+"""The server's flags beyond the engine's (vLLM's): chats (--chat-template, a file or the template
+itself; --trust-request-chat-template for a request's own chat_template; --response-role;
+--default-chat-template-kwargs), checked against transformers' rendering of the template; HTTP
+(CORS, a preflight answered before the API key is asked; --root-path; --disable-fastapi-docs;
+TLS over a real `tandem serve` process; --uvicorn-log-level); bad values refused before
+serving."""
+
+from __future__ import annotations
+
+import json
+import signal
+import ssl
+import subprocess
+import sys
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from tandem.async_llm import AsyncLLM
+from tandem.cli import build_parser, main
+from tandem.server.app import build_app
+from tandem.server.lifecycle import uvicorn_config
+from tandem.server.options import ServerOptions
+from tandem.tokenizer import Tokenizer
+from test_serve_process import process
+
+# reads a variable the server's defaults set and a request may override
+TEMPLATE = (
+    "{% for m in messages %}[{{ tone }}] {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}bot:{% endif %}"
+)
+OTHER_TEMPLATE = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def folder(make_tiny) -> str:
+    return str(make_tiny("llama"))
+
+
+@pytest.fixture(scope="module")
+def llm(folder):
+    llm = AsyncLLM.from_model(folder, max_model_len=128)
+    yield llm
+    llm.shutdown()
+
+
+def transformers_ids(folder: str, template: str, messages=MESSAGES, **variables) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    text = tokenizer.apply_chat_template(
+        messages, chat_template=template, add_generation_prompt=True, tokenize=False, **variables
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def client_of(llm, **options) -> TestClient:
+    return TestClient(build_app(llm, "tiny", options=ServerOptions(**options)))
+
+
+def test_the_server_s_template_role_and_default_variables(llm, folder):
+    options = {"chat_template": TEMPLATE, "response_role": "bot"}
+    with client_of(llm, default_chat_template_kwargs={"tone": "calm"}, **options) as client:
+        tokens = client.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+        assert tokens == transformers_ids(folder, TEMPLATE, tone="calm")
+        given = {"messages": MESSAGES, "chat_template_kwargs": {"tone": "loud"}}
+        assert client.post("/tokenize", json=given).json()["tokens"] == transformers_ids(
+            folder, TEMPLATE, tone="loud"
+        )  # the request's variables over the server's
+        body = {"messages": MESSAGES, "max_tokens": 3, "temperature": 0}
+        rendered = client.post("/v1/chat/completions/render", json=body).json()
+        assert rendered["token_ids"] == tokens
+        answer = client.post("/v1/chat/completions", json=body).json()
+        assert answer["choices"][0]["message"]["role"] == "bot"
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            first = next(line for line in r.iter_lines() if line.startswith("data: {"))
+        assert json.loads(first[6:])["choices"][0]["delta"]["role"] == "bot"
+        beams = {**body, "use_beam_search": True, "n": 2}
+        answer = client.post("/v1/chat/completions", json=beams).json()
+        assert {c["message"]["role"] for c in answer["choices"]} == {"bot"}
+
+
+def test_a_request_s_template_needs_the_server_s_trust(llm, folder):
+    body = {"messages": MESSAGES, "chat_template": OTHER_TEMPLATE}
+    with client_of(llm) as client:
+        for path in ("/tokenize", "/v1/chat/completions"):
+            answer = client.post(path, json={**body, "max_tokens": 2} if "chat" in path else body)
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == "chat_template"
+        model_s = Tokenizer.from_dir(folder).apply_chat_template(
+            MESSAGES, add_generation_prompt=True, tokenize=False
+        )
+        tokens = client.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+        assert tokens == Tokenizer.from_dir(folder).encode(model_s, add_special_tokens=False)
+    with client_of(llm, chat_template=TEMPLATE, trust_request_chat_template=True) as client:
+        tokens = client.post("/tokenize", json=body).json()["tokens"]
+        assert tokens == transformers_ids(
+            folder, OTHER_TEMPLATE
+        )  # the request's, over the server's
+        broken = client.post("/tokenize", json={**body, "chat_template": "{% for %}"})
+        assert broken.status_code == 400 and broken.json()["error"]["param"] == "messages"
+
+
+def test_the_cli_reads_a_template_file_or_the_template_itself(tmp_path, folder):
+    path = tmp_path / "template.jinja"
+    path.write_text(TEMPLATE)
+    parser = build_parser()
+    for value in (str(path), TEMPLATE):
+        args = parser.parse_args(["serve", folder, "--chat-template", value])
+        assert args.chat_template == TEMPLATE
+    args = parser.parse_args(["serve", folder, "--default-chat-template-kwargs", '{"tone": "x"}'])
+    assert args.default_chat_template_kwargs == {"tone": "x"}
+    for flags in (
+        ["--chat-template", str(tmp_path / "missing.jinja")],  # neither a file nor a template
+        ["--default-chat-template-kwargs", "[1]"],
+        ["--default-chat-template-kwargs", "{nope"],
+    ):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", folder, *flags])
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"chat_template": "{% for %}"}, "does not compile"),
+        ({"response_role": ""}, "response_role"),
+        ({"default_chat_template_kwargs": [1]}, "JSON object"),
+    ],
+)
+def test_bad_chat_options_are_refused_before_serving(options, match):
+    with pytest.raises(ValueError, match=match):
+        ServerOptions(**options).validate()
+
+
+# ---- HTTP ---------------------------------------------------------------------------------------
+
+PREFLIGHT = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST"}
+
+
+def test_any_origin_by_default_and_a_preflight_needs_no_api_key(llm):
+    with client_of(llm, api_key="k") as client:
+        preflight = client.options("/v1/completions", headers=PREFLIGHT)
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "*"
+        refused = client.get("/v1/models", headers={"Origin": "https://ui.example"})
+        assert refused.status_code == 401  # the key is still asked of the request itself
+        assert refused.headers["access-control-allow-origin"] == "*"
+        headers = {"Origin": "https://ui.example", "Authorization": "Bearer k"}
+        assert client.get("/v1/models", headers=headers).status_code == 200
+
+
+def test_only_the_allowed_origins(llm):
+    allowed = "https://a.example"
+    with client_of(llm, allowed_origins=(allowed,), allow_credentials=True) as client:
+        ok = client.options("/v1/completions", headers={**PREFLIGHT, "Origin": allowed})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == allowed
+        assert ok.headers["access-control-allow-credentials"] == "true"
+        other = client.options("/v1/completions", headers=PREFLIGHT)
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+
+
+def test_docs_and_the_root_path(llm):
+    options = ServerOptions(root_path="/api", uvicorn_log_level="debug")
+    app = build_app(llm, "tiny", options=options)
+    config = uvicorn_config(app, "127.0.0.1", 8000, options)  # what `serve` runs
+    assert (config.root_path, config.log_level) == ("/api", "debug")
+    with TestClient(app, root_path=config.root_path) as client:
+        assert client.get("/docs").status_code == 200
+        assert client.get("/openapi.json").json()["servers"] == [{"url": "/api"}]
+        assert client.get("/v1/models").status_code == 200
+    with client_of(llm, disable_fastapi_docs=True) as client:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert client.get(path).status_code == 404
+        assert client.get("/v1/models").status_code == 200
+
+
+def test_tls_serves_https_with_the_certificate(folder, tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out",
+         cert, "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    trusted = ssl.create_default_context(cafile=str(cert))
+    command = [sys.executable, "-m", "tandem.cli", "serve", folder, "--port", "PORT",
+               "--max-model-len", "128", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
+               "--uvicorn-log-level", "warning"]  # fmt: skip
+    with process(command, "https", trusted) as (proc, url):
+        assert httpx.get(f"{url}/v1/models", verify=trusted).status_code == 200
+        with pytest.raises(httpx.TransportError):  # plain http is not spoken
+            httpx.get(url.replace("https", "http") + "/health")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert "Uvicorn running" not in proc.stdout.read()  # info lines off at "warning"
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"ssl_certfile": "/no/cert.pem", "ssl_keyfile": "/no/key.pem"}, "is not a file"),
+        ({"ssl_cert_reqs": 3}, "ssl_cert_reqs"),
+        ({"uvicorn_log_level": "loud"}, "uvicorn_log_level"),
+        ({"allowed_origins": "https://a.example"}, "allowed_origins"),
+    ],
+)
+def test_bad_http_options_are_refused_before_serving(options, match):
+    with pytest.raises(ValueError, match=match):
+        ServerOptions(**options).validate()
+
+
+def test_a_key_without_its_certificate_is_refused(tmp_path):
+    key = tmp_path / "key.pem"
+    key.write_text("x")
+    with pytest.raises(ValueError, match="both --ssl-certfile and --ssl-keyfile"):
+        ServerOptions(ssl_keyfile=str(key)).validate()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--allowed-origins", "https://a.example"], "not JSON"),
+        (["--allowed-origins", '{"a": 1}'], "JSON list of strings"),
+        (["--data-parallel-size", "2", "--root-path", "/api"], "--root-path"),
+    ],
+)
+def test_bad_http_flags_end_the_command_with_one_line(folder, flags, message, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["serve", folder, *flags])
+    said = f"{capsys.readouterr().err}{exit.value.code}"  # argparse's line, or main's
+    assert message in said, said

@@ -181,7 +181,7 @@ class Ingress:
         self.engine = engine
         self.block_size = block_size
 
-    @ingress_app.api_route("/{path:path}", methods=["GET", "POST", "OPTIONS"])
+    @ingress_app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "OPTIONS"])
     async def forward(self, path: str, http: HttpRequest) -> Response:
         body = await http.body()
         request = ForwardedRequest(

@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tandem import __version__
 from tandem.async_llm import AsyncLLM, EngineDeadError
-from tandem.server import tokens
+from tandem.server import responses, tokens
 from tandem.server.adapters import adapter_router
 from tandem.server.admin import admin_router
 from tandem.server.embeddings import (
@@ -109,6 +109,21 @@ def build_app(
     @app.post("/v2/rerank")
     async def create_rerank(body: RerankRequest) -> dict[str, Any]:
         return await rerank(serving, body)
+
+    stored = responses.ResponseStore()
+
+    @app.post("/v1/responses")
+    async def create_response(body: responses.ResponsesRequest, http: HttpRequest) -> Response:
+        return await responses.create(serving, stored, body, http)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return stored.get(response_id)[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        stored.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/inference/v1/generate")
     async def generate_tokens(body: GenerateRequest, http: HttpRequest) -> Response:

@@ -1,0 +1,263 @@
+"""OpenAI's Responses API (server/responses.py) through OpenAI's own client: a response answers
+what the chat endpoint answers for the same messages (instructions, previous_response_id's
+conversation, function calls and their outputs), as a Response or as its events; the stored
+responses; bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from tandem.async_llm import AsyncLLM
+from tandem.server.app import build_app
+from tandem.server.options import ServerOptions
+from tandem.server.responses import StreamEvents
+from test_server import running
+
+GREEDY = {"temperature": 0.0, "max_output_tokens": 8}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"],
+    },
+}
+
+
+# the tiny models' template knows no tool messages: one that writes them all (--chat-template)
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] or '' }}"
+    "{% for c in m.get('tool_calls') or [] %}[call {{ c['function']['name'] }} "
+    "{{ c['function']['arguments'] }} as {{ c['id'] }}]{% endfor %}"
+    "{% if m['role'] == 'tool' %} for {{ m['tool_call_id'] }}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def url(make_tiny):
+    llm = AsyncLLM.from_model(str(make_tiny("llama")), max_model_len=256)
+    try:
+        with running(build_app(llm, "tiny", options=ServerOptions(chat_template=TEMPLATE))) as url:
+            yield url
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
+def chat(client, messages, max_tokens=8, **fields):
+    return client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=max_tokens, temperature=0.0, **fields
+    )
+
+
+def test_a_response_answers_what_the_chat_does(client):
+    response = client.responses.create(
+        model="tiny", input="Name a cache.", instructions="Be terse.", **GREEDY
+    )
+    messages = [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Name a cache."},
+    ]
+    want = chat(client, messages)
+    assert response.output_text == want.choices[0].message.content
+    [item] = response.output
+    assert (item.type, item.role, item.status) == ("message", "assistant", "completed")
+    assert response.status == (
+        "incomplete" if want.choices[0].finish_reason == "length" else "completed"
+    )
+    if response.status == "incomplete":
+        assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.input_tokens == want.usage.prompt_tokens
+    assert response.usage.output_tokens == want.usage.completion_tokens
+    assert response.model == "tiny" and response.instructions == "Be terse."
+    assert client.responses.retrieve(response.id).output_text == response.output_text
+
+
+def test_the_events_of_a_stream_make_the_same_response(client):
+    fields = {"model": "tiny", "input": [{"role": "user", "content": "Why?"}], **GREEDY}
+    whole = client.responses.create(**fields)
+    events = list(client.responses.create(stream=True, **fields))
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text and events[-1].response.output_text == text
+    assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+    with client.responses.stream(**fields) as stream:  # the client checks each event's place
+        assert list(stream)[-1].response.output_text == whole.output_text
+    stop = whole.output_text[-3:]  # a stop string ends it before max_output_tokens: completed
+    assert len(stop) == 3 and stop.strip()
+    with client.responses.stream(**fields, extra_body={"stop": [stop]}) as stream:
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.output_text == whole.output_text[: -len(stop)]
+
+
+def test_previous_response_id_continues_the_conversation(client):
+    first = client.responses.create(model="tiny", input="Name a cache.", **GREEDY)
+    second = client.responses.create(
+        model="tiny", input="Another?", previous_response_id=first.id, **GREEDY
+    )
+    messages = [
+        {"role": "user", "content": "Name a cache."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "Another?"},
+    ]
+    assert second.output_text == chat(client, messages).choices[0].message.content
+    assert second.previous_response_id == first.id
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError, match=r"previous_response_id|not stored"):
+        client.responses.create(model="tiny", input="x", previous_response_id=first.id)
+    unstored = client.responses.create(model="tiny", input="x", store=False, **GREEDY)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_a_named_tool_is_a_function_call_item_and_its_output_goes_back(client):
+    response = client.responses.create(
+        model="tiny", input="Weather in Paris?", tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"}, temperature=0.0,
+    )  # fmt: skip
+    [call] = response.output
+    assert (call.type, call.name, call.status) == ("function_call", "get_weather", "completed")
+    assert set(json.loads(call.arguments)) == {"city"}
+    follow_up = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"},
+    ]  # fmt: skip
+    answer = client.responses.create(
+        model="tiny", input=follow_up, tools=[WEATHER], tool_choice="none", **GREEDY
+    )  # "auto" needs --tool-call-parser, as chat's
+    messages = [
+        follow_up[0],
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny"},
+    ]  # fmt: skip
+    tools = [{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}]
+    want = chat(client, messages, tools=tools, tool_choice="none")
+    assert answer.output_text == (want.choices[0].message.content or "")
+    named = {"type": "function", "name": "get_weather"}
+    fields = {"input": "Weather in Paris?", "tools": [WEATHER], "tool_choice": named}
+    streamed = list(client.responses.create(model="tiny", stream=True, temperature=0.0, **fields))
+    arguments = "".join(
+        e.delta for e in streamed if e.type == "response.function_call_arguments.delta"
+    )
+    assert arguments == call.arguments
+    [done] = [e.item for e in streamed if e.type == "response.output_item.done"]
+    assert (done.type, done.arguments) == ("function_call", call.arguments)
+
+
+def test_a_json_schema_text_format_is_the_chat_s_response_format(client):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    response = client.responses.create(
+        model="tiny", input="A number?", temperature=0.0, max_output_tokens=12,
+        text={"format": {"type": "json_schema", "name": "n", "schema": schema, "strict": True}},
+    )  # fmt: skip
+    json_schema = {"name": "n", "schema": schema, "strict": True}
+    want = chat(
+        client, [{"role": "user", "content": "A number?"}], max_tokens=12,
+        response_format={"type": "json_schema", "json_schema": json_schema},
+    )  # fmt: skip
+    assert response.output_text == want.choices[0].message.content
+    assert response.output_text.lstrip().startswith("{")  # the grammar's first token
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"background": True}, "background"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+         "input.0.content.0"),
+        ({"input": [{"type": "file_search_call", "id": "x"}]}, "input.0"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"tempature": 1.0}, "tempature"),  # a misspelt field: the chat request's 400
+        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"user": "\udcff"}, "user"),  # echoed in the answer: UTF-8 text only
+    ],
+)  # fmt: skip
+def test_what_is_not_supported_is_a_400_naming_it(url, fields, param):
+    body = {"model": "tiny", "input": "x", "max_output_tokens": 2, **fields}
+    headers = {"content-type": "application/json"}  # json.dumps escapes a lone surrogate
+    answer = httpx.post(f"{url}/v1/responses", content=json.dumps(body), headers=headers)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param
+    ok = {"model": "tiny", "input": "x", "max_output_tokens": 2}
+    assert httpx.post(f"{url}/v1/responses", json=ok, timeout=60).status_code == 200
+
+
+def test_stream_events_open_and_close_items_in_order():
+    """Chat chunks of reasoning, then text, then two tool calls: the events OpenAI's
+    stream gives for them, each item closed before the next opens."""
+
+    def call_start(index, call_id, name, arguments):
+        function = {"name": name, "arguments": arguments}
+        return {"index": index, "id": call_id, "type": "function", "function": function}
+
+    def chunk(**delta):
+        return f"data: {json.dumps({'choices': [{'index': 0, 'delta': delta}]})}\n\n"
+
+    async def chunks():
+        yield chunk(role="assistant", reasoning="think ")
+        yield chunk(reasoning="more")
+        yield chunk(content="Hello")
+        yield chunk(content=" there")
+        yield chunk(tool_calls=[call_start(0, "c0", "f", '{"a"')])
+        yield chunk(tool_calls=[{"index": 0, "function": {"arguments": ": 1}"}}])
+        yield chunk(tool_calls=[call_start(1, "c1", "g", "{}")])
+        yield "data: [DONE]\n\n"
+
+    events = StreamEvents({"id": "resp_x", "output": []}, None, None, [])
+
+    async def collect():
+        return [json.loads(e.split("data: ", 1)[1]) async for e in events.run(chunks())]
+
+    got = asyncio.run(collect())
+    assert [e["type"] for e in got] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.reasoning_text.delta",
+        "response.reasoning_text.delta", "response.reasoning_text.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed",
+    ]  # fmt: skip
+    output = got[-1]["response"]["output"]
+    kinds = ["reasoning", "message", "function_call", "function_call"]
+    assert [item["type"] for item in output] == kinds
+    assert output[0]["content"] == [{"type": "reasoning_text", "text": "think more"}]
+    assert output[1]["content"][0]["text"] == "Hello there"
+    assert [(o["call_id"], o["arguments"]) for o in output[2:]] == [
+        ("c0", '{"a": 1}'),
+        ("c1", "{}"),
+    ]
+    assert [e["output_index"] for e in got if e["type"] == "response.output_item.done"] == [
+        0,
+        1,
+        2,
+        3,
+    ]

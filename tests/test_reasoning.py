@@ -193,6 +193,33 @@ def test_the_thinking_runs_until_the_end_tag_unless_the_template_turns_it_off(se
     assert chat(url, reasoning_effort="sometimes").status_code == 400
 
 
+def test_a_response_puts_the_thinking_in_a_reasoning_item(server):
+    """/v1/responses: the chat's reasoning as a reasoning item before the message, whole and
+    streamed; its tokens counted as reasoning tokens."""
+    url, think, bias, _ = server
+    fields = {"logit_bias": {str(think.end): bias}, "temperature": 0.0}
+    message = chat(url, max_tokens=24, **fields).json()["choices"][0]["message"]
+    body = {"model": "tiny", "input": "Why?", "max_output_tokens": 24, **fields}
+    response = httpx.post(f"{url}/v1/responses", json=body, timeout=60).json()
+    reasoning, said = response["output"]
+    assert reasoning["type"] == "reasoning" and said["type"] == "message"
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": message["reasoning"]}]
+    assert said["content"][0]["text"] == message["content"]
+    tokens = response["usage"]["output_tokens_details"]["reasoning_tokens"]
+    assert 0 < tokens < response["usage"]["output_tokens"]
+    with httpx.stream(
+        "POST", f"{url}/v1/responses", json={**body, "stream": True}, timeout=60
+    ) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    thought = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    final = events[-1]["response"]
+    assert thought == message["reasoning"]
+    assert [{**item, "id": None} for item in final["output"]] == [
+        {**reasoning, "id": None},
+        {**said, "id": None},
+    ]
+
+
 def greedy(llm: LLM, prompt: list[int], **fields) -> list[int]:
     params = SamplingParams(temperature=0.0, max_tokens=12, **fields)
     [out] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)

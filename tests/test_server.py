@@ -1480,3 +1480,27 @@ def test_an_error_quoting_text_that_utf_8_cannot_hold_is_still_sent():
         "param": "lora_name",
         "code": None,
     }
+
+
+def test_invocations_answer_as_the_endpoint_the_body_names(server):
+    """SageMaker's /invocations: a chat body as /v1/chat/completions answers it, a completion
+    body as /v1/completions, an embedding body as /v1/embeddings, token ids as /generate."""
+    fixed = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    for path, body in [
+        ("/v1/chat/completions", {"messages": MESSAGES, **fixed}),
+        ("/v1/completions", {"prompt": PROMPT, **fixed}),
+        ("/v1/embeddings", {"input": [PROMPT, "Another"]}),
+        ("/inference/v1/generate", {"token_ids": [5, 6, 7], "sampling_params": fixed}),
+    ]:
+        want, got = post(server, path, body).json(), post(server, "/invocations", body).json()
+        for answer in (want, got):  # ids, times and prefix-cache hits differ call to call
+            for key in ("id", "created", "request_id"):
+                answer.pop(key, None)
+            answer.get("usage", {}).pop("prompt_tokens_details", None)
+        assert got == want, path
+    assert httpx.get(f"{server.url}/ping").status_code == 200  # without the key, as /health
+    for body, param in [({"text": "x"}, None), ({"messages": 5}, "messages"), ([PROMPT], None)]:
+        answer = post(server, "/invocations", body)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == param
+    broken = httpx.post(f"{server.url}/invocations", content=b"{", headers=AUTH)
+    assert broken.status_code == 400 and "not valid JSON" in broken.text

@@ -39,11 +39,13 @@ from tandem.server.protocol import (
     DetokenizeRequest,
     OpenAIError,
     TokenizeRequest,
+    invalid,
+    validated,
 )
 from tandem.server.serving import OpenAIServing, ServerShuttingDown, chat_ids
 from tandem.server.tokens import GenerateRequest
 
-OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key
+OPEN_PATHS = ("/health", "/ping", "/metrics")  # reachable without the API key
 DOCS_ROUTES = ("docs_url", "redoc_url", "openapi_url")  # FastAPI's; None: not served
 
 
@@ -129,6 +131,36 @@ def build_app(
     async def generate_tokens(body: GenerateRequest, http: HttpRequest) -> Response:
         return await tokens.generate(serving, body, http)
 
+    # SageMaker's (vLLM's too): the endpoint that the body's fields name; a classifier's
+    # inputs are classified, any other model's embedded
+    classifier = llm.engine.model_config.num_labels > 0
+    invocations = {
+        "messages": (ChatCompletionRequest, serving.chat),
+        "prompt": (CompletionRequest, serving.completions),
+        "text_1": (ScoreRequest, lambda body, _: score(serving, body)),
+        "query": (RerankRequest, lambda body, _: rerank(serving, body)),
+        "token_ids": (GenerateRequest, lambda body, http: tokens.generate(serving, body, http)),
+        "input": (ClassificationRequest, lambda body, _: classify(serving, body))
+        if classifier
+        else (EmbeddingRequest, lambda body, _: embeddings(serving, body)),
+    }
+
+    @app.post("/invocations")
+    async def invoke(http: HttpRequest) -> Any:
+        try:
+            body = await http.json()
+        except ValueError:
+            raise OpenAIError("the request body is not valid JSON") from None
+        field = next((f for f in invocations if isinstance(body, dict) and f in body), None)
+        if field is None:
+            raise OpenAIError(
+                "an invocation names its endpoint by its fields: messages (chat), prompt "
+                "(completions), input (embeddings or classify), text_1 (score), query (rerank) "
+                "or token_ids (generate)"
+            )
+        model, route = invocations[field]
+        return await route(validated(model, body), http)
+
     @app.post("/v1/completions/render")
     async def render_completion(body: CompletionRequest) -> list[dict[str, Any]]:
         return await tokens.render_completion(serving, body)
@@ -164,6 +196,7 @@ def build_app(
         return {"version": __version__}
 
     @app.get("/health")
+    @app.get("/ping")  # SageMaker's name (vLLM's too)
     async def health() -> Response:
         stall = options.health_stall_timeout_s
         stalled = stall > 0 and llm.seconds_without_progress() > stall
@@ -226,16 +259,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: HttpRequest, error: RequestValidationError) -> JSONResponse:
-        problems = error.errors()
-        if any(p["type"] == "json_invalid" for p in problems):
-            return OpenAIError("the request body is not valid JSON").response()
-        if not location(problems[0]):  # no body, or one that is not a JSON object
-            message = "the request body must be a JSON object (Content-Type: application/json)"
-            return OpenAIError(message).response()
-        # text that is not Unicode fails every member of a union: say only that
-        problems = [p for p in problems if "lone surrogate" in p["msg"]] or problems
-        message = "; ".join(f"{location(p)}: {p['msg']}" for p in problems)
-        return OpenAIError(message, param=location(problems[0])).response()
+        return invalid(error.errors()).response()
 
     @app.exception_handler(HTTPException)
     async def http_error(_: HttpRequest, error: HTTPException) -> JSONResponse:
@@ -258,15 +282,6 @@ def closing(response: JSONResponse) -> JSONResponse:
     """Tell the client this connection ends with the response: after a 5xx it is not reused."""
     response.headers["Connection"] = "close"
     return response
-
-
-def location(problem: dict[str, Any]) -> str:
-    """A validation error's place in the body, e.g. ("body", "messages", 0, "role") -> messages.0.role.
-
-    Union members pydantic tried ("list[int]", "function-after[encodable(), str]") are left out.
-    """
-    parts = problem["loc"]
-    return ".".join(str(p) for p in parts if p != "body" and not (isinstance(p, str) and "[" in p))
 
 
 class ApiKeyMiddleware:

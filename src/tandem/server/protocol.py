@@ -5,10 +5,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tandem.sampling import MAX_LOGPROBS, MAX_N, MAX_TOP_K
 
@@ -106,6 +106,40 @@ class OpenAIError(Exception):
         message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
         error = {"message": message, "type": self.type, "param": self.param, "code": self.code}
         return {"error": error}
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def validated(model: type[Body], data: Any) -> Body:
+    """`data` as a `model` request, a 400 naming its first problem as FastAPI's bodies get."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise invalid(error.errors(include_url=False)) from None
+
+
+def invalid(problems: list[dict[str, Any]]) -> OpenAIError:
+    """A request body's validation problems as one 400, naming the first one's place."""
+    if any(p["type"] == "json_invalid" for p in problems):
+        return OpenAIError("the request body is not valid JSON")
+    if not location(problems[0]):  # no body, or one that is not a JSON object
+        return OpenAIError(
+            "the request body must be a JSON object (Content-Type: application/json)"
+        )
+    # text that is not Unicode fails every member of a union: say only that
+    problems = [p for p in problems if "lone surrogate" in p["msg"]] or problems
+    message = "; ".join(f"{location(p)}: {p['msg']}" for p in problems)
+    return OpenAIError(message, param=location(problems[0]))
+
+
+def location(problem: dict[str, Any]) -> str:
+    """A validation error's place in the body, e.g. ("body", "messages", 0, "role") -> messages.0.role.
+
+    Union members pydantic tried ("list[int]", "function-after[encodable(), str]") are left out.
+    """
+    parts = problem["loc"]
+    return ".".join(str(p) for p in parts if p != "body" and not (isinstance(p, str) and "[" in p))
 
 
 class StreamOptions(RequestOption):

@@ -27,9 +27,9 @@ from typing import Any, Literal
 
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
-from tandem.server.protocol import ChatCompletionRequest, OpenAIError, Text
+from tandem.server.protocol import ChatCompletionRequest, OpenAIError, Text, validated
 from tandem.server.serving import OpenAIServing
 
 MAX_STORED = 1000  # responses kept for previous_response_id, the oldest dropped first
@@ -212,12 +212,7 @@ def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> Chat
     effort = (body.reasoning or {}).get("effort")
     if effort is not None:
         chat["reasoning_effort"] = effort
-    try:
-        return ChatCompletionRequest.model_validate(chat)
-    except ValidationError as error:
-        problem = error.errors()[0]
-        place = ".".join(str(p) for p in problem["loc"] if not (isinstance(p, str) and "[" in p))
-        raise OpenAIError(f"{place}: {problem['msg']}", param=place) from None
+    return validated(ChatCompletionRequest, chat)
 
 
 def chat_tool(tool: dict[str, Any]) -> dict[str, Any]:

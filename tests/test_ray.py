@@ -215,6 +215,23 @@ def test_every_replica_serves_with_the_server_options(client):
     assert ok.choices[0].finish_reason in ("length", "stop")
 
 
+def test_a_stored_response_is_read_from_the_replica_that_stored_it(service):
+    """/v1/responses: previous_response_id, GET and DELETE reach the replica whose store holds
+    the response (with two replicas, a random one would miss it half the time)."""
+    body = {"model": "tiny", "max_output_tokens": 2, "temperature": 0.0}
+    first = httpx.post(f"{service}/v1/responses", json={**body, "input": "Hi"}, timeout=60)
+    owner, previous = first.headers["x-tandem-replica"], first.json()["id"]
+    for turn in range(6):  # each turn a new conversation prefix: routed by the id alone
+        follow = {**body, "input": f"Turn {turn} " * 8, "previous_response_id": previous}
+        answer = httpx.post(f"{service}/v1/responses", json=follow, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-tandem-replica"] == owner
+        previous = answer.json()["id"]
+    assert httpx.get(f"{service}/v1/responses/{previous}", timeout=60).json()["id"] == previous
+    assert httpx.delete(f"{service}/v1/responses/{previous}", timeout=60).status_code == 200
+    assert httpx.get(f"{service}/v1/responses/{previous}", timeout=60).status_code == 404
+
+
 def test_requests_sharing_a_prefix_go_to_one_replica(client):
     prefixes = [f"Shared system prompt number {i}, long enough to fill a block. " for i in range(6)]
     for prefix in prefixes:

@@ -7,7 +7,9 @@
 Each replica runs the same FastAPI app as `tandem serve`; the ingress forwards the request to
 it whole and streams the reply back, so validation, errors and response shapes are one code.
 The router sends requests with one prompt prefix key to one replica (`prefix_routing`), the next
-ones on the ring when that replica has `max_num_seqs` requests ongoing. A replica that dies
+ones on the ring when that replica has `max_num_seqs` requests ongoing. A request that reads a
+stored response (/v1/responses' previous_response_id, GET and DELETE of one) goes to the
+replica that stored it, which its id names (`responses.owner`). A replica that dies
 fails its in-flight requests with a 503 (or, mid-stream, an error event), and Ray Serve's
 controller starts a new one in its place.
 """
@@ -35,6 +37,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 from tandem.async_llm import AsyncLLM
 from tandem.ray.data import actor_resources
 from tandem.ray.prefix_routing import prefix_key, ring_order
+from tandem.server import responses
 from tandem.server.app import build_app
 from tandem.server.options import ServerOptions
 from tandem.server.protocol import OpenAIError
@@ -62,7 +65,11 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        key = pending_request.kwargs.get("prefix_key") if pending_request else None
+        kwargs = pending_request.kwargs if pending_request else {}
+        owner = [r for r in candidate_replicas if r.replica_id.unique_id == kwargs.get("owner")]
+        if owner:  # it holds the stored response the request reads: it alone, when it has room
+            return [owner]
+        key = kwargs.get("prefix_key")
         if key is None or len(candidate_replicas) < 2:
             return [candidate_replicas]  # the least loaded of them
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
@@ -82,14 +89,17 @@ class EngineReplica:
     ):
         self.llm = AsyncLLM.from_model(model, **engine_args)
         self.app = build_app(self.llm, served_model_name, options=options)
-        self.name = serve.get_replica_context().replica_id.to_full_id_str()
+        replica_id = serve.get_replica_context().replica_id
+        self.name = replica_id.to_full_id_str()
+        # the ids of the responses it stores name it, for the ingress to route their readers
+        self.app.state.responses.tag = replica_id.unique_id
 
     async def forward(
-        self, request: ForwardedRequest, prefix_key: str | None = None
+        self, request: ForwardedRequest, prefix_key: str | None = None, owner: str | None = None
     ) -> AsyncIterator[Any]:
         """Yields (status, headers), then the body's chunks, as the app sends them.
 
-        `prefix_key` is read by the router (PrefixAffinityRouter), not here.
+        `prefix_key` and `owner` are read by the router (PrefixAffinityRouter), not here.
         """
         sent: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         caller_left = asyncio.Event()
@@ -188,7 +198,10 @@ class Ingress:
             http.method, http.url.path, http.url.query.encode(), http.headers.raw, body
         )
         key = prefix_key(request.path, body, self.block_size)
-        reply = self.engine.options(stream=True).forward.remote(request, prefix_key=key)
+        owner = responses.owner(http.method, request.path, body)
+        reply = self.engine.options(stream=True).forward.remote(
+            request, prefix_key=key, owner=owner
+        )
         try:
             status, headers = await reply.__anext__()
         except (RayActorError, ActorUnavailableError) as error:

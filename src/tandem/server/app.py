@@ -112,7 +112,7 @@ def build_app(
     async def create_rerank(body: RerankRequest) -> dict[str, Any]:
         return await rerank(serving, body)
 
-    stored = responses.ResponseStore()
+    stored = app.state.responses = responses.ResponseStore()
 
     @app.post("/v1/responses")
     async def create_response(body: responses.ResponsesRequest, http: HttpRequest) -> Response:

@@ -68,12 +68,17 @@ class ResponsesRequest(BaseModel):
 
 class ResponseStore:
     """The latest MAX_STORED responses and, for each, its conversation in chat messages (the
-    input and the output; not the instructions, which a next request gives anew)."""
+    input and the output; not the instructions, which a next request gives anew). `tag`, in
+    every id it makes, names the store (one engine replica's: `owner`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tag: str = "") -> None:
+        self.tag = tag
         self.responses: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = (
             OrderedDict()
         )
+
+    def new_id(self) -> str:
+        return f"resp_{self.tag}_{uuid.uuid4().hex}" if self.tag else new_id("resp")
 
     def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
         self.responses[response["id"]] = (response, conversation)
@@ -105,7 +110,7 @@ async def create(
     inputs = input_messages(body.input)
     chat = chat_request(body, [*instructions(body), *history, *inputs])
     answer = await serving.chat(chat, http)
-    base = response_base(body, serving.answered_name(body.model))
+    base = response_base(store.new_id(), body, serving.answered_name(body.model))
     conversation = [*history, *inputs]
     if isinstance(answer, StreamingResponse):
         events = StreamEvents(base, serving, store if body.store else None, conversation)
@@ -228,10 +233,10 @@ def response_format(text_format: dict[str, Any]) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": schema}
 
 
-def response_base(body: ResponsesRequest, model: str) -> dict[str, Any]:
+def response_base(response_id: str, body: ResponsesRequest, model: str) -> dict[str, Any]:
     """The response object's fields that echo the request, status in progress."""
     return {
-        "id": f"resp_{uuid.uuid4().hex}",
+        "id": response_id,
         "object": "response",
         "created_at": int(time.time()),
         "status": "in_progress",
@@ -499,3 +504,22 @@ class StreamEvents:
         self.output.append(item)
         events.append(self.event("response.output_item.done", output_index=index, item=item))
         return events
+
+
+def owner(method: str, path: str, body: bytes) -> str | None:
+    """The tag of the store that holds the response a request reads: a new response's
+    previous_response_id, or the one GET or DELETE name; None for any other request."""
+    if path.startswith("/v1/responses/") and method in ("GET", "DELETE"):
+        response_id = path.removeprefix("/v1/responses/")
+    elif path == "/v1/responses" and method == "POST":
+        try:
+            request = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            return None
+        response_id = request.get("previous_response_id") if isinstance(request, dict) else None
+    else:
+        return None
+    if not isinstance(response_id, str) or not response_id.startswith("resp_"):
+        return None
+    tag, _, _ = response_id.removeprefix("resp_").rpartition("_")
+    return tag or None

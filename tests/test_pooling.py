@@ -284,3 +284,62 @@ def test_the_server_s_classify_route_answers_what_llm_classify_does(classifiers,
                 assert body["usage"]["prompt_tokens"] == tokens
         finally:
             llm.shutdown()
+
+
+def test_encode_pools_as_the_task_says_into_tensors(classifiers, folder):  # vLLM's LLM.encode
+    llm = LLM(folder, max_model_len=64)
+    embedded = llm.embed(PROMPTS[:2], use_tqdm=False)
+    for task in (None, "embed"):
+        encoded = llm.encode(PROMPTS[:2], pooling_task=task, use_tqdm=False)
+        for out, want in zip(encoded, embedded, strict=True):
+            assert out.outputs.data.dtype == torch.float32
+            np.testing.assert_allclose(out.outputs.data.numpy(), want.outputs.embedding, rtol=1e-6)
+            assert out.prompt_token_ids == want.prompt_token_ids and out.finished
+    short = llm.encode(PROMPTS[:1], PoolingParams(dimensions=8), use_tqdm=False)[0]
+    assert short.outputs.data.shape == (8,)
+    for task, match in (("classify", "sequence classifier"), ("token_embed", "pooling_task")):
+        with pytest.raises(ValueError, match=match):
+            llm.encode(PROMPTS[:1], pooling_task=task, use_tqdm=False)
+    classifier = LLM(classifiers[3][0], max_model_len=64)
+    want = classifier.classify(PROMPTS[:2], use_tqdm=False)
+    for out, expected in zip(classifier.encode(PROMPTS[:2], use_tqdm=False), want, strict=True):
+        np.testing.assert_allclose(out.outputs.data.numpy(), expected.outputs.probs, rtol=1e-6)
+
+
+def test_the_server_s_pooling_route_answers_what_embed_and_classify_do(classifiers, folder):
+    import base64
+
+    import httpx
+
+    from tandem.async_llm import AsyncLLM
+    from tandem.server.app import build_app
+    from test_server import running
+
+    for model, wanted in (
+        (folder, [o.outputs.embedding for o in LLM(folder, max_model_len=64).embed(PROMPTS[:2])]),
+        (
+            classifiers[3][0],
+            [
+                o.outputs.probs
+                for o in LLM(classifiers[3][0], max_model_len=64).classify(PROMPTS[:2])
+            ],
+        ),
+    ):
+        llm = AsyncLLM.from_model(model, max_model_len=64)
+        try:
+            with running(build_app(llm, "m")) as url:
+                body = httpx.post(f"{url}/pooling", json={"input": PROMPTS[:2]}).json()
+                assert [d["object"] for d in body["data"]] == ["pooling"] * 2
+                for got, want in zip(body["data"], wanted, strict=True):
+                    np.testing.assert_allclose(got["data"], want, rtol=1e-6)
+                raw = httpx.post(
+                    f"{url}/pooling", json={"input": PROMPTS[:1], "encoding_format": "base64"}
+                ).json()["data"][0]["data"]
+                decoded = np.frombuffer(base64.b64decode(raw), dtype="<f4")
+                np.testing.assert_allclose(decoded, wanted[0], rtol=1e-6)
+                if model == folder:  # a generative model has no classes
+                    answer = httpx.post(f"{url}/pooling", json={"input": "x", "task": "classify"})
+                    assert answer.status_code == 400
+                    assert "sequence classifier" in answer.json()["error"]["message"]
+        finally:
+            llm.shutdown()

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import torch
 from tqdm import tqdm
 
 from tandem import scoring
@@ -28,6 +29,8 @@ from tandem.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
     FlatLogprobs,
+    PoolingOutput,
+    PoolingRequestOutput,
     PromptLogprobs,
     RequestOutput,
     SampleLogprobs,
@@ -306,6 +309,31 @@ class LLM:
             prompts, pooling_params, "classify", truncate_prompt_tokens, use_tqdm, lora_request
         )
         return [ClassificationRequestOutput(**_pooled(r, ClassificationOutput)) for r in requests]
+
+    def encode(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        pooling_task: str | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's pooling of each prompt: `pooling_task` "embed" (`embed`'s vector) or
+        "classify" (`classify`'s probabilities); None: "classify" for a sequence classifier, else
+        "embed". Each output's `outputs.data` is a float32 tensor. Per-token pooling
+        ("token_embed", "token_classify") is a ValueError: a prompt pools its last token."""
+        task = pooling_task or ("classify" if self.engine.model_config.num_labels else "embed")
+        if task not in ("embed", "classify"):
+            raise ValueError(
+                f"pooling_task must be 'embed' or 'classify' (a prompt pools its last token), "
+                f"got {pooling_task!r}"
+            )
+        requests = self._pool(
+            prompts, pooling_params, task, truncate_prompt_tokens, use_tqdm, lora_request
+        )
+        return [PoolingRequestOutput(**_pooled(r, pooled_tensor)) for r in requests]
 
     def _pool(
         self,
@@ -776,7 +804,11 @@ def _with_text_content(message: Any) -> Any:
     return {**message, "content": "\n".join(part["text"] for part in content)}
 
 
-def _pooled(request: Request, output: type) -> dict[str, Any]:
+def pooled_tensor(vector: list[float] | None) -> PoolingOutput:
+    return PoolingOutput(None if vector is None else torch.tensor(vector, dtype=torch.float32))
+
+
+def _pooled(request: Request, output: Callable) -> dict[str, Any]:
     """A pooling request's output fields, `output` holding what it pooled (None, and finished
     False, when it was aborted, e.g. by a pause's abort)."""
     return {

@@ -9,14 +9,19 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, overload
+from typing import TYPE_CHECKING, Generic, TypeVar, overload
 
 from tandem.sampling import RequestOutputKind, SamplingParams
 from tandem.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    import torch
+
     from tandem.async_llm import StreamOutput
     from tandem.lora import LoRARequest
+
+
+Pooled = TypeVar("Pooled")  # a pooling request's output: PoolingOutput, EmbeddingOutput, ...
 
 
 class Logprob(float):
@@ -71,6 +76,24 @@ class RequestOutput:
 
 
 @dataclass
+class PoolingOutput:
+    data: torch.Tensor | None  # float32: an embedding, or class probabilities; None if aborted
+
+
+@dataclass
+class PoolingRequestOutput(Generic[Pooled]):
+    """vLLM's output of a pooling call (`LLM.encode`: a PoolingOutput) for one prompt; the
+    subclasses below are those of `embed`, `classify` and `score` (one per pair, its prompt the
+    pair's: two embedded texts' ids, a pad token between them)."""
+
+    request_id: str
+    outputs: Pooled
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass
 class EmbeddingOutput:
     # L2-normalized unless the request's PoolingParams say not; None if it was aborted
     embedding: list[float] | None
@@ -81,14 +104,8 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
     """vLLM's output of `LLM.embed`: one prompt's vector."""
-
-    request_id: str
-    outputs: EmbeddingOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
-    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -101,14 +118,8 @@ class ClassificationOutput:
 
 
 @dataclass
-class ClassificationRequestOutput:
+class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
     """vLLM's output of `LLM.classify`: one prompt's class probabilities."""
-
-    request_id: str
-    outputs: ClassificationOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
-    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -117,14 +128,8 @@ class ScoringOutput:
 
 
 @dataclass
-class ScoringRequestOutput:
+class ScoringRequestOutput(PoolingRequestOutput[ScoringOutput]):
     """vLLM's output of `LLM.score`: one pair's score."""
-
-    request_id: str
-    outputs: ScoringOutput
-    prompt_token_ids: list[int]  # the pair's prompt; two embedded texts: both, a pad between
-    finished: bool = True
-    num_cached_tokens: int = 0
 
 
 TokenText = Callable[[int], str | None]

@@ -24,10 +24,12 @@ from tandem.server.admin import admin_router
 from tandem.server.embeddings import (
     ClassificationRequest,
     EmbeddingRequest,
+    PoolRequest,
     RerankRequest,
     ScoreRequest,
     classify,
     embeddings,
+    pool,
     rerank,
     score,
 )
@@ -100,6 +102,10 @@ def build_app(
     @app.post("/classify")
     async def create_classification(body: ClassificationRequest) -> dict[str, Any]:
         return await classify(serving, body)
+
+    @app.post("/pooling")
+    async def create_pooling(body: PoolRequest) -> dict[str, Any]:
+        return await pool(serving, body)
 
     @app.post("/score")
     @app.post("/v1/score")

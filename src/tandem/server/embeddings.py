@@ -2,7 +2,8 @@
 each input's last token's final hidden state, L2-normalized unless vLLM's `use_activation`
 (or its older `normalize`) is false, its first `dimensions` values kept first; as floats or,
 with `encoding_format: "base64"`, as base64 of little-endian float32 bytes (OpenAI's form).
-vLLM's `POST /classify` (a sequence classifier): each input's class probabilities and label.
+vLLM's `POST /classify` (a sequence classifier): each input's class probabilities and label;
+its `POST /pooling`: either vector, as the request's `task` says.
 vLLM's `POST /score` (`text_1` against `text_2`, 1:1, 1:N or N:N) and `POST /rerank` (a query's
 documents, most relevant first, the best `top_n`; Jina's and Cohere's form): pair scores as
 `LLM.score` makes them (scoring.py); `/v1/score`, `/v1/rerank` and `/v2/rerank` answer the same."""
@@ -55,6 +56,12 @@ class EmbeddingRequest(PoolingRequest):
 
 class ClassificationRequest(PoolingRequest):
     pass
+
+
+class PoolRequest(EmbeddingRequest):
+    """vLLM's /pooling body: an embedding request whose `task` may be classify."""
+
+    task: Literal["embed", "classify"] | None = None  # None: a classifier's classify, else embed
 
 
 class ScoreRequest(RequestOption):
@@ -136,13 +143,38 @@ async def embeddings(serving: OpenAIServing, body: EmbeddingRequest) -> dict[str
     activation = body.use_activation if body.use_activation is not None else body.normalize
     pooling = PoolingParams(use_activation=activation, dimensions=body.dimensions)
     call_id, outputs = await pooled(serving, body, pooling, "embd")
-    data = []
-    for index, output in enumerate(outputs):
-        vector = output.outputs.embedding
-        if body.encoding_format == "base64":
-            vector = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
-        data.append({"index": index, "object": "embedding", "embedding": vector})
+    data = [
+        {"index": i, "object": "embedding", "embedding": encoded(o.outputs.embedding, body)}
+        for i, o in enumerate(outputs)
+    ]
     return answer(serving, body, call_id, data, outputs)
+
+
+def encoded(vector: list[float], body: EmbeddingRequest) -> list[float] | str:
+    """The vector as floats or, with encoding_format "base64", as base64 of little-endian
+    float32 bytes."""
+    if body.encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+    return vector
+
+
+async def pool(serving: OpenAIServing, body: PoolRequest) -> dict[str, Any]:
+    """vLLM's /pooling: each input's embedding or class probabilities, as `task` says."""
+    classifier = serving.llm.engine.model_config.num_labels > 0
+    task = body.task or ("classify" if classifier else "embed")
+    activation = body.use_activation if body.use_activation is not None else body.normalize
+    pooling = PoolingParams(use_activation=activation, dimensions=body.dimensions, task=task)
+    call_id, outputs = await pooled(serving, body, pooling, "pool")
+    data = [
+        {"index": i, "object": "pooling", "data": encoded(pooled_vector(o), body)}
+        for i, o in enumerate(outputs)
+    ]
+    return answer(serving, body, call_id, data, outputs)
+
+
+def pooled_vector(output: Any) -> list[float]:
+    """An `AsyncLLM.encode` output's vector: an embedding, or class probabilities."""
+    return output.outputs.probs if hasattr(output.outputs, "probs") else output.outputs.embedding
 
 
 async def classify(serving: OpenAIServing, body: ClassificationRequest) -> dict[str, Any]:

@@ -261,3 +261,34 @@ def test_stream_events_open_and_close_items_in_order():
         2,
         3,
     ]
+
+
+def test_a_chat_stream_s_error_event_fails_the_response():
+    """The chat stream's error event (the engine failed, the server stops): the open item
+    closes, then OpenAI's error event and response.failed end the stream."""
+
+    async def chunks():
+        yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'content': 'Hi'}}]})}\n\n"
+        error = {
+            "message": "the engine stopped",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+        yield f"data: {json.dumps({'error': error})}\n\n"
+        raise AssertionError("read past the error")
+
+    events = StreamEvents({"id": "resp_x", "output": []}, None, None, [])
+
+    async def collect():
+        return [json.loads(e.split("data: ", 1)[1]) async for e in events.run(chunks())]
+
+    got = asyncio.run(collect())
+    assert [e["type"] for e in got][-5:] == [
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "error", "response.failed",
+    ]  # fmt: skip
+    assert got[-2]["message"] == "the engine stopped"
+    failed = got[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["type"] == "server_error"
+    assert failed["output"][0]["content"][0]["text"] == "Hi"

@@ -1504,3 +1504,24 @@ def test_invocations_answer_as_the_endpoint_the_body_names(server):
         assert answer.status_code == 400 and answer.json()["error"]["param"] == param
     broken = httpx.post(f"{server.url}/invocations", content=b"{", headers=AUTH)
     assert broken.status_code == 400 and "not valid JSON" in broken.text
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_a_response_aborts_it(server, stream):
+    """/v1/responses over the chat machinery: a stream left after its first event, or a
+    response whose client stops waiting, ends its request and frees its blocks."""
+    server.wait_until_idle()
+    aborted = server.metrics().get('tandem_requests_finished_total{reason="abort"}', 0)
+    body = {"input": PROMPT, "max_output_tokens": 480, "ignore_eos": True, "stream": stream}
+    url = f"{server.url}/v1/responses"
+    if stream:
+        with httpx.stream("POST", url, json=body, headers=AUTH) as r:
+            next(line for line in r.iter_lines() if "output_text.delta" in line)
+            assert server.llm.stats.num_running == 1
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url, json=body, headers=AUTH, timeout=httpx.Timeout(10.0, read=0.1))
+    server.wait_until_idle()
+    metrics = server.metrics()
+    assert metrics['tandem_requests_finished_total{reason="abort"}'] == aborted + 1
+    assert metrics["tandem_kv_cache_usage_perc"] == 0.0

@@ -374,7 +374,9 @@ class StreamEvents:
         self.open: dict[str, Any] | None = None  # the item deltas go to
         self.open_text = ""  # the open reasoning or message item's text so far
         self.calls: dict[int, dict[str, Any]] = {}  # a tool call's index -> its item
-        self.reason: str | None = None
+        self.reason: str | None = None  # the choice's finish reason
+        self.reasoning = ""  # the answer's thinking so far (its tokens counted at the end)
+        self.chat_usage: dict[str, Any] | None = None
 
     def event(self, kind: str, **fields: Any) -> str:
         self.number += 1
@@ -384,39 +386,51 @@ class StreamEvents:
     async def run(self, chunks: AsyncIterator[str | bytes]) -> AsyncIterator[str]:
         yield self.event("response.created", response=self.base)
         yield self.event("response.in_progress", response=self.base)
-        chat_usage, message = None, {"reasoning": ""}
-        async for raw in chunks:
-            text = raw.decode() if isinstance(raw, bytes) else raw
-            for line in text.splitlines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:  # the chat stream's error event: the response failed
-                    for event in self.close():
+        try:
+            async for raw in chunks:
+                for chunk in sse_data(raw):
+                    if "error" in chunk:  # the chat stream's error event: the response failed
+                        for event in self.failed(chunk["error"]):
+                            yield event
+                        return
+                    for event in self.read(chunk):
                         yield event
-                    yield self.event("error", **chunk["error"])
-                    failed = {**self.base, "status": "failed", "output": self.output}
-                    yield self.event(
-                        "response.failed", response={**failed, "error": chunk["error"]}
-                    )
-                    return
-                if chunk.get("usage"):
-                    chat_usage = chunk["usage"]
-                for choice in chunk.get("choices", ()):
-                    delta = choice["delta"]
-                    message["reasoning"] += delta.get("reasoning") or ""
-                    for event in self.feed(delta):
-                        yield event
-                    self.reason = choice.get("finish_reason") or self.reason
-        for event in self.close():
+        finally:  # a client gone: the chat stream ends, and its request is aborted
+            await chunks.aclose()
+        for event in self.finish():
             yield event
+
+    def read(self, chunk: dict[str, Any]) -> list[str]:
+        """One chat chunk's events."""
+        events = []
+        if chunk.get("usage"):
+            self.chat_usage = chunk["usage"]
+        for choice in chunk.get("choices", ()):
+            self.reasoning += choice["delta"].get("reasoning") or ""
+            events += self.feed(choice["delta"])
+            self.reason = choice.get("finish_reason") or self.reason
+        return events
+
+    def failed(self, error: dict[str, Any]) -> list[str]:
+        response = {**self.base, "status": "failed", "output": self.output, "error": error}
+        return [
+            *self.close(),
+            # OpenAI's error event: its type is "error", the error's own type left out
+            self.event("error", **{k: error.get(k) for k in ("code", "message", "param")}),
+            self.event("response.failed", response=response),
+        ]
+
+    def finish(self) -> list[str]:
+        """The last items' done events, then the response's: completed, or incomplete."""
+        events = self.close()
         response = finished(self.base, self.output, self.reason)
-        if chat_usage is not None:
-            response["usage"] = usage(chat_usage, message, self.serving)
+        if self.chat_usage is not None:
+            message = {"reasoning": self.reasoning}
+            response["usage"] = usage(self.chat_usage, message, self.serving)
         if self.store is not None:
             self.store.put(response, [*self.conversation, assistant_message(self.output)])
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-        yield self.event(kind, response=response)
+        return [*events, self.event(kind, response=response)]
 
     def feed(self, delta: dict[str, Any]) -> list[str]:
         events = []
@@ -523,3 +537,13 @@ def owner(method: str, path: str, body: bytes) -> str | None:
         return None
     tag, _, _ = response_id.removeprefix("resp_").rpartition("_")
     return tag or None
+
+
+def sse_data(raw: str | bytes) -> list[dict[str, Any]]:
+    """The JSON objects of a chat stream's server-sent events (its `[DONE]` left out)."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    return [
+        json.loads(line[6:])
+        for line in text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]

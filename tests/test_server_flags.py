@@ -229,3 +229,51 @@ def test_bad_http_flags_end_the_command_with_one_line(folder, flags, message, ca
         main(["serve", folder, *flags])
     said = f"{capsys.readouterr().err}{exit.value.code}"  # argparse's line, or main's
     assert message in said, said
+
+
+# ---- requests: logging, usage, token ids ---------------------------------------------------------
+
+
+def test_requests_are_logged_with_their_prompt_cut_to_max_log_len(llm, caplog):
+    prompt = "A prompt long enough to be cut"
+    body = {"prompt": prompt, "max_tokens": 2, "seed": 4}
+    with client_of(llm) as client:  # off by default
+        with caplog.at_level("INFO", logger="uvicorn.error"):
+            assert client.post("/v1/completions", json=body).status_code == 200
+        assert not [r for r in caplog.records if "received request" in r.getMessage()]
+    logged = client_of(llm, enable_log_requests=True, max_log_len=8)
+    with logged as client, caplog.at_level("INFO", logger="uvicorn.error"):
+        assert client.post("/v1/completions", json=body).status_code == 200
+    [line] = [r.getMessage() for r in caplog.records if "received request" in r.getMessage()]
+    ids = Tokenizer.from_dir(llm.engine.config.model).encode(prompt)
+    assert f"prompt {prompt[:8]!r}" in line and f"prompt_token_ids {ids[:8]}" in line
+    assert "seed=4" in line and prompt[:9] not in line
+
+
+def test_forced_usage_ends_every_stream_and_token_ids_name_every_logprob(llm):
+    body = {"prompt": "Hi", "max_tokens": 3, "stream": True, "logprobs": 1}
+    options = {"enable_force_include_usage": True, "return_tokens_as_token_ids": True}
+    with (
+        client_of(llm, **options) as client,
+        client.stream("POST", "/v1/completions", json=body) as r,
+    ):
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["usage"]["completion_tokens"] == 3 and not chunks[-1]["choices"]
+    tokens = [
+        t for c in chunks[:-1] for choice in c["choices"] for t in choice["logprobs"]["tokens"]
+    ]
+    assert len(tokens) == 3 and all(t.startswith("token_id:") for t in tokens)
+    with client_of(llm) as client, client.stream("POST", "/v1/completions", json=body) as r:
+        plain = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all("usage" not in c or c["usage"] is None for c in plain)
+    assert not any(
+        t.startswith("token_id:")
+        for c in plain
+        for ch in c["choices"]
+        for t in ch["logprobs"]["tokens"]
+    )
+
+
+def test_a_negative_max_log_len_is_refused():
+    with pytest.raises(ValueError, match="max_log_len"):
+        ServerOptions(max_log_len=-1).validate()

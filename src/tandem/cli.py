@@ -428,6 +428,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
         ssl_ca_certs=args.ssl_ca_certs,
         ssl_cert_reqs=args.ssl_cert_reqs,
         uvicorn_log_level=args.uvicorn_log_level,
+        enable_log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len,
+        enable_force_include_usage=args.enable_force_include_usage,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
     )
     options.validate()
     if args.data_parallel_size > 1 and options.one_server_only():
@@ -592,6 +596,26 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--uvicorn-log-level", choices=LOG_LEVELS, help="uvicorn's log level (default: info)"
+    )
+    parser.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log each generation request: its prompt, prompt ids and sampling parameters",
+    )
+    parser.add_argument(
+        "--max-log-len",
+        type=int,
+        help="--enable-log-requests: the prompt's first that many characters and ids (default: all)",
+    )
+    parser.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="every stream ends with a usage chunk, asked for or not",
+    )
+    parser.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="every request's logprobs name tokens as 'token_id:<id>'",
     )
     parser.add_argument(
         "--default-chat-template-kwargs",

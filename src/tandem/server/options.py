@@ -57,6 +57,14 @@ class ServerOptions:
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
     uvicorn_log_level: str | None = None  # None: uvicorn's ("info")
+    # vLLM's --enable-log-requests: a line per request (its prompt cut to max_log_len
+    # characters and ids, None: whole) and its sampling parameters
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
+    # vLLM's --enable-force-include-usage: every stream ends with its usage, asked or not
+    enable_force_include_usage: bool = False
+    # vLLM's --return-tokens-as-token-ids: every request's logprobs name tokens by id
+    return_tokens_as_token_ids: bool = False
 
     def validate(self) -> None:
         for name in ("max_request_bytes", "max_sequences_per_request", "max_stop_strings"):
@@ -75,6 +83,14 @@ class ServerOptions:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         self.validate_chat_options()
         self.validate_http_options()
+        self.validate_logging_options()
+
+    def validate_logging_options(self) -> None:
+        length = self.max_log_len
+        if length is not None and (
+            isinstance(length, bool) or not isinstance(length, int) or length < 0
+        ):
+            raise ValueError(f"max_log_len must be an int >= 0 or None, got {length!r}")
 
     def validate_http_options(self) -> None:
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):

@@ -380,6 +380,8 @@ class OpenAIServing:
             for i, (text, ids) in enumerate(prompts)
             for k in range(params.n)
         ]
+        if self.options.enable_log_requests:
+            self._log_requests(kind, call_id, prompts, params, body)
         try:
             streams = await self.llm.add_requests(requests, lora_request=self.adapter(body.model))
         except ValueError as error:
@@ -393,10 +395,30 @@ class OpenAIServing:
             prompt_lengths=[len(ids) for _, ids in prompts],
             num_top_logprobs=params.logprobs,
             return_token_ids=bool(body.return_token_ids),
-            tokens_as_ids=bool(body.return_tokens_as_token_ids),
+            tokens_as_ids=bool(body.return_tokens_as_token_ids)
+            or self.options.return_tokens_as_token_ids,
             n=params.n,
             num_prompt_logprobs=body.prompt_logprobs,
         )
+
+    def _log_requests(
+        self,
+        kind: str,
+        call_id: str,
+        prompts: list[tuple[str | None, list[int]]],
+        params: SamplingParams,
+        body: SamplingRequest,
+    ) -> None:
+        """--enable-log-requests: a line per prompt, cut to --max-log-len characters and ids."""
+        cut = self.options.max_log_len
+        adapter = self.adapter(body.model)
+        for i, (text, ids) in enumerate(prompts):
+            logger.info(
+                "received request %s-%s-%d: prompt %r, prompt_token_ids %s, params %s, "
+                "lora_request %s",
+                kind, call_id, i, text if text is None else text[:cut], ids[:cut], params,
+                adapter and adapter.lora_name,
+            )  # fmt: skip
 
     async def _respond(
         self,
@@ -410,7 +432,8 @@ class OpenAIServing:
         if body.stream:
             options = body.stream_options
             include_usage = bool(options and options.include_usage)
-            continuous = include_usage and options.continuous_usage_stats
+            include_usage = include_usage or self.options.enable_force_include_usage
+            continuous = include_usage and bool(options and options.continuous_usage_stats)
             events = self._events(generation, fmt, include_usage, continuous)
             return StreamingResponse(events, media_type="text/event-stream")
         collect = asyncio.ensure_future(self._collect(generation, fmt))

@@ -191,6 +191,11 @@ def test_a_json_schema_text_format_is_the_chat_s_response_format(client):
         ({"truncation": "auto"}, "truncation"),
         ({"tempature": 1.0}, "tempature"),  # a misspelt field: the chat request's 400
         ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),  # the chat's error, by this name
+        ({"reasoning": {"effort": "sometimes"}}, "reasoning.effort"),
+        ({"input": [{"role": "robot", "content": "x"}]}, "input.0.role"),
+        ({"text": {"format": {"type": "json_schema", "name": "n", "schmea": {}}}},
+         "text.format.schmea"),
         ({"user": "\udcff"}, "user"),  # echoed in the answer: UTF-8 text only
     ],
 )  # fmt: skip

@@ -34,6 +34,14 @@ from tandem.server.serving import OpenAIServing
 
 MAX_STORED = 1000  # responses kept for previous_response_id, the oldest dropped first
 LABELS = ("user", "safety_identifier", "prompt_cache_key", "service_tier")  # echoed, no effect
+# the chat request's fields that an error names, by the names of the fields they came from
+RENAMED = {
+    "response_format.json_schema": "text.format",  # a json_schema format's fields are its own
+    "messages": "input",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "reasoning_effort": "reasoning.effort",
+}
 
 
 class ResponsesRequest(BaseModel):
@@ -108,8 +116,12 @@ async def create(
     refuse_unsupported(body)
     history = store.get(body.previous_response_id)[1] if body.previous_response_id else []
     inputs = input_messages(body.input)
-    chat = chat_request(body, [*instructions(body), *history, *inputs])
-    answer = await serving.chat(chat, http)
+    try:
+        chat = chat_request(body, [*instructions(body), *history, *inputs])
+        answer = await serving.chat(chat, http)
+    except OpenAIError as error:  # the chat request's field, by this request's name
+        error.param = renamed(error.param)
+        raise
     base = response_base(store.new_id(), body, serving.answered_name(body.model))
     conversation = [*history, *inputs]
     if isinstance(answer, StreamingResponse):
@@ -125,6 +137,14 @@ async def create(
     if body.store:
         store.put(response, [*conversation, assistant_message(response["output"])])
     return JSONResponse(response)
+
+
+def renamed(param: str | None) -> str | None:
+    """A chat request's field (e.g. max_completion_tokens) by the name this request gave it."""
+    for chat_name, name in RENAMED.items():  # the longer names first
+        if param == chat_name or (param or "").startswith(chat_name + "."):
+            return name + param[len(chat_name) :]
+    return param
 
 
 def refuse_unsupported(body: ResponsesRequest) -> None:

@@ -15,7 +15,7 @@ import pytest
 from tandem.async_llm import AsyncLLM
 from tandem.server.app import build_app
 from tandem.server.options import ServerOptions
-from tandem.server.responses import StreamEvents
+from tandem.server.response_output import StreamEvents
 from test_server import running
 
 GREEDY = {"temperature": 0.0, "max_output_tokens": 8}

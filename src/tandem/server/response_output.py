@@ -1,0 +1,283 @@
+"""A chat answer as the Responses API's output (responses.py): its output items (a reasoning
+item, a message of output_text, function calls), its usage, and a chat stream's chunks as the
+Responses API's events, each item opened by its first delta and closed before the next opens.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tandem.server.responses import ResponseStore
+    from tandem.server.serving import OpenAIServing
+
+
+def finished(base: dict[str, Any], output: list[dict[str, Any]], reason: str | None) -> dict:
+    """The final response: completed, or incomplete where max_output_tokens cut it."""
+    response = {**base, "output": output, "status": "completed"}
+    if reason == "length":
+        response["status"] = "incomplete"
+        response["incomplete_details"] = {"reason": "max_output_tokens"}
+    return response
+
+
+def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat answer's message as output items: its reasoning, its text, its tool calls."""
+    items = []
+    if message.get("reasoning"):
+        items.append(reasoning_item(new_id("rs"), message["reasoning"]))
+    if message.get("content"):
+        items.append(message_item(new_id("msg"), message["content"], "completed"))
+    for call in message.get("tool_calls") or ():
+        function = call["function"]
+        items.append(
+            call_item(
+                new_id("fc"), call["id"], function["name"], function["arguments"], "completed"
+            )
+        )
+    return items
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}] if text else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content}
+
+
+def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    content = [] if text is None else [output_text(text)]
+    return {
+        "type": "message",
+        "id": item_id,
+        "status": status,
+        "role": "assistant",
+        "content": content,
+    }
+
+
+def output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def assistant_message(output: list[dict[str, Any]]) -> dict[str, Any]:
+    """The output items as the assistant's chat message, for the conversation stored."""
+    text = "".join(
+        part["text"] for item in output if item["type"] == "message" for part in item["content"]
+    )
+    calls = [
+        {"id": item["call_id"], "type": "function",
+         "function": {"name": item["name"], "arguments": item["arguments"]}}
+        for item in output
+        if item["type"] == "function_call"
+    ]  # fmt: skip
+    message: dict[str, Any] = {"role": "assistant", "content": text or None}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def usage(chat_usage: dict[str, Any], message: dict[str, Any], serving: OpenAIServing) -> dict:
+    """The chat's usage in the Responses API's names; reasoning tokens are its reasoning
+    text's tokens, encoded again."""
+    details = chat_usage.get("prompt_tokens_details") or {}
+    reasoning = message.get("reasoning")
+    tokenizer = serving.llm.tokenizer
+    thought = len(tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+    return {
+        "input_tokens": chat_usage["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": details.get("cached_tokens") or 0},
+        "output_tokens": chat_usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": thought},
+        "total_tokens": chat_usage["total_tokens"],
+    }
+
+
+class StreamEvents:
+    """A chat stream's chunks as the Responses API's events, each with its sequence number:
+    items open as their first delta comes (reasoning, then the message, then each tool call)
+    and close before the next opens or at the end; the final response is stored."""
+
+    def __init__(
+        self,
+        base: dict[str, Any],
+        serving: OpenAIServing,
+        store: ResponseStore | None,
+        conversation: list[dict[str, Any]],
+    ):
+        self.base, self.serving, self.store, self.conversation = base, serving, store, conversation
+        self.number = 0
+        self.output: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None  # the item deltas go to
+        self.open_text = ""  # the open reasoning or message item's text so far
+        self.calls: dict[int, dict[str, Any]] = {}  # a tool call's index -> its item
+        self.reason: str | None = None  # the choice's finish reason
+        self.reasoning = ""  # the answer's thinking so far (its tokens counted at the end)
+        self.chat_usage: dict[str, Any] | None = None
+
+    def event(self, kind: str, **fields: Any) -> str:
+        self.number += 1
+        payload = {"type": kind, "sequence_number": self.number, **fields}
+        return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
+
+    async def run(self, chunks: AsyncIterator[str | bytes]) -> AsyncIterator[str]:
+        yield self.event("response.created", response=self.base)
+        yield self.event("response.in_progress", response=self.base)
+        try:
+            async for raw in chunks:
+                for chunk in sse_data(raw):
+                    if "error" in chunk:  # the chat stream's error event: the response failed
+                        for event in self.failed(chunk["error"]):
+                            yield event
+                        return
+                    for event in self.read(chunk):
+                        yield event
+        finally:  # a client gone: the chat stream ends, and its request is aborted
+            await chunks.aclose()
+        for event in self.finish():
+            yield event
+
+    def read(self, chunk: dict[str, Any]) -> list[str]:
+        """One chat chunk's events."""
+        events = []
+        if chunk.get("usage"):
+            self.chat_usage = chunk["usage"]
+        for choice in chunk.get("choices", ()):
+            self.reasoning += choice["delta"].get("reasoning") or ""
+            events += self.feed(choice["delta"])
+            self.reason = choice.get("finish_reason") or self.reason
+        return events
+
+    def failed(self, error: dict[str, Any]) -> list[str]:
+        response = {**self.base, "status": "failed", "output": self.output, "error": error}
+        return [
+            *self.close(),
+            # OpenAI's error event: its type is "error", the error's own type left out
+            self.event("error", **{k: error.get(k) for k in ("code", "message", "param")}),
+            self.event("response.failed", response=response),
+        ]
+
+    def finish(self) -> list[str]:
+        """The last items' done events, then the response's: completed, or incomplete."""
+        events = self.close()
+        response = finished(self.base, self.output, self.reason)
+        if self.chat_usage is not None:
+            message = {"reasoning": self.reasoning}
+            response["usage"] = usage(self.chat_usage, message, self.serving)
+        if self.store is not None:
+            self.store.put(response, [*self.conversation, assistant_message(self.output)])
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        return [*events, self.event(kind, response=response)]
+
+    def feed(self, delta: dict[str, Any]) -> list[str]:
+        events = []
+        if delta.get("reasoning"):
+            events += self.open_item("reasoning")
+            events.append(self.text_delta("response.reasoning_text.delta", delta["reasoning"]))
+        if delta.get("content"):
+            events += self.open_item("message")
+            events.append(self.text_delta("response.output_text.delta", delta["content"]))
+        for call in delta.get("tool_calls") or ():
+            events += self.call_delta(call)
+        return events
+
+    def open_item(self, kind: str) -> list[str]:
+        """The item of `kind` open for the next delta: the one open, else a new one."""
+        if self.open is not None and self.open["type"] == kind:
+            return []
+        events = self.close()
+        if kind == "reasoning":
+            item = reasoning_item(new_id("rs"), "")
+        else:
+            item = message_item(new_id("msg"), None, "in_progress")
+        self.open, self.open_text = item, ""
+        events.append(
+            self.event("response.output_item.added", output_index=len(self.output), item=item)
+        )
+        if kind == "message":
+            place = {"item_id": item["id"], "output_index": len(self.output), "content_index": 0}
+            events.append(self.event("response.content_part.added", **place, part=output_text("")))
+        return events
+
+    def text_delta(self, kind: str, text: str) -> str:
+        self.open_text += text
+        place = {"item_id": self.open["id"], "output_index": len(self.output), "content_index": 0}
+        logprobs = {"logprobs": []} if kind == "response.output_text.delta" else {}
+        return self.event(kind, **place, delta=text, **logprobs)
+
+    def call_delta(self, call: dict[str, Any]) -> list[str]:
+        events = []
+        arguments = call.get("function", {}).get("arguments") or ""
+        item = self.calls.get(call["index"])
+        if item is None:  # its first delta names it
+            events += self.close()
+            function = call["function"]
+            item = call_item(new_id("fc"), call["id"], function["name"], "", "in_progress")
+            self.calls[call["index"]] = self.open = item
+            index = len(self.output)
+            events.append(self.event("response.output_item.added", output_index=index, item=item))
+        item["arguments"] += arguments
+        if arguments:
+            place = {"item_id": item["id"], "output_index": len(self.output)}
+            events.append(
+                self.event("response.function_call_arguments.delta", **place, delta=arguments)
+            )
+        return events
+
+    def close(self) -> list[str]:
+        """The open item's done events; it joins the output."""
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index, text = len(self.output), self.open_text
+        place = {"item_id": item["id"], "output_index": index}
+        if item["type"] == "reasoning":
+            item.update(reasoning_item(item["id"], text))
+            events = [
+                self.event("response.reasoning_text.done", **place, content_index=0, text=text)
+            ]
+        elif item["type"] == "message":
+            item.update(message_item(item["id"], text, "completed"))
+            events = [
+                self.event(
+                    "response.output_text.done", **place, content_index=0, text=text, logprobs=[]
+                ),
+                self.event(
+                    "response.content_part.done", **place, content_index=0, part=item["content"][0]
+                ),
+            ]
+        else:
+            item["status"] = "completed"
+            arguments = item["arguments"]
+            events = [
+                self.event("response.function_call_arguments.done", **place, arguments=arguments)
+            ]
+        self.output.append(item)
+        events.append(self.event("response.output_item.done", output_index=index, item=item))
+        return events
+
+
+def sse_data(raw: str | bytes) -> list[dict[str, Any]]:
+    """The JSON objects of a chat stream's server-sent events (its `[DONE]` left out)."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    return [
+        json.loads(line[6:])
+        for line in text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]

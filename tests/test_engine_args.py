@@ -79,11 +79,25 @@ def test_an_rl_framework_s_vllm_arguments_are_taken(folder):
 @pytest.mark.parametrize(
     ("args", "message"),
     [({"enable_chunked_prefill": False}, "always splits a prompt"),
-     ({"enable_sleep_mode": "yes"}, "enable_sleep_mode must be True or False")],
+     ({"enable_sleep_mode": "yes"}, "enable_sleep_mode must be True or False"),
+     ({"async_scheduling": True, "async_batching": False}, "contradicts async_batching=False"),
+     ({"async_scheduling": 1}, "async_scheduling must be True or False"),
+     ({"pipeline_parallel_size": 2}, "tensor_parallel_size"),
+     ({"pipeline_parallel_size": 0}, "pipeline_parallel_size"),
+     ({"speculative_config": {"method": "ngram"}}, "speculative decoding")],
 )  # fmt: skip
 def test_values_tandem_cannot_honour_are_value_errors_saying_why(folder, args, message):
     with pytest.raises(ValueError, match=message):
         LLM(folder, **args)
+
+
+@pytest.mark.parametrize("scheduling", [True, False])
+def test_async_scheduling_is_vllm_s_name_for_async_batching(folder, scheduling):
+    llm = LLM(folder, max_model_len=64, async_scheduling=scheduling, pipeline_parallel_size=1)
+    assert llm.engine.async_batching is scheduling
+    flags = ["--async-scheduling" if scheduling else "--no-async-scheduling"]
+    args = build_parser().parse_args(["serve", folder, *flags, "--pipeline-parallel-size", "1"])
+    assert engine_kwargs(args)["async_scheduling"] is scheduling
 
 
 def test_the_cli_takes_vllm_s_flags_of_an_rl_or_serving_script(folder):

@@ -133,6 +133,23 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
         help="build step N+1 while step N runs",
     )
     parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM's name for --async-batching",
+    )
+    parser.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="vLLM's; 1 only (use --tensor-parallel-size, or --data-parallel-size to serve)",
+    )
+    parser.add_argument(
+        "--speculative-config",
+        type=json_object,
+        help="vLLM's; speculative decoding is not supported (refused)",
+    )
+    parser.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
         default=None,

@@ -519,11 +519,36 @@ class EngineConfig:
     # vLLM's, with only the value that is tandem's behaviour: long prompts are always split over
     # steps
     enable_chunked_prefill: bool = True
+    # vLLM's name for async_batching (None: async_batching decides)
+    async_scheduling: bool | None = None
+    # vLLM's, with only the values tandem runs: one pipeline stage, no speculative decoding
+    pipeline_parallel_size: int = 1
+    speculative_config: dict | None = None
     # False: a line of stats every 10 s of stepping, on the "tandem.metrics" logger (vLLM's)
     disable_log_stats: bool = True
     # vLLM's: {"profiler": "torch", "torch_profiler_dir": "/abs/dir", ...} lets
     # LLM.start_profile()/stop_profile() run torch.profiler ("cuda": the CUDA profiler's range)
     profiler_config: dict | None = None
+
+    def check_vllm_only_values(self) -> None:
+        """vLLM's arguments that name a tandem behaviour, or that tandem runs at one value."""
+        if self.async_scheduling is not None:
+            check_bools(self, "async_scheduling")
+            if self.async_scheduling and not self.async_batching:
+                raise ValueError(
+                    "async_scheduling=True (vLLM's name for async_batching) contradicts "
+                    "async_batching=False"
+                )
+            self.async_batching = self.async_scheduling
+        check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        if self.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported: split a "
+                "model over GPUs with tensor_parallel_size, or serve replicas with "
+                "--data-parallel-size"
+            )
+        if self.speculative_config is not None:
+            raise ValueError("speculative decoding (speculative_config) is not supported")
 
     def validate(self) -> None:
         from tandem.reasoning import check_parser
@@ -576,6 +601,7 @@ class EngineConfig:
                 f"{MAX_LOGPROBS} top ids a position), got {self.max_logprobs}"
             )
         self.profiler_config = checked_config(self.profiler_config)
+        self.check_vllm_only_values()
         if not self.enable_chunked_prefill:
             raise ValueError(
                 "enable_chunked_prefill=False is not supported: tandem always splits a prompt "

@@ -110,6 +110,18 @@ def test_a_non_tensor_is_a_type_error_naming_it(checkpoints):
         llm.update_weights([("lm_head.weight", [[0.0]])])
 
 
+@pytest.mark.parametrize(
+    ("path", "error", "match"),
+    [("", ValueError, "non-empty"), (None, ValueError, "non-empty"),
+     ("/no/such/folder", FileNotFoundError, "not a checkpoint folder")],
+)  # fmt: skip
+def test_a_path_that_names_no_checkpoint_is_refused(checkpoints, fresh, path, error, match):
+    llm = LLM(checkpoints[0], **ENGINE_ARGS)
+    with pytest.raises(error, match=match):  # "" is no current folder
+        llm.update_weights_from_path(path)
+    assert tokens_and_logprobs(llm) == fresh[checkpoints[0]]
+
+
 # 8 blocks of 8 tokens for four 21-token requests: some are swapped out when they pause
 SWAPPING = {"num_blocks": 8, "max_model_len": 64, "preemption_mode": "swap"}
 

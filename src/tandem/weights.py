@@ -84,6 +84,8 @@ def apply_update(
 
 def read_checkpoint(path: str | Path) -> list[tuple[str, torch.Tensor]]:
     """Every tensor of a checkpoint folder's safetensors files."""
+    if not isinstance(path, str | Path) or not str(path):
+        raise ValueError(f"a checkpoint folder's path is a non-empty string, got {path!r}")
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a checkpoint folder")

@@ -189,7 +189,11 @@ def test_a_json_schema_text_format_is_the_chat_s_response_format(client):
          "input.0.content.0"),
         ({"input": [{"type": "file_search_call", "id": "x"}]}, "input.0"),
         ({"truncation": "auto"}, "truncation"),
-        ({"tempature": 1.0}, "tempature"),  # a misspelt field: the chat request's 400
+        ({"tempature": 1.0}, "tempature"),  # a misspelt field
+        ({"n": 2}, "n"),  # chat fields that would change the answer's shape: no response's
+        ({"messages": [{"role": "user", "content": "x"}]}, "messages"),
+        ({"logprobs": True}, "logprobs"),
+        ({"seed": "x"}, "seed"),  # a chat option taken, its value checked by the chat request
         ({"include": ["reasoning.encrypted_content"]}, "include"),
         ({"max_output_tokens": 0}, "max_output_tokens"),  # the chat's error, by this name
         ({"reasoning": {"effort": "sometimes"}}, "reasoning.effort"),

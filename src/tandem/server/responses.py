@@ -10,8 +10,8 @@ Input items: text, messages (text content parts), `function_call` and `function_
 (an assistant's tool call and its result); `reasoning` items sent back are left out, as chat
 templates leave past thinking out. Tools are function tools (the function's fields at the top
 level); `text.format` is the chat's `response_format`, `reasoning.effort` its
-`reasoning_effort`, `max_output_tokens` its `max_completion_tokens`; other chat fields (top_k,
-seed, ...) pass to the chat request as they are. With `store` (the default), a response is kept
+`reasoning_effort`, `max_output_tokens` its `max_completion_tokens`; the chat request's
+sampling and template options (top_k, seed, ...: CHAT_FIELDS) pass to it as they are. With `store` (the default), a response is kept
 in this server's memory, the latest MAX_STORED, for GET /v1/responses/{id} and for a later
 request's `previous_response_id` to continue its conversation.
 """
@@ -41,6 +41,16 @@ from tandem.server.serving import OpenAIServing
 
 MAX_STORED = 1000  # responses kept for previous_response_id, the oldest dropped first
 LABELS = ("user", "safety_identifier", "prompt_cache_key", "service_tier")  # echoed, no effect
+# fields of vLLM's chat request a response request may add (its sampling and template
+# options): the chat request takes them as they are; any other field is a 400
+CHAT_FIELDS = {
+    "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "stop", "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "allowed_token_ids",
+    "bad_words", "skip_special_tokens", "include_stop_str_in_output", "truncate_prompt_tokens",
+    "cache_salt", "priority", "structured_outputs", "repetition_detection",
+    "thinking_token_budget", "vllm_xargs", "chat_template", "chat_template_kwargs",
+    "include_reasoning",
+}  # fmt: skip
 # the chat request's fields that an error names, by the names of the fields they came from
 RENAMED = {
     "response_format.json_schema": "text.format",  # a json_schema format's fields are its own
@@ -52,8 +62,8 @@ RENAMED = {
 
 
 class ResponsesRequest(BaseModel):
-    """OpenAI's response-create body (its hosted tools, files and images aside); fields it does
-    not declare go to the chat request, which refuses those it does not know."""
+    """OpenAI's response-create body (its hosted tools, files and images aside), and the chat
+    request's sampling and template options (CHAT_FIELDS), which go to it as they are."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -155,6 +165,13 @@ def renamed(param: str | None) -> str | None:
 
 
 def refuse_unsupported(body: ResponsesRequest) -> None:
+    for name, value in (body.model_extra or {}).items():
+        if value is not None and name not in CHAT_FIELDS:
+            raise OpenAIError(
+                f"{name} is not a field of a response request (nor one of the chat options it "
+                f"takes: {', '.join(sorted(CHAT_FIELDS))})",
+                param=name,
+            )
     if body.background:
         raise OpenAIError("background responses are not supported", param="background")
     if body.include:

@@ -17,12 +17,13 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from tandem import LLM, SamplingParams
 from tandem.async_llm import AsyncLLM
 from tandem.cli import build_parser, main
 from tandem.server.app import build_app
 from tandem.server.lifecycle import uvicorn_config
 from tandem.server.options import ServerOptions
-from tandem.tokenizer import Tokenizer
+from tandem.tokenizer import Tokenizer, content_format
 from test_serve_process import process
 
 # reads a variable the server's defaults set and a request may override
@@ -277,3 +278,63 @@ def test_forced_usage_ends_every_stream_and_token_ids_name_every_logprob(llm):
 def test_a_negative_max_log_len_is_refused():
     with pytest.raises(ValueError, match="max_log_len"):
         ServerOptions(max_log_len=-1).validate()
+
+
+# ---- chat_template_content_format ---------------------------------------------------------------
+
+# takes a message's content as OpenAI's list of parts only
+PARTS_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}:{% for p in m['content'] %}[{{ p['text'] }}]"
+    "{% endfor %}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+PARTS = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]},
+         {"role": "assistant", "content": "Hello"}]  # fmt: skip
+
+
+def transformers_text(folder: str, template: str, messages) -> str:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        messages, chat_template=template, add_generation_prompt=True, tokenize=False
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        (PARTS_TEMPLATE, "openai"),
+        ("{% for m in messages %}{% set c = m.content %}{% for p in c %}{% endfor %}{% endfor %}",
+         "openai"),
+        (TEMPLATE, "string"),
+        ("{% for m in messages %}{% for w in m.content.split(' ') %}{% endfor %}{% endfor %}",
+         "string"),  # a loop over what the string makes: the template takes a string
+    ],
+)  # fmt: skip
+def test_auto_reads_from_the_template_whether_it_loops_over_content(source, expected):
+    assert content_format(source) == expected
+    assert content_format(source, "string") == "string"
+    with pytest.raises(ValueError, match="chat_template_content_format"):
+        content_format(source, "parts")
+
+
+def test_a_template_that_loops_over_parts_gets_parts_as_transformers_gives_them(llm, folder):
+    """auto finds the loop: each message's content goes to the template as OpenAI's parts (a
+    string made one part), offline and served; "string" would join them."""
+    openai_form = [
+        PARTS[0], {"role": "assistant", "content": [{"type": "text", "text": "Hello"}]}
+    ]  # fmt: skip
+    want = transformers_text(folder, PARTS_TEMPLATE, openai_form)
+    assert "[Hi][there]" in want and "[Hello]" in want
+    offline = LLM(folder, max_model_len=128)
+    params = SamplingParams(max_tokens=1)
+    [out] = offline.chat(PARTS, params, use_tqdm=False, chat_template=PARTS_TEMPLATE)
+    assert out.prompt == want
+    [joined] = offline.chat(
+        PARTS, params, use_tqdm=False, chat_template=PARTS_TEMPLATE,
+        chat_template_content_format="string",
+    )  # fmt: skip
+    # the template walks the joined string's characters, which have no ['text']
+    assert joined.prompt == "user:" + "[]" * len("Hi\nthere") + "assistant:[][][][][]assistant:"
+    with client_of(llm, chat_template=PARTS_TEMPLATE) as client:
+        tokens = client.post("/tokenize", json={"messages": PARTS}).json()["tokens"]
+    assert tokens == Tokenizer.from_dir(folder).encode(want, add_special_tokens=False)

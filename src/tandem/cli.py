@@ -434,6 +434,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         trust_request_chat_template=args.trust_request_chat_template,
         response_role=args.response_role,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
+        chat_template_content_format=args.chat_template_content_format,
         allowed_origins=tuple(args.allowed_origins),
         allowed_methods=tuple(args.allowed_methods),
         allowed_headers=tuple(args.allowed_headers),
@@ -497,6 +498,7 @@ def lora_modules(specs: list[str] | None, enable_lora: bool) -> tuple:
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     from tandem.server.options import LOG_LEVELS, ServerOptions
     from tandem.server.tool_calls import PARSERS
+    from tandem.tokenizer import CONTENT_FORMATS
 
     defaults = ServerOptions()
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -633,6 +635,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--return-tokens-as-token-ids",
         action="store_true",
         help="every request's logprobs name tokens as 'token_id:<id>'",
+    )
+    parser.add_argument(
+        "--chat-template-content-format",
+        choices=CONTENT_FORMATS,
+        default=defaults.chat_template_content_format,
+        help="how the chat template takes a message's content: a string, or OpenAI's list of "
+        "text parts; auto: a list where the template loops over it",
     )
     parser.add_argument(
         "--default-chat-template-kwargs",

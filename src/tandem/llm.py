@@ -45,7 +45,7 @@ from tandem.outputs import (
 from tandem.pooling import PoolingParams
 from tandem.request import Prompt, Request, prompt_cache_salt, split_prompt
 from tandem.sampling import SamplingParams, seeded
-from tandem.tokenizer import Tokenizer
+from tandem.tokenizer import Tokenizer, content_format, template_content
 from tandem.weight_transfer import request_field, required_field
 from tandem.weights import NamedTensors
 
@@ -472,11 +472,13 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate. The template's
-        options as vLLM's LLM.chat takes them (`Tokenizer.apply_chat_template`); a content given
-        as OpenAI's text parts is their texts joined by newlines, as vLLM renders it;
-        `chat_template` (Jinja source) replaces the model's template."""
+        options as vLLM's LLM.chat takes them (`Tokenizer.apply_chat_template`); a content is
+        a string or OpenAI's text parts, as the template takes it
+        (`chat_template_content_format`, `tokenizer.content_format`: parts joined by newlines
+        for a string); `chat_template` (Jinja source) replaces the model's template."""
         prompts = self._chat_prompts(
             messages,
             add_generation_prompt,
@@ -484,6 +486,7 @@ class LLM:
             tools,
             chat_template_kwargs,
             chat_template,
+            chat_template_content_format,
         )
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
@@ -498,6 +501,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[str]:
         """`chat`'s conversations queued as `enqueue` queues prompts (vLLM's): their request
         ids; `wait_for_completion` runs them."""
@@ -508,6 +512,7 @@ class LLM:
             tools,
             chat_template_kwargs,
             chat_template,
+            chat_template_content_format,
         )
         return self.enqueue(prompts, sampling_params, use_tqdm, lora_request)
 
@@ -519,12 +524,19 @@ class LLM:
         tools: list[dict[str, Any]] | None,
         chat_template_kwargs: dict[str, Any] | None,
         chat_template: str | None,
+        chat_template_content_format: str = "auto",
     ) -> list[dict[str, Any]]:
         """Each conversation rendered by the chat template, as a prompt of ids and text."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
-        conversations = [[_with_text_content(m) for m in c] for c in _conversations(messages)]
+        try:
+            fmt = content_format(
+                chat_template or tokenizer.chat_template, chat_template_content_format
+            )
+        except jinja2.TemplateError as error:
+            raise ValueError(f"chat template failed to parse: {error}") from error
+        conversations = [[_template_message(m, fmt) for m in c] for c in _conversations(messages)]
         try:
             texts = [
                 tokenizer.apply_chat_template(
@@ -788,20 +800,20 @@ def _conversations(messages: Any) -> list[list[dict[str, Any]]]:
     )
 
 
-def _with_text_content(message: Any) -> Any:
-    """A message whose content is OpenAI's list of text parts, with their texts joined by newlines
-    (as vLLM renders it for templates that take a string); other messages as they are."""
+def _template_message(message: Any, content_format: str) -> Any:
+    """A message whose content (a string or OpenAI's list of text parts) is as a template of
+    `content_format` takes it (`tokenizer.template_content`); other messages as they are."""
     content = message.get("content") if isinstance(message, dict) else None
-    if not isinstance(content, list):
+    if not isinstance(content, list | str):
         return message
-    for part in content:
+    for part in content if isinstance(content, list) else ():
         if not isinstance(part, dict) or part.get("type") != "text" or "text" not in part:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ValueError(
                 "a message's content parts must be text parts, {'type': 'text', 'text': ...}, "
                 f"for a text model; got a part of type {kind!r}"
             )
-    return {**message, "content": "\n".join(part["text"] for part in content)}
+    return {**message, "content": template_content(content, content_format)}
 
 
 def pooled_tensor(vector: list[float] | None) -> PoolingOutput:

@@ -327,6 +327,51 @@ class GenerationTag(Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
+CONTENT_FORMATS = ("auto", "string", "openai")  # vLLM's chat_template_content_format
+
+
+@functools.lru_cache(maxsize=16)
+def content_format(source: str | None, asked: str = "auto") -> str:
+    """How a template takes a message's content: "openai" (a list of {"type": "text", "text":
+    ...} parts) or "string". "auto": "openai" where the template loops over a message's
+    content, directly or through a variable set from it, else "string"."""
+    if asked not in CONTENT_FORMATS:
+        raise ValueError(
+            f"chat_template_content_format must be one of {CONTENT_FORMATS}, got {asked!r}"
+        )
+    if asked != "auto" or source is None:
+        return "string" if asked == "auto" else asked
+    tree = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols", GenerationTag])
+    tree = tree.parse(source)
+
+    def is_content(node: nodes.Node) -> bool:  # message['content'] or message.content
+        if isinstance(node, nodes.Getitem):
+            return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+        return isinstance(node, nodes.Getattr) and node.attr == "content"
+
+    names = {  # variables set from a message's content: {% set content = message['content'] %}
+        assign.target.name
+        for assign in tree.find_all(nodes.Assign)
+        if is_content(assign.node) and isinstance(assign.target, nodes.Name)
+    }
+    for loop in tree.find_all(nodes.For):
+        if is_content(loop.iter) or (isinstance(loop.iter, nodes.Name) and loop.iter.name in names):
+            return "openai"
+    return "string"
+
+
+def template_content(content: Any, content_format: str) -> Any:
+    """A message's content as a template of `content_format` takes it: text parts joined by
+    newlines (as vLLM renders them for a string), or a text made one part."""
+    if content_format == "openai":
+        if isinstance(content, str):
+            return [{"type": "text", "text": content}]
+        return content
+    if isinstance(content, list):
+        return "\n".join(part["text"] for part in content)
+    return content
+
+
 @functools.lru_cache(maxsize=16)  # LLM.chat(chat_template=...) renders it once per conversation
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile a chat template in a sandbox with the globals, filters and tags transformers

@@ -10,7 +10,7 @@ import jinja2
 
 from tandem.lora import LoRARequest
 from tandem.server.tool_calls import PARSERS
-from tandem.tokenizer import compile_chat_template
+from tandem.tokenizer import compile_chat_template, content_format
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 
@@ -43,6 +43,9 @@ class ServerOptions:
     response_role: str = "assistant"  # a chat answer's role after a generation prompt (vLLM's)
     # vLLM's --default-chat-template-kwargs: template variables a request's own override
     default_chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's --chat-template-content-format: how templates take a message's content
+    # (tokenizer.content_format: "auto", "string" or "openai")
+    chat_template_content_format: str = "auto"
     # CORS (vLLM's flags and defaults: any origin, method and header; no credentials)
     allowed_origins: tuple[str, ...] = ("*",)
     allowed_methods: tuple[str, ...] = ("*",)
@@ -127,6 +130,7 @@ class ServerOptions:
                 raise ValueError(
                     f"chat_template (--chat-template) does not compile: {error}"
                 ) from error
+        content_format(None, self.chat_template_content_format)  # a ValueError naming the rest
         if not isinstance(self.response_role, str) or not self.response_role:
             raise ValueError(
                 f"response_role must be a non-empty string, got {self.response_role!r}"

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tandem.sampling import MAX_LOGPROBS, MAX_N, MAX_TOP_K
+from tandem.tokenizer import template_content
 
 
 def encodable(text: str) -> str:
@@ -280,10 +281,17 @@ class ChatMessage(MessagePart):
         content = self.content or ""
         return content if isinstance(content, str) else "\n".join(part.text for part in content)
 
-    def as_template_input(self) -> dict[str, Any]:
+    def as_template_input(self, content_format: str = "string") -> dict[str, Any]:
+        """The message as a chat template of `content_format` (tokenizer.content_format) takes it."""
         # OpenAI's newer name for the system role; chat templates know "system"
         role = "system" if self.role == "developer" else self.role
-        message: dict[str, Any] = {"role": role, "content": self.text()}
+        content = self.content or ""
+        if not isinstance(content, str):
+            content = [{"type": "text", "text": part.text} for part in content]
+        message: dict[str, Any] = {
+            "role": role,
+            "content": template_content(content, content_format),
+        }
         if self.tool_calls:
             message["tool_calls"] = [call.as_template_input() for call in self.tool_calls]
         for name in ("tool_call_id", "name"):

@@ -38,7 +38,7 @@ from tandem.server.protocol import (
 from tandem.server.tool_calls import NamedToolOutput, OutputReader, PlainOutput, collect
 from tandem.structured import BACKEND as GRAMMAR_BACKEND
 from tandem.structured import StructuredOutputsParams
-from tandem.tokenizer import Tokenizer
+from tandem.tokenizer import Tokenizer, content_format
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 logger = logging.getLogger("uvicorn.error")  # the logger `tandem serve` prints
@@ -808,10 +808,16 @@ def chat_prompt(
             param="chat_template",
         )
     tools = body.tools
+    template = body.chat_template or options.chat_template or tokenizer.chat_template
+    try:
+        fmt = content_format(template, options.chat_template_content_format)
+    except jinja2.TemplateError as error:  # a request's template that does not parse
+        message = f"the chat template failed on these messages: {error}"
+        raise OpenAIError(message, param="messages") from error
     try:
         return encodable(
             tokenizer.apply_chat_template(
-                [m.as_template_input() for m in body.messages],
+                [m.as_template_input(fmt) for m in body.messages],
                 [t.model_dump(exclude_none=True) for t in tools] if tools else None,
                 chat_template=body.chat_template or options.chat_template,
                 add_generation_prompt=body.add_generation_prompt,

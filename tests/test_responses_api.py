@@ -13,8 +13,10 @@ import openai
 import pytest
 
 from tandem.async_llm import AsyncLLM
+from tandem.server import responses
 from tandem.server.app import build_app
 from tandem.server.options import ServerOptions
+from tandem.server.protocol import OpenAIError
 from tandem.server.response_output import StreamEvents
 from test_server import running
 
@@ -117,6 +119,14 @@ def test_previous_response_id_continues_the_conversation(client):
     ]
     assert second.output_text == chat(client, messages).choices[0].message.content
     assert second.previous_response_id == first.id
+    third = client.responses.create(  # each stored turn joins the ones before it
+        model="tiny", input="And a third?", previous_response_id=second.id, **GREEDY
+    )
+    messages += [
+        {"role": "assistant", "content": second.output_text},
+        {"role": "user", "content": "And a third?"},
+    ]
+    assert third.output_text == chat(client, messages).choices[0].message.content
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
@@ -301,3 +311,27 @@ def test_a_chat_stream_s_error_event_fails_the_response():
     failed = got[-1]["response"]
     assert failed["status"] == "failed" and failed["error"]["type"] == "server_error"
     assert failed["output"][0]["content"][0]["text"] == "Hi"
+
+
+def test_the_store_keeps_the_conversations_in_use(monkeypatch):
+    """Each response holds its own turn; a conversation follows previous_response_id back, and
+    using it keeps its responses from being the ones dropped."""
+    monkeypatch.setattr(responses, "MAX_STORED", 4)
+    store = responses.ResponseStore()
+
+    def put(response_id, previous=None):
+        turn = [
+            {"role": "user", "content": f"{response_id}?"},
+            {"role": "assistant", "content": response_id},
+        ]
+        store.put({"id": response_id, "previous_response_id": previous}, turn)
+
+    for response_id, previous in (("a", None), ("b", "a"), ("x", None), ("c", "b")):
+        put(response_id, previous)
+    assert [m["content"] for m in store.conversation("c")] == ["a?", "a", "b?", "b", "c?", "c"]
+    put("y")  # five: the least recently used, x, goes
+    assert set(store.responses) == {"a", "b", "c", "y"}
+    store.delete("b")
+    with pytest.raises(OpenAIError, match="'b'") as error:
+        store.conversation("c")
+    assert error.value.status_code == 404

@@ -126,7 +126,7 @@ def build_app(
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> dict[str, Any]:
-        return stored.get(response_id)[0]
+        return stored.get(response_id)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict[str, Any]:

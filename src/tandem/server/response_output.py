@@ -77,7 +77,7 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
 
 
 def assistant_message(output: list[dict[str, Any]]) -> dict[str, Any]:
-    """The output items as the assistant's chat message, for the conversation stored."""
+    """The output items as the assistant's chat message, for the turn stored."""
     text = "".join(
         part["text"] for item in output if item["type"] == "message" for part in item["content"]
     )
@@ -119,9 +119,9 @@ class StreamEvents:
         base: dict[str, Any],
         serving: OpenAIServing,
         store: ResponseStore | None,
-        conversation: list[dict[str, Any]],
+        inputs: list[dict[str, Any]],
     ):
-        self.base, self.serving, self.store, self.conversation = base, serving, store, conversation
+        self.base, self.serving, self.store, self.inputs = base, serving, store, inputs
         self.number = 0
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item deltas go to
@@ -181,7 +181,7 @@ class StreamEvents:
             message = {"reasoning": self.reasoning}
             response["usage"] = usage(self.chat_usage, message, self.serving)
         if self.store is not None:
-            self.store.put(response, [*self.conversation, assistant_message(self.output)])
+            self.store.put(response, [*self.inputs, assistant_message(self.output)])
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         return [*events, self.event(kind, response=response)]
 

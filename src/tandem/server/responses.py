@@ -11,8 +11,9 @@ Input items: text, messages (text content parts), `function_call` and `function_
 templates leave past thinking out. Tools are function tools (the function's fields at the top
 level); `text.format` is the chat's `response_format`, `reasoning.effort` its
 `reasoning_effort`, `max_output_tokens` its `max_completion_tokens`; the chat request's
-sampling and template options (top_k, seed, ...: CHAT_FIELDS) pass to it as they are. With `store` (the default), a response is kept
-in this server's memory, the latest MAX_STORED, for GET /v1/responses/{id} and for a later
+sampling and template options (top_k, seed, ...: CHAT_FIELDS) pass to it as they are. With
+`store` (the default), a response and its turn are kept in this server's memory (MAX_STORED
+of them, the least recently used dropped first), for GET /v1/responses/{id} and for a later
 request's `previous_response_id` to continue its conversation.
 """
 
@@ -92,12 +93,15 @@ class ResponsesRequest(BaseModel):
 
 
 class ResponseStore:
-    """The latest MAX_STORED responses and, for each, its conversation in chat messages (the
-    input and the output; not the instructions, which a next request gives anew). `tag`, in
-    every id it makes, names the store (one engine replica's: `owner`)."""
+    """The latest MAX_STORED responses (least recently used dropped first), each with its turn
+    of the conversation in chat messages: its input and its output, not the instructions, which
+    a next request gives anew. A conversation is its responses' turns, followed back through
+    their previous_response_id. `tag`, in every id it makes, names the store (one engine
+    replica's: `owner`)."""
 
     def __init__(self, tag: str = "") -> None:
         self.tag = tag
+        # id -> (the response, its turn)
         self.responses: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = (
             OrderedDict()
         )
@@ -105,21 +109,32 @@ class ResponseStore:
     def new_id(self) -> str:
         return f"resp_{self.tag}_{uuid.uuid4().hex}" if self.tag else new_id("resp")
 
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        self.responses[response["id"]] = (response, conversation)
+    def put(self, response: dict[str, Any], turn: list[dict[str, Any]]) -> None:
+        self.responses[response["id"]] = (response, turn)
         while len(self.responses) > MAX_STORED:
             self.responses.popitem(last=False)
 
-    def get(self, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    def get(self, response_id: str) -> dict[str, Any]:
         if response_id not in self.responses:
             raise OpenAIError(
                 f"no response {response_id!r} here: it was not stored (store=false), was deleted, "
-                f"or is older than this server's latest {MAX_STORED}",
+                f"or was used longest ago of more than this server's {MAX_STORED}",
                 404,
                 param="previous_response_id",
                 code="not_found",
             )
-        return self.responses[response_id]
+        self.responses.move_to_end(response_id)  # recently used: kept longest
+        return self.responses[response_id][0]
+
+    def conversation(self, response_id: str) -> list[dict[str, Any]]:
+        """The messages of the conversation that `response_id` ends, every response on the
+        way used again; one missing is a 404."""
+        turns = []
+        while response_id is not None:
+            response = self.get(response_id)
+            turns.append(self.responses[response_id][1])
+            response_id = response["previous_response_id"]
+        return [message for turn in reversed(turns) for message in turn]
 
     def delete(self, response_id: str) -> None:
         self.get(response_id)
@@ -131,7 +146,7 @@ async def create(
 ) -> Response:
     """POST /v1/responses: the chat request's answer as a Response, or as its events."""
     refuse_unsupported(body)
-    history = store.get(body.previous_response_id)[1] if body.previous_response_id else []
+    history = store.conversation(body.previous_response_id) if body.previous_response_id else []
     inputs = input_messages(body.input)
     try:
         chat = chat_request(body, [*instructions(body), *history, *inputs])
@@ -140,9 +155,8 @@ async def create(
         error.param = renamed(error.param)
         raise
     base = response_base(store.new_id(), body, serving.answered_name(body.model))
-    conversation = [*history, *inputs]
     if isinstance(answer, StreamingResponse):
-        events = StreamEvents(base, serving, store if body.store else None, conversation)
+        events = StreamEvents(base, serving, store if body.store else None, inputs)
         stream = events.run(answer.body_iterator)
         return StreamingResponse(stream, media_type="text/event-stream")
     if answer.status_code != 200:  # an error the chat endpoint answered, or a client gone (499)
@@ -152,7 +166,7 @@ async def create(
     response = finished(base, output_items(choice["message"]), choice["finish_reason"])
     response["usage"] = usage(completion["usage"], choice["message"], serving)
     if body.store:
-        store.put(response, [*conversation, assistant_message(response["output"])])
+        store.put(response, [*inputs, assistant_message(response["output"])])
     return JSONResponse(response)
 
 

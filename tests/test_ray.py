@@ -307,11 +307,11 @@ def test_serve_with_data_parallel_size_hands_its_server_flags_to_the_replicas(fo
     calls = []
     monkeypatch.setattr(ray_serve, "serve_data_parallel", lambda *args: calls.append(args))
     argv = ["serve", folder, "--data-parallel-size", "2", "--max-stop-strings", "3"]
-    cli.main([*argv, "--api-key", "k", "--tool-call-parser", "hermes"])
+    cli.main([*argv, "--tool-call-parser", "hermes", "--api-key", "k", "k2"])
     [(model, _, size, _, _, _, options)] = calls
     assert (model, size) == (folder, 2)
-    assert (options.max_stop_strings, options.api_key, options.tool_call_parser) == (
+    assert (options.max_stop_strings, options.api_keys(), options.tool_call_parser) == (
         3,
-        "k",
+        ("k", "k2"),
         "hermes",
     )

@@ -151,6 +151,20 @@ def test_any_origin_by_default_and_a_preflight_needs_no_api_key(llm):
         assert client.get("/v1/models", headers=headers).status_code == 200
 
 
+def test_any_of_several_api_keys_is_taken(llm):
+    with client_of(llm, api_key=("old-key", "new-key")) as client:  # vLLM's list: rotation
+        for key in ("old-key", "new-key"):
+            answer = client.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+            assert answer.status_code == 200
+        for key in ("other", "old-keynew-key", ""):
+            answer = client.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+            assert answer.status_code == 401
+        assert client.get("/ping").status_code == 200
+    for keys in ("", (), ("k", "")):
+        with pytest.raises(ValueError, match="api_key"):
+            ServerOptions(api_key=keys).validate()
+
+
 def test_only_the_allowed_origins(llm):
     allowed = "https://a.example"
     with client_of(llm, allowed_origins=(allowed,), allow_credentials=True) as client:

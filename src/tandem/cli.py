@@ -418,7 +418,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.data_parallel_size > 1 and adapters:
         raise ValueError("--lora-modules is served by one engine (--data-parallel-size 1)")
     options = ServerOptions(
-        api_key=args.api_key,
+        api_key=tuple(args.api_key) if args.api_key else None,
         max_request_bytes=args.max_request_bytes,
         max_sequences_per_request=args.max_sequences_per_request,
         max_stop_strings=args.max_stop_strings,
@@ -505,7 +505,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument(
         "--api-key",
-        help="require 'Authorization: Bearer KEY' (not on /health and /metrics; default: none)",
+        nargs="+",
+        help="require 'Authorization: Bearer KEY' with one of these keys (not on /health, /ping "
+        "and /metrics; default: none)",
     )
     parser.add_argument(
         "--served-model-name",

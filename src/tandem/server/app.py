@@ -72,8 +72,8 @@ def build_app(
     metrics = ServerMetrics(llm)
     serving = OpenAIServing(llm, names, metrics, options, options.lora_modules)
     app.state.llm, app.state.serving = llm, serving
-    if options.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
+    if options.api_keys():
+        app.add_middleware(ApiKeyMiddleware, api_keys=options.api_keys())
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_request_bytes)
     app.add_middleware(  # the outermost: a preflight is answered before the API key is asked
         CORSMiddleware,
@@ -291,18 +291,19 @@ def closing(response: JSONResponse) -> JSONResponse:
 
 
 class ApiKeyMiddleware:
-    """401 unless `Authorization: Bearer <api_key>` (the scheme in any case), but on OPEN_PATHS."""
+    """401 unless `Authorization: Bearer <key>` (the scheme in any case) with one of the keys,
+    but on OPEN_PATHS."""
 
-    def __init__(self, app: ASGIApp, api_key: str):
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]):
         self.app = app
-        self.expected = api_key.encode()
+        self.expected = [key.encode() for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-            if scheme.lower() != b"bearer" or not secrets.compare_digest(
-                key.strip(), self.expected
-            ):
+            # every key compared, each in constant time: the answer's time names none of them
+            matches = [secrets.compare_digest(key.strip(), expected) for expected in self.expected]
+            if scheme.lower() != b"bearer" or not any(matches):
                 error = OpenAIError(
                     "missing or wrong API key; send it as 'Authorization: Bearer <key>'",
                     401,

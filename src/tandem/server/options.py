@@ -17,9 +17,9 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvico
 
 @dataclass(frozen=True)
 class ServerOptions:
-    api_key: str | None = (
-        None  # require "Authorization: Bearer <api_key>" (not on /health, /metrics)
-    )
+    # require "Authorization: Bearer <key>" with this key, or one of these (not on /health,
+    # /ping, /metrics)
+    api_key: str | tuple[str, ...] | None = None
     max_request_bytes: int = 8 * 2**20  # a larger body is a 413
     max_sequences_per_request: int = 256  # prompts x n; more is a 400
     max_stop_strings: int = 16
@@ -87,6 +87,19 @@ class ServerOptions:
         self.validate_chat_options()
         self.validate_http_options()
         self.validate_logging_options()
+        self.validate_api_keys()
+
+    def api_keys(self) -> tuple[str, ...]:
+        return (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key or ())
+
+    def validate_api_keys(self) -> None:
+        keys = self.api_keys()
+        if self.api_key is not None and (
+            not keys or not all(isinstance(k, str) and k for k in keys)
+        ):
+            raise ValueError(
+                f"api_key must be a non-empty string or a list of them, got {self.api_key!r}"
+            )
 
     def validate_logging_options(self) -> None:
         length = self.max_log_len

@@ -7,6 +7,7 @@ depend on what else is in the batch, so a server busy with other requests must a
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import importlib.metadata
 import itertools
 import json
@@ -1525,3 +1526,33 @@ def test_a_client_that_leaves_a_response_aborts_it(server, stream):
     metrics = server.metrics()
     assert metrics['tandem_requests_finished_total{reason="abort"}'] == aborted + 1
     assert metrics["tandem_kv_cache_usage_perc"] == 0.0
+
+
+def test_abort_requests_ends_calls_by_their_ids_with_what_they_have(server):
+    """vLLM's /abort_requests (RL trainers): a stream ends with finish_reason "abort", a call
+    waiting for its whole answer gets it as far as it went; unknown ids are left out."""
+    server.wait_until_idle()
+    body = {"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}
+    headers = {**AUTH, "X-Request-Id": "rl-7"}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True},
+                      headers=headers) as r:  # fmt: skip
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        answer = post(server, "/abort_requests", {"request_ids": ["cmpl-rl-7", "cmpl-gone"]})
+        assert answer.json() == {"aborted": ["cmpl-rl-7"]}
+        chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+    server.wait_until_idle()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        headers = {**AUTH, "X-Request-Id": "rl-8"}
+        call = pool.submit(httpx.post, f"{server.url}/v1/completions", json=body, headers=headers,
+                           timeout=60)  # fmt: skip
+        deadline = time.monotonic() + 30
+        while server.llm.stats.num_running == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert post(server, "/abort_requests", {"request_ids": ["cmpl-rl-8"]}).status_code == 200
+        [choice] = call.result().json()["choices"]
+    assert choice["finish_reason"] == "abort" and choice["text"] is not None
+    server.wait_until_idle()
+    assert post(server, "/abort_requests", {"request_ids": "cmpl-rl-8"}).status_code == 400

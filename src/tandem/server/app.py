@@ -40,6 +40,8 @@ from tandem.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     OpenAIError,
+    RequestOption,
+    Text,
     TokenizeRequest,
     invalid,
     validated,
@@ -132,6 +134,10 @@ def build_app(
     async def delete_response(response_id: str) -> dict[str, Any]:
         stored.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.post("/abort_requests")  # vLLM's, for RL trainers: end these calls where they are
+    async def abort_requests(body: AbortRequest) -> dict[str, list[str]]:
+        return {"aborted": serving.abort(set(body.request_ids))}
 
     @app.post("/inference/v1/generate")
     async def generate_tokens(body: GenerateRequest, http: HttpRequest) -> Response:
@@ -288,6 +294,10 @@ def closing(response: JSONResponse) -> JSONResponse:
     """Tell the client this connection ends with the response: after a 5xx it is not reused."""
     response.headers["Connection"] = "close"
     return response
+
+
+class AbortRequest(RequestOption):
+    request_ids: list[Text]  # the ids of the answers, as they give them ("generate-tokens-42")
 
 
 class ApiKeyMiddleware:

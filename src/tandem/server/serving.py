@@ -167,6 +167,14 @@ class OpenAIServing:
                 choice.stream.abort()
                 choice.stream.outputs.put_nowait(ServerShuttingDown(reason))
 
+    def abort(self, call_ids: set[str]) -> list[str]:
+        """End the open calls of these ids (their answers' ids) now: each answers with what it
+        has, finish_reason "abort". The ids it found; others (finished, unknown) are left."""
+        found = [generation for generation in list(self.open) if generation.id in call_ids]
+        for generation in found:
+            generation.abort_unfinished()
+        return [generation.id for generation in found]
+
     def tokenizer(self) -> Tokenizer:
         if self.llm.tokenizer is None:
             raise OpenAIError("this model has no tokenizer.json; send token ids as the prompt")

@@ -10,20 +10,11 @@ Usage: PYTHONPATH=src python3 benchmarks/embed.py [--model qwen3-0.6b] [--num-pr
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 
-import torch
+from bench_runs import publish, random_prompts, timed, traced  # this folder's
 
 from tandem import LLM, SamplingParams
-from tandem.trace import summarize
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()  # returns once every output was read back
-    return time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -39,12 +30,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     llm = LLM(args.model, load_format=args.load_format, max_model_len=args.input_len + 8,
               device=args.device)  # fmt: skip
-    vocab = llm.engine.model_config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompts = [
-        {"prompt_token_ids": torch.randint(0, vocab, (args.input_len,), generator=g).tolist()}
-        for _ in range(args.num_prompts)
-    ]
+    prompts = random_prompts(llm.engine.model_config.vocab_size, args.num_prompts, args.input_len)
     prefill = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, detokenize=False)
 
     def embed() -> None:
@@ -63,12 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
             llm.engine.reset_prefix_cache()  # every run computes every prompt
             runs[name].append(timed(fn))
     llm.engine.reset_prefix_cache()
-    llm.engine.start_trace()
-    traced_s = timed(embed)
-    trace = llm.engine.stop_trace().to_chrome_trace({"mode": "embed", "model": args.model})
-    if args.trace:
-        with open(args.trace, "w") as f:
-            json.dump(trace, f)
+    trace = traced(llm, embed, {"mode": "embed", "model": args.model}, args.trace)
     embed_s, prefill_s = (statistics.median(runs[k]) for k in ("embed", "prefill"))
     num_tokens = args.num_prompts * args.input_len
     report = {
@@ -81,15 +62,10 @@ def main(argv: list[str] | None = None) -> dict:
         "ratio": embed_s / prefill_s,
         "embed_prompts_per_s": args.num_prompts / embed_s,
         "embed_tok_per_s": num_tokens / embed_s,
-        "traced_s": traced_s,
-        "gpu_active_pct": summarize(trace)["gpu_active_pct"],
+        **trace,
         "runs": runs,
     }
-    print(json.dumps(report, indent=2))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2)
-    return report
+    return publish(report, args.output_json)
 
 
 if __name__ == "__main__":

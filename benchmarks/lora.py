@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import tempfile
 from pathlib import Path
 
 import torch
-from embed import timed  # this folder's
+from bench_runs import publish, random_prompts, timed, traced  # this folder's
 
 from tandem import LLM, LoRARequest, SamplingParams
 from tandem.model.tiny import make_tiny_lora
-from tandem.trace import summarize
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -52,12 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     runs: dict[str, list[float]] = {"plain": [], "base": [], "lora": []}
 
     llm = LLM(args.model, **engine_args)
-    g = torch.Generator().manual_seed(0)
-    vocab = llm.engine.model_config.vocab_size
-    prompts = [
-        {"prompt_token_ids": torch.randint(0, vocab, (args.input_len,), generator=g).tolist()}
-        for _ in range(args.num_prompts)
-    ]
+    prompts = random_prompts(llm.engine.model_config.vocab_size, args.num_prompts, args.input_len)
 
     def run(loras=None) -> None:
         outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
@@ -86,12 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
         for _ in range(args.repeats):
             runs["base"].append(timed(run))
             runs["lora"].append(timed(lambda: run(loras)))
-        llm.engine.start_trace()
-        traced_s = timed(lambda: run(loras))
-        trace = llm.engine.stop_trace().to_chrome_trace({"mode": "lora", "model": args.model})
-    if args.trace:
-        with open(args.trace, "w") as f:
-            json.dump(trace, f)
+        trace = traced(llm, lambda: run(loras), {"mode": "lora", "model": args.model}, args.trace)
     medians = {name: statistics.median(times) for name, times in runs.items()}
     report = {
         "model": args.model,
@@ -104,16 +92,11 @@ def main(argv: list[str] | None = None) -> dict:
         **{f"{name}_tok_per_s": num_tokens / s for name, s in medians.items()},
         "lora_vs_plain": medians["plain"] / medians["lora"],
         "base_vs_plain": medians["plain"] / medians["base"],
-        "traced_s": traced_s,
-        "gpu_active_pct": summarize(trace)["gpu_active_pct"],
+        **trace,
         "runs": runs,
     }
     llm.engine.shutdown()
-    print(json.dumps(report, indent=2))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2)
-    return report
+    return publish(report, args.output_json)
 
 
 if __name__ == "__main__":

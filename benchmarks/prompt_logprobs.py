@@ -20,6 +20,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from bench_runs import publish, random_prompts  # this folder's
 
 from tandem import LLM, SamplingParams, prompt_logprobs_kernel
 from tandem.prompt_logprobs_kernel import lm_head_logprobs
@@ -111,12 +112,7 @@ def main() -> None:
     if args.sweep:
         print(json.dumps(sweep(llm, args.max_num_batched_tokens), indent=2))
         return
-    vocab = llm.engine.model_config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompts = [
-        {"prompt_token_ids": torch.randint(0, vocab, (args.input_len,), generator=g).tolist()}
-        for _ in range(args.num_prompts)
-    ]
+    prompts = random_prompts(llm.engine.model_config.vocab_size, args.num_prompts, args.input_len)
     prefill = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     scoring = SamplingParams(max_tokens=0, prompt_logprobs=args.prompt_logprobs)
     for params in (prefill, scoring):  # warm-up: Triton compiles, allocator
@@ -143,10 +139,7 @@ def main() -> None:
     }
     if torch.cuda.is_available():
         report["kernel"] = kernel_times(llm, args.max_num_batched_tokens)
-    print(json.dumps(report, indent=2))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2)
+    publish(report, args.output_json)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import signal
 import ssl
 import subprocess
 import sys
+from dataclasses import fields
 
 import httpx
 import pytest
@@ -19,7 +20,7 @@ from fastapi.testclient import TestClient
 
 from tandem import LLM, SamplingParams
 from tandem.async_llm import AsyncLLM
-from tandem.cli import build_parser, main
+from tandem.cli import build_parser, main, server_options
 from tandem.server.app import build_app
 from tandem.server.lifecycle import uvicorn_config
 from tandem.server.options import ServerOptions
@@ -352,3 +353,12 @@ def test_a_template_that_loops_over_parts_gets_parts_as_transformers_gives_them(
     with client_of(llm, chat_template=PARTS_TEMPLATE) as client:
         tokens = client.post("/tokenize", json={"messages": PARTS}).json()["tokens"]
     assert tokens == Tokenizer.from_dir(folder).encode(want, add_special_tokens=False)
+
+
+def test_every_server_option_is_a_serve_flag_with_its_default(folder):
+    args = build_parser().parse_args(["serve", folder])
+    assert {f.name for f in fields(ServerOptions)} <= set(vars(args))
+    assert server_options(args, ()) == ServerOptions()
+    flags = ["serve", folder, "--drain-timeout", "5", "--allowed-origins", '["https://a"]']
+    options = server_options(build_parser().parse_args(flags), ())
+    assert (options.drain_timeout_s, options.allowed_origins) == (5.0, ("https://a",))

@@ -24,6 +24,7 @@ from tandem.reasoning import PARSERS as REASONING_PARSERS
 if TYPE_CHECKING:
     from tandem.profiler import Timeline
     from tandem.sampling import SamplingParams
+    from tandem.server.options import ServerOptions
 
 ENGINE_ARGS = {f.name for f in fields(EngineConfig)} - {"model"}
 
@@ -409,7 +410,6 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     from tandem.async_llm import AsyncLLM
     from tandem.server.lifecycle import serve
-    from tandem.server.options import ServerOptions
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port}: a port is in 0-65535")
@@ -417,40 +417,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     adapters = lora_modules(args.lora_modules, args.enable_lora)
     if args.data_parallel_size > 1 and adapters:
         raise ValueError("--lora-modules is served by one engine (--data-parallel-size 1)")
-    options = ServerOptions(
-        api_key=tuple(args.api_key) if args.api_key else None,
-        max_request_bytes=args.max_request_bytes,
-        max_sequences_per_request=args.max_sequences_per_request,
-        max_stop_strings=args.max_stop_strings,
-        max_stop_string_length=args.max_stop_string_length,
-        health_stall_timeout_s=args.health_stall_timeout,
-        drain_timeout_s=args.drain_timeout,
-        access_log=args.access_log,
-        tool_call_parser=args.tool_call_parser,
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
-        lora_modules=adapters,
-        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-        chat_template=args.chat_template,
-        trust_request_chat_template=args.trust_request_chat_template,
-        response_role=args.response_role,
-        default_chat_template_kwargs=args.default_chat_template_kwargs,
-        chat_template_content_format=args.chat_template_content_format,
-        allowed_origins=tuple(args.allowed_origins),
-        allowed_methods=tuple(args.allowed_methods),
-        allowed_headers=tuple(args.allowed_headers),
-        allow_credentials=args.allow_credentials,
-        root_path=args.root_path,
-        disable_fastapi_docs=args.disable_fastapi_docs,
-        ssl_keyfile=args.ssl_keyfile,
-        ssl_certfile=args.ssl_certfile,
-        ssl_ca_certs=args.ssl_ca_certs,
-        ssl_cert_reqs=args.ssl_cert_reqs,
-        uvicorn_log_level=args.uvicorn_log_level,
-        enable_log_requests=args.enable_log_requests,
-        max_log_len=args.max_log_len,
-        enable_force_include_usage=args.enable_force_include_usage,
-        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-    )
+    options = server_options(args, adapters)
     options.validate()
     if args.data_parallel_size > 1 and options.one_server_only():
         flags = ", ".join(options.one_server_only())
@@ -471,6 +438,16 @@ def cmd_serve(args: argparse.Namespace) -> None:
     llm = AsyncLLM.from_model(args.model, **engine_kwargs(args))
     if serve(llm, args.served_model_name or args.model, args.host, args.port, options):
         sys.exit(f"tandem: error: the engine failed ({llm.failure!r}); the server stopped")
+
+
+def server_options(args: argparse.Namespace, adapters: tuple) -> ServerOptions:
+    """The serve flags as ServerOptions: each field from the flag of its name (a list as a
+    tuple), the LoRA modules as read."""
+    from tandem.server.options import ServerOptions
+
+    given = {f.name: getattr(args, f.name) for f in fields(ServerOptions) if hasattr(args, f.name)}
+    given = {name: tuple(v) if isinstance(v, list) else v for name, v in given.items()}
+    return ServerOptions(**{**given, "lora_modules": adapters})
 
 
 def lora_modules(specs: list[str] | None, enable_lora: bool) -> tuple:
@@ -551,6 +528,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--health-stall-timeout",
+        dest="health_stall_timeout_s",
         type=float,
         default=defaults.health_stall_timeout_s,
         metavar="SECONDS",
@@ -559,6 +537,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--drain-timeout",
+        dest="drain_timeout_s",
         type=float,
         default=defaults.drain_timeout_s,
         metavar="SECONDS",

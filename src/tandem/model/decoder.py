@@ -207,6 +207,7 @@ class DecoderLayer(nn.Module):
         linear=nn.Linear,  # the projections' class (quant.linear.linear_factory)
     ):
         super().__init__()
+        self.tp = tp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, rope, tp, sliding_window, linear)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -38,7 +38,6 @@ class GemmaDecoderLayer(DecoderLayer):
         linear=nn.Linear,
     ):
         super().__init__(cfg, rope, tp, sliding_window=sliding_window, linear=linear)
-        self.tp = tp
         self.self_attn.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.self_attn.logits_soft_cap = cfg.attn_logit_softcapping
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -48,7 +48,6 @@ class OlmoDecoderLayer(DecoderLayer):
         del self.input_layernorm  # OLMo norms a sublayer's output, not its input
         self.self_attn = OlmoAttention(cfg, rope, tp, sliding_window, linear)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.tp = tp
 
     def before_attention(
         self, x, residual, positions, kv_cache, slot_mapping, q_out=None, rotate=True

@@ -3,19 +3,12 @@ and queries give each row the attention of the engine's layout (the torch refere
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-# on the path only while it imports: see test_triton_gemm_bench.py
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-try:
-    import cache_layout
-finally:
-    sys.path.pop(0)
-
+from benchmark_script import import_benchmark
 from tandem.attention.torch_ref import decode_attention
+
+cache_layout = import_benchmark("cache_layout")
 
 
 def test_head_by_head_blocks_hold_the_same_attention():

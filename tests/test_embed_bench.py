@@ -4,15 +4,10 @@ reports both, each run embedding every prompt (the prefix cache reset between ru
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-# on the path only while it imports: see test_triton_gemm_bench.py
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-try:
-    import embed
-finally:
-    sys.path.pop(0)
+from benchmark_script import import_benchmark
+
+embed = import_benchmark("embed")
 
 
 def test_the_report_times_both_and_writes_its_trace(make_tiny, tmp_path):

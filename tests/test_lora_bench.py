@@ -4,15 +4,10 @@ engine with adapters naming none, and under its random adapters, and reports all
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-# on the path only while it imports: see test_triton_gemm_bench.py
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-try:
-    import lora
-finally:
-    sys.path.pop(0)
+from benchmark_script import import_benchmark
+
+lora = import_benchmark("lora")
 
 
 def test_the_report_times_all_three_and_writes_its_trace(make_tiny, tmp_path):

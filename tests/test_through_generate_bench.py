@@ -3,17 +3,11 @@ tokens; a run's chat prompts share one head, and the next run's have another."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-# on the path only while it imports: see test_triton_gemm_bench.py
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-try:
-    import through_generate
-finally:
-    sys.path.pop(0)
+from benchmark_script import import_benchmark
+
+through_generate = import_benchmark("through_generate")
 
 
 @pytest.mark.parametrize("workload", ["chat", "rollout"])

@@ -3,19 +3,12 @@ interpreter against a float64 product: the benchmark's kernels stay correct betw
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-# on the path only while it imports (it imports gemm.py beside it): a folder of scripts named
-# kernels, gemm, ... must not stand in for packages later tests import
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-try:
-    import triton_gemm
-finally:
-    sys.path.pop(0)
+from benchmark_script import import_benchmark
+
+triton_gemm = import_benchmark("triton_gemm")
 
 
 @pytest.mark.parametrize("form", ["while", "flattened", "last"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import subprocess
 import sys
@@ -27,6 +28,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tandem.model.tiny import make_tiny_model
+
+
+@pytest.fixture(autouse=True)
+def engines_given_back():
+    """On a GPU, each test's engines are collected when it ends: an engine sizes its KV cache
+    by the free memory, so one left for the collector starves the next test's."""
+    yield
+    if torch.cuda.is_available():
+        gc.collect()
 
 
 @pytest.fixture(scope="session")

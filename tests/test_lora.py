@@ -6,6 +6,7 @@ keeps each adapter's KV apart; bad input."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import shutil
 from pathlib import Path
@@ -34,6 +35,7 @@ from test_bad_input import transformers_greedy as greedy_of
 from test_hub import cache_repo
 from test_server import running
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PROMPTS = ["Hello there", "The quick brown fox jumps over", "café au lait " * 4, "Paged KV"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 JSON = {"content-type": "application/json"}
@@ -85,6 +87,17 @@ def transformers_greedy(folder: str | Path, prompt: str) -> list[int]:
     """transformers' greedy tokens of the checkpoint `folder` for `prompt`."""
     ids = Tokenizer.from_dir(Path(folder)).encode(prompt)
     return greedy_of(Path(folder), tuple(ids), GREEDY.max_tokens)
+
+
+def alone(folder: str | Path, method: str, *args, **kwargs):
+    """`method`'s answer from an engine of `folder` alone (adapters off), collected before it
+    returns: on a GPU the next engine sizes its KV cache by the free memory."""
+    llm = LLM(str(folder), max_model_len=64)
+    answer = getattr(llm, method)(*args, **kwargs)
+    llm.engine.shutdown()
+    del llm
+    gc.collect()
+    return answer
 
 
 def tokens(outputs) -> list[list[int]]:
@@ -309,13 +322,13 @@ def test_the_o_projection_takes_split_k_in_a_step_without_adapter_rows(monkeypat
     monkeypatch.setattr(splitk, "ENABLED", True)
     monkeypatch.setattr(splitk, "num_sms", lambda device: 8)
     torch.manual_seed(0)
-    model = Stub(hidden=64, q=256, kv=16, o_bias=False)
+    model = Stub(hidden=64, q=256, kv=16, o_bias=False).to(DEVICE)
     lora = LoRALayers(model, slots=2, rank=2, max_tokens=8)
     o_proj = model.layers[0].self_attn.o_proj
-    a, b = torch.randn(1, 2, 256), torch.randn(64, 1, 2)
+    a, b = torch.randn(1, 2, 256, device=DEVICE), torch.randn(64, 1, 2, device=DEVICE)
     lora.projections[(0, "o_proj")].load(1, a, b)
-    lora.select(torch.tensor([1, -1, 1], dtype=torch.int32))
-    x = torch.randn(3, 256)
+    lora.select(torch.tensor([1, -1, 1], dtype=torch.int32, device=DEVICE))
+    x = torch.randn(3, 256, device=DEVICE)
     plain = x @ o_proj.weight.T
     got = to_residual(o_proj, x, TensorParallel())
     delta = torch.stack([b[:, 0] @ (a[0] @ row) for row in x])
@@ -329,9 +342,9 @@ def test_the_o_projection_takes_split_k_in_a_step_without_adapter_rows(monkeypat
 
 def test_an_embedding_under_an_adapter_is_the_merged_model_s(lora_models):
     base, adapters = lora_models("llama")
+    theirs = alone(adapters[1][1], "embed", PROMPTS[:2], use_tqdm=False)
     llm = LLM(str(base), max_model_len=64, enable_lora=True)
     ours = llm.embed(PROMPTS[:2], use_tqdm=False, lora_request=request_of(adapters, 1))
-    theirs = LLM(str(adapters[1][1]), max_model_len=64).embed(PROMPTS[:2], use_tqdm=False)
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(
             torch.tensor(a.outputs.embedding), torch.tensor(b.outputs.embedding)
@@ -356,6 +369,9 @@ def test_async_llm_streams_under_an_adapter(lora_models):
     assert asyncio.run(main()) == transformers_greedy(str(adapters[2][1]), PROMPTS[1])
 
 
+@pytest.mark.skipif(
+    torch.cuda.device_count() == 1, reason="two ranks on CUDA need two GPUs (CPU: two processes)"
+)
 @pytest.mark.parametrize("arch", ["qwen3", "phi4_mini"])
 def test_two_ranks_give_one_rank_s_tokens_under_adapters(lora_models, arch):
     base, adapters = lora_models(arch)
@@ -499,19 +515,20 @@ def test_beam_search_and_loglikelihood_run_under_adapters(lora_models):
     """Each prompt's beams, and each pair's log-likelihood, under its adapter: those of the
     model with that adapter merged in (the merged folder, adapters off)."""
     base, adapters = lora_models("llama")
-    llm = LLM(str(base), max_model_len=64, enable_lora=True, max_loras=2)
     params = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)
+    folders = [adapters[1][1], base, adapters[2][1]]
+    wanted = [
+        alone(f, "beam_search", [p], params)[0] for f, p in zip(folders, PROMPTS, strict=False)
+    ]
+    ends = [" the end", " more"]
+    merged = alone(adapters[2][1], "loglikelihood", PROMPTS[:2], ends)
+    plain = alone(base, "loglikelihood", PROMPTS[:2], ends)
+    llm = LLM(str(base), max_model_len=64, enable_lora=True, max_loras=2)
     loras = [request_of(adapters, 1), None, request_of(adapters, 2)]
     got = llm.beam_search(PROMPTS[:3], params, lora_request=loras)
-    for out, folder, prompt in zip(
-        got, [adapters[1][1], base, adapters[2][1]], PROMPTS, strict=False
-    ):
-        [want] = LLM(str(folder), max_model_len=64).beam_search([prompt], params)
+    for out, want in zip(got, wanted, strict=True):
         assert [b.tokens for b in out.sequences] == [b.tokens for b in want.sequences]
-    ends = [" the end", " more"]
     scored = llm.loglikelihood(PROMPTS[:2], ends, lora_request=request_of(adapters, 2))
-    merged = LLM(str(adapters[2][1]), max_model_len=64).loglikelihood(PROMPTS[:2], ends)
-    plain = LLM(str(base), max_model_len=64).loglikelihood(PROMPTS[:2], ends)
     for a, b, c in zip(scored, merged, plain, strict=True):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and a.logprob != pytest.approx(
             c.logprob

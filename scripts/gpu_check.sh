@@ -7,6 +7,8 @@
 # (generations that outgrow the KV cache) run preemption_mode auto against recompute and swap
 # (SWAP_COMPARE).
 #   SKIP_TESTS=1        no tests
+#   TESTS="engine features"  those groups of GPU tests alone (engine, features, kernels, models,
+#                       multi; default all, which outrun one device call: see test_group)
 #   SKIP_KERNELS=1      no kernel benchmark
 #   REPEATS=N           timed runs per mode (default 3)
 #   TRACE_TIMED=1       the last timed run is the traced run (no run more; long's default)
@@ -78,10 +80,29 @@ workload_args() {
   esac
 }
 
+# the GPU tests by group: all of them outrun one 600 s device call (session 56, an H100:
+# test_cuda_engine.py and test_deterministic_cuda.py under 240 s; penalties through weight
+# transfer 306 s; FP8, Gluon and 67 of the 85 model tests 400 s)
+test_group() {
+  case $1 in
+    engine) echo tests/gpu/test_{cuda_engine,deterministic_cuda,penalties_cuda,prefix_cache_cuda}.py ;;
+    features) echo tests/gpu/test_{prompt_logprobs,rl,structured,swap,weight_transfer}_cuda.py \
+      tests/test_lora.py ;;
+    kernels) echo tests/gpu/test_{fp8,gluon_decode}_cuda.py tests/test_triton_attention.py \
+      tests/test_fused_ops.py tests/test_sampling_kernel.py tests/test_pdl.py tests/test_splitk.py \
+      tests/test_shared_prefix.py ;;
+    models) echo tests/gpu/test_models_cuda.py ;;
+    multi) echo tests/gpu/test_{tensor_parallel,ray}_cuda.py ;;  # two GPUs (and Ray)
+    *) return 1 ;;
+  esac
+}
 if [ -z "${SKIP_TESTS:-}" ]; then
-  python3 -m pytest -q --durations=8 tests/gpu tests/test_triton_attention.py tests/test_fused_ops.py \
-    tests/test_sampling_kernel.py tests/test_pdl.py tests/test_splitk.py tests/test_shared_prefix.py \
-    -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+  files=()
+  for group in ${TESTS:-engine features kernels models multi}; do
+    files+=($(test_group "$group")) || echo "unknown test group $group"
+  done
+  python3 -m pytest -q --durations=8 "${files[@]}" -p no:cacheprovider 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -8
 fi
 if [ -z "${SKIP_KERNELS:-}" ]; then
   sweeps=$(case ${SWEEP:-} in "") ;; 1) echo --sweep-decode --sweep-prefill --sweep-sampler ;;

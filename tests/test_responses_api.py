@@ -190,6 +190,32 @@ def test_a_json_schema_text_format_is_the_chat_s_response_format(client):
     assert response.output_text.lstrip().startswith("{")  # the grammar's first token
 
 
+def test_included_logprobs_are_the_chat_s_in_a_response_and_its_events(client):
+    """include message.output_text.logprobs: the text part's logprobs are the chat's logprobs
+    for the same messages (top_logprobs its top_logprobs); a stream's text deltas carry each
+    its own, which join to the same list in the done event and the final response."""
+    fields = {"model": "tiny", "input": "Name a cache.", **GREEDY}
+    asked = {"include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    response = client.responses.create(**fields, **asked)
+    want = chat(client, [{"role": "user", "content": "Name a cache."}], logprobs=True,
+                top_logprobs=2)  # fmt: skip
+    [part] = response.output[0].content
+    entries = [entry.model_dump() for entry in want.choices[0].logprobs.content]
+    assert [entry.model_dump() for entry in part.logprobs] == entries
+    assert len(entries) == response.usage.output_tokens and response.top_logprobs == 2
+    assert all(len(entry["top_logprobs"]) == 2 for entry in entries)
+    assert client.responses.create(**fields).output[0].content[0].logprobs == []  # not asked
+    events = list(client.responses.create(stream=True, **fields, **asked))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    # a token whose text the detokenizer holds back (part of a character) comes with the next
+    assert [lp.model_dump() for e in deltas for lp in e.logprobs] == entries
+    assert all(e.logprobs for e in deltas) and len(deltas) < len(entries)
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    assert [lp.model_dump() for lp in done.logprobs] == entries
+    final = events[-1].response.output[0].content[0]
+    assert [lp.model_dump() for lp in final.logprobs] == entries
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
@@ -205,6 +231,8 @@ def test_a_json_schema_text_format_is_the_chat_s_response_format(client):
         ({"logprobs": True}, "logprobs"),
         ({"seed": "x"}, "seed"),  # a chat option taken, its value checked by the chat request
         ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": -1}, "top_logprobs"),
         ({"max_output_tokens": 0}, "max_output_tokens"),  # the chat's error, by this name
         ({"reasoning": {"effort": "sometimes"}}, "reasoning.effort"),
         ({"input": [{"role": "robot", "content": "x"}]}, "input.0.role"),
@@ -280,6 +308,39 @@ def test_stream_events_open_and_close_items_in_order():
         2,
         3,
     ]
+
+
+def test_a_stream_s_logprobs_go_with_the_text_that_follows_them():
+    """Logprobs of a thinking chunk go to no event; those of a chunk without text (a character
+    held back) go with the next text delta; those of text-less chunks at the end close the text
+    part."""
+
+    def chunk(tokens, **delta):
+        logprobs = {"content": [{"token": t, "logprob": -1.0, "bytes": [], "top_logprobs": []}
+                                for t in tokens]}  # fmt: skip
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs}
+        return f"data: {json.dumps({'choices': [choice]})}\n\n"
+
+    async def chunks():
+        yield chunk(["<think>", "hm"], reasoning="hm")
+        yield chunk(["\xe2"], content="")
+        yield chunk(["\x82\xac"], content="€")
+        yield chunk(["!"], content="!")
+        yield chunk(["</s>"], content="")
+
+    events = StreamEvents({"id": "resp_x", "output": []}, None, None, [])
+
+    async def collect():
+        return [json.loads(e.split("data: ", 1)[1]) async for e in events.run(chunks())]
+
+    got = asyncio.run(collect())
+    deltas = [e for e in got if e["type"] == "response.output_text.delta"]
+    assert [[lp["token"] for lp in e["logprobs"]] for e in deltas] == [["\xe2", "\x82\xac"], ["!"]]
+    [done] = [e for e in got if e["type"] == "response.output_text.done"]
+    tokens = ["\xe2", "\x82\xac", "!", "</s>"]
+    assert [lp["token"] for lp in done["logprobs"]] == tokens
+    part = got[-1]["response"]["output"][1]["content"][0]
+    assert (part["text"], [lp["token"] for lp in part["logprobs"]]) == ("€!", tokens)
 
 
 def test_a_chat_stream_s_error_event_fails_the_response():

@@ -157,7 +157,7 @@ def test_json_object_allows_objects_only(folder):
     """OpenAI's json_object is an object, not any JSON value: checked on the matcher itself
     (random weights write endless keys), then on the engine's first tokens."""
     llm = LLM(folder, max_model_len=512)
-    grammars = llm.engine.grammars()
+    grammars = llm.engine.admission.grammars()
     compiled = grammars.compile(StructuredOutputsParams(json_object=True))
     encode = llm.engine.tokenizer.encode
     for text, accepted in (('{"a": [1, true]}', True), ("[1]", False), ('"a"', False)):
@@ -275,7 +275,7 @@ def test_json_strings_take_no_raw_control_bytes(folder, any_whitespace):
     them. The masks of JSON constraints are ANDed with the tokens free of them: checked inside
     such a string, against xgrammar's own mask (which does allow some)."""
     llm = LLM(folder, max_model_len=512)
-    grammars, tokenizer = llm.engine.grammars(), llm.engine.tokenizer
+    grammars, tokenizer = llm.engine.admission.grammars(), llm.engine.tokenizer
     schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 8}},
               "required": ["s"]}  # fmt: skip
     constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=not any_whitespace)

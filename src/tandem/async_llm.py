@@ -252,7 +252,7 @@ class AsyncLLM:
         return stream
 
     def _compile(self, params: SamplingParams) -> None:
-        self.engine.grammars().compile(params.structured_outputs)
+        self.engine.admission.grammars().compile(params.structured_outputs)
 
     async def generate(
         self,

@@ -24,13 +24,16 @@ def finished(base: dict[str, Any], output: list[dict[str, Any]], reason: str | N
     return response
 
 
-def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """A chat answer's message as output items: its reasoning, its text, its tool calls."""
+def output_items(
+    message: dict[str, Any], logprobs: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """A chat answer's message as output items: its reasoning, its text (with `logprobs`, the
+    chat's logprobs.content, where asked for), its tool calls."""
     items = []
     if message.get("reasoning"):
         items.append(reasoning_item(new_id("rs"), message["reasoning"]))
     if message.get("content"):
-        items.append(message_item(new_id("msg"), message["content"], "completed"))
+        items.append(message_item(new_id("msg"), message["content"], "completed", logprobs))
     for call in message.get("tool_calls") or ():
         function = call["function"]
         items.append(
@@ -50,8 +53,10 @@ def reasoning_item(item_id: str, text: str) -> dict[str, Any]:
     return {"type": "reasoning", "id": item_id, "summary": [], "content": content}
 
 
-def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
-    content = [] if text is None else [output_text(text)]
+def message_item(
+    item_id: str, text: str | None, status: str, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    content = [] if text is None else [output_text(text, logprobs)]
     return {
         "type": "message",
         "id": item_id,
@@ -61,8 +66,9 @@ def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     }
 
 
-def output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A text part; `logprobs` as the chat gives them (token, logprob, bytes, top_logprobs)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
@@ -126,6 +132,9 @@ class StreamEvents:
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item deltas go to
         self.open_text = ""  # the open reasoning or message item's text so far
+        self.open_logprobs: list[dict[str, Any]] = []  # the open message's text's, where asked
+        # logprobs of chunks without text (a character's bytes held back): the next text's
+        self.pending_logprobs: list[dict[str, Any]] = []
         self.calls: dict[int, dict[str, Any]] = {}  # a tool call's index -> its item
         self.reason: str | None = None  # the choice's finish reason
         self.reasoning = ""  # the answer's thinking so far (its tokens counted at the end)
@@ -160,7 +169,8 @@ class StreamEvents:
             self.chat_usage = chunk["usage"]
         for choice in chunk.get("choices", ()):
             self.reasoning += choice["delta"].get("reasoning") or ""
-            events += self.feed(choice["delta"])
+            logprobs = (choice.get("logprobs") or {}).get("content") or []
+            events += self.feed(choice["delta"], logprobs)
             self.reason = choice.get("finish_reason") or self.reason
         return events
 
@@ -175,6 +185,8 @@ class StreamEvents:
 
     def finish(self) -> list[str]:
         """The last items' done events, then the response's: completed, or incomplete."""
+        if self.open is not None and self.open["type"] == "message":  # tokens of no text last
+            self.open_logprobs += self.pending_logprobs
         events = self.close()
         response = finished(self.base, self.output, self.reason)
         if self.chat_usage is not None:
@@ -185,14 +197,19 @@ class StreamEvents:
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         return [*events, self.event(kind, response=response)]
 
-    def feed(self, delta: dict[str, Any]) -> list[str]:
+    def feed(self, delta: dict[str, Any], logprobs: list[dict[str, Any]]) -> list[str]:
         events = []
-        if delta.get("reasoning"):
+        if delta.get("reasoning"):  # thinking: its tokens' logprobs go to no event
+            self.pending_logprobs = []
             events += self.open_item("reasoning")
             events.append(self.text_delta("response.reasoning_text.delta", delta["reasoning"]))
+        elif not delta.get("content"):
+            self.pending_logprobs += logprobs
         if delta.get("content"):
             events += self.open_item("message")
-            events.append(self.text_delta("response.output_text.delta", delta["content"]))
+            logprobs, self.pending_logprobs = self.pending_logprobs + logprobs, []
+            self.open_logprobs += logprobs
+            events.append(self.text_delta("response.output_text.delta", delta["content"], logprobs))
         for call in delta.get("tool_calls") or ():
             events += self.call_delta(call)
         return events
@@ -206,7 +223,7 @@ class StreamEvents:
             item = reasoning_item(new_id("rs"), "")
         else:
             item = message_item(new_id("msg"), None, "in_progress")
-        self.open, self.open_text = item, ""
+        self.open, self.open_text, self.open_logprobs = item, "", []
         events.append(
             self.event("response.output_item.added", output_index=len(self.output), item=item)
         )
@@ -215,11 +232,11 @@ class StreamEvents:
             events.append(self.event("response.content_part.added", **place, part=output_text("")))
         return events
 
-    def text_delta(self, kind: str, text: str) -> str:
+    def text_delta(self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> str:
         self.open_text += text
         place = {"item_id": self.open["id"], "output_index": len(self.output), "content_index": 0}
-        logprobs = {"logprobs": []} if kind == "response.output_text.delta" else {}
-        return self.event(kind, **place, delta=text, **logprobs)
+        fields = {} if logprobs is None else {"logprobs": logprobs}  # output_text's alone
+        return self.event(kind, **place, delta=text, **fields)
 
     def call_delta(self, call: dict[str, Any]) -> list[str]:
         events = []
@@ -253,10 +270,15 @@ class StreamEvents:
                 self.event("response.reasoning_text.done", **place, content_index=0, text=text)
             ]
         elif item["type"] == "message":
-            item.update(message_item(item["id"], text, "completed"))
+            logprobs = self.open_logprobs
+            item.update(message_item(item["id"], text, "completed", logprobs))
             events = [
                 self.event(
-                    "response.output_text.done", **place, content_index=0, text=text, logprobs=[]
+                    "response.output_text.done",
+                    **place,
+                    content_index=0,
+                    text=text,
+                    logprobs=logprobs,
                 ),
                 self.event(
                     "response.content_part.done", **place, content_index=0, part=item["content"][0]

@@ -11,7 +11,10 @@ Input items: text, messages (text content parts), `function_call` and `function_
 templates leave past thinking out. Tools are function tools (the function's fields at the top
 level); `text.format` is the chat's `response_format`, `reasoning.effort` its
 `reasoning_effort`, `max_output_tokens` its `max_completion_tokens`; the chat request's
-sampling and template options (top_k, seed, ...: CHAT_FIELDS) pass to it as they are. With
+sampling and template options (top_k, seed, ...: CHAT_FIELDS) pass to it as they are.
+`include=["message.output_text.logprobs"]` (with `top_logprobs`, 0-20) gives the text part the
+chat's logprobs: every generated token's in a response, each chunk's on its text delta event
+in a stream (a reasoning model's thinking chunks give theirs to none). With
 `store` (the default), a response and its turn are kept in this server's memory (MAX_STORED
 of them, the least recently used dropped first), for GET /v1/responses/{id} and for a later
 request's `previous_response_id` to continue its conversation.
@@ -27,7 +30,7 @@ from typing import Any, Literal
 
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.server.protocol import ChatCompletionRequest, OpenAIError, Text, validated
 from tandem.server.response_output import (
@@ -41,6 +44,7 @@ from tandem.server.response_output import (
 from tandem.server.serving import OpenAIServing
 
 MAX_STORED = 1000  # responses kept for previous_response_id, the oldest dropped first
+LOGPROBS = "message.output_text.logprobs"  # the one `include` value served
 LABELS = ("user", "safety_identifier", "prompt_cache_key", "service_tier")  # echoed, no effect
 # fields of vLLM's chat request a response request may add (its sampling and template
 # options): the chat request takes them as they are; any other field is a 400
@@ -85,6 +89,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[Text, Text] | None = None
     background: bool | None = None
     include: list[str] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     truncation: Literal["disabled"] | None = None
     user: Text | None = None  # LABELS: echoed in the response
     safety_identifier: Text | None = None
@@ -163,7 +168,8 @@ async def create(
         return answer
     completion = json.loads(answer.body)
     [choice] = completion["choices"]
-    response = finished(base, output_items(choice["message"]), choice["finish_reason"])
+    logprobs = (choice.get("logprobs") or {}).get("content") or []
+    response = finished(base, output_items(choice["message"], logprobs), choice["finish_reason"])
     response["usage"] = usage(completion["usage"], choice["message"], serving)
     if body.store:
         store.put(response, [*inputs, assistant_message(response["output"])])
@@ -188,8 +194,9 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
             )
     if body.background:
         raise OpenAIError("background responses are not supported", param="background")
-    if body.include:
-        raise OpenAIError(f"include {body.include} is not supported", param="include")
+    others = [value for value in body.include or () if value != LOGPROBS]
+    if others:
+        raise OpenAIError(f"include {others} is not supported (only {LOGPROBS!r})", param="include")
     for i, tool in enumerate(body.tools or ()):
         if tool.get("type") != "function":
             raise OpenAIError(
@@ -252,6 +259,8 @@ def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> Chat
     chat |= {"model": body.model, "messages": messages, "stream": bool(body.stream)}
     if body.stream:
         chat["stream_options"] = {"include_usage": True}
+    if LOGPROBS in (body.include or ()):
+        chat |= {"logprobs": True, "top_logprobs": body.top_logprobs or 0}
     for name, value in (
         ("max_completion_tokens", body.max_output_tokens),
         ("temperature", body.temperature),
@@ -313,6 +322,7 @@ def response_base(response_id: str, body: ResponsesRequest, model: str) -> dict[
         "tool_choice": body.tool_choice or "auto",
         "tools": body.tools or [],
         "top_p": body.top_p,
+        "top_logprobs": body.top_logprobs,
         "truncation": "disabled",
         "usage": None,
         "metadata": body.metadata or {},

@@ -330,7 +330,7 @@ class OpenAIServing:
         """400 for what this server does not implement, or what passes its limits."""
         check_supported(body)
         try:
-            self.llm.engine.check_priority(body.priority)
+            self.llm.engine.admission.check_priority(body.priority)
         except ValueError as error:  # a priority under fcfs
             raise OpenAIError(str(error), param="priority") from error
         if body.stream_options is not None and not body.stream:

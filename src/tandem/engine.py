@@ -22,7 +22,7 @@ from tandem.batch import BatchBuilder, StepBatch
 from tandem.batch_invariant import invariant_attention, make_batch_invariant
 from tandem.config import EngineConfig, ModelConfig, cdiv
 from tandem.kv_cache import BlockAllocator, allocate_kv_cache, bytes_per_block
-from tandem.lora import AdapterCache, AdapterSlots, LoRARequest, read_adapter
+from tandem.lora import AdapterCache, AdapterSlots, read_adapter
 from tandem.memory import num_kv_blocks
 from tandem.metrics import EngineStats, RequestCounts, StatLogger
 from tandem.model.loader import build_model, read_hf_config
@@ -35,8 +35,8 @@ from tandem.parallel import (
     leave_process_group,
     rank0_check,
 )
-from tandem.pooling import PoolingParams, pooling_refusal
 from tandem.pooling import has_rows as has_pooled_rows
+from tandem.pooling import pooling_refusal
 from tandem.pooling import store as store_embeddings
 from tandem.profiler import NoTimeline, Timeline
 from tandem.prompt_logprobs import has_rows as has_prompt_logprob_rows
@@ -376,26 +376,12 @@ class Engine:
             self._finish(request, "length")
             self.finished_unscheduled.append(request)
 
-    def make_request(
-        self,
-        request_id: str,
-        params: SamplingParams,
-        prompt: str | None = None,
-        prompt_token_ids: list[int] | None = None,
-        stream_text: bool = False,
-        cache_salt: str | None = None,
-        pooling: PoolingParams | None = None,
-        lora_request: LoRARequest | None = None,
-        priority: int = 0,
-    ) -> Request:
+    def make_request(self, request_id: str, params: SamplingParams, *args, **kwargs) -> Request:
         """A checked Request under an id no other request holds, not yet queued (`enqueue`);
-        the arguments are `Admission.request`'s."""
+        the other arguments are `Admission.request`'s (prompt or its ids, cache_salt, ...)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        return self.admission.request(
-            request_id, params, prompt, prompt_token_ids, stream_text, cache_salt, pooling,
-            lora_request, priority,
-        )  # fmt: skip
+        return self.admission.request(request_id, params, *args, **kwargs)
 
     def abort(self, request_id: str) -> None:
         if self.workers is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -216,11 +217,63 @@ def test_included_logprobs_are_the_chat_s_in_a_response_and_its_events(client):
     assert [lp.model_dump() for lp in final.logprobs] == entries
 
 
+def wait_until_ended(client, response_id, seconds=60.0):
+    deadline = time.monotonic() + seconds
+    while (response := client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, f"{response_id} still {response.status}"
+        time.sleep(0.05)
+    return response
+
+
+def test_a_background_response_is_queued_then_stored_as_it_ends(client):
+    fields = {"model": "tiny", "input": "Name a cache.", "instructions": "Be terse.", **GREEDY}
+    whole = client.responses.create(**fields)
+    queued = client.responses.create(background=True, **fields)
+    assert queued.background and queued.status in ("queued", "in_progress")
+    ended = wait_until_ended(client, queued.id)
+    assert (ended.status, ended.output_text) == (whole.status, whole.output_text)
+    assert ended.usage.output_tokens == whole.usage.output_tokens and ended.background
+    follow = client.responses.create(
+        model="tiny", input="Another?", previous_response_id=queued.id, **GREEDY
+    )
+    again = client.responses.create(
+        model="tiny", input="Another?", previous_response_id=whole.id, **GREEDY
+    )
+    assert follow.output_text == again.output_text  # its stored turn, as a foreground one's
+    with pytest.raises(openai.BadRequestError, match="already ended"):
+        client.responses.cancel(queued.id)
+    with pytest.raises(openai.BadRequestError, match="not a background response"):
+        client.responses.cancel(whole.id)
+
+
+def test_a_cancelled_background_response_aborts_its_generation(client, url):
+    long = {"model": "tiny", "input": "Go on.", "max_output_tokens": 200, "temperature": 0.0}
+    long["extra_body"] = {"ignore_eos": True, "min_tokens": 200}
+    running = client.responses.create(background=True, **long)
+    with pytest.raises(openai.BadRequestError, match="still"):
+        client.responses.create(model="tiny", input="x", previous_response_id=running.id)
+    cancelled = client.responses.cancel(running.id)
+    assert cancelled.status == "cancelled"
+    assert client.responses.retrieve(running.id).status == "cancelled"
+    assert client.responses.cancel(running.id).status == "cancelled"  # the same again
+    gone = client.responses.create(background=True, **long)
+    client.responses.delete(gone.id)  # deleting one ends its generation too
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(gone.id)
+    deadline = time.monotonic() + 30  # both generations aborted: nothing runs on
+    while "tandem_num_requests_running 0.0" not in httpx.get(f"{url}/metrics").text:
+        assert time.monotonic() < deadline, "a cancelled response's generation still runs"
+        time.sleep(0.05)
+    assert client.responses.create(model="tiny", input="x", **GREEDY).status  # serves on
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
         ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
-        ({"background": True}, "background"),
+        ({"background": True, "store": False}, "store"),
+        ({"background": True, "stream": True}, "stream"),
+        ({"background": True, "top_k": "x"}, "top_k"),  # checked before it is queued
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
          "input.0.content.0"),
         ({"input": [{"type": "file_search_call", "id": "x"}]}, "input.0"),
@@ -249,6 +302,18 @@ def test_what_is_not_supported_is_a_400_naming_it(url, fields, param):
     assert answer.json()["error"]["param"] == param
     ok = {"model": "tiny", "input": "x", "max_output_tokens": 2}
     assert httpx.post(f"{url}/v1/responses", json=ok, timeout=60).status_code == 200
+
+
+def test_the_owner_of_a_request_is_the_store_its_response_id_names():
+    """Under --data-parallel-size the ingress sends a request that reads a stored response
+    to the replica whose tag the id carries."""
+    body = json.dumps({"previous_response_id": "resp_r1_abc"}).encode()
+    assert responses.owner("POST", "/v1/responses", body) == "r1"
+    assert responses.owner("GET", "/v1/responses/resp_r2_abc", b"") == "r2"
+    assert responses.owner("DELETE", "/v1/responses/resp_r2_abc", b"") == "r2"
+    assert responses.owner("POST", "/v1/responses/resp_r3_abc/cancel", b"") == "r3"
+    assert responses.owner("POST", "/v1/responses", b"{}") is None
+    assert responses.owner("POST", "/v1/chat/completions", body) is None
 
 
 def test_stream_events_open_and_close_items_in_order():

@@ -130,6 +130,10 @@ def build_app(
     async def get_response(response_id: str) -> dict[str, Any]:
         return stored.get(response_id)
 
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> dict[str, Any]:
+        return await stored.cancel(response_id)
+
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict[str, Any]:
         stored.delete(response_id)

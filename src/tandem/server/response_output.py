@@ -139,6 +139,7 @@ class StreamEvents:
         self.reason: str | None = None  # the choice's finish reason
         self.reasoning = ""  # the answer's thinking so far (its tokens counted at the end)
         self.chat_usage: dict[str, Any] | None = None
+        self.response: dict[str, Any] | None = None  # the final response, once it ended
 
     def event(self, kind: str, **fields: Any) -> str:
         self.number += 1
@@ -176,6 +177,7 @@ class StreamEvents:
 
     def failed(self, error: dict[str, Any]) -> list[str]:
         response = {**self.base, "status": "failed", "output": self.output, "error": error}
+        self.response = response
         return [
             *self.close(),
             # OpenAI's error event: its type is "error", the error's own type left out
@@ -194,6 +196,7 @@ class StreamEvents:
             response["usage"] = usage(self.chat_usage, message, self.serving)
         if self.store is not None:
             self.store.put(response, [*self.inputs, assistant_message(self.output)])
+        self.response = response
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         return [*events, self.event(kind, response=response)]
 

@@ -17,11 +17,16 @@ chat's logprobs: every generated token's in a response, each chunk's on its text
 in a stream (a reasoning model's thinking chunks give theirs to none). With
 `store` (the default), a response and its turn are kept in this server's memory (MAX_STORED
 of them, the least recently used dropped first), for GET /v1/responses/{id} and for a later
-request's `previous_response_id` to continue its conversation.
+request's `previous_response_id` to continue its conversation. With `background` (and `store`)
+the request is answered at once, queued, while a task of this server runs the chat stream and
+stores the response as it ends: GET reads it in progress and then ended, POST
+/v1/responses/{id}/cancel (or DELETE) ends it early, the generation aborted (`run_in_background`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -45,6 +50,7 @@ from tandem.server.serving import OpenAIServing
 
 MAX_STORED = 1000  # responses kept for previous_response_id, the oldest dropped first
 LOGPROBS = "message.output_text.logprobs"  # the one `include` value served
+RUNNING = ("queued", "in_progress")  # a background response's states before it ends
 LABELS = ("user", "safety_identifier", "prompt_cache_key", "service_tier")  # echoed, no effect
 # fields of vLLM's chat request a response request may add (its sampling and template
 # options): the chat request takes them as they are; any other field is a 400
@@ -110,6 +116,7 @@ class ResponseStore:
         self.responses: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = (
             OrderedDict()
         )
+        self.running: dict[str, asyncio.Task] = {}  # background responses still generating
 
     def new_id(self) -> str:
         return f"resp_{self.tag}_{uuid.uuid4().hex}" if self.tag else new_id("resp")
@@ -137,6 +144,12 @@ class ResponseStore:
         turns = []
         while response_id is not None:
             response = self.get(response_id)
+            if response.get("status") in RUNNING:
+                raise OpenAIError(
+                    f"response {response_id!r} is still {response['status']}: wait until it "
+                    "ends (GET /v1/responses/{id}) or cancel it",
+                    param="previous_response_id",
+                )
             turns.append(self.responses[response_id][1])
             response_id = response["previous_response_id"]
         return [message for turn in reversed(turns) for message in turn]
@@ -144,6 +157,32 @@ class ResponseStore:
     def delete(self, response_id: str) -> None:
         self.get(response_id)
         del self.responses[response_id]
+        task = self.running.pop(response_id, None)
+        if task is not None:  # a background response: its generation ends with it
+            task.cancel()
+
+    async def cancel(self, response_id: str) -> dict[str, Any]:
+        """POST /v1/responses/{id}/cancel: a background response ended where it is, its
+        generation aborted; once cancelled, the same again."""
+        response = self.get(response_id)
+        if not response.get("background"):
+            raise OpenAIError(
+                f"response {response_id!r} is not a background response: only those can be "
+                "cancelled",
+                param="response_id",
+            )
+        task = self.running.get(response_id)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        response = self.get(response_id)
+        if response["status"] != "cancelled":
+            raise OpenAIError(
+                f"response {response_id!r} has already ended ({response['status']})",
+                param="response_id",
+            )
+        return response
 
 
 async def create(
@@ -153,13 +192,19 @@ async def create(
     refuse_unsupported(body)
     history = store.conversation(body.previous_response_id) if body.previous_response_id else []
     inputs = input_messages(body.input)
+    messages = [*instructions(body), *history, *inputs]
+    base = response_base(store.new_id(), body, serving.answered_name(body.model))
     try:
-        chat = chat_request(body, [*instructions(body), *history, *inputs])
+        chat = chat_request(body, messages, stream=bool(body.stream or body.background))
+        if body.background:
+            run = run_in_background(serving, store, base, inputs, chat, http)
+            store.running[base["id"]] = asyncio.ensure_future(run)
+            store.put({**base, "status": "queued"}, inputs)
+            return JSONResponse(store.get(base["id"]))
         answer = await serving.chat(chat, http)
     except OpenAIError as error:  # the chat request's field, by this request's name
         error.param = renamed(error.param)
         raise
-    base = response_base(store.new_id(), body, serving.answered_name(body.model))
     if isinstance(answer, StreamingResponse):
         events = StreamEvents(base, serving, store if body.store else None, inputs)
         stream = events.run(answer.body_iterator)
@@ -174,6 +219,41 @@ async def create(
     if body.store:
         store.put(response, [*inputs, assistant_message(response["output"])])
     return JSONResponse(response)
+
+
+async def run_in_background(
+    serving: OpenAIServing,
+    store: ResponseStore,
+    base: dict[str, Any],
+    inputs: list[dict[str, Any]],
+    chat: ChatCompletionRequest,
+    http: HttpRequest,
+) -> None:
+    """A background response: the chat stream read to its end (no client reads its events),
+    the response stored in progress, then as it ended: completed, incomplete, failed, or
+    cancelled (the task cancelled: the stream closed, which aborts the generation)."""
+    response_id = base["id"]
+    events = StreamEvents({**base, "status": "in_progress"}, serving, None, inputs)
+    try:
+        store.put(events.base, inputs)
+        answer = await serving.chat(chat, http)
+        if not isinstance(answer, StreamingResponse):  # an error answered before generating
+            response = {**base, "status": "failed", "error": json.loads(answer.body)["error"]}
+        else:
+            async for _ in events.run(answer.body_iterator):
+                pass
+            response = events.response
+    except OpenAIError as error:
+        response = {**base, "status": "failed", "error": error.body()["error"]}
+    except asyncio.CancelledError:
+        if response_id in store.responses:  # cancelled, not deleted
+            cancelled = {**base, "status": "cancelled", "output": events.output}
+            store.put(cancelled, [*inputs, assistant_message(events.output)])
+        raise
+    finally:
+        store.running.pop(response_id, None)
+    if response_id in store.responses:
+        store.put(response, [*inputs, assistant_message(response["output"])])
 
 
 def renamed(param: str | None) -> str | None:
@@ -192,8 +272,13 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
                 f"takes: {', '.join(sorted(CHAT_FIELDS))})",
                 param=name,
             )
-    if body.background:
-        raise OpenAIError("background responses are not supported", param="background")
+    if body.background and body.store is False:
+        raise OpenAIError("a background response must be stored: store=false", param="store")
+    if body.background and body.stream:
+        raise OpenAIError(
+            "background responses are not streamed here: create it, then GET it",
+            param="stream",
+        )
     others = [value for value in body.include or () if value != LOGPROBS]
     if others:
         raise OpenAIError(f"include {others} is not supported (only {LOGPROBS!r})", param="include")
@@ -253,11 +338,13 @@ def message_text(item: dict[str, Any], index: int) -> Any:
     return parts
 
 
-def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
-    """The chat request that answers `body`, its messages given."""
+def chat_request(
+    body: ResponsesRequest, messages: list[dict[str, Any]], stream: bool
+) -> ChatCompletionRequest:
+    """The chat request that answers `body`, its messages given; `stream`: as chunks."""
     chat: dict[str, Any] = dict(body.model_extra or {})
-    chat |= {"model": body.model, "messages": messages, "stream": bool(body.stream)}
-    if body.stream:
+    chat |= {"model": body.model, "messages": messages, "stream": stream}
+    if stream:
         chat["stream_options"] = {"include_usage": True}
     if LOGPROBS in (body.include or ()):
         chat |= {"logprobs": True, "top_logprobs": body.top_logprobs or 0}
@@ -307,6 +394,7 @@ def response_base(response_id: str, body: ResponsesRequest, model: str) -> dict[
         "object": "response",
         "created_at": int(time.time()),
         "status": "in_progress",
+        "background": bool(body.background),
         "error": None,
         "incomplete_details": None,
         "instructions": body.instructions,
@@ -332,9 +420,11 @@ def response_base(response_id: str, body: ResponsesRequest, model: str) -> dict[
 
 def owner(method: str, path: str, body: bytes) -> str | None:
     """The tag of the store that holds the response a request reads: a new response's
-    previous_response_id, or the one GET or DELETE name; None for any other request."""
+    previous_response_id, or the one GET, DELETE or a cancel name; None for any other request."""
     if path.startswith("/v1/responses/") and method in ("GET", "DELETE"):
         response_id = path.removeprefix("/v1/responses/")
+    elif path.startswith("/v1/responses/") and path.endswith("/cancel") and method == "POST":
+        response_id = path.removeprefix("/v1/responses/").removesuffix("/cancel")
     elif path == "/v1/responses" and method == "POST":
         try:
             request = json.loads(body)

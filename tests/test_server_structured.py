@@ -240,6 +240,26 @@ def test_response_format_json_object_gives_a_json_object(client, folder):
     assert all(isinstance(o, dict) for o in objects) and any(objects)  # not only {}
 
 
+def test_response_format_structural_tag_is_followed_in_either_form(client):
+    """vLLM's structural_tag response format: xgrammar's format (a tag around a constant, so
+    the whole output is known), and the older structures and triggers."""
+    tag = {"type": "tag", "begin": "<f>", "content": {"type": "const_string", "value": "ok"},
+           "end": "</f>"}  # fmt: skip
+    response = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=20, temperature=1.0, seed=0,
+        response_format={"type": "structural_tag", "format": tag},
+    )  # fmt: skip
+    choice = response.choices[0]
+    assert (choice.message.content, choice.finish_reason) == ("<f>ok</f>", "stop")
+    older = {"type": "structural_tag", "triggers": ["<f"],
+             "structures": [{"begin": "<f>", "schema": {"type": "integer"}, "end": "</f>"}]}  # fmt: skip
+    response = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=8, temperature=1.0, seed=0,
+        response_format=older,
+    )  # fmt: skip
+    assert response.choices[0].finish_reason in ("length", "stop")
+
+
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
@@ -260,6 +280,11 @@ def test_response_format_json_object_gives_a_json_object(client, folder):
         ),
         ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema object"),
         ({"response_format": {"type": "yaml"}}, "response_format.type", "json_schema"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format", "needs its format"),
+        ({"response_format": {"type": "structural_tag", "format": {"type": "nope"}}},
+         "response_format", "xgrammar rejected the structural_tag constraint"),
+        ({"response_format": {"type": "structural_tag", "formt": {}}}, "response_format.formt",
+         "formt"),
     ],
 )  # fmt: skip
 def test_bad_constraints_are_a_400_naming_the_field(url, body, param, words):

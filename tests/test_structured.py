@@ -123,9 +123,13 @@ def test_async_equals_sync_under_constraints_with_preemption(folder):
     results = {}
     for async_batching in (False, True):
         llm, outputs = run(
-            folder, params, async_batching=async_batching, num_blocks=20, max_num_seqs=16,
+            folder,
+            params,
+            async_batching=async_batching,
+            num_blocks=20,
+            max_num_seqs=16,
             max_model_len=256,
-        )  # fmt: skip
+        )
         assert llm.engine.scheduler.num_preemptions > 0
         for p, out in zip(params, outputs, strict=True):
             check_output(p, out.outputs[0])
@@ -144,9 +148,12 @@ def test_each_sample_of_n_has_its_own_matcher(folder):
 
 def test_a_grammar_that_ends_finishes_the_request_even_with_ignore_eos(folder):
     params = SamplingParams(
-        temperature=1.0, seed=0, max_tokens=100, ignore_eos=True,
+        temperature=1.0,
+        seed=0,
+        max_tokens=100,
+        ignore_eos=True,
         structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
-    )  # fmt: skip
+    )
     _, outputs = run(folder, [params])
     completion = outputs[0].outputs[0]
     assert completion.finish_reason == "stop" and completion.text in ("yes", "no")
@@ -200,14 +207,86 @@ def test_a_row_whose_other_processors_ban_the_whole_grammar_is_aborted_alone(fol
     llm = LLM(folder, max_model_len=512)
     digit = llm.engine.tokenizer.encode("7", add_special_tokens=False)
     broken = SamplingParams(
-        max_tokens=20, allowed_token_ids=digit,
+        max_tokens=20,
+        allowed_token_ids=digit,
         structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
-    )  # fmt: skip
+    )
     fine = json_params(SCHEMAS[0], seed=5)
     outputs = llm.generate(["a", "b"], [broken, fine], use_tqdm=False)
     assert outputs[0].outputs[0].finish_reason == "abort"
     check_output(fine, outputs[1].outputs[0])
     assert not llm.engine.has_unfinished()
+
+
+DIGIT = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+         "required": ["n"], "additionalProperties": False}  # fmt: skip
+
+
+def whitespace_ids(llm: LLM) -> list[int]:
+    """The ids whose text is whitespace alone: a structural tag's JSON allows any whitespace
+    between tokens, which random weights would write for hundreds of tokens."""
+    tokenizer = llm.get_tokenizer()
+    texts = [tokenizer.decode([i]) for i in range(len(tokenizer))]
+    return [i for i, text in enumerate(texts) if text and not text.strip()]
+
+
+def seeded(count: int, max_tokens: int, bias: dict, constraint) -> list[SamplingParams]:
+    """`count` requests under `constraint` with `bias`, seeds 0 and up."""
+    return [
+        SamplingParams(
+            temperature=1.0,
+            seed=seed,
+            max_tokens=max_tokens,
+            logit_bias=bias,
+            structured_outputs=constraint,
+        )
+        for seed in range(count)
+    ]
+
+
+def test_a_structural_tag_wraps_its_schema_in_its_tag(folder):
+    """xgrammar's structural tag, a tag around a JSON schema: the output is the begin text, a
+    JSON value of the schema, the end text (checked by jsonschema), then the request stops."""
+    tag = {"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<f>", "end": "</f>",
+        "content": {"type": "json_schema", "json_schema": SCHEMAS[0]}}}  # fmt: skip
+    llm = LLM(folder, max_model_len=512)
+    bias = dict.fromkeys(whitespace_ids(llm), -100.0)
+    for structural_tag in (tag, json.dumps(tag)):  # a dict, or JSON text as vLLM's
+        constraint = StructuredOutputsParams(structural_tag=structural_tag)
+        for out in llm.generate(["A record:"] * 3, seeded(3, 200, bias, constraint), False):
+            completion = out.outputs[0]
+            text = completion.text
+            assert completion.finish_reason == "stop", text
+            assert text.startswith("<f>") and text.endswith("</f>"), text
+            jsonschema.validate(json.loads(text[3:-4]), SCHEMAS[0])
+
+
+def test_the_older_structural_tag_starts_a_structure_at_each_trigger(folder):
+    """vLLM's older form: free text, in which each trigger ("a") begins a structure ("a=",
+    a JSON value of its schema, "!"). Read back by a parser of its own: every "a" in the text
+    opens one, whose JSON jsonschema checks."""
+    constraint = StructuredOutputsParams(structural_tag={
+        "structures": [{"begin": "a=", "schema": DIGIT, "end": "!"}], "triggers": ["a"]})  # fmt: skip
+    llm = LLM(folder, max_model_len=512)
+    bias = dict.fromkeys(whitespace_ids(llm), -100.0)
+    bias[llm.get_tokenizer().convert_tokens_to_ids("a")] = 20.0  # the trigger comes up
+    structures = 0
+    for out in llm.generate(["Some text:"] * 4, seeded(4, 60, bias, constraint), False):
+        text, at = out.outputs[0].text, 0
+        while (at := text.find("a", at)) >= 0:
+            if len(text) - at < 3:  # cut by max_tokens inside a structure
+                break
+            assert text[at : at + 2] == "a=", text
+            try:
+                value, end = json.JSONDecoder().raw_decode(text, at + 2)
+            except json.JSONDecodeError:  # cut by max_tokens inside the JSON
+                assert out.outputs[0].finish_reason == "length", text
+                break
+            jsonschema.validate(value, DIGIT)
+            assert text[end : end + 1] in ("!", ""), text
+            structures, at = structures + 1, end + 1
+    assert structures > 0  # the trigger came up: the structures were exercised
 
 
 @pytest.mark.parametrize(
@@ -216,6 +295,10 @@ def test_a_row_whose_other_processors_ban_the_whole_grammar_is_aborted_alone(fol
         (dict(regex="(abc"), "xgrammar rejected the regex constraint: Regex parsing error"),
         (dict(json={"type": "objekt"}), "xgrammar rejected the json constraint: Unsupported type"),
         (dict(grammar="root ::= missing"), 'Rule "missing" is not defined'),
+        (
+            dict(structural_tag={"type": "structural_tag", "format": {"type": "nope"}}),
+            "Format type not recognized: nope",
+        ),
     ],
 )
 def test_a_constraint_the_backend_rejects_is_a_value_error_before_anything_is_queued(
@@ -240,6 +323,12 @@ def test_a_constraint_the_backend_rejects_is_a_value_error_before_anything_is_qu
         dict(choice=[]),
         dict(choice=["a", 3]),
         dict(regex=""),
+        dict(structural_tag="{not json"),
+        dict(structural_tag=[1]),
+        dict(structural_tag={"type": "structural_tag"}),  # no format
+        dict(structural_tag={"structures": [{"begin": "<a>", "end": "</a>"}], "triggers": ["<"]}),
+        dict(structural_tag={"structures": [], "triggers": ["<"]}),
+        dict(structural_tag={"structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}]}),
     ],
 )
 def test_malformed_constraints_are_value_errors(fields):

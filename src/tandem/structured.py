@@ -1,4 +1,5 @@
-"""Structured outputs: JSON schema, regex, choice, EBNF grammar and JSON object, by xgrammar.
+"""Structured outputs: JSON schema, regex, choice, EBNF grammar, JSON object and structural tag,
+by xgrammar.
 
 The backend is xgrammar (vLLM's and SGLang's default): it compiles schemas, regexes and
 grammars against the tokenizer's vocabulary once (cached per grammar), and a per-request
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -36,21 +38,25 @@ if TYPE_CHECKING:
     from tandem.tokenizer import Tokenizer
 
 BACKEND = "xgrammar"
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass
 class StructuredOutputsParams:
     """One constraint on a request's output, named as vLLM's `StructuredOutputsParams`:
     exactly one of `json` (a JSON schema, as a dict or a string), `regex`, `choice` (the output
-    is one of these strings), `grammar` (EBNF, in xgrammar's GBNF dialect) or `json_object`
-    (any JSON object)."""
+    is one of these strings), `grammar` (EBNF, in xgrammar's GBNF dialect), `json_object`
+    (any JSON object) or `structural_tag` (JSON text or a dict: xgrammar's structural tag,
+    `{"type": "structural_tag", "format": {...}}`, e.g. a tag around a JSON schema; or the older
+    form vLLM still takes, `{"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}`:
+    free text in which each trigger starts one of the structures)."""
 
     json: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict | None = None
     # JSON (schema or object): no whitespace between tokens beyond one space after ':' and ','
     disable_any_whitespace: bool = False
 
@@ -61,8 +67,8 @@ class StructuredOutputsParams:
         set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(set_kinds) != 1:
             raise ValueError(
-                "structured_outputs takes exactly one of json, regex, choice, grammar and "
-                f"json_object; got {', '.join(set_kinds) or 'none'}"
+                f"structured_outputs takes exactly one of {', '.join(KINDS)}; got "
+                f"{', '.join(set_kinds) or 'none'}"
             )
         if self.json is not None:
             if isinstance(self.json, str):
@@ -89,6 +95,8 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.choice must be a non-empty list of strings")
         if self.json_object not in (None, True, False):
             raise ValueError("structured_outputs.json_object must be a boolean")
+        if self.structural_tag is not None:
+            check_structural_tag(self.structural_tag)
 
     @property
     def kind(self) -> str:
@@ -106,6 +114,42 @@ class StructuredOutputsParams:
                 f"structured_outputs has unknown fields {unknown}; known: {sorted(known)}"
             )
         return cls(**value)
+
+
+def check_structural_tag(tag: str | dict) -> None:
+    """ValueError unless `tag` is a structural tag's JSON object, in either form; xgrammar
+    checks the rest as it compiles."""
+    spec = tag
+    if isinstance(tag, str):
+        try:
+            spec = json.loads(tag)
+        except (json.JSONDecodeError, RecursionError):
+            raise ValueError("structured_outputs.structural_tag is not valid JSON") from None
+    if not isinstance(spec, dict):
+        raise ValueError("structured_outputs.structural_tag must be a JSON object")
+    if "structures" not in spec:
+        if not isinstance(spec.get("format"), dict):
+            raise ValueError(
+                "structured_outputs.structural_tag needs its format (an object), or the older "
+                "structures and triggers"
+            )
+        return
+    structures, triggers = spec["structures"], spec.get("triggers")
+    if not isinstance(triggers, list) or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError("structured_outputs.structural_tag.triggers must be non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError("structured_outputs.structural_tag.structures must be a non-empty list")
+    for i, structure in enumerate(structures):
+        if not (
+            isinstance(structure, dict)
+            and isinstance(structure.get("begin"), str)
+            and isinstance(structure.get("end"), str)
+            and isinstance(structure.get("schema"), dict | bool)
+        ):
+            raise ValueError(
+                f"structured_outputs.structural_tag.structures[{i}] needs begin and end "
+                "(strings) and schema (a JSON schema)"
+            )
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -160,10 +204,26 @@ class GrammarBackend:
                 return self.compiler.compile_regex(params.regex)
             if kind == "choice":
                 return self.compiler.compile_grammar(choice_grammar(list(params.choice)))
+            if kind == "structural_tag":
+                return self.structural_tag(params.structural_tag)
             return self.compiler.compile_grammar(params.grammar)
         except Exception as e:  # xgrammar raises RuntimeError/ValueError subclasses
             message = _backend_message(e)
             raise ValueError(f"{BACKEND} rejected the {kind} constraint: {message}") from None
+
+    def structural_tag(self, tag: str | dict) -> xgrammar.CompiledGrammar:
+        spec = json.loads(tag) if isinstance(tag, str) else tag
+        if "structures" not in spec:
+            return self.compiler.compile_structural_tag(json.dumps(spec))
+        items = [
+            self.xgr.StructuralTagItem(
+                begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"]
+            )
+            for s in spec["structures"]
+        ]
+        with warnings.catch_warnings():  # xgrammar keeps the older form, deprecated
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return self.compiler.compile_structural_tag(items, spec["triggers"])
 
     def matcher(self, compiled: xgrammar.CompiledGrammar) -> xgrammar.GrammarMatcher:
         return self.xgr.GrammarMatcher(compiled)

@@ -82,6 +82,8 @@ def response_format_constraint(body: SamplingRequest) -> dict[str, Any]:
         return {}
     if fmt.type == "json_object":
         return {"json_object": True}
+    if fmt.type == "structural_tag":  # the object as xgrammar reads it (either form)
+        return {"structural_tag": fmt.model_dump(exclude_none=True, exclude={"json_schema"})}
     if fmt.json_schema is None:
         raise OpenAIError(
             'response_format of type "json_schema" needs its json_schema object',

@@ -156,8 +156,12 @@ class JsonSchemaFormat(RequestOption):
 
 
 class ResponseFormat(RequestOption):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # structural_tag (vLLM's): xgrammar's `format`, or the older `structures` and `triggers`
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
 
 class SamplingRequest(BaseModel):

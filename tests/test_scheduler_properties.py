@@ -134,8 +134,10 @@ class HashLM:
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         attend: object,
+        embeds: object = None,  # prompts of embeddings: none here
     ) -> torch.Tensor:
         """Write this step's tokens to the cache, then hash each sequence's whole context."""
+        assert embeds is None
         ids, pos, slots = input_ids.numpy(), positions.numpy(), meta.slot_mapping.numpy()
         assert ((slots >= 0) & (slots < self.num_slots)).all()
         self.cached_token[slots] = ids

@@ -9,12 +9,16 @@ from __future__ import annotations
 import numbers
 import threading
 
+import torch
+
 from tandem import penalties
 from tandem.config import EngineConfig, ModelConfig, cdiv
 from tandem.io_slot import MAX_BANNED_IDS
 from tandem.lora import AdapterCache, LoRARequest
 from tandem.pooling import PoolingParams
 from tandem.prefix_cache import PrefixCache
+from tandem.prompt_embeds import cache_key as embeds_key
+from tandem.prompt_embeds import checked as checked_embeds
 from tandem.reasoning import ThinkTokens
 from tandem.request import Request
 from tandem.sampling import SamplingParams, truncate_prompt
@@ -40,6 +44,7 @@ class Admission:
         pooling_refusal: str | None,
         think_tokens: ThinkTokens | None,
         masks: bool,
+        dtype: torch.dtype,
     ):
         self.config, self.model_config = config, model_config
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
@@ -50,6 +55,7 @@ class Admission:
         self.pooling_refusal = pooling_refusal  # None: embeddings pool the last token
         self.think_tokens = think_tokens  # a reasoning model's <think> / </think>, or None
         self.masks = masks  # the runner applies token masks (structured outputs)
+        self.dtype = dtype  # the model's: prompt embeddings are kept in it
         self._grammars: GrammarBackend | None = None  # made by the first constrained request
         self._grammars_lock = threading.Lock()
 
@@ -64,12 +70,14 @@ class Admission:
         pooling: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
+        prompt_embeds: object = None,
     ) -> Request:
         """A checked Request, not yet queued; `stream_text` grows output_text with every token
         (unless params.detokenize is False); `cache_salt` shares cached blocks only with
         requests of the same salt (vLLM's); with `pooling`, an embedding request (pooling.py:
         `params` one greedy token, which carries it); with `lora_request`, run under that LoRA
-        adapter (read here: its errors are raised here); `priority`: `check_priority`."""
+        adapter (read here: its errors are raised here); `priority`: `check_priority`; with
+        `prompt_embeds` ([tokens, hidden] tensor), a prompt of embeddings (prompt_embeds.py)."""
         self.check_priority(priority)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r:.80}")
@@ -88,6 +96,10 @@ class Admission:
             raise ValueError(
                 "stop strings need the model's tokenizer.json; pass stop_token_ids instead"
             )
+        embeds = None
+        if prompt_embeds is not None:
+            embeds = self._check_embeds(prompt_embeds, prompt, prompt_token_ids, params, pooling)
+            prompt_token_ids = [0] * len(embeds)  # placeholders: the embeddings take their place
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise ValueError(
@@ -105,6 +117,8 @@ class Admission:
             )
         )
         self._check_n(params, len(prompt_token_ids))
+        if embeds is not None:  # truncate_prompt_tokens kept the last ones
+            embeds = embeds[len(embeds) - len(prompt_token_ids) :]
         for token_id in params.stop_token_ids:
             if token_id >= self.model_config.vocab_size:
                 raise ValueError(
@@ -124,6 +138,8 @@ class Admission:
             request_id, prompt_token_ids, params, params.seed, prompt=prompt, cache_salt=cache_salt
         )
         request.priority = int(priority)
+        if embeds is not None:
+            request.prompt_embeds, request.embeds_key = embeds, embeds_key(embeds)
         request.bad_words_token_ids = bad_words
         request.pooling = pooling
         request.lora_request = lora_request
@@ -147,6 +163,29 @@ class Admission:
         if params.detokenize and (params.stop or stream_text):
             request.detokenizer = self.detokenizer(request)
         return request
+
+    def _check_embeds(
+        self,
+        embeds: object,
+        prompt: str | None,
+        prompt_token_ids: list[int] | None,
+        params: SamplingParams,
+        pooling: PoolingParams | None,
+    ) -> torch.Tensor:
+        """A prompt of embeddings, checked and kept as the engine reads it."""
+        if not self.config.enable_prompt_embeds:
+            raise ValueError(
+                "prompt_embeds need enable_prompt_embeds=True (--enable-prompt-embeds)"
+            )
+        if prompt is not None or prompt_token_ids is not None:
+            raise ValueError("a prompt is text, token ids or embeddings: give one of them")
+        if params.repetition_penalty != 1.0:  # vLLM's counts the prompt's tokens
+            raise ValueError("repetition_penalty counts a prompt's tokens; prompt_embeds have none")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs score a prompt's tokens; prompt_embeds have none")
+        if pooling is not None:
+            raise ValueError("prompt_embeds are for generation, not pooling")
+        return checked_embeds(embeds, self.model_config.hidden_size, self.dtype)
 
     def _check_lora(self, lora_request: LoRARequest) -> None:
         """TypeError/ValueError unless the engine can run the adapter, which it reads now."""
@@ -259,10 +298,10 @@ class Admission:
     def detokenizer(self, request: Request) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
             return None
+        # a prompt of embeddings has no text before the output: its ids are placeholders
+        context = [] if request.prompt_embeds is not None else request.prompt_token_ids
         return IncrementalDetokenizer(
-            self.tokenizer,
-            request.prompt_token_ids,
-            skip_special_tokens=request.params.skip_special_tokens,
+            self.tokenizer, context, skip_special_tokens=request.params.skip_special_tokens
         )
 
 

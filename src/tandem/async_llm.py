@@ -43,6 +43,7 @@ from tandem.request import (
     Prompt,
     Request,
     prompt_cache_salt,
+    prompt_embeds,
     split_prompt,
 )
 from tandem.sampling import SamplingParams, seeded
@@ -127,6 +128,7 @@ class _Add:
     pooling: PoolingParams | None = None  # an embedding request
     priority: int = 0
     lora_request: LoRARequest | None = None  # its LoRA adapter
+    prompt_embeds: Any = None  # a prompt given as embeddings (prompt_embeds.py)
 
 
 @dataclass
@@ -224,6 +226,8 @@ class AsyncLLM:
         prompt_token_ids: list[int] | None,
         cache_salt: str | None,
         priority: int = 0,
+        prompt_embeds: Any = None,
+        *,
         outputs: asyncio.Queue[StreamOutput | BaseException] | None = None,
         pooling: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
@@ -243,6 +247,7 @@ class AsyncLLM:
         accepted = loop.create_future()
         add = _Add(request_id, params, prompt, prompt_token_ids, cache_salt, stream, accepted)
         add.pooling, add.priority, add.lora_request = pooling, priority, lora_request
+        add.prompt_embeds = prompt_embeds
         self._submit(add)
         try:
             await accepted
@@ -266,8 +271,8 @@ class AsyncLLM:
         its n samples (seed + k for sample k) share the stream, and leaving the loop early
         aborts them all.
 
-        `prompt` is text, {"prompt": text} or {"prompt_token_ids": [...]}, a dict with an
-        optional "cache_salt"; `lora_request` runs it under a LoRA adapter (enable_lora=True);
+        `prompt` is text, {"prompt": text}, {"prompt_token_ids": [...]} or {"prompt_embeds":
+        tensor} (enable_prompt_embeds), a dict with an optional "cache_salt"; `lora_request` runs it under a LoRA adapter (enable_lora=True);
         `priority` is vLLM's: under scheduling_policy "priority" lower is served first; under
         "fcfs", 0 alone. Raises ValueError if the engine rejects it.
         """
@@ -281,8 +286,9 @@ class AsyncLLM:
         collector = OutputCollector(
             request_id, text, sampling_params, self._token_text, lora_request
         )
+        embeds = prompt_embeds(prompt)
         samples = [
-            (sample_id, seeded(sampling_params, k), text, ids, salt, priority)
+            (sample_id, seeded(sampling_params, k), text, ids, salt, priority, embeds)
             for k, sample_id in enumerate(sample_ids)
         ]
         streams = await self.add_requests(samples, outputs, lora_request)
@@ -573,6 +579,7 @@ class AsyncLLM:
                 pooling=add.pooling,
                 lora_request=add.lora_request,
                 priority=add.priority,
+                prompt_embeds=add.prompt_embeds,
             )
         except Exception as error:  # a request the engine rejects must not stop the engine
             _post(add.stream.loop, _resolve, [(add.accepted, error)])
@@ -625,7 +632,7 @@ class AsyncLLM:
             prompt_logprobs=request.prompt_logprobs if first else None,
             prompt_ranks=request.prompt_ranks if first else None,
             stop_reason=request.stop_reason,
-            prompt_token_ids=request.prompt_token_ids if first else None,
+            prompt_token_ids=request.given_prompt_ids if first else None,
             sampled_ranks=ranks,
             pooled=request.pooled,
         )

@@ -11,6 +11,8 @@ from tandem.io_slot import MAX_BANNED_IDS, IOSlot
 from tandem.lora import Adapter
 from tandem.pooling import PoolingStep
 from tandem.pooling import plan_rows as plan_pooled_rows
+from tandem.prompt_embeds import PromptEmbedStep
+from tandem.prompt_embeds import plan_rows as plan_embed_rows
 from tandem.prompt_logprobs import PromptLogprobStep, plan_rows
 from tandem.request import Request
 from tandem.sampling import fold_seed
@@ -51,6 +53,7 @@ class StepBatch:
     prompt_logprobs: PromptLogprobStep | None = None  # rows at prompt positions that want them
     pooling: PoolingStep | None = None  # embedding requests' last prompt tokens (pooling.py)
     token_logprobs: TokenLogprobStep | None = None  # rows that name logprob_token_ids
+    prompt_embeds: PromptEmbedStep | None = None  # token rows given as embeddings (eager)
     # rows that sample under a structured-output constraint: the step's sampling waits for
     # their token masks (structured.py), launched once the CPU has them
     mask_rows: list[int] = field(default_factory=list)
@@ -219,6 +222,10 @@ class BatchBuilder:
             x["lora_slots"][:num_tokens] = lora_slots[seq_of_token]
             uses_lora = bool((lora_slots >= 0).any())
         prompt_logprobs = plan_rows(requests, start, num_new, qsl, slot.prompt_logprobs)
+        embeds = slot.prompt_embeds
+        embed_rows = (
+            None if embeds is None else plan_embed_rows(requests, start, num_new, qsl, embeds)
+        )
         num_outputs = np.fromiter((r.num_output_tokens for r in requests), np.int64, num_seqs)
         samples = computed_after == self.running_rows.prompt_len[rows] + num_outputs
         pooled = np.flatnonzero(self.running_rows.pooled[rows] & samples)
@@ -278,6 +285,7 @@ class BatchBuilder:
             prompt_logprobs=prompt_logprobs,
             pooling=pooling,
             token_logprobs=token_logprobs,
+            prompt_embeds=embed_rows,
             # rows that sample under a constraint (a planned request is never finished)
             mask_rows=np.flatnonzero(self.running_rows.constrained[rows] & samples).tolist(),
         )

@@ -175,6 +175,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
     parser.add_argument(
         "--enable-lora", action="store_true", help="run LoRA adapters that requests name"
     )
+    parser.add_argument(
+        "--enable-prompt-embeds",
+        action="store_true",
+        help="take prompts given as embeddings ({'prompt_embeds': tensor})",
+    )
     parser.add_argument("--max-loras", type=int, default=1, help="LoRA adapters in one step")
     parser.add_argument("--max-lora-rank", type=int, default=16, help="the highest adapter rank")
     parser.add_argument(

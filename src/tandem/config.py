@@ -488,6 +488,8 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # prompts given as embeddings ({"prompt_embeds": tensor}; prompt_embeds.py), vLLM's flag
+    enable_prompt_embeds: bool = False
     quantization: str | None = None  # "fp8": FP8 weights of a bf16 checkpoint, made at load
     kv_cache_dtype: str = "auto"  # "fp8" (e4m3, per-tensor scales): half a bf16 cache's bytes
     # bit-identical tokens and logprobs whatever else is batched (batch_invariant.py)
@@ -655,7 +657,11 @@ class EngineConfig:
             )
 
     def check_lora(self) -> None:
-        check_bools(self, "enable_lora")
+        check_bools(self, "enable_lora", "enable_prompt_embeds")
+        if self.enable_prompt_embeds and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "enable_prompt_embeds=True runs on one device: tensor_parallel_size must be 1"
+            )
         check_int("max_loras", self.max_loras, 1)
         check_int("max_lora_rank", self.max_lora_rank, 1)
         if self.max_cpu_loras is not None:

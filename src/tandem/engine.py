@@ -39,6 +39,7 @@ from tandem.pooling import has_rows as has_pooled_rows
 from tandem.pooling import pooling_refusal
 from tandem.pooling import store as store_embeddings
 from tandem.profiler import NoTimeline, Timeline
+from tandem.prompt_embeds import has_rows as has_embed_rows
 from tandem.prompt_logprobs import has_rows as has_prompt_logprob_rows
 from tandem.prompt_logprobs import store as store_prompt_logprobs
 from tandem.reasoning import ThinkTokens
@@ -269,6 +270,7 @@ class Engine:
             # token masks for structured outputs, where the backend and a tokenizer are here
             mask_vocab_size=cfg.vocab_size if self.tokenizer and structured.available() else None,
             logprobs_mode=config.logprobs_mode,
+            prompt_embeds=config.enable_prompt_embeds,
         )
         if self.runner.cuda and (self.runner.graph_sizes or self.runner.token_buckets):
             self.runner.capture_graphs()
@@ -286,7 +288,7 @@ class Engine:
         self.admission = Admission(
             config, cfg, self.tokenizer, self.eos_token_ids, self.max_model_len, self.num_blocks,
             self.scheduler.cache, self.adapter_cache, self.pooling_refusal, self.think_tokens,
-            self.runner.masks,
+            self.runner.masks, self.dtype,
         )  # fmt: skip
         # a trainer process's weights (weight_transfer/), where weight_transfer_config asks
         transfer = config.weight_transfer_config
@@ -736,13 +738,17 @@ class Engine:
         # the slot's last step was read back, so its H2D copy and compute are done
         assert all(b.slot is not slot for b in self.in_flight)
         with timeline.phase("build", step):
+            # a prompt's given embeddings enter the forward pass eagerly (prompt_embeds.py)
+            embeds = has_embed_rows(plan.requests, plan.num_new_tokens)
             graph_size = self.runner.padded_size(
                 len(plan.requests),
                 decode_only=plan.num_tokens == len(plan.requests),
                 needs_hidden=has_prompt_logprob_rows(plan.requests, plan.num_new_tokens)
-                or has_pooled_rows(plan.requests, plan.num_new_tokens),
+                or has_pooled_rows(plan.requests, plan.num_new_tokens)
+                or embeds,
             )
-            bucket = None if graph_size is not None else self.runner.token_bucket(plan.num_tokens)
+            eager = graph_size is not None or embeds
+            bucket = None if eager else self.runner.token_bucket(plan.num_tokens)
             batch = self.builder.build(plan, slot, step, graph_size, bucket)
             wanted = self.step_work is not None or timeline.recording
             work = (

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from tandem.pooling import PoolingBuffers
+from tandem.prompt_embeds import PromptEmbedBuffers
 from tandem.prompt_logprobs import PromptLogprobBuffers
 from tandem.sampling import MAX_LOGPROBS
 from tandem.structured import MaskBuffers
@@ -125,6 +126,7 @@ class IOSlot:
         hidden_size: int = 1,
         num_labels: int = 0,
         lora: bool = False,
+        embeds_dtype: torch.dtype | None = None,
     ):
         pin = device.type == "cuda"
         self.index = index
@@ -143,6 +145,13 @@ class IOSlot:
         self.token_logprobs = TokenLogprobBuffers(max_seqs, device)
         # embedding requests' rows and vectors, copied only in steps that pool rows
         self.pooling = PoolingBuffers(max_seqs, hidden_size, device, num_labels)
+        # prompts of embeddings' rows (enable_prompt_embeds: embeds_dtype), copied only in
+        # steps that compute such prompt positions
+        self.prompt_embeds = (
+            PromptEmbedBuffers(max_tokens, hidden_size, embeds_dtype, device)
+            if embeds_dtype is not None
+            else None
+        )
         # structured outputs' token masks, copied only in steps with constrained rows
         self.masks = (
             MaskBuffers(max_seqs, mask_vocab_size, device) if mask_vocab_size is not None else None

@@ -43,7 +43,7 @@ from tandem.outputs import (
     token_text,
 )
 from tandem.pooling import PoolingParams
-from tandem.request import Prompt, Request, prompt_cache_salt, split_prompt
+from tandem.request import Prompt, Request, prompt_cache_salt, prompt_embeds, split_prompt
 from tandem.sampling import SamplingParams, seeded
 from tandem.tokenizer import Tokenizer, content_format, template_content
 from tandem.weight_transfer import request_field, required_field
@@ -609,7 +609,7 @@ class LLM:
         for prompt, p, lora, priority in zip(prompts, params, loras, priorities, strict=True):
             p.validate()  # n=0 would otherwise make no request to validate
             text, ids = split_prompt(prompt)
-            salt = prompt_cache_salt(prompt)
+            salt, embeds = prompt_cache_salt(prompt), prompt_embeds(prompt)
             base = str(next(self._ids))
             group = []
             for k in range(p.n):
@@ -623,9 +623,11 @@ class LLM:
                         cache_salt=salt,
                         lora_request=lora,
                         priority=priority,
+                        prompt_embeds=embeds,
                     )
                 )
-                ids = ids if ids is not None else group[0].prompt_token_ids
+                if embeds is None:  # the first sample's ids: the prompt encoded once
+                    ids = ids if ids is not None else group[0].prompt_token_ids
             groups.append((base, group))
         return groups
 
@@ -850,7 +852,7 @@ def _request_output(
     return RequestOutput(
         request_id=request_id,
         prompt=first.prompt,
-        prompt_token_ids=first.prompt_token_ids,
+        prompt_token_ids=first.given_prompt_ids,
         outputs=[
             CompletionOutput(
                 index=k,

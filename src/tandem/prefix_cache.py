@@ -59,10 +59,11 @@ def salt_key(cache_salt: str | None) -> bytes:
 
 
 def first_extra_key(request: Request) -> bytes:
-    """The extra key of a request's first block: its adapter's (KV differs under each), then
-    its salt's. An adapter's key starts with 0xff, which no UTF-8 salt does."""
+    """The extra key of a request's first block: its adapter's (KV differs under each), its
+    prompt embeddings' (prompt_embeds.py), then its salt's. An adapter's key starts with 0xff
+    and an embeddings key with 0xfe, which no UTF-8 salt does."""
     lora = request.lora_request
-    return (lora.cache_key if lora else b"") + salt_key(request.cache_salt)
+    return (lora.cache_key if lora else b"") + request.embeds_key + salt_key(request.cache_salt)
 
 
 class PrefixCache:

@@ -10,6 +10,7 @@ from tandem.sampling import SamplingParams
 
 if TYPE_CHECKING:
     import numpy as np
+    import torch
     import xgrammar
 
     from tandem.lora import LoRARequest
@@ -17,7 +18,8 @@ if TYPE_CHECKING:
     from tandem.tokenizer import IncrementalDetokenizer
 
 
-# text, {"prompt": text} or {"prompt_token_ids": [...]}; a dict may add {"cache_salt": str}
+# text, {"prompt": text}, {"prompt_token_ids": [...]} or {"prompt_embeds": tensor}; a dict may
+# add {"cache_salt": str}
 Prompt = str | dict[str, Any]
 
 
@@ -36,6 +38,10 @@ class Request:
     seed: int | None  # the sampling seed: params.seed, or drawn by the engine when queued
     prompt: str | None = None
     cache_salt: str | None = None  # shares cached blocks only with requests of this salt
+    # a prompt given as embeddings (prompt_embeds.py): [prompt tokens, hidden] on the CPU, in
+    # the model dtype (its prompt_token_ids are placeholders), and its prefix-cache key
+    prompt_embeds: torch.Tensor | None = None
+    embeds_key: bytes = b""
     lora_request: LoRARequest | None = None  # its adapter (lora.py); None: the base model
     lora_slot: int = -1  # while running, the device slot of its adapter (-1: none)
     # vLLM's: under scheduling_policy "priority", lower values are served first, then earlier
@@ -85,6 +91,11 @@ class Request:
     # while set, the request thinks (reasoning.py): its grammar waits for this token, </think>
     reasoning_end_id: int | None = None
     thinking_left: int | None = None  # thinking_token_budget's rest: at 0, </think> is forced
+
+    @property
+    def given_prompt_ids(self) -> list[int]:
+        """The prompt's ids as outputs report them: none for a prompt of embeddings."""
+        return [] if self.prompt_embeds is not None else self.prompt_token_ids
 
     @property
     def masked(self) -> bool:
@@ -137,9 +148,12 @@ class Request:
 
 
 def split_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None]:
-    """(text, token ids) of a prompt in any of vLLM's three forms; one of the two may be None."""
+    """(text, token ids) of a prompt in any of vLLM's three forms; one of the two may be None.
+    (A prompt of embeddings, {"prompt_embeds": tensor}, has neither: `prompt_embeds`.)"""
     if isinstance(prompt, str):
         return prompt, None
+    if isinstance(prompt, dict) and "prompt_embeds" in prompt:  # beside them, nothing else
+        return prompt.get("prompt"), prompt.get("prompt_token_ids")
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         return prompt.get("prompt"), prompt["prompt_token_ids"]
     if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
@@ -148,6 +162,11 @@ def split_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None]:
         "a prompt is a string, {'prompt': text} or {'prompt_token_ids': [...]}, "
         f"got {prompt!r:.80}"
     )
+
+
+def prompt_embeds(prompt: Prompt) -> Any:
+    """A prompt dict's "prompt_embeds" as given (the engine checks it), else None."""
+    return prompt.get("prompt_embeds") if isinstance(prompt, dict) else None
 
 
 def prompt_cache_salt(prompt: Prompt) -> Any:

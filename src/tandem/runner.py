@@ -44,6 +44,7 @@ from tandem.penalties import PenaltyState
 from tandem.piecewise import PiecewiseGraphs, bucket_for, token_buckets
 from tandem.pooling import compute as compute_pooled
 from tandem.profiler import NoTimeline, Timeline
+from tandem.prompt_embeds import PromptEmbedStep
 from tandem.prompt_logprobs import compute as compute_prompt_logprobs
 from tandem.sampling import (
     SamplingTensors,
@@ -97,6 +98,7 @@ class Runner:
         swapper: Swapper | None = None,
         mask_vocab_size: int | None = None,
         logprobs_mode: str = "raw_logprobs",
+        prompt_embeds: bool = False,
     ):
         self.model = model
         self.logprobs_mode = logprobs_mode  # config.LOGPROBS_MODES: what sample logprobs hold
@@ -110,12 +112,10 @@ class Runner:
         # the pooled rows' width, and a classifier's scores' (pooling requests)
         hidden, labels = model.cfg.hidden_size, model.cfg.num_labels
         lora = model.lora is not None  # the slots carry each token's adapter slot
-        self.slots = [
-            IOSlot(
-                i, max_tokens, max_seqs, max_blocks, device, mask_vocab_size, hidden, labels, lora
-            )
-            for i in range(2)
-        ]
+        # prompts of embeddings: the slots carry their rows, in the model's dtype
+        embeds_dtype = model.embed_tokens.weight.dtype if prompt_embeds else None
+        args = (max_tokens, max_seqs, max_blocks, device, mask_vocab_size, hidden, labels)
+        self.slots = [IOSlot(i, *args, lora, embeds_dtype) for i in range(2)]
         self.cuda = device.type == "cuda"
         # decode-only steps of up to max_seqs rows replay a graph captured for the next size up
         self.graph_sizes = graph_batch_sizes(min(max_seqs, max_tokens)) if cuda_graphs else []
@@ -207,6 +207,8 @@ class Runner:
                 slot.token_logprobs.copy_in(batch.token_logprobs)
             if batch.pooling is not None:
                 slot.pooling.copy_in(len(batch.pooling.requests))
+            if batch.prompt_embeds is not None:
+                slot.prompt_embeds.copy_in(batch.prompt_embeds)
             timing.end(0)
             self.h2d_done[i].record()
         with torch.cuda.stream(self.compute_stream):
@@ -300,6 +302,7 @@ class Runner:
             batch.seq_lens,
             batch.token_bucket,
             batch.num_shared_groups if shared else None,
+            embeds=batch.prompt_embeds,
         )
 
     def _sample_step(self, batch: StepBatch) -> None:
@@ -344,12 +347,14 @@ class Runner:
         token_bucket: int | None = None,
         max_shared_groups: int | None = None,
         logits_out: torch.Tensor | None = None,
+        embeds: PromptEmbedStep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The step's forward pass up to its rows' logits: (hidden states, logits, input ids
         after the carry-over, or None when the pieces made them). Fixed shapes given its
         arguments, so capturable. With `token_bucket`, the forward pass runs as pieces padded to
         that many tokens; with `max_shared_groups`, decode rows that share leading blocks read
-        them once per group; with `logits_out` (the graphs' buffer), the logits land there."""
+        them once per group; with `logits_out` (the graphs' buffer), the logits land there;
+        `embeds` (eager steps only): token rows whose embeddings the prompt gave."""
         x = slot.dev_in
         prev_sampled = self.slots[1 - slot.index].dev_out["sampled"]  # slots alternate every step
         meta = AttentionMetadata(
@@ -374,8 +379,10 @@ class Runner:
             )
             if self.model.lora is not None and self.model.lora.active:
                 self.model.lora.select(x["lora_slots"][:num_tokens])
+            given = None if embeds is None else slot.prompt_embeds.device(embeds)
+            positions = x["positions"][:num_tokens]
             hidden = self.model(
-                input_ids, x["positions"][:num_tokens], self.kv_caches, meta, self.attend
+                input_ids, positions, self.kv_caches, meta, self.attend, embeds=given
             )
         # a decode step's rows are its sequences' last tokens already: no gather
         last = hidden[:num_seqs] if decode_only else hidden[x["logits_indices"][:num_seqs].long()]

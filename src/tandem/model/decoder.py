@@ -298,17 +298,24 @@ class Decoder(nn.Module):
         ],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         attend: AttentionBackend,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,  # prompt_embeds.py's rows
     ) -> torch.Tensor:
-        x, residual = self.embed(input_ids), None
+        x, residual = self.embed(input_ids, embeds), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, kv_cache, meta, attend)
         return self.norm.add_forward(x, residual)[0]
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(
+        self, input_ids: torch.Tensor, embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """[tokens] -> [tokens, hidden]; Gemma scales the embeddings by sqrt(hidden), rounded
-        to the model dtype as transformers does."""
+        to the model dtype as transformers does. With `embeds` (rows [n] int64, values [n,
+        hidden]), a prompt's given embeddings in those rows, as they are: the first layer's
+        input, scaled already (transformers' and vLLM's inputs_embeds)."""
         x = self.embed_tokens(input_ids)
-        return x if self.embed_scale is None else x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return x if embeds is None else x.index_copy(0, *embeds)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab] in the model's dtype (each rank's vocabulary slice

@@ -233,7 +233,10 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: Text | list[int] | list[Text] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]] | None = None
+    # vLLM's, in place of prompt (enable_prompt_embeds): base64 of torch.save(tensor) bytes of
+    # [tokens, hidden] embeddings, or a list of them (prompt_embeds.py)
+    prompt_embeds: Text | list[Text] | None = None
     logprobs: int | None = None
     echo: bool | None = None  # the prompt before the completion, with logprobs if asked
     add_special_tokens: bool = True  # a text prompt gets the tokenizer's BOS

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jinja2
+import torch
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -20,6 +21,7 @@ from tandem.async_llm import AsyncLLM, EngineDeadError, RequestStream, StreamOut
 from tandem.lora import LoRARequest
 from tandem.outputs import prompt_logprobs as logprob_objects
 from tandem.outputs import token_text
+from tandem.prompt_embeds import decode as decode_embeds
 from tandem.reasoning import PARSERS as REASONING_PARSERS
 from tandem.reasoning import ReasoningSplitter, split
 from tandem.sampling import SamplingParams, seeded, truncate_prompt
@@ -181,10 +183,10 @@ class OpenAIServing:
         return self.llm.tokenizer
 
     async def completions(self, body: CompletionRequest, http: HttpRequest) -> Response:
-        prompts, params, max_tokens = await self.completion_inputs(body)
+        prompts, params, max_tokens, embeds = await self.completion_inputs(body)
         if body.use_beam_search:
             return await self._beam_search(body, [ids for _, ids in prompts], max_tokens)
-        generation = await self._start("cmpl", prompts, params, body, http)
+        generation = await self._start("cmpl", prompts, params, body, http, embeds)
         if body.echo:
             for i, choice in enumerate(generation.choices):
                 text, ids = prompts[i // params.n]
@@ -193,15 +195,22 @@ class OpenAIServing:
 
     async def completion_inputs(
         self, body: CompletionRequest
-    ) -> tuple[list[tuple[str | None, list[int]]], SamplingParams, int]:
+    ) -> tuple[list[tuple[str | None, list[int]]], SamplingParams, int, list[torch.Tensor] | None]:
         """A checked completion request's prompts as the model reads them (text, ids), their
-        SamplingParams and max_tokens."""
+        SamplingParams and max_tokens; with prompt_embeds, the embeddings of each prompt
+        (whose ids are then placeholders, one per embedding)."""
         self.check_model(body.model)
         self.check_request(body)
-        # tokenizing a long prompt takes seconds: off the event loop, so other streams go on
-        prompts = await asyncio.to_thread(
-            self._completion_prompts, body.prompt, body.add_special_tokens
-        )
+        embeds = None
+        if (body.prompt is None) == (body.prompt_embeds is None):
+            raise OpenAIError("give prompt or prompt_embeds (one of them)", param="prompt")
+        if body.prompt_embeds is not None:
+            embeds = await asyncio.to_thread(completion_embeds, body)
+            prompts = [(None, [0] * len(e)) for e in embeds]
+        else:  # tokenizing a long prompt takes seconds: off the event loop
+            prompts = await asyncio.to_thread(
+                self._completion_prompts, body.prompt, body.add_special_tokens
+            )
         defaults = self.llm.sampling_defaults
         # as vLLM's: left out or null, max_tokens is 16, and the context must hold them
         asked = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
@@ -222,9 +231,10 @@ class OpenAIServing:
             body, defaults, max_tokens, logprobs, prompt_logprobs, output_constraint(body)
         )
         keep = params.truncate_prompt_tokens
-        prompts = [self._kept(text, ids, keep, asked) for text, ids in prompts]
+        if embeds is None:  # the engine cuts embeddings itself
+            prompts = [self._kept(text, ids, keep, asked) for text, ids in prompts]
         self.check_room([ids for _, ids in prompts], asked, "max_tokens")
-        return prompts, params, max_tokens
+        return prompts, params, max_tokens, embeds
 
     def _kept(
         self, text: str | None, ids: list[int], keep: int | None, max_tokens: int | None
@@ -370,8 +380,10 @@ class OpenAIServing:
         params: SamplingParams,
         body: SamplingRequest,
         http: HttpRequest,
+        embeds: list[torch.Tensor] | None = None,
     ) -> Generation:
-        """Queue n engine requests per prompt, all validated by the engine, or none. The
+        """Queue n engine requests per prompt (with `embeds`, each prompt given as those
+        embeddings), all validated by the engine, or none. The
         response's id is the client's (X-Request-Id, else request_id) when it gives one; the
         engine's stay unique, so calls that share an id run side by side."""
         arrival, call_id = time.perf_counter(), uuid.uuid4().hex
@@ -385,6 +397,16 @@ class OpenAIServing:
         salt, priority = body.cache_salt, body.priority
         requests = [
             (f"{kind}-{call_id}-{i}-{k}", seeded(params, k), text, ids, salt, priority)
+            if embeds is None
+            else (
+                f"{kind}-{call_id}-{i}-{k}",
+                seeded(params, k),
+                None,
+                None,
+                salt,
+                priority,
+                embeds[i],
+            )
             for i, (text, ids) in enumerate(prompts)
             for k in range(params.n)
         ]
@@ -906,7 +928,7 @@ def invalid_request(error: ValueError, body: SamplingRequest) -> OpenAIError:
     word, fields = str(error).split(" ", 1)[0], type(body).model_fields
     if word in (GRAMMAR_BACKEND, "structured_outputs"):  # the engine's constraint errors
         word = constraint_field(body)
-    if word.startswith("prompt"):  # prompt, prompt_token_ids: the body's field that made it
+    if word.startswith("prompt") and word not in fields:  # prompt_token_ids: the body's field
         word = next(name for name in ("prompt", "messages", "token_ids") if name in fields)
     param = word if word in fields else None
     return OpenAIError(str(error), param=param)
@@ -939,6 +961,23 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Stream
     finally:
         for task in pumps:
             task.cancel()
+
+
+def completion_embeds(body: CompletionRequest) -> list[torch.Tensor]:
+    """A completion request's prompt_embeds, each decoded (prompt_embeds.decode); the engine
+    checks them against the model."""
+    if body.echo:
+        raise OpenAIError("echo needs the prompt's text; prompt_embeds have none", param="echo")
+    if body.use_beam_search:
+        message = "use_beam_search runs on token ids; prompt_embeds have none"
+        raise OpenAIError(message, param="use_beam_search")
+    texts = [body.prompt_embeds] if isinstance(body.prompt_embeds, str) else body.prompt_embeds
+    if not texts:
+        raise OpenAIError("prompt_embeds is an empty list", param="prompt_embeds")
+    try:
+        return [decode_embeds(text) for text in texts]
+    except ValueError as error:
+        raise OpenAIError(str(error), param="prompt_embeds") from None
 
 
 async def until_disconnected(http: HttpRequest) -> None:

@@ -125,7 +125,9 @@ async def generate(serving: OpenAIServing, body: GenerateRequest, http: HttpRequ
 
 async def render_completion(serving: OpenAIServing, body: CompletionRequest) -> list[dict]:
     """The generate request of each prompt of a completion request."""
-    prompts, params, _ = await serving.completion_inputs(body)
+    prompts, params, _, embeds = await serving.completion_inputs(body)
+    if embeds is not None:
+        raise OpenAIError("prompt_embeds have no token ids to render", param="prompt_embeds")
     if body.use_beam_search:
         raise OpenAIError("the render endpoints take no use_beam_search", param="use_beam_search")
     call_id = uuid.uuid4().hex

@@ -68,16 +68,17 @@ def test_embeddings_give_the_tokens_of_their_ids_and_transformers_inputs_embeds(
     ids = [3, 17, 42, 99, 5, 23, 8, 61, 12]
     noise = random_embeds(folder, 12, seed=1)
     llm = LLM(str(folder), max_model_len=64, enable_prompt_embeds=True)
+    noise_sparse = noise.to_sparse()  # taken as its dense values
     got = tokens(
         llm.generate(
             [{"prompt_embeds": table_embeds(folder, ids)}, {"prompt_token_ids": ids},
-             {"prompt_embeds": noise}],
+             {"prompt_embeds": noise}, {"prompt_embeds": noise_sparse}],
             GREEDY, use_tqdm=False,
         )
     )  # fmt: skip
     want = transformers_greedy(folder, tuple(ids), GREEDY.max_tokens)
     assert got[0] == got[1] == want
-    assert got[2] == transformers_greedy_of_embeds(folder, noise, GREEDY.max_tokens)
+    assert got[2] == got[3] == transformers_greedy_of_embeds(folder, noise, GREEDY.max_tokens)
 
 
 @pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
@@ -151,6 +152,7 @@ def test_async_llm_streams_a_prompt_of_embeddings(make_tiny):
         ({"prompt_embeds": torch.zeros(0, 64)}, GREEDY, ValueError, "at least one token"),
         ({"prompt_embeds": torch.zeros(3, 64, dtype=torch.int32)}, GREEDY, ValueError, "floating"),
         ({"prompt_embeds": torch.full((3, 64), float("nan"))}, GREEDY, ValueError, "finite"),
+        ({"prompt_embeds": torch.zeros(3, 64, device="meta")}, GREEDY, ValueError, "meta"),
         ({"prompt_embeds": torch.zeros(64, 64)}, GREEDY, ValueError, "max_model_len"),
         ({"prompt_embeds": torch.zeros(3, 64), "prompt_token_ids": [1]}, GREEDY, ValueError,
          "give one of them"),

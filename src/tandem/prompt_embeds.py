@@ -97,6 +97,10 @@ def checked(embeds: object, hidden_size: int, dtype: torch.dtype) -> torch.Tenso
     model dtype, contiguous; a TypeError or ValueError naming what is wrong otherwise."""
     if not isinstance(embeds, torch.Tensor):
         raise TypeError(f"prompt_embeds must be a torch.Tensor, got {type(embeds).__name__}")
+    if embeds.is_meta:
+        raise ValueError("prompt_embeds must hold values: got a tensor on the meta device")
+    if embeds.layout != torch.strided:  # sparse: its dense values, as vLLM takes them
+        embeds = embeds.to_dense()
     if embeds.dim() != 2 or embeds.shape[0] == 0 or embeds.shape[1] != hidden_size:
         raise ValueError(
             f"prompt_embeds must be [tokens, {hidden_size}] (the model's hidden size) with at "

@@ -244,3 +244,101 @@ def test_async_generate_takes_lora_request_and_priority_at_their_defaults(folder
             asyncio.run(run(lora_request=object()))
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("config", "decode_graphs", "pieces", "sizes"),
+    [
+        (None, True, True, [1, 2, 4, 8, 16, 32, 40]),  # tandem's own sizes up to 40 rows
+        (3, True, True, [1, 2, 4, 8, 16, 32, 40]),  # vLLM's -O3: a level, no effect
+        ({"mode": 3, "backend": "inductor"}, True, True, [1, 2, 4, 8, 16, 32, 40]),
+        ({"cudagraph_mode": "NONE"}, False, False, []),
+        ({"use_cudagraph": False}, False, False, []),
+        ({"cudagraph_mode": "FULL_DECODE_ONLY"}, True, False, [1, 2, 4, 8, 16, 32, 40]),
+        ({"cudagraph_mode": "PIECEWISE"}, False, True, []),
+        ({"cudagraph_mode": "full_and_piecewise", "cudagraph_capture_sizes": [64, 4, 1, 8, 4]},
+         True, True, [1, 4, 8]),  # sorted, once each, none past the 40 rows a step may have
+        ({"max_cudagraph_capture_size": 10}, True, True, [1, 2, 4, 8, 10]),
+        ('{"cudagraph_capture_sizes": [2, 6], "max_cudagraph_capture_size": 4}', True, True, [2]),
+    ],
+)  # fmt: skip
+def test_compilation_config_shapes_the_cuda_graphs(config, decode_graphs, pieces, sizes):
+    from tandem.compilation import graph_plan
+    from tandem.runner import graph_batch_sizes
+
+    plan = graph_plan(config)
+    assert (plan.decode_graphs, plan.pieces) == (decode_graphs, pieces)
+    assert plan.sizes(40, graph_batch_sizes(40)) == sizes
+
+
+def test_the_engine_captures_the_graphs_compilation_config_names(folder, monkeypatch):
+    """The engine's graph sizes and pieces follow the plan (where it runs graphs at all: a
+    CUDA device, not enforce_eager)."""
+    from tandem.engine import Engine
+
+    monkeypatch.setattr(Engine, "_use_cuda_graphs", lambda self: True)
+    llm = LLM(folder, max_model_len=64, max_num_seqs=12, cuda_graphs=False)  # built on CPU
+    engine = llm.engine
+    assert engine._graph_sizes() == [1, 2, 4, 8, 12]
+    engine.config.compilation_config = {"cudagraph_capture_sizes": [3, 6], "cudagraph_mode": "FULL"}
+    assert engine._graph_sizes() == [3, 6] and engine._use_piecewise()
+    engine.config.compilation_config = {"cudagraph_mode": "FULL_DECODE_ONLY"}
+    assert engine._graph_sizes() == [1, 2, 4, 8, 12] and not engine._use_piecewise()
+    engine.config.compilation_config = {"cudagraph_mode": "PIECEWISE"}
+    assert engine._graph_sizes() == [] and engine._use_piecewise()
+
+
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        ({"cudagraph_mode": "SOMETIMES"}, "cudagraph_mode must be one of"),
+        ({"cudagraph_capture_sizes": [0, 4]}, "cudagraph_capture_sizes"),
+        ({"cudagraph_capture_sizes": []}, "cudagraph_capture_sizes"),
+        ({"max_cudagraph_capture_size": "8"}, "max_cudagraph_capture_size"),
+        ({"cuda_graph_sizes": [4]}, "unknown keys ['cuda_graph_sizes']"),
+        ("{not json", "JSON or a level"),
+        ([4], "must be a dict"),
+    ],
+)
+def test_bad_compilation_configs_are_value_errors(folder, config, words):
+    with pytest.raises(ValueError) as error:
+        LLM(folder, max_model_len=64, compilation_config=config)
+    assert words in str(error.value)
+
+
+def test_the_cli_takes_vllm_s_compilation_flags(folder):
+    parser = build_parser()
+    for flag, want in (
+        (["-O3"], 3),
+        (["-O", '{"cudagraph_mode": "PIECEWISE"}'], {"cudagraph_mode": "PIECEWISE"}),
+        (["--compilation-config", '{"cudagraph_capture_sizes": [1, 2]}'],
+         {"cudagraph_capture_sizes": [1, 2]}),
+    ):  # fmt: skip
+        args = parser.parse_args(["generate", folder, "x", *flag])
+        assert engine_kwargs(args)["compilation_config"] == want
+    args = parser.parse_args(
+        ["generate", folder, "x", "--num-gpu-blocks-override", "12", "--kv-cache-memory-bytes", "9"]
+    )
+    kwargs = engine_kwargs(args)
+    assert (kwargs["num_gpu_blocks_override"], kwargs["kv_cache_memory_bytes"]) == (12, 9)
+
+
+def test_the_kv_cache_is_sized_by_vllm_s_block_count_or_bytes(folder):
+    from tandem.kv_cache import bytes_per_block
+
+    llm = LLM(folder, max_model_len=64, num_gpu_blocks_override=20)
+    assert llm.engine.num_blocks == 20
+    per_block = bytes_per_block(llm.engine.model.cfg, 16, llm.engine.kv_cache_dtype)
+    llm = LLM(folder, max_model_len=64, kv_cache_memory_bytes=7 * per_block + 5)
+    assert llm.engine.num_blocks == 7
+    [out] = llm.generate("Hello", SamplingParams(max_tokens=3), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3
+    for args, words in (
+        ({"num_gpu_blocks_override": 20, "num_blocks": 21}, "give one of them"),
+        ({"kv_cache_memory_bytes": 64, "num_blocks": 21}, "each size the KV cache"),
+        ({"kv_cache_memory_bytes": 5}, "holds no KV block"),
+        ({"kv_cache_memory_bytes": per_block}, "fewer than max_model_len"),
+        ({"num_gpu_blocks_override": 0}, "num_gpu_blocks_override"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            LLM(folder, max_model_len=64, **args)

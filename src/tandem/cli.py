@@ -111,6 +111,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
     parser.add_argument(
         "--num-blocks", type=int, help="KV cache blocks (default: sized from the device memory)"
     )
+    parser.add_argument("--num-gpu-blocks-override", type=int, help="vLLM's name for --num-blocks")
+    parser.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        help="the KV cache's size in bytes, in place of --gpu-memory-utilization's sizing",
+    )
     parser.add_argument(
         "--gpu-memory-utilization",
         type=float,
@@ -165,6 +171,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
         "--enforce-eager",
         action="store_true",
         help="run every step eagerly, no CUDA graphs (vLLM's flag; as --no-cuda-graphs)",
+    )
+    parser.add_argument(
+        "-O",
+        "--compilation-config",
+        type=compilation_arg,
+        help="vLLM's: JSON whose CUDA-graph options (cudagraph_mode, cudagraph_capture_sizes, "
+        "max_cudagraph_capture_size) shape the graphs, or a level (-O3: taken, no effect)",
     )
     parser.add_argument(
         "--enable-prefix-caching",
@@ -286,6 +299,11 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ignore-eos", action="store_true", help="go on past end-of-sequence tokens"
     )
+
+
+def compilation_arg(text: str) -> dict | int:
+    """An argparse type: vLLM's -O, a level (an int) or a JSON object."""
+    return int(text) if text.strip().isdigit() else json_object(text)
 
 
 def json_object(text: str) -> dict:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from tandem.compilation import graph_plan
 from tandem.model.rope import ROPE_TYPES
 
 SUPPORTED_ARCHITECTURES = {
@@ -471,6 +472,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     block_size: int = 16
     num_blocks: int | None = None
+    num_gpu_blocks_override: int | None = None  # vLLM's name for num_blocks
+    # vLLM's: the KV cache's size in bytes, in place of sizing it from gpu_memory_utilization
+    kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     load_format: str = "auto"
     seed: int = 0
@@ -478,6 +482,8 @@ class EngineConfig:
     async_batching: bool = True
     cuda_graphs: bool | None = None
     enforce_eager: bool = False  # vLLM's name for cuda_graphs=False: every step runs eagerly
+    # vLLM's: its CUDA-graph options shape the graphs (compilation.py), the rest are taken
+    compilation_config: dict | int | str | None = None
     # taken for vLLM's signature: tandem runs no code from a checkpoint, whatever its value
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
@@ -566,8 +572,19 @@ class EngineConfig:
         check_int("block_size", self.block_size, 1)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_gpu_blocks_override is not None:
+            check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, 1)
+            if self.num_blocks not in (None, self.num_gpu_blocks_override):
+                raise ValueError(
+                    "num_gpu_blocks_override is vLLM's name for num_blocks: give one of them"
+                )
+            self.num_blocks = self.num_gpu_blocks_override
         if self.num_blocks is not None:
             check_int("num_blocks", self.num_blocks, 1)
+        if self.kv_cache_memory_bytes is not None:
+            check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+            if self.num_blocks is not None:
+                raise ValueError("kv_cache_memory_bytes and num_blocks each size the KV cache")
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 1)
         utilization = self.gpu_memory_utilization
@@ -582,6 +599,7 @@ class EngineConfig:
             "enable_chunked_prefill", "disable_log_stats",
         )  # fmt: skip
         self.check_lora()
+        graph_plan(self.compilation_config)  # a ValueError naming a bad key or value
         if self.enforce_eager and self.cuda_graphs:
             raise ValueError(
                 "enforce_eager=True runs no CUDA graphs: it contradicts cuda_graphs=True"

@@ -20,6 +20,7 @@ from tandem.admission import Admission
 from tandem.attention import get_backend, rows_per_shared_group
 from tandem.batch import BatchBuilder, StepBatch
 from tandem.batch_invariant import invariant_attention, make_batch_invariant
+from tandem.compilation import graph_plan
 from tandem.config import EngineConfig, ModelConfig, cdiv
 from tandem.kv_cache import BlockAllocator, allocate_kv_cache, bytes_per_block
 from tandem.lora import AdapterCache, AdapterSlots, read_adapter
@@ -47,7 +48,7 @@ from tandem.repetition import ends_in_repetition
 from tandem.request import Request
 from tandem.roofline import step_work
 from tandem.rpc import apply_to_model, check_call, pickled, run_call
-from tandem.runner import Runner
+from tandem.runner import Runner, graph_batch_sizes
 from tandem.sampling import SamplingParams
 from tandem.scheduler import Scheduler
 from tandem.sleep import LEVELS, PARTS, DeviceMemory
@@ -261,7 +262,7 @@ class Engine:
             max_tokens,
             config.max_num_seqs,
             max_blocks_per_seq,
-            cuda_graphs=self._use_cuda_graphs(),
+            graph_sizes=self._graph_sizes(),
             tp=self.tp,
             piecewise=self._use_piecewise(),
             cascade=shared_rows > 0,
@@ -935,7 +936,16 @@ class Engine:
 
     def _use_piecewise(self) -> bool:
         """Steps that no whole graph runs take the pieces (piecewise.py); one device only."""
-        return self._use_cuda_graphs() and self.tp.size == 1 and piecewise.ENABLED
+        pieces = graph_plan(self.config.compilation_config).pieces
+        return self._use_cuda_graphs() and self.tp.size == 1 and piecewise.ENABLED and pieces
+
+    def _graph_sizes(self) -> list[int]:
+        """The row counts of the decode steps' whole graphs (compilation.py); [] for none."""
+        if not self._use_cuda_graphs():
+            return []
+        rows = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        plan = graph_plan(self.config.compilation_config)
+        return plan.sizes(rows, graph_batch_sizes(rows))
 
     def _use_cuda_graphs(self) -> bool:
         if self.config.cuda_graphs and self.device.type != "cuda":

@@ -28,6 +28,13 @@ def num_kv_blocks(
     per_block = bytes_per_block(cfg, config.block_size, kv_cache_dtype)
     if config.num_blocks is not None:
         num_blocks = config.num_blocks
+    elif config.kv_cache_memory_bytes is not None:
+        num_blocks = config.kv_cache_memory_bytes // per_block
+        if num_blocks == 0:
+            raise ValueError(
+                f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no KV block "
+                f"({per_block} bytes each)"
+            )
     elif device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)

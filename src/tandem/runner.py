@@ -90,7 +90,7 @@ class Runner:
         max_tokens: int,
         max_seqs: int,
         max_blocks: int,
-        cuda_graphs: bool,
+        graph_sizes: list[int],
         tp: TensorParallel,
         piecewise: bool = False,
         cascade: bool = False,
@@ -118,7 +118,7 @@ class Runner:
         self.slots = [IOSlot(i, *args, lora, embeds_dtype) for i in range(2)]
         self.cuda = device.type == "cuda"
         # decode-only steps of up to max_seqs rows replay a graph captured for the next size up
-        self.graph_sizes = graph_batch_sizes(min(max_seqs, max_tokens)) if cuda_graphs else []
+        self.graph_sizes = graph_sizes  # e.g. graph_batch_sizes; [] without whole graphs
         # ("forward", slot, rows, shared-prefix groups on/off, LoRA products on/off) and
         # ("sample", slot, rows, use_filters, use_penalties, use_mask) -> graph
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}

@@ -86,7 +86,7 @@ workload_args() {
 test_group() {
   case $1 in
     engine) echo tests/gpu/test_{cuda_engine,deterministic_cuda,penalties_cuda,prefix_cache_cuda}.py ;;
-    features) echo tests/gpu/test_{prompt_logprobs,rl,structured,swap,weight_transfer}_cuda.py \
+    features) echo tests/gpu/test_{prompt_logprobs,rl,structured,swap,weight_transfer,prompt_embeds}_cuda.py \
       tests/test_lora.py ;;
     kernels) echo tests/gpu/test_{fp8,gluon_decode}_cuda.py tests/test_triton_attention.py \
       tests/test_fused_ops.py tests/test_sampling_kernel.py tests/test_pdl.py tests/test_splitk.py \

@@ -294,3 +294,19 @@ def test_engine_samples_of_one_prompt_decode_over_shared_blocks(
     assert max(prefixes) == prefix
     assert [c.token_ids for c in ours.outputs] == [c.token_ids for c in theirs.outputs]
     assert len({tuple(c.token_ids) for c in ours.outputs}) > 1
+
+
+def test_disable_cascade_attn_reads_every_row_s_context_and_samples_the_same(make_tiny):
+    """vLLM's disable_cascade_attn: no step groups rows by shared blocks, and the n samples are
+    those of the engine that reads each shared block once per group."""
+    from tandem import LLM, SamplingParams
+
+    folder = str(make_tiny("llama"))
+    params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(7, 60))}
+    args = dict(attention_backend="triton", block_size=4, num_blocks=128, max_model_len=96)
+    grouped = LLM(folder, **args).generate(prompt, params, use_tqdm=False)[0]
+    llm = LLM(folder, disable_cascade_attn=True, **args)
+    assert llm.engine.builder.shared_group_rows == 0 and not llm.engine.runner.cascade
+    each = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert [c.token_ids for c in each.outputs] == [c.token_ids for c in grouped.outputs]

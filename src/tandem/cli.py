@@ -173,6 +173,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
         help="run every step eagerly, no CUDA graphs (vLLM's flag; as --no-cuda-graphs)",
     )
     parser.add_argument(
+        "--disable-cascade-attn",
+        action="store_true",
+        help="vLLM's: decode rows that share leading blocks read them each (no shared-prefix "
+        "attention)",
+    )
+    parser.add_argument(
         "-O",
         "--compilation-config",
         type=compilation_arg,

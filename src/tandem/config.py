@@ -482,6 +482,8 @@ class EngineConfig:
     async_batching: bool = True
     cuda_graphs: bool | None = None
     enforce_eager: bool = False  # vLLM's name for cuda_graphs=False: every step runs eagerly
+    # vLLM's: each decode row reads its whole context, no block once per group of rows
+    disable_cascade_attn: bool = False
     # vLLM's: its CUDA-graph options shape the graphs (compilation.py), the rest are taken
     compilation_config: dict | int | str | None = None
     # taken for vLLM's signature: tandem runs no code from a checkpoint, whatever its value
@@ -596,7 +598,7 @@ class EngineConfig:
         check_bools(
             self, "enable_prefix_caching", "deterministic", "trust_remote_code", "enforce_eager",
             "skip_tokenizer_init", "enable_sleep_mode", "disable_custom_all_reduce",
-            "enable_chunked_prefill", "disable_log_stats",
+            "enable_chunked_prefill", "disable_log_stats", "disable_cascade_attn",
         )  # fmt: skip
         self.check_lora()
         graph_plan(self.compilation_config)  # a ValueError naming a bad key or value

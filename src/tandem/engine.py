@@ -244,6 +244,7 @@ class Engine:
             if self.attention_backend == "triton"
             and not cfg.sliding_window
             and not config.deterministic
+            and not config.disable_cascade_attn
             else 0
         )
         self.builder = BatchBuilder(

@@ -350,14 +350,14 @@ class AsyncLLM:
 
     async def add_requests(
         self,
-        requests: list[tuple[str, SamplingParams, str | None, list[int] | None, str | None, int]],
+        requests: list[tuple],
         outputs: asyncio.Queue[StreamOutput | BaseException] | None = None,
         lora_request: LoRARequest | None = None,
     ) -> list[RequestStream]:
-        """Queue every (request_id, params, prompt, prompt_token_ids, cache_salt, priority) or
-        none: one the engine rejects aborts the others, and its error is raised. They reach the
-        engine thread together, between the same two steps; `outputs`: one queue for all;
-        `lora_request`: the LoRA adapter of all of them."""
+        """Queue every (request_id, params, prompt, prompt_token_ids, cache_salt, priority[,
+        prompt_embeds]) or none: one the engine rejects aborts the others, and its error is
+        raised. They reach the engine thread together, between the same two steps; `outputs`:
+        one queue for all; `lora_request`: the LoRA adapter of all of them."""
         results = await asyncio.gather(
             *(
                 self._add_request(*request, outputs=outputs, lora_request=lora_request)

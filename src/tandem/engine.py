@@ -741,7 +741,9 @@ class Engine:
         assert all(b.slot is not slot for b in self.in_flight)
         with timeline.phase("build", step):
             # a prompt's given embeddings enter the forward pass eagerly (prompt_embeds.py)
-            embeds = has_embed_rows(plan.requests, plan.num_new_tokens)
+            embeds = self.config.enable_prompt_embeds and has_embed_rows(
+                plan.requests, plan.num_new_tokens
+            )
             graph_size = self.runner.padded_size(
                 len(plan.requests),
                 decode_only=plan.num_tokens == len(plan.requests),
@@ -749,8 +751,8 @@ class Engine:
                 or has_pooled_rows(plan.requests, plan.num_new_tokens)
                 or embeds,
             )
-            eager = graph_size is not None or embeds
-            bucket = None if eager else self.runner.token_bucket(plan.num_tokens)
+            pieces = graph_size is None and not embeds
+            bucket = self.runner.token_bucket(plan.num_tokens) if pieces else None
             batch = self.builder.build(plan, slot, step, graph_size, bucket)
             wanted = self.step_work is not None or timeline.recording
             work = (

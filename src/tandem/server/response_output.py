@@ -195,7 +195,7 @@ class StreamEvents:
             message = {"reasoning": self.reasoning}
             response["usage"] = usage(self.chat_usage, message, self.serving)
         if self.store is not None:
-            self.store.put(response, [*self.inputs, assistant_message(self.output)])
+            self.store.put_answered(response, self.inputs)
         self.response = response
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         return [*events, self.event(kind, response=response)]

@@ -126,6 +126,10 @@ class ResponseStore:
         while len(self.responses) > MAX_STORED:
             self.responses.popitem(last=False)
 
+    def put_answered(self, response: dict[str, Any], inputs: list[dict[str, Any]]) -> None:
+        """A response that ended, its turn its input messages and its output as the answer."""
+        self.put(response, [*inputs, assistant_message(response["output"])])
+
     def get(self, response_id: str) -> dict[str, Any]:
         if response_id not in self.responses:
             raise OpenAIError(
@@ -217,7 +221,7 @@ async def create(
     response = finished(base, output_items(choice["message"], logprobs), choice["finish_reason"])
     response["usage"] = usage(completion["usage"], choice["message"], serving)
     if body.store:
-        store.put(response, [*inputs, assistant_message(response["output"])])
+        store.put_answered(response, inputs)
     return JSONResponse(response)
 
 
@@ -247,13 +251,12 @@ async def run_in_background(
         response = {**base, "status": "failed", "error": error.body()["error"]}
     except asyncio.CancelledError:
         if response_id in store.responses:  # cancelled, not deleted
-            cancelled = {**base, "status": "cancelled", "output": events.output}
-            store.put(cancelled, [*inputs, assistant_message(events.output)])
+            store.put_answered({**base, "status": "cancelled", "output": events.output}, inputs)
         raise
     finally:
         store.running.pop(response_id, None)
     if response_id in store.responses:
-        store.put(response, [*inputs, assistant_message(response["output"])])
+        store.put_answered(response, inputs)
 
 
 def renamed(param: str | None) -> str | None:

@@ -395,19 +395,11 @@ class OpenAIServing:
             )
             raise OpenAIError(message, param="n")
         salt, priority = body.cache_salt, body.priority
+        given = embeds or [None] * len(prompts)  # a prompt of embeddings: no text or ids
+        inputs = [(None, None) if e is not None else p for p, e in zip(prompts, given, strict=True)]
         requests = [
-            (f"{kind}-{call_id}-{i}-{k}", seeded(params, k), text, ids, salt, priority)
-            if embeds is None
-            else (
-                f"{kind}-{call_id}-{i}-{k}",
-                seeded(params, k),
-                None,
-                None,
-                salt,
-                priority,
-                embeds[i],
-            )
-            for i, (text, ids) in enumerate(prompts)
+            (f"{kind}-{call_id}-{i}-{k}", seeded(params, k), text, ids, salt, priority, given[i])
+            for i, (text, ids) in enumerate(inputs)
             for k in range(params.n)
         ]
         if self.options.enable_log_requests:

@@ -30,11 +30,15 @@ replay as the engine runs them, each call on a cold copy of the weight (`Rotatio
   gemv...   (--fp8, one row) the matrix-vector kernel (`quant/gemv.py`, W8A16, no tensor
             cores) in its default tiles (gemv) and others (gemv<block_n>x<block_k>w<warps>).
   The % of the FP8 ways is of the FP8 roofline: half the weight bytes.
+  int4      (--int4) the weight as int4 codes with a bf16 scale and a uint8 zero point per
+            INT4_GROUP input columns (`quant/w4a16.py`, W4A16: unpacked in registers), beside
+            linear, F.linear over the same weight dequantized to bf16. The % of both is of the
+            int4 roofline: the packed codes, scales and zeros, and the bf16 input and output rows.
   invariant (--deterministic) deterministic mode's GEMM (`batch_invariant.invariant_tiles`: the
             tiles and K slices of the weight's shape, slices kept for o and down), beside
             F.linear and three variants of its tiles: 4 stages, 64-wide, 64-feature K steps.
 Usage: PYTHONPATH=src python benchmarks/gemm.py [--model llama-3-8b] [--rows 1 8 32] [--autotune]
-[--fp8] [--deterministic] [--with-norm] [--matrices o down]
+[--fp8 | --int4] [--deterministic] [--with-norm] [--matrices o down]
 [--sweep-splitk [--sweep-matrices o down]] [--sweep-w8a8]  (--sweep-w8a8, alone: each layer
 matrix's W8A8 split-K product under each tile shape; --sweep-splitk: those matrices under each split-K
 tile shape, warp count and split count, after the table; * marks the plan's pick; where the plan
@@ -67,11 +71,13 @@ from tandem.quant.fp8 import quantize_rows, quantize_tokens
 from tandem.quant.gemv import MAX_ROWS as GEMV_ROWS
 from tandem.quant.gemv import GemvTiles, fp8_gemv
 from tandem.quant.linear import w8a8_linear, w8a8_splitk
+from tandem.quant.w4a16 import dequantize, pack, w4a16_linear
 from tandem.roofline import H200
 from tandem.runner import preferred_blas
 
 COPY_CEILING = H200.bandwidth  # bytes/s, device-to-device copy, read + write (DESIGN.md)
 GEMM_PEAK = H200.flops  # bf16 FLOP/s, an 8192^3 GEMM (DESIGN.md)
+INT4_GROUP = 128  # input columns per int4 scale and zero point, as GPTQ and AWQ checkpoints
 
 
 def matrices(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -117,10 +123,19 @@ def variants(
     fp8: bool = False,
     invariant_residual: bool | None = None,
     residual: bool = False,
+    int4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> dict:
     """way -> function of the input batch (`invariant_residual`: deterministic mode's ways,
-    True for the o and down matrices; `residual`: the o and down matrices' own ways too)."""
+    True for the o and down matrices; `residual`: the o and down matrices' own ways too; `int4`:
+    (packed, scale, zero) of the weight, F.linear and the W4A16 kernel only)."""
     rotation = Rotation(weight)
+    if int4 is not None:
+        packed, scale, zero = int4
+        int4_rotation = Rotation(packed)  # scales and zeros (5% of the codes' bytes) shared
+        return {
+            "linear": lambda x: F.linear(x, rotation.next()),
+            "int4": lambda x: w4a16_linear(x, int4_rotation.next(), scale, zero, INT4_GROUP),
+        }
     if invariant_residual is not None:
         tiles = invariant_tiles(*weight.shape, weight.device, invariant_residual)
         shapes = {
@@ -201,6 +216,25 @@ GEMV_SHAPES = {"gemv": GemvTiles()} | {
         GemvTiles(8, 1024, 8),
     )
 }
+
+
+def random_int4(
+    out_features: int, in_features: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed int32 [out, in // 8], bf16 scales and uint8 zeros [out, in // INT4_GROUP]) of
+    random codes, weights about 1/sqrt(in) in size."""
+    groups = in_features // INT4_GROUP
+    codes = torch.randint(0, 16, (out_features, in_features), device="cuda", dtype=torch.uint8)
+    zero = torch.randint(0, 16, (out_features, groups), device="cuda", dtype=torch.uint8)
+    scale = (0.5 + torch.rand(out_features, groups, device="cuda")) / (4 * in_features**0.5)
+    return pack(codes), scale.to(torch.bfloat16), zero
+
+
+def int4_bytes(out_features: int, in_features: int, rows: int) -> int:
+    """Bytes a W4A16 product moves: half a byte per code, a bf16 scale and a uint8 zero per
+    group, the bf16 input and output rows."""
+    groups = out_features * in_features // INT4_GROUP
+    return out_features * in_features // 2 + 3 * groups + 2 * rows * (in_features + out_features)
 
 
 def fp8_view(t: torch.Tensor) -> torch.Tensor:
@@ -299,7 +333,11 @@ def main() -> None:
     parser.add_argument("--model", default="llama-3-8b")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 256])
     parser.add_argument("--autotune", action="store_true")
-    parser.add_argument("--fp8", action="store_true", help="the FP8 ways instead")
+    weight_format = parser.add_mutually_exclusive_group()
+    weight_format.add_argument("--fp8", action="store_true", help="the FP8 ways instead")
+    weight_format.add_argument(
+        "--int4", action="store_true", help="F.linear and the W4A16 kernel, int4 roofline"
+    )
     parser.add_argument("--deterministic", action="store_true", help="deterministic mode's ways")
     parser.add_argument("--json")
     parser.add_argument("--sweep-splitk", action="store_true")
@@ -316,12 +354,20 @@ def main() -> None:
     for name, (out_features, in_features) in matrices(cfg).items():
         if args.matrices and name not in args.matrices:
             continue
-        weight = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16)
+        int4 = random_int4(out_features, in_features) if args.int4 else None
+        if int4 is None:
+            weight = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16)
+        else:  # the int4 weight in bf16: both ways compute the same product
+            weight = dequantize(*int4, INT4_GROUP, torch.bfloat16)
         weight_bytes = weight.numel() * (1 if args.fp8 else weight.element_size())
         for rows in args.rows:
+            if int4 is not None:
+                weight_bytes = int4_bytes(out_features, in_features, rows)
             to_norm = name in ("o", "down")
             invariant = to_norm if args.deterministic else None
-            ways = variants(weight, args.autotune, args.fp8, invariant, to_norm and not args.fp8)
+            ways = variants(
+                weight, args.autotune, args.fp8, invariant, to_norm and not args.fp8, int4
+            )
             x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
             expected = {way: F.linear(x, weight).float() for way in ways}
             if args.fp8:  # the operands as each FP8 way sees them: e4m3 read back
@@ -349,7 +395,7 @@ def main() -> None:
                 cells.append(f"{way} {us:7.1f} us {100 * roofline_us / us:5.1f}%")
             print(f"{name:8} {out_features:>6}x{in_features:<6} M={rows:<4} " + "  ".join(cells),
                   flush=True)  # fmt: skip
-        del weight
+        del weight, int4
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "results": results}, f, indent=1)

@@ -63,6 +63,9 @@ workload_args() {
     seed-fp8) echo "$(workload_args seed) --quantization fp8" ;;
     latency-fp8) echo "$(workload_args latency) --quantization fp8" ;;
     small-fp8kv) echo "$(workload_args small) --kv-cache-dtype fp8" ;;
+    # int4 weights (GPTQ's layout, random codes in groups of 128: quant/int4.py)
+    seed-int4) echo "$(workload_args seed) --quantization gptq" ;;
+    latency-int4) echo "$(workload_args latency) --quantization gptq" ;;
     rollout-fp8kv) echo "$(workload_args rollout) --kv-cache-dtype fp8" ;;
     moe) echo "--model qwen3-30b-a3b --input-len 128 --output-len 1024 --num-prompts 32 --max-num-seqs 32" ;;
     moe1) echo "--model qwen3-30b-a3b --input-len 128 --output-len 512 --num-prompts 1 --max-num-seqs 1" ;;

@@ -227,15 +227,18 @@ def rewrite(folder: Path, edit) -> None:
 
 def test_unknown_quant_method_is_rejected_by_name(make_tiny, tmp_path):
     fp8, _ = write_fp8(make_tiny("llama"), tmp_path, "channel")
-    edit_config(fp8, quantization_config={"quant_method": "awq", "bits": 4})
-    with pytest.raises(ValueError, match=r"quant_method 'awq'.*'compressed-tensors', 'fp8'"):
+    edit_config(fp8, quantization_config={"quant_method": "bitsandbytes", "bits": 4})
+    with pytest.raises(
+        ValueError, match=r"quant_method 'bitsandbytes'.*'awq', 'compressed-tensors', 'fp8', 'gptq'"
+    ):
         LLM(str(fp8), max_model_len=64)
 
 
 @pytest.mark.parametrize(
     "group,message",
     [
-        ({"format": "pack-quantized"}, "format 'pack-quantized'"),
+        ({"format": "marlin-24"}, "format 'marlin-24'.*'pack-quantized'"),
+        ({"format": "pack-quantized"}, "only 4-bit int"),
         ({"weights": {**CHANNEL, "strategy": "group"}}, "strategy 'group'"),
         ({"weights": {**CHANNEL, "num_bits": 4}}, "only 8-bit float"),
         ({"weights": {**CHANNEL, "strategy": "block"}}, "block_structure must be two"),

@@ -39,6 +39,7 @@ from tandem.config import cdiv
 from tandem.model import fused, splitk
 from tandem.model.decoder import Decoder, RMSNorm
 from tandem.model.moe import SparseMoeBlock
+from tandem.quant.int4 import Int4Linear
 from tandem.quant.linear import Fp8Linear
 
 BLOCK_M = 64  # rows per program, for every M: one tensor-core instruction shape throughout
@@ -76,10 +77,10 @@ def invariant_tiles(
 def make_batch_invariant(model: Decoder) -> None:
     """Every linear layer of `model`, and its LM head, computed batch-invariantly. FP8 layers
     (cuBLASLt's FP8 GEMM picks kernels by rows) and mixture-of-experts blocks (the grouped
-    GEMM's row blocks follow the batch's routing) are not covered: refused."""
-    uncovered = sorted(
-        {type(m).__name__ for m in model.modules() if isinstance(m, Fp8Linear | SparseMoeBlock)}
-    )
+    GEMM's row blocks follow the batch's routing) and int4 layers (their kernel's tiles follow
+    the rows) are not covered: refused."""
+    covered_not = Fp8Linear | Int4Linear | SparseMoeBlock
+    uncovered = sorted({type(m).__name__ for m in model.modules() if isinstance(m, covered_not)})
     if uncovered:
         raise ValueError(
             f"deterministic=True covers dense 16- and 32-bit models; this one has {uncovered}"

@@ -16,6 +16,7 @@ from tandem.config import (
     EXECUTOR_BACKENDS,
     LOGPROBS_MODES,
     ONE_BEHAVIOUR,
+    QUANTIZATIONS,
     SCHEDULING_POLICIES,
     EngineConfig,
 )
@@ -218,8 +219,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
     )
     parser.add_argument(
         "--quantization",
-        choices=["fp8"],
-        help="fp8: FP8 weights of a bf16 checkpoint (default: the checkpoint's own)",
+        choices=list(QUANTIZATIONS),
+        help="fp8: FP8 weights of a bf16 checkpoint; gptq, awq, compressed-tensors: the "
+        "checkpoint's int4 format (random int4 weights with --load-format dummy); default: the "
+        "checkpoint's own",
     )
     parser.add_argument(
         "--kv-cache-dtype",

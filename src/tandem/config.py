@@ -76,6 +76,12 @@ DTYPES = {
 }
 
 
+# vLLM's `quantization` values for int4 checkpoints -> the format (quant_method) each reads
+# ("gptq_marlin", "awq_marlin": vLLM's kernel choices for the same checkpoints)
+INT4_QUANTIZATIONS = {"gptq": "gptq", "gptq_marlin": "gptq", "awq": "awq", "awq_marlin": "awq",
+                      "compressed-tensors": "compressed-tensors"}  # fmt: skip
+QUANTIZATIONS = ("fp8", *INT4_QUANTIZATIONS)
+
 # "fp8" is e4m3 (as vLLM's default "fp8"); None: the model's dtype
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
@@ -498,7 +504,9 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     # prompts given as embeddings ({"prompt_embeds": tensor}; prompt_embeds.py), vLLM's flag
     enable_prompt_embeds: bool = False
-    quantization: str | None = None  # "fp8": FP8 weights of a bf16 checkpoint, made at load
+    # "fp8": FP8 weights of a bf16 checkpoint, made at load; "gptq", "awq", "compressed-tensors"
+    # (and vLLM's "gptq_marlin", "awq_marlin"): the checkpoint's int4 format, checked against it
+    quantization: str | None = None
     kv_cache_dtype: str = "auto"  # "fp8" (e4m3, per-tensor scales): half a bf16 cache's bytes
     # bit-identical tokens and logprobs whatever else is batched (batch_invariant.py)
     deterministic: bool = False
@@ -660,8 +668,11 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be None, 'cpu' or 'cuda', got {self.device!r}")
-        if self.quantization not in (None, "fp8"):
-            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be None or one of {list(QUANTIZATIONS)}, "
+                f"got {self.quantization!r}"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"

@@ -315,10 +315,11 @@ class Engine:
         self.step_work: list[tuple[int, int, int, int]] | None = None
 
     def byte_sizes(self) -> dict[str, int]:
-        """Bytes per weight of the layers' matrices and per KV cache value (1 with FP8), for
-        the roofline."""
-        weight = self.model.layers[0].self_attn.qkv_proj.weight
-        return {"linear_bytes": weight.element_size(), "kv_bytes": self.kv_cache_dtype.itemsize}
+        """Bytes per weight of the layers' matrices and per KV cache value (1 with FP8, about
+        half with int4 weights), for the roofline."""
+        qkv = self.model.layers[0].self_attn.qkv_proj
+        per_weight = getattr(qkv, "bytes_per_weight", None) or qkv.weight.element_size()
+        return {"linear_bytes": per_weight, "kv_bytes": self.kv_cache_dtype.itemsize}
 
     def _num_host_blocks(self, local: ModelConfig, max_blocks_per_seq: int) -> int:
         """Host blocks for preemption by swap (swap.py): swap_space GiB, or no more than every

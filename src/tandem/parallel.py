@@ -131,21 +131,39 @@ def shard_tensor(
     if leaf in ("k_proj", "v_proj"):
         first, count = tp.kv_heads(cfg.num_kv_heads)
         return tensor.narrow(0, first * d, count * d)
-    if leaf == "o_proj" and hf_name.endswith("weight"):
+    if leaf == "o_proj":
         first, count = tp.heads(cfg.num_heads)
-        return tensor.narrow(1, first * d, count * d)
+        return input_columns(hf_name, tensor, first * d, count * d, cfg.q_size)
     # an expert's MLP is sliced as a dense one, by its own intermediate size
     inter = intermediate_size_of(hf_name, cfg)
     if leaf in ("gate_proj", "up_proj"):
         first, count = tp.part(inter)
         return tensor.narrow(0, first, count)
-    if leaf == "down_proj" and hf_name.endswith("weight"):  # per-row FP8 scales stay whole
+    if leaf == "down_proj":
         first, count = tp.part(inter)
-        return tensor.narrow(1, first, count)
+        return input_columns(hf_name, tensor, first, count, inter)
     if leaf in ("embed_tokens", "lm_head"):
         first, count = tp.part(cfg.vocab_size)
         return tensor.narrow(0, first, max(0, min(count, cfg.vocab_size - first)))
     return tensor
+
+
+def input_columns(
+    hf_name: str, tensor: torch.Tensor, first: int, count: int, width: int
+) -> torch.Tensor:
+    """Input columns [first, first + count) of `width` of a row-parallel projection's tensor,
+    whose columns cover the width in equal units: the weight's own columns, 4-bit codes' words
+    of 8, a scale's groups. A bias, and a scale of one column (one per row), stay whole."""
+    if tensor.dim() != 2 or tensor.shape[1] == 1:
+        return tensor
+    unit = width // tensor.shape[1]
+    if unit * tensor.shape[1] != width or first % unit or count % unit:
+        raise ValueError(
+            f"checkpoint tensor {hf_name!r} ({tensor.shape[1]} columns for {width} input "
+            f"features) cannot be split at input feature {first} of this rank: choose a "
+            "tensor_parallel_size that splits its groups whole"
+        )
+    return tensor.narrow(1, first // unit, count // unit)
 
 
 def intermediate_size_of(name: str, cfg: ModelConfig) -> int:

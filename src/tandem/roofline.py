@@ -60,11 +60,12 @@ class ModelCost:
         cls,
         cfg: ModelConfig,
         dtype_bytes: int,
-        linear_bytes: int | None = None,
+        linear_bytes: float | None = None,
         kv_bytes: int | None = None,
     ) -> ModelCost:
         """`linear_bytes`, `kv_bytes`: per weight of the layers' matrices and per KV value,
-        where not `dtype_bytes` (1 with FP8 weights, an FP8 KV cache)."""
+        where not `dtype_bytes` (1 with FP8 weights, an FP8 KV cache; int4 weights about half
+        a byte, their scales shared out)."""
         linear_bytes, kv_bytes = linear_bytes or dtype_bytes, kv_bytes or dtype_bytes
         h = cfg.hidden_size
         moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
@@ -76,7 +77,7 @@ class ModelCost:
             layer_params += moe_layers * (3 * h * shared + h)  # every step reads them
         lm_head_params = cfg.vocab_size * h
         return cls(
-            weight_bytes=layer_params * linear_bytes + lm_head_params * dtype_bytes,
+            weight_bytes=round(layer_params * linear_bytes) + lm_head_params * dtype_bytes,
             embed_row_bytes=h * dtype_bytes,
             kv_bytes_per_token=2 * cfg.num_layers * cfg.kv_size * kv_bytes,
             layer_flops_per_token=2 * (layer_params + cfg.num_experts_per_tok * expert_params),
@@ -142,7 +143,7 @@ def roofline_summary(
     dtype_bytes: int,
     work: np.ndarray,
     hardware: Hardware = H200,
-    linear_bytes: int | None = None,
+    linear_bytes: float | None = None,
     kv_bytes: int | None = None,
 ) -> dict:
     """The sum of per-step rooflines of `work` and what it consists of, for a benchmark report

@@ -17,6 +17,7 @@ from tandem.model import hf_names
 from tandem.model.decoder import Decoder
 from tandem.model.loader import destination, iter_safetensors
 from tandem.parallel import TensorParallel, shard_tensor
+from tandem.quant.int4 import Int4Linear
 from tandem.quant.linear import Fp8Linear
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -48,6 +49,11 @@ def plan_update(
         raise ValueError(
             "update_weights does not re-quantize FP8 layers yet; load the new weights with a "
             "fresh LLM(..., quantization='fp8')"
+        )
+    if any(isinstance(module, Int4Linear) for module in model.modules()):
+        raise ValueError(
+            "update_weights takes weights in the model dtype; this model's layers hold int4 "
+            "codes (a GPTQ, AWQ or compressed-tensors checkpoint): load a new checkpoint instead"
         )
     params = dict(model.named_parameters())
     copies = []

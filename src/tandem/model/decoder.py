@@ -20,6 +20,7 @@ from tandem.model.rope import RotaryEmbedding
 from tandem.parallel import TensorParallel
 from tandem.quant.checkpoint import Fp8Config
 from tandem.quant.fp8 import Fp8Rows
+from tandem.quant.int4 import Int4Config
 from tandem.quant.linear import linear_factory
 
 
@@ -252,8 +253,9 @@ class Decoder(nn.Module):
     """Token ids of a ragged batch -> final hidden states; logits only for the rows that sample.
 
     `cfg` holds this rank's shapes (its heads, KV heads and MLP slice; see parallel.shard_config).
-    With `fp8`, the layers' projections are `quant.linear.Fp8Linear`s (the one seam of FP8
-    weights); embeddings, norms, the MoE experts and the LM head stay in the model dtype.
+    With a quantized `scheme`, the layers' projections are `quant.linear.Fp8Linear`s or
+    `quant.int4.Int4Linear`s (the one seam of quantized weights); embeddings, norms, the MoE
+    experts and the LM head stay in the model dtype.
     """
 
     def __init__(
@@ -261,7 +263,7 @@ class Decoder(nn.Module):
         cfg: ModelConfig,
         max_position: int,
         tp: TensorParallel | None = None,
-        fp8: Fp8Config | None = None,
+        scheme: Fp8Config | Int4Config | None = None,
     ):
         super().__init__()
         self.cfg = cfg
@@ -271,7 +273,7 @@ class Decoder(nn.Module):
         ropes = rotary_embeddings(cfg, max_position)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.embed_scale = embed_scale(cfg)
-        linear = linear_factory(fp8)
+        linear = linear_factory(scheme)
         self.layers = nn.ModuleList(
             make_layer(cfg, i, ropes, tp, linear) for i in range(cfg.num_layers)
         )

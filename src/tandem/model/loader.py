@@ -15,7 +15,8 @@ from tandem.model import hf_names
 from tandem.model.decoder import Decoder
 from tandem.parallel import TensorParallel, intermediate_size_of, shard_config, shard_tensor
 from tandem.quant import linear as fp8_linear
-from tandem.quant.checkpoint import Fp8Config, checkpoint_tensors, fit_tensor, fp8_config
+from tandem.quant.checkpoint import Fp8Config, checkpoint_tensors, fit_tensor, weight_scheme
+from tandem.quant.int4 import Int4Config
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 DUMMY_SEED_SALT = 0x5EED
@@ -88,20 +89,20 @@ def build_model(
 ) -> Decoder:
     """`cfg` is the whole model; each rank builds and loads only its shard. FP8 weights come
     from the checkpoint's quantization_config or, with `quantization="fp8"`, from quantizing
-    its weights here; with `fp8_kv_cache`, the checkpoint's k_scale/v_scale are the cache's."""
+    its weights here; int4 ones from a GPTQ, AWQ or compressed-tensors checkpoint (or random
+    ones quantized here, `quant.int4`); with `fp8_kv_cache`, the checkpoint's k_scale/v_scale
+    are the cache's."""
     if folder is None and load_format != "dummy":
         raise ValueError(
             "a preset has shapes but no weights; pass load_format='dummy' to use random weights"
         )
-    fp8 = fp8_config(hf_config, quantization)
-    if fp8 is not None and load_format == "dummy":  # random weights, quantized here per channel
-        fp8 = Fp8Config(quantize_at_load=True, strategy="channel")
-    check_fp8(fp8, dtype, tp)
+    scheme = weight_scheme(hf_config, quantization, load_format, folder)
+    check_scheme(scheme, cfg, dtype, tp)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = Decoder(shard_config(cfg, tp), max_position, tp, fp8)
+            model = Decoder(shard_config(cfg, tp), max_position, tp, scheme)
     finally:
         torch.set_default_dtype(default_dtype)
     if load_format == "dummy":
@@ -115,19 +116,39 @@ def build_model(
     kv_scales: dict[str, float] = {}
     tensors = hf_names.normalized(tensors, cfg)
     # quantized (at load) before sharding: each row's scale is the whole row's, as on one device
-    tensors = checkpoint_tensors(tensors, fp8, kv_scales)
-    fit = None if fp8 is None else lambda name, tensor, dest: fit_tensor(name, tensor, dest, fp8)
+    tensors = checkpoint_tensors(tensors, scheme, kv_scales)
+    fit = None
+    if isinstance(scheme, Fp8Config):
+        fit = lambda name, tensor, dest: fit_tensor(name, tensor, dest, scheme)  # noqa: E731
     load_weights(model, ((name, shard_tensor(name, t, cfg, tp)) for name, t in tensors), fit)
-    if fp8 is not None:
+    if isinstance(scheme, Fp8Config):
         fp8_linear.prepare(model, dtype, device)
     if fp8_kv_cache:
         set_kv_scales(model, kv_scales)
     return model.eval()
 
 
-def check_fp8(fp8: Fp8Config | None, dtype: torch.dtype, tp: TensorParallel) -> None:
-    if fp8 is None:
-        return
+def check_scheme(
+    scheme: Fp8Config | Int4Config | None, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel
+) -> None:
+    if isinstance(scheme, Int4Config) and cfg.num_experts:
+        raise ValueError(
+            f"int4 weights ({scheme.method}) are supported for dense models; "
+            f"{cfg.architecture} has mixture-of-experts layers"
+        )
+    if isinstance(scheme, Int4Config) and scheme.group_size and tp.size > 1:
+        local = shard_config(cfg, tp)  # the row-parallel layers' input widths on a rank
+        for name, width in (("o_proj", local.q_size), ("down_proj", local.intermediate_size)):
+            if width % scheme.group_size:
+                raise ValueError(
+                    f"int4 groups of {scheme.group_size} input features do not split across "
+                    f"tensor_parallel_size={tp.size}: {name} has {width} input features a rank"
+                )
+    if isinstance(scheme, Fp8Config):
+        check_fp8(scheme, dtype, tp)
+
+
+def check_fp8(fp8: Fp8Config, dtype: torch.dtype, tp: TensorParallel) -> None:
     if dtype == torch.float16:
         raise ValueError(
             "FP8 weights run with dtype 'bfloat16' (W8A8 on Hopper) or 'float32' (W8A16); "

@@ -70,7 +70,9 @@ class LoRALayers:
         from tandem.model.loader import stacked_sizes  # it imports the decoder, which imports us
 
         if any(type(layer.self_attn.qkv_proj) is not nn.Linear for layer in model.layers):
-            raise ValueError("LoRA adapters run on bfloat16/float16/float32 weights, not FP8")
+            raise ValueError(
+                "LoRA adapters run on bfloat16/float16/float32 weights, not FP8 or int4 ones"
+            )
         weight = model.embed_tokens.weight
         # [max_tokens, slots * rank] in the model dtype: 1 where a token's slot owns the column
         self.mask = torch.zeros(max_tokens, slots * rank, dtype=weight.dtype, device=weight.device)

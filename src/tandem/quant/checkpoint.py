@@ -1,5 +1,6 @@
-"""FP8 checkpoints and quantization at load: which scheme a config.json asks for, and how its
-tensors map onto `Fp8Linear`'s [out, in] e4m3 weight and [out, groups] float32 scales.
+"""Quantized checkpoints: which scheme a config.json asks for (`weight_scheme`: FP8 here, int4
+in `int4`), and how FP8 tensors map onto `Fp8Linear`'s [out, in] e4m3 weight and [out, groups]
+float32 scales.
 
 Two checkpoint formats (`quantization_config.quant_method`):
 - "compressed-tensors", format "float-quantized": `weight` e4m3 and `weight_scale` float32, per
@@ -17,17 +18,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from tandem.config import cdiv
+from tandem.config import INT4_QUANTIZATIONS, cdiv
+from tandem.quant import int4
 from tandem.quant.fp8 import FP8_DTYPE, quantize_rows
+from tandem.quant.int4 import Int4Config
 
 logger = logging.getLogger(__name__)
 
 LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-METHODS = ("compressed-tensors", "fp8")
+METHODS = ("awq", "compressed-tensors", "fp8", "gptq")  # quant_method values read
 STRATEGIES = ("tensor", "channel", "block")
 KV_SCALES = ("self_attn.k_scale", "self_attn.v_scale")
 
@@ -45,6 +49,40 @@ class Fp8Config:
     def group_size(self) -> int | None:
         """Input columns per scale in `Fp8Linear` (None: one scale per row)."""
         return None if self.block is None else self.block[1]
+
+
+def weight_scheme(
+    hf_config: dict[str, Any],
+    quantization: str | None,
+    load_format: str,
+    folder: Path | None = None,
+) -> Fp8Config | Int4Config | None:
+    """How the decoder's linear layers hold their weights: FP8 (`fp8_config`), int4
+    (`int4.int4_config`) or None (the model dtype). A `quantization` naming another method
+    than the checkpoint's is a ValueError; on random weights (`load_format="dummy"`) it
+    picks the scheme they are quantized into at load. Older GPTQ and AWQ checkpoints keep
+    their settings in a file of their own beside config.json (`int4.separate_config`)."""
+    wanted = INT4_QUANTIZATIONS.get(quantization, quantization)
+    qc = hf_config.get("quantization_config") or int4.separate_config(folder, wanted)
+    if qc is not None and wanted is not None and qc.get("quant_method") != wanted:
+        raise ValueError(
+            f"quantization={quantization!r} does not match the checkpoint's "
+            f"quantization_config.quant_method {qc.get('quant_method')!r}"
+        )
+    scheme = None if qc is None else int4.int4_config(qc)
+    if scheme is None and quantization in INT4_QUANTIZATIONS:
+        if qc is None and load_format != "dummy":
+            raise ValueError(
+                f"quantization={quantization!r} needs a checkpoint quantized that way (its "
+                "config.json's quantization_config); 4-bit weights are not made at load"
+            )
+        scheme = int4.dummy_config() if qc is None else None
+    if scheme is not None:
+        return int4.dummy_config() if load_format == "dummy" else scheme
+    fp8 = fp8_config(hf_config, quantization)
+    if fp8 is not None and load_format == "dummy":  # random weights, quantized here per channel
+        fp8 = Fp8Config(quantize_at_load=True, strategy="channel")
+    return fp8
 
 
 def fp8_config(hf_config: dict[str, Any], quantization: str | None) -> Fp8Config | None:
@@ -75,7 +113,7 @@ def _compressed_tensors(qc: dict[str, Any]) -> Fp8Config:
         if fmt != "float-quantized":
             raise ValueError(
                 f"compressed-tensors format {fmt!r} is not supported; supported: "
-                "'float-quantized' (FP8 e4m3)"
+                "'float-quantized' (FP8 e4m3), 'pack-quantized' (int4)"
             )
         weights = group.get("weights") or {}
         if weights.get("type") != "float" or weights.get("num_bits") != 8:
@@ -128,19 +166,23 @@ def is_linear_weight(hf_name: str) -> bool:
 
 def checkpoint_tensors(
     tensors: Iterable[tuple[str, torch.Tensor]],
-    fp8: Fp8Config | None,
+    fp8: Fp8Config | Int4Config | None,
     kv_scales: dict[str, float],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors under the names `load_weights` places: with `fp8`, FP8 weights
     and their `weight_scale` (quantized here when `fp8.quantize_at_load`), static input scales
-    dropped; KV cache scales are taken out into `kv_scales` (name -> float)."""
+    dropped; int4 ones in `Int4Linear`'s layout (`int4.checkpoint_tensors`); KV cache scales
+    are taken out into `kv_scales` (name -> float)."""
+    tensors = _kv_scales_out(tensors, kv_scales)
+    if fp8 is None:
+        yield from tensors
+        return
+    if isinstance(fp8, Int4Config):
+        yield from int4.checkpoint_tensors(tensors, fp8)
+        return
     dropped = 0
     for name, tensor in tensors:
-        if name.endswith(KV_SCALES):
-            kv_scales[name] = float(tensor.float().reshape(-1)[0])
-        elif fp8 is None:
-            yield name, tensor
-        elif name.endswith(".input_scale"):
+        if name.endswith(".input_scale"):
             dropped += 1
         elif fp8.quantize_at_load and is_linear_weight(name) and tensor.dtype != FP8_DTYPE:
             weight, scale = quantize_rows(tensor)
@@ -152,6 +194,16 @@ def checkpoint_tensors(
         logger.warning(
             "%d static input_scale tensors not used: activations are quantized per token", dropped
         )
+
+
+def _kv_scales_out(
+    tensors: Iterable[tuple[str, torch.Tensor]], kv_scales: dict[str, float]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in tensors:
+        if name.endswith(KV_SCALES):
+            kv_scales[name] = float(tensor.float().reshape(-1)[0])
+        else:
+            yield name, tensor
 
 
 def fit_tensor(

@@ -27,7 +27,7 @@ from tandem import envs
 from tandem.config import cdiv
 from tandem.model import splitk
 from tandem.model.fused import num_sms
-from tandem.quant import gemv
+from tandem.quant import gemv, int4
 from tandem.quant.checkpoint import Fp8Config
 from tandem.quant.fp8 import (
     FP8_DTYPE,
@@ -37,6 +37,7 @@ from tandem.quant.fp8 import (
     has_fp8_gemm,
     quantize_rows,
 )
+from tandem.quant.int4 import Int4Config
 
 logger = logging.getLogger(__name__)
 
@@ -230,8 +231,10 @@ def _w8a8_input(linear: nn.Module) -> Callable[..., bool] | None:
     return linear.takes_fp8_rows if isinstance(linear, Fp8Linear) and linear.w8a8 else None
 
 
-def linear_factory(fp8: Fp8Config | None) -> Callable[..., nn.Module]:
+def linear_factory(scheme: Fp8Config | Int4Config | None) -> Callable[..., nn.Module]:
     """What the decoder builds its projections with: (in, out, bias=) -> a linear layer."""
-    if fp8 is None:
+    if scheme is None:
         return nn.Linear
-    return functools.partial(Fp8Linear, group_size=fp8.group_size)
+    if isinstance(scheme, Int4Config):
+        return int4.layer_factory(scheme)
+    return functools.partial(Fp8Linear, group_size=scheme.group_size)

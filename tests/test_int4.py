@@ -24,6 +24,7 @@ from test_fp8_weights import (
 )
 
 pytest.importorskip("transformers")
+pack_to_int32 = pytest.importorskip("compressed_tensors.compressors").pack_to_int32
 
 GROUP = 32
 AWQ_NIBBLE_COLUMNS = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word: column 8j + this
@@ -90,9 +91,9 @@ def layer_tensors(name: str, w: torch.Tensor, fmt: str) -> tuple[dict, torch.Ten
             "qzeros": pack_across(zero.t().contiguous(), AWQ_NIBBLE_COLUMNS),
             "scales": scale.t().contiguous(),
         }
-    else:  # signed codes plus 8, packed along the input columns
+    else:  # signed codes, packed by compressed-tensors' own packer (which adds 8)
         tensors = {
-            "weight_packed": pack_across(codes),
+            "weight_packed": pack_to_int32((codes - 8).to(torch.int8), 4),
             "weight_scale": scale.contiguous(),
             "weight_shape": torch.tensor(list(w.shape)),
         }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,8 @@ pack_to_int32 = pytest.importorskip("compressed_tensors.compressors").pack_to_in
 
 GROUP = 32
 AWQ_NIBBLE_COLUMNS = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word: column 8j + this
+SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up",
+                "up_proj": "gate_up"}  # fmt: skip
 
 
 def as_int32(words: torch.Tensor) -> torch.Tensor:
@@ -72,11 +75,31 @@ def quantize_groups(w: torch.Tensor, symmetric: bool):
     return codes.reshape(out, cols), scale, zero, dequantized.reshape(out, cols)
 
 
+def input_order(module: str, columns: int) -> torch.Tensor:
+    """A random order of a projection's input columns, the same for projections of one input
+    (as act-order quantization orders them by the input's statistics)."""
+    parent, _, leaf = module.rpartition(".")
+    seed = zlib.crc32(f"{parent}.{SHARED_INPUT.get(leaf, leaf)}".encode())
+    return torch.randperm(columns, generator=torch.Generator().manual_seed(seed))
+
+
 def layer_tensors(name: str, w: torch.Tensor, fmt: str) -> tuple[dict, torch.Tensor]:
     """(a projection's tensors as format `fmt` stores them, its dequantized float32 weight)."""
     module = name.removesuffix(".weight")
-    codes, scale, zero, dequantized = quantize_groups(w, symmetric=fmt == "compressed-tensors")
     groups = w.shape[1] // GROUP
+    if fmt == "gptq_act":  # group k: input columns order[k * GROUP : (k + 1) * GROUP]
+        order = input_order(module, w.shape[1])
+        codes, scale, zero, dequantized = quantize_groups(w[:, order], symmetric=False)
+        place = torch.argsort(order)  # column c's place in the order
+        codes, dequantized = codes[:, place], dequantized[:, place]
+        tensors = {
+            "qweight": pack_down(codes.t()),
+            "qzeros": pack_across(((zero - 1).t() & 0xF).contiguous()),
+            "scales": scale.t().contiguous(),
+            "g_idx": (place // GROUP).to(torch.int32),
+        }
+        return {f"{module}.{part}": t for part, t in tensors.items()}, dequantized
+    codes, scale, zero, dequantized = quantize_groups(w, symmetric=fmt == "compressed-tensors")
     if fmt in ("gptq", "gptq_v2"):
         stored_zero = zero - 1 if fmt == "gptq" else zero  # the first format's zeros less one
         tensors = {
@@ -102,6 +125,9 @@ def layer_tensors(name: str, w: torch.Tensor, fmt: str) -> tuple[dict, torch.Ten
 
 
 def quantization_config(fmt: str) -> dict:
+    if fmt == "gptq_act":
+        return {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True,
+                "sym": False}  # fmt: skip
     if fmt in ("gptq", "gptq_v2"):
         return {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False,
                 "sym": False, "checkpoint_format": fmt}  # fmt: skip
@@ -145,6 +171,8 @@ def int4_layers(llm: LLM) -> list[Int4Linear]:
         ("llama", "awq"),
         ("qwen3", "awq"),
         ("llama", "compressed-tensors"),
+        ("llama", "gptq_act"),
+        ("qwen2", "gptq_act"),
         ("mistral", "compressed-tensors"),
     ],
 )
@@ -197,7 +225,6 @@ def test_groups_that_a_rank_would_split_are_refused(make_tiny, tmp_path):
     "fmt,change,message",
     [
         ("gptq", {"bits": 8}, "only 4-bit"),
-        ("gptq", {"desc_act": True}, "desc_act=true"),
         ("gptq", {"lm_head": True}, "quantized LM head"),
         ("gptq", {"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
         ("gptq", {"group_size": 12}, "group_size must be -1 or a positive multiple of 8"),
@@ -231,11 +258,49 @@ def test_unsupported_pack_quantized_schemes_are_refused(make_tiny, tmp_path, cha
         LLM(str(int4), max_model_len=64)
 
 
+def test_act_order_gathers_each_layers_input_into_its_group_order(make_tiny, tmp_path):
+    """The layer's input order puts each group's input columns together (in ascending order
+    within a group), one order for q, k and v."""
+    int4, _ = write_int4(make_tiny("llama"), tmp_path, "gptq_act")
+    llm = LLM(str(int4), max_model_len=64, block_size=8)
+    attention = llm.engine.model.layers[1].self_attn
+    for layer, module in [(attention.qkv_proj, "q_proj"), (attention.o_proj, "o_proj")]:
+        order = input_order(f"model.layers.1.self_attn.{module}", 64).view(-1, GROUP)
+        assert torch.equal(layer.input_perm.long().view(-1, GROUP), order.sort(dim=1).values)
+
+
+def test_act_order_projections_of_one_input_in_different_orders_are_refused(make_tiny, tmp_path):
+    int4, _ = write_int4(make_tiny("llama"), tmp_path, "gptq_act")
+    name = "model.layers.0.mlp.up_proj"
+    other, _ = layer_tensors(
+        "model.layers.0.mlp.down_proj.weight", torch.randn(128, 64), "gptq_act"
+    )
+    rewrite(int4, lambda t: t.update({f"{name}.{p}": other[f"model.layers.0.mlp.down_proj.{p}"]
+                                       for p in ("qweight", "qzeros", "scales", "g_idx")}))  # fmt: skip
+    with pytest.raises(ValueError, match=rf"{name}.*differs.*gate_up_proj.input_perm"):
+        LLM(str(int4), max_model_len=64)
+
+
+@pytest.mark.parametrize("drop", ["g_idx", "qweight"])
+def test_act_order_needs_both_the_codes_and_g_idx(make_tiny, tmp_path, drop):
+    int4, _ = write_int4(make_tiny("llama"), tmp_path, "gptq_act")
+    name = f"model.layers.1.self_attn.o_proj.{drop}"
+    rewrite(int4, lambda t: t.pop(name))
+    with pytest.raises(ValueError, match=f"lacks {name}"):
+        LLM(str(int4), max_model_len=64)
+
+
+def test_act_order_on_two_ranks_is_refused(make_tiny, tmp_path):
+    int4, _ = write_int4(make_tiny("llama"), tmp_path, "gptq_act")
+    with pytest.raises(ValueError, match="desc_act=true run on one device"):
+        tp_tokens(int4, 2)
+
+
 def test_an_act_order_g_idx_is_refused_naming_the_tensor(make_tiny, tmp_path):
     int4, _ = write_int4(make_tiny("llama"), tmp_path, "gptq")
     name = "model.layers.1.mlp.down_proj.g_idx"
     rewrite(int4, lambda t: t.update({name: t[name].flip(0).contiguous()}))
-    with pytest.raises(ValueError, match=f"{name}.*act-order"):
+    with pytest.raises(ValueError, match=f"{name}.*act-order.*desc_act=false"):
         LLM(str(int4), max_model_len=64)
 
 

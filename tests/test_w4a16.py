@@ -195,7 +195,9 @@ def test_split_k_partials_sum_to_the_product():
     out_features, in_features, group = 64, 512, 128
     q = torch.randint(0, 16, (out_features, in_features), generator=g, dtype=torch.uint8)
     scale = torch.rand(out_features, in_features // group, generator=g) / 8 + 0.01
-    zero = torch.randint(0, 16, (out_features, in_features // group), generator=g, dtype=torch.uint8)
+    zero = torch.randint(
+        0, 16, (out_features, in_features // group), generator=g, dtype=torch.uint8
+    )
     x = torch.randn(2, in_features, generator=g)
     packed = w4a16.pack(q)
     tiles = w4a16.plan(2, out_features, in_features, group, x.device)

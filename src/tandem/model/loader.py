@@ -136,6 +136,11 @@ def check_scheme(
             f"int4 weights ({scheme.method}) are supported for dense models; "
             f"{cfg.architecture} has mixture-of-experts layers"
         )
+    if isinstance(scheme, Int4Config) and scheme.act_order and tp.size > 1:
+        raise ValueError(
+            "GPTQ checkpoints with desc_act=true run on one device: their input columns are "
+            "regrouped across what tensor_parallel_size would split"
+        )
     if isinstance(scheme, Int4Config) and scheme.group_size and tp.size > 1:
         local = shard_config(cfg, tp)  # the row-parallel layers' input widths on a rank
         for name, width in (("o_proj", local.q_size), ("down_proj", local.intermediate_size)):
@@ -199,6 +204,11 @@ def load_weights(model: Decoder, tensors, fit=None) -> None:
         if found is None:
             continue
         key, dest, tensor = found
+        if key in loaded and whole(params[key]) and not torch.equal(dest.cpu(), tensor.cpu()):
+            raise ValueError(
+                f"checkpoint tensor {hf_name!r} differs from the one before it for {key}: the "
+                "stacked projections that share an input must share it"
+            )
         loaded.add(key)
         dest.copy_(tensor)
     missing = sorted(checkpoint_name(name) for name in expected_keys(model, params) - loaded)
@@ -237,6 +247,9 @@ def destination(
     expert = hf_names.expert_destination(name, params, cfg.moe_intermediate_size)
     if expert is not None:
         dest, key = expert
+    elif leaf in STACKED and whole(params.get(f"{parent}.{STACKED[leaf][0]}.{kind}")):
+        name = key = f"{parent}.{STACKED[leaf][0]}.{kind}"  # each slice's tensor: the same
+        dest = params[name].data
     elif leaf in STACKED:
         target, index = STACKED[leaf]
         name = f"{parent}.{target}.{kind}"
@@ -260,6 +273,12 @@ def destination(
     return key, dest, tensor
 
 
+def whole(param: torch.nn.Parameter | None) -> bool:
+    """Whether a stacked projection's parameter is one for the whole stack, every slice's
+    checkpoint tensor the same (an int4 layer's input order), not a slice of rows each."""
+    return bool(getattr(param, "whole", False))
+
+
 def expected_keys(model: Decoder, params: dict[str, torch.nn.Parameter]) -> set[str]:
     """Every slice key a full checkpoint sets (see `destination`)."""
     sizes = stacked_sizes(model)
@@ -268,7 +287,7 @@ def expected_keys(model: Decoder, params: dict[str, torch.nn.Parameter]) -> set[
         target = name.split(".")[-2]
         if (keys := hf_names.expected_expert_keys(name, param)) is not None:
             expected.update(keys)
-        elif target in sizes:
+        elif target in sizes and not whole(param):
             expected.update(f"{name}#{i}" for i in range(len(sizes[target])))
         else:
             expected.add(name)

@@ -10,8 +10,9 @@ What each checkpoint stores (`quantization_config.quant_method`), per projection
 - "gptq": `qweight` int32 [in / 8, out] (codes packed down the input columns, the same bit order:
   its transpose is the layout), `qzeros` int32 [groups, out / 8], `scales` [groups, out] and
   `g_idx` [in]; `checkpoint_format` "gptq" (the default) stores each zero point less one,
-  "gptq_v2" as it is. Act-order checkpoints (`desc_act`: a g_idx that is not c // group_size)
-  are refused.
+  "gptq_v2" as it is. Act-order checkpoints (`desc_act`) group the input columns in another
+  order, column c in group g_idx[c]: the codes' columns are put in group order at load and the
+  layer gathers its input into that order (`Int4Linear.input_perm`).
 - "awq" (version "gemm"): `qweight` int32 [in, out / 8] and `qzeros` [groups, out / 8], packed
   along the output columns with column 8j + AWQ_ORDER[i] in bits 4i of word j; `scales`
   [groups, out].
@@ -60,6 +61,7 @@ class Int4Config:
     method: str  # the checkpoint's layout: "gptq", "awq", "compressed-tensors" or "dummy"
     group_size: int | None  # input columns per scale; None: one scale per row
     zeros_less_one: bool = False  # GPTQ's first format stores each zero point less one
+    act_order: bool = False  # GPTQ's desc_act: input columns grouped by g_idx, not in order
 
 
 def int4_config(qc: dict[str, Any]) -> Int4Config | None:
@@ -97,7 +99,9 @@ def layer_factory(config: Int4Config) -> Callable[..., nn.Module]:
     """(in, out, bias=) -> an `Int4Linear` of the scheme's group size (random weights': by
     the layer's width)."""
     if config.method != "dummy":
-        return functools.partial(Int4Linear, group_size=config.group_size)
+        return functools.partial(
+            Int4Linear, group_size=config.group_size, act_order=config.act_order
+        )
 
     def make(in_features: int, out_features: int, bias: bool) -> Int4Linear:
         return Int4Linear(in_features, out_features, bias, dummy_group_size(in_features))
@@ -125,11 +129,6 @@ def _group_size(value: Any, field: str) -> int | None:
 
 def _gptq(qc: dict[str, Any]) -> Int4Config:
     _bits(qc, "bits")
-    if qc.get("desc_act"):
-        raise ValueError(
-            "GPTQ checkpoints with desc_act=true (act-order: input columns regrouped by g_idx) "
-            "are not supported; checkpoints with desc_act=false are"
-        )
     if qc.get("lm_head"):
         raise ValueError(
             "GPTQ checkpoints with a quantized LM head (lm_head=true) are not supported"
@@ -141,7 +140,9 @@ def _gptq(qc: dict[str, Any]) -> Int4Config:
         raise ValueError(
             f"GPTQ checkpoint_format {fmt!r} is not supported; supported: 'gptq', 'gptq_v2'"
         )
-    return Int4Config("gptq", _group_size(qc.get("group_size", -1), "group_size"), fmt == "gptq")
+    size = _group_size(qc.get("group_size", -1), "group_size")
+    # one group a row: the order of the columns changes nothing
+    return Int4Config("gptq", size, fmt == "gptq", bool(qc.get("desc_act")) and size is not None)
 
 
 def _awq(qc: dict[str, Any]) -> Int4Config:
@@ -217,14 +218,22 @@ def checkpoint_tensors(
     tensors: Iterable[tuple[str, torch.Tensor]], config: Int4Config
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors in `Int4Linear`'s layout, under its parameter names (a
-    projection's `weight_packed`, `weight_scale`, `weight_zero_point`); other tensors as
-    they are. ValueError for an act-order g_idx or a tensor that does not fit the layout."""
+    projection's `weight_packed`, `weight_scale`, `weight_zero_point`, and with act-order its
+    `input_perm`); other tensors as they are. ValueError for a g_idx the scheme does not take
+    or a tensor that does not fit the layout."""
     if config.method == "dummy":
         yield from _quantized_at_load(tensors)
         return
     parts = PARTS[config.method]
+    held: dict[str, dict[str, torch.Tensor]] = {}  # act-order: a projection's g_idx and qweight
     for name, tensor in tensors:
         module, _, kind = name.rpartition(".")
+        if config.act_order and kind in ("g_idx", "qweight"):
+            mine = held.setdefault(module, {})
+            mine[kind] = tensor
+            if len(mine) == 2:
+                yield from _in_group_order(module, held.pop(module), config.group_size)
+            continue
         if kind == "g_idx":
             _check_g_idx(name, tensor, config.group_size)
             continue
@@ -256,14 +265,36 @@ def checkpoint_tensors(
             if kind == "weight_scale":  # symmetric codes stored plus 8: every zero point is 8
                 yield f"{module}.weight_zero_point", torch.full_like(tensor, 8, dtype=torch.uint8)
 
+    if held:
+        module, mine = next(iter(held.items()))
+        lacking = "qweight" if "g_idx" in mine else "g_idx"
+        raise ValueError(f"checkpoint lacks {module}.{lacking} (desc_act=true needs both)")
+
+
+def _in_group_order(
+    module: str, tensors: dict[str, torch.Tensor], group_size: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """An act-order projection's codes with their input columns in group order, and that order
+    (`input_perm` [in] int32: column j of the layer is input column input_perm[j])."""
+    g_idx = tensors["g_idx"].reshape(-1).long()
+    perm = torch.argsort(g_idx, stable=True)
+    if not torch.equal(g_idx[perm], torch.arange(g_idx.numel()) // group_size):
+        raise ValueError(
+            f"checkpoint tensor {module}.g_idx does not put {group_size} input columns in "
+            "each group"
+        )
+    codes = w4a16.unpack(tensors["qweight"].t().contiguous())  # [out, in]
+    yield f"{module}.weight_packed", w4a16.pack(codes[:, perm])
+    yield f"{module}.input_perm", perm.to(torch.int32)
+
 
 def _check_g_idx(name: str, g_idx: torch.Tensor, group_size: int | None) -> None:
     columns = torch.arange(g_idx.numel(), device=g_idx.device)
     plain = columns // group_size if group_size else torch.zeros_like(columns)
     if not torch.equal(g_idx.reshape(-1).long(), plain):
         raise ValueError(
-            f"checkpoint tensor {name!r} regroups the input columns (act-order); only "
-            "checkpoints whose group of column c is c // group_size are supported"
+            f"checkpoint tensor {name!r} regroups the input columns (act-order) where "
+            "quantization_config says desc_act=false"
         )
 
 
@@ -301,7 +332,12 @@ class Int4Linear(nn.Module):
     above), dequantized inside the product (`w4a16.w4a16_linear`)."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, group_size: int | None = None
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        group_size: int | None = None,
+        act_order: bool = False,
     ):
         super().__init__()
         if in_features % w4a16.PACK or (group_size and in_features % group_size):
@@ -322,6 +358,13 @@ class Int4Linear(nn.Module):
             torch.empty(out_features, groups, dtype=torch.uint8), requires_grad=False
         )
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.input_perm = None
+        if act_order:  # [in] int32: the input column of each of the codes' columns
+            self.input_perm = nn.Parameter(
+                torch.empty(in_features, dtype=torch.int32), requires_grad=False
+            )
+            # stacked q/k/v (gate/up) share their input: one order for the stack (the loader)
+            self.input_perm.whole = True
 
     @property
     def bytes_per_weight(self) -> float:
@@ -343,6 +386,8 @@ class Int4Linear(nn.Module):
         return self._product(x, partials=True)
 
     def _product(self, rows: torch.Tensor, partials: bool = False) -> torch.Tensor:
+        if self.input_perm is not None:
+            rows = rows.index_select(1, self.input_perm)
         return w4a16.w4a16_linear(
             rows.contiguous(), self.weight_packed, self.weight_scale, self.weight_zero_point,
             self.group_size, partials,

@@ -93,7 +93,7 @@ test_group() {
       tests/test_lora.py ;;
     kernels) echo tests/gpu/test_{fp8,gluon_decode}_cuda.py tests/test_triton_attention.py \
       tests/test_fused_ops.py tests/test_sampling_kernel.py tests/test_pdl.py tests/test_splitk.py \
-      tests/test_shared_prefix.py ;;
+      tests/test_shared_prefix.py tests/gpu/test_int4_cuda.py tests/test_w4a16.py ;;
     models) echo tests/gpu/test_models_cuda.py ;;
     multi) echo tests/gpu/test_{tensor_parallel,ray}_cuda.py ;;  # two GPUs (and Ray)
     *) return 1 ;;

@@ -56,12 +56,12 @@ def pack_across(q: torch.Tensor, nibble_columns=tuple(range(8))) -> torch.Tensor
     return as_int32(words)
 
 
-def quantize_groups(w: torch.Tensor, symmetric: bool):
-    """A reference round-to-nearest quantization per GROUP input columns: (codes [out, in] in
+def quantize_groups(w: torch.Tensor, symmetric: bool, group: int = GROUP):
+    """A reference round-to-nearest quantization per `group` input columns: (codes [out, in] in
     0..15, scale [out, groups] float16, zero [out, groups] in 0..15, the dequantized float32
     weight)."""
     out, cols = w.shape
-    g = w.float().reshape(out, cols // GROUP, GROUP)
+    g = w.float().reshape(out, cols // group, group)
     if symmetric:
         scale = (g.abs().amax(-1) / 7).half()
         zero = torch.full(scale.shape, 8)
@@ -86,7 +86,6 @@ def input_order(module: str, columns: int) -> torch.Tensor:
 def layer_tensors(name: str, w: torch.Tensor, fmt: str) -> tuple[dict, torch.Tensor]:
     """(a projection's tensors as format `fmt` stores them, its dequantized float32 weight)."""
     module = name.removesuffix(".weight")
-    groups = w.shape[1] // GROUP
     if fmt == "gptq_act":  # group k: input columns order[k * GROUP : (k + 1) * GROUP]
         order = input_order(module, w.shape[1])
         codes, scale, zero, dequantized = quantize_groups(w[:, order], symmetric=False)
@@ -99,14 +98,15 @@ def layer_tensors(name: str, w: torch.Tensor, fmt: str) -> tuple[dict, torch.Ten
             "g_idx": (place // GROUP).to(torch.int32),
         }
         return {f"{module}.{part}": t for part, t in tensors.items()}, dequantized
-    codes, scale, zero, dequantized = quantize_groups(w, symmetric=fmt == "compressed-tensors")
-    if fmt in ("gptq", "gptq_v2"):
-        stored_zero = zero - 1 if fmt == "gptq" else zero  # the first format's zeros less one
+    group = w.shape[1] if fmt == "gptq_row" else GROUP  # one scale a row: group_size -1
+    codes, scale, zero, dequantized = quantize_groups(w, fmt == "compressed-tensors", group)
+    if fmt in ("gptq", "gptq_v2", "gptq_row"):
+        stored_zero = zero if fmt == "gptq_v2" else zero - 1  # the first format's: less one
         tensors = {
             "qweight": pack_down(codes.t()),
             "qzeros": pack_across((stored_zero.t() & 0xF).contiguous()),
             "scales": scale.t().contiguous(),
-            "g_idx": torch.arange(w.shape[1], dtype=torch.int32) // GROUP,
+            "g_idx": torch.arange(w.shape[1], dtype=torch.int32) // group,
         }
     elif fmt == "awq":
         tensors = {
@@ -120,7 +120,7 @@ def layer_tensors(name: str, w: torch.Tensor, fmt: str) -> tuple[dict, torch.Ten
             "weight_scale": scale.contiguous(),
             "weight_shape": torch.tensor(list(w.shape)),
         }
-    assert groups == scale.shape[1]
+    assert scale.shape[1] == w.shape[1] // group
     return {f"{module}.{part}": t for part, t in tensors.items()}, dequantized
 
 
@@ -128,6 +128,8 @@ def quantization_config(fmt: str) -> dict:
     if fmt == "gptq_act":
         return {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True,
                 "sym": False}  # fmt: skip
+    if fmt == "gptq_row":
+        return {"quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": False}
     if fmt in ("gptq", "gptq_v2"):
         return {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False,
                 "sym": False, "checkpoint_format": fmt}  # fmt: skip
@@ -172,6 +174,7 @@ def int4_layers(llm: LLM) -> list[Int4Linear]:
         ("qwen3", "awq"),
         ("llama", "compressed-tensors"),
         ("llama", "gptq_act"),
+        ("qwen3", "gptq_row"),
         ("qwen2", "gptq_act"),
         ("mistral", "compressed-tensors"),
     ],

@@ -81,13 +81,25 @@ def test_dequantize_is_codes_minus_zero_times_scale(dtype, group_size):
     torch.testing.assert_close(w.cpu(), expected, atol=0, rtol=0)
 
 
+@pytest.fixture(
+    params=[(True, True), (True, False), (False, True), (False, False)],
+    ids=["gather-after", "gather-per-code", "reshape-after", "reshape-per-code"],
+)
+def unpacking(request, monkeypatch):
+    """Each way the kernel may unpack a step's codes and apply their scales."""
+    monkeypatch.setattr(w4a16, "GATHER", request.param[0])
+    monkeypatch.setattr(w4a16, "SCALE_AFTER", request.param[1])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 17, 64])
 @pytest.mark.parametrize(
     ("out_features", "in_features", "group_size"),
     [(80, 256, 32), (200, 384, 128), (80, 384, 384)],  # 384: a scale per row
 )
-def test_kernel_matches_the_dequantized_product(dtype, rows, out_features, in_features, group_size):
+def test_kernel_matches_the_dequantized_product(
+    unpacking, dtype, rows, out_features, in_features, group_size
+):
     assert DEVICE.type == "cuda" or w4a16.INTERPRETED  # the kernel, not the CPU path
     packed, scale, zero = random_int4(out_features, in_features, group_size, dtype, seed=rows)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
@@ -104,7 +116,7 @@ def test_kernel_matches_the_dequantized_product(dtype, rows, out_features, in_fe
     [(5, 24, 96, 24), (2, 40, 72, 24), (20, 16, 40, 8)],
 )
 def test_groups_narrower_than_a_step_and_inputs_of_odd_eighths(
-    rows, out_features, in_features, group_size
+    unpacking, rows, out_features, in_features, group_size
 ):
     """Groups of 8 or 24 columns take a scale per column of the step; 40 and 72 input
     features end in a half step of 8 codes, masked."""

@@ -32,7 +32,8 @@ replay as the engine runs them, each call on a cold copy of the weight (`Rotatio
   The % of the FP8 ways is of the FP8 roofline: half the weight bytes.
   int4      (--int4) the weight as int4 codes with a bf16 scale and a uint8 zero point per
             INT4_GROUP input columns (`quant/w4a16.py`, W4A16: unpacked in registers), beside
-            linear, F.linear over the same weight dequantized to bf16. The % of both is of the
+            linear, F.linear over the same weight dequantized to bf16; int4gather, int4after,
+            int4both: the kernel's other ways of unpacking (INT4_WAYS). The % of both is of the
             int4 roofline: the packed codes, scales and zeros, and the bf16 input and output rows.
   invariant (--deterministic) deterministic mode's GEMM (`batch_invariant.invariant_tiles`: the
             tiles and K slices of the weight's shape, slices kept for o and down), beside
@@ -67,6 +68,7 @@ from tandem.model.splitk import (
     plan,
     residual_product,
 )
+from tandem.quant import w4a16
 from tandem.quant.fp8 import quantize_rows, quantize_tokens
 from tandem.quant.gemv import MAX_ROWS as GEMV_ROWS
 from tandem.quant.gemv import GemvTiles, fp8_gemv
@@ -77,6 +79,9 @@ from tandem.runner import preferred_blas
 
 COPY_CEILING = H200.bandwidth  # bytes/s, device-to-device copy, read + write (DESIGN.md)
 GEMM_PEAK = H200.flops  # bf16 FLOP/s, an 8192^3 GEMM (DESIGN.md)
+# the kernel's ways of unpacking a step's codes (`w4a16.GATHER`, `w4a16.SCALE_AFTER`)
+INT4_WAYS = {"int4": (False, False), "int4gather": (True, False), "int4after": (False, True),
+             "int4both": (True, True)}  # fmt: skip
 INT4_GROUP = 128  # input columns per int4 scale and zero point, as GPTQ and AWQ checkpoints
 
 
@@ -132,9 +137,20 @@ def variants(
     if int4 is not None:
         packed, scale, zero = int4
         int4_rotation = Rotation(packed)  # scales and zeros (5% of the codes' bytes) shared
-        return {
-            "linear": lambda x: F.linear(x, rotation.next()),
-            "int4": lambda x: w4a16_linear(x, int4_rotation.next(), scale, zero, INT4_GROUP),
+
+        def unpacked(gather: bool, after: bool):
+            def product(x: torch.Tensor) -> torch.Tensor:
+                w4a16.GATHER, w4a16.SCALE_AFTER = gather, after  # the kernel's constexprs
+                try:
+                    return w4a16_linear(x, int4_rotation.next(), scale, zero, INT4_GROUP)
+                finally:
+                    w4a16.GATHER, w4a16.SCALE_AFTER = default
+
+            return product
+
+        default = w4a16.GATHER, w4a16.SCALE_AFTER
+        return {"linear": lambda x: F.linear(x, rotation.next())} | {
+            name: unpacked(*way) for name, way in INT4_WAYS.items()
         }
     if invariant_residual is not None:
         tiles = invariant_tiles(*weight.shape, weight.device, invariant_residual)

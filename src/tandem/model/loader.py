@@ -131,26 +131,32 @@ def build_model(
 def check_scheme(
     scheme: Fp8Config | Int4Config | None, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel
 ) -> None:
-    if isinstance(scheme, Int4Config) and cfg.num_experts:
+    if isinstance(scheme, Int4Config):
+        check_int4(scheme, cfg, tp)
+    elif scheme is not None:
+        check_fp8(scheme, dtype, tp)
+
+
+def check_int4(scheme: Int4Config, cfg: ModelConfig, tp: TensorParallel) -> None:
+    if cfg.num_experts:
         raise ValueError(
             f"int4 weights ({scheme.method}) are supported for dense models; "
             f"{cfg.architecture} has mixture-of-experts layers"
         )
-    if isinstance(scheme, Int4Config) and scheme.act_order and tp.size > 1:
+    if tp.size == 1:
+        return
+    if scheme.act_order:
         raise ValueError(
             "GPTQ checkpoints with desc_act=true run on one device: their input columns are "
             "regrouped across what tensor_parallel_size would split"
         )
-    if isinstance(scheme, Int4Config) and scheme.group_size and tp.size > 1:
-        local = shard_config(cfg, tp)  # the row-parallel layers' input widths on a rank
-        for name, width in (("o_proj", local.q_size), ("down_proj", local.intermediate_size)):
-            if width % scheme.group_size:
-                raise ValueError(
-                    f"int4 groups of {scheme.group_size} input features do not split across "
-                    f"tensor_parallel_size={tp.size}: {name} has {width} input features a rank"
-                )
-    if isinstance(scheme, Fp8Config):
-        check_fp8(scheme, dtype, tp)
+    local = shard_config(cfg, tp)  # the row-parallel layers' input widths on a rank
+    for name, width in (("o_proj", local.q_size), ("down_proj", local.intermediate_size)):
+        if scheme.group_size and width % scheme.group_size:
+            raise ValueError(
+                f"int4 groups of {scheme.group_size} input features do not split across "
+                f"tensor_parallel_size={tp.size}: {name} has {width} input features a rank"
+            )
 
 
 def check_fp8(fp8: Fp8Config, dtype: torch.dtype, tp: TensorParallel) -> None:
@@ -204,7 +210,7 @@ def load_weights(model: Decoder, tensors, fit=None) -> None:
         if found is None:
             continue
         key, dest, tensor = found
-        if key in loaded and whole(params[key]) and not torch.equal(dest.cpu(), tensor.cpu()):
+        if key in loaded and whole(params[key]) and not torch.equal(dest, tensor.to(dest.device)):
             raise ValueError(
                 f"checkpoint tensor {hf_name!r} differs from the one before it for {key}: the "
                 "stacked projections that share an input must share it"

@@ -70,14 +70,13 @@ def weight_scheme(
             f"quantization_config.quant_method {qc.get('quant_method')!r}"
         )
     scheme = None if qc is None else int4.int4_config(qc)
-    if scheme is None and quantization in INT4_QUANTIZATIONS:
-        if qc is None and load_format != "dummy":
-            raise ValueError(
-                f"quantization={quantization!r} needs a checkpoint quantized that way (its "
-                "config.json's quantization_config); 4-bit weights are not made at load"
-            )
-        scheme = int4.dummy_config() if qc is None else None
-    if scheme is not None:
+    asked = qc is None and quantization in INT4_QUANTIZATIONS  # int4 without an int4 checkpoint
+    if asked and load_format != "dummy":
+        raise ValueError(
+            f"quantization={quantization!r} needs a checkpoint quantized that way (its "
+            "config.json's quantization_config); 4-bit weights are not made at load"
+        )
+    if scheme is not None or asked:
         return int4.dummy_config() if load_format == "dummy" else scheme
     fp8 = fp8_config(hf_config, quantization)
     if fp8 is not None and load_format == "dummy":  # random weights, quantized here per channel

@@ -206,12 +206,13 @@ def _pack_quantized(qc: dict[str, Any]) -> Int4Config:
     return Int4Config("compressed-tensors", sizes.pop())
 
 
-def _unpack(words: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
-    """int32 [..., n] -> uint8 [..., 8n]: value 8j + order[i] of a row from bits 4i of word j."""
-    place = [order.index(c) for c in range(8)]  # the nibble of each column
+def _unpack_awq(words: torch.Tensor) -> torch.Tensor:
+    """AWQ's int32 [rows, n] -> uint8 [rows, 8n]: column 8j + AWQ_ORDER[i] from bits 4i of word
+    j (`w4a16.unpack` reads the layout's plain order)."""
+    place = [AWQ_ORDER.index(c) for c in range(8)]  # the nibble of each column
     shifts = torch.tensor([4 * i for i in place], dtype=torch.int32, device=words.device)
-    values = (words.to(torch.int32).unsqueeze(-1) >> shifts) & 0xF  # [..., n, 8]
-    return values.reshape(*words.shape[:-1], -1).to(torch.uint8)
+    values = (words.unsqueeze(-1) >> shifts) & 0xF  # [rows, n, 8]
+    return values.reshape(words.shape[0], -1).to(torch.uint8)
 
 
 def checkpoint_tensors(
@@ -245,21 +246,19 @@ def checkpoint_tensors(
         target = f"{module}.{parts[kind]}"
         if tensor.dtype != torch.int32 and kind in ("qweight", "qzeros", "weight_packed"):
             raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}; int32 expected")
-        if config.method == "gptq":
+        if kind == "scales":  # GPTQ's and AWQ's [groups, out]
+            yield target, tensor.t().contiguous()
+        elif config.method == "gptq":
             if kind == "qweight":
                 yield target, tensor.t().contiguous()  # [out, in / 8]
-            elif kind == "qzeros":  # [out, groups]
-                zeros = _unpack(tensor).t().contiguous()
+            else:  # qzeros [groups, out / 8] -> [out, groups]
+                zeros = w4a16.unpack(tensor).t().contiguous()
                 yield target, zeros + 1 if config.zeros_less_one else zeros
-            else:
-                yield target, tensor.t().contiguous()
         elif config.method == "awq":
             if kind == "qweight":
-                yield target, w4a16.pack(_unpack(tensor, AWQ_ORDER).t())
-            elif kind == "qzeros":
-                yield target, _unpack(tensor, AWQ_ORDER).t().contiguous()
+                yield target, w4a16.pack(_unpack_awq(tensor).t())
             else:
-                yield target, tensor.t().contiguous()
+                yield target, _unpack_awq(tensor).t().contiguous()
         else:
             yield target, tensor
             if kind == "weight_scale":  # symmetric codes stored plus 8: every zero point is 8

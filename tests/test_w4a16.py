@@ -94,14 +94,10 @@ def test_dequantize_is_codes_minus_zero_times_scale(dtype, group_size):
     torch.testing.assert_close(w.cpu(), expected, atol=0, rtol=0)
 
 
-@pytest.fixture(
-    params=[(True, True), (True, False), (False, True), (False, False)],
-    ids=["gather-after", "gather-per-code", "reshape-after", "reshape-per-code"],
-)
+@pytest.fixture(params=[True, False], ids=["lanes16", "float32"])
 def unpacking(request, monkeypatch):
-    """Each way the kernel may unpack a step's codes and apply their scales."""
-    monkeypatch.setattr(w4a16, "GATHER", request.param[0])
-    monkeypatch.setattr(w4a16, "SCALE_AFTER", request.param[1])
+    """Each way the kernel may turn codes into weights (the same bits either way)."""
+    monkeypatch.setattr(w4a16, "LANES16", request.param)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -120,6 +116,20 @@ def test_kernel_matches_the_dequantized_product(
     out = w4a16.w4a16_linear(x, packed, scale, zero, group_size)
     assert out.dtype == dtype and out.shape == (rows, out_features)
     assert_within_rounding(out, x, reference_weight(packed, scale, zero, group_size))
+
+
+@pytest.mark.parametrize("group_size", [32, 48])  # 48: scales per column of a step
+def test_16_bit_lanes_and_float32_give_the_same_bits(monkeypatch, group_size):
+    """(128 + q) - (128 + z) is exact in bf16 (1024 in fp16), and times a scale of that dtype
+    rounds once, as (q - z) * s in float32 rounded does: the two ways agree to the bit."""
+    dtype = DTYPES[-1]
+    packed, scale, zero = random_int4(72, 192, group_size, dtype, seed=5)
+    x = torch.randn(9, 192, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEVICE)
+    outs = []
+    for lanes in (True, False):
+        monkeypatch.setattr(w4a16, "LANES16", lanes)
+        outs.append(w4a16.w4a16_linear(x, packed, scale, zero, group_size))
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize(

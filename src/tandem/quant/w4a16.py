@@ -4,8 +4,8 @@ activations in the model dtype.
 
 Eight codes share an int32 word, column c of a row in bits 4 * (c % 8) .. 4 * (c % 8) + 3 of
 word c // 8 (`pack`). The Triton kernel reads a tile of words, unpacks it in registers with
-shifts, subtracts the zero points, multiplies by the scales in float32, rounds to the input's
-dtype and multiplies on the tensor cores into float32 sums: the weight crosses memory as 4 bits
+shifts, subtracts the zero points, multiplies by the scales, rounds to the input's dtype (see
+LANES16) and multiplies on the tensor cores into float32 sums: the weight crosses memory as 4 bits
 (plus a scale and a zero per group), a quarter of bfloat16's bytes, which is what a decode step
 pays for. At decode sizes the output tiles alone leave most SMs idle, so the input features are
 split over several programs per tile (split-K), whose float32 partial sums a second small kernel
@@ -32,14 +32,16 @@ INTERPRETED = triton.knobs.runtime.interpret
 # split K only up to this many rows: past it the float32 partials outweigh the int4 weight
 SPLIT_ROWS = 64
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# How a K step's codes are unpacked: each code from its own (repeated) word load (GATHER), or a
-# tile of words shifted and reshaped; and whether a step inside one group applies the zero points
-# and scales to the product's sums (SCALE_AFTER) rather than to each code. The default is the
-# way that ran on a GPU (an H100, `benchmarks/gemm.py --int4`, one row: qkv 31.0 us against
-# bf16 F.linear's 20.8, gate_up 99.8 against 81.5, down 49.3 against 44.5: unpacking, not the
-# weight read, bounds it). The other three compile for sm_90 and match the reference in the
-# interpreter (tests/test_w4a16.py) but are not timed yet: the next A/B.
-GATHER, SCALE_AFTER = False, False
+# How a step's codes become weights where the input and the scales share a 16-bit dtype: in
+# 16-bit lanes (LANES16: the code OR'd into the exponent bits of 128 (bf16) or 1024 (fp16) is
+# that number plus the code, then one subtraction of the zero point's number and one multiply by
+# the scale, both exact but the last, two lanes an instruction: no int-to-float converts), or in
+# float32 (code minus zero point, converted, times the scale, rounded). Both give the same bits.
+# Unpacking, not the weight read, bounds the kernel at decode sizes. On an H100 (BENCHMARKS.md,
+# session 58) the lanes took 5-7% less time than float32 at one row (gate_up 95.4 against 101.0
+# us) and 9-10% at 256; two other ways measured there (per-code word loads: 8x as long; a
+# group's summed products scaled once: 1.7x) are gone. `benchmarks/gemm.py --int4` times both.
+LANES16 = True
 
 
 class W4Tiles(NamedTuple):
@@ -69,7 +71,7 @@ def w4a16_kernel(
     x_ptr, packed_ptr, scale_ptr, zero_ptr, out_ptr, rows, out_features, in_features, x_stride,
     groups, group_size, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, ONE_GROUP: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-    GATHER: tl.constexpr, SCALE_AFTER: tl.constexpr, PDL: tl.constexpr,
+    LANES16: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.wait(PDL)
     tile_n, tile_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -82,15 +84,10 @@ def w4a16_kernel(
     shifts = tl.arange(0, 8) * 4
     # [BLOCK_M, BLOCK_K]
     x_ptrs = x_ptr + m[:, None].to(tl.int64) * x_stride + first + cols[None, :]
-    if GATHER:  # [BLOCK_K, BLOCK_N]: each code's word (8 codes load one word), and its bits
-        word_ptrs = (
-            packed_ptr + n[None, :].to(tl.int64) * (in_features // 8) + (first + cols[:, None]) // 8
-        )
-        code_shifts = ((cols % 8) * 4)[:, None]
-    else:  # [BLOCK_K // 8, BLOCK_N]: the step's words, word j holding columns 8j .. 8j + 7
-        word_ptrs = (
-            packed_ptr + n[None, :].to(tl.int64) * (in_features // 8) + first // 8 + words[:, None]
-        )
+    # [BLOCK_K // 8, BLOCK_N]: the step's words, word j holding columns 8j .. 8j + 7
+    word_ptrs = (
+        packed_ptr + n[None, :].to(tl.int64) * (in_features // 8) + first // 8 + words[:, None]
+    )
     group_rows = n.to(tl.int64) * groups  # [BLOCK_N]: where each output's scales start
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for start in range(first, first + k_per_split, BLOCK_K):
@@ -101,39 +98,31 @@ def w4a16_kernel(
             a = tl.load(
                 x_ptrs, mask=in_m[:, None] & (start + cols < in_features)[None, :], other=0.0
             )
-            if GATHER:
-                in_k = (start + cols < in_features)[:, None]
-            else:
-                in_k = (start + words * 8 < in_features)[:, None]
+            in_k = (start + words * 8 < in_features)[:, None]
             packed = tl.load(word_ptrs, mask=in_k & in_n[None, :], other=0)
-        # (the arithmetic shift of a negative word leaves sign bits above the nibble: masked off)
-        if GATHER:
-            q = (packed >> code_shifts) & 0xF
-        else:  # [BLOCK_K // 8, 8, BLOCK_N] -> [BLOCK_K, BLOCK_N], row 8j + i from bits 4i of word j
-            q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
-        if ONE_GROUP and SCALE_AFTER:
-            # the step lies in one group: the codes' product, less each row's sum times the zero
-            # point, times the scale, per output (codes 0..15 exact in any input dtype)
+        # [BLOCK_K // 8, 8, BLOCK_N] -> [BLOCK_K, BLOCK_N], row 8j + i from bits 4i of word j (the
+        # arithmetic shift of a negative word leaves sign bits above the nibble: masked off)
+        q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+        if ONE_GROUP:  # a scale and a zero per output
             at = group_rows + start // group_size
-            s = tl.load(scale_ptr + at, mask=in_n, other=0.0).to(tl.float32)
-            z = tl.load(zero_ptr + at, mask=in_n, other=0).to(tl.float32)
-            codes = q.to(a.dtype)
-            part = tl.dot(a, codes, input_precision="ieee") if IEEE else tl.dot(a, codes)
-            row_sums = tl.sum(a.to(tl.float32), axis=1)  # [BLOCK_M]
-            acc += (part - row_sums[:, None] * z[None, :]) * s[None, :]
+            s = tl.load(scale_ptr + at, mask=in_n, other=0.0)[None, :]
+            z = tl.load(zero_ptr + at, mask=in_n, other=0)[None, :]
+        else:  # [BLOCK_K, BLOCK_N]: each column's group
+            at = group_rows[None, :] + ((start + cols) // group_size)[:, None]
+            in_tile = in_n[None, :] & (start + cols < in_features)[:, None]
+            s = tl.load(scale_ptr + at, mask=in_tile, other=0.0)
+            z = tl.load(zero_ptr + at, mask=in_tile, other=0)
+        if LANES16:  # 128 + q (bf16) or 1024 + q (fp16), less 128 + z: exact; times s: rounded
+            if a.dtype == tl.bfloat16:
+                biased = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                w = (biased - (z.to(tl.float32) + 128.0).to(tl.bfloat16)) * s
+            else:
+                biased = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+                w = (biased - (z.to(tl.float32) + 1024.0).to(tl.float16)) * s
         else:
-            if ONE_GROUP:  # a scale and a zero per output
-                at = group_rows + start // group_size
-                s = tl.load(scale_ptr + at, mask=in_n, other=0.0).to(tl.float32)[None, :]
-                z = tl.load(zero_ptr + at, mask=in_n, other=0).to(tl.int32)[None, :]
-            else:  # [BLOCK_K, BLOCK_N]: each column's group
-                at = group_rows[None, :] + ((start + cols) // group_size)[:, None]
-                in_tile = in_n[None, :] & (start + cols < in_features)[:, None]
-                s = tl.load(scale_ptr + at, mask=in_tile, other=0.0).to(tl.float32)
-                z = tl.load(zero_ptr + at, mask=in_tile, other=0).to(tl.int32)
-            w = ((q - z).to(tl.float32) * s).to(a.dtype)
-            # float32 inputs: no TF32 rounding, as F.linear by default
-            acc = tl.dot(a, w, acc, input_precision="ieee") if IEEE else tl.dot(a, w, acc)
+            w = ((q - z.to(tl.int32)).to(tl.float32) * s.to(tl.float32)).to(a.dtype)
+        # float32 inputs: no TF32 rounding, as F.linear by default
+        acc = tl.dot(a, w, acc, input_precision="ieee") if IEEE else tl.dot(a, w, acc)
         x_ptrs += BLOCK_K
         word_ptrs += BLOCK_K // 8
     out = out_ptr + (split * rows + m[:, None]).to(tl.int64) * out_features + n[None, :]
@@ -218,7 +207,8 @@ def w4a16_linear(
         in_features // group_size, group_size, in_features // tiles.splits,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         ONE_GROUP=group_size % tiles.block_k == 0, EVEN_K=in_features % tiles.block_k == 0,
-        IEEE=x.dtype == torch.float32, GATHER=GATHER, SCALE_AFTER=SCALE_AFTER,
+        IEEE=x.dtype == torch.float32,
+        LANES16=LANES16 and x.dtype in (torch.bfloat16, torch.float16) and scale.dtype == x.dtype,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **pdl.launch_args(x.device),
     )  # fmt: skip

@@ -33,7 +33,8 @@ replay as the engine runs them, each call on a cold copy of the weight (`Rotatio
   int4      (--int4) the weight as int4 codes with a bf16 scale and a uint8 zero point per
             INT4_GROUP input columns (`quant/w4a16.py`, W4A16: unpacked in registers), beside
             linear, F.linear over the same weight dequantized to bf16; int4f32: the kernel
-            turning codes into weights in float32 rather than in 16-bit lanes (`w4a16.LANES16`).
+            turning codes into weights in float32 rather than in 16-bit lanes (`w4a16.LANES16`);
+            int4planes: K steps a bit plane at a time, up to 32 rows (`w4a16.PLANES`).
             The % of each is of the int4 roofline: the packed codes, scales and zeros, and the bf16 input and output rows.
   invariant (--deterministic) deterministic mode's GEMM (`batch_invariant.invariant_tiles`: the
             tiles and K slices of the weight's shape, slices kept for o and down), beside
@@ -79,8 +80,8 @@ from tandem.runner import preferred_blas
 
 COPY_CEILING = H200.bandwidth  # bytes/s, device-to-device copy, read + write (DESIGN.md)
 GEMM_PEAK = H200.flops  # bf16 FLOP/s, an 8192^3 GEMM (DESIGN.md)
-# the kernel's ways of turning codes into weights (`w4a16.LANES16`)
-INT4_WAYS = {"int4": True, "int4f32": False}
+# the kernels' ways: (`w4a16.LANES16`, `w4a16.PLANES`)
+INT4_WAYS = {"int4": (True, False), "int4f32": (False, False), "int4planes": (True, True)}
 INT4_GROUP = 128  # input columns per int4 scale and zero point, as GPTQ and AWQ checkpoints
 
 
@@ -137,19 +138,19 @@ def variants(
         packed, scale, zero = int4
         int4_rotation = Rotation(packed)  # scales and zeros (5% of the codes' bytes) shared
 
-        def unpacked(lanes: bool):
+        def unpacked(lanes: bool, planes: bool):
             def product(x: torch.Tensor) -> torch.Tensor:
-                w4a16.LANES16 = lanes  # the kernel's constexpr
+                w4a16.LANES16, w4a16.PLANES = lanes, planes  # the kernels' switches
                 try:
                     return w4a16_linear(x, int4_rotation.next(), scale, zero, INT4_GROUP)
                 finally:
-                    w4a16.LANES16 = default
+                    w4a16.LANES16, w4a16.PLANES = default
 
             return product
 
-        default = w4a16.LANES16
+        default = w4a16.LANES16, w4a16.PLANES
         return {"linear": lambda x: F.linear(x, rotation.next())} | {
-            name: unpacked(way) for name, way in INT4_WAYS.items()
+            name: unpacked(*way) for name, way in INT4_WAYS.items()
         }
     if invariant_residual is not None:
         tiles = invariant_tiles(*weight.shape, weight.device, invariant_residual)

@@ -94,10 +94,16 @@ def test_dequantize_is_codes_minus_zero_times_scale(dtype, group_size):
     torch.testing.assert_close(w.cpu(), expected, atol=0, rtol=0)
 
 
-@pytest.fixture(params=[True, False], ids=["lanes16", "float32"])
+@pytest.fixture(
+    params=[(True, False), (False, False), (True, True), (False, True)],
+    ids=["lanes16", "float32", "planes-lanes16", "planes-float32"],
+)
 def unpacking(request, monkeypatch):
-    """Each way the kernel may turn codes into weights (the same bits either way)."""
-    monkeypatch.setattr(w4a16, "LANES16", request.param)
+    """Each way the kernels may turn codes into weights (the same bits either way), with the
+    K steps whole or a bit plane at a time (where the plan takes planes: up to 32 rows, inputs
+    of whole 128-feature steps)."""
+    monkeypatch.setattr(w4a16, "LANES16", request.param[0])
+    monkeypatch.setattr(w4a16, "PLANES", request.param[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -118,13 +124,17 @@ def test_kernel_matches_the_dequantized_product(
     assert_within_rounding(out, x, reference_weight(packed, scale, zero, group_size))
 
 
+@pytest.mark.parametrize("planes", [False, True])
 @pytest.mark.parametrize("group_size", [32, 48])  # 48: scales per column of a step
-def test_16_bit_lanes_and_float32_give_the_same_bits(monkeypatch, group_size):
+def test_16_bit_lanes_and_float32_give_the_same_bits(monkeypatch, group_size, planes):
     """(128 + q) - (128 + z) is exact in bf16 (1024 in fp16), and times a scale of that dtype
-    rounds once, as (q - z) * s in float32 rounded does: the two ways agree to the bit."""
+    rounds once, as (q - z) * s in float32 rounded does: the two ways agree to the bit, in
+    either kernel."""
     dtype = DTYPES[-1]
-    packed, scale, zero = random_int4(72, 192, group_size, dtype, seed=5)
-    x = torch.randn(9, 192, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEVICE)
+    monkeypatch.setattr(w4a16, "PLANES", planes)
+    packed, scale, zero = random_int4(72, 384, group_size, dtype, seed=5)
+    x = torch.randn(9, 384, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEVICE)
+    assert w4a16.plan(9, 72, 384, group_size, DEVICE).planes == planes
     outs = []
     for lanes in (True, False):
         monkeypatch.setattr(w4a16, "LANES16", lanes)
@@ -151,7 +161,7 @@ def test_groups_narrower_than_a_step_and_inputs_of_odd_eighths(
     assert_within_rounding(out, x, reference_weight(packed, scale, zero, group_size))
 
 
-def test_float32_scales_with_float16_rows_and_strided_rows():
+def test_float32_scales_with_float16_rows_and_strided_rows(unpacking):
     packed, scale, zero = random_int4(64, 128, 64, torch.float32)
     wide = torch.randn(6, 256, generator=torch.Generator().manual_seed(0)).half().to(DEVICE)
     x = wide[:, :128]  # rows 256 apart
@@ -182,6 +192,22 @@ def test_decode_rows_split_the_input_features_to_fill_the_device(monkeypatch):
         assert 14336 % (tiles.block_k * tiles.splits) == 0 and tiles.splits > 1
 
 
+def test_planes_take_rows_of_128_feature_steps_and_inputs_of_whole_steps(monkeypatch):
+    """With PLANES, up to 32 rows (SHAPES' 128-feature steps) over inputs of whole 128-feature
+    steps take the planes kernel, whatever the group (32: a scale per word row); 64 rows, or an
+    input of 96 features, the whole-step kernel; without PLANES, none."""
+    monkeypatch.setattr(w4a16, "PLANES", True)
+    for rows, in_features, group_size, planes in [
+        (1, 4096, 128, True), (32, 4096, 32, True), (17, 384, 384, True),
+        (64, 4096, 128, False), (3, 96, 32, False),
+    ]:  # fmt: skip
+        tiles = w4a16.plan(rows, 256, in_features, group_size, DEVICE)
+        assert tiles.planes == planes, (rows, in_features, group_size)
+        assert not planes or tiles.block_k == 128
+    monkeypatch.setattr(w4a16, "PLANES", False)
+    assert not w4a16.plan(1, 256, 4096, 128, DEVICE).planes
+
+
 def test_shapes_that_do_not_fit_raise_value_error():
     packed, scale, zero = random_int4(16, 64, 32, torch.float32)
     x = torch.randn(2, 64, device=DEVICE)
@@ -209,18 +235,16 @@ def test_shapes_that_do_not_fit_raise_value_error():
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="real sizes in bf16 need a GPU")
 @pytest.mark.parametrize("rows", [1, 16, 256])
-def test_kernel_at_llama_qkv_size_in_bfloat16(rows):
+def test_kernel_at_llama_qkv_size_in_bfloat16(unpacking, rows):
     packed, scale, zero = random_int4(6144, 4096, 128, torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
     out = w4a16.w4a16_linear(x, packed, scale, zero, 128)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 6144)
-    w = torch.from_numpy(reference_weight(packed, scale, zero, 128)).cuda()
-    expected = x.double() @ w.T
-    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+    assert_within_rounding(out, x, reference_weight(packed, scale, zero, 128))
 
 
-def test_split_k_partials_sum_to_the_product():
+def test_split_k_partials_sum_to_the_product(unpacking):
     """`partials=True` hands a split-K product's float32 slices to the norm that adds them:
     their sum is the summed product."""
     g = torch.Generator().manual_seed(3)

@@ -42,6 +42,9 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # us) and 9-10% at 256; two other ways measured there (per-code word loads: 8x as long; a
 # group's summed products scaled once: 1.7x) are gone. `benchmarks/gemm.py --int4` times both.
 LANES16 = True
+# Decode rows' K steps a bit plane at a time (`w4a16_planes_kernel`): not yet timed on a GPU,
+# off until an A/B shows it faster (`benchmarks/gemm.py --int4` times it as int4planes).
+PLANES = False
 
 
 class W4Tiles(NamedTuple):
@@ -51,6 +54,7 @@ class W4Tiles(NamedTuple):
     splits: int  # slices of the input features, one program each per output tile
     num_warps: int = 4
     num_stages: int = 3
+    planes: bool = False  # w4a16_planes_kernel rather than w4a16_kernel
 
 
 # (most rows, tiles): untuned guesses, not yet timed on a GPU. Decode rows take tl.dot's least
@@ -66,6 +70,39 @@ SHAPES: tuple[tuple[float, W4Tiles], ...] = (
 )
 
 
+@triton.jit
+def weights(q, z, s, dtype: tl.constexpr, LANES16: tl.constexpr):
+    """Codes q (int32, 0..15) less zero points z (uint8) times scales s, in `dtype`."""
+    if LANES16:  # 128 + q (bf16) or 1024 + q (fp16), less 128 + z: exact; times s: rounded
+        if dtype == tl.bfloat16:
+            biased = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            w = (biased - (z.to(tl.float32) + 128.0).to(tl.bfloat16)) * s
+        else:
+            biased = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+            w = (biased - (z.to(tl.float32) + 1024.0).to(tl.float16)) * s
+    else:
+        w = ((q - z.to(tl.int32)).to(tl.float32) * s.to(tl.float32)).to(dtype)
+    return w
+
+
+@triton.jit
+def program_tile(rows, out_features, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's rows m [BLOCK_M] and outputs n [BLOCK_N], which of them exist, and its
+    slice of the input features (grid: output tiles, row tiles, splits)."""
+    tile_n, tile_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return m, n, m < rows, n < out_features, split
+
+
+@triton.jit
+def store_tile(out_ptr, acc, rows, out_features, m, n, in_m, in_n, split):
+    """acc [BLOCK_M, BLOCK_N] into split's slice of out: float32 partial sums, or with one
+    split the product in the input's dtype."""
+    out = out_ptr + (split * rows + m[:, None]).to(tl.int64) * out_features + n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
+
+
 @triton.jit(do_not_specialize=["rows"])  # a per-step value: one compilation for all row counts
 def w4a16_kernel(
     x_ptr, packed_ptr, scale_ptr, zero_ptr, out_ptr, rows, out_features, in_features, x_stride,
@@ -74,10 +111,7 @@ def w4a16_kernel(
     LANES16: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.wait(PDL)
-    tile_n, tile_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_m, in_n = m < rows, n < out_features
+    m, n, in_m, in_n, split = program_tile(rows, out_features, BLOCK_M, BLOCK_N)
     first = split * k_per_split
     cols = tl.arange(0, BLOCK_K)
     words = tl.arange(0, BLOCK_K // 8)
@@ -112,22 +146,56 @@ def w4a16_kernel(
             in_tile = in_n[None, :] & (start + cols < in_features)[:, None]
             s = tl.load(scale_ptr + at, mask=in_tile, other=0.0)
             z = tl.load(zero_ptr + at, mask=in_tile, other=0)
-        if LANES16:  # 128 + q (bf16) or 1024 + q (fp16), less 128 + z: exact; times s: rounded
-            if a.dtype == tl.bfloat16:
-                biased = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-                w = (biased - (z.to(tl.float32) + 128.0).to(tl.bfloat16)) * s
-            else:
-                biased = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-                w = (biased - (z.to(tl.float32) + 1024.0).to(tl.float16)) * s
-        else:
-            w = ((q - z.to(tl.int32)).to(tl.float32) * s.to(tl.float32)).to(a.dtype)
+        w = weights(q, z, s, a.dtype, LANES16)
         # float32 inputs: no TF32 rounding, as F.linear by default
         acc = tl.dot(a, w, acc, input_precision="ieee") if IEEE else tl.dot(a, w, acc)
         x_ptrs += BLOCK_K
         word_ptrs += BLOCK_K // 8
-    out = out_ptr + (split * rows + m[:, None]).to(tl.int64) * out_features + n[None, :]
-    # float32 partial sums, or with one split the product in the input's dtype
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
+    store_tile(out_ptr, acc, rows, out_features, m, n, in_m, in_n, split)
+
+
+@triton.jit(do_not_specialize=["rows"])
+def w4a16_planes_kernel(
+    x_ptr, packed_ptr, scale_ptr, zero_ptr, out_ptr, rows, out_features, in_features, x_stride,
+    groups, group_size, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, ONE_GROUP: tl.constexpr, IEEE: tl.constexpr, LANES16: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """w4a16_kernel's product with each K step taken a bit plane at a time: plane i holds the
+    step's words' codes i (columns 8j + i), times the input's columns 8j + i, eight dots of
+    BLOCK_K // 8 (16 or more) deep. Each plane is shifts and masks of the words alone, so the
+    words reach the tensor cores' operand layout as loaded and are unpacked there (w4a16_kernel's
+    reshape makes each code cross shared memory on its own). K steps divide in_features."""
+    pdl.wait(PDL)
+    m, n, in_m, in_n, split = program_tile(rows, out_features, BLOCK_M, BLOCK_N)
+    first = split * k_per_split
+    words = tl.arange(0, BLOCK_K // 8)
+    # [BLOCK_M, BLOCK_K // 8]: the input's columns 8j of the step (plane i's: 8j + i)
+    x_ptrs = x_ptr + m[:, None].to(tl.int64) * x_stride + first + 8 * words[None, :]
+    # [BLOCK_K // 8, BLOCK_N]: the step's words, word j holding columns 8j .. 8j + 7
+    word_ptrs = (
+        packed_ptr + n[None, :].to(tl.int64) * (in_features // 8) + first // 8 + words[:, None]
+    )
+    group_rows = n.to(tl.int64) * groups  # [BLOCK_N]: where each output's scales start
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for start in range(first, first + k_per_split, BLOCK_K):
+        packed = tl.load(word_ptrs, mask=in_n[None, :], other=0)
+        if ONE_GROUP:  # a scale and a zero per output
+            at = group_rows + start // group_size
+            s = tl.load(scale_ptr + at, mask=in_n, other=0.0)[None, :]
+            z = tl.load(zero_ptr + at, mask=in_n, other=0)[None, :]
+        else:  # [BLOCK_K // 8, BLOCK_N]: each word's group (a word's 8 columns share it)
+            at = group_rows[None, :] + ((start + 8 * words) // group_size)[:, None]
+            s = tl.load(scale_ptr + at, mask=in_n[None, :], other=0.0)
+            z = tl.load(zero_ptr + at, mask=in_n[None, :], other=0)
+        for i in tl.static_range(8):
+            a = tl.load(x_ptrs + i, mask=in_m[:, None], other=0.0)
+            # (the arithmetic shift of a negative word leaves sign bits above the nibble: masked)
+            w = weights((packed >> 4 * i) & 0xF, z, s, a.dtype, LANES16)
+            acc = tl.dot(a, w, acc, input_precision="ieee") if IEEE else tl.dot(a, w, acc)
+        x_ptrs += BLOCK_K
+        word_ptrs += BLOCK_K // 8
+    store_tile(out_ptr, acc, rows, out_features, m, n, in_m, in_n, split)
 
 
 @triton.jit(do_not_specialize=["numel"])
@@ -151,10 +219,12 @@ def plan(
     """The tiles of a [rows, in] x int4 [out, in]^T product: SHAPES' by rows, K steps of the
     widest power of two (16 to its block_k) that a group holds, else that `in` holds (scales
     read per column), else 16 (the last step masked). Up to SPLIT_ROWS rows, the most splits
-    that divide the K steps and keep at most two programs per SM."""
+    that divide the K steps and keep at most two programs per SM. With PLANES, rows whose
+    SHAPES step is 128 and inputs of whole steps take planes of 128-feature steps, any group."""
     shape = next(tiles for most, tiles in SHAPES if rows <= most)
+    planes = PLANES and shape.block_k == 128 and in_features % 128 == 0
     steps = [b for b in (128, 64, 32, 16) if b <= shape.block_k]
-    block_k = next((b for b in steps if group_size % b == 0), None)
+    block_k = next((b for b in steps if planes or group_size % b == 0), None)
     block_k = block_k or next((b for b in steps if in_features % b == 0), 16)
     splits = 1
     if rows <= SPLIT_ROWS and in_features % block_k == 0:
@@ -162,7 +232,7 @@ def plan(
         tiles = cdiv(rows, shape.block_m) * cdiv(out_features, shape.block_n)
         wanted = max(1, 2 * num_sms(device) // tiles)
         splits = max(s for s in range(1, min(wanted, k_steps) + 1) if k_steps % s == 0)
-    return shape._replace(block_k=block_k, splits=splits)
+    return shape._replace(block_k=block_k, splits=splits, planes=planes)
 
 
 def w4a16_linear(
@@ -202,15 +272,16 @@ def w4a16_linear(
             tiles.splits, rows, out_features, dtype=torch.float32, device=x.device
         )
     grid = (cdiv(out_features, tiles.block_n), cdiv(rows, tiles.block_m), tiles.splits)
-    w4a16_kernel[grid](
+    kernel, even_k = (w4a16_planes_kernel, {}) if tiles.planes else (
+        w4a16_kernel, {"EVEN_K": in_features % tiles.block_k == 0})  # fmt: skip
+    kernel[grid](
         x, packed, scale, zero, partials_out, rows, out_features, in_features, x.stride(0),
         in_features // group_size, group_size, in_features // tiles.splits,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        ONE_GROUP=group_size % tiles.block_k == 0, EVEN_K=in_features % tiles.block_k == 0,
-        IEEE=x.dtype == torch.float32,
+        ONE_GROUP=group_size % tiles.block_k == 0, IEEE=x.dtype == torch.float32,
         LANES16=LANES16 and x.dtype in (torch.bfloat16, torch.float16) and scale.dtype == x.dtype,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **pdl.launch_args(x.device),
+        **even_k, **pdl.launch_args(x.device),
     )  # fmt: skip
     if tiles.splits > 1 and partials:
         return partials_out

@@ -7,8 +7,9 @@
 # (generations that outgrow the KV cache) run preemption_mode auto against recompute and swap
 # (SWAP_COMPARE).
 #   SKIP_TESTS=1        no tests
-#   TESTS="engine features"  those groups of GPU tests alone (engine, features, kernels, models,
-#                       multi; default all, which outrun one device call: see test_group)
+#   TESTS="engine features"  those groups of GPU tests alone (engine, features, lora, kernels,
+#                       int4, models, multi; default all, which outrun one device call: see
+#                       test_group)
 #   SKIP_KERNELS=1      no kernel benchmark
 #   REPEATS=N           timed runs per mode (default 3)
 #   TRACE_TIMED=1       the last timed run is the traced run (no run more; long's default)
@@ -60,6 +61,9 @@ workload_args() {
     chat) echo "--model llama-3-8b --shared-prefix-len 2048 --input-len 128 --output-len 256 --num-prompts 256" ;;
     # deterministic mode's cost (issue 29): each beside its plain workload in the same call
     seed-det|small-det|latency-det) echo "$(workload_args "${1%-det}") --deterministic" ;;
+    # a custom logits processor on every row (benchmarks/processors.py): eager sampling with
+    # the processor's device work; compare with seed in the same call
+    seed-processors) echo "$(workload_args seed) --logits-processors benchmarks.processors:BanIds" ;;
     seed-fp8) echo "$(workload_args seed) --quantization fp8" ;;
     latency-fp8) echo "$(workload_args latency) --quantization fp8" ;;
     small-fp8kv) echo "$(workload_args small) --kv-cache-dtype fp8" ;;
@@ -85,15 +89,17 @@ workload_args() {
 
 # the GPU tests by group: all of them outrun one 600 s device call (session 56, an H100:
 # test_cuda_engine.py and test_deterministic_cuda.py under 240 s; penalties through weight
-# transfer 306 s; FP8, Gluon and 67 of the 85 model tests 400 s)
+# transfer 306 s; FP8, Gluon and 67 of the 85 model tests 400 s; session 58: kernels past
+# 330 s, int4 130 s, prompt embeds 132 s, test_lora.py 3 tests in 280 s (its kernels compile))
 test_group() {
   case $1 in
     engine) echo tests/gpu/test_{cuda_engine,deterministic_cuda,penalties_cuda,prefix_cache_cuda}.py ;;
-    features) echo tests/gpu/test_{prompt_logprobs,rl,structured,swap,weight_transfer,prompt_embeds}_cuda.py \
-      tests/test_lora.py ;;
+    features) echo tests/gpu/test_{prompt_logprobs,rl,structured,swap,weight_transfer,prompt_embeds,logits_processors}_cuda.py ;;
+    lora) echo tests/test_lora.py ;;
     kernels) echo tests/gpu/test_{fp8,gluon_decode}_cuda.py tests/test_triton_attention.py \
       tests/test_fused_ops.py tests/test_sampling_kernel.py tests/test_pdl.py tests/test_splitk.py \
-      tests/test_shared_prefix.py tests/gpu/test_int4_cuda.py tests/test_w4a16.py ;;
+      tests/test_shared_prefix.py ;;
+    int4) echo tests/gpu/test_int4_cuda.py tests/test_w4a16.py ;;
     models) echo tests/gpu/test_models_cuda.py ;;
     multi) echo tests/gpu/test_{tensor_parallel,ray}_cuda.py ;;  # two GPUs (and Ray)
     *) return 1 ;;
@@ -101,7 +107,7 @@ test_group() {
 }
 if [ -z "${SKIP_TESTS:-}" ]; then
   files=()
-  for group in ${TESTS:-engine features kernels models multi}; do
+  for group in ${TESTS:-engine features lora kernels int4 models multi}; do
     files+=($(test_group "$group")) || echo "unknown test group $group"
   done
   python3 -m pytest -q --durations=8 "${files[@]}" -p no:cacheprovider 2>&1 \

@@ -58,6 +58,8 @@ class StepBatch:
     # their token masks (structured.py), launched once the CPU has them
     mask_rows: list[int] = field(default_factory=list)
     sampling_launched: bool = True
+    # custom logits processors change its logits (logits_processors.py): sampled eagerly
+    custom_logits: bool = False
 
     @property
     def use_mask(self) -> bool:
@@ -67,8 +69,8 @@ class StepBatch:
     def sampling_graphed(self) -> bool:
         """Whether a sampling graph follows the forward graph. A step with logprobs samples
         eagerly from the forward graph's logits: its outputs' widths (top logprobs, named ids)
-        vary from step to step."""
-        return self.graphed and self.num_top_logprobs is None
+        vary from step to step; so does one with custom logits processors (user code)."""
+        return self.graphed and self.num_top_logprobs is None and not self.custom_logits
 
 
 class RunningRows:

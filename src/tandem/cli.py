@@ -153,6 +153,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -
         help="vLLM's; 1 only (use --tensor-parallel-size, or --data-parallel-size to serve)",
     )
     parser.add_argument(
+        "--logits-processors",
+        nargs="+",
+        metavar="MODULE:CLASS",
+        help="custom logits processors (vLLM's): LogitsProcessor subclasses by name",
+    )
+    parser.add_argument(
         "--speculative-config",
         type=json_object,
         help="vLLM's; speculative decoding is not supported (refused)",

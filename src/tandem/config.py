@@ -504,6 +504,9 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     # prompts given as embeddings ({"prompt_embeds": tensor}; prompt_embeds.py), vLLM's flag
     enable_prompt_embeds: bool = False
+    # custom logits processors, vLLM's: LogitsProcessor subclasses or their "module:Class"
+    # names (logits_processors.py)
+    logits_processors: list | None = None
     # "fp8": FP8 weights of a bf16 checkpoint, made at load; "gptq", "awq", "compressed-tensors"
     # (and vLLM's "gptq_marlin", "awq_marlin"): the checkpoint's int4 format, checked against it
     quantization: str | None = None
@@ -693,6 +696,16 @@ class EngineConfig:
             raise ValueError(
                 "enable_prompt_embeds=True runs on one device: tensor_parallel_size must be 1"
             )
+        if self.logits_processors is not None:
+            if not isinstance(self.logits_processors, (list, tuple)):
+                raise TypeError(
+                    "logits_processors is a list of LogitsProcessor subclasses or their names, "
+                    f"got {self.logits_processors!r:.80}"
+                )
+            if self.logits_processors and self.tensor_parallel_size > 1:
+                raise ValueError(
+                    "logits_processors run on one device: tensor_parallel_size must be 1"
+                )
         check_int("max_loras", self.max_loras, 1)
         check_int("max_lora_rank", self.max_lora_rank, 1)
         if self.max_cpu_loras is not None:

@@ -23,6 +23,7 @@ from tandem.batch_invariant import invariant_attention, make_batch_invariant
 from tandem.compilation import graph_plan
 from tandem.config import EngineConfig, ModelConfig, cdiv
 from tandem.kv_cache import BlockAllocator, allocate_kv_cache, bytes_per_block
+from tandem.logits_processors import LogitsProcessors
 from tandem.lora import AdapterCache, AdapterSlots, read_adapter
 from tandem.memory import num_kv_blocks
 from tandem.metrics import EngineStats, RequestCounts, StatLogger
@@ -199,6 +200,11 @@ class Engine:
         self.penalties = penalties.PenaltyState(
             config.max_num_seqs, cfg.vocab_size, config.max_num_batched_tokens, self.device
         )
+        self.logits_processors = (  # custom ones, vLLM's (logits_processors.py)
+            LogitsProcessors(config.logits_processors, config, self.device)
+            if config.logits_processors
+            else None
+        )
         if config.deterministic:
             self.attend = invariant_attention(self.attention_backend, self.attend)
         num_blocks = num_kv_blocks(
@@ -272,6 +278,7 @@ class Engine:
             # token masks for structured outputs, where the backend and a tokenizer are here
             mask_vocab_size=cfg.vocab_size if self.tokenizer and structured.available() else None,
             logprobs_mode=config.logprobs_mode,
+            logits_processors=self.logits_processors,
             prompt_embeds=config.enable_prompt_embeds,
         )
         if self.runner.cuda and (self.runner.graph_sizes or self.runner.token_buckets):
@@ -386,6 +393,8 @@ class Engine:
         the other arguments are `Admission.request`'s (prompt or its ids, cache_salt, ...)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if self.logits_processors is not None:
+            self.logits_processors.validate(params)
         return self.admission.request(request_id, params, *args, **kwargs)
 
     def abort(self, request_id: str) -> None:
@@ -755,6 +764,9 @@ class Engine:
             pieces = graph_size is None and not embeds
             bucket = self.runner.token_bucket(plan.num_tokens) if pieces else None
             batch = self.builder.build(plan, slot, step, graph_size, bucket)
+            if self.logits_processors is not None:  # its rows' changes, before its sampling
+                self.logits_processors.update(batch.requests)
+                batch.custom_logits = True
             wanted = self.step_work is not None or timeline.recording
             work = (
                 step_work(batch.seq_lens, batch.query_start_loc, batch.shared_kv_tokens)

@@ -38,6 +38,7 @@ from tandem.attention import AttentionBackend, AttentionMetadata, SharedPrefixes
 from tandem.batch import StepBatch
 from tandem.io_slot import IOSlot, carry_over
 from tandem.kv_cache import copy_blocks
+from tandem.logits_processors import LogitsProcessors
 from tandem.model.decoder import Decoder
 from tandem.parallel import TensorParallel
 from tandem.penalties import PenaltyState
@@ -99,9 +100,12 @@ class Runner:
         mask_vocab_size: int | None = None,
         logprobs_mode: str = "raw_logprobs",
         prompt_embeds: bool = False,
+        logits_processors: LogitsProcessors | None = None,
     ):
         self.model = model
         self.logprobs_mode = logprobs_mode  # config.LOGPROBS_MODES: what sample logprobs hold
+        # custom processors (logits_processors.py): every step's sampling runs them, eagerly
+        self.logits_processors = logits_processors
         self.penalties = penalties  # needed by steps with use_penalties
         self.tp = tp
         self.kv_caches = kv_caches
@@ -413,10 +417,17 @@ class Runner:
         # the bans and masks below change the logits in place unless penalties copied them first
         raw = self.logprobs_mode.startswith("raw")
         wanted = num_top_logprobs is not None
-        changed_in_place = (use_filters or use_mask) and not use_penalties
+        processors = self.logits_processors
+        if processors is not None:  # they change float32 logits, as vLLM's do (in place too)
+            logits = logits.float()
+        changed_in_place = processors is not None or (
+            (use_filters or use_mask) and not use_penalties
+        )
         source = sampled = None
         if wanted and raw:
             source = logits.clone() if changed_in_place else logits
+        if processors is not None:
+            logits = processors.before_penalties(logits)
         if use_penalties:  # the step's tokens counted into the state, then the logits processed
             if input_ids is None:
                 ids, carry = x["input_ids"][:num_tokens], x["carry_index"][:num_tokens]
@@ -427,8 +438,11 @@ class Runner:
             ban_tokens(logits, x["banned_ids"][:num_seqs], x["ban_rows"][:num_seqs])
         if use_mask:  # rows without a constraint have all-ones masks
             apply_masks(logits, slot.masks.device[:num_seqs])
+        temperature = x["temperature"][:num_seqs]
+        if processors is not None:
+            logits, temperature = processors.after_temperature(logits, temperature)
         params = SamplingTensors(
-            temperature=x["temperature"][:num_seqs],
+            temperature=temperature,
             top_k=x["top_k"][:num_seqs],
             top_p=x["top_p"][:num_seqs],
             min_p=x["min_p"][:num_seqs],

@@ -1,0 +1,271 @@
+"""Custom logits processors, as vLLM's: classes given as `LLM(logits_processors=[...])` (or
+"module:Class" names, `--logits-processors`), made once per engine, that change a step's logits
+before its sampling. A processor keeps its own state about the step's rows, which
+`update_state` keeps current with a `BatchUpdate` (rows removed, added, moved) before each step,
+and `apply` changes the step's logits [rows, vocab] in row order. Requests opt in through their
+SamplingParams (usually `extra_args`); `validate_params` refuses a request before it is queued.
+
+What tandem keeps async-native: a processor's `apply` runs as device work enqueued with the
+step's sampling, on the compute stream, with nothing read back; the forward pass still replays
+its CUDA graph, and only such steps' sampling runs eagerly (user code is not captured). A
+processor that reads a tensor back to the host (`.item()`, `.tolist()`, printing) stalls the
+step loop there. With async batching a step is prepared while the one before it runs, so the
+`output_tok_ids` a processor was handed lack the token still in flight: the last one or two.
+Engines with tensor_parallel_size > 1 refuse processors.
+
+The order within a step is vLLM's: the processors whose `is_argmax_invariant()` is False change
+the logits before penalties, bans and structured-output masks; those for which it is True, after
+the rows are divided by their temperature (the sampler then draws at temperature 1; greedy rows
+skip them, as their argmax cannot change).
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from tandem.request import Request
+    from tandem.sampling import SamplingParams
+
+
+class MoveDirectionality(Enum):
+    UNIDIRECTIONAL = auto()  # the row at a moves to b; a is left empty
+    SWAP = auto()  # the rows at a and b trade places
+
+
+# (index, params, prompt token ids, output token ids: the request's own list, which grows)
+AddedRequest = tuple[int, "SamplingParams", list[int] | None, list[int]]
+MovedRequest = tuple[int, int, MoveDirectionality]  # (a, b, directionality)
+RemovedRequest = int  # the index left empty
+
+
+@dataclass(frozen=True)
+class BatchUpdate:
+    """How the step's rows changed since the last step: apply `removed`, then `added`, then
+    `moved`, in that order. An added or moved row replaces what its index held."""
+
+    batch_size: int  # rows of this step
+    removed: Sequence[RemovedRequest]
+    added: Sequence[AddedRequest]
+    moved: Sequence[MovedRequest]
+
+
+class LogitsProcessor(ABC):
+    """vLLM's interface: subclass it and give the class to `LLM(logits_processors=[...])`."""
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        """Raise ValueError for a request whose parameters this processor cannot take."""
+        return None  # every request, unless a subclass says otherwise
+
+    @abstractmethod
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool):
+        """Made once per engine: `vllm_config` is the engine's EngineConfig."""
+
+    @abstractmethod
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The step's logits [rows, vocab] (float32) -> the changed logits (in place or new)."""
+
+    @abstractmethod
+    def is_argmax_invariant(self) -> bool:
+        """True when it never changes a row's most likely token (then greedy rows skip it)."""
+
+    @abstractmethod
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        """Before each step: how its rows changed (None: not at all)."""
+
+
+RequestLogitsProcessor = Callable[..., torch.Tensor]
+
+
+class AdapterLogitsProcessor(LogitsProcessor):
+    """vLLM's wrapper of per-request processors: `new_req_logits_processor(params)` gives a
+    request's function (or None), called each step as fn(output_ids, logits_row) -> row, or
+    fn(prompt_ids, output_ids, logits_row) -> row, on that request's row alone."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool):
+        # index -> (function, takes prompt ids, prompt ids, output ids)
+        self.rows: dict[int, tuple[RequestLogitsProcessor, bool, list[int], list[int]]] = {}
+
+    @abstractmethod
+    def new_req_logits_processor(self, params: SamplingParams) -> RequestLogitsProcessor | None:
+        """The request's function, or None where this request does not use it."""
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        def entry(params, prompt_ids, output_ids):
+            fn = self.new_req_logits_processor(params)
+            if fn is None:
+                return None
+            return fn, _positional_arity(fn) == 3, prompt_ids or [], output_ids
+
+        process_dict_updates(self.rows, batch_update, entry)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for index, (fn, takes_prompt, prompt_ids, output_ids) in self.rows.items():
+            row = logits[index]
+            new = fn(prompt_ids, output_ids, row) if takes_prompt else fn(output_ids, row)
+            if new is not row:
+                logits[index] = new
+        return logits
+
+
+def process_dict_updates(
+    entries: dict[int, Any],
+    batch_update: BatchUpdate | None,
+    new_state: Callable[[SamplingParams, list[int] | None, list[int]], Any],
+) -> bool:
+    """vLLM's helper: a processor's per-row entries (index -> state) kept current: removed
+    rows dropped, added rows given new_state(params, prompt ids, output ids) (None: no entry),
+    moves and swaps carried out. True when the entries changed."""
+    if batch_update is None:
+        return False
+    before = dict(entries)
+    for index in batch_update.removed:
+        entries.pop(index, None)
+    for index, params, prompt_ids, output_ids in batch_update.added:
+        state = new_state(params, prompt_ids, output_ids)
+        if state is None:
+            entries.pop(index, None)
+        else:
+            entries[index] = state
+    for a, b, direction in batch_update.moved:
+        moving = entries.pop(a, None)
+        if direction is MoveDirectionality.SWAP:
+            other = entries.pop(b, None)
+            if other is not None:
+                entries[a] = other
+        if moving is not None:
+            entries[b] = moving
+        else:
+            entries.pop(b, None)
+    return entries != before
+
+
+def _positional_arity(fn: Callable) -> int:
+    import inspect
+
+    parameters = inspect.signature(fn).parameters.values()
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
+
+
+def resolve(spec: type | str) -> type[LogitsProcessor]:
+    """A processor class, or its "package.module:Class" / "package.module.Class" name."""
+    cls = spec
+    if isinstance(spec, str):
+        module_name, _, name = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
+        if not module_name or not name:
+            raise ValueError(
+                f"logits_processors names a class as 'package.module:Class', got {spec!r}"
+            )
+        try:
+            cls = getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"logits processor {spec!r} cannot be imported: {error}") from None
+    if not (isinstance(cls, type) and issubclass(cls, LogitsProcessor)):
+        raise TypeError(
+            f"logits_processors takes subclasses of tandem.logits_processors.LogitsProcessor "
+            f"(or their names), got {spec!r}"
+        )
+    return cls
+
+
+class LogitsProcessors:
+    """An engine's custom processors: requests checked by each, each step's row changes handed
+    to each (`update`), and the step's logits changed by each (`before_penalties`,
+    `after_temperature`; runner.py's sampling calls them)."""
+
+    def __init__(self, specs: Sequence[type | str], config: Any, device: torch.device):
+        self.classes = [resolve(spec) for spec in specs]
+        pin = device.type == "cuda"
+        self.processors = [cls(config, device, pin) for cls in self.classes]
+        self.rows: list[str] = []  # request ids in the last step's row order
+
+    def validate(self, params: SamplingParams) -> None:
+        for cls in self.classes:
+            cls.validate_params(params)
+
+    def update(self, requests: list[Request]) -> None:
+        """Hand each processor how this step's rows differ from the last step's."""
+        update = batch_update(self.rows, requests)
+        self.rows = [request.request_id for request in requests]
+        for processor in self.processors:
+            processor.update_state(update)
+
+    def before_penalties(self, logits: torch.Tensor) -> torch.Tensor:
+        """[rows, vocab] logits through the processors that may change a row's argmax."""
+        for processor in self.processors:
+            if not processor.is_argmax_invariant():
+                logits = processor.apply(logits)
+        return logits
+
+    def after_temperature(
+        self, logits: torch.Tensor, temperature: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [rows, vocab], temperature [rows]) -> the same through the argmax-invariant
+        processors: sampled rows divided by their temperature first, which becomes 1 (greedy
+        rows, temperature 0, keep their logits and theirs)."""
+        invariant = [p for p in self.processors if p.is_argmax_invariant()]
+        if not invariant:
+            return logits, temperature
+        sampled = temperature > 0
+        scaled = logits / torch.where(sampled, temperature, 1.0)[:, None].to(logits.dtype)
+        for processor in invariant:
+            scaled = processor.apply(scaled)
+        logits = torch.where(sampled[:, None], scaled, logits)
+        return logits, torch.where(sampled, 1.0, temperature)
+
+
+def batch_update(last: list[str], requests: list[Request]) -> BatchUpdate | None:
+    """The operations that turn the last step's rows (request ids) into this step's: rows of
+    requests gone are removed; new requests are added at a free index (their own row where it
+    is free, else one a removal left or one past both steps' rows); then swaps put every
+    request at its row. None when nothing changed."""
+    ids = [request.request_id for request in requests]
+    if ids == last:
+        return None
+    now = set(ids)
+    slots: list[str | None] = list(last)
+    removed = [i for i, rid in enumerate(last) if rid not in now]
+    for i in removed:
+        slots[i] = None
+    slots += [None] * max(0, len(ids) - len(slots))
+    where = {rid: i for i, rid in enumerate(slots) if rid is not None}
+    added = []
+    for row, request in enumerate(requests):
+        if request.request_id in where:
+            continue
+        free = row if slots[row] is None else _free_slot(slots, row)
+        slots[free] = request.request_id
+        where[request.request_id] = free
+        params = request.params
+        added.append((free, params, request.prompt_token_ids, request.output_token_ids))
+    moved = []
+    for row, rid in enumerate(ids):
+        at = where[rid]
+        if at == row:
+            continue
+        other = slots[row]
+        slots[row], slots[at] = rid, other
+        where[rid] = row
+        if other is not None:
+            where[other] = at
+            moved.append((at, row, MoveDirectionality.SWAP))
+        else:
+            moved.append((at, row, MoveDirectionality.UNIDIRECTIONAL))
+    return BatchUpdate(batch_size=len(ids), removed=removed, added=added, moved=moved)
+
+
+def _free_slot(slots: list[str | None], avoid: int) -> int:
+    """An empty index of `slots` other than `avoid`, one appended if none is."""
+    for i, rid in enumerate(slots):
+        if rid is None and i != avoid:
+            return i
+    slots.append(None)
+    return len(slots) - 1

@@ -1,0 +1,80 @@
+"""Custom logits processors on CUDA: decode steps still replay their forward graphs, their
+sampling runs eagerly with the processors; async equals sync; clean under the stream
+sanitizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.runner import Runner
+from test_logits_processors import TARGET, TargetToken
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+PROMPTS = [list(range(3 + 5 * i, 20 + 7 * i)) for i in range(6)]
+
+
+def test_graphed_steps_with_processors_give_sync_tokens_and_their_targets(make_tiny, monkeypatch):
+    launched = []
+    launch = Runner.launch
+
+    def record(self, batch, timeline):
+        launched.append((batch.graphed, batch.sampling_graphed))
+        return launch(self, batch, timeline)
+
+    monkeypatch.setattr(Runner, "launch", record)
+    params = [
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=1, max_tokens=16, ignore_eos=True,
+                       extra_args={"target_token": TARGET}),
+    ]  # fmt: skip
+    outs = {}
+    for async_batching in (False, True):
+        llm = LLM(str(make_tiny("llama")), dtype="float32", max_model_len=128,
+                  logits_processors=[TargetToken], async_batching=async_batching)  # fmt: skip
+        got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                           [params[i % 2] for i in range(len(PROMPTS))], use_tqdm=False)  # fmt: skip
+        outs[async_batching] = [o.outputs[0].token_ids for o in got]
+        del llm
+    assert outs[True] == outs[False]
+    assert all(ids == [TARGET] * 16 for ids in outs[True][1::2])
+    assert any(graphed for graphed, _ in launched)  # forward graphs replayed
+    assert not any(sampling for _, sampling in launched)  # sampling eager, with the processors
+
+
+def test_processor_steps_are_clean_under_the_stream_sanitizer(run_sanitized):
+    run_sanitized(
+        """
+import sys
+import torch
+from tandem import LLM, SamplingParams
+from tandem.logits_processors import AdapterLogitsProcessor
+from tandem.model.tiny import make_tiny_model
+
+class Only5(AdapterLogitsProcessor):
+    def is_argmax_invariant(self):
+        return False
+    def new_req_logits_processor(self, params):
+        def only_5(output_ids, row):
+            kept = row[5].clone()
+            row.fill_(float("-inf"))
+            row[5] = kept
+            return row
+        return only_5
+
+folder = make_tiny_model(sys.argv[1], "llama")
+llm = LLM(str(folder), max_model_len=128, max_num_batched_tokens=16, num_blocks=12,
+          logits_processors=[Only5])
+params = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+prompts = [{"prompt_token_ids": list(range(3 + 7 * i, 20 + 9 * i))} for i in range(6)]
+outs = llm.generate(prompts, params, use_tqdm=False)
+assert llm.engine.scheduler.num_preemptions > 0
+assert all(o.outputs[0].token_ids == [5] * 20 for o in outs)
+print(len(outs))
+"""
+    )

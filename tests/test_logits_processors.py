@@ -1,0 +1,281 @@
+"""Custom logits processors (logits_processors.py): vLLM's interface, their rows kept current by
+BatchUpdates, their order around penalties and temperature, bad processors and requests."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import ClassVar
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.logits_processors import (
+    AdapterLogitsProcessor,
+    BatchUpdate,
+    LogitsProcessor,
+    MoveDirectionality,
+    batch_update,
+    process_dict_updates,
+)
+from tandem.request import Request
+from test_bad_input import transformers_greedy
+
+PROMPTS = ["The quick brown fox", "Once upon a time", "In the beginning", "Hello there"]
+TARGET = 7
+
+
+def apply_update(slots: dict[int, str], update: BatchUpdate | None) -> dict[int, str]:
+    """A persistent batch (index -> request id) after `update`, applied as vLLM's processors
+    apply one: removed, then added, then moved."""
+    if update is None:
+        return slots
+    slots = dict(slots)
+    for index in update.removed:
+        del slots[index]
+    for index, params, _, _ in update.added:
+        slots[index] = params.extra_args["id"]
+    for a, b, direction in update.moved:
+        moving = slots.pop(a, None)
+        if direction is MoveDirectionality.SWAP:
+            other = slots.pop(b, None)
+            if other is not None:
+                slots[a] = other
+        else:
+            assert b not in slots, "a one-way move onto a live row would lose it"
+        assert moving is not None, "a move from an empty index"
+        slots[b] = moving
+    return slots
+
+
+def fake_request(rid: str) -> Request:
+    params = SamplingParams(extra_args={"id": rid})
+    return Request(request_id=rid, prompt_token_ids=[1], params=params, seed=0)
+
+
+def test_batch_updates_turn_each_steps_rows_into_the_next_ones():
+    """Random steps (requests leaving, joining, reordered): applying each BatchUpdate to the
+    rows before it gives exactly the step's rows, every live index below its batch size."""
+    rng = random.Random(0)
+    pool = [fake_request(f"r{i}") for i in range(40)]
+    last: list[str] = []
+    slots: dict[int, str] = {}
+    assert batch_update([], []) is None
+    for _ in range(300):
+        kept = [r for r in pool if r.request_id in last and rng.random() < 0.8]
+        fresh = [r for r in pool if r.request_id not in last and rng.random() < 0.15]
+        rows = kept + fresh
+        rng.shuffle(rows) if rng.random() < 0.3 else None
+        rows = rows[:12]
+        update = batch_update(last, rows)
+        assert (update is None) == ([r.request_id for r in rows] == last)
+        slots = apply_update(slots, update)
+        assert slots == {i: r.request_id for i, r in enumerate(rows)}
+        if update is not None:
+            assert update.batch_size == len(rows)
+            added = {params.extra_args["id"] for _, params, _, _ in update.added}
+            assert added == {r.request_id for r in rows} - set(last)
+        last = [r.request_id for r in rows]
+
+
+class TargetToken(LogitsProcessor):
+    """vLLM's example: rows whose extra_args name a target_token sample only that token."""
+
+    def __init__(self, vllm_config, device, is_pin_memory):
+        self.targets: dict[int, int] = {}
+
+    @classmethod
+    def validate_params(cls, sampling_params):
+        target = (sampling_params.extra_args or {}).get("target_token")
+        if target is not None and not (isinstance(target, int) and target >= 0):
+            raise ValueError(f"target_token must be a token id, got {target!r}")
+
+    def is_argmax_invariant(self):
+        return False
+
+    def update_state(self, batch_update):
+        process_dict_updates(
+            self.targets,
+            batch_update,
+            lambda params, _, __: (params.extra_args or {}).get("target_token"),
+        )
+
+    def apply(self, logits):
+        if not self.targets:
+            return logits
+        rows = torch.tensor(list(self.targets), device=logits.device)
+        cols = torch.tensor(list(self.targets.values()), device=logits.device)
+        kept = logits[rows, cols]
+        logits[rows] = float("-inf")
+        logits[rows, cols] = kept
+        return logits
+
+
+class Recorder(LogitsProcessor):
+    """Changes nothing, records the logits it saw; declared able to change an argmax."""
+
+    seen: ClassVar[list[torch.Tensor]] = []
+    invariant = False
+
+    def __init__(self, vllm_config, device, is_pin_memory):
+        pass
+
+    def is_argmax_invariant(self):
+        return self.invariant
+
+    def update_state(self, batch_update):
+        pass
+
+    def apply(self, logits):
+        type(self).seen.append(logits.clone())
+        return logits
+
+
+class TopOnly(Recorder):
+    """Argmax-invariant: every row keeps its most likely token alone; records what it saw."""
+
+    seen: ClassVar[list[torch.Tensor]] = []
+    invariant = True
+
+    def apply(self, logits):
+        super().apply(logits)
+        top = logits.argmax(-1, keepdim=True)
+        return torch.full_like(logits, float("-inf")).scatter(1, top, logits.gather(1, top))
+
+
+class NoRepeat(AdapterLogitsProcessor):
+    """A per-request function (vLLM's wrapper): with extra_args no_repeat, a row may not sample
+    its last output token again."""
+
+    def is_argmax_invariant(self):
+        return False
+
+    def new_req_logits_processor(self, params):
+        if not (params.extra_args or {}).get("no_repeat"):
+            return None
+
+        def ban_last(output_ids, row):
+            if output_ids:
+                row[output_ids[-1]] = float("-inf")
+            return row
+
+        return ban_last
+
+
+@pytest.fixture(scope="module")
+def folder(make_tiny):
+    return make_tiny("qwen3")
+
+
+def make_llm(folder, processors=None, **kwargs) -> LLM:
+    args = dict(max_model_len=64, block_size=8, logits_processors=processors)
+    return LLM(str(folder), **(args | kwargs))
+
+
+def greedy_of(llm: LLM, folder, prompt: str, max_tokens: int) -> list[int]:
+    ids = tuple(llm.get_tokenizer().encode(prompt))
+    return transformers_greedy(folder, ids, max_tokens)
+
+
+@pytest.mark.parametrize("async_batching", [True, False])
+def test_target_token_rows_sample_only_it_and_other_rows_keep_their_greedy_tokens(
+    folder, async_batching
+):
+    """Two requests name a target token (one sampled at temperature 0.9, one with n=2 joining
+    later through chunked prefill), the others not: theirs are transformers' greedy tokens."""
+    llm = make_llm(folder, [TargetToken], async_batching=async_batching, max_num_batched_tokens=16)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    target = SamplingParams(
+        temperature=0.9, seed=1, max_tokens=6, ignore_eos=True, extra_args={"target_token": TARGET}
+    )
+    target_n = SamplingParams(
+        n=2, temperature=1.0, max_tokens=4, ignore_eos=True, extra_args={"target_token": 3}
+    )
+    params = [greedy, target, greedy, target_n]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert outs[1].outputs[0].token_ids == [TARGET] * 6
+    assert [o.token_ids for o in outs[3].outputs] == [[3] * 4, [3] * 4]
+    for i in (0, 2):
+        assert outs[i].outputs[0].token_ids == greedy_of(llm, folder, PROMPTS[i], 6)
+    assert not llm.engine.has_unfinished()
+
+
+def test_argmax_invariant_processors_see_logits_divided_by_temperature(folder):
+    """vLLM's order: a processor that may change the argmax sees the model's logits; one that
+    may not sees them divided by the row's temperature (greedy rows skip it). Keeping only the
+    top token there makes a sampled row greedy."""
+    Recorder.seen.clear()
+    TopOnly.seen.clear()
+    llm = make_llm(folder, [Recorder, TopOnly], async_batching=False)
+    sampled = SamplingParams(temperature=2.5, seed=3, max_tokens=5, ignore_eos=True)
+    [out] = llm.generate(PROMPTS[:1], sampled, use_tqdm=False)
+    assert out.outputs[0].token_ids == greedy_of(llm, folder, PROMPTS[0], 5)
+    assert len(Recorder.seen) == len(TopOnly.seen) == 5
+    for raw, divided in zip(Recorder.seen, TopOnly.seen, strict=True):
+        torch.testing.assert_close(divided, raw / 2.5)
+    TopOnly.seen.clear()
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    llm.generate(PROMPTS[:1], greedy, use_tqdm=False)
+    assert all(torch.equal(seen, Recorder.seen[-3 + i]) for i, seen in enumerate(TopOnly.seen))
+
+
+def test_per_request_functions_through_the_adapter_see_each_rows_outputs(folder):
+    """Sync steps hand a function the row's outputs so far: no token follows itself."""
+    llm = make_llm(folder, [NoRepeat], async_batching=False)
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    banned = SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, extra_args={"no_repeat": True}
+    )
+    outs = llm.generate(PROMPTS, [free, banned, free, banned], use_tqdm=False)
+    for i in (1, 3):  # their greedy tokens repeat: 290, 290, ... and 72, 72, ...
+        assert any(a == b for a, b in itertools.pairwise(greedy_of(llm, folder, PROMPTS[i], 12)))
+        ids = outs[i].outputs[0].token_ids
+        assert all(a != b for a, b in itertools.pairwise(ids)), ids
+    for i in (0, 2):
+        assert outs[i].outputs[0].token_ids == greedy_of(llm, folder, PROMPTS[i], 12)
+
+
+def test_a_processor_refuses_a_request_and_the_engine_serves_on(folder):
+    llm = make_llm(folder, [f"{__name__}:TargetToken"])
+    bad = SamplingParams(max_tokens=2, extra_args={"target_token": "seven"})
+    with pytest.raises(ValueError, match="target_token must be a token id"):
+        llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=2), bad], use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    [out] = llm.generate(PROMPTS[:1], greedy, use_tqdm=False)
+    assert out.outputs[0].token_ids == greedy_of(llm, folder, PROMPTS[0], 4)
+
+
+@pytest.mark.parametrize(
+    ("processors", "error", "words"),
+    [
+        ([dict], TypeError, "LogitsProcessor"),
+        (["no_such_module_here:Thing"], ValueError, "cannot be imported"),
+        (["NoColonOrDot"], ValueError, "package.module:Class"),
+        (TargetToken, TypeError, "a list"),
+    ],
+)
+def test_bad_processors_are_refused_at_start(folder, processors, error, words):
+    with pytest.raises(error, match=words):
+        make_llm(folder, processors)
+
+
+def test_tensor_parallel_engines_refuse_processors(folder):
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
+        make_llm(folder, [TargetToken], tensor_parallel_size=2)
+
+
+def test_the_cli_names_processors_by_module_and_class(folder):
+    """`--logits-processors module:Class` reaches the engine, which makes the named class."""
+    from tandem.cli import build_parser, engine_kwargs
+
+    name = f"{__name__}:TargetToken"
+    args = build_parser().parse_args(["generate", str(folder), "a", "--logits-processors", name])
+    kwargs = engine_kwargs(args)
+    assert kwargs["logits_processors"] == [name]
+    llm = make_llm(folder, **{**kwargs, "max_model_len": 64})
+    assert [type(p) for p in llm.engine.logits_processors.processors] == [TargetToken]
+    target = SamplingParams(max_tokens=3, ignore_eos=True, extra_args={"target_token": TARGET})
+    [out] = llm.generate(PROMPTS[:1], target, use_tqdm=False)
+    assert out.outputs[0].token_ids == [TARGET] * 3

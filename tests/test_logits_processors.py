@@ -279,3 +279,30 @@ def test_the_cli_names_processors_by_module_and_class(folder):
     target = SamplingParams(max_tokens=3, ignore_eos=True, extra_args={"target_token": TARGET})
     [out] = llm.generate(PROMPTS[:1], target, use_tqdm=False)
     assert out.outputs[0].token_ids == [TARGET] * 3
+
+
+def test_the_server_hands_vllm_xargs_to_processors_and_answers_a_refusal_with_a_400(folder):
+    """vLLM's vllm_xargs become extra_args, which a processor reads; a request it refuses is
+    a 400, and the server serves the next one."""
+    import httpx
+
+    from tandem.async_llm import AsyncLLM
+    from tandem.server.app import build_app
+    from test_server import running
+
+    llm = AsyncLLM.from_model(str(folder), max_model_len=64, logits_processors=[TargetToken])
+    tokenizer = llm.engine.tokenizer
+    try:
+        with running(build_app(llm, "tiny")) as url:
+            body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4, "ignore_eos": True}
+            good = {**body, "vllm_xargs": {"target_token": TARGET}}
+            response = httpx.post(f"{url}/v1/completions", json=good, timeout=60)
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["text"] == tokenizer.decode([TARGET] * 4)
+            bad = {**body, "vllm_xargs": {"target_token": "seven"}}
+            response = httpx.post(f"{url}/v1/completions", json=bad, timeout=60)
+            assert response.status_code == 400 and "target_token" in response.text
+            response = httpx.post(f"{url}/v1/completions", json={**body, "temperature": 0})
+            assert response.status_code == 200, response.text
+    finally:
+        llm.shutdown()

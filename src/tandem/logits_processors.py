@@ -22,6 +22,7 @@ skip them, as their argmax cannot change).
 from __future__ import annotations
 
 import importlib
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -149,8 +150,6 @@ def process_dict_updates(
 
 
 def _positional_arity(fn: Callable) -> int:
-    import inspect
-
     parameters = inspect.signature(fn).parameters.values()
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
 

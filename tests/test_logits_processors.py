@@ -306,3 +306,19 @@ def test_the_server_hands_vllm_xargs_to_processors_and_answers_a_refusal_with_a_
             assert response.status_code == 200, response.text
     finally:
         llm.shutdown()
+
+
+def test_steps_with_processors_sample_eagerly_and_no_sampling_graph_is_captured(folder):
+    """User code is never captured: an engine with processors has no sampling graph to
+    capture, and its graphed steps sample eagerly after their forward graphs."""
+    from tandem.batch import StepBatch
+
+    llm = make_llm(folder, [TargetToken])
+    assert llm.engine.runner._sampling_variants() == []
+    plain = make_llm(folder)
+    assert len(plain.engine.runner._sampling_variants()) > 0
+    fields = dict(step=0, slot=None, requests=[], samples=None, num_tokens=1, num_seqs_padded=1,
+                  decode_only=True, use_filters=False, num_top_logprobs=None, seq_lens=[1],
+                  query_start_loc=[0, 1], graphed=True)  # fmt: skip
+    assert StepBatch(**fields).sampling_graphed
+    assert not StepBatch(**fields, custom_logits=True).sampling_graphed

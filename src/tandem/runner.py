@@ -534,7 +534,10 @@ class Runner:
 
     def _sampling_variants(self) -> list[tuple[bool, bool, bool]]:
         """(use_filters, use_penalties, use_mask) of the sampling graphs: penalties where the
-        engine keeps penalty state, masks where the slots hold mask rows."""
+        engine keeps penalty state, masks where the slots hold mask rows; none where custom
+        logits processors run in every step's sampling (their code is not captured)."""
+        if self.logits_processors is not None:
+            return []
         penalties = (False, True) if self.penalties is not None else (False,)
         masks = (False, True) if self.masks else (False,)
         return list(itertools.product((False, True), penalties, masks))

@@ -40,6 +40,7 @@ def test_graphed_steps_with_processors_give_sync_tokens_and_their_targets(make_t
         got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                            [params[i % 2] for i in range(len(PROMPTS))], use_tqdm=False)  # fmt: skip
         outs[async_batching] = [o.outputs[0].token_ids for o in got]
+        assert all(key[0] != "sample" for key in llm.engine.runner.graphs)  # none captured
         del llm
     assert outs[True] == outs[False]
     assert all(ids == [TARGET] * 16 for ids in outs[True][1::2])

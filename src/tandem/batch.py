@@ -163,6 +163,7 @@ class BatchBuilder:
         eos_ids: tuple[int, ...],
         shared_group_rows: int = 0,
         publication: np.ndarray | None = None,
+        custom_logits: bool = False,
     ):
         self.block_size = block_size
         self.running_rows = RunningRows(max_seqs, max_blocks)
@@ -172,6 +173,7 @@ class BatchBuilder:
         # the prefix cache's publication numbers of its blocks (PrefixCache.publication), which
         # tell the copies of one cached block: their copied slots are shared too
         self.publication = publication
+        self.custom_logits = custom_logits  # the engine has custom logits processors
 
     def build(
         self,
@@ -290,6 +292,7 @@ class BatchBuilder:
             prompt_embeds=embed_rows,
             # rows that sample under a constraint (a planned request is never finished)
             mask_rows=np.flatnonzero(self.running_rows.constrained[rows] & samples).tolist(),
+            custom_logits=self.custom_logits,
         )
 
     def _fill_token_ids(self, x, requests: list[Request], start, num_new, qsl) -> None:

@@ -260,6 +260,7 @@ class Engine:
             self.eos_token_ids,
             shared_rows,
             self.scheduler.cache.publication,
+            custom_logits=self.logits_processors is not None,
         )
         self.runner = Runner(
             self.model,
@@ -764,9 +765,6 @@ class Engine:
             pieces = graph_size is None and not embeds
             bucket = self.runner.token_bucket(plan.num_tokens) if pieces else None
             batch = self.builder.build(plan, slot, step, graph_size, bucket)
-            if self.logits_processors is not None:  # its rows' changes, before its sampling
-                self.logits_processors.update(batch.requests)
-                batch.custom_logits = True
             wanted = self.step_work is not None or timeline.recording
             work = (
                 step_work(batch.seq_lens, batch.query_start_loc, batch.shared_kv_tokens)

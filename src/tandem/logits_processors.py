@@ -5,8 +5,9 @@ before its sampling. A processor keeps its own state about the step's rows, whic
 and `apply` changes the step's logits [rows, vocab] in row order. Requests opt in through their
 SamplingParams (usually `extra_args`); `validate_params` refuses a request before it is queued.
 
-What tandem keeps async-native: a processor's `apply` runs as device work enqueued with the
-step's sampling, on the compute stream, with nothing read back; the forward pass still replays
+What tandem keeps async-native: a processor's `update_state` and `apply` run when the step's
+sampling is enqueued, on the compute stream (device work they enqueue is ordered with the
+steps), with nothing read back; the forward pass still replays
 its CUDA graph, and only such steps' sampling runs eagerly (user code is not captured). A
 processor that reads a tensor back to the host (`.item()`, `.tolist()`, printing) stalls the
 step loop there. With async batching a step is prepared while the one before it runs, so the

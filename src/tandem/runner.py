@@ -317,6 +317,8 @@ class Runner:
             return
         hidden, logits, input_ids = self.forwarded
         self.forwarded = None
+        if self.logits_processors is not None:  # the rows' changes, on the compute stream
+            self.logits_processors.update(batch.requests)
         self._sample(
             batch.slot,
             logits,

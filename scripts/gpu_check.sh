@@ -64,6 +64,8 @@ workload_args() {
     # a custom logits processor on every row (benchmarks/processors.py): eager sampling with
     # the processor's device work; compare with seed in the same call
     seed-processors) echo "$(workload_args seed) --logits-processors benchmarks.processors:BanIds" ;;
+    # the same processor declaring that it reads output ids: sampling waits for the host
+    seed-processors-outputs) echo "$(workload_args seed) --logits-processors benchmarks.processors:BanIdsReadingOutputs" ;;
     seed-fp8) echo "$(workload_args seed) --quantization fp8" ;;
     latency-fp8) echo "$(workload_args latency) --quantization fp8" ;;
     small-fp8kv) echo "$(workload_args small) --kv-cache-dtype fp8" ;;

@@ -220,9 +220,12 @@ def test_argmax_invariant_processors_see_logits_divided_by_temperature(folder):
     assert all(torch.equal(seen, Recorder.seen[-3 + i]) for i, seen in enumerate(TopOnly.seen))
 
 
-def test_per_request_functions_through_the_adapter_see_each_rows_outputs(folder):
-    """Sync steps hand a function the row's outputs so far: no token follows itself."""
-    llm = make_llm(folder, [NoRepeat], async_batching=False)
+@pytest.mark.parametrize("async_batching", [True, False])
+def test_per_request_functions_through_the_adapter_see_each_rows_outputs(folder, async_batching):
+    """A function is handed the row's outputs so far, the token last sampled included (with
+    async batching too: the step's sampling waited for the host's read of the step before): no
+    token follows itself."""
+    llm = make_llm(folder, [NoRepeat], async_batching=async_batching)
     free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     banned = SamplingParams(
         temperature=0, max_tokens=12, ignore_eos=True, extra_args={"no_repeat": True}
@@ -322,3 +325,39 @@ def test_steps_with_processors_sample_eagerly_and_no_sampling_graph_is_captured(
                   query_start_loc=[0, 1], graphed=True)  # fmt: skip
     assert StepBatch(**fields).sampling_graphed
     assert not StepBatch(**fields, custom_logits=True).sampling_graphed
+
+
+class Blind(Recorder):
+    """Reads no output ids, so its steps' sampling need not wait for the host."""
+
+    seen: ClassVar[list[torch.Tensor]] = []
+
+    @classmethod
+    def needs_output_token_ids(cls):
+        return False
+
+
+@pytest.mark.parametrize(("processor", "waits"), [(Recorder, True), (Blind, False)])
+def test_sampling_waits_for_the_host_only_for_processors_that_read_output_ids(
+    folder, monkeypatch, processor, waits
+):
+    """With async batching, a processor that reads output ids (vLLM's default assumption) has
+    each step's sampling launched once the step before is read back, its forward pass already
+    launched; one that declares it reads none has the sampling launched with the forward pass.
+    The tokens are the same either way, and transformers' greedy tokens."""
+    from tandem.runner import Runner
+
+    launched = []
+    launch = Runner.launch
+
+    def record(self, batch, timeline):
+        launched.append(batch.sampling_waits)
+        return launch(self, batch, timeline)
+
+    monkeypatch.setattr(Runner, "launch", record)
+    llm = make_llm(folder, [processor], async_batching=True)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    assert launched and all(waits is w for w in launched)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.outputs[0].token_ids == greedy_of(llm, folder, prompt, 8)

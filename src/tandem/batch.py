@@ -54,9 +54,12 @@ class StepBatch:
     pooling: PoolingStep | None = None  # embedding requests' last prompt tokens (pooling.py)
     token_logprobs: TokenLogprobStep | None = None  # rows that name logprob_token_ids
     prompt_embeds: PromptEmbedStep | None = None  # token rows given as embeddings (eager)
-    # rows that sample under a structured-output constraint: the step's sampling waits for
-    # their token masks (structured.py), launched once the CPU has them
+    # rows that sample under a structured-output constraint: their token masks (structured.py)
     mask_rows: list[int] = field(default_factory=list)
+    # rows whose sampling needs the host to have read back the token each has in flight: the
+    # mask rows, or every row where custom logits processors read output ids; the step's
+    # sampling is then launched once the CPU has read the step before (engine.py)
+    host_rows: list[int] = field(default_factory=list)
     sampling_launched: bool = True
     # custom logits processors change its logits (logits_processors.py): sampled eagerly
     custom_logits: bool = False
@@ -64,6 +67,10 @@ class StepBatch:
     @property
     def use_mask(self) -> bool:
         return bool(self.mask_rows)
+
+    @property
+    def sampling_waits(self) -> bool:
+        return bool(self.host_rows)
 
     @property
     def sampling_graphed(self) -> bool:
@@ -164,6 +171,7 @@ class BatchBuilder:
         shared_group_rows: int = 0,
         publication: np.ndarray | None = None,
         custom_logits: bool = False,
+        processors_read_outputs: bool = False,
     ):
         self.block_size = block_size
         self.running_rows = RunningRows(max_seqs, max_blocks)
@@ -174,6 +182,7 @@ class BatchBuilder:
         # tell the copies of one cached block: their copied slots are shared too
         self.publication = publication
         self.custom_logits = custom_logits  # the engine has custom logits processors
+        self.processors_read_outputs = processors_read_outputs  # ... that read output ids
 
     def build(
         self,
@@ -265,6 +274,8 @@ class BatchBuilder:
                 copies,
             )  # fmt: skip
             x["prefix_lens"][real:decodes] = 0
+        # rows that sample under a constraint (a planned request is never finished)
+        mask_rows = np.flatnonzero(self.running_rows.constrained[rows] & samples).tolist()
         return StepBatch(
             step=step,
             slot=slot,
@@ -290,8 +301,8 @@ class BatchBuilder:
             pooling=pooling,
             token_logprobs=token_logprobs,
             prompt_embeds=embed_rows,
-            # rows that sample under a constraint (a planned request is never finished)
-            mask_rows=np.flatnonzero(self.running_rows.constrained[rows] & samples).tolist(),
+            mask_rows=mask_rows,
+            host_rows=list(range(num_seqs)) if self.processors_read_outputs else mask_rows,
             custom_logits=self.custom_logits,
         )
 

@@ -261,6 +261,8 @@ class Engine:
             shared_rows,
             self.scheduler.cache.publication,
             custom_logits=self.logits_processors is not None,
+            processors_read_outputs=self.logits_processors is not None
+            and self.logits_processors.read_outputs,
         )
         self.runner = Runner(
             self.model,
@@ -776,9 +778,9 @@ class Engine:
         with timeline.phase("launch", step):
             timeline.record_step(step, work)
             self.runner.launch(batch, timeline)
-        if batch.use_mask:  # its masks need the token each constrained row has in flight
+        if batch.sampling_waits:  # its masks or processors need the tokens its rows have in flight
             batch.sampling_launched = False
-            if not any(batch.requests[row].num_pending_tokens for row in batch.mask_rows):
+            if not any(batch.requests[row].num_pending_tokens for row in batch.host_rows):
                 self._launch_sampling(batch)
         for row, request in enumerate(batch.requests):
             if batch.samples[row]:
@@ -792,20 +794,22 @@ class Engine:
         assert batch.sampling_launched, "a step is read back after its sampling was launched"
         with self.timeline.phase("wait", batch.step):
             out = self.runner.wait(batch, self.check_ranks)
-        self.timeline.read_gpu(batch.slot.index, batch.step, batch.use_mask)
+        self.timeline.read_gpu(batch.slot.index, batch.step, batch.sampling_waits)
         with self.timeline.phase("process", batch.step):
             updated = self._append_outputs(batch, out)
-        for later in self.in_flight:  # the next step's masks: its rows' matchers are current
+        for later in self.in_flight:  # the next step's masks or processors: its rows are current
             if not later.sampling_launched:
                 self._launch_sampling(later)
         return updated
 
     def _launch_sampling(self, batch: StepBatch) -> None:
-        """Fill a masked step's token masks from its rows' matchers, then launch its sampling."""
+        """Launch the sampling of a step that waited for the host: its token masks filled from
+        its rows' matchers first, where it has constrained rows."""
         with self.timeline.phase("mask", batch.step):
-            self.admission.grammars().fill_masks(
-                batch.slot.masks.host, batch.requests, batch.mask_rows, batch.num_seqs_padded
-            )
+            if batch.use_mask:
+                self.admission.grammars().fill_masks(
+                    batch.slot.masks.host, batch.requests, batch.mask_rows, batch.num_seqs_padded
+                )
             self.runner.launch_sampling(batch, self.timeline)
         batch.sampling_launched = True
 

@@ -7,12 +7,16 @@ SamplingParams (usually `extra_args`); `validate_params` refuses a request befor
 
 What tandem keeps async-native: a processor's `update_state` and `apply` run when the step's
 sampling is enqueued, on the compute stream (device work they enqueue is ordered with the
-steps), with nothing read back; the forward pass still replays
-its CUDA graph, and only such steps' sampling runs eagerly (user code is not captured). A
-processor that reads a tensor back to the host (`.item()`, `.tolist()`, printing) stalls the
-step loop there. With async batching a step is prepared while the one before it runs, so the
-`output_tok_ids` a processor was handed lack the token still in flight: the last one or two.
-Engines with tensor_parallel_size > 1 refuse processors.
+steps), with nothing read back; the forward pass still replays its CUDA graph, and only such
+steps' sampling runs eagerly (user code is not captured). With async batching a step is built
+while the one before it runs, so its rows' latest tokens are still on the device. A processor
+that reads the values of `output_tok_ids` (`needs_output_token_ids()`, True by default, as vLLM
+assumes) gets every list current: the step's sampling waits until the host has read back the
+step before, as a step with structured-output masks does, while its forward pass runs (vLLM
+reads the tokens back with a device sync instead). One that declares False has its sampling
+launched with the forward pass, and its lists lack the token still in flight. A processor that
+reads a tensor back itself (`.item()`, `.tolist()`) stalls the step loop there. Engines with
+tensor_parallel_size > 1 refuse processors.
 
 The order within a step is vLLM's: the processors whose `is_argmax_invariant()` is False change
 the logits before penalties, bans and structured-output masks; those for which it is True, after
@@ -66,6 +70,12 @@ class LogitsProcessor(ABC):
     def validate_params(cls, sampling_params: SamplingParams) -> None:
         """Raise ValueError for a request whose parameters this processor cannot take."""
         return None  # every request, unless a subclass says otherwise
+
+    @classmethod
+    def needs_output_token_ids(cls) -> bool:
+        """Whether it reads the values of `output_tok_ids` (True: the lists are kept current,
+        see the module's docstring; False: they may lack the tokens still in flight)."""
+        return True
 
     @abstractmethod
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool):
@@ -185,6 +195,8 @@ class LogitsProcessors:
         self.classes = [resolve(spec) for spec in specs]
         pin = device.type == "cuda"
         self.processors = [cls(config, device, pin) for cls in self.classes]
+        # some read output ids: a step's sampling waits for the host's read of the one before
+        self.read_outputs = any(cls.needs_output_token_ids() for cls in self.classes)
         self.rows: list[str] = []  # request ids in the last step's row order
 
     def validate(self, params: SamplingParams) -> None:

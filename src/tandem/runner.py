@@ -12,8 +12,10 @@ launching a step returns at once and the CPU blocks only in `wait`, on the step'
     d2h_stream:     wait compute_done[slot] -> copy outputs -> record d2h_done[slot]
 
 A step is two launches, its forward pass (up to the logits) and its sampling. Both are enqueued
-at once, except in a step with structured-output rows (structured.py): its sampling is launched
-once the CPU has that step's token masks, after reading back the step before (engine.py). CUDA
+at once, except in a step whose sampling waits for the host: one with structured-output rows
+(structured.py), whose sampling is launched once the CPU has that step's token masks, or one of
+an engine whose custom logits processors read output ids (logits_processors.py), after reading
+back the step before (engine.py). CUDA
 graphs follow the split: a forward graph per (slot, size, shared-prefix groups on/off, LoRA
 products on/off) writes
 the logits into one buffer, and small sampling graphs per (slot, size, filters, penalties,
@@ -192,11 +194,12 @@ class Runner:
 
     def launch(self, batch: StepBatch, timeline: Timeline | NoTimeline) -> None:
         """Enqueue the step's H2D copy and forward pass, and its sampling and D2H copy unless
-        the step takes token masks (then `launch_sampling`, later); returns without waiting."""
+        the step's sampling waits for the host (then `launch_sampling`, later); returns without
+        waiting."""
         slot = batch.slot
         if not self.cuda:
             self._forward_step(batch)
-            if not batch.use_mask:
+            if not batch.sampling_waits:
                 self._sample_step(batch)
             return
         i = slot.index
@@ -222,24 +225,26 @@ class Runner:
                 self.swapper.fence(self.compute_stream)  # blocks swapped in or out for it
             timing.start(1)
             self._forward_step(batch)
-        if not batch.use_mask:
+        if not batch.sampling_waits:
             self._sample_and_copy_out(batch, timing)
 
     def launch_sampling(self, batch: StepBatch, timeline: Timeline | NoTimeline) -> None:
-        """Enqueue a masked step's sampling, its masks filled into the slot's host rows: the
-        masks' H2D copy, then the sampling after that copy alone (the forward pass runs
-        meanwhile), then the D2H copy."""
+        """Enqueue the sampling of a step that waited for the host (its masks filled into the
+        slot's host rows, or its processors' rows current): the masks' H2D copy, then the
+        sampling after that copy alone (the forward pass runs meanwhile), then the D2H copy."""
         if not self.cuda:
             self._sample_step(batch)
             return
         i = batch.slot.index
         timing = timeline.slot_events[i]
-        with torch.cuda.stream(self.h2d_stream):
-            batch.slot.masks.copy_in(batch.num_seqs_padded)
-            self.mask_ready[i].record()
+        if batch.use_mask:
+            with torch.cuda.stream(self.h2d_stream):
+                batch.slot.masks.copy_in(batch.num_seqs_padded)
+                self.mask_ready[i].record()
         with torch.cuda.stream(self.compute_stream):
             timing.start(3)
-            self.compute_stream.wait_event(self.mask_ready[i])
+            if batch.use_mask:
+                self.compute_stream.wait_event(self.mask_ready[i])
             timing.end(3)
         self._sample_and_copy_out(batch, timing)
 

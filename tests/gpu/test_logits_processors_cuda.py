@@ -19,7 +19,20 @@ pytestmark = [
 PROMPTS = [list(range(3 + 5 * i, 20 + 7 * i)) for i in range(6)]
 
 
-def test_graphed_steps_with_processors_give_sync_tokens_and_their_targets(make_tiny, monkeypatch):
+class BlindTarget(TargetToken):
+    """TargetToken declaring that it reads no output ids: sampling launched with the forward."""
+
+    @classmethod
+    def needs_output_token_ids(cls):
+        return False
+
+
+@pytest.mark.parametrize("processor", [TargetToken, BlindTarget])
+def test_graphed_steps_with_processors_give_sync_tokens_and_their_targets(
+    make_tiny, monkeypatch, processor
+):
+    """Forward graphs replayed, sampling eager (launched later where the processor reads output
+    ids, with the forward pass where it does not), async tokens equal to sync."""
     launched = []
     launch = Runner.launch
 
@@ -36,7 +49,7 @@ def test_graphed_steps_with_processors_give_sync_tokens_and_their_targets(make_t
     outs = {}
     for async_batching in (False, True):
         llm = LLM(str(make_tiny("llama")), dtype="float32", max_model_len=128,
-                  logits_processors=[TargetToken], async_batching=async_batching)  # fmt: skip
+                  logits_processors=[processor], async_batching=async_batching)  # fmt: skip
         got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                            [params[i % 2] for i in range(len(PROMPTS))], use_tqdm=False)  # fmt: skip
         outs[async_batching] = [o.outputs[0].token_ids for o in got]

@@ -361,3 +361,16 @@ def test_sampling_waits_for_the_host_only_for_processors_that_read_output_ids(
     assert launched and all(waits is w for w in launched)
     for prompt, out in zip(PROMPTS, outs, strict=True):
         assert out.outputs[0].token_ids == greedy_of(llm, folder, prompt, 8)
+
+
+class Truncating(Recorder):
+    """A broken processor: returns the logits of its first row alone."""
+
+    def apply(self, logits):
+        return logits[:1]
+
+
+def test_a_processor_returning_logits_of_another_shape_is_named_in_a_type_error(folder):
+    llm = make_llm(folder, [Truncating])
+    with pytest.raises(TypeError, match=r"Truncating.apply must return .* shape \(2, "):
+        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=2), use_tqdm=False)

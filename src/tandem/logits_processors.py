@@ -214,7 +214,7 @@ class LogitsProcessors:
         """[rows, vocab] logits through the processors that may change a row's argmax."""
         for processor in self.processors:
             if not processor.is_argmax_invariant():
-                logits = processor.apply(logits)
+                logits = checked(processor, logits, processor.apply(logits))
         return logits
 
     def after_temperature(
@@ -229,9 +229,20 @@ class LogitsProcessors:
         sampled = temperature > 0
         scaled = logits / torch.where(sampled, temperature, 1.0)[:, None].to(logits.dtype)
         for processor in invariant:
-            scaled = processor.apply(scaled)
+            scaled = checked(processor, scaled, processor.apply(scaled))
         logits = torch.where(sampled[:, None], scaled, logits)
         return logits, torch.where(sampled, 1.0, temperature)
+
+
+def checked(processor: LogitsProcessor, logits: torch.Tensor, out: object) -> torch.Tensor:
+    """A processor's result, if it is logits of the shape it was given (a host-side check)."""
+    if not isinstance(out, torch.Tensor) or out.shape != logits.shape:
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise TypeError(
+            f"{type(processor).__name__}.apply must return the logits it was given or a "
+            f"tensor of their shape {tuple(logits.shape)}, got {shape}"
+        )
+    return out
 
 
 def batch_update(last: list[str], requests: list[Request]) -> BatchUpdate | None:

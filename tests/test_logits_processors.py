@@ -264,9 +264,30 @@ def test_bad_processors_are_refused_at_start(folder, processors, error, words):
         make_llm(folder, processors)
 
 
-def test_tensor_parallel_engines_refuse_processors(folder):
-    with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
-        make_llm(folder, [TargetToken], tensor_parallel_size=2)
+def test_two_ranks_run_the_processors_and_give_the_tokens_of_one(folder):
+    """Every rank makes the processors and defers the same steps' sampling (a collective);
+    sampled rows with a target and with no-repeat functions, through preemption, give the
+    tokens of one rank."""
+    prompts = [{"prompt_token_ids": list(range(3 + 7 * i, 20 + 9 * i))} for i in range(5)]
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=10, ignore_eos=True,
+                       extra_args={"target_token": 9} if i % 2 else {"no_repeat": True})
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    results = []
+    for size in (1, 2):
+        llm = LLM(str(folder), max_model_len=96, num_blocks=12, block_size=8,
+                  max_num_batched_tokens=24, tensor_parallel_size=size,
+                  logits_processors=[TargetToken, NoRepeat])  # fmt: skip
+        try:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            assert llm.engine.scheduler.num_preemptions > 0
+        finally:
+            llm.engine.shutdown()
+        results.append([o.outputs[0].token_ids for o in outputs])
+    assert results[1] == results[0]
+    assert all(ids == [9] * 10 for ids in results[0][1::2])
+    assert all(a != b for ids in results[0][::2] for a, b in itertools.pairwise(ids))
 
 
 def test_the_cli_names_processors_by_module_and_class(folder):

@@ -696,16 +696,13 @@ class EngineConfig:
             raise ValueError(
                 "enable_prompt_embeds=True runs on one device: tensor_parallel_size must be 1"
             )
-        if self.logits_processors is not None:
-            if not isinstance(self.logits_processors, (list, tuple)):
-                raise TypeError(
-                    "logits_processors is a list of LogitsProcessor subclasses or their names, "
-                    f"got {self.logits_processors!r:.80}"
-                )
-            if self.logits_processors and self.tensor_parallel_size > 1:
-                raise ValueError(
-                    "logits_processors run on one device: tensor_parallel_size must be 1"
-                )
+        if self.logits_processors is not None and not isinstance(
+            self.logits_processors, (list, tuple)
+        ):
+            raise TypeError(
+                "logits_processors is a list of LogitsProcessor subclasses or their names, "
+                f"got {self.logits_processors!r:.80}"
+            )
         check_int("max_loras", self.max_loras, 1)
         check_int("max_lora_rank", self.max_lora_rank, 1)
         if self.max_cpu_loras is not None:

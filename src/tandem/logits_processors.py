@@ -15,8 +15,9 @@ assumes) gets every list current: the step's sampling waits until the host has r
 step before, as a step with structured-output masks does, while its forward pass runs (vLLM
 reads the tokens back with a device sync instead). One that declares False has its sampling
 launched with the forward pass, and its lists lack the token still in flight. A processor that
-reads a tensor back itself (`.item()`, `.tolist()`) stalls the step loop there. Engines with
-tensor_parallel_size > 1 refuse processors.
+reads a tensor back itself (`.item()`, `.tolist()`) stalls the step loop there. With tensor
+parallelism every rank makes the processors (so their classes must be importable there: defined
+in a module, or named "module:Class") and runs them on its own logits; rank 0's tokens rule.
 
 The order within a step is vLLM's: the processors whose `is_argmax_invariant()` is False change
 the logits before penalties, bans and structured-output masks; those for which it is True, after

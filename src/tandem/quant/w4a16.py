@@ -103,6 +103,25 @@ def store_tile(out_ptr, acc, rows, out_features, m, n, in_m, in_n, split):
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
 
 
+@triton.jit
+def step_scales(
+    scale_ptr, zero_ptr, group_rows, in_n, start, columns, in_features, group_size,
+    ONE_GROUP: tl.constexpr,
+):  # fmt: skip
+    """The scales and zero points of the K step at `start`: [1, BLOCK_N] where it lies in one
+    group, else [len(columns), BLOCK_N], each column's group (columns past in_features none)."""
+    if ONE_GROUP:
+        at = group_rows + start // group_size  # [BLOCK_N]
+        s = tl.load(scale_ptr + at, mask=in_n, other=0.0)[None, :]
+        z = tl.load(zero_ptr + at, mask=in_n, other=0)[None, :]
+    else:
+        at = group_rows[None, :] + (columns // group_size)[:, None]
+        in_tile = in_n[None, :] & (columns < in_features)[:, None]
+        s = tl.load(scale_ptr + at, mask=in_tile, other=0.0)
+        z = tl.load(zero_ptr + at, mask=in_tile, other=0)
+    return s, z
+
+
 @triton.jit(do_not_specialize=["rows"])  # a per-step value: one compilation for all row counts
 def w4a16_kernel(
     x_ptr, packed_ptr, scale_ptr, zero_ptr, out_ptr, rows, out_features, in_features, x_stride,
@@ -137,15 +156,9 @@ def w4a16_kernel(
         # [BLOCK_K // 8, 8, BLOCK_N] -> [BLOCK_K, BLOCK_N], row 8j + i from bits 4i of word j (the
         # arithmetic shift of a negative word leaves sign bits above the nibble: masked off)
         q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
-        if ONE_GROUP:  # a scale and a zero per output
-            at = group_rows + start // group_size
-            s = tl.load(scale_ptr + at, mask=in_n, other=0.0)[None, :]
-            z = tl.load(zero_ptr + at, mask=in_n, other=0)[None, :]
-        else:  # [BLOCK_K, BLOCK_N]: each column's group
-            at = group_rows[None, :] + ((start + cols) // group_size)[:, None]
-            in_tile = in_n[None, :] & (start + cols < in_features)[:, None]
-            s = tl.load(scale_ptr + at, mask=in_tile, other=0.0)
-            z = tl.load(zero_ptr + at, mask=in_tile, other=0)
+        columns = start + cols  # [BLOCK_K]: each row of the step's weight tile
+        s, z = step_scales(scale_ptr, zero_ptr, group_rows, in_n, start, columns, in_features,
+                           group_size, ONE_GROUP)  # fmt: skip
         w = weights(q, z, s, a.dtype, LANES16)
         # float32 inputs: no TF32 rounding, as F.linear by default
         acc = tl.dot(a, w, acc, input_precision="ieee") if IEEE else tl.dot(a, w, acc)
@@ -180,14 +193,9 @@ def w4a16_planes_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for start in range(first, first + k_per_split, BLOCK_K):
         packed = tl.load(word_ptrs, mask=in_n[None, :], other=0)
-        if ONE_GROUP:  # a scale and a zero per output
-            at = group_rows + start // group_size
-            s = tl.load(scale_ptr + at, mask=in_n, other=0.0)[None, :]
-            z = tl.load(zero_ptr + at, mask=in_n, other=0)[None, :]
-        else:  # [BLOCK_K // 8, BLOCK_N]: each word's group (a word's 8 columns share it)
-            at = group_rows[None, :] + ((start + 8 * words) // group_size)[:, None]
-            s = tl.load(scale_ptr + at, mask=in_n[None, :], other=0.0)
-            z = tl.load(zero_ptr + at, mask=in_n[None, :], other=0)
+        columns = start + 8 * words  # [BLOCK_K // 8]: each word's first (its 8 share a group)
+        s, z = step_scales(scale_ptr, zero_ptr, group_rows, in_n, start, columns, in_features,
+                           group_size, ONE_GROUP)  # fmt: skip
         for i in tl.static_range(8):
             a = tl.load(x_ptrs + i, mask=in_m[:, None], other=0.0)
             # (the arithmetic shift of a negative word leaves sign bits above the nibble: masked)

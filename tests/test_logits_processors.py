@@ -56,11 +56,19 @@ def fake_request(rid: str) -> Request:
 
 def test_batch_updates_turn_each_steps_rows_into_the_next_ones():
     """Random steps (requests leaving, joining, reordered): applying each BatchUpdate to the
-    rows before it gives exactly the step's rows, every live index below its batch size."""
+    rows before it gives exactly the step's rows, every live index below its batch size; so does
+    `process_dict_updates` on a processor's entries (the even-numbered requests' alone), which
+    says whether they changed."""
     rng = random.Random(0)
     pool = [fake_request(f"r{i}") for i in range(40)]
     last: list[str] = []
     slots: dict[int, str] = {}
+    evens: dict[int, str] = {}
+
+    def even_ones(params, prompt_ids, output_ids):
+        rid = params.extra_args["id"]
+        return rid if int(rid[1:]) % 2 == 0 else None
+
     assert batch_update([], []) is None
     for _ in range(300):
         kept = [r for r in pool if r.request_id in last and rng.random() < 0.8]
@@ -72,6 +80,10 @@ def test_batch_updates_turn_each_steps_rows_into_the_next_ones():
         assert (update is None) == ([r.request_id for r in rows] == last)
         slots = apply_update(slots, update)
         assert slots == {i: r.request_id for i, r in enumerate(rows)}
+        before = dict(evens)
+        changed = process_dict_updates(evens, update, even_ones)
+        assert evens == {i: rid for i, rid in slots.items() if int(rid[1:]) % 2 == 0}
+        assert changed == (evens != before)
         if update is not None:
             assert update.batch_size == len(rows)
             added = {params.extra_args["id"] for _, params, _, _ in update.added}

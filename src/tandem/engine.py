@@ -253,6 +253,7 @@ class Engine:
             and not config.disable_cascade_attn
             else 0
         )
+        processors = self.logits_processors
         self.builder = BatchBuilder(
             config.block_size,
             config.max_num_seqs,
@@ -260,9 +261,8 @@ class Engine:
             self.eos_token_ids,
             shared_rows,
             self.scheduler.cache.publication,
-            custom_logits=self.logits_processors is not None,
-            processors_read_outputs=self.logits_processors is not None
-            and self.logits_processors.read_outputs,
+            custom_logits=processors is not None,
+            processors_read_outputs=processors is not None and processors.read_outputs,
         )
         self.runner = Runner(
             self.model,

@@ -139,26 +139,23 @@ def process_dict_updates(
     moves and swaps carried out. True when the entries changed."""
     if batch_update is None:
         return False
-    before = dict(entries)
+    changed = False
     for index in batch_update.removed:
-        entries.pop(index, None)
+        changed |= entries.pop(index, None) is not None
     for index, params, prompt_ids, output_ids in batch_update.added:
         state = new_state(params, prompt_ids, output_ids)
         if state is None:
-            entries.pop(index, None)
+            changed |= entries.pop(index, None) is not None
         else:
-            entries[index] = state
+            entries[index], changed = state, True
     for a, b, direction in batch_update.moved:
-        moving = entries.pop(a, None)
-        if direction is MoveDirectionality.SWAP:
-            other = entries.pop(b, None)
-            if other is not None:
-                entries[a] = other
+        moving, replaced = entries.pop(a, None), entries.pop(b, None)
+        if direction is MoveDirectionality.SWAP and replaced is not None:
+            entries[a] = replaced
         if moving is not None:
             entries[b] = moving
-        else:
-            entries.pop(b, None)
-    return entries != before
+        changed |= moving is not None or replaced is not None
+    return changed
 
 
 def _positional_arity(fn: Callable) -> int:
@@ -212,7 +209,9 @@ class LogitsProcessors:
             processor.update_state(update)
 
     def before_penalties(self, logits: torch.Tensor) -> torch.Tensor:
-        """[rows, vocab] logits through the processors that may change a row's argmax."""
+        """[rows, vocab] logits as float32 (vLLM's processors take them so), through the
+        processors that may change a row's argmax."""
+        logits = logits.float()
         for processor in self.processors:
             if not processor.is_argmax_invariant():
                 logits = checked(processor, logits, processor.apply(logits))

@@ -424,9 +424,7 @@ class Runner:
         # the bans and masks below change the logits in place unless penalties copied them first
         raw = self.logprobs_mode.startswith("raw")
         wanted = num_top_logprobs is not None
-        processors = self.logits_processors
-        if processors is not None:  # they change float32 logits, as vLLM's do (in place too)
-            logits = logits.float()
+        processors = self.logits_processors  # custom ones may change the logits in place too
         changed_in_place = processors is not None or (
             (use_filters or use_mask) and not use_penalties
         )

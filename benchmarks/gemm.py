@@ -34,7 +34,7 @@ replay as the engine runs them, each call on a cold copy of the weight (`Rotatio
             INT4_GROUP input columns (`quant/w4a16.py`, W4A16: unpacked in registers), beside
             linear, F.linear over the same weight dequantized to bf16; int4f32: the kernel
             turning codes into weights in float32 rather than in 16-bit lanes (`w4a16.LANES16`);
-            int4planes: K steps a bit plane at a time, up to 32 rows (`w4a16.PLANES`).
+            int4planes: K steps a bit plane at a time, up to 32 rows (`w4a16.PLANES_ROWS`).
             The % of each is of the int4 roofline: the packed codes, scales and zeros, and the bf16 input and output rows.
   invariant (--deterministic) deterministic mode's GEMM (`batch_invariant.invariant_tiles`: the
             tiles and K slices of the weight's shape, slices kept for o and down), beside
@@ -80,8 +80,9 @@ from tandem.runner import preferred_blas
 
 COPY_CEILING = H200.bandwidth  # bytes/s, device-to-device copy, read + write (DESIGN.md)
 GEMM_PEAK = H200.flops  # bf16 FLOP/s, an 8192^3 GEMM (DESIGN.md)
-# the kernels' ways: (`w4a16.LANES16`, `w4a16.PLANES`)
-INT4_WAYS = {"int4": (True, False), "int4f32": (False, False), "int4planes": (True, True)}
+# the kernels' ways: (`w4a16.LANES16`, `w4a16.PLANES_ROWS`): whole K steps, or bit planes up
+# to 32 rows (the most the planes kernel's tiles take)
+INT4_WAYS = {"int4": (True, 0), "int4f32": (False, 0), "int4planes": (True, 32)}
 INT4_GROUP = 128  # input columns per int4 scale and zero point, as GPTQ and AWQ checkpoints
 
 
@@ -138,17 +139,17 @@ def variants(
         packed, scale, zero = int4
         int4_rotation = Rotation(packed)  # scales and zeros (5% of the codes' bytes) shared
 
-        def unpacked(lanes: bool, planes: bool):
+        def unpacked(lanes: bool, planes_rows: int):
             def product(x: torch.Tensor) -> torch.Tensor:
-                w4a16.LANES16, w4a16.PLANES = lanes, planes  # the kernels' switches
+                w4a16.LANES16, w4a16.PLANES_ROWS = lanes, planes_rows  # the kernels' switches
                 try:
                     return w4a16_linear(x, int4_rotation.next(), scale, zero, INT4_GROUP)
                 finally:
-                    w4a16.LANES16, w4a16.PLANES = default
+                    w4a16.LANES16, w4a16.PLANES_ROWS = default
 
             return product
 
-        default = w4a16.LANES16, w4a16.PLANES
+        default = w4a16.LANES16, w4a16.PLANES_ROWS
         return {"linear": lambda x: F.linear(x, rotation.next())} | {
             name: unpacked(*way) for name, way in INT4_WAYS.items()
         }

@@ -32,8 +32,9 @@ class BanIds(LogitsProcessor):
         pass  # every row alike
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        logits[:, self.banned] = float("-inf")
-        return logits
+        # not `logits[:, self.banned] = -inf`: assigning through an index tensor synchronizes
+        # with the device (torch's sync debug mode flags it), which would stall the step loop
+        return logits.index_fill_(1, self.banned, float("-inf"))
 
 
 class BanIdsReadingOutputs(BanIds):

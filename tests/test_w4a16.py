@@ -95,7 +95,7 @@ def test_dequantize_is_codes_minus_zero_times_scale(dtype, group_size):
 
 
 @pytest.fixture(
-    params=[(True, False), (False, False), (True, True), (False, True)],
+    params=[(True, 0), (False, 0), (True, 32), (False, 32)],
     ids=["lanes16", "float32", "planes-lanes16", "planes-float32"],
 )
 def unpacking(request, monkeypatch):
@@ -103,7 +103,7 @@ def unpacking(request, monkeypatch):
     K steps whole or a bit plane at a time (where the plan takes planes: up to 32 rows, inputs
     of whole 128-feature steps)."""
     monkeypatch.setattr(w4a16, "LANES16", request.param[0])
-    monkeypatch.setattr(w4a16, "PLANES", request.param[1])
+    monkeypatch.setattr(w4a16, "PLANES_ROWS", request.param[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -131,7 +131,7 @@ def test_16_bit_lanes_and_float32_give_the_same_bits(monkeypatch, group_size, pl
     rounds once, as (q - z) * s in float32 rounded does: the two ways agree to the bit, in
     either kernel."""
     dtype = DTYPES[-1]
-    monkeypatch.setattr(w4a16, "PLANES", planes)
+    monkeypatch.setattr(w4a16, "PLANES_ROWS", 32 if planes else 0)
     packed, scale, zero = random_int4(72, 384, group_size, dtype, seed=5)
     x = torch.randn(9, 384, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEVICE)
     assert w4a16.plan(9, 72, 384, group_size, DEVICE).planes == planes
@@ -193,10 +193,13 @@ def test_decode_rows_split_the_input_features_to_fill_the_device(monkeypatch):
 
 
 def test_planes_take_rows_of_128_feature_steps_and_inputs_of_whole_steps(monkeypatch):
-    """With PLANES, up to 32 rows (SHAPES' 128-feature steps) over inputs of whole 128-feature
-    steps take the planes kernel, whatever the group (32: a scale per word row); 64 rows, or an
-    input of 96 features, the whole-step kernel; without PLANES, none."""
-    monkeypatch.setattr(w4a16, "PLANES", True)
+    """Up to PLANES_ROWS rows (at most 32: SHAPES' 128-feature steps) over inputs of whole
+    128-feature steps take the planes kernel, whatever the group (32: a scale per word row); 64
+    rows, or an input of 96 features, the whole-step kernel; PLANES_ROWS 0, none. By default up
+    to 4 rows (faster than the whole-step kernel there on an H100, slower from 16)."""
+    assert w4a16.plan(4, 256, 4096, 128, DEVICE).planes
+    assert not w4a16.plan(5, 256, 4096, 128, DEVICE).planes
+    monkeypatch.setattr(w4a16, "PLANES_ROWS", 32)
     for rows, in_features, group_size, planes in [
         (1, 4096, 128, True), (32, 4096, 32, True), (17, 384, 384, True),
         (64, 4096, 128, False), (3, 96, 32, False),
@@ -204,7 +207,7 @@ def test_planes_take_rows_of_128_feature_steps_and_inputs_of_whole_steps(monkeyp
         tiles = w4a16.plan(rows, 256, in_features, group_size, DEVICE)
         assert tiles.planes == planes, (rows, in_features, group_size)
         assert not planes or tiles.block_k == 128
-    monkeypatch.setattr(w4a16, "PLANES", False)
+    monkeypatch.setattr(w4a16, "PLANES_ROWS", 0)
     assert not w4a16.plan(1, 256, 4096, 128, DEVICE).planes
 
 

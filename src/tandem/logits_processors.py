@@ -84,7 +84,9 @@ class LogitsProcessor(ABC):
 
     @abstractmethod
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """The step's logits [rows, vocab] (float32) -> the changed logits (in place or new)."""
+        """The step's logits [rows, vocab] (float32) -> the changed logits (in place or new);
+        launched while the device still runs earlier steps, so nothing in it may wait for the
+        device (`.item()`, a blocking copy, `logits[:, ids] = value`: see the README)."""
 
     @abstractmethod
     def is_argmax_invariant(self) -> bool:

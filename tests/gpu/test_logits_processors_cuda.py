@@ -92,3 +92,42 @@ assert all(o.outputs[0].token_ids == [5] * 20 for o in outs)
 print(len(outs))
 """
     )
+
+
+class BanFirstIds(BlindTarget):
+    """Sets the first ids of every row to -inf with `index_fill_` on a device index (assigning
+    through the index, `logits[:, ids] = -inf`, synchronizes)."""
+
+    def __init__(self, vllm_config, device, is_pin_memory):
+        super().__init__(vllm_config, device, is_pin_memory)
+        self.banned = torch.arange(100, device=device)
+
+    def apply(self, logits):
+        return logits.index_fill_(1, self.banned, float("-inf"))
+
+
+class BanFirstIdsReadingOutputs(BanFirstIds):
+    @classmethod
+    def needs_output_token_ids(cls):
+        return True
+
+
+@pytest.mark.parametrize("processor", [BanFirstIds, BanFirstIdsReadingOutputs])
+def test_processor_steps_block_only_on_the_d2h_event(make_tiny, counted_waits, processor):
+    """Under sync debug mode "error", with a processor that does not synchronize, the step loop
+    still waits only on d2h_done: processors add no wait of the engine's own, whether their
+    steps' sampling is launched with the forward pass or after the host's read of the step
+    before (that read is the step loop's own wait)."""
+    llm = LLM(str(make_tiny("llama")), max_model_len=128, logits_processors=[processor])
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=20, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    llm.generate(prompts, params, use_tqdm=False)  # graphs captured, kernels compiled
+    counted_waits.clear()
+    steps_before = llm.engine.num_steps
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sorted(counted_waits) == list(range(steps_before, llm.engine.num_steps))
+    assert all(min(o.outputs[0].token_ids) >= 100 for o in outs)  # the ban held

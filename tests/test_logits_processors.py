@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import warnings
 from typing import ClassVar
 
 import pytest
@@ -12,9 +13,11 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.logits_processors import (
+    WAITED,
     AdapterLogitsProcessor,
     BatchUpdate,
     LogitsProcessor,
+    LogitsProcessors,
     MoveDirectionality,
     batch_update,
     process_dict_updates,
@@ -407,3 +410,41 @@ def test_a_processor_returning_logits_of_another_shape_is_named_in_a_type_error(
     llm = make_llm(folder, [Truncating])
     with pytest.raises(TypeError, match=r"Truncating.apply must return .* shape \(2, "):
         llm.generate(PROMPTS[:2], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+class Waiting(Recorder):
+    """Its apply makes one call that torch's sync debug mode "warn" reports (simulated here:
+    the CPU has no CUDA) and warns of something else too."""
+
+    def apply(self, logits):
+        warnings.warn(WAITED, UserWarning, stacklevel=1)
+        warnings.warn("a warning of its own", UserWarning, stacklevel=1)
+        return logits
+
+
+class Still(Recorder):
+    def apply(self, logits):
+        return logits
+
+
+def test_a_processor_waiting_for_the_device_is_named_once_and_the_mode_set_back(
+    monkeypatch, caplog
+):
+    """On a GPU each processor's first apply runs under sync debug mode "warn": one that waits
+    is named in a logged warning, once; one that does not, never; the mode before (here
+    "error", as the sync-debug tests set it) is set back after; its other warnings pass on."""
+    modes = [2]
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: modes[-1])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    processors = LogitsProcessors([Waiting, Still], None, torch.device("cuda"))
+    logits = torch.zeros(2, 8)
+    with pytest.warns(UserWarning, match="a warning of its own"):
+        for _ in range(3):
+            processors.before_penalties(logits)
+    named = [r.getMessage() for r in caplog.records if "waits for the device" in r.getMessage()]
+    assert len(named) == 1 and named[0].startswith("Waiting.apply")
+    assert modes == [2, "warn", 2, "warn", 2]  # each processor's first apply watched, alone
+    cpu = LogitsProcessors([Waiting], None, torch.device("cpu"))
+    with pytest.warns(UserWarning, match=WAITED):  # no watching on the CPU
+        cpu.before_penalties(logits)
+    assert modes == [2, "warn", 2, "warn", 2]

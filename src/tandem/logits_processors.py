@@ -15,7 +15,9 @@ assumes) gets every list current: the step's sampling waits until the host has r
 step before, as a step with structured-output masks does, while its forward pass runs (vLLM
 reads the tokens back with a device sync instead). One that declares False has its sampling
 launched with the forward pass, and its lists lack the token still in flight. A processor that
-reads a tensor back itself (`.item()`, `.tolist()`) stalls the step loop there. With tensor
+reads a tensor back itself (`.item()`, `.tolist()`) stalls the step loop there: on a GPU each
+processor's first `apply` runs under torch's sync debug mode, and one that waited for the device
+is named in a logged warning. With tensor
 parallelism every rank makes the processors (so their classes must be importable there: defined
 in a module, or named "module:Class") and runs them on its own logits; rank 0's tokens rule.
 
@@ -29,8 +31,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
+import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Any
@@ -40,6 +45,10 @@ import torch
 if TYPE_CHECKING:
     from tandem.request import Request
     from tandem.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+# what torch's sync debug mode "warn" says of each call that waits for the device
+WAITED = "called a synchronizing CUDA operation"
 
 
 class MoveDirectionality(Enum):
@@ -195,6 +204,8 @@ class LogitsProcessors:
         self.classes = [resolve(spec) for spec in specs]
         pin = device.type == "cuda"
         self.processors = [cls(config, device, pin) for cls in self.classes]
+        # on a GPU, the processors whose first apply is still to be watched for device waits
+        self.unwatched = set(self.processors) if device.type == "cuda" else set()
         # some read output ids: a step's sampling waits for the host's read of the one before
         self.read_outputs = any(cls.needs_output_token_ids() for cls in self.classes)
         self.rows: list[str] = []  # request ids in the last step's row order
@@ -216,7 +227,7 @@ class LogitsProcessors:
         logits = logits.float()
         for processor in self.processors:
             if not processor.is_argmax_invariant():
-                logits = checked(processor, logits, processor.apply(logits))
+                logits = self.apply(processor, logits)
         return logits
 
     def after_temperature(
@@ -231,9 +242,49 @@ class LogitsProcessors:
         sampled = temperature > 0
         scaled = logits / torch.where(sampled, temperature, 1.0)[:, None].to(logits.dtype)
         for processor in invariant:
-            scaled = checked(processor, scaled, processor.apply(scaled))
+            scaled = self.apply(processor, scaled)
         logits = torch.where(sampled[:, None], scaled, logits)
         return logits, torch.where(sampled, 1.0, temperature)
+
+    def apply(self, processor: LogitsProcessor, logits: torch.Tensor) -> torch.Tensor:
+        """The processor's result; its first on a GPU watched for waits for the device."""
+        if processor not in self.unwatched:
+            return checked(processor, logits, processor.apply(logits))
+        self.unwatched.discard(processor)
+        with device_waits() as waits:
+            out = processor.apply(logits)
+        if waits:
+            logger.warning(
+                "%s.apply waits for the device (%d synchronizing calls in one step): every "
+                "step's launch stalls there until the GPU is idle. Keep it on the device (no "
+                ".item(), .tolist() or blocking copies; index_fill_ rather than assigning "
+                "through an index tensor)",
+                type(processor).__name__,
+                len(waits),
+            )
+        return checked(processor, logits, out)
+
+
+@contextmanager
+def device_waits() -> Iterator[list[str]]:
+    """Collects the synchronizing CUDA calls made inside it (torch's sync debug mode "warn"
+    meanwhile, the mode before it set back after); other warnings pass on."""
+    found: list[str] = []
+    before = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+    for warning in caught:  # the others shown as they would have been
+        if WAITED in str(warning.message):
+            found.append(str(warning.message))
+        else:
+            warnings.warn_explicit(
+                warning.message, warning.category, warning.filename, warning.lineno
+            )
 
 
 def checked(processor: LogitsProcessor, logits: torch.Tensor, out: object) -> torch.Tensor:

@@ -131,3 +131,27 @@ def test_processor_steps_block_only_on_the_d2h_event(make_tiny, counted_waits, p
         torch.cuda.set_sync_debug_mode("default")
     assert sorted(counted_waits) == list(range(steps_before, llm.engine.num_steps))
     assert all(min(o.outputs[0].token_ids) >= 100 for o in outs)  # the ban held
+
+
+class BanFirstIdsByAssignment(BanFirstIds):
+    def apply(self, logits):
+        logits[:, self.banned] = float("-inf")  # synchronizes
+        return logits
+
+
+def test_a_processor_that_waits_for_the_device_is_named_in_a_warning(make_tiny, caplog):
+    """Each processor's first apply is watched under sync debug mode "warn": the assignment
+    through an index tensor is named, index_fill_ is not; the tokens are the same."""
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    outs = {}
+    for processor in (BanFirstIdsByAssignment, BanFirstIds):
+        caplog.clear()
+        llm = LLM(str(make_tiny("llama")), max_model_len=128, logits_processors=[processor])
+        got = llm.generate(prompts, params, use_tqdm=False)
+        outs[processor] = [o.outputs[0].token_ids for o in got]
+        named = [r.getMessage() for r in caplog.records if "waits for the device" in r.getMessage()]
+        assert len(named) == (processor is BanFirstIdsByAssignment), named
+        assert torch.cuda.get_sync_debug_mode() == 0  # set back
+        del llm
+    assert outs[BanFirstIdsByAssignment] == outs[BanFirstIds]

@@ -17,9 +17,9 @@ reads the tokens back with a device sync instead). One that declares False has i
 launched with the forward pass, and its lists lack the token still in flight. A processor that
 reads a tensor back itself (`.item()`, `.tolist()`) stalls the step loop there: on a GPU each
 processor's first `apply` runs under torch's sync debug mode, and one that waited for the device
-is named in a logged warning. With tensor
-parallelism every rank makes the processors (so their classes must be importable there: defined
-in a module, or named "module:Class") and runs them on its own logits; rank 0's tokens rule.
+is named in a logged warning. With tensor parallelism every rank makes the processors (so their
+classes must be importable there: defined in a module, or named "module:Class") and runs them on
+its own logits; rank 0's tokens rule.
 
 The order within a step is vLLM's: the processors whose `is_argmax_invariant()` is False change
 the logits before penalties, bans and structured-output masks; those for which it is True, after

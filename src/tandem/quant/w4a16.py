@@ -43,10 +43,9 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # group's summed products scaled once: 1.7x) are gone. `benchmarks/gemm.py --int4` times both.
 LANES16 = True
 # Decode rows' K steps a bit plane at a time (`w4a16_planes_kernel`), up to PLANES_ROWS rows (0:
-# never):
-# on an H100 (BENCHMARKS.md, session 59) faster than the whole-step kernel up to 4 rows (one
-# row: gate_up 63.9 against 95.5 us, down 38.6 against 46.3, below bf16's 80.9 and 42.9), even
-# at 8 and slower past it (16 rows: gate_up 119.9 against 93.1). `gemm.py --int4`: int4planes.
+# never). On an H100 (BENCHMARKS.md, session 59) faster than the whole-step kernel up to 4 rows
+# (one row: gate_up 63.9 against 95.5 us, down 38.6 against 46.3, below bf16's 80.9 and 42.9),
+# even at 8, slower past it (16 rows: gate_up 119.9 against 93.1). `gemm.py --int4`: int4planes.
 PLANES_ROWS = 4
 
 
@@ -230,9 +229,9 @@ def plan(
     """The tiles of a [rows, in] x int4 [out, in]^T product: SHAPES' by rows, K steps of the
     widest power of two (16 to its block_k) that a group holds, else that `in` holds (scales
     read per column), else 16 (the last step masked). Up to SPLIT_ROWS rows, the most splits
-    that divide the K steps and keep at most two programs per SM. Rows whose
-    SHAPES step is 128, up to PLANES_ROWS of them, over inputs of whole steps take planes of
-    128-feature steps, any group."""
+    that divide the K steps and keep at most two programs per SM. Up to PLANES_ROWS rows whose
+    SHAPES step is 128, over inputs of whole steps, take planes of 128-feature steps, any
+    group."""
     shape = next(tiles for most, tiles in SHAPES if rows <= most)
     planes = rows <= PLANES_ROWS and shape.block_k == 128 and in_features % 128 == 0
     steps = [b for b in (128, 64, 32, 16) if b <= shape.block_k]

@@ -204,8 +204,9 @@ class LogitsProcessors:
         self.classes = [resolve(spec) for spec in specs]
         pin = device.type == "cuda"
         self.processors = [cls(config, device, pin) for cls in self.classes]
-        # on a GPU, the processors whose first apply is still to be watched for device waits
-        self.unwatched = set(self.processors) if device.type == "cuda" else set()
+        # on a GPU, the ids of the processors whose first apply is still to be watched for
+        # device waits (ids: a processor need not be hashable)
+        self.unwatched = {id(p) for p in self.processors} if device.type == "cuda" else set()
         # some read output ids: a step's sampling waits for the host's read of the one before
         self.read_outputs = any(cls.needs_output_token_ids() for cls in self.classes)
         self.rows: list[str] = []  # request ids in the last step's row order
@@ -217,7 +218,8 @@ class LogitsProcessors:
     def update(self, requests: list[Request]) -> None:
         """Hand each processor how this step's rows differ from the last step's."""
         update = batch_update(self.rows, requests)
-        self.rows = [request.request_id for request in requests]
+        if update is not None:  # else the rows are the last step's
+            self.rows = [request.request_id for request in requests]
         for processor in self.processors:
             processor.update_state(update)
 
@@ -248,9 +250,9 @@ class LogitsProcessors:
 
     def apply(self, processor: LogitsProcessor, logits: torch.Tensor) -> torch.Tensor:
         """The processor's result; its first on a GPU watched for waits for the device."""
-        if processor not in self.unwatched:
+        if id(processor) not in self.unwatched:
             return checked(processor, logits, processor.apply(logits))
-        self.unwatched.discard(processor)
+        self.unwatched.discard(id(processor))
         with device_waits() as waits:
             out = processor.apply(logits)
         if waits:

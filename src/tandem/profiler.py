@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-# "mask": structured outputs' token masks filled and their step's sampling launched
+# "mask": a step's sampling launched after the host read the step before (its structured-output
+# token masks filled first, where it has them; or its logits processors read output ids)
 CPU_PHASES = ("schedule", "build", "launch", "wait", "process", "mask")
 GPU_STREAMS = ("h2d", "compute", "d2h")
 # the compute stream waiting for a step's token masks, within its compute span (masked steps)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tandem import penalties
-from tandem.io_slot import MAX_BANNED_IDS, IOSlot
+from tandem.io_slot import MAX_BANNED_IDS, IOSlot, fill_padding, fill_token_padding
 from tandem.lora import Adapter
 from tandem.pooling import PoolingStep
 from tandem.pooling import plan_rows as plan_pooled_rows
@@ -361,25 +361,3 @@ class BatchBuilder:
         most_logprobs = int(kept.logprobs[rows].max(initial=-1))
         use_filters = bans or bool(kept.needs_filter[rows].any())
         return use_filters, (most_logprobs if most_logprobs >= 0 else None)
-
-
-def fill_padding(x: dict[str, np.ndarray], start: int, end: int) -> None:
-    """Rows [start, end) of a decode-only step padded up to a graph's size."""
-    fill_token_padding(x, start, end)
-    x["seq_lens"][start:end] = 1
-    x["logits_indices"][start:end] = np.arange(start, end)
-    x["temperature"][start:end] = 0.0
-    x["top_k"][start:end] = 0
-    x["top_p"][start:end] = 1.0
-    x["min_p"][start:end] = 0.0
-    x["ban_rows"][start:end] = 0
-
-
-def fill_token_padding(x: dict[str, np.ndarray], start: int, end: int) -> None:
-    """Token rows [start, end) padded up to a graph's size: token 0 at position 0, no cache slot."""
-    x["input_ids"][start:end] = 0
-    x["positions"][start:end] = 0
-    x["slot_mapping"][start:end] = -1
-    x["carry_index"][start:end] = -1
-    if "lora_slots" in x:
-        x["lora_slots"][start:end] = -1

@@ -78,6 +78,28 @@ def output_fields(max_seqs: int) -> dict[str, tuple[tuple[int, ...], torch.dtype
     }
 
 
+def fill_padding(x: dict[str, np.ndarray], start: int, end: int) -> None:
+    """Rows [start, end) of a decode-only step padded up to a graph's size."""
+    fill_token_padding(x, start, end)
+    x["seq_lens"][start:end] = 1
+    x["logits_indices"][start:end] = np.arange(start, end)
+    x["temperature"][start:end] = 0.0
+    x["top_k"][start:end] = 0
+    x["top_p"][start:end] = 1.0
+    x["min_p"][start:end] = 0.0
+    x["ban_rows"][start:end] = 0
+
+
+def fill_token_padding(x: dict[str, np.ndarray], start: int, end: int) -> None:
+    """Token rows [start, end) padded up to a graph's size: token 0 at position 0, no cache slot."""
+    x["input_ids"][start:end] = 0
+    x["positions"][start:end] = 0
+    x["slot_mapping"][start:end] = -1
+    x["carry_index"][start:end] = -1
+    if "lora_slots" in x:
+        x["lora_slots"][start:end] = -1
+
+
 class PackedBuffers:
     """Named tensors carved out of one int32 and one float32 allocation (views share storage)."""
 
@@ -157,13 +179,24 @@ class IOSlot:
             MaskBuffers(max_seqs, mask_vocab_size, device) if mask_vocab_size is not None else None
         )
 
-    def clear_device(self) -> None:
-        """Zero the device inputs and outputs, as they start. Graph capture's warm-ups run on
+    def reset_device(self) -> None:
+        """The device inputs as a decode step of padding rows (`fill_padding`: one key each,
+        no KV written, in row order) and the outputs zeroed. Graph capture's warm-ups run on
         them; after steps they hold rows of different steps, which together may name blocks,
-        lengths and groups no step has (sleep mode captures again after waking)."""
-        for buffers in (self.dev_in, self.dev_out):
-            for block in buffers.blocks.values():
-                block.zero_()
+        lengths and groups no step has (sleep mode captures again after waking). Zeroed rows
+        would be sequences of no keys, whose query the decode kernel rotates at position -1:
+        a read before the rotary table, an illegal address where that table began its
+        allocation (chat's engine start on the H200)."""
+        for block in self.host_in.blocks.values():
+            block.zero_()
+        x = self.host_in.numpy()
+        fill_token_padding(x, 0, len(x["input_ids"]))
+        fill_padding(x, 0, len(x["seq_lens"]))
+        x["seq_order"][:] = np.arange(len(x["seq_order"]))  # each row its own, as in a step
+        if self.dev_in is not self.host_in:
+            self.dev_in.copy_from(self.host_in)
+        for block in self.dev_out.blocks.values():
+            block.zero_()
 
 
 def carry_over(

@@ -484,9 +484,9 @@ class Runner:
         stream after the previous one. Largest first, so smaller graphs fit in the pool it sized.
         (`shared_pool=False` gives each graph its own pool; benchmarks/graph_memory.py compares.)
         """
-        with torch.cuda.stream(self.compute_stream):  # the warm-ups' inputs: as at start
+        with torch.cuda.stream(self.compute_stream):  # the warm-ups' inputs: padding rows
             for slot in self.slots:
-                slot.clear_device()
+                slot.reset_device()
         shared = torch.cuda.graph_pool_handle()
         if self.model.lora is not None:  # the pieces run every step: with LoRA's products
             self.model.lora.active = True

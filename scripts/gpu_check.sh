@@ -11,6 +11,10 @@
 #                       int4, models, multi; default all, which outrun one device call: see
 #                       test_group)
 #   SKIP_KERNELS=1      no kernel benchmark
+#   STARTS="chat moe"   each of those workloads' engines started and two of its prompts run, a
+#                       line each (seconds, the error): an engine-start smoke test, about 20 s a
+#                       workload (chat's start was broken for several sessions before a run
+#                       found it)
 #   REPEATS=N           timed runs per mode (default 3)
 #   TRACE_TIMED=1       the last timed run is the traced run (no run more; long's default)
 #   EXTRA="--preemption-mode recompute"  bench flags added to every workload's runs
@@ -149,6 +153,15 @@ for shape in ${PROFILE:-}; do
       --rows 16 > "$file" 2>&1
     echo "${setting:-defaults}:"; grep -E "Self (CPU|CUDA) time total|kernels in" "$file"
   done
+done
+for name in ${STARTS:-}; do
+  args=$(workload_args "$name") || { echo "unknown workload $name"; continue; }
+  started=$SECONDS
+  python3 -m tandem.cli bench throughput $args --num-prompts 2 --repeats 1 --load-format dummy \
+    > "$OUT/start_$name.log" 2>&1
+  rc=$?
+  error=$(grep -E '^[A-Za-z_.]*(Error|Exception)' "$OUT/start_$name.log" | tail -1)
+  echo "start $name: rc $rc, $((SECONDS - started)) s${error:+: $error}"
 done
 for name in "$@"; do
   args=$(workload_args "$name") || { echo "unknown workload $name"; continue; }

@@ -185,8 +185,8 @@ class IOSlot:
         them; after steps they hold rows of different steps, which together may name blocks,
         lengths and groups no step has (sleep mode captures again after waking). Zeroed rows
         would be sequences of no keys, whose query the decode kernel rotates at position -1:
-        a read before the rotary table, an illegal address where that table began its
-        allocation (chat's engine start on the H200)."""
+        a read before the rotary table, which faulted at chat's engine start (an illegal
+        address, on the H200 and the H100)."""
         for block in self.host_in.blocks.values():
             block.zero_()
         x = self.host_in.numpy()

@@ -7,9 +7,9 @@
 # (generations that outgrow the KV cache) run preemption_mode auto against recompute and swap
 # (SWAP_COMPARE).
 #   SKIP_TESTS=1        no tests
-#   TESTS="engine features"  those groups of GPU tests alone (engine, features, lora, kernels,
-#                       int4, models, multi; default all, which outrun one device call: see
-#                       test_group)
+#   TESTS="engine features"  those groups of GPU tests alone (engine, features, lora, fp8,
+#                       attention, kernels, int4, models, multi; default all, which outrun one
+#                       device call: see test_group)
 #   SKIP_KERNELS=1      no kernel benchmark
 #   STARTS="chat moe"   each of those workloads' engines started and two of its prompts run, a
 #                       line each (seconds, the error): an engine-start smoke test, about 20 s a
@@ -96,15 +96,18 @@ workload_args() {
 # the GPU tests by group: all of them outrun one 600 s device call (session 56, an H100:
 # test_cuda_engine.py and test_deterministic_cuda.py under 240 s; penalties through weight
 # transfer 306 s; FP8, Gluon and 67 of the 85 model tests 400 s; session 58: kernels past
-# 330 s, int4 130 s, prompt embeds 132 s, test_lora.py 3 tests in 280 s (its kernels compile))
+# 330 s, int4 130 s, prompt embeds 132 s, test_lora.py 3 tests in 280 s (its kernels compile);
+# session 61: the 85 model tests 443 s; FP8, Gluon and 57 of the 104 attention tests 570 s, so
+# the kernels group is three)
 test_group() {
   case $1 in
     engine) echo tests/gpu/test_{cuda_engine,deterministic_cuda,penalties_cuda,prefix_cache_cuda}.py ;;
     features) echo tests/gpu/test_{prompt_logprobs,rl,structured,swap,weight_transfer,prompt_embeds,logits_processors}_cuda.py ;;
     lora) echo tests/test_lora.py ;;
-    kernels) echo tests/gpu/test_{fp8,gluon_decode}_cuda.py tests/test_triton_attention.py \
-      tests/test_fused_ops.py tests/test_sampling_kernel.py tests/test_pdl.py tests/test_splitk.py \
-      tests/test_shared_prefix.py ;;
+    fp8) echo tests/gpu/test_{fp8,gluon_decode}_cuda.py ;;
+    attention) echo tests/test_triton_attention.py tests/test_shared_prefix.py ;;
+    kernels) echo tests/test_fused_ops.py tests/test_sampling_kernel.py tests/test_pdl.py \
+      tests/test_splitk.py ;;
     int4) echo tests/gpu/test_int4_cuda.py tests/test_w4a16.py ;;
     models) echo tests/gpu/test_models_cuda.py ;;
     multi) echo tests/gpu/test_{tensor_parallel,ray}_cuda.py ;;  # two GPUs (and Ray)
@@ -113,7 +116,7 @@ test_group() {
 }
 if [ -z "${SKIP_TESTS:-}" ]; then
   files=()
-  for group in ${TESTS:-engine features lora kernels int4 models multi}; do
+  for group in ${TESTS:-engine features lora fp8 attention kernels int4 models multi}; do
     files+=($(test_group "$group")) || echo "unknown test group $group"
   done
   python3 -m pytest -q --durations=8 "${files[@]}" -p no:cacheprovider 2>&1 \

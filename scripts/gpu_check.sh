@@ -12,9 +12,9 @@
 #                       device call: see test_group)
 #   SKIP_KERNELS=1      no kernel benchmark
 #   STARTS="chat moe"   each of those workloads' engines started and two of its prompts run, a
-#                       line each (seconds, the error): an engine-start smoke test, about 20 s a
-#                       workload (chat's start was broken for several sessions before a run
-#                       found it)
+#                       line each (seconds, the error): an engine-start smoke test, 21-61 s a
+#                       workload on an H100 (session 61; chat's start was broken for several
+#                       sessions before a run found it)
 #   REPEATS=N           timed runs per mode (default 3)
 #   TRACE_TIMED=1       the last timed run is the traced run (no run more; long's default)
 #   EXTRA="--preemption-mode recompute"  bench flags added to every workload's runs

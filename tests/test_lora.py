@@ -286,7 +286,7 @@ class Stub(torch.nn.Module):
         attn.o_proj = torch.nn.Linear(q, hidden, bias=o_bias)
         layer = torch.nn.Module()
         layer.self_attn, layer.mlp = attn, torch.nn.Module()
-        self.layers = [layer]
+        self.layers = torch.nn.ModuleList([layer])  # moved by .to(device), as the decoder's
         self.cfg = type("Cfg", (), {"q_size": q, "kv_size": kv, "intermediate_size": 0})
 
 
@@ -447,6 +447,10 @@ def test_the_server_serves_lora_modules_as_models(lora_models):
     )  # fmt: skip
     modules = lora_modules(args.lora_modules, args.enable_lora)
     assert [(m.lora_name, m.lora_int_id) for m in modules] == [("one", 1), ("two", 2)]
+    # the merged model's beams, from an engine that is gone before the server's starts (on a GPU
+    # each engine sizes its KV cache by the free memory)
+    params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    [want] = alone(adapters[2][1], "beam_search", PROMPTS[1:2], params)
     llm = AsyncLLM.from_model(str(base), max_model_len=64, enable_lora=True, max_loras=2)
     try:
         with running(build_app(llm, "base", options=ServerOptions(lora_modules=modules))) as url:
@@ -495,8 +499,6 @@ def test_the_server_serves_lora_modules_as_models(lora_models):
             beams = {"model": "three", "prompt": PROMPTS[1], "max_tokens": 4, "n": 2,
                      "use_beam_search": True, "ignore_eos": True}  # fmt: skip
             answer = httpx.post(f"{url}/v1/completions", json=beams).json()
-            params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
-            [want] = LLM(str(adapters[2][1]), max_model_len=64).beam_search(PROMPTS[1:2], params)
             texts = [choice["text"] for choice in answer["choices"]]
             assert all(t and b.text.endswith(t) for b, t in zip(want.sequences, texts, strict=True))
             unload = {"lora_name": "three"}

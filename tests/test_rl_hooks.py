@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from tandem import LLM, SamplingParams
@@ -533,3 +534,42 @@ def test_the_server_sleeps_at_level_0_and_wakes_the_scheduling_tag(folder):
             assert client.post("/wake_up?tags=scheduling").json() == {"sleeping": False}
     finally:
         llm.shutdown()
+
+
+def held_bytes(engine) -> list[int]:
+    """Bytes each weight's storage and the KV cache's hold."""
+    memory = engine.memory
+    return [t.untyped_storage().nbytes() for t in (*memory.weights, memory.kv_cache)]
+
+
+def test_shutdown_gives_back_the_weights_and_kv_cache_and_refuses_what_would_use_them(folder):
+    """As vLLM's engine process ends: after shutdown no weight and no KV block holds memory,
+    and whatever would run on them raises instead of reading freed storage."""
+    llm = LLM(folder, **ENGINE_ARGS)
+    assert len(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 24
+    assert all(held_bytes(llm.engine))
+    llm.shutdown()
+    assert not any(held_bytes(llm.engine))
+    name, weight = next(iter(llm.engine.model.state_dict().items()))
+    for call in (
+        lambda: llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False),
+        lambda: llm.sleep(1),
+        lambda: llm.wake_up(),
+        lambda: llm.update_weights([(name, torch.zeros(weight.shape))]),
+        lambda: llm.collective_rpc("reset_prefix_cache"),
+    ):
+        with pytest.raises(RuntimeError, match="shut down"):
+            call()
+    llm.shutdown()  # a second time: nothing to do
+
+
+def test_a_shut_down_server_engine_holds_no_memory_while_its_app_lives(folder):
+    """The app's routes keep the engine referenced (so do a web framework's caches of them,
+    past the app's life): its weights and KV cache must not stay with it."""
+    llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
+    app = build_app(llm, "tiny")
+    with TestClient(app) as client:
+        body = {"model": "tiny", "prompt": [3, 17, 30], "max_tokens": 4, "temperature": 0}
+        assert client.post("/v1/completions", json=body).status_code == 200
+    llm.shutdown()
+    assert app.routes and not any(held_bytes(llm.engine))

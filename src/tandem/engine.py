@@ -344,7 +344,8 @@ class Engine:
         return self.tp.min(wanted, self.device)  # every rank schedules alike
 
     def shutdown(self) -> None:
-        """Stop the other ranks' processes (tensor parallelism) and leave the process group."""
+        """Stop the other ranks' processes (tensor parallelism), leave the process group and give
+        back the device memory of the weights and the KV cache (as vLLM's engine process ends)."""
         if self.closed:  # again: must not sync a stuck device or leave a newer engine's group
             return
         self.closed = True
@@ -360,6 +361,8 @@ class Engine:
         if self.workers is not None:
             self.workers.join()
             self.workers = None
+        if whole:  # the device finished every step (release_graphs synchronized it)
+            self.memory.release()
 
     def start_trace(self) -> None:
         """Record CPU phases and GPU stream intervals of every following step."""
@@ -469,7 +472,12 @@ class Engine:
         apply_update(copies, self.runner.compute_stream if self.runner.cuda else None)
         self._forget_cached_kv()
 
+    def _check_open(self) -> None:
+        if self.closed:  # its device memory is given back: nothing may run on it
+            raise RuntimeError("this engine was shut down")
+
     def _check_weights_awake(self) -> None:
+        self._check_open()
         if "weights" in self.memory.asleep:
             raise RuntimeError(
                 "the weights have no device memory while asleep; call wake_up() (or "
@@ -587,6 +595,7 @@ class Engine:
         rank."""
         if level not in (0, *LEVELS):
             raise ValueError(f"level must be 0, 1 or 2, got {level!r}")
+        self._check_open()
         if self.is_sleeping:
             raise RuntimeError("the engine is asleep already; call wake_up() first")
         if level == 0:  # the other ranks step only when this one says so: nothing to tell them
@@ -610,6 +619,7 @@ class Engine:
         parts = set(PARTS if tags is None else tags)
         if unknown := sorted(parts - {*PARTS, "scheduling"}):
             raise ValueError(f"unknown tags {unknown}; wake_up takes {[*PARTS, 'scheduling']}")
+        self._check_open()
         if parts & self.memory.asleep:
             if self.workers is not None:
                 self._on_other_ranks("wake_up", tags)
@@ -631,7 +641,9 @@ class Engine:
 
     @property
     def hold(self) -> str | None:
-        """Why no step may run now (asleep, paused, a weight update under way), or None."""
+        """Why no step may run now (shut down, asleep, paused, a weight update under way), or None."""
+        if self.closed:
+            return "this engine was shut down"
         if self.is_sleeping:
             return "the engine is asleep; call wake_up()"
         if self.paused:
@@ -682,6 +694,7 @@ class Engine:
         each rank the call sees that rank's engine alone: a method that drives the other ranks
         itself (update_weights, sleep) does not drive them from rank 0 here."""
         check_call(type(self), method, args, kwargs)
+        self._check_open()
         call = (method, tuple(args), kwargs or {})
         workers = self.workers
         if workers is None:  # one rank: the call need not pickle (a lambda will do)
@@ -718,8 +731,7 @@ class Engine:
         the next step queued while the CPU processes tokens. Returns the requests that got a
         token or finished.
         """
-        if self.closed:
-            raise RuntimeError("this engine was shut down")
+        self._check_open()
         if not self.can_step:
             raise RuntimeError(self.hold)
         if self.workers is not None:

@@ -65,6 +65,15 @@ class DeviceMemory:
         if not self.asleep:
             self.level = None
 
+    def release(self) -> None:
+        """Give the memory back for good (a shut-down engine): nothing copied, nothing to wake.
+        Whoever still holds the engine (a web framework's caches of a server's routes, say)
+        then holds no device memory through these tensors."""
+        for w in self.weights:
+            w.untyped_storage().resize_(0)
+        self.kv_cache.untyped_storage().resize_(0)
+        self.host_weights, self.asleep = None, set(PARTS)
+
 
 def to_host(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
     host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)

@@ -98,16 +98,18 @@ workload_args() {
 # transfer 306 s; FP8, Gluon and 67 of the 85 model tests 400 s; session 58: kernels past
 # 330 s, int4 130 s, prompt embeds 132 s, test_lora.py 3 tests in 280 s (its kernels compile);
 # session 61: the 85 model tests 443 s; FP8, Gluon and 57 of the 104 attention tests 570 s, so
-# the kernels group is three)
+# the kernels group is three; session 62: 118 of the attention group's 119 tests 570 s, the
+# kernels group and the last one 118 s, so test_shared_prefix.py went to the kernels group;
+# test_lora.py's 34 in two calls, 280 s and 240 s)
 test_group() {
   case $1 in
     engine) echo tests/gpu/test_{cuda_engine,deterministic_cuda,penalties_cuda,prefix_cache_cuda}.py ;;
     features) echo tests/gpu/test_{prompt_logprobs,rl,structured,swap,weight_transfer,prompt_embeds,logits_processors}_cuda.py ;;
     lora) echo tests/test_lora.py ;;
     fp8) echo tests/gpu/test_{fp8,gluon_decode}_cuda.py ;;
-    attention) echo tests/test_triton_attention.py tests/test_shared_prefix.py ;;
+    attention) echo tests/test_triton_attention.py ;;
     kernels) echo tests/test_fused_ops.py tests/test_sampling_kernel.py tests/test_pdl.py \
-      tests/test_splitk.py ;;
+      tests/test_splitk.py tests/test_shared_prefix.py ;;
     int4) echo tests/gpu/test_int4_cuda.py tests/test_w4a16.py ;;
     models) echo tests/gpu/test_models_cuda.py ;;
     multi) echo tests/gpu/test_{tensor_parallel,ray}_cuda.py ;;  # two GPUs (and Ray)

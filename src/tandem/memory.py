@@ -38,14 +38,17 @@ def num_kv_blocks(
     elif device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        _, total = torch.cuda.mem_get_info(device)
+        free, total = torch.cuda.mem_get_info(device)
+        wanted = int(total * config.gpu_memory_utilization)
+        check_free(config.gpu_memory_utilization, wanted, free, torch.cuda.memory_reserved(device))
+        # the weights, and whatever else this process holds
+        held = torch.cuda.memory_allocated(device)
         peak = peak_step_memory(config, cfg, kv_cache_dtype, device, max_model_len, model, attend)
-        budget = int(total * config.gpu_memory_utilization) - peak
+        budget = wanted - peak
         if budget < per_block:
+            weights = sum(t.nbytes for t in itertools.chain(model.parameters(), model.buffers()))
             raise ValueError(
-                f"no memory left for the KV cache: the model and one step take {peak / 2**30:.1f} "
-                f"GiB of {total / 2**30:.1f} GiB; raise gpu_memory_utilization or lower "
-                "max_num_batched_tokens"
+                no_room_message(config.gpu_memory_utilization, wanted, weights, held, peak)
             )
         num_blocks = budget // per_block
     else:
@@ -58,6 +61,38 @@ def num_kv_blocks(
             "gpu_memory_utilization"
         )
     return num_blocks
+
+
+def gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+def check_free(utilization: float, wanted: int, free: int, reserved: int) -> None:
+    """vLLM's start-up check: the memory gpu_memory_utilization asks for must be free, or held by
+    this process already (`reserved`: its other engines, its tensors)."""
+    if free + reserved < wanted:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} asks for {gib(wanted)} of the device, but only "
+            f"{gib(free)} are free (and {gib(reserved)} this process's): other processes hold the "
+            "rest; lower gpu_memory_utilization or free the device"
+        )
+
+
+def no_room_message(utilization: float, wanted: int, weights: int, held: int, peak: int) -> str:
+    """Why no KV block fits in `wanted` bytes: the weights, the largest step, and what this
+    process held besides this engine's weights (another engine not shut down, say)."""
+    besides = held - weights
+    others = (
+        f", and this process held {gib(besides)} besides (another engine that was not shut down?)"
+        if besides >= 1 << 30
+        else ""
+    )
+    return (
+        f"no memory left for the KV cache: gpu_memory_utilization={utilization} allows "
+        f"{gib(wanted)}; the model's weights take {gib(weights)}, its largest step "
+        f"{gib(peak - held)} more{others}; raise gpu_memory_utilization or lower "
+        "max_num_batched_tokens"
+    )
 
 
 @torch.inference_mode()

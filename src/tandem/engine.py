@@ -69,6 +69,7 @@ from tandem.weights import (
 from tandem.workers import Workers
 
 PAUSE_MODES = ("keep", "abort", "wait")  # pause_generation's: vLLM's names
+SHUT_DOWN = "this engine was shut down"  # what a shut engine answers every call that needs it
 
 
 def check_pause_mode(mode: str) -> None:
@@ -474,7 +475,7 @@ class Engine:
 
     def _check_open(self) -> None:
         if self.closed:  # its device memory is given back: nothing may run on it
-            raise RuntimeError("this engine was shut down")
+            raise RuntimeError(SHUT_DOWN)
 
     def _check_weights_awake(self) -> None:
         self._check_open()
@@ -643,7 +644,7 @@ class Engine:
     def hold(self) -> str | None:
         """Why no step may run now (shut down, asleep, paused, a weight update under way), or None."""
         if self.closed:
-            return "this engine was shut down"
+            return SHUT_DOWN
         if self.is_sleeping:
             return "the engine is asleep; call wake_up()"
         if self.paused:
@@ -731,8 +732,7 @@ class Engine:
         the next step queued while the CPU processes tokens. Returns the requests that got a
         token or finished.
         """
-        self._check_open()
-        if not self.can_step:
+        if not self.can_step:  # shut down, asleep, paused, ...
             raise RuntimeError(self.hold)
         if self.workers is not None:
             self.workers.step(self.commands)

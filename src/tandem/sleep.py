@@ -38,10 +38,8 @@ class DeviceMemory:
             self.host_weights = [to_host(w, pin) for w in self.weights]
         if self.kv_cache.is_cuda:
             torch.cuda.synchronize(self.kv_cache.device)  # the host copies have landed
-        for w in self.weights:
-            w.untyped_storage().resize_(0)
-        self.kv_cache.untyped_storage().resize_(0)
-        self.level, self.asleep = level, set(PARTS)
+        self.drop_storages()
+        self.level = level
         return sum(self.weight_bytes) + self.kv_bytes
 
     def wake_up(self, parts: set[str]) -> None:
@@ -69,10 +67,15 @@ class DeviceMemory:
         """Give the memory back for good (a shut-down engine): nothing copied, nothing to wake.
         Whoever still holds the engine (a web framework's caches of a server's routes, say)
         then holds no device memory through these tensors."""
+        self.host_weights = None
+        self.drop_storages()
+
+    def drop_storages(self) -> None:
+        """Every storage resized to nothing; the parts marked asleep."""
         for w in self.weights:
             w.untyped_storage().resize_(0)
         self.kv_cache.untyped_storage().resize_(0)
-        self.host_weights, self.asleep = None, set(PARTS)
+        self.asleep = set(PARTS)
 
 
 def to_host(tensor: torch.Tensor, pin: bool) -> torch.Tensor:

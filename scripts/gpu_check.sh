@@ -100,7 +100,8 @@ workload_args() {
 # session 61: the 85 model tests 443 s; FP8, Gluon and 57 of the 104 attention tests 570 s, so
 # the kernels group is three; session 62: 118 of the attention group's 119 tests 570 s, the
 # kernels group and the last one 118 s, so test_shared_prefix.py went to the kernels group;
-# test_lora.py's 34 in two calls, 280 s and 240 s; session 63: the kernels group so split 78 s)
+# test_lora.py's 34 in two calls, 280 s and 240 s; session 63, on an H100: the kernels group so
+# split 78 s, the attention group about 480 s, the features group past 370 s)
 test_group() {
   case $1 in
     engine) echo tests/gpu/test_{cuda_engine,deterministic_cuda,penalties_cuda,prefix_cache_cuda}.py ;;

@@ -7,8 +7,8 @@
 # (generations that outgrow the KV cache) run preemption_mode auto against recompute and swap
 # (SWAP_COMPARE).
 #   SKIP_TESTS=1        no tests
-#   TESTS="engine features"  those groups of GPU tests alone (engine, features, lora, fp8,
-#                       attention, kernels, int4, models, multi; default all, which outrun one
+#   TESTS="engine features"  those groups of GPU tests alone (engine, features, inputs, lora,
+#                       fp8, attention, kernels, int4, models, multi; default all, which outrun one
 #                       device call: see test_group)
 #   SKIP_KERNELS=1      no kernel benchmark
 #   STARTS="chat moe"   each of those workloads' engines started and two of its prompts run, a
@@ -101,11 +101,13 @@ workload_args() {
 # the kernels group is three; session 62: 118 of the attention group's 119 tests 570 s, the
 # kernels group and the last one 118 s, so test_shared_prefix.py went to the kernels group;
 # test_lora.py's 34 in two calls, 280 s and 240 s; session 63, on an H100: the kernels group so
-# split 78 s, the attention group about 480 s, the features group past 370 s)
+# split 78 s, the attention group about 480 s, the features group past 370 s, so prompt embeds
+# and logits processors went to the inputs group)
 test_group() {
   case $1 in
     engine) echo tests/gpu/test_{cuda_engine,deterministic_cuda,penalties_cuda,prefix_cache_cuda}.py ;;
-    features) echo tests/gpu/test_{prompt_logprobs,rl,structured,swap,weight_transfer,prompt_embeds,logits_processors}_cuda.py ;;
+    features) echo tests/gpu/test_{prompt_logprobs,rl,structured,swap,weight_transfer}_cuda.py ;;
+    inputs) echo tests/gpu/test_{prompt_embeds,logits_processors}_cuda.py ;;
     lora) echo tests/test_lora.py ;;
     fp8) echo tests/gpu/test_{fp8,gluon_decode}_cuda.py ;;
     attention) echo tests/test_triton_attention.py ;;
@@ -119,7 +121,7 @@ test_group() {
 }
 if [ -z "${SKIP_TESTS:-}" ]; then
   files=()
-  for group in ${TESTS:-engine features lora fp8 attention kernels int4 models multi}; do
+  for group in ${TESTS:-engine features inputs lora fp8 attention kernels int4 models multi}; do
     files+=($(test_group "$group")) || echo "unknown test group $group"
   done
   python3 -m pytest -q --durations=8 "${files[@]}" -p no:cacheprovider 2>&1 \

@@ -1517,7 +1517,9 @@ def test_a_client_that_leaves_a_response_aborts_it(server, stream):
     url = f"{server.url}/v1/responses"
     if stream:
         with httpx.stream("POST", url, json=body, headers=AUTH) as r:
-            next(line for line in r.iter_lines() if "output_text.delta" in line)
+            # held: a line iterator dropped is closed, and closing it closes the connection
+            lines = r.iter_lines()
+            next(line for line in lines if "output_text.delta" in line)
             assert server.llm.stats.num_running == 1
     else:
         with pytest.raises(httpx.ReadTimeout):

@@ -255,6 +255,31 @@ def test_serve_on_a_port_past_65535_is_a_one_line_error(tiny_dir):
     ]
 
 
+def test_serve_takes_the_model_as_vllm_s_option_too(tiny_dir):
+    result = run_cli("serve", "--model", str(tiny_dir), "--port", "99999")
+    assert result.stderr.strip().splitlines() == [
+        "tandem: error: --port 99999: a port is in 0-65535"
+    ]  # past the parser, as with MODEL given before the flags
+    result = run_cli("serve", str(tiny_dir), "--model", str(tiny_dir), "--port", "99999")
+    assert "a port is in 0-65535" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["serve"], "required: model (MODEL or --model MODEL)"),
+        (["serve", "a", "--model", "b"], "two models given: 'a' and --model 'b'"),
+        (["run-batch", "-i", "in", "-o", "out"], "required: model (MODEL or --model MODEL)"),
+    ],
+)
+def test_serve_and_run_batch_need_one_model(argv, words, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: tandem {argv[0]}") and words in err
+
+
 def test_enforce_eager_reaches_the_engine_as_vllms_flag():
     from tandem.cli import build_parser, engine_kwargs
 

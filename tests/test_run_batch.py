@@ -210,6 +210,16 @@ def test_a_finished_output_is_left_as_it_is(answered, batch, folder, tmp_path, c
     assert "results.jsonl: 0 lines, 0 completion tokens" in capsys.readouterr().out
 
 
+def test_the_model_may_be_given_as_vllm_s_model_option(answered, batch, folder, tmp_path, capsys):
+    out = tmp_path / "results.jsonl"
+    out.write_text(answered.read_text())
+    main(
+        ["run-batch", "--model", folder, "-i", str(batch), "-o", str(out), "--quiet", *ENGINE_ARGS]
+    )
+    assert out.read_text() == answered.read_text()
+    assert "results.jsonl: 0 lines, 0 completion tokens" in capsys.readouterr().out
+
+
 def test_benchmark_batch_file_holds_the_bench_workloads_requests(tmp_path, monkeypatch):
     from tandem.bench import load_workload
     from tandem.config import ModelConfig

@@ -824,6 +824,19 @@ def test_a_field_the_server_does_not_implement_is_a_400_naming_it(server, field,
 
 
 @pytest.mark.parametrize(
+    ("field", "value", "key"),
+    [("guided_regex", "[ab]+", "regex"), ("guided_json", {"type": "object"}, "json"),
+     ("guided_choice", ["a", "b"], "choice")],
+)  # fmt: skip
+def test_vllm_s_removed_guided_fields_are_a_400_naming_their_structured_outputs_key(
+    server, field, value, key
+):  # never an unconstrained answer, as vLLM gives since it dropped them
+    body = {"messages": MESSAGES, "max_tokens": 2, field: value}
+    message = assert_openai_error(post(server, "/v1/chat/completions", body), 400, param=field)
+    assert f'structured_outputs: {{"{key}": ...}}' in message
+
+
+@pytest.mark.parametrize(
     ("path", "body"),
     [("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": MESSAGES}),
      ("/v1/completions", {"prompt": PROMPT, "use_beam_search": True, "n": 2})],

@@ -49,12 +49,19 @@ class Parser(argparse.ArgumentParser):
         self.set_defaults(command_parser=self)  # the innermost one wins: for misspelt flags
 
 
-def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = False) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, model_flag: str = "positional") -> None:
+    """model_flag: how the model is named: "positional" (MODEL), "option" (--model MODEL) or
+    "either" (as vLLM's serve and run-batch take it; `resolve_model` picks one)."""
     model_help = "a Hugging Face model folder or Hub repository id, or a preset name with --load-format dummy"
-    if model_flag:
+    if model_flag == "option":
         parser.add_argument("--model", required=True, help=model_help)
-    else:
+    elif model_flag == "positional":
         parser.add_argument("model", help=model_help)
+    else:
+        parser.add_argument("model", nargs="?", help=model_help)
+        parser.add_argument(
+            "--model", dest="model_option", metavar="MODEL", help="MODEL, given as an option"
+        )
     parser.add_argument(
         "--tokenizer",
         help="a folder or Hub repository whose tokenizer.json to use (default: the model's own)",
@@ -753,7 +760,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_engine_args(serve)
+    add_engine_args(serve, model_flag="either")
     add_serve_args(serve)
     serve.add_argument(
         "--data-parallel-size",
@@ -764,7 +771,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     run_batch = sub.add_parser("run-batch", help="answer an OpenAI batch file (JSONL)")
-    add_engine_args(run_batch)
+    add_engine_args(run_batch, model_flag="either")
     run_batch.add_argument("-i", "--input-file", required=True, help="requests (JSONL)")
     run_batch.add_argument(
         "-o", "--output-file", required=True, help="results (JSONL); an existing one is resumed"
@@ -786,7 +793,7 @@ def build_parser() -> argparse.ArgumentParser:
     throughput = bench.add_parser(
         "throughput", help="offline throughput: every request submitted at once"
     )
-    add_engine_args(throughput, model_flag=True)
+    add_engine_args(throughput, model_flag="option")
     add_bench_args(throughput)
     throughput.set_defaults(func=cmd_bench)
     bench_serve = bench.add_parser(
@@ -799,7 +806,7 @@ def build_parser() -> argparse.ArgumentParser:
     latency = bench.add_parser(
         "latency", help="TTFT / TPOT / ITL percentiles, requests arriving --batch-size at a time"
     )
-    add_engine_args(latency, model_flag=True)
+    add_engine_args(latency, model_flag="option")
     add_bench_args(latency, latency=True)
     latency.set_defaults(func=cmd_bench)
 
@@ -817,6 +824,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def resolve_model(args: argparse.Namespace) -> None:
+    """One model from `MODEL` or `--model MODEL`: one of them, or both the same."""
+    if "model_option" not in args:
+        return
+    given = {name for name in (args.model, args.model_option) if name is not None}
+    if len(given) != 1:
+        args.command_parser.error(
+            "the following arguments are required: model (MODEL or --model MODEL)"
+            if not given
+            else f"two models given: {args.model!r} and --model {args.model_option!r}"
+        )
+    args.model = given.pop()
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         envs.check_all()  # before the parser imports the modules that read them
@@ -825,6 +846,7 @@ def main(argv: list[str] | None = None) -> None:
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:  # said by the command they were given to, with its usage
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    resolve_model(args)
     try:
         args.func(args)
     except (ValueError, OSError) as error:

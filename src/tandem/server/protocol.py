@@ -40,6 +40,14 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (True,),
 }
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+# vLLM's guided decoding fields, removed in its 0.12 for the keys of structured_outputs
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+    "guided_whitespace_pattern": "whitespace_pattern",
+}
 
 logger = logging.getLogger("uvicorn.error")  # the logger `tandem serve` prints
 

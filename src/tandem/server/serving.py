@@ -30,6 +30,7 @@ from tandem.server.constraints import ToolMode, constraint_field, output_constra
 from tandem.server.metrics import LatencyTracker, ServerMetrics
 from tandem.server.options import ServerOptions
 from tandem.server.protocol import (
+    GUIDED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
@@ -801,8 +802,11 @@ def log_disconnect(generation: Generation) -> None:
 def check_supported(body: SamplingRequest) -> None:
     name = body.unsupported_field()
     if name is not None:
+        fix = "remove it from the request"
+        if name in GUIDED_FIELDS:  # a constraint never fails open: say where it goes now
+            fix = f'vLLM 0.12 moved it to structured_outputs: {{"{GUIDED_FIELDS[name]}": ...}}'
         raise OpenAIError(
-            f"{name} is not supported by this server; remove it from the request",
+            f"{name} is not supported by this server; {fix}",
             param=name,
             code="unsupported_parameter",
         )

@@ -344,6 +344,21 @@ def test_sync_and_async_flags_set_the_batching_mode():
     assert parser.parse_args([*base, "--no-async-batching"]).async_batching is False
 
 
+@pytest.mark.parametrize("mode", ["throughput", "latency"])
+def test_vllm_s_bench_dataset_flags_set_the_same_workload(mode):
+    parser = build_parser()
+    base = ["bench", mode, "--model", "m"]
+    ours = ["--dataset", "random", "--input-len", "100", "--output-len", "20"]
+    ours += ["--range-ratio", "0.5", "--shared-prefix-len", "64"]
+    vllm = ["--dataset-name", "random", "--random-input-len", "100", "--random-output-len", "20"]
+    vllm += ["--random-range-ratio", "0.5", "--random-prefix-len", "64"]
+    assert vars(parser.parse_args([*base, *vllm])) == vars(parser.parse_args([*base, *ours]))
+    defaults = vars(parser.parse_args(base))
+    assert {k: defaults[k] for k in ("input_len", "range_ratio", "shared_prefix_len")} == {
+        "input_len": 128, "range_ratio": 0.0, "shared_prefix_len": 0
+    }  # fmt: skip
+
+
 def test_throughput_runs_sync_and_async_and_writes_every_field(make_tiny, tmp_path, capsys):
     args = ["--num-prompts", "3", "--input-len", "8", "--output-len", "6", "--compare", "sync"]
     report = run_bench(tmp_path, "throughput", "--model", str(make_tiny("llama")), *args)

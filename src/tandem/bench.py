@@ -706,8 +706,9 @@ def print_report(report: dict) -> None:
 
 
 def add_bench_args(parser: argparse.ArgumentParser, latency: bool = False) -> None:
-    parser.add_argument(
+    parser.add_argument(  # the second spellings are vLLM's `bench` flags
         "--dataset",
+        "--dataset-name",
         choices=["random", "sharegpt"],
         default="random",
         help="random token prompts, or ShareGPT conversations",
@@ -716,21 +717,28 @@ def add_bench_args(parser: argparse.ArgumentParser, latency: bool = False) -> No
         "--dataset-path", help="ShareGPT JSON file (default: the small sample tandem ships)"
     )
     parser.add_argument(
-        "--input-len", type=int, default=128, help="prompt tokens (random dataset only)"
+        "--input-len",
+        "--random-input-len",
+        type=int,
+        default=128,
+        help="prompt tokens (random dataset only)",
     )
     parser.add_argument(
         "--output-len",
+        "--random-output-len",
         type=int,
         help=f"default: {DEFAULT_OUTPUT_LEN} (random), the gpt turn's length (sharegpt)",
     )
     parser.add_argument(
         "--range-ratio",
+        "--random-range-ratio",
         type=float,
         default=0.0,
         help="lengths uniform in [len x (1 - r), len x (1 + r)] (random dataset only)",
     )
     parser.add_argument(
         "--shared-prefix-len",
+        "--random-prefix-len",
         type=int,
         default=0,
         help="random tokens every prompt starts with, a shared system prompt (random dataset)",

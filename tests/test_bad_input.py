@@ -116,6 +116,11 @@ BAD_SAMPLING = {
     ),
     "skip_special_tokens_not_bool": ({"skip_special_tokens": 0}, "skip_special_tokens", "True"),
     "ignore_eos_not_bool": ({"ignore_eos": "yes"}, "ignore_eos", "False"),
+    "spaces_between_special_tokens_false": (
+        {"spaces_between_special_tokens": False},
+        "spaces_between_special_tokens",
+        "must be True",
+    ),
     "detokenize_not_bool": ({"detokenize": 0}, "detokenize", "True"),
     "truncate_prompt_tokens_zero": ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "-1"),
     "truncate_prompt_tokens_below_minus_one": (

@@ -99,6 +99,19 @@ def test_detokenize_false_returns_the_same_tokens_and_no_text_as_in_vllm(llm, fo
     }
 
 
+def test_vllm_s_spaces_between_special_tokens_at_its_default_changes_nothing(llm):
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, skip_special_tokens=False)
+    [want] = llm.generate(PROMPT, params, use_tqdm=False)
+    params = SamplingParams(
+        temperature=0, max_tokens=5, ignore_eos=True, skip_special_tokens=False,
+        spaces_between_special_tokens=True,
+    )  # fmt: skip
+    [out] = llm.generate(PROMPT, params, use_tqdm=False)
+    assert (out.outputs[0].token_ids, out.outputs[0].text) == (
+        want.outputs[0].token_ids, want.outputs[0].text
+    )  # fmt: skip
+
+
 def test_stop_strings_without_detokenize_are_a_value_error_naming_both():
     with pytest.raises(ValueError, match="detokenize") as error:
         SamplingParams(stop=["\n"], detokenize=False)

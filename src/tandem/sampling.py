@@ -62,6 +62,8 @@ class SamplingParams:
     flat_logprobs: bool = False
     detokenize: bool = True  # False: outputs carry token ids only, their text stays ""
     skip_special_tokens: bool = True
+    # vLLM's; only its default: special tokens decode as the tokenizer's decoder joins them
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # logits processors (penalties.py): over output tokens, over prompt and output tokens
     presence_penalty: float = 0.0
@@ -128,6 +130,11 @@ class SamplingParams:
             self, "ignore_eos", "detokenize", "skip_special_tokens", "include_stop_str_in_output",
             "skip_reading_prefix_cache", "flat_logprobs",
         )  # fmt: skip
+        if self.spaces_between_special_tokens is not True:
+            raise ValueError(
+                "spaces_between_special_tokens must be True (vLLM's default), the only way "
+                f"tandem decodes; got {self.spaces_between_special_tokens!r}"
+            )
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         check_int("top_k", self.top_k, -1, "(0 or -1 disables it)")

@@ -90,6 +90,21 @@ def test_concurrent_streams_match_the_offline_api_token_for_token(llm, offline):
         assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
 
 
+def test_vllm_s_async_engine_import_and_engine_args_stream_the_offline_tokens(folder, offline):
+    from tandem import AsyncEngineArgs, AsyncLLMEngine
+
+    args = AsyncEngineArgs(model=folder, **ENGINE_ARGS)
+    llm = AsyncLLMEngine.from_engine_args(args)
+    assert isinstance(llm, AsyncLLM) and llm.engine.config is not args  # the caller's stays theirs
+    try:
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        outputs = asyncio.run(collect(llm, PROMPTS[0], params, "r"))
+        [want] = offline.generate(PROMPTS[0], params, use_tqdm=False)
+        assert joined(outputs)[1] == want.outputs[0].token_ids
+    finally:
+        llm.shutdown()
+
+
 def test_a_stream_without_detokenize_carries_the_offline_tokens_and_no_text(llm, offline):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, detokenize=False)
     outputs = asyncio.run(collect(llm, PROMPTS[0], params, "ids-only"))

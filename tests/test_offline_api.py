@@ -99,6 +99,22 @@ def test_detokenize_false_returns_the_same_tokens_and_no_text_as_in_vllm(llm, fo
     }
 
 
+def test_from_engine_args_builds_the_llm_the_keywords_build_as_in_vllm(folder):
+    from tandem import EngineArgs
+
+    args = EngineArgs(model=str(folder), max_model_len=MAX_LEN, block_size=4)
+    llm = LLM.from_engine_args(args)
+    assert (llm.engine.config.max_model_len, llm.engine.config.block_size) == (MAX_LEN, 4)
+    [out] = llm.generate(PROMPT, GREEDY, use_tqdm=False)
+    want = transformers_greedy(folder, tuple(hf_encode(folder, PROMPT)), GREEDY.max_tokens)
+    assert out.outputs[0].token_ids == want
+    llm.shutdown()
+    with pytest.raises(TypeError, match="max_num_seq"):
+        EngineArgs(model=str(folder), max_num_seq=8)  # a misspelt setting, as a keyword to LLM
+    with pytest.raises(ValueError, match="block_size"):
+        LLM.from_engine_args(EngineArgs(model=str(folder), block_size=0))
+
+
 def test_vllm_s_spaces_between_special_tokens_at_its_default_changes_nothing(llm):
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, skip_special_tokens=False)
     [want] = llm.generate(PROMPT, params, use_tqdm=False)

@@ -7,7 +7,9 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from tandem.async_llm import AsyncLLM, AsyncLLMEngine
     from tandem.beam_search import BeamSearchParams
+    from tandem.config import AsyncEngineArgs, EngineArgs
     from tandem.llm import LLM
     from tandem.lora import LoRARequest
     from tandem.outputs import (
@@ -34,12 +36,16 @@ except PackageNotFoundError:  # run from a source tree that was never installed
 
 __all__ = [
     "LLM",
+    "AsyncEngineArgs",
+    "AsyncLLM",
+    "AsyncLLMEngine",
     "BeamSearchParams",
     "ClassificationOutput",
     "ClassificationRequestOutput",
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
+    "EngineArgs",
     "LoRARequest",
     "Logprob",
     "PoolingOutput",
@@ -57,6 +63,10 @@ __all__ = [
 # does not load the engine and torch's CUDA set-up with it.
 _LAZY = {
     "LLM": "tandem.llm",
+    "AsyncEngineArgs": "tandem.config",
+    "AsyncLLM": "tandem.async_llm",
+    "AsyncLLMEngine": "tandem.async_llm",
+    "EngineArgs": "tandem.config",
     "BeamSearchParams": "tandem.beam_search",
     "ClassificationOutput": "tandem.outputs",
     "ClassificationRequestOutput": "tandem.outputs",

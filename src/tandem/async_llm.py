@@ -21,7 +21,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +189,11 @@ class AsyncLLM:
     def from_model(cls, model: str, **engine_args: Any) -> AsyncLLM:
         """`AsyncLLM.from_model(folder_or_preset, **engine_args)`; see EngineConfig."""
         return cls(Engine(EngineConfig(model=model, **engine_args)))
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineConfig) -> AsyncLLM:
+        """vLLM's: an AsyncLLM of these settings (`tandem.AsyncEngineArgs`, that is EngineConfig)."""
+        return cls(Engine(replace(engine_args)))
 
     @property
     def is_running(self) -> bool:
@@ -710,3 +715,6 @@ def _settle(items: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) 
             future.set_result(result)
         else:
             future.set_exception(error)
+
+
+AsyncLLMEngine = AsyncLLM  # vLLM's older name, which its `from vllm import AsyncLLMEngine` keeps

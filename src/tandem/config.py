@@ -830,3 +830,8 @@ def next_power_of_2(n: int) -> int:
     """E.g. 5 -> 8, 8 -> 8, 1 -> 1. Host launch math uses these, not triton.cdiv and
     triton.next_power_of_2: those are constexpr functions, about 2 µs a call on the host."""
     return 1 << (n - 1).bit_length()
+
+
+# vLLM's names for an engine's settings: `LLM.from_engine_args(EngineArgs(model=..., ...))` and
+# `AsyncLLM.from_engine_args(AsyncEngineArgs(...))` read as they do in vLLM
+EngineArgs = AsyncEngineArgs = EngineConfig

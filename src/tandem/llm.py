@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,11 @@ class LLM:
         self._asking = threading.Condition()
         self._num_asking = 0
         self._enqueued: list[tuple[str, list[Request]]] = []  # `enqueue`d, not yet returned
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineConfig) -> LLM:
+        """vLLM's: an LLM of these settings (`tandem.EngineArgs`, that is EngineConfig)."""
+        return cls(**{f.name: getattr(engine_args, f.name) for f in fields(engine_args)})
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (nothing to do on one device)."""

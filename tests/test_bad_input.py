@@ -203,6 +203,15 @@ BAD_PROMPTS = {
     "string_token_id": (lambda llm: {"prompt_token_ids": [1, "2"]}, "prompt_token_ids"),
     "bool_token_id": (lambda llm: {"prompt_token_ids": [1, True]}, "prompt_token_ids"),
     "dict_without_token_ids": (lambda llm: {"text": "hello"}, "prompt_token_ids"),
+    # vLLM's keys tandem has nothing for: dropped, an image would go unseen by the model
+    "multi_modal_data": (
+        lambda llm: {"prompt": "What is in the picture?", "multi_modal_data": {"image": [0]}},
+        "'multi_modal_data', which tandem does not read",
+    ),
+    "token_type_ids": (
+        lambda llm: {"prompt_token_ids": [1, 2], "token_type_ids": [0, 1]},
+        "'token_type_ids'",
+    ),
 }
 
 

@@ -44,6 +44,21 @@ def test_a_text_prompt_dict_is_generated_like_its_text(llm, folder):
     )
 
 
+def test_vllm_s_prompt_dicts_and_their_keys_at_nothing_generate_as_plain_prompts(llm):
+    from tandem.inputs import TextPrompt, TokensPrompt
+
+    [want] = llm.generate(PROMPT, GREEDY, use_tqdm=False)
+    ids = want.prompt_token_ids
+    prompts = [
+        TextPrompt(prompt=PROMPT),
+        TokensPrompt(prompt_token_ids=ids),
+        {"prompt": PROMPT, "multi_modal_data": None, "mm_processor_kwargs": {}},
+        {"prompt_token_ids": ids, "multi_modal_data": {}, "token_type_ids": None},
+    ]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [want.outputs[0].token_ids] * 4
+
+
 def test_text_and_token_prompt_dicts_mix_in_one_call_in_input_order(llm, folder):
     other = "Paged attention"
     other_ids = hf_encode(folder, other)

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tandem.inputs import check_keys
 from tandem.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 
 
 # text, {"prompt": text}, {"prompt_token_ids": [...]} or {"prompt_embeds": tensor}; a dict may
-# add {"cache_salt": str}
+# add {"cache_salt": str} (inputs.py: vLLM's TextPrompt, TokensPrompt and EmbedsPrompt)
 Prompt = str | dict[str, Any]
 
 
@@ -153,10 +154,13 @@ def split_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None]:
     if isinstance(prompt, str):
         return prompt, None
     if isinstance(prompt, dict) and "prompt_embeds" in prompt:  # beside them, nothing else
+        check_keys(prompt)
         return prompt.get("prompt"), prompt.get("prompt_token_ids")
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        check_keys(prompt)
         return prompt.get("prompt"), prompt["prompt_token_ids"]
     if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+        check_keys(prompt)
         return prompt["prompt"], None
     raise ValueError(
         "a prompt is a string, {'prompt': text} or {'prompt_token_ids': [...]}, "

@@ -264,6 +264,30 @@ def test_serve_takes_the_model_as_vllm_s_option_too(tiny_dir):
     assert "a port is in 0-65535" in result.stderr
 
 
+def test_serve_takes_vllm_s_deployment_flags_that_ask_for_tandem_s_behaviour():
+    from tandem.cli import build_parser, engine_kwargs, server_options
+
+    parser = build_parser()
+    plain = parser.parse_args(["serve", "m"])
+    flags = ["--enable-chunked-prefill", "--disable-log-requests", "--disable-uvicorn-access-log"]
+    args = parser.parse_args(["serve", "m", *flags, "--enable-prompt-tokens-details"])
+    assert engine_kwargs(args) == engine_kwargs(plain)
+    assert server_options(args, ()) == server_options(plain, ())
+    assert (
+        not server_options(args, ()).enable_log_requests and not server_options(args, ()).access_log
+    )
+    args = parser.parse_args(["serve", "m", "--access-log", "--enable-log-requests"])
+    assert server_options(args, ()).access_log and server_options(args, ()).enable_log_requests
+    args = parser.parse_args(["serve", "m", "--access-log", "--disable-uvicorn-access-log"])
+    assert not server_options(args, ()).access_log  # the last one given wins
+
+
+def test_no_chunked_prefill_is_a_one_line_error_naming_it(tiny_dir):
+    result = run_cli("serve", str(tiny_dir), "--no-enable-chunked-prefill", "--device", "cpu")
+    assert result.returncode == 1
+    assert "enable_chunked_prefill=False is not supported" in result.stderr.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize(
     ("argv", "words"),
     [

@@ -206,6 +206,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: str = "position
         help="reuse the KV of cached prompt prefixes (default: on)",
     )
     parser.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split a prompt longer than a step's token budget over steps (default: on; tandem "
+        "has no other way)",
+    )
+    parser.add_argument(
         "--enable-lora", action="store_true", help="run LoRA adapters that requests name"
     )
     parser.add_argument(
@@ -591,6 +598,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--access-log", action="store_true", help="log a line per request (off: the GIL is busy)"
     )
+    parser.add_argument(  # vLLM logs them unless told not to
+        "--disable-uvicorn-access-log",
+        dest="access_log",
+        action="store_false",
+        default=argparse.SUPPRESS,
+        help="vLLM's: no line per request (tandem's default; --access-log turns them on)",
+    )
     parser.add_argument(
         "--tool-call-parser",
         choices=list(PARSERS),
@@ -646,6 +660,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--enable-log-requests",
         action="store_true",
         help="log each generation request: its prompt, prompt ids and sampling parameters",
+    )
+    parser.add_argument(
+        "--disable-log-requests",
+        dest="enable_log_requests",
+        action="store_false",
+        default=argparse.SUPPRESS,
+        help="vLLM's older flag: log no generation requests (the default)",
+    )
+    parser.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="vLLM's: taken; every usage carries prompt_tokens_details (its cached_tokens)",
     )
     parser.add_argument(
         "--max-log-len",

@@ -524,6 +524,12 @@ def lora_modules(specs: list[str] | None, enable_lora: bool) -> tuple:
     return tuple(adapters)
 
 
+def add_off_switch(parser: argparse.ArgumentParser, flag: str, dest: str, help: str) -> None:
+    """A flag that sets `dest` False, beside the flag that sets it True: the last given wins, and
+    without either `dest` keeps that flag's default."""
+    parser.add_argument(flag, dest=dest, action="store_false", default=argparse.SUPPRESS, help=help)
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     from tandem.server.options import LOG_LEVELS, ServerOptions
     from tandem.server.tool_calls import PARSERS
@@ -598,12 +604,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--access-log", action="store_true", help="log a line per request (off: the GIL is busy)"
     )
-    parser.add_argument(  # vLLM logs them unless told not to
+    add_off_switch(  # vLLM logs them unless told not to
+        parser,
         "--disable-uvicorn-access-log",
-        dest="access_log",
-        action="store_false",
-        default=argparse.SUPPRESS,
-        help="vLLM's: no line per request (tandem's default; --access-log turns them on)",
+        "access_log",
+        "vLLM's: no line per request (tandem's default; --access-log turns them on)",
     )
     parser.add_argument(
         "--tool-call-parser",
@@ -661,12 +666,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="log each generation request: its prompt, prompt ids and sampling parameters",
     )
-    parser.add_argument(
+    add_off_switch(
+        parser,
         "--disable-log-requests",
-        dest="enable_log_requests",
-        action="store_false",
-        default=argparse.SUPPRESS,
-        help="vLLM's older flag: log no generation requests (the default)",
+        "enable_log_requests",
+        "vLLM's older flag: log no generation requests (the default)",
     )
     parser.add_argument(
         "--enable-prompt-tokens-details",

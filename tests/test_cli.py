@@ -282,6 +282,51 @@ def test_serve_takes_vllm_s_deployment_flags_that_ask_for_tandem_s_behaviour():
     assert not server_options(args, ()).access_log  # the last one given wins
 
 
+def parsed(argv: list[str]):
+    """argv as main reads it: --config expanded, MODEL or --model resolved."""
+    from tandem import config_file
+    from tandem.cli import build_parser, resolve_model, subcommand
+
+    parser = build_parser()
+    args = parser.parse_args(config_file.expand(argv, subcommand(parser, argv)))
+    resolve_model(args)
+    return args
+
+
+def test_a_config_file_sets_flags_and_the_command_line_wins(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "model: some/model\nmax_num_seqs: 7\nmax-model-len: 512\nenable_prefix_caching: false\n"
+        "api_key: [a, b]\nenable_log_requests: true\naccess_log: false\n"
+        "compilation_config: {cudagraph_mode: NONE}\nport: 8001\n"
+    )
+    args = parsed(["serve", "--config", str(config), "--max-num-seqs", "9"])
+    assert (args.model, args.max_num_seqs, args.max_model_len, args.port) == (
+        "some/model",
+        9,
+        512,
+        8001,
+    )
+    assert args.enable_prefix_caching is False and args.api_key == ["a", "b"]
+    assert args.enable_log_requests is True and args.access_log is False
+    assert args.compilation_config == {"cudagraph_mode": "NONE"}
+    config.write_text("model: some/model\nmax_num_seqs: 7\nserved_model_name: -dashed-\n")
+    args = parsed(["run-batch", f"--config={config}", "-i", "in", "-o", "out"])
+    assert (args.model, args.max_num_seqs, args.served_model_name) == ("some/model", 7, "-dashed-")
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [("max_num_seqs: [1\n", "no YAML"), ("- a\n- b\n", "a mapping of flag names"),
+     ("model: m\nmax_num_seq: 4\n", "unrecognized arguments: --max-num-seq=4")],
+)  # fmt: skip
+def test_a_bad_config_file_is_a_one_line_error(tmp_path, text, words):
+    config = tmp_path / "serve.yaml"
+    config.write_text(text)
+    result = run_cli("serve", "--config", str(config), "--port", "99999")
+    assert result.returncode in (1, 2) and words in result.stderr.strip().splitlines()[-1]
+
+
 def test_no_chunked_prefill_is_a_one_line_error_naming_it(tiny_dir):
     result = run_cli("serve", str(tiny_dir), "--no-enable-chunked-prefill", "--device", "cpu")
     assert result.returncode == 1

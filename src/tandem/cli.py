@@ -11,7 +11,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tandem import envs
+from tandem import config_file, envs
 from tandem.config import (
     EXECUTOR_BACKENDS,
     LOGPROBS_MODES,
@@ -524,6 +524,15 @@ def lora_modules(specs: list[str] | None, enable_lora: bool) -> tuple:
     return tuple(adapters)
 
 
+def add_config_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        metavar="YAML",
+        help="vLLM's: a file of flags (max_num_seqs: 128 or max-num-seqs: 128); the flags given "
+        "on the command line win (config_file.py)",
+    )
+
+
 def add_off_switch(parser: argparse.ArgumentParser, flag: str, dest: str, help: str) -> None:
     """A flag that sets `dest` False, beside the flag that sets it True: the last given wins, and
     without either `dest` keeps that flag's default."""
@@ -791,6 +800,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(serve, model_flag="either")
+    add_config_flag(serve)
     add_serve_args(serve)
     serve.add_argument(
         "--data-parallel-size",
@@ -802,6 +812,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run_batch = sub.add_parser("run-batch", help="answer an OpenAI batch file (JSONL)")
     add_engine_args(run_batch, model_flag="either")
+    add_config_flag(run_batch)
     run_batch.add_argument("-i", "--input-file", required=True, help="requests (JSONL)")
     run_batch.add_argument(
         "-o", "--output-file", required=True, help="results (JSONL); an existing one is resumed"
@@ -868,12 +879,28 @@ def resolve_model(args: argparse.Namespace) -> None:
     args.model = given.pop()
 
 
+def subcommand(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser | None:
+    """The parser of the command argv[0] names (None: no such command; argparse says so)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and argv:
+            return action.choices.get(argv[0])
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         envs.check_all()  # before the parser imports the modules that read them
     except ValueError as error:
         sys.exit(f"tandem: error: {error}")
-    args, unknown = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = subcommand(parser, argv)
+    if command is not None and "--config" in command._option_string_actions:
+        try:
+            argv = config_file.expand(argv, command)
+        except (ValueError, OSError) as error:
+            sys.exit(f"tandem: error: {error}")
+    args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command they were given to, with its usage
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     resolve_model(args)

@@ -288,6 +288,40 @@ def test_the_engine_captures_the_graphs_compilation_config_names(folder, monkeyp
     assert engine._graph_sizes() == [] and engine._use_piecewise()
 
 
+def test_vllm_s_top_level_graph_sizes_shape_the_graphs_as_their_compilation_config_keys(
+    folder, monkeypatch
+):
+    from tandem.engine import Engine
+
+    monkeypatch.setattr(Engine, "_use_cuda_graphs", lambda self: True)
+    common = dict(max_model_len=64, max_num_seqs=12, cuda_graphs=False)  # built on CPU
+    llm = LLM(folder, **common, cudagraph_capture_sizes=[3, 6])
+    assert llm.engine._graph_sizes() == [3, 6]
+    llm = LLM(folder, **common, max_cudagraph_capture_size=4, compilation_config=3)
+    assert llm.engine._graph_sizes() == [1, 2, 4]
+    assert llm.engine.config.compilation_config == {"level": 3, "max_cudagraph_capture_size": 4}
+    config = '{"cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": 4}'
+    llm = LLM(folder, **common, max_cudagraph_capture_size=4, compilation_config=config)
+    assert llm.engine._graph_sizes() == [1, 2, 4] and not llm.engine._use_piecewise()
+    with pytest.raises(ValueError, match="max_cudagraph_capture_size=8 contradicts"):
+        LLM(folder, **common, max_cudagraph_capture_size=8, compilation_config=config)
+    with pytest.raises(ValueError, match="cudagraph_capture_sizes must be a non-empty list"):
+        LLM(folder, **common, cudagraph_capture_sizes=[0])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            folder,
+            "--cudagraph-capture-sizes",
+            "1",
+            "8",
+            "--max-cudagraph-capture-size",
+            "8",
+        ]
+    )
+    kwargs = engine_kwargs(args)
+    assert (kwargs["cudagraph_capture_sizes"], kwargs["max_cudagraph_capture_size"]) == ([1, 8], 8)
+
+
 @pytest.mark.parametrize(
     ("config", "words"),
     [

@@ -200,6 +200,19 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: str = "position
         "max_cudagraph_capture_size) shape the graphs, or a level (-O3: taken, no effect)",
     )
     parser.add_argument(
+        "--cudagraph-capture-sizes",
+        type=int,
+        nargs="+",
+        metavar="ROWS",
+        help="vLLM's -O.cudagraph_capture_sizes: the decode graphs' row counts",
+    )
+    parser.add_argument(
+        "--max-cudagraph-capture-size",
+        type=int,
+        metavar="ROWS",
+        help="vLLM's -O.max_cudagraph_capture_size: no decode graph of more rows",
+    )
+    parser.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,

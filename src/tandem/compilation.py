@@ -65,6 +65,27 @@ class GraphPlan:
         return kept
 
 
+def with_graph_sizes(config: Any, **given: Any) -> Any:
+    """`config` with vLLM's top-level graph arguments (cudagraph_capture_sizes,
+    max_cudagraph_capture_size) put in as its keys; one given both ways must agree."""
+    given = {key: value for key, value in given.items() if value is not None}
+    if not given:
+        return config
+    if isinstance(config, str):
+        graph_plan(config)  # a ValueError where it is no JSON
+        config = json.loads(config)
+    if config is None or (isinstance(config, int) and not isinstance(config, bool)):
+        config = {} if config is None else {"level": config}
+    if not isinstance(config, dict):
+        return config  # graph_plan names its type
+    for key, value in given.items():
+        if key in config and config[key] != value:
+            raise ValueError(
+                f"{key}={value!r} contradicts compilation_config's {key}={config[key]!r}"
+            )
+    return {**config, **given}
+
+
 def graph_plan(config: Any) -> GraphPlan:
     """The CUDA-graph plan of a `compilation_config`: a dict, its JSON text, or a level (an
     int, vLLM's -O); None is tandem's default. A ValueError naming what is wrong."""

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from tandem.compilation import graph_plan
+from tandem.compilation import graph_plan, with_graph_sizes
 from tandem.model.rope import ROPE_TYPES
 
 SUPPORTED_ARCHITECTURES = {
@@ -492,6 +492,9 @@ class EngineConfig:
     disable_cascade_attn: bool = False
     # vLLM's: its CUDA-graph options shape the graphs (compilation.py), the rest are taken
     compilation_config: dict | int | str | None = None
+    # vLLM's top-level spellings of two of its keys, put into it by validate
+    cudagraph_capture_sizes: list[int] | None = None
+    max_cudagraph_capture_size: int | None = None
     # taken for vLLM's signature: tandem runs no code from a checkpoint, whatever its value
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
@@ -612,6 +615,11 @@ class EngineConfig:
             "enable_chunked_prefill", "disable_log_stats", "disable_cascade_attn",
         )  # fmt: skip
         self.check_lora()
+        self.compilation_config = with_graph_sizes(
+            self.compilation_config,
+            cudagraph_capture_sizes=self.cudagraph_capture_sizes,
+            max_cudagraph_capture_size=self.max_cudagraph_capture_size,
+        )
         graph_plan(self.compilation_config)  # a ValueError naming a bad key or value
         if self.enforce_eager and self.cuda_graphs:
             raise ValueError(

@@ -189,11 +189,26 @@ def test_the_executor_backends_of_one_process_per_rank_are_taken(folder, backend
         ({"hf_overrides": [("rope_theta", 1)]}, "hf_overrides"),
         ({"hf_token": ""}, "hf_token"),
         ({"scheduling_policy": "lottery"}, "'fcfs', 'priority'"),
+        ({"runner": "draft"}, "runner must be one of"),
+        ({"convert": "classify"}, "score head"),
     ],
 )  # fmt: skip
 def test_vllm_s_other_values_are_value_errors_saying_why(folder, args, words):
     with pytest.raises(ValueError, match=words):
         LLM(folder, **args)
+
+
+def test_vllm_s_pooling_runner_embeds_as_the_default_engine_does(folder):
+    import torch
+
+    plain = LLM(folder, max_model_len=64).embed(["Hello there"], use_tqdm=False)
+    llm = LLM(folder, max_model_len=64, runner="pooling", convert="embed")
+    [out] = llm.embed(["Hello there"], use_tqdm=False)
+    torch.testing.assert_close(
+        torch.as_tensor(out.outputs.embedding), torch.as_tensor(plain[0].outputs.embedding)
+    )
+    args = build_parser().parse_args(["serve", folder, "--runner", "pooling", "--convert", "embed"])
+    assert (engine_kwargs(args)["runner"], engine_kwargs(args)["convert"]) == ("pooling", "embed")
 
 
 def test_the_cli_takes_vllm_s_model_flags(folder):

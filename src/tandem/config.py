@@ -67,6 +67,12 @@ EXECUTOR_BACKENDS = ("mp", "uni", "external_launcher")
 ONE_BEHAVIOUR = {
     "tokenizer_mode": (("auto", "hf"), "tandem reads the model's tokenizer.json (a fast one)"),
     "model_impl": (("auto", "vllm"), "the model code is the engine's own"),
+    "runner": (("auto", "generate", "pooling"), "one engine both generates and pools"),
+    "convert": (
+        ("auto", "none", "embed"),
+        "embed pools any model's last token, normalized; classify needs a checkpoint's own "
+        "score head (*ForSequenceClassification)",
+    ),
 }
 
 DTYPES = {
@@ -464,10 +470,13 @@ class EngineConfig:
     # vLLM's, taking the values that are tandem's behaviour (the others are ValueErrors saying
     # why): ranks are processes the engine starts on this machine ("mp"; "uni" and
     # "external_launcher" run one in the caller's process, as tensor_parallel_size=1 does), the
-    # tokenizer is tokenizer.json's fast one, and the model code is the engine's own
+    # tokenizer is tokenizer.json's fast one, the model code is the engine's own, and one engine
+    # generates and pools (LLM.embed, LLM.classify) whatever `runner` and `convert` say
     distributed_executor_backend: str | None = None
     tokenizer_mode: str = "auto"
     model_impl: str = "auto"
+    runner: str = "auto"
+    convert: str = "auto"
     # vLLM's: "fcfs" (first come, first served) or "priority" (each request's priority, lower
     # first, then arrival; the least important running request is the one preempted)
     scheduling_policy: str = "fcfs"

@@ -143,6 +143,20 @@ def test_vllm_s_spaces_between_special_tokens_at_its_default_changes_nothing(llm
     )  # fmt: skip
 
 
+def test_use_tqdm_takes_a_progress_bar_factory_as_vllm_s(llm):
+    import functools
+    import io
+
+    from tqdm import tqdm
+
+    shown = io.StringIO()
+    bar = functools.partial(tqdm, file=shown, leave=True, mininterval=0)
+    outs = llm.generate([PROMPT, PROMPT + " again"], GREEDY, use_tqdm=bar)
+    want = llm.generate([PROMPT, PROMPT + " again"], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+    assert "2/2" in shown.getvalue()  # the factory's bar counted both requests
+
+
 def test_stop_strings_without_detokenize_are_a_value_error_naming_both():
     with pytest.raises(ValueError, match="detokenize") as error:
         SamplingParams(stop=["\n"], detokenize=False)

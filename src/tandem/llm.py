@@ -49,6 +49,16 @@ from tandem.tokenizer import Tokenizer, content_format, template_content
 from tandem.weight_transfer import request_field, required_field
 from tandem.weights import NamedTensors
 
+# vLLM's use_tqdm: show a progress bar or not, or the tqdm-like factory that makes it (called
+# as tqdm is, e.g. functools.partial(tqdm, leave=False))
+UseTqdm = bool | Callable[..., Any]
+
+
+def progress_bar(use_tqdm: UseTqdm, **kwargs: Any) -> Any:
+    if callable(use_tqdm):
+        return use_tqdm(**kwargs)
+    return tqdm(**kwargs, disable=not use_tqdm)
+
 
 @dataclass
 class LoglikelihoodOutput:
@@ -228,7 +238,7 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
@@ -244,7 +254,7 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: list[int] | None = None,
     ) -> list[str]:
@@ -260,7 +270,7 @@ class LLM:
         return [rid for rid, _ in groups]
 
     def wait_for_completion(
-        self, output_type: type | tuple[type, ...] | None = None, *, use_tqdm: bool = True
+        self, output_type: type | tuple[type, ...] | None = None, *, use_tqdm: UseTqdm = True
     ) -> list[RequestOutput]:
         """Run every `enqueue`d request to its end; their outputs in the order queued."""
         if output_type is not None and not issubclass(RequestOutput, output_type):
@@ -274,7 +284,7 @@ class LLM:
         self,
         prompts: Sequence[Prompt],
         params: list[SamplingParams],
-        use_tqdm: bool,
+        use_tqdm: UseTqdm,
         loras: list[LoRARequest | None] | None = None,
     ) -> list[tuple[str, list[Request]]]:
         groups = self._make_requests(prompts, params, loras)
@@ -286,7 +296,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         *,
         truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
@@ -303,7 +313,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         *,
         truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[ClassificationRequestOutput]:
@@ -321,7 +331,7 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         *,
         truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         pooling_task: str | None = None,
     ) -> list[PoolingRequestOutput]:
@@ -346,7 +356,7 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None,
         task: str,
         truncate_prompt_tokens: int | None,
-        use_tqdm: bool,
+        use_tqdm: UseTqdm,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
     ) -> list[Request]:
         """Run the prompts as pooling requests of `task` (pooling.py), in input order."""
@@ -384,7 +394,7 @@ class LLM:
         /,
         *,
         truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[ScoringRequestOutput]:
@@ -415,7 +425,7 @@ class LLM:
         self,
         contexts: Sequence[str | list[int]],
         continuations: Sequence[str | list[int]],
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[LoglikelihoodOutput]:
         """The log-likelihood of each continuation after its context, in one batch (under a
@@ -470,7 +480,7 @@ class LLM:
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
@@ -499,7 +509,7 @@ class LLM:
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
@@ -643,7 +653,7 @@ class LLM:
     def _run(
         self,
         groups: list[tuple[str, list[Request]]],
-        use_tqdm: bool,
+        use_tqdm: UseTqdm,
         queued: bool = False,
         outputs: bool = True,
     ) -> list[RequestOutput]:
@@ -657,7 +667,7 @@ class LLM:
                 self._check_can_step()
                 for request in requests:
                     self.engine.enqueue(request)
-        bar = tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm)
+        bar = progress_bar(use_tqdm, total=len(requests), desc="generate", unit="req")
         start, num_out = time.perf_counter(), 0
         with _full_collections_held():  # and while the outputs are built
             try:

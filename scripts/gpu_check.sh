@@ -102,7 +102,8 @@ workload_args() {
 # kernels group and the last one 118 s, so test_shared_prefix.py went to the kernels group;
 # test_lora.py's 34 in two calls, 280 s and 240 s; session 63, on an H100: the kernels group so
 # split 78 s, the attention group about 480 s, the features group past 370 s, so prompt embeds
-# and logits processors went to the inputs group)
+# and logits processors went to the inputs group; session 64, an H100: inputs 139 s, fp8 about
+# 380 s, int4 174 s)
 test_group() {
   case $1 in
     engine) echo tests/gpu/test_{cuda_engine,deterministic_cuda,penalties_cuda,prefix_cache_cuda}.py ;;

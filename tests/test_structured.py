@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -352,6 +353,57 @@ def test_a_model_without_a_tokenizer_refuses_constraints(folder, tmp_path):
     params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
     with pytest.raises(ValueError, match=r"need the model's tokenizer\.json"):
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], [params], use_tqdm=False)
+
+
+def test_the_engines_disable_any_whitespace_holds_for_every_json_request(folder):
+    """vLLM's structured_outputs_config.disable_any_whitespace: whitespace, pushed up by a bias,
+    fills a JSON object's output unless the engine turns it off for every request."""
+    params = seeded(2, 24, {}, StructuredOutputsParams(json=DIGIT))
+    loose = LLM(folder, max_model_len=256)
+    bias = dict.fromkeys(whitespace_ids(loose), 100.0)
+    params = [replace(p, logit_bias=bias) for p in params]
+    texts = [
+        o.outputs[0].text for o in loose.generate(params_prompts(params), params, use_tqdm=False)
+    ]
+    assert all(set(t) & set("\n\t\r") for t in texts)  # the bias wins wherever JSON allows it
+    del loose
+    config = {"backend": "xgrammar", "disable_any_whitespace": True, "disable_fallback": True}
+    strict = LLM(folder, max_model_len=256, structured_outputs_config=config)
+    outs = strict.generate(params_prompts(params), params, use_tqdm=False)
+    for out in outs:
+        text = out.outputs[0].text
+        assert not set(text) & set("\n\t\r") and "  " not in text, text
+        assert json.loads(text)["n"] in range(10)
+
+
+def params_prompts(params: list[SamplingParams]) -> list[str]:
+    return ["Give a digit as JSON:"] * len(params)
+
+
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [({"backend": "guidance"}, "'auto' or 'xgrammar'"), ({"enable_in_reasoning": True}, "thinking ends"),
+     ({"disable_fallback": "yes"}, "disable_fallback must be True or False"),
+     ({"whitespace": True}, "unknown keys ['whitespace']"), ("{not json", "no JSON"),
+     ({"reasoning_parser": "qwen3"}, "contradicts reasoning_parser='deepseek_r1'")],
+)  # fmt: skip
+def test_structured_outputs_configs_tandem_cannot_honour_are_value_errors(folder, config, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        LLM(
+            folder,
+            max_model_len=64,
+            structured_outputs_config=config,
+            reasoning_parser="deepseek_r1",
+        )
+
+
+def test_the_structured_outputs_configs_reasoning_parser_is_the_engines():
+    from tandem.config import EngineConfig
+
+    config = EngineConfig("llama-3-8b", structured_outputs_config='{"reasoning_parser": "qwen3"}')
+    config.check_structured_outputs_config()
+    assert config.reasoning_parser == "qwen3"
+    assert config.structured_outputs_config.backend == "auto"
 
 
 def test_choice_grammar_escapes_quotes_and_keeps_unicode():

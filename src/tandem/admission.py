@@ -234,7 +234,10 @@ class Admission:
                 )
             try:
                 self._grammars = GrammarBackend(
-                    self.tokenizer, self.model_config.vocab_size, list(self.eos_token_ids)
+                    self.tokenizer,
+                    self.model_config.vocab_size,
+                    list(self.eos_token_ids),
+                    self.config.structured_outputs_config.disable_any_whitespace,
                 )
             except ImportError:
                 raise ValueError(

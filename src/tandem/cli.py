@@ -307,6 +307,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: str = "position
         help="taken as vLLM's; the default here (stats every 10 s: LLM(disable_log_stats=False))",
     )
     parser.add_argument(
+        "--structured-outputs-config",
+        help="vLLM's: JSON of the grammar options (backend 'xgrammar', disable_any_whitespace, "
+        "reasoning_parser, ...)",
+    )
+    parser.add_argument(
         "--reasoning-parser",
         choices=list(REASONING_PARSERS),
         help="the model's thinking (<think>...</think>): a structured-output grammar starts "

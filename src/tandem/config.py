@@ -538,6 +538,9 @@ class EngineConfig:
     # "qwen3" or "deepseek_r1" (reasoning.py): a structured-output grammar starts after the
     # thinking; the server splits the thinking into message.reasoning
     reasoning_parser: str | None = None
+    # vLLM's engine-wide grammar options (structured.py's StructuredOutputsConfig): a dict, its
+    # JSON or None; its reasoning_parser is the one above
+    structured_outputs_config: Any = None
     # one of LOGPROBS_MODES: what sample logprobs hold (prompt logprobs stay raw_logprobs)
     logprobs_mode: str = "raw_logprobs"
     # the most top ids a request's logprobs or prompt_logprobs may ask for (vLLM's; at most 20,
@@ -562,6 +565,21 @@ class EngineConfig:
     # vLLM's: {"profiler": "torch", "torch_profiler_dir": "/abs/dir", ...} lets
     # LLM.start_profile()/stop_profile() run torch.profiler ("cuda": the CUDA profiler's range)
     profiler_config: dict | None = None
+
+    def check_structured_outputs_config(self) -> None:
+        """Read structured_outputs_config; its reasoning_parser (vLLM keeps the engine's there)
+        becomes reasoning_parser, or must agree with it."""
+        from tandem.structured import StructuredOutputsConfig
+
+        config = StructuredOutputsConfig.of(self.structured_outputs_config)
+        if config.reasoning_parser:
+            if self.reasoning_parser not in (None, config.reasoning_parser):
+                raise ValueError(
+                    f"structured_outputs_config.reasoning_parser={config.reasoning_parser!r} "
+                    f"contradicts reasoning_parser={self.reasoning_parser!r}"
+                )
+            self.reasoning_parser = config.reasoning_parser
+        self.structured_outputs_config = config
 
     def check_vllm_only_values(self) -> None:
         """vLLM's arguments that name a tandem behaviour, or that tandem runs at one value."""
@@ -590,6 +608,7 @@ class EngineConfig:
         from tandem.weight_transfer import as_config  # torch.distributed, only when validating
 
         self.weight_transfer_config = as_config(self.weight_transfer_config)
+        self.check_structured_outputs_config()
         check_parser(self.reasoning_parser)
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)

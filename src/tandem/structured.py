@@ -116,6 +116,61 @@ class StructuredOutputsParams:
         return cls(**value)
 
 
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """vLLM's engine-wide `structured_outputs_config`, at the values tandem honours: the backend
+    is xgrammar ("auto" picks it), with no other to fall back to; `disable_any_whitespace` holds
+    for every request's JSON (as its own flag does); additional properties are xgrammar's
+    matter (vLLM's option shapes only its guidance backend); `reasoning_parser` is the engine's;
+    a grammar starts after the thinking (`enable_in_reasoning` False)."""
+
+    backend: str = "auto"
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    reasoning_parser: str = ""
+    enable_in_reasoning: bool = False
+
+    @classmethod
+    def of(cls, value: Any) -> StructuredOutputsConfig:
+        """From None, a dict or its JSON text; a ValueError naming an unknown key or a value
+        tandem cannot honour."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                raise ValueError(f"structured_outputs_config is no JSON: {value!r:.80}") from None
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"structured_outputs_config must be a dict, got {type(value).__name__}"
+            )
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"structured_outputs_config has unknown keys {unknown}")
+        config = cls(**value)
+        for name in known - {"backend", "reasoning_parser"}:
+            if not isinstance(getattr(config, name), bool):
+                raise ValueError(f"structured_outputs_config.{name} must be True or False")
+        if config.backend not in ("auto", BACKEND):
+            raise ValueError(
+                f"structured_outputs_config.backend must be 'auto' or '{BACKEND}' (tandem's "
+                f"grammars are {BACKEND}'s), got {config.backend!r}"
+            )
+        if config.enable_in_reasoning:
+            raise ValueError(
+                "structured_outputs_config.enable_in_reasoning=True is not supported: a grammar "
+                "starts once the thinking ends"
+            )
+        if not isinstance(config.reasoning_parser, str):
+            raise ValueError("structured_outputs_config.reasoning_parser must be a string")
+        return config
+
+
 def check_structural_tag(tag: str | dict) -> None:
     """ValueError unless `tag` is a structural tag's JSON object, in either form; xgrammar
     checks the rest as it compiles."""
@@ -170,7 +225,13 @@ class GrammarBackend:
     """xgrammar's compiler for one tokenizer and model vocabulary: constraints -> compiled
     grammars (cached by xgrammar), and a fresh matcher per request."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        disable_any_whitespace: bool = False,  # for every request (structured_outputs_config)
+    ):
         import xgrammar as xgr
         from transformers import PreTrainedTokenizerFast
 
@@ -181,6 +242,7 @@ class GrammarBackend:
         )
         self.compiler = xgr.GrammarCompiler(info, max_threads=2)
         self.vocab_size = vocab_size
+        self.disable_any_whitespace = disable_any_whitespace
         self.words = cdiv(vocab_size, 32)  # int32 words of one bitmask row
         self.batch = xgr.BatchGrammarMatcher()
         # [words] int32 each: the tokens free of control bytes JSON never allows raw (and, for
@@ -198,7 +260,7 @@ class GrammarBackend:
                 schema = params.json if kind == "json" else {"type": "object"}
                 return self.compiler.compile_json_schema(
                     schema if isinstance(schema, str) else json.dumps(schema),
-                    any_whitespace=not params.disable_any_whitespace,
+                    any_whitespace=self.any_whitespace(params),
                 )
             if kind == "regex":
                 return self.compiler.compile_regex(params.regex)
@@ -234,7 +296,12 @@ class GrammarBackend:
         0x12) into a string, and no JSON parser takes them. None for the other kinds."""
         if params.kind not in ("json", "json_object"):
             return None
-        return self.json_filters[not params.disable_any_whitespace]
+        return self.json_filters[self.any_whitespace(params)]
+
+    def any_whitespace(self, params: StructuredOutputsParams) -> bool:
+        """Whether a JSON constraint lets whitespace in between tokens: unless the request or the
+        engine turns it off."""
+        return not (params.disable_any_whitespace or self.disable_any_whitespace)
 
     def fill_masks(
         self, bitmask: torch.Tensor, requests: list[Request], rows: list[int], num_rows: int

@@ -304,6 +304,27 @@ def test_every_output_kind_adds_up_to_the_offline_output(llm, offline, kind, bas
         assert 1 < len(outputs) <= params.max_tokens
 
 
+@pytest.mark.parametrize("interval", [1, 4])
+def test_stream_interval_sends_the_first_token_then_every_nth_then_the_rest(
+    folder, offline, interval
+):
+    """vLLM's stream_interval: a DELTA output of the first token, then of `interval` tokens or
+    more each, then what is left at the end; joined, the offline output."""
+    llm = AsyncLLM.from_model(folder, **ENGINE_ARGS, stream_interval=interval)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, output_kind=DELTA)
+        outputs = asyncio.run(collect(llm, PROMPTS[2], params, "interval"))
+    finally:
+        llm.shutdown()
+    sizes = [len(o.outputs[0].token_ids) for o in outputs]
+    assert sizes[0] == 1 and sum(sizes) == 10  # the first token at once
+    assert all(size >= interval for size in sizes[1:-1]), sizes
+    assert len(sizes) <= 1 + -(-9 // interval), sizes  # a step's token joins those held
+    [want] = offline.generate(PROMPTS[2], replace(params, output_kind=CUMULATIVE), use_tqdm=False)
+    assert [t for o in outputs for t in o.outputs[0].token_ids] == want.outputs[0].token_ids
+    assert "".join(o.outputs[0].text for o in outputs) == want.outputs[0].text
+
+
 def test_a_cumulative_greedy_stream_ends_with_transformers_greedy_tokens(llm, folder):
     outputs = asyncio.run(collect(llm, PROMPTS[0], GREEDY, "greedy-vs-transformers"))
     prompt_ids = tuple(outputs[-1].prompt_token_ids)

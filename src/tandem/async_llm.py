@@ -604,10 +604,14 @@ class AsyncLLM:
         """Turn what each updated request gained into StreamOutputs, one post per event loop."""
         now = time.perf_counter()
         per_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        interval = self.engine.config.stream_interval
         for request in updated:
             sent = self._sent.get(request.request_id)
             if sent is None:
                 continue
+            held = len(request.output_token_ids) - sent.num_tokens < interval
+            if held and sent.num_tokens and not request.finished:
+                continue  # sent with the tokens after it (stream_interval; the first goes at once)
             output = self._delta(request, sent, now)
             if request.finished:
                 del self._sent[request.request_id]

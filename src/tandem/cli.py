@@ -307,6 +307,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: str = "position
         help="taken as vLLM's; the default here (stats every 10 s: LLM(disable_log_stats=False))",
     )
     parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="vLLM's: a stream sends a request's tokens once this many have come (the first and "
+        "the last at once)",
+    )
+    parser.add_argument(
         "--structured-outputs-config",
         help="vLLM's: JSON of the grammar options (backend 'xgrammar', disable_any_whitespace, "
         "reasoning_parser, ...)",

@@ -546,6 +546,9 @@ class EngineConfig:
     # the most top ids a request's logprobs or prompt_logprobs may ask for (vLLM's; at most 20,
     # the width of the slots' logprob buffers)
     max_logprobs: int = 20
+    # vLLM's: a stream (AsyncLLM, the server) sends a request's tokens once this many have come,
+    # the first token and the last at once; 1: every step's
+    stream_interval: int = 1
     # no tokenizer loaded (vLLM's): prompts come as token ids, outputs carry no text
     skip_tokenizer_init: bool = False
     # taken for vLLM's signature, whatever their values: sleep mode needs no allocator of its
@@ -611,6 +614,7 @@ class EngineConfig:
         self.check_structured_outputs_config()
         check_parser(self.reasoning_parser)
         check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("stream_interval", self.stream_interval, 1)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_int("block_size", self.block_size, 1)

@@ -166,6 +166,22 @@ def test_any_of_several_api_keys_is_taken(llm):
             ServerOptions(api_key=keys).validate()
 
 
+def test_request_id_headers_echo_the_clients_id_or_make_one(llm):
+    with client_of(llm) as client:  # off by default, as vLLM's
+        assert "x-request-id" not in client.get("/v1/models").headers
+    with client_of(llm, enable_request_id_headers=True) as client:
+        mine = client.get("/v1/models", headers={"X-Request-Id": "trace-7"})
+        assert mine.headers["x-request-id"] == "trace-7"
+        made = [client.get("/ping").headers["x-request-id"] for _ in range(2)]
+        assert len(set(made)) == 2 and all(len(i) == 32 for i in made)
+        body = {"prompt": "Hi", "max_tokens": 2}
+        answer = client.post("/v1/completions", json=body, headers={"X-Request-Id": "r-1"})
+        assert answer.headers["x-request-id"] == "r-1" and answer.json()["id"] == "cmpl-r-1"
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+            assert len(stream.headers["x-request-id"]) == 32  # a stream's headers too
+            assert "data: [DONE]" in list(stream.iter_lines())
+
+
 def test_only_the_allowed_origins(llm):
     allowed = "https://a.example"
     with client_of(llm, allowed_origins=(allowed,), allow_credentials=True) as client:

@@ -717,6 +717,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="--enable-log-requests: the prompt's first that many characters and ids (default: all)",
     )
     parser.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="every response carries X-Request-Id: the client's own, else a new one",
+    )
+    parser.add_argument(
         "--enable-force-include-usage",
         action="store_true",
         help="every stream ends with a usage chunk, asked for or not",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,6 +78,8 @@ def build_app(
     if options.api_keys():
         app.add_middleware(ApiKeyMiddleware, api_keys=options.api_keys())
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_request_bytes)
+    if options.enable_request_id_headers:
+        app.add_middleware(RequestIdMiddleware)
     app.add_middleware(  # the outermost: a preflight is answered before the API key is asked
         CORSMiddleware,
         allow_origins=options.allowed_origins,
@@ -326,6 +329,28 @@ class ApiKeyMiddleware:
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class RequestIdMiddleware:
+    """vLLM's --enable-request-id-headers: every response carries X-Request-Id, the client's
+    own or a new one."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, with_id)
 
 
 class BodyLimitMiddleware:

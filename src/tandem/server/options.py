@@ -68,6 +68,9 @@ class ServerOptions:
     enable_force_include_usage: bool = False
     # vLLM's --return-tokens-as-token-ids: every request's logprobs name tokens by id
     return_tokens_as_token_ids: bool = False
+    # vLLM's --enable-request-id-headers: every response carries X-Request-Id (the client's
+    # own, else a new one)
+    enable_request_id_headers: bool = False
 
     def validate(self) -> None:
         for name in ("max_request_bytes", "max_sequences_per_request", "max_stop_strings"):

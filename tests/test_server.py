@@ -1092,6 +1092,19 @@ def test_a_client_that_disconnects_mid_stream_aborts_and_frees_its_blocks(server
     assert metrics["tandem_kv_cache_usage_perc"] == 0.0
 
 
+def test_load_counts_the_generation_calls_being_answered(server):
+    server.wait_until_idle()
+    load = f"{server.url}/load"
+    assert httpx.get(load, headers=AUTH).json() == {"server_load": 0}
+    body = {"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        assert httpx.get(load, headers=AUTH).json() == {"server_load": 1}
+    server.wait_until_idle()
+    assert httpx.get(load, headers=AUTH).json() == {"server_load": 0}
+
+
 def test_a_client_that_leaves_a_non_streaming_request_aborts_it(server):
     server.wait_until_idle()
     aborted = server.metrics().get('tandem_requests_finished_total{reason="abort"}', 0)

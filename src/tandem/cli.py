@@ -717,6 +717,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="--enable-log-requests: the prompt's first that many characters and ids (default: all)",
     )
     parser.add_argument(
+        "--enable-server-load-tracking",
+        action="store_true",
+        help="vLLM's: taken; GET /load always counts the generation calls being answered",
+    )
+    parser.add_argument(
         "--enable-request-id-headers",
         action="store_true",
         help="every response carries X-Request-Id: the client's own, else a new one",

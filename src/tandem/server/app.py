@@ -214,6 +214,10 @@ def build_app(
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
+    @app.get("/load")  # vLLM's, for load balancers: the generation calls being answered
+    async def load() -> dict[str, int]:
+        return {"server_load": len(serving.open)}
+
     @app.get("/health")
     @app.get("/ping")  # SageMaker's name (vLLM's too)
     async def health() -> Response:

@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from tandem import LLM, SamplingParams
 from tandem.async_llm import AsyncLLM
@@ -209,6 +210,25 @@ def test_vllm_s_pooling_runner_embeds_as_the_default_engine_does(folder):
     )
     args = build_parser().parse_args(["serve", folder, "--runner", "pooling", "--convert", "embed"])
     assert (engine_kwargs(args)["runner"], engine_kwargs(args)["convert"]) == ("pooling", "embed")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "want"),
+    [("half", torch.float16), ("float", torch.float32), (torch.float16, torch.float16),
+     (torch.bfloat16, torch.bfloat16), ("float32", torch.float32)],
+)  # fmt: skip
+def test_vllm_s_dtype_spellings_pick_the_dtype(folder, dtype, want):
+    llm = LLM(folder, max_model_len=64, dtype=dtype)
+    assert llm.engine.dtype == want and llm.engine.config.dtype in (
+        "float16",
+        "float32",
+        "bfloat16",
+    )
+    assert {p.dtype for p in llm.engine.runner.model.parameters() if p.is_floating_point()} == {
+        want
+    }
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    assert len(llm.generate("Hi", params, use_tqdm=False)[0].outputs[0].token_ids) == 2
 
 
 def test_the_cli_takes_vllm_s_model_flags(folder):

@@ -107,7 +107,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: str = "position
     parser.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "float32", "float16", "bfloat16"],
+        choices=["auto", "float32", "float16", "bfloat16", "half", "float"],
         help="weights and activations; auto: the checkpoint's (float32 on the CPU)",
     )
     parser.add_argument(

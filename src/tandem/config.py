@@ -80,6 +80,12 @@ DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+# vLLM's other spellings of a dtype: its "half" and "float", and torch dtypes themselves
+DTYPE_ALIASES: dict[Any, str] = {
+    "half": "float16",
+    "float": "float32",
+    **{dtype: name for name, dtype in DTYPES.items()},
+}
 
 
 # vLLM's `quantization` values for int4 checkpoints -> the format (quant_method) each reads
@@ -481,7 +487,7 @@ class EngineConfig:
     # first, then arrival; the least important running request is the one preempted)
     scheduling_policy: str = "fcfs"
     device: str | None = None
-    dtype: str = "auto"
+    dtype: str = "auto"  # vLLM's "half" and "float" and torch dtypes too: a DTYPES name once valid
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -707,8 +713,13 @@ class EngineConfig:
             )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if isinstance(self.dtype, str | torch.dtype):
+            self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(
+                f"dtype must be 'auto', one of {sorted(DTYPES)} or vLLM's 'half' or 'float', got "
+                f"{self.dtype!r}"
+            )
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be None, 'cpu' or 'cuda', got {self.device!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

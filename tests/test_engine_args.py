@@ -231,6 +231,17 @@ def test_vllm_s_dtype_spellings_pick_the_dtype(folder, dtype, want):
     assert len(llm.generate("Hi", params, use_tqdm=False)[0].outputs[0].token_ids) == 2
 
 
+def test_vllm_s_safetensors_load_format_loads_the_checkpoint_as_auto(folder):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = LLM(folder, max_model_len=64).generate("Hi", params, use_tqdm=False)
+    llm = LLM(folder, max_model_len=64, load_format="safetensors")
+    assert llm.engine.config.load_format == "auto"
+    got = llm.generate("Hi", params, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="tandem reads safetensors"):
+        LLM(folder, max_model_len=64, load_format="pt")
+
+
 def test_the_cli_takes_vllm_s_model_flags(folder):
     args = build_parser().parse_args(
         ["generate", folder, "a prompt", "--hf-overrides", '{"rope_theta": 1000.0}', "--hf-token",

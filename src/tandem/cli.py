@@ -134,8 +134,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: str = "position
     parser.add_argument(
         "--load-format",
         default="auto",
-        choices=["auto", "dummy"],
-        help="dummy: random weights of the model's shape",
+        choices=["auto", "safetensors", "dummy"],
+        help="the checkpoint's safetensors files (auto, safetensors), or random weights of the "
+        "model's shape (dummy)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of random weights and samples")
     parser.add_argument(

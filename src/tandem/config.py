@@ -711,8 +711,13 @@ class EngineConfig:
             raise ValueError(
                 f"tokenizer must be a folder with a tokenizer.json, got {self.tokenizer!r}"
             )
+        if self.load_format == "safetensors":  # vLLM's: what tandem's "auto" reads
+            self.load_format = "auto"
         if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+            raise ValueError(
+                f"load_format must be 'auto' (or 'safetensors': tandem reads safetensors files) "
+                f"or 'dummy', got {self.load_format!r}"
+            )
         if isinstance(self.dtype, str | torch.dtype):
             self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype != "auto" and self.dtype not in DTYPES:

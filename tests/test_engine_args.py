@@ -191,12 +191,33 @@ def test_the_executor_backends_of_one_process_per_rank_are_taken(folder, backend
         ({"hf_token": ""}, "hf_token"),
         ({"scheduling_policy": "lottery"}, "'fcfs', 'priority'"),
         ({"runner": "draft"}, "runner must be one of"),
+        ({"enable_expert_parallel": True}, "split by tensor parallelism"),
+        ({"cpu_offload_gb": 4}, "stay in device memory"),
+        ({"calculate_kv_scales": True}, "k_scale and v_scale"),
+        ({"kv_transfer_config": {"kv_connector": "x"}}, "no KV cache moves"),
+        ({"limit_mm_per_prompt": {"image": 1}}, "every count 0"),
+        ({"disable_mm_preprocessor_cache": "yes"}, "disable_mm_preprocessor_cache must be True"),
         ({"convert": "classify"}, "score head"),
     ],
 )  # fmt: skip
 def test_vllm_s_other_values_are_value_errors_saying_why(folder, args, words):
     with pytest.raises(ValueError, match=words):
         LLM(folder, **args)
+
+
+def test_vllm_s_options_at_tandem_s_behaviour_generate_as_without_them(folder):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = LLM(folder, max_model_len=64).generate("Hi", params, use_tqdm=False)
+    neutral = dict(
+        enable_expert_parallel=False, cpu_offload_gb=0, calculate_kv_scales=False,
+        kv_transfer_config=None, limit_mm_per_prompt={"image": 0, "video": 0},
+        disable_mm_preprocessor_cache=True,
+    )  # fmt: skip
+    got = LLM(folder, max_model_len=64, **neutral).generate("Hi", params, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    args = build_parser().parse_args(["serve", folder, "--enable-expert-parallel"])
+    with pytest.raises(ValueError, match="enable_expert_parallel=True"):
+        LLM(folder, **engine_kwargs(args))
 
 
 def test_vllm_s_pooling_runner_embeds_as_the_default_engine_does(folder):

@@ -220,6 +220,17 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: str = "position
         help="reuse the KV of cached prompt prefixes (default: on)",
     )
     parser.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="vLLM's; refused: tandem splits a MoE model's experts by tensor parallelism",
+    )
+    parser.add_argument(
+        "--cpu-offload-gb",
+        type=float,
+        default=0,
+        help="vLLM's; only 0: the weights stay in device memory",
+    )
+    parser.add_argument(
         "--enable-chunked-prefill",
         action=argparse.BooleanOptionalAction,
         default=True,

@@ -80,6 +80,28 @@ DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+# vLLM's options tandem takes only where they ask for its own behaviour: name -> (whether a
+# value does, why another is refused)
+UNUSED_VLLM_OPTIONS: dict[str, tuple[Any, str]] = {
+    "enable_expert_parallel": (
+        lambda v: v is False,
+        "a MoE model's experts are split by tensor parallelism, each over every rank",
+    ),
+    "cpu_offload_gb": (
+        lambda v: isinstance(v, int | float) and not isinstance(v, bool) and v == 0,
+        "the weights stay in device memory (a quantization shrinks them)",
+    ),
+    "calculate_kv_scales": (
+        lambda v: v is False,
+        "an FP8 KV cache's scales are the checkpoint's k_scale and v_scale (1.0 without them)",
+    ),
+    "kv_transfer_config": (lambda v: v is None, "no KV cache moves between engines"),
+    "limit_mm_per_prompt": (
+        lambda v: v is None or (isinstance(v, dict) and not any(v.values())),
+        "tandem serves text models: a prompt holds no images, audio or video (every count 0)",
+    ),
+}
+
 # vLLM's other spellings of a dtype: its "half" and "float", and torch dtypes themselves
 DTYPE_ALIASES: dict[Any, str] = {
     "half": "float16",
@@ -569,6 +591,13 @@ class EngineConfig:
     # vLLM's, with only the values tandem runs: one pipeline stage, no speculative decoding
     pipeline_parallel_size: int = 1
     speculative_config: dict | None = None
+    # vLLM's, taken at the values that ask for what tandem does (UNUSED_VLLM_OPTIONS says why)
+    enable_expert_parallel: bool = False
+    cpu_offload_gb: float = 0
+    calculate_kv_scales: bool = False
+    kv_transfer_config: dict | None = None
+    limit_mm_per_prompt: dict | None = None  # a text model's: None, or every count 0
+    disable_mm_preprocessor_cache: bool = False  # no effect: tandem has no multi-modal inputs
     # False: a line of stats every 10 s of stepping, on the "tandem.metrics" logger (vLLM's)
     disable_log_stats: bool = True
     # vLLM's: {"profiler": "torch", "torch_profiler_dir": "/abs/dir", ...} lets
@@ -609,6 +638,11 @@ class EngineConfig:
             )
         if self.speculative_config is not None:
             raise ValueError("speculative decoding (speculative_config) is not supported")
+        for name, (neutral, why) in UNUSED_VLLM_OPTIONS.items():
+            value = getattr(self, name)
+            if not neutral(value):
+                raise ValueError(f"{name}={value!r} is not supported: {why}")
+        check_bools(self, "disable_mm_preprocessor_cache")
 
     def validate(self) -> None:
         from tandem.reasoning import check_parser

@@ -1,4 +1,5 @@
-"""lm-evaluation-harness end to end against `tandem serve` on the tiny model, with the local tasks
+"""lm-evaluation-harness end to end, against `tandem serve` and on the offline engine (its model
+"tandem", tandem/evaluation.py), on the tiny model, with the local tasks
 of tests/lm_eval_tasks (JSON lines + task YAML, no hub): its loglikelihoods (echo + logprobs,
 the multiple_choice task) equal transformers' within 1e-4, and its generate_until task's
 completions equal transformers' greedy ones."""
@@ -48,12 +49,8 @@ def tandem_serve(folder: str) -> Iterator[str]:
             process.wait(timeout=30)
 
 
-def test_lm_eval_local_tasks_match_transformers(make_tiny, tmp_path, monkeypatch):
+def test_lm_eval_local_tasks_match_transformers(make_tiny, offline_tasks):
     folder = str(make_tiny("llama"))
-    monkeypatch.chdir(TASKS)  # the task YAMLs name their data files relative to it
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     with tandem_serve(folder) as url:
         lm = LocalCompletionsAPI(
             model=MODEL,
@@ -63,12 +60,89 @@ def test_lm_eval_local_tasks_match_transformers(make_tiny, tmp_path, monkeypatch
             max_retries=1,
             max_length=256,
         )
-        results = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=["tandem_choice", "tandem_generate"],
-            task_manager=TaskManager(include_path=str(TASKS)),
-            log_samples=True,
-        )
+        results = evaluate(lm)
+    check_against_transformers(results, lm, folder)
+
+
+def evaluate(lm, tasks=("tandem_choice", "tandem_generate"), **kwargs) -> dict:
+    return lm_eval.simple_evaluate(
+        model=lm,
+        tasks=list(tasks),
+        task_manager=TaskManager(include_path=str(TASKS)),
+        log_samples=True,
+        **kwargs,
+    )
+
+
+@pytest.fixture
+def offline_tasks(tmp_path, monkeypatch):
+    monkeypatch.chdir(TASKS)  # the task YAMLs name their data files relative to it
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+
+
+def test_the_offline_tandem_model_matches_transformers(make_tiny, offline_tasks):
+    from tandem.evaluation import TandemLM
+
+    folder = str(make_tiny("llama"))
+    # 16-token steps: contexts are scored over several prefill chunks
+    lm = TandemLM(folder, max_model_len=256, max_num_batched_tokens=16)
+    check_against_transformers(evaluate(lm), lm, folder)
+
+
+def test_the_tandem_model_is_lm_evals_model_tandem_built_from_model_args(make_tiny, offline_tasks):
+    import tandem.evaluation  # noqa: F401  (registers "tandem")
+
+    folder = str(make_tiny("llama"))
+    args = f"pretrained={folder},max_model_len=256,max_gen_toks=8"
+    results = evaluate("tandem", tasks=["tandem_choice"], model_args=args)
+    assert len(results["samples"]["tandem_choice"]) == 6
+    assert 0.0 <= results["results"]["tandem_choice"]["acc,none"] <= 1.0
+
+
+def test_rolling_loglikelihood_sums_lm_evals_windows_under_transformers(make_tiny):
+    from lm_eval.api.instance import Instance
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    from tandem.evaluation import TandemLM
+
+    folder = str(make_tiny("llama"))
+    lm = TandemLM(folder, max_model_len=24)  # windows of 22 tokens: the text takes several
+    texts = ["The scheduler reads the tokens of every request, step by step, " * 3, "Hello"]
+    requests = [Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)]
+    got = lm.loglikelihood_rolling(requests, disable_tqdm=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    for text, total in zip(texts, got, strict=True):
+        tokens = lm.tok_encode(text)
+        windows = list(map(make_disjoint_window, get_rolling_token_windows(
+            token_list=tokens, prefix_token=lm.prefix_token_id, max_seq_len=22, context_len=1
+        )))  # fmt: skip
+        assert sum(len(cont) for _, cont in windows) == len(tokens)
+        assert len(windows) >= (3 if len(tokens) > 44 else 1)
+        want = 0.0
+        for context, continuation in windows:
+            ids = torch.tensor([context + continuation])
+            with torch.no_grad():
+                rows = model(ids).logits[0, len(context) - 1 : -1].log_softmax(-1)
+            want += rows[torch.arange(len(continuation)), continuation].sum().item()
+        assert total == pytest.approx(want, abs=TOLERANCE * len(tokens))
+
+
+def test_generation_kwargs_that_are_no_sampling_fields_are_refused(make_tiny):
+    from lm_eval.api.instance import Instance
+
+    from tandem.evaluation import TandemLM
+
+    lm = TandemLM(str(make_tiny("llama")), max_model_len=64)
+    request = Instance("generate_until", {}, ("Hi", {"until": ["\n"], "num_beams": 4}), 0)
+    with pytest.raises(ValueError, match="num_beams"):
+        lm.generate_until([request], disable_tqdm=True)
+
+
+def check_against_transformers(results: dict, lm, folder: str) -> None:
+    """Every loglikelihood of the choice task and every completion of the generate task as
+    transformers gives them on the same token ids."""
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 
     choices = results["samples"]["tandem_choice"]

@@ -6,6 +6,7 @@ completions equal transformers' greedy ones."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -98,7 +99,16 @@ def test_the_tandem_model_is_lm_evals_model_tandem_built_from_model_args(make_ti
     args = f"pretrained={folder},max_model_len=256,max_gen_toks=8"
     results = evaluate("tandem", tasks=["tandem_choice"], model_args=args)
     assert len(results["samples"]["tandem_choice"]) == 6
-    assert 0.0 <= results["results"]["tandem_choice"]["acc,none"] <= 1.0
+    acc = results["results"]["tandem_choice"]["acc,none"]
+    # lm-eval's command line, with the model registered: the same accuracy
+    command = [sys.executable, "-m", "tandem.evaluation", "run", "--model", "tandem"]
+    command += ["--model_args", args, "--tasks", "tandem_choice", "--include_path", str(TASKS)]
+    src = str(Path(__file__).parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [row] = [line for line in done.stdout.splitlines() if line.startswith("|tandem_choice")]
+    assert f"|acc     |↑  |{acc:.4f}|" in row
 
 
 def test_rolling_loglikelihood_sums_lm_evals_windows_under_transformers(make_tiny):

@@ -7,6 +7,9 @@
     lm_eval.simple_evaluate(model="tandem", model_args="pretrained=FOLDER,max_model_len=4096",
                             tasks=["hellaswag"])
 
+or lm-eval's command with the model registered: `python -m tandem.evaluation run --model tandem
+--model_args pretrained=FOLDER --tasks hellaswag` (what `lm_eval run` takes).
+
 Loglikelihoods (multiple-choice tasks) and rolling loglikelihoods (perplexity) are
 `LLM.loglikelihood`: every context and continuation prefilled once, with `prompt_logprobs=1` and
 nothing sampled. `generate_until` is `LLM.generate` with the task's stop strings, greedy unless
@@ -42,10 +45,12 @@ class TandemLM(TemplateLM):
         max_length: int | None = None,
         add_bos_token: bool = False,  # as lm-eval's vllm and hf models: texts encoded without
         batch_size: int | str = "auto",  # lm-eval's; the engine batches every call whole
+        max_batch_size: int | None = None,  # lm-eval's, likewise
+        device: str | None = None,  # lm-eval's (its "cuda" by default); the engine picks its own
         **engine_args: Any,
     ):
         super().__init__()
-        del batch_size
+        del batch_size, max_batch_size, device
         self.add_bos_token = add_bos_token
         self.llm = pretrained if isinstance(pretrained, LLM) else LLM(pretrained, **engine_args)
         self.tokenizer = self.llm.get_tokenizer()
@@ -154,3 +159,9 @@ class TandemLM(TemplateLM):
         for request, text in zip(requests, texts, strict=True):
             self.cache_hook.add_partial("generate_until", request.args, text)
         return texts
+
+
+if __name__ == "__main__":  # lm-eval's command line, with "tandem" among its models
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()

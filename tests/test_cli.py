@@ -318,7 +318,8 @@ def test_a_config_file_sets_flags_and_the_command_line_wins(tmp_path):
 @pytest.mark.parametrize(
     ("text", "words"),
     [("max_num_seqs: [1\n", "no YAML"), ("- a\n- b\n", "a mapping of flag names"),
-     ("model: m\nmax_num_seq: 4\n", "unrecognized arguments: --max-num-seq=4")],
+     ("model: m\nmax_num_seq: 4\n", "unrecognized arguments: --max-num-seq=4"),
+     ("config: other.yaml\n", "cannot name another")],
 )  # fmt: skip
 def test_a_bad_config_file_is_a_one_line_error(tmp_path, text, words):
     config = tmp_path / "serve.yaml"

@@ -46,6 +46,8 @@ def read(path: str) -> dict[str, Any]:
         raise ValueError(f"--config {path}: no YAML: {problem}{where}") from None
     if not isinstance(settings, dict) or not all(isinstance(k, str) for k in settings):
         raise ValueError(f"--config {path}: must hold a mapping of flag names to values")
+    if "config" in settings:
+        raise ValueError(f"--config {path}: a config file cannot name another (its 'config')")
     return settings
 
 

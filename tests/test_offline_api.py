@@ -44,8 +44,22 @@ def test_a_text_prompt_dict_is_generated_like_its_text(llm, folder):
     )
 
 
+def test_vllm_s_top_level_names_are_tandem_s():
+    import tandem
+
+    vllm_names = {
+        "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs",
+        "AsyncEngineArgs", "AsyncLLMEngine", "TextPrompt", "TokensPrompt", "PromptType",
+        "PoolingParams", "BeamSearchParams", "LoRARequest", "StructuredOutputsParams",
+    }  # fmt: skip
+    assert vllm_names <= set(tandem.__all__)
+    assert all(getattr(tandem, name) is not None for name in tandem.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'LLMEngine'"):
+        tandem.LLMEngine  # noqa: B018
+
+
 def test_vllm_s_prompt_dicts_and_their_keys_at_nothing_generate_as_plain_prompts(llm):
-    from tandem.inputs import TextPrompt, TokensPrompt
+    from tandem import TextPrompt, TokensPrompt
 
     [want] = llm.generate(PROMPT, GREEDY, use_tqdm=False)
     ids = want.prompt_token_ids

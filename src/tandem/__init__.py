@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from tandem.async_llm import AsyncLLM, AsyncLLMEngine
     from tandem.beam_search import BeamSearchParams
     from tandem.config import AsyncEngineArgs, EngineArgs
+    from tandem.inputs import EmbedsPrompt, PromptType, TextPrompt, TokensPrompt
     from tandem.llm import LLM
     from tandem.lora import LoRARequest
     from tandem.outputs import (
@@ -45,17 +46,21 @@ __all__ = [
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
+    "EmbedsPrompt",
     "EngineArgs",
     "LoRARequest",
     "Logprob",
     "PoolingOutput",
     "PoolingParams",
     "PoolingRequestOutput",
+    "PromptType",
     "RequestOutput",
     "SamplingParams",
     "ScoringOutput",
     "ScoringRequestOutput",
     "StructuredOutputsParams",
+    "TextPrompt",
+    "TokensPrompt",
     "__version__",
 ]
 
@@ -83,6 +88,10 @@ _LAZY = {
     "ScoringOutput": "tandem.outputs",
     "ScoringRequestOutput": "tandem.outputs",
     "StructuredOutputsParams": "tandem.structured",
+    "EmbedsPrompt": "tandem.inputs",
+    "PromptType": "tandem.inputs",
+    "TextPrompt": "tandem.inputs",
+    "TokensPrompt": "tandem.inputs",
 }
 
 

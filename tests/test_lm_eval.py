@@ -148,6 +148,9 @@ def test_generation_kwargs_that_are_no_sampling_fields_are_refused(make_tiny):
     request = Instance("generate_until", {}, ("Hi", {"until": ["\n"], "num_beams": 4}), 0)
     with pytest.raises(ValueError, match="num_beams"):
         lm.generate_until([request], disable_tqdm=True)
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        TandemLM(lm.llm, max_length=65)  # windows the engine could not take
+    assert TandemLM(lm.llm, max_length=32).max_length == 32
 
 
 def check_against_transformers(results: dict, lm, folder: str) -> None:

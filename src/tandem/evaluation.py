@@ -56,7 +56,10 @@ class TandemLM(TemplateLM):
         self.tokenizer = self.llm.get_tokenizer()
         if self.tokenizer is None:
             raise ValueError("lm-eval's tasks are text: the model needs its tokenizer.json")
-        self._max_length = max_length or self.llm.engine.max_model_len
+        limit = self.llm.engine.max_model_len
+        if max_length is not None and not 2 < max_length <= limit:
+            raise ValueError(f"max_length must be in [3, max_model_len={limit}], got {max_length}")
+        self._max_length = max_length or limit
         self.max_gen_toks = max_gen_toks
         self._name = (
             str(pretrained) if isinstance(pretrained, str) else pretrained.engine.config.model

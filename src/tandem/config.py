@@ -83,6 +83,12 @@ DTYPES = {
 # vLLM's options tandem takes only where they ask for its own behaviour: name -> (whether a
 # value does, why another is refused)
 UNUSED_VLLM_OPTIONS: dict[str, tuple[Any, str]] = {
+    "enable_chunked_prefill": (
+        lambda v: v is True,
+        "tandem always splits a prompt longer than a step's token budget "
+        "(max_num_batched_tokens) over steps",
+    ),
+    "speculative_config": (lambda v: v is None, "tandem has no speculative decoding"),
     "enable_expert_parallel": (
         lambda v: v is False,
         "a MoE model's experts are split by tensor parallelism, each over every rank",
@@ -589,6 +595,7 @@ class EngineConfig:
     # vLLM's name for async_batching (None: async_batching decides)
     async_scheduling: bool | None = None
     # vLLM's, with only the values tandem runs: one pipeline stage, no speculative decoding
+    # (UNUSED_VLLM_OPTIONS)
     pipeline_parallel_size: int = 1
     speculative_config: dict | None = None
     # vLLM's, taken at the values that ask for what tandem does (UNUSED_VLLM_OPTIONS says why)
@@ -636,8 +643,6 @@ class EngineConfig:
                 "model over GPUs with tensor_parallel_size, or serve replicas with "
                 "--data-parallel-size"
             )
-        if self.speculative_config is not None:
-            raise ValueError("speculative decoding (speculative_config) is not supported")
         for name, (neutral, why) in UNUSED_VLLM_OPTIONS.items():
             value = getattr(self, name)
             if not neutral(value):
@@ -715,11 +720,6 @@ class EngineConfig:
             )
         self.profiler_config = checked_config(self.profiler_config)
         self.check_vllm_only_values()
-        if not self.enable_chunked_prefill:
-            raise ValueError(
-                "enable_chunked_prefill=False is not supported: tandem always splits a prompt "
-                "longer than a step's token budget (max_num_batched_tokens) over steps"
-            )
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"

@@ -46,7 +46,6 @@ GUIDED_FIELDS = {
     "guided_regex": "regex",
     "guided_choice": "choice",
     "guided_grammar": "grammar",
-    "guided_whitespace_pattern": "whitespace_pattern",
 }
 
 logger = logging.getLogger("uvicorn.error")  # the logger `tandem serve` prints

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from tandem import LLM, SamplingParams
+from tandem import LLM, BeamSearchParams, SamplingParams
 
 MAX_LEN = 32
 GOOD_PROMPT = "The quick brown fox"
@@ -221,6 +221,20 @@ def test_bad_prompt_rejects_the_whole_call_and_the_engine_keeps_serving(
 ):
     with pytest.raises(ValueError, match=field):
         llm.generate([GOOD_PROMPT, make_prompt(llm)], GREEDY, use_tqdm=False)
+    assert_still_serving(llm, folder)
+
+
+BYTES_CALLS = {
+    "generate": lambda llm: llm.generate(b"hi", use_tqdm=False),
+    "embed": lambda llm: llm.embed(b"hi", use_tqdm=False),
+    "beam_search": lambda llm: llm.beam_search(b"hi", BeamSearchParams(beam_width=2, max_tokens=2)),
+}
+
+
+@pytest.mark.parametrize("call", BYTES_CALLS.values(), ids=BYTES_CALLS)
+def test_a_bytes_prompt_is_refused_as_one_prompt_not_read_as_token_ids(llm, folder, call):
+    with pytest.raises(ValueError, match="got b'hi'"):
+        call(llm)
     assert_still_serving(llm, folder)
 
 

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from tandem.config import check_int
 from tandem.lora import LoRARequest, per_prompt
 from tandem.outputs import Logprob
-from tandem.request import Prompt, split_prompt
+from tandem.request import Prompt, prompt_list, split_prompt
 from tandem.sampling import MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
@@ -96,8 +96,7 @@ def beam_search(
     `lora_request` as `LLM.generate` takes it, each prompt's beams under its adapter."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-    if isinstance(prompts, str | dict):
-        prompts = [prompts]
+    prompts = prompt_list(prompts)
     if concurrency_limit is not None:
         check_int("concurrency_limit", concurrency_limit, 1)
     engine = llm.engine

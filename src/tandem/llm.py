@@ -43,7 +43,14 @@ from tandem.outputs import (
     token_text,
 )
 from tandem.pooling import PoolingParams
-from tandem.request import Prompt, Request, prompt_cache_salt, prompt_embeds, split_prompt
+from tandem.request import (
+    Prompt,
+    Request,
+    prompt_cache_salt,
+    prompt_embeds,
+    prompt_list,
+    split_prompt,
+)
 from tandem.sampling import SamplingParams, seeded
 from tandem.tokenizer import Tokenizer, content_format, template_content
 from tandem.weight_transfer import request_field, required_field
@@ -360,8 +367,7 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
     ) -> list[Request]:
         """Run the prompts as pooling requests of `task` (pooling.py), in input order."""
-        if isinstance(prompts, str | dict) or not isinstance(prompts, Sequence):
-            prompts = [prompts]
+        prompts = prompt_list(prompts)
         loras = per_prompt(lora_request, len(prompts))
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             pooling_params = [pooling_params or PoolingParams()] * len(prompts)
@@ -603,8 +609,7 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[tuple[str, list[Request]]]:
-        if isinstance(prompts, str | dict) or not isinstance(prompts, Sequence):
-            prompts = [prompts]
+        prompts = prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
         loras = per_prompt(lora_request, len(prompts))
         return self._make_requests(prompts, params, loras, _priorities(priority, len(prompts)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -166,6 +167,14 @@ def split_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None]:
         "a prompt is a string, {'prompt': text} or {'prompt_token_ids': [...]}, "
         f"got {prompt!r:.80}"
     )
+
+
+def prompt_list(prompts: Prompt | Sequence[Prompt]) -> Sequence[Prompt]:
+    """The prompts of a call as a list: one prompt (a string, a dict, or anything that is not a
+    sequence, such as bytes, which `split_prompt` then refuses by name) becomes a list of one."""
+    if isinstance(prompts, str | bytes | dict) or not isinstance(prompts, Sequence):
+        return [prompts]
+    return prompts
 
 
 def prompt_embeds(prompt: Prompt) -> Any:

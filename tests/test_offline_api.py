@@ -240,6 +240,34 @@ def test_chat_messages_that_are_no_conversation_are_a_type_error(llm, messages):
     assert not llm.engine.has_unfinished()
 
 
+BAD_MESSAGES = {
+    "role_not_a_string": ([{"role": 5, "content": "Hi"}], "role must be a string"),
+    "content_a_number": ([{"role": "user", "content": 5}], "content must be a string"),
+    "content_a_dict": ([{"role": "user", "content": {"text": "Hi"}}], "content must be a string"),
+}
+
+
+@pytest.mark.parametrize(("messages", "message"), BAD_MESSAGES.values(), ids=BAD_MESSAGES)
+def test_chat_message_of_the_wrong_type_is_a_type_error_naming_the_field(llm, messages, message):
+    with pytest.raises(TypeError, match=message):
+        llm.chat(messages, GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+
+
+def test_chat_content_the_template_cannot_add_is_a_value_error_from_the_template(llm):
+    with pytest.raises(ValueError, match="chat template failed on the messages"):
+        llm.chat([{"role": "user", "content": None}], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    "tools", ["search", [{"type": "function"}, "search"], {"type": "function"}]
+)
+def test_chat_tools_that_are_no_list_of_dicts_are_a_type_error(llm, tools):
+    with pytest.raises(TypeError, match="tools must be a list of tool dicts"):
+        llm.chat([{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=False, tools=tools)
+
+
 def test_chat_takes_one_conversation_or_a_list_of_them(llm):
     one = [{"role": "user", "content": "Hi"}]
     other = [{"role": "user", "content": "Name a cache."}]

@@ -558,6 +558,10 @@ class LLM:
         except jinja2.TemplateError as error:
             raise ValueError(f"chat template failed to parse: {error}") from error
         conversations = [[_template_message(m, fmt) for m in c] for c in _conversations(messages)]
+        if tools is not None and not (
+            isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+        ):
+            raise TypeError(f"tools must be a list of tool dicts, got {tools!r:.60}")
         try:
             texts = [
                 tokenizer.apply_chat_template(
@@ -571,7 +575,8 @@ class LLM:
                 )
                 for c in conversations
             ]
-        except jinja2.TemplateError as error:  # e.g. a message without "role" or "content"
+        except (jinja2.TemplateError, TypeError) as error:  # e.g. a message without "role", or
+            # a content of None where the template adds strings
             raise ValueError(f"chat template failed on the messages: {error}") from error
         return [
             {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text}
@@ -824,10 +829,18 @@ def _conversations(messages: Any) -> list[list[dict[str, Any]]]:
 
 def _template_message(message: Any, content_format: str) -> Any:
     """A message whose content (a string or OpenAI's list of text parts) is as a template of
-    `content_format` takes it (`tokenizer.template_content`); other messages as they are."""
-    content = message.get("content") if isinstance(message, dict) else None
-    if not isinstance(content, list | str):
+    `content_format` takes it (`tokenizer.template_content`); one without content as it is. A
+    role that is no string, or a content that is neither, is a TypeError."""
+    role, content = message.get("role"), message.get("content")
+    if role is not None and not isinstance(role, str):
+        raise TypeError(f"a message's role must be a string such as 'user', got {role!r:.40}")
+    if content is None:  # an assistant's tool calls alone; the template says whether it may
         return message
+    if not isinstance(content, list | str):
+        raise TypeError(
+            "a message's content must be a string or a list of text parts, got "
+            f"{type(content).__name__}"
+        )
     for part in content if isinstance(content, list) else ():
         if not isinstance(part, dict) or part.get("type") != "text" or "text" not in part:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
+import re
 from dataclasses import fields, replace
 
 import numpy as np
@@ -357,6 +358,44 @@ def test_vllm_s_bench_dataset_flags_set_the_same_workload(mode):
     assert {k: defaults[k] for k in ("input_len", "range_ratio", "shared_prefix_len")} == {
         "input_len": 128, "range_ratio": 0.0, "shared_prefix_len": 0
     }  # fmt: skip
+
+
+BAD_SIZES = {
+    "no_prompts": (
+        ["bench", "throughput", "--num-prompts", "0"],
+        "--num-prompts: must be at least 1",
+    ),
+    "negative_input": (
+        ["bench", "throughput", "--input-len", "-5"],
+        "--input-len.*at least 1, got -5",
+    ),
+    "no_output": (["bench", "latency", "--output-len", "0"], "--output-len.*at least 1"),
+    "no_samples": (["bench", "throughput", "--n", "0"], "--n: must be at least 1"),
+    "no_timed_run": (["bench", "throughput", "--repeats", "0"], "--repeats: must be at least 1"),
+    "empty_batch": (["bench", "latency", "--batch-size", "0"], "--batch-size: must be at least 1"),
+    "negative_prefix": (["bench", "throughput", "--shared-prefix-len", "-1"], "at least 0, got -1"),
+    "ratio_of_one": (
+        ["bench", "throughput", "--range-ratio", "1"],
+        r"must be in \[0, 1\), got 1.0",
+    ),
+    "negative_ratio": (["bench", "latency", "--random-range-ratio", "-0.1"], r"in \[0, 1\)"),
+    "not_a_number": (["bench", "throughput", "--num-prompts", "many"], "'many' is not an integer"),
+    "serve_no_prompts": (
+        ["bench", "serve", "--num-prompts", "0"],
+        "--num-prompts: must be at least 1",
+    ),
+    "serve_no_concurrency": (["bench", "serve", "--max-concurrency", "0"], "at least 1, got 0"),
+    "serve_ratio": (["bench", "serve", "--range-ratio", "2"], r"in \[0, 1\), got 2.0"),
+}
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_SIZES.values(), ids=BAD_SIZES)
+def test_a_bench_size_out_of_range_is_a_usage_error_naming_the_flag(argv, message, capsys):
+    model = [] if argv[1] == "serve" else ["--model", "m"]
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args([*argv, *model])
+    assert exit_.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
 
 
 def test_throughput_runs_sync_and_async_and_writes_every_field(make_tiny, tmp_path, capsys):

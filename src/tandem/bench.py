@@ -32,7 +32,14 @@ from tandem.sampling import SamplingParams
 from tandem.structured import StructuredOutputsParams
 from tandem.tokenizer import Tokenizer
 from tandem.trace import idle_before, step_spans, summarize
-from tandem.workload import SHAREGPT_SAMPLE, Workload, random_workload, sharegpt_workload
+from tandem.workload import (
+    SHAREGPT_SAMPLE,
+    Workload,
+    at_least,
+    fraction,
+    random_workload,
+    sharegpt_workload,
+)
 
 DEFAULT_OUTPUT_LEN = 128
 DEFAULT_NUM_PROMPTS = 32
@@ -719,42 +726,45 @@ def add_bench_args(parser: argparse.ArgumentParser, latency: bool = False) -> No
     parser.add_argument(
         "--input-len",
         "--random-input-len",
-        type=int,
+        type=at_least(1),
         default=128,
         help="prompt tokens (random dataset only)",
     )
     parser.add_argument(
         "--output-len",
         "--random-output-len",
-        type=int,
+        type=at_least(1),
         help=f"default: {DEFAULT_OUTPUT_LEN} (random), the gpt turn's length (sharegpt)",
     )
     parser.add_argument(
         "--range-ratio",
         "--random-range-ratio",
-        type=float,
+        type=fraction,
         default=0.0,
         help="lengths uniform in [len x (1 - r), len x (1 + r)] (random dataset only)",
     )
     parser.add_argument(
         "--shared-prefix-len",
         "--random-prefix-len",
-        type=int,
+        type=at_least(0),
         default=0,
         help="random tokens every prompt starts with, a shared system prompt (random dataset)",
     )
     parser.add_argument(
-        "--n", type=int, default=1, help="samples per prompt, asked together (random dataset)"
+        "--n",
+        type=at_least(1),
+        default=1,
+        help="samples per prompt, asked together (random dataset)",
     )
     parser.add_argument(
         "--num-prompts",
-        type=int,
+        type=at_least(1),
         help="default: one batch" if latency else f"default: {DEFAULT_NUM_PROMPTS}",
     )
     if latency:
         parser.add_argument(
             "--batch-size",
-            type=int,
+            type=at_least(1),
             default=1,
             help="requests that arrive together; the next batch arrives when this one is done",
         )
@@ -774,7 +784,7 @@ def add_bench_args(parser: argparse.ArgumentParser, latency: bool = False) -> No
         "ends where its grammar does); --compare unconstrained runs the same requests without "
         "it, each at the length its constrained run reached",
     )
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up")
+    parser.add_argument("--repeats", type=at_least(1), default=3, help="timed runs after a warm-up")
     parser.add_argument(
         "--async",
         dest="async_batching",
@@ -833,8 +843,6 @@ def require_transformers(compare: list[str] | None) -> None:
 
 def cmd_bench(args: argparse.Namespace, engine_args: dict) -> None:
     require_transformers(args.compare)
-    if args.repeats < 1:
-        raise ValueError(f"--repeats {args.repeats}: at least one timed run")
     if args.trace_timed and not args.trace:
         raise ValueError(
             "--trace-timed records the last timed run into --trace's path: give --trace"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 from collections.abc import Callable
@@ -95,3 +96,30 @@ def sharegpt_workload(
     order = np.random.default_rng(seed).permutation(len(pairs))
     chosen = [pairs[i] for i in itertools.islice(itertools.cycle(order), num_prompts)]
     return Workload([p for p, _ in chosen], [n for _, n in chosen])
+
+
+# the benchmarks' flags of sizes (tandem bench, tandem bench serve)
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `minimum`, else the flag's error says so."""
+
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {number}")
+        return number
+
+    return parse
+
+
+def fraction(value: str) -> float:
+    """An argparse type: a --range-ratio, a number in [0, 1) as vLLM's."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not 0 <= number < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {number}")
+    return number

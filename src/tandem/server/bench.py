@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tandem.workload import at_least, fraction
+
 # /tokenize turns this into the token ids random prompts are drawn from, so every id is valid
 SAMPLE_TEXT = (
     "The CPU prepares the next batch while the GPU computes the current one; continuous "
@@ -41,15 +43,17 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server")
     parser.add_argument("--model", help="default: the first model the server lists")
     parser.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (default: none)")
-    parser.add_argument("--num-prompts", type=int, default=200, help="requests to send")
+    parser.add_argument("--num-prompts", type=at_least(1), default=200, help="requests to send")
     parser.add_argument(
-        "--max-concurrency", type=int, help="requests in flight at once (default: all)"
+        "--max-concurrency", type=at_least(1), help="requests in flight at once (default: all)"
     )
-    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens")
-    parser.add_argument("--output-len", type=int, default=128, help="new tokens per request")
+    parser.add_argument("--input-len", type=at_least(1), default=128, help="prompt tokens")
+    parser.add_argument(
+        "--output-len", type=at_least(1), default=128, help="new tokens per request"
+    )
     parser.add_argument(
         "--range-ratio",
-        type=float,
+        type=fraction,
         default=0.0,
         help="lengths uniform in [len x (1 - r), len x (1 + r)]",
     )

@@ -34,6 +34,10 @@ GOOD = {
     # "false" as text: no stream, as the server reads it
     "ids": ({"prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0, "stream": "false"}, None),
     "chat": ({"messages": MESSAGES, "max_tokens": 6, "temperature": 0}, "/v1/chat/completions"),
+    # vLLM's pooling urls of a batch file
+    "embed": ({"input": "Name a cache."}, "/v1/embeddings"),
+    "score": ({"text_1": "a cache", "text_2": ["a memory", "a cat"]}, "/v1/score"),
+    "rerank": ({"query": "a cache", "documents": ["a memory", "a cat"]}, "/v1/rerank"),
 }
 BAD_BODIES = {  # custom_id -> (body, the param its 400 names)
     "negative-temperature": ({"prompt": "x", "temperature": -1}, "temperature"),
@@ -45,7 +49,7 @@ BAD_BODIES = {  # custom_id -> (body, the param its 400 names)
     "lone-surrogate": ({"prompt": "a \ud800 b"}, "prompt"),
 }
 BAD_LINES = [  # (line, custom_id it keeps)
-    (request("embeddings", {"input": "x"}, url="/v1/embeddings"), "embeddings"),
+    (request("moderations", {"input": "x"}, url="/v1/moderations"), "moderations"),
     (
         json.dumps({"custom_id": "get", "method": "GET", "url": "/v1/completions", "body": {}}),
         "get",
@@ -119,6 +123,16 @@ def check_answers(lines: list[dict], folder: str) -> None:
     chat = by_id["chat"]["response"]["body"]
     assert chat["object"] == "chat.completion"
     assert chat["choices"][0]["message"]["content"] == want_chat.outputs[0].text
+    [want_embedding] = llm.embed("Name a cache.", use_tqdm=False)
+    embedding = by_id["embed"]["response"]["body"]["data"][0]["embedding"]
+    assert embedding == pytest.approx(want_embedding.outputs.embedding, abs=1e-6)
+    want_scores = [o.outputs.score for o in llm.score("a cache", ["a memory", "a cat"])]
+    scores = [d["score"] for d in by_id["score"]["response"]["body"]["data"]]
+    assert scores == pytest.approx(want_scores, abs=1e-6)
+    ranked = by_id["rerank"]["response"]["body"]["results"]
+    assert {r["index"]: r["relevance_score"] for r in ranked} == pytest.approx(
+        dict(enumerate(want_scores)), abs=1e-6
+    )
 
     for cid, (_, param) in BAD_BODIES.items():
         line = by_id[cid]

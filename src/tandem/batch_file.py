@@ -1,7 +1,7 @@
 """The OpenAI batch file format: request lines in, response lines out, and resuming a run.
 
-An input line is {"custom_id", "method": "POST", "url", "body"}, `url` being /v1/completions
-or /v1/chat/completions. An output line is
+An input line is {"custom_id", "method": "POST", "url", "body"}, `url` being one of
+`BATCH_URLS` (vLLM's: completions, chat, embeddings, score and rerank). An output line is
 {"id", "custom_id", "response": {"status_code", "request_id", "body"} | null, "error"}:
 `error` is null for a 200 and {"code", "message"} otherwise. A line that cannot be read as a
 request (not JSON, no string custom_id) is answered with "custom_id": null and no response.
@@ -24,7 +24,13 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-BATCH_URLS = ("/v1/completions", "/v1/chat/completions")
+BATCH_URLS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/embeddings",
+    "/v1/score",
+    "/v1/rerank",
+)
 LINE_ERROR_CODE = "invalid_batch_line"
 STREAM_FLAG = TypeAdapter(bool | None)  # how the server's request models read `stream`
 

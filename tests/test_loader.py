@@ -174,6 +174,35 @@ def test_missing_config_json_is_named(make_tiny, tmp_path):
         LLM(str(folder), **ENGINE_ARGS)
 
 
+BROKEN_FILES = {  # the file, its new bytes or the share of them kept (a cut download), the error
+    "config_not_json": ("config.json", b"{bad json", "is not a readable JSON file"),
+    "config_a_list": ("config.json", b"[]", "must hold a JSON object, got list"),
+    "weights_header_cut": ("model.safetensors", 0.001, "is not a readable safetensors file"),
+    "weights_data_cut": ("model.safetensors", 0.9, "is not a readable safetensors file"),
+    "tokenizer_not_json": ("tokenizer.json", b"{", "is not a readable tokenizer"),
+    "tokenizer_config_not_json": ("tokenizer_config.json", b"{", "is not a readable JSON file"),
+    "generation_config_not_json": ("generation_config.json", b"no", "is not a readable JSON file"),
+}
+
+
+@pytest.mark.parametrize(("name", "change", "message"), BROKEN_FILES.values(), ids=BROKEN_FILES)
+def test_a_broken_file_of_the_folder_is_a_value_error_naming_it(
+    make_tiny, tmp_path, name, change, message
+):
+    path = Path(shutil.copytree(make_tiny("llama"), tmp_path / "broken")) / name
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * change)] if isinstance(change, float) else change)
+    with pytest.raises(ValueError, match=f"{re.escape(name)} {message}"):
+        LLM(str(path.parent), **ENGINE_ARGS)
+
+
+def test_an_index_without_a_weight_map_is_named(make_tiny, tmp_path):
+    shards = sharded(make_tiny("llama"), tmp_path / "sharded")
+    (shards / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(ValueError, match=r"index\.json has no weight_map"):
+        LLM(str(shards), **ENGINE_ARGS)
+
+
 def test_unknown_model_name_lists_the_presets(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a folder nor a preset") as error:
         LLM(str(tmp_path / "no-such-model"))

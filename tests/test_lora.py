@@ -409,6 +409,14 @@ def test_bad_adapters_are_refused_and_harm_no_other_request(lora_models, tmp_pat
     (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(ValueError, match="DoRA"):
         llm.generate("x", GREEDY, False, LoRARequest("dora", 6, str(dora)))
+    cut = make_tiny_lora(tmp_path / "cut", base, rank=4)  # an interrupted download
+    data = (cut / "adapter_model.safetensors").read_bytes()
+    (cut / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"adapter_model\.safetensors is not a readable"):
+        llm.generate("x", GREEDY, False, LoRARequest("cut", 8, str(cut)))
+    (cut / "adapter_config.json").write_text("{")
+    with pytest.raises(ValueError, match=r"adapter_config\.json is not a readable JSON file"):
+        llm.generate("x", GREEDY, False, LoRARequest("cut", 8, str(cut)))
     foreign = lora_models("qwen3")[1][1][0]  # another model's adapter
     with pytest.raises(ValueError, match="another model"):
         llm.generate("x", GREEDY, False, LoRARequest("foreign", 7, str(foreign)))

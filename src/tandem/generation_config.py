@@ -15,10 +15,10 @@ default, leaves top-k off. `override_generation_config` sets fields on top.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from tandem.model_files import read_json
 from tandem.sampling import SamplingParams
 
 # transformers' GenerationConfig defaults of the fields that count; a value equal to its default
@@ -45,7 +45,7 @@ def sampling_defaults(
     elif generation_config == "auto":
         config = of_folder(folder)
     elif isinstance(generation_config, str) and (Path(generation_config) / FILE).is_file():
-        config = read(Path(generation_config) / FILE)
+        config = read_json(Path(generation_config) / FILE)
     else:
         raise ValueError(
             f"generation_config must be 'auto', 'vllm' or a folder with a {FILE}, "
@@ -75,14 +75,4 @@ def sampling_defaults(
 def of_folder(folder: Path | None) -> dict[str, Any]:
     """The model folder's generation_config.json ({} without one): its sampling defaults here,
     its eos_token_id for the engine."""
-    return read(folder / FILE) if folder is not None and (folder / FILE).is_file() else {}
-
-
-def read(path: Path) -> dict[str, Any]:
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path} is not a readable JSON file: {error}") from error
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
-    return config
+    return read_json(folder / FILE) if folder is not None and (folder / FILE).is_file() else {}

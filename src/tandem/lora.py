@@ -11,7 +11,6 @@ has read it first.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import threading
@@ -21,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from tandem import hub
 from tandem.config import ModelConfig
+from tandem.model_files import read_json, safetensors_tensors
 from tandem.parallel import TensorParallel, shard_tensor
 
 # a PEFT tensor of a decoder layer's projection: layer, module, A or B
@@ -123,7 +122,7 @@ def read_adapter(
     config_path = folder / "adapter_config.json"
     if not config_path.is_file():
         raise ValueError(f"LoRA adapter {request.lora_name!r}: {folder} has no adapter_config.json")
-    rank, scale = check_adapter_config(request, json.loads(config_path.read_text()), max_rank)
+    rank, scale = check_adapter_config(request, read_json(config_path), max_rank)
     weights: HostWeights = {}
     for layer, modules in shapes.items():
         for projection, shape in modules.items():
@@ -248,15 +247,14 @@ def read_pairs(request: LoRARequest, folder: Path) -> dict[tuple[int, str], tupl
             f"LoRA adapter {request.lora_name!r}: {folder} has no adapter_model.safetensors"
         )
     found: dict[tuple[int, str, str], torch.Tensor] = {}
-    with safe_open(str(path), framework="pt") as f:
-        for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-            match = PEFT_KEY.search(key)
-            if match is None or (match[3] not in LANES and match[3] not in FUSED):
-                raise ValueError(
-                    f"LoRA adapter {request.lora_name!r} has {key!r}: only LoRA on the decoder "
-                    "layers' q/k/v/o and gate/up/down projections is supported"
-                )
-            found[(int(match[1]), match[3], match[4])] = f.get_tensor(key)
+    for key, tensor in safetensors_tensors(path):
+        match = PEFT_KEY.search(key)
+        if match is None or (match[3] not in LANES and match[3] not in FUSED):
+            raise ValueError(
+                f"LoRA adapter {request.lora_name!r} has {key!r}: only LoRA on the decoder "
+                "layers' q/k/v/o and gate/up/down projections is supported"
+            )
+        found[(int(match[1]), match[3], match[4])] = tensor
     pairs = {}
     for (layer, module, kind), tensor in found.items():
         if kind == "A":

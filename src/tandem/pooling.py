@@ -17,7 +17,6 @@ vector per request.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from tandem.model_files import read_json
 
 if TYPE_CHECKING:
     from tandem.request import Request
@@ -167,7 +168,7 @@ def pooling_refusal(folder: Path | None) -> str | None:
     path = folder / "1_Pooling" / "config.json" if folder is not None else None
     if path is None or not path.is_file():
         return None
-    modes = {k: v for k, v in json.loads(path.read_text()).items() if k.startswith("pooling_mode")}
+    modes = {k: v for k, v in read_json(path).items() if k.startswith("pooling_mode")}
     other = sorted(k for k, v in modes.items() if v and k != "pooling_mode_lasttoken")
     if not other:
         return None

@@ -15,6 +15,8 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from tandem.model_files import read_json
+
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 DETOKENIZE_CONTEXT = 5  # prompt tokens a detokenizer window starts with, so spacing decodes right
 
@@ -68,11 +70,12 @@ class Tokenizer:
             raise FileNotFoundError(
                 f"{tokenizer_file} not found; tandem needs a model folder with a tokenizer.json"
             )
-        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as error:  # tokenizers raises a bare Exception for a file it cannot read
+            raise ValueError(f"{tokenizer_file} is not a readable tokenizer: {error}") from error
         config_file = folder / "tokenizer_config.json"
-        config = (
-            json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-        )
+        config = read_json(config_file) if config_file.is_file() else {}
         special = {name: token_text(config.get(name)) for name in NAMED_SPECIAL_TOKENS}
         # Like transformers: named special tokens are special (added if the vocab lacks them), and
         # add_bos_token/add_eos_token are ignored: tokenizer.json's post-processor decides.

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from tandem import hub
 from tandem.config import ModelConfig
 from tandem.model import hf_names
 from tandem.model.decoder import Decoder
+from tandem.model_files import read_json, safetensors_tensors
 from tandem.parallel import TensorParallel, intermediate_size_of, shard_config, shard_tensor
 from tandem.quant import linear as fp8_linear
 from tandem.quant.checkpoint import Fp8Config, checkpoint_tensors, fit_tensor, weight_scheme
@@ -48,7 +47,7 @@ def read_hf_config(
     preset = PRESETS_DIR / f"{model}.json"
     if not folder.is_dir():
         if preset.is_file():
-            return merged(json.loads(preset.read_text()), overrides), None
+            return merged(read_json(preset), overrides), None
         unknown = f"model {model!r} is neither a folder nor a preset (presets: "
         unknown += f"{', '.join(preset_names())})"
         if hub.is_path(model):
@@ -60,7 +59,7 @@ def read_hf_config(
     path = folder / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{model} has no config.json; is it a Hugging Face model folder?")
-    return merged(json.loads(path.read_text()), overrides), folder
+    return merged(read_json(path), overrides), folder
 
 
 def merged(config: dict, overrides: dict | None) -> dict:
@@ -183,7 +182,10 @@ def set_kv_scales(model: Decoder, kv_scales: dict[str, float]) -> None:
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map object")
+        names = sorted(set(weight_map.values()))
         files = [folder / name for name in names]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -195,9 +197,7 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         if not files:
             raise FileNotFoundError(f"{folder} has no model.safetensors (nor a sharded index)")
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                yield name, f.get_tensor(name)
+        yield from safetensors_tensors(file)
 
 
 def load_weights(model: Decoder, tensors, fit=None) -> None:

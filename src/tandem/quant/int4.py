@@ -27,7 +27,6 @@ layer's input width).
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tandem.model_files import read_json
 from tandem.quant import w4a16
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i]
@@ -84,7 +84,7 @@ def separate_config(folder: Path | None, method: str | None) -> dict[str, Any] |
     found = [folder / name for name in names if folder is not None and (folder / name).is_file()]
     if not found:
         return None
-    return {**json.loads(found[0].read_text()), "quant_method": method}
+    return {**read_json(found[0]), "quant_method": method}
 
 
 def dummy_config() -> Int4Config:

@@ -383,6 +383,8 @@ BAD_ENGINE_ARGS = {
         "gpu_memory_utilization",
         "number",
     ),
+    "seed_past_int64": ({"seed": 2**70}, "seed", "<= 9223372036854775807"),
+    "seed_float": ({"seed": 1.0}, "seed", "integer"),
     "swap_space_infinite": ({"swap_space": float("inf")}, "swap_space", "finite number"),
     "unknown_dtype": ({"dtype": "float8"}, "dtype", "bfloat16"),
     "unknown_load_format": ({"load_format": "pt"}, "load_format", "'dummy'"),
@@ -405,6 +407,19 @@ def test_bad_engine_args_are_rejected_before_the_model_is_read(tmp_path, args, f
     with pytest.raises(ValueError, match=field) as error:
         LLM(str(tmp_path / "no-such-model"), **args)
     assert_names(error, field, allowed)
+
+
+def test_engine_seed_none_is_vllms_default_of_zero(folder):
+    """vLLM's `seed=None` (before: a TypeError inside the engine's start) samples as seed 0."""
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    outputs = {
+        seed: LLM(str(folder), seed=seed, max_model_len=MAX_LEN).generate(
+            ["the sky is", "one two"], params, use_tqdm=False
+        )
+        for seed in (None, 0, 1)
+    }
+    tokens = {seed: [o.outputs[0].token_ids for o in out] for seed, out in outputs.items()}
+    assert tokens[None] == tokens[0] != tokens[1]
 
 
 def test_cuda_graphs_on_cpu_are_rejected(folder):

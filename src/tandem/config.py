@@ -526,7 +526,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     load_format: str = "auto"
-    seed: int = 0
+    seed: int | None = 0  # None: vLLM's default of 0, one seed on every rank
     attention_backend: str | None = None  # "triton" on CUDA, "torch" elsewhere
     async_batching: bool = True
     cuda_graphs: bool | None = None
@@ -651,13 +651,16 @@ class EngineConfig:
 
     def validate(self) -> None:
         from tandem.reasoning import check_parser
-        from tandem.sampling import MAX_LOGPROBS
+        from tandem.sampling import MAX_LOGPROBS, check_seed
         from tandem.torch_profile import checked_config
         from tandem.weight_transfer import as_config  # torch.distributed, only when validating
 
         self.weight_transfer_config = as_config(self.weight_transfer_config)
         self.check_structured_outputs_config()
         check_parser(self.reasoning_parser)
+        if self.seed is None:
+            self.seed = 0
+        check_seed(self.seed)
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("stream_interval", self.stream_interval, 1)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)

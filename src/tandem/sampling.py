@@ -28,6 +28,13 @@ FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32 (below: 0 o
 GREEDY_BELOW = 1e-5  # a temperature under it is greedy, as in vLLM (1e-39 overflowed logits / T)
 
 
+def check_seed(seed: Any) -> None:
+    """Raise a ValueError unless `seed` is an int64, as vLLM takes a seed."""
+    check_int("seed", seed, MIN_SEED)
+    if seed > MAX_SEED:
+        raise ValueError(f"seed must be <= {MAX_SEED}, got {seed}")
+
+
 class RequestOutputKind(enum.Enum):
     """What each of AsyncLLM.generate's RequestOutputs carries (vLLM's names and values)."""
 
@@ -143,9 +150,7 @@ class SamplingParams:
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None:
-            check_int("seed", self.seed, MIN_SEED)
-            if self.seed > MAX_SEED:
-                raise ValueError(f"seed must be <= {MAX_SEED}, got {self.seed}")
+            check_seed(self.seed)
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
             check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, "or -1")
         check_int("max_tokens", self.max_tokens, 0)

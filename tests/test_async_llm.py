@@ -212,6 +212,29 @@ def test_a_prompt_of_no_known_form_is_a_value_error_naming_the_forms(llm, prompt
     assert len(joined(asyncio.run(main()))[1]) == 4
 
 
+BAD_ARGS = {  # (sampling_params, request_id, the message's start); before: AttributeErrors
+    "params_dict": ({"max_tokens": 3}, "dict", "sampling_params must be a SamplingParams"),
+    "params_none": (None, "none", "sampling_params must be a SamplingParams"),
+    "id_int": (SamplingParams(max_tokens=3), 5, "request_id must be a string"),  # was taken
+    "id_int_n2": (SamplingParams(max_tokens=3, n=2), 6, "request_id must be a string"),
+}
+
+
+@pytest.mark.parametrize(("params", "request_id", "message"), BAD_ARGS.values(), ids=BAD_ARGS)
+def test_params_or_request_id_of_a_wrong_type_is_a_type_error_and_others_still_run(
+    llm, params, request_id, message
+):
+    async def main():
+        with pytest.raises(TypeError, match=message):
+            await collect(llm, PROMPTS[0], params, request_id)
+        with pytest.raises(TypeError, match=message):  # add_request too, before any grammar
+            await llm.add_request(request_id, params, PROMPTS[0])
+        return await collect(llm, PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True), "ok")
+
+    assert len(joined(asyncio.run(main()))[1]) == 4
+    assert llm.engine.requests == {}
+
+
 def test_generate_takes_the_cache_salt_of_a_prompt_dict(llm):
     """Only a request of the same salt finds the blocks a salted prompt left in the cache."""
     ids = list(range(40, 60))  # 20 tokens: 2 full blocks of 8

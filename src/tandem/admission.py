@@ -20,7 +20,7 @@ from tandem.prefix_cache import PrefixCache
 from tandem.prompt_embeds import cache_key as embeds_key
 from tandem.prompt_embeds import checked as checked_embeds
 from tandem.reasoning import ThinkTokens
-from tandem.request import Request
+from tandem.request import Request, check_request_args
 from tandem.sampling import SamplingParams, truncate_prompt
 from tandem.structured import BACKEND as GRAMMAR_BACKEND
 from tandem.structured import GrammarBackend
@@ -78,10 +78,10 @@ class Admission:
         `params` one greedy token, which carries it); with `lora_request`, run under that LoRA
         adapter (read here: its errors are raised here); `priority`: `check_priority`; with
         `prompt_embeds` ([tokens, hidden] tensor), a prompt of embeddings (prompt_embeds.py)."""
+        check_request_args(request_id, params)
         self.check_priority(priority)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r:.80}")
-        params.validate()
         self._check_num_logprobs(params)
         if lora_request is not None:
             self._check_lora(lora_request)

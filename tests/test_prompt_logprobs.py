@@ -175,6 +175,25 @@ def test_loglikelihood_is_the_continuation_s_log_likelihood(make_tiny):
     assert llm.loglikelihood([[5, 6, 7]], [greedy], use_tqdm=False)[0].is_greedy
 
 
+@pytest.mark.parametrize(
+    ("contexts", "continuations", "message"),
+    [
+        ("one two", " three", "contexts must be a list"),  # read as a pair per character before
+        (["one two"], " three", "continuations must be a list"),  # one pair, " three"[0], before
+        (None, None, "contexts must be a list"),
+        ([5], [[6]], "each context and continuation must be a text or a list of token ids"),
+    ],
+)
+def test_loglikelihood_of_no_list_of_pairs_is_a_type_error(
+    make_tiny, contexts, continuations, message
+):
+    llm = LLM(str(make_tiny("llama")), max_model_len=64, num_blocks=16)
+    with pytest.raises(TypeError, match=message):
+        llm.loglikelihood(contexts, continuations, use_tqdm=False)
+    assert llm.loglikelihood([[5, 6]], [[7]], use_tqdm=False)[0].token_logprobs
+    assert not llm.engine.has_unfinished()
+
+
 def test_scoring_a_one_token_prompt_finishes_at_once(make_tiny):
     llm = LLM(str(make_tiny("llama")), max_model_len=64, num_blocks=16)
     out = llm.generate(

@@ -267,6 +267,30 @@ def test_sleep_and_wake_up_mid_generation_give_the_outputs_of_no_sleep(
     )
 
 
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda llm: llm.wake_up("weights"), TypeError, "tags must be a list"),  # one per letter
+        (lambda llm: llm.wake_up([1]), TypeError, "tags must be a list"),
+        (lambda llm: llm.wake_up(["weight"]), ValueError, "unknown tags"),
+        (lambda llm: llm.update_weights(None), TypeError, "named_tensors must be a dict"),
+        (lambda llm: llm.apply_model(42), TypeError, "func must be callable"),
+    ],
+    ids=["tags_text", "tags_ints", "tags_unknown", "weights_none", "func_int"],
+)
+def test_a_bad_admin_argument_is_a_typed_error_and_the_engine_sleeps_and_wakes_on(
+    folder, reference, call, error, message
+):
+    llm = LLM(folder, **ENGINE_ARGS)
+    llm.sleep(1)
+    with pytest.raises(error, match=message):
+        call(llm)
+    llm.wake_up()
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == (
+        reference
+    )
+
+
 def test_reset_prefix_cache_forgets_cached_prompts_and_changes_no_token(folder):
     """A prompt seen before hits the cache (its full blocks); after the reset it computes every
     token again, and the greedy tokens stay those of an engine that never cached."""

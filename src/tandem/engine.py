@@ -617,6 +617,10 @@ class Engine:
         """Take the memory of the parts named ("weights", "kv_cache"; None: both) again, the
         same tensors; parts awake already stay as they are. Once both are awake the captured
         graphs are made anew and the engine steps again."""
+        if tags is not None and (
+            not isinstance(tags, list | tuple | set) or not all(isinstance(t, str) for t in tags)
+        ):
+            raise TypeError(f"tags must be a list of part names or None, got {tags!r:.80}")
         parts = set(PARTS if tags is None else tags)
         if unknown := sorted(parts - {*PARTS, "scheduling"}):
             raise ValueError(f"unknown tags {unknown}; wake_up takes {[*PARTS, 'scheduling']}")
@@ -716,6 +720,8 @@ class Engine:
 
     def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> list:
         """vLLM's: `func(model)` on every rank's model; each rank's result."""
+        if not callable(func):
+            raise TypeError(f"func must be callable, got {type(func).__name__}")
         return self.collective_rpc(apply_to_model, args=(func,))
 
     def _on_other_ranks(self, method: str, *args) -> None:

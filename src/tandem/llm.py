@@ -6,7 +6,7 @@ import gc
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -441,6 +441,12 @@ class LLM:
         without, and the two token lists joined. Generates with `prompt_logprobs=1` and
         `max_tokens=0`: the joined prompt is prefilled once, nothing is sampled.
         """
+        for name, texts in (("contexts", contexts), ("continuations", continuations)):
+            if not isinstance(texts, Collection) or isinstance(texts, str | bytes):
+                raise TypeError(  # a bare text would be read as one pair per character
+                    f"{name} must be a list of texts or token-id lists, one per pair, "
+                    f"got {type(texts).__name__}"
+                )
         if len(contexts) != len(continuations):
             raise ValueError(f"got {len(contexts)} contexts for {len(continuations)} continuations")
         pairs = [
@@ -474,6 +480,11 @@ class LLM:
 
     def _token_ids(self, text_or_ids: str | list[int], special: bool) -> list[int]:
         if not isinstance(text_or_ids, str):
+            if not isinstance(text_or_ids, Iterable) or isinstance(text_or_ids, bytes):
+                raise TypeError(
+                    "each context and continuation must be a text or a list of token ids, "
+                    f"got {type(text_or_ids).__name__}"
+                )
             return list(text_or_ids)
         if self.engine.tokenizer is None:
             raise ValueError(

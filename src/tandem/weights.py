@@ -27,6 +27,11 @@ def check_named_tensors(named_tensors: NamedTensors) -> list[tuple[str, torch.Te
     """The pairs as a list; TypeError naming the first one that is not (str, floating tensor)."""
     if isinstance(named_tensors, dict):
         named_tensors = named_tensors.items()
+    if not isinstance(named_tensors, Iterable) or isinstance(named_tensors, str | bytes):
+        raise TypeError(
+            "named_tensors must be a dict or an iterable of (name, tensor) pairs, "
+            f"got {type(named_tensors).__name__}"
+        )
     pairs = []
     for index, item in enumerate(named_tensors):
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):

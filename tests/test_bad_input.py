@@ -238,6 +238,22 @@ def test_a_bytes_prompt_is_refused_as_one_prompt_not_read_as_token_ids(llm, fold
     assert_still_serving(llm, folder)
 
 
+SURROGATE_CALLS = {  # each text reaches the tokenizer, whose own error was a TypeError
+    "generate": lambda llm: llm.generate([GOOD_PROMPT, "a\ud800b"], GREEDY, use_tqdm=False),
+    "chat": lambda llm: llm.chat([{"role": "user", "content": "a\ud800b"}], use_tqdm=False),
+    "embed": lambda llm: llm.embed("a\ud800b", use_tqdm=False),
+    "score": lambda llm: llm.score("a\ud800b", "c", use_tqdm=False),
+    "loglikelihood": lambda llm: llm.loglikelihood(["a\ud800b"], ["c"], use_tqdm=False),
+}
+
+
+@pytest.mark.parametrize("call", SURROGATE_CALLS.values(), ids=SURROGATE_CALLS)
+def test_a_lone_surrogate_in_a_text_is_a_value_error_saying_where(llm, folder, call):
+    with pytest.raises(ValueError, match=r"holds '\\ud800' at \d+, a lone surrogate"):
+        call(llm)
+    assert_still_serving(llm, folder)
+
+
 def test_prompt_too_long_message_says_how_long_a_prompt_may_be(llm):
     with pytest.raises(ValueError, match="max_model_len") as error:
         llm.generate(too_long(llm), GREEDY, use_tqdm=False)

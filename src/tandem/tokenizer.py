@@ -21,6 +21,26 @@ NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 DETOKENIZE_CONTEXT = 5  # prompt tokens a detokenizer window starts with, so spacing decodes right
 
 
+def encodable(text: str) -> str:
+    """Text the tokenizer can take: UTF-8, so no lone surrogate such as "\\ud800" (JSON allows it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"holds {text[error.start : error.end]!r} at {error.start}, a lone surrogate, "
+            "which is not Unicode text"
+        ) from None
+    return text
+
+
+def _check_unicode(text: Any) -> None:
+    if isinstance(text, str):
+        try:
+            encodable(text)
+        except ValueError as error:
+            raise ValueError(f"the text {error}") from None
+
+
 class BatchEncoding(dict):
     """`input_ids` and `attention_mask`, read as keys or as attributes (`enc.input_ids`)."""
 
@@ -107,13 +127,23 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; add_special_tokens runs tokenizer.json's post-processor (e.g. BOS)."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; add_special_tokens runs tokenizer.json's post-processor (e.g. BOS).
+        A lone surrogate in it is a ValueError saying where."""
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # the backend's "TextInputSequence must be str"
+            _check_unicode(text)
+            raise
 
     def encode_pair(self, text: str, pair: str) -> list[int]:
         """Token ids of two texts as one sequence, joined by tokenizer.json's post-processor's
         pair template (as transformers' `tokenizer(text, text_pair)`): a cross-encoder's input."""
-        return self.backend.encode(text, pair=pair, add_special_tokens=True).ids
+        try:
+            return self.backend.encode(text, pair=pair, add_special_tokens=True).ids
+        except TypeError:
+            _check_unicode(text)
+            _check_unicode(pair)
+            raise
 
     def decode(self, ids: int | Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids` (or of one id; a numpy array or a torch tensor as well); ids past the

@@ -17,7 +17,7 @@ import hashlib
 import json
 from typing import Any
 
-from tandem.server.protocol import encodable
+from tandem.tokenizer import encodable
 
 CHARS_PER_TOKEN = 4  # about, for English text
 POINTS_PER_REPLICA = 64  # ring points per replica: keys spread evenly over a few replicas

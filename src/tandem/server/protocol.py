@@ -11,20 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tandem.sampling import MAX_LOGPROBS, MAX_N, MAX_TOP_K
-from tandem.tokenizer import template_content
-
-
-def encodable(text: str) -> str:
-    """Text the tokenizer can take: UTF-8, so no lone surrogate such as "\\ud800" (JSON allows it)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise ValueError(
-            f"holds {text[error.start : error.end]!r} at {error.start}, a lone surrogate, "
-            "which is not Unicode text"
-        ) from None
-    return text
-
+from tandem.tokenizer import encodable, template_content
 
 Text = Annotated[str, AfterValidator(encodable)]
 MAX_TOKEN_ID = 2**32 - 1  # the tokenizer's u32

@@ -36,12 +36,11 @@ from tandem.server.protocol import (
     OpenAIError,
     SamplingRequest,
     TokenizeRequest,
-    encodable,
 )
 from tandem.server.tool_calls import NamedToolOutput, OutputReader, PlainOutput, collect
 from tandem.structured import BACKEND as GRAMMAR_BACKEND
 from tandem.structured import StructuredOutputsParams
-from tandem.tokenizer import Tokenizer, content_format
+from tandem.tokenizer import Tokenizer, content_format, encodable
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 logger = logging.getLogger("uvicorn.error")  # the logger `tandem serve` prints

@@ -29,9 +29,9 @@ from tandem.server.protocol import (
     RequestOption,
     StreamOptions,
     Text,
-    encodable,
 )
 from tandem.server.serving import ChatFormat, Choice, OpenAIServing, token_id_keys
+from tandem.tokenizer import encodable
 
 PARAMS = {f.name for f in dataclasses.fields(SamplingParams)}
 SET_BY_THE_SERVER = ("output_kind",)  # as vLLM's: a stream gets deltas, others the final output

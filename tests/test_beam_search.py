@@ -138,6 +138,9 @@ def test_a_concurrency_limit_searches_a_few_prompts_at_a_time_to_the_same_beams(
         (BeamSearchParams(beam_width=2, max_tokens=0), "max_tokens"),
         (BeamSearchParams(beam_width=2, max_tokens=4, temperature=-1.0), "temperature"),
         (BeamSearchParams(beam_width=2, max_tokens=4, structured_outputs=object()), "structured"),
+        (BeamSearchParams(2, 4, length_penalty=float("nan")), "length_penalty must be finite"),
+        (BeamSearchParams(2, 4, ignore_eos="no"), "ignore_eos must be True or False"),  # was on
+        (BeamSearchParams(2, 4, include_stop_str_in_output=3), "include_stop_str_in_output"),
     ],
 )
 def test_bad_params_are_value_errors(hf_model, params, error):
@@ -216,3 +219,18 @@ def test_beam_search_refuses_what_it_does_not_take_with_a_400(server, extra, par
     response = httpx.post(f"{server}/v1/completions", json={**body, **extra}, timeout=60)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity"])
+def test_a_length_penalty_that_is_not_finite_is_a_400_naming_it(server, value):
+    import httpx
+
+    body = (
+        f'{{"model": "tiny", "prompt": "hi", "max_tokens": 3, "use_beam_search": true, "n": 2, '
+        f'"length_penalty": {value}}}'
+    )  # JSON has no NaN, but Python's parser takes it
+    headers = {"content-type": "application/json"}
+    response = httpx.post(f"{server}/v1/completions", content=body, headers=headers, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "length_penalty"
+    assert "finite" in response.json()["error"]["message"]

@@ -138,6 +138,9 @@ def test_plan_rows_take_each_sampling_pooling_request_s_last_token_row(folder):
         (PoolingParams(dimensions=65), "more than the model's 64"),
         (PoolingParams(dimensions=0), "dimensions"),
         (PoolingParams(use_activation="yes"), "use_activation"),
+        # another call's task (vLLM's "cannot overwrite"), or none: replaced by "embed" before
+        (PoolingParams(task="classify"), "pooling_params.task is 'classify', but this call pools"),
+        (PoolingParams(task="zzz"), "pooling_params.task is 'zzz'"),
     ],
 )
 def test_bad_pooling_params_are_value_errors_that_queue_nothing(folder, pooling, words):

@@ -339,6 +339,7 @@ class AsyncLLM:
         pooling = pooling_params or PoolingParams()
         if not isinstance(pooling, PoolingParams):
             raise TypeError(f"pooling_params must be PoolingParams, got {type(pooling).__name__}")
+        pooling = pooling.for_task(pooling.task or "embed")
         stream = await self._add_request(
             request_id, carrier, text, ids, prompt_cache_salt(prompt), pooling=pooling,
             lora_request=lora_request,

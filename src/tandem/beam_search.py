@@ -11,13 +11,14 @@ cache, so a round computes about one token per beam.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from tandem.config import check_int
+from tandem.config import check_bools, check_int
 from tandem.lora import LoRARequest, per_prompt
 from tandem.outputs import Logprob
 from tandem.request import Prompt, prompt_list, split_prompt
@@ -53,8 +54,11 @@ class BeamSearchParams:
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool):
                 raise ValueError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value):  # a NaN score would rank the beams at random
+                raise ValueError(f"{name} must be finite, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        check_bools(self, "ignore_eos", "include_stop_str_in_output")  # "no" would be true
 
 
 @dataclass

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -387,7 +387,7 @@ class LLM:
             rid = str(next(self._ids))
             request = self.engine.make_request(
                 rid, carrier, text, ids, cache_salt=prompt_cache_salt(prompt),
-                pooling=replace(pooling, task=task), lora_request=lora,
+                pooling=pooling.for_task(task), lora_request=lora,
             )  # fmt: skip
             groups.append((rid, [request]))
         self._run(groups, use_tqdm, outputs=False)

@@ -18,7 +18,7 @@ vector per request.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,7 +42,17 @@ class PoolingParams:
 
     use_activation: bool | None = None
     dimensions: int | None = None
-    task: str = "embed"  # or "classify": set by LLM.embed / LLM.classify, as vLLM's
+    # "embed" or "classify"; None: the call's (LLM.embed, LLM.classify; AsyncLLM.encode: "embed")
+    task: str | None = None
+
+    def for_task(self, task: str) -> PoolingParams:
+        """These params for a call that pools for `task`; a ValueError if they name another
+        task (vLLM's "cannot overwrite" check), not silently replaced."""
+        if self.task is not None and self.task != task:
+            raise ValueError(
+                f"pooling_params.task is {self.task!r}, but this call pools for {task!r}"
+            )
+        return replace(self, task=task)
 
     def validate(self, hidden_size: int, num_labels: int) -> None:
         if self.task not in TASKS:

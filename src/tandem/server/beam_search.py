@@ -38,6 +38,9 @@ def check(body: SamplingRequest) -> None:
             raise OpenAIError(f"use_beam_search does not take {name}", param=name)
 
 
+BODY_FIELDS = {"beam_width": "n"}  # BeamSearchParams' fields the body names otherwise
+
+
 def params_of(body: SamplingRequest, max_tokens: int, defaults: dict[str, Any]) -> BeamSearchParams:
     temperature = (
         body.temperature if body.temperature is not None else defaults.get("temperature", 1.0)
@@ -51,8 +54,10 @@ def params_of(body: SamplingRequest, max_tokens: int, defaults: dict[str, Any]) 
     )
     try:
         params.validate()
-    except ValueError as error:
-        raise OpenAIError(str(error), param="n") from error
+    except ValueError as error:  # its message starts with the field's name: the body's is param
+        field = str(error).split(" ", 1)[0]
+        param = BODY_FIELDS.get(field, field)
+        raise OpenAIError(str(error), param=param) from error
     return params
 
 

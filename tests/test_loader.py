@@ -311,6 +311,41 @@ def test_unsupported_features_are_named(make_tiny, edit, named):
         ModelConfig.from_hf(config)
 
 
+BAD_SHAPE_FIELDS = {  # config.json's change, the error; before: KeyError, TypeError, ZeroDivision
+    "no_heads": ({"num_attention_heads": None}, "config.json needs num_attention_heads"),
+    "no_vocab": ({"vocab_size": None}, "config.json needs vocab_size"),
+    "heads_text": (
+        {"num_attention_heads": "4"},
+        "num_attention_heads must be an integer >= 1, got '4'",
+    ),
+    "heads_zero": (
+        {"num_attention_heads": 0},
+        "num_attention_heads must be an integer >= 1, got 0",
+    ),
+    "layers_negative": ({"num_hidden_layers": -1}, "num_hidden_layers must be an integer >= 1"),
+    "eps_text": ({"rms_norm_eps": "x"}, "rms_norm_eps must be a number, got 'x'"),
+    "kv_heads_no_divisor": (
+        {"num_key_value_heads": 3},
+        "(4) must be a multiple of its num_key_value_heads (3)",
+    ),
+    "architectures_text": ({"architectures": "LlamaForCausalLM"}, "architectures must be a list"),
+}
+
+
+@pytest.mark.parametrize(("edit", "message"), BAD_SHAPE_FIELDS.values(), ids=BAD_SHAPE_FIELDS)
+def test_a_missing_or_bad_shape_field_is_a_value_error_naming_it(make_tiny, edit, message):
+    config = {**read_json(make_tiny("llama") / "config.json"), **edit}
+    config = {k: v for k, v in config.items() if v is not None}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelConfig.from_hf(config)
+
+
+@pytest.mark.parametrize("model", [None, 5, ""])
+def test_a_model_that_is_no_name_is_a_value_error(model):
+    with pytest.raises(ValueError, match="model must name a model folder"):
+        LLM(model, **ENGINE_ARGS)
+
+
 def test_qwen2_moe_reads_its_shared_expert_routing_and_biases(make_tiny):
     """Qwen2-MoE: a shared expert, top k not renormalised, q/k/v biases and no o bias (its
     qkv_bias), the dense layers of mlp_only_layers."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -186,6 +188,8 @@ class ModelConfig:
         """Parse a config.json dict; raises ValueError for what tandem cannot run, naming the
         field (a field that changes the math and is not implemented is never ignored)."""
         archs = hf.get("architectures") or []
+        if not isinstance(archs, list):  # a bare name would be read letter by letter
+            raise ValueError(f"config.json's architectures must be a list, got {archs!r:.80}")
         classifier = next((CLASSIFIERS[a] for a in archs if a in CLASSIFIERS), None)
         arch = classifier or next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -202,10 +206,11 @@ class ModelConfig:
                 + ("'gelu_pytorch_tanh', " if arch in GEMMA else "")
                 + "'silu'"
             )
-        num_heads = hf["num_attention_heads"]
-        num_layers = hf["num_hidden_layers"]
-        default_head_dim = 128 if arch in HEAD_DIM_128 else hf["hidden_size"] // num_heads
-        head_dim = hf.get("head_dim") or default_head_dim
+        num_heads = size_field(hf, "num_attention_heads")
+        num_layers = size_field(hf, "num_hidden_layers")
+        hidden_size = size_field(hf, "hidden_size")
+        default_head_dim = 128 if arch in HEAD_DIM_128 else hidden_size // num_heads
+        head_dim = size_field(hf, "head_dim", default_head_dim)
         rotary_dim = rotary_dim_of(hf, head_dim)
         rope_theta, rope_scaling, rope_local_theta = parse_rope(hf, arch)
         window, sliding_layers = parse_window(hf, arch, num_layers)
@@ -221,14 +226,14 @@ class ModelConfig:
         gemma = arch in GEMMA
         return cls(
             architecture=arch,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf.get("intermediate_size") or 0,
+            vocab_size=size_field(hf, "vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=size_field(hf, "intermediate_size", 0),  # 0: every layer MoE
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            num_kv_heads=kv_heads(hf, num_heads),
             head_dim=head_dim,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=number_field(hf, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
@@ -291,6 +296,39 @@ class ModelConfig:
                 mlp = 3 * h * self.intermediate_size
             total += attn + mlp + norms
         return total
+
+
+def size_field(hf: dict[str, Any], name: str, default: int | None = None) -> int:
+    """config.json's `name`, an integer >= 1 (`default` where it is absent, null or 0); a
+    ValueError naming the field otherwise, before any shape is computed from it."""
+    value = hf.get(name)
+    if value is None and default is None:
+        raise ValueError(f"config.json needs {name}, an integer >= 1")
+    if value is None or (value == 0 and default is not None):
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"config.json's {name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def kv_heads(hf: dict[str, Any], num_heads: int) -> int:
+    """num_key_value_heads (num_heads where absent): each serves a whole group of query heads."""
+    num_kv_heads = size_field(hf, "num_key_value_heads", num_heads)
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"config.json's num_attention_heads ({num_heads}) must be a multiple of its "
+            f"num_key_value_heads ({num_kv_heads})"
+        )
+    return num_kv_heads
+
+
+def number_field(hf: dict[str, Any], name: str, default: float) -> float:
+    """config.json's `name`, a finite number (`default` where it is absent); a ValueError naming
+    the field otherwise."""
+    value = hf.get(name, default)
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"config.json's {name} must be a number, got {value!r}")
+    return float(value)
 
 
 def refuse_unimplemented(hf: dict[str, Any], arch: str) -> None:
@@ -458,18 +496,18 @@ def parse_moe(hf: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
     if arch not in MOE:
         return {}
     # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts, Mixtral's name
-    num_experts = hf.get("num_local_experts") or hf.get("num_experts")
+    num_experts = size_field(hf, "num_local_experts", 0) or size_field(hf, "num_experts", 0)
     if not num_experts:
         raise ValueError(f"{arch} needs num_experts (or num_local_experts) in config.json")
     if arch == "MixtralForCausalLM":
-        inter = hf["intermediate_size"]
+        inter = size_field(hf, "intermediate_size")
         norm_topk_prob, moe_layers = True, (True,) * num_layers
     else:
-        inter = hf["moe_intermediate_size"]
+        inter = size_field(hf, "moe_intermediate_size")
         norm_topk_prob = bool(hf.get("norm_topk_prob", False))
         step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
         moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
-    top_k = hf["num_experts_per_tok"]
+    top_k = size_field(hf, "num_experts_per_tok")
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"num_experts_per_tok={top_k} must be in 1..{num_experts} (the experts)")
     return {
@@ -655,6 +693,11 @@ class EngineConfig:
         from tandem.torch_profile import checked_config
         from tandem.weight_transfer import as_config  # torch.distributed, only when validating
 
+        if not isinstance(self.model, str | os.PathLike) or not str(self.model):
+            raise ValueError(
+                "model must name a model folder, a Hub repository or a preset, got "
+                f"{self.model!r:.80}"
+            )
         self.weight_transfer_config = as_config(self.weight_transfer_config)
         self.check_structured_outputs_config()
         check_parser(self.reasoning_parser)

@@ -261,6 +261,23 @@ def test_chat_content_the_template_cannot_add_is_a_value_error_from_the_template
 
 
 @pytest.mark.parametrize(
+    ("template", "error", "message"),
+    [
+        ("{% for i in range(10**9) %}x{% endfor %}", ValueError, "failed on the messages: Range"),
+        ("{{ 1 // 0 }}", ValueError, "failed on the messages: integer division"),
+        (5, TypeError, "chat_template must be Jinja source or None, got 5"),
+    ],
+    ids=["sandbox_range", "division_by_zero", "not_text"],
+)
+def test_a_chat_template_that_fails_is_a_typed_error_naming_it(llm, template, error, message):
+    with pytest.raises(error, match=message):
+        llm.chat(
+            [{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=False, chat_template=template
+        )
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
     "tools", ["search", [{"type": "function"}, "search"], {"type": "function"}]
 )
 def test_chat_tools_that_are_no_list_of_dicts_are_a_type_error(llm, tools):

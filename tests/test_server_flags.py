@@ -102,6 +102,15 @@ def test_a_request_s_template_needs_the_server_s_trust(llm, folder):
         )  # the request's, over the server's
         broken = client.post("/tokenize", json={**body, "chat_template": "{% for %}"})
         assert broken.status_code == 400 and broken.json()["error"]["param"] == "messages"
+        # a template whose own logic fails (the sandbox's range limit): a 400, not a 500
+        endless = "{% for i in range(10**9) %}x{% endfor %}"
+        for path in ("/tokenize", "/v1/chat/completions"):
+            request = {**body, "chat_template": endless}
+            answer = client.post(
+                path, json={**request, "max_tokens": 2} if "chat" in path else request
+            )
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages"
+            assert "chat template failed on the messages" in answer.json()["error"]["message"]
 
 
 def test_the_cli_reads_a_template_file_or_the_template_itself(tmp_path, folder):

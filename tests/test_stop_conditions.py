@@ -7,6 +7,7 @@ where generation must end and cannot pass by never meeting its criterion.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -235,6 +236,27 @@ def test_generation_config_eos_token_id_ends_the_request(
     assert out.finish_reason == "stop"
     assert out.token_ids == ref.token_ids[: k + 1]
     assert generate_one(llm, PROMPT, greedy(ignore_eos=True)).token_ids == ref.token_ids
+
+
+@pytest.mark.parametrize(
+    ("file", "eos"),
+    [
+        ("generation_config.json", "x"),  # min_tokens' ban failed on int("x")
+        ("generation_config.json", [2, -1]),  # ... and indexed the logits at -1
+        ("config.json", 10**6),  # past the vocabulary
+    ],
+)
+def test_an_eos_token_id_that_is_no_token_id_is_a_value_error_naming_the_file(
+    folder, tmp_path, file, eos
+):
+    variant = Path(shutil.copytree(folder, tmp_path / "model"))
+    config = json.loads((variant / file).read_text())
+    config["eos_token_id"] = eos
+    if file == "config.json":  # read only where the generation config names none
+        (variant / "generation_config.json").unlink()
+    (variant / file).write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"{re.escape(file)}'s eos_token_id must be token ids"):
+        make_llm(variant, True)
 
 
 @modes

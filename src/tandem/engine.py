@@ -1012,12 +1012,21 @@ def _step_logprobs(out: dict[str, np.ndarray], num_seqs: int, batch: StepBatch) 
 def _eos_token_ids(
     cfg: ModelConfig, folder: Path | None, tokenizer: Tokenizer | None
 ) -> tuple[int, ...]:
-    """EOS ids from generation_config.json when present, else config.json, else the tokenizer."""
-    eos = generation_config.of_folder(folder).get("eos_token_id")
-    if eos is not None:
-        return tuple(eos) if isinstance(eos, list) else (eos,)
-    if cfg.eos_token_ids:
-        return cfg.eos_token_ids
+    """EOS ids from generation_config.json when present, else config.json, else the tokenizer;
+    a ValueError naming the file if one is not a token id of the model (min_tokens bans them
+    by index)."""
+    eos, source = generation_config.of_folder(folder).get("eos_token_id"), generation_config.FILE
+    if eos is None:
+        eos, source = list(cfg.eos_token_ids), "config.json"
+    ids = eos if isinstance(eos, list) else [eos]
+    for token in ids:
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < cfg.vocab_size:
+            raise ValueError(
+                f"{source}'s eos_token_id must be token ids in [0, {cfg.vocab_size}), "
+                f"got {eos!r:.80}"
+            )
+    if ids:
+        return tuple(ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         return (tokenizer.eos_token_id,)
     return ()

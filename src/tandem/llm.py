@@ -586,8 +586,7 @@ class LLM:
                 )
                 for c in conversations
             ]
-        except (jinja2.TemplateError, TypeError) as error:  # e.g. a message without "role", or
-            # a content of None where the template adds strings
+        except jinja2.TemplateError as error:  # e.g. the template reads messages it was not given
             raise ValueError(f"chat template failed on the messages: {error}") from error
         return [
             {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text}

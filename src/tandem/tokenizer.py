@@ -232,6 +232,10 @@ class Tokenizer:
             )
         if "messages" in kwargs:
             raise TypeError("apply_chat_template takes the messages as `conversation`")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise TypeError(
+                f"chat_template must be Jinja source or None, got {chat_template!r:.60}"
+            )
         template = (
             compile_chat_template(chat_template) if chat_template else self._compiled_template
         )
@@ -250,12 +254,16 @@ class Tokenizer:
         batched = bool(conversation) and isinstance(conversation[0], list | tuple)
         texts = []
         for messages in conversation if batched else [conversation]:
-            text = template.render(
-                **variables,
-                messages=messages,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-            )
+            try:
+                text = template.render(
+                    **variables,
+                    messages=messages,
+                    tools=tools,
+                    add_generation_prompt=add_generation_prompt,
+                )
+            except (TypeError, ArithmeticError) as error:  # the template's own logic failed on
+                # them: a content of None where it adds strings, the sandbox's range limit, ...
+                raise ValueError(f"chat template failed on the messages: {error}") from error
             texts.append(continued(text, messages) if continue_final_message else text)
         if not tokenize:
             return texts if batched else texts[0]

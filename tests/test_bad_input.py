@@ -272,6 +272,32 @@ def test_numpy_token_ids_are_taken_as_python_ints(llm):
     assert typed.outputs[0].token_ids == plain.outputs[0].token_ids
 
 
+def test_a_torch_tensor_of_token_ids_is_taken_as_its_ints(llm):
+    """A 1-D integer tensor gives what its list gives (its items were 0-d tensors, refused)."""
+    ids = [3, 17, 0, vocab_size(llm) - 1, 42]
+    [plain] = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    [tensor] = llm.generate({"prompt_token_ids": torch.tensor(ids)}, GREEDY, use_tqdm=False)
+    assert tensor.prompt_token_ids == ids and {type(t) for t in tensor.prompt_token_ids} == {int}
+    assert tensor.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        (5, "must be a list of token ids, got 5"),  # "'int' object is not iterable" before
+        (torch.tensor(5), "must be a list of token ids, got 5"),
+        ("5 6 7", "must be a list of token ids, got '5 6 7'"),
+        (torch.tensor([[5, 6, 7]]), r"must be integers in \[0, \d+\), got \[5, 6, 7\]"),
+        (torch.tensor([5.0, 6.0]), r"must be integers in \[0, \d+\), got 5.0"),
+    ],
+    ids=["int", "tensor_0d", "text", "tensor_2d", "tensor_float"],
+)
+def test_prompt_token_ids_of_no_list_of_ids_are_a_value_error(llm, folder, ids, message):
+    with pytest.raises(ValueError, match=f"prompt_token_ids {message}"):
+        llm.generate([GOOD_PROMPT, {"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
+    assert_still_serving(llm, folder)
+
+
 def test_token_id_out_of_vocab_message_states_the_vocab_range(llm):
     with pytest.raises(ValueError, match="prompt_token_ids") as error:
         llm.generate({"prompt_token_ids": [vocab_size(llm)]}, GREEDY, use_tqdm=False)

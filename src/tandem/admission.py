@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numbers
 import threading
+from collections.abc import Iterable
 
 import torch
 
@@ -111,10 +112,12 @@ class Admission:
                     "tokenizer.json); pass prompt_token_ids instead of text"
                 )
             prompt_token_ids = self.tokenizer.encode(prompt)
+        # a numpy array or a torch tensor as its Python ints (a tensor's items are tensors)
+        ids = prompt_token_ids.tolist() if hasattr(prompt_token_ids, "tolist") else prompt_token_ids
+        if not isinstance(ids, Iterable) or isinstance(ids, str | bytes | dict):
+            raise ValueError(f"prompt_token_ids must be a list of token ids, got {ids!r:.80}")
         prompt_token_ids = self._check_token_ids(
-            truncate_prompt(
-                list(prompt_token_ids), params.truncate_prompt_tokens, self.max_model_len
-            )
+            truncate_prompt(list(ids), params.truncate_prompt_tokens, self.max_model_len)
         )
         self._check_n(params, len(prompt_token_ids))
         if embeds is not None:  # truncate_prompt_tokens kept the last ones

@@ -330,6 +330,7 @@ def test_a_constraint_the_backend_rejects_is_a_value_error_before_anything_is_qu
         dict(structural_tag={"structures": [{"begin": "<a>", "end": "</a>"}], "triggers": ["<"]}),
         dict(structural_tag={"structures": [], "triggers": ["<"]}),
         dict(structural_tag={"structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}]}),
+        dict(json={}, disable_any_whitespace="no"),  # a truthy string turned it on
     ],
 )
 def test_malformed_constraints_are_value_errors(fields):

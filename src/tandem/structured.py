@@ -95,6 +95,11 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.choice must be a non-empty list of strings")
         if self.json_object not in (None, True, False):
             raise ValueError("structured_outputs.json_object must be a boolean")
+        if not isinstance(self.disable_any_whitespace, bool):  # "no" would turn it on
+            raise ValueError(
+                "structured_outputs.disable_any_whitespace must be True or False, got "
+                f"{self.disable_any_whitespace!r:.40}"
+            )
         if self.structural_tag is not None:
             check_structural_tag(self.structural_tag)
 

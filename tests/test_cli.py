@@ -165,6 +165,21 @@ def test_chat_answers_each_line_of_stdin_with_the_conversation_so_far(
     assert replies == [first, second]
 
 
+def test_a_chat_message_the_engine_refuses_is_dropped_and_the_chat_goes_on(
+    tiny_dir, capsys, monkeypatch
+):
+    """A line past max_model_len was the chat's end (the error, exit 1); now it is named and
+    dropped, and the next line is answered as if it had not been sent."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("word " * 200 + "\nHi there\n"))
+    main(["chat", str(tiny_dir), "--max-tokens", "6", *CLI_ENGINE_ARGS])
+    out = capsys.readouterr()
+    assert "max_model_len is 128" in out.err and "that message was dropped" in out.err
+    params = SamplingParams(temperature=0, max_tokens=6)
+    alone = [{"role": "user", "content": "Hi there"}]
+    expected = reference_llm(tiny_dir).chat(alone, params, use_tqdm=False)[0].outputs[0].text
+    assert assistant_replies(out.out) == [expected]
+
+
 def test_chat_stops_at_an_empty_line(tiny_dir, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi there\n\nnever read\n"))
     main(["chat", str(tiny_dir), "--max-tokens", "2", *CLI_ENGINE_ARGS])

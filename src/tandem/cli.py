@@ -483,7 +483,12 @@ def cmd_chat(args: argparse.Namespace) -> None:
         if not line.strip():
             break
         messages.append({"role": "user", "content": line.strip()})
-        reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        try:
+            reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        except ValueError as error:  # e.g. past max_model_len: the conversation so far stays
+            messages.pop()
+            print(f"chat: {error}; that message was dropped", file=sys.stderr, flush=True)
+            continue
         messages.append({"role": "assistant", "content": reply})
         print(f"assistant: {reply}", flush=True)
 

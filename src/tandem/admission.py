@@ -21,7 +21,7 @@ from tandem.prefix_cache import PrefixCache
 from tandem.prompt_embeds import cache_key as embeds_key
 from tandem.prompt_embeds import checked as checked_embeds
 from tandem.reasoning import ThinkTokens
-from tandem.request import Request, check_request_args
+from tandem.request import Request, check_request_types
 from tandem.sampling import SamplingParams, truncate_prompt
 from tandem.structured import BACKEND as GRAMMAR_BACKEND
 from tandem.structured import GrammarBackend
@@ -79,7 +79,8 @@ class Admission:
         `params` one greedy token, which carries it); with `lora_request`, run under that LoRA
         adapter (read here: its errors are raised here); `priority`: `check_priority`; with
         `prompt_embeds` ([tokens, hidden] tensor), a prompt of embeddings (prompt_embeds.py)."""
-        check_request_args(request_id, params)
+        check_request_types(request_id, params)
+        params.validate()
         self.check_priority(priority)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r:.80}")

@@ -42,7 +42,7 @@ from tandem.pooling import PoolingParams
 from tandem.request import (
     Prompt,
     Request,
-    check_request_args,
+    check_request_types,
     prompt_cache_salt,
     prompt_embeds,
     split_prompt,
@@ -220,7 +220,7 @@ class AsyncLLM:
         """Queue a request once the engine thread has validated it (ValueError if invalid);
         `cache_salt` shares cached blocks only with requests of the same salt; `priority` as
         `generate` takes it."""
-        check_request_args(request_id, params)  # before its grammar is compiled
+        check_request_types(request_id, params)  # before its grammar is read (the engine validates)
         return await self._add_request(
             request_id, params, prompt, prompt_token_ids, cache_salt, priority
         )
@@ -283,8 +283,8 @@ class AsyncLLM:
         `priority` is vLLM's: under scheduling_policy "priority" lower is served first; under
         "fcfs", 0 alone. Raises ValueError if the engine rejects it.
         """
-        # before the n samples' ids are made: n=0 would otherwise queue nothing to validate
-        check_request_args(request_id, sampling_params)
+        check_request_types(request_id, sampling_params)  # before the n samples' ids are made
+        sampling_params.validate()  # n=0 would otherwise queue nothing to validate
         text, ids = split_prompt(prompt)
         salt = prompt_cache_salt(prompt)
         n = sampling_params.n

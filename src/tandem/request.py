@@ -149,14 +149,13 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
 
-def check_request_args(request_id: Any, params: Any) -> None:
-    """Raise a TypeError unless `request_id` is a string and `params` a SamplingParams, then
-    validate `params` (a ValueError naming the bad field)."""
+def check_request_types(request_id: Any, params: Any) -> None:
+    """Raise a TypeError unless `request_id` is a string and `params` a SamplingParams (whose
+    fields `params.validate()` checks)."""
     if not isinstance(request_id, str):
         raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
     if not isinstance(params, SamplingParams):
         raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-    params.validate()
 
 
 def split_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None]:

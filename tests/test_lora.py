@@ -254,6 +254,22 @@ def test_the_prefix_cache_keeps_each_adapter_s_kv_apart(lora_models):
     assert plain.outputs[0].token_ids == transformers_greedy(str(base), prompt)
 
 
+def test_an_id_given_to_another_adapter_after_eviction_meets_none_of_its_kv(lora_models):
+    """One adapter held on the host (max_cpu_loras=1): once adapter 1 has left it, its id may
+    name adapter 2's folder, as in vLLM; that request's tokens are adapter 2's, not computed
+    over KV that the prefix cache keeps from adapter 1."""
+    base, adapters = lora_models("llama")
+    llm = LLM(str(base), max_model_len=96, enable_lora=True, max_loras=1, max_cpu_loras=1,
+              block_size=4)  # fmt: skip
+    prompt = "a shared prompt of some length, " * 2
+    llm.generate(prompt, GREEDY, False, request_of(adapters, 1))
+    llm.generate(prompt, GREEDY, False, request_of(adapters, 2))  # adapter 1 leaves the cache
+    rebound = LoRARequest("adapter-2-again", 1, str(adapters[2][0]))
+    got = llm.generate(prompt, GREEDY, False, rebound)[0]
+    assert got.num_cached_tokens == 0
+    assert got.outputs[0].token_ids == transformers_greedy(str(adapters[2][1]), prompt)
+
+
 def test_an_adapter_named_by_a_hub_repository_id(lora_models, tmp_path):
     """lora_path may be a Hub repository id, read from the Hub's cache (offline in the tests)."""
     base, adapters = lora_models("llama")
@@ -272,6 +288,10 @@ def test_first_block_keys_differ_by_adapter_and_never_meet_a_salt():
 
     keys = [key(), key(1), key(2), key(1, "s"), key(salt="s"), key(12)]
     assert len(set(keys)) == len(keys)
+    request = Request("r", [1], GREEDY, 0, lora_request=LoRARequest("y", 1, "/adapter"))
+    assert first_extra_key(request) != key(1)  # one id, another adapter: its own KV
+    request = Request("r", [1], GREEDY, 0, lora_request=LoRARequest("x", 1, "/elsewhere"))
+    assert first_extra_key(request) != key(1)
     assert key(salt="\udcfflora:1") != key(1)  # no salt's UTF-8 starts with the adapter's 0xff
 
 

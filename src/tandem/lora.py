@@ -11,6 +11,7 @@ has read it first.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import threading
@@ -66,8 +67,10 @@ class LoRARequest:
     @property
     def cache_key(self) -> bytes:
         """The prefix cache's extra key of a first block: KV under one adapter is its own (0xff
-        first, a byte no UTF-8 cache salt holds, and the id's end marked by a 0)."""
-        return b"\xfflora:" + str(self.lora_int_id).encode() + b"\0"
+        first, a byte no UTF-8 cache salt holds, then a digest of id, name and folder: an id
+        given to another adapter once its first left the adapter cache meets none of its KV)."""
+        named = repr((self.lora_int_id, self.lora_name, self.lora_path)).encode()
+        return b"\xfflora:" + hashlib.blake2b(named, digest_size=16).digest()
 
 
 def per_prompt(lora_request, count: int) -> list[LoRARequest | None]:

@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from tandem import LLM, SamplingParams
-from tandem.sampling import MAX_SEED, SamplingTensors, fold_seed, gumbel_noise, sample
+from tandem.sampling import (
+    MAX_SEED,
+    SamplingTensors,
+    fold_seed,
+    gumbel_noise,
+    sample,
+    uniform,
+)
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -278,9 +285,37 @@ def test_gumbel_noise_is_uncorrelated_across_neighbouring_seeds_positions_and_to
 
 
 def test_gumbel_noise_never_repeats_for_distinct_seed_position_and_token():
-    # 1024 values from 2**24 possible uniforms: a repeat would point at the hash, not at chance
+    # 1024 values from 2**23 possible uniforms: a repeat would point at the hash, not at chance
     noise = noise_grid([0, 1, -1, fold_seed(MAX_SEED)], 16, 16)
     assert noise.unique().numel() == noise.numel()
+
+
+def test_the_uniforms_of_the_extreme_hashes_lie_strictly_inside_zero_and_one():
+    u = uniform(torch.tensor([0, 1, 0xFFFFFE00, 0xFFFFFF00, 0xFFFFFFFF]))
+    assert ((u > 0) & (u < 1)).all()
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()
+
+
+# the hash of seed 5,614,732, output position 0 and token 3 is all ones in its top 24 bits (found
+# by scanning seeds), whose uniform rounded to 1.0 when 24 bits made it: +inf noise
+TOP_HASH_SEED, TOP_HASH_TOKEN = 5_614_732, 3
+
+
+@pytest.mark.parametrize("use_filters", [False, True])
+def test_a_token_with_the_top_hash_is_drawn_by_its_logit_like_any_other(use_filters):
+    """Row 0 masks every token but 5 (-inf), row 1 gives token 3 a logit 40 below the others':
+    neither draws token 3, whose noise is the largest any hash gives."""
+    logits = torch.full((2, 8), float("-inf"))
+    logits[0, 5] = 0.0
+    logits[1] = torch.zeros(8).index_fill_(0, torch.tensor([TOP_HASH_TOKEN]), -40.0)
+    params = SamplingTensors(
+        torch.ones(2), torch.zeros(2, dtype=torch.int32), torch.ones(2), torch.zeros(2),
+        torch.full((2,), TOP_HASH_SEED, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
+    )  # fmt: skip
+    noise = gumbel_noise(params.seeds, params.positions, torch.arange(8))
+    assert torch.isfinite(noise).all() and noise[0].argmax() == TOP_HASH_TOKEN
+    drawn = sample(logits, params, use_filters).tolist()
+    assert drawn[0] == 5 and drawn[1] != TOP_HASH_TOKEN
 
 
 def test_gumbel_noise_of_a_token_does_not_depend_on_where_it_sits_in_the_row():

@@ -55,6 +55,20 @@ def test_half_precision_logits_are_read_as_they_are(dtype):
     check_matches_torch(rows=5, vocab=9000, seed=7, scale=3.0, num_chunks=3, dtype=dtype)
 
 
+def test_a_token_with_the_top_hash_is_drawn_by_its_logit_like_any_other():
+    """As test_sampling's: the kernel's noise stays finite where the hash is the largest."""
+    from test_sampling import TOP_HASH_SEED, TOP_HASH_TOKEN
+
+    logits = torch.zeros(2, 8, device=DEVICE)
+    logits[0] = float("-inf")
+    logits[0, 5] = 0.0
+    logits[1, TOP_HASH_TOKEN] = -40.0
+    seeds = torch.full((2,), TOP_HASH_SEED, dtype=torch.int32, device=DEVICE)
+    positions = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    drawn = kernel.gumbel_argmax(logits, torch.ones(2, device=DEVICE), seeds, positions)
+    assert drawn.tolist()[0] == 5 and drawn.tolist()[1] != TOP_HASH_TOKEN
+
+
 @pytest.mark.parametrize("num_chunks", [1, 3])
 def test_greedy_rows_take_the_first_maximum(num_chunks):
     logits = torch.zeros(4, 4100, device=DEVICE)

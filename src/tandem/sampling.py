@@ -362,8 +362,16 @@ def gumbel_noise(
     """
     row_key = _mix32((seeds.long() & 0xFFFFFFFF) ^ _mix32(positions.long() & 0xFFFFFFFF))[:, None]
     h = _mix32((row_key + _mul32(token_ids.long(), 0x9E3779B9)) & 0xFFFFFFFF)
-    u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1)
-    return -torch.log(-torch.log(u))
+    return -torch.log(-torch.log(uniform(h)))
+
+
+def uniform(h: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes -> float32 uniform in (0, 1), both ends excluded exactly: the top 23 bits
+    plus a half, over 2**23, is at most 1 - 2**-24, a float32 below 1. With 24 bits the top
+    value rounded to 1.0, whose noise is +inf: one hash in 2**24, so about one row in 130 of a
+    128K vocabulary sampled that token whatever its logit (a masked one's -inf + inf is NaN,
+    which argmax takes too)."""
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass

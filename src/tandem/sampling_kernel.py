@@ -87,9 +87,11 @@ def gumbel_argmax_kernel(
             other=float("-inf"),
         ).to(tl.float32)
         h = _mix32((row_key + (token.to(tl.uint32) * 0x9E3779B9).to(tl.uint32)).to(tl.uint32))
-        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as sampling.uniform
+        # -log2(u) is at least 8.6e-8 (u <= 1 - 2**-24); the approximate log2 may give 0 or less
+        # so close to 1, whose log is then -inf or NaN: floored just under the exact least
         score = (
-            logit * scale - libdevice.fast_log2f(-libdevice.fast_log2f(u))
+            logit * scale - libdevice.fast_log2f(tl.maximum(-libdevice.fast_log2f(u), 8.5e-8))
             if FAST_LOG
             else logit / divisor - tl.log(-tl.log(u))
         )

@@ -7,6 +7,7 @@ batch); bad lines against the error the HTTP server gives for the same body.
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import runpy
 import sys
@@ -169,6 +170,13 @@ def test_a_line_is_read_alone_whatever_its_bytes(tmp_path):
     assert [r.custom_id for r in batch.requests] == ["cr", "b"]
     [bad] = batch.bad_lines
     assert bad["error"]["message"].startswith("line 2 is not UTF-8 text")
+
+
+def test_a_file_that_starts_with_a_byte_order_mark_reads_its_first_line(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(codecs.BOM_UTF8 + (request("a", {}) + "\n" + request("b", {})).encode())
+    batch = read_batch_file(path)
+    assert [r.custom_id for r in batch.requests] == ["a", "b"] and not batch.bad_lines
 
 
 def test_only_output_lines_count_as_finished_and_a_pipe_is_not_read_back(batch, tmp_path):

@@ -1391,6 +1391,10 @@ def test_stream_options_without_stream_is_a_400(server):
     assert_openai_error(post(server, "/v1/completions", body), 400, param="stream_options")
     chat = {"messages": MESSAGES, "stream": False, "stream_options": {"include_usage": True}}
     assert_openai_error(post(server, "/v1/chat/completions", chat), 400, param="stream_options")
+    unset = {"messages": MESSAGES, "max_tokens": 2, "stream_options": {"include_usage": False}}
+    assert_openai_error(post(server, "/v1/chat/completions", unset), 400, param="stream_options")
+    empty = {"prompt": PROMPT, "max_tokens": 2, "stream_options": {}}  # vLLM takes it too
+    assert post(server, "/v1/completions", empty).json()["usage"]["completion_tokens"] == 2
 
 
 def test_stop_strings_past_the_caps_are_400s_and_the_caps_are_configurable(server, folder):
@@ -1474,6 +1478,10 @@ def test_prompt_logprobs_as_vllm_per_completion_choice_and_once_for_a_chat(serve
     streamed = post(server, "/v1/completions", {**body, "stream": True})
     assert streamed.status_code == 400
     assert streamed.json()["error"]["param"] == "prompt_logprobs"
+    # 0 asks for no more than each prompt token's own: taken in a stream (which shows none)
+    streamed = post(server, "/v1/completions", {**body, "prompt_logprobs": 0, "stream": True})
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+    assert "prompt_logprobs" not in streamed.text
     negative = post(server, "/v1/completions", {**body, "prompt_logprobs": -2})
     assert negative.status_code == 400
 

@@ -14,6 +14,7 @@ dropped, and so are server errors (5xx), which are asked again.
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import uuid
@@ -101,8 +102,10 @@ def streams(value: Any) -> bool:
 def read_batch_file(path: str | Path) -> BatchFile:
     """Every non-blank line as a request or an error line; duplicate custom_ids reject the file."""
     requests, bad_lines = [], []
-    # lines end at "\n" alone (a "\r" inside one is JSON whitespace), each decoded on its own
-    for number, raw in enumerate(Path(path).read_bytes().split(b"\n"), start=1):
+    # lines end at "\n" alone (a "\r" inside one is JSON whitespace), each decoded on its own,
+    # after the UTF-8 byte order mark that Windows tools start a file with
+    data = Path(path).read_bytes().removeprefix(codecs.BOM_UTF8)
+    for number, raw in enumerate(data.split(b"\n"), start=1):
         if not raw.strip():
             continue
         try:

@@ -35,6 +35,7 @@ from tandem.server.protocol import (
     CompletionRequest,
     OpenAIError,
     SamplingRequest,
+    StreamOptions,
     TokenizeRequest,
 )
 from tandem.server.tool_calls import NamedToolOutput, OutputReader, PlainOutput, collect
@@ -343,11 +344,8 @@ class OpenAIServing:
             self.llm.engine.admission.check_priority(body.priority)
         except ValueError as error:  # a priority under fcfs
             raise OpenAIError(str(error), param="priority") from error
-        if body.stream_options is not None and not body.stream:
-            raise OpenAIError("stream_options needs stream set to true", param="stream_options")
-        if body.prompt_logprobs is not None and body.stream:  # as vLLM's
-            message = "prompt_logprobs are not available when stream is true"
-            raise OpenAIError(message, param="prompt_logprobs")
+        check_stream_options(body.stream_options, body.stream)
+        check_streamed_prompt_logprobs(body.prompt_logprobs, body.stream, "prompt_logprobs")
         if body.logprob_token_ids and body.use_beam_search:
             message = "logprob_token_ids is not supported with use_beam_search"
             raise OpenAIError(message, param="logprob_token_ids")
@@ -796,6 +794,20 @@ def finish_reason(reason: str | None, reader: OutputReader) -> str | None:
 def log_disconnect(generation: Generation) -> None:
     """One line for a client that left: its requests were aborted, which is no error."""
     logger.info("%s: the client disconnected; its requests were aborted", generation.id)
+
+
+def check_stream_options(options: StreamOptions | None, stream: bool) -> None:
+    """vLLM's rule: stream_options that set something need stream true (an empty {} is taken)."""
+    if options is not None and options.model_fields_set and not stream:
+        raise OpenAIError("stream_options needs stream set to true", param="stream_options")
+
+
+def check_streamed_prompt_logprobs(prompt_logprobs: int | None, stream: bool, param: str) -> None:
+    """vLLM's rule: a stream shows no prompt logprobs, so one may ask for none beyond each
+    prompt token's own (prompt_logprobs 0, shown nowhere), not for more."""
+    if prompt_logprobs and stream:
+        message = "prompt_logprobs are not available when stream is true"
+        raise OpenAIError(message, param=param)
 
 
 def check_supported(body: SamplingRequest) -> None:

@@ -30,7 +30,14 @@ from tandem.server.protocol import (
     StreamOptions,
     Text,
 )
-from tandem.server.serving import ChatFormat, Choice, OpenAIServing, token_id_keys
+from tandem.server.serving import (
+    ChatFormat,
+    Choice,
+    OpenAIServing,
+    check_stream_options,
+    check_streamed_prompt_logprobs,
+    token_id_keys,
+)
 from tandem.tokenizer import encodable
 
 PARAMS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -111,12 +118,9 @@ def sampling_params(body: GenerateRequest, max_model_len: int, defaults: dict) -
 
 async def generate(serving: OpenAIServing, body: GenerateRequest, http: HttpRequest) -> Response:
     serving.check_model(body.model)
-    if body.stream_options is not None and not body.stream:
-        raise OpenAIError("stream_options needs stream set to true", param="stream_options")
+    check_stream_options(body.stream_options, body.stream)
     params = sampling_params(body, serving.llm.max_model_len, serving.llm.sampling_defaults)
-    if params.prompt_logprobs is not None and body.stream:
-        message = "prompt_logprobs are not available when stream is true"
-        raise OpenAIError(message, param="sampling_params")
+    check_streamed_prompt_logprobs(params.prompt_logprobs, body.stream, "sampling_params")
     serving.check_room([body.token_ids], params.max_tokens, "sampling_params.max_tokens")
     prompts = [(None, body.token_ids)]
     generation = await serving._start("generate-tokens", prompts, params, body, http)

@@ -592,8 +592,10 @@ class Format:
         return {"token_ids": token_ids} if self.generation.return_token_ids else {}
 
     def shows(self, output: StreamOutput) -> bool:
+        """Whether the output's chunk has something beside its text: its end, its logprobs or
+        its token ids where the request returns them."""
         wants_ids = self.generation.return_token_ids and output.token_ids
-        return bool(output.text or output.finished or output.logprobs or wants_ids)
+        return bool(output.finished or output.logprobs or wants_ids)
 
 
 class CompletionFormat(Format):
@@ -601,7 +603,7 @@ class CompletionFormat(Format):
 
     def delta_choice(self, index: int, choice: Choice, output: StreamOutput) -> dict | None:
         echo = choice.echo if not choice.started else None  # the prompt leads the first chunk
-        if echo is None and not self.shows(output):
+        if echo is None and not (output.text or self.shows(output)):
             return None
         echoed = len(choice.echo[0]) if choice.echo is not None else 0
         text_offset = echoed + len(choice.text) - len(output.text)
@@ -719,7 +721,7 @@ class ChatFormat(Format):
             delta["content"] = content  # plain chat starts with content, "" if none yet
         if read.calls:
             delta["tool_calls"] = [call.as_openai() for call in read.calls]
-        if not (delta or self.shows(output)):
+        if not (delta or self.shows(output)):  # text a tool parser holds back shows nothing
             return None
         return {
             "index": index,

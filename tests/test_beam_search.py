@@ -28,13 +28,21 @@ def next_logprobs(model, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens])).logits[0, -1].float().log_softmax(-1)
 
 
-def reference(model, prompt, width, max_tokens, eos=(), length_penalty=1.0, max_len=64):
-    """The search written out: extend every beam by its 2 x width most likely tokens, keep the
-    width best by cumulative logprob / length ** length_penalty; EOS ends a beam."""
+def reference(
+    model, prompt, width, max_tokens, eos=(), length_penalty=1.0, max_len=64, ignore_eos=False,
+    live_by_score=False,
+):  # fmt: skip
+    """vLLM's search written out: extend every beam by its 2 x width most likely tokens, keep
+    the width best by cumulative logprob (`live_by_score`: by the final ranking's score); EOS
+    ends a beam unless `ignore_eos`; the best by cumulative logprob / length ** length_penalty,
+    not counting a last EOS, are the answer."""
 
     def score(beam):
         tokens, cum = beam
         return cum / (len(tokens) - (tokens[-1] in eos)) ** length_penalty
+
+    def cumulative(beam):
+        return beam[1]
 
     beams, complete = [(list(prompt), 0.0)], []
     for _ in range(max_tokens):
@@ -47,8 +55,9 @@ def reference(model, prompt, width, max_tokens, eos=(), length_penalty=1.0, max_
             top = next_logprobs(model, tokens).topk(2 * width)
             for logprob, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
                 beam = ([*tokens, token], cum + logprob)
-                (complete if token in eos else candidates).append(beam)
-        beams = sorted(candidates, key=score, reverse=True)[:width]
+                (complete if token in eos and not ignore_eos else candidates).append(beam)
+        beams = sorted(candidates, key=score if live_by_score else cumulative, reverse=True)
+        beams = beams[:width]
     return sorted(complete + beams, key=score, reverse=True)[:width]
 
 
@@ -106,6 +115,21 @@ def test_an_eos_ends_its_beam_and_ignore_eos_extends_it(hf_model, tmp_path):
     assert ended  # with length_penalty 0 the one-token beam is among the best
     [output] = llm.beam_search(prompt, BeamSearchParams(3, 5, ignore_eos=True, length_penalty=0.0))
     assert all(len(s.tokens) == len(PROMPTS[0]) + 5 for s in output.sequences)
+
+
+def test_live_beams_are_kept_by_their_sum_of_logprobs_as_in_vllm(hf_model, tmp_path):
+    """With ignore_eos a live beam may end in an EOS, which the length penalty's score counts one
+    token shorter: the beams kept each round are the best by cumulative logprob all the same
+    (found by search: EOS 327 and this prompt keep other beams when ranked by score)."""
+    folder, model = hf_model
+    eos_folder = Path(shutil.copytree(folder, tmp_path / "eos"))
+    (eos_folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 327}))
+    prompt, args = [139, 176], (3, 5, (327,), 3.0)
+    expected = reference(model, prompt, *args, ignore_eos=True)
+    assert expected != reference(model, prompt, *args, ignore_eos=True, live_by_score=True)
+    llm = LLM(str(eos_folder), **ENGINE_ARGS)
+    params = BeamSearchParams(beam_width=3, max_tokens=5, length_penalty=3.0, ignore_eos=True)
+    assert_same(llm.beam_search([{"prompt_token_ids": prompt}], params), [expected])
 
 
 def test_beams_stop_at_the_context_length(hf_model):

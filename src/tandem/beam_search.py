@@ -2,10 +2,10 @@
 
 Each round generates one token for every live beam of the prompts in flight, with the top
 2 x beam_width logprobs (the model's own distribution), extends each beam by each of those
-tokens, and keeps the beam_width best by score (cumulative logprob / length ** length_penalty,
-an EOS not counted in the length). A beam that reaches an end-of-sequence token, or the context
-length, is complete; after max_tokens rounds the live beams join the complete ones, and the
-beam_width best of those are the answer. The beams of a prompt share its blocks in the prefix
+tokens, and keeps the beam_width best by cumulative logprob. A beam that reaches an
+end-of-sequence token, or the context length, is complete; after max_tokens rounds the live
+beams join the complete ones, and the beam_width best of those by score (cumulative logprob /
+length ** length_penalty, an EOS not counted in the length) are the answer. The beams of a prompt share its blocks in the prefix
 cache, so a round computes about one token per beam.
 """
 
@@ -190,7 +190,10 @@ class BeamSearch:
                         search.complete.append(candidate)
                     else:
                         candidates.append(candidate)
-            search.beams = sorted(candidates, key=self.key, reverse=True)[: self.params.beam_width]
+            # as vLLM's: the live beams by their sum of logprobs (one length; the length penalty
+            # ranks the answer in `best`, where a last EOS, kept under ignore_eos, is not counted)
+            ranked = sorted(candidates, key=lambda beam: beam.cum_logprob, reverse=True)
+            search.beams = ranked[: self.params.beam_width]
 
     def best(self, tokenizer: Any) -> list[BeamSearchOutput]:
         """Each prompt's beam_width best beams, complete or live, with their text."""

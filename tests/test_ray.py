@@ -246,6 +246,42 @@ def test_requests_sharing_a_prefix_go_to_one_replica(client):
         assert len(replicas) == 1
 
 
+def test_routes_on_the_engine_as_a_whole_are_broadcast():
+    from tandem.ray.serve import ENGINE_ROUTES
+    from tandem.server.admin import admin_router
+
+    assert {route.path for route in admin_router(None).routes} - ENGINE_ROUTES == {
+        "/get_world_size"
+    }
+
+
+def test_a_weight_update_reaches_every_replica(service, folder, tmp_path_factory):
+    """/update_weights_from_path runs on each replica (it reached one of the two): requests
+    answered by either replica come from the new weights; a bad path is one 400."""
+    from tandem.model.tiny import make_tiny_model
+
+    other = str(make_tiny_model(tmp_path_factory.mktemp("other"), "llama", seed=1))
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    prompts = [f"Question {i}: which weights answer?" for i in range(12)]
+    want = [o.outputs[0].text for o in LLM(other, **SERVE_ARGS).generate(prompts, greedy, False)]
+    update = f"{service}/update_weights_from_path"
+    answer = httpx.post(update, json={"path": other}, timeout=120)
+    try:
+        assert answer.status_code == 200 and answer.json() == {"updated": True}, answer.text
+        assert len(set(answer.headers["x-tandem-replica"].split(","))) == 2
+        replicas = set()
+        for prompt, text in zip(prompts, want, strict=True):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+            got = httpx.post(f"{service}/v1/completions", json=body, timeout=60)
+            assert got.json()["choices"][0]["text"] == text
+            replicas.add(got.headers["x-tandem-replica"])
+        assert len(replicas) == 2
+        bad = httpx.post(update, json={"path": "/no/such/checkpoint"}, timeout=60)
+        assert bad.status_code == 400 and "/no/such/checkpoint" in bad.text
+    finally:
+        assert httpx.post(update, json={"path": folder}, timeout=120).status_code == 200
+
+
 def test_a_replica_killed_mid_request_fails_its_requests_and_the_service_goes_on(client, service):
     """A streamed request on the killed replica ends with an error event, a plain one with a
     503. The plain one is sent beside the stream and given the time of a few more streamed

@@ -9,13 +9,15 @@ it whole and streams the reply back, so validation, errors and response shapes a
 The router sends requests with one prompt prefix key to one replica (`prefix_routing`), the next
 ones on the ring when that replica has `max_num_seqs` requests ongoing. A request that reads a
 stored response (/v1/responses' previous_response_id, GET and DELETE of one) goes to the
-replica that stored it, which its id names (`responses.owner`). A replica that dies
-fails its in-flight requests with a 503 (or, mid-stream, an error event), and Ray Serve's
-controller starts a new one in its place.
+replica that stored it, which its id names (`responses.owner`). A call on the engine as a whole
+(`ENGINE_ROUTES`: weight updates, sleep, ...) runs on every replica (`Ingress.broadcast`). A
+replica that dies fails its in-flight requests with a 503 (or, mid-stream, an error event), and
+Ray Serve's controller starts a new one in its place.
 """
 
 # No `from __future__ import annotations`: Serve rebuilds the ingress's route functions in its own
-# module, where FastAPI could not resolve string annotations such as "HttpRequest".
+# module, where FastAPI could not resolve string annotations such as "HttpRequest"; what the
+# ingress calls is defined above it (a function defined below it was a NameError there).
 import asyncio
 import contextlib
 import json
@@ -46,6 +48,17 @@ logger = logging.getLogger(__name__)
 
 REPLICA_HEADER = "x-tandem-replica"  # the replica that answered: its Ray actor's name
 APP_NAME = "tandem"
+# calls on the engine as a whole (server/admin.py's routes but /get_world_size, /abort_requests,
+# the runtime LoRA routes): every replica runs them, as every vLLM data-parallel engine does
+ENGINE_ROUTES = frozenset(
+    {
+        "/pause_generation", "/resume_generation", "/pause", "/resume", "/is_paused", "/sleep",
+        "/is_sleeping", "/wake_up", "/reset_prefix_cache", "/init_weight_transfer_engine",
+        "/start_weight_update", "/update_weights", "/finish_weight_update", "/start_profile",
+        "/stop_profile", "/update_weights_from_path", "/abort_requests", "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+    }
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,10 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         kwargs = pending_request.kwargs if pending_request else {}
+        if kwargs.get("rank") is not None:  # a call every replica runs: the rank-th by id
+            index, _ = kwargs["rank"]
+            ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+            return [[ordered[index % len(ordered)]]]
         owner = [r for r in candidate_replicas if r.replica_id.unique_id == kwargs.get("owner")]
         if owner:  # it holds the stored response the request reads: it alone, when it has room
             return [owner]
@@ -95,11 +112,15 @@ class EngineReplica:
         self.app.state.responses.tag = replica_id.unique_id
 
     async def forward(
-        self, request: ForwardedRequest, prefix_key: str | None = None, owner: str | None = None
+        self,
+        request: ForwardedRequest,
+        prefix_key: str | None = None,
+        owner: str | None = None,
+        rank: tuple[int, int] | None = None,
     ) -> AsyncIterator[Any]:
         """Yields (status, headers), then the body's chunks, as the app sends them.
 
-        `prefix_key` and `owner` are read by the router (PrefixAffinityRouter), not here.
+        `prefix_key`, `owner` and `rank` are read by the router (PrefixAffinityRouter), not here.
         """
         sent: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         caller_left = asyncio.Event()
@@ -180,6 +201,12 @@ async def rest_of(reply, headers: list[tuple[str, str]]) -> AsyncIterator[bytes]
         yield f"data: {json.dumps(replica_died().body())}\n\ndata: [DONE]\n\n".encode()
 
 
+async def whole(reply) -> tuple[int, list[tuple[str, str]], bytes]:
+    """A replica's reply read to its end: status, headers and body."""
+    status, headers = await reply.__anext__()
+    return status, headers, b"".join([chunk async for chunk in reply])
+
+
 ingress_app = FastAPI(title="tandem")
 
 
@@ -187,9 +214,10 @@ ingress_app = FastAPI(title="tandem")
 class Ingress:
     """Forwards every request to an engine replica, routed by its prompt's prefix key."""
 
-    def __init__(self, engine: DeploymentHandle, block_size: int):
+    def __init__(self, engine: DeploymentHandle, block_size: int, num_replicas: int):
         self.engine = engine
         self.block_size = block_size
+        self.num_replicas = num_replicas
 
     @ingress_app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "OPTIONS"])
     async def forward(self, path: str, http: HttpRequest) -> Response:
@@ -197,6 +225,8 @@ class Ingress:
         request = ForwardedRequest(
             http.method, http.url.path, http.url.query.encode(), http.headers.raw, body
         )
+        if request.path in ENGINE_ROUTES:
+            return await self.broadcast(request)
         key = prefix_key(request.path, body, self.block_size)
         owner = responses.owner(http.method, request.path, body)
         reply = self.engine.options(stream=True).forward.remote(
@@ -210,6 +240,36 @@ class Ingress:
         except RayTaskError as error:  # the replica raised outside the app's own error handling
             return OpenAIError(f"internal error: {error}", 500, "server_error").response()
         return StreamingResponse(rest_of(reply, headers), status_code=status, headers=dict(headers))
+
+    async def broadcast(self, request: ForwardedRequest) -> Response:
+        """Every replica runs the call, at once (a weight transfer joins them all in one group).
+        The answer is the first replica's (an /abort_requests' names what any aborted), or the
+        first error; a 503 where fewer replicas answered than serve (one is being restarted)."""
+        size = self.num_replicas
+        replies = [
+            self.engine.options(stream=True).forward.remote(request, rank=(rank, size))
+            for rank in range(size)
+        ]
+        try:
+            answers = await asyncio.gather(*(whole(reply) for reply in replies))
+        except (RayActorError, ActorUnavailableError) as error:
+            logger.warning("a replica died with an engine call in flight: %s", error)
+            return replica_died().response()
+        names = sorted({dict(headers)[REPLICA_HEADER] for _, headers, _ in answers})
+        if len(names) < size:
+            message = (
+                f"{len(names)} of the {size} engine replicas ran {request.path} (one is being "
+                "restarted, with the model's own weights); retry"
+            )
+            return OpenAIError(message, 503, "server_error", code="replica_missing").response()
+        failed = [answer for answer in answers if answer[0] != 200]
+        status, headers, body = failed[0] if failed else answers[0]
+        if not failed and request.path == "/abort_requests":
+            aborted = [i for _, _, b in answers for i in json.loads(b)["aborted"]]
+            body = json.dumps({"aborted": sorted(set(aborted))}).encode()
+        kept = {k: v for k, v in headers if k not in ("content-length", REPLICA_HEADER)}
+        kept[REPLICA_HEADER] = ",".join(names)
+        return Response(body, status_code=status, headers=kept)
 
 
 def build_serve_app(
@@ -243,7 +303,7 @@ def build_serve_app(
         max_ongoing_requests=10_000,  # it only forwards; the engines' limits apply behind it
         ray_actor_options={"num_cpus": 0},
     )
-    return ingress.bind(engine, engine_args.get("block_size") or 16)
+    return ingress.bind(engine, engine_args.get("block_size") or 16, data_parallel_size)
 
 
 def serve_data_parallel(

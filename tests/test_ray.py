@@ -13,6 +13,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -94,20 +95,42 @@ def test_ray_data_over_two_actors_matches_one_engine(local_ray, folder):
     assert all(b["generated_token_ids"] is None for b in bad)
 
 
+def objects(*values):
+    """A numpy object column, as Ray Data hands a batch's cells over."""
+    column = np.empty(len(values), dtype=object)
+    column[:] = values
+    return column
+
+
+def test_rows_logit_bias_from_json_and_the_callers_max_tokens_none(folder):
+    """A JSON row's logit_bias keys are text, and Arrow gives each row the other rows' keys as
+    None: the biases hold as given. The caller's max_tokens=None runs to the context's end (it
+    was taken for an unset cell: 16 tokens)."""
+    from tandem.ray.data import LLMPredictor
+
+    prompts = objects(np.full(200, 5), np.full(200, 6))
+    biases = objects(
+        {"logit_bias": {"5": 100.0, "7": None}}, {"logit_bias": {"5": None, "7": 100.0}}
+    )
+    defaults = {"max_tokens": None, "temperature": 0}
+    predictor = LLMPredictor(folder, sampling_params=defaults, **ENGINE_ARGS)
+    try:
+        out = asyncio.run(predictor({"prompt_token_ids": prompts, "sampling_params": biases}))
+    finally:
+        predictor.llm.shutdown()
+    assert out["error"] == [None, None]
+    left = ENGINE_ARGS["max_model_len"] - 200
+    assert out["generated_token_ids"] == [[5] * left, [7] * left]
+
+
 def test_a_batch_of_mixed_rows_comes_back_as_plain_columns_each_bad_row_on_its_own(folder):
     """Ray Data hands a batch over as numpy object columns; one holding an id array on one row
     and None on the next is a column Arrow cannot type (write_json then failed in every retry),
     so every column comes back as Python lists. A row whose sampling_params is no dict fails
     alone, with its error."""
-    import numpy as np
     import pyarrow as pa
 
     from tandem.ray.data import LLMPredictor
-
-    def objects(*values):
-        column = np.empty(len(values), dtype=object)
-        column[:] = values
-        return column
 
     batch = {
         "prompt_token_ids": objects(np.array([5, 6, 7]), None, None),

@@ -95,7 +95,9 @@ class LLMPredictor:
     """A callable class for `Dataset.map_batches`: one engine per actor, a batch of rows at a call."""
 
     def __init__(self, model: str, sampling_params: dict[str, Any] | None = None, **engine_args):
-        self.defaults = check_sampling_fields(sampling_params or {})
+        # the caller's own dict: a None in it is that field's value (max_tokens=None: to the
+        # context's end), not a cell left unset
+        self.defaults = check_sampling_fields(sampling_params or {}, cells=False)
         self.llm = AsyncLLM.from_model(model, **engine_args)
 
     async def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -138,17 +140,32 @@ class LLMPredictor:
         return params
 
 
-def check_sampling_fields(params: Any) -> dict[str, Any]:
-    """The fields set (an unset cell, which a row gets for another row's field, is left out)."""
+def check_sampling_fields(params: Any, cells: bool = True) -> dict[str, Any]:
+    """The fields set. With `cells` (a row's dict), an unset cell, which a row gets for another
+    row's field, is left out, and so is a logit_bias entry that another row's bias gave it."""
     if not isinstance(params, dict):
         raise TypeError(f"sampling_params must be a dict, got {type(params).__name__}")
-    params = {k: v for k, v in params.items() if not missing(v)}
+    if cells:
+        params = {k: v for k, v in params.items() if not missing(v)}
     unknown = sorted(set(params) - SAMPLING_FIELDS)
     if unknown:
         raise ValueError(
             f"sampling_params: unknown field(s) {unknown}; known: {sorted(SAMPLING_FIELDS)}"
         )
-    return {k: as_int(plain(v)) if k in INT_FIELDS else plain(v) for k, v in params.items()}
+    checked = {k: as_int(plain(v)) if k in INT_FIELDS else plain(v) for k, v in params.items()}
+    if isinstance(checked.get("logit_bias"), dict):
+        checked["logit_bias"] = token_keys(checked["logit_bias"], cells)
+    return checked
+
+
+def token_keys(bias: dict[Any, Any], cells: bool) -> dict[Any, Any]:
+    """A logit_bias with its token ids as ints: a JSON row's keys are text ("5"), as OpenAI's
+    logit_bias gives them."""
+    return {
+        int(token) if isinstance(token, str) and token.isdigit() else token: value
+        for token, value in bias.items()
+        if not (cells and missing(value))
+    }
 
 
 def missing(value: Any) -> bool:

@@ -102,7 +102,7 @@ def test_left_out_max_tokens_fills_the_context(url):
         ({"token_ids": [1], "sampling_params": {"max_tokens": 1000}}, "sampling_params.max_tokens"),
         ({"token_ids": [1], "priority": 2}, "priority"),
         ({"token_ids": [1], "stream_options": {"include_usage": True}}, "stream_options"),
-        ({"token_ids": [1], "stream": True, "sampling_params": {"prompt_logprobs": 0}},
+        ({"token_ids": [1], "stream": True, "sampling_params": {"prompt_logprobs": 1}},
          "sampling_params"),
         ({"token_ids": [1], "model": "other"}, "model"),
         ({"token_ids": [1], "prompt": "x"}, "prompt"),

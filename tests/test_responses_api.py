@@ -95,7 +95,7 @@ def test_the_events_of_a_stream_make_the_same_response(client):
     kinds = [event.type for event in events]
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[-1] in ("response.completed", "response.incomplete")
-    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
+    assert [e.sequence_number for e in events] == list(range(len(events)))  # OpenAI's: from 0
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == whole.output_text and events[-1].response.output_text == text
     assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
@@ -131,8 +131,12 @@ def test_previous_response_id_continues_the_conversation(client):
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
-    with pytest.raises(openai.NotFoundError, match=r"previous_response_id|not stored"):
+    with pytest.raises(openai.NotFoundError, match=r"previous_response_id|not stored") as gone:
         client.responses.create(model="tiny", input="x", previous_response_id=first.id)
+    assert gone.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.NotFoundError) as gone:
+        client.responses.retrieve(first.id)
+    assert gone.value.body["param"] == "response_id"  # the path's id, not a field's
     unstored = client.responses.create(model="tiny", input="x", store=False, **GREEDY)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
@@ -246,6 +250,21 @@ def test_a_background_response_is_queued_then_stored_as_it_ends(client):
         client.responses.cancel(whole.id)
 
 
+def test_a_failed_background_response_names_the_field_as_a_foreground_one(client):
+    too_long = {"model": "tiny", "input": "x " * 300, "max_output_tokens": 2}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(**too_long)
+    assert refused.value.body["param"] == "input"
+    queued = client.responses.create(background=True, **too_long)
+    deadline = time.monotonic() + 30
+    while (failed := client.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert failed.status == "failed"
+    stored = client.responses.with_raw_response.retrieve(queued.id).http_response.json()
+    assert stored["error"]["param"] == "input"
+
+
 def test_a_cancelled_background_response_aborts_its_generation(client, url):
     long = {"model": "tiny", "input": "Go on.", "max_output_tokens": 200, "temperature": 0.0}
     long["extra_body"] = {"ignore_eos": True, "min_tokens": 200}
@@ -289,6 +308,12 @@ def test_a_cancelled_background_response_aborts_its_generation(client, url):
         ({"max_output_tokens": 0}, "max_output_tokens"),  # the chat's error, by this name
         ({"reasoning": {"effort": "sometimes"}}, "reasoning.effort"),
         ({"input": [{"role": "robot", "content": "x"}]}, "input.0.role"),
+        # the item's own index, not its chat message's (instructions, a joined function call)
+        ({"input": [{"role": "robot", "content": "x"}], "instructions": "Be terse."},
+         "input.0.role"),
+        ({"input": [{"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+                    {"type": "function_call", "call_id": "b", "name": "f", "arguments": "{}"},
+                    {"role": "robot", "content": "x"}]}, "input.2.role"),
         ({"text": {"format": {"type": "json_schema", "name": "n", "schmea": {}}}},
          "text.format.schmea"),
         ({"user": "\udcff"}, "user"),  # echoed in the answer: UTF-8 text only
@@ -461,3 +486,14 @@ def test_the_store_keeps_the_conversations_in_use(monkeypatch):
     with pytest.raises(OpenAIError, match="'b'") as error:
         store.conversation("c")
     assert error.value.status_code == 404
+
+
+def test_a_response_with_no_text_and_no_call_adds_no_message_to_its_conversation():
+    """Cut off while thinking, or cancelled before a token: its turn is its input alone (an
+    assistant message without content made the next turn's chat request a 400)."""
+    store = responses.ResponseStore()
+    thought = [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hm"}]}]
+    for response_id, output in (("thinking", thought), ("cancelled", [])):
+        response = {"id": response_id, "previous_response_id": None, "output": output}
+        store.put_answered(response, [{"role": "user", "content": "Why?"}])
+        assert store.conversation(response_id) == [{"role": "user", "content": "Why?"}]

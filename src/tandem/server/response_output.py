@@ -82,8 +82,9 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
     }
 
 
-def assistant_message(output: list[dict[str, Any]]) -> dict[str, Any]:
-    """The output items as the assistant's chat message, for the turn stored."""
+def assistant_message(output: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The output items as the assistant's chat message, for the turn stored; None where they
+    hold no text and no call (cut off while thinking, cancelled early), as vLLM's history."""
     text = "".join(
         part["text"] for item in output if item["type"] == "message" for part in item["content"]
     )
@@ -93,6 +94,8 @@ def assistant_message(output: list[dict[str, Any]]) -> dict[str, Any]:
         for item in output
         if item["type"] == "function_call"
     ]  # fmt: skip
+    if not (text or calls):
+        return None
     message: dict[str, Any] = {"role": "assistant", "content": text or None}
     if calls:
         message["tool_calls"] = calls
@@ -128,7 +131,7 @@ class StreamEvents:
         inputs: list[dict[str, Any]],
     ):
         self.base, self.serving, self.store, self.inputs = base, serving, store, inputs
-        self.number = 0
+        self.number = -1  # the first event's is 0, as OpenAI's and vLLM's
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item deltas go to
         self.open_text = ""  # the open reasoning or message item's text so far

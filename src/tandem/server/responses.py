@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -128,15 +129,17 @@ class ResponseStore:
 
     def put_answered(self, response: dict[str, Any], inputs: list[dict[str, Any]]) -> None:
         """A response that ended, its turn its input messages and its output as the answer."""
-        self.put(response, [*inputs, assistant_message(response["output"])])
+        answer = assistant_message(response["output"])
+        self.put(response, [*inputs, answer] if answer else inputs)
 
-    def get(self, response_id: str) -> dict[str, Any]:
+    def get(self, response_id: str, param: str = "response_id") -> dict[str, Any]:
+        """The stored response; a 404 naming `param` (the field that gave the id) if none."""
         if response_id not in self.responses:
             raise OpenAIError(
                 f"no response {response_id!r} here: it was not stored (store=false), was deleted, "
                 f"or was used longest ago of more than this server's {MAX_STORED}",
                 404,
-                param="previous_response_id",
+                param=param,
                 code="not_found",
             )
         self.responses.move_to_end(response_id)  # recently used: kept longest
@@ -147,7 +150,7 @@ class ResponseStore:
         way used again; one missing is a 404."""
         turns = []
         while response_id is not None:
-            response = self.get(response_id)
+            response = self.get(response_id, "previous_response_id")
             if response.get("status") in RUNNING:
                 raise OpenAIError(
                     f"response {response_id!r} is still {response['status']}: wait until it "
@@ -195,19 +198,26 @@ async def create(
     """POST /v1/responses: the chat request's answer as a Response, or as its events."""
     refuse_unsupported(body)
     history = store.conversation(body.previous_response_id) if body.previous_response_id else []
-    inputs = input_messages(body.input)
-    messages = [*instructions(body), *history, *inputs]
+    inputs, items = input_messages(body.input)
+    given = instructions(body)
+    messages = [*given, *history, *inputs]
+    # what each chat message came from, for an error's param
+    origins = [
+        *["instructions"] * len(given),
+        *["previous_response_id"] * len(history),
+        *[f"input.{i}" if i is not None else "input" for i in items],
+    ]
     base = response_base(store.new_id(), body, serving.answered_name(body.model))
     try:
         chat = chat_request(body, messages, stream=bool(body.stream or body.background))
         if body.background:
-            run = run_in_background(serving, store, base, inputs, chat, http)
+            run = run_in_background(serving, store, base, inputs, chat, http, origins)
             store.running[base["id"]] = asyncio.ensure_future(run)
             store.put({**base, "status": "queued"}, inputs)
             return JSONResponse(store.get(base["id"]))
         answer = await serving.chat(chat, http)
     except OpenAIError as error:  # the chat request's field, by this request's name
-        error.param = renamed(error.param)
+        error.param = renamed(error.param, origins)
         raise
     if isinstance(answer, StreamingResponse):
         events = StreamEvents(base, serving, store if body.store else None, inputs)
@@ -232,6 +242,7 @@ async def run_in_background(
     inputs: list[dict[str, Any]],
     chat: ChatCompletionRequest,
     http: HttpRequest,
+    origins: list[str],
 ) -> None:
     """A background response: the chat stream read to its end (no client reads its events),
     the response stored in progress, then as it ended: completed, incomplete, failed, or
@@ -242,12 +253,15 @@ async def run_in_background(
         store.put(events.base, inputs)
         answer = await serving.chat(chat, http)
         if not isinstance(answer, StreamingResponse):  # an error answered before generating
-            response = {**base, "status": "failed", "error": json.loads(answer.body)["error"]}
+            error = json.loads(answer.body)["error"]
+            error["param"] = renamed(error.get("param"), origins)
+            response = {**base, "status": "failed", "error": error}
         else:
             async for _ in events.run(answer.body_iterator):
                 pass
             response = events.response
     except OpenAIError as error:
+        error.param = renamed(error.param, origins)
         response = {**base, "status": "failed", "error": error.body()["error"]}
     except asyncio.CancelledError:
         if response_id in store.responses:  # cancelled, not deleted
@@ -259,8 +273,12 @@ async def run_in_background(
         store.put_answered(response, inputs)
 
 
-def renamed(param: str | None) -> str | None:
-    """A chat request's field (e.g. max_completion_tokens) by the name this request gave it."""
+def renamed(param: str | None, origins: list[str]) -> str | None:
+    """A chat request's field (e.g. max_completion_tokens) by the name this request gave it;
+    messages.N by what the message came from (`origins`: input.i, previous_response_id, ...)."""
+    index = re.match(r"messages\.(\d+)", param or "")
+    if index and int(index[1]) < len(origins):
+        return origins[int(index[1])] + param[index.end() :]
     for chat_name, name in RENAMED.items():  # the longer names first
         if param == chat_name or (param or "").startswith(chat_name + "."):
             return name + param[len(chat_name) :]
@@ -297,11 +315,15 @@ def instructions(body: ResponsesRequest) -> list[dict[str, Any]]:
     return [] if body.instructions is None else [{"role": "system", "content": body.instructions}]
 
 
-def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The input items as chat messages; consecutive function calls join one assistant message."""
+def input_messages(
+    items: str | list[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], list[int | None]]:
+    """The input items as chat messages, and the index of the item each began with (None for a
+    text input); consecutive function calls join one assistant message."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+        return [{"role": "user", "content": items}], [None]
     messages: list[dict[str, Any]] = []
+    starts: list[int | None] = []
     for i, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "message":
@@ -321,7 +343,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             )
         elif kind != "reasoning":
             raise OpenAIError(f"input items of type {kind!r} are not supported", param=f"input.{i}")
-    return messages
+        starts += [i] * (len(messages) - len(starts))  # the message it began, if any
+    return messages, starts
 
 
 def message_text(item: dict[str, Any], index: int) -> Any:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.metrics import HELP, Counter, Gauge
+from tandem.metrics import FINISH_REASONS, HELP, Counter, Gauge
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +38,11 @@ def test_get_metrics_counts_the_tokens_made_and_requests_finished(folder):
     for c in samples:
         reasons[c.finish_reason] = reasons.get(c.finish_reason, 0) + 1
     finished = {
-        dict(k[1])["reason"]: v for k, v in got.items() if k[0] == "tandem_requests_finished"
+        dict(k[1])["finished_reason"]: v for k, v in got.items() if k[0] == "tandem_request_success"
     }
-    assert finished == reasons and reasons["stop"] == 1 and reasons["length"] == 3
+    assert {r: n for r, n in finished.items() if n} == reasons  # vLLM's name and label
+    assert reasons["stop"] == 1 and reasons["length"] == 3
+    assert set(finished) == set(FINISH_REASONS)  # each reason from 0, as vLLM's
     assert got[("tandem_kv_cache_usage_perc", ())] == 0.0
     assert got[("tandem_prefix_cache_queries", ())] >= got[("tandem_prefix_cache_hits", ())] > 0
     kinds = {m.name: type(m) for m in metrics}

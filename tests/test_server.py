@@ -1080,7 +1080,7 @@ def test_a_missing_or_wrong_api_key_is_a_401(server):
 
 def test_a_client_that_disconnects_mid_stream_aborts_and_frees_its_blocks(server):
     server.wait_until_idle()
-    aborted = server.metrics().get('tandem_requests_finished_total{reason="abort"}', 0)
+    aborted = server.metrics().get('tandem_request_success_total{finished_reason="abort"}', 0)
     body = {"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH) as r:
         lines = r.iter_lines()
@@ -1088,7 +1088,7 @@ def test_a_client_that_disconnects_mid_stream_aborts_and_frees_its_blocks(server
         assert server.llm.stats.num_running == 1
     server.wait_until_idle()
     metrics = server.metrics()
-    assert metrics['tandem_requests_finished_total{reason="abort"}'] == aborted + 1
+    assert metrics['tandem_request_success_total{finished_reason="abort"}'] == aborted + 1
     assert metrics["tandem_kv_cache_usage_perc"] == 0.0
 
 
@@ -1107,14 +1107,14 @@ def test_load_counts_the_generation_calls_being_answered(server):
 
 def test_a_client_that_leaves_a_non_streaming_request_aborts_it(server):
     server.wait_until_idle()
-    aborted = server.metrics().get('tandem_requests_finished_total{reason="abort"}', 0)
+    aborted = server.metrics().get('tandem_request_success_total{finished_reason="abort"}', 0)
     body = {"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         timeout = httpx.Timeout(10.0, read=0.1)  # 480 tokens take far longer than 0.1 s
         httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=timeout)
     server.wait_until_idle()
     metrics = server.metrics()
-    assert metrics['tandem_requests_finished_total{reason="abort"}'] == aborted + 1
+    assert metrics['tandem_request_success_total{finished_reason="abort"}'] == aborted + 1
 
 
 def test_a_hundred_concurrent_streams_get_the_offline_tokens_for_their_seeds(server, offline):
@@ -1187,7 +1187,7 @@ def test_metrics_parse_and_count_what_was_served(server, client, offline):
         "tandem_time_to_first_token_seconds_count": 1,
         "tandem_inter_token_latency_seconds_count": 4,
         "tandem_e2e_request_latency_seconds_count": 1,
-        'tandem_requests_finished_total{reason="length"}': 1,
+        'tandem_request_success_total{finished_reason="length"}': 1,
     }
     for name, delta in grew.items():
         assert after[name] - before.get(name, 0) == delta, name
@@ -1546,7 +1546,7 @@ def test_a_client_that_leaves_a_response_aborts_it(server, stream):
     """/v1/responses over the chat machinery: a stream left after its first event, or a
     response whose client stops waiting, ends its request and frees its blocks."""
     server.wait_until_idle()
-    aborted = server.metrics().get('tandem_requests_finished_total{reason="abort"}', 0)
+    aborted = server.metrics().get('tandem_request_success_total{finished_reason="abort"}', 0)
     body = {"input": PROMPT, "max_output_tokens": 480, "ignore_eos": True, "stream": stream}
     url = f"{server.url}/v1/responses"
     if stream:
@@ -1560,7 +1560,7 @@ def test_a_client_that_leaves_a_response_aborts_it(server, stream):
             httpx.post(url, json=body, headers=AUTH, timeout=httpx.Timeout(10.0, read=0.1))
     server.wait_until_idle()
     metrics = server.metrics()
-    assert metrics['tandem_requests_finished_total{reason="abort"}'] == aborted + 1
+    assert metrics['tandem_request_success_total{finished_reason="abort"}'] == aborted + 1
     assert metrics["tandem_kv_cache_usage_perc"] == 0.0
 
 

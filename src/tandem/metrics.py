@@ -73,8 +73,9 @@ HELP = {
     "tandem_num_preemptions": "Requests preempted for KV blocks",
     "tandem_prefix_cache_queries": "Prompt tokens looked up in the prefix cache",
     "tandem_prefix_cache_hits": "Prompt tokens found in the prefix cache",
-    "tandem_requests_finished": "Finished requests by finish reason",
+    "tandem_request_success": "Finished requests by finish reason",
 }
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")  # vLLM's, each counted from 0
 
 
 def engine_metrics(stats: EngineStats) -> list[Metric]:
@@ -89,8 +90,10 @@ def engine_metrics(stats: EngineStats) -> list[Metric]:
         Counter("tandem_prefix_cache_queries", {}, stats.prefix_cache_queries),
         Counter("tandem_prefix_cache_hits", {}, stats.prefix_cache_hits),
         *(
-            Counter("tandem_requests_finished", {"reason": reason}, count)
-            for reason, count in sorted(stats.num_finished.items())
+            Counter("tandem_request_success", {"finished_reason": reason}, count)
+            for reason, count in sorted(
+                {**dict.fromkeys(FINISH_REASONS, 0), **stats.num_finished}.items()
+            )
         ),
     ]
 

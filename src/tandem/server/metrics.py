@@ -33,10 +33,6 @@ class EngineCollector(Collector):
                 )
             family.add_metric(list(metric.labels.values()), metric.value)
         yield from families.values()
-        if "tandem_requests_finished" not in families:  # before any finished: no samples yet
-            yield CounterMetricFamily(
-                "tandem_requests_finished", HELP["tandem_requests_finished"], labels=["reason"]
-            )
 
 
 class ServerMetrics:

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from tandem import LLM, RequestOutput, SamplingParams
+from tandem import LLM, RequestOutput, SamplingParams, async_llm
 from tandem.async_llm import AsyncLLM, EngineDeadError
 from tandem.config import EngineConfig
 from tandem.engine import Engine
@@ -329,18 +329,28 @@ def test_every_output_kind_adds_up_to_the_offline_output(llm, offline, kind, bas
 
 @pytest.mark.parametrize("interval", [1, 4])
 def test_stream_interval_sends_the_first_token_then_every_nth_then_the_rest(
-    folder, offline, interval
+    folder, offline, interval, monkeypatch
 ):
-    """vLLM's stream_interval: a DELTA output of the first token, then of `interval` tokens or
-    more each, then what is left at the end; joined, the offline output."""
+    """vLLM's stream_interval: the engine thread sends a delta of the first token, then of
+    `interval` tokens or more each, then what is left at the end; joined, the offline output.
+    The sizes are those sent: a consumer that falls behind gets what came meanwhile as one
+    output (as vLLM's), whatever the interval."""
+    sent, deliver = [], async_llm._deliver
+
+    def counted(items):
+        sent.extend(len(o.token_ids) for _, o in items if not isinstance(o, BaseException))
+        deliver(items)
+
+    monkeypatch.setattr(async_llm, "_deliver", counted)
     llm = AsyncLLM.from_model(folder, **ENGINE_ARGS, stream_interval=interval)
     try:
         params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, output_kind=DELTA)
         outputs = asyncio.run(collect(llm, PROMPTS[2], params, "interval"))
     finally:
         llm.shutdown()
-    sizes = [len(o.outputs[0].token_ids) for o in outputs]
+    sizes = sent
     assert sizes[0] == 1 and sum(sizes) == 10  # the first token at once
+    assert sum(len(o.outputs[0].token_ids) for o in outputs) == 10
     assert all(size >= interval for size in sizes[1:-1]), sizes
     assert len(sizes) <= 1 + -(-9 // interval), sizes  # a step's token joins those held
     [want] = offline.generate(PROMPTS[2], replace(params, output_kind=CUMULATIVE), use_tqdm=False)

@@ -5,8 +5,8 @@ Each round generates one token for every live beam of the prompts in flight, wit
 tokens, and keeps the beam_width best by cumulative logprob. A beam that reaches an
 end-of-sequence token, or the context length, is complete; after max_tokens rounds the live
 beams join the complete ones, and the beam_width best of those by score (cumulative logprob /
-length ** length_penalty, an EOS not counted in the length) are the answer. The beams of a prompt share its blocks in the prefix
-cache, so a round computes about one token per beam.
+length ** length_penalty, an EOS not counted in the length) are the answer. The beams of a
+prompt share its blocks in the prefix cache, so a round computes about one token per beam.
 """
 
 from __future__ import annotations

@@ -255,6 +255,8 @@ class Ingress:
         except (RayActorError, ActorUnavailableError) as error:
             logger.warning("a replica died with an engine call in flight: %s", error)
             return replica_died().response()
+        except RayTaskError as error:  # as `forward`: raised outside the app's error handling
+            return OpenAIError(f"internal error: {error}", 500, "server_error").response()
         names = sorted({dict(headers)[REPLICA_HEADER] for _, headers, _ in answers})
         if len(names) < size:
             message = (

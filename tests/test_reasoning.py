@@ -17,6 +17,7 @@ from tandem import LLM, SamplingParams
 from tandem.async_llm import AsyncLLM
 from tandem.reasoning import PARSERS, ThinkTokens, split
 from tandem.server.app import build_app
+from tandem.server.options import ServerOptions
 from test_server import running
 
 # (parser, enable_thinking, answer text) -> (reasoning, content), as vLLM's parsers split them
@@ -191,6 +192,23 @@ def test_the_thinking_runs_until_the_end_tag_unless_the_template_turns_it_off(se
         said = chat(url, **fields).json()["choices"][0]["message"]
         assert said["reasoning"] is None and said["content"]
     assert chat(url, reasoning_effort="sometimes").status_code == 400
+
+
+def test_the_servers_default_template_kwargs_turn_the_thinking_off_too(server, thinking_model):
+    """--default-chat-template-kwargs '{"enable_thinking": false}' splits as the request's own
+    key does (the template renders no closed thinking: the parser alone decides)."""
+    url, _, _, _ = server
+    asked = chat(url, chat_template_kwargs={"enable_thinking": False}).json()
+    llm = AsyncLLM.from_model(thinking_model[0], reasoning_parser="qwen3", **ENGINE_ARGS)
+    options = ServerOptions(default_chat_template_kwargs={"enable_thinking": False})
+    try:
+        with running(build_app(llm, "tiny", options=options)) as default_url:
+            by_default = chat(default_url).json()
+    finally:
+        llm.shutdown()
+    message = by_default["choices"][0]["message"]
+    assert message["reasoning"] is None and message["content"]
+    assert message == asked["choices"][0]["message"]
 
 
 def test_a_response_puts_the_thinking_in_a_reasoning_item(server):

@@ -515,6 +515,41 @@ def test_auto_tool_choice_parses_llama3_json_tool_calls(client, parser):
     assert check_calls(final.choices[0].message.tool_calls, set(SCHEMAS)) == calls
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call_under_auto(client, parser):
+    parser("llama3_json")
+    args = {**auto_request(LLAMA3_OUTPUT, seed=5), "parallel_tool_calls": False}
+    choice = client.chat.completions.create(**args).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [(name, _)] = check_calls(choice.message.tool_calls, set(SCHEMAS))
+    assert name == "set_alarm"
+    chunks = list(client.chat.completions.create(**args, stream=True))
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.index, d.function.name) for d in deltas] == [(0, "set_alarm")]
+
+
+UNITS = {
+    "type": "function",
+    "function": {"name": "convert", "parameters": {  # as pydantic's model_json_schema writes it
+        "$defs": {"Unit": {"type": "string", "enum": ["C", "F"]}},
+        "type": "object",
+        "properties": {"to": {"$ref": "#/$defs/Unit"}},
+        "required": ["to"],
+        "additionalProperties": False,
+    }},
+}  # fmt: skip
+
+
+def test_tool_choice_required_reads_tools_whose_parameters_use_defs(client):
+    args = {**required_request(seed=1, parallel_tool_calls=False), "tools": [UNITS, ALARM]}
+    choice = client.chat.completions.create(**args).choices[0]
+    [call] = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "convert":
+        assert arguments in ({"to": "C"}, {"to": "F"})
+    else:
+        jsonschema.validate(arguments, SCHEMAS["set_alarm"])
+
+
 def test_auto_without_calls_in_the_output_is_content(url, folder, parser):
     """hermes reads the text with its special tokens (some models' markers are special)."""
     parser("hermes")
@@ -525,7 +560,7 @@ def test_auto_without_calls_in_the_output_is_content(url, folder, parser):
     ids = choice["token_ids"][: -1 if choice["finish_reason"] == "stop" else None]
     text = AutoTokenizer.from_pretrained(folder).decode(ids, skip_special_tokens=False)
     assert "<tool_call>" not in text and "tool_calls" not in choice["message"]
-    assert choice["message"]["content"] == text.lstrip()
+    assert choice["message"]["content"] == text  # as written, leading whitespace too
     assert choice["finish_reason"] == plain_choice["finish_reason"]
     assert plain_choice["message"]["content"] == AutoTokenizer.from_pretrained(folder).decode(ids)
 

@@ -86,6 +86,8 @@ HERMES_CASES = {
         [TIME],
     ),
     "a cut-off marker stays content": ("Done <tool_ca", "Done <tool_ca", []),
+    "whitespace that starts the content is kept": (" see.\n", " see.\n", []),
+    "whitespace before a first call is dropped": (f"\n\n {hermes(*TIME)}", None, [TIME]),
 }
 
 LLAMA3_CASES = {
@@ -109,6 +111,16 @@ LLAMA3_CASES = {
         [],
     ),
     "braces in prose": ("set {x} to {1, 2}", "set {x} to {1, 2}", []),
+    "a call that names its type": (
+        '{"type": "function", "name": "get_time", "parameters": {}}',
+        None,
+        [TIME],
+    ),
+    "another type stays content": (
+        '{"type": "tool", "name": "get_time", "parameters": {}}',
+        '{"type": "tool", "name": "get_time", "parameters": {}}',
+        [],
+    ),
 }
 
 
@@ -171,12 +183,33 @@ def test_required_output_is_an_array_of_calls_each_sent_once_complete(chunk):
     assert [c.name for c in reader.feed(text[:first_end], final=False).calls] == ["get_weather"]
 
 
-def test_a_cut_off_required_output_keeps_its_complete_calls_and_the_rest_as_content():
-    cut = '{"name": "get_time", "param'
+@pytest.mark.parametrize(
+    "cut", ['{"name": "get_time", "param', '{"name": "f", "parameters": {"a": [1, 2]']
+)
+def test_a_cut_off_required_output_keeps_its_complete_calls_and_the_rest_as_content(cut):
     text = f"[{json.dumps({'name': WEATHER[0], 'parameters': WEATHER[1]})}, {cut}"
     content, tool_calls = collect(RequiredToolOutput(), text)
     assert calls_of(tool_calls) == [WEATHER]
-    assert content == cut
+    assert content == cut  # as written, its own brackets too
+    assert collect(RequiredToolOutput(), f"[{cut}") == (cut, [])
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        (HermesParser, f"Sure. {hermes(*WEATHER)}\n{hermes(*TIME)} Done."),
+        (Llama3JsonParser, f"{llama3(*WEATHER)}; {llama3(*TIME)}"),
+    ],
+)
+def test_parallel_tool_calls_false_keeps_the_first_call_alone(parser, text, chunk):
+    """vLLM's filter under parallel_tool_calls false: later calls are dropped, content kept."""
+    content, calls = collect(parser(), text)
+    assert calls_of(calls) == [WEATHER, TIME]
+    one_content, one = collect(parser(max_calls=1), text)
+    assert calls_of(one) == [WEATHER] and one_content == content
+    streamed_content, streamed_calls = streamed(parser(max_calls=1), text, chunk)
+    assert calls_of(streamed_calls) == [WEATHER] and streamed_content == (content or "")
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 1000])
@@ -219,6 +252,29 @@ def test_required_schema_accepts_calls_to_the_tools_only():
     jsonschema.validate(valid[:1], one)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(valid, one)
+
+
+UNIT = {"type": "string", "enum": ["C", "F"]}
+
+
+def with_unit(unit: dict) -> dict:
+    """A parameters schema as pydantic writes one: a nested type under $defs, by reference."""
+    return {"$defs": {"Unit": unit}, "type": "object",
+            "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "required": ["unit"]}  # fmt: skip
+
+
+def test_required_schema_moves_the_tools_defs_to_its_root():
+    """The references point at the root, which is now the array's (vLLM's
+    get_tool_schema_defs); one name defined two ways is a ValueError."""
+    tools = [("get_weather", with_unit(UNIT)), ("get_time", with_unit(UNIT))]
+    schema = required_schema(tools, parallel=True)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    jsonschema.validate([{"name": "get_time", "parameters": {"unit": "C"}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_time", "parameters": {"unit": "K"}}], schema)
+    assert tools[0][1]["$defs"] == {"Unit": UNIT}  # the request's own schema is left as it was
+    with pytest.raises(ValueError, match="'Unit' differently"):
+        required_schema([*tools, ("set_alarm", with_unit({"type": "string"}))], parallel=True)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ StructuredOutputsParams and an output reader, or a 400 naming the field."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -113,9 +114,13 @@ def tool_mode(body: ChatCompletionRequest, tool_call_parser: str | None) -> Tool
                 param="tool_choice",
             )
         return ToolMode(lambda: NamedToolOutput(choice.function.name), {"json": schema})
+    parallel = body.parallel_tool_calls is not False
     if choice == "required":
-        parallel = body.parallel_tool_calls is not False
-        return ToolMode(RequiredToolOutput, {"json": required_schema(tools, parallel)})
+        try:
+            schema = required_schema(tools, parallel)
+        except ValueError as error:
+            raise OpenAIError(str(error), param="tools") from None
+        return ToolMode(RequiredToolOutput, {"json": schema})
     if tool_call_parser is None:
         raise OpenAIError(
             'tool_choice "auto" needs a tool call parser: start the server with '
@@ -123,7 +128,8 @@ def tool_mode(body: ChatCompletionRequest, tool_call_parser: str | None) -> Tool
             param="tool_choice",
         )
     parser = PARSERS[tool_call_parser]
-    return ToolMode(parser, skip_special_tokens=parser.skip_special_tokens)
+    reader = parser if parallel else functools.partial(parser, max_calls=1)
+    return ToolMode(reader, skip_special_tokens=parser.skip_special_tokens)
 
 
 def choice_name(choice: str | NamedToolChoice) -> str:

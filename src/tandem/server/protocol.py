@@ -329,7 +329,7 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # False: tool_choice "required" makes one call
+    parallel_tool_calls: bool | None = None  # False: one call at most, the first
     # the chat template's options, as vLLM takes them (Tokenizer.apply_chat_template)
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -278,7 +278,8 @@ class OpenAIServing:
         generation.role = body.answer_role(role)
         name, think = self.llm.engine.config.reasoning_parser, self.llm.engine.think_tokens
         if name is not None:  # the answer thinks first unless its prompt closed the thinking
-            thinking, kwargs = not think.ended(ids), body.template_kwargs()
+            thinking = not think.ended(ids)
+            kwargs = self.options.chat_template_kwargs(body.template_kwargs())  # as rendered
             generation.reasoning = lambda: REASONING_PARSERS[name].splitter(thinking, kwargs)
             generation.include_reasoning = body.include_reasoning
         return await self._respond(generation, ChatFormat, body, http)

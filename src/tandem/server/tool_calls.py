@@ -114,27 +114,28 @@ class RequiredToolOutput(OutputReader):
                 break
             delta.calls.append(self.whole_call(*call))
             self.pos = end
-        if final:
-            rest = self.text[self.pos :].strip(WHITESPACE + "]")
-            delta.content, self.pos = rest, len(self.text)
+        if final:  # the element cut off, as written, unless it is the array's end
+            rest = self.text[self.pos :].rstrip(WHITESPACE)
+            delta.content, self.pos = "" if rest == "]" else rest, len(self.text)
         return delta
 
 
 class ModelFormatParser(OutputReader):
     """Tool calls in a model's own format, among content. Subclasses say where a call may start
-    (`find_start`) and read one there (`read_call`). Whitespace that starts the output or follows
-    a call is dropped, so content never starts with it."""
+    (`find_start`) and read one there (`read_call`). Whitespace that starts the output is held
+    and dropped where a call follows it; separators after a call are dropped."""
 
     name: ClassVar[str]
     start_markers: ClassVar[tuple[str, ...]]
     separators: ClassVar[str] = WHITESPACE  # skipped after a call
     skip_special_tokens: ClassVar[bool] = True  # False: the markers are special tokens
 
-    def __init__(self) -> None:
+    def __init__(self, max_calls: int | None = None) -> None:
         super().__init__()
+        self.max_calls = max_calls  # 1 under parallel_tool_calls false: later calls are dropped
         self.text = ""
         self.pos = 0  # text before it is settled: sent as content, dropped, or a call
-        self.skipping = WHITESPACE  # what is dropped at pos: at the start, and after a call
+        self.skipping = ""  # what is dropped at pos: the separators after a call
 
     def feed(self, text: str, final: bool) -> OutputDelta:
         self.text += text
@@ -153,12 +154,14 @@ class ModelFormatParser(OutputReader):
             if call is None:  # not a call after all: content up to its end
                 self.add_content(delta, end)
                 continue
-            delta.calls.append(self.whole_call(*call))
+            if self.max_calls is None or self.num_calls < self.max_calls:
+                delta.calls.append(self.whole_call(*call))
             self.pos, self.skipping = end, self.separators
         return delta
 
     def add_content(self, delta: OutputDelta, end: int) -> None:
-        if end > self.pos:
+        """Content up to `end`; whitespace that starts the output is held until more follows."""
+        if end > self.pos and (self.pos > 0 or self.text[:end].strip(WHITESPACE)):
             delta.content += self.text[self.pos : end]
             self.pos, self.skipping = end, ""
 
@@ -232,11 +235,13 @@ PARSERS: dict[str, type[ModelFormatParser]] = {p.name: p for p in (HermesParser,
 
 def call_of(value: Any, *argument_keys: str, exact: bool = False) -> tuple[str, str] | None:
     """(name, arguments as JSON text) of a {"name": ..., <an argument key>: {...}} object, or
-    None. `exact`: no other keys (a bare JSON object among content must look like a call)."""
+    None. `exact`: no other keys but "type": "function" (a bare JSON object among content must
+    look like a call)."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
     keys = [k for k in argument_keys if k in value]
-    if exact and (len(keys) != 1 or len(value) != 2):
+    typed = value.get("type") == "function"
+    if exact and (len(keys) != 1 or len(value) != 2 + typed):
         return None
     arguments = value[keys[0]] if keys else {}
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
@@ -276,16 +281,27 @@ def collect(reader: OutputReader, text: str) -> tuple[str | None, list[dict[str,
 def required_schema(tools: list[tuple[str, dict[str, Any]]], parallel: bool) -> dict[str, Any]:
     """The JSON schema of tool_choice "required": an array of one or more calls, each
     {"name": one tool's name, "parameters": that tool's parameters schema}; one call at most
-    unless `parallel`."""
-    calls = [
-        {
+    unless `parallel`. The tools' "$defs" move to the root, where their "#/$defs/..."
+    references point; a name two tools define differently is a ValueError."""
+    defs: dict[str, Any] = {}
+    calls = []
+    for name, parameters in tools:
+        own = parameters.get("$defs") or {}
+        for key, definition in own.items():
+            if defs.setdefault(key, definition) != definition:
+                raise ValueError(
+                    f'tools define $defs {key!r} differently; tool_choice "required" needs '
+                    "each name to mean one schema"
+                )
+        parameters = {k: v for k, v in parameters.items() if k != "$defs"}
+        calls.append({
             "type": "object",
             "properties": {"name": {"type": "string", "enum": [name]}, "parameters": parameters},
             "required": ["name", "parameters"],
-        }
-        for name, parameters in tools
-    ]
+        })  # fmt: skip
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if not parallel:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return schema

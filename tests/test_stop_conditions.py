@@ -193,6 +193,21 @@ def test_of_several_stop_strings_the_earliest_in_the_text_wins_whatever_their_or
     assert cut_at(ref, cases[1]) == (k_inside + 1, ref.text(k_inside + 1).split(word[:3])[0])
 
 
+@modes
+def test_of_stop_strings_that_start_at_one_place_the_first_given_wins(
+    folder, reference, stop_inside_a_token, async_batching
+):
+    """As vLLM, which takes the first of the list that matches."""
+    ref = reference[PROMPT]
+    inside, k = stop_inside_a_token
+    longer = inside + ref.piece(k).strip()[-1]  # one more letter: both start at one place
+    llm = make_llm(folder, async_batching)
+    before = ref.text(k + 1).split(inside)[0]
+    for stops in ([longer, inside], [inside, longer]):
+        out = generate_one(llm, PROMPT, greedy(stop=stops, include_stop_str_in_output=True))
+        assert (out.text, out.stop_reason) == (before + stops[0], stops[0]), stops
+
+
 # ---- EOS and stop tokens ------------------------------------------------------------------
 
 
@@ -301,7 +316,7 @@ def test_include_stop_str_in_output_keeps_a_stop_tokens_text_as_vllm_does(
 
 
 @modes
-def test_stop_reason_names_the_stop_string_or_stop_token_and_none_for_eos_or_length(
+def test_stop_reason_names_the_stop_string_or_stop_token_and_none_for_the_eos_or_length(
     folder, reference, stop_inside_a_token, async_batching
 ):
     ref = reference[PROMPT]
@@ -311,8 +326,20 @@ def test_stop_reason_names_the_stop_string_or_stop_token_and_none_for_eos_or_len
     token = ref.token_ids[first_new_token(ref, start=3)]
     assert generate_one(llm, PROMPT, greedy(stop_token_ids=[token])).stop_reason == token
     assert generate_one(llm, PROMPT, greedy(max_tokens=3)).stop_reason is None
+    # vLLM's: None for the tokenizer's EOS, the id for generation_config's others
+    primary = llm.get_tokenizer().eos_token_id
     by_eos = generate_one(llm, PROMPT_WITH_EOS, greedy())
-    assert by_eos.finish_reason == "stop" and by_eos.stop_reason is None
+    other = by_eos.token_ids[-1]
+    assert other in eos_token_ids(folder) and other != primary  # the tiny llama's second EOS
+    assert by_eos.finish_reason == "stop" and by_eos.stop_reason == other
+    by_primary = generate_one(llm, PROMPT, greedy(allowed_token_ids=[primary]))
+    assert by_primary.token_ids == [primary] and by_primary.stop_reason is None
+    listed = generate_one(
+        llm, PROMPT, greedy(allowed_token_ids=[primary], stop_token_ids=[primary])
+    )
+    assert listed.stop_reason is None  # EOS is checked first, as vLLM's check_stop
+    ignored = greedy(allowed_token_ids=[primary], stop_token_ids=[primary], ignore_eos=True)
+    assert generate_one(llm, PROMPT, ignored).stop_reason == primary
 
 
 # ---- min_tokens, max_tokens and max_model_len ---------------------------------------------
@@ -352,6 +379,16 @@ def test_only_steps_with_a_banning_row_take_the_general_sampler(folder, referenc
     # banning nothing, then the other alone
     assert [use for rows, use in built if rows == 2][:4] == [True] * 4
     assert not any(use for _, use in built[4:])
+
+
+@modes
+def test_min_tokens_bans_eos_under_ignore_eos_too(folder, reference, async_batching):
+    """As vLLM: EOS is banned until min_tokens whether or not it would end the request."""
+    eos = eos_token_ids(folder)[0]
+    params = greedy(allowed_token_ids=[eos, 9], logit_bias={eos: 100.0}, ignore_eos=True,
+                    min_tokens=4, max_tokens=6)  # fmt: skip
+    out = generate_one(make_llm(folder, async_batching), PROMPT, params)
+    assert out.token_ids == [9] * 4 + [eos] * 2
 
 
 @modes
@@ -487,3 +524,25 @@ def test_n_returns_n_completions(folder, reference, async_batching):
     assert [c.index for c in sampled_out.outputs] == [0, 1, 2, 3]
     assert all(len(c.token_ids) == 8 for c in sampled_out.outputs)
     assert len({tuple(c.token_ids) for c in sampled_out.outputs}) == 4
+
+
+def test_the_text_reads_as_after_the_prompt_with_or_without_stop_strings(folder, tmp_path):
+    """A tokenizer whose decoder strips a decode's first space (Llama 2's, Mistral's): the
+    output's text is what it adds to the prompt's, its leading space kept, whether or not a
+    stop string makes the engine detokenize as it goes (as vLLM, which always does)."""
+    stripping = tmp_path / "stripping"
+    shutil.copytree(folder, stripping)
+    spec = json.loads((stripping / "tokenizer.json").read_text())
+    spec["decoder"] = {"type": "Sequence", "decoders": [
+        spec["decoder"], {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}  # fmt: skip
+    (stripping / "tokenizer.json").write_text(json.dumps(spec))
+    llm = make_llm(stripping, async_batching=True)
+    tokenizer = llm.get_tokenizer()
+    [the] = tokenizer.encode(" the", add_special_tokens=False)
+    prompt_ids = tokenizer.encode(PROMPT)
+    whole = tokenizer.decode([*prompt_ids, the, the], skip_special_tokens=True)
+    added = whole[len(tokenizer.decode(prompt_ids, skip_special_tokens=True)) :]
+    assert added == " the the" and tokenizer.decode([the, the]) == "the the"  # the strip shows
+    for stop in ([], ["never said"]):
+        params = greedy(max_tokens=2, allowed_token_ids=[the], stop=stop)
+        assert generate_one(llm, PROMPT, params).text == added

@@ -350,7 +350,7 @@ class BatchBuilder:
         bans = False
         for i in np.flatnonzero(num_outputs < kept.min_tokens[rows]).tolist():
             params = requests[i].params
-            banned = (*(() if params.ignore_eos else self.eos_ids), *params.stop_token_ids)
+            banned = (*self.eos_ids, *params.stop_token_ids)  # EOS under ignore_eos too, as vLLM
             if not banned:
                 continue
             assert len(banned) <= MAX_BANNED_IDS

@@ -143,6 +143,7 @@ class Engine:
         found = tokenizer_dir and (tokenizer_dir / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer.from_dir(tokenizer_dir) if found else None
         self.eos_token_ids = _eos_token_ids(cfg, folder, self.tokenizer)
+        self.primary_eos_token_id = None if self.tokenizer is None else self.tokenizer.eos_token_id
         self.pooling_refusal = pooling_refusal(folder)  # None: embeddings pool the last token
         # a classifier's label names, by index (config.json's id2label; else LABEL_i)
         id2label = hf_config.get("id2label") or {}
@@ -907,8 +908,10 @@ class Engine:
             (not params.ignore_eos and token in self.eos_token_ids)
             or token in params.stop_token_ids
         )
-        if stop_token:
-            request.stop_reason = token if token in params.stop_token_ids else None  # EOS: None
+        if stop_token:  # vLLM's: None for the tokenizer's EOS, else the id (generation_config's
+            # other EOS ids are stop_token_ids there)
+            primary = not params.ignore_eos and token == self.primary_eos_token_id
+            request.stop_reason = None if primary else token
             if not params.include_stop_str_in_output:
                 return self._finish(request, "stop", stopped_by_token=True)
         if request.detokenizer is not None:
@@ -963,11 +966,11 @@ class Engine:
             if ended and truncate_at_stop(request, len(delta)):
                 return "stop"
         elif self.tokenizer is not None and request.params.detokenize:
-            # as with the detokenizer: a stop token stays in token_ids but not in the text
+            # as with the detokenizer: a stop token stays in token_ids but not in the text; the
+            # text as it reads after the prompt (a lone decode may strip the first space)
             ids = request.output_token_ids[:-1] if stopped_by_token else request.output_token_ids
-            request.output_text = self.tokenizer.decode(
-                ids, skip_special_tokens=request.params.skip_special_tokens
-            )
+            detokenizer = self.admission.detokenizer(request)
+            request.output_text = detokenizer.add(ids) + detokenizer.flush()
         return reason
 
     def _use_piecewise(self) -> bool:
@@ -1041,7 +1044,7 @@ def truncate_at_stop(request: Request, delta_len: int) -> bool:
     hits = [(i, s) for s in params.stop if (i := text.find(s, max(0, new - len(s) + 1))) >= 0]
     if not hits:
         return False
-    index, stop = min(hits)
+    index, stop = min(hits, key=lambda hit: hit[0])  # the earliest; at one place, the first given
     request.output_text = (
         text[: index + len(stop)] if params.include_stop_str_in_output else text[:index]
     )

@@ -9,14 +9,16 @@ every window."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from tandem import LLM, SamplingParams, envs
-from tandem.config import ModelConfig
+from tandem.config import MOE, SUPPORTED_ARCHITECTURES, ModelConfig
 from tandem.model import fused, fused_moe, moe
 from tandem.model.tiny import ARCH_CONFIGS
 from test_engine_vs_transformers import (
@@ -77,11 +79,12 @@ def test_greedy_matches_transformers_with_chunked_prefill_and_preemption(
 def test_prompt_logprobs_equal_transformers(make_tiny, arch):
     """What greedy tokens cannot show (Granite's logits_scaling leaves every argmax alone): each
     prompt position's logprob against transformers' log-softmax, past the windows."""
-    folder = str(make_tiny(arch))
-    vocab = ModelConfig.from_hf(
-        json.loads((make_tiny(arch) / "config.json").read_text())
-    ).vocab_size
-    ids = max(prompts(vocab), key=len)
+    assert_prompt_logprobs_equal_transformers(str(make_tiny(arch)))
+
+
+def assert_prompt_logprobs_equal_transformers(folder: str) -> None:
+    config = json.loads((Path(folder) / "config.json").read_text())
+    ids = max(prompts(ModelConfig.from_hf(config).vocab_size), key=len)
     llm = LLM(folder, max_model_len=96, max_num_batched_tokens=16)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     [out] = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
@@ -93,6 +96,58 @@ def test_prompt_logprobs_equal_transformers(make_tiny, arch):
         logprobs = model(torch.tensor([ids])).logits[0].log_softmax(-1)
     theirs = logprobs[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+
+
+def test_gemma3_leaves_attn_logit_softcapping_unapplied_as_transformers(make_tiny, tmp_path):
+    """Gemma 3's config keeps the field, but its attention caps nothing (vLLM's neither)."""
+    folder = shutil.copytree(make_tiny("gemma3"), tmp_path / "gemma3-capped")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "attn_logit_softcapping": 0.5}))
+    assert_prompt_logprobs_equal_transformers(str(folder))
+
+
+# config.json's bare shape; the mixtures' expert fields too
+SIZES = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 256}  # fmt: skip
+EXPERTS = {"num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 32}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", list(SUPPORTED_ARCHITECTURES))
+def test_a_config_that_leaves_fields_out_reads_as_transformers_fills_them_in(arch):
+    """transformers' config class fills what config.json leaves out with its own defaults
+    (Mixtral's rope_theta, Gemma's head_dim 256, GLM-4's half rotary...): the bare fields give
+    the model that the filled-in ones do. EOS ids aside: the engine reads them from
+    generation_config.json or the tokenizer where config.json has none."""
+    model_type = {"gemma3": "gemma3_text"}.get(SUPPORTED_ARCHITECTURES[arch])
+    bare = {**SIZES, **(EXPERTS if arch in MOE else {}), "architectures": [arch]}
+    filled = transformers.AutoConfig.for_model(
+        model_type or SUPPORTED_ARCHITECTURES[arch], **bare
+    ).to_dict()
+    theirs = dataclasses.replace(ModelConfig.from_hf({**filled, "architectures": [arch]}),
+                                 eos_token_ids=())  # fmt: skip
+    assert ModelConfig.from_hf(bare) == theirs
+
+
+@pytest.mark.parametrize(
+    ("arch", "fields"),
+    [
+        ("Glm4ForCausalLM", {}),
+        ("Glm4ForCausalLM", {"attention_bias": False}),
+        ("SeedOssForCausalLM", {}),
+        ("SeedOssForCausalLM", {"attention_out_bias": True}),
+        ("Qwen2MoeForCausalLM", {"qkv_bias": False}),
+        ("LlamaForCausalLM", {"attention_bias": True}),
+    ],
+)
+def test_attention_biases_are_where_transformers_builds_them(arch, fields):
+    bare = {**SIZES, **(EXPERTS if arch in MOE else {}), "architectures": [arch], **fields}
+    config = transformers.AutoConfig.for_model(SUPPORTED_ARCHITECTURES[arch], **bare,
+                                               pad_token_id=0)  # fmt: skip
+    attention = transformers.AutoModelForCausalLM.from_config(config).model.layers[0].self_attn
+    ours = ModelConfig.from_hf(bare)
+    assert ours.qkv_bias == (attention.q_proj.bias is not None)
+    assert ours.o_proj_bias == (attention.o_proj.bias is not None)
 
 
 def test_phi3_past_its_original_length_takes_the_long_factors_as_transformers(make_tiny, tmp_path):

@@ -579,6 +579,20 @@ def test_n_beyond_what_the_cache_can_hold_for_one_prompt_names_the_limit(make_ti
     assert len(out.outputs) == 3
 
 
+@pytest.mark.parametrize("caching", [True, False])
+def test_the_n_limit_counts_no_block_for_the_last_sampled_token(make_tiny, caching):
+    """4 prompt tokens and one sampled: KV for 4 tokens, one block per sample, so 4 samples fit
+    in 4 blocks at once (without preemption) and 5 do not."""
+    llm = LLM(str(make_tiny("llama")), block_size=4, num_blocks=4, max_model_len=16,
+              enable_prefix_caching=caching)  # fmt: skip
+    prompt = {"prompt_token_ids": list(range(10, 14))}
+    with pytest.raises(ValueError, match="n can be at most 4"):
+        llm.generate(prompt, SamplingParams(n=5, max_tokens=1), use_tqdm=False)
+    out = llm.generate(prompt, SamplingParams(n=4, max_tokens=1), use_tqdm=False)[0]
+    assert [len(c.token_ids) for c in out.outputs] == [1] * 4
+    assert llm.engine.scheduler.num_preemptions == 0
+
+
 def test_penalized_requests_compute_every_token_and_match_an_uncached_run(make_tiny):
     """Penalties count the tokens the steps feed (penalties.py): a cached prefix would skip them."""
     folder = str(make_tiny("llama"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -52,7 +54,7 @@ def ours(hf: dict) -> torch.Tensor:
 
 def transformers_cos_sin(hf: dict, positions: torch.Tensor, seq_len: int | None) -> torch.Tensor:
     """cos | sin of transformers' rope init function for the config at `seq_len`."""
-    config = transformers.LlamaConfig(**hf)
+    config = transformers.LlamaConfig(**copy.deepcopy(hf))  # it writes into rope_scaling
     rope_type = config.rope_parameters["rope_type"]
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=seq_len)
     angles = torch.outer(positions.float(), inv_freq)
@@ -115,12 +117,39 @@ def test_rotary_embedding_of_transformers_phi3_matches_short_and_long():
         torch.testing.assert_close(table.cos_sin[:length], expected, atol=2e-5, rtol=1e-5)
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+@pytest.mark.parametrize(
+    ("scaling", "top_level"),
+    [
+        (SCALINGS["yarn"], 32),  # the top-level field wins over rope_scaling's, as transformers'
+        ({**SCALINGS["longrope"], "factor": 4.0}, 256),
+        ({**LLAMA3, "original_max_position_embeddings": 64}, 128),
+        (LLAMA3, None),  # neither: max_position_embeddings
+        (LLAMA3, 64),
+    ],
+    ids=["yarn", "longrope", "llama3", "llama3 without it", "llama3 top-level alone"],
+)
+def test_original_max_position_embeddings_is_read_as_transformers_reads_it(scaling, top_level):
+    hf = hf_llama_config(scaling)
+    if top_level is not None:
+        hf["original_max_position_embeddings"] = top_level
+    positions = torch.arange(MAX_POSITION)
+    expected = transformers_cos_sin(hf, positions, MAX_POSITION)  # longrope: the long factors
+    torch.testing.assert_close(ours(hf), expected, atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("scaling", "named"),
     [
         ({"rope_type": "su2", "factor": 2.0}, "rope type 'su2'"),
         ({"rope_type": "linear"}, "rope_scaling.factor"),
         ({"rope_type": "longrope", "short_factor": [1.0] * 16}, "rope_scaling.long_factor"),
+        (
+            {**SCALINGS["longrope"], "long_factor": [1.0]},  # one number: no broadcast
+            "rope_scaling.long_factor must list 16 numbers",
+        ),
         ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}, "partial_rotary"),
     ],
 )

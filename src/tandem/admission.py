@@ -289,12 +289,13 @@ class Admission:
 
     def _check_n(self, params: SamplingParams, prompt_len: int) -> None:
         """The n samples of a prompt must fit in the KV cache together: its cached blocks once,
-        plus each sample's own blocks up to its last token."""
+        plus each sample's own blocks up to its last token but one (the last sampled token
+        never gets KV)."""
         size = self.block_size
         shared = (prompt_len - 1) // size if self.cache.enabled else 0
         longest = min(prompt_len + params.max_tokens, self.max_model_len)
-        own = cdiv(longest, size) - shared
-        limit = (self.num_blocks - shared) // own
+        own = cdiv(longest - 1, size) - shared
+        limit = (self.num_blocks - shared) // own if own else params.n
         if params.n > limit:
             raise ValueError(
                 f"n={params.n} samples of this {prompt_len}-token prompt with max_tokens="

@@ -44,9 +44,6 @@ OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 # architectures whose heads may rotate only their leading dimensions (partial_rotary_factor)
 PARTIAL_ROTARY = ("Phi3ForCausalLM", "Glm4ForCausalLM")
-# config classes whose head_dim defaults to 128 (not hidden_size / heads) where config.json
-# leaves it out, as transformers reads them
-HEAD_DIM_128 = ("Glm4ForCausalLM", "SeedOssForCausalLM", "Ernie4_5ForCausalLM")
 # rotary pairs (2i, 2i + 1), GPT-J's layout, not halves (reordered at load: rope.rotary_rows)
 INTERLEAVED_ROTARY = ("Glm4ForCausalLM", "Ernie4_5ForCausalLM")
 # norms around each sublayer, before and after it (gemma.GemmaDecoderLayer's four; GLM-4 names
@@ -55,6 +52,56 @@ SANDWICH = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Glm4ForCausalLM")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # architectures whose sliding_window (when set) applies to every layer
 WINDOWED_EVERYWHERE = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
+GEMMA_DEFAULTS = {
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "sliding_window": 4096,
+    "tie_word_embeddings": True,
+}
+# what a config.json that leaves a field out means, as transformers' config classes fill it in,
+# where that differs from the fallbacks every architecture shares (rope_theta 10000,
+# rms_norm_eps 1e-6, head_dim hidden_size / heads, no window, untied, 4096 positions)
+CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"max_position_embeddings": 2048},
+    "MistralForCausalLM": {"sliding_window": 4096, "max_position_embeddings": 131072},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768},
+    "Qwen3ForCausalLM": {"head_dim": 128, "max_position_embeddings": 32768},
+    "Qwen2MoeForCausalLM": {
+        "shared_expert_intermediate_size": 5632, "max_position_embeddings": 32768,
+    },
+    "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768},
+    "MixtralForCausalLM": {
+        "rope_theta": 1e6, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+    },
+    "Gemma2ForCausalLM": {
+        **GEMMA_DEFAULTS, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+        "max_position_embeddings": 8192,
+    },
+    "Gemma3ForCausalLM": {**GEMMA_DEFAULTS, "rope_theta": 1e6, "max_position_embeddings": 131072},
+    "Phi3ForCausalLM": {"rms_norm_eps": 1e-5},
+    "SmolLM3ForCausalLM": {
+        "rope_theta": 2e6, "tie_word_embeddings": True, "max_position_embeddings": 32768,
+    },
+    "Olmo2ForCausalLM": {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048},
+    "Olmo3ForCausalLM": {
+        "rms_norm_eps": 1e-5, "rope_theta": 5e5, "sliding_window": 4096,
+        "max_position_embeddings": 2048,
+    },
+    "GraniteForCausalLM": {"max_position_embeddings": 2048},
+    "Glm4ForCausalLM": {
+        "head_dim": 128, "rms_norm_eps": 1.5625e-07, "partial_rotary_factor": 0.5,
+        "attention_bias": True, "max_position_embeddings": 131072,
+    },
+    "SeedOssForCausalLM": {
+        "head_dim": 128, "attention_bias": True, "attention_out_bias": False,
+        "max_position_embeddings": 524288,
+    },
+    "Ernie4_5ForCausalLM": {
+        "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 5e5, "tie_word_embeddings": True,
+        "max_position_embeddings": 131072,
+    },
+}  # fmt: skip
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 # vLLM's: first come, first served, or by each request's priority (lower first), then arrival
@@ -197,6 +244,7 @@ class ModelConfig:
                 f"unsupported architecture {archs or hf.get('model_type')!r} in config.json; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        hf = {**CONFIG_DEFAULTS.get(arch, {}), **hf}
         refuse_unimplemented(hf, arch)
         act_field = "hidden_activation" if arch in GEMMA else "hidden_act"
         act = hf.get(act_field) or hf.get("hidden_act") or "silu"
@@ -209,16 +257,18 @@ class ModelConfig:
         num_heads = size_field(hf, "num_attention_heads")
         num_layers = size_field(hf, "num_hidden_layers")
         hidden_size = size_field(hf, "hidden_size")
-        default_head_dim = 128 if arch in HEAD_DIM_128 else hidden_size // num_heads
-        head_dim = size_field(hf, "head_dim", default_head_dim)
+        head_dim = size_field(hf, "head_dim", hidden_size // num_heads)
         rotary_dim = rotary_dim_of(hf, head_dim)
-        rope_theta, rope_scaling, rope_local_theta = parse_rope(hf, arch)
+        rope_theta, rope_scaling, rope_local_theta = parse_rope(hf, arch, rotary_dim)
         window, sliding_layers = parse_window(hf, arch, num_layers)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        # Qwen2: q, k and v biases and no o bias (Qwen2-MoE: unless qkv_bias=false)
-        qkv_bias_only = arch in ("Qwen2ForCausalLM", "Glm4ForCausalLM") or (
-            arch == "Qwen2MoeForCausalLM" and bool(hf.get("qkv_bias", True))
+        # Qwen2: q, k and v biases and no o bias (Qwen2-MoE: unless qkv_bias=false; GLM-4:
+        # unless attention_bias=false)
+        qkv_bias_only = (
+            arch == "Qwen2ForCausalLM"
+            or (arch == "Qwen2MoeForCausalLM" and bool(hf.get("qkv_bias", True)))
+            or (arch == "Glm4ForCausalLM" and bool(hf["attention_bias"]))
         )
         attention_bias = bool(hf.get("attention_bias") or False)
         # Seed-OSS: the o projection's bias apart (attention_out_bias)
@@ -238,9 +288,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             # a classifier has no LM head: the embeddings stand in for the token it samples
-            tie_word_embeddings=bool(
-                classifier or hf.get("tie_word_embeddings", gemma or arch == "Ernie4_5ForCausalLM")
-            ),
+            tie_word_embeddings=bool(classifier or hf.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias_only or attention_bias,
             o_proj_bias=bool(o_bias),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
@@ -251,7 +299,10 @@ class ModelConfig:
             sliding_layers=sliding_layers,
             rope_local_theta=rope_local_theta,
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if gemma else None,
-            attn_logit_softcapping=hf.get("attn_logit_softcapping") if gemma else None,
+            # Gemma 3 keeps the field but caps no attention (transformers', vLLM's)
+            attn_logit_softcapping=(
+                hf.get("attn_logit_softcapping") if arch == "Gemma2ForCausalLM" else None
+            ),
             final_logit_softcapping=hf.get("final_logit_softcapping") if gemma else None,
             **parse_moe(hf, arch, num_layers),
             num_labels=(len(hf.get("id2label") or {}) or int(hf.get("num_labels", 2)))
@@ -371,7 +422,9 @@ def rotary_dim_of(hf: dict[str, Any], head_dim: int) -> int:
     return dim
 
 
-def parse_rope(hf: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | None, float | None]:
+def parse_rope(
+    hf: dict[str, Any], arch: str, rotary_dim: int
+) -> tuple[float, dict[str, Any] | None, float | None]:
     """(rope_theta, rope_scaling with its rope_type or None, Gemma 3's local theta or None) from
     either layout: legacy rope_theta + rope_scaling, or transformers 5's rope_parameters (per
     layer type for Gemma 3)."""
@@ -402,11 +455,10 @@ def parse_rope(hf: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | N
     if rope_type == "default":
         return theta, None, local_theta
     max_position = hf.get("max_position_embeddings", 4096)
-    if rope_type in ("yarn", "longrope"):
-        params.setdefault(
-            "original_max_position_embeddings",
-            hf.get("original_max_position_embeddings", max_position),
-        )
+    if rope_type in ("yarn", "longrope", "llama3"):  # transformers': the top-level field first
+        if hf.get("original_max_position_embeddings") is not None:  # (Phi-3 keeps it there)
+            params["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+        params.setdefault("original_max_position_embeddings", max_position)
     if params.get("factor") is None and rope_type in ("yarn", "longrope"):
         params["factor"] = max_position / params["original_max_position_embeddings"]
     needed = {
@@ -418,6 +470,12 @@ def parse_rope(hf: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | N
     for key in needed:
         if params.get(key) is None:
             raise ValueError(f"rope type {rope_type!r} needs rope_scaling.{key} in config.json")
+    for key in ("short_factor", "long_factor") if rope_type == "longrope" else ():
+        if not isinstance(params[key], list) or len(params[key]) != rotary_dim // 2:
+            raise ValueError(
+                f"rope_scaling.{key} must list {rotary_dim // 2} numbers (half the rotary "
+                f"dimensions), got {params[key]!r:.80}"
+            )
     return theta, {"rope_type": rope_type, **params}, local_theta
 
 
@@ -455,7 +513,7 @@ def parse_window(
     """(sliding_window or None, which layers use it)."""
     if arch == "Olmo2ForCausalLM":
         return None, ()
-    window = hf.get("sliding_window", 4096 if arch == "Olmo3ForCausalLM" else None)
+    window = hf.get("sliding_window")
     if arch in (
         "Qwen2ForCausalLM",
         "Qwen2MoeForCausalLM",

@@ -170,3 +170,23 @@ def test_drawing_from_processed_values_picks_the_sampler_s_tokens():
         assert draw(logits, processed_logits(logits, t, use_filters=True), t).tolist() == (
             expected.tolist()
         )
+
+
+def test_a_greedy_requests_processed_logprobs_ignore_its_filters_whatever_the_batch(folder):
+    """As vLLM, which drops top-k/top-p/min-p from a greedy request: its processed logprobs are
+    the model's log-softmax, alone or beside a request the step filters (top-k sampled, or a
+    min_tokens ban)."""
+    llm = make_llm(folder, logprobs_mode="processed_logprobs")
+    greedy = SamplingParams(temperature=0.0, top_k=3, min_p=0.2, max_tokens=4, ignore_eos=True,
+                            logprobs=5)  # fmt: skip
+    sampled = SamplingParams(seed=3, temperature=TEMPERATURE, top_k=TOP_K, max_tokens=4)
+    banning = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=2, logprobs=5)
+    for batch in ([greedy], [greedy, sampled], [greedy, banning]):
+        out = llm.generate(PROMPTS[: len(batch)], batch, use_tqdm=False)[0]
+        completion = out.outputs[0]
+        reference = reference_values(
+            folder, out.prompt_token_ids, completion.token_ids, "raw_logprobs"
+        )
+        for step, entry in enumerate(completion.logprobs):
+            for token, value in entry.items():
+                assert value.logprob == pytest.approx(reference[step][token].item(), abs=1e-4)

@@ -152,10 +152,16 @@ def test_an_update_invalidates_the_kv_of_requests_paused_mid_generation(checkpoi
     finished = {r.request_id: r for r in engine.requests.values()}
     while engine.has_unfinished():
         engine.step()
-    engine_b = LLM(b, **ENGINE_ARGS)
+    assert_finished_as_on(b, finished, partial)
+
+
+def assert_finished_as_on(path: str, finished: dict, partial: dict) -> None:
+    """Each request's tokens: those it had (`partial`), then greedy ones of a fresh engine on
+    `path` from there."""
+    engine = LLM(path, **ENGINE_ARGS)
     for rid, request in finished.items():
         prompt = request.prompt_token_ids + partial[rid]
-        rest = engine_b.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0].outputs[0]
+        rest = engine.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0].outputs[0]
         num_left = GREEDY.max_tokens - len(partial[rid])
         assert request.output_token_ids == partial[rid] + rest.token_ids[:num_left]
 
@@ -187,3 +193,52 @@ def test_requests_running_through_an_update_publish_no_stale_blocks(checkpoints)
     while engine.has_unfinished():
         engine.step()
     assert engine.scheduler.cache.num_cached_blocks == 0  # they kept A's KV: none of it cached
+
+
+def enqueue_prompts(engine) -> None:
+    for i, prompt in enumerate(PROMPTS):
+        engine.enqueue(
+            engine.make_request(f"r{i}", GREEDY, prompt_token_ids=prompt["prompt_token_ids"])
+        )
+
+
+@pytest.mark.parametrize("swapped_at_update", [True, False])
+def test_requests_swapped_out_through_an_update_publish_no_stale_blocks(
+    checkpoints, swapped_at_update
+):
+    """Their host copy holds A's KV: swapped back in, its blocks stay unpublished, whether the
+    request was out at the update or went out after it."""
+    a, b = checkpoints
+    llm = LLM(a, **{**ENGINE_ARGS, **SWAPPING})
+    engine = llm.engine
+    enqueue_prompts(engine)
+    for _ in range(60):
+        engine.step()
+        if bool(engine.scheduler.swapped) == swapped_at_update and engine.requests:
+            break
+    assert bool(engine.scheduler.swapped) == swapped_at_update, "the test is void"
+    llm.update_weights_from_path(b)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.cache.num_cached_blocks == 0  # none of A's KV is found again
+
+
+def test_resume_with_recompute_kv_reads_back_the_steps_in_flight(checkpoints):
+    """From another thread, between two steps of an async engine, without a pause: the step in
+    flight is read back first, then every request recomputes its KV under B's weights."""
+    a, b = checkpoints
+    llm = LLM(a, **ENGINE_ARGS, async_batching=True)
+    engine = llm.engine
+    enqueue_prompts(engine)
+    for _ in range(4):
+        engine.step()
+    assert engine.in_flight, "no step in flight: the test is void"
+    llm.update_weights_from_path(b)
+    updated = engine.resume_generation(recompute_kv=True)
+    assert updated and not engine.in_flight
+    partial = {rid: list(r.output_token_ids) for rid, r in engine.requests.items()}
+    finished = dict(engine.requests)
+    while engine.has_unfinished():
+        engine.step()
+    assert_finished_as_on(b, finished, partial)

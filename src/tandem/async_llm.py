@@ -462,7 +462,7 @@ class AsyncLLM:
         await drained
 
     async def resume_generation(self, recompute_kv: bool = False) -> None:
-        await self._call(lambda engine: engine.resume_generation(recompute_kv))
+        await self._call(lambda engine: self._publish(engine.resume_generation(recompute_kv)))
 
     async def sleep(self, level: int = 1, mode: str = "keep") -> int:
         """Free the KV cache and the weights' device memory (see Engine.sleep; level 0 only

@@ -141,9 +141,10 @@ class RunningRows:
         assert request.seed is not None, "the engine draws the seed when it queues the request"
         self.prompt_len[row] = request.num_prompt_tokens
         self.temperature[row] = 0.0 if params.greedy else params.temperature
-        self.top_p[row] = params.top_p
-        self.min_p[row] = params.min_p
-        self.top_k[row] = params.top_k
+        # greedy: no filter, as vLLM's (a step that filters other rows leaves its logprobs be)
+        self.top_p[row] = 1.0 if params.greedy else params.top_p
+        self.min_p[row] = 0.0 if params.greedy else params.min_p
+        self.top_k[row] = 0 if params.greedy else params.top_k
         self.seed[row] = fold_seed(request.seed)
         self.logprobs[row] = -1 if params.logprobs is None else params.num_top_logprobs
         self.min_tokens[row] = params.min_tokens

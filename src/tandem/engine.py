@@ -567,15 +567,19 @@ class Engine:
         self.paused = True
         return updated
 
-    def resume_generation(self, recompute_kv: bool = False) -> None:
-        """Step again; with `recompute_kv`, the running and swapped requests first drop their KV
-        (stale after a weight update) and recompute it, as if preempted by recompute."""
+    def resume_generation(self, recompute_kv: bool = False) -> list[Request]:
+        """Step again; with `recompute_kv`, the steps in flight are read back and the running
+        and swapped requests drop their KV (stale after a weight update) to recompute it, as if
+        preempted by recompute. Returns the requests those steps updated."""
         if self.workers is not None:
             self._on_other_ranks("resume_generation", recompute_kv)
+        updated = []
         if recompute_kv:
+            updated = self.drain()
             self._preempt_running()
         self.paused = False
         self.scheduler.admitting = True
+        return updated
 
     @property
     def is_paused(self) -> bool:
@@ -681,12 +685,12 @@ class Engine:
         self.scheduler.cache.reset()
 
     def _forget_cached_kv(self) -> None:
-        """No KV computed before now is found again: the cache is emptied, and running requests
-        publish no more blocks until they are admitted again (their later blocks attend over
-        stale KV too)."""
+        """No KV computed before now is found again: the cache is emptied, and running and
+        swapped requests publish no more blocks until they recompute their KV (their later
+        blocks attend over stale KV too)."""
         self.scheduler.cache.reset()
-        for request in self.scheduler.running:
-            request.num_published_blocks = cdiv(self.max_model_len, self.block_size)
+        for request in (*self.scheduler.running, *self.scheduler.swapped):
+            request.publishes = False
 
     def collective_rpc(
         self,

@@ -150,7 +150,7 @@ class PrefixCache:
 
     def publish(self, request: Request) -> None:
         """Make the request's full blocks findable once their tokens are known and written."""
-        if not self.enabled:
+        if not (self.enabled and request.publishes):
             return
         num_known = len(request.prompt_token_ids) + len(request.output_token_ids)
         num_full = min(request.num_computed_tokens, num_known) // self.block_size

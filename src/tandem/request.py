@@ -80,6 +80,9 @@ class Request:
     # and the prompt tokens its first admission found cached
     block_keys: list[bytes] = field(default_factory=list)
     num_published_blocks: int = 0
+    # False: its KV predates a weight update, here or on the host, and is never published (until
+    # it is recomputed)
+    publishes: bool = True
     num_cached_tokens: int | None = None
     # (index, publication) where its admission copied a cached block on write: the block at
     # that index of its table holds that publication's first block_size - 1 slots

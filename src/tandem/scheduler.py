@@ -289,7 +289,7 @@ class Scheduler:
             request.status = Status.SWAPPED
             self.swapped.put_back(request)
         else:
-            request.num_computed_tokens = 0
+            request.num_computed_tokens, request.publishes = 0, True
             request.status = Status.WAITING
             self.waiting.put_back(request)
         self._release_blocks(request)
@@ -303,7 +303,7 @@ class Scheduler:
         while self.swapped:
             request = self.swapped.pop()
             self.swap.release(request)
-            request.num_computed_tokens = 0
+            request.num_computed_tokens, request.publishes = 0, True
             request.status = Status.WAITING
             self.waiting.put_back(request)
 

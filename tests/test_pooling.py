@@ -21,8 +21,19 @@ PROMPTS = ["Hello there", "Paged attention is neat", "café au lait " * 5, "The 
 
 
 @pytest.fixture(scope="module")
-def folder(make_tiny) -> str:
-    return str(make_tiny("llama"))
+def folder(make_tiny, tmp_path_factory) -> str:
+    """The tiny Llama marked Matryoshka (config.json's is_matryoshka), so `dimensions` apply."""
+    return str(
+        with_config(make_tiny("llama"), tmp_path_factory.mktemp("m") / "m", is_matryoshka=True)
+    )
+
+
+def with_config(source, folder, **fields) -> Path:
+    """A copy of the checkpoint `source` with these config.json fields set."""
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **fields}))
+    return folder
 
 
 @cache
@@ -63,7 +74,7 @@ def test_embeddings_are_the_last_token_s_normalized_hidden_state(make_tiny, arch
     assert not llm.engine.has_unfinished()
 
 
-def test_use_activation_false_and_dimensions(folder):
+def test_use_activation_false_and_dimensions(folder, make_tiny, tmp_path):
     llm = LLM(folder, max_model_len=64)
     raw = llm.embed(PROMPTS[:2], pooling_params=PoolingParams(use_activation=False), use_tqdm=False)
     assert_embeds(folder, raw, normalize=False)
@@ -71,6 +82,46 @@ def test_use_activation_false_and_dimensions(folder):
     short = llm.embed(PROMPTS[:2], pooling_params=per_prompt, use_tqdm=False)
     assert_embeds(folder, short[:1], dimensions=16)
     assert_embeds(folder, short[1:], normalize=False, dimensions=8)
+    # as vLLM: dimensions only where the model is Matryoshka, and among its own where it lists them
+    with pytest.raises(ValueError, match="does not support Matryoshka"):
+        LLM(str(make_tiny("llama")), max_model_len=64).embed(
+            PROMPTS[:1], pooling_params=PoolingParams(dimensions=16)
+        )
+    listed = str(with_config(Path(folder), tmp_path / "listed", matryoshka_dimensions=[8, 16]))
+    llm = LLM(listed, max_model_len=64)
+    assert_embeds(folder, llm.embed(PROMPTS[:1], pooling_params=PoolingParams(dimensions=8)),
+                  dimensions=8)  # fmt: skip
+    with pytest.raises(ValueError, match=r"Matryoshka dimensions \[8, 16\], got dimensions=12"):
+        llm.embed(PROMPTS[:1], pooling_params=PoolingParams(dimensions=12))
+
+
+def st_folder(source: str, folder: Path, modules: list[tuple[str, str]], mode: str) -> Path:
+    """A copy of `source` as a sentence-transformers model: modules.json's (type, path) list,
+    its Pooling module's config pooling by `mode`."""
+    shutil.copytree(source, folder)
+    entries = [{"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{t}"}
+               for i, (t, path) in enumerate(modules)]  # fmt: skip
+    (folder / "modules.json").write_text(json.dumps(entries))
+    for kind, path in modules:
+        if kind == "Pooling":
+            (folder / path).mkdir()
+            (folder / path / "config.json").write_text(json.dumps({f"pooling_mode_{mode}": True}))
+    return folder
+
+
+def test_a_sentence_transformers_model_normalizes_only_with_its_normalize_module(folder, tmp_path):
+    """vLLM reads modules.json: without a Normalize module the vectors are the raw states."""
+    plain = [("Transformer", ""), ("Pooling", "1_Pooling")]
+    for modules, normalize in ((plain, False), ([*plain, ("Normalize", "2_Normalize")], True)):
+        st = st_folder(folder, tmp_path / str(normalize), modules, "lasttoken")
+        outs = LLM(str(st), max_model_len=64).embed(PROMPTS[:2], use_tqdm=False)
+        assert_embeds(folder, outs, normalize=normalize)
+    # its Pooling module where modules.json puts it, not only 1_Pooling
+    mean = st_folder(
+        folder, tmp_path / "mean", [("Transformer", ""), ("Pooling", "1_Pool")], "mean_tokens"
+    )
+    with pytest.raises(ValueError, match=r"pooling_mode_mean_tokens \(its 1_Pool/config.json\)"):
+        LLM(str(mean), max_model_len=64).embed(PROMPTS[:1], use_tqdm=False)
 
 
 def test_embeddings_run_beside_generation_and_leave_its_tokens_alone(folder):
@@ -245,6 +296,57 @@ def test_a_one_label_reward_model_gives_the_sigmoid_of_its_score(classifiers):
     for out in llm.classify(PROMPTS, use_tqdm=False):
         [score] = transformers_scores(model, out.prompt_token_ids)
         np.testing.assert_allclose(out.outputs.probs, [1 / (1 + np.exp(-score))], rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("labels", "problem_type", "activation"),
+    [
+        (3, "multi_label_classification", lambda x: 1 / (1 + np.exp(-x))),  # each label alone
+        (3, "single_label_classification", lambda x: np.exp(x) / np.exp(x).sum()),
+        (1, "regression", lambda x: x),  # a reward model's raw score
+    ],
+)
+def test_classify_applies_the_activation_config_json_s_problem_type_names(
+    classifiers, tmp_path, labels, problem_type, activation
+):
+    """vLLM's: regression none, multi-label a sigmoid per label, otherwise softmax (sigmoid
+    for one label)."""
+    source, model = classifiers[labels]
+    folder = with_config(Path(source), tmp_path / "c", problem_type=problem_type)
+    for out in LLM(str(folder), max_model_len=64).classify(PROMPTS[:2], use_tqdm=False):
+        want = activation(transformers_scores(model, out.prompt_token_ids))
+        np.testing.assert_allclose(out.outputs.probs, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("named", "activation"),
+    [
+        ("torch.nn.modules.linear.Identity", lambda x: x),
+        ("torch.nn.modules.activation.Tanh", np.tanh),
+        (None, lambda x: 1 / (1 + np.exp(-x))),  # none named: classify's
+    ],
+)
+def test_a_cross_encoder_scores_through_the_activation_sentence_transformers_names(
+    classifiers, tmp_path, named, activation
+):
+    source, model = classifiers[1]
+    fields = {"sentence_transformers": {"activation_fn": named}} if named else {}
+    llm = LLM(str(with_config(Path(source), tmp_path / "ce", **fields)), max_model_len=64)
+    [out] = llm.score(PROMPTS[0], PROMPTS[1], use_tqdm=False)
+    [logit] = transformers_scores(model, out.prompt_token_ids)
+    assert out.outputs.score == pytest.approx(activation(logit), rel=1e-4, abs=1e-6)
+    [probs] = llm.classify(PROMPTS[:1], use_tqdm=False)  # classify keeps its own activation
+    [logit] = transformers_scores(model, probs.prompt_token_ids)
+    assert probs.outputs.probs[0] == pytest.approx(1 / (1 + np.exp(-logit)), rel=1e-4)
+
+
+def test_an_activation_fn_tandem_does_not_apply_is_a_value_error_for_scores(classifiers, tmp_path):
+    fields = {"sentence_transformers": {"activation_fn": "torch.nn.modules.activation.GELU"}}
+    folder = with_config(Path(classifiers[1][0]), tmp_path / "gelu", **fields)
+    llm = LLM(str(folder), max_model_len=64)
+    with pytest.raises(ValueError, match="GELU"):
+        llm.score(PROMPTS[0], PROMPTS[1], use_tqdm=False)
+    assert llm.classify(PROMPTS[:1], use_tqdm=False)[0].outputs.probs  # classify still answers
 
 
 def test_classifiers_and_generators_each_refuse_the_other_s_calls(classifiers, folder):

@@ -16,7 +16,7 @@ from tandem import penalties
 from tandem.config import EngineConfig, ModelConfig, cdiv
 from tandem.io_slot import MAX_BANNED_IDS
 from tandem.lora import AdapterCache, LoRARequest
-from tandem.pooling import PoolingParams
+from tandem.pooling import ModelPooling, PoolingParams
 from tandem.prefix_cache import PrefixCache
 from tandem.prompt_embeds import cache_key as embeds_key
 from tandem.prompt_embeds import checked as checked_embeds
@@ -42,7 +42,7 @@ class Admission:
         num_blocks: int,
         cache: PrefixCache,
         adapter_cache: AdapterCache | None,
-        pooling_refusal: str | None,
+        model_pooling: ModelPooling,
         think_tokens: ThinkTokens | None,
         masks: bool,
         dtype: torch.dtype,
@@ -53,7 +53,7 @@ class Admission:
         self.block_size, self.num_blocks = config.block_size, num_blocks
         self.cache = cache  # its `enabled` may change (the benchmark's runs without caching)
         self.adapter_cache = adapter_cache  # None: enable_lora is off
-        self.pooling_refusal = pooling_refusal  # None: embeddings pool the last token
+        self.model_pooling = model_pooling  # how the model pools: refusals, Matryoshka
         self.think_tokens = think_tokens  # a reasoning model's <think> / </think>, or None
         self.masks = masks  # the runner applies token masks (structured outputs)
         self.dtype = dtype  # the model's: prompt embeddings are kept in it
@@ -217,11 +217,10 @@ class Admission:
             )
 
     def _check_pooling(self, pooling: PoolingParams, params: SamplingParams) -> None:
-        if self.pooling_refusal is not None and pooling.task == "embed":
-            raise ValueError(self.pooling_refusal)
         if params.n != 1 or params.max_tokens != 1:
             raise ValueError("an embedding request is carried by SamplingParams(max_tokens=1)")
         pooling.validate(self.model_config.hidden_size, self.model_config.num_labels)
+        self.model_pooling.check(pooling)
 
     def grammars(self) -> GrammarBackend:
         """The structured-output backend over this model's tokenizer (built on first use, by

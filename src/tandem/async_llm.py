@@ -349,7 +349,7 @@ class AsyncLLM:
                 if output.prompt_token_ids is not None:  # in the first output
                     prompt_ids = output.prompt_token_ids
                 if output.pooled is not None:  # an aborted request ends without one
-                    classify = pooling.task == "classify"
+                    classify = pooling.task in ("classify", "score")
                     kind = ClassificationRequestOutput if classify else EmbeddingRequestOutput
                     pooled = (ClassificationOutput if classify else EmbeddingOutput)(output.pooled)
                     cached = output.num_cached_tokens

@@ -37,8 +37,8 @@ from tandem.parallel import (
     leave_process_group,
     rank0_check,
 )
+from tandem.pooling import ModelPooling
 from tandem.pooling import has_rows as has_pooled_rows
-from tandem.pooling import pooling_refusal
 from tandem.pooling import store as store_embeddings
 from tandem.profiler import NoTimeline, Timeline
 from tandem.prompt_embeds import has_rows as has_embed_rows
@@ -144,7 +144,7 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(tokenizer_dir) if found else None
         self.eos_token_ids = _eos_token_ids(cfg, folder, self.tokenizer)
         self.primary_eos_token_id = None if self.tokenizer is None else self.tokenizer.eos_token_id
-        self.pooling_refusal = pooling_refusal(folder)  # None: embeddings pool the last token
+        self.model_pooling = ModelPooling.of(folder, hf_config, cfg.num_labels)
         # a classifier's label names, by index (config.json's id2label; else LABEL_i)
         id2label = hf_config.get("id2label") or {}
         self.class_labels = [id2label.get(str(i), f"LABEL_{i}") for i in range(cfg.num_labels)]
@@ -301,7 +301,7 @@ class Engine:
         )
         self.admission = Admission(
             config, cfg, self.tokenizer, self.eos_token_ids, self.max_model_len, self.num_blocks,
-            self.scheduler.cache, self.adapter_cache, self.pooling_refusal, self.think_tokens,
+            self.scheduler.cache, self.adapter_cache, self.model_pooling, self.think_tokens,
             self.runner.masks, self.dtype,
         )  # fmt: skip
         # a trainer process's weights (weight_transfer/), where weight_transfer_config asks
@@ -867,7 +867,7 @@ class Engine:
     def _append_embeddings(self, batch: StepBatch) -> list[Request]:
         """Store the step's embeddings; finish their requests (the token they sampled from the
         same row is discarded)."""
-        store_embeddings(batch.pooling, batch.slot.pooling)
+        store_embeddings(batch.pooling, batch.slot.pooling, self.model_pooling)
         embedded = []
         for request in batch.pooling.requests:
             if not request.finished:

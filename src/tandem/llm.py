@@ -419,13 +419,13 @@ class LLM:
             prompts = scoring.pair_prompts(
                 engine.tokenizer, firsts, seconds, engine.separates_pairs
             )
-            task = "classify"
+            task = "score"
         else:  # every first text, then every second, each embedded alone
             prompts, loras, task = firsts + seconds, loras + loras, "embed"
         requests = self._pool(
             prompts, pooling_params, task, truncate_prompt_tokens, use_tqdm, loras
         )
-        return scoring.outputs(requests, task == "classify", engine.tokenizer)
+        return scoring.outputs(requests, task == "score", engine.tokenizer)
 
     def loglikelihood(
         self,

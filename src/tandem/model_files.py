@@ -15,14 +15,16 @@ if TYPE_CHECKING:
     import torch
 
 
-def read_json(path: Path) -> dict[str, Any]:
-    """The JSON object in `path`; ValueError naming the file if it is not readable as one."""
+def read_json(path: Path, kind: type = dict) -> Any:
+    """The JSON object (or `kind`, e.g. list) in `path`; ValueError naming the file if it is
+    not readable as one."""
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{path} is not a readable JSON file: {error}") from error
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    if not isinstance(value, kind):
+        what = "a JSON object" if kind is dict else f"a JSON {kind.__name__}"
+        raise ValueError(f"{path} must hold {what}, got {type(value).__name__}")
     return value
 
 

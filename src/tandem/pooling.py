@@ -1,8 +1,11 @@
 """Embeddings (vLLM's `LLM.embed` and the server's /v1/embeddings): a request's vector is the
 final hidden state of its last prompt token, after the model's last norm (the last-token pooling
-of decoder embedding models such as Qwen3-Embedding), L2-normalized unless asked not to. A
-sequence classifier's (`LLM.classify`, /classify) is its score head on that state, as
-probabilities (softmax; sigmoid for one label) unless asked not to.
+of decoder embedding models such as Qwen3-Embedding), L2-normalized unless asked not to (or a
+sentence-transformers model has no Normalize module). A sequence classifier's (`LLM.classify`,
+/classify) is its score head on that state, through the activation its config names
+(`problem_type`: softmax, or sigmoid for one label or several labels at once, or none for a
+regression) unless asked not to; a cross-encoder's score (`LLM.score`) takes the activation
+sentence-transformers names, else the same. `ModelPooling` reads these from the model's files.
 
 A pooling request runs as a one-token generation: the step that computes its last prompt token
 samples from that token's row, as any prompt's last step does, and the same row of the hidden
@@ -31,7 +34,17 @@ if TYPE_CHECKING:
     from tandem.request import Request
 
 
-TASKS = ("embed", "classify")
+# "score": a cross-encoder's pair, through classify's head and the model's score activation
+TASKS = ("embed", "classify", "score")
+# sentence-transformers' activation_fn names -> the activation applied on the host
+ST_ACTIVATIONS = {
+    "torch.nn.modules.linear.Identity": "identity",
+    "torch.nn.Identity": "identity",
+    "torch.nn.modules.activation.Sigmoid": "sigmoid",
+    "torch.nn.Sigmoid": "sigmoid",
+    "torch.nn.modules.activation.Tanh": "tanh",
+    "torch.nn.Tanh": "tanh",
+}
 
 
 @dataclass(frozen=True)
@@ -57,13 +70,13 @@ class PoolingParams:
     def validate(self, hidden_size: int, num_labels: int) -> None:
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
-        if self.task == "classify" and not num_labels:
+        if self.task != "embed" and not num_labels:
             raise ValueError(
-                "classify needs a sequence classifier (a *ForSequenceClassification checkpoint, "
-                "with its score head); this model generates"
+                f"{self.task} needs a sequence classifier (a *ForSequenceClassification "
+                "checkpoint, with its score head); this model generates"
             )
-        if self.task == "classify" and self.dimensions is not None:
-            raise ValueError("dimensions applies to embeddings, not to classify")
+        if self.task != "embed" and self.dimensions is not None:
+            raise ValueError(f"dimensions applies to embeddings, not to {self.task}")
         if self.use_activation is not None and not isinstance(self.use_activation, bool):
             raise ValueError(
                 f"use_activation must be True, False or None, got {self.use_activation!r}"
@@ -73,6 +86,78 @@ class PoolingParams:
             raise ValueError(f"dimensions must be a positive int or None, got {d!r}")
         if d is not None and d > hidden_size:
             raise ValueError(f"dimensions={d} is more than the model's {hidden_size} values")
+
+
+@dataclass(frozen=True)
+class ModelPooling:
+    """How a model pools, from its files as vLLM reads them: whether its embeddings are refused
+    (a pooling mode other than the last token's), normalized by default, and Matryoshka; the
+    activation of its classes and of its scores."""
+
+    refusal: str | None = None  # why embeddings are refused
+    normalize: bool = True  # embeddings L2-normalized unless asked not to
+    # config.json's matryoshka_dimensions; () for any, with is_matryoshka; None: not Matryoshka
+    matryoshka: tuple[int, ...] | None = None
+    classify: str = "softmax"  # "softmax", "sigmoid" or "identity"
+    score: str = "sigmoid"  # as classify, or "tanh"
+    score_refusal: str | None = None  # an activation_fn tandem does not apply
+
+    @classmethod
+    def of(cls, folder: Path | None, hf_config: dict, num_labels: int) -> ModelPooling:
+        modules = st_modules(folder)
+        types = {m.get("type"): m.get("path") for m in modules or () if isinstance(m, dict)}
+        pooling_dir = types.get("sentence_transformers.models.Pooling") or "1_Pooling"
+        problem = hf_config.get("problem_type")
+        classify = (
+            "identity" if problem == "regression"
+            else "sigmoid" if problem == "multi_label_classification" or num_labels < 2
+            else "softmax"
+        )  # fmt: skip
+        named = (hf_config.get("sentence_transformers") or {}).get(
+            "activation_fn"
+        ) or hf_config.get("sbert_ce_default_activation_function")
+        dims = hf_config.get("matryoshka_dimensions")
+        return cls(
+            refusal=pooling_refusal(folder, pooling_dir),
+            normalize=modules is None or "sentence_transformers.models.Normalize" in types,
+            matryoshka=tuple(dims) if dims else (() if hf_config.get("is_matryoshka") else None),
+            classify=classify,
+            score=ST_ACTIVATIONS.get(named, classify) if named else classify,
+            score_refusal=None if named is None or named in ST_ACTIVATIONS else (
+                f"this model's scores go through {named} (its sentence-transformers "
+                f"activation_fn); tandem applies {', '.join(sorted(ST_ACTIVATIONS))}"
+            ),
+        )  # fmt: skip
+
+    def check(self, params: PoolingParams) -> None:
+        """ValueError for what this model cannot pool as `params` ask (vLLM's wording)."""
+        if params.task == "embed" and self.refusal is not None:
+            raise ValueError(self.refusal)
+        if params.task == "score" and self.score_refusal is not None:
+            raise ValueError(self.score_refusal)
+        if params.dimensions is not None and self.matryoshka is None:
+            raise ValueError(
+                "this model does not support Matryoshka representation (no "
+                "matryoshka_dimensions or is_matryoshka in config.json): dimensions would give "
+                "poor embeddings"
+            )
+        if (
+            params.dimensions is not None
+            and self.matryoshka
+            and (params.dimensions not in self.matryoshka)
+        ):
+            raise ValueError(
+                f"this model supports the Matryoshka dimensions {list(self.matryoshka)}, "
+                f"got dimensions={params.dimensions}"
+            )
+
+    def activation(self, params: PoolingParams) -> str:
+        """What a request's pooled values go through: its use_activation over the model's."""
+        if params.use_activation is False:
+            return "identity"
+        if params.task == "embed":
+            return "normalize" if params.use_activation or self.normalize else "identity"
+        return self.score if params.task == "score" else self.classify
 
 
 @dataclass
@@ -149,33 +234,44 @@ def compute(
         buffers.dev_scores[:num_rows].copy_(score(rows))
 
 
-def store(step: PoolingStep, buffers: PoolingBuffers) -> None:
-    """Give each of a read-back step's requests its vector, truncated and normalized as its
-    params say (float64 sums, float32 values as vLLM returns them)."""
+def store(step: PoolingStep, buffers: PoolingBuffers, model: ModelPooling) -> None:
+    """Give each of a read-back step's requests its vector, truncated and through its
+    activation (float64 sums, float32 values as vLLM returns them)."""
     for k, request in enumerate(step.requests):
         if request.finished:
             continue  # aborted while the step was in flight
         params = request.pooling
-        if params.task == "classify":
-            values = buffers.np_scores[k].astype(np.float64)
-            if params.use_activation is not False:  # sigmoid for one label, as vLLM's
-                values = softmax(values) if len(values) > 1 else 1 / (1 + np.exp(-values))
-        else:
+        if params.task == "embed":
             values = buffers.np_vectors[k, : params.dimensions].astype(np.float64)
-            if params.use_activation is not False:
-                values /= max(math.sqrt(float(values @ values)), 1e-12)
-        request.pooled = values.astype(np.float32).tolist()
+        else:
+            values = buffers.np_scores[k].astype(np.float64)
+        request.pooled = activated(values, model.activation(params)).astype(np.float32).tolist()
 
 
-def softmax(values: np.ndarray) -> np.ndarray:
-    exp = np.exp(values - values.max())
-    return exp / exp.sum()
+def activated(values: np.ndarray, activation: str) -> np.ndarray:
+    if activation == "normalize":
+        return values / max(math.sqrt(float(values @ values)), 1e-12)
+    if activation == "softmax":
+        exp = np.exp(values - values.max())
+        return exp / exp.sum()
+    if activation == "sigmoid":
+        return 1 / (1 + np.exp(-values))
+    if activation == "tanh":
+        return np.tanh(values)
+    return values
 
 
-def pooling_refusal(folder: Path | None) -> str | None:
+def st_modules(folder: Path | None) -> list | None:
+    """A sentence-transformers model's modules.json (its modules in order), or None."""
+    path = folder / "modules.json" if folder is not None else None
+    return read_json(path, list) if path is not None and path.is_file() else None
+
+
+def pooling_refusal(folder: Path | None, pooling_dir: str = "1_Pooling") -> str | None:
     """Why this model's embeddings are refused, or None: a sentence-transformers model folder
-    says how it pools (1_Pooling/config.json), and the engine pools the last token alone."""
-    path = folder / "1_Pooling" / "config.json" if folder is not None else None
+    says how it pools (its Pooling module's config.json), and the engine pools the last token
+    alone."""
+    path = folder / pooling_dir / "config.json" if folder is not None else None
     if path is None or not path.is_file():
         return None
     modes = {k: v for k, v in read_json(path).items() if k.startswith("pooling_mode")}
@@ -183,6 +279,6 @@ def pooling_refusal(folder: Path | None) -> str | None:
     if not other:
         return None
     return (
-        f"this model pools by {', '.join(other)} (its 1_Pooling/config.json); tandem's "
+        f"this model pools by {', '.join(other)} (its {pooling_dir}/config.json); tandem's "
         "embeddings take the last token's hidden state (pooling_mode_lasttoken) alone"
     )

@@ -213,7 +213,7 @@ async def scored(
             prompts = firsts + seconds
     except ValueError as error:
         raise OpenAIError(str(error), param="model") from error
-    task = "classify" if cross_encoded else "embed"
+    task = "score" if cross_encoded else "embed"
     pooling = PoolingParams(use_activation=body.use_activation, task=task)
     call_id, outputs = await pooled(serving, body, pooling, "score", prompts, param=param)
     vectors = [

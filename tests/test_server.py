@@ -392,6 +392,37 @@ def test_continuous_usage_counts_the_chunks_own_prompt_and_choice_as_vllm(client
     assert chunks[-1].usage.completion_tokens == sum(made) == 20
 
 
+def test_return_token_ids_returns_the_prompt_token_ids_too(client, offline):
+    """vLLM's: in each completion choice and a stream's first chunk of each; a chat's once,
+    beside its choices (and in its first chunk)."""
+    extra = {"return_token_ids": True}
+    prompts = [PROMPT, "Paged attention"]
+    want = [offline.engine.tokenizer.encode(p) for p in prompts]
+    args = {"model": MODEL, "prompt": prompts, "max_tokens": 3, "n": 2, "extra_body": extra}
+    answer = client.completions.create(**args)
+    assert [c.model_extra["prompt_token_ids"] for c in answer.choices] == [
+        want[0],
+        want[0],
+        want[1],
+        want[1],
+    ]
+    firsts = {}
+    for chunk in client.completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            ids = choice.model_extra.get("prompt_token_ids")
+            assert (ids is not None) == (choice.index not in firsts)
+            firsts.setdefault(choice.index, ids)
+    assert [firsts[i] for i in range(4)] == [want[0], want[0], want[1], want[1]]
+    chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 3, "extra_body": extra}
+    response = client.chat.completions.create(**chat)
+    tokenizer = offline.get_tokenizer()
+    rendered = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"]
+    assert response.model_extra["prompt_token_ids"] == rendered
+    chunks = list(client.chat.completions.create(**chat, stream=True))
+    assert chunks[0].model_extra["prompt_token_ids"] == rendered
+    assert all("prompt_token_ids" not in c.model_extra for c in chunks[1:])
+
+
 def test_streamed_chat_sends_the_role_first_then_content_deltas(client):
     args = {"model": MODEL, "messages": MESSAGES, "max_tokens": 16, "temperature": 0}
     full = client.chat.completions.create(**args)
@@ -721,6 +752,13 @@ def test_an_empty_model_name_asks_for_the_served_model_as_in_vllm(server):
     body = {"model": "", "prompt": PROMPT, "max_tokens": 2}
     assert post(server, "/v1/completions", body).json()["model"] == MODEL
     assert post(server, "/tokenize", {"model": "", "prompt": PROMPT}).status_code == 200
+
+
+@pytest.mark.parametrize("prompt", ["", [], [[]]])
+def test_an_empty_prompt_is_a_400(server, prompt):
+    """vLLM's: a text prompt of nothing is refused, not run as the BOS alone."""
+    response = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+    assert_openai_error(response, 400, param="prompt")
 
 
 def test_a_prompt_longer_than_the_context_is_a_400(server):

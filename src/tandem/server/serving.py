@@ -205,6 +205,8 @@ class OpenAIServing:
         embeds = None
         if (body.prompt is None) == (body.prompt_embeds is None):
             raise OpenAIError("give prompt or prompt_embeds (one of them)", param="prompt")
+        if body.prompt == "":  # vLLM's: no text at all, not a prompt of the BOS alone
+            raise OpenAIError("prompt must not be empty", param="prompt")
         if body.prompt_embeds is not None:
             embeds = await asyncio.to_thread(completion_embeds, body)
             prompts = [(None, [0] * len(e)) for e in embeds]
@@ -486,6 +488,8 @@ class OpenAIServing:
         }
         if generation.num_prompt_logprobs is not None:
             fmt.add_prompt_logprobs(response)
+        if generation.return_token_ids:
+            fmt.add_prompt_token_ids(response, generation.choices)
         return response
 
     async def _events(
@@ -502,10 +506,13 @@ class OpenAIServing:
                 choice.add(output)
                 delta = fmt.delta_choice(index, choice, output)
                 if delta is not None:
-                    choice.started = True
                     if continuous:
                         usage_field = {"usage": generation.choice_usage(index)}
-                    yield sse({**chunk_envelope, "choices": [delta], **usage_field})
+                    chunk = {**chunk_envelope, "choices": [delta], **usage_field}
+                    if generation.return_token_ids and not choice.started:  # its first chunk
+                        fmt.add_prompt_token_ids(chunk, [choice])
+                    choice.started = True
+                    yield sse(chunk)
             if include_usage:
                 yield sse({**chunk_envelope, "choices": [], "usage": generation.usage()})
             ended = True
@@ -552,6 +559,12 @@ class Format:
 
     def final_choice(self, index: int, choice: Choice) -> dict:
         raise NotImplementedError
+
+    def add_prompt_token_ids(self, response: dict[str, Any], choices: list[Choice]) -> None:
+        """vLLM's `prompt_token_ids` (with return_token_ids): in each choice of `response`, the
+        whole answer or a stream's first chunk of each choice."""
+        for shown, choice in zip(response["choices"], choices, strict=True):
+            shown["prompt_token_ids"] = choice.prompt_token_ids
 
     def add_prompt_logprobs(self, response: dict[str, Any]) -> None:
         """The request's prompt_logprobs, as vLLM's: in each choice."""
@@ -705,6 +718,10 @@ class ChatFormat(Format):
     def add_prompt_logprobs(self, response: dict[str, Any]) -> None:
         """vLLM's chat response holds them once, beside its choices (one prompt)."""
         response["prompt_logprobs"] = self.prompt_logprobs(0)
+
+    def add_prompt_token_ids(self, response: dict[str, Any], choices: list[Choice]) -> None:
+        """vLLM's chat holds them once, beside its choices (one prompt)."""
+        response["prompt_token_ids"] = choices[0].prompt_token_ids
 
     def delta_choice(self, index: int, choice: Choice, output: StreamOutput) -> dict | None:
         if choice.reader is None:

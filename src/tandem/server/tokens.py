@@ -77,6 +77,9 @@ class TokensFormat(ChatFormat):
             "created": generation.created,
         }
 
+    def add_prompt_token_ids(self, response: dict[str, Any], choices: list[Choice]) -> None:
+        """The caller sent them: not echoed back (vLLM's GenerateResponse has none)."""
+
     def delta_choice(self, index: int, choice: Choice, output) -> dict | None:
         if not (output.token_ids or output.finished):
             return None

@@ -21,18 +21,19 @@ TEMPERATURE, TOP_K = 0.7, 8
 
 
 def filtered_row(row: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float):
-    """One row as the sampler draws from it, element by element: scaled, then -inf outside the
-    top-k, outside the smallest set of those whose mass reaches top_p, and below min_p x the
-    most likely one's probability."""
+    """One row as the sampler draws from it, element by element, in vLLM's order: scaled, then
+    -inf below min_p x the most likely one's probability, outside the top-k of the rest, and
+    outside the smallest set of those whose mass (among them) reaches top_p."""
     scaled = row.double() / (temperature or 1.0)
     order = sorted(range(len(row)), key=lambda i: -scaled[i].item())
-    kept = order[: top_k or len(row)]
+    whole = torch.softmax(scaled, dim=0)
+    kept = [i for i in order if whole[i] >= min_p * whole[order[0]]][: top_k or len(row)]
     probs = torch.softmax(scaled[kept], dim=0).tolist()
     out = torch.full_like(scaled, -math.inf)
     mass = 0.0
     for token, p in zip(kept, probs, strict=True):
-        if (top_p < 1 and mass >= top_p) or p < min_p * probs[0]:
-            continue
+        if top_p < 1 and mass >= top_p:
+            break
         out[token] = scaled[token]
         mass += p
     return out
@@ -190,3 +191,13 @@ def test_a_greedy_requests_processed_logprobs_ignore_its_filters_whatever_the_ba
         for step, entry in enumerate(completion.logprobs):
             for token, value in entry.items():
                 assert value.logprob == pytest.approx(reference[step][token].item(), abs=1e-4)
+
+
+def test_min_p_applies_before_top_p_as_vllm():
+    """Probabilities [0.5, 0.3, 0.15, 0.05]: min-p 0.2 drops the last (below 0.1), and top-p
+    0.81 of the rest, renormalized ([0.53, 0.32, 0.16]), keeps two. After top-p on the whole
+    distribution it would keep three."""
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    t = tensors(1, 1.0, 0, 0.81, 0.2)
+    kept = processed_logits(logits, t, use_filters=True)[0].isfinite()
+    assert kept.tolist() == [True, True, False, False]

@@ -419,16 +419,17 @@ def draw(logits: torch.Tensor, processed: torch.Tensor, t: SamplingTensors) -> t
 
 
 def _filter_sorted(scaled: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Mask (to -inf) tokens outside top-k, top-p and min-p; `scaled` is sorted descending per row."""
+    """Mask (to -inf) tokens outside min-p, top-k and top-p, in vLLM's order: min-p on the whole
+    distribution, then top-k, then top-p within what those keep; `scaled` is sorted descending
+    per row."""
     vocab = scaled.shape[-1]
     ranks = torch.arange(vocab, device=scaled.device)
     top_k = torch.where(t.top_k > 0, t.top_k, vocab)
-    in_top_k = ranks < top_k[:, None]
-    # top-p measures mass within what top-k keeps
-    probs = scaled.masked_fill(~in_top_k, float("-inf")).softmax(dim=-1)
+    whole = scaled.softmax(dim=-1)
+    kept = (ranks < top_k[:, None]) & (whole >= t.min_p[:, None] * whole[:, :1])
+    probs = scaled.masked_fill(~kept, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # E.g. [0.5, 0.3, 0.2] -> [0, 0.5, 0.8]
-    keep = in_top_k & ((mass_before < t.top_p[:, None]) | (t.top_p[:, None] >= 1))
-    keep &= probs >= t.min_p[:, None] * probs[:, :1]
+    keep = kept & ((mass_before < t.top_p[:, None]) | (t.top_p[:, None] >= 1))
     return scaled.masked_fill(~keep, float("-inf"))
 
 

@@ -448,3 +448,20 @@ def test_the_server_s_pooling_route_answers_what_embed_and_classify_do(classifie
                     assert "sequence classifier" in answer.json()["error"]["message"]
         finally:
             llm.shutdown()
+
+
+@pytest.mark.parametrize("engine_args", [{}, {"max_num_batched_tokens": 8}], ids=["", "chunked"])
+def test_a_pooled_prompt_may_fill_max_model_len(folder, engine_args):
+    """As vLLM: pooling samples no token, so a prompt of max_model_len tokens is embedded, and
+    truncate_prompt_tokens=-1 keeps that many; one more is a ValueError."""
+    llm = LLM(folder, max_model_len=32, block_size=8, **engine_args)
+    ids = list(range(10, 42))  # 32 tokens
+    [full] = llm.embed({"prompt_token_ids": ids}, use_tqdm=False)
+    assert_embeds(folder, [full])
+    [cut] = llm.embed({"prompt_token_ids": [5, *ids]}, truncate_prompt_tokens=-1, use_tqdm=False)
+    assert cut.prompt_token_ids == ids
+    with pytest.raises(ValueError, match="at most 32 tokens"):
+        llm.embed({"prompt_token_ids": [5, *ids]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="at most 31 tokens"):  # a generation needs a token's room
+        llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert not llm.engine.has_unfinished()

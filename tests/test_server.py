@@ -294,6 +294,21 @@ def test_truncate_prompt_tokens_out_of_range_is_a_400_on_both_routes(server):
         assert_openai_error(response, 400, "truncate_prompt_tokens")
 
 
+def test_an_embedding_prompt_may_fill_the_context_and_minus_one_keeps_that_much(server):
+    """vLLM's pooling requests: -1 keeps max_model_len tokens (a generation's keeps one fewer),
+    and a prompt of exactly max_model_len is embedded."""
+    limit = ENGINE_ARGS["max_model_len"]
+    for body in (
+        {"input": [5] * (limit + 10), "truncate_prompt_tokens": -1},
+        {"input": [5] * limit},
+    ):
+        response = post(server, "/v1/embeddings", body)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["prompt_tokens"] == limit
+    too_long = post(server, "/v1/embeddings", {"input": [5] * (limit + 1)})
+    assert "max_model_len" in assert_openai_error(too_long, 400, "input")
+
+
 def test_cache_salt_shares_cached_prompt_tokens_only_within_a_salt_on_both_routes(server):
     """vLLM's cache_salt: usage.prompt_tokens_details.cached_tokens counts only blocks cached
     under the request's own salt (none: shared with unsalted requests only)."""

@@ -117,8 +117,10 @@ class Admission:
         ids = prompt_token_ids.tolist() if hasattr(prompt_token_ids, "tolist") else prompt_token_ids
         if not isinstance(ids, Iterable) or isinstance(ids, str | bytes | dict):
             raise ValueError(f"prompt_token_ids must be a list of token ids, got {ids!r:.80}")
+        # the longest prompt: a generation leaves room for a token, pooling needs none
+        most = self.max_model_len - (pooling is None)
         prompt_token_ids = self._check_token_ids(
-            truncate_prompt(list(ids), params.truncate_prompt_tokens, self.max_model_len)
+            truncate_prompt(list(ids), params.truncate_prompt_tokens, most), most
         )
         self._check_n(params, len(prompt_token_ids))
         if embeds is not None:  # truncate_prompt_tokens kept the last ones
@@ -266,7 +268,7 @@ class Admission:
                     "(an engine argument)"
                 )
 
-    def _check_token_ids(self, ids: list[int]) -> list[int]:
+    def _check_token_ids(self, ids: list[int], most: int) -> list[int]:
         if not ids:
             raise ValueError("prompt is empty; give at least one token")
         vocab = self.model_config.vocab_size
@@ -279,10 +281,10 @@ class Admission:
             if bad is not None:
                 raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {bad!r}")
             ids = [int(t) for t in ids]
-        if len(ids) >= self.max_model_len:
+        if len(ids) > most:
             raise ValueError(
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
-                f"shorten it to at most {self.max_model_len - 1} tokens or raise max_model_len"
+                f"shorten it to at most {most} tokens or raise max_model_len"
             )
         return ids
 

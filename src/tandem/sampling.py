@@ -478,10 +478,11 @@ def top_logprobs(
     return ids, top.float() - shift[:, None]
 
 
-def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+def truncate_prompt(ids: list[int], keep: int | None, most: int) -> list[int]:
     """The prompt's last `keep` tokens (SamplingParams.truncate_prompt_tokens, as vLLM's); -1
-    keeps max_model_len - 1, the most that leaves room for a new token; None keeps all."""
+    keeps `most`, the longest prompt the engine takes (max_model_len - 1 for a generation,
+    which needs room for a new token; max_model_len to pool); None keeps all."""
     if keep is None:
         return ids
-    keep = max_model_len - 1 if keep == -1 else keep
+    keep = most if keep == -1 else keep
     return ids[-keep:] if len(ids) > keep else ids

@@ -143,6 +143,8 @@ class Scheduler:
         num_tokens = request.num_tokens
         if request.params.max_tokens == 0:  # scoring: the rows that predict prompt tokens only
             return max(request.num_prompt_tokens - 1 - request.num_computed_tokens, 0)
+        if request.pooling is not None:  # its whole prompt, max_model_len tokens at most
+            return max(request.num_prompt_tokens - request.num_computed_tokens, 0)
         # max_tokens outputs, or max_model_len in all, whichever comes first
         limit = min(len(request.prompt_token_ids) + request.params.max_tokens, self.max_model_len)
         if num_tokens >= limit:

@@ -34,7 +34,7 @@ class PoolingRequest(RequestOption):
     input: Text | list[Text] | TokenIds | list[TokenIds]
     user: str | None = None  # labels the request only
     use_activation: bool | None = None  # vLLM's: normalize / softmax (None: on)
-    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None  # vLLM's
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None  # vLLM's; -1: all that fit
 
     def prompts(self) -> list[str | dict[str, list[int]]]:
         """The inputs as prompts: one text, texts, one list of token ids, or lists of them."""
@@ -70,7 +70,7 @@ class ScoreRequest(RequestOption):
     model: str | None = None
     text_1: Text | list[Text]
     text_2: Text | list[Text]
-    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     use_activation: bool | None = None  # a cross-encoder's sigmoid (None: on)
 
 
@@ -81,7 +81,7 @@ class RerankRequest(RequestOption):
     query: Text
     documents: list[Text]
     top_n: Annotated[int, Field(ge=0)] = 0  # the best top_n results; 0: all
-    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     use_activation: bool | None = None
 
 

@@ -247,7 +247,7 @@ class OpenAIServing:
         then keeps them all. As in vLLM, -1 leaves room for the `max_tokens` asked for."""
         if keep == -1 and max_tokens and max_tokens < self.llm.max_model_len:
             keep = self.llm.max_model_len - max_tokens
-        kept = truncate_prompt(ids, keep, self.llm.max_model_len)
+        kept = truncate_prompt(ids, keep, self.llm.max_model_len - 1)
         return (text, ids) if len(kept) == len(ids) else (None, kept)
 
     def check_room(self, prompts: list[list[int]], max_tokens: int | None, field: str) -> None:

@@ -141,6 +141,7 @@ def test_the_server_s_score_and_rerank_answer_what_llm_score_does(classifiers): 
                 request = {"model": "reranker", "query": QUERY, "documents": DOCUMENTS, "top_n": 2}
                 body = httpx.post(f"{url}{path}", json=request).json()
                 assert [r["index"] for r in body["results"]] == order[:2]
+                assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
                 for result in body["results"]:
                     assert result["document"] == {"text": DOCUMENTS[result["index"]]}
                     assert result["relevance_score"] == pytest.approx(

@@ -255,6 +255,6 @@ async def rerank(serving: OpenAIServing, body: RerankRequest) -> dict[str, Any]:
     return {
         "id": call_id,
         "model": serving.answered_name(body.model),
-        "usage": {"total_tokens": num_tokens},
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},  # vLLM's RerankUsage
         "results": results,
     }

@@ -330,6 +330,46 @@ def test_a_config_file_sets_flags_and_the_command_line_wins(tmp_path):
     assert (args.model, args.max_num_seqs, args.served_model_name) == ("some/model", 7, "-dashed-")
 
 
+def test_a_model_given_first_wins_over_the_config_files_and_no_list_takes_it(tmp_path):
+    """vLLM's: the file's flags follow a MODEL given first, so a list the file ends with
+    (api_key) stops before it, and the file's own model gives way."""
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: file/model\nmax_num_seqs: 7\napi_key: [key-a]\n")
+    args = parsed(["serve", "cli/model", "--config", str(config), "--port", "8002"])
+    assert (args.model, args.api_key, args.max_num_seqs, args.port) == (
+        "cli/model",
+        ["key-a"],
+        7,
+        8002,
+    )
+    config.write_text("api_key: [key-a, key-b]\n")  # the README's form, last in the file
+    args = parsed(["serve", "cli/model", "--config", str(config)])
+    assert (args.model, args.api_key) == ("cli/model", ["key-a", "key-b"])
+
+
+def test_vllm_api_key_in_the_environment_is_the_key_unless_the_flag_gives_one(monkeypatch):
+    from tandem.cli import build_parser, server_options
+
+    monkeypatch.setenv("VLLM_API_KEY", "secret")
+    parser = build_parser()
+    assert server_options(parser.parse_args(["serve", "m"]), ()).api_key == "secret"
+    flagged = parser.parse_args(["serve", "m", "--api-key", "mine"])
+    assert server_options(flagged, ()).api_key == ("mine",)
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert server_options(parser.parse_args(["serve", "m"]), ()).api_key is None
+
+
+def test_flags_spelt_with_underscores_and_vllms_short_flags_parse(tiny_dir):
+    from tandem.cli import build_parser, dashed
+
+    argv = ["serve", "m", "--max_num_seqs", "8", "--max_model_len=64", "-tp", "2", "-pp", "1"]
+    args = build_parser().parse_args([dashed(a) for a in argv])
+    assert (args.max_num_seqs, args.max_model_len, args.tensor_parallel_size) == (8, 64, 2)
+    assert dashed("--chat_template=a_b") == "--chat-template=a_b"  # the value is kept
+    result = run_cli("serve", str(tiny_dir), "--max_num_seqs", "0", "--device", "cpu")
+    assert "max_num_seqs" in result.stderr  # reached the engine's check: the flag was read
+
+
 @pytest.mark.parametrize(
     ("text", "words"),
     [("max_num_seqs: [1\n", "no YAML"), ("- a\n- b\n", "a mapping of flag names"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 import time
 from dataclasses import fields
@@ -156,6 +157,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: str = "position
     )
     parser.add_argument(
         "--pipeline-parallel-size",
+        "-pp",
         type=int,
         default=1,
         help="vLLM's; 1 only (use --tensor-parallel-size, or --data-parallel-size to serve)",
@@ -260,7 +262,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: str = "position
         "--swap-space", type=float, default=4.0, help="GiB of pinned host memory for swapping"
     )
     parser.add_argument(
-        "--tensor-parallel-size", type=int, default=1, help="GPUs (processes) per model"
+        "--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (processes) per model"
     )
     parser.add_argument(
         "--quantization",
@@ -541,6 +543,8 @@ def server_options(args: argparse.Namespace, adapters: tuple) -> ServerOptions:
 
     given = {f.name: getattr(args, f.name) for f in fields(ServerOptions) if hasattr(args, f.name)}
     given = {name: tuple(v) if isinstance(v, list) else v for name, v in given.items()}
+    if not given.get("api_key"):  # vLLM's: the flag, else the environment's key
+        given["api_key"] = os.environ.get("VLLM_API_KEY") or None
     return ServerOptions(**{**given, "lora_modules": adapters})
 
 
@@ -593,7 +597,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         nargs="+",
         help="require 'Authorization: Bearer KEY' with one of these keys (not on /health, /ping "
-        "and /metrics; default: none)",
+        "and /metrics; default: $VLLM_API_KEY, as vLLM, else none)",
     )
     parser.add_argument(
         "--served-model-name",
@@ -856,6 +860,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
     serve.add_argument(
         "--data-parallel-size",
+        "-dp",
         type=int,
         default=1,
         help="engine replicas behind the endpoint, on Ray Serve (needs tandem[ray])",
@@ -871,6 +876,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run_batch.add_argument(
         "--data-parallel-size",
+        "-dp",
         type=int,
         default=1,
         help="engine replicas on Ray, tensor-parallel-size GPUs each (needs tandem[ray])",
@@ -939,13 +945,22 @@ def subcommand(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Arg
     return None
 
 
+def dashed(arg: str) -> str:
+    """A flag spelt with underscores as argparse knows it, as vLLM's parser takes it:
+    --max_num_seqs=8 -> --max-num-seqs=8; values and short flags stay as they are."""
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         envs.check_all()  # before the parser imports the modules that read them
     except ValueError as error:
         sys.exit(f"tandem: error: {error}")
     parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = [dashed(arg) for arg in (sys.argv[1:] if argv is None else argv)]
     command = subcommand(parser, argv)
     if command is not None and "--config" in command._option_string_actions:
         try:

@@ -20,7 +20,8 @@ import yaml
 
 def expand(argv: list[str], command: argparse.ArgumentParser) -> list[str]:
     """argv of a command (argv[0] its name) with `--config FILE` replaced by the file's flags,
-    put right after the name."""
+    put right after the name, or after a MODEL given first (as vLLM's: that model wins over
+    the file's, and a list the file ends with cannot take it as one more value)."""
     rest, path = [], None
     i = 1
     while i < len(argv):
@@ -33,7 +34,11 @@ def expand(argv: list[str], command: argparse.ArgumentParser) -> list[str]:
             i += 1
     if path is None:
         return argv
-    return [argv[0], *flags(read(path), command), *rest]
+    settings = read(path)
+    if rest and not rest[0].startswith("-"):
+        settings.pop("model", None)
+        return [argv[0], rest[0], *flags(settings, command), *rest[1:]]
+    return [argv[0], *flags(settings, command), *rest]
 
 
 def read(path: str) -> dict[str, Any]:

@@ -14,12 +14,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
 from tandem import LLM, SamplingParams, StructuredOutputsParams
 from tandem.runner import Runner
-from tandem.structured import choice_grammar
+from tandem.structured import choice_grammar, is_lark
 
 pytest.importorskip("xgrammar")
 
@@ -312,6 +313,75 @@ def test_a_constraint_the_backend_rejects_is_a_value_error_before_anything_is_qu
     assert not llm.engine.has_unfinished() and not llm.engine.requests
     good = json_params(SCHEMAS[6], seed=0)
     check_output(good, llm.generate(["x"], [good], use_tqdm=False)[0].outputs[0])
+
+
+@pytest.mark.parametrize(
+    ("schema", "words"),
+    [
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems (at #)"),
+        ({"type": "object", "properties": {"tags": {"type": "array", "contains": {"const": 1}}}},
+         "contains (at #/properties/tags)"),
+        ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "a length beside a pattern"),
+        ({"type": "string", "format": "uuid", "maxLength": 5}, "a length beside a format"),
+        ({"$defs": {"D": {"type": "string", "format": "no-such-format"}}, "$ref": "#/$defs/D"},
+         "the string format 'no-such-format' (at #/$defs/D)"),
+        ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}}, "patternProperties"),
+    ],
+)  # fmt: skip
+def test_a_schema_xgrammar_would_not_enforce_is_a_value_error_naming_the_keyword(
+    folder, schema, words
+):
+    """As vLLM's check: xgrammar compiles these and lets outputs break them (e.g. [2, 2, 2]
+    under uniqueItems), so they are refused rather than served wrong."""
+    llm = LLM(folder, max_model_len=512)
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))
+    with pytest.raises(ValueError, match=re.escape(words)):
+        llm.generate(["x"], [params], use_tqdm=False)
+    assert not llm.engine.requests
+
+
+def test_what_xgrammar_enforces_passes_the_check_and_data_is_no_schema(folder):
+    """A property named like a keyword, enum and const data holding one, uniqueItems false, a
+    known format: all compile."""
+    schema = {"type": "object", "properties": {
+        "uniqueItems": {"type": "boolean"}, "format": {"enum": [{"format": "x"}, "y"]},
+        "when": {"type": "string", "format": "date-time"},
+        "ids": {"type": "array", "uniqueItems": False, "items": {"const": {"contains": 1}}}}}  # fmt: skip
+    grammars = LLM(folder, max_model_len=512).engine.admission.grammars()
+    assert grammars.compile(StructuredOutputsParams(json=schema)) is not None
+
+
+def test_a_lark_grammar_is_read_as_lark_as_vllm(folder):
+    assert is_lark('start: "yes" | "no"') and not is_lark('root ::= "yes" # a: b')
+    llm = LLM(folder, max_model_len=512)
+    lark = StructuredOutputsParams(grammar='start: answer\nanswer: "yes" | "no"  // a comment')
+    outs = llm.generate(["x"] * 3, seeded(3, 8, {}, lark), use_tqdm=False)
+    assert {o.outputs[0].text for o in outs} <= {"yes", "no"}
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+
+
+def test_a_structural_tags_json_takes_no_raw_control_bytes(folder):
+    llm = LLM(folder, max_model_len=512)
+    grammars = llm.engine.admission.grammars()
+    tag = StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<f>", "end": "</f>",
+        "content": {"type": "json_schema", "json_schema": {"type": "string"}}}})  # fmt: skip
+    assert np.array_equal(grammars.token_filter(tag), grammars.json_filters[True])
+
+
+def test_a_grammar_ending_on_another_eos_names_it_as_stop_reason(folder):
+    """As without a grammar: generation_config's EOS ids other than the tokenizer's are the
+    stop_reason; the tokenizer's is None."""
+    llm = LLM(folder, max_model_len=512)
+    primary = llm.get_tokenizer().eos_token_id
+    other = next(t for t in llm.engine.eos_token_ids if t != primary)
+    choice = StructuredOutputsParams(choice=["yes"])
+    for eos, reason in ((other, other), (primary, None)):
+        params = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=choice,
+                                logit_bias={eos: 100.0, other + primary - eos: -100.0})  # fmt: skip
+        completion = llm.generate(["x"], [params], use_tqdm=False)[0].outputs[0]
+        assert (completion.text, completion.finish_reason) == ("yes", "stop")
+        assert completion.token_ids[-1] == eos and completion.stop_reason == reason
 
 
 @pytest.mark.parametrize(

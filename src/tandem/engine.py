@@ -859,6 +859,8 @@ class Engine:
             gated = request.matcher is not None or request.reasoning_end_id is not None
             ended = accept(request, sampled[row]) if gated else None
             if ended is not None:  # the grammar is complete (its stop token), or broken
+                if ended == "stop":
+                    request.stop_reason = self._stop_reason(request, sampled[row])
                 self._finish(request, ended, stopped_by_token=True)
                 continue
             self._check_stop(request)
@@ -903,6 +905,12 @@ class Engine:
         request.logprobs.append(entry)
         request.sampled_ranks.append(logprobs.ranks[row])
 
+    def _stop_reason(self, request: Request, token: int) -> int | None:
+        """vLLM's stop_reason of a stop token: None for the tokenizer's EOS, else the id
+        (generation_config's other EOS ids are stop_token_ids there)."""
+        primary = not request.params.ignore_eos and token == self.primary_eos_token_id
+        return None if primary else token
+
     def _check_stop(self, request: Request) -> None:
         """As vLLM: EOS and stop_token_ids count from the min_tokens-th output on, stop strings
         only in text after it; a stop token's text is kept with include_stop_str_in_output."""
@@ -912,10 +920,8 @@ class Engine:
             (not params.ignore_eos and token in self.eos_token_ids)
             or token in params.stop_token_ids
         )
-        if stop_token:  # vLLM's: None for the tokenizer's EOS, else the id (generation_config's
-            # other EOS ids are stop_token_ids there)
-            primary = not params.ignore_eos and token == self.primary_eos_token_id
-            request.stop_reason = None if primary else token
+        if stop_token:
+            request.stop_reason = self._stop_reason(request, token)
             if not params.include_stop_str_in_output:
                 return self._finish(request, "stop", stopped_by_token=True)
         if request.detokenizer is not None:

@@ -39,6 +39,15 @@ if TYPE_CHECKING:
 
 BACKEND = "xgrammar"
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+# the string formats xgrammar enforces (vLLM's list); another would compile and constrain nothing
+STRING_FORMATS = frozenset({
+    "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
+    "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
+})  # fmt: skip
+# JSON schema keywords whose value maps names to schemas (the names are no keywords)
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# keywords whose values are data, not schemas
+DATA_KEYWORDS = ("enum", "const", "default", "examples", "required")
 
 
 @dataclass
@@ -49,7 +58,8 @@ class StructuredOutputsParams:
     (any JSON object) or `structural_tag` (JSON text or a dict: xgrammar's structural tag,
     `{"type": "structural_tag", "format": {...}}`, e.g. a tag around a JSON schema; or the older
     form vLLM still takes, `{"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}`:
-    free text in which each trigger starts one of the structures)."""
+    free text in which each trigger starts one of the structures). A grammar without a `::=`
+    rule is read as Lark (as vLLM's), else as EBNF."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -218,6 +228,52 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def is_lark(grammar: str) -> bool:
+    """Whether a grammar reads as Lark (`start: "a" | "b"`): no line defines a rule with
+    EBNF's "::=" once comments are left out (vLLM's test)."""
+    lines = (re.sub(r"(#|//).*$", "", line).strip() for line in grammar.splitlines())
+    return not any("::=" in line for line in lines)
+
+
+class UnsupportedSchema(Exception):
+    """A JSON schema keyword xgrammar compiles but does not enforce; its text says where."""
+
+
+def check_json_features(schema: Any, path: str = "#") -> None:
+    """Raise UnsupportedSchema where a JSON schema asks for what xgrammar lets through unchecked
+    (as vLLM's has_xgrammar_unsupported_json_features refuses it): uniqueItems, contains,
+    patternProperties, propertyNames, a string format it does not know, a length beside a
+    pattern or format (the bounds are dropped)."""
+    if not isinstance(schema, dict):
+        return
+    keys = ("uniqueItems", "contains", "minContains", "maxContains", "patternProperties",
+            "propertyNames")  # fmt: skip
+    for key in keys:
+        if key in schema and not (key == "uniqueItems" and schema[key] is False):
+            raise UnsupportedSchema(f"{key} (at {path})")
+    fmt = schema.get("format")
+    if fmt is not None and fmt not in STRING_FORMATS:
+        raise UnsupportedSchema(f"the string format {fmt!r} (at {path})")
+    if (fmt is not None or "pattern" in schema) and (
+        "minLength" in schema or "maxLength" in schema
+    ):
+        raise UnsupportedSchema(f"a length beside a {'format' if fmt else 'pattern'} (at {path})")
+    try:
+        for key, value in schema.items():
+            if key in DATA_KEYWORDS:
+                continue
+            if key in SCHEMA_MAPS and isinstance(value, dict):
+                children = [(f"{path}/{key}/{name}", sub) for name, sub in value.items()]
+            elif isinstance(value, list):
+                children = [(f"{path}/{key}/{i}", sub) for i, sub in enumerate(value)]
+            else:
+                children = [(f"{path}/{key}", value)]
+            for child_path, child in children:
+                check_json_features(child, child_path)
+    except RecursionError:
+        raise ValueError("the JSON schema is nested too deep") from None
+
+
 def available() -> bool:
     try:
         import xgrammar  # noqa: F401
@@ -263,6 +319,7 @@ class GrammarBackend:
         try:
             if kind in ("json", "json_object"):  # an object: OpenAI's json_object, not any value
                 schema = params.json if kind == "json" else {"type": "object"}
+                check_json_features(json.loads(schema) if isinstance(schema, str) else schema)
                 return self.compiler.compile_json_schema(
                     schema if isinstance(schema, str) else json.dumps(schema),
                     any_whitespace=self.any_whitespace(params),
@@ -273,7 +330,14 @@ class GrammarBackend:
                 return self.compiler.compile_grammar(choice_grammar(list(params.choice)))
             if kind == "structural_tag":
                 return self.structural_tag(params.structural_tag)
+            if is_lark(params.grammar):
+                return self.compiler.compile_lark(params.grammar)
             return self.compiler.compile_grammar(params.grammar)
+        except UnsupportedSchema as e:
+            raise ValueError(
+                f"the JSON schema asks for {e}, which {BACKEND} does not enforce (its outputs "
+                "could break the schema); leave it out"
+            ) from None
         except Exception as e:  # xgrammar raises RuntimeError/ValueError subclasses
             message = _backend_message(e)
             raise ValueError(f"{BACKEND} rejected the {kind} constraint: {message}") from None
@@ -298,7 +362,11 @@ class GrammarBackend:
     def token_filter(self, params: StructuredOutputsParams) -> np.ndarray | None:
         """The mask row a JSON constraint's masks are ANDed with: xgrammar 0.2.9 compiles a
         string with maxLength to characters [^"\\\r\n], which lets raw control bytes (e.g.
-        0x12) into a string, and no JSON parser takes them. None for the other kinds."""
+        0x12) into a string, and no JSON parser takes them. A structural tag's JSON too (its
+        free text then holds no such bytes but tab, newline and carriage return). None for the
+        other kinds."""
+        if params.kind == "structural_tag":
+            return self.json_filters[True]
         if params.kind not in ("json", "json_object"):
             return None
         return self.json_filters[self.any_whitespace(params)]

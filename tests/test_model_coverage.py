@@ -106,6 +106,18 @@ def test_gemma3_leaves_attn_logit_softcapping_unapplied_as_transformers(make_tin
     assert_prompt_logprobs_equal_transformers(str(folder))
 
 
+def test_yarn_serves_past_max_position_embeddings_as_transformers(make_tiny, tmp_path):
+    """As vLLM: YaRN of factor 2 over an original length of 64 serves 128 positions; prompts
+    of up to 71 tokens, past max_position_embeddings, score as transformers scores them."""
+    folder = shutil.copytree(make_tiny("llama"), tmp_path / "yarn")
+    config = json.loads((folder / "config.json").read_text())
+    config |= {"max_position_embeddings": 64, "rope_scaling": {
+        "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    assert LLM(str(folder)).engine.max_model_len == 128
+    assert_prompt_logprobs_equal_transformers(str(folder))
+
+
 # config.json's bare shape; the mixtures' expert fields too
 SIZES = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
          "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 256}  # fmt: skip

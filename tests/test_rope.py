@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from tandem.config import ModelConfig
+from tandem.config import EngineConfig, ModelConfig
 from tandem.model.rope import RotaryEmbedding
 
 transformers = pytest.importorskip("transformers")
@@ -156,3 +156,22 @@ def test_original_max_position_embeddings_is_read_as_transformers_reads_it(scali
 def test_rope_settings_tandem_cannot_apply_are_named(scaling, named):
     with pytest.raises(ValueError, match=named):
         ModelConfig.from_hf(hf_llama_config(scaling))
+
+
+@pytest.mark.parametrize(
+    ("scaling", "default", "most"),
+    [
+        (None, MAX_POSITION, MAX_POSITION),
+        ({"rope_type": "linear", "factor": 4.0}, 4 * MAX_POSITION, 4 * MAX_POSITION),
+        (SCALINGS["yarn"], 64 * 8, 64 * 8),  # the original length times the factor
+        (SCALINGS["longrope"], 128, MAX_POSITION),  # the original length by default
+        ({**LLAMA3, "original_max_position_embeddings": 64}, MAX_POSITION, MAX_POSITION),
+    ],
+    ids=["none", "linear", "yarn", "longrope", "llama3"],
+)
+def test_max_model_len_counts_the_rope_scaling_as_vllm(scaling, default, most):
+    cfg = ModelConfig.from_hf(hf_llama_config(scaling))
+    assert EngineConfig("m").resolve_max_model_len(cfg) == default
+    assert EngineConfig("m", max_model_len=most).resolve_max_model_len(cfg) == most
+    with pytest.raises(ValueError, match=f"exceeds the model's {most} positions"):
+        EngineConfig("m", max_model_len=most + 1).resolve_max_model_len(cfg)

@@ -985,13 +985,25 @@ class EngineConfig:
         return "triton" if usable else "torch"
 
     def resolve_max_model_len(self, model_config: ModelConfig) -> int:
-        limit = model_config.max_position_embeddings
+        """The engine's max_model_len, as vLLM derives it: rope scaling stretches the model's
+        positions (linear: by its factor; yarn: the original length times it), and longrope
+        defaults to its original length, where the short factors hold."""
+        limit, rope = model_config.max_position_embeddings, model_config.rope_scaling or {}
+        kind = rope.get("rope_type")
+        if kind == "linear":
+            limit = int(limit * rope["factor"])
+        elif kind == "yarn":
+            limit = int(rope["original_max_position_embeddings"] * rope["factor"])
         if self.max_model_len is None:
+            if kind == "longrope":
+                return min(limit, rope["original_max_position_embeddings"])
             return limit
         if self.max_model_len > limit:
             raise ValueError(
-                f"max_model_len={self.max_model_len} exceeds the model's "
-                f"max_position_embeddings={limit}"
+                f"max_model_len={self.max_model_len} exceeds the model's {limit} positions "
+                f"(max_position_embeddings={model_config.max_position_embeddings}"
+                + (f", {kind} rope scaling" if kind else "")
+                + ")"
             )
         if self.max_model_len < 2:
             raise ValueError(

@@ -414,3 +414,19 @@ def test_enforce_eager_reaches_the_engine_as_vllms_flag():
     assert engine_kwargs(args)["enforce_eager"] is engine_kwargs(args)["trust_remote_code"] is True
     args = build_parser().parse_args(["serve", "m"])
     assert engine_kwargs(args)["enforce_eager"] is False
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("4096", 4096), ("32k", 32000), ("1K", 1024), ("25.6k", 25600), ("1m", 10**6)],
+)
+def test_max_model_len_takes_vllms_human_readable_lengths(text, value):
+    from tandem.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "m", "--max-model-len", text]).max_model_len == value
+
+
+@pytest.mark.parametrize("text", ["auto", "1.5", "0.0001k", "k"])
+def test_a_length_that_is_no_whole_number_is_a_usage_error(text):
+    result = run_cli("serve", "m", "--max-model-len", text)
+    assert result.returncode == 2 and "--max-model-len" in result.stderr

@@ -112,7 +112,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: str = "position
         help="weights and activations; auto: the checkpoint's (float32 on the CPU)",
     )
     parser.add_argument(
-        "--max-model-len", type=int, help="prompt + output tokens (default: the model's)"
+        "--max-model-len",
+        type=human_int,
+        help="prompt + output tokens, e.g. 4096, 32k (x1000) or 32K (x1024), as vLLM's (default: "
+        "the model's)",
     )
     parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step")
@@ -943,6 +946,24 @@ def subcommand(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Arg
         if isinstance(action, argparse._SubParsersAction) and argv:
             return action.choices.get(argv[0])
     return None
+
+
+SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def human_int(text: str) -> int:
+    """vLLM's lengths: an int, or a number with a suffix (k, m, g: powers of 1000; K, M, G:
+    of 1024), e.g. "25.6k" -> 25600, "1K" -> 1024."""
+    number, unit = (text[:-1], SUFFIXES[text[-1]]) if text[-1:] in SUFFIXES else (text, 1)
+    try:
+        value = float(number) * unit if unit > 1 else int(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a length: {text!r} (e.g. 4096, 32k or 32K)"
+        ) from None
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is no whole number of tokens")
+    return int(value)
 
 
 def dashed(arg: str) -> str:

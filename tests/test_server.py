@@ -586,6 +586,12 @@ def test_embeddings_equal_the_offline_api_s(client, server, offline):
     body = {"input": ids[1], "encoding_format": "float", "dimensions": 16}
     response = httpx.post(f"{server.url}/v1/embeddings", json=body, headers=AUTH)
     assert "does not support Matryoshka" in response.json()["error"]["message"]  # as vLLM
+    bare = {"input": inputs[0], "encoding_format": "float", "add_special_tokens": False}
+    response = post(server, "/v1/embeddings", bare)  # vLLM's: the text's tokens alone, no BOS
+    plain = offline.engine.tokenizer.encode(inputs[0], add_special_tokens=False)
+    assert plain != ids[0] and response.json()["usage"]["prompt_tokens"] == len(plain)
+    want = offline.embed({"prompt_token_ids": plain}, use_tqdm=False)[0].outputs.embedding
+    np.testing.assert_allclose(response.json()["data"][0]["embedding"], want, atol=1e-6)
     for field in ("use_activation", "normalize"):  # vLLM's name, and its older one
         raw = {"input": inputs[0], "encoding_format": "float", field: False}
         response = httpx.post(f"{server.url}/v1/embeddings", json=raw, headers=AUTH)

@@ -35,6 +35,7 @@ class PoolingRequest(RequestOption):
     user: str | None = None  # labels the request only
     use_activation: bool | None = None  # vLLM's: normalize / softmax (None: on)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None  # vLLM's; -1: all that fit
+    add_special_tokens: bool = True  # vLLM's: a text input gets the tokenizer's BOS (or others)
 
     def prompts(self) -> list[str | dict[str, list[int]]]:
         """The inputs as prompts: one text, texts, one list of token ids, or lists of them."""
@@ -97,7 +98,14 @@ async def pooled(
     one the engine rejects is a 400 and the others are aborted. The inputs: `prompts`, else
     the body's, each under the body's model's adapter."""
     serving.check_model(body.model)
-    prompts = body.prompts() if prompts is None else prompts
+    if prompts is None:
+        prompts = body.prompts()
+        if not body.add_special_tokens:  # the texts as their tokens alone
+            tokenizer = serving.tokenizer()
+            prompts = [
+                {"prompt_token_ids": tokenizer.encode(p, False)} if isinstance(p, str) else p
+                for p in prompts
+            ]
     limit = serving.options.max_sequences_per_request
     if len(prompts) > limit:
         message = f"this request has {len(prompts)} inputs; at most {limit} are allowed"

@@ -418,15 +418,16 @@ def test_enforce_eager_reaches_the_engine_as_vllms_flag():
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("4096", 4096), ("32k", 32000), ("1K", 1024), ("25.6k", 25600), ("1m", 10**6)],
-)
+    [("4096", 4096), ("32k", 32000), ("1K", 1024), ("25.6k", 25600), ("1m", 10**6),
+     ("16.1k", 16100), ("32.7k", 32700)],
+)  # fmt: skip
 def test_max_model_len_takes_vllms_human_readable_lengths(text, value):
     from tandem.cli import build_parser
 
     assert build_parser().parse_args(["serve", "m", "--max-model-len", text]).max_model_len == value
 
 
-@pytest.mark.parametrize("text", ["auto", "1.5", "0.0001k", "k"])
+@pytest.mark.parametrize("text", ["auto", "1.5", "0.0001k", "k", "nank", "infk"])
 def test_a_length_that_is_no_whole_number_is_a_usage_error(text):
     result = run_cli("serve", "m", "--max-model-len", text)
     assert result.returncode == 2 and "--max-model-len" in result.stderr

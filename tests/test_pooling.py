@@ -465,3 +465,17 @@ def test_a_pooled_prompt_may_fill_max_model_len(folder, engine_args):
     with pytest.raises(ValueError, match="at most 31 tokens"):  # a generation needs a token's room
         llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1), use_tqdm=False)
     assert not llm.engine.has_unfinished()
+
+
+def test_modules_json_decides_normalization_only_with_a_pooling_module(folder, tmp_path):
+    """As vLLM: without a Pooling module modules.json says nothing of it (normalized); one
+    that is no list refuses embeddings alone, and the model still generates."""
+    bare = st_folder(folder, tmp_path / "bare", [("Transformer", "")], "lasttoken")
+    assert_embeds(folder, LLM(str(bare), max_model_len=64).embed(PROMPTS[:1], use_tqdm=False))
+    broken = Path(shutil.copytree(folder, tmp_path / "broken"))
+    (broken / "modules.json").write_text("{}")
+    llm = LLM(str(broken), max_model_len=64)
+    with pytest.raises(ValueError, match=r"modules\.json must hold a JSON list"):
+        llm.embed(PROMPTS[:1], use_tqdm=False)
+    params = SamplingParams(max_tokens=2)
+    assert len(llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids) == 2

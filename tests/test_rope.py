@@ -175,3 +175,12 @@ def test_max_model_len_counts_the_rope_scaling_as_vllm(scaling, default, most):
     assert EngineConfig("m", max_model_len=most).resolve_max_model_len(cfg) == most
     with pytest.raises(ValueError, match=f"exceeds the model's {most} positions"):
         EngineConfig("m", max_model_len=most + 1).resolve_max_model_len(cfg)
+
+
+def test_gemma3s_positions_already_count_its_linear_factor():
+    """vLLM's exception: Gemma 3's max_position_embeddings (131,072) is its scaled length."""
+    from tandem.model.tiny import ARCH_CONFIGS, COMMON_CONFIG
+
+    hf = {**COMMON_CONFIG, **ARCH_CONFIGS["gemma3"], "vocab_size": 256,
+          "max_position_embeddings": 512, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}  # fmt: skip
+    assert EngineConfig("m").resolve_max_model_len(ModelConfig.from_hf(hf)) == 512

@@ -325,6 +325,7 @@ def test_a_constraint_the_backend_rejects_is_a_value_error_before_anything_is_qu
         ({"type": "string", "format": "uuid", "maxLength": 5}, "a length beside a format"),
         ({"$defs": {"D": {"type": "string", "format": "no-such-format"}}, "$ref": "#/$defs/D"},
          "the string format 'no-such-format' (at #/$defs/D)"),
+        ({"type": ["string", "null"], "format": "zip"}, "the string format 'zip' (at #)"),
         ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}}, "patternProperties"),
     ],
 )  # fmt: skip
@@ -346,7 +347,8 @@ def test_what_xgrammar_enforces_passes_the_check_and_data_is_no_schema(folder):
     schema = {"type": "object", "properties": {
         "uniqueItems": {"type": "boolean"}, "format": {"enum": [{"format": "x"}, "y"]},
         "when": {"type": "string", "format": "date-time"},
-        "ids": {"type": "array", "uniqueItems": False, "items": {"const": {"contains": 1}}}}}  # fmt: skip
+        "ids": {"type": "array", "uniqueItems": False, "items": {"const": {"contains": 1}}},
+        "n": {"type": "integer", "format": "int64"}}}  # fmt: skip
     grammars = LLM(folder, max_model_len=512).engine.admission.grammars()
     assert grammars.compile(StructuredOutputsParams(json=schema)) is not None
 

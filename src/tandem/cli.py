@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import decimal
 import importlib.util
 import json
 import os
@@ -956,12 +957,12 @@ def human_int(text: str) -> int:
     of 1024), e.g. "25.6k" -> 25600, "1K" -> 1024."""
     number, unit = (text[:-1], SUFFIXES[text[-1]]) if text[-1:] in SUFFIXES else (text, 1)
     try:
-        value = float(number) * unit if unit > 1 else int(number)
-    except ValueError:
+        value = decimal.Decimal(number) * unit
+    except decimal.InvalidOperation:
         raise argparse.ArgumentTypeError(
             f"not a length: {text!r} (e.g. 4096, 32k or 32K)"
         ) from None
-    if value != int(value):
+    if not value.is_finite() or value != value.to_integral_value():
         raise argparse.ArgumentTypeError(f"{text!r} is no whole number of tokens")
     return int(value)
 

@@ -990,6 +990,8 @@ class EngineConfig:
         defaults to its original length, where the short factors hold."""
         limit, rope = model_config.max_position_embeddings, model_config.rope_scaling or {}
         kind = rope.get("rope_type")
+        if model_config.architecture == "Gemma3ForCausalLM":
+            kind = None  # its max_position_embeddings counts its linear factor (vLLM's note)
         if kind == "linear":
             limit = int(limit * rope["factor"])
         elif kind == "yarn":

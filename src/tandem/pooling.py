@@ -104,8 +104,13 @@ class ModelPooling:
 
     @classmethod
     def of(cls, folder: Path | None, hf_config: dict, num_labels: int) -> ModelPooling:
-        modules = st_modules(folder)
+        unreadable = None
+        try:
+            modules = st_modules(folder)
+        except ValueError as error:  # refuses embeddings alone: the model still generates
+            modules, unreadable = None, str(error)
         types = {m.get("type"): m.get("path") for m in modules or () if isinstance(m, dict)}
+        pooled = "sentence_transformers.models.Pooling" in types
         pooling_dir = types.get("sentence_transformers.models.Pooling") or "1_Pooling"
         problem = hf_config.get("problem_type")
         classify = (
@@ -118,8 +123,9 @@ class ModelPooling:
         ) or hf_config.get("sbert_ce_default_activation_function")
         dims = hf_config.get("matryoshka_dimensions")
         return cls(
-            refusal=pooling_refusal(folder, pooling_dir),
-            normalize=modules is None or "sentence_transformers.models.Normalize" in types,
+            refusal=unreadable or pooling_refusal(folder, pooling_dir),
+            # as vLLM: modules.json decides only where it has a Pooling module
+            normalize=not pooled or "sentence_transformers.models.Normalize" in types,
             matryoshka=tuple(dims) if dims else (() if hf_config.get("is_matryoshka") else None),
             classify=classify,
             score=ST_ACTIVATIONS.get(named, classify) if named else classify,

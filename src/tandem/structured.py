@@ -242,8 +242,8 @@ class UnsupportedSchema(Exception):
 def check_json_features(schema: Any, path: str = "#") -> None:
     """Raise UnsupportedSchema where a JSON schema asks for what xgrammar lets through unchecked
     (as vLLM's has_xgrammar_unsupported_json_features refuses it): uniqueItems, contains,
-    patternProperties, propertyNames, a string format it does not know, a length beside a
-    pattern or format (the bounds are dropped)."""
+    patternProperties, propertyNames, a string format it does not know; and, stricter than
+    vLLM, a length beside a pattern or format (xgrammar 0.2.9 drops the bounds, saying so)."""
     if not isinstance(schema, dict):
         return
     keys = ("uniqueItems", "contains", "minContains", "maxContains", "patternProperties",
@@ -251,7 +251,9 @@ def check_json_features(schema: Any, path: str = "#") -> None:
     for key in keys:
         if key in schema and not (key == "uniqueItems" and schema[key] is False):
             raise UnsupportedSchema(f"{key} (at {path})")
-    fmt = schema.get("format")
+    kinds = schema.get("type")
+    strings = kinds == "string" or (isinstance(kinds, list) and "string" in kinds)
+    fmt = schema.get("format") if strings else None  # int64 on an integer: a note, no check
     if fmt is not None and fmt not in STRING_FORMATS:
         raise UnsupportedSchema(f"the string format {fmt!r} (at {path})")
     if (fmt is not None or "pattern" in schema) and (

@@ -159,6 +159,44 @@ def test_abort_ends_every_sample_of_the_stream_with_abort_and_frees_every_block(
     assert all(len(whole[k].token_ids) < 200 for k in range(n))
 
 
+@pytest.mark.parametrize("yields", [1, 2, 3])  # 0: no generate has begun, no id is known
+def test_an_abort_just_after_generate_starts_ends_every_sample(llm, yields):
+    """Before its samples reach the engine (n > 1: ids of their own), as vLLM's: the abort
+    is not lost, and a list of ids is taken too."""
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        async def run(rid: str) -> list[RequestOutput]:
+            return [out async for out in llm.generate(PROMPTS[1], params, rid)]
+
+        tasks = [asyncio.create_task(run(f"early-{yields}-{i}")) for i in range(2)]
+        for _ in range(yields):
+            await asyncio.sleep(0)
+        await llm.abort([f"early-{yields}-0", f"early-{yields}-1"])
+        outputs = await asyncio.gather(*tasks)
+        await wait_until_idle(llm)
+        return outputs
+
+    for outputs in asyncio.run(main()):
+        whole = whole_samples(outputs, CUMULATIVE)
+        assert [whole[k].finish_reason for k in range(2)] == ["abort", "abort"]
+
+
+def test_a_request_id_open_in_generate_is_refused_whatever_its_n(llm):
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+
+    async def main():
+        first = llm.generate(PROMPTS[1], params, "taken")
+        await anext(first)
+        with pytest.raises(ValueError, match="'taken' is already in use"):
+            await anext(llm.generate(PROMPTS[1], replace(params, n=2), "taken"))
+        await llm.abort("taken")
+        assert [out async for out in first][-1].outputs[0].finish_reason == "abort"
+        await wait_until_idle(llm)
+
+    asyncio.run(main())
+
+
 def test_leaving_generate_early_aborts_the_request(llm):
     params = SamplingParams(max_tokens=200, ignore_eos=True)
 

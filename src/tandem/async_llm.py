@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -170,7 +170,8 @@ class AsyncLLM:
         self.max_model_len = engine.max_model_len
         self.sampling_defaults = engine.sampling_defaults  # the model's (generation_config.py)
         self._token_text = token_text(self.tokenizer)  # decoded on the asyncio side, cached
-        self._samples: dict[str, list[str]] = {}  # generate's request ids of n > 1: sample ids
+        self._samples: dict[str, list[str]] = {}  # generate's open request ids: their samples
+        self._aborted: set[str] = set()  # of those, the ones aborted (maybe before queued)
         self.stats = EngineStats(num_blocks=engine.num_blocks, num_free_blocks=engine.num_blocks)
         self._commands: queue.SimpleQueue[_Add | _Abort | _Stop | _Call] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders submissions against the thread's death
@@ -299,9 +300,18 @@ class AsyncLLM:
             (sample_id, seeded(sampling_params, k), text, ids, salt, priority, embeds)
             for k, sample_id in enumerate(sample_ids)
         ]
-        streams = await self.add_requests(samples, outputs, lora_request)
-        if n > 1:
-            self._samples[request_id] = sample_ids
+        if request_id in self._samples:  # a generate of that id is open (any n)
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self._samples[request_id] = sample_ids  # before they are queued: an abort finds them
+        try:
+            streams = await self.add_requests(samples, outputs, lora_request)
+        except BaseException:
+            del self._samples[request_id]
+            self._aborted.discard(request_id)
+            raise
+        if request_id in self._aborted:  # before its samples reached the engine: abort them now
+            for stream in streams:
+                stream.abort()
         try:
             while not collector.finished:
                 # what came while the consumer was away goes into one output, as in vLLM
@@ -314,8 +324,8 @@ class AsyncLLM:
                 if (output := collector.take()) is not None:
                     yield output
         finally:
-            if n > 1:
-                del self._samples[request_id]
+            del self._samples[request_id]
+            self._aborted.discard(request_id)
             for stream in streams:
                 stream.abort()
 
@@ -381,11 +391,15 @@ class AsyncLLM:
             raise next(r for r in results if not isinstance(r, RequestStream))
         return streams
 
-    async def abort(self, request_id: str) -> None:
-        """Stop a request (all samples of a `generate` of n > 1); its stream ends with
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Stop a request, or each of several (as vLLM's: an id or an iterable of them; all
+        samples of a `generate` of n > 1, from the moment it is called); its stream ends with
         finish_reason "abort". Unknown ids are ignored."""
-        for sample_id in self._samples.get(request_id, [request_id]):
-            self._abort_soon(sample_id)
+        for one in [request_id] if isinstance(request_id, str) else list(request_id):
+            if one in self._samples:
+                self._aborted.add(one)
+            for sample_id in self._samples.get(one, [one]):
+                self._abort_soon(sample_id)
 
     def shutdown(self) -> None:
         """Stop the engine thread; streams still open get EngineDeadError."""

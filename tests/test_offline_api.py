@@ -311,6 +311,9 @@ def test_chat_template_argument_replaces_the_models_as_in_vllm(llm, folder):
     )
     assert out.prompt == expected
     assert out.prompt_token_ids == hf_encode(folder, expected)
+    # vLLM's order of the arguments: chat_template fifth, its content format sixth
+    [positional] = llm.chat(messages, GREEDY, False, None, PLAIN_TEMPLATE, "string")
+    assert positional.prompt == expected
 
 
 def test_a_chat_template_that_does_not_compile_is_a_value_error(llm):

@@ -499,16 +499,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
-        chat_template: str | None = None,
-        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate. The template's
-        options as vLLM's LLM.chat takes them (`Tokenizer.apply_chat_template`); a content is
-        a string or OpenAI's text parts, as the template takes it
+        options as vLLM's LLM.chat takes them, in its order (`Tokenizer.apply_chat_template`); a
+        content is a string or OpenAI's text parts, as the template takes it
         (`chat_template_content_format`, `tokenizer.content_format`: parts joined by newlines
         for a string); `chat_template` (Jinja source) replaces the model's template."""
         prompts = self._chat_prompts(
@@ -529,11 +529,11 @@ class LLM:
         use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
-        chat_template_content_format: str = "auto",
     ) -> list[str]:
         """`chat`'s conversations queued as `enqueue` queues prompts (vLLM's): their request
         ids; `wait_for_completion` runs them."""

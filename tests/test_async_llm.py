@@ -558,7 +558,16 @@ def test_an_engine_failure_reaches_every_pending_request(folder):
     assert all(isinstance(r, EngineDeadError) for r in results)
     assert isinstance(results[0].__cause__, RuntimeError)
     assert not llm.is_running
+    # vLLM's health surface: errored, is_stopped, dead_error, check_health
+    assert llm.errored and llm.is_stopped and llm.dead_error is results[0]
+    with pytest.raises(EngineDeadError):
+        asyncio.run(llm.check_health())
     llm.shutdown()  # a dead engine shuts down without hanging
+
+
+def test_a_running_engine_is_healthy(llm):
+    assert not llm.errored and not llm.is_stopped
+    assert asyncio.run(llm.check_health()) is None
 
 
 def test_shutdown_fails_open_streams_and_refuses_new_requests(folder):

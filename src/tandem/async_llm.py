@@ -201,6 +201,23 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._dead is None
 
+    @property
+    def errored(self) -> bool:
+        """vLLM's: the engine thread stopped (it raised, or was shut down)."""
+        return self._dead is not None
+
+    is_stopped = errored
+
+    @property
+    def dead_error(self) -> EngineDeadError:
+        """vLLM's: the error that open and later requests get."""
+        return self._dead or EngineDeadError("the engine thread stopped")
+
+    async def check_health(self) -> None:
+        """vLLM's: raises the engine's EngineDeadError once its thread stopped."""
+        if self._dead is not None:
+            raise self._dead
+
     def seconds_without_progress(self) -> float:
         """How long the engine thread has had work but finished no step (0 while it waits)."""
         if self._idle:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from tandem.model.tiny import CHAT_TEMPLATE, IM_END, IM_START
-from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
+from tandem.tokenizer import IncrementalDetokenizer, Tokenizer, decode_after
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 TEXTS = [
@@ -426,6 +426,7 @@ def test_detokenizer_deltas_concatenate_to_full_decode(make_tiny, arch, data):
     detokenizer = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip)
     deltas = [*stream(detokenizer, ids, chunk_sizes), detokenizer.flush()]
     assert "".join(deltas) == detokenizer.text == tokenizer.decode(ids, skip_special_tokens=skip)
+    assert decode_after(tokenizer, prompt, ids, skip) == detokenizer.text  # the whole at once
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -26,7 +26,7 @@ from tandem.sampling import SamplingParams, truncate_prompt
 from tandem.structured import BACKEND as GRAMMAR_BACKEND
 from tandem.structured import GrammarBackend
 from tandem.token_logprobs import check_vocab as check_token_logprob_ids
-from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
+from tandem.tokenizer import IncrementalDetokenizer, Tokenizer, decode_after
 
 
 class Admission:
@@ -307,11 +307,21 @@ class Admission:
     def detokenizer(self, request: Request) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
             return None
-        # a prompt of embeddings has no text before the output: its ids are placeholders
-        context = [] if request.prompt_embeds is not None else request.prompt_token_ids
         return IncrementalDetokenizer(
-            self.tokenizer, context, skip_special_tokens=request.params.skip_special_tokens
+            self.tokenizer, text_before(request), request.params.skip_special_tokens
         )
+
+    def text_after_prompt(self, request: Request, ids: list[int]) -> str:
+        """The output `ids`' whole text, as the detokenizer's deltas add it up (tokenizer: set)."""
+        assert self.tokenizer is not None
+        skip = request.params.skip_special_tokens
+        return decode_after(self.tokenizer, text_before(request), ids, skip)
+
+
+def text_before(request: Request) -> list[int]:
+    """The ids an output's text reads after: the prompt's (a prompt of embeddings has none:
+    its ids are placeholders)."""
+    return [] if request.prompt_embeds is not None else request.prompt_token_ids
 
 
 def _is_token_id(value: object) -> bool:

@@ -979,8 +979,7 @@ class Engine:
             # as with the detokenizer: a stop token stays in token_ids but not in the text; the
             # text as it reads after the prompt (a lone decode may strip the first space)
             ids = request.output_token_ids[:-1] if stopped_by_token else request.output_token_ids
-            detokenizer = self.admission.detokenizer(request)
-            request.output_text = detokenizer.add(ids) + detokenizer.flush()
+            request.output_text = self.admission.text_after_prompt(request, ids)
         return reason
 
     def _use_piecewise(self) -> bool:

@@ -313,6 +313,28 @@ def continued(text: str, messages: list[dict[str, Any]]) -> str:
     return text[:end] if text[at:end] == content.lstrip() else text[: at + len(content.strip())]
 
 
+def prompt_context(
+    tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool
+) -> list[int]:
+    """The last prompt ids an output's text is decoded after, so its spacing decodes right;
+    none where they end inside a character."""
+    context = list(prompt_token_ids[-DETOKENIZE_CONTEXT:])
+    if tokenizer.decode(context, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+        return []
+    return context
+
+
+def decode_after(
+    tokenizer: Tokenizer, prompt_token_ids: list[int], ids: list[int], skip_special_tokens: bool
+) -> str:
+    """A whole output's text as it reads after the prompt: what IncrementalDetokenizer's deltas
+    and flush add up to, in two decodes (a tokenizer that strips a decode's first space, as
+    Llama 2's, keeps the output's own)."""
+    context = prompt_context(tokenizer, prompt_token_ids, skip_special_tokens)
+    lead = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
+    return tokenizer.decode(context + ids, skip_special_tokens=skip_special_tokens)[len(lead) :]
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of output token ids into text deltas that never split a character."""
 
@@ -322,9 +344,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.text = ""  # the deltas returned so far, concatenated
-        context = list(prompt_token_ids[-DETOKENIZE_CONTEXT:])
-        if self._decode(context).endswith("\ufffd"):
-            context = []  # the prompt ends inside a character: decode the output on its own
+        context = prompt_context(tokenizer, prompt_token_ids, skip_special_tokens)
         # window = [tokens already emitted (left context) | tokens whose text is held back]
         self._window = context
         self._read_offset = len(context)

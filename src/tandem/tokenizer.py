@@ -328,8 +328,8 @@ def decode_after(
     tokenizer: Tokenizer, prompt_token_ids: list[int], ids: list[int], skip_special_tokens: bool
 ) -> str:
     """A whole output's text as it reads after the prompt: what IncrementalDetokenizer's deltas
-    and flush add up to, in two decodes (a tokenizer that strips a decode's first space, as
-    Llama 2's, keeps the output's own)."""
+    and flush add up to, in one decode of the output (beside its few context ids'); a tokenizer
+    that strips a decode's first space, as Llama 2's, keeps the output's own."""
     context = prompt_context(tokenizer, prompt_token_ids, skip_special_tokens)
     lead = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
     return tokenizer.decode(context + ids, skip_special_tokens=skip_special_tokens)[len(lead) :]

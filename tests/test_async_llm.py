@@ -197,6 +197,23 @@ def test_a_request_id_open_in_generate_is_refused_whatever_its_n(llm):
     asyncio.run(main())
 
 
+def test_the_samples_of_n_take_no_id_another_request_may_use(llm):
+    """A request named "job-1" beside "job" with n=2, in either order: both run to the end,
+    as in vLLM, whose samples have internal ids of their own."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    async def main(first: str, second: str):
+        return await asyncio.gather(
+            collect(llm, PROMPTS[1], replace(params, n=2 if first == "job" else 1), first),
+            collect(llm, PROMPTS[1], replace(params, n=2 if second == "job" else 1), second),
+        )
+
+    for order in (("job", "job-1"), ("job-1", "job")):
+        outputs = dict(zip(order, asyncio.run(main(*order)), strict=True))
+        assert [len(o.token_ids) for o in outputs["job"][-1].outputs] == [6, 6]
+        assert [len(o.token_ids) for o in outputs["job-1"][-1].outputs] == [6]
+
+
 def test_leaving_generate_early_aborts_the_request(llm):
     params = SamplingParams(max_tokens=200, ignore_eos=True)
 

@@ -19,6 +19,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, replace
@@ -306,7 +307,10 @@ class AsyncLLM:
         text, ids = split_prompt(prompt)
         salt = prompt_cache_salt(prompt)
         n = sampling_params.n
-        sample_ids = [request_id] if n == 1 else [f"{request_id}-{k}" for k in range(n)]
+        # n > 1: the samples' engine ids carry a random tag, as vLLM's internal ids, so that
+        # no other request's id (a user's "job-1" beside "job") can collide with them
+        tag = uuid.uuid4().hex[:8]
+        sample_ids = [request_id] if n == 1 else [f"{request_id}-{k}-{tag}" for k in range(n)]
         index = {sample_id: k for k, sample_id in enumerate(sample_ids)}
         outputs: asyncio.Queue[StreamOutput | BaseException] = asyncio.Queue()
         collector = OutputCollector(

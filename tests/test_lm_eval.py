@@ -153,6 +153,58 @@ def test_generation_kwargs_that_are_no_sampling_fields_are_refused(make_tiny):
     assert TandemLM(lm.llm, max_length=32).max_length == 32
 
 
+def test_texts_are_encoded_as_lm_evals_models_encode_them(make_tiny):
+    """lm-eval's hf and vllm models: the tokenizer's special tokens (BOS) by default, none on a
+    text that begins with the BOS text (a chat template's), none under add_bos_token=False."""
+    from tandem.evaluation import TandemLM
+
+    folder = str(make_tiny("llama"))
+    reference = transformers.AutoTokenizer.from_pretrained(folder)
+    lm = TandemLM(folder, max_model_len=64)
+    bos = reference.bos_token
+    assert lm.tok_encode("Hello world") == reference("Hello world").input_ids
+    templated = bos + "Hello world"  # transformers' own default would give it two
+    assert lm.tok_encode(templated) == reference(templated, add_special_tokens=False).input_ids
+    assert lm.tok_encode(templated).count(reference.bos_token_id) == 1
+    assert (
+        lm.tok_encode("Hello world", add_special_tokens=False)
+        == reference("Hello world", add_special_tokens=False).input_ids
+    )
+    assert (
+        TandemLM(lm.llm, add_bos_token=False).tok_encode("Hello world")
+        == reference("Hello world", add_special_tokens=False).input_ids
+    )
+
+
+def test_generation_kwargs_read_as_lm_evals_vllm_model_reads_them(make_tiny):
+    """do_sample false wins over a temperature (greedy, as transformers'), lm-eval's aliases of
+    max_gen_toks are taken, and max_gen_toks of max_length still leaves room for the context."""
+    from lm_eval.api.instance import Instance
+
+    from tandem.evaluation import TandemLM
+
+    folder = str(make_tiny("llama"))
+    lm = TandemLM(folder, max_model_len=64)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = torch.tensor([lm.tok_encode("Once upon a time")])
+    greedy = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+        eos_token_id=None, pad_token_id=0,
+    )[0, ids.shape[1] :]  # fmt: skip
+    want = lm.tokenizer.decode(greedy)
+    kwargs = [
+        {"until": [], "max_gen_toks": 6, "temperature": 1, "do_sample": False},  # LongBench's
+        {"until": [], "max_new_tokens": 6},
+        {"until": [], "max_tokens": 6},
+        {"until": [], "max_completion_tokens": 6},
+    ]
+    requests = [Instance("generate_until", {}, ("Once upon a time", k), 0) for k in kwargs]
+    assert lm.generate_until(requests * 2, disable_tqdm=True) == [want] * 8
+    long = Instance("generate_until", {}, ("Once upon a time", {"max_gen_toks": 64}), 0)
+    [text] = lm.generate_until([long], disable_tqdm=True)
+    assert text  # the context fits beside what is left of max_length
+
+
 def check_against_transformers(results: dict, lm, folder: str) -> None:
     """Every loglikelihood of the choice task and every completion of the generate task as
     transformers gives them on the same token ids."""
@@ -178,6 +230,7 @@ def check_against_transformers(results: dict, lm, folder: str) -> None:
     assert results["results"]["tandem_choice"]["acc,none"] == pytest.approx(num_correct / 6)
 
     generations = results["samples"]["tandem_generate"]
+    eos = lm.tokenizer.decode(lm.eot_token_id)
     assert len(generations) == 4 and "exact_match,none" in results["results"]["tandem_generate"]
     for sample in generations:
         [(prompt, kwargs)] = sample["arguments"]
@@ -186,5 +239,6 @@ def check_against_transformers(results: dict, lm, folder: str) -> None:
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=kwargs["max_gen_toks"],
             do_sample=False, eos_token_id=None, pad_token_id=0,
         )[0, ids.shape[1] :]  # fmt: skip
-        text = lm.tokenizer.decode(greedy, skip_special_tokens=True).split("\n")[0]
+        # lm-eval's vllm model's text: special tokens kept, cut at "\n" or the EOS text
+        text = lm.tokenizer.decode(greedy).split("\n")[0].split(eos)[0]
         assert sample["resps"] == [[text]]

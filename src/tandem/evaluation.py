@@ -23,6 +23,7 @@ from typing import Any
 
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
+from lm_eval.models.utils import handle_stop_sequences, maybe_truncate, normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from tandem.llm import LLM
@@ -43,7 +44,8 @@ class TandemLM(TemplateLM):
         pretrained: str | LLM,
         max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
         max_length: int | None = None,
-        add_bos_token: bool = False,  # as lm-eval's vllm and hf models: texts encoded without
+        add_bos_token: bool | None = None,  # lm-eval's: None, as the tokenizer encodes
+        truncation_side: str = "left",  # lm-eval's vllm model's: where a long context is cut
         batch_size: int | str = "auto",  # lm-eval's; the engine batches every call whole
         max_batch_size: int | None = None,  # lm-eval's, likewise
         device: str | None = None,  # lm-eval's (its "cuda" by default); the engine picks its own
@@ -51,7 +53,11 @@ class TandemLM(TemplateLM):
     ):
         super().__init__()
         del batch_size, max_batch_size, device
-        self.add_bos_token = add_bos_token
+        if truncation_side not in ("left", "right", "middle"):
+            raise ValueError(
+                f"truncation_side must be left, right or middle, got {truncation_side!r}"
+            )
+        self.add_bos_token, self.truncation_side = add_bos_token, truncation_side
         self.llm = pretrained if isinstance(pretrained, LLM) else LLM(pretrained, **engine_args)
         self.tokenizer = self.llm.get_tokenizer()
         if self.tokenizer is None:
@@ -85,8 +91,14 @@ class TandemLM(TemplateLM):
     def tok_encode(
         self, string: str, add_special_tokens: bool | None = None, **kwargs
     ) -> list[int]:
-        special = self.add_bos_token if add_special_tokens is None else add_special_tokens
-        return self.tokenizer.encode(string, add_special_tokens=special)
+        """As lm-eval's vllm and hf models: the tokenizer's special tokens unless
+        `add_special_tokens` or `add_bos_token` says otherwise, none on a text that already
+        begins with the BOS text (a chat template's)."""
+        special = add_special_tokens if add_special_tokens is not None else self.add_bos_token
+        bos = self.tokenizer.decode(self.prefix_token_id)
+        if bos and string.startswith(bos):
+            special = False
+        return self.tokenizer.encode(string, add_special_tokens=special is not False)
 
     def apply_chat_template(
         self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
@@ -139,20 +151,30 @@ class TandemLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Each (context, generation kwargs): the completion up to the first of `until` (as
-        lm-eval's other models: the stop string left out), at most `max_gen_toks` tokens."""
+        """Each (context, generation kwargs): the completion up to the first of `until` or the
+        EOS text (the stop string left out), at most `max_gen_toks` tokens; the kwargs read as
+        lm-eval's vllm model reads them (its aliases of max_gen_toks, greedy unless `do_sample`,
+        special tokens kept in the text), a long context cut from `truncation_side`."""
+        eos = self.tokenizer.decode(self.eot_token_id)
         prompts, params = [], []
         for context, gen_kwargs in (request.args for request in requests):
-            kwargs = dict(gen_kwargs)
-            until = kwargs.pop("until", None) or []
-            until = [until] if isinstance(until, str) else list(until)
-            max_tokens = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
-            do_sample = kwargs.pop("do_sample", False)  # greedy unless the task samples
-            kwargs.setdefault("temperature", 1.0 if do_sample else 0.0)
+            kwargs = dict(normalize_gen_kwargs(gen_kwargs, default_max_gen_toks=self.max_gen_toks))
+            until = handle_stop_sequences(kwargs.pop("until"), eos=eos or None)
+            max_tokens = int(kwargs.pop("max_gen_toks"))
+            # greedy unless the task samples (do_sample false sets temperature 0 above)
+            kwargs.setdefault("temperature", 1.0 if kwargs.pop("do_sample") else 0.0)
+            kwargs.setdefault("skip_special_tokens", False)
             unknown = sorted(set(kwargs) - SAMPLING_FIELDS)
             if unknown:
                 raise ValueError(f"generation kwargs {unknown} are not SamplingParams fields")
-            ids = self.tok_encode(context)[-max(1, self.max_length - max_tokens) :]
+            ids, max_tokens = maybe_truncate(
+                self.tok_encode(context),
+                max_gen_toks=max_tokens,
+                max_model_len=self.max_length,
+                side=self.truncation_side,
+                shrink_gen_toks=max_tokens >= self.max_length,  # a context keeps a token
+                verbose=False,
+            )
             prompts.append({"prompt_token_ids": ids})
             params.append(
                 SamplingParams(max_tokens=max_tokens, stop=[s for s in until if s], **kwargs)

@@ -513,6 +513,31 @@ def test_a_seed_reproduces_the_same_sample(client):
     assert len({sample(seed) for seed in range(4)}) > 1
 
 
+def test_logprobs_the_filters_removed_are_minus_9999_as_vllm(folder):
+    """Under processed logprobs, top-k 2 leaves the rest of a top 5 at -inf: sent as -9999.0,
+    vLLM's stand-in (JSON has no -inf: the completion was a 500, the stream not JSON)."""
+    llm = AsyncLLM.from_model(folder, **ENGINE_ARGS, logprobs_mode="processed_logprobs")
+    args = {"model": MODEL, "max_tokens": 3, "temperature": 1.0, "top_k": 2, "seed": 1}
+    with running(build_app(llm, MODEL)) as url:
+        completion = httpx.post(
+            f"{url}/v1/completions", json={**args, "prompt": PROMPT, "logprobs": 5}
+        )
+        chat = {**args, "messages": MESSAGES, "logprobs": True, "top_logprobs": 5}
+        answer = httpx.post(f"{url}/v1/chat/completions", json=chat)
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json={**chat, "stream": True}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line[6:].startswith("{")]
+    llm.shutdown()
+    assert completion.status_code == answer.status_code == 200, completion.text + answer.text
+    for top in completion.json()["choices"][0]["logprobs"]["top_logprobs"]:
+        assert sorted(top.values())[:3] == [-9999.0] * 3 and max(top.values()) > -9999.0
+    streamed = [t for c in chunks for t in c["choices"][0]["logprobs"]["content"] if c["choices"]]
+    for content in (answer.json()["choices"][0]["logprobs"]["content"], streamed):
+        assert len(content) == 3
+        for token in content:
+            tops = [t["logprob"] for t in token["top_logprobs"]]
+            assert tops[2:] == [-9999.0] * 3 and token["logprob"] > -9999.0
+
+
 def test_logprobs_cover_every_generated_token(client):
     completion = client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2
@@ -976,7 +1001,11 @@ def test_unimplemented_fields_at_values_that_ask_for_nothing_are_accepted(server
     assert completion.json()["usage"]["completion_tokens"] == 2
     chat = {"messages": MESSAGES, "max_tokens": 2, "tools": [], "tool_choice": "none"}
     chat |= {"response_format": {"type": "text"}, "parallel_tool_calls": False}
+    # OpenAI's labels (safety_identifier replaces user) and its default modalities
+    chat |= {"safety_identifier": "u1", "prompt_cache_key": "k1", "modalities": ["text"]}
     assert post(server, "/v1/chat/completions", chat).status_code == 200
+    audio = post(server, "/v1/chat/completions", {**chat, "modalities": ["text", "audio"]})
+    assert_openai_error(audio, 400, param="modalities")
 
 
 @pytest.mark.parametrize(

@@ -23,10 +23,15 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
     "tools": ([],),  # /v1/completions: chat declares tools and tool_choice
     "tool_choice": ("none", "auto"),
+    "modalities": (["text"],),  # OpenAI's chat: text, its default
     # vLLM's, at its default
     "spaces_between_special_tokens": (True,),
 }
-IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+# OpenAI's labels of a request: `safety_identifier` replaces `user`, `prompt_cache_key` routes
+IGNORED_FIELDS = (
+    "user", "safety_identifier", "prompt_cache_key", "metadata", "store", "service_tier",
+    "parallel_tool_calls",
+)  # fmt: skip
 # vLLM's guided decoding fields, removed in its 0.12 for the keys of structured_outputs
 GUIDED_FIELDS = {
     "guided_json": "json",

@@ -584,7 +584,7 @@ class Format:
             if entry is None
             else {
                 str(t): {
-                    "logprob": max(p, -9999.0),
+                    "logprob": json_logprob(p),
                     "rank": p.rank,
                     "decoded_token": p.decoded_token,
                 }
@@ -676,7 +676,8 @@ class CompletionFormat(Format):
             if self.generation.tokens_as_ids
             else tokens,
             "token_logprobs": [
-                None if e is None else e[t] for t, e in zip(token_ids, entries, strict=True)
+                None if e is None else json_logprob(e[t])
+                for t, e in zip(token_ids, entries, strict=True)
             ],
             "top_logprobs": [None if e is None else self._by_text(e) for e in entries],
             "text_offset": self._text_offsets(text, token_ids, tokens, text_offset),
@@ -689,7 +690,7 @@ class CompletionFormat(Format):
         by_text: dict[str, float] = {}
         for token_id, logprob in entry.items():
             text = self.label(token_id)
-            by_text[text] = max(logprob, by_text.get(text, logprob))
+            by_text[text] = json_logprob(max(logprob, by_text.get(text, logprob)))
         return by_text
 
     def _text_offsets(
@@ -792,7 +793,13 @@ class ChatFormat(Format):
 
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
         label = self.label(token_id)
-        return {"token": label, "logprob": logprob, "bytes": list(label.encode())}
+        return {"token": label, "logprob": json_logprob(logprob), "bytes": list(label.encode())}
+
+
+def json_logprob(logprob: float) -> float:
+    """A logprob as JSON can carry it: -inf (a token the filters or a grammar removed, under a
+    processed logprobs mode) as -9999.0, OpenAI's and vLLM's stand-in."""
+    return max(logprob, -9999.0)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from tandem import LLM, BeamSearchParams, LoRARequest, SamplingParams
 from tandem.async_llm import AsyncLLM
 from tandem.cli import build_parser, lora_modules
 from tandem.engine import Engine
+from tandem.lora import check_adapter_config
 from tandem.model import fused, splitk
 from tandem.model.decoder import to_residual
 from tandem.model.lora import LoRALayers, LoRAProjection
@@ -270,6 +271,48 @@ def test_an_id_given_to_another_adapter_after_eviction_meets_none_of_its_kv(lora
     assert got.outputs[0].token_ids == transformers_greedy(str(adapters[2][1]), prompt)
 
 
+def test_an_id_given_to_another_adapter_never_runs_the_first_ones_slot(lora_models):
+    """Two slots: adapter 1 keeps its slot after it left the host cache (a refused request
+    read another); its id then naming adapter 2's folder runs adapter 2, not the slot's old
+    weights."""
+    base, adapters = lora_models("llama")
+    llm = LLM(str(base), max_model_len=64, enable_lora=True, max_loras=2, max_cpu_loras=2)
+    llm.generate(PROMPTS[0], GREEDY, False, request_of(adapters, 1))
+    llm.generate(PROMPTS[0], GREEDY, False, request_of(adapters, 2))
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate("word " * 200, GREEDY, False, LoRARequest("three", 3, str(adapters[1][0])))
+    assert 1 not in llm.engine.adapter_cache.adapters  # left the host cache, not its slot
+    rebound = LoRARequest("adapter-2-again", 1, str(adapters[2][0]))
+    got = tokens(llm.generate(PROMPTS[1], GREEDY, False, rebound))
+    assert got == [transformers_greedy(str(adapters[2][1]), PROMPTS[1])]
+
+
+def test_one_id_for_two_adapters_in_one_call_is_refused_before_anything_runs(lora_models):
+    """The host cache holds one adapter: the call's first adapter has left it before its last
+    prompt gives that id to another. Refused whole, as a clash between calls is; the engine
+    serves on, and a call of more adapters than the cache holds reads each before it runs."""
+    base, adapters = lora_models("llama")
+    llm = LLM(str(base), max_model_len=64, enable_lora=True, max_loras=1, max_cpu_loras=1)
+    one, two = adapters[1][0], adapters[2][0]
+    loras = [LoRARequest("a", 1, str(one)), LoRARequest("b", 2, str(two)),
+             LoRARequest("c", 3, str(one)), LoRARequest("x", 1, str(two))]  # fmt: skip
+    with pytest.raises(ValueError, match="lora_int_id 1 names adapter 'a'"):
+        llm.generate(PROMPTS, GREEDY, False, loras)
+    assert not llm.engine.has_unfinished() and llm.engine.adapter_cache.users == {}
+    loras[3] = LoRARequest("a", 1, str(one))
+    read = llm.engine.adapter_cache.read
+    reads_while_stepping = []
+    step = llm.engine.step
+    llm.engine.step = lambda: (reads_while_stepping.append(len(calls)), step())[1]
+    calls = []
+    llm.engine.adapter_cache.read = lambda lora: (calls.append(lora.lora_name), read(lora))[1]
+    got = tokens(llm.generate(PROMPTS, GREEDY, False, loras))
+    folders = [adapters[1][1], adapters[2][1], adapters[1][1], adapters[1][1]]
+    assert got == [transformers_greedy(str(f), p) for f, p in zip(folders, PROMPTS, strict=True)]
+    assert len(set(reads_while_stepping)) == 1  # no step read an adapter from disk
+    assert not llm.engine.has_unfinished() and llm.engine.adapter_cache.users == {}
+
+
 def test_an_adapter_named_by_a_hub_repository_id(lora_models, tmp_path):
     """lora_path may be a Hub repository id, read from the Hub's cache (offline in the tests)."""
     base, adapters = lora_models("llama")
@@ -426,9 +469,16 @@ def test_bad_adapters_are_refused_and_harm_no_other_request(lora_models, tmp_pat
         llm.generate("x", GREEDY, False, LoRARequest("head", 5, str(head)))
     dora = make_tiny_lora(tmp_path / "dora", base, rank=4)
     config = json.loads((dora / "adapter_config.json").read_text())
-    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
-    with pytest.raises(ValueError, match="DoRA"):
-        llm.generate("x", GREEDY, False, LoRARequest("dora", 6, str(dora)))
+    # PEFT's fields that change what the adapter computes, which tandem does not run
+    for field, value, what in [
+        ("use_dora", True, "DoRA"),
+        ("alora_invocation_tokens", [5, 6], "activated LoRA"),
+        ("layer_replication", [[0, 1], [0, 1]], "layer_replication"),
+        ("lora_bias", True, "LoRA biases"),
+    ]:
+        (dora / "adapter_config.json").write_text(json.dumps({**config, field: value}))
+        with pytest.raises(ValueError, match=what):
+            llm.generate("x", GREEDY, False, LoRARequest(field, 6, str(dora)))
     cut = make_tiny_lora(tmp_path / "cut", base, rank=4)  # an interrupted download
     data = (cut / "adapter_model.safetensors").read_bytes()
     (cut / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
@@ -450,6 +500,13 @@ def test_bad_adapters_are_refused_and_harm_no_other_request(lora_models, tmp_pat
     assert [o.request_id for o in outputs] == queued
     assert tokens(outputs) == [transformers_greedy(str(adapters[1][1]), p) for p in PROMPTS[:2]]
     assert not llm.engine.has_unfinished() and llm.engine.adapter_cache.users == {}
+
+
+def test_a_config_without_lora_alpha_scales_by_pefts_default_alpha_of_8():
+    """PEFT's LoraConfig defaults lora_alpha to 8 and runs such a config with 8 / r."""
+    lora = LoRARequest("a", 1, "/adapter")
+    assert check_adapter_config(lora, {"r": 4}, 8) == (4, 2.0)
+    assert check_adapter_config(lora, {"r": 4, "use_rslora": True}, 8) == (4, 4.0)
 
 
 def test_adapters_need_enable_lora_and_unquantized_weights(lora_models):
@@ -539,6 +596,46 @@ def test_the_server_serves_lora_modules_as_models(lora_models):
         lora_modules(["one=/x"], False)
     with pytest.raises(ValueError, match="NAME=PATH"):
         lora_modules(["one"], True)
+
+
+def test_adapters_loaded_side_by_side_each_take_an_id_and_bad_modules_stop_the_start(
+    lora_models, tmp_path
+):
+    """Four loads at once (as an RL trainer's gather sends them) all succeed, each adapter
+    under an id of its own; a --lora-modules adapter the engine cannot run stops the server's
+    start, as vLLM's static adapters do, instead of being listed."""
+    base, adapters = lora_models("llama")
+    llm = AsyncLLM.from_model(str(base), max_model_len=64, enable_lora=True, max_loras=2)
+    options = ServerOptions(allow_runtime_lora_updating=True)
+
+    async def load_all(url: str) -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return await asyncio.gather(*(
+                client.post("/v1/load_lora_adapter", json={
+                    "lora_name": f"l{i}", "lora_path": str(adapters[1 + i % 2][0])
+                }) for i in range(4)
+            ))  # fmt: skip
+
+    try:
+        with running(build_app(llm, "base", options=options)) as url:
+            answers = asyncio.run(load_all(url))
+            assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+            for i in range(4):
+                body = {"model": f"l{i}", "prompt": PROMPTS[1], "max_tokens": 12,
+                        "temperature": 0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+                got = httpx.post(f"{url}/v1/completions", json=body).json()
+                want = transformers_greedy(adapters[1 + i % 2][1], PROMPTS[1])
+                assert got["choices"][0]["token_ids"] == want
+        high = make_tiny_lora(tmp_path / "high", base, rank=32)
+        for module, message in [
+            (LoRARequest("gone", 1, str(tmp_path / "none")), "adapter_config.json"),
+            (LoRARequest("high", 1, str(high)), "max_lora_rank"),
+            (LoRARequest("long", 1, "a" * 300), "long"),  # ENAMETOOLONG: a ValueError too
+        ]:
+            with pytest.raises(ValueError, match=message):
+                build_app(llm, "base", options=ServerOptions(lora_modules=(module,)))
+    finally:
+        llm.shutdown()
 
 
 def test_beam_search_and_loglikelihood_run_under_adapters(lora_models):

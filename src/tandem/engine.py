@@ -381,11 +381,17 @@ class Engine:
         """Queue a request made by `make_request`; nothing is queued before validation passes."""
         if request.request_id in self.requests:  # two requests made under one id, both queued
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.lora_request is not None:  # its adapter stays read until it finishes
+            lora = request.lora_request
+            self.adapter_cache.hold(lora.lora_int_id)
+            try:  # read again if it left the cache since admission: no step reads a disk
+                self.adapter_cache.get(lora)
+            except Exception:
+                self.adapter_cache.drop(lora.lora_int_id)
+                raise
         if request.seed is None:  # drawn here, so a request made but never queued draws nothing
             request.seed = self.seed_rng.getrandbits(63)
         self.requests[request.request_id] = request
-        if request.lora_request is not None:  # its adapter stays read until it finishes
-            self.adapter_cache.hold(request.lora_request.lora_int_id)
         self.scheduler.add(request)
         if self.workers is not None:
             params = replace(request.params, seed=request.seed)

@@ -20,7 +20,7 @@ from tandem import scoring
 from tandem.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from tandem.config import EngineConfig
 from tandem.engine import Engine, check_pause_mode
-from tandem.lora import LoRARequest, per_prompt
+from tandem.lora import LoRARequest, check_one_adapter_per_id, per_prompt
 from tandem.metrics import Metric, engine_metrics
 from tandem.outputs import (
     ClassificationOutput,
@@ -640,6 +640,8 @@ class LLM:
         groups = []
         engine = self.engine
         loras = loras or [None] * len(prompts)
+        # before any is read: the adapter cache may drop one read first before the second comes
+        check_one_adapter_per_id(loras)
         priorities = priorities or [0] * len(prompts)
         for prompt, p, lora, priority in zip(prompts, params, loras, priorities, strict=True):
             p.validate()  # n=0 would otherwise make no request to validate

@@ -16,7 +16,7 @@ import math
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,12 +65,35 @@ class LoRARequest:
             )
 
     @property
+    def identity(self) -> tuple[int, str, str]:
+        """Id, name and folder: an id may name another adapter once its first has left the
+        adapter cache, so the id alone does not tell two adapters apart."""
+        return self.lora_int_id, self.lora_name, self.lora_path
+
+    @property
     def cache_key(self) -> bytes:
         """The prefix cache's extra key of a first block: KV under one adapter is its own (0xff
-        first, a byte no UTF-8 cache salt holds, then a digest of id, name and folder: an id
-        given to another adapter once its first left the adapter cache meets none of its KV)."""
-        named = repr((self.lora_int_id, self.lora_name, self.lora_path)).encode()
+        first, a byte no UTF-8 cache salt holds, then a digest of its identity: an id given to
+        another adapter meets none of the first one's KV)."""
+        named = repr(self.identity).encode()
         return b"\xfflora:" + hashlib.blake2b(named, digest_size=16).digest()
+
+
+def check_one_adapter_per_id(loras: Iterable[LoRARequest | None]) -> None:
+    """ValueError where two of `loras` (one call's) give one id to two adapters."""
+    named: dict[int, LoRARequest] = {}
+    for lora in loras:
+        if lora is not None:
+            first = named.setdefault(lora.lora_int_id, lora)
+            if first.identity != lora.identity:
+                raise id_clash(first, lora)
+
+
+def id_clash(held: LoRARequest, request: LoRARequest) -> ValueError:
+    return ValueError(
+        f"lora_int_id {request.lora_int_id} names adapter {held.lora_name!r} ({held.lora_path}); "
+        f"{request.lora_name!r} ({request.lora_path}) needs an id of its own"
+    )
 
 
 def per_prompt(lora_request, count: int) -> list[LoRARequest | None]:
@@ -231,13 +254,20 @@ def check_adapter_config(request: LoRARequest, config: dict, max_rank: int) -> t
         "alpha_pattern": "per-module alphas (alpha_pattern)",
         "modules_to_save": "modules_to_save (fully trained modules)",
         "fan_in_fan_out": "fan_in_fan_out weights",
+        "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+        "layer_replication": "layer_replication",
+        "use_qalora": "QALoRA (use_qalora)",
+        "lora_bias": "LoRA biases (lora_bias)",
+        "target_parameters": "LoRA on parameters (target_parameters)",
+        "trainable_token_indices": "trainable token embeddings (trainable_token_indices)",
+        "arrow_config": "Arrow routing (arrow_config)",
     }
     for key, what in unsupported.items():
         if config.get(key):
             raise ValueError(f"LoRA adapter {name!r} uses {what}, which is not supported")
     if config.get("bias", "none") != "none":
         raise ValueError(f"LoRA adapter {name!r} trains biases ({config['bias']!r}): not supported")
-    alpha = config.get("lora_alpha", rank)
+    alpha = config.get("lora_alpha", 8)  # PEFT's default, as PEFT runs a config without it
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     return rank, scale
 
@@ -291,7 +321,10 @@ class AdapterCache:
             held = self._held(request)
         if held is not None:
             return held
-        adapter = self.read(request)
+        try:
+            adapter = self.read(request)
+        except OSError as error:  # a folder the system refuses (a name too long, no access)
+            raise ValueError(f"LoRA adapter {request.lora_name!r}: {error}") from error
         with self.lock:
             held = self._held(request)  # read by another thread meanwhile
             if held is not None:
@@ -304,15 +337,8 @@ class AdapterCache:
         held = self.adapters.get(request.lora_int_id)
         if held is None:
             return None
-        if (held.request.lora_name, held.request.lora_path) != (
-            request.lora_name,
-            request.lora_path,
-        ):
-            raise ValueError(
-                f"lora_int_id {request.lora_int_id} names adapter {held.request.lora_name!r} "
-                f"({held.request.lora_path}); {request.lora_name!r} ({request.lora_path}) "
-                "needs an id of its own"
-            )
+        if held.request.identity != request.identity:
+            raise id_clash(held.request, request)
         self.adapters.move_to_end(request.lora_int_id)
         return held
 
@@ -339,7 +365,8 @@ class AdapterSlots:
 
     def __init__(self, num_slots: int, cache: AdapterCache):
         self.cache = cache
-        self.adapter_of: list[int | None] = [None] * num_slots  # slot -> adapter id
+        # slot -> its adapter's identity (an id may have named another adapter since)
+        self.adapter_of: list[tuple[int, str, str] | None] = [None] * num_slots
         self.holders = [0] * num_slots
         self.last_use = [0] * num_slots  # for choosing the least recently used free slot
         self.clock = 0
@@ -347,19 +374,18 @@ class AdapterSlots:
 
     def can_acquire(self, lora: LoRARequest) -> bool:
         """Whether the adapter is in a slot, or a slot is held by no running request."""
-        return lora.lora_int_id in self.adapter_of or 0 in self.holders
+        return lora.identity in self.adapter_of or 0 in self.holders
 
     def acquire(self, lora: LoRARequest) -> int:
         """The slot a request of adapter `lora` runs in, held for it (`can_acquire` first)."""
         self.clock += 1
-        lora_id = lora.lora_int_id
-        if lora_id in self.adapter_of:
-            slot = self.adapter_of.index(lora_id)
+        if lora.identity in self.adapter_of:
+            slot = self.adapter_of.index(lora.identity)
         else:
             free = [s for s, holders in enumerate(self.holders) if holders == 0]
             # an empty slot first, else the least recently used
             slot = min(free, key=lambda s: (self.adapter_of[s] is not None, self.last_use[s]))
-            self.adapter_of[slot] = lora_id
+            self.adapter_of[slot] = lora.identity
             self.loads.append((slot, self.cache.get(lora)))
         self.holders[slot] += 1
         self.last_use[slot] = self.clock

@@ -41,12 +41,17 @@ def adapter_router(serving: OpenAIServing) -> APIRouter:
             raise OpenAIError(
                 f"The lora adapter '{name}' has already been loaded.", param="lora_name"
             )
-        try:
-            lora = LoRARequest(name, serving.next_lora_id, body.lora_path)
-            await asyncio.to_thread(cache.get, lora)  # read off the event loop and the engine
-        except (ValueError, OSError) as error:  # OSError: a path the system refuses
-            raise OpenAIError(str(error), param="lora_path") from error
+        lora_id = serving.next_lora_id  # taken before the read: loads run side by side
         serving.next_lora_id += 1
+        try:
+            lora = LoRARequest(name, lora_id, body.lora_path)
+            await asyncio.to_thread(cache.get, lora)  # read off the event loop and the engine
+        except ValueError as error:
+            raise OpenAIError(str(error), param="lora_path") from error
+        if name in serving.adapters:  # a load of that name ended while this one read
+            raise OpenAIError(
+                f"The lora adapter '{name}' has already been loaded.", param="lora_name"
+            )
         serving.adapters[name] = lora
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tandem import __version__
 from tandem.async_llm import AsyncLLM, EngineDeadError
+from tandem.lora import LoRARequest
 from tandem.server import responses, tokens
 from tandem.server.adapters import adapter_router
 from tandem.server.admin import admin_router
@@ -70,6 +71,7 @@ def build_app(
     clashing = [lora.lora_name for lora in options.lora_modules if lora.lora_name in names]
     if clashing:
         raise ValueError(f"LoRA module names {clashing} are served model names already")
+    check_lora_modules(llm, options.lora_modules)
     docs = {} if not options.disable_fastapi_docs else dict.fromkeys(DOCS_ROUTES)
     app = FastAPI(title="tandem", **docs)  # --root-path is uvicorn's (lifecycle.uvicorn_config)
     metrics = ServerMetrics(llm)
@@ -387,3 +389,12 @@ class BodyLimitMiddleware:
     def too_large(self) -> OpenAIError:
         message = f"the request body is larger than {self.max_bytes} bytes (--max-request-bytes)"
         return OpenAIError(message, 413, code="request_too_large")
+
+
+def check_lora_modules(llm: AsyncLLM, lora_modules: Sequence[LoRARequest]) -> None:
+    """Read every --lora-modules adapter before serving, as vLLM loads its static adapters:
+    ValueError for one the engine cannot run (it was listed, then every request a 400)."""
+    if lora_modules and llm.engine.adapter_cache is None:
+        raise ValueError("--lora-modules needs --enable-lora")
+    for lora in lora_modules:
+        llm.engine.adapter_cache.get(lora)

@@ -176,6 +176,37 @@ def test_checkpoint_kv_scales_apply_to_an_fp8_cache_only(make_tiny, tmp_path):
         assert len(out[0].outputs[0].token_ids) == 4
 
 
+def with_tensors(source, folder, extra: dict) -> str:
+    folder.mkdir()
+    for path in source.iterdir():
+        if path.suffix != ".safetensors":
+            (folder / path.name).write_bytes(path.read_bytes())
+    save_file({**load_file(source / "model.safetensors"), **extra}, folder / "model.safetensors")
+    return str(folder)
+
+
+def test_kv_scales_by_vllm_s_other_names_and_per_head_ones_refused(make_tiny, tmp_path):
+    """Older llm-compressor checkpoints name them k_proj/v_proj.output_scale and AutoFP8's one
+    kv_scale sets both (vLLM reads each so); a scale per KV head (compressed-tensors'
+    "attn_head") is a ValueError under an FP8 cache, as vLLM's, not its first head's value."""
+    source = make_tiny("llama")
+    named = with_tensors(source, tmp_path / "named", {
+        "model.layers.0.self_attn.k_proj.output_scale": torch.tensor(0.25),
+        "model.layers.0.self_attn.v_proj.output_scale": torch.tensor([0.75]),
+        "model.layers.1.self_attn.kv_scale": torch.tensor(3.0),
+    })  # fmt: skip
+    layers = LLM(named, max_model_len=64, kv_cache_dtype="fp8").engine.model.layers
+    assert [(la.self_attn.k_scale, la.self_attn.v_scale) for la in layers] == [
+        (0.25, 0.75), (3.0, 3.0)
+    ]  # fmt: skip
+    per_head = with_tensors(source, tmp_path / "per-head", {
+        "model.layers.0.self_attn.k_scale": torch.tensor([0.0005, 0.05]),
+    })  # fmt: skip
+    with pytest.raises(ValueError, match="KV cache scale per head"):
+        LLM(per_head, max_model_len=64, kv_cache_dtype="fp8")
+    LLM(per_head, max_model_len=64)  # a cache in the model dtype reads no scale
+
+
 def test_roofline_counts_fp8_weights_and_kv_at_one_byte(make_tiny):
     cfg = tiny_config(make_tiny("llama"))
     bf16, fp8 = ModelCost.of(cfg, 2), ModelCost.of(cfg, 2, linear_bytes=1, kv_bytes=1)

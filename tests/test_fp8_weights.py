@@ -26,7 +26,17 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 E4M3 = torch.float8_e4m3fn
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",
+    "gate_up_proj",
+)  # fmt: skip  (Phi-3's and GLM-4's fused ones)
 PROMPT_LENGTHS = [3, 21, 9, 1]
 MAX_TOKENS = 12
 TIE = 1e-4
@@ -162,8 +172,9 @@ def assert_fp8_linears(llm: LLM) -> None:
 
 @pytest.mark.parametrize(
     "arch,layout",
-    [("llama", "channel"), ("qwen2", "tensor"), ("qwen3", "channel"), ("mistral", "tensor")],
-)
+    [("llama", "channel"), ("qwen2", "tensor"), ("qwen3", "channel"), ("mistral", "tensor"),
+     ("phi3", "tensor"), ("glm4", "tensor")],  # a fused matrix's one scale: each part's
+)  # fmt: skip
 def test_compressed_tensors_checkpoint_matches_transformers_on_dequantized_weights(
     make_tiny, tmp_path, arch, layout
 ):
@@ -197,6 +208,28 @@ def test_quantization_fp8_at_load_matches_transformers_on_per_channel_quantized_
     tokens, llm = tandem_greedy(source, quantization="fp8")
     assert_fp8_linears(llm)
     assert_greedy_matches(tokens, dequantized)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])  # Qwen2-MoE: a shared expert too
+def test_quantization_fp8_of_a_moe_model_quantizes_all_but_its_experts(make_tiny, tmp_path, arch):
+    """As the decoder holds them: attention in FP8, the experts and the shared expert in the
+    model dtype (every MoE model was refused, its experts quantized for FP8 places)."""
+    source = make_tiny(arch)
+    tensors = load_file(source / "model.safetensors")
+    experts = ("experts", "shared_expert")
+    plain = {
+        name: quantized(w, "channel", None)[2]
+        if is_linear(name) and not set(experts) & set(name.split("."))
+        else w
+        for name, w in tensors.items()
+    }
+    assert any("shared_expert." in n for n in plain) == (arch == "qwen2_moe")
+    twin = tmp_path / "dequantized"
+    shutil.copytree(source, twin, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(plain, twin / "model.safetensors", {"format": "pt"})
+    tokens, llm = tandem_greedy(source, quantization="fp8")
+    assert isinstance(llm.engine.model.layers[0].self_attn.qkv_proj, Fp8Linear)
+    assert_greedy_matches(tokens, twin)
 
 
 def test_quantization_fp8_works_with_dummy_weights_and_warns_of_w8a16_on_the_cpu(make_tiny, caplog):

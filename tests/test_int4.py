@@ -177,6 +177,10 @@ def int4_layers(llm: LLM) -> list[Int4Linear]:
         ("qwen3", "gptq_row"),
         ("qwen2", "gptq_act"),
         ("mistral", "compressed-tensors"),
+        # Granite scales its o and down projections: their scales carry it, not the codes
+        ("granite", "gptq"),
+        ("granite", "awq"),
+        ("granite", "compressed-tensors"),
     ],
 )
 def test_int4_checkpoint_matches_transformers_on_dequantized_weights(
@@ -188,6 +192,33 @@ def test_int4_checkpoint_matches_transformers_on_dequantized_weights(
     assert len(layers) == 4 * llm.engine.model_config.num_layers  # qkv, o, gate_up, down
     assert layers[0].weight_packed.dtype == torch.int32
     assert_greedy_matches(tokens, dequantized)
+
+
+def test_gptq_zero_biases_of_older_quantizers_are_read_past(make_tiny, tmp_path):
+    """GPTQ-for-LLaMa wrote a zero bias for every projection (vLLM skips them); a bias that is
+    not zero still has no place in a model without biases."""
+    int4, dequantized = write_int4(make_tiny("llama"), tmp_path, "gptq")
+    tensors = load_file(int4 / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(".qweight")]:
+        tensors[name.replace(".qweight", ".bias")] = torch.zeros(tensors[name].shape[1])
+    save_file(tensors, int4 / "model.safetensors", {"format": "pt"})
+    tokens, _ = tandem_greedy(int4)
+    assert_greedy_matches(tokens, dequantized)
+    tensors["model.layers.0.mlp.down_proj.bias"][0] = 1.0
+    save_file(tensors, int4 / "model.safetensors", {"format": "pt"})
+    with pytest.raises(ValueError, match=r"down_proj\.bias' has no place"):
+        tandem_greedy(int4)
+
+
+@pytest.mark.parametrize("arch", ["phi3", "glm4", "ernie4_5"])
+def test_int4_checkpoints_of_fused_or_reordered_projections_are_refused(make_tiny, tmp_path, arch):
+    """Their rows are split (Phi-3's fused q/k/v, GLM-4's gate/up) or reordered (partial or
+    interleaved rotary) as they load, which packed int4 tensors do not allow."""
+    folder = tmp_path / arch
+    shutil.copytree(make_tiny(arch), folder)
+    edit_config(folder, quantization_config=quantization_config("gptq"))
+    with pytest.raises(ValueError, match=r"are not supported: its (fused|rotary)"):
+        LLM(str(folder), max_model_len=64)
 
 
 def test_the_layer_equals_its_dequantized_weights_product(make_tiny, tmp_path):

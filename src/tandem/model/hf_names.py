@@ -51,11 +51,13 @@ def output_rows(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> torch.Tens
     """A tensor whose rows are a projection's outputs (its weight, bias or scales; a LoRA
     adapter's B), as the model keeps them: q and k heads reordered for partial rotary
     (`rope.rotary_rows`), the o and down projections times Granite's residual_multiplier
-    (FP8 codes keep their values: their scales carry it; activation scales do not)."""
+    (FP8 and int4 codes and zero points keep their values: their scales carry it; activation
+    scales do not)."""
     tensor = rotary_rows(name, tensor, cfg)
     module, _, kind = name.rpartition(".")
     scaled = module.rpartition(".")[2] in ("o_proj", "down_proj") and kind != "input_scale"
-    if cfg.residual_multiplier is None or not scaled or tensor.dtype.itemsize == 1:
+    codes = not tensor.is_floating_point() or tensor.dtype.itemsize == 1
+    if cfg.residual_multiplier is None or not scaled or codes:
         return tensor
     return tensor * cfg.residual_multiplier
 
@@ -98,6 +100,10 @@ def split_fused(
         names, sizes = ("q_proj", "k_proj", "v_proj"), [cfg.q_size, cfg.kv_size, cfg.kv_size]
     else:
         names, sizes = ("gate_proj", "up_proj"), [cfg.intermediate_size] * 2
+    if tensor.numel() == 1:  # a per-tensor scale (FP8's weight or input scale): each part's
+        for part in names:
+            yield f"{parent}.{part}.{kind}", tensor
+        return
     if tensor.shape[0] != sum(sizes):
         raise ValueError(
             f"checkpoint tensor {module}.{kind!r} has {tensor.shape[0]} rows, expected {sum(sizes)}"

@@ -112,7 +112,7 @@ def build_model(
         tensors = random_weights(hf_config, seed=dummy_seed, dtype=dtype, device=device)
     else:
         tensors = iter_safetensors(folder)
-    kv_scales: dict[str, float] = {}
+    kv_scales: dict[str, tuple[float, ...]] = {}
     tensors = hf_names.normalized(tensors, cfg)
     # quantized (at load) before sharding: each row's scale is the whole row's, as on one device
     tensors = checkpoint_tensors(tensors, scheme, kv_scales)
@@ -141,6 +141,19 @@ def check_int4(scheme: Int4Config, cfg: ModelConfig, tp: TensorParallel) -> None
         raise ValueError(
             f"int4 weights ({scheme.method}) are supported for dense models; "
             f"{cfg.architecture} has mixture-of-experts layers"
+        )
+    # an int4 checkpoint packs several rows or columns in one int32 and lays them out its own
+    # way: the rows its projections' splits and rotary reorders move are not whole tensor rows
+    reordered = None
+    if cfg.architecture in hf_names.FUSED_CHECKPOINTS:
+        reordered = "fused q/k/v or gate/up matrices"
+    elif cfg.rotary_dim or cfg.rotary_interleaved:
+        reordered = "rotary dimensions reordered in each head"
+    if scheme.method != "dummy" and reordered:
+        raise ValueError(
+            f"int4 checkpoints ({scheme.method}) of {cfg.architecture} are not supported: its "
+            f"{reordered} are split or reordered by rows; load its bfloat16 checkpoint (with "
+            "quantization='fp8' to halve its weights)"
         )
     if tp.size == 1:
         return
@@ -171,12 +184,19 @@ def check_fp8(fp8: Fp8Config, dtype: torch.dtype, tp: TensorParallel) -> None:
         )
 
 
-def set_kv_scales(model: Decoder, kv_scales: dict[str, float]) -> None:
-    """The checkpoint's per-layer K and V cache scales (absent: 1.0) onto each attention."""
+def set_kv_scales(model: Decoder, kv_scales: dict[str, tuple[float, ...]]) -> None:
+    """The checkpoint's per-layer K and V cache scales (absent: 1.0) onto each attention;
+    ValueError for a scale per head (compressed-tensors' "attn_head"), as vLLM's."""
     for i, layer in enumerate(model.layers):
-        prefix = f"model.layers.{i}.self_attn"
-        layer.self_attn.k_scale = kv_scales.get(f"{prefix}.k_scale", 1.0)
-        layer.self_attn.v_scale = kv_scales.get(f"{prefix}.v_scale", 1.0)
+        for kind in ("k_scale", "v_scale"):
+            name = f"model.layers.{i}.self_attn.{kind}"
+            values = kv_scales.get(name, (1.0,))
+            if len(values) != 1:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} holds a KV cache scale per head: only one per "
+                    "tensor (kv_cache_scheme strategy 'tensor') is supported"
+                )
+            setattr(layer.self_attn, kind, values[0])
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -266,6 +286,8 @@ def destination(
     else:
         dest = params[name].data if name in params else None
         key = name
+    if dest is None and kind == "bias" and not tensor.any():
+        return None  # GPTQ-for-LLaMa's zero bias of each projection: vLLM skips it too
     if dest is None:
         raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {cfg.architecture}")
     if model.tp.size > 1 and name in ("embed_tokens.weight", "lm_head.weight"):

@@ -33,7 +33,15 @@ logger = logging.getLogger(__name__)
 LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 METHODS = ("awq", "compressed-tensors", "fp8", "gptq")  # quant_method values read
 STRATEGIES = ("tensor", "channel", "block")
-KV_SCALES = ("self_attn.k_scale", "self_attn.v_scale")
+# an FP8 KV cache's scales by the names checkpoints give them -> the scales they set (vLLM
+# reads the same: llm-compressor's, its older projections' output scales, AutoFP8's one kv_scale)
+KV_SCALES = {
+    "self_attn.k_scale": ("k_scale",),
+    "self_attn.v_scale": ("v_scale",),
+    "self_attn.k_proj.output_scale": ("k_scale",),
+    "self_attn.v_proj.output_scale": ("v_scale",),
+    "self_attn.kv_scale": ("k_scale", "v_scale"),
+}
 
 
 @dataclass(frozen=True)
@@ -158,20 +166,26 @@ def _block(block: Any, field: str) -> tuple[int, int]:
     return block[0], block[1]
 
 
+MOE_MODULES = {"experts", "shared_expert", "shared_experts"}  # stay in the model dtype
+
+
 def is_linear_weight(hf_name: str) -> bool:
+    """Whether a checkpoint tensor is the weight of a quantized projection: a decoder layer's
+    attention or dense MLP, not a MoE expert's (`Decoder`)."""
     module, _, kind = hf_name.rpartition(".")
-    return kind == "weight" and module.rpartition(".")[2] in LINEAR_LEAVES
+    parts = module.split(".")
+    return kind == "weight" and parts[-1] in LINEAR_LEAVES and not MOE_MODULES & set(parts)
 
 
 def checkpoint_tensors(
     tensors: Iterable[tuple[str, torch.Tensor]],
     fp8: Fp8Config | Int4Config | None,
-    kv_scales: dict[str, float],
+    kv_scales: dict[str, tuple[float, ...]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors under the names `load_weights` places: with `fp8`, FP8 weights
     and their `weight_scale` (quantized here when `fp8.quantize_at_load`), static input scales
     dropped; int4 ones in `Int4Linear`'s layout (`int4.checkpoint_tensors`); KV cache scales
-    are taken out into `kv_scales` (name -> float)."""
+    are taken out into `kv_scales` (name -> its distinct values)."""
     tensors = _kv_scales_out(tensors, kv_scales)
     if fp8 is None:
         yield from tensors
@@ -196,13 +210,19 @@ def checkpoint_tensors(
 
 
 def _kv_scales_out(
-    tensors: Iterable[tuple[str, torch.Tensor]], kv_scales: dict[str, float]
+    tensors: Iterable[tuple[str, torch.Tensor]], kv_scales: dict[str, tuple[float, ...]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each KV cache scale's distinct values as
+    `kv_scales["model.layers.{i}.self_attn.{k,v}_scale"]` (several: one per head)."""
     for name, tensor in tensors:
-        if name.endswith(KV_SCALES):
-            kv_scales[name] = float(tensor.float().reshape(-1)[0])
-        else:
+        known = next((n for n in KV_SCALES if name.endswith(f".{n}")), None)
+        if known is None:
             yield name, tensor
+            continue
+        values = tuple(tensor.float().reshape(-1).unique().tolist())
+        attention = name.removesuffix(known) + "self_attn"
+        for scale in KV_SCALES[known]:
+            kv_scales[f"{attention}.{scale}"] = values
 
 
 def fit_tensor(

@@ -203,6 +203,39 @@ def test_masked_steps_sample_after_the_step_before_is_read_but_launch_before(fol
     assert all(name != "launch_sampling" or m for name, _, m in events)
 
 
+def test_raw_logprobs_under_a_grammar_are_the_models_over_the_tokens_it_allows(folder):
+    """vLLM applies a grammar's bitmask before its sampler: the first token's raw logprobs are
+    transformers' log-softmax over the tokens that begin a choice (a token's text a prefix of
+    one), not over the whole vocabulary; other tokens are -inf, ranked after them."""
+    from transformers import AutoModelForCausalLM
+
+    choices = ["yes", "no"]
+    llm = LLM(folder, max_model_len=128)
+    tokenizer = llm.get_tokenizer()
+    allowed = [
+        t for t in range(llm.engine.model_config.vocab_size)
+        if (text := tokenizer.decode([t])) and any(c.startswith(text) for c in choices)
+    ]  # fmt: skip
+    prompt = "answer yes or no"
+    params = SamplingParams(
+        temperature=0, max_tokens=3, logprobs=3,
+        structured_outputs=StructuredOutputsParams(choice=choices),
+    )  # fmt: skip
+    [completion] = llm.generate(prompt, params, use_tqdm=False)[0].outputs
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, -1]
+    masked = torch.full_like(logits, float("-inf"))
+    masked[allowed] = logits[allowed]
+    want = masked.log_softmax(-1)
+    first = completion.logprobs[0]
+    assert completion.token_ids[0] in allowed and completion.text in choices
+    assert set(allowed) <= set(first) or set(first) <= set(allowed)  # the allowed come first
+    for token, logprob in first.items():
+        assert logprob.logprob == pytest.approx(want[token].item(), abs=1e-4)  # -inf outside
+
+
 def test_a_row_whose_other_processors_ban_the_whole_grammar_is_aborted_alone(folder):
     """allowed_token_ids outside every token the grammar allows: nothing can be sampled for
     that row; it ends with "abort" and the rows beside it are untouched."""

@@ -417,17 +417,19 @@ class Runner:
     ) -> None:
         """[num_seqs, vocab] logits -> the slot's sampled tokens (and logprobs); fixed shapes
         given its arguments, so capturable. `input_ids` (None: made again from the slot) feed
-        the penalty state; `use_mask` applies the slot's token masks last; `token_logprobs`
+        the penalty state; `use_mask` applies the slot's token masks first; `token_logprobs`
         (steps with logprobs only, never captured) gathers the logprobs of the ids rows name."""
         x, out = slot.dev_in, slot.dev_out
-        # raw logprobs describe the model's own distribution, before penalties, bans and masks:
-        # the bans and masks below change the logits in place unless penalties copied them first
+        if use_mask:  # rows without a constraint have all-ones masks
+            # first, as vLLM applies a grammar's bitmask before its sampler: raw logprobs are
+            # those of the tokens the grammar allows
+            apply_masks(logits, slot.masks.device[:num_seqs])
+        # raw logprobs describe the model's own distribution, before penalties and bans: the
+        # bans below change the logits in place unless penalties copied them first
         raw = self.logprobs_mode.startswith("raw")
         wanted = num_top_logprobs is not None
         processors = self.logits_processors  # custom ones may change the logits in place too
-        changed_in_place = processors is not None or (
-            (use_filters or use_mask) and not use_penalties
-        )
+        changed_in_place = processors is not None or (use_filters and not use_penalties)
         source = sampled = None
         if wanted and raw:
             source = logits.clone() if changed_in_place else logits
@@ -441,8 +443,6 @@ class Runner:
             logits = self.penalties.apply(logits, x, num_seqs)
         if use_filters:  # the only steps with min_tokens bans (see StepBatch.use_filters)
             ban_tokens(logits, x["banned_ids"][:num_seqs], x["ban_rows"][:num_seqs])
-        if use_mask:  # rows without a constraint have all-ones masks
-            apply_masks(logits, slot.masks.device[:num_seqs])
         temperature = x["temperature"][:num_seqs]
         if processors is not None:
             logits, temperature = processors.after_temperature(logits, temperature)

@@ -378,6 +378,31 @@ def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_batch(folder, a
     assert batched == [alone(folder, i) for i in range(len(MIXED_PARAMS))]
 
 
+def test_numpy_scalars_are_taken_as_the_numbers_they_hold(folder):
+    """An RL config's numpy values (vLLM compares them, so takes them): the same params, the
+    same tokens, as their Python numbers give."""
+    plain = dict(n=2, temperature=0.7, top_p=0.9, top_k=5, min_p=0.01, max_tokens=8, seed=3,
+                 presence_penalty=0.5, logit_bias={5: 1.0}, allowed_token_ids=list(range(300)),
+                 stop_token_ids=[7], ignore_eos=True)  # fmt: skip
+    as_numpy = {
+        name: {np.int64(k): np.float64(v) for k, v in value.items()} if isinstance(value, dict)
+        else [np.int64(v) for v in value] if isinstance(value, list)
+        else value if isinstance(value, bool)
+        else np.float32(value) if isinstance(value, float) and name != "min_p"
+        else np.float64(value) if isinstance(value, float)
+        else np.int64(value)
+        for name, value in plain.items()
+    }  # fmt: skip
+    numpy_params = SamplingParams(**as_numpy)
+    assert numpy_params == SamplingParams(**{**plain, "temperature": float(np.float32(0.7)),
+                                             "top_p": float(np.float32(0.9))})  # fmt: skip
+    assert all(type(v) in (int, float) for v in (numpy_params.n, numpy_params.temperature))
+    llm = make_llm(folder, async_batching=False)
+    want = SamplingParams(**{**plain, "temperature": float(np.float32(0.7)),
+                             "top_p": float(np.float32(0.9))})  # fmt: skip
+    assert generate(llm, PROMPTS[:1], [numpy_params]) == generate(llm, PROMPTS[:1], [want])
+
+
 @pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
 def test_seeded_requests_sample_the_same_tokens_after_preemption(folder, async_batching):
     llm = LLM(

@@ -6,9 +6,10 @@ import copy
 import enum
 import math
 from collections.abc import Collection
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from tandem.config import check_bools, check_int
@@ -96,6 +97,9 @@ class SamplingParams:
     thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # numpy scalars (an RL config's) as the Python numbers they hold
+            if f.name != "extra_args":
+                setattr(self, f.name, _python_numbers(getattr(self, f.name)))
         self.stop = _as_list("stop", self.stop, "a string or a list of strings", str)
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, "a list of token ids")
         self.bad_words = _as_list("bad_words", self.bad_words, "a string or a list of strings", str)
@@ -322,6 +326,17 @@ def _as_list(name: str, value: object, allowed: str, lone: type | None = None) -
     if isinstance(value, str | bytes | dict) or not isinstance(value, Collection):
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
     return list(value)
+
+
+def _python_numbers(value: Any) -> Any:
+    """`value` with numpy scalars, also in a list, tuple or dict, as Python ones."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, list | tuple):
+        return type(value)(_python_numbers(v) for v in value)
+    if isinstance(value, dict):
+        return {_python_numbers(k): _python_numbers(v) for k, v in value.items()}
+    return value
 
 
 def _is_number(value: object) -> bool:

@@ -54,7 +54,8 @@ def assert_matches_reference(entries, ids: list[int], k: int, reference: torch.T
             torch.tensor([entry[target].rank]), row[None], row[target, None], TOLERANCE
         )
         top = row.topk(k) if k else None
-        ranked = list(entry)[:k]
+        assert next(iter(entry)) == target  # vLLM's order: the prompt's token, then the top k
+        ranked = sorted((t for t in entry if entry[t].rank <= k), key=lambda t: entry[t].rank)
         assert len(entry) in (k, k + 1) and (target in ranked or len(entry) == k + 1)
         if top is not None:
             for token, value in zip(ranked, top.values.tolist(), strict=True):
@@ -322,4 +323,5 @@ def test_prompt_logprobs_read_as_vllms_logprob_with_rank_and_decoded_token(make_
             assert logprob.decoded_token == hf_tokenizer.decode([token_id])
             more_likely = int((row > value + TOLERANCE).sum())
             assert more_likely + 1 <= logprob.rank <= int((row >= value - TOLERANCE).sum())
-        assert [lp.rank for lp in list(entry.values())[:5]] == [1, 2, 3, 4, 5]
+        assert next(iter(entry)) == ids[p]  # vLLM's order: the prompt's token first
+        assert sorted(lp.rank for lp in entry.values())[:5] == [1, 2, 3, 4, 5]

@@ -56,7 +56,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None  # the sum of logprobs' sampled entries; None without them
-    # per output token: the top `logprobs` ids in rank order, then the sampled token
+    # per output token: the sampled token, then the top `logprobs` ids in rank order (vLLM's)
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id; None for EOS
@@ -198,8 +198,9 @@ def _logprobs(
     text: TokenText,
 ) -> dict[int, Logprob]:
     """An entry's ids are the top `num_top` in rank order, then `token` unless among them; the
-    token's own rank is `token_rank` where known."""
-    out = {}
+    token's own rank is `token_rank` where known. As vLLM's: `token` first, then the others in
+    rank order."""
+    out = {token: None}
     for rank, (t, value) in enumerate(entry.items(), 1):  # a loop: it runs once per prompt token
         out[t] = Logprob(value, rank if rank <= num_top else None, text(t))
     if token_rank is not None:
@@ -260,9 +261,12 @@ class FlatLogprobs(Sequence):
         token_rank: int | None,
         text: TokenText,
     ) -> None:
-        """One more position from the engine's entry, ranked as `_logprobs` ranks it."""
+        """One more position from the engine's entry, ranked and ordered as `_logprobs` ranks
+        and orders it (`token` first)."""
         self.start_indices.append(len(self.token_ids))
-        for rank, (t, value) in enumerate((entry or {}).items(), 1):
+        ranked = list(enumerate((entry or {}).items(), 1))
+        ranked.sort(key=lambda item: item[1][0] != token)  # stable: the rest keep rank order
+        for rank, (t, value) in ranked:
             self.token_ids.append(t)
             self.logprobs.append(value)
             known = t == token and token_rank is not None

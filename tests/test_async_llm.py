@@ -256,7 +256,7 @@ def test_an_invalid_request_raises_value_error_and_others_still_run(llm):
     assert len(joined(asyncio.run(main()))[1]) == 4
 
 
-@pytest.mark.parametrize("prompt", [[1, 2, 3], None, {"text": PROMPTS[0]}])
+@pytest.mark.parametrize("prompt", [["a", "b"], None, {"text": PROMPTS[0]}])
 def test_a_prompt_of_no_known_form_is_a_value_error_naming_the_forms(llm, prompt):
     async def main():
         with pytest.raises(ValueError, match="prompt_token_ids") as error:

@@ -148,13 +148,21 @@ def test_boundary_sampling_values_are_accepted():
     SamplingParams(top_p=1e-6, min_p=1.0, min_tokens=3, max_tokens=3, seed=2**63 - 1, logprobs=20)
 
 
-def test_a_temperature_below_1e_5_samples_greedily(llm):
-    """As in vLLM; 1e-39 is a float32 denormal, and logits / T overflowed to inf."""
-    [greedy] = llm.generate(GOOD_PROMPT, GREEDY, use_tqdm=False)
-    for temperature in (1e-39, 1e-6):
+def test_a_temperature_below_0_01_samples_at_0_01_as_vllm(llm):
+    """vLLM raises a temperature in (0, 0.01) to 0.01 (1e-39 is a float32 denormal: logits / T
+    overflowed to inf); 0 stays greedy; True asks for 1 logprob, as vLLM's int fields read it."""
+    at = SamplingParams(temperature=0.01, max_tokens=6, ignore_eos=True, seed=1)
+    [want] = llm.generate(GOOD_PROMPT, at, use_tqdm=False)
+    for temperature in (1e-39, 1e-6, 0.005):
         params = SamplingParams(temperature=temperature, max_tokens=6, ignore_eos=True, seed=1)
+        assert params.temperature == 0.01
         [out] = llm.generate(GOOD_PROMPT, params, use_tqdm=False)
-        assert out.outputs[0].token_ids == greedy.outputs[0].token_ids
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    assert SamplingParams(temperature=0).temperature == 0
+    assert (
+        SamplingParams(logprobs=True).logprobs,
+        SamplingParams(prompt_logprobs=True).prompt_logprobs,
+    ) == (1, 1)
 
 
 def test_largest_top_k_keeps_the_whole_vocabulary(llm):

@@ -655,6 +655,11 @@ def test_beam_search_and_loglikelihood_run_under_adapters(lora_models):
     got = llm.beam_search(PROMPTS[:3], params, lora_request=loras)
     for out, want in zip(got, wanted, strict=True):
         assert [b.tokens for b in out.sequences] == [b.tokens for b in want.sequences]
+    # vLLM's order: prompts, params, lora_request, use_tqdm, concurrency_limit
+    again = llm.beam_search(PROMPTS[:3], params, loras, False, 1)
+    assert [[b.tokens for b in o.sequences] for o in again] == [
+        [b.tokens for b in o.sequences] for o in wanted
+    ]
     scored = llm.loglikelihood(PROMPTS[:2], ends, lora_request=request_of(adapters, 2))
     for a, b, c in zip(scored, merged, plain, strict=True):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and a.logprob != pytest.approx(

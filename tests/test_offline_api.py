@@ -85,6 +85,19 @@ def test_text_and_token_prompt_dicts_mix_in_one_call_in_input_order(llm, folder)
     ]
 
 
+def test_lists_of_token_ids_are_prompts_as_vllm_takes_them(llm, folder):
+    """vLLM takes a list of ints as one prompt of token ids, a list of such lists as several."""
+    ids = [hf_encode(folder, PROMPT), hf_encode(folder, "Paged attention")]
+    want = [transformers_greedy(folder, tuple(i), GREEDY.max_tokens) for i in ids]
+    several = llm.generate(ids, GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in several] == ids
+    assert [o.outputs[0].token_ids for o in several] == want
+    [one] = llm.generate(tuple(ids[1]), GREEDY, use_tqdm=False)
+    assert one.outputs[0].token_ids == want[1]
+    with pytest.raises(ValueError, match="a list of token ids"):
+        llm.generate([[1, "2"]], GREEDY, use_tqdm=False)
+
+
 @pytest.mark.parametrize("prompt", [{"text": PROMPT}, {"prompt": 3}, 7, None])
 def test_a_prompt_of_no_known_form_is_a_value_error_naming_the_forms(llm, prompt):
     with pytest.raises(ValueError, match="prompt_token_ids") as error:

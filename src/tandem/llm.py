@@ -469,13 +469,13 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = False,
         concurrency_limit: int | None = None,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[BeamSearchOutput]:
-        """vLLM's beam search (beam_search.py): each prompt's best `params.beam_width`
-        sequences, best first; `concurrency_limit` prompts searched at a time; `lora_request`
-        as `generate` takes it."""
+        """vLLM's beam search (beam_search.py), in vLLM's argument order: each prompt's best
+        `params.beam_width` sequences, best first; `lora_request` as `generate` takes it;
+        `concurrency_limit` prompts searched at a time."""
         return beam_search(self, prompts, params, use_tqdm, concurrency_limit, lora_request)
 
     def _token_ids(self, text_or_ids: str | list[int], special: bool) -> list[int]:

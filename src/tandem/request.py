@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -166,6 +167,8 @@ def split_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None]:
     (A prompt of embeddings, {"prompt_embeds": tensor}, has neither: `prompt_embeds`.)"""
     if isinstance(prompt, str):
         return prompt, None
+    if isinstance(prompt, list | tuple) and _token_ids(prompt):  # vLLM takes [ids] as one
+        return None, list(prompt)
     if isinstance(prompt, dict) and "prompt_embeds" in prompt:  # beside them, nothing else
         check_keys(prompt)
         return prompt.get("prompt"), prompt.get("prompt_token_ids")
@@ -176,15 +179,25 @@ def split_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None]:
         check_keys(prompt)
         return prompt["prompt"], None
     raise ValueError(
-        "a prompt is a string, {'prompt': text} or {'prompt_token_ids': [...]}, "
-        f"got {prompt!r:.80}"
+        "a prompt is a string, a list of token ids, {'prompt': text} or "
+        f"{{'prompt_token_ids': [...]}}, got {prompt!r:.80}"
+    )
+
+
+def _token_ids(prompt: Sequence) -> bool:
+    """Whether a list is one prompt's token ids (ints; the engine checks their range)."""
+    return bool(prompt) and all(
+        isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt
     )
 
 
 def prompt_list(prompts: Prompt | Sequence[Prompt]) -> Sequence[Prompt]:
-    """The prompts of a call as a list: one prompt (a string, a dict, or anything that is not a
-    sequence, such as bytes, which `split_prompt` then refuses by name) becomes a list of one."""
+    """The prompts of a call as a list: one prompt (a string, a dict, a list of token ids, or
+    anything that is not a sequence, such as bytes, which `split_prompt` then refuses by name)
+    becomes a list of one."""
     if isinstance(prompts, str | bytes | dict) or not isinstance(prompts, Sequence):
+        return [prompts]
+    if isinstance(prompts, list | tuple) and _token_ids(prompts):  # one prompt of token ids
         return [prompts]
     return prompts
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
+import logging
 import math
 from collections.abc import Collection
 from dataclasses import dataclass, field, fields, replace
@@ -17,6 +19,8 @@ from tandem.model import fused
 from tandem.repetition import RepetitionDetectionParams, as_params
 from tandem.structured import StructuredOutputsParams
 
+logger = logging.getLogger(__name__)
+
 MAX_LOGPROBS = 20
 MAX_LOGPROB_TOKEN_IDS = 128  # the width of token_logprobs.TokenLogprobBuffers' rows (vLLM's)
 MAX_N = 128  # samples per prompt (OpenAI's limit): one call must not queue millions of requests
@@ -27,6 +31,7 @@ MAX_BAD_WORDS = 1024  # each is tokenized as the request is made, on the engine'
 FLOAT32_MAX = 3.4028234663852886e38  # past it a float32 is inf: inf temperatures make NaN logits
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32 (below: 0 or denormal)
 GREEDY_BELOW = 1e-5  # a temperature under it is greedy, as in vLLM (1e-39 overflowed logits / T)
+MIN_TEMPERATURE = 1e-2  # vLLM's: a temperature in (0, it) samples at it
 
 
 def check_seed(seed: Any) -> None:
@@ -105,6 +110,15 @@ class SamplingParams:
         self.bad_words = _as_list("bad_words", self.bad_words, "a string or a list of strings", str)
         if self.top_k == -1:
             self.top_k = 0
+        for name in ("logprobs", "prompt_logprobs"):  # vLLM's ints take True as 1
+            if isinstance(getattr(self, name), bool):
+                setattr(self, name, int(getattr(self, name)))
+        if _is_number(self.temperature) and 0 < self.temperature < MIN_TEMPERATURE:
+            _warn_once(
+                f"temperatures in (0, {MIN_TEMPERATURE}) sample at {MIN_TEMPERATURE}, as in "
+                "vLLM (smaller ones overflow the logits); 0 is greedy"
+            )
+            self.temperature = MIN_TEMPERATURE
         if self.seed == -1:  # as vLLM: the engine draws one
             self.seed = None
         if self.max_tokens is None:  # each request is cut where it fills max_model_len
@@ -326,6 +340,11 @@ def _as_list(name: str, value: object, allowed: str, lone: type | None = None) -
     if isinstance(value, str | bytes | dict) or not isinstance(value, Collection):
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
     return list(value)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)
 
 
 def _python_numbers(value: Any) -> Any:

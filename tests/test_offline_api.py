@@ -207,6 +207,66 @@ def test_chat_joins_openai_text_parts_with_newlines_as_vllm_does(llm, folder):
     assert out.outputs[0].token_ids == transformers_greedy(folder, tuple(expected), 5)
 
 
+TOOLS_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m.content or '' }}{% for c in m.tool_calls or [] %}"
+    "[{{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}</{{ m.role }}>"
+    "{% endfor %}"
+)
+# iterates the content's parts: OpenAI's content format
+PARTS_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'tool' %}T:{{ m.content }}{% else %}"
+    "{% for p in m.content %}{{ p.text }}{% endfor %}{% endif %}|{% endfor %}"
+)
+
+
+def test_chat_gives_templates_tool_calls_reasoning_and_tool_results_as_vllm(folder):
+    """vLLM hands templates a tool call's JSON arguments as an object ({} for none), an
+    assistant's `reasoning` as `reasoning_content` too, and a tool's result as text even to a
+    template of content parts; transformers renders so prepared messages as the reference."""
+    from transformers import AutoTokenizer
+
+    call = {"id": "c1", "type": "function", "function": {"name": "weather"}}
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "reasoning": "Ask the tool.", "tool_calls": [
+            {**call, "function": {"name": "weather", "arguments": '{"city": "Paris"}'}},
+            {**call, "function": {"name": "time", "arguments": ""}},
+        ]},
+        {"role": "tool", "content": "20C", "tool_call_id": "c1"},
+    ]  # fmt: skip
+    prepared = [
+        messages[0],
+        {**messages[1], "reasoning_content": "Ask the tool.", "tool_calls": [
+            {**call, "function": {"name": "weather", "arguments": {"city": "Paris"}}},
+            {**call, "function": {"name": "time", "arguments": {}}},
+        ]},
+        messages[2],
+    ]  # fmt: skip
+    hf = AutoTokenizer.from_pretrained(folder)
+    llm = LLM(str(folder), max_model_len=256, block_size=8)
+    for template, given, want_messages in (
+        (TOOLS_TEMPLATE, messages, prepared),
+        (PARTS_TEMPLATE, [messages[0], messages[2]], [
+            {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+            {"role": "tool", "content": "20C"},
+        ]),
+    ):  # fmt: skip
+        expected = hf.apply_chat_template(
+            want_messages, chat_template=template, tokenize=False, add_generation_prompt=False
+        )
+        [out] = llm.chat(
+            given, GREEDY, use_tqdm=False, chat_template=template, add_generation_prompt=False
+        )
+        assert out.prompt == expected
+    bad = [*messages[:1], {**messages[1], "tool_calls": [
+        {**call, "function": {"name": "weather", "arguments": "{city"}}
+    ]}]  # fmt: skip
+    with pytest.raises(ValueError, match="arguments must be JSON"):
+        llm.chat(bad, GREEDY, use_tqdm=False, chat_template=TOOLS_TEMPLATE)
+
+
 def test_get_world_size_counts_one_process_without_tensor_parallelism_as_vllm(llm):
     assert llm.get_world_size() == llm.get_world_size(include_dp=False) == 1
 

@@ -229,6 +229,27 @@ def test_tokenize_takes_the_chat_template_options(server, offline):
     assert tokens == want.prompt_token_ids
 
 
+def test_assistant_reasoning_and_tool_calls_reach_the_template_as_llm_chat_gives_them(
+    server, offline
+):
+    """An assistant's `reasoning` is no field ignored, and tool call arguments are read as the
+    offline API reads them (test_offline_api.py checks it against transformers); arguments that
+    are no JSON are a 400, as vLLM's."""
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": ""}}
+    messages = [
+        MESSAGES[1],
+        {"role": "assistant", "content": "", "reasoning": "Ask.", "tool_calls": [call]},
+    ]
+    tokens = post(server, "/tokenize", {"messages": messages}).json()["tokens"]
+    [want] = offline.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert tokens == want.prompt_token_ids
+    bad = {**call, "function": {"name": "weather", "arguments": "{city"}}
+    body = {"messages": [*messages[:1], {**messages[1], "tool_calls": [bad]}], "max_tokens": 2}
+    assert "arguments must be JSON" in assert_openai_error(
+        post(server, "/v1/chat/completions", body), 400
+    )
+
+
 def test_chat_template_options_that_cannot_work_are_400s(server):
     for options, param in [
         ({"continue_final_message": True}, "messages"),  # beside add_generation_prompt

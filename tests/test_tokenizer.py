@@ -230,6 +230,10 @@ CONTINUED = [
     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "  spaced out \n"}],
     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hi"}],  # twice
     [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+    # the content's text recurs in the template's own closing text, or is empty
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "assistant"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ">"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}],
 ]
 # a template that renders list content and reads a variable of chat_template_kwargs
 THINKING_TEMPLATE = (
@@ -253,6 +257,29 @@ def test_continue_final_message_cuts_as_transformers_does(make_tiny, tmp_path, c
     )
     assert ours == expected
     assert not ours.endswith(f"</{chat[-1]['role']}>\n")
+
+
+def test_named_chat_templates_are_picked_as_transformers_picks_them(make_tiny, tmp_path):
+    """tokenizer_config.json's list of named templates (Hermes-2-Pro's, Command-R's): "tool_use"
+    where tools are given, "default" otherwise, any by its name; none without a default."""
+    named = [
+        {"name": "default", "template": "{% for m in messages %}D:{{ m.content }}{% endfor %}"},
+        {"name": "tool_use", "template": "{{ tools | length }} tools:{{ messages[0].content }}"},
+    ]
+    folder = variant(make_tiny("qwen2"), tmp_path / "m", drop_template=True, chat_template=named)
+    ours, theirs = Tokenizer.from_dir(folder), hf_tokenizer(folder)
+    chat, tools = [{"role": "user", "content": "Hi"}], [{"type": "function", "function": {}}]
+    for kwargs in ({}, {"tools": tools}, {"chat_template": "tool_use", "tools": tools},
+                   {"chat_template": "default", "tools": tools}):  # fmt: skip
+        want = theirs.apply_chat_template(chat, tokenize=False, **kwargs)
+        assert ours.apply_chat_template(chat, tokenize=False, **kwargs) == want
+    folder = variant(
+        make_tiny("qwen2"), tmp_path / "n", drop_template=True, chat_template=named[1:]
+    )
+    with pytest.raises(ValueError, match="no default"):
+        Tokenizer.from_dir(folder).apply_chat_template(chat, tokenize=False)
+    with pytest.raises(ValueError):  # transformers refuses it too
+        hf_tokenizer(folder).apply_chat_template(chat, tokenize=False)
 
 
 @pytest.mark.parametrize("kwargs", [None, {"enable_thinking": False}, {"enable_thinking": True}])

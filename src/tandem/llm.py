@@ -52,7 +52,13 @@ from tandem.request import (
     split_prompt,
 )
 from tandem.sampling import SamplingParams, seeded
-from tandem.tokenizer import Tokenizer, content_format, template_content
+from tandem.tokenizer import (
+    Tokenizer,
+    content_format,
+    template_content,
+    template_reasoning,
+    template_tool_call,
+)
 from tandem.weight_transfer import request_field, required_field
 from tandem.weights import NamedTensors
 
@@ -564,7 +570,7 @@ class LLM:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         try:
             fmt = content_format(
-                chat_template or tokenizer.chat_template, chat_template_content_format
+                tokenizer.get_chat_template(chat_template, tools), chat_template_content_format
             )
         except jinja2.TemplateError as error:
             raise ValueError(f"chat template failed to parse: {error}") from error
@@ -841,11 +847,15 @@ def _conversations(messages: Any) -> list[list[dict[str, Any]]]:
 
 def _template_message(message: Any, content_format: str) -> Any:
     """A message whose content (a string or OpenAI's list of text parts) is as a template of
-    `content_format` takes it (`tokenizer.template_content`); one without content as it is. A
-    role that is no string, or a content that is neither, is a TypeError."""
+    `content_format` takes it (`tokenizer.template_content`), its tool calls' arguments objects
+    and its reasoning under both names, as vLLM gives them to templates. A role that is no
+    string, or a content that is neither, is a TypeError."""
     role, content = message.get("role"), message.get("content")
     if role is not None and not isinstance(role, str):
         raise TypeError(f"a message's role must be a string such as 'user', got {role!r:.40}")
+    message = template_reasoning(message)
+    if isinstance(message.get("tool_calls"), list):
+        message = {**message, "tool_calls": [template_tool_call(c) for c in message["tool_calls"]]}
     if content is None:  # an assistant's tool calls alone; the template says whether it may
         return message
     if not isinstance(content, list | str):
@@ -860,7 +870,7 @@ def _template_message(message: Any, content_format: str) -> Any:
                 "a message's content parts must be text parts, {'type': 'text', 'text': ...}, "
                 f"for a text model; got a part of type {kind!r}"
             )
-    return {**message, "content": template_content(content, content_format)}
+    return {**message, "content": template_content(content, content_format, role)}
 
 
 def pooled_tensor(vector: list[float] | None) -> PoolingOutput:

@@ -62,11 +62,14 @@ class Tokenizer:
         eos_token: str | None = None,
         chat_template: str | None = None,
         template_tokens: dict[str, Any] | None = None,
+        chat_templates: dict[str, str] | None = None,
     ) -> None:
         self.backend = backend
         self.bos_token = bos_token
         self.eos_token = eos_token
-        self.chat_template = chat_template
+        self.chat_template = chat_template  # the default one
+        # tokenizer_config.json's named templates ("default", "tool_use", ...), where it has them
+        self.chat_templates = chat_templates or {}
         # the special tokens a chat template may name, those set, as transformers passes them
         # (bos_token and eos_token at least)
         self.template_tokens = {
@@ -75,7 +78,8 @@ class Tokenizer:
         }
         self.pad_token = self.template_tokens.get("pad_token")
         self.unk_token = self.template_tokens.get("unk_token")
-        self._compiled_template = compile_chat_template(chat_template) if chat_template else None
+        if chat_template:  # compiled now (and cached): a template that does not parse fails here
+            compile_chat_template(chat_template)
         added = backend.get_added_tokens_decoder()
         # the ids decode(skip_special_tokens=True) drops: every added token marked special
         self.all_special_ids = sorted(i for i, token in added.items() if token.special)
@@ -101,14 +105,16 @@ class Tokenizer:
         # add_bos_token/add_eos_token are ignored: tokenizer.json's post-processor decides.
         backend.add_special_tokens([t for t in dict.fromkeys(special.values()) if t is not None])
         template_file = folder / "chat_template.jinja"
+        named = named_templates(config.get("chat_template"))
         if template_file.is_file():
             chat_template = template_file.read_text(encoding="utf-8")
         else:
-            chat_template = default_template(config.get("chat_template"))
+            chat_template = named.get("default") if named else config.get("chat_template")
         template_tokens = {name: text for name, text in special.items() if text is not None}
         return cls(
-            backend, special["bos_token"], special["eos_token"], chat_template, template_tokens
-        )
+            backend, special["bos_token"], special["eos_token"], chat_template, template_tokens,
+            named,
+        )  # fmt: skip
 
     def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> BatchEncoding:
         """`input_ids` and `attention_mask` of a text, or lists of them for a list of texts."""
@@ -203,6 +209,24 @@ class Tokenizer:
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)
 
+    def get_chat_template(
+        self, chat_template: str | None = None, tools: list[dict] | None = None
+    ) -> str | None:
+        """The template source a chat renders with, as transformers' picks it: `chat_template`
+        (a named template's name, or Jinja source), else the named "tool_use" template where
+        `tools` are given, else the default; a ValueError where the model has named templates
+        and no default."""
+        if chat_template is not None:
+            return self.chat_templates.get(chat_template, chat_template)
+        if tools is not None and "tool_use" in self.chat_templates:
+            return self.chat_templates["tool_use"]
+        if self.chat_template is None and self.chat_templates:
+            raise ValueError(
+                "this model has several chat templates and no default: name one as "
+                f"chat_template, of {sorted(self.chat_templates)}"
+            )
+        return self.chat_template
+
     def apply_chat_template(
         self,
         conversation: list[dict[str, Any]] | list[list[dict[str, Any]]],
@@ -236,14 +260,13 @@ class Tokenizer:
             raise TypeError(
                 f"chat_template must be Jinja source or None, got {chat_template!r:.60}"
             )
-        template = (
-            compile_chat_template(chat_template) if chat_template else self._compiled_template
-        )
-        if template is None:
+        source = self.get_chat_template(chat_template, tools)
+        if source is None:
             raise ValueError(
                 "this model has no chat template (no chat_template.jinja and no chat_template in "
                 "tokenizer_config.json); send a plain text prompt instead of chat messages"
             )
+        template = compile_chat_template(source)
         if add_generation_prompt and continue_final_message:
             raise ValueError(
                 "add_generation_prompt and continue_final_message cannot both be true: set "
@@ -254,6 +277,8 @@ class Tokenizer:
         batched = bool(conversation) and isinstance(conversation[0], list | tuple)
         texts = []
         for messages in conversation if batched else [conversation]:
+            if continue_final_message:
+                messages = tagged(messages)
             try:
                 text = template.render(
                     **variables,
@@ -264,7 +289,7 @@ class Tokenizer:
             except (TypeError, ArithmeticError) as error:  # the template's own logic failed on
                 # them: a content of None where it adds strings, the sandbox's range limit, ...
                 raise ValueError(f"chat template failed on the messages: {error}") from error
-            texts.append(continued(text, messages) if continue_final_message else text)
+            texts.append(cut_at_tag(text) if continue_final_message else text)
         if not tokenize:
             return texts if batched else texts[0]
         encoding = self(texts, add_special_tokens=False)
@@ -291,26 +316,40 @@ def template_kwargs(kwargs: Any) -> dict[str, Any]:
     return kwargs
 
 
-def continued(text: str, messages: list[dict[str, Any]]) -> str:
-    """`text` cut right after the final message's content (its last text part), as
-    transformers' continue_final_message does; a ValueError where the template dropped it."""
-    content = messages[-1].get("content") if messages and isinstance(messages[-1], dict) else None
+# appended to the final message's text for continue_final_message: the rendered text is cut
+# where it shows (transformers' way: the content's own words may recur in the template's text)
+CONTINUE_TAG = "TANDEM_CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def tagged(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A copy of `messages` whose final message's content (its last text part) ends in
+    CONTINUE_TAG; a ValueError where it has no text to continue."""
+    final = messages[-1] if messages and isinstance(messages[-1], dict) else None
+    content = final.get("content") if final is not None else None
+    if isinstance(content, str):
+        return [*messages[:-1], {**final, "content": content + CONTINUE_TAG}]
     if isinstance(content, list | tuple):
-        texts = [
-            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
-        ]
-        content = texts[-1] if texts else None
-    if not isinstance(content, str):
-        raise ValueError("continue_final_message: the final message has no text to continue")
-    at = text.rfind(content.strip())
+        parts = list(content)
+        for i in reversed(range(len(parts))):
+            part = parts[i]
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts[i] = {**part, "text": part["text"] + CONTINUE_TAG}
+                return [*messages[:-1], {**final, "content": parts}]
+    raise ValueError("continue_final_message: the final message has no text to continue")
+
+
+def cut_at_tag(text: str) -> str:
+    """`text` cut right after the final message's content, where CONTINUE_TAG shows (its
+    trailing space kept where the template kept the tag's); a ValueError where the template
+    dropped it."""
+    mark = CONTINUE_TAG.strip()
+    at = text.rfind(mark)
     if at < 0:
         raise ValueError(
             "continue_final_message: the chat template's text does not contain the final "
             "message's content, so there is nothing to continue"
         )
-    # with its trailing space where the template kept it, else stripped
-    end = at + len(content.lstrip())
-    return text[:end] if text[at:end] == content.lstrip() else text[: at + len(content.strip())]
+    return text[:at] if text.startswith(CONTINUE_TAG, at) else text[:at].rstrip()
 
 
 def prompt_context(
@@ -421,16 +460,46 @@ def content_format(source: str | None, asked: str = "auto") -> str:
     return "string"
 
 
-def template_content(content: Any, content_format: str) -> Any:
+def template_content(content: Any, content_format: str, role: Any = None) -> Any:
     """A message's content as a template of `content_format` takes it: text parts joined by
-    newlines (as vLLM renders them for a string), or a text made one part."""
-    if content_format == "openai":
+    newlines (as vLLM renders them for a string), or a text made one part; a tool's result is
+    text whatever the format, as vLLM gives it."""
+    if content_format == "openai" and role != "tool":
         if isinstance(content, str):
             return [{"type": "text", "text": content}]
         return content
     if isinstance(content, list):
         return "\n".join(part["text"] for part in content)
     return content
+
+
+def template_tool_call(call: Any) -> Any:
+    """An assistant's tool call as templates take it, as vLLM gives it to them: its function's
+    arguments an object (the JSON text parsed; none, {}), since templates write them with tojson;
+    a ValueError for arguments that are no JSON."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return call
+    arguments = function.get("arguments")
+    if not arguments:
+        arguments = {}
+    elif isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"a tool call's arguments must be JSON, got {function['arguments']!r:.60}: {error}"
+            ) from error
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def template_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's `reasoning` (vLLM's name) also as `reasoning_content`, the
+    name chat templates (Qwen3's, DeepSeek-R1's) read, and the other way round."""
+    reasoning = message.get("reasoning") or message.get("reasoning_content")
+    if reasoning is None:
+        return message
+    return {**message, "reasoning": reasoning, "reasoning_content": reasoning}
 
 
 @functools.lru_cache(maxsize=16)  # LLM.chat(chat_template=...) renders it once per conversation
@@ -470,8 +539,15 @@ def token_text(value: str | dict[str, Any] | None) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
-def default_template(value: str | list[dict[str, str]] | None) -> str | None:
-    # older tokenizer_config.json files hold a list of named templates
-    if isinstance(value, list):
-        return next((t["template"] for t in value if t.get("name") == "default"), None)
-    return value
+def named_templates(value: Any) -> dict[str, str]:
+    """tokenizer_config.json's list of named templates ([{"name", "template"}]) as a dict;
+    {} for a single template."""
+    if not isinstance(value, list):
+        return {}
+    return {
+        t["name"]: t["template"]
+        for t in value
+        if isinstance(t, dict)
+        and isinstance(t.get("name"), str)
+        and isinstance(t.get("template"), str)
+    }

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -11,7 +9,7 @@ from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tandem.sampling import MAX_LOGPROBS, MAX_N, MAX_TOP_K
-from tandem.tokenizer import encodable, template_content
+from tandem.tokenizer import encodable, template_content, template_tool_call
 
 Text = Annotated[str, AfterValidator(encodable)]
 MAX_TOKEN_ID = 2**32 - 1  # the tokenizer's u32
@@ -257,12 +255,8 @@ class ToolCall(MessagePart):
     function: FunctionCall
 
     def as_template_input(self) -> dict[str, Any]:
-        # templates write the arguments with tojson, so they get them as an object when they are one
-        arguments: Any = self.function.arguments
-        with contextlib.suppress(json.JSONDecodeError):
-            arguments = json.loads(arguments)
-        function = {"name": self.function.name, "arguments": arguments}
-        return {"id": self.id, "type": "function", "function": function}
+        function = {"name": self.function.name, "arguments": self.function.arguments}
+        return template_tool_call({"id": self.id, "type": "function", "function": function})
 
 
 class ChatMessage(MessagePart):
@@ -271,6 +265,9 @@ class ChatMessage(MessagePart):
     tool_calls: list[ToolCall] | None = None  # an assistant's
     tool_call_id: Text | None = None  # a tool message answers this call
     name: Text | None = None
+    # an assistant's thinking before its content or calls (vLLM's two names of it)
+    reasoning: Text | None = None
+    reasoning_content: Text | None = None
 
     @model_validator(mode="after")
     def check_role_fields(self) -> ChatMessage:
@@ -296,13 +293,16 @@ class ChatMessage(MessagePart):
             content = [{"type": "text", "text": part.text} for part in content]
         message: dict[str, Any] = {
             "role": role,
-            "content": template_content(content, content_format),
+            "content": template_content(content, content_format, role),
         }
         if self.tool_calls:
             message["tool_calls"] = [call.as_template_input() for call in self.tool_calls]
         for name in ("tool_call_id", "name"):
             if getattr(self, name) is not None:
                 message[name] = getattr(self, name)
+        reasoning = self.reasoning or self.reasoning_content
+        if reasoning is not None:  # under both names, as vLLM gives it to templates
+            message["reasoning"] = message["reasoning_content"] = reasoning
         return message
 
 

@@ -871,18 +871,20 @@ def chat_prompt(
             "--trust-request-chat-template",
             param="chat_template",
         )
-    tools = body.tools
-    template = body.chat_template or options.chat_template or tokenizer.chat_template
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     try:
+        template = tokenizer.get_chat_template(body.chat_template or options.chat_template, tools)
         fmt = content_format(template, options.chat_template_content_format)
     except jinja2.TemplateError as error:  # a request's template that does not parse
         message = f"the chat template failed on these messages: {error}"
         raise OpenAIError(message, param="messages") from error
+    except ValueError as error:  # named templates and no default
+        raise OpenAIError(str(error), param="chat_template") from error
     try:
         return encodable(
             tokenizer.apply_chat_template(
                 [m.as_template_input(fmt) for m in body.messages],
-                [t.model_dump(exclude_none=True) for t in tools] if tools else None,
+                tools,
                 chat_template=body.chat_template or options.chat_template,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,

@@ -50,3 +50,51 @@ def test_get_metrics_counts_the_tokens_made_and_requests_finished(folder):
         kinds["tandem_num_requests_waiting"] is Gauge and kinds["tandem_num_preemptions"] is Counter
     )
     assert set(kinds) == set(HELP)  # every name /metrics describes
+
+
+def test_prefix_cache_counters_count_first_lookups_alone_as_vllm(folder):
+    """vLLM records a lookup only where the cache is read: not with caching off, not for a
+    request that skips reading it (prompt logprobs), not again for a preempted request finding
+    its own blocks; by a direct count of the prompts."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [list(range(5 + 9 * i, 5 + 9 * i + 16)) for i in range(4)]  # nothing shared
+    counted = []
+    for extra, logprobs in (({"enable_prefix_caching": False}, None), ({}, 1)):
+        llm = LLM(folder, max_model_len=64, block_size=4, **extra)
+        with_logprobs = SamplingParams(**{**vars(params), "prompt_logprobs": logprobs})
+        llm.generate([{"prompt_token_ids": p} for p in prompts], with_logprobs, use_tqdm=False)
+        counted.append(by_key(llm.get_metrics()))
+    for got in counted:
+        assert (
+            got[("tandem_prefix_cache_queries", ())] == got[("tandem_prefix_cache_hits", ())] == 0
+        )
+    # too few blocks for the four at once: preempted (recomputed) requests find their own blocks
+    llm = LLM(folder, max_model_len=48, block_size=4, num_blocks=14, preemption_mode="recompute")
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    got = by_key(llm.get_metrics())
+    assert got[("tandem_num_preemptions", ())] > 0
+    assert got[("tandem_prefix_cache_queries", ())] == 4 * 16
+    assert got[("tandem_prefix_cache_hits", ())] == 0
+
+
+def test_swapped_requests_count_as_waiting_and_pooled_ones_finish_stopped(folder, make_tiny):
+    """A request swapped out to the host waits for the device again: vLLM counts it waiting
+    (running + waiting = unfinished); a pooled request finishes "stop", as vLLM's."""
+    llm = LLM(folder, max_model_len=48, block_size=4, num_blocks=14, preemption_mode="swap",
+              swap_space=1)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for i in range(4):
+        llm.engine.enqueue(llm.engine.make_request(str(i), params, None, list(range(3, 19))))
+    seen_swapped = False
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        stats = llm.engine.stats()
+        unfinished = sum(not r.finished for r in llm.engine.requests.values())
+        assert stats.num_running + stats.num_waiting == unfinished
+        seen_swapped |= bool(llm.engine.scheduler.swapped)
+    assert seen_swapped
+    embedder = LLM(str(make_tiny("llama")), max_model_len=64, runner="pooling")
+    embedder.embed(["Hello there", "Paged attention"], use_tqdm=False)
+    finished = by_key(embedder.get_metrics())
+    assert finished[("tandem_request_success", (("finished_reason", "stop"),))] == 2
+    assert finished[("tandem_request_success", (("finished_reason", "length"),))] == 0

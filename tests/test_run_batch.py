@@ -229,7 +229,8 @@ def test_a_finished_output_is_left_as_it_is(answered, batch, folder, tmp_path, c
     out.write_text(answered.read_text())
     main(["run-batch", folder, "-i", str(batch), "-o", str(out), "--quiet", *ENGINE_ARGS])
     assert out.read_text() == answered.read_text()
-    assert "results.jsonl: 0 lines, 0 completion tokens" in capsys.readouterr().out
+    printed = capsys.readouterr()  # on stderr: an output on stdout stays JSON lines
+    assert "results.jsonl: 0 lines, 0 completion tokens" in printed.err and not printed.out
 
 
 def test_the_model_may_be_given_as_vllm_s_model_option(answered, batch, folder, tmp_path, capsys):
@@ -239,7 +240,7 @@ def test_the_model_may_be_given_as_vllm_s_model_option(answered, batch, folder, 
         ["run-batch", "--model", folder, "-i", str(batch), "-o", str(out), "--quiet", *ENGINE_ARGS]
     )
     assert out.read_text() == answered.read_text()
-    assert "results.jsonl: 0 lines, 0 completion tokens" in capsys.readouterr().out
+    assert "results.jsonl: 0 lines, 0 completion tokens" in capsys.readouterr().err
 
 
 def test_benchmark_batch_file_holds_the_bench_workloads_requests(tmp_path, monkeypatch):

@@ -819,7 +819,8 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
         args.served_model_name,
         args.quiet,
     )
-    print(f"{args.output_file}: {summary}")
+    # on stderr: the output may be stdout (-o /dev/stdout), whose lines stay JSON
+    print(f"{args.output_file}: {summary}", file=sys.stderr)
 
 
 # tiny.ARCH_CONFIGS' keys (tiny.py is not imported before a command needs it)

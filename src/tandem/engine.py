@@ -445,7 +445,8 @@ class Engine:
         """The engine's counters and gauges now (metrics.py); call it between steps."""
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            # swapped out (preempted, their KV on the host) wait too, as vLLM counts them
+            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.swapped),
             num_blocks=self.num_blocks,
             num_free_blocks=self.allocator.num_free,
             num_preemptions=self.scheduler.num_preemptions,
@@ -880,7 +881,7 @@ class Engine:
         for request in batch.pooling.requests:
             if not request.finished:
                 self.counts.prompt_tokens += request.num_prompt_tokens
-                self._finish(request, "length")
+                self._finish(request, "stop")  # as vLLM finishes a pooled request
                 embedded.append(request)
         return embedded
 

@@ -66,12 +66,12 @@ class Gauge(Metric):
 # name -> what it measures, as /metrics describes it (the counters' samples get "_total")
 HELP = {
     "tandem_num_requests_running": "Requests in the running batch",
-    "tandem_num_requests_waiting": "Requests queued for admission",
+    "tandem_num_requests_waiting": "Requests queued for admission (swapped-out ones too)",
     "tandem_kv_cache_usage_perc": "Fraction of KV cache blocks in use",
     "tandem_prompt_tokens": "Prompt tokens of requests that started",
     "tandem_generation_tokens": "Generated tokens",
     "tandem_num_preemptions": "Requests preempted for KV blocks",
-    "tandem_prefix_cache_queries": "Prompt tokens looked up in the prefix cache",
+    "tandem_prefix_cache_queries": "Tokens looked up in the prefix cache (first admissions)",
     "tandem_prefix_cache_hits": "Prompt tokens found in the prefix cache",
     "tandem_request_success": "Finished requests by finish reason",
 }

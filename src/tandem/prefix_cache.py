@@ -110,13 +110,7 @@ class PrefixCache:
         position's hidden row; nor does one whose penalties count the tokens as the steps feed
         them (penalties.py), nor one whose params say skip_reading_prefix_cache. A scoring
         request (max_tokens=0) copies nothing: it computes no last token."""
-        params = request.params
-        if (
-            not self.enabled
-            or request.wants_prompt_logprobs
-            or params.needs_token_history
-            or params.skip_reading_prefix_cache
-        ):
+        if not self.reads(request):
             return [], None
         keys = request.block_keys
         if not keys and self.last_matched is not None:
@@ -144,9 +138,22 @@ class PrefixCache:
     def start_schedule(self) -> None:
         self.published_now.clear()
 
-    def count(self, num_queried: int, num_hit: int) -> None:
-        self.num_queried_tokens += num_queried
-        self.num_hit_tokens += num_hit
+    def reads(self, request: Request) -> bool:
+        """Whether the request looks its blocks up (`match`'s conditions)."""
+        params = request.params
+        return self.enabled and not (
+            request.wants_prompt_logprobs
+            or params.needs_token_history
+            or params.skip_reading_prefix_cache
+        )
+
+    def count(self, request: Request, num_hit: int) -> None:
+        """The queries and hits of an admission, as vLLM's counters take them: of requests that
+        look their blocks up, on their first admission (a preempted request finding its own
+        blocks again is no hit of a shared prefix)."""
+        if self.reads(request) and not request.num_preemptions:
+            self.num_queried_tokens += request.num_tokens
+            self.num_hit_tokens += num_hit
 
     def publish(self, request: Request) -> None:
         """Make the request's full blocks findable once their tokens are known and written."""

@@ -231,7 +231,7 @@ class Scheduler:
             return False
         self.waiting.popleft()
         self._take_adapter(request)
-        self.cache.count(request.num_tokens, num_cached)
+        self.cache.count(request, num_cached)
         self.allocator.take(held)
         request.block_table = cached + self.allocator.allocate(needed)
         request.copied_block = None

@@ -318,7 +318,7 @@ def template_kwargs(kwargs: Any) -> dict[str, Any]:
 
 # appended to the final message's text for continue_final_message: the rendered text is cut
 # where it shows (transformers' way: the content's own words may recur in the template's text)
-CONTINUE_TAG = "TANDEM_CONTINUE_FINAL_MESSAGE_TAG "
+CONTINUE_TAG = "Tandem-continue-final-message-tag "
 
 
 def tagged(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -199,6 +199,9 @@ def test_the_executor_backends_of_one_process_per_rank_are_taken(folder, backend
         ({"limit_mm_per_prompt": {"image": 1}}, "every count 0"),
         ({"disable_mm_preprocessor_cache": "yes"}, "disable_mm_preprocessor_cache must be True"),
         ({"convert": "classify"}, "score head"),
+        ({"long_prefill_token_threshold": 512}, "chunks prompts by the step's token budget"),
+        ({"max_num_partial_prefills": 4}, "chunks prompts"),
+        ({"num_lookahead_slots": 2}, "no speculative decoding"),
     ],
 )  # fmt: skip
 def test_vllm_s_other_values_are_value_errors_saying_why(folder, args, words):
@@ -212,10 +215,14 @@ def test_vllm_s_options_at_tandem_s_behaviour_generate_as_without_them(folder):
     neutral = dict(
         enable_expert_parallel=False, cpu_offload_gb=0, calculate_kv_scales=False,
         kv_transfer_config=None, limit_mm_per_prompt={"image": 0, "video": 0},
-        disable_mm_preprocessor_cache=True,
+        disable_mm_preprocessor_cache=True, max_num_partial_prefills=1,
+        max_long_partial_prefills=1, long_prefill_token_threshold=0, num_lookahead_slots=0,
     )  # fmt: skip
     got = LLM(folder, max_model_len=64, **neutral).generate("Hi", params, use_tqdm=False)
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    flags = ["--long-prefill-token-threshold", "0", "--max-num-partial-prefills", "1"]
+    args = build_parser().parse_args(["serve", folder, *flags])
+    assert engine_kwargs(args)["long_prefill_token_threshold"] == 0
     args = build_parser().parse_args(["serve", folder, "--enable-expert-parallel"])
     with pytest.raises(ValueError, match="enable_expert_parallel=True"):
         LLM(folder, **engine_kwargs(args))

@@ -236,6 +236,15 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: str = "position
         default=0,
         help="vLLM's; only 0: the weights stay in device memory",
     )
+    for flag, default in (
+        ("--max-num-partial-prefills", 1),
+        ("--max-long-partial-prefills", 1),
+        ("--long-prefill-token-threshold", 0),
+        ("--num-lookahead-slots", 0),
+    ):
+        parser.add_argument(
+            flag, type=int, default=default, help=f"vLLM's; only {default}, vLLM's default"
+        )  # fmt: skip
     parser.add_argument(
         "--enable-chunked-prefill",
         action=argparse.BooleanOptionalAction,

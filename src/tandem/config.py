@@ -151,6 +151,17 @@ UNUSED_VLLM_OPTIONS: dict[str, tuple[Any, str]] = {
         "an FP8 KV cache's scales are the checkpoint's k_scale and v_scale (1.0 without them)",
     ),
     "kv_transfer_config": (lambda v: v is None, "no KV cache moves between engines"),
+    # vLLM's scheduler options at their defaults: prompts chunked by the step's token budget
+    # alone, no speculative lookahead
+    **{
+        name: (lambda v, default=default: v == default and not isinstance(v, bool), why)
+        for name, default, why in [
+            ("max_num_partial_prefills", 1, "tandem chunks prompts by the step's token budget"),
+            ("max_long_partial_prefills", 1, "tandem chunks prompts by the step's token budget"),
+            ("long_prefill_token_threshold", 0, "tandem chunks prompts by the step's token budget"),
+            ("num_lookahead_slots", 0, "tandem has no speculative decoding"),
+        ]
+    },
     "limit_mm_per_prompt": (
         lambda v: v is None or (isinstance(v, dict) and not any(v.values())),
         "tandem serves text models: a prompt holds no images, audio or video (every count 0)",
@@ -701,6 +712,10 @@ class EngineConfig:
     kv_transfer_config: dict | None = None
     limit_mm_per_prompt: dict | None = None  # a text model's: None, or every count 0
     disable_mm_preprocessor_cache: bool = False  # no effect: tandem has no multi-modal inputs
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    long_prefill_token_threshold: int = 0
+    num_lookahead_slots: int = 0
     # False: a line of stats every 10 s of stepping, on the "tandem.metrics" logger (vLLM's)
     disable_log_stats: bool = True
     # vLLM's: {"profiler": "torch", "torch_profiler_dir": "/abs/dir", ...} lets

@@ -18,6 +18,7 @@ from tandem.async_llm import AsyncLLM
 from tandem.reasoning import PARSERS, ThinkTokens, split
 from tandem.server.app import build_app
 from tandem.server.options import ServerOptions
+from tandem.tokenizer import Tokenizer
 from test_server import running
 
 # (parser, enable_thinking, answer text) -> (reasoning, content), as vLLM's parsers split them
@@ -65,6 +66,29 @@ def test_a_prompt_closes_the_thinking_when_its_last_tag_is_the_end_tag():
     assert think.ended([7, 5, 8, 2]) and think.ended([8])
     splitter = PARSERS["deepseek_r1"].splitter(thinking=False)  # the prompt closed it
     assert split(splitter, "plain</think>x") == (None, "plain</think>x")
+
+
+def test_an_earlier_turns_end_tag_leaves_the_new_answer_thinking(make_tiny, tmp_path):
+    """Qwen3's template writes back the thinking of a tool call's turn: its </think> closed
+    that answer's thinking, not the new one's, which a special token (<|im_start|>) begins."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as Backend
+
+    folder = tmp_path / "model"
+    shutil.copytree(make_tiny("qwen3"), folder)
+    backend = Backend.from_file(str(folder / "tokenizer.json"))
+    backend.add_tokens(
+        [AddedToken("<think>", special=False), AddedToken("</think>", special=False)]
+    )
+    backend.save(str(folder / "tokenizer.json"))
+    tokenizer = Tokenizer.from_dir(folder)
+    think = ThinkTokens.of("qwen3", tokenizer)
+    history = "<|im_start|>assistant\n<think>\nCall add.\n</think>\n\n<tool_call>{}</tool_call>"
+    turn = "<|im_end|>\n<|im_start|>user\n<tool_response>4</tool_response><|im_end|>\n"
+    prompt = history + turn + "<|im_start|>assistant\n"
+    assert not think.ended(tokenizer.encode(prompt, add_special_tokens=False))
+    closed = prompt + "<think>\n\n</think>\n\n"  # enable_thinking=False's generation prompt
+    assert think.ended(tokenizer.encode(closed, add_special_tokens=False))
 
 
 def test_an_unknown_reasoning_parser_is_a_value_error(make_tiny):

@@ -61,6 +61,8 @@ class ThinkTokens:
 
     start: int
     end: int
+    # the tokenizer's special tokens (a chat's turn markers, such as <|im_start|>)
+    special: frozenset[int] = frozenset()
 
     @classmethod
     def of(cls, name: str, tokenizer: Any) -> ThinkTokens:
@@ -72,12 +74,15 @@ class ThinkTokens:
                 f"reasoning_parser {name!r} needs {THINK_START} and {THINK_END} as tokens of "
                 "the model's vocabulary; this tokenizer has no such token"
             )
-        return cls(*ids)
+        return cls(*ids, frozenset(tokenizer.all_special_ids) - set(ids))
 
     def ended(self, prompt_token_ids: Sequence[int]) -> bool:
-        """Whether the prompt closed the thinking: its last tag is </think> (vLLM's check)."""
+        """Whether the prompt closed the thinking: its last tag is </think> (vLLM's check) in
+        the turn it ends with. A special token after that tag (<|im_start|>) starts a later
+        turn: the </think> closed an earlier answer's thinking (a tool call's, in a chat's
+        history), and the new answer thinks again."""
         for token in reversed(prompt_token_ids):
-            if token == self.start:
+            if token == self.start or token in self.special:
                 return False
             if token == self.end:
                 return True

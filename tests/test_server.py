@@ -1298,6 +1298,21 @@ def test_metrics_parse_and_count_what_was_served(server, client, offline):
         assert after[name] - before.get(name, 0) == delta, name
 
 
+def test_inter_token_latency_counts_every_token_under_stream_interval(folder):
+    """vLLM observes one gap per decode step, whatever stream_interval holds back: 9 tokens
+    sent 4 at a time are still 8 gaps (they were 2, each 4 tokens long)."""
+    llm = AsyncLLM.from_model(folder, **ENGINE_ARGS, stream_interval=4)
+    with running(build_app(llm, MODEL)) as url:
+        server = Server(url, llm)
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 9, "ignore_eos": True}
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 200
+        server.wait_until_idle()
+        got = server.metrics()
+    llm.shutdown()
+    assert got["tandem_time_to_first_token_seconds_count"] == 1
+    assert got["tandem_inter_token_latency_seconds_count"] == 8
+
+
 def test_a_dead_engine_fails_health_and_requests_with_a_500(folder):
     engine = Engine(EngineConfig(model=folder, **ENGINE_ARGS))
     steps, step = itertools.count(), engine.step

@@ -11,8 +11,12 @@ from prometheus_client.registry import Collector
 from tandem.async_llm import AsyncLLM, StreamOutput
 from tandem.metrics import HELP, Gauge, engine_metrics
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)
-E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+# up to vLLM's largest buckets (2,560 s to a first token, 7,680 s a request): a queue that long
+# still reads as its percentiles, not as +Inf
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24,
+                   20.48, 40.96, 81.92, 163.84, 640.0, 2560.0)  # fmt: skip
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
+               1920.0, 7680.0)  # fmt: skip
 
 
 class EngineCollector(Collector):
@@ -76,8 +80,11 @@ class LatencyTracker:
         if output.token_ids:
             if self.last_token_time is None:
                 self.metrics.time_to_first_token.observe(output.time - self.arrival)
-            else:
-                self.metrics.inter_token_latency.observe(output.time - self.last_token_time)
+            else:  # one gap per token, as vLLM's per step: an output may carry several
+                # (stream_interval), each its share of the time since the last
+                gap = (output.time - self.last_token_time) / len(output.token_ids)
+                for _ in output.token_ids:
+                    self.metrics.inter_token_latency.observe(gap)
             self.last_token_time = output.time
         if output.finished:
             self.metrics.e2e_request_latency.observe(output.time - self.arrival)

@@ -137,6 +137,7 @@ def test_adapters_and_the_base_model_mix_in_one_step(lora_models, monkeypatch, e
     loras = [request_of(adapters, 1), None, request_of(adapters, 2), request_of(adapters, 1)]
     outputs = llm.generate(PROMPTS, GREEDY, False, loras)
     assert [o.lora_request for o in outputs] == loras
+    assert [o.outputs[0].lora_request for o in outputs] == loras  # vLLM's CompletionOutput's too
     got = tokens(outputs)
     folders = [adapters[1][1], base, adapters[2][1], adapters[1][1]]
     assert got == [transformers_greedy(str(f), p) for f, p in zip(folders, PROMPTS, strict=True)]

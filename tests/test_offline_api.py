@@ -267,6 +267,21 @@ def test_chat_gives_templates_tool_calls_reasoning_and_tool_results_as_vllm(fold
         llm.chat(bad, GREEDY, use_tqdm=False, chat_template=TOOLS_TEMPLATE)
 
 
+def test_outputs_built_positionally_read_as_vllms():
+    """vLLM's field order: RequestOutput(request_id, prompt, prompt_token_ids, prompt_logprobs,
+    outputs, finished, metrics, lora_request, ...), PoolingRequestOutput(request_id, outputs,
+    prompt_token_ids, num_cached_tokens, finished)."""
+    from tandem.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
+
+    completion = CompletionOutput(0, "a", [5], None, None, "length")
+    out = RequestOutput("0", "p", [1, 2], None, [completion], False)
+    assert (out.outputs, out.finished, out.prompt_logprobs) == ([completion], False, None)
+    assert out.metrics is None and out.kv_transfer_params is None and out.num_cached_tokens == 0
+    assert completion.finish_reason == "length" and completion.lora_request is None
+    pooled = PoolingRequestOutput("0", PoolingOutput(None), [1], 4, False)
+    assert (pooled.num_cached_tokens, pooled.finished) == (4, False)
+
+
 def test_get_world_size_counts_one_process_without_tensor_parallelism_as_vllm(llm):
     assert llm.get_world_size() == llm.get_world_size(include_dp=False) == 1
 

@@ -917,6 +917,7 @@ def _request_output(
                 logprobs=logprobs_of(r),
                 finish_reason=r.finish_reason,
                 stop_reason=r.stop_reason,
+                lora_request=r.lora_request,
             )
             for k, r in enumerate(group)
         ],

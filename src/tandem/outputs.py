@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Generic, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from tandem.sampling import RequestOutputKind, SamplingParams
 from tandem.tokenizer import Tokenizer
@@ -60,19 +60,26 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id; None for EOS
+    lora_request: LoRARequest | None = None  # the LoRA adapter it ran under
 
 
 @dataclass
 class RequestOutput:
+    """vLLM's, its fields in vLLM's order (code that builds one positionally reads the same)."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    # with SamplingParams.prompt_logprobs: per prompt position, None for the first
+    prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool = True
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    # with SamplingParams.prompt_logprobs: per prompt position, None for the first
-    prompt_logprobs: PromptLogprobs | None = None
+    metrics: Any = None  # vLLM's per-request stats; tandem keeps none per request
     lora_request: LoRARequest | None = None  # the LoRA adapter it ran under
+    encoder_prompt: str | None = None  # a decoder-only model's: None
+    encoder_prompt_token_ids: list[int] | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    kv_transfer_params: dict[str, Any] | None = None  # no KV moves between engines: None
 
 
 @dataclass
@@ -89,8 +96,8 @@ class PoolingRequestOutput(Generic[Pooled]):
     request_id: str
     outputs: Pooled
     prompt_token_ids: list[int]
+    num_cached_tokens: int = 0  # vLLM's order: before finished
     finished: bool = True
-    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -414,6 +421,7 @@ class OutputCollector:
             logprobs=sample.logprobs,
             finish_reason=sample.finish_reason,
             stop_reason=sample.stop_reason,
+            lora_request=self.lora_request,
         )
         if self.kind is RequestOutputKind.DELTA:  # the next one starts empty
             sample.text, sample.token_ids = "", []

@@ -299,7 +299,24 @@ def test_one_id_for_two_adapters_in_one_call_is_refused_before_anything_runs(lor
              LoRARequest("c", 3, str(one)), LoRARequest("x", 1, str(two))]  # fmt: skip
     with pytest.raises(ValueError, match="lora_int_id 1 names adapter 'a'"):
         llm.generate(PROMPTS, GREEDY, False, loras)
+    with pytest.raises(ValueError, match="lora_int_id 1 names adapter 'a'"):
+        llm.embed(PROMPTS, use_tqdm=False, lora_request=loras)
     assert not llm.engine.has_unfinished() and llm.engine.adapter_cache.users == {}
+    # an adapter that cannot be read again as the call's third request is queued: the two
+    # queued before it leave too, their adapters no longer held
+    read, calls = llm.engine.adapter_cache.read, []
+
+    def fail_third(lora):
+        calls.append(lora)
+        if lora.lora_name == "c" and len(calls) > 3:
+            raise OSError("the folder is gone")
+        return read(lora)
+
+    llm.engine.adapter_cache.read = fail_third
+    with pytest.raises(ValueError, match="the folder is gone"):
+        llm.generate(PROMPTS[:3], GREEDY, False, loras[:3])
+    assert not llm.engine.has_unfinished() and llm.engine.adapter_cache.users == {}
+    llm.engine.adapter_cache.read = read
     loras[3] = LoRARequest("a", 1, str(one))
     read = llm.engine.adapter_cache.read
     reads_while_stepping = []

@@ -233,16 +233,25 @@ def test_assistant_reasoning_and_tool_calls_reach_the_template_as_llm_chat_gives
     server, offline
 ):
     """An assistant's `reasoning` is no field ignored, and tool call arguments are read as the
-    offline API reads them (test_offline_api.py checks it against transformers); arguments that
-    are no JSON are a 400, as vLLM's."""
+    offline API reads them (test_offline_api.py checks that against transformers), through a
+    template that writes both; arguments that are no JSON are a 400, as vLLM's."""
+    from test_offline_api import TOOLS_TEMPLATE
+
     call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": ""}}
     messages = [
         MESSAGES[1],
         {"role": "assistant", "content": "", "reasoning": "Ask.", "tool_calls": [call]},
     ]
-    tokens = post(server, "/tokenize", {"messages": messages}).json()["tokens"]
-    [want] = offline.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)
-    assert tokens == want.prompt_token_ids
+    llm = AsyncLLM.from_model(server.llm.engine.config.model, **ENGINE_ARGS)
+    options = ServerOptions(chat_template=TOOLS_TEMPLATE)
+    with running(build_app(llm, MODEL, options=options)) as url:
+        answer = httpx.post(f"{url}/tokenize", json={"messages": messages})
+    llm.shutdown()
+    [want] = offline.chat(
+        messages, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=TOOLS_TEMPLATE
+    )
+    assert "<think>Ask.</think>" in want.prompt and "[weather {}]" in want.prompt
+    assert answer.json()["tokens"] == want.prompt_token_ids
     bad = {**call, "function": {"name": "weather", "arguments": "{city"}}
     body = {"messages": [*messages[:1], {**messages[1], "tool_calls": [bad]}], "max_tokens": 2}
     assert "arguments must be JSON" in assert_openai_error(

@@ -276,9 +276,7 @@ class LLM:
         del use_tqdm  # queueing shows no progress
         groups = self._requests_for(prompts, sampling_params, lora_request, priority)
         with self._hook():
-            for _, group in groups:
-                for request in group:
-                    self.engine.enqueue(request)
+            self._enqueue_all([request for _, group in groups for request in group])
             self._enqueued += groups
         return [rid for rid, _ in groups]
 
@@ -375,6 +373,7 @@ class LLM:
         """Run the prompts as pooling requests of `task` (pooling.py), in input order."""
         prompts = prompt_list(prompts)
         loras = per_prompt(lora_request, len(prompts))
+        check_one_adapter_per_id(loras)  # before any is read (as `_make_requests`)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             pooling_params = [pooling_params or PoolingParams()] * len(prompts)
         if len(pooling_params) != len(prompts):
@@ -674,6 +673,17 @@ class LLM:
             groups.append((base, group))
         return groups
 
+    def _enqueue_all(self, requests: list[Request]) -> None:
+        """Queue the call's requests, all or none: where one is refused (its adapter could not
+        be read again), those queued before it are aborted and the error raised."""
+        for i, request in enumerate(requests):
+            try:
+                self.engine.enqueue(request)
+            except BaseException:
+                for queued in requests[:i]:
+                    self.engine.abort(queued.request_id)
+                raise
+
     def _check_can_step(self) -> None:
         if not self.engine.can_step:  # this thread would wait for itself
             raise RuntimeError(self.engine.hold)
@@ -693,8 +703,7 @@ class LLM:
         if not queued:
             with self._hook():  # another thread's generate may be stepping
                 self._check_can_step()
-                for request in requests:
-                    self.engine.enqueue(request)
+                self._enqueue_all(requests)
         bar = progress_bar(use_tqdm, total=len(requests), desc="generate", unit="req")
         start, num_out = time.perf_counter(), 0
         with _full_collections_held():  # and while the outputs are built

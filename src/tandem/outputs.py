@@ -271,14 +271,25 @@ class FlatLogprobs(Sequence):
         """One more position from the engine's entry, ranked and ordered as `_logprobs` ranks
         and orders it (`token` first)."""
         self.start_indices.append(len(self.token_ids))
-        ranked = list(enumerate((entry or {}).items(), 1))
-        ranked.sort(key=lambda item: item[1][0] != token)  # stable: the rest keep rank order
-        for rank, (t, value) in ranked:
-            self.token_ids.append(t)
-            self.logprobs.append(value)
-            known = t == token and token_rank is not None
-            self.ranks.append(token_rank if known else rank if rank <= num_top else None)
-            self.decoded_tokens.append(text(t))
+        if not entry:  # a position without one (a prompt's first)
+            self.end_indices.append(len(self.token_ids))
+            return
+        first = len(self.token_ids)  # the token's place, filled when the loop meets it
+        self.token_ids.append(token)
+        self.logprobs.append(0.0)
+        self.ranks.append(None)
+        self.decoded_tokens.append(None)
+        for rank, (t, value) in enumerate(entry.items(), 1):
+            own_rank = rank if rank <= num_top else None
+            if t == token:
+                self.logprobs[first] = value
+                self.ranks[first] = own_rank if token_rank is None else token_rank
+                self.decoded_tokens[first] = text(t)
+            else:
+                self.token_ids.append(t)
+                self.logprobs.append(value)
+                self.ranks.append(own_rank)
+                self.decoded_tokens.append(text(t))
         self.end_indices.append(len(self.token_ids))
 
     def __iadd__(self, other: Iterable[dict[int, Logprob] | None]) -> FlatLogprobs:

@@ -30,7 +30,7 @@ MAX_TOKENS = 2**31 - 1  # past any context (where max_tokens is cut); min_tokens
 MAX_BAD_WORDS = 1024  # each is tokenized as the request is made, on the engine's thread
 FLOAT32_MAX = 3.4028234663852886e38  # past it a float32 is inf: inf temperatures make NaN logits
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32 (below: 0 or denormal)
-GREEDY_BELOW = 1e-5  # a temperature under it is greedy, as in vLLM (1e-39 overflowed logits / T)
+GREEDY_BELOW = 1e-5  # a temperature under it is greedy (0: those in (0, 0.01) are raised below)
 MIN_TEMPERATURE = 1e-2  # vLLM's: a temperature in (0, it) samples at it
 
 

@@ -259,6 +259,19 @@ def test_continue_final_message_cuts_as_transformers_does(make_tiny, tmp_path, c
     assert not ours.endswith(f"</{chat[-1]['role']}>\n")
 
 
+def test_templates_read_every_named_special_token_as_transformers_gives_them(make_tiny, tmp_path):
+    """transformers hands templates its whole special_tokens_map: sep, cls and mask too."""
+    template = "{{ cls_token }}{% for m in messages %}{{ m.content }}{{ sep_token }}{% endfor %}[{{ mask_token }}]"
+    folder = variant(
+        make_tiny("qwen2"), tmp_path / "m", drop_template=True, chat_template=template,
+        sep_token="<|im_end|>", cls_token="<|im_start|>", mask_token="<|endoftext|>",
+    )  # fmt: skip
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    want = hf_tokenizer(folder).apply_chat_template(chat, tokenize=False)
+    assert Tokenizer.from_dir(folder).apply_chat_template(chat, tokenize=False) == want
+    assert want.startswith("<|im_start|>a<|im_end|>")
+
+
 def test_named_chat_templates_are_picked_as_transformers_picks_them(make_tiny, tmp_path):
     """tokenizer_config.json's list of named templates (Hermes-2-Pro's, Command-R's): "tool_use"
     where tools are given, "default" otherwise, any by its name; none without a default."""

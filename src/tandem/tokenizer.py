@@ -17,7 +17,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tandem.model_files import read_json
 
-NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# tokenizer_config.json's named special tokens: special, and variables of chat templates
+NAMED_SPECIAL_TOKENS = (
+    "bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token",
+)  # fmt: skip
 DETOKENIZE_CONTEXT = 5  # prompt tokens a detokenizer window starts with, so spacing decodes right
 
 

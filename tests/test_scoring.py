@@ -64,6 +64,25 @@ def test_a_cross_encoder_scores_each_pair_as_transformers_pairs_and_scores_it(cr
     assert not llm.engine.has_unfinished()
 
 
+def test_truncate_prompt_tokens_cuts_a_pair_as_transformers_truncation_does(cross_encoder):
+    """vLLM tokenizes a pair with truncation=True, max_length=k: the longer text is cut first,
+    the special tokens and the query kept (the last k of the joined pair lost the query)."""
+    from transformers import AutoTokenizer
+
+    folder, model = cross_encoder
+    llm = LLM(folder, max_model_len=64)
+    document = DOCUMENTS[0] + " and then some more words to cut away"
+    for keep in (10, 14, 64):
+        [out] = llm.score(QUERY, document, truncate_prompt_tokens=keep, use_tqdm=False)
+        want = AutoTokenizer.from_pretrained(folder)(
+            text=QUERY, text_pair=document, truncation=True, max_length=keep
+        )["input_ids"]
+        assert out.prompt_token_ids == want and len(want) <= keep
+        assert out.outputs.score == pytest.approx(sigmoid(hf_logit(model, want)), rel=1e-4)
+    [whole] = llm.score(QUERY, document, truncate_prompt_tokens=-1, use_tqdm=False)
+    assert whole.prompt_token_ids == hf_pair(folder, QUERY, document)
+
+
 def test_use_sep_token_false_joins_the_two_texts(cross_encoder, tmp_path):
     """vLLM's "LLM as reranker": config.json's use_sep_token false reads query + document."""
     folder, model = cross_encoder
@@ -149,6 +168,14 @@ def test_the_server_s_score_and_rerank_answer_what_llm_score_does(classifiers): 
                     )
             every = httpx.post(f"{url}/rerank", json={"query": QUERY, "documents": DOCUMENTS})
             assert [r["index"] for r in every.json()["results"]] == order  # top_n 0: all
+            cut = {"query": QUERY, "documents": DOCUMENTS, "truncate_prompt_tokens": 10}
+            short = LLM(folder, max_model_len=64).score(QUERY, DOCUMENTS, truncate_prompt_tokens=10)
+            answer = httpx.post(f"{url}/rerank", json=cut).json()  # cut as LLM.score cuts them
+            assert answer["usage"]["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in short)
+            for result in answer["results"]:
+                assert result["relevance_score"] == pytest.approx(
+                    short[result["index"]].outputs.score, rel=1e-5
+                )
             for path, request, param in [
                 ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
                 ("/score", {"text_1": "a", "text_2": []}, "text_2"),

@@ -421,8 +421,9 @@ class LLM:
         engine = self.engine
         loras = per_prompt(lora_request, len(firsts))
         if scoring.cross_encodes(engine.model_config.num_labels):
+            keep = engine.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
             prompts = scoring.pair_prompts(
-                engine.tokenizer, firsts, seconds, engine.separates_pairs
+                engine.tokenizer, firsts, seconds, engine.separates_pairs, keep
             )
             task = "score"
         else:  # every first text, then every second, each embedded alone

@@ -66,14 +66,24 @@ def separates_pairs(hf_config: dict[str, Any]) -> bool:
 
 
 def pair_prompts(
-    tokenizer: Tokenizer | None, firsts: list[str], seconds: list[str], separate: bool
+    tokenizer: Tokenizer | None,
+    firsts: list[str],
+    seconds: list[str],
+    separate: bool,
+    max_length: int | None = None,
 ) -> list[dict[str, Any]]:
-    """A cross-encoder's prompt of each pair: token ids and their text."""
+    """A cross-encoder's prompt of each pair: token ids and their text. With `max_length` (the
+    request's truncate_prompt_tokens), a pair of the tokenizer's is cut as vLLM cuts it, the
+    longer text first and its special tokens kept (joined texts keep their last tokens)."""
     if tokenizer is None:
         raise ValueError("scoring texts needs a tokenizer (skip_tokenizer_init=True, or none)")
     prompts = []
     for first, second in zip(firsts, seconds, strict=True):
-        ids = tokenizer.encode_pair(first, second) if separate else tokenizer.encode(first + second)
+        if separate:  # a length that is no count is refused with the request's params
+            cut = max_length if isinstance(max_length, int) and max_length > 0 else None
+            ids = tokenizer.encode_pair(first, second, cut)
+        else:
+            ids = tokenizer.encode(first + second)
         prompts.append({"prompt_token_ids": ids, "prompt": tokenizer.decode(ids)})
     return prompts
 

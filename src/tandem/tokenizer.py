@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
+import threading
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -21,6 +23,7 @@ from tandem.model_files import read_json
 NAMED_SPECIAL_TOKENS = (
     "bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token",
 )  # fmt: skip
+PAIR_TRUNCATION = threading.Lock()  # encode_pair's truncating copies are set under it
 DETOKENIZE_CONTEXT = 5  # prompt tokens a detokenizer window starts with, so spacing decodes right
 
 
@@ -68,6 +71,7 @@ class Tokenizer:
         chat_templates: dict[str, str] | None = None,
     ) -> None:
         self.backend = backend
+        self._truncating: tokenizers.Tokenizer | None = None  # encode_pair's, made when needed
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.chat_template = chat_template  # the default one
@@ -144,11 +148,28 @@ class Tokenizer:
             _check_unicode(text)
             raise
 
-    def encode_pair(self, text: str, pair: str) -> list[int]:
+    def encode_pair(self, text: str, pair: str, max_length: int | None = None) -> list[int]:
         """Token ids of two texts as one sequence, joined by tokenizer.json's post-processor's
-        pair template (as transformers' `tokenizer(text, text_pair)`): a cross-encoder's input."""
+        pair template (as transformers' `tokenizer(text, text_pair)`): a cross-encoder's input.
+        With `max_length`, at most that many, the longer text cut first and the special tokens
+        kept (transformers' `truncation=True`, as vLLM truncates a pair)."""
+        backend = self.backend
+        if max_length is not None:
+            with PAIR_TRUNCATION:  # a copy of its own: truncation is the tokenizer's state
+                if self._truncating is None:
+                    self._truncating = copy.deepcopy(self.backend)
+                backend = self._truncating
+                backend.enable_truncation(max_length, strategy="longest_first")
+                try:
+                    return self._encode_pair(backend, text, pair)
+                finally:
+                    backend.no_truncation()
+        return self._encode_pair(backend, text, pair)
+
+    @staticmethod
+    def _encode_pair(backend: tokenizers.Tokenizer, text: str, pair: str) -> list[int]:
         try:
-            return self.backend.encode(text, pair=pair, add_special_tokens=True).ids
+            return backend.encode(text, pair=pair, add_special_tokens=True).ids
         except TypeError:
             _check_unicode(text)
             _check_unicode(pair)

@@ -216,7 +216,9 @@ async def scored(
         cross_encoded = scoring.cross_encodes(engine.model_config.num_labels)
         if cross_encoded:
             tokenizer, separate = engine.tokenizer, engine.separates_pairs
-            prompts = scoring.pair_prompts(tokenizer, firsts, seconds, separate)
+            keep = body.truncate_prompt_tokens
+            keep = engine.max_model_len if keep == -1 else keep
+            prompts = scoring.pair_prompts(tokenizer, firsts, seconds, separate, keep)
         else:
             prompts = firsts + seconds
     except ValueError as error:

@@ -210,6 +210,26 @@ def test_gptq_zero_biases_of_older_quantizers_are_read_past(make_tiny, tmp_path)
         tandem_greedy(int4)
 
 
+def test_older_compressed_tensors_zero_points_of_a_symmetric_scheme_are_read_past(
+    make_tiny, tmp_path
+):
+    """compressed-tensors before 2024 wrote a symmetric scheme's zero points (signed 0); they
+    neither overwrite the layer's own (8) nor stop the load; non-zero ones are refused."""
+    int4, dequantized = write_int4(make_tiny("llama"), tmp_path, "compressed-tensors")
+    tensors = load_file(int4 / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(".weight_scale")]:
+        zeros = torch.zeros(tensors[name].shape, dtype=torch.int8)
+        tensors[name.replace("weight_scale", "weight_zero_point")] = zeros
+    save_file(tensors, int4 / "model.safetensors", {"format": "pt"})
+    tokens, llm = tandem_greedy(int4)
+    assert all(int(layer.weight_zero_point.min()) == 8 for layer in int4_layers(llm))
+    assert_greedy_matches(tokens, dequantized)
+    tensors["model.layers.0.mlp.down_proj.weight_zero_point"][0, 0] = 1
+    save_file(tensors, int4 / "model.safetensors", {"format": "pt"})
+    with pytest.raises(ValueError, match="non-zero zero points"):
+        tandem_greedy(int4)
+
+
 @pytest.mark.parametrize("arch", ["phi3", "glm4", "ernie4_5"])
 def test_int4_checkpoints_of_fused_or_reordered_projections_are_refused(make_tiny, tmp_path, arch):
     """Their rows are split (Phi-3's fused q/k/v, GLM-4's gate/up) or reordered (partial or

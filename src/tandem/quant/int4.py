@@ -240,6 +240,15 @@ def checkpoint_tensors(
             continue
         if kind == "weight_shape":
             continue
+        if config.method == "compressed-tensors" and kind == "weight_zero_point":
+            # older compressed-tensors wrote a symmetric scheme's zero points: all 0 (signed);
+            # the layer's own, 8, are made beside the scales below
+            if tensor.any():
+                raise ValueError(
+                    f"checkpoint tensor {name!r} holds non-zero zero points: compressed-tensors "
+                    "int4 is read as symmetric (zero points 0) only"
+                )
+            continue
         if kind not in parts:
             yield name, tensor
             continue

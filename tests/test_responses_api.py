@@ -280,7 +280,9 @@ def test_a_cancelled_background_response_aborts_its_generation(client, url):
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(gone.id)
     deadline = time.monotonic() + 30  # both generations aborted: nothing runs on
-    while "tandem_num_requests_running 0.0" not in httpx.get(f"{url}/metrics").text:
+    while (
+        'tandem_num_requests_running{model_name="tiny"} 0.0' not in httpx.get(f"{url}/metrics").text
+    ):
         assert time.monotonic() < deadline, "a cancelled response's generation still runs"
         time.sleep(0.05)
     assert client.responses.create(model="tiny", input="x", **GREEDY).status  # serves on

@@ -62,14 +62,20 @@ MESSAGES = [
 class Server:
     url: str
     llm: AsyncLLM
+    model_name: str = MODEL  # the first name it serves
 
     def metrics(self) -> dict[str, float]:
-        """Every sample of /metrics by name and labels, e.g. 'x_total{reason="abort"}'."""
+        """Every sample of /metrics by name and labels, e.g. 'x_total{reason="abort"}'; each
+        carries the served model's name as vLLM's do (`model_name`, left out of the keys)."""
         text = httpx.get(f"{self.url}/metrics").text
         samples = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                if s.name.startswith("tandem_"):
+                    assert s.labels.get("model_name") == self.model_name, s
+                labels = ",".join(
+                    f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "model_name"
+                )
                 samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
         return samples
 

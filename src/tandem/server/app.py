@@ -74,7 +74,7 @@ def build_app(
     check_lora_modules(llm, options.lora_modules)
     docs = {} if not options.disable_fastapi_docs else dict.fromkeys(DOCS_ROUTES)
     app = FastAPI(title="tandem", **docs)  # --root-path is uvicorn's (lifecycle.uvicorn_config)
-    metrics = ServerMetrics(llm)
+    metrics = ServerMetrics(llm, names[0])
     serving = OpenAIServing(llm, names, metrics, options, options.lora_modules)
     app.state.llm, app.state.serving = llm, serving
     if options.api_keys():

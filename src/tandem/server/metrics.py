@@ -21,10 +21,12 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320
 
 class EngineCollector(Collector):
     """The engine thread's latest EngineStats as gauges and counters (`metrics.engine_metrics`:
-    the names `LLM.get_metrics` gives too)."""
+    the names `LLM.get_metrics` gives too), each labelled with the served model's name, as
+    vLLM labels its own."""
 
-    def __init__(self, llm: AsyncLLM):
+    def __init__(self, llm: AsyncLLM, model_name: str):
         self.llm = llm
+        self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
@@ -33,35 +35,38 @@ class EngineCollector(Collector):
             if family is None:
                 kind = GaugeMetricFamily if isinstance(metric, Gauge) else CounterMetricFamily
                 family = families[metric.name] = kind(
-                    metric.name, HELP[metric.name], labels=list(metric.labels)
+                    metric.name, HELP[metric.name], labels=["model_name", *metric.labels]
                 )
-            family.add_metric(list(metric.labels.values()), metric.value)
+            family.add_metric([self.model_name, *metric.labels.values()], metric.value)
         yield from families.values()
 
 
 class ServerMetrics:
-    """One registry per server, so several servers can live in one process (tests)."""
+    """One registry per server, so several servers can live in one process (tests); every
+    metric labelled `model_name` (the first served name), as vLLM's."""
 
-    def __init__(self, llm: AsyncLLM):
+    def __init__(self, llm: AsyncLLM, model_name: str):
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(llm))
-        self.time_to_first_token = Histogram(
+        self.registry.register(EngineCollector(llm, model_name))
+
+        def histogram(name: str, what: str, buckets: tuple[float, ...]):
+            family = Histogram(name, what, ["model_name"], buckets=buckets, registry=self.registry)
+            return family.labels(model_name)
+
+        self.time_to_first_token = histogram(
             "tandem_time_to_first_token_seconds",
             "From request arrival to its first token",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            LATENCY_BUCKETS,
         )
-        self.inter_token_latency = Histogram(
+        self.inter_token_latency = histogram(
             "tandem_inter_token_latency_seconds",
             "Between consecutive tokens of a request",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            LATENCY_BUCKETS,
         )
-        self.e2e_request_latency = Histogram(
+        self.e2e_request_latency = histogram(
             "tandem_e2e_request_latency_seconds",
             "From request arrival to its last token",
-            buckets=E2E_BUCKETS,
-            registry=self.registry,
+            E2E_BUCKETS,
         )
 
     def render(self) -> bytes:

@@ -587,6 +587,16 @@ def test_a_running_engine_is_healthy(llm):
     assert asyncio.run(llm.check_health()) is None
 
 
+def test_get_tokenizer_is_awaited_as_vllms_engine_client(llm, folder):
+    from transformers import AutoTokenizer
+
+    tokenizer = asyncio.run(llm.get_tokenizer())
+    assert (
+        tokenizer.encode("Hello there")
+        == AutoTokenizer.from_pretrained(folder)("Hello there").input_ids
+    )
+
+
 def test_shutdown_fails_open_streams_and_refuses_new_requests(folder):
     llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
     params = SamplingParams(max_tokens=200, ignore_eos=True)

@@ -219,6 +219,11 @@ class AsyncLLM:
         if self._dead is not None:
             raise self._dead
 
+    async def get_tokenizer(self) -> Tokenizer | None:
+        """vLLM's engine client's: the model's tokenizer, called as transformers' is (None for a
+        model without one)."""
+        return self.engine.tokenizer
+
     def seconds_without_progress(self) -> float:
         """How long the engine thread has had work but finished no step (0 while it waits)."""
         if self._idle:

@@ -293,6 +293,11 @@ def test_named_chat_templates_are_picked_as_transformers_picks_them(make_tiny, t
         Tokenizer.from_dir(folder).apply_chat_template(chat, tokenize=False)
     with pytest.raises(ValueError):  # transformers refuses it too
         hf_tokenizer(folder).apply_chat_template(chat, tokenize=False)
+    folder = variant(
+        make_tiny("qwen2"), tmp_path / "o", drop_template=True, chat_template=[{"name": 1}]
+    )  # a list of no named template loads, and has none
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer.from_dir(folder).apply_chat_template(chat, tokenize=False)
 
 
 @pytest.mark.parametrize("kwargs", [None, {"enable_thinking": False}, {"enable_thinking": True}])

@@ -112,11 +112,12 @@ class Tokenizer:
         # add_bos_token/add_eos_token are ignored: tokenizer.json's post-processor decides.
         backend.add_special_tokens([t for t in dict.fromkeys(special.values()) if t is not None])
         template_file = folder / "chat_template.jinja"
-        named = named_templates(config.get("chat_template"))
+        configured = config.get("chat_template")  # one template, or a list of named ones
+        named = named_templates(configured)
         if template_file.is_file():
             chat_template = template_file.read_text(encoding="utf-8")
         else:
-            chat_template = named.get("default") if named else config.get("chat_template")
+            chat_template = named.get("default") if isinstance(configured, list) else configured
         template_tokens = {name: text for name, text in special.items() if text is not None}
         return cls(
             backend, special["bos_token"], special["eos_token"], chat_template, template_tokens,

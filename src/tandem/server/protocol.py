@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tandem.sampling import MAX_LOGPROBS, MAX_N, MAX_TOP_K
-from tandem.tokenizer import encodable, template_content, template_tool_call
+from tandem.tokenizer import encodable, template_content, template_reasoning, template_tool_call
 
 Text = Annotated[str, AfterValidator(encodable)]
 MAX_TOKEN_ID = 2**32 - 1  # the tokenizer's u32
@@ -297,13 +297,10 @@ class ChatMessage(MessagePart):
         }
         if self.tool_calls:
             message["tool_calls"] = [call.as_template_input() for call in self.tool_calls]
-        for name in ("tool_call_id", "name"):
+        for name in ("tool_call_id", "name", "reasoning", "reasoning_content"):
             if getattr(self, name) is not None:
                 message[name] = getattr(self, name)
-        reasoning = self.reasoning or self.reasoning_content
-        if reasoning is not None:  # under both names, as vLLM gives it to templates
-            message["reasoning"] = message["reasoning_content"] = reasoning
-        return message
+        return template_reasoning(message)  # under both names, as vLLM gives it to templates
 
 
 class FunctionDefinition(RequestOption):

@@ -41,6 +41,7 @@ from tandem.cli import build_parser, main
 from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.server.app import build_app
+from tandem.server.metrics import buckets_1_2_5
 from tandem.server.options import ServerOptions
 from tandem.server.protocol import CompletionRequest, OpenAIError
 from tandem.server.serving import CompletionFormat, Generation, sampling_params, sse
@@ -1311,6 +1312,48 @@ def test_metrics_parse_and_count_what_was_served(server, client, offline):
     }
     for name, delta in grew.items():
         assert after[name] - before.get(name, 0) == delta, name
+
+
+def test_request_phase_and_size_histograms_add_up_as_vllms(server, client, offline):
+    """Each finished request: queued until admitted, prefill until its first token, decode
+    until its last (inference = prefill + decode, queue + inference = e2e); its prompt and
+    generated tokens and max_tokens (none given: completions' 16); one n per call."""
+    num_prompt = len(offline.get_tokenizer().encode(PROMPT))
+    server.wait_until_idle()
+    before = server.metrics()
+    client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, n=2, extra_body={"ignore_eos": True}
+    )
+    client.completions.create(model=MODEL, prompt=PROMPT, temperature=0)
+    server.wait_until_idle()
+    after = server.metrics()
+
+    def grew(name: str) -> float:
+        return after[f"tandem_{name}"] - before.get(f"tandem_{name}", 0)
+
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert grew(f"request_{phase}_time_seconds_count") == 3
+    assert grew("request_time_per_output_token_seconds_count") >= 2  # the third may make one
+    prefill, decode = (
+        grew("request_prefill_time_seconds_sum"),
+        grew("request_decode_time_seconds_sum"),
+    )
+    inference = grew("request_inference_time_seconds_sum")
+    assert prefill > 0 and decode > 0
+    assert inference == pytest.approx(prefill + decode)
+    e2e = grew("e2e_request_latency_seconds_sum")
+    assert grew("request_queue_time_seconds_sum") + inference == pytest.approx(e2e)
+    assert grew("request_prompt_tokens_sum") == 3 * num_prompt
+    assert 11 <= grew("request_generation_tokens_sum") <= 10 + 16
+    assert grew("request_params_max_tokens_sum") == 10 + 16
+    assert (grew("request_params_n_count"), grew("request_params_n_sum")) == (2, 3)
+    assert grew('request_prompt_tokens_bucket{le="5.0"}') == 3 * (num_prompt <= 5)
+
+
+def test_token_buckets_run_1_2_5_up_to_the_limit():
+    assert buckets_1_2_5(1) == (1,)
+    assert buckets_1_2_5(128) == (1, 2, 5, 10, 20, 50, 100)
+    assert buckets_1_2_5(500) == (1, 2, 5, 10, 20, 50, 100, 200, 500)
 
 
 def test_inter_token_latency_counts_every_token_under_stream_interval(folder):

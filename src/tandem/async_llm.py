@@ -81,6 +81,7 @@ class StreamOutput:
     prompt_token_ids: list[int] | None = None  # in the request's first output
     sampled_ranks: list[int] | None = None  # with logprobs: each new token's rank
     pooled: list[float] | None = None  # a pooling request's output (pooling.py)
+    scheduled_time: float | None = None  # time.perf_counter() at its first admission
 
 
 class RequestStream:
@@ -688,6 +689,7 @@ class AsyncLLM:
             prompt_token_ids=request.given_prompt_ids if first else None,
             sampled_ranks=ranks,
             pooled=request.pooled,
+            scheduled_time=request.scheduled_time,
         )
         sent.num_tokens, sent.num_chars = len(tokens), text_end
         return output

@@ -85,6 +85,7 @@ class Request:
     # it is recomputed)
     publishes: bool = True
     num_cached_tokens: int | None = None
+    scheduled_time: float | None = None  # time.perf_counter() at its first admission
     # (index, publication) where its admission copied a cached block on write: the block at
     # that index of its table holds that publication's first block_size - 1 slots
     copied_block: tuple[int, int] | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from bisect import insort
 from dataclasses import dataclass, field
 
@@ -243,6 +244,7 @@ class Scheduler:
         request.num_published_blocks = len(cached)
         if request.num_cached_tokens is None:  # its first admission
             request.num_cached_tokens = num_cached
+            request.scheduled_time = time.perf_counter()
         self._run(request)
         self._plan(plan, request, num_new)
         return True

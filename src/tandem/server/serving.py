@@ -409,7 +409,10 @@ class OpenAIServing:
             streams = await self.llm.add_requests(requests, lora_request=self.adapter(body.model))
         except ValueError as error:
             raise invalid_request(error, body) from error
-        choices = [Choice(s, LatencyTracker(self.metrics, arrival)) for s in streams]
+        self.metrics.n.observe(params.n)
+        choices = [
+            Choice(s, LatencyTracker(self.metrics, arrival, params.max_tokens)) for s in streams
+        ]
         client_id = http.headers.get("X-Request-Id", body.request_id)
         return Generation(
             id=f"{kind}-{client_id or call_id}",

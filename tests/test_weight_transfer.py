@@ -175,6 +175,41 @@ def test_a_bad_name_or_shape_raises_once_the_broadcast_is_drained(checkpoints, f
     assert tokens_and_logprobs(llm) == fresh[b]
 
 
+@pytest.mark.parametrize("refusal", ["not started", "asleep", "no such expert"])
+def test_a_refused_update_takes_its_broadcast_so_the_next_reads_its_own(
+    checkpoints, fresh, refusal
+):
+    """Whatever refuses an update (no start_weight_update, weights asleep, a name of no
+    parameter found late), its tensors are taken and dropped: the next update, sent as the
+    error asks, gets its own bytes, not the refused one's (they were read as its own)."""
+    a, b = checkpoints
+    llm = LLM(a, **ENGINE_ARGS, **TRANSFER)
+    trainer = Trainer()
+    trainer.join(llm.init_weight_transfer_engine)
+    state = state_of(b)
+    refused = [(name, torch.full_like(t, 7.0)) for name, t in state]
+    if refusal == "no such expert":  # an index past the model's experts: not an IndexError
+        refused.append(("model.layers.0.mlp.experts.99.down_proj.weight", torch.zeros(3, 3)))
+    if refusal == "asleep":
+        llm.sleep(level=1)
+    if refusal != "not started":
+        llm.start_weight_update()
+    sender = trainer.send(refused)
+    with pytest.raises((RuntimeError, ValueError), match="start_weight_update|wake_up|no place"):
+        llm.update_weights({"update_info": update_info_for(refused)})
+    sender.join(JOIN_S)
+    assert not sender.is_alive()
+    if refusal == "asleep":
+        llm.wake_up()
+    if refusal == "not started":
+        llm.start_weight_update()
+    sender = trainer.send(state)
+    llm.update_weights({"update_info": update_info_for(state)})
+    sender.join(JOIN_S)
+    llm.finish_weight_update()
+    assert tokens_and_logprobs(llm) == fresh[b]
+
+
 def test_no_step_runs_between_start_and_finish(checkpoints, fresh):
     """A generate running on another thread waits out the update, then finishes; one started
     meanwhile on the updating thread is an error, not a wait for itself."""
@@ -216,8 +251,11 @@ def test_calls_out_of_order_or_unconfigured_are_clear_errors(checkpoints):
         llm.update_weights({"update_info": info})
     trainer = Trainer()
     trainer.join(llm.init_weight_transfer_engine)
+    sender = trainer.send(state_of(a)[:1])
     with pytest.raises(RuntimeError, match="start_weight_update"):
         llm.update_weights({"update_info": info})
+    sender.join(JOIN_S)
+    assert not sender.is_alive()  # the refused update's broadcast was taken
     with pytest.raises(RuntimeError, match="without start_weight_update"):
         llm.finish_weight_update()
     llm.start_weight_update()

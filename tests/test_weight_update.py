@@ -59,6 +59,21 @@ def test_each_architecture_s_checkpoint_names_update_as_they_load(tmp_path, arch
     assert tokens_and_logprobs(llm) == tokens_and_logprobs(LLM(str(b), **ENGINE_ARGS))
 
 
+def test_an_expert_past_the_models_is_a_value_error_naming_it(tmp_path):
+    folder = make_tiny_model(tmp_path, "mixtral", seed=1)
+    state = load_file(folder / "model.safetensors")
+    count = len({k for k in state if ".experts." in k and k.endswith("w2.weight")}) // len(
+        {k.split(".block_sparse_moe")[0] for k in state if "block_sparse_moe" in k}
+    )
+    llm = LLM(str(folder), **ENGINE_ARGS)
+    before = {k: v.clone() for k, v in llm.engine.model.state_dict().items()}
+    name = f"model.layers.0.block_sparse_moe.experts.{count}.w2.weight"
+    with pytest.raises(ValueError, match=rf"experts\.{count}\..*no place"):
+        llm.update_weights([(name, state["model.layers.0.block_sparse_moe.experts.0.w2.weight"])])
+    after = llm.engine.model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
 def fuse_experts(path) -> None:
     """Rewrite per-expert gate/up/down matrices as fused [experts, ...] tensors per layer."""
     state = load_file(path)

@@ -517,16 +517,20 @@ class Engine:
 
     def receive_weights(self, update_info: dict) -> None:
         """Receive the tensors `update_info` announces and copy them into the weights. A bad
-        name or shape raises (on rank 0) once they have arrived, and nothing is copied."""
+        name or shape, no start_weight_update or weights asleep raise (on rank 0) once they
+        have arrived, and nothing is copied."""
         receiver = self._receiver()
-        info = receiver.parse_update(update_info)
-        self._check_weights_awake()
+        info = receiver.parse_update(update_info)  # its fields: what the trainer sends
         if self.workers is not None:
             self._on_other_ranks("receive_weights", update_info)
         try:
+            receiver.check_active()
+            self._check_weights_awake()
             plan_update(self.model, self.model_config, self.tp, receiver.placeholders(info))
-        except ValueError:
-            receiver.drain(info)  # the trainer's broadcasts still complete
+        except Exception:
+            # whatever refused it, the announced tensors are taken: the trainer's broadcasts
+            # complete, and the next update reads its own bytes, not this one's
+            receiver.drain(info)
             if self.tp.rank == 0:  # the others check alike: one error, from rank 0
                 raise
             return

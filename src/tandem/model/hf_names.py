@@ -133,8 +133,8 @@ def expert_destination(
     if match is None:
         return None
     prefix, expert, projection = match.group(1), int(match.group(2)), match.group(3)
-    if f"{prefix}.down_proj" not in params:
-        return None  # no experts there: the loader names the tensor as having no place
+    if f"{prefix}.down_proj" not in params or expert >= len(params[f"{prefix}.down_proj"]):
+        return None  # no such expert there: the loader names the tensor as having no place
     if projection == "down_proj":
         return params[f"{prefix}.down_proj"].data[expert], f"{prefix}.down_proj#{expert}"
     part = 0 if projection == "gate_proj" else 1

@@ -214,7 +214,8 @@ class WeightReceiver(ABC):
 
     @abstractmethod
     def parse_update(self, update_info: Any) -> Any:
-        """update_info's fields, checked; its `.specs` the announced tensors."""
+        """update_info's fields, checked; its `.specs` the announced tensors (the engine checks
+        `active` after, so that a refused update still takes them: `drain`)."""
 
     @abstractmethod
     def receive(

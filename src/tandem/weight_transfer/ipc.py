@@ -143,7 +143,6 @@ class IPCReceiver(WeightReceiver):
                     f"update_info.ipc_handles[{index}] has no handle for the engine's GPU(s) "
                     f"{missing}; it holds {list(handle) if isinstance(handle, dict) else handle!r:.200}"
                 )
-        self.check_active()
         return info
 
     def drain(self, info: IPCWeightTransferUpdateInfo) -> None:

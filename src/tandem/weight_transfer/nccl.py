@@ -135,7 +135,6 @@ class NCCLReceiver(WeightReceiver):
             raise RuntimeError(
                 "no weight transfer group: call init_weight_transfer_engine(...) first"
             )
-        self.check_active()
         return info
 
     def drain(self, info: NCCLWeightTransferUpdateInfo) -> None:

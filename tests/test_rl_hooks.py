@@ -69,6 +69,8 @@ def test_async_pause_keep_loses_no_request_and_repeats_no_token(folder, referenc
 
 
 def test_async_pause_abort_ends_every_stream_with_finish_reason_abort(folder):
+    """vLLM's default mode."""
+
     async def main() -> None:
         llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
         got, reasons = [[] for _ in PROMPTS], [None] * len(PROMPTS)
@@ -76,7 +78,7 @@ def test_async_pause_abort_ends_every_stream_with_finish_reason_abort(folder):
             tasks = [asyncio.create_task(stream_tokens(llm, i, got, reasons)) for i in range(4)]
             while len(got[0]) < 3:
                 await asyncio.sleep(0.001)
-            await llm.pause_generation("abort")
+            await llm.pause_generation()
             await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
             assert reasons == ["abort"] * 4
             assert (
@@ -92,9 +94,13 @@ def test_async_pause_abort_ends_every_stream_with_finish_reason_abort(folder):
     asyncio.run(main())
 
 
-def test_async_pause_wait_lets_the_admitted_requests_finish_and_holds_new_ones(folder, reference):
-    """vLLM's mode "wait": the requests already running finish (all their tokens), then the
-    engine pauses; a request added meanwhile waits, untouched, and runs after the resume."""
+@pytest.mark.parametrize("wait", [{"mode": "wait"}, {"wait_for_inflight_requests": True}])
+def test_async_pause_wait_lets_the_admitted_requests_finish_and_holds_new_ones(
+    folder, reference, wait
+):
+    """vLLM's mode "wait" (and its older spelling): the requests already running finish (all
+    their tokens), then the engine pauses; a request added meanwhile waits, untouched, and runs
+    after the resume."""
 
     async def main() -> None:
         llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
@@ -103,7 +109,7 @@ def test_async_pause_wait_lets_the_admitted_requests_finish_and_holds_new_ones(f
             tasks = [asyncio.create_task(stream_tokens(llm, i, got, reasons)) for i in range(2)]
             while len(got[0]) < 3:
                 await asyncio.sleep(0.001)
-            pausing = asyncio.create_task(llm.pause_generation("wait"))
+            pausing = asyncio.create_task(llm.pause_generation(**wait))
             while not await llm.is_paused():
                 await asyncio.sleep(0.001)
             held = asyncio.create_task(stream_tokens(llm, 2, got, reasons))
@@ -120,6 +126,46 @@ def test_async_pause_wait_lets_the_admitted_requests_finish_and_holds_new_ones(f
             llm.shutdown()
 
     asyncio.run(main())
+
+
+def test_async_pause_clears_the_cache_so_weights_written_in_place_are_the_ones_used(checkpoints):
+    """vLLM's clear_cache (on by default): weights a trainer writes in place between pause and
+    resume (collective_rpc) are the ones used after it. A kept request goes on as a fresh
+    engine on them goes on from its tokens so far (its KV recomputed), and a prompt cached
+    before the pause is computed again (no stale prefix)."""
+    a, b = checkpoints
+    on_b = LLM(b, **ENGINE_ARGS)
+    new = {name: p.detach().clone() for name, p in on_b.engine.model.named_parameters()}
+
+    def write_b(engine) -> None:
+        for name, param in engine.model.named_parameters():
+            param.data.copy_(new[name])
+
+    async def main() -> tuple[list[int], list[int], list[int]]:
+        llm = AsyncLLM.from_model(a, **ENGINE_ARGS)
+        got, reasons = [[] for _ in PROMPTS], [None] * len(PROMPTS)
+        try:
+            await stream_tokens(llm, 1, got, reasons)  # PROMPTS[1]'s blocks cached under A
+            task = asyncio.create_task(stream_tokens(llm, 0, got, reasons))
+            while len(got[0]) < 5:
+                await asyncio.sleep(0.001)
+            await llm.pause_generation("keep")
+            kept = list(got[0])
+            await llm.collective_rpc(write_b)
+            await llm.resume_generation()
+            await asyncio.wait_for(task, timeout=30)
+            again = [[] for _ in PROMPTS]
+            await stream_tokens(llm, 1, again, reasons)
+        finally:
+            llm.shutdown()
+        return kept, got[0], again[1]
+
+    kept, tokens, repeated = asyncio.run(main())
+    assert 5 <= len(kept) < GREEDY.max_tokens
+    rest = replace(GREEDY, max_tokens=GREEDY.max_tokens - len(kept))
+    go_on = {"prompt_token_ids": PROMPTS[0]["prompt_token_ids"] + kept}
+    assert tokens == kept + on_b.generate(go_on, rest, use_tqdm=False)[0].outputs[0].token_ids
+    assert repeated == on_b.generate(PROMPTS[1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 
 def test_a_bad_pause_mode_is_a_value_error_and_the_engine_lives_on(folder):

@@ -195,7 +195,7 @@ def test_a_refused_update_takes_its_broadcast_so_the_next_reads_its_own(
     if refusal != "not started":
         llm.start_weight_update()
     sender = trainer.send(refused)
-    with pytest.raises((RuntimeError, ValueError), match="start_weight_update|wake_up|no place"):
+    with pytest.raises((RuntimeError, ValueError), match=r"start_weight_update|wake_up|no place"):
         llm.update_weights({"update_info": update_info_for(refused)})
     sender.join(JOIN_S)
     assert not sender.is_alive()

@@ -485,18 +485,32 @@ class AsyncLLM:
         await self._call(lambda engine: engine.reset_prefix_cache())
         return True
 
-    async def pause_generation(self, mode: str = "keep") -> None:
-        """Stop stepping once the steps in flight are read back: "keep" holds every request
-        and its KV, "abort" ends each stream with finish_reason "abort"; "wait" admits nothing
-        new and returns once the admitted requests have finished (or on `resume_generation`)."""
+    async def pause_generation(
+        self,
+        mode: str = "abort",
+        *,
+        wait_for_inflight_requests: bool | None = None,
+        clear_cache: bool = True,
+    ) -> None:
+        """vLLM's: stop stepping once the steps in flight are read back. "abort" ends each
+        stream with finish_reason "abort", "keep" holds every request, "wait" admits nothing
+        new and returns once the admitted requests have finished (or on `resume_generation`;
+        `wait_for_inflight_requests=True` is its older spelling). With `clear_cache`, once
+        paused the prefix cache is emptied and kept requests recompute their KV on resuming,
+        so weights changed meanwhile by any means (`collective_rpc` too) are the ones used."""
+        if wait_for_inflight_requests:
+            mode = "wait"
+        check_pause_mode(mode)
         if mode != "wait":
-            await self._call(lambda engine: self._publish(engine.pause_generation(mode)))
+            await self._call(
+                lambda engine: self._publish(engine.pause_generation(mode, clear_cache))
+            )
             return
         loop = asyncio.get_running_loop()
         drained = loop.create_future()
 
         def hold(engine: Engine) -> None:
-            engine.pause_generation(mode)
+            engine.pause_generation(mode, clear_cache)
             self._pause_waiters.append((loop, drained))
 
         await self._call(hold)
@@ -505,14 +519,14 @@ class AsyncLLM:
     async def resume_generation(self, recompute_kv: bool = False) -> None:
         await self._call(lambda engine: self._publish(engine.resume_generation(recompute_kv)))
 
-    async def sleep(self, level: int = 1, mode: str = "keep") -> int:
+    async def sleep(self, level: int = 1, mode: str = "abort") -> int:
         """Free the KV cache and the weights' device memory (see Engine.sleep; level 0 only
-        holds the steps); bytes freed. The requests in flight go on after `wake_up` ("keep"),
-        end now ("abort"), or finish first ("wait": new ones wait until the engine is awake
-        again, as in vLLM)."""
+        holds the steps); bytes freed. The requests in flight end now ("abort", vLLM's
+        default), go on after `wake_up` ("keep"), or finish first ("wait": new ones wait until
+        the engine is awake again, as in vLLM)."""
         check_pause_mode(mode)
-        if mode == "wait":
-            await self.pause_generation("wait")
+        if mode == "wait":  # the cache goes with the memory (level 0 keeps both)
+            await self.pause_generation("wait", clear_cache=level >= 1)
 
         def sleep(engine: Engine) -> int:
             self._publish(engine.drain())

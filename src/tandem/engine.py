@@ -291,6 +291,7 @@ class Engine:
         self.async_batching = config.async_batching
         self.memory = DeviceMemory([p.detach() for p in self.model.parameters()], self.kv_caches[0])
         self.paused = False  # pause_generation: no step until resume_generation
+        self.clear_cache_on_pause = False  # the pause's clear_cache, done once paused
         self.scheduling_asleep = False  # sleep(0): no step until wake_up
         self.resume_on_wake = False  # a sleep's own pause (mode "wait"): wake_up resumes
         # <think> / </think> of a reasoning model (reasoning.py), where reasoning_parser says
@@ -556,15 +557,19 @@ class Engine:
             )
         return self.weight_receiver
 
-    def pause_generation(self, mode: str = "keep") -> list[Request]:
+    def pause_generation(self, mode: str = "keep", clear_cache: bool = False) -> list[Request]:
         """Stop stepping after the steps in flight are read back. "keep" holds every request and
         its KV until `resume_generation`; "abort" finishes them with finish_reason "abort";
         "wait" (vLLM's) admits nothing new and goes on stepping until the admitted requests
         finish, then pauses (`paused` turns True in that step; the waiting ones stay queued).
-        Returns the requests that got a token or finished meanwhile."""
+        With `clear_cache` (vLLM's), once paused the prefix cache is emptied and the requests
+        kept drop their KV to recompute it: weights written meanwhile, by any means, are the
+        ones every later token attends over. Returns the requests that got a token or
+        finished meanwhile."""
         check_pause_mode(mode)
         if self.workers is not None:
-            self._on_other_ranks("pause_generation", mode)
+            self._on_other_ranks("pause_generation", mode, clear_cache)
+        self.clear_cache_on_pause = clear_cache
         if mode == "wait":
             self.scheduler.admitting = False
             self._pause_once_drained()
@@ -575,7 +580,7 @@ class Engine:
             for request in aborted:
                 self._finish(request, "abort")
             updated += aborted
-        self.paused = True
+        self._paused()
         return updated
 
     def resume_generation(self, recompute_kv: bool = False) -> list[Request]:
@@ -602,7 +607,12 @@ class Engine:
         if self.scheduler.admitting:  # every step but those of a pause "wait": one read
             return
         if not (self.scheduler.has_started_work() or self.in_flight or self.finished_unscheduled):
-            self.paused = True
+            self._paused()
+
+    def _paused(self) -> None:
+        self.paused = True
+        if self.clear_cache_on_pause:
+            self._preempt_running()  # the prefix cache emptied too
 
     def sleep(self, level: int = 1) -> int:
         """Give back the device memory of the KV cache and the weights (level 1: kept in host

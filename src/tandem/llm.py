@@ -208,12 +208,14 @@ class LLM:
             self.engine.reset_prefix_cache()
         return True
 
-    def pause_generation(self, mode: str = "keep") -> None:
+    def pause_generation(self, mode: str = "keep", clear_cache: bool = False) -> None:
         """Stop stepping: "keep" holds the requests (a running `generate` waits), "abort" ends
         them, "wait" returns once a running `generate`'s admitted requests have finished (its
-        others wait for `resume_generation`)."""
+        others wait for `resume_generation`). With `clear_cache` (AsyncLLM's default, vLLM's),
+        once paused the prefix cache is emptied and kept requests recompute their KV: weights
+        written meanwhile outside `update_weights` are the ones used."""
         with self._hook():
-            self.engine.pause_generation(mode)
+            self.engine.pause_generation(mode, clear_cache)
             while self.engine.is_paused and not self.engine.paused:  # "wait": until drained
                 self._resumed.wait()
 

@@ -49,7 +49,7 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
 
     @router.post("/pause_generation")
     async def pause_generation(body: PauseRequest) -> dict[str, bool]:
-        await llm.pause_generation(body.mode)
+        await llm.pause_generation(body.mode, clear_cache=False)  # "keep" keeps the KV
         return {"paused": True}
 
     @router.post("/resume_generation")
@@ -63,10 +63,11 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
         wait_for_inflight_requests: bool = False,
         clear_cache: bool = True,
     ) -> dict[str, str]:
-        mode = "wait" if wait_for_inflight_requests else mode  # its older spelling
-        await llm.pause_generation(mode)  # "wait": answered once the admitted requests finished
-        if clear_cache and mode != "keep":  # as vLLM's, a kept request keeps its cache
-            await llm.reset_prefix_cache()
+        # "wait": answered once the admitted requests finished; clear_cache: kept requests too
+        # recompute their KV on resuming (vLLM's engine resets its running requests)
+        await llm.pause_generation(
+            mode, wait_for_inflight_requests=wait_for_inflight_requests, clear_cache=clear_cache
+        )
         return {"status": "paused"}
 
     @router.post("/resume")

@@ -118,6 +118,47 @@ def test_yarn_serves_past_max_position_embeddings_as_transformers(make_tiny, tmp
     assert_prompt_logprobs_equal_transformers(str(folder))
 
 
+def edited(make_tiny, tmp_path, arch: str, **fields) -> str:
+    """A copy of the tiny `arch` checkpoint with config.json's `fields` set (None: left out)."""
+    folder = shutil.copytree(make_tiny(arch), tmp_path / f"{arch}-edited")
+    config = json.loads((folder / "config.json").read_text()) | fields
+    config = {key: value for key, value in config.items() if value is not None}
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+@pytest.mark.parametrize("multiplier", [None, 1.0])
+def test_granite_without_an_attention_multiplier_scales_by_one_as_transformers(
+    make_tiny, tmp_path, multiplier
+):
+    """Granite's softmax scale is attention_multiplier itself, 1.0 when left out (it was
+    head_dim ** -0.5 there)."""
+    folder = edited(make_tiny, tmp_path, "granite", attention_multiplier=multiplier)
+    assert_prompt_logprobs_equal_transformers(folder)
+
+
+@pytest.mark.parametrize("arch", ["glm4", "seed_oss", "ernie4_5", "granite"])
+def test_a_stray_sliding_window_windows_nothing_where_transformers_reads_none(
+    make_tiny, tmp_path, arch
+):
+    """These architectures' transformers code has no window: the field is not read (it
+    windowed five layers in six over the 41-token prompt)."""
+    assert_prompt_logprobs_equal_transformers(edited(make_tiny, tmp_path, arch, sliding_window=20))
+
+
+def test_a_window_as_wide_as_the_positions_stays_when_yarn_serves_past_them(make_tiny, tmp_path):
+    """A window of max_position_embeddings (32) is no window only when no sequence is longer;
+    YaRN of factor 4 serves 128 positions, and the 41-token prompt is windowed as transformers
+    windows it."""
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    folder = edited(
+        make_tiny, tmp_path, "mistral_sliding", sliding_window=32, max_position_embeddings=32,
+        rope_scaling=rope,
+    )  # fmt: skip
+    assert LLM(folder).engine.model_config.sliding_window == 32
+    assert_prompt_logprobs_equal_transformers(folder)
+
+
 # config.json's bare shape; the mixtures' expert fields too
 SIZES = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
          "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 256}  # fmt: skip

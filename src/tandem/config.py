@@ -52,6 +52,15 @@ SANDWICH = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Glm4ForCausalLM")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # architectures whose sliding_window (when set) applies to every layer
 WINDOWED_EVERYWHERE = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
+WINDOWED_LAYERS = (*GEMMA, "Olmo3ForCausalLM")  # sliding and full layers (layer_types)
+# a sliding_window read only under use_sliding_window (refused)
+QWEN_WINDOW_FLAG = (
+    "Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "SmolLM3ForCausalLM",
+)
 GEMMA_DEFAULTS = {
     "head_dim": 256,
     "query_pre_attn_scalar": 256,
@@ -233,7 +242,8 @@ class ModelConfig:
     # per layer: whether its q and k rotate (SmolLM3's no_rope_layers: a layer of 0 has no
     # position embedding); empty: every layer's do
     rope_layers: tuple[bool, ...] = ()
-    # Granite's multipliers (None: 1): the softmax scale (for head_dim ** -0.5), the embeddings',
+    # Granite's multipliers (None: 1): the softmax scale (for head_dim ** -0.5; Granite's
+    # always set, 1.0 when its config leaves it out), the embeddings',
     # what each attention and MLP adds to the residual stream (folded into the o and down
     # projections at load: hf_names), and the logits' divisor
     attention_multiplier: float | None = None
@@ -271,7 +281,8 @@ class ModelConfig:
         head_dim = size_field(hf, "head_dim", hidden_size // num_heads)
         rotary_dim = rotary_dim_of(hf, head_dim)
         rope_theta, rope_scaling, rope_local_theta = parse_rope(hf, arch, rotary_dim)
-        window, sliding_layers = parse_window(hf, arch, num_layers)
+        positions = position_limit(arch, hf.get("max_position_embeddings", 4096), rope_scaling)
+        window, sliding_layers = parse_window(hf, arch, num_layers, positions)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         # Qwen2: q, k and v biases and no o bias (Qwen2-MoE: unless qkv_bias=false; GLM-4:
@@ -491,7 +502,8 @@ def parse_rope(
 
 
 def parse_multipliers(hf: dict[str, Any], arch: str) -> dict[str, float | None]:
-    """Granite's four multipliers, those that are not 1 (as floats); {} for other models."""
+    """Granite's four multipliers, those that are not 1 (as floats; the attention's always,
+    being the softmax scale); {} for other models."""
     if arch != "GraniteForCausalLM":
         return {}
     names = ("attention_multiplier", "embedding_multiplier", "residual_multiplier")
@@ -499,7 +511,10 @@ def parse_multipliers(hf: dict[str, Any], arch: str) -> dict[str, float | None]:
     for name, value in values.items():
         if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive number in config.json, got {value!r}")
-    return {name: None if value == 1 else float(value) for name, value in values.items()}
+    scales = {name: None if value == 1 else float(value) for name, value in values.items()}
+    # the softmax scale itself (1.0 by default), not a factor on head_dim ** -0.5
+    scales["attention_multiplier"] = float(values["attention_multiplier"])
+    return scales
 
 
 def parse_rope_layers(hf: dict[str, Any], arch: str, num_layers: int) -> tuple[bool, ...]:
@@ -519,32 +534,28 @@ def parse_rope_layers(hf: dict[str, Any], arch: str, num_layers: int) -> tuple[b
 
 
 def parse_window(
-    hf: dict[str, Any], arch: str, num_layers: int
+    hf: dict[str, Any], arch: str, num_layers: int, positions: int
 ) -> tuple[int | None, tuple[bool, ...]]:
-    """(sliding_window or None, which layers use it)."""
-    if arch == "Olmo2ForCausalLM":
+    """(sliding_window or None, which layers use it); `positions`: the longest sequence the
+    model serves (`position_limit`). Only the architectures whose transformers code windows
+    read the field: a stray `sliding_window` elsewhere (GLM-4, Granite, ...) windows nothing."""
+    if arch not in (*WINDOWED_EVERYWHERE, *WINDOWED_LAYERS, *QWEN_WINDOW_FLAG):
         return None, ()
     window = hf.get("sliding_window")
-    if arch in (
-        "Qwen2ForCausalLM",
-        "Qwen2MoeForCausalLM",
-        "Qwen3ForCausalLM",
-        "Qwen3MoeForCausalLM",
-        "SmolLM3ForCausalLM",
-    ):
+    if arch in QWEN_WINDOW_FLAG:
         if window is not None and hf.get("use_sliding_window"):
             raise ValueError(
                 f"unsupported use_sliding_window=true (sliding_window={window}) for {arch}; "
                 "use a checkpoint without it"
             )
         return None, ()
-    if arch == "LlamaForCausalLM" or window is None:
+    if window is None:
         return None, ()
     if arch in WINDOWED_EVERYWHERE:
-        if window >= hf.get("max_position_embeddings", 4096):
+        if window >= positions:
             return None, ()  # wider than any sequence (Phi-4-mini's 262,144): no window at all
         layers = (True,) * num_layers
-    else:  # Gemma: alternating sliding and full layers
+    else:  # Gemma, OLMo 3: alternating sliding and full layers
         kinds = hf.get("layer_types")
         if kinds is None:
             default = {"Gemma2ForCausalLM": 2, "Olmo3ForCausalLM": 4}.get(arch, 6)
@@ -1003,14 +1014,11 @@ class EngineConfig:
         """The engine's max_model_len, as vLLM derives it: rope scaling stretches the model's
         positions (linear: by its factor; yarn: the original length times it), and longrope
         defaults to its original length, where the short factors hold."""
-        limit, rope = model_config.max_position_embeddings, model_config.rope_scaling or {}
+        rope = model_config.rope_scaling or {}
         kind = rope.get("rope_type")
-        if model_config.architecture == "Gemma3ForCausalLM":
-            kind = None  # its max_position_embeddings counts its linear factor (vLLM's note)
-        if kind == "linear":
-            limit = int(limit * rope["factor"])
-        elif kind == "yarn":
-            limit = int(rope["original_max_position_embeddings"] * rope["factor"])
+        limit = position_limit(
+            model_config.architecture, model_config.max_position_embeddings, rope
+        )
         if self.max_model_len is None:
             if kind == "longrope":
                 return min(limit, rope["original_max_position_embeddings"])
@@ -1028,6 +1036,20 @@ class EngineConfig:
                 f"got {self.max_model_len}"
             )
         return self.max_model_len
+
+
+def position_limit(arch: str, max_position_embeddings: int, rope: dict | None) -> int:
+    """The longest sequence the model serves, as vLLM derives it: rope scaling stretches its
+    positions (linear: by its factor; yarn: the original length times it)."""
+    rope = rope or {}
+    kind = rope.get("rope_type")
+    if arch == "Gemma3ForCausalLM":
+        kind = None  # its max_position_embeddings counts its linear factor (vLLM's note)
+    if kind == "linear":
+        return int(max_position_embeddings * rope["factor"])
+    if kind == "yarn":
+        return int(rope["original_max_position_embeddings"] * rope["factor"])
+    return max_position_embeddings
 
 
 def check_int(name: str, value: Any, low: int, note: str = "") -> None:

@@ -360,6 +360,14 @@ def test_a_constraint_the_backend_rejects_is_a_value_error_before_anything_is_qu
          "the string format 'no-such-format' (at #/$defs/D)"),
         ({"type": ["string", "null"], "format": "zip"}, "the string format 'zip' (at #)"),
         ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}}, "patternProperties"),
+        ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, "allOf of 2 schemas (at #)"),
+        ({"type": "integer", "not": {"const": 7}}, "not (at #)"),
+        ({"type": "number", "multipleOf": 0.5}, "multipleOf on a number"),
+        ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+        ({"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}}, "dependentSchemas"),
+        ({"type": "object", "dependencies": {"a": ["b"]}}, "dependencies"),
+        ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}},
+         "if with then or else"),
     ],
 )  # fmt: skip
 def test_a_schema_xgrammar_would_not_enforce_is_a_value_error_naming_the_keyword(
@@ -376,12 +384,14 @@ def test_a_schema_xgrammar_would_not_enforce_is_a_value_error_naming_the_keyword
 
 def test_what_xgrammar_enforces_passes_the_check_and_data_is_no_schema(folder):
     """A property named like a keyword, enum and const data holding one, uniqueItems false, a
-    known format: all compile."""
+    known format, an integer's multipleOf, allOf of one schema, an if alone: all compile."""
     schema = {"type": "object", "properties": {
         "uniqueItems": {"type": "boolean"}, "format": {"enum": [{"format": "x"}, "y"]},
         "when": {"type": "string", "format": "date-time"},
         "ids": {"type": "array", "uniqueItems": False, "items": {"const": {"contains": 1}}},
-        "n": {"type": "integer", "format": "int64"}}}  # fmt: skip
+        "n": {"type": "integer", "format": "int64"},
+        "even": {"type": "integer", "multipleOf": 2}, "only": {"allOf": [{"type": "integer"}]},
+        "when_alone": {"if": {"const": 1}}, "not": {"type": "integer"}}}  # fmt: skip
     grammars = LLM(folder, max_model_len=512).engine.admission.grammars()
     assert grammars.compile(StructuredOutputsParams(json=schema)) is not None
 
@@ -401,7 +411,7 @@ def test_a_structural_tags_json_takes_no_raw_control_bytes(folder):
     tag = StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": {
         "type": "tag", "begin": "<f>", "end": "</f>",
         "content": {"type": "json_schema", "json_schema": {"type": "string"}}}})  # fmt: skip
-    assert np.array_equal(grammars.token_filter(tag), grammars.json_filters[True])
+    assert np.array_equal(grammars.token_filter(tag), grammars.json_filters[b"\t\n\r"])
 
 
 def test_a_grammar_ending_on_another_eos_names_it_as_stop_reason(folder):
@@ -519,8 +529,9 @@ def test_choice_grammar_escapes_quotes_and_keeps_unicode():
 @pytest.mark.parametrize("any_whitespace", [False, True])
 def test_json_strings_take_no_raw_control_bytes(folder, any_whitespace):
     """xgrammar 0.2.9 lets raw control bytes into a string with maxLength; JSON parsers reject
-    them. The masks of JSON constraints are ANDed with the tokens free of them: checked inside
-    such a string, against xgrammar's own mask (which does allow some)."""
+    them, tab included. The masks of JSON constraints are ANDed with the tokens free of them
+    (a schema with a length gets no tab between tokens either): checked inside such a string,
+    against xgrammar's own mask (which does allow some)."""
     llm = LLM(folder, max_model_len=512)
     grammars, tokenizer = llm.engine.admission.grammars(), llm.engine.tokenizer
     schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 8}},
@@ -528,7 +539,7 @@ def test_json_strings_take_no_raw_control_bytes(folder, any_whitespace):
     constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=not any_whitespace)
     compiled = grammars.compile(constraint)
     pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in range(len(tokenizer))]
-    forbidden = {chr(c) for c in range(0x20)} - ({"\t", "\n", "\r"} if any_whitespace else set())
+    forbidden = {chr(c) for c in range(0x20)} - ({"\n", "\r"} if any_whitespace else set())
 
     def allowed_controls(token_filter) -> set[int]:
         matcher = grammars.matcher(compiled)
@@ -545,3 +556,20 @@ def test_json_strings_take_no_raw_control_bytes(folder, any_whitespace):
     assert allowed_controls(None)  # xgrammar alone
     assert not allowed_controls(grammars.token_filter(constraint))
     assert grammars.token_filter(StructuredOutputsParams(regex="a+")) is None
+    if any_whitespace:  # without a length a tab stays whitespace between tokens
+        free = StructuredOutputsParams(json={"type": "object", "properties": {"s": {}}})
+        assert np.array_equal(grammars.token_filter(free), grammars.json_filters[b"\t\n\r"])
+
+
+def test_a_tab_pushed_by_logit_bias_never_breaks_a_string_with_a_length(folder):
+    """The output parses as JSON and keeps to the schema (a raw tab got into the string)."""
+    llm = LLM(folder, max_model_len=256)
+    [tab] = llm.engine.tokenizer.encode("\t", add_special_tokens=False)
+    for schema in ({"type": "string", "maxLength": 5}, {"type": "string", "minLength": 2,
+                                                         "maxLength": 6}):  # fmt: skip
+        constraint = StructuredOutputsParams(json=schema)
+        params = SamplingParams(temperature=0, max_tokens=30, logit_bias={tab: 30.0},
+                                structured_outputs=constraint)  # fmt: skip
+        out = llm.generate(["x"], params, use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), schema)

@@ -242,16 +242,25 @@ class UnsupportedSchema(Exception):
 def check_json_features(schema: Any, path: str = "#") -> None:
     """Raise UnsupportedSchema where a JSON schema asks for what xgrammar lets through unchecked
     (as vLLM's has_xgrammar_unsupported_json_features refuses it): uniqueItems, contains,
-    patternProperties, propertyNames, a string format it does not know; and, stricter than
-    vLLM, a length beside a pattern or format (xgrammar 0.2.9 drops the bounds, saying so)."""
+    patternProperties, propertyNames, multipleOf on a number, a string format it does not know;
+    and, stricter than vLLM, what xgrammar 0.2.9 lets through too: a length beside a pattern or
+    format (it drops the bounds, saying so), allOf of several schemas, not, if with then or else,
+    dependentRequired, dependentSchemas and dependencies."""
     if not isinstance(schema, dict):
         return
     keys = ("uniqueItems", "contains", "minContains", "maxContains", "patternProperties",
-            "propertyNames")  # fmt: skip
+            "propertyNames", "not", "dependentRequired", "dependentSchemas", "dependencies")  # fmt: skip
     for key in keys:
         if key in schema and not (key == "uniqueItems" and schema[key] is False):
             raise UnsupportedSchema(f"{key} (at {path})")
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        raise UnsupportedSchema(f"allOf of {len(schema['allOf'])} schemas (at {path})")
+    if "if" in schema and ("then" in schema or "else" in schema):
+        raise UnsupportedSchema(f"if with then or else (at {path})")
     kinds = schema.get("type")
+    numbers = kinds == "number" or (isinstance(kinds, list) and "number" in kinds)
+    if numbers and "multipleOf" in schema:  # an integer's is enforced
+        raise UnsupportedSchema(f"multipleOf on a number (at {path})")
     strings = kinds == "string" or (isinstance(kinds, list) and "string" in kinds)
     fmt = schema.get("format") if strings else None  # int64 on an integer: a note, no check
     if fmt is not None and fmt not in STRING_FORMATS:
@@ -308,11 +317,12 @@ class GrammarBackend:
         self.disable_any_whitespace = disable_any_whitespace
         self.words = cdiv(vocab_size, 32)  # int32 words of one bitmask row
         self.batch = xgr.BatchGrammarMatcher()
-        # [words] int32 each: the tokens free of control bytes JSON never allows raw (and, for
-        # JSON without whitespace, of tab, newline and carriage return too)
+        # [words] int32 each, by the control bytes a JSON constraint lets through (whitespace
+        # between tokens): the tokens free of every other control byte, none of which JSON
+        # allows raw
         self.json_filters = {
-            any_whitespace: control_free_tokens(info.decoded_vocab, vocab_size, any_whitespace)
-            for any_whitespace in (False, True)
+            allowed: control_free_tokens(info.decoded_vocab, vocab_size, allowed)
+            for allowed in (b"", NO_TAB, WHITESPACE)
         }
 
     def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
@@ -364,14 +374,21 @@ class GrammarBackend:
     def token_filter(self, params: StructuredOutputsParams) -> np.ndarray | None:
         """The mask row a JSON constraint's masks are ANDed with: xgrammar 0.2.9 compiles a
         string with maxLength to characters [^"\\\r\n], which lets raw control bytes (e.g.
-        0x12) into a string, and no JSON parser takes them. A structural tag's JSON too (its
-        free text then holds no such bytes but tab, newline and carriage return). None for the
-        other kinds."""
+        0x12, tab) into a string, and no JSON parser takes them. A structural tag's JSON too
+        (its free text then holds no such bytes but tab, newline and carriage return). None for
+        the other kinds."""
         if params.kind == "structural_tag":
-            return self.json_filters[True]
+            return self.json_filters[WHITESPACE]
         if params.kind not in ("json", "json_object"):
             return None
-        return self.json_filters[self.any_whitespace(params)]
+        if not self.any_whitespace(params):
+            return self.json_filters[b""]
+        # xgrammar 0.2.9 lets a raw tab into a string with a length (and a raw control byte
+        # there is no JSON): a schema that has one gets no tab between tokens either
+        schema = params.json if params.kind == "json" else None
+        if isinstance(schema, str):
+            schema = json.loads(schema)
+        return self.json_filters[NO_TAB if has_length(schema) else WHITESPACE]
 
     def any_whitespace(self, params: StructuredOutputsParams) -> bool:
         """Whether a JSON constraint lets whitespace in between tokens: unless the request or the
@@ -406,13 +423,25 @@ class GrammarBackend:
                 host[r, end // 32] = np.uint32(1 << (end % 32)).view(np.int32)
 
 
-def control_free_tokens(decoded_vocab: list[bytes], vocab_size: int, any_whitespace: bool):
+WHITESPACE = b"\t\n\r"  # the control bytes JSON allows between tokens
+NO_TAB = b"\n\r"
+
+
+def has_length(schema: Any) -> bool:
+    """Whether a JSON schema bounds a string's length anywhere (or has a property so named)."""
+    if isinstance(schema, dict):
+        return (
+            "minLength" in schema or "maxLength" in schema or any(map(has_length, schema.values()))
+        )
+    return isinstance(schema, list) and any(map(has_length, schema))
+
+
+def control_free_tokens(decoded_vocab: list[bytes], vocab_size: int, allowed: bytes):
     """[ceil(vocab / 32)] int32 bitmask row: the tokens whose bytes hold no control byte
-    (0x00-0x1f) that JSON forbids outside strings as well as raw inside them; with
-    `any_whitespace`, tab, newline and carriage return are allowed (whitespace between
-    tokens). Ids past the tokenizer's vocabulary stay allowed (xgrammar's own mask bans them)."""
-    allowed_controls = b"\t\n\r" if any_whitespace else b""
-    forbidden = bytes(b for b in range(0x20) if b not in allowed_controls)
+    (0x00-0x1f) that JSON forbids outside strings as well as raw inside them, but those
+    `allowed` (whitespace between tokens). Ids past the tokenizer's vocabulary stay allowed
+    (xgrammar's own mask bans them)."""
+    forbidden = bytes(b for b in range(0x20) if b not in allowed)
     bits = np.ones(cdiv(vocab_size, 32) * 32, dtype=np.uint64)
     for token_id, piece in enumerate(decoded_vocab[:vocab_size]):
         if len(piece.translate(None, forbidden)) != len(piece):

@@ -31,6 +31,19 @@ CASES = [
     ("deepseek_r1", True, "x <thin", ("x <thin", "")),  # a tag cut off stays text
     ("qwen3", True, "<think>plan</think>Answer", ("plan", "Answer")),
     ("qwen3", True, "plan<tool_call>{}</tool_call>", ("plan", "<tool_call>{}</tool_call>")),
+    # thinking that mentions the tag goes on to its </think>, which wins (vLLM's)
+    (
+        "qwen3",
+        True,
+        "<think>wrap it in <tool_call> tags</think>\n\nNoon.",
+        ("wrap it in <tool_call> tags", "\n\nNoon."),
+    ),
+    (
+        "qwen3",
+        True,
+        "a <tool_call> b</think><tool_call>{}</tool_call>",
+        ("a <tool_call> b", "<tool_call>{}</tool_call>"),
+    ),
     ("qwen3", False, "<think>x</think>Answer", ("", "<think>x</think>Answer")),
     ("qwen3", True, "  <think>p</think>", ("p", "")),
     ("qwen3", True, "", ("", "")),

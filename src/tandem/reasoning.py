@@ -12,7 +12,8 @@ without thinking; one whose last tag is `<think>`, or that has none, thinks firs
 
 Both parsers use `<think>` and `</think>`, which must be tokens of the model's vocabulary;
 "qwen3" also ends the thinking at a `<tool_call>` in the text (kept in the content, for the
-tool-call parser) and, on the server, takes `enable_thinking: false` in the template's kwargs
+tool-call parser) when no `</think>` follows (which wins, as vLLM's: thinking that mentions the
+tag goes on), and, on the server, takes `enable_thinking: false` in the template's kwargs
 as no thinking.
 """
 
@@ -111,14 +112,20 @@ class ReasoningSplitter:
                 return "", ""  # may still become "<think>"
             else:
                 self.state = "thinking"  # the template opened it in the prompt
-        found = [(self.held.find(end), end) for end in self.ends if end in self.held]
-        if found:
-            at, end = min(found)
-            reasoning, rest = self.held[:at], self.held[at:]
-            if end == self.ends[0]:
-                rest = rest[len(end) :]
+        at = self.held.find(self.ends[0])
+        if at >= 0:  # </think> ends the thinking wherever the other tags stand
+            reasoning, rest = self.held[:at], self.held[at + len(self.ends[0]) :]
             self.state, self.held = "content", ""
             return reasoning, rest
+        others = [self.held.find(end) for end in self.ends[1:] if end in self.held]
+        if others:  # the content from there on, unless a </think> comes after it
+            at = min(others)
+            reasoning, rest = self.held[:at], self.held[at:]
+            if final:
+                self.state, self.held = "content", ""
+                return reasoning, rest
+            self.held = rest
+            return reasoning, ""
         keep = 0 if final else held_tag_prefix(self.held, self.ends)
         reasoning, self.held = (
             self.held[: len(self.held) - keep],

@@ -216,6 +216,29 @@ def test_the_server_puts_the_thinking_in_message_reasoning(server):
     assert hidden["reasoning"] is None and hidden["content"] == message["content"]
 
 
+def test_left_out_reasoning_shows_no_logprobs_or_token_ids_that_would_tell_it(server):
+    """vLLM's: include_reasoning false hides the answer's logprobs and token ids too, whole
+    and streamed (no chunk carries the thinking's tokens)."""
+    url, think, bias, _ = server
+    fields = {"logit_bias": {str(think.end): bias}, "structured_outputs": {"regex": LETTERS},
+              "logprobs": True, "return_token_ids": True}  # fmt: skip
+    shown = chat(url, **fields).json()["choices"][0]
+    assert shown["logprobs"] and shown["token_ids"]
+    hidden = chat(url, include_reasoning=False, **fields).json()["choices"][0]
+    assert hidden["logprobs"] is None and "token_ids" not in hidden
+    assert hidden["message"]["content"] == shown["message"]["content"]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Why?"}], "max_tokens": 24,
+            "temperature": 0.0, "stream": True, "include_reasoning": False, **fields}  # fmt: skip
+    chunks = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks += json.loads(line[6:])["choices"]
+    assert chunks and all(c["logprobs"] is None and "token_ids" not in c for c in chunks)
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == shown["message"]["content"]
+    assert all(c["delta"] or c["finish_reason"] for c in chunks[1:])  # no empty chunk
+
+
 def test_the_thinking_runs_until_the_end_tag_unless_the_template_turns_it_off(server):
     """Without the bias the answer never closes its thinking: all of it is reasoning.
     enable_thinking false, or reasoning_effort "none", makes it all content."""

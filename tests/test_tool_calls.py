@@ -137,6 +137,35 @@ def test_a_parser_finds_the_calls_and_keeps_the_rest_as_content(parser, case):
     assert calls_of(tool_calls) == calls
 
 
+@pytest.mark.parametrize("parser", [HermesParser, Llama3JsonParser])
+def test_an_escaped_lone_surrogate_in_arguments_stays_escaped_json(parser):
+    """JSON's "\\ud83d" alone is a lone surrogate once read, which no UTF-8 body holds (the
+    response was a 500): the arguments keep it escaped, and read back to the same value."""
+    call = '{"name": "search", "arguments": {"q": "\\ud83d", "r": "é"}}'
+    text = f"<tool_call>{call}</tool_call>" if parser is HermesParser else call
+    content, tool_calls = collect(parser(), text)
+    [arguments] = [c["function"]["arguments"] for c in tool_calls]
+    arguments.encode()  # no UnicodeEncodeError
+    assert json.loads(arguments) == {"q": "\ud83d", "r": "é"} and not content
+    assert collect(parser(), text.replace('"search"', '"\\udfff"'))[1] == []  # a name cannot
+
+
+def test_llama3_prose_with_json_that_can_never_be_a_call_streams_on():
+    """`{"key": value}` fails to decode before its end: no more text makes it JSON, so what
+    follows streams as it comes (it was held to the answer's end); JSON cut off still waits."""
+    reader = Llama3JsonParser()
+    text = 'Write `const o = {"key": value};` then call it. More words.'
+    content = "".join(reader.feed(text[i : i + 3], final=False).content for i in range(0, 60, 3))
+    assert content == text[: len(content)] and len(content) >= len(text) - 1
+    for cut in (
+        '{"name": "f", "parameters": {"a": tr',
+        '{"name": "f", "parameters": {"a": "x',
+        '{"name": "f", "parameters": {"a": -',
+        '{"name": "f", "parameters": {"a": 1',
+    ):
+        assert Llama3JsonParser().feed(cut, final=False).content == ""  # fmt: skip
+
+
 @pytest.mark.parametrize("chunk", [1, 2, 5, 1000])
 @pytest.mark.parametrize(
     ("parser", "case"),

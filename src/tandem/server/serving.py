@@ -106,6 +106,12 @@ class Generation:
     echoed: str = ""  # chat with echo: the text before each answer
     role: str = "assistant"  # chat: the answer's
 
+    @property
+    def hides_metadata(self) -> bool:
+        """vLLM's: a chat answer whose reasoning is left out (include_reasoning false) shows no
+        logprobs or token ids either, which would tell the thinking."""
+        return self.reasoning is not None and not self.include_reasoning
+
     def usage(self) -> dict:
         completion_tokens = sum(len(c.token_ids) for c in self.choices)
         # prompt tokens count each prompt once, and so do its cached ones: its first sample's
@@ -284,6 +290,7 @@ class OpenAIServing:
             kwargs = self.options.chat_template_kwargs(body.template_kwargs())  # as rendered
             generation.reasoning = lambda: REASONING_PARSERS[name].splitter(thinking, kwargs)
             generation.include_reasoning = body.include_reasoning
+            generation.return_token_ids &= not generation.hides_metadata
         return await self._respond(generation, ChatFormat, body, http)
 
     async def chat_inputs(
@@ -612,7 +619,8 @@ class Format:
         """Whether the output's chunk has something beside its text: its end, its logprobs or
         its token ids where the request returns them."""
         wants_ids = self.generation.return_token_ids and output.token_ids
-        return bool(output.finished or output.logprobs or wants_ids)
+        logprobs = output.logprobs and not self.generation.hides_metadata
+        return bool(output.finished or logprobs or wants_ids)
 
 
 class CompletionFormat(Format):
@@ -781,7 +789,7 @@ class ChatFormat(Format):
     def _logprobs(
         self, token_ids: list[int], entries: list[dict[int, float]] | None
     ) -> dict[str, list] | None:
-        if not entries:
+        if not entries or self.generation.hides_metadata:
             return None
         # an entry holds the top ids in rank order, then the sampled id if it ranked lower
         num_top = self.generation.num_top_logprobs or 0

@@ -224,8 +224,10 @@ class Llama3JsonParser(ModelFormatParser):
             return brace + (0 if tagged else 1), None
         try:
             value, end = DECODER.raw_decode(text, brace)
-        except (json.JSONDecodeError, RecursionError):  # nested too deep: not a call
-            return (brace + 1, None) if final else None
+        except json.JSONDecodeError as error:  # more text may complete it, or never will
+            return None if not final and may_complete(text, error) else (brace + 1, None)
+        except RecursionError:  # nested too deep: not a call
+            return brace + 1, None
         call = call_of(value, "parameters", "arguments", exact=True)
         return end, call
 
@@ -246,9 +248,36 @@ def call_of(value: Any, *argument_keys: str, exact: bool = False) -> tuple[str, 
     arguments = value[keys[0]] if keys else {}
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         arguments = loads(arguments)
-    if not isinstance(arguments, dict):
+    if not isinstance(arguments, dict) or not utf8(value["name"]):
         return None
-    return value["name"], json.dumps(arguments, ensure_ascii=False)
+    text = json.dumps(arguments, ensure_ascii=False)
+    if not utf8(text):  # an escaped lone surrogate ("\ud83d") stays escaped: no UTF-8 holds it
+        text = json.dumps(arguments)
+    return value["name"], text
+
+
+JSON_STARTS = ("true", "false", "null", "NaN", "Infinity", "-Infinity", "-")
+
+
+def may_complete(text: str, error: json.JSONDecodeError) -> bool:
+    """Whether JSON that failed to decode may yet decode once more text comes: it failed at its
+    end, inside a string, an escape or a literal cut there (`{"a": tr`), not before (prose's
+    `{"key": value}` never will, and its text need not wait for the answer's end)."""
+    rest = text[error.pos :]
+    return (
+        error.msg.startswith("Unterminated string")
+        or ("escape" in error.msg and len(rest) < 6)
+        or any(start.startswith(rest) for start in JSON_STARTS)
+    )
+
+
+def utf8(text: str) -> bool:
+    """Whether `text` encodes as UTF-8 (no lone surrogate, which JSON's escapes can make)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def loads(text: str) -> Any:

@@ -168,6 +168,42 @@ def test_async_pause_clears_the_cache_so_weights_written_in_place_are_the_ones_u
     assert repeated == on_b.generate(PROMPTS[1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_reset_prefix_cache_with_running_requests_recomputes_their_kv(checkpoints):
+    """vLLM's reset_running_requests: a request paused with its KV ("keep", no clear_cache)
+    recomputes it once the weights changed under it, and goes on as a fresh engine on them."""
+    a, b = checkpoints
+    on_b = LLM(b, **ENGINE_ARGS)
+    new = {name: p.detach().clone() for name, p in on_b.engine.model.named_parameters()}
+
+    def write_b(engine) -> None:
+        for name, param in engine.model.named_parameters():
+            param.data.copy_(new[name])
+
+    async def main() -> tuple[list[int], list[int]]:
+        llm = AsyncLLM.from_model(a, **ENGINE_ARGS)
+        got, reasons = [[] for _ in PROMPTS], [None] * len(PROMPTS)
+        try:
+            task = asyncio.create_task(stream_tokens(llm, 0, got, reasons))
+            while len(got[0]) < 5:
+                await asyncio.sleep(0.001)
+            await llm.pause_generation("keep", clear_cache=False)
+            kept = list(got[0])
+            await llm.collective_rpc(write_b)
+            assert await llm.reset_prefix_cache(reset_running_requests=True)
+            await llm.resume_generation()
+            await asyncio.wait_for(task, timeout=30)
+            with pytest.raises(ValueError, match="reset_connector"):
+                await llm.reset_prefix_cache(reset_connector="yes")
+        finally:
+            llm.shutdown()
+        return kept, got[0]
+
+    kept, tokens = asyncio.run(main())
+    rest = replace(GREEDY, max_tokens=GREEDY.max_tokens - len(kept))
+    go_on = {"prompt_token_ids": PROMPTS[0]["prompt_token_ids"] + kept}
+    assert tokens == kept + on_b.generate(go_on, rest, use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_a_bad_pause_mode_is_a_value_error_and_the_engine_lives_on(folder):
     async def main() -> None:
         llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
@@ -380,6 +416,10 @@ def test_admin_routes_pause_and_resume_behind_the_api_key(folder):
             assert not llm.engine.is_sleeping  # nothing was done
             reset = client.post("/reset_prefix_cache", headers=auth)
             assert reset.json() == {"success": True}  # vLLM's answer
+            query = "?reset_running_requests=true&reset_external=true"  # vLLM's parameters
+            assert client.post(f"/reset_prefix_cache{query}", headers=auth).json()["success"]
+            bad = client.post("/reset_prefix_cache?reset_running_requests=maybe", headers=auth)
+            assert bad.status_code == 400
             slept = client.post("/sleep", json={"level": 1}, headers=auth).json()
             assert slept["freed_gib"] > 0
             assert client.post("/wake_up", headers=auth).json() == {"sleeping": False}

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, check_flags
 from tandem.engine import Engine, check_pause_mode
 from tandem.lora import LoRARequest
 from tandem.metrics import EngineStats
@@ -480,9 +480,14 @@ class AsyncLLM:
     async def update_weights_from_path(self, path: str | Path) -> None:
         await self._call(lambda engine: engine.update_weights_from_path(path))
 
-    async def reset_prefix_cache(self) -> bool:
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
         """Forget every cached prompt block, between two steps (see LLM.reset_prefix_cache)."""
-        await self._call(lambda engine: engine.reset_prefix_cache())
+        check_flags(reset_running_requests=reset_running_requests, reset_connector=reset_connector)
+        await self._call(
+            lambda engine: self._publish(engine.reset_prefix_cache(reset_running_requests))
+        )
         return True
 
     async def pause_generation(

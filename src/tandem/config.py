@@ -1061,8 +1061,12 @@ def check_int(name: str, value: Any, low: int, note: str = "") -> None:
 
 def check_bools(obj: Any, *names: str) -> None:
     """Raise a ValueError naming the first of `names` whose value on `obj` is not a bool."""
-    for name in names:
-        value = getattr(obj, name)
+    check_flags(**{name: getattr(obj, name) for name in names})
+
+
+def check_flags(**flags: Any) -> None:
+    """Raise a ValueError naming the first of `flags` that is not a bool."""
+    for name, value in flags.items():
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}")
 

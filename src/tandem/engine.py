@@ -419,11 +419,21 @@ class Engine:
         if request is not None and not request.finished:
             self._finish(request, "abort")
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix block (blocks held by running requests stay theirs)."""
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> list[Request]:
+        """Forget every cached prefix block (blocks held by running requests stay theirs).
+        With `reset_running_requests` (vLLM's), the steps in flight are read back and the
+        running and swapped requests recompute their KV too. Returns the requests those steps
+        updated."""
+        if reset_running_requests:
+            if self.workers is not None:
+                self._on_other_ranks("reset_prefix_cache", True)
+            updated = self.drain()
+            self._preempt_running()  # the cache emptied too
+            return updated
         self.scheduler.cache.reset()
         if self.workers is not None:
             self.commands.append(("reset_prefix_cache",))
+        return []
 
     def start_profile(self) -> None:
         """This rank's profiler on, between two steps (profiler_config; LLM.start_profile)."""

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from tandem import scoring
 from tandem.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, check_flags
 from tandem.engine import Engine, check_pause_mode
 from tandem.lora import LoRARequest, check_one_adapter_per_id, per_prompt
 from tandem.metrics import Metric, engine_metrics
@@ -200,12 +200,17 @@ class LLM:
         with self._hook():
             self.engine.update_weights_from_path(path)
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
         """Forget every cached prompt block, e.g. after weights changed outside `update_weights`
-        (which forgets them itself); blocks held by running requests stay theirs. True, as
-        vLLM's: it cannot fail."""
+        (which forgets them itself); blocks held by running requests stay theirs, unless
+        `reset_running_requests` (vLLM's): then those requests recompute their KV too.
+        `reset_connector` is vLLM's (tandem has no KV connector). True, as vLLM's: it cannot
+        fail."""
+        check_flags(reset_running_requests=reset_running_requests, reset_connector=reset_connector)
         with self._hook():
-            self.engine.reset_prefix_cache()
+            self.engine.reset_prefix_cache(reset_running_requests)
         return True
 
     def pause_generation(self, mode: str = "keep", clear_cache: bool = False) -> None:

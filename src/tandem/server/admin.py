@@ -105,8 +105,12 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
         return {"sleeping": await llm.is_sleeping()}
 
     @router.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> dict[str, bool]:
-        return {"success": await llm.reset_prefix_cache()}  # vLLM's answer
+    async def reset_prefix_cache(
+        reset_running_requests: bool = False, reset_external: bool = False
+    ) -> dict[str, bool]:
+        # vLLM's query parameters (reset_external: its KV connector's cache; tandem has none)
+        success = await llm.reset_prefix_cache(reset_running_requests, reset_external)
+        return {"success": success}  # vLLM's answer
 
     # vLLM's weight transfer (weight_transfer/): the trainer sends, these announce it
     @router.post("/init_weight_transfer_engine")

@@ -6,6 +6,7 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -15,6 +16,7 @@ from fastapi.testclient import TestClient
 
 from tandem import LLM, SamplingParams
 from tandem.async_llm import AsyncLLM
+from tandem.engine import Engine
 from tandem.sampling import RequestOutputKind
 from tandem.server.app import build_app
 
@@ -128,18 +130,26 @@ def test_async_pause_wait_lets_the_admitted_requests_finish_and_holds_new_ones(
     asyncio.run(main())
 
 
+def in_place_writer(folder: str) -> tuple[LLM, Callable[[Engine], None]]:
+    """An engine on `folder`'s weights, and a collective_rpc function that copies them into
+    another engine's parameters in place, as a trainer's write."""
+    on_new = LLM(folder, **ENGINE_ARGS)
+    new = {name: p.detach().clone() for name, p in on_new.engine.model.named_parameters()}
+
+    def write(engine: Engine) -> None:
+        for name, param in engine.model.named_parameters():
+            param.data.copy_(new[name])
+
+    return on_new, write
+
+
 def test_async_pause_clears_the_cache_so_weights_written_in_place_are_the_ones_used(checkpoints):
     """vLLM's clear_cache (on by default): weights a trainer writes in place between pause and
     resume (collective_rpc) are the ones used after it. A kept request goes on as a fresh
     engine on them goes on from its tokens so far (its KV recomputed), and a prompt cached
     before the pause is computed again (no stale prefix)."""
     a, b = checkpoints
-    on_b = LLM(b, **ENGINE_ARGS)
-    new = {name: p.detach().clone() for name, p in on_b.engine.model.named_parameters()}
-
-    def write_b(engine) -> None:
-        for name, param in engine.model.named_parameters():
-            param.data.copy_(new[name])
+    on_b, write_b = in_place_writer(b)
 
     async def main() -> tuple[list[int], list[int], list[int]]:
         llm = AsyncLLM.from_model(a, **ENGINE_ARGS)
@@ -172,12 +182,7 @@ def test_reset_prefix_cache_with_running_requests_recomputes_their_kv(checkpoint
     """vLLM's reset_running_requests: a request paused with its KV ("keep", no clear_cache)
     recomputes it once the weights changed under it, and goes on as a fresh engine on them."""
     a, b = checkpoints
-    on_b = LLM(b, **ENGINE_ARGS)
-    new = {name: p.detach().clone() for name, p in on_b.engine.model.named_parameters()}
-
-    def write_b(engine) -> None:
-        for name, param in engine.model.named_parameters():
-            param.data.copy_(new[name])
+    on_b, write_b = in_place_writer(b)
 
     async def main() -> tuple[list[int], list[int]]:
         llm = AsyncLLM.from_model(a, **ENGINE_ARGS)

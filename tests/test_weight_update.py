@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -190,6 +192,37 @@ def test_two_ranks_take_their_shards_of_an_update(checkpoints, fresh):
         updated = [t for t, _ in tokens_and_logprobs(llm)]
     finally:
         llm.shutdown()
+    assert updated == [t for t, _ in fresh[b]]
+
+
+def test_two_ranks_take_stacked_names_and_name_a_wrong_shape(checkpoints, fresh):
+    """An engine's own stacked names (qkv_proj, gate_up_proj: its named_parameters) are sliced
+    part by part on each rank, as one rank takes them; a wrong shape is a ValueError naming
+    the tensor (it was a RuntimeError from a slice), and nothing is copied."""
+    a, b = checkpoints
+    state = load_file(f"{b}/model.safetensors")
+    stacked = dict(state)
+    for layer in {k.split(".self_attn.")[0] for k in state if ".self_attn." in k}:
+        for fused, parts, where in (
+            ("qkv_proj", ("q_proj", "k_proj", "v_proj"), "self_attn"),
+            ("gate_up_proj", ("gate_proj", "up_proj"), "mlp"),
+        ):
+            names = [f"{layer}.{where}.{part}.weight" for part in parts]
+            stacked[f"{layer}.{where}.{fused}.weight"] = torch.cat([stacked.pop(n) for n in names])
+    llm = LLM(a, tensor_parallel_size=2, **ENGINE_ARGS)
+    try:
+        for name, bad in (
+            ("model.layers.0.self_attn.q_proj.weight", torch.zeros(3, 3)),
+            ("model.layers.0.mlp.down_proj.weight", torch.zeros(64, 3)),
+        ):
+            with pytest.raises(ValueError, match=re.escape(repr(name))):
+                llm.update_weights([(name, bad)])
+        intact = [t for t, _ in tokens_and_logprobs(llm)]
+        llm.update_weights(stacked.items())
+        updated = [t for t, _ in tokens_and_logprobs(llm)]
+    finally:
+        llm.shutdown()
+    assert intact == [t for t, _ in fresh[a]]
     assert updated == [t for t, _ in fresh[b]]
 
 

@@ -125,27 +125,48 @@ def shard_tensor(
         return tensor
     leaf = hf_name.split(".")[-2]
     d = cfg.head_dim
+    q_rows = [d * x for x in tp.heads(cfg.num_heads)]
+    kv_rows = [d * x for x in tp.kv_heads(cfg.num_kv_heads)]
     if leaf == "q_proj":
-        first, count = tp.heads(cfg.num_heads)
-        return tensor.narrow(0, first * d, count * d)
+        return rows(hf_name, tensor, *q_rows)
     if leaf in ("k_proj", "v_proj"):
-        first, count = tp.kv_heads(cfg.num_kv_heads)
-        return tensor.narrow(0, first * d, count * d)
+        return rows(hf_name, tensor, *kv_rows)
     if leaf == "o_proj":
-        first, count = tp.heads(cfg.num_heads)
-        return input_columns(hf_name, tensor, first * d, count * d, cfg.q_size)
+        return input_columns(hf_name, tensor, *q_rows, cfg.q_size)
     # an expert's MLP is sliced as a dense one, by its own intermediate size
     inter = intermediate_size_of(hf_name, cfg)
     if leaf in ("gate_proj", "up_proj"):
-        first, count = tp.part(inter)
-        return tensor.narrow(0, first, count)
+        return rows(hf_name, tensor, *tp.part(inter))
     if leaf == "down_proj":
-        first, count = tp.part(inter)
-        return input_columns(hf_name, tensor, first, count, inter)
+        return input_columns(hf_name, tensor, *tp.part(inter), inter)
+    if leaf in ("qkv_proj", "gate_up_proj") and tensor.numel() > 1:
+        # the stacked parameters' own names (an engine's named_parameters): each part's slice
+        sizes, slices = (
+            ([cfg.q_size, cfg.kv_size, cfg.kv_size], [q_rows, kv_rows, kv_rows])
+            if leaf == "qkv_proj"
+            else ([inter, inter], [tp.part(inter)] * 2)
+        )
+        if tensor.shape[0] != sum(sizes):
+            raise ValueError(
+                f"checkpoint tensor {hf_name!r} has {tensor.shape[0]} rows, expected {sum(sizes)}"
+            )
+        parts = tensor.split(sizes)
+        return torch.cat([rows(hf_name, p, *s) for p, s in zip(parts, slices, strict=True)])
     if leaf in ("embed_tokens", "lm_head"):
         first, count = tp.part(cfg.vocab_size)
-        return tensor.narrow(0, first, max(0, min(count, cfg.vocab_size - first)))
+        return rows(hf_name, tensor, first, max(0, min(count, cfg.vocab_size - first)))
     return tensor
+
+
+def rows(hf_name: str, tensor: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """Rows [first, first + count) of a column-parallel tensor; a ValueError naming it when it
+    has fewer (a wrong shape)."""
+    if tensor.dim() == 0 or first + count > tensor.shape[0]:
+        raise ValueError(
+            f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}: too few rows for "
+            f"this rank's [{first}, {first + count})"
+        )
+    return tensor.narrow(0, first, count)
 
 
 def input_columns(
@@ -157,7 +178,12 @@ def input_columns(
     if tensor.dim() != 2 or tensor.shape[1] == 1:
         return tensor
     unit = width // tensor.shape[1]
-    if unit * tensor.shape[1] != width or first % unit or count % unit:
+    if not unit or unit * tensor.shape[1] != width:
+        raise ValueError(
+            f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}: its "
+            f"{tensor.shape[1]} columns cover no {width} input features in equal groups"
+        )
+    if first % unit or count % unit:
         raise ValueError(
             f"checkpoint tensor {hf_name!r} ({tensor.shape[1]} columns for {width} input "
             f"features) cannot be split at input feature {first} of this rank: choose a "

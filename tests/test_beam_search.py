@@ -230,11 +230,19 @@ def test_the_servers_use_beam_search_answers_the_best_beams(hf_model, server):
     choices = httpx.post(f"{server}/v1/chat/completions", json=chat, timeout=60).json()["choices"]
     assert [c["index"] for c in choices] == [0, 1]
     assert all(c["message"]["role"] == "assistant" for c in choices)
+    text_format = {**chat, "response_format": {"type": "text"}}  # constrains nothing: taken
+    same = httpx.post(f"{server}/v1/chat/completions", json=text_format, timeout=60).json()
+    assert [c["message"] for c in same["choices"]] == [c["message"] for c in choices]
 
 
 @pytest.mark.parametrize(
     ("extra", "param"),
-    [({"stream": True}, "stream"), ({"logprobs": 2}, "logprobs"), ({"n": 11}, "n")],
+    [
+        ({"stream": True}, "stream"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"n": 11}, "n"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ],
 )
 def test_beam_search_refuses_what_it_does_not_take_with_a_400(server, extra, param):
     import httpx

@@ -446,11 +446,33 @@ def test_a_grammar_ending_on_another_eos_names_it_as_stop_reason(folder):
         dict(structural_tag={"structures": [], "triggers": ["<"]}),
         dict(structural_tag={"structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}]}),
         dict(json={}, disable_any_whitespace="no"),  # a truthy string turned it on
+        dict(json={}, disable_additional_properties="no"),
     ],
 )
 def test_malformed_constraints_are_value_errors(fields):
     with pytest.raises(ValueError, match="structured_outputs"):
         StructuredOutputsParams(**fields)
+
+
+def test_vllms_disable_additional_properties_and_an_empty_choice_are_taken(folder):
+    """disable_additional_properties (vLLM's field) holds whatever its value: xgrammar's strict
+    mode names no property the schema does not; "" is a choice (vLLM compiles it as one)."""
+    llm = LLM(folder, max_model_len=256)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    grammars = llm.engine.admission.grammars()
+    for flag in (True, False):
+        constraint = StructuredOutputsParams.from_dict(
+            {"json": schema, "disable_additional_properties": flag}
+        )
+        matcher = grammars.matcher(grammars.compile(constraint))
+        assert matcher.accept_string('{"a": 1') and not matcher.accept_string(', "b"')
+        outs = llm.generate(["x"] * 4, seeded(4, 30, {}, constraint), use_tqdm=False)
+        for out in outs:
+            if out.outputs[0].finish_reason == "stop":
+                assert set(json.loads(out.outputs[0].text)) <= {"a"}
+    empty = StructuredOutputsParams(choice=["", "yes"])
+    outs = llm.generate(["x"] * 4, seeded(4, 8, {}, empty), use_tqdm=False)
+    assert {o.outputs[0].text for o in outs} <= {"", "yes"}
 
 
 def test_constraints_from_a_dict_name_unknown_fields():

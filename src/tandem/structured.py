@@ -69,6 +69,9 @@ class StructuredOutputsParams:
     structural_tag: str | dict | None = None
     # JSON (schema or object): no whitespace between tokens beyond one space after ':' and ','
     disable_any_whitespace: bool = False
+    # vLLM's: no property a schema does not name unless it allows others. xgrammar's strict
+    # mode holds so whatever the value (as in vLLM with xgrammar): taken, checked as a bool
+    disable_additional_properties: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -100,16 +103,17 @@ class StructuredOutputsParams:
         if self.choice is not None and (
             not isinstance(self.choice, list | tuple)
             or not self.choice
-            or not all(isinstance(c, str) and c for c in self.choice)
+            or not all(isinstance(c, str) for c in self.choice)
         ):
             raise ValueError("structured_outputs.choice must be a non-empty list of strings")
         if self.json_object not in (None, True, False):
             raise ValueError("structured_outputs.json_object must be a boolean")
-        if not isinstance(self.disable_any_whitespace, bool):  # "no" would turn it on
-            raise ValueError(
-                "structured_outputs.disable_any_whitespace must be True or False, got "
-                f"{self.disable_any_whitespace!r:.40}"
-            )
+        for flag in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, flag), bool):  # "no" would turn it on
+                raise ValueError(
+                    f"structured_outputs.{flag} must be True or False, got "
+                    f"{getattr(self, flag)!r:.40}"
+                )
         if self.structural_tag is not None:
             check_structural_tag(self.structural_tag)
 

@@ -28,7 +28,8 @@ def check(body: SamplingRequest) -> None:
         "stream": body.stream,
         "logprobs": body.logprobs,
         "echo": getattr(body, "echo", None),
-        "response_format": body.response_format,
+        # a "text" format constrains nothing
+        "response_format": body.response_format and body.response_format.type != "text",
         "structured_outputs": body.structured_outputs,
         "tools": getattr(body, "tools", None),
         "prompt_logprobs": body.prompt_logprobs,

@@ -475,6 +475,21 @@ def test_vllms_disable_additional_properties_and_an_empty_choice_are_taken(folde
     assert {o.outputs[0].text for o in outs} <= {"", "yes"}
 
 
+def test_a_finished_grammar_keeps_its_stop_tokens_text_when_asked(folder):
+    """include_stop_str_in_output (special tokens shown): the stop token that ends the grammar
+    is in the text, as one that ends free text is (it was left out)."""
+    llm = LLM(folder, max_model_len=256)
+    params = SamplingParams(temperature=0.0, max_tokens=8, include_stop_str_in_output=True,
+                            skip_special_tokens=False,
+                            structured_outputs=StructuredOutputsParams(choice=["yes"]))  # fmt: skip
+    tokenizer = llm.get_tokenizer()
+    for stop in ([], ["never"]):  # a stop string: the text made token by token
+        [out] = llm.generate(["x"], replace(params, stop=stop), use_tqdm=False)[0].outputs
+        assert out.finish_reason == "stop" and out.token_ids[-1] in llm.engine.eos_token_ids
+        assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=False)
+        assert out.text.startswith("yes") and len(out.text) > 3
+
+
 def test_constraints_from_a_dict_name_unknown_fields():
     params = SamplingParams(structured_outputs={"regex": "a+"})
     assert params.structured_outputs == StructuredOutputsParams(regex="a+")

@@ -890,9 +890,13 @@ class Engine:
             gated = request.matcher is not None or request.reasoning_end_id is not None
             ended = accept(request, sampled[row]) if gated else None
             if ended is not None:  # the grammar is complete (its stop token), or broken
+                # its stop token's text kept as _check_stop keeps it (include_stop_str_in_output)
+                kept = ended == "stop" and request.params.include_stop_str_in_output
                 if ended == "stop":
                     request.stop_reason = self._stop_reason(request, sampled[row])
-                self._finish(request, ended, stopped_by_token=True)
+                if kept and request.detokenizer is not None:
+                    request.output_text += request.detokenizer.add([sampled[row]])
+                self._finish(request, ended, stopped_by_token=not kept)
                 continue
             self._check_stop(request)
         return updated

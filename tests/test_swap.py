@@ -54,6 +54,18 @@ def test_forced_swapping_gives_the_tokens_of_a_run_with_room_for_everything(make
         assert swapped == expected, f"async_batching={async_batching}"
 
 
+def test_an_fp8_cache_swaps_its_bytes_and_gives_the_tokens_of_a_roomy_run(make_tiny):
+    """The FP8 cache's blocks go out and back as bytes (torch indexes no float8 tensor on the
+    CPU: swapping in raised)."""
+    folder = str(make_tiny("llama"))
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    fp8 = {"kv_cache_dtype": "fp8"}
+    expected, _ = generate(folder, {**ROOMY, **fp8}, params)
+    swapped, engine = generate(folder, {**TIGHT, **fp8, "preemption_mode": "swap"}, params)
+    assert engine.scheduler.swap.num_swapped_out > 0, "nothing was swapped: the test is void"
+    assert swapped == expected
+
+
 def test_n_samples_share_their_prompt_blocks_on_the_host_and_match_a_roomy_run(make_tiny):
     folder = str(make_tiny("llama"))
     # an older neighbour, then a 20-token prompt: 4 full blocks its 3 samples share, 4 own

@@ -318,10 +318,10 @@ class Swapper:
     def _copy_out(self, device_blocks: list[int], host_blocks: list[int]) -> None:
         index = self._index(device_blocks)
         # [2, num_layers, n, ...] -> [n, num_layers, 2, block_size, kv_heads, head_dim]
-        staged = torch.stack([c.index_select(1, index) for c in self.kv_caches], dim=1)
+        staged = torch.stack([raw(c).index_select(1, index) for c in self.kv_caches], dim=1)
         staged = staged.permute(2, 1, 0, 3, 4, 5).contiguous()
         for first, count, host_first in _runs(host_blocks):
-            self.pool[host_first : host_first + count].copy_(
+            raw(self.pool)[host_first : host_first + count].copy_(
                 staged[first : first + count], non_blocking=True
             )
 
@@ -336,7 +336,13 @@ class Swapper:
             )
         index = self._index(device_blocks)
         for layer, cache in enumerate(self.kv_caches):
-            cache.index_copy_(1, index, staged[:, layer].transpose(0, 1))
+            raw(cache).index_copy_(1, index, raw(staged[:, layer].transpose(0, 1)))
+
+
+def raw(tensor: torch.Tensor) -> torch.Tensor:
+    """An FP8 cache's bytes as uint8 (torch indexes no float8 tensor on the CPU); others as
+    they are. The swap copies bytes either way."""
+    return tensor.view(torch.uint8) if tensor.dtype.itemsize == 1 else tensor
 
 
 def _runs(blocks: list[int]) -> list[tuple[int, int, int]]:

@@ -318,14 +318,17 @@ def test_truncate_prompt_tokens_reads_the_prompts_last_tokens_as_vllm_does(folde
     k; -1 keeps max_model_len - 1, so a prompt too long for the model still runs."""
     llm = LLM(str(folder), max_model_len=MAX_LEN, block_size=8, async_batching=async_batching)
     ids = list(range(3, 3 + 2 * MAX_LEN))
-    for keep, kept in [(5, ids[-5:]), (-1, ids[-(MAX_LEN - 1) :]), (200, ids[:20])]:
-        prompt = ids[:20] if keep == 200 else ids  # k past the prompt's length keeps it all
+    for keep, kept in [(5, ids[-5:]), (-1, ids[-(MAX_LEN - 1) :]), (MAX_LEN, ids[:20])]:
+        prompt = ids[:20] if keep == MAX_LEN else ids  # k past the prompt's length keeps it all
         params = SamplingParams(temperature=0, max_tokens=1, truncate_prompt_tokens=keep)
         [out] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
         assert out.prompt_token_ids == kept
         assert out.outputs[0].token_ids == transformers_greedy(folder, tuple(kept), 1)
     with pytest.raises(ValueError, match="max_model_len"):  # no truncation: still too long
         llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    past = SamplingParams(max_tokens=1, truncate_prompt_tokens=MAX_LEN + 1)  # vLLM's check
+    with pytest.raises(ValueError, match=rf"truncate_prompt_tokens \({MAX_LEN + 1}\) is greater"):
+        llm.generate({"prompt_token_ids": ids[:20]}, past, use_tqdm=False)
 
 
 def test_prompt_one_token_short_of_max_model_len_gets_exactly_one_token(llm):

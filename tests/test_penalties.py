@@ -416,7 +416,7 @@ def test_seeded_sampling_with_penalties_is_the_same_sync_async_pieces_and_preemp
         ("presence_penalty", float("nan")),
         ("repetition_penalty", 0.0),
         ("repetition_penalty", float("inf")),
-        ("logit_bias", {3: 101.0}),
+        ("logit_bias", {3: float("nan")}),
         ("logit_bias", {-1: 1.0}),
         ("logit_bias", {"3": 1.0}),
         ("allowed_token_ids", []),
@@ -428,6 +428,12 @@ def test_seeded_sampling_with_penalties_is_the_same_sync_async_pieces_and_preemp
 def test_out_of_range_processor_fields_are_value_errors_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_a_logit_bias_past_100_is_clamped_as_vllms_server_clamps_it():
+    """vLLM's offline params take any bias; a ban written -1e9 or -inf stays one (-100)."""
+    params = SamplingParams(logit_bias={3: -1e9, 4: float("-inf"), 5: 250, 6: 7.5})
+    assert params.logit_bias == {3: -100.0, 4: -100.0, 5: 100.0, 6: 7.5}
 
 
 @pytest.mark.parametrize(

@@ -84,7 +84,8 @@ def test_embeddings_give_the_tokens_of_their_ids_and_transformers_inputs_embeds(
 @pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
 def test_chunked_preempted_and_sampled_n_times_as_transformers(make_tiny, async_batching):
     """Prompts longer than a step's token budget, too few blocks for all at once (preemption
-    recomputes their prompt from the embeddings again), text prompts between, n=2."""
+    recomputes their prompt from the embeddings again), text prompts between, each twice
+    (the second shares the first's blocks)."""
     folder = make_tiny("llama")
     prompts = [{"prompt_embeds": random_embeds(folder, 30 + 7 * i, seed=i)} for i in range(4)]
     prompts.insert(2, {"prompt_token_ids": list(range(5, 40))})
@@ -92,16 +93,17 @@ def test_chunked_preempted_and_sampled_n_times_as_transformers(make_tiny, async_
         str(folder), max_model_len=96, enable_prompt_embeds=True, max_num_batched_tokens=16,
         block_size=8, num_blocks=24, async_batching=async_batching,
     )  # fmt: skip
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate([p for p in prompts for _ in range(2)], params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
-    for prompt, output in zip(prompts, outputs, strict=True):
+    pairs = zip(outputs[::2], outputs[1::2], strict=True)
+    for prompt, pair in zip(prompts, pairs, strict=True):
         if "prompt_embeds" in prompt:
             want = transformers_greedy_of_embeds(folder, prompt["prompt_embeds"], 12)
-            assert output.prompt_token_ids == []  # the prompt had no ids
+            assert pair[0].prompt_token_ids == []  # the prompt had no ids
         else:
             want = transformers_greedy(folder, tuple(prompt["prompt_token_ids"]), 12)
-        assert [c.token_ids for c in output.outputs] == [want, want]
+        assert [o.outputs[0].token_ids for o in pair] == [want, want]
     assert llm.engine.allocator.num_free == llm.engine.num_blocks
 
 

@@ -506,12 +506,13 @@ def test_n_choices_are_seed_plus_k_like_the_offline_api(client, offline):
 
 def test_a_batch_of_prompts_gets_n_choices_each(client, offline):
     prompts = [PROMPT, "Hello there"]
-    response = client.completions.create(
-        model=MODEL, prompt=prompts, max_tokens=5, temperature=0, n=2
-    )
-    want = offline.generate(prompts, SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)
+    response = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, n=2, seed=5)
+    params = SamplingParams(max_tokens=5, n=2, seed=5)
+    want = offline.generate(prompts, params, use_tqdm=False)
     texts = [c.text for c in response.choices]
-    assert texts == [w.outputs[0].text for w in want for _ in range(2)]
+    assert texts == [o.text for w in want for o in w.outputs]
+    with pytest.raises(openai.BadRequestError, match="n must be 1 when using greedy sampling"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, n=2)
 
 
 def test_stop_string_cuts_the_text_and_streaming_never_shows_what_is_cut(client, offline):
@@ -984,7 +985,6 @@ def test_penalties_bias_and_token_lists_reach_the_engine_as_the_offline_api_appl
         ("presence_penalty", 2.5),
         ("frequency_penalty", -3),
         ("repetition_penalty", 0),
-        ("logit_bias", {"5": 101}),
         ("logit_bias", {"five": 1}),
         ("logit_bias", {"99999999": 1}),
         ("allowed_token_ids", []),
@@ -1630,7 +1630,7 @@ def test_prompt_logprobs_as_vllm_per_completion_choice_and_once_for_a_chat(serve
     ids = offline.get_tokenizer().encode(PROMPT)
     params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)
     [want] = offline.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
-    body = {"prompt": ids, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2, "n": 2}
+    body = {"prompt": ids, "max_tokens": 2, "seed": 3, "prompt_logprobs": 2, "n": 2}
     choices = post(server, "/v1/completions", body).json()["choices"]
     expected = [None] + [
         {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}

@@ -119,6 +119,12 @@ class Admission:
             raise ValueError(f"prompt_token_ids must be a list of token ids, got {ids!r:.80}")
         # the longest prompt: a generation leaves room for a token, pooling needs none
         most = self.max_model_len - (pooling is None)
+        keep = params.truncate_prompt_tokens
+        if keep is not None and keep > self.max_model_len:  # vLLM's check
+            raise ValueError(
+                f"truncate_prompt_tokens ({keep}) is greater than max_model_len "
+                f"({self.max_model_len})"
+            )
         prompt_token_ids = self._check_token_ids(
             truncate_prompt(list(ids), params.truncate_prompt_tokens, most), most
         )

@@ -32,6 +32,7 @@ FLOAT32_MAX = 3.4028234663852886e38  # past it a float32 is inf: inf temperature
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32 (below: 0 or denormal)
 GREEDY_BELOW = 1e-5  # a temperature under it is greedy (0: those in (0, 0.01) are raised below)
 MIN_TEMPERATURE = 1e-2  # vLLM's: a temperature in (0, it) samples at it
+LOGIT_BIAS_LIMIT = 100.0  # a bias is clamped to [-it, it], as vLLM's server clamps it
 
 
 def check_seed(seed: Any) -> None:
@@ -151,6 +152,8 @@ class SamplingParams:
                 f"temperature must be a finite number >= 0 (at most {FLOAT32_MAX:.4g}, it "
                 f"travels as a float32), got {self.temperature!r}"
             )
+        if self.temperature < GREEDY_BELOW and self.n > 1:  # n identical answers (vLLM's check)
+            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}")
         check_bools(
             self, "ignore_eos", "detokenize", "skip_special_tokens", "include_stop_str_in_output",
             "skip_reading_prefix_cache", "flat_logprobs",
@@ -249,8 +252,13 @@ class SamplingParams:
                 )
             for token_id, bias in self.logit_bias.items():
                 check_int("logit_bias", token_id, 0, "(token ids as keys)")
-                if not _is_number(bias) or not -100.0 <= bias <= 100.0:
-                    raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+                if not _is_number(bias) or math.isnan(bias):
+                    raise ValueError(f"logit_bias values must be numbers, got {bias!r}")
+            # clamped to [-100, 100] as vLLM's server clamps them (-1e9 or -inf: a ban in effect)
+            self.logit_bias = {
+                token_id: min(max(float(bias), -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)
+                for token_id, bias in self.logit_bias.items()
+            }
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, list | tuple) or not self.allowed_token_ids:
                 raise ValueError(

@@ -945,6 +945,8 @@ def sampling_params(
     )
     given = {name: value for name, value in defaults.items() if name != "max_tokens"}
     given |= {name: getattr(body, name) for name in names if getattr(body, name) is not None}
+    if getattr(body, "use_beam_search", False):
+        given["n"] = 1  # n is the beam width (beam_search.params_of), greedy or not
     if body.logit_bias is not None:
         given["logit_bias"] = token_id_keys(body.logit_bias)
     if body.vllm_xargs is not None:

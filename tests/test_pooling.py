@@ -122,6 +122,36 @@ def test_a_sentence_transformers_model_normalizes_only_with_its_normalize_module
     )
     with pytest.raises(ValueError, match=r"pooling_mode_mean_tokens \(its 1_Pool/config.json\)"):
         LLM(str(mean), max_model_len=64).embed(PROMPTS[:1], use_tqdm=False)
+    # a Dense projection after the pooling (vLLM's and sentence-transformers' apply it) would
+    # be skipped: refused, naming it, while the model still generates
+    dense = st_folder(
+        folder, tmp_path / "dense",
+        [("Transformer", ""), ("Pooling", "1_Pooling"), ("Dense", "2_Dense"), ("Normalize", "3")],
+        "lasttoken",
+    )  # fmt: skip
+    llm = LLM(str(dense), max_model_len=64)
+    with pytest.raises(ValueError, match=r"sentence_transformers\.models\.Dense"):
+        llm.embed(PROMPTS[:1], use_tqdm=False)
+    assert llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_vllms_pooling_params_truncate_prompt_tokens_and_normalize(folder):
+    """PoolingParams(truncate_prompt_tokens=k) keeps the last k tokens as the call's argument
+    does; normalize=False (use_activation's older name) gives the raw states."""
+    llm = LLM(folder, max_model_len=64)
+    prompt = {"prompt_token_ids": list(range(3, 23))}
+    [cut] = llm.embed(prompt, pooling_params=PoolingParams(truncate_prompt_tokens=5))
+    [short] = llm.embed({"prompt_token_ids": list(range(18, 23))})
+    assert cut.prompt_token_ids == list(range(18, 23)) and cut.outputs.embedding == pytest.approx(
+        short.outputs.embedding, abs=1e-5
+    )
+    with pytest.raises(ValueError, match="truncate_prompt_tokens is 4 in the call but 5"):
+        llm.embed(prompt, pooling_params=PoolingParams(truncate_prompt_tokens=5),
+                  truncate_prompt_tokens=4)  # fmt: skip
+    raw = llm.embed(PROMPTS[:2], pooling_params=PoolingParams(normalize=False), use_tqdm=False)
+    assert_embeds(folder, raw, normalize=False)
+    with pytest.raises(ValueError, match="older name"):
+        llm.embed(PROMPTS[:1], pooling_params=PoolingParams(normalize=False, use_activation=True))
 
 
 def test_embeddings_run_beside_generation_and_leave_its_tokens_alone(folder):

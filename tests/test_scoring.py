@@ -168,6 +168,13 @@ def test_the_server_s_score_and_rerank_answer_what_llm_score_does(classifiers): 
                     )
             every = httpx.post(f"{url}/rerank", json={"query": QUERY, "documents": DOCUMENTS})
             assert [r["index"] for r in every.json()["results"]] == order  # top_n 0: all
+            for path, request in (  # vLLM's priority and request_id, taken
+                ("/rerank", {"query": QUERY, "documents": DOCUMENTS}),
+                ("/score", {"text_1": QUERY, "text_2": DOCUMENTS}),
+            ):
+                tagged = {**request, "priority": 0, "request_id": "abc"}
+                answer = httpx.post(f"{url}{path}", json=tagged).json()
+                assert answer["id"].endswith("-abc"), answer
             cut = {"query": QUERY, "documents": DOCUMENTS, "truncate_prompt_tokens": 10}
             short = LLM(folder, max_model_len=64).score(QUERY, DOCUMENTS, truncate_prompt_tokens=10)
             answer = httpx.post(f"{url}/rerank", json=cut).json()  # cut as LLM.score cuts them

@@ -344,6 +344,11 @@ def test_an_embedding_prompt_may_fill_the_context_and_minus_one_keeps_that_much(
         assert response.json()["usage"]["prompt_tokens"] == limit
     too_long = post(server, "/v1/embeddings", {"input": [5] * (limit + 1)})
     assert "max_model_len" in assert_openai_error(too_long, 400, "input")
+    # vLLM's priority and request_id: taken (a priority under "fcfs" is the engine's 400)
+    tagged = post(server, "/v1/embeddings", {"input": "hi", "priority": 0, "request_id": "abc"})
+    assert tagged.status_code == 200 and tagged.json()["id"] == "embd-abc"
+    ranked = post(server, "/v1/embeddings", {"input": "hi", "priority": 3})
+    assert "scheduling_policy" in assert_openai_error(ranked, 400, "input")
 
 
 def test_cache_salt_shares_cached_prompt_tokens_only_within_a_salt_on_both_routes(server):

@@ -39,7 +39,7 @@ from tandem.outputs import (
     RequestOutput,
     token_text,
 )
-from tandem.pooling import PoolingParams
+from tandem.pooling import PoolingParams, pooling_carrier
 from tandem.request import (
     Prompt,
     Request,
@@ -363,22 +363,21 @@ class AsyncLLM:
         request_id: str,
         lora_request: LoRARequest | None = None,
         truncate_prompt_tokens: int | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[EmbeddingRequestOutput | ClassificationRequestOutput]:
         """vLLM's: one prompt's embedding (pooling.py; `LLM.embed`), or its class probabilities
         with `PoolingParams(task="classify")` (`LLM.classify`), yielded once computed; leaving
-        the loop early aborts it. Raises ValueError if the engine rejects it."""
-        carrier = SamplingParams(
-            max_tokens=1, temperature=0.0, detokenize=False,
-            truncate_prompt_tokens=truncate_prompt_tokens,
-        )  # fmt: skip
+        the loop early aborts it. `priority` as generate's (scheduling_policy "priority").
+        Raises ValueError if the engine rejects it."""
         text, ids = split_prompt(prompt)
         prompt_ids = ids
         pooling = pooling_params or PoolingParams()
         if not isinstance(pooling, PoolingParams):
             raise TypeError(f"pooling_params must be PoolingParams, got {type(pooling).__name__}")
         pooling = pooling.for_task(pooling.task or "embed")
+        carrier = pooling_carrier(pooling.truncation(truncate_prompt_tokens))
         stream = await self._add_request(
-            request_id, carrier, text, ids, prompt_cache_salt(prompt), pooling=pooling,
+            request_id, carrier, text, ids, prompt_cache_salt(prompt), priority, pooling=pooling,
             lora_request=lora_request,
         )  # fmt: skip
         try:

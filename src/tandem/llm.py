@@ -42,7 +42,7 @@ from tandem.outputs import (
     sample_logprobs,
     token_text,
 )
-from tandem.pooling import PoolingParams
+from tandem.pooling import PoolingParams, pooling_carrier
 from tandem.request import (
     Prompt,
     Request,
@@ -385,16 +385,13 @@ class LLM:
             pooling_params = [pooling_params or PoolingParams()] * len(prompts)
         if len(pooling_params) != len(prompts):
             raise ValueError(f"got {len(pooling_params)} pooling_params for {len(prompts)} prompts")
-        carrier = SamplingParams(
-            max_tokens=1, temperature=0.0, detokenize=False,
-            truncate_prompt_tokens=truncate_prompt_tokens,
-        )  # fmt: skip
         groups = []
         for prompt, pooling, lora in zip(prompts, pooling_params, loras, strict=True):
             if not isinstance(pooling, PoolingParams):
                 raise TypeError(
                     f"pooling_params must be PoolingParams, got {type(pooling).__name__}"
                 )
+            carrier = pooling_carrier(pooling.truncation(truncate_prompt_tokens))
             text, ids = split_prompt(prompt)
             rid = str(next(self._ids))
             request = self.engine.make_request(

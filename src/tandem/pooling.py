@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from tandem.model_files import read_json
+from tandem.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from tandem.request import Request
@@ -57,6 +58,23 @@ class PoolingParams:
     dimensions: int | None = None
     # "embed" or "classify"; None: the call's (LLM.embed, LLM.classify; AsyncLLM.encode: "embed")
     task: str | None = None
+    # vLLM's: the prompt's last tokens kept (-1: all that fit), as the calls' own argument
+    truncate_prompt_tokens: int | None = None
+    normalize: bool | None = None  # vLLM's older name for use_activation
+
+    def activated(self) -> bool | None:
+        """use_activation, or its older name's value (None: the model's default)."""
+        return self.use_activation if self.use_activation is not None else self.normalize
+
+    def truncation(self, given: int | None) -> int | None:
+        """The prompt's truncation: the call's `given` or these params' (one of them, or the
+        same value in both)."""
+        mine = self.truncate_prompt_tokens
+        if given is not None and mine is not None and given != mine:
+            raise ValueError(
+                f"truncate_prompt_tokens is {given} in the call but {mine} in pooling_params"
+            )
+        return mine if given is None else given
 
     def for_task(self, task: str) -> PoolingParams:
         """These params for a call that pools for `task`; a ValueError if they name another
@@ -77,15 +95,27 @@ class PoolingParams:
             )
         if self.task != "embed" and self.dimensions is not None:
             raise ValueError(f"dimensions applies to embeddings, not to {self.task}")
-        if self.use_activation is not None and not isinstance(self.use_activation, bool):
-            raise ValueError(
-                f"use_activation must be True, False or None, got {self.use_activation!r}"
-            )
+        for name in ("use_activation", "normalize"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be True, False or None, got {value!r}")
+        if None not in (self.use_activation, self.normalize) and (
+            self.use_activation != self.normalize
+        ):
+            raise ValueError("normalize is use_activation's older name: give one value")
         d = self.dimensions
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or not d > 0):
             raise ValueError(f"dimensions must be a positive int or None, got {d!r}")
         if d is not None and d > hidden_size:
             raise ValueError(f"dimensions={d} is more than the model's {hidden_size} values")
+
+
+def pooling_carrier(truncate_prompt_tokens: int | None) -> SamplingParams:
+    """The SamplingParams a pooling request travels with: one greedy step, no text."""
+    return SamplingParams(
+        max_tokens=1, temperature=0.0, detokenize=False,
+        truncate_prompt_tokens=truncate_prompt_tokens,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -123,7 +153,7 @@ class ModelPooling:
         ) or hf_config.get("sbert_ce_default_activation_function")
         dims = hf_config.get("matryoshka_dimensions")
         return cls(
-            refusal=unreadable or pooling_refusal(folder, pooling_dir),
+            refusal=unreadable or module_refusal(types) or pooling_refusal(folder, pooling_dir),
             # as vLLM: modules.json decides only where it has a Pooling module
             normalize=not pooled or "sentence_transformers.models.Normalize" in types,
             matryoshka=tuple(dims) if dims else (() if hf_config.get("is_matryoshka") else None),
@@ -159,10 +189,11 @@ class ModelPooling:
 
     def activation(self, params: PoolingParams) -> str:
         """What a request's pooled values go through: its use_activation over the model's."""
-        if params.use_activation is False:
+        activated = params.activated()
+        if activated is False:
             return "identity"
         if params.task == "embed":
-            return "normalize" if params.use_activation or self.normalize else "identity"
+            return "normalize" if activated or self.normalize else "identity"
         return self.score if params.task == "score" else self.classify
 
 
@@ -271,6 +302,27 @@ def st_modules(folder: Path | None) -> list | None:
     """A sentence-transformers model's modules.json (its modules in order), or None."""
     path = folder / "modules.json" if folder is not None else None
     return read_json(path, list) if path is not None and path.is_file() else None
+
+
+# the sentence-transformers modules embeddings go through here: the model, its pooling (the
+# last token's) and the L2 normalization
+ST_MODULES = (
+    "sentence_transformers.models.Transformer",
+    "sentence_transformers.models.Pooling",
+    "sentence_transformers.models.Normalize",
+)
+
+
+def module_refusal(types: dict) -> str | None:
+    """Why embeddings are refused for a modules.json module they would skip (a Dense
+    projection after the pooling changes every vector and its width), or None."""
+    others = sorted(str(t) for t in types if t not in ST_MODULES)
+    if not others:
+        return None
+    return (
+        f"this model's modules.json runs {', '.join(others)} on its embeddings; tandem applies "
+        "its Transformer, last-token Pooling and Normalize modules alone"
+    )
 
 
 def pooling_refusal(folder: Path | None, pooling_dir: str = "1_Pooling") -> str | None:

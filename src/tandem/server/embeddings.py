@@ -36,6 +36,8 @@ class PoolingRequest(RequestOption):
     use_activation: bool | None = None  # vLLM's: normalize / softmax (None: on)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None  # vLLM's; -1: all that fit
     add_special_tokens: bool = True  # vLLM's: a text input gets the tokenizer's BOS (or others)
+    priority: int = 0  # vLLM's (scheduling_policy "priority": lower first)
+    request_id: Text | None = None  # vLLM's: the response's id, after its prefix
 
     def prompts(self) -> list[str | dict[str, list[int]]]:
         """The inputs as prompts: one text, texts, one list of token ids, or lists of them."""
@@ -73,6 +75,8 @@ class ScoreRequest(RequestOption):
     text_2: Text | list[Text]
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     use_activation: bool | None = None  # a cross-encoder's sigmoid (None: on)
+    priority: int = 0
+    request_id: Text | None = None
 
 
 class RerankRequest(RequestOption):
@@ -84,6 +88,8 @@ class RerankRequest(RequestOption):
     top_n: Annotated[int, Field(ge=0)] = 0  # the best top_n results; 0: all
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     use_activation: bool | None = None
+    priority: int = 0
+    request_id: Text | None = None
 
 
 async def pooled(
@@ -94,9 +100,10 @@ async def pooled(
     prompts: list | None = None,
     param: str = "input",
 ) -> tuple[str, list]:
-    """Every input pooled side by side in the step loop: (the call's id, each input's output);
-    one the engine rejects is a 400 and the others are aborted. The inputs: `prompts`, else
-    the body's, each under the body's model's adapter."""
+    """Every input pooled side by side in the step loop: (the response's id, each input's
+    output); one the engine rejects is a 400 and the others are aborted. The inputs: `prompts`,
+    else the body's, each under the body's model's adapter and at its priority. The response's
+    id is the body's request_id when it gives one; the engine's stay unique."""
     serving.check_model(body.model)
     if prompts is None:
         prompts = body.prompts()
@@ -117,15 +124,16 @@ async def pooled(
     async def one(i: int, prompt):
         outputs = serving.llm.encode(
             prompt, pooling, f"{call_id}-{i}", adapter,
-            truncate_prompt_tokens=body.truncate_prompt_tokens,
+            truncate_prompt_tokens=body.truncate_prompt_tokens, priority=body.priority,
         )  # fmt: skip
         async for output in outputs:
             return output
         raise OpenAIError("the request was aborted before its output", 503, "server_error")
 
     tasks = [asyncio.create_task(one(i, prompt)) for i, prompt in enumerate(prompts)]
+    response_id = f"{kind}-{body.request_id}" if body.request_id else call_id
     try:
-        return call_id, await asyncio.gather(*tasks)
+        return response_id, await asyncio.gather(*tasks)
     except ValueError as error:
         raise OpenAIError(str(error), param=param) from error
     finally:

@@ -50,6 +50,17 @@ CASES = [
 ]
 
 
+def test_a_call_without_end_tag_streams_once_it_closes_not_at_the_answers_end():
+    """qwen3: text from a <tool_call> is held while a </think> may still come; once the call
+    closes with none, it and what follows stream as they come."""
+    splitter = PARSERS["qwen3"].splitter(True, {"enable_thinking": True})
+    text = "plan<tool_call>{}</tool_call> then more words"
+    pieces = [splitter.feed(ch, final=False) for ch in text]
+    seen = "".join(content for _, content in pieces)
+    assert seen == "<tool_call>{}</tool_call> then more words"
+    assert "".join(reasoning for reasoning, _ in pieces) == "plan"
+
+
 def feed_in_pieces(parser: str, thinking: bool, pieces: list[str]) -> tuple[str, str]:
     splitter = PARSERS[parser].splitter(True, {"enable_thinking": thinking})
     reasoning, content = "", ""

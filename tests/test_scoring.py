@@ -79,6 +79,9 @@ def test_truncate_prompt_tokens_cuts_a_pair_as_transformers_truncation_does(cros
         )["input_ids"]
         assert out.prompt_token_ids == want and len(want) <= keep
         assert out.outputs.score == pytest.approx(sigmoid(hf_logit(model, want)), rel=1e-4)
+        pooled = PoolingParams(truncate_prompt_tokens=keep)  # vLLM's other place for it
+        [same] = llm.score(QUERY, document, pooling_params=pooled, use_tqdm=False)
+        assert same.prompt_token_ids == want
     [whole] = llm.score(QUERY, document, truncate_prompt_tokens=-1, use_tqdm=False)
     assert whole.prompt_token_ids == hf_pair(folder, QUERY, document)
 

@@ -162,8 +162,18 @@ def test_llama3_prose_with_json_that_can_never_be_a_call_streams_on():
         '{"name": "f", "parameters": {"a": "x',
         '{"name": "f", "parameters": {"a": -',
         '{"name": "f", "parameters": {"a": 1',
+        '{"name": "f", "parameters": {"a": 12.',
+        '{"name": "f", "parameters": {"a": 1e-',
     ):
-        assert Llama3JsonParser().feed(cut, final=False).content == ""  # fmt: skip
+        assert Llama3JsonParser().feed(cut, final=False).content == ""
+
+
+def test_a_call_streamed_a_character_at_a_time_is_found_wherever_a_chunk_ends():
+    """Cut inside a number ("12." "3.5e-") a call is still JSON to come, not content."""
+    text = '{"name": "get_weather", "parameters": {"lat": 12.5, "lon": 3.5e-2, "n": -4}}'
+    content, tool_calls = streamed(Llama3JsonParser(), text, 1)
+    assert content == ""
+    assert calls_of(tool_calls) == [("get_weather", {"lat": 12.5, "lon": 0.035, "n": -4})]
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 5, 1000])

@@ -424,6 +424,8 @@ class LLM:
             )
         engine = self.engine
         loras = per_prompt(lora_request, len(firsts))
+        if pooling_params is not None:  # its truncate_prompt_tokens cuts the pair too
+            truncate_prompt_tokens = pooling_params.truncation(truncate_prompt_tokens)
         if scoring.cross_encodes(engine.model_config.num_labels):
             keep = engine.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
             prompts = scoring.pair_prompts(

@@ -13,7 +13,8 @@ without thinking; one whose last tag is `<think>`, or that has none, thinks firs
 Both parsers use `<think>` and `</think>`, which must be tokens of the model's vocabulary;
 "qwen3" also ends the thinking at a `<tool_call>` in the text (kept in the content, for the
 tool-call parser) when no `</think>` follows (which wins, as vLLM's: thinking that mentions the
-tag goes on), and, on the server, takes `enable_thinking: false` in the template's kwargs
+tag goes on). A stream holds the text from the tag on until the call's `</tool_call>` (or the
+answer's end) says which, and, on the server, takes `enable_thinking: false` in the template's kwargs
 as no thinking.
 """
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 THINK_START, THINK_END = "<think>", "</think>"
+TOOL_CALL_END = "</tool_call>"  # qwen3's: a call closed with no </think> yet ends the thinking
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,9 @@ class ReasoningSplitter:
         if others:  # the content from there on, unless a </think> comes after it
             at = min(others)
             reasoning, rest = self.held[:at], self.held[at:]
-            if final:
+            # held until the answer ends or the call closes: a call without </think> after it
+            # is the answer's, and then streams as it comes
+            if final or TOOL_CALL_END in rest:
                 self.state, self.held = "content", ""
                 return reasoning, rest
             self.held = rest

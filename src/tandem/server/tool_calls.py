@@ -16,6 +16,7 @@ streamed feeds the whole text at once, so both give the same calls and content.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -268,6 +269,7 @@ def may_complete(text: str, error: json.JSONDecodeError) -> bool:
         error.msg.startswith("Unterminated string")
         or ("escape" in error.msg and len(rest) < 6)
         or any(start.startswith(rest) for start in JSON_STARTS)
+        or re.fullmatch(r"[\d.eE+-]+", rest) is not None  # a number cut there: "12." "1e-"
     )
 
 

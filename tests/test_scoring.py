@@ -101,10 +101,16 @@ def test_use_sep_token_false_joins_the_two_texts(cross_encoder, tmp_path):
 
 
 def test_other_models_score_by_the_cosine_of_the_two_embeddings(make_tiny):
+    """1:N embeds the one query once (vLLM's N + 1 prompts; it was embedded N times)."""
     folder = str(make_tiny("llama"))
-    llm = LLM(folder, max_model_len=64)
+    llm = LLM(folder, max_model_len=64, enable_prefix_caching=False)
     tokenizer = llm.get_tokenizer()
+    computed = llm.engine.stats().num_prompt_tokens
     outs = llm.score(QUERY, DOCUMENTS, use_tqdm=False)
+    every = [QUERY, *DOCUMENTS]
+    assert llm.engine.stats().num_prompt_tokens - computed == sum(
+        len(tokenizer.encode(text)) for text in every
+    )
     query = normalized(reference(folder, tuple(tokenizer.encode(QUERY))))
     for out, document in zip(outs, DOCUMENTS, strict=True):
         ids = tokenizer.encode(document)

@@ -432,11 +432,15 @@ class LLM:
                 engine.tokenizer, firsts, seconds, engine.separates_pairs, keep
             )
             task = "score"
-        else:  # every first text, then every second, each embedded alone
-            prompts, loras, task = firsts + seconds, loras + loras, "embed"
+        else:  # the first texts, then every second, each embedded alone
+            same = len({None if lora is None else lora.identity for lora in loras}) == 1
+            prompts, task = scoring.embedded_once(firsts, seconds, same), "embed"
+            loras = loras[: len(prompts) - len(seconds)] + loras
         requests = self._pool(
             prompts, pooling_params, task, truncate_prompt_tokens, use_tqdm, loras
         )
+        if task == "embed":
+            requests = scoring.spread(requests, len(seconds))
         return scoring.outputs(requests, task == "score", engine.tokenizer)
 
     def loglikelihood(

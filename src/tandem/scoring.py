@@ -6,7 +6,8 @@ cross-encoder, a decoder-only reranker) reads each pair as one prompt, made by t
 pair encoding (its post-processor, e.g. BOS before each text), or by the two texts joined where
 config.json says `use_sep_token: false` (vLLM's "LLM as reranker"); a pair's score is that
 label's probability (sigmoid; its raw logit with use_activation=False). Any other model embeds
-each text alone (pooling.py), and a pair's score is the cosine similarity of its embeddings.
+each text alone (pooling.py; 1:N's one text once), and a pair's score is the cosine similarity
+of its embeddings.
 A classifier of several labels gives no score: use classify.
 
     data_1, data_2 ─pairs─> firsts, seconds ─prompts─> pooled vectors ─scores─> one per pair
@@ -34,6 +35,21 @@ def pairs(data_1: Any, data_2: Any) -> tuple[list[str], list[str]]:
             f"data_1 and data_2 pair up 1:1, 1:N or N:N; got {len(firsts)} and {len(seconds)} texts"
         )
     return firsts * len(seconds) if len(firsts) == 1 else firsts, seconds
+
+
+def embedded_once(firsts: list[str], seconds: list[str], same_adapter: bool) -> list[str]:
+    """The texts an embedding model embeds for the pairs: 1:N's one first text once (vLLM's:
+    N + 1 prompts), else every first text then every second (`spread` puts them back)."""
+    if same_adapter and len(firsts) > 1 and len(set(firsts)) == 1:
+        return [firsts[0], *seconds]
+    return [*firsts, *seconds]
+
+
+def spread(pooled: list, num_pairs: int) -> list:
+    """`embedded_once`'s outputs as every first text's then every second's."""
+    if len(pooled) == 2 * num_pairs:
+        return pooled
+    return [pooled[0]] * num_pairs + pooled[1:]
 
 
 def texts(name: str, data: Any) -> list[str]:

@@ -227,17 +227,19 @@ async def scored(
             keep = body.truncate_prompt_tokens
             keep = engine.max_model_len if keep == -1 else keep
             prompts = scoring.pair_prompts(tokenizer, firsts, seconds, separate, keep)
-        else:
-            prompts = firsts + seconds
+        else:  # one adapter serves the whole call
+            prompts = scoring.embedded_once(firsts, seconds, same_adapter=True)
     except ValueError as error:
         raise OpenAIError(str(error), param="model") from error
     task = "score" if cross_encoded else "embed"
     pooling = PoolingParams(use_activation=body.use_activation, task=task)
     call_id, outputs = await pooled(serving, body, pooling, "score", prompts, param=param)
+    num_tokens = sum(len(output.prompt_token_ids) for output in outputs)  # each prompt once
+    if not cross_encoded:
+        outputs = scoring.spread(outputs, len(seconds))
     vectors = [
         output.outputs.probs if cross_encoded else output.outputs.embedding for output in outputs
     ]
-    num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
     return call_id, scoring.scores(cross_encoded, vectors), num_tokens
 
 

@@ -546,3 +546,12 @@ def test_the_text_reads_as_after_the_prompt_with_or_without_stop_strings(folder,
     for stop in ([], ["never said"]):
         params = greedy(max_tokens=2, allowed_token_ids=[the], stop=stop)
         assert generate_one(llm, PROMPT, params).text == added
+    # a prompt ending in a literal U+FFFD: the context stops before it, the space still kept
+    odd = PROMPT + " \ufffd"
+    odd_ids = tokenizer.encode(odd)
+    whole = tokenizer.decode([*odd_ids, the, the], skip_special_tokens=True)
+    added = whole[len(tokenizer.decode(odd_ids, skip_special_tokens=True)) :]
+    assert added == " the the"
+    for stop in ([], ["never said"]):
+        params = greedy(max_tokens=2, allowed_token_ids=[the], stop=stop)
+        assert generate_one(llm, odd, params).text == added

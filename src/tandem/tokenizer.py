@@ -381,10 +381,13 @@ def prompt_context(
     tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool
 ) -> list[int]:
     """The last prompt ids an output's text is decoded after, so its spacing decodes right;
-    none where they end inside a character."""
+    those before a tail that decodes to U+FFFD (a character cut there, or a literal one) are
+    as near as the context comes (none at all lost a Llama 2 tokenizer's leading space)."""
     context = list(prompt_token_ids[-DETOKENIZE_CONTEXT:])
-    if tokenizer.decode(context, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
-        return []
+    while context and tokenizer.decode(context, skip_special_tokens=skip_special_tokens).endswith(
+        "\ufffd"
+    ):
+        context.pop()
     return context
 
 

@@ -130,6 +130,20 @@ def test_top_k_keeps_exactly_the_k_most_likely_tokens():
     assert set(sampled.tolist()) == {0, 1, 2}
 
 
+def test_top_k_keeps_the_tokens_tied_with_the_kth_as_transformers_and_vllm():
+    """Logits [3, 2, 2, 1, 0.5], top_k=2: both 2s are kept (transformers' TopKLogitsWarper and
+    vLLM's sampler mask only what is below the k-th value); which one survived a rank cut
+    depended on the sort."""
+    from transformers import TopKLogitsWarper
+
+    logits = [3.0, 2.0, 2.0, 1.0, 0.5]
+    warped = TopKLogitsWarper(top_k=2)(None, torch.tensor([logits]))
+    want = set(torch.isfinite(warped[0]).nonzero().flatten().tolist())
+    assert want == {0, 1, 2}
+    sampled = draw(logits, 3000, use_filters=True, temperature=5.0, top_k=2)
+    assert set(sampled.tolist()) == want
+
+
 def test_top_p_keeps_the_smallest_prefix_whose_mass_reaches_p():
     # probs [0.47, 0.21, 0.10, 0.06, 0.04, 0.02, 0.01]: mass before token 2 is 0.68, before 3 is 0.79
     sampled = draw(LOGITS, 2000, use_filters=True, top_p=0.75)

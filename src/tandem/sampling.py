@@ -465,10 +465,11 @@ def _filter_sorted(scaled: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     distribution, then top-k, then top-p within what those keep; `scaled` is sorted descending
     per row."""
     vocab = scaled.shape[-1]
-    ranks = torch.arange(vocab, device=scaled.device)
-    top_k = torch.where(t.top_k > 0, t.top_k, vocab)
+    top_k = torch.where((t.top_k > 0) & (t.top_k < vocab), t.top_k, vocab)
+    # vLLM's and transformers' top-k: every token at least the k-th's value (ties with it kept)
+    kth = scaled.gather(1, (top_k[:, None] - 1).long())
     whole = scaled.softmax(dim=-1)
-    kept = (ranks < top_k[:, None]) & (whole >= t.min_p[:, None] * whole[:, :1])
+    kept = (scaled >= kth) & (whole >= t.min_p[:, None] * whole[:, :1])
     probs = scaled.masked_fill(~kept, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # E.g. [0.5, 0.3, 0.2] -> [0, 0.5, 0.8]
     keep = kept & ((mass_before < t.top_p[:, None]) | (t.top_p[:, None] >= 1))

@@ -55,6 +55,18 @@ def test_forced_swapping_on_cuda_gives_the_tokens_of_a_roomy_run(make_tiny, asyn
     assert tokens == expected
 
 
+def test_an_fp8_cache_swaps_its_bytes_on_cuda_and_gives_the_tokens_of_a_roomy_run(make_tiny):
+    """The swap copies an FP8 cache's blocks through byte views (``swap.raw``); the CUDA copy
+    path must move exactly the bytes the roomy FP8 run keeps on the device."""
+    folder = make_tiny("llama")
+    fp8 = {"attention_backend": "torch", "kv_cache_dtype": "fp8"}
+    expected, _ = generate(folder, 256, **fp8)
+    tokens, engine = generate(folder, 12, preemption_mode="swap", **fp8)
+    assert engine.scheduler.swap.num_swapped_out > 0
+    assert engine.swapper.bytes_in > 0
+    assert tokens == expected
+
+
 def test_swapping_adds_no_host_wait_to_the_step_loop(make_tiny, monkeypatch):
     """Sync debug mode "error" raises on any synchronizing call; only Runner.wait may block."""
     original_wait = Runner.wait

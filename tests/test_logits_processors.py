@@ -64,7 +64,7 @@ def test_batch_updates_turn_each_steps_rows_into_the_next_ones():
     says whether they changed."""
     rng = random.Random(0)
     pool = [fake_request(f"r{i}") for i in range(40)]
-    last: list[str] = []
+    last: list = []
     slots: dict[int, str] = {}
     evens: dict[int, str] = {}
 
@@ -74,13 +74,13 @@ def test_batch_updates_turn_each_steps_rows_into_the_next_ones():
 
     assert batch_update([], []) is None
     for _ in range(300):
-        kept = [r for r in pool if r.request_id in last and rng.random() < 0.8]
-        fresh = [r for r in pool if r.request_id not in last and rng.random() < 0.15]
+        kept = [r for r in pool if r in last and rng.random() < 0.8]
+        fresh = [r for r in pool if r not in last and rng.random() < 0.15]
         rows = kept + fresh
         rng.shuffle(rows) if rng.random() < 0.3 else None
         rows = rows[:12]
         update = batch_update(last, rows)
-        assert (update is None) == ([r.request_id for r in rows] == last)
+        assert (update is None) == (rows == last)
         slots = apply_update(slots, update)
         assert slots == {i: r.request_id for i, r in enumerate(rows)}
         before = dict(evens)
@@ -90,8 +90,8 @@ def test_batch_updates_turn_each_steps_rows_into_the_next_ones():
         if update is not None:
             assert update.batch_size == len(rows)
             added = {params.extra_args["id"] for _, params, _, _ in update.added}
-            assert added == {r.request_id for r in rows} - set(last)
-        last = [r.request_id for r in rows]
+            assert added == {r.request_id for r in rows} - {r.request_id for r in last}
+        last = rows
 
 
 class TargetToken(LogitsProcessor):
@@ -252,6 +252,28 @@ def test_per_request_functions_through_the_adapter_see_each_rows_outputs(folder,
         assert all(a != b for a, b in itertools.pairwise(ids)), ids
     for i in (0, 2):
         assert outs[i].outputs[0].token_ids == greedy_of(llm, folder, PROMPTS[i], 12)
+
+
+@pytest.mark.parametrize("async_batching", [True, False])
+def test_a_request_id_used_again_is_a_new_request_to_the_processors(folder, async_batching):
+    """One id, three requests one after another (a target, another target, none): each is added
+    to the processors afresh, so the second samples its own target and the third the model's
+    greedy tokens (the processors held the first one's row while the ids matched)."""
+    llm = make_llm(folder, [TargetToken], async_batching=async_batching)
+    engine = llm.engine
+    ids = llm.get_tokenizer().encode(PROMPTS[0])
+
+    def run(extra_args):
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, extra_args=extra_args)
+        request = engine.make_request("job", params, None, list(ids))
+        engine.enqueue(request)
+        while engine.has_unfinished():
+            engine.step()
+        return request.output_token_ids
+
+    assert run({"target_token": 3}) == [3] * 4
+    assert run({"target_token": 7}) == [7] * 4
+    assert run(None) == greedy_of(llm, folder, PROMPTS[0], 4)
 
 
 def test_a_processor_refuses_a_request_and_the_engine_serves_on(folder):

@@ -209,7 +209,9 @@ class LogitsProcessors:
         self.unwatched = {id(p) for p in self.processors} if device.type == "cuda" else set()
         # some read output ids: a step's sampling waits for the host's read of the one before
         self.read_outputs = any(cls.needs_output_token_ids() for cls in self.classes)
-        self.rows: list[str] = []  # request ids in the last step's row order
+        # the last step's requests in row order, by identity: a request id used again after its
+        # request finished is a new request to the processors
+        self.rows: list[Request] = []
 
     def validate(self, params: SamplingParams) -> None:
         for cls in self.classes:
@@ -219,7 +221,7 @@ class LogitsProcessors:
         """Hand each processor how this step's rows differ from the last step's."""
         update = batch_update(self.rows, requests)
         if update is not None:  # else the rows are the last step's
-            self.rows = [request.request_id for request in requests]
+            self.rows = list(requests)
         for processor in self.processors:
             processor.update_state(update)
 
@@ -300,38 +302,39 @@ def checked(processor: LogitsProcessor, logits: torch.Tensor, out: object) -> to
     return out
 
 
-def batch_update(last: list[str], requests: list[Request]) -> BatchUpdate | None:
-    """The operations that turn the last step's rows (request ids) into this step's: rows of
+def batch_update(last: list[Request], requests: list[Request]) -> BatchUpdate | None:
+    """The operations that turn the last step's rows (requests) into this step's: rows of
     requests gone are removed; new requests are added at a free index (their own row where it
     is free, else one a removal left or one past both steps' rows); then swaps put every
-    request at its row. None when nothing changed."""
-    ids = [request.request_id for request in requests]
-    if ids == last:
+    request at its row. None when nothing changed. Requests are told apart by identity (ids
+    of the objects, all alive in `last` or `requests`), not by request id."""
+    ids = [id(request) for request in requests]
+    if ids == [id(request) for request in last]:
         return None
     now = set(ids)
-    slots: list[str | None] = list(last)
-    removed = [i for i, rid in enumerate(last) if rid not in now]
+    slots: list[int | None] = [id(request) for request in last]
+    removed = [i for i, key in enumerate(slots) if key not in now]
     for i in removed:
         slots[i] = None
     slots += [None] * max(0, len(ids) - len(slots))
-    where = {rid: i for i, rid in enumerate(slots) if rid is not None}
+    where = {key: i for i, key in enumerate(slots) if key is not None}
     added = []
     for row, request in enumerate(requests):
-        if request.request_id in where:
+        if id(request) in where:
             continue
         free = row if slots[row] is None else _free_slot(slots, row)
-        slots[free] = request.request_id
-        where[request.request_id] = free
+        slots[free] = id(request)
+        where[id(request)] = free
         params = request.params
         added.append((free, params, request.prompt_token_ids, request.output_token_ids))
     moved = []
-    for row, rid in enumerate(ids):
-        at = where[rid]
+    for row, key in enumerate(ids):
+        at = where[key]
         if at == row:
             continue
         other = slots[row]
-        slots[row], slots[at] = rid, other
-        where[rid] = row
+        slots[row], slots[at] = key, other
+        where[key] = row
         if other is not None:
             where[other] = at
             moved.append((at, row, MoveDirectionality.SWAP))
@@ -340,10 +343,10 @@ def batch_update(last: list[str], requests: list[Request]) -> BatchUpdate | None
     return BatchUpdate(batch_size=len(ids), removed=removed, added=added, moved=moved)
 
 
-def _free_slot(slots: list[str | None], avoid: int) -> int:
+def _free_slot(slots: list[int | None], avoid: int) -> int:
     """An empty index of `slots` other than `avoid`, one appended if none is."""
-    for i, rid in enumerate(slots):
-        if rid is None and i != avoid:
+    for i, key in enumerate(slots):
+        if key is None and i != avoid:
             return i
     slots.append(None)
     return len(slots) - 1

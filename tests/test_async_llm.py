@@ -182,6 +182,33 @@ def test_an_abort_just_after_generate_starts_ends_every_sample(llm, yields):
         assert [whole[k].finish_reason for k in range(2)] == ["abort", "abort"]
 
 
+def test_a_logprobs_request_aborted_before_its_first_token_ends_with_abort(folder):
+    """Waiting behind another (max_num_seqs=1), it has no token and no logprob yet: its stream
+    ends with "abort" and an empty logprobs list, and the other request runs on."""
+    llm = AsyncLLM.from_model(folder, **(ENGINE_ARGS | {"max_num_seqs": 1}))
+    busy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    waiting = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=1)
+
+    async def main():
+        first = asyncio.create_task(collect(llm, PROMPTS[0], busy, "busy"))
+        second = asyncio.create_task(collect(llm, PROMPTS[1], waiting, "waiting"))
+        await until(lambda: llm.stats.num_running == 1 and llm.stats.num_waiting == 1)
+        await llm.abort("waiting")
+        return await asyncio.gather(first, second)
+
+    try:
+        busy_out, waiting_out = asyncio.run(main())
+    finally:
+        llm.shutdown()
+    completion = waiting_out[-1].outputs[0]
+    assert (completion.finish_reason, completion.token_ids, completion.logprobs) == (
+        "abort",
+        [],
+        [],
+    )
+    assert joined(busy_out)[2] == "length" and len(joined(busy_out)[1]) == 40
+
+
 def test_a_request_id_open_in_generate_is_refused_whatever_its_n(llm):
     params = SamplingParams(max_tokens=50, ignore_eos=True)
 

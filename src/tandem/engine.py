@@ -935,8 +935,6 @@ class Engine:
         else:
             entry = dict(zip(logprobs.top_ids[row][:n], logprobs.top_values[row][:n], strict=True))
         entry[request.output_token_ids[-1]] = logprobs.sampled[row]
-        if request.logprobs is None:
-            request.logprobs = []
         request.logprobs.append(entry)
         request.sampled_ranks.append(logprobs.ranks[row])
 

@@ -65,7 +65,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     output_text: str = ""
     detokenizer: IncrementalDetokenizer | None = None  # kept only when text is needed per token
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, float]] | None = None  # [] from the start with params.logprobs
     sampled_ranks: list[int] = field(default_factory=list)  # each output token's, with logprobs
     # with params.prompt_logprobs: one entry per prompt position, None for the first (and for
     # positions not computed yet); prompt_logprobs_end is 1 + the last position filled
@@ -110,6 +110,8 @@ class Request:
         return self.matcher is not None or self.thinking_left is not None
 
     def __post_init__(self) -> None:
+        if self.params.logprobs is not None:  # a request aborted before its first token has []
+            self.logprobs = []
         if self.wants_prompt_logprobs:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
             self.prompt_ranks = [None] * len(self.prompt_token_ids)

@@ -178,6 +178,25 @@ class NoRepeat(AdapterLogitsProcessor):
         return ban_last
 
 
+class RaisesLater(AdapterLogitsProcessor):
+    """With extra_args raise_at, a row's function raises once the row has that many outputs."""
+
+    def is_argmax_invariant(self):
+        return False
+
+    def new_req_logits_processor(self, params):
+        at = (params.extra_args or {}).get("raise_at")
+        if at is None:
+            return None
+
+        def fn(output_ids, row):
+            if len(output_ids) >= at:
+                raise RuntimeError("the processor failed")
+            return row
+
+        return fn
+
+
 @pytest.fixture(scope="module")
 def folder(make_tiny):
     return make_tiny("qwen3")
@@ -274,6 +293,28 @@ def test_a_request_id_used_again_is_a_new_request_to_the_processors(folder, asyn
     assert run({"target_token": 3}) == [3] * 4
     assert run({"target_token": 7}) == [7] * 4
     assert run(None) == greedy_of(llm, folder, PROMPTS[0], 4)
+
+
+@pytest.mark.parametrize("async_batching", [True, False])
+@pytest.mark.parametrize("raise_at", [0, 2], ids=["prefill", "decode"])
+def test_a_processor_raising_in_a_step_fails_that_call_and_the_next_one_runs(
+    folder, async_batching, raise_at
+):
+    """The step whose sampling raised is abandoned (never read back) and its requests aborted:
+    the next call gets transformers' greedy tokens and every block comes back."""
+    llm = make_llm(folder, [RaisesLater], async_batching=async_batching)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    failing = SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True, extra_args={"raise_at": raise_at}
+    )
+    with pytest.raises(RuntimeError, match="the processor failed"):
+        llm.generate(PROMPTS[:2], [greedy, failing], use_tqdm=False)
+    engine = llm.engine
+    assert not engine.in_flight and not engine.has_unfinished()
+    outs = llm.generate(PROMPTS[:2], greedy, use_tqdm=False)
+    for i, out in enumerate(outs):
+        assert out.outputs[0].token_ids == greedy_of(llm, folder, PROMPTS[i], 6)
+    assert engine.allocator.num_free == engine.num_blocks
 
 
 def test_a_processor_refuses_a_request_and_the_engine_serves_on(folder):

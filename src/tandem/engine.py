@@ -853,18 +853,32 @@ class Engine:
             updated = self._append_outputs(batch, out)
         for later in self.in_flight:  # the next step's masks or processors: its rows are current
             if not later.sampling_launched:
-                self._launch_sampling(later)
+                try:
+                    self._launch_sampling(later)
+                except BaseException:  # it is never read back: its rows get no token
+                    self.in_flight.remove(later)
+                    for row, request in enumerate(later.requests):
+                        request.num_pending_tokens -= later.samples[row]
+                    raise
         return updated
 
     def _launch_sampling(self, batch: StepBatch) -> None:
         """Launch the sampling of a step that waited for the host: its token masks filled from
-        its rows' matchers first, where it has constrained rows."""
+        its rows' matchers first, where it has constrained rows. Where that raises (a custom
+        processor's error), the step is abandoned and its requests aborted."""
         with self.timeline.phase("mask", batch.step):
-            if batch.use_mask:
-                self.admission.grammars().fill_masks(
-                    batch.slot.masks.host, batch.requests, batch.mask_rows, batch.num_seqs_padded
-                )
-            self.runner.launch_sampling(batch, self.timeline)
+            try:
+                if batch.use_mask:
+                    self.admission.grammars().fill_masks(
+                        batch.slot.masks.host, batch.requests, batch.mask_rows,
+                        batch.num_seqs_padded,
+                    )  # fmt: skip
+                self.runner.launch_sampling(batch, self.timeline)
+            except BaseException:
+                self.runner.abandon(batch)
+                for request in batch.requests:
+                    self.abort(request.request_id)
+                raise
         batch.sampling_launched = True
 
     def _append_outputs(self, batch: StepBatch, out: dict[str, np.ndarray]) -> list[Request]:

@@ -248,6 +248,18 @@ class Runner:
             timing.end(3)
         self._sample_and_copy_out(batch, timing)
 
+    def abandon(self, batch: StepBatch) -> None:
+        """A step whose sampling will never run: its slot's events recorded after its forward
+        pass, so the slot's next step waits for it as for a step read back."""
+        if not self.cuda:
+            return
+        i = batch.slot.index
+        with torch.cuda.stream(self.compute_stream):
+            self.compute_done[i].record()
+        with torch.cuda.stream(self.d2h_stream):
+            self.d2h_stream.wait_event(self.compute_done[i])
+            self.d2h_done[i].record()
+
     def _sample_and_copy_out(self, batch: StepBatch, timing) -> None:
         slot, i = batch.slot, batch.slot.index
         with torch.cuda.stream(self.compute_stream):

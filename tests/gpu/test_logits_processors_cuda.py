@@ -94,6 +94,48 @@ print(len(outs))
     )
 
 
+def test_a_step_abandoned_for_a_processor_error_is_clean_under_the_stream_sanitizer(
+    run_sanitized,
+):
+    """A processor raising in an async decode step's sampling: the step is abandoned (its
+    slot's events recorded after its forward pass), its requests aborted; the next call on the
+    slot is ordered after it and gives the greedy tokens of the call before the failure."""
+    run_sanitized(
+        """
+import sys
+import pytest
+from tandem import LLM, SamplingParams
+from tandem.logits_processors import AdapterLogitsProcessor
+from tandem.model.tiny import make_tiny_model
+
+class RaisesLater(AdapterLogitsProcessor):
+    def is_argmax_invariant(self):
+        return False
+    def new_req_logits_processor(self, params):
+        if not (params.extra_args or {}).get("raise"):
+            return None
+        def fn(output_ids, row):
+            if len(output_ids) >= 2:
+                raise RuntimeError("the processor failed")
+            return row
+        return fn
+
+folder = make_tiny_model(sys.argv[1], "llama")
+llm = LLM(str(folder), max_model_len=128, logits_processors=[RaisesLater])
+greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+failing = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, extra_args={"raise": 1})
+prompts = [{"prompt_token_ids": list(range(3 + 7 * i, 20 + 9 * i))} for i in range(4)]
+before = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+with pytest.raises(RuntimeError, match="the processor failed"):
+    llm.generate(prompts, [greedy, failing] * 2, use_tqdm=False)
+after = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+assert after == before, (before, after)
+assert llm.engine.allocator.num_free == llm.engine.num_blocks
+print(len(after))
+"""
+    )
+
+
 class BanFirstIds(BlindTarget):
     """Sets the first ids of every row to -inf with `index_fill_` on a device index (assigning
     through the index, `logits[:, ids] = -inf`, synchronizes)."""

@@ -235,10 +235,44 @@ def test_the_servers_use_beam_search_answers_the_best_beams(hf_model, server):
     assert [c["message"] for c in same["choices"]] == [c["message"] for c in choices]
 
 
+def test_streamed_beam_search_sends_the_whole_answer_as_vllm_does(server):
+    """With stream, vLLM's events: a completion's whole response as one event, a chat's as each
+    choice's role chunk then its text and finish reason (then usage where asked); [DONE] last.
+    The texts are those of the same request unstreamed."""
+    import httpx
+
+    from tandem.server.response_output import sse_data
+
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4, "n": 2, "temperature": 0.0,
+            "use_beam_search": True}  # fmt: skip
+    whole = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()
+    streamed = httpx.post(f"{server}/v1/completions", json=body | {"stream": True}, timeout=60)
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    assert streamed.text.endswith("data: [DONE]\n\n")
+    [event] = sse_data(streamed.text)
+    assert event["object"] == "text_completion"
+    assert event["choices"] == whole["choices"] and event["usage"] == whole["usage"]
+
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Why?"}], "max_tokens": 4,
+            "n": 2, "temperature": 0.0, "use_beam_search": True}  # fmt: skip
+    whole = httpx.post(f"{server}/v1/chat/completions", json=chat, timeout=60).json()
+    usage = {"stream": True, "stream_options": {"include_usage": True}}
+    streamed = httpx.post(f"{server}/v1/chat/completions", json=chat | usage, timeout=60)
+    assert streamed.text.endswith("data: [DONE]\n\n")
+    events = sse_data(streamed.text)
+    assert {e["object"] for e in events} == {"chat.completion.chunk"}
+    roles = [c["delta"].get("role") for e in events[:2] for c in e["choices"]]
+    texts = {c["index"]: c["delta"]["content"] for e in events[2:4] for c in e["choices"]}
+    finish = {c["index"]: c["finish_reason"] for e in events[2:4] for c in e["choices"]}
+    assert roles == ["assistant", "assistant"]
+    assert texts == {c["index"]: c["message"]["content"] for c in whole["choices"]}
+    assert finish == {c["index"]: c["finish_reason"] for c in whole["choices"]}
+    assert events[4]["choices"] == [] and events[4]["usage"] == whole["usage"]
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"stream": True}, "stream"),
         ({"logprobs": 2}, "logprobs"),
         ({"n": 11}, "n"),
         ({"response_format": {"type": "json_object"}}, "response_format"),

@@ -1,6 +1,6 @@
 """vLLM's `use_beam_search` on /v1/completions and /v1/chat/completions: each prompt's `n` best
-beams (beam_search.py's search, its rounds run through AsyncLLM), answered whole (not streamed;
-no logprobs, echo or constraints)."""
+beams (beam_search.py's search, its rounds run through AsyncLLM), answered whole (with
+`stream`, as vLLM's, in the events of the whole answer; no logprobs, echo or constraints)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ from tandem.server.protocol import (
 def check(body: SamplingRequest) -> None:
     """A 400 naming what beam search here does not take."""
     refused = {
-        "stream": body.stream,
         "logprobs": body.logprobs,
         "echo": getattr(body, "echo", None),
         # a "text" format constrains nothing
@@ -139,3 +138,26 @@ def response(
             "total_tokens": prompt_tokens + generated,
         },
     }
+
+
+def events(answer: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+    """A streamed request's answer as vLLM streams beam search's: a completion's whole response
+    as its one event; a chat's as chunks, each choice's role, then its text and finish reason,
+    then the usage where asked for."""
+    if answer["object"] == "text_completion":
+        return [answer]
+    head = {key: answer[key] for key in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk"
+
+    def chunk(index: int, delta: dict[str, str], finish: str | None) -> dict[str, Any]:
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return head | {"choices": [choice | ({"stop_reason": None} if finish else {})]}
+
+    choices = answer["choices"]
+    out = [chunk(c["index"], {"role": c["message"]["role"], "content": ""}, None) for c in choices]
+    out += [
+        chunk(c["index"], {"content": c["message"]["content"]}, c["finish_reason"]) for c in choices
+    ]
+    if include_usage:
+        out.append(head | {"choices": [], "usage": answer["usage"]})
+    return out

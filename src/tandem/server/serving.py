@@ -345,7 +345,14 @@ class OpenAIServing:
         answer = beam_search.response(
             body, self.model_name, starts, outputs, self.llm.tokenizer, self.options.response_role
         )
-        return JSONResponse(answer)
+        if not body.stream:
+            return JSONResponse(answer)
+        options = body.stream_options
+        usage = bool(options and options.include_usage) or self.options.enable_force_include_usage
+        chunks = [sse(event) for event in beam_search.events(answer, usage)]
+        return StreamingResponse(
+            iter([*chunks, "data: [DONE]\n\n"]), media_type="text/event-stream"
+        )
 
     def check_request(self, body: SamplingRequest) -> None:
         """400 for what this server does not implement, or what passes its limits."""

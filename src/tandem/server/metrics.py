@@ -162,7 +162,7 @@ class LatencyTracker:
         metrics.prompt_tokens.observe(output.num_prompt_tokens)
         metrics.generation_tokens.observe(output.num_output_tokens)
         room = metrics.max_model_len - output.num_prompt_tokens
-        metrics.max_tokens.observe(room if self.max_tokens is None else self.max_tokens)
+        metrics.max_tokens.observe(room if self.max_tokens is None else min(room, self.max_tokens))
         scheduled = output.scheduled_time
         if scheduled is None:
             return  # aborted before its first admission: it had no phases

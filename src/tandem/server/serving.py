@@ -192,7 +192,10 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, http: HttpRequest) -> Response:
         prompts, params, max_tokens, embeds = await self.completion_inputs(body)
         if body.use_beam_search:
-            return await self._beam_search(body, [ids for _, ids in prompts], max_tokens)
+            starts = [ids for _, ids in prompts]
+            if max_tokens is None:  # null: the room the longest prompt leaves
+                max_tokens = max(1, self.llm.max_model_len - max(map(len, starts)))
+            return await self._beam_search(body, starts, max_tokens)
         generation = await self._start("cmpl", prompts, params, body, http, embeds)
         if body.echo:
             for i, choice in enumerate(generation.choices):
@@ -202,9 +205,11 @@ class OpenAIServing:
 
     async def completion_inputs(
         self, body: CompletionRequest
-    ) -> tuple[list[tuple[str | None, list[int]]], SamplingParams, int, list[torch.Tensor] | None]:
+    ) -> tuple[
+        list[tuple[str | None, list[int]]], SamplingParams, int | None, list[torch.Tensor] | None
+    ]:
         """A checked completion request's prompts as the model reads them (text, ids), their
-        SamplingParams and max_tokens; with prompt_embeds, the embeddings of each prompt
+        SamplingParams and max_tokens (None: each prompt's room in the context); with prompt_embeds, the embeddings of each prompt
         (whose ids are then placeholders, one per embedding)."""
         self.check_model(body.model)
         self.check_request(body)
@@ -221,11 +226,16 @@ class OpenAIServing:
                 self._completion_prompts, body.prompt, body.add_special_tokens
             )
         defaults = self.llm.sampling_defaults
-        # as vLLM's: left out or null, max_tokens is 16, and the context must hold them
-        asked = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        # as vLLM's: left out, max_tokens is 16 (the generation config's at most), and the
+        # context must hold them; null, each prompt's room in the context (None), or the
+        # generation config's
+        asked = body.max_tokens
+        if asked is None and "max_tokens" not in body.model_fields_set:
+            asked = DEFAULT_COMPLETION_MAX_TOKENS
         max_tokens = asked
         if body.max_tokens is None:
-            max_tokens = min(asked, defaults.get("max_tokens", asked))
+            max_tokens = defaults.get("max_tokens", asked)
+            max_tokens = max_tokens if asked is None else min(asked, max_tokens)
         if max_tokens == 0 and not body.echo:
             raise OpenAIError("max_tokens must be >= 1 unless echo is true", param="max_tokens")
         if max_tokens == 0 and body.logprob_token_ids:
@@ -920,7 +930,7 @@ def chat_prompt(
 def sampling_params(
     body: SamplingRequest,
     defaults: dict[str, Any],
-    max_tokens: int,
+    max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     structured_outputs: StructuredOutputsParams | None = None,

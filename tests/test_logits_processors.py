@@ -3,6 +3,7 @@ BatchUpdates, their order around penalties and temperature, bad processors and r
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import random
 import warnings
@@ -12,6 +13,8 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
+from tandem.async_llm import AsyncLLM
+from tandem.engine import StepFailed
 from tandem.logits_processors import (
     WAITED,
     AdapterLogitsProcessor,
@@ -307,7 +310,7 @@ def test_a_processor_raising_in_a_step_fails_that_call_and_the_next_one_runs(
     failing = SamplingParams(
         temperature=0, max_tokens=6, ignore_eos=True, extra_args={"raise_at": raise_at}
     )
-    with pytest.raises(RuntimeError, match="the processor failed"):
+    with pytest.raises(StepFailed, match="the processor failed"):
         llm.generate(PROMPTS[:2], [greedy, failing], use_tqdm=False)
     engine = llm.engine
     assert not engine.in_flight and not engine.has_unfinished()
@@ -315,6 +318,44 @@ def test_a_processor_raising_in_a_step_fails_that_call_and_the_next_one_runs(
     for i, out in enumerate(outs):
         assert out.outputs[0].token_ids == greedy_of(llm, folder, PROMPTS[i], 6)
     assert engine.allocator.num_free == engine.num_blocks
+
+
+@pytest.mark.parametrize("async_batching", [True, False])
+def test_a_processor_raising_under_async_llm_fails_its_steps_requests_and_the_engine_serves_on(
+    folder, async_batching
+):
+    """The requests of the abandoned step get the error in their streams (a step's processors
+    run on all its rows, so its other rows too); the engine thread lives, and a request after
+    them gets transformers' greedy tokens."""
+    llm = AsyncLLM.from_model(
+        str(folder), max_model_len=64, block_size=8, logits_processors=[RaisesLater],
+        async_batching=async_batching,
+    )  # fmt: skip
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    failing = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                             extra_args={"raise_at": 2})  # fmt: skip
+
+    async def tokens(prompt, params, request_id):
+        outputs = [out async for out in llm.generate(prompt, params, request_id)]
+        return outputs[-1].outputs[0].token_ids
+
+    async def main():
+        first = await asyncio.gather(
+            tokens(PROMPTS[0], greedy, "a"), tokens(PROMPTS[1], failing, "b"),
+            return_exceptions=True,
+        )  # fmt: skip
+        return first, await tokens(PROMPTS[2], greedy, "c")
+
+    try:
+        first, after = asyncio.run(main())
+        assert isinstance(first[1], StepFailed) and "the processor failed" in str(first[1])
+        assert not llm.errored
+        assert after == transformers_greedy(
+            folder, tuple(llm.engine.tokenizer.encode(PROMPTS[2])), 6
+        )
+        assert llm.engine.allocator.num_free == llm.engine.num_blocks
+    finally:
+        llm.shutdown()
 
 
 def test_a_processor_refuses_a_request_and_the_engine_serves_on(folder):
@@ -471,8 +512,9 @@ class Truncating(Recorder):
 
 def test_a_processor_returning_logits_of_another_shape_is_named_in_a_type_error(folder):
     llm = make_llm(folder, [Truncating])
-    with pytest.raises(TypeError, match=r"Truncating.apply must return .* shape \(2, "):
+    with pytest.raises(StepFailed, match=r"Truncating.apply must return .* shape \(2, ") as failed:
         llm.generate(PROMPTS[:2], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert isinstance(failed.value.__cause__, TypeError)
 
 
 class Waiting(Recorder):

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.config import EngineConfig, check_flags
-from tandem.engine import Engine, check_pause_mode
+from tandem.engine import Engine, StepFailed, check_pause_mode
 from tandem.lora import LoRARequest
 from tandem.metrics import EngineStats
 from tandem.outputs import (
@@ -576,7 +576,7 @@ class AsyncLLM:
         try:
             while self._apply_commands(block=not self._can_step()):
                 if self._can_step():
-                    self._publish(self.engine.step())
+                    self._publish(self._step())
                 self._settle_pause_waiters()
                 self._progress_at = time.monotonic()
                 self.stats = self.engine.stats()
@@ -589,6 +589,22 @@ class AsyncLLM:
             self._die(dead)
         finally:
             self.engine.shutdown()  # tensor-parallel workers, if any
+
+    def _step(self) -> list[Request]:
+        """One engine step's updated requests; where its sampling failed (StepFailed), the
+        failed requests' streams get the error and the engine serves on."""
+        try:
+            return self.engine.step()
+        except StepFailed as failed:
+            logger.exception("a step's sampling failed; its requests get the error")
+            per_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+            for request in failed.failed:
+                sent = self._sent.pop(request.request_id, None)
+                if sent is not None:
+                    per_loop[sent.stream.loop].append((sent.stream, failed))
+            for loop, items in per_loop.items():
+                _post(loop, _deliver, items)
+            return failed.updated
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply every queued command, waiting for one if `block`; False once told to stop."""

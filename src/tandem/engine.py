@@ -77,6 +77,17 @@ def check_pause_mode(mode: str) -> None:
         raise ValueError(f"mode must be one of {', '.join(map(repr, PAUSE_MODES))}, got {mode!r}")
 
 
+class StepFailed(RuntimeError):
+    """A step's sampling raised (a custom logits processor's error, its `__cause__`): the step
+    was abandoned and its requests (`failed`) aborted; the engine serves on. `updated`: what
+    the steps read back before it updated, which the caller still hands on."""
+
+    def __init__(self, error: Exception, failed: list[Request]):
+        super().__init__(f"a step's sampling failed and its requests were aborted: {error!r}")
+        self.failed = failed
+        self.updated: list[Request] = []
+
+
 class Engine:
     """Continuous batching over a paged KV cache.
 
@@ -788,7 +799,11 @@ class Engine:
         due = not self.async_batching or len(self.in_flight) > 1 or not launched
         updated, self.finished_unscheduled = self.finished_unscheduled, []
         if self.in_flight and due:
-            updated += self._process(self.in_flight.popleft())
+            try:
+                updated += self._process(self.in_flight.popleft())
+            except StepFailed as failed:
+                failed.updated = updated + failed.updated
+                raise
         self._pause_once_drained()
         if self.stat_logger is not None:
             self.stat_logger.maybe_log(self.stats, time.monotonic())
@@ -855,17 +870,19 @@ class Engine:
             if not later.sampling_launched:
                 try:
                     self._launch_sampling(later)
-                except BaseException:  # it is never read back: its rows get no token
+                except BaseException as error:  # it is never read back: its rows get no token
                     self.in_flight.remove(later)
                     for row, request in enumerate(later.requests):
                         request.num_pending_tokens -= later.samples[row]
+                    if isinstance(error, StepFailed):
+                        error.updated = updated
                     raise
         return updated
 
     def _launch_sampling(self, batch: StepBatch) -> None:
         """Launch the sampling of a step that waited for the host: its token masks filled from
         its rows' matchers first, where it has constrained rows. Where that raises (a custom
-        processor's error), the step is abandoned and its requests aborted."""
+        processor's error), the step is abandoned and its requests aborted (StepFailed)."""
         with self.timeline.phase("mask", batch.step):
             try:
                 if batch.use_mask:
@@ -874,11 +891,13 @@ class Engine:
                         batch.num_seqs_padded,
                     )  # fmt: skip
                 self.runner.launch_sampling(batch, self.timeline)
-            except BaseException:
+            except BaseException as error:
                 self.runner.abandon(batch)
                 for request in batch.requests:
                     self.abort(request.request_id)
-                raise
+                if not isinstance(error, Exception):  # Ctrl-C and the like pass as they are
+                    raise
+                raise StepFailed(error, batch.requests) from error
         batch.sampling_launched = True
 
     def _append_outputs(self, batch: StepBatch, out: dict[str, np.ndarray]) -> list[Request]:

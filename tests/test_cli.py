@@ -327,7 +327,11 @@ def test_a_config_file_sets_flags_and_the_command_line_wins(tmp_path):
     assert args.compilation_config == {"cudagraph_mode": "NONE"}
     config.write_text("model: some/model\nmax_num_seqs: 7\nserved_model_name: -dashed-\n")
     args = parsed(["run-batch", f"--config={config}", "-i", "in", "-o", "out"])
-    assert (args.model, args.max_num_seqs, args.served_model_name) == ("some/model", 7, "-dashed-")
+    assert (args.model, args.max_num_seqs, args.served_model_name) == (
+        "some/model",
+        7,
+        ["-dashed-"],
+    )
 
 
 def test_a_model_given_first_wins_over_the_config_files_and_no_list_takes_it(tmp_path):
@@ -425,6 +429,17 @@ def test_max_model_len_takes_vllms_human_readable_lengths(text, value):
     from tandem.cli import build_parser
 
     assert build_parser().parse_args(["serve", "m", "--max-model-len", text]).max_model_len == value
+
+
+@pytest.mark.parametrize("text", ["auto", "AUTO", "-1"])
+def test_vllms_fit_to_the_kv_cache_is_refused_by_name(text, capsys):
+    """vLLM's --max-model-len auto / -1 (the longest the KV cache holds): the engine sizes its
+    cache for a known length, so the flag says so rather than calling it no length."""
+    from tandem.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--max-model-len", text])
+    assert "(vLLM's fit to the KV cache) is not supported" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text", ["auto", "1.5", "0.0001k", "k", "nank", "infk"])

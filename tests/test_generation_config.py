@@ -56,11 +56,30 @@ def test_only_the_sampling_fields_that_differ_from_transformers_defaults_count(r
     }
 
 
+def test_an_override_ignores_other_keys_and_a_null_drops_the_models_default(recommended):
+    """As vLLM's get_diff_sampling_param: do_sample and max_tokens are no sampling fields of a
+    generation config; temperature null leaves SamplingParams' own temperature."""
+    override = {"temperature": None, "top_k": 20, "do_sample": False, "max_tokens": 3}
+    assert sampling_defaults(recommended, override=override) == {
+        "top_p": 0.9,
+        "top_k": 20,
+        "max_tokens": 5,
+    }
+    llm = LLM(str(recommended), override_generation_config=override, **ENGINE_ARGS)
+    try:
+        defaults = SamplingParams(top_p=0.9, top_k=20, max_tokens=5)
+        assert llm.get_default_sampling_params() == defaults
+        [output] = llm.generate(PROMPT, use_tqdm=False)[0].outputs
+        assert len(output.token_ids) == 5  # the model's max_new_tokens, not the override's 3
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize(
     ("generation_config", "override", "match"),
     [
         ("greedy", None, "generation_config must be"),
-        ("auto", {"seed": 1}, "override_generation_config takes"),
+        ("auto", [("temperature", 0.5)], "override_generation_config takes a dict"),
         ("auto", {"temperature": -1.0}, "sampling defaults"),
     ],
 )

@@ -14,11 +14,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
 
 from tandem import LLM, BeamSearchParams, LoRARequest, SamplingParams
 from tandem.async_llm import AsyncLLM
-from tandem.cli import build_parser, lora_modules
+from tandem.cli import build_parser, lora_modules, server_options
 from tandem.engine import Engine
 from tandem.lora import check_adapter_config
 from tandem.model import fused, splitk
@@ -683,3 +684,83 @@ def test_beam_search_and_loglikelihood_run_under_adapters(lora_models):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and a.logprob != pytest.approx(
             c.logprob
         )
+
+
+def test_an_adapter_of_adapter_model_bin_named_by_a_path_gives_the_safetensors_tokens(
+    lora_models, tmp_path
+):
+    """PEFT's older adapter_model.bin, read as vLLM reads it (torch.load of tensors only), and
+    a lora_path given as a pathlib.Path (vLLM's: any path-like), kept as a str."""
+    base, adapters = lora_models("llama")
+    folder, merged = adapters[2]
+    pickled = tmp_path / "bin"
+    pickled.mkdir()
+    shutil.copy(folder / "adapter_config.json", pickled)
+    torch.save(load_file(folder / "adapter_model.safetensors"), pickled / "adapter_model.bin")
+    lora = LoRARequest("bin", 3, pickled)
+    assert lora.lora_path == str(pickled)
+    llm = LLM(str(base), max_model_len=64, enable_lora=True, max_loras=2)
+    got = tokens(llm.generate(PROMPTS[:2], GREEDY, False, lora))
+    want = tokens(llm.generate(PROMPTS[:2], GREEDY, False, LoRARequest("st", 4, str(folder))))
+    assert got == want == [transformers_greedy(merged, p) for p in PROMPTS[:2]]
+    torch.save({"lora_A": [1, 2]}, pickled / "adapter_model.bin")
+    with pytest.raises(ValueError, match="no state dict of tensors"):
+        llm.generate(PROMPTS[0], GREEDY, False, LoRARequest("not-tensors", 5, pickled))
+
+
+def test_vllm_s_environment_variable_serves_the_runtime_adapter_routes(lora_models, monkeypatch):
+    """VLLM_ALLOW_RUNTIME_LORA_UPDATING, read as vLLM reads it ("1" or "true", any case), turns
+    the load and unload routes on as --allow-runtime-lora-updating does."""
+    base, adapters = lora_models("llama")
+    llm = AsyncLLM.from_model(str(base), max_model_len=64, enable_lora=True)
+    load = {"lora_name": "two", "lora_path": str(adapters[2][0])}
+    try:
+        for value, status in (("0", 404), ("yes", 404), ("True", 200), ("1", 200)):
+            monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", value)
+            args = build_parser().parse_args(["serve", str(base), "--enable-lora"])
+            options = server_options(args, ())
+            with TestClient(build_app(llm, "base", options=options)) as client:
+                assert client.post("/v1/load_lora_adapter", json=load).status_code == status
+    finally:
+        llm.shutdown()
+
+
+def test_load_inplace_replaces_an_adapter_for_new_requests_while_running_ones_keep_theirs(
+    lora_models,
+):
+    """vLLM's load_inplace: the name's new weights serve the requests that come after; a stream
+    already running under the old adapter ends under it. Without it a loaded name is a 400."""
+    base, adapters = lora_models("llama")
+    llm = AsyncLLM.from_model(str(base), max_model_len=64, enable_lora=True, max_loras=2)
+    options = ServerOptions(allow_runtime_lora_updating=True)
+    body = {"model": "two", "prompt": PROMPTS[1], "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    old = {"lora_name": "two", "lora_path": str(adapters[2][0])}
+    new = {"lora_name": "two", "lora_path": str(adapters[1][0]), "load_inplace": True}
+    try:
+        with running(build_app(llm, "base", options=options)) as url:
+            assert httpx.post(f"{url}/v1/load_lora_adapter", json=old).status_code == 200
+            old_text = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]["text"]
+            refused = httpx.post(f"{url}/v1/load_lora_adapter", json={**new, "load_inplace": False})
+            assert refused.status_code == 400 and "already been loaded" in refused.text
+            texts = []
+            stream = {**body, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=stream, timeout=60) as events:
+                for line in events.iter_lines():
+                    if line.startswith("data: {"):
+                        texts.append(json.loads(line[6:])["choices"][0]["text"])
+                        if len(texts) == 1:  # running: replace its adapter now
+                            loaded = httpx.post(f"{url}/v1/load_lora_adapter", json=new)
+                            assert loaded.status_code == 200, loaded.text
+            assert "".join(texts) == old_text
+            body |= {"max_tokens": 12, "return_token_ids": True}
+            answer = httpx.post(f"{url}/v1/completions", json=body).json()
+            assert answer["choices"][0]["token_ids"] == transformers_greedy(
+                adapters[1][1], PROMPTS[1]
+            )
+            cards = httpx.get(f"{url}/v1/models").json()["data"]
+            assert [c["id"] for c in cards] == ["base", "two"]
+            base_name = {**new, "lora_name": "base"}  # the served model is no adapter
+            assert httpx.post(f"{url}/v1/load_lora_adapter", json=base_name).status_code == 400
+    finally:
+        llm.shutdown()

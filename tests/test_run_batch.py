@@ -13,6 +13,7 @@ import runpy
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tandem import LLM, SamplingParams
@@ -276,4 +277,68 @@ def test_a_data_parallel_size_below_one_is_refused_before_any_engine(
         argv += ["-i", str(batch), "-o", str(tmp_path / "out.jsonl")]
     with pytest.raises(SystemExit, match="--data-parallel-size must be >= 1, got 0"):
         main(argv)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_lines_are_written_in_the_input_s_order(answered, batch):
+    """As vLLM's: each output line at its input line's place, whatever finished first."""
+    wanted = [*GOOD, *BAD_BODIES, *(cid for _, cid in BAD_LINES)]
+    assert [line["custom_id"] for line in read_output(answered)] == wanted
+
+
+def test_run_batch_takes_vllm_s_answer_flags(folder, tmp_path, monkeypatch, capfd):
+    """Several served names (answers carry the first), the chat answer's role, request lines
+    logged with their prompt cut to --max-log-len, and Prometheus metrics served at --url and
+    --port while the batch runs."""
+    from tandem.run_batch import OutputWriter
+    from test_serve_process import free_port
+
+    batch = tmp_path / "requests.jsonl"
+    chat = {"model": "alias", "messages": MESSAGES, "max_tokens": 3, "temperature": 0}
+    lines = [
+        request("chat", chat, url="/v1/chat/completions"),
+        request("text", {"model": MODEL, "prompt": "The engine", "max_tokens": 3}),
+    ]
+    batch.write_text("\n".join(lines) + "\n")
+    port, scraped = free_port(), []
+    write = OutputWriter.write
+
+    def scrape_then_write(self, line):
+        if not scraped:  # the run's metrics, from its HTTP server, while it runs
+            scraped.append(httpx.get(f"http://127.0.0.1:{port}/metrics").text)
+        write(self, line)
+
+    monkeypatch.setattr(OutputWriter, "write", scrape_then_write)
+    out = tmp_path / "results.jsonl"
+    main(["run-batch", folder, "-i", str(batch), "-o", str(out), "--quiet", *ENGINE_ARGS,
+          "--served-model-name", MODEL, "alias", "--response-role", "bot",
+          "--enable-log-requests", "--max-log-len", "4", "--enable-prompt-tokens-details",
+          "--enable-force-include-usage", "--enable-metrics", "--url", "127.0.0.1",
+          "--port", str(port)])  # fmt: skip
+    answers = {line["custom_id"]: line["response"]["body"] for line in read_output(out)}
+    assert [answers["chat"]["model"], answers["text"]["model"]] == [MODEL, MODEL]
+    assert answers["chat"]["choices"][0]["message"]["role"] == "bot"
+    assert "prompt 'The '" in capfd.readouterr().err
+    assert f'tandem_kv_cache_usage_perc{{model_name="{MODEL}"}}' in scraped[0]
+    with pytest.raises(httpx.TransportError):  # served while the batch runs only
+        httpx.get(f"http://127.0.0.1:{port}/metrics")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--port", "9000"], "--port: where --enable-metrics serves"),
+        (["--enable-metrics", "--port", "70000"], "a port is in 0-65535"),
+        (["--max-log-len", "-1"], "max_log_len must be"),
+        (["--output-tmp-dir", "/tmp"], "unrecognized arguments: --output-tmp-dir"),
+    ],
+)
+def test_bad_run_batch_flags_end_the_command_with_one_line(
+    folder, batch, tmp_path, flags, message, capsys
+):
+    argv = ["run-batch", folder, "-i", str(batch), "-o", str(tmp_path / "out.jsonl"), *flags]
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    said = f"{capsys.readouterr().err}{exit.value.code}"
+    assert message in said, said
     assert not (tmp_path / "out.jsonl").exists()

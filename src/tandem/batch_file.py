@@ -7,7 +7,7 @@ An input line is {"custom_id", "method": "POST", "url", "body"}, `url` being one
 request (not JSON, no string custom_id) is answered with "custom_id": null and no response.
 Lines end at "\n" and each is decoded on its own, so one that is not UTF-8 is one bad line.
 
-Output lines are appended as requests finish. Re-running with the same output file answers
+Output lines are appended in the input's order. Re-running with the same output file answers
 only what it lacks: the lines of finished custom_ids stay, one torn by an interruption is
 dropped, and so are server errors (5xx), which are asked again.
 """
@@ -53,10 +53,18 @@ class BatchRequest:
 
 @dataclass
 class BatchFile:
-    """An input file read whole: its requests, and an error line for each line that is none."""
+    """An input file read whole, in its order: each line a request, or the error line that
+    answers it where it is none."""
 
-    requests: list[BatchRequest]
-    bad_lines: list[dict[str, Any]]
+    entries: list[BatchRequest | dict[str, Any]]
+
+    @property
+    def requests(self) -> list[BatchRequest]:
+        return [e for e in self.entries if isinstance(e, BatchRequest)]
+
+    @property
+    def bad_lines(self) -> list[dict[str, Any]]:
+        return [e for e in self.entries if not isinstance(e, BatchRequest)]
 
 
 def parse_line(text: str, line_number: int) -> BatchRequest:
@@ -101,7 +109,7 @@ def streams(value: Any) -> bool:
 
 def read_batch_file(path: str | Path) -> BatchFile:
     """Every non-blank line as a request or an error line; duplicate custom_ids reject the file."""
-    requests, bad_lines = [], []
+    entries: list[BatchRequest | dict[str, Any]] = []
     # lines end at "\n" alone (a "\r" inside one is JSON whitespace), each decoded on its own,
     # after the UTF-8 byte order mark that Windows tools start a file with
     data = Path(path).read_bytes().removeprefix(codecs.BOM_UTF8)
@@ -109,14 +117,18 @@ def read_batch_file(path: str | Path) -> BatchFile:
         if not raw.strip():
             continue
         try:
-            requests.append(parse_line(decode_line(raw, number), number))
+            entries.append(parse_line(decode_line(raw, number), number))
         except BatchLineError as error:
-            bad_lines.append(error_line(error.custom_id, LINE_ERROR_CODE, str(error)))
-    ids = Counter([r.custom_id for r in requests] + [b["custom_id"] for b in bad_lines])
+            entries.append(error_line(error.custom_id, LINE_ERROR_CODE, str(error)))
+    ids = Counter(custom_id(e) for e in entries)
     repeated = sorted(i for i, count in ids.items() if i is not None and count > 1)
     if repeated:
         raise ValueError(f"{path}: custom_id must be unique; repeated: {repeated[:5]}")
-    return BatchFile(requests, bad_lines)
+    return BatchFile(entries)
+
+
+def custom_id(entry: BatchRequest | dict[str, Any]) -> str | None:
+    return entry.custom_id if isinstance(entry, BatchRequest) else entry["custom_id"]
 
 
 def decode_line(raw: bytes, line_number: int) -> str:
@@ -203,14 +215,14 @@ def _finished_line(text: str) -> dict[str, Any] | None:
 
 
 def pending(batch: BatchFile, finished: Finished) -> BatchFile:
-    """The requests and error lines that `finished` does not answer yet."""
-    id_less = [b for b in batch.bad_lines if b["custom_id"] is None][finished.num_id_less :]
-    return BatchFile(
-        requests=[r for r in batch.requests if r.custom_id not in finished.custom_ids],
-        bad_lines=[
-            b
-            for b in batch.bad_lines
-            if b["custom_id"] is not None and b["custom_id"] not in finished.custom_ids
-        ]
-        + id_less,
-    )
+    """The requests and error lines that `finished` does not answer yet, in the file's order:
+    its first `num_id_less` id-less error lines are answered."""
+    todo, id_less_seen = [], 0
+    for entry in batch.entries:
+        if custom_id(entry) is None:
+            id_less_seen += 1
+            if id_less_seen > finished.num_id_less:
+                todo.append(entry)
+        elif custom_id(entry) not in finished.custom_ids:
+            todo.append(entry)
+    return BatchFile(todo)

@@ -114,7 +114,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: str = "position
     )
     parser.add_argument(
         "--max-model-len",
-        type=human_int,
+        type=max_model_len,
         help="prompt + output tokens, e.g. 4096, 32k (x1000) or 32K (x1024), as vLLM's (default: "
         "the model's)",
     )
@@ -558,7 +558,13 @@ def server_options(args: argparse.Namespace, adapters: tuple) -> ServerOptions:
     given = {name: tuple(v) if isinstance(v, list) else v for name, v in given.items()}
     if not given.get("api_key"):  # vLLM's: the flag, else the environment's key
         given["api_key"] = os.environ.get("VLLM_API_KEY") or None
+    given["allow_runtime_lora_updating"] |= env_flag("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
     return ServerOptions(**{**given, "lora_modules": adapters})
+
+
+def env_flag(name: str) -> bool:
+    """A vLLM boolean variable, read as vLLM reads it: "1" or "true" (any case) is on."""
+    return os.environ.get(name, "0").strip().lower() in ("1", "true")
 
 
 def lora_modules(specs: list[str] | None, enable_lora: bool) -> tuple:
@@ -604,7 +610,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     from tandem.tokenizer import CONTENT_FORMATS
 
     defaults = ServerOptions()
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument(
+        "--host", default="0.0.0.0", help="address to listen on (0.0.0.0: every interface, as vLLM)"
+    )
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument(
         "--api-key",
@@ -625,8 +633,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--allow-runtime-lora-updating",
         action="store_true",
-        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
+        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (also on with vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 or true)",
     )
     parser.add_argument(
         "--max-request-bytes",
@@ -700,11 +708,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="render a chat with the template its request sends (chat_template); refused without",
     )
-    parser.add_argument(
-        "--response-role",
-        default=defaults.response_role,
-        help="the role of a chat answer after a generation prompt",
-    )
     for name, what in (("origins", "origins"), ("methods", "methods"), ("headers", "headers")):
         parser.add_argument(
             f"--allowed-{name}",
@@ -729,26 +732,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--uvicorn-log-level", choices=LOG_LEVELS, help="uvicorn's log level (default: info)"
     )
-    parser.add_argument(
-        "--enable-log-requests",
-        action="store_true",
-        help="log each generation request: its prompt, prompt ids and sampling parameters",
-    )
+    add_answer_args(parser)
     add_off_switch(
         parser,
         "--disable-log-requests",
         "enable_log_requests",
         "vLLM's older flag: log no generation requests (the default)",
-    )
-    parser.add_argument(
-        "--enable-prompt-tokens-details",
-        action="store_true",
-        help="vLLM's: taken; every usage carries prompt_tokens_details (its cached_tokens)",
-    )
-    parser.add_argument(
-        "--max-log-len",
-        type=int,
-        help="--enable-log-requests: the prompt's first that many characters and ids (default: all)",
     )
     parser.add_argument(
         "--enable-server-load-tracking",
@@ -759,11 +748,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--enable-request-id-headers",
         action="store_true",
         help="every response carries X-Request-Id: the client's own, else a new one",
-    )
-    parser.add_argument(
-        "--enable-force-include-usage",
-        action="store_true",
-        help="every stream ends with a usage chunk, asked for or not",
     )
     parser.add_argument(
         "--return-tokens-as-token-ids",
@@ -782,6 +766,38 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         type=json_object,
         help="chat template variables as JSON, e.g. '{\"enable_thinking\": false}'; a "
         "request's chat_template_kwargs override them",
+    )
+
+
+def add_answer_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of how requests are answered and logged, serve's and run-batch's (vLLM's)."""
+    from tandem.server.options import ServerOptions
+
+    parser.add_argument(
+        "--response-role",
+        default=ServerOptions.response_role,
+        help="the role of a chat answer after a generation prompt",
+    )
+    parser.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log each generation request: its prompt, prompt ids and sampling parameters",
+    )
+    parser.add_argument(
+        "--max-log-len",
+        type=int,
+        help="--enable-log-requests: the prompt's first that many characters and ids (default: all)",
+    )
+    parser.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="vLLM's: taken; every usage carries prompt_tokens_details (its cached_tokens)",
+    )
+    parser.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="every stream ends with a usage chunk, asked for or not (answers that are no "
+        "stream always carry it)",
     )
 
 
@@ -819,6 +835,10 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
 
     check_output_path("--output-file", args.output_file)
     check_data_parallel_size(args.data_parallel_size)
+    options = answer_options(args)
+    options.validate()
+    if options.enable_log_requests:  # serving's lines, which uvicorn prints under `serve`
+        log_requests_to_stderr()
     summary = run_batch(
         args.input_file,
         args.output_file,
@@ -827,9 +847,44 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
         args.data_parallel_size,
         args.served_model_name,
         args.quiet,
+        options,
+        metrics_address(args),
     )
     # on stderr: the output may be stdout (-o /dev/stdout), whose lines stay JSON
     print(f"{args.output_file}: {summary}", file=sys.stderr)
+
+
+def answer_options(args: argparse.Namespace) -> ServerOptions:
+    """The ServerOptions run-batch's flags set (add_answer_args), the rest ServerOptions'."""
+    from tandem.server.options import ServerOptions
+
+    names = ("response_role", "enable_log_requests", "max_log_len", "enable_force_include_usage")
+    return ServerOptions(**{name: getattr(args, name) for name in names})
+
+
+def log_requests_to_stderr() -> None:
+    import logging
+
+    from tandem.server.serving import logger
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
+def metrics_address(args: argparse.Namespace) -> tuple[str, int] | None:
+    """run-batch's (host, port) of --enable-metrics, vLLM's defaults 0.0.0.0 and 8000."""
+    if not args.enable_metrics:
+        given = [flag for flag in ("url", "port") if getattr(args, flag) is not None]
+        if given:
+            flags = " and ".join(f"--{flag}" for flag in given)
+            raise ValueError(f"{flags}: where --enable-metrics serves; give it too")
+        return None
+    port = 8000 if args.port is None else args.port
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port}: a port is in 0-65535")
+    return (args.url or "0.0.0.0", port)
 
 
 # tiny.ARCH_CONFIGS' keys (tiny.py is not imported before a command needs it)
@@ -895,7 +950,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="engine replicas on Ray, tensor-parallel-size GPUs each (needs tandem[ray])",
     )
-    run_batch.add_argument("--served-model-name", help="the model name lines give (default: MODEL)")
+    run_batch.add_argument(
+        "--served-model-name",
+        nargs="+",
+        help="the model names requests may give, answers carrying the first (default: MODEL)",
+    )
+    add_answer_args(run_batch)
+    run_batch.add_argument(
+        "--enable-metrics",
+        action="store_true",
+        help="serve the engine's Prometheus metrics over HTTP at --url:--port while it runs",
+    )
+    run_batch.add_argument(
+        "--url", help="--enable-metrics: the address the metrics are served on (default: 0.0.0.0)"
+    )
+    run_batch.add_argument(
+        "--port", type=int, help="--enable-metrics: the port of the metrics (default: 8000)"
+    )
     run_batch.add_argument("--quiet", action="store_true", help="no progress bar")
     run_batch.set_defaults(func=cmd_run_batch)
     bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve").add_subparsers(
@@ -975,6 +1046,17 @@ def human_int(text: str) -> int:
     if not value.is_finite() or value != value.to_integral_value():
         raise argparse.ArgumentTypeError(f"{text!r} is no whole number of tokens")
     return int(value)
+
+
+def max_model_len(text: str) -> int:
+    """--max-model-len: a length as `human_int` takes it. vLLM's "auto" and -1 (the longest the
+    KV cache holds) are refused by name: the engine sizes its cache for a given length."""
+    if text.strip().lower() in ("auto", "-1"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} (vLLM's fit to the KV cache) is not supported: give a length, e.g. 4096 "
+            "or 32k, or leave the flag out for the model's"
+        )
+    return human_int(text)
 
 
 def dashed(arg: str) -> str:

@@ -10,7 +10,8 @@ fields a request leaves out with them.
 Only the sampling fields count (temperature, top_p, top_k, min_p, repetition_penalty, and
 max_new_tokens as max_tokens), and of them only values that differ from transformers'
 GenerationConfig defaults, as vLLM reads them: a checkpoint that writes top_k 50, transformers'
-default, leaves top-k off. `override_generation_config` sets fields on top.
+default, leaves top-k off. `override_generation_config` sets fields on top (null: none), its
+other keys ignored, as vLLM's.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def sampling_defaults(
 ) -> dict[str, Any]:
     """SamplingParams fields (max_new_tokens as max_tokens) that replace SamplingParams' own
     defaults for this model. ValueError for a `generation_config` that is neither "auto", "vllm"
-    nor a folder with a generation_config.json, or an override of another field."""
+    nor a folder with a generation_config.json, or an override that is no dict."""
     if generation_config == "vllm":
         config: dict[str, Any] = {}
     elif generation_config == "auto":
@@ -57,12 +58,12 @@ def sampling_defaults(
         if config.get(name) is not None and config[name] != default
     }
     if override is not None:
-        if not isinstance(override, dict) or set(override) - set(TRANSFORMERS_DEFAULTS):
-            raise ValueError(
-                f"override_generation_config takes a dict of {sorted(TRANSFORMERS_DEFAULTS)}, "
-                f"got {override!r}"
-            )
-        chosen |= override
+        if not isinstance(override, dict):
+            raise ValueError(f"override_generation_config takes a dict, got {override!r}")
+        # as vLLM's: other keys (do_sample, max_tokens) count for nothing, and a null drops
+        # the model's value of its field
+        chosen |= {name: v for name, v in override.items() if name in TRANSFORMERS_DEFAULTS}
+        chosen = {name: v for name, v in chosen.items() if v is not None}
     if "max_new_tokens" in chosen:  # transformers' name for SamplingParams' max_tokens
         chosen["max_tokens"] = chosen.pop("max_new_tokens")
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -46,7 +47,8 @@ ROW_PARALLEL = ("o_proj", "down_proj")  # their input features are split across 
 
 @dataclass(frozen=True)
 class LoRARequest:
-    """vLLM's: an adapter's name, its id (>= 1; one id, one adapter) and its PEFT folder."""
+    """vLLM's: an adapter's name, its id (>= 1; one id, one adapter) and its PEFT folder (a
+    str or path-like, kept as a str)."""
 
     lora_name: str
     lora_int_id: int
@@ -54,6 +56,8 @@ class LoRARequest:
     base_model_name: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.lora_path, os.PathLike):
+            object.__setattr__(self, "lora_path", os.fspath(self.lora_path))
         if not isinstance(self.lora_name, str) or not self.lora_name:
             raise ValueError(f"lora_name must be a non-empty string, got {self.lora_name!r}")
         lora_id = self.lora_int_id
@@ -273,14 +277,10 @@ def check_adapter_config(request: LoRARequest, config: dict, max_rank: int) -> t
 
 
 def read_pairs(request: LoRARequest, folder: Path) -> dict[tuple[int, str], tuple]:
-    """(layer, module) -> (A [r, in], B [out, r]) of the folder's adapter_model.safetensors."""
-    path = folder / "adapter_model.safetensors"
-    if not path.is_file():
-        raise ValueError(
-            f"LoRA adapter {request.lora_name!r}: {folder} has no adapter_model.safetensors"
-        )
+    """(layer, module) -> (A [r, in], B [out, r]) of the folder's adapter_model.safetensors, or
+    of its adapter_model.bin (PEFT's older format) where it has no safetensors file."""
     found: dict[tuple[int, str, str], torch.Tensor] = {}
-    for key, tensor in safetensors_tensors(path):
+    for key, tensor in adapter_tensors(request, folder):
         match = PEFT_KEY.search(key)
         if match is None or (match[3] not in LANES and match[3] not in FUSED):
             raise ValueError(
@@ -301,6 +301,31 @@ def read_pairs(request: LoRARequest, folder: Path) -> dict[tuple[int, str], tupl
     if len(pairs) * 2 != len(found):
         raise ValueError(f"LoRA adapter {request.lora_name!r}: a lora_B has no lora_A")
     return pairs
+
+
+def adapter_tensors(request: LoRARequest, folder: Path) -> Iterable[tuple[str, torch.Tensor]]:
+    """(name, tensor) of adapter_model.safetensors, else of adapter_model.bin, read as vLLM
+    reads it (tensors only: torch.load's weights_only)."""
+    safetensors, pickled = folder / "adapter_model.safetensors", folder / "adapter_model.bin"
+    if safetensors.is_file():
+        return safetensors_tensors(safetensors)
+    if not pickled.is_file():
+        raise ValueError(
+            f"LoRA adapter {request.lora_name!r}: {folder} has no adapter_model.safetensors "
+            "or adapter_model.bin"
+        )
+    try:
+        state = torch.load(pickled, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch.load's errors are of any type: a pickle, a zip, ...
+        raise ValueError(
+            f"LoRA adapter {request.lora_name!r}: {pickled} is no state dict of tensors ({error})"
+        ) from error
+    named = isinstance(state, dict) and all(isinstance(k, str) for k in state)
+    if not named or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise ValueError(
+            f"LoRA adapter {request.lora_name!r}: {pickled} is no state dict of tensors"
+        )
+    return state.items()
 
 
 class AdapterCache:

@@ -4,9 +4,10 @@ Each request goes through the same FastAPI app as `tandem serve` (in process, ov
 transport), so a batch line is validated and answered exactly as the HTTP endpoint would:
 
     requests.jsonl ─read─> BatchRequest ─POST url body─> app ─> AsyncLLM ─> response JSON
-    results.jsonl <─append, flush─ output line (custom_id, status, body, error)
+    results.jsonl <─append in input order, flush─ output line (custom_id, status, body, error)
 
-With --data-parallel-size N, `tandem.ray.batch` spreads the requests over N such engines.
+Lines are written in the input's order, as vLLM's: one answered before those above it waits for
+them. With --data-parallel-size N, `tandem.ray.batch` spreads the requests over N such engines.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
 import httpx
+import prometheus_client
 from tqdm import tqdm
 
 from tandem.async_llm import AsyncLLM
@@ -31,16 +33,25 @@ from tandem.batch_file import (
     resume_output,
 )
 from tandem.server.app import build_app
+from tandem.server.options import ServerOptions
 
 
 class BatchAnswerer:
-    """One engine behind the OpenAI app; `answer` turns a request into its output line."""
+    """One engine behind the OpenAI app; `answer` turns a request into its output line.
+    served_model_name: the names requests may give, answers carrying the first (default: model);
+    options: how the app answers (response_role, request logging, ...)."""
 
-    def __init__(self, model: str, served_model_name: str | None = None, **engine_args: Any):
+    def __init__(
+        self,
+        model: str,
+        served_model_name: str | Sequence[str] | None = None,
+        options: ServerOptions | None = None,
+        **engine_args: Any,
+    ):
         self.llm = AsyncLLM.from_model(model, **engine_args)
         self.max_in_flight = 2 * engine_args.get("max_num_seqs", 256)
-        app = build_app(self.llm, served_model_name or model)
-        transport = httpx.ASGITransport(app=app)
+        self.app = build_app(self.llm, served_model_name or model, options=options)
+        transport = httpx.ASGITransport(app=self.app)
         self.client = httpx.AsyncClient(transport=transport, base_url="http://batch", timeout=None)
 
     async def answer(self, request: BatchRequest) -> dict[str, Any]:
@@ -101,6 +112,33 @@ class BatchSummary:
         return text
 
 
+class InInputOrder:
+    """Hands lines to `write` in the input's order: `entries` are the pending requests and the
+    error lines of unreadable ones, as the file had them; a request's line answered before those
+    above it waits for them."""
+
+    def __init__(
+        self, entries: list[BatchRequest | dict[str, Any]], write: Callable[[dict[str, Any]], None]
+    ):
+        self.write = write
+        self.position = {
+            e.custom_id: i for i, e in enumerate(entries) if isinstance(e, BatchRequest)
+        }
+        # position -> its line, once answered; error lines are answered from the start
+        self.waiting = {i: e for i, e in enumerate(entries) if not isinstance(e, BatchRequest)}
+        self.next_position = 0
+        self.flush()
+
+    def add(self, line: dict[str, Any]) -> None:
+        self.waiting[self.position[line["custom_id"]]] = line
+        self.flush()
+
+    def flush(self) -> None:
+        while self.next_position in self.waiting:
+            self.write(self.waiting.pop(self.next_position))
+            self.next_position += 1
+
+
 class OutputWriter:
     """Appends output lines, flushed one by one, and shows requests/s and tokens/s."""
 
@@ -134,30 +172,37 @@ def run_batch(
     model: str,
     engine_args: dict[str, Any],
     data_parallel_size: int = 1,
-    served_model_name: str | None = None,
+    served_model_name: str | Sequence[str] | None = None,
     quiet: bool = False,
+    options: ServerOptions | None = None,
+    metrics_address: tuple[str, int] | None = None,
 ) -> BatchSummary:
-    """Answer what `output_path` lacks of `input_path`; returns what this run wrote."""
+    """Answer what `output_path` lacks of `input_path`; returns what this run wrote.
+    metrics_address: (host, port) to serve the engine's Prometheus metrics on while it runs
+    (vLLM's --enable-metrics; one engine only)."""
     if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {data_parallel_size!r}")
+    if metrics_address is not None and data_parallel_size > 1:
+        raise ValueError("--enable-metrics serves one engine's metrics (--data-parallel-size 1)")
     todo = pending(read_batch_file(input_path), resume_output(output_path))
     with open(output_path, "a", encoding="utf-8") as out:
-        writer = OutputWriter(out, len(todo.bad_lines) + len(todo.requests), quiet)
+        writer = OutputWriter(out, len(todo.entries), quiet)
         try:
-            for line in todo.bad_lines:
-                writer.write(line)
+            in_order = InInputOrder(todo.entries, writer.write)
             if todo.requests and data_parallel_size == 1:
-                answer_locally(todo.requests, model, engine_args, served_model_name, writer.write)
+                answerer = BatchAnswerer(model, served_model_name, options, **engine_args)
+                answer_locally(answerer, todo.requests, in_order.add, metrics_address)
             elif todo.requests:
                 from tandem.ray.batch import answer_on_ray
 
                 answer_on_ray(
                     todo.requests,
                     model,
-                    engine_args,
+                    # each actor's BatchAnswerer takes the options with the engine's arguments
+                    {**engine_args, "options": options},
                     data_parallel_size,
                     served_model_name,
-                    writer.write,
+                    in_order.add,
                 )
         finally:
             writer.close()
@@ -165,19 +210,26 @@ def run_batch(
 
 
 def answer_locally(
+    answerer: BatchAnswerer,
     requests: list[BatchRequest],
-    model: str,
-    engine_args: dict[str, Any],
-    served_model_name: str | None,
     write: Callable[[dict[str, Any]], None],
+    metrics_address: tuple[str, int] | None = None,
 ) -> None:
-    answerer = BatchAnswerer(model, served_model_name, **engine_args)
+    """Answer `requests`, writing lines as they finish; the engine is shut down after."""
+    metrics_server = None
 
     async def run() -> None:
         async for line in answerer.answer_all(requests):
             write(line)
 
     try:
+        if metrics_address is not None:  # vLLM's run-batch --enable-metrics --url --port
+            host, port = metrics_address
+            registry = answerer.app.state.serving.metrics.registry
+            metrics_server, _ = prometheus_client.start_http_server(port, host, registry)
         asyncio.run(run())
     finally:
         answerer.shutdown()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()

@@ -1,7 +1,9 @@
 """vLLM's runtime LoRA routes (`--allow-runtime-lora-updating`, vLLM's
 VLLM_ALLOW_RUNTIME_LORA_UPDATING): POST /v1/load_lora_adapter serves a PEFT folder as a model
-of its name, read and checked before it is listed; POST /v1/unload_lora_adapter stops serving
-it (requests already running under it finish under it). Behind the API key like every route.
+of its name, read and checked before it is listed; with `load_inplace` it replaces the adapter
+of a name already served. POST /v1/unload_lora_adapter stops serving it. Either way requests
+already running under the old adapter finish under it: a load takes a new id, so the old one
+keeps its device slot and its prefix-cache KV. Behind the API key like every route.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from tandem.server.serving import OpenAIServing
 class LoadLoRAAdapterRequest(RequestOption):
     lora_name: Annotated[Text, Field(min_length=1)]
     lora_path: Annotated[Text, Field(min_length=1)]
+    load_inplace: bool = False  # replace the adapter of a name already served
 
 
 class UnloadLoRAAdapterRequest(RequestOption):
@@ -37,7 +40,7 @@ def adapter_router(serving: OpenAIServing) -> APIRouter:
         if cache is None:
             raise OpenAIError("this server runs no LoRA adapters: start it with --enable-lora")
         name = body.lora_name
-        if name in serving.adapters or name in serving.model_names:
+        if name in serving.model_names or (name in serving.adapters and not body.load_inplace):
             raise OpenAIError(
                 f"The lora adapter '{name}' has already been loaded.", param="lora_name"
             )
@@ -48,11 +51,11 @@ def adapter_router(serving: OpenAIServing) -> APIRouter:
             await asyncio.to_thread(cache.get, lora)  # read off the event loop and the engine
         except ValueError as error:
             raise OpenAIError(str(error), param="lora_path") from error
-        if name in serving.adapters:  # a load of that name ended while this one read
+        if name in serving.adapters and not body.load_inplace:  # loaded while this one read
             raise OpenAIError(
                 f"The lora adapter '{name}' has already been loaded.", param="lora_name"
             )
-        serving.adapters[name] = lora
+        serving.adapters[name] = lora  # new requests of the name run under it
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @router.post("/v1/unload_lora_adapter")

@@ -73,7 +73,9 @@ def build_app(
         raise ValueError(f"LoRA module names {clashing} are served model names already")
     check_lora_modules(llm, options.lora_modules)
     docs = {} if not options.disable_fastapi_docs else dict.fromkeys(DOCS_ROUTES)
-    app = FastAPI(title="tandem", **docs)  # --root-path is uvicorn's (lifecycle.uvicorn_config)
+    app = FastAPI(title="tandem", **docs)
+    # vLLM's --root-path: paths with the proxy's prefix and without it both reach the routes
+    app.root_path = options.root_path or ""
     metrics = ServerMetrics(llm, names[0])
     serving = OpenAIServing(llm, names, metrics, options, options.lora_modules)
     app.state.llm, app.state.serving = llm, serving

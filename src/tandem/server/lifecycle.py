@@ -70,7 +70,8 @@ class Server(uvicorn.Server):
 
 
 def uvicorn_config(app: FastAPI, host: str, port: int, options: ServerOptions) -> uvicorn.Config:
-    """How uvicorn serves `app`: the address, TLS, the root path, logging, the drain."""
+    """How uvicorn serves `app`: the address, TLS, logging, the drain (the root path is the
+    app's: build_app)."""
     return uvicorn.Config(
         app,
         host=host,
@@ -79,7 +80,6 @@ def uvicorn_config(app: FastAPI, host: str, port: int, options: ServerOptions) -
         access_log=options.access_log,
         timeout_graceful_shutdown=options.drain_timeout_s + SHUTDOWN_MARGIN_S,
         log_level=options.uvicorn_log_level,
-        root_path=options.root_path or "",
         ssl_keyfile=options.ssl_keyfile,
         ssl_certfile=options.ssl_certfile,
         ssl_ca_certs=options.ssl_ca_certs,

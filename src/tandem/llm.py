@@ -58,6 +58,7 @@ from tandem.tokenizer import (
     template_content,
     template_reasoning,
     template_tool_call,
+    text_part,
 )
 from tandem.weight_transfer import request_field, required_field
 from tandem.weights import NamedTensors
@@ -589,21 +590,18 @@ class LLM:
             isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
         ):
             raise TypeError(f"tools must be a list of tool dicts, got {tools!r:.60}")
-        try:
-            texts = [
-                tokenizer.apply_chat_template(
-                    c,
-                    tools,
-                    chat_template=chat_template,
-                    add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message,
-                    tokenize=False,
-                    chat_template_kwargs=chat_template_kwargs,
-                )
-                for c in conversations
-            ]
-        except jinja2.TemplateError as error:  # e.g. the template reads messages it was not given
-            raise ValueError(f"chat template failed on the messages: {error}") from error
+        texts = [  # a template's own error is a ValueError (Tokenizer.apply_chat_template)
+            tokenizer.apply_chat_template(
+                c,
+                tools,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            for c in conversations
+        ]
         return [
             {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text}
             for text in texts
@@ -866,7 +864,7 @@ def _conversations(messages: Any) -> list[list[dict[str, Any]]]:
 
 
 def _template_message(message: Any, content_format: str) -> Any:
-    """A message whose content (a string or OpenAI's list of text parts) is as a template of
+    """A message whose content (a string or a list of text parts) is as a template of
     `content_format` takes it (`tokenizer.template_content`), its tool calls' arguments objects
     and its reasoning under both names, as vLLM gives them to templates. A role that is no
     string, or a content that is neither, is a TypeError."""
@@ -876,20 +874,13 @@ def _template_message(message: Any, content_format: str) -> Any:
     message = template_reasoning(message)
     if isinstance(message.get("tool_calls"), list):
         message = {**message, "tool_calls": [template_tool_call(c) for c in message["tool_calls"]]}
-    if content is None:  # an assistant's tool calls alone; the template says whether it may
-        return message
-    if not isinstance(content, list | str):
+    if content is not None and not isinstance(content, list | str):
         raise TypeError(
             "a message's content must be a string or a list of text parts, got "
             f"{type(content).__name__}"
         )
-    for part in content if isinstance(content, list) else ():
-        if not isinstance(part, dict) or part.get("type") != "text" or "text" not in part:
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ValueError(
-                "a message's content parts must be text parts, {'type': 'text', 'text': ...}, "
-                f"for a text model; got a part of type {kind!r}"
-            )
+    if isinstance(content, list):
+        content = [text_part(part) for part in content]
     return {**message, "content": template_content(content, content_format, role)}
 
 

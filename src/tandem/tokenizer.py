@@ -297,8 +297,14 @@ class Tokenizer:
                 "add_generation_prompt and continue_final_message cannot both be true: set "
                 "add_generation_prompt to false to continue the final message"
             )
-        # like transformers, special tokens that are unset stay undefined in the template
-        variables = {**self.template_tokens, **template_kwargs(chat_template_kwargs), **kwargs}
+        # like transformers, special tokens that are unset stay undefined in the template, and
+        # documents (vLLM's request field, for retrieval) is None unless given
+        variables = {
+            "documents": None,
+            **self.template_tokens,
+            **template_kwargs(chat_template_kwargs),
+            **kwargs,
+        }
         batched = bool(conversation) and isinstance(conversation[0], list | tuple)
         texts = []
         for messages in conversation if batched else [conversation]:
@@ -311,9 +317,14 @@ class Tokenizer:
                     tools=tools,
                     add_generation_prompt=add_generation_prompt,
                 )
-            except (TypeError, ArithmeticError) as error:  # the template's own logic failed on
-                # them: a content of None where it adds strings, the sandbox's range limit, ...
-                raise ValueError(f"chat template failed on the messages: {error}") from error
+            except ValueError:  # raise_exception's, in the template's own words
+                raise
+            except Exception as error:  # as vLLM's safe_apply_chat_template: the template's own
+                # logic failed on them (a variable it was not given, a key or index missing, the
+                # sandbox's range limit, a macro recursing without end, ...)
+                raise ValueError(
+                    f"chat template failed on the messages: {type(error).__name__}: {error}"
+                ) from error
             texts.append(cut_at_tag(text) if continue_final_message else text)
         if not tokenize:
             return texts if batched else texts[0]
@@ -461,8 +472,10 @@ CONTENT_FORMATS = ("auto", "string", "openai")  # vLLM's chat_template_content_f
 @functools.lru_cache(maxsize=16)
 def content_format(source: str | None, asked: str = "auto") -> str:
     """How a template takes a message's content: "openai" (a list of {"type": "text", "text":
-    ...} parts) or "string". "auto": "openai" where the template loops over a message's
-    content, directly or through a variable set from it, else "string"."""
+    ...} parts) or "string". "auto", as vLLM's detection: "openai" where the template loops over
+    a message's content (`for p in m.content`, or filtered or sliced: `m.content | select...`,
+    `m['content'][1:]`), a message being a loop's item over `messages` or a variable set from
+    it; else "string"."""
     if asked not in CONTENT_FORMATS:
         raise ValueError(
             f"chat_template_content_format must be one of {CONTENT_FORMATS}, got {asked!r}"
@@ -471,27 +484,97 @@ def content_format(source: str | None, asked: str = "auto") -> str:
         return "string" if asked == "auto" else asked
     tree = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols", GenerationTag])
     tree = tree.parse(source)
+    try:
+        messages = loop_items(tree, assigned_from(tree, "messages"))
+        return "openai" if loop_items(tree, messages, "content", first=True) else "string"
+    except Undetectable:  # vLLM's detection fails there, and so falls back to "string"
+        return "string"
 
-    def is_content(node: nodes.Node) -> bool:  # message['content'] or message.content
+
+class Undetectable(Exception):
+    """A variable that content_format follows is set or looped into a target that is no plain
+    name (`{% set ns.m = messages %}`, `{% for i, m in messages %}`)."""
+
+
+def reads(node: nodes.Node, name: str, key: str | None = None) -> bool:
+    """Whether `node` is variable `name` (or its item `key`: name.key, name['key']), seen
+    through filters, tests and slices: `messages | reverse`, `m['content'][1:]`."""
+    while isinstance(node, nodes.Filter | nodes.Test) or (
+        isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)
+    ):
+        node = node.node
+        if node is None:  # a filter block's filter: it reads what the block renders
+            return False
+    if key is not None:
         if isinstance(node, nodes.Getitem):
-            return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
-        return isinstance(node, nodes.Getattr) and node.attr == "content"
+            if not (isinstance(node.arg, nodes.Const) and node.arg.value == key):
+                return False
+        elif not (isinstance(node, nodes.Getattr) and node.attr == key):
+            return False
+        node = node.node
+    return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == name
 
-    names = {  # variables set from a message's content: {% set content = message['content'] %}
-        assign.target.name
-        for assign in tree.find_all(nodes.Assign)
-        if is_content(assign.node) and isinstance(assign.target, nodes.Name)
-    }
+
+def target_name(target: nodes.Node) -> str:
+    if not isinstance(target, nodes.Name):
+        raise Undetectable
+    return target.name
+
+
+def assigned_from(tree: nodes.Template, name: str) -> list[str]:
+    """`name` and the variables set from it, from those, ...: messages -> loop_messages for
+    `{% set loop_messages = messages[1:] %}`."""
+    names, pending = [name], [name]
+    while pending:
+        source = pending.pop(0)
+        for assign in tree.find_all(nodes.Assign):
+            if reads(assign.node, source) and (target := target_name(assign.target)) not in names:
+                names.append(target)
+                pending.append(target)
+    return names
+
+
+def loop_items(
+    tree: nodes.Template, names: list[str], key: str | None = None, first: bool = False
+) -> list[str]:
+    """The item variables of the loops over any of `names` (over their `key` item where given);
+    `first`: only the first such loop's."""
+    items = []
     for loop in tree.find_all(nodes.For):
-        if is_content(loop.iter) or (isinstance(loop.iter, nodes.Name) and loop.iter.name in names):
-            return "openai"
-    return "string"
+        if any(reads(loop.iter, name, key) for name in names):
+            items.append(target_name(loop.target))
+            if first:
+                break
+    return items
+
+
+# vLLM's content parts that hold text (OpenAI's text and refusal parts, the Responses API's
+# input_text and output_text), and the key each holds it under
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
+def text_part(part: Any) -> dict[str, str]:
+    """A content part as templates take it, as vLLM gives it to them: a bare string or a part of
+    TEXT_PARTS made a {"type": "text", "text": ...} part; a ValueError for any other part."""
+    if isinstance(part, str):
+        return {"type": "text", "text": part}
+    kind = part.get("type") if isinstance(part, dict) else None
+    text = part.get(TEXT_PARTS[kind]) if isinstance(kind, str) and kind in TEXT_PARTS else None
+    if not isinstance(text, str):
+        raise ValueError(
+            "a message's content parts must be text for a text model: a string, or a part "
+            f"{{'type': 'text', 'text': ...}} (input_text, output_text, refusal too); got "
+            f"{part!r:.80}"
+        )
+    return {"type": "text", "text": text}
 
 
 def template_content(content: Any, content_format: str, role: Any = None) -> Any:
-    """A message's content as a template of `content_format` takes it: text parts joined by
-    newlines (as vLLM renders them for a string), or a text made one part; a tool's result is
-    text whatever the format, as vLLM gives it."""
+    """A message's content (None, a string or a list of text parts) as a template of
+    `content_format` takes it: text parts joined by newlines (as vLLM renders them for a
+    string), or a text made one part; a tool's result is text whatever the format, as vLLM
+    gives it. None is no parts, as vLLM reads it: "" (or [] as parts)."""
+    content = [] if content is None else content
     if content_format == "openai" and role != "tool":
         if isinstance(content, str):
             return [{"type": "text", "text": content}]
@@ -503,21 +586,19 @@ def template_content(content: Any, content_format: str, role: Any = None) -> Any
 
 def template_tool_call(call: Any) -> Any:
     """An assistant's tool call as templates take it, as vLLM gives it to them: its function's
-    arguments an object (the JSON text parsed; none, {}), since templates write them with tojson;
-    a ValueError for arguments that are no JSON."""
+    arguments an object, since templates write them with tojson: the JSON text parsed, else {}
+    (none, or text that is no JSON)."""
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict):
         return call
     arguments = function.get("arguments")
-    if not arguments:
-        arguments = {}
-    elif isinstance(arguments, str):
+    if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError as error:
-            raise ValueError(
-                f"a tool call's arguments must be JSON, got {function['arguments']!r:.60}: {error}"
-            ) from error
+        except json.JSONDecodeError:
+            arguments = {}
+    elif not isinstance(arguments, dict | list):
+        arguments = {}
     return {**call, "function": {**function, "arguments": arguments}}
 
 

@@ -24,6 +24,8 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "modalities": (["text"],),  # OpenAI's chat: text, its default
     # vLLM's, at its default
     "spaces_between_special_tokens": (True,),
+    # vLLM's: the side truncate_prompt_tokens cuts; left, keeping the last tokens, as tandem does
+    "truncation_side": ("left",),
 }
 # OpenAI's labels of a request: `safety_identifier` replaces `user`, `prompt_cache_key` routes
 IGNORED_FIELDS = (
@@ -240,8 +242,24 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextPart(MessagePart):
-    type: Literal["text"]
+    # OpenAI's text part, and the Responses API's input_text and output_text, as vLLM reads them
+    type: Literal["text", "input_text", "output_text"]
     text: Text
+
+
+class RefusalPart(MessagePart):
+    """An assistant's refusal sent back with its message: text, as vLLM renders it."""
+
+    type: Literal["refusal"]
+    refusal: Text
+
+    @property
+    def text(self) -> str:
+        return self.refusal
+
+
+# a part is text: one of those, or a bare string (vLLM's)
+ContentPart = Annotated[TextPart | RefusalPart, Field(discriminator="type")] | Text
 
 
 class FunctionCall(MessagePart):
@@ -260,8 +278,10 @@ class ToolCall(MessagePart):
 
 
 class ChatMessage(MessagePart):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None
+    # OpenAI's roles (system, developer, user, assistant, tool) or any other the chat template
+    # knows (vLLM's custom roles, e.g. Llama 3's "ipython")
+    role: Text
+    content: Text | list[ContentPart] | None = None  # None: no parts, "" to a template
     tool_calls: list[ToolCall] | None = None  # an assistant's
     tool_call_id: Text | None = None  # a tool message answers this call
     name: Text | None = None
@@ -273,28 +293,22 @@ class ChatMessage(MessagePart):
     def check_role_fields(self) -> ChatMessage:
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("tool_calls are an assistant message's")
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content is required, unless an assistant message has tool_calls")
-        if self.role == "tool" and self.tool_call_id is None:
-            raise ValueError("a tool message needs the tool_call_id it answers")
         return self
+
+    def openai_content(self) -> str | list[dict[str, str]] | None:
+        """The content, each part made OpenAI's text part (a bare string, a refusal, ...)."""
+        if not isinstance(self.content, list):
+            return self.content
+        return [{"type": "text", "text": p if isinstance(p, str) else p.text} for p in self.content]
 
     def text(self) -> str:
         """The content as text; text parts are joined by newlines, as vLLM renders them."""
-        content = self.content or ""
-        return content if isinstance(content, str) else "\n".join(part.text for part in content)
+        return template_content(self.openai_content(), "string")
 
     def as_template_input(self, content_format: str = "string") -> dict[str, Any]:
         """The message as a chat template of `content_format` (tokenizer.content_format) takes it."""
-        # OpenAI's newer name for the system role; chat templates know "system"
-        role = "system" if self.role == "developer" else self.role
-        content = self.content or ""
-        if not isinstance(content, str):
-            content = [{"type": "text", "text": part.text} for part in content]
-        message: dict[str, Any] = {
-            "role": role,
-            "content": template_content(content, content_format, role),
-        }
+        content = template_content(self.openai_content(), content_format, self.role)
+        message: dict[str, Any] = {"role": self.role, "content": content}
         if self.tool_calls:
             message["tool_calls"] = [call.as_template_input() for call in self.tool_calls]
         for name in ("tool_call_id", "name", "reasoning", "reasoning_content"):
@@ -344,14 +358,19 @@ class ChatCompletionRequest(SamplingRequest):
         None
     )
     include_reasoning: bool = True  # False: message.reasoning is left out (--reasoning-parser)
+    # vLLM's: texts for retrieval-augmented generation, the template's `documents`
+    documents: list[dict[str, Text]] | None = None
 
     def template_kwargs(self) -> dict[str, Any] | None:
-        """The chat template's variables: chat_template_kwargs, with reasoning_effort's."""
-        if self.reasoning_effort is None:
-            return self.chat_template_kwargs
-        given = self.chat_template_kwargs or {}
-        thinking = {"enable_thinking": self.reasoning_effort != "none"}
-        return {"reasoning_effort": self.reasoning_effort, **thinking, **given}
+        """The chat template's variables: chat_template_kwargs, with reasoning_effort's, and
+        documents over a variable of that name (as vLLM)."""
+        kwargs = self.chat_template_kwargs
+        if self.reasoning_effort is not None:
+            thinking = {"enable_thinking": self.reasoning_effort != "none"}
+            kwargs = {"reasoning_effort": self.reasoning_effort, **thinking, **(kwargs or {})}
+        if self.documents is not None:
+            kwargs = {**(kwargs or {}), "documents": self.documents}
+        return kwargs
 
     def answer_role(self, response_role: str = "assistant") -> str:
         """`response_role` (--response-role), or without a generation prompt the final

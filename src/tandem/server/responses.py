@@ -315,6 +315,9 @@ def instructions(body: ResponsesRequest) -> list[dict[str, Any]]:
     return [] if body.instructions is None else [{"role": "system", "content": body.instructions}]
 
 
+INPUT_ROLES = ("user", "assistant", "system", "developer")  # OpenAI's input message's
+
+
 def input_messages(
     items: str | list[dict[str, Any]],
 ) -> tuple[list[dict[str, Any]], list[int | None]]:
@@ -327,6 +330,12 @@ def input_messages(
     for i, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "message":
+            if item.get("role") not in INPUT_ROLES:
+                raise OpenAIError(
+                    f"an input message's role must be one of {', '.join(INPUT_ROLES)}, got "
+                    f"{item.get('role')!r:.40}",
+                    param=f"input.{i}.role",
+                )
             messages.append({"role": item.get("role"), "content": message_text(item, i)})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function"}

@@ -920,11 +920,9 @@ def chat_prompt(
                 chat_template_kwargs=options.chat_template_kwargs(body.template_kwargs()),
             )
         )  # JSON the template renders may unescape a lone surrogate ("\\ud800") into it
-    except ValueError as error:  # no template, the template's raise_exception, a surrogate
+    except ValueError as error:  # no template, the template's own error or raise_exception,
+        # a surrogate
         raise OpenAIError(str(error), param="messages") from error
-    except jinja2.TemplateError as error:  # e.g. the template reads messages it was not given
-        message = f"the chat template failed on these messages: {error}"
-        raise OpenAIError(message, param="messages") from error
 
 
 def sampling_params(

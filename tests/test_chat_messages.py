@@ -1,0 +1,258 @@
+"""Chat messages as vLLM reads them, offline (`LLM.chat`) and served (/tokenize,
+/v1/chat/completions): what reaches the chat template is checked against transformers'
+rendering of the messages vLLM's parser makes of them (chat_utils.parse_chat_messages); what
+vLLM refuses, or takes from the template, is checked by its error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tandem import LLM, SamplingParams
+from tandem.async_llm import AsyncLLM
+from tandem.server.app import build_app
+from tandem.server.options import ServerOptions
+from tandem.tokenizer import Tokenizer, content_format
+
+# writes the documents, then each message's role, tool call id, content (added to text, as
+# Llama 3's template adds it: a None or a missing content fails there) and tool calls
+TEMPLATE = (
+    "{% for d in documents or [] %}<doc {{ d.title }}: {{ d.text }}>{% endfor %}"
+    "{% for m in messages %}<{{ m.role }}{% if m.tool_call_id %} {{ m.tool_call_id }}{% endif %}"
+    "{{ '>' + m.content }}{% for c in m.tool_calls or [] %}"
+    "[{{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}</{{ m.role }}>"
+    "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+USER = {"role": "user", "content": "Hi"}
+CALL = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{city"}}
+GREEDY = SamplingParams(max_tokens=1, temperature=0)
+
+# a chat vLLM takes, and the messages its parser gives the template
+ACCEPTED = {
+    "custom_role": (
+        [USER, {"role": "ipython", "content": "4"}],
+        [USER, {"role": "ipython", "content": "4"}],
+    ),
+    "developer_role": (
+        [{"role": "developer", "content": "Be brief."}, USER],
+        [{"role": "developer", "content": "Be brief."}, USER],
+    ),
+    "tool_without_call_id": (
+        [USER, {"role": "tool", "name": "weather", "content": "20C"}],
+        [USER, {"role": "tool", "name": "weather", "content": "20C"}],
+    ),
+    "content_null": (
+        [{"role": "user", "content": None}, {"role": "assistant", "content": None}],
+        [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}],
+    ),
+    "content_missing": ([{"role": "user"}], [{"role": "user", "content": ""}]),
+    "text_parts_of_every_kind": (
+        [{"role": "user", "content": [
+            "Hi", {"type": "input_text", "text": "there"}, {"type": "output_text", "text": "again"}
+        ]}],
+        [{"role": "user", "content": "Hi\nthere\nagain"}],
+    ),
+    "refusal_part": (
+        [USER, {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}, USER],
+        [USER, {"role": "assistant", "content": "No."}, USER],
+    ),
+    "tool_call_arguments_no_json": (
+        [USER, {"role": "assistant", "content": None, "tool_calls": [CALL]}],
+        [USER, {"role": "assistant", "content": "", "tool_calls": [
+            {**CALL, "function": {"name": "weather", "arguments": {}}}
+        ]}],
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def folder(make_tiny) -> Path:
+    return make_tiny("llama")
+
+
+@pytest.fixture(scope="module")
+def offline(folder) -> LLM:
+    return LLM(str(folder), max_model_len=128, block_size=8)
+
+
+@pytest.fixture(scope="module")
+def served(folder):
+    llm = AsyncLLM.from_model(str(folder), max_model_len=128, block_size=8)
+    yield llm
+    llm.shutdown()
+
+
+def client_of(llm: AsyncLLM, **options) -> TestClient:
+    return TestClient(build_app(llm, "tiny", options=ServerOptions(**options)))
+
+
+def transformers_text(folder: Path, template: str, messages, **variables) -> str:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        messages, chat_template=template, add_generation_prompt=True, tokenize=False, **variables
+    )
+
+
+def ids_of(folder: Path, text: str) -> list[int]:
+    return Tokenizer.from_dir(folder).encode(text, add_special_tokens=False)
+
+
+def assert_renders(offline, served, folder: Path, template: str, messages, want: str) -> None:
+    """`LLM.chat` renders `messages` with `template` as `want`; the server's /tokenize gives
+    its ids."""
+    [out] = offline.chat(messages, GREEDY, use_tqdm=False, chat_template=template)
+    assert out.prompt == want
+    with client_of(served, chat_template=template) as client:
+        tokens = client.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    assert tokens == ids_of(folder, want)
+
+
+@pytest.mark.parametrize(("messages", "parsed"), ACCEPTED.values(), ids=ACCEPTED)
+def test_chats_vllm_takes_reach_the_template_as_its_parser_gives_them(
+    folder, offline, served, messages, parsed
+):
+    want = transformers_text(folder, TEMPLATE, parsed)
+    [out] = offline.chat(messages, GREEDY, use_tqdm=False, chat_template=TEMPLATE)
+    assert out.prompt == want
+    with client_of(served, chat_template=TEMPLATE) as client:
+        tokens = client.post("/tokenize", json={"messages": messages})
+        assert tokens.status_code == 200, tokens.text
+        assert tokens.json()["tokens"] == ids_of(folder, want)
+        chat = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["usage"]["prompt_tokens"] == len(ids_of(folder, want))
+
+
+def test_a_content_of_none_is_no_parts_to_a_template_of_parts(folder, offline, served):
+    """vLLM reads None as an empty list of parts: [] to a template that loops over parts."""
+    template = (
+        "{% for m in messages %}{% for p in m.content %}{% endfor %}"
+        "{{ m.role }}={{ m.content | tojson }}|{% endfor %}"
+    )
+    messages = [{"role": "user", "content": None}, {"role": "assistant", "content": "Hi"}]
+    want = transformers_text(folder, template, [
+        {"role": "user", "content": []},
+        {"role": "assistant", "content": [{"type": "text", "text": "Hi"}]},
+    ])  # fmt: skip
+    assert want == 'user=[]|assistant=[{"type": "text", "text": "Hi"}]|'
+    assert_renders(offline, served, folder, template, messages, want)
+
+
+def test_documents_reach_the_template_over_a_template_variable_of_that_name(folder, served):
+    """vLLM's `documents` field is the template's `documents`, as transformers passes them;
+    without it the template reads None, as from transformers."""
+    documents = [{"title": "Caches", "text": "KV blocks."}]
+    want = transformers_text(folder, TEMPLATE, [USER], documents=documents)
+    assert "<doc Caches: KV blocks.>" in want
+    with client_of(served, chat_template=TEMPLATE) as client:
+        body = {"messages": [USER], "max_tokens": 1, "documents": documents}
+        chat = client.post("/v1/chat/completions", json=body)
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["usage"]["prompt_tokens"] == len(ids_of(folder, want))
+        other = {"documents": [{"title": "Other", "text": "Text."}]}
+        chat = client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": other})
+        assert chat.json()["usage"]["prompt_tokens"] == len(ids_of(folder, want))
+    unset = "{{ documents is none }}"
+    rendered = Tokenizer.from_dir(folder).apply_chat_template(
+        [USER], chat_template=unset, tokenize=False
+    )
+    assert rendered == transformers_text(folder, unset, [USER]) == "True"
+
+
+FAILING_TEMPLATES = {
+    "KeyError": "{{ '{a}'.format(b=1) }}",
+    "IndexError": "{{ '{0}{1}'.format(messages[0].content) }}",
+    "RecursionError": "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+}
+
+
+@pytest.mark.parametrize(("error", "template"), FAILING_TEMPLATES.items(), ids=FAILING_TEMPLATES)
+def test_any_exception_of_a_template_is_a_value_error_and_a_400(
+    folder, offline, served, error, template
+):
+    """vLLM's safe_apply_chat_template: whatever the template raises is a ValueError, a 400."""
+    message = f"chat template failed on the messages: {error}"
+    with pytest.raises(ValueError, match=message):
+        Tokenizer.from_dir(folder).apply_chat_template([USER], chat_template=template)
+    with pytest.raises(ValueError, match=message):
+        offline.chat([USER], GREEDY, use_tqdm=False, chat_template=template)
+    with client_of(served, trust_request_chat_template=True) as client:
+        body = {"messages": [USER], "chat_template": template}
+        for path, request in (
+            ("/v1/chat/completions", {**body, "max_tokens": 1}),
+            ("/tokenize", body),
+        ):
+            answer = client.post(path, json=request)
+            assert answer.status_code == 400, answer.text
+            assert answer.json()["error"]["param"] == "messages"
+            assert message in answer.json()["error"]["message"]
+        assert client.get("/health").status_code == 200
+
+
+# templates, and the content format vLLM's _detect_content_format reads from them
+DETECTED = {
+    "filtered_loop": (
+        "{% for m in messages %}{% for p in m.content | selectattr('type', 'equalto', 'text') %}"
+        "{% endfor %}{% endfor %}",
+        "openai",
+    ),
+    "sliced_loop": (
+        "{% for m in messages %}{% for p in m['content'][1:] %}{% endfor %}{% endfor %}",
+        "openai",
+    ),
+    "loop_over_set_messages": (
+        "{% set loop_messages = messages | reverse %}{% for m in loop_messages %}"
+        "{% for p in m.content %}{% endfor %}{% endfor %}",
+        "openai",
+    ),
+    "loop_over_set_content": (
+        "{% for m in messages %}{% set c = m['content'] %}{% for p in c %}{% endfor %}{% endfor %}",
+        "string",
+    ),
+    "loop_over_one_message_s_content": (
+        "{% for p in messages[0].content %}{% endfor %}",
+        "string",
+    ),
+    "messages_set_into_a_namespace": (  # vLLM's detection asserts a plain name: its default
+        "{% set ns = namespace() %}{% set ns.m = messages %}"
+        "{% for m in messages %}{% for p in m.content %}{% endfor %}{% endfor %}",
+        "string",
+    ),
+    "messages_unpacked": (
+        "{% for i, m in messages %}{% for p in m.content %}{% endfor %}{% endfor %}",
+        "string",
+    ),
+}
+
+
+@pytest.mark.parametrize(("source", "expected"), DETECTED.values(), ids=DETECTED)
+def test_auto_detects_the_content_format_as_vllm(source, expected):
+    assert content_format(source) == expected
+
+
+def test_a_filtered_loop_over_parts_gets_parts_as_in_vllm(folder, offline, served):
+    template = (
+        "{% for m in messages %}{% if m.content is string %}S:{{ m.content }}{% else %}"
+        "{% for p in m.content | selectattr('type', 'equalto', 'text') %}P:{{ p.text }};"
+        "{% endfor %}{% endif %}{% endfor %}"
+    )
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    messages = [{"role": "user", "content": parts}]
+    want = transformers_text(folder, template, messages)
+    assert want == "P:a;P:b;"
+    assert_renders(offline, served, folder, template, messages, want)
+
+
+def test_truncation_side_left_is_what_truncate_prompt_tokens_does(served):
+    """vLLM's truncation_side: "left" (its default) keeps the prompt's last tokens, as tandem
+    does; "right" is not supported, a 400 naming it."""
+    body = {"messages": [USER], "max_tokens": 1, "truncate_prompt_tokens": 3}
+    with client_of(served) as client:
+        left = client.post("/v1/chat/completions", json={**body, "truncation_side": "left"})
+        assert left.status_code == 200, left.text
+        assert left.json()["usage"]["prompt_tokens"] == 3
+        right = client.post("/v1/chat/completions", json={**body, "truncation_side": "right"})
+        assert right.status_code == 400 and right.json()["error"]["param"] == "truncation_side"

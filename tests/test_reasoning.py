@@ -284,18 +284,20 @@ def test_the_servers_default_template_kwargs_turn_the_thinking_off_too(server, t
 
 def test_a_response_puts_the_thinking_in_a_reasoning_item(server):
     """/v1/responses: the chat's reasoning as a reasoning item before the message, whole and
-    streamed; its tokens counted as reasoning tokens."""
+    streamed; reasoning tokens are the output's ids before </think>, <think> left out (vLLM
+    counts them from the ids), whole and streamed, and all of an output cut off thinking."""
     url, think, bias, _ = server
     fields = {"logit_bias": {str(think.end): bias}, "temperature": 0.0}
-    message = chat(url, max_tokens=24, **fields).json()["choices"][0]["message"]
+    [choice] = chat(url, max_tokens=24, return_token_ids=True, **fields).json()["choices"]
+    message, ids = choice["message"], choice["token_ids"]
+    thought_ids = [t for t in ids[: ids.index(think.end)] if t != think.start]
     body = {"model": "tiny", "input": "Why?", "max_output_tokens": 24, **fields}
     response = httpx.post(f"{url}/v1/responses", json=body, timeout=60).json()
     reasoning, said = response["output"]
     assert reasoning["type"] == "reasoning" and said["type"] == "message"
     assert reasoning["content"] == [{"type": "reasoning_text", "text": message["reasoning"]}]
     assert said["content"][0]["text"] == message["content"]
-    tokens = response["usage"]["output_tokens_details"]["reasoning_tokens"]
-    assert 0 < tokens < response["usage"]["output_tokens"]
+    assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == len(thought_ids)
     with httpx.stream(
         "POST", f"{url}/v1/responses", json={**body, "stream": True}, timeout=60
     ) as r:
@@ -307,6 +309,16 @@ def test_a_response_puts_the_thinking_in_a_reasoning_item(server):
         {**reasoning, "id": None},
         {**said, "id": None},
     ]
+    assert final["usage"] == response["usage"]
+    # cut off thinking: its text, partial characters and all, encoded again made 50 of 32
+    cut = {"model": "tiny", "input": "Hello there", "max_output_tokens": 32, "temperature": 0.0}
+    usage = httpx.post(f"{url}/v1/responses", json=cut, timeout=60).json()["usage"]
+    said = {"messages": [{"role": "user", "content": "Hello there"}], "return_token_ids": True}
+    [choice] = chat(url, max_tokens=32, temperature=0.0, **said).json()["choices"]
+    assert think.end not in choice["token_ids"]
+    thinking = [t for t in choice["token_ids"] if t != think.start]
+    assert usage["output_tokens_details"]["reasoning_tokens"] == len(thinking)
+    assert len(thinking) <= usage["output_tokens"] == 32
 
 
 def greedy(llm: LLM, prompt: list[int], **fields) -> list[int]:

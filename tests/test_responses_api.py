@@ -319,6 +319,8 @@ def test_a_cancelled_background_response_aborts_its_generation(client, url):
         ({"text": {"format": {"type": "json_schema", "name": "n", "schmea": {}}}},
          "text.format.schmea"),
         ({"user": "\udcff"}, "user"),  # echoed in the answer: UTF-8 text only
+        ({"text": {"format": "json_object"}}, "text.format"),  # no object: was a 500
+        ({"text": {"format": 5}}, "text.format"),
     ],
 )  # fmt: skip
 def test_what_is_not_supported_is_a_400_naming_it(url, fields, param):

@@ -102,13 +102,20 @@ def assistant_message(output: list[dict[str, Any]]) -> dict[str, Any] | None:
     return message
 
 
-def usage(chat_usage: dict[str, Any], message: dict[str, Any], serving: OpenAIServing) -> dict:
-    """The chat's usage in the Responses API's names; reasoning tokens are its reasoning
-    text's tokens, encoded again."""
+def usage(
+    chat_usage: dict[str, Any],
+    message: dict[str, Any],
+    serving: OpenAIServing,
+    token_ids: list[int],
+) -> dict:
+    """The chat's usage in the Responses API's names; reasoning tokens are the output's tokens
+    (`token_ids`) inside its thinking, its tags left out, as vLLM counts them from the ids."""
     details = chat_usage.get("prompt_tokens_details") or {}
-    reasoning = message.get("reasoning")
-    tokenizer = serving.llm.tokenizer
-    thought = len(tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+    think = serving.llm.engine.think_tokens
+    thought = 0
+    if message.get("reasoning") and think is not None:
+        end = token_ids.index(think.end) if think.end in token_ids else len(token_ids)
+        thought = sum(1 for token in token_ids[:end] if token != think.start)
     return {
         "input_tokens": chat_usage["prompt_tokens"],
         "input_tokens_details": {"cached_tokens": details.get("cached_tokens") or 0},
@@ -140,7 +147,10 @@ class StreamEvents:
         self.pending_logprobs: list[dict[str, Any]] = []
         self.calls: dict[int, dict[str, Any]] = {}  # a tool call's index -> its item
         self.reason: str | None = None  # the choice's finish reason
-        self.reasoning = ""  # the answer's thinking so far (its tokens counted at the end)
+        self.reasoning = ""  # the answer's thinking so far
+        self.token_ids: list[
+            int
+        ] = []  # the answer's tokens so far (its thinking counted at the end)
         self.chat_usage: dict[str, Any] | None = None
         self.response: dict[str, Any] | None = None  # the final response, once it ended
 
@@ -173,6 +183,7 @@ class StreamEvents:
             self.chat_usage = chunk["usage"]
         for choice in chunk.get("choices", ()):
             self.reasoning += choice["delta"].get("reasoning") or ""
+            self.token_ids += choice.get("token_ids") or []
             logprobs = (choice.get("logprobs") or {}).get("content") or []
             events += self.feed(choice["delta"], logprobs)
             self.reason = choice.get("finish_reason") or self.reason
@@ -196,7 +207,7 @@ class StreamEvents:
         response = finished(self.base, self.output, self.reason)
         if self.chat_usage is not None:
             message = {"reasoning": self.reasoning}
-            response["usage"] = usage(self.chat_usage, message, self.serving)
+            response["usage"] = usage(self.chat_usage, message, self.serving, self.token_ids)
         if self.store is not None:
             self.store.put_answered(response, self.inputs)
         self.response = response

@@ -229,7 +229,9 @@ async def create(
     [choice] = completion["choices"]
     logprobs = (choice.get("logprobs") or {}).get("content") or []
     response = finished(base, output_items(choice["message"], logprobs), choice["finish_reason"])
-    response["usage"] = usage(completion["usage"], choice["message"], serving)
+    response["usage"] = usage(
+        completion["usage"], choice["message"], serving, choice.get("token_ids") or []
+    )
     if body.store:
         store.put_answered(response, inputs)
     return JSONResponse(response)
@@ -378,7 +380,8 @@ def chat_request(
 ) -> ChatCompletionRequest:
     """The chat request that answers `body`, its messages given; `stream`: as chunks."""
     chat: dict[str, Any] = dict(body.model_extra or {})
-    chat |= {"model": body.model, "messages": messages, "stream": stream}
+    # the output's ids count its thinking's tokens (response_output.usage)
+    chat |= {"model": body.model, "messages": messages, "stream": stream, "return_token_ids": True}
     if stream:
         chat["stream_options"] = {"include_usage": True}
     if LOGPROBS in (body.include or ()):
@@ -401,6 +404,11 @@ def chat_request(
     elif body.tool_choice is not None:
         chat["tool_choice"] = body.tool_choice
     text_format = (body.text or {}).get("format")
+    if text_format is not None and not isinstance(text_format, dict):
+        raise OpenAIError(
+            f"text.format must be an object with a type, got {text_format!r:.40}",
+            param="text.format",
+        )
     if text_format is not None and text_format.get("type") != "text":
         chat["response_format"] = response_format(text_format)
     effort = (body.reasoning or {}).get("effort")

@@ -202,6 +202,13 @@ def test_the_executor_backends_of_one_process_per_rank_are_taken(folder, backend
         ({"long_prefill_token_threshold": 512}, "chunks prompts by the step's token budget"),
         ({"max_num_partial_prefills": 4}, "chunks prompts"),
         ({"num_lookahead_slots": 2}, "no speculative decoding"),
+        ({"mm_processor_kwargs": {"num_crops": 4}}, "text models alone"),
+        ({"attention_config": {"backend": "x"}}, "attention_backend"),
+        ({"disable_sliding_window": True}, "over their window"),
+        ({"data_parallel_size": 2}, "--data-parallel-size"),
+        ({"worker_extension_cls": "my.Extension"}, "pass the function itself"),
+        ({"served_model_name": "m"}, "--served-model-name"),
+        ({"enable_return_routed_experts": True}, "routing"),
     ],
 )  # fmt: skip
 def test_vllm_s_other_values_are_value_errors_saying_why(folder, args, words):
@@ -217,9 +224,19 @@ def test_vllm_s_options_at_tandem_s_behaviour_generate_as_without_them(folder):
         kv_transfer_config=None, limit_mm_per_prompt={"image": 0, "video": 0},
         disable_mm_preprocessor_cache=True, max_num_partial_prefills=1,
         max_long_partial_prefills=1, long_prefill_token_threshold=0, num_lookahead_slots=0,
+        mm_processor_kwargs=None, allowed_local_media_path="", allowed_media_domains=None,
+        attention_config=None, enable_return_routed_experts=False, disable_sliding_window=False,
+        data_parallel_size=1, worker_extension_cls="", served_model_name=None,
+        # vLLM's EngineArgs' None: the engine decides (tandem's defaults); no reasoning parser
+        enable_prefix_caching=None, enable_chunked_prefill=None, max_num_seqs=None,
+        max_num_batched_tokens=None, reasoning_parser="",
     )  # fmt: skip
-    got = LLM(folder, max_model_len=64, **neutral).generate("Hi", params, use_tqdm=False)
+    llm = LLM(folder, max_model_len=64, **neutral)
+    got = llm.generate("Hi", params, use_tqdm=False)
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    config = llm.engine.config
+    assert (config.enable_prefix_caching, config.max_num_seqs) == (True, 256)
+    assert (config.max_num_batched_tokens, config.reasoning_parser) == (8192, None)
     flags = ["--long-prefill-token-threshold", "0", "--max-num-partial-prefills", "1"]
     args = build_parser().parse_args(["serve", folder, *flags])
     assert engine_kwargs(args)["long_prefill_token_threshold"] == 0

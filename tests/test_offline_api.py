@@ -4,6 +4,7 @@ behave as vLLM documents them, checked against transformers on the same tiny che
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,32 @@ def test_clone_is_an_equal_deep_copy_as_vllms():
     assert params.stop == ["\n"]
     assert params.logit_bias == {5: 1.0}
     assert params.structured_outputs.regex == "a+"
+
+
+def test_from_optional_leaves_nones_at_their_defaults_as_vllms():
+    params = SamplingParams.from_optional(temperature=None, top_p=0.5, logit_bias={"7": 2.0})
+    assert params == SamplingParams(top_p=0.5, logit_bias={7: 2.0})
+
+
+def test_tokenization_kwargs_truncate_prompts_as_vllm_moved_the_argument_there(llm):
+    """vLLM's `tokenization_kwargs={"truncate_prompt_tokens": k}`: the prompt's last k tokens,
+    as SamplingParams(truncate_prompt_tokens=k) keeps them; other keys, or two different cuts,
+    are ValueErrors."""
+    prompt = {"prompt_token_ids": list(range(10, 30))}
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    kwargs = {"tokenization_kwargs": {"truncate_prompt_tokens": 5}}
+    [cut] = llm.generate(prompt, greedy, use_tqdm=False, **kwargs)
+    [last] = llm.generate({"prompt_token_ids": list(range(25, 30))}, greedy, use_tqdm=False)
+    assert cut.prompt_token_ids == list(range(25, 30))
+    assert cut.outputs[0].token_ids == last.outputs[0].token_ids
+    [chat] = llm.chat([{"role": "user", "content": "hello " * 20}], greedy, use_tqdm=False,
+                      **kwargs)  # fmt: skip
+    assert len(chat.prompt_token_ids) == 5
+    with pytest.raises(ValueError, match="truncate_prompt_tokens alone"):
+        llm.generate(prompt, greedy, use_tqdm=False, tokenization_kwargs={"truncation": True})
+    twice = replace(greedy, truncate_prompt_tokens=3)
+    with pytest.raises(ValueError, match="give one"):
+        llm.generate(prompt, twice, use_tqdm=False, **kwargs)
 
 
 def test_detokenize_false_returns_the_same_tokens_and_no_text_as_in_vllm(llm, folder):

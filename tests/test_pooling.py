@@ -165,6 +165,23 @@ def test_embeddings_run_beside_generation_and_leave_its_tokens_alone(folder):
     assert [done[i] for i in ids] == alone
 
 
+def test_tokenization_kwargs_cut_pooled_prompts_as_truncate_prompt_tokens_does(folder):
+    """vLLM's `tokenization_kwargs={"truncate_prompt_tokens": k}` on embed, encode and score:
+    the vectors of the prompts' last k tokens."""
+    llm = LLM(folder, max_model_len=64, block_size=8)
+    prompt = {"prompt_token_ids": list(range(10, 30))}
+    kwargs = {"tokenization_kwargs": {"truncate_prompt_tokens": 4}}
+    [by_argument] = llm.embed(prompt, truncate_prompt_tokens=4, use_tqdm=False)
+    [by_kwargs] = llm.embed(prompt, use_tqdm=False, **kwargs)
+    [last] = llm.embed({"prompt_token_ids": list(range(26, 30))}, use_tqdm=False)
+    assert by_kwargs.outputs.embedding == by_argument.outputs.embedding
+    assert by_kwargs.outputs.embedding == last.outputs.embedding
+    [encoded] = llm.encode(prompt, use_tqdm=False, pooling_task="embed", **kwargs)
+    assert encoded.outputs.data.tolist() == last.outputs.embedding
+    with pytest.raises(ValueError, match="give one"):
+        llm.embed(prompt, truncate_prompt_tokens=3, use_tqdm=False, **kwargs)
+
+
 def test_a_cached_prompt_gives_the_same_embedding(folder):
     llm = LLM(folder, max_model_len=64, block_size=4)
     prompt = {"prompt_token_ids": list(range(3, 30))}

@@ -29,7 +29,10 @@ if TYPE_CHECKING:
     from tandem.sampling import SamplingParams
     from tandem.server.options import ServerOptions
 
-ENGINE_ARGS = {f.name for f in fields(EngineConfig)} - {"model"}
+# the serving commands' own flags of these names name the server's model and its replicas
+ENGINE_ARGS = {f.name for f in fields(EngineConfig)} - {
+    "model", "served_model_name", "data_parallel_size",
+}  # fmt: skip
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

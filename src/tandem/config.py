@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -175,7 +175,38 @@ UNUSED_VLLM_OPTIONS: dict[str, tuple[Any, str]] = {
         lambda v: v is None or (isinstance(v, dict) and not any(v.values())),
         "tandem serves text models: a prompt holds no images, audio or video (every count 0)",
     ),
+    **{
+        name: (lambda v: v is None or v == {} or v == "", "tandem serves text models alone")
+        for name in ("mm_processor_kwargs", "allowed_local_media_path", "allowed_media_domains")
+    },
+    "attention_config": (
+        lambda v: v is None,
+        "tandem picks its attention with attention_backend (triton, torch)",
+    ),
+    "enable_return_routed_experts": (lambda v: v is False, "no MoE routing is returned"),
+    "disable_sliding_window": (
+        lambda v: v is False,
+        "a windowed model's layers attend over their window, as the checkpoint was trained",
+    ),
+    "data_parallel_size": (
+        lambda v: v == 1 and not isinstance(v, bool),
+        "one LLM is one engine; tandem serve --data-parallel-size runs replicas (Ray)",
+    ),
+    "worker_extension_cls": (
+        lambda v: v in (None, ""),
+        "collective_rpc runs a function (a callable, or a method name of the model) on each "
+        "rank: pass the function itself",
+    ),
+    "served_model_name": (
+        lambda v: v is None,
+        "an LLM serves no names; tandem serve --served-model-name names the server's model",
+    ),
 }
+
+# vLLM's EngineArgs leave these None for the engine to choose: tandem's defaults then
+ENGINE_CHOOSES = (
+    "enable_prefix_caching", "enable_chunked_prefill", "max_num_seqs", "max_num_batched_tokens",
+)  # fmt: skip
 
 # vLLM's other spellings of a dtype: its "half" and "float", and torch dtypes themselves
 DTYPE_ALIASES: dict[Any, str] = {
@@ -727,6 +758,15 @@ class EngineConfig:
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0
     num_lookahead_slots: int = 0
+    mm_processor_kwargs: dict | None = None
+    allowed_local_media_path: str = ""
+    allowed_media_domains: list | None = None
+    attention_config: dict | None = None
+    enable_return_routed_experts: bool = False
+    disable_sliding_window: bool = False
+    data_parallel_size: int = 1
+    worker_extension_cls: str = ""
+    served_model_name: str | list | None = None
     # False: a line of stats every 10 s of stepping, on the "tandem.metrics" logger (vLLM's)
     disable_log_stats: bool = True
     # vLLM's: {"profiler": "torch", "torch_profiler_dir": "/abs/dir", ...} lets
@@ -777,6 +817,11 @@ class EngineConfig:
         from tandem.torch_profile import checked_config
         from tandem.weight_transfer import as_config  # torch.distributed, only when validating
 
+        for name in ENGINE_CHOOSES:  # None: vLLM's "the engine decides"
+            if getattr(self, name) is None:
+                setattr(self, name, next(f.default for f in fields(self) if f.name == name))
+        if self.reasoning_parser == "":  # vLLM's default: none
+            self.reasoning_parser = None
         if not isinstance(self.model, str | os.PathLike) or not str(self.model):
             raise ValueError(
                 "model must name a model folder, a Hub repository or a preset, got "

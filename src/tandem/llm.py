@@ -262,13 +262,16 @@ class LLM:
         use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: list[int] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, {"prompt": text} or {"prompt_token_ids": [...]}, a
         dict with an optional "cache_salt"); outputs in input order. `lora_request`: one LoRA
         adapter for all, or one per prompt (None: the base model; needs enable_lora=True).
         `priority` is vLLM's, one per prompt (scheduling_policy "priority": lower first; "fcfs":
-        0s alone)."""
-        groups = self._requests_for(prompts, sampling_params, lora_request, priority)
+        0s alone). `tokenization_kwargs`: vLLM's, its `truncate_prompt_tokens` alone."""
+        groups = self._requests_for(
+            prompts, sampling_params, lora_request, priority, tokenization_kwargs
+        )
         return self._run(groups, use_tqdm)
 
     def enqueue(
@@ -278,11 +281,14 @@ class LLM:
         use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: list[int] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[str]:
         """Queue prompts without running them, as vLLM's: `wait_for_completion` runs them (a
         `generate` in between runs them too). Their request ids, in input order."""
         del use_tqdm  # queueing shows no progress
-        groups = self._requests_for(prompts, sampling_params, lora_request, priority)
+        groups = self._requests_for(
+            prompts, sampling_params, lora_request, priority, tokenization_kwargs
+        )
         with self._hook():
             self._enqueue_all([request for _, group in groups for request in group])
             self._enqueued += groups
@@ -318,13 +324,13 @@ class LLM:
         use_tqdm: UseTqdm = True,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """vLLM's embeddings (pooling.py): each prompt's last token's final hidden state,
         L2-normalized unless its PoolingParams say not (`dimensions` keeps the first values);
         outputs in input order. The prompts run through the step loop beside any others."""
-        requests = self._pool(
-            prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm, lora_request
-        )
+        keep = truncation(tokenization_kwargs, truncate_prompt_tokens)
+        requests = self._pool(prompts, pooling_params, "embed", keep, use_tqdm, lora_request)
         return [EmbeddingRequestOutput(**_pooled(r, EmbeddingOutput)) for r in requests]
 
     def classify(
@@ -335,13 +341,13 @@ class LLM:
         use_tqdm: UseTqdm = True,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[ClassificationRequestOutput]:
         """vLLM's classification with a sequence classifier (reward models among them): each
         prompt's last token's final hidden state through the checkpoint's score head, as
         probabilities (softmax; sigmoid for one label) unless `use_activation=False`."""
-        requests = self._pool(
-            prompts, pooling_params, "classify", truncate_prompt_tokens, use_tqdm, lora_request
-        )
+        keep = truncation(tokenization_kwargs, truncate_prompt_tokens)
+        requests = self._pool(prompts, pooling_params, "classify", keep, use_tqdm, lora_request)
         return [ClassificationRequestOutput(**_pooled(r, ClassificationOutput)) for r in requests]
 
     def encode(
@@ -353,6 +359,7 @@ class LLM:
         use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         pooling_task: str | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[PoolingRequestOutput]:
         """vLLM's pooling of each prompt: `pooling_task` "embed" (`embed`'s vector) or
         "classify" (`classify`'s probabilities); None: "classify" for a sequence classifier, else
@@ -364,9 +371,8 @@ class LLM:
                 f"pooling_task must be 'embed' or 'classify' (a prompt pools its last token), "
                 f"got {pooling_task!r}"
             )
-        requests = self._pool(
-            prompts, pooling_params, task, truncate_prompt_tokens, use_tqdm, lora_request
-        )
+        keep = truncation(tokenization_kwargs, truncate_prompt_tokens)
+        requests = self._pool(prompts, pooling_params, task, keep, use_tqdm, lora_request)
         return [PoolingRequestOutput(**_pooled(r, pooled_tensor)) for r in requests]
 
     def _pool(
@@ -413,6 +419,7 @@ class LLM:
         use_tqdm: UseTqdm = True,
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[ScoringRequestOutput]:
         """vLLM's scores of text pairs (scoring.py): 1:1, 1:N or N:N, one output per pair. A
         classifier of one label (a cross-encoder) scores each pair as one prompt; any other
@@ -425,6 +432,7 @@ class LLM:
             )
         engine = self.engine
         loras = per_prompt(lora_request, len(firsts))
+        truncate_prompt_tokens = truncation(tokenization_kwargs, truncate_prompt_tokens)
         if pooling_params is not None:  # its truncate_prompt_tokens cuts the pair too
             truncate_prompt_tokens = pooling_params.truncation(truncate_prompt_tokens)
         if scoring.cross_encodes(engine.model_config.num_labels):
@@ -522,6 +530,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate. The template's
         options as vLLM's LLM.chat takes them, in its order (`Tokenizer.apply_chat_template`); a
@@ -537,7 +546,10 @@ class LLM:
             chat_template,
             chat_template_content_format,
         )
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+        return self.generate(
+            prompts, sampling_params, use_tqdm, lora_request,
+            tokenization_kwargs=tokenization_kwargs,
+        )  # fmt: skip
 
     def enqueue_chat(
         self,
@@ -551,6 +563,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[str]:
         """`chat`'s conversations queued as `enqueue` queues prompts (vLLM's): their request
         ids; `wait_for_completion` runs them."""
@@ -563,7 +576,10 @@ class LLM:
             chat_template,
             chat_template_content_format,
         )
-        return self.enqueue(prompts, sampling_params, use_tqdm, lora_request)
+        return self.enqueue(
+            prompts, sampling_params, use_tqdm, lora_request,
+            tokenization_kwargs=tokenization_kwargs,
+        )  # fmt: skip
 
     def _chat_prompts(
         self,
@@ -637,9 +653,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[tuple[str, list[Request]]]:
         prompts = prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
+        keep = truncation(tokenization_kwargs)
+        if keep is not None:
+            params = [p.with_truncation(keep) for p in params]
         loras = per_prompt(lora_request, len(prompts))
         return self._make_requests(prompts, params, loras, _priorities(priority, len(prompts)))
 
@@ -966,3 +986,25 @@ def _prompt_logprobs(request: Request, text: TokenText) -> PromptLogprobs | None
         request.prompt_logprobs, tokens, ranks, request.params.prompt_logprobs, text,
         request.params.flat_logprobs,
     )  # fmt: skip
+
+
+def truncation(tokenization_kwargs: dict[str, Any] | None, given: int | None = None) -> int | None:
+    """vLLM's `tokenization_kwargs` as read here: its `truncate_prompt_tokens` (where vLLM moves
+    the methods' own argument), or `given`; another key is a ValueError."""
+    if tokenization_kwargs is None:
+        return given
+    if not isinstance(tokenization_kwargs, dict):
+        raise TypeError(
+            f"tokenization_kwargs must be a dict, got {type(tokenization_kwargs).__name__}"
+        )
+    other = sorted(set(tokenization_kwargs) - {"truncate_prompt_tokens"})
+    if other:
+        raise ValueError(
+            f"tokenization_kwargs takes truncate_prompt_tokens alone here, got {other}"
+        )
+    keep = tokenization_kwargs.get("truncate_prompt_tokens")
+    if given is not None and keep is not None and keep != given:
+        raise ValueError(
+            f"truncate_prompt_tokens is {given} and tokenization_kwargs' is {keep}: give one"
+        )
+    return given if keep is None else keep

@@ -294,6 +294,25 @@ class SamplingParams:
         """A deep copy: changing its lists, dicts or constraint leaves this one as it is."""
         return copy.deepcopy(self)
 
+    @staticmethod
+    def from_optional(**fields: Any) -> SamplingParams:
+        """vLLM's: the fields given a value other than None, the rest at their defaults;
+        logit_bias's keys as ints (a JSON body's are strings)."""
+        given = {name: value for name, value in fields.items() if value is not None}
+        if isinstance(given.get("logit_bias"), dict):
+            given["logit_bias"] = {int(t): bias for t, bias in given["logit_bias"].items()}
+        return SamplingParams(**given)
+
+    def with_truncation(self, keep: int) -> SamplingParams:
+        """These params cutting the prompt to its last `keep` tokens (LLM's tokenization_kwargs);
+        a ValueError where they cut it otherwise."""
+        if self.truncate_prompt_tokens not in (None, keep):
+            raise ValueError(
+                f"truncate_prompt_tokens is {self.truncate_prompt_tokens} in the SamplingParams "
+                f"and {keep} in tokenization_kwargs: give one"
+            )
+        return replace(self, truncate_prompt_tokens=keep)
+
     @property
     def num_top_logprobs(self) -> int | None:
         """The top ids, in rank order, of each output position's logprobs (None: no logprobs;

@@ -321,6 +321,7 @@ def test_a_cancelled_background_response_aborts_its_generation(client, url):
         ({"user": "\udcff"}, "user"),  # echoed in the answer: UTF-8 text only
         ({"text": {"format": "json_object"}}, "text.format"),  # no object: was a 500
         ({"text": {"format": 5}}, "text.format"),
+        ({"enable_response_messages": True}, "enable_response_messages"),
     ],
 )  # fmt: skip
 def test_what_is_not_supported_is_a_400_naming_it(url, fields, param):
@@ -331,6 +332,8 @@ def test_what_is_not_supported_is_a_400_naming_it(url, fields, param):
     assert answer.json()["error"]["param"] == param
     ok = {"model": "tiny", "input": "x", "max_output_tokens": 2}
     assert httpx.post(f"{url}/v1/responses", json=ok, timeout=60).status_code == 200
+    neutral = {**ok, "enable_response_messages": False}  # vLLM's default, taken
+    assert httpx.post(f"{url}/v1/responses", json=neutral, timeout=60).status_code == 200
 
 
 def test_the_owner_of_a_request_is_the_store_its_response_id_names():

@@ -287,9 +287,14 @@ def renamed(param: str | None, origins: list[str]) -> str | None:
     return param
 
 
+# vLLM's request fields taken at the value that asks for what this server does
+NEUTRAL_FIELDS = {"enable_response_messages": False}
+
+
 def refuse_unsupported(body: ResponsesRequest) -> None:
     for name, value in (body.model_extra or {}).items():
-        if value is not None and name not in CHAT_FIELDS:
+        neutral = name in NEUTRAL_FIELDS and value is NEUTRAL_FIELDS[name]
+        if value is not None and name not in CHAT_FIELDS and not neutral:
             raise OpenAIError(
                 f"{name} is not a field of a response request (nor one of the chat options it "
                 f"takes: {', '.join(sorted(CHAT_FIELDS))})",
@@ -379,7 +384,8 @@ def chat_request(
     body: ResponsesRequest, messages: list[dict[str, Any]], stream: bool
 ) -> ChatCompletionRequest:
     """The chat request that answers `body`, its messages given; `stream`: as chunks."""
-    chat: dict[str, Any] = dict(body.model_extra or {})
+    extra = body.model_extra or {}
+    chat: dict[str, Any] = {k: v for k, v in extra.items() if k not in NEUTRAL_FIELDS}
     # the output's ids count its thinking's tokens (response_output.usage)
     chat |= {"model": body.model, "messages": messages, "stream": stream, "return_token_ids": True}
     if stream:

@@ -129,6 +129,12 @@ def test_clone_is_an_equal_deep_copy_as_vllms():
     assert params.structured_outputs.regex == "a+"
 
 
+def test_a_completion_output_says_whether_it_finished_as_vllms(llm):
+    [out] = llm.generate("Hi", SamplingParams(max_tokens=3), use_tqdm=False)
+    assert out.outputs[0].finished() is True
+    assert replace(out.outputs[0], finish_reason=None).finished() is False
+
+
 def test_from_optional_leaves_nones_at_their_defaults_as_vllms():
     params = SamplingParams.from_optional(temperature=None, top_p=0.5, logit_bias={"7": 2.0})
     assert params == SamplingParams(top_p=0.5, logit_bias={7: 2.0})

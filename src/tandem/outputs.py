@@ -62,6 +62,10 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or stop token id; None for EOS
     lora_request: LoRARequest | None = None  # the LoRA adapter it ran under
 
+    def finished(self) -> bool:
+        """vLLM's: whether this sample has ended (it has a finish reason)."""
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestOutput:

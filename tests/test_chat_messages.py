@@ -256,3 +256,19 @@ def test_truncation_side_left_is_what_truncate_prompt_tokens_does(served):
         assert left.json()["usage"]["prompt_tokens"] == 3
         right = client.post("/v1/chat/completions", json={**body, "truncation_side": "right"})
         assert right.status_code == 400 and right.json()["error"]["param"] == "truncation_side"
+
+
+def test_the_requests_reasoning_effort_wins_over_a_template_variable_of_that_name():
+    """As vLLM's: the request field over chat_template_kwargs' key; enable_thinking follows it
+    unless chat_template_kwargs sets it."""
+    from tandem.server.protocol import ChatCompletionRequest
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
+    both = ChatCompletionRequest(
+        **body, reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"}
+    )
+    assert both.template_kwargs() == {"enable_thinking": True, "reasoning_effort": "high"}
+    off = ChatCompletionRequest(
+        **body, reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}
+    )
+    assert off.template_kwargs() == {"enable_thinking": True, "reasoning_effort": "none"}

@@ -362,12 +362,13 @@ class ChatCompletionRequest(SamplingRequest):
     documents: list[dict[str, Text]] | None = None
 
     def template_kwargs(self) -> dict[str, Any] | None:
-        """The chat template's variables: chat_template_kwargs, with reasoning_effort's, and
-        documents over a variable of that name (as vLLM)."""
+        """The chat template's variables: chat_template_kwargs, with reasoning_effort over a
+        variable of that name and documents over theirs (as vLLM); enable_thinking follows
+        reasoning_effort unless chat_template_kwargs sets it."""
         kwargs = self.chat_template_kwargs
         if self.reasoning_effort is not None:
             thinking = {"enable_thinking": self.reasoning_effort != "none"}
-            kwargs = {"reasoning_effort": self.reasoning_effort, **thinking, **(kwargs or {})}
+            kwargs = {**thinking, **(kwargs or {}), "reasoning_effort": self.reasoning_effort}
         if self.documents is not None:
             kwargs = {**(kwargs or {}), "documents": self.documents}
         return kwargs

@@ -432,17 +432,14 @@ def test_max_model_len_takes_vllms_human_readable_lengths(text, value):
 
 
 @pytest.mark.parametrize("text", ["auto", "AUTO", "-1"])
-def test_vllms_fit_to_the_kv_cache_is_refused_by_name(text, capsys):
-    """vLLM's --max-model-len auto / -1 (the longest the KV cache holds): the engine sizes its
-    cache for a known length, so the flag says so rather than calling it no length."""
+def test_vllms_fit_to_the_kv_cache_is_minus_one(text):
+    """vLLM's --max-model-len auto / -1: the longest the KV cache holds (test_engine_args.py)."""
     from tandem.cli import build_parser
 
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "m", "--max-model-len", text])
-    assert "(vLLM's fit to the KV cache) is not supported" in capsys.readouterr().err
+    assert build_parser().parse_args(["serve", "m", "--max-model-len", text]).max_model_len == -1
 
 
-@pytest.mark.parametrize("text", ["auto", "1.5", "0.0001k", "k", "nank", "infk"])
+@pytest.mark.parametrize("text", ["1.5", "0.0001k", "k", "nank", "infk"])
 def test_a_length_that_is_no_whole_number_is_a_usage_error(text):
     result = run_cli("serve", "m", "--max-model-len", text)
     assert result.returncode == 2 and "--max-model-len" in result.stderr

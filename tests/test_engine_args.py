@@ -245,6 +245,21 @@ def test_vllm_s_options_at_tandem_s_behaviour_generate_as_without_them(folder):
         LLM(folder, **engine_kwargs(args))
 
 
+@pytest.mark.parametrize("fit", [-1, "auto"])
+def test_max_model_len_minus_one_is_the_longest_the_kv_cache_holds_as_vllms(folder, fit):
+    """vLLM's -1 / "auto": 12 blocks of 8 hold 96 tokens, fewer than the model's positions, so
+    96 it is (a prompt of 96 is refused, 95 runs); a cache past them keeps the model's."""
+    llm = LLM(folder, max_model_len=fit, num_blocks=12, block_size=8)
+    assert llm.engine.max_model_len == 96
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(ValueError, match="96"):
+        llm.generate({"prompt_token_ids": [5] * 96}, params, use_tqdm=False)
+    [out] = llm.generate({"prompt_token_ids": [5] * 95}, params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+    roomy = LLM(folder, max_model_len=fit, num_blocks=4096, block_size=8)
+    assert roomy.engine.max_model_len == LLM(folder, num_blocks=4096).engine.max_model_len
+
+
 def test_vllm_s_pooling_runner_embeds_as_the_default_engine_does(folder):
     import torch
 

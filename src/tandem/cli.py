@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from tandem import config_file, envs
 from tandem.config import (
     EXECUTOR_BACKENDS,
+    FIT_TO_CACHE,
     LOGPROBS_MODES,
     ONE_BEHAVIOUR,
     QUANTIZATIONS,
@@ -1052,13 +1053,10 @@ def human_int(text: str) -> int:
 
 
 def max_model_len(text: str) -> int:
-    """--max-model-len: a length as `human_int` takes it. vLLM's "auto" and -1 (the longest the
-    KV cache holds) are refused by name: the engine sizes its cache for a given length."""
+    """--max-model-len: a length as `human_int` takes it, or vLLM's "auto" / -1 (-1: the longest
+    the KV cache holds, the model's at most)."""
     if text.strip().lower() in ("auto", "-1"):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} (vLLM's fit to the KV cache) is not supported: give a length, e.g. 4096 "
-            "or 32k, or leave the flag out for the model's"
-        )
+        return FIT_TO_CACHE
     return human_int(text)
 
 

@@ -203,6 +203,9 @@ UNUSED_VLLM_OPTIONS: dict[str, tuple[Any, str]] = {
     ),
 }
 
+# max_model_len's vLLM value (or "auto") for the longest the KV cache holds, the model's at most
+FIT_TO_CACHE = -1
+
 # vLLM's EngineArgs leave these None for the engine to choose: tandem's defaults then
 ENGINE_CHOOSES = (
     "enable_prefix_caching", "enable_chunked_prefill", "max_num_seqs", "max_num_batched_tokens",
@@ -665,7 +668,8 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     device: str | None = None
     dtype: str = "auto"  # vLLM's "half" and "float" and torch dtypes too: a DTYPES name once valid
-    max_model_len: int | None = None
+    # None: the model's; FIT_TO_CACHE (-1, or vLLM's "auto"): the longest the KV cache holds
+    max_model_len: int | str | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     block_size: int = 16
@@ -853,8 +857,10 @@ class EngineConfig:
             check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
             if self.num_blocks is not None:
                 raise ValueError("kv_cache_memory_bytes and num_blocks each size the KV cache")
-        if self.max_model_len is not None:
-            check_int("max_model_len", self.max_model_len, 1)
+        if isinstance(self.max_model_len, str) and self.max_model_len.lower() == "auto":
+            self.max_model_len = FIT_TO_CACHE
+        if self.max_model_len not in (None, FIT_TO_CACHE):
+            check_int("max_model_len", self.max_model_len, 1, "or -1 (fit to the KV cache)")
         utilization = self.gpu_memory_utilization
         is_number = isinstance(utilization, int | float) and not isinstance(utilization, bool)
         if not is_number or not 0.0 < utilization <= 1.0:
@@ -1064,7 +1070,7 @@ class EngineConfig:
         limit = position_limit(
             model_config.architecture, model_config.max_position_embeddings, rope
         )
-        if self.max_model_len is None:
+        if self.max_model_len in (None, FIT_TO_CACHE):  # the cache may shorten the latter
             if kind == "longrope":
                 return min(limit, rope["original_max_position_embeddings"])
             return limit

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import random
 import time
 from collections import deque
@@ -21,7 +22,7 @@ from tandem.attention import get_backend, rows_per_shared_group
 from tandem.batch import BatchBuilder, StepBatch
 from tandem.batch_invariant import invariant_attention, make_batch_invariant
 from tandem.compilation import graph_plan
-from tandem.config import EngineConfig, ModelConfig, cdiv
+from tandem.config import FIT_TO_CACHE, EngineConfig, ModelConfig, cdiv
 from tandem.kv_cache import BlockAllocator, allocate_kv_cache, bytes_per_block
 from tandem.logits_processors import LogitsProcessors
 from tandem.lora import AdapterCache, AdapterSlots, read_adapter
@@ -67,6 +68,8 @@ from tandem.weights import (
     read_checkpoint,
 )
 from tandem.workers import Workers
+
+logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("keep", "abort", "wait")  # pause_generation's: vLLM's names
 SHUT_DOWN = "this engine was shut down"  # what a shut engine answers every call that needs it
@@ -230,6 +233,9 @@ class Engine:
             self.attend,
         )
         self.num_blocks = self.tp.min(num_blocks, self.device)  # every rank schedules alike
+        if config.max_model_len == FIT_TO_CACHE:  # vLLM's -1: the longest the cache holds
+            self.max_model_len = min(self.max_model_len, self.num_blocks * config.block_size)
+            logger.info("max_model_len fitted to the KV cache: %d", self.max_model_len)
         self.block_size = config.block_size
         max_blocks_per_seq = cdiv(self.max_model_len, config.block_size)
         self.kv_caches = allocate_kv_cache(

@@ -7,7 +7,7 @@ import itertools
 import torch
 
 from tandem.attention import AttentionBackend, AttentionMetadata
-from tandem.config import EngineConfig, ModelConfig, cdiv
+from tandem.config import FIT_TO_CACHE, EngineConfig, ModelConfig, cdiv
 from tandem.kv_cache import allocate_kv_cache, bytes_per_block
 from tandem.model.decoder import Decoder
 from tandem.sampling import SamplingTensors, sample
@@ -24,7 +24,8 @@ def num_kv_blocks(
     model: Decoder,
     attend: AttentionBackend,
 ) -> int:
-    """Blocks of `kv_cache_dtype` (an FP8 cache's are half a bf16 cache's bytes)."""
+    """Blocks of `kv_cache_dtype` (an FP8 cache's are half a bf16 cache's bytes); they must hold
+    `max_model_len` tokens unless the engine fits its length to them (FIT_TO_CACHE), then 2."""
     per_block = bytes_per_block(cfg, config.block_size, kv_cache_dtype)
     if config.num_blocks is not None:
         num_blocks = config.num_blocks
@@ -54,7 +55,8 @@ def num_kv_blocks(
     else:
         wanted = cdiv(max_model_len, config.block_size) * config.max_num_seqs
         num_blocks = min(wanted, CPU_KV_CACHE_BYTES // per_block)
-    if num_blocks * config.block_size < max_model_len:
+    needed = 2 if config.max_model_len == FIT_TO_CACHE else max_model_len
+    if num_blocks * config.block_size < needed:
         raise ValueError(
             f"the KV cache holds {num_blocks * config.block_size} tokens, fewer than "
             f"max_model_len={max_model_len}; lower max_model_len or raise num_blocks / "

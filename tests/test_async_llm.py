@@ -209,19 +209,82 @@ def test_a_logprobs_request_aborted_before_its_first_token_ends_with_abort(folde
     assert joined(busy_out)[2] == "length" and len(joined(busy_out)[1]) == 40
 
 
-def test_a_request_id_open_in_generate_is_refused_whatever_its_n(llm):
+def test_one_request_id_may_be_open_twice_and_abort_ends_both_as_vllms(llm, offline):
+    """vLLM's engine ids carry a random tag: a request id open in generate (or left early and
+    given again at once) runs again beside it, each with its own tokens; abort ends both."""
     params = SamplingParams(max_tokens=50, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
     async def main():
         first = llm.generate(PROMPTS[1], params, "taken")
         await anext(first)
-        with pytest.raises(ValueError, match="'taken' is already in use"):
-            await anext(llm.generate(PROMPTS[1], replace(params, n=2), "taken"))
+        second = llm.generate(PROMPTS[1], replace(params, n=2), "taken")
+        await anext(second)
         await llm.abort("taken")
-        assert [out async for out in first][-1].outputs[0].finish_reason == "abort"
+        ends = [[out async for out in first][-1], [out async for out in second][-1]]
+        again = await collect(llm, PROMPTS[0], greedy, "taken")  # then the id runs anew
         await wait_until_idle(llm)
+        return ends, again
 
-    asyncio.run(main())
+    ends, again = asyncio.run(main())
+    assert [o.finish_reason for end in ends for o in end.outputs] == ["abort"] * 3
+    assert [end.request_id for end in ends] == ["taken", "taken"]
+    [expected] = offline.generate(PROMPTS[0], greedy, use_tqdm=False)
+    assert joined(again)[1] == expected.outputs[0].token_ids
+
+
+def test_aborting_n_samples_ends_the_stream_in_one_output_holding_every_sample(llm):
+    """As vLLM's: the samples' aborts go to the engine together and their outputs are posted
+    together, so a CUMULATIVE stream's finished output holds all n aborted samples."""
+    params = SamplingParams(n=3, max_tokens=200, ignore_eos=True, seed=1)
+
+    submitted = []
+
+    async def main():
+        stream = llm.generate(PROMPTS[2], params, "three")
+        await anext(stream)
+        submit = llm._submit
+        llm._submit = lambda command: (submitted.append(command), submit(command))[1]
+        try:
+            await llm.abort("three")
+        finally:
+            del llm._submit
+        rest = [out async for out in stream]
+        await wait_until_idle(llm)
+        return rest
+
+    finished = [out for out in asyncio.run(main()) if out.finished]
+    assert len(finished) == 1
+    assert [o.finish_reason for o in finished[0].outputs] == ["abort"] * 3
+    # one command for the three (each sample's abort was a command, its output posted alone)
+    assert [len(getattr(c, "request_ids", [None])) for c in submitted] == [3]
+
+
+def test_vllms_generate_keywords_are_taken(llm, offline):
+    """tokenization_kwargs (its truncate_prompt_tokens), trace_headers (no tracing), rank 0 of
+    data_parallel_rank, prompt_text (the outputs' prompt for token ids); another rank is a
+    ValueError."""
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = list(range(10, 30))
+    keywords = {
+        "tokenization_kwargs": {"truncate_prompt_tokens": 5},
+        "trace_headers": {"traceparent": "00-x"},
+        "data_parallel_rank": 0,
+        "prompt_text": "the text",
+    }
+
+    async def main():
+        outputs = [
+            o async for o in llm.generate({"prompt_token_ids": ids}, greedy, "kw", **keywords)
+        ]
+        with pytest.raises(ValueError, match="data_parallel_rank=1"):
+            await anext(llm.generate("Hi", greedy, "rank", data_parallel_rank=1))
+        return outputs
+
+    outputs = asyncio.run(main())
+    [expected] = offline.generate({"prompt_token_ids": ids[-5:]}, greedy, use_tqdm=False)
+    assert joined(outputs)[1] == expected.outputs[0].token_ids
+    assert outputs[-1].prompt == "the text" and outputs[-1].prompt_token_ids == ids[-5:]
 
 
 def test_the_samples_of_n_take_no_id_another_request_may_use(llm):
@@ -273,11 +336,8 @@ def test_an_invalid_request_raises_value_error_and_others_still_run(llm):
     async def main():
         with pytest.raises(ValueError, match="max_model_len"):
             await collect(llm, {"prompt_token_ids": [1] * 300}, SamplingParams(), "too-long")
-        with pytest.raises(ValueError, match="already in use"):
-            await asyncio.gather(
-                collect(llm, PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True), "twice"),
-                collect(llm, PROMPTS[0], SamplingParams(), "twice"),
-            )
+        with pytest.raises(ValueError, match="temperature"):
+            await collect(llm, PROMPTS[0], SamplingParams(temperature=-1.0), "negative")
         return await collect(llm, PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True), "ok")
 
     assert len(joined(asyncio.run(main()))[1]) == 4
@@ -614,10 +674,10 @@ def test_a_running_engine_is_healthy(llm):
     assert asyncio.run(llm.check_health()) is None
 
 
-def test_get_tokenizer_is_awaited_as_vllms_engine_client(llm, folder):
+def test_get_tokenizer_is_called_as_vllm_0_26s(llm, folder):
     from transformers import AutoTokenizer
 
-    tokenizer = asyncio.run(llm.get_tokenizer())
+    tokenizer = llm.get_tokenizer()
     assert (
         tokenizer.encode("Hello there")
         == AutoTokenizer.from_pretrained(folder)("Hello there").input_ids

@@ -451,6 +451,39 @@ def test_async_llm_streams_under_an_adapter(lora_models):
     assert asyncio.run(main()) == transformers_greedy(str(adapters[2][1]), PROMPTS[1])
 
 
+def test_async_llm_adds_lists_pins_and_removes_adapters_as_vllms(lora_models):
+    """vLLM's add_lora / list_loras / pin_lora / remove_lora: an added adapter is held before
+    any request names it, a pinned one outlives max_cpu_loras, a removed one is read again by
+    the next request that names it (the merged model's tokens either way)."""
+    base, adapters = lora_models("llama")
+    first, second = request_of(adapters, 1), request_of(adapters, 2)
+
+    async def main():
+        llm = AsyncLLM.from_model(
+            str(base), max_model_len=64, enable_lora=True, max_loras=1, max_cpu_loras=1
+        )
+        try:
+            assert await llm.list_loras() == set()
+            assert await llm.add_lora(first) is True
+            assert await llm.list_loras() == {1}
+            assert await llm.pin_lora(1) is True and await llm.pin_lora(7) is False
+            await llm.add_lora(second)  # one CPU slot: 1 stays pinned beside it
+            assert await llm.list_loras() == {1, 2}
+            assert await llm.remove_lora(1) is True and await llm.remove_lora(1) is False
+            final = [o async for o in llm.generate(PROMPTS[1], GREEDY, "r", lora_request=first)]
+            return final[-1].outputs[0].token_ids
+        finally:
+            llm.shutdown()
+
+    assert asyncio.run(main()) == transformers_greedy(str(adapters[1][1]), PROMPTS[1])
+    plain = AsyncLLM.from_model(str(base), max_model_len=64)
+    try:
+        with pytest.raises(ValueError, match="enable_lora=True"):
+            asyncio.run(plain.add_lora(first))
+    finally:
+        plain.shutdown()
+
+
 @pytest.mark.skipif(
     torch.cuda.device_count() == 1, reason="two ranks on CUDA need two GPUs (CPU: two processes)"
 )

@@ -21,14 +21,15 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from tandem.config import EngineConfig, check_flags
 from tandem.engine import Engine, StepFailed, check_pause_mode
-from tandem.lora import LoRARequest
+from tandem.inputs import truncation
+from tandem.lora import AdapterCache, LoRARequest
 from tandem.metrics import EngineStats
 from tandem.outputs import (
     ClassificationOutput,
@@ -136,7 +137,7 @@ class _Add:
 
 @dataclass
 class _Abort:
-    request_id: str
+    request_ids: list[str]  # aborted between the same two steps, their outputs posted together
 
 
 class _Stop:
@@ -172,8 +173,10 @@ class AsyncLLM:
         self.max_model_len = engine.max_model_len
         self.sampling_defaults = engine.sampling_defaults  # the model's (generation_config.py)
         self._token_text = token_text(self.tokenizer)  # decoded on the asyncio side, cached
-        self._samples: dict[str, list[str]] = {}  # generate's open request ids: their samples
-        self._aborted: set[str] = set()  # of those, the ones aborted (maybe before queued)
+        # the open generate and encode calls of each request id (vLLM takes one id twice: its
+        # engine ids carry a random tag): tag -> the engine ids of its samples
+        self._samples: dict[str, dict[str, list[str]]] = {}
+        self._aborted: set[str] = set()  # the tags of those aborted (maybe before queued)
         self.stats = EngineStats(num_blocks=engine.num_blocks, num_free_blocks=engine.num_blocks)
         self._commands: queue.SimpleQueue[_Add | _Abort | _Stop | _Call] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders submissions against the thread's death
@@ -220,9 +223,54 @@ class AsyncLLM:
         if self._dead is not None:
             raise self._dead
 
-    async def get_tokenizer(self) -> Tokenizer | None:
-        """vLLM's engine client's: the model's tokenizer, called as transformers' is (None for a
-        model without one)."""
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        """vLLM's: what this engine serves; any model generates and embeds its last token, and a
+        checkpoint with a score head classifies and scores too."""
+        classifies = ("classify", "score") if self.engine.model_config.num_labels else ()
+        return ("generate", "embed", *classifies)
+
+    async def is_tracing_enabled(self) -> bool:
+        return False  # vLLM's OpenTelemetry tracing: tandem has none
+
+    async def do_log_stats(self) -> None:
+        """vLLM's: the stats line now (disable_log_stats=False)."""
+
+        def log(engine: Engine) -> None:
+            if engine.stat_logger is not None:
+                engine.stat_logger.log(engine.stats, time.monotonic())
+
+        await self._call(log)
+
+    async def reset_mm_cache(self) -> None:
+        """vLLM's: tandem serves text models alone, so there is no multi-modal cache."""
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """vLLM's: read an adapter into the engine's adapter cache (enable_lora=True) before any
+        request names it; ValueError for a bad one."""
+        cache = self._adapter_cache()
+        await asyncio.get_running_loop().run_in_executor(None, cache.get, lora_request)
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """vLLM's: forget an adapter; False where it is not held or a request still runs it."""
+        return self._adapter_cache().remove(lora_id)
+
+    async def list_loras(self) -> set[int]:
+        """vLLM's: the ids of the adapters the engine holds."""
+        return set(self._adapter_cache().adapters)
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        """vLLM's: keep a held adapter however long unused; False where it is not held."""
+        return self._adapter_cache().pin(lora_id)
+
+    def _adapter_cache(self) -> AdapterCache:
+        if self.engine.adapter_cache is None:
+            raise ValueError("this engine runs no LoRA adapters: start it with enable_lora=True")
+        return self.engine.adapter_cache
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        """vLLM's: the model's tokenizer, called as transformers' is (None for a model without
+        one)."""
         return self.engine.tokenizer
 
     def seconds_without_progress(self) -> float:
@@ -298,6 +346,11 @@ class AsyncLLM:
         request_id: str,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
+        *,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        trace_headers: Mapping[str, str] | None = None,
+        data_parallel_rank: int | None = None,
+        prompt_text: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request as vLLM's RequestOutputs, as `sampling_params.output_kind` says;
         its n samples (seed + k for sample k) share the stream, and leaving the loop early
@@ -306,39 +359,47 @@ class AsyncLLM:
         `prompt` is text, {"prompt": text}, {"prompt_token_ids": [...]} or {"prompt_embeds":
         tensor} (enable_prompt_embeds), a dict with an optional "cache_salt"; `lora_request` runs it under a LoRA adapter (enable_lora=True);
         `priority` is vLLM's: under scheduling_policy "priority" lower is served first; under
-        "fcfs", 0 alone. Raises ValueError if the engine rejects it.
+        "fcfs", 0 alone. Raises ValueError if the engine rejects it. vLLM's keywords:
+        `tokenization_kwargs` (its truncate_prompt_tokens), `trace_headers` (unused: no
+        tracing, as vLLM's without it), `data_parallel_rank` (0 or None: one engine),
+        `prompt_text` (the outputs' prompt, for a prompt of token ids). One request id may be
+        open in several calls: `abort` stops them all.
         """
         check_request_types(request_id, sampling_params)  # before the n samples' ids are made
+        del trace_headers
+        check_rank(data_parallel_rank)
+        keep = truncation(tokenization_kwargs)
+        if keep is not None:
+            sampling_params = sampling_params.with_truncation(keep)
         sampling_params.validate()  # n=0 would otherwise queue nothing to validate
         text, ids = split_prompt(prompt)
         salt = prompt_cache_salt(prompt)
         n = sampling_params.n
-        # n > 1: the samples' engine ids carry a random tag, as vLLM's internal ids, so that
-        # no other request's id (a user's "job-1" beside "job") can collide with them
+        # the samples' engine ids carry a random tag, as vLLM's internal ids, so that no other
+        # request's id (a user's "job-1" beside "job", or "job" again) can collide with them
         tag = uuid.uuid4().hex[:8]
-        sample_ids = [request_id] if n == 1 else [f"{request_id}-{k}-{tag}" for k in range(n)]
+        sample_ids = (
+            [f"{request_id}-{tag}"] if n == 1 else [f"{request_id}-{k}-{tag}" for k in range(n)]
+        )
         index = {sample_id: k for k, sample_id in enumerate(sample_ids)}
         outputs: asyncio.Queue[StreamOutput | BaseException] = asyncio.Queue()
+        shown = text if prompt_text is None else prompt_text
         collector = OutputCollector(
-            request_id, text, sampling_params, self._token_text, lora_request
+            request_id, shown, sampling_params, self._token_text, lora_request
         )
         embeds = prompt_embeds(prompt)
         samples = [
             (sample_id, seeded(sampling_params, k), text, ids, salt, priority, embeds)
             for k, sample_id in enumerate(sample_ids)
         ]
-        if request_id in self._samples:  # a generate of that id is open (any n)
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        self._samples[request_id] = sample_ids  # before they are queued: an abort finds them
+        self._open(request_id, tag, sample_ids)  # before they are queued: an abort finds them
         try:
             streams = await self.add_requests(samples, outputs, lora_request)
         except BaseException:
-            del self._samples[request_id]
-            self._aborted.discard(request_id)
+            self._close(request_id, tag)
             raise
-        if request_id in self._aborted:  # before its samples reached the engine: abort them now
-            for stream in streams:
-                stream.abort()
+        if tag in self._aborted:  # before its samples reached the engine: abort them now
+            self._abort_all_soon(sample_ids)
         try:
             while not collector.finished:
                 # what came while the consumer was away goes into one output, as in vLLM
@@ -351,10 +412,19 @@ class AsyncLLM:
                 if (output := collector.take()) is not None:
                     yield output
         finally:
-            del self._samples[request_id]
-            self._aborted.discard(request_id)
+            self._close(request_id, tag)
             for stream in streams:
                 stream.abort()
+
+    def _open(self, request_id: str, tag: str, engine_ids: list[str]) -> None:
+        self._samples.setdefault(request_id, {})[tag] = engine_ids
+
+    def _close(self, request_id: str, tag: str) -> None:
+        calls = self._samples.get(request_id, {})
+        calls.pop(tag, None)
+        if not calls:
+            self._samples.pop(request_id, None)
+        self._aborted.discard(tag)
 
     async def encode(
         self,
@@ -362,24 +432,39 @@ class AsyncLLM:
         pooling_params: PoolingParams | None,
         request_id: str,
         lora_request: LoRARequest | None = None,
-        truncate_prompt_tokens: int | None = None,
+        trace_headers: Mapping[str, str] | None = None,
         priority: int = 0,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
     ) -> AsyncIterator[EmbeddingRequestOutput | ClassificationRequestOutput]:
         """vLLM's: one prompt's embedding (pooling.py; `LLM.embed`), or its class probabilities
         with `PoolingParams(task="classify")` (`LLM.classify`), yielded once computed; leaving
-        the loop early aborts it. `priority` as generate's (scheduling_policy "priority").
-        Raises ValueError if the engine rejects it."""
+        the loop early aborts it. `priority` as generate's (scheduling_policy "priority"),
+        `trace_headers` and `tokenization_kwargs` too. Raises ValueError if the engine
+        rejects it."""
+        del trace_headers
         text, ids = split_prompt(prompt)
         prompt_ids = ids
         pooling = pooling_params or PoolingParams()
         if not isinstance(pooling, PoolingParams):
             raise TypeError(f"pooling_params must be PoolingParams, got {type(pooling).__name__}")
         pooling = pooling.for_task(pooling.task or "embed")
-        carrier = pooling_carrier(pooling.truncation(truncate_prompt_tokens))
-        stream = await self._add_request(
-            request_id, carrier, text, ids, prompt_cache_salt(prompt), priority, pooling=pooling,
-            lora_request=lora_request,
-        )  # fmt: skip
+        keep = truncation(tokenization_kwargs, truncate_prompt_tokens)
+        carrier = pooling_carrier(pooling.truncation(keep))
+        tag = uuid.uuid4().hex[:8]
+        engine_id = f"{request_id}-{tag}"  # as generate's: one id may be open twice
+        self._open(request_id, tag, [engine_id])
+        try:
+            stream = await self._add_request(
+                engine_id, carrier, text, ids, prompt_cache_salt(prompt), priority,
+                pooling=pooling, lora_request=lora_request,
+            )  # fmt: skip
+        except BaseException:
+            self._close(request_id, tag)
+            raise
+        if tag in self._aborted:
+            stream.abort()
         try:
             async for output in stream:
                 if output.prompt_token_ids is not None:  # in the first output
@@ -391,6 +476,7 @@ class AsyncLLM:
                     cached = output.num_cached_tokens
                     yield kind(request_id, pooled, prompt_ids, num_cached_tokens=cached)
         finally:
+            self._close(request_id, tag)
             stream.abort()
 
     async def add_requests(
@@ -419,13 +505,18 @@ class AsyncLLM:
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Stop a request, or each of several (as vLLM's: an id or an iterable of them; all
-        samples of a `generate` of n > 1, from the moment it is called); its stream ends with
-        finish_reason "abort". Unknown ids are ignored."""
+        samples of every open `generate` or `encode` of that id, from the moment it is called);
+        its stream ends with finish_reason "abort". Unknown ids are ignored."""
+        engine_ids = []
         for one in [request_id] if isinstance(request_id, str) else list(request_id):
-            if one in self._samples:
-                self._aborted.add(one)
-            for sample_id in self._samples.get(one, [one]):
-                self._abort_soon(sample_id)
+            calls = self._samples.get(one)
+            if calls is None:  # add_request's own id
+                engine_ids.append(one)
+                continue
+            for tag, ids in calls.items():
+                self._aborted.add(tag)
+                engine_ids += ids
+        self._abort_all_soon(engine_ids)
 
     def shutdown(self) -> None:
         """Stop the engine thread; streams still open get EngineDeadError."""
@@ -535,8 +626,7 @@ class AsyncLLM:
         def sleep(engine: Engine) -> int:
             self._publish(engine.drain())
             if mode == "abort":
-                for request_id in list(engine.requests):
-                    self._abort(request_id)
+                self._publish(self._aborted_now(list(engine.requests)))
             freed = engine.sleep(level)
             engine.resume_on_wake = mode == "wait"  # the pause was the sleep's
             return freed
@@ -561,8 +651,11 @@ class AsyncLLM:
         return await done
 
     def _abort_soon(self, request_id: str) -> None:
+        self._abort_all_soon([request_id])
+
+    def _abort_all_soon(self, request_ids: list[str]) -> None:
         with contextlib.suppress(EngineDeadError):  # a dead engine has nothing left to abort
-            self._submit(_Abort(request_id))
+            self._submit(_Abort(request_ids))
 
     def _submit(self, command: _Add | _Abort | _Stop | _Call) -> None:
         with self._lock:
@@ -617,18 +710,21 @@ class AsyncLLM:
             if self._idle:  # woken by a command: the wait for work does not count as a stall
                 self._progress_at = time.monotonic()
                 self._idle = False
+        aborted: list[Request] = []  # their outputs posted together, once the commands are done
         while True:
             if isinstance(command, _Stop):
+                self._publish(aborted)
                 return False
             if isinstance(command, _Add):
                 self._add(command)
             elif isinstance(command, _Call):
                 self._run_call(command)
             else:
-                self._abort(command.request_id)
+                aborted += self._aborted_now(command.request_ids)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
+                self._publish(aborted)
                 return True
 
     def _settle_pause_waiters(self) -> None:
@@ -672,12 +768,12 @@ class AsyncLLM:
         self._sent[request.request_id] = _Sent(add.stream)
         _post(add.stream.loop, _resolve, [(add.accepted, None)])
 
-    def _abort(self, request_id: str) -> None:
-        request = self.engine.requests.get(request_id)
-        if request is None:
-            return
-        self.engine.abort(request_id)
-        self._publish([request])
+    def _aborted_now(self, request_ids: list[str]) -> list[Request]:
+        """Abort the requests of these ids the engine holds; returns them."""
+        requests = [self.engine.requests.get(request_id) for request_id in request_ids]
+        for request in filter(None, requests):
+            self.engine.abort(request.request_id)
+        return list(filter(None, requests))
 
     def _publish(self, updated: list[Request]) -> None:
         """Turn what each updated request gained into StreamOutputs, one post per event loop."""
@@ -750,6 +846,15 @@ class AsyncLLM:
                 _post(command.loop, _settle, [(command.done, None, error)])
         for loop, items in per_loop.items():
             _post(loop, _deliver, items)
+
+
+def check_rank(data_parallel_rank: int | None) -> None:
+    """vLLM's data_parallel_rank: one AsyncLLM is one engine, rank 0."""
+    if data_parallel_rank not in (None, 0) or isinstance(data_parallel_rank, bool):
+        raise ValueError(
+            f"data_parallel_rank={data_parallel_rank!r}: one AsyncLLM is one engine (rank 0); "
+            "tandem serve --data-parallel-size runs replicas"
+        )
 
 
 def streamable_text_end(request: Request) -> int:

@@ -49,3 +49,25 @@ def check_keys(prompt: dict[str, Any]) -> None:
 
 def asks_nothing(value: Any) -> bool:
     return value is None or (isinstance(value, dict | list) and not value)
+
+
+def truncation(tokenization_kwargs: dict[str, Any] | None, given: int | None = None) -> int | None:
+    """vLLM's `tokenization_kwargs` as read here: its `truncate_prompt_tokens` (where vLLM moves
+    the methods' own argument), or `given`; another key is a ValueError."""
+    if tokenization_kwargs is None:
+        return given
+    if not isinstance(tokenization_kwargs, dict):
+        raise TypeError(
+            f"tokenization_kwargs must be a dict, got {type(tokenization_kwargs).__name__}"
+        )
+    other = sorted(set(tokenization_kwargs) - {"truncate_prompt_tokens"})
+    if other:
+        raise ValueError(
+            f"tokenization_kwargs takes truncate_prompt_tokens alone here, got {other}"
+        )
+    keep = tokenization_kwargs.get("truncate_prompt_tokens")
+    if given is not None and keep is not None and keep != given:
+        raise ValueError(
+            f"truncate_prompt_tokens is {given} and tokenization_kwargs' is {keep}: give one"
+        )
+    return given if keep is None else keep

@@ -20,6 +20,7 @@ from tandem import scoring
 from tandem.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from tandem.config import EngineConfig, check_flags
 from tandem.engine import Engine, check_pause_mode
+from tandem.inputs import truncation
 from tandem.lora import LoRARequest, check_one_adapter_per_id, per_prompt
 from tandem.metrics import Metric, engine_metrics
 from tandem.outputs import (
@@ -986,25 +987,3 @@ def _prompt_logprobs(request: Request, text: TokenText) -> PromptLogprobs | None
         request.prompt_logprobs, tokens, ranks, request.params.prompt_logprobs, text,
         request.params.flat_logprobs,
     )  # fmt: skip
-
-
-def truncation(tokenization_kwargs: dict[str, Any] | None, given: int | None = None) -> int | None:
-    """vLLM's `tokenization_kwargs` as read here: its `truncate_prompt_tokens` (where vLLM moves
-    the methods' own argument), or `given`; another key is a ValueError."""
-    if tokenization_kwargs is None:
-        return given
-    if not isinstance(tokenization_kwargs, dict):
-        raise TypeError(
-            f"tokenization_kwargs must be a dict, got {type(tokenization_kwargs).__name__}"
-        )
-    other = sorted(set(tokenization_kwargs) - {"truncate_prompt_tokens"})
-    if other:
-        raise ValueError(
-            f"tokenization_kwargs takes truncate_prompt_tokens alone here, got {other}"
-        )
-    keep = tokenization_kwargs.get("truncate_prompt_tokens")
-    if given is not None and keep is not None and keep != given:
-        raise ValueError(
-            f"truncate_prompt_tokens is {given} and tokenization_kwargs' is {keep}: give one"
-        )
-    return given if keep is None else keep

@@ -338,6 +338,7 @@ class AdapterCache:
         self.max_cpu_loras = max_cpu_loras
         self.adapters: OrderedDict[int, Adapter] = OrderedDict()
         self.users: dict[int, int] = {}  # id -> unfinished requests naming it
+        self.pinned: set[int] = set()  # ids kept however long unused (vLLM's pin_lora)
         self.lock = threading.Lock()  # held for bookkeeping only, never while reading
 
     def get(self, request: LoRARequest) -> Adapter:
@@ -378,9 +379,29 @@ class AdapterCache:
                 del self.users[lora_id]
             self._trim()
 
+    def remove(self, lora_id: int) -> bool:
+        """Forget an adapter no unfinished request names (vLLM's remove_lora); False where it is
+        not held or in use."""
+        with self.lock:
+            if lora_id not in self.adapters or lora_id in self.users:
+                return False
+            del self.adapters[lora_id]
+            self.pinned.discard(lora_id)
+            return True
+
+    def pin(self, lora_id: int) -> bool:
+        """Keep a held adapter until removed (vLLM's pin_lora); False where it is not held."""
+        with self.lock:
+            if lora_id not in self.adapters:
+                return False
+            self.pinned.add(lora_id)
+            return True
+
     def _trim(self) -> None:
-        idle = [i for i in self.adapters if i not in self.users]  # least recently used first
-        for lora_id in idle[: max(0, len(self.adapters) - self.max_cpu_loras)]:
+        # least recently used first; pinned adapters neither go nor count against max_cpu_loras
+        idle = [i for i in self.adapters if i not in self.users and i not in self.pinned]
+        surplus = len(self.adapters) - len(self.pinned) - self.max_cpu_loras
+        for lora_id in idle[: max(0, surplus)]:
             del self.adapters[lora_id]
 
 

@@ -111,9 +111,12 @@ class StatLogger:
         self.last = EngineStats()
 
     def maybe_log(self, stats: Callable[[], EngineStats], now: float) -> None:
-        if now - self.last_at < LOG_INTERVAL_S:
-            return
-        current, seconds = stats(), now - self.last_at
+        if now - self.last_at >= LOG_INTERVAL_S:
+            self.log(stats, now)
+
+    def log(self, stats: Callable[[], EngineStats], now: float) -> None:
+        """The line now (vLLM's do_log_stats), over the time since the line before."""
+        current, seconds = stats(), max(now - self.last_at, 1e-9)
         queried = current.prefix_cache_queries - self.last.prefix_cache_queries
         hits = current.prefix_cache_hits - self.last.prefix_cache_hits
         logger.info(

@@ -14,7 +14,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.async_llm import AsyncLLM
-from tandem.engine import StepFailed
+from tandem.batch import StepFailed
 from tandem.logits_processors import (
     WAITED,
     AdapterLogitsProcessor,
@@ -200,6 +200,14 @@ class RaisesLater(AdapterLogitsProcessor):
         return fn
 
 
+class BlindRaisesLater(RaisesLater):
+    """RaisesLater reading no output ids: its steps sample in the forward pass's launch."""
+
+    @classmethod
+    def needs_output_token_ids(cls):
+        return False
+
+
 @pytest.fixture(scope="module")
 def folder(make_tiny):
     return make_tiny("qwen3")
@@ -298,14 +306,17 @@ def test_a_request_id_used_again_is_a_new_request_to_the_processors(folder, asyn
     assert run(None) == greedy_of(llm, folder, PROMPTS[0], 4)
 
 
+@pytest.mark.parametrize("processor", [RaisesLater, BlindRaisesLater])
 @pytest.mark.parametrize("async_batching", [True, False])
 @pytest.mark.parametrize("raise_at", [0, 2], ids=["prefill", "decode"])
 def test_a_processor_raising_in_a_step_fails_that_call_and_the_next_one_runs(
-    folder, async_batching, raise_at
+    folder, async_batching, raise_at, processor
 ):
-    """The step whose sampling raised is abandoned (never read back) and its requests aborted:
-    the next call gets transformers' greedy tokens and every block comes back."""
-    llm = make_llm(folder, [RaisesLater], async_batching=async_batching)
+    """The step whose sampling raised (launched after the host's read of the step before, or
+    with the forward pass where the processor reads no output ids) is abandoned, never read
+    back, and its requests aborted: the next call gets transformers' greedy tokens and every
+    block comes back."""
+    llm = make_llm(folder, [processor], async_batching=async_batching)
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     failing = SamplingParams(
         temperature=0, max_tokens=6, ignore_eos=True, extra_args={"raise_at": raise_at}
@@ -320,15 +331,16 @@ def test_a_processor_raising_in_a_step_fails_that_call_and_the_next_one_runs(
     assert engine.allocator.num_free == engine.num_blocks
 
 
+@pytest.mark.parametrize("processor", [RaisesLater, BlindRaisesLater])
 @pytest.mark.parametrize("async_batching", [True, False])
 def test_a_processor_raising_under_async_llm_fails_its_steps_requests_and_the_engine_serves_on(
-    folder, async_batching
+    folder, async_batching, processor
 ):
     """The requests of the abandoned step get the error in their streams (a step's processors
     run on all its rows, so its other rows too); the engine thread lives, and a request after
     them gets transformers' greedy tokens."""
     llm = AsyncLLM.from_model(
-        str(folder), max_model_len=64, block_size=8, logits_processors=[RaisesLater],
+        str(folder), max_model_len=64, block_size=8, logits_processors=[processor],
         async_batching=async_batching,
     )  # fmt: skip
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -356,6 +368,53 @@ def test_a_processor_raising_under_async_llm_fails_its_steps_requests_and_the_en
         assert llm.engine.allocator.num_free == llm.engine.num_blocks
     finally:
         llm.shutdown()
+
+
+def test_a_request_that_finished_before_the_failed_step_keeps_its_output(folder):
+    """A stop token the scheduler cannot foresee ends "a" in the step before the one that
+    fails: "a" still had a row there, yet keeps its own finished output; "b" gets the error."""
+    ids = tuple(make_llm(folder).get_tokenizer().encode(PROMPTS[0]))
+    greedy = transformers_greedy(folder, ids, 6)
+    stops = SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[greedy[2]])
+    failing = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                             extra_args={"raise_at": 3})  # fmt: skip
+    llm = AsyncLLM.from_model(str(folder), max_model_len=64, block_size=8,
+                              logits_processors=[RaisesLater])  # fmt: skip
+
+    async def last(prompt, params, request_id):
+        return [out async for out in llm.generate(prompt, params, request_id)][-1]
+
+    async def main():
+        return await asyncio.gather(
+            last({"prompt_token_ids": list(ids)}, stops, "a"), last(PROMPTS[1], failing, "b"),
+            return_exceptions=True,
+        )  # fmt: skip
+
+    try:
+        a, b = asyncio.run(main())
+    finally:
+        llm.shutdown()
+    assert isinstance(b, StepFailed)
+    assert a.outputs[0].token_ids == greedy[: greedy.index(greedy[2]) + 1]
+    assert a.outputs[0].finish_reason == "stop"
+
+
+def test_two_ranks_serve_on_after_a_processor_raised(folder):
+    """Every rank runs the processors, so every rank's step fails: each aborts the step's
+    requests and follows rank 0 on (a worker died of it before)."""
+    llm = LLM(str(folder), max_model_len=64, block_size=8, tensor_parallel_size=2,
+              logits_processors=[RaisesLater])  # fmt: skip
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    failing = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                             extra_args={"raise_at": 2})  # fmt: skip
+    try:
+        with pytest.raises(StepFailed, match="the processor failed"):
+            llm.generate(PROMPTS[:2], [greedy, failing], use_tqdm=False)
+        [out] = llm.generate(PROMPTS[:1], greedy, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    ids = tuple(llm.get_tokenizer().encode(PROMPTS[0]))
+    assert out.outputs[0].token_ids == transformers_greedy(folder, ids, 4)
 
 
 def test_a_processor_refuses_a_request_and_the_engine_serves_on(folder):

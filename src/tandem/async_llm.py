@@ -26,8 +26,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from tandem.batch import StepFailed
 from tandem.config import EngineConfig, check_flags
-from tandem.engine import Engine, StepFailed, check_pause_mode
+from tandem.engine import Engine, check_pause_mode
 from tandem.inputs import truncation
 from tandem.lora import AdapterCache, LoRARequest
 from tandem.metrics import EngineStats
@@ -715,12 +716,15 @@ class AsyncLLM:
             if isinstance(command, _Stop):
                 self._publish(aborted)
                 return False
-            if isinstance(command, _Add):
-                self._add(command)
-            elif isinstance(command, _Call):
-                self._run_call(command)
-            else:
+            if isinstance(command, _Abort):
                 aborted += self._aborted_now(command.request_ids)
+            else:
+                self._publish(aborted)  # before a later add or call: those streams end first
+                aborted = []
+                if isinstance(command, _Add):
+                    self._add(command)
+                else:
+                    self._run_call(command)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:

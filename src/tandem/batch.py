@@ -362,3 +362,14 @@ class BatchBuilder:
         most_logprobs = int(kept.logprobs[rows].max(initial=-1))
         use_filters = bans or bool(kept.needs_filter[rows].any())
         return use_filters, (most_logprobs if most_logprobs >= 0 else None)
+
+
+class StepFailed(RuntimeError):
+    """A step's sampling raised (a custom logits processor's error, its `__cause__`): the step
+    was abandoned and its requests (`failed`) aborted; the engine serves on. `updated`: what
+    the steps read back before it updated, which the caller still hands on."""
+
+    def __init__(self, error: Exception, failed: list[Request]):
+        super().__init__(f"a step's sampling failed and its requests were aborted: {error!r}")
+        self.failed = failed
+        self.updated: list[Request] = []

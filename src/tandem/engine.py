@@ -8,7 +8,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -19,7 +19,7 @@ import torch
 from tandem import generation_config, hub, penalties, piecewise, scoring, structured
 from tandem.admission import Admission
 from tandem.attention import get_backend, rows_per_shared_group
-from tandem.batch import BatchBuilder, StepBatch
+from tandem.batch import BatchBuilder, StepBatch, StepFailed
 from tandem.batch_invariant import invariant_attention, make_batch_invariant
 from tandem.compilation import graph_plan
 from tandem.config import FIT_TO_CACHE, EngineConfig, ModelConfig, cdiv
@@ -78,17 +78,6 @@ SHUT_DOWN = "this engine was shut down"  # what a shut engine answers every call
 def check_pause_mode(mode: str) -> None:
     if mode not in PAUSE_MODES:
         raise ValueError(f"mode must be one of {', '.join(map(repr, PAUSE_MODES))}, got {mode!r}")
-
-
-class StepFailed(RuntimeError):
-    """A step's sampling raised (a custom logits processor's error, its `__cause__`): the step
-    was abandoned and its requests (`failed`) aborted; the engine serves on. `updated`: what
-    the steps read back before it updated, which the caller still hands on."""
-
-    def __init__(self, error: Exception, failed: list[Request]):
-        super().__init__(f"a step's sampling failed and its requests were aborted: {error!r}")
-        self.failed = failed
-        self.updated: list[Request] = []
 
 
 class Engine:
@@ -852,7 +841,9 @@ class Engine:
                 self.step_work.append(work)
         with timeline.phase("launch", step):
             timeline.record_step(step, work)
-            self.runner.launch(batch, timeline)
+            # a custom processor's sampling may run in the launch (one that reads no output ids)
+            with self._failing_step(batch) if batch.custom_logits else contextlib.nullcontext():
+                self.runner.launch(batch, timeline)
         if batch.sampling_waits:  # its masks or processors need the tokens its rows have in flight
             batch.sampling_launched = False
             if not any(batch.requests[row].num_pending_tokens for row in batch.host_rows):
@@ -876,12 +867,8 @@ class Engine:
             if not later.sampling_launched:
                 try:
                     self._launch_sampling(later)
-                except BaseException as error:  # it is never read back: its rows get no token
-                    self.in_flight.remove(later)
-                    for row, request in enumerate(later.requests):
-                        request.num_pending_tokens -= later.samples[row]
-                    if isinstance(error, StepFailed):
-                        error.updated = updated
+                except StepFailed as failed:  # this step's outputs stand: the caller's too
+                    failed.updated = updated + failed.updated
                     raise
         return updated
 
@@ -889,22 +876,37 @@ class Engine:
         """Launch the sampling of a step that waited for the host: its token masks filled from
         its rows' matchers first, where it has constrained rows. Where that raises (a custom
         processor's error), the step is abandoned and its requests aborted (StepFailed)."""
-        with self.timeline.phase("mask", batch.step):
-            try:
-                if batch.use_mask:
-                    self.admission.grammars().fill_masks(
-                        batch.slot.masks.host, batch.requests, batch.mask_rows,
-                        batch.num_seqs_padded,
-                    )  # fmt: skip
-                self.runner.launch_sampling(batch, self.timeline)
-            except BaseException as error:
-                self.runner.abandon(batch)
-                for request in batch.requests:
-                    self.abort(request.request_id)
-                if not isinstance(error, Exception):  # Ctrl-C and the like pass as they are
-                    raise
-                raise StepFailed(error, batch.requests) from error
+        with self.timeline.phase("mask", batch.step), self._failing_step(batch):
+            if batch.use_mask:
+                self.admission.grammars().fill_masks(
+                    batch.slot.masks.host, batch.requests, batch.mask_rows, batch.num_seqs_padded
+                )
+            self.runner.launch_sampling(batch, self.timeline)
         batch.sampling_launched = True
+
+    @contextlib.contextmanager
+    def _failing_step(self, batch: StepBatch) -> Iterator[None]:
+        """Where the step's sampling raises (a custom processor's error), it is abandoned
+        (`Runner.abandon`; never read back, its rows get no token), the steps before it are
+        read back (their outputs stand: a request they finish keeps its own), and its
+        requests still unfinished are aborted: StepFailed."""
+        try:
+            yield
+        except BaseException as error:
+            self.runner.abandon(batch)
+            if any(b is batch for b in self.in_flight):  # launched, its sampling not
+                self.in_flight = deque(b for b in self.in_flight if b is not batch)
+                for row, request in enumerate(batch.requests):
+                    request.num_pending_tokens -= batch.samples[row]
+            updated = self.drain()
+            failed = [request for request in batch.requests if not request.finished]
+            for request in failed:
+                self.abort(request.request_id)
+            if not isinstance(error, Exception):  # Ctrl-C and the like pass as they are
+                raise
+            step_failed = StepFailed(error, failed)
+            step_failed.updated = updated
+            raise step_failed from error
 
     def _append_outputs(self, batch: StepBatch, out: dict[str, np.ndarray]) -> list[Request]:
         num_seqs = len(batch.requests)

@@ -49,7 +49,7 @@ class BatchAnswerer:
         **engine_args: Any,
     ):
         self.llm = AsyncLLM.from_model(model, **engine_args)
-        self.max_in_flight = 2 * engine_args.get("max_num_seqs", 256)
+        self.max_in_flight = 2 * (engine_args.get("max_num_seqs") or 256)  # None: the default
         self.app = build_app(self.llm, served_model_name or model, options=options)
         transport = httpx.ASGITransport(app=self.app)
         self.client = httpx.AsyncClient(transport=transport, base_url="http://batch", timeout=None)

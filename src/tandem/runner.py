@@ -249,8 +249,9 @@ class Runner:
         self._sample_and_copy_out(batch, timing)
 
     def abandon(self, batch: StepBatch) -> None:
-        """A step whose sampling will never run: its slot's events recorded after its forward
-        pass, so the slot's next step waits for it as for a step read back."""
+        """A step whose sampling will not run on: its slot's events recorded after what it
+        enqueued, so the slot's next step waits for it as for a step read back, and the device
+        waited for, so the slot's host buffers may be rewritten (an error's path alone)."""
         if not self.cuda:
             return
         i = batch.slot.index
@@ -259,6 +260,7 @@ class Runner:
         with torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(self.compute_done[i])
             self.d2h_done[i].record()
+        torch.cuda.synchronize(self.device)
 
     def _sample_and_copy_out(self, batch: StepBatch, timing) -> None:
         slot, i = batch.slot, batch.slot.index

@@ -64,7 +64,7 @@ def answer_on_ray(
         ray.init()  # joins the cluster of RAY_ADDRESS, or of `ray start` on this machine
     ray.data.DataContext.get_current().enable_progress_bars = False  # run-batch shows its own
     rows = [{"custom_id": r.custom_id, "url": r.url, "body": json.dumps(r.body)} for r in requests]
-    in_flight = 2 * engine_args.get("max_num_seqs", 256)  # requests per engine
+    in_flight = 2 * (engine_args.get("max_num_seqs") or 256)  # requests per engine
     batch_size = max(1, math.ceil(in_flight / BATCHES_PER_ACTOR))
     num_blocks = max(1, math.ceil(len(rows) / batch_size))
     dataset = ray.data.from_items(rows, override_num_blocks=num_blocks).map_batches(

@@ -322,6 +322,12 @@ def test_a_cancelled_background_response_aborts_its_generation(client, url):
         ({"text": {"format": "json_object"}}, "text.format"),  # no object: was a 500
         ({"text": {"format": 5}}, "text.format"),
         ({"enable_response_messages": True}, "enable_response_messages"),
+        # OpenAI's required fields of input items (their calls reached the template as None)
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+         "input.0.call_id"),
+        ({"input": [{"type": "function_call", "call_id": "a", "arguments": "{}"}]},
+         "input.0.name"),
+        ({"input": [{"type": "function_call_output", "call_id": "a"}]}, "input.0.output"),
     ],
 )  # fmt: skip
 def test_what_is_not_supported_is_a_400_naming_it(url, fields, param):

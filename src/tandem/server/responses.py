@@ -345,6 +345,7 @@ def input_messages(
                 )
             messages.append({"role": item.get("role"), "content": message_text(item, i)})
         elif kind == "function_call":
+            check_fields(item, i, ("call_id", "name", "arguments"))
             call = {"id": item.get("call_id"), "type": "function"}
             call["function"] = {"name": item.get("name"), "arguments": item.get("arguments")}
             last = messages[-1] if messages else None
@@ -353,6 +354,11 @@ def input_messages(
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
+            check_fields(item, i, ("call_id",))
+            if item.get("output") is None:
+                raise OpenAIError(
+                    "a function_call_output item needs its output", param=f"input.{i}.output"
+                )
             output = item.get("output")
             messages.append(
                 {"role": "tool", "tool_call_id": item.get("call_id"), "content": output}
@@ -361,6 +367,16 @@ def input_messages(
             raise OpenAIError(f"input items of type {kind!r} are not supported", param=f"input.{i}")
         starts += [i] * (len(messages) - len(starts))  # the message it began, if any
     return messages, starts
+
+
+def check_fields(item: dict[str, Any], index: int, names: tuple[str, ...]) -> None:
+    """A 400 naming the first of an input item's required text fields it lacks (OpenAI's)."""
+    for name in names:
+        if not isinstance(item.get(name), str):
+            raise OpenAIError(
+                f"a {item.get('type')} item needs {name} as a string, got {item.get(name)!r:.40}",
+                param=f"input.{index}.{name}",
+            )
 
 
 def message_text(item: dict[str, Any], index: int) -> Any:

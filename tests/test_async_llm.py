@@ -728,3 +728,28 @@ def test_a_new_grammar_compiles_off_the_engine_thread(llm, monkeypatch):
     with pytest.raises(ValueError, match="xgrammar rejected the regex"):
         asyncio.run(collect(llm, PROMPTS[0], bad, "rejected"))
     assert "tandem-engine" not in threads[2:]
+
+
+def test_vllms_engine_client_arguments_are_taken(folder):
+    """from_engine_args' start_engine_loop, usage_context and stat_loggers (None), abort's
+    internal (an engine id), shutdown's timeout; a loop not started is a ValueError."""
+    from tandem import AsyncEngineArgs
+
+    args = AsyncEngineArgs(model=folder, **ENGINE_ARGS)
+    with pytest.raises(ValueError, match="start_engine_loop"):
+        AsyncLLM.from_engine_args(args, start_engine_loop=False)
+    llm = AsyncLLM.from_engine_args(args, True, "ENGINE_CONTEXT", None)
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+
+    async def main():
+        stream = llm.generate(PROMPTS[0], params, "x")
+        await anext(stream)
+        [engine_ids] = llm._samples["x"].values()
+        await llm.abort(engine_ids, internal=True)
+        return [out async for out in stream][-1]
+
+    try:
+        assert asyncio.run(main()).outputs[0].finish_reason == "abort"
+    finally:
+        llm.shutdown(timeout=30)
+    assert llm.errored

@@ -199,8 +199,24 @@ class AsyncLLM:
         return cls(Engine(EngineConfig(model=model, **engine_args)))
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineConfig) -> AsyncLLM:
-        """vLLM's: an AsyncLLM of these settings (`tandem.AsyncEngineArgs`, that is EngineConfig)."""
+    def from_engine_args(
+        cls,
+        engine_args: EngineConfig,
+        start_engine_loop: bool = True,
+        usage_context: Any = None,
+        stat_loggers: list | None = None,
+    ) -> AsyncLLM:
+        """vLLM's: an AsyncLLM of these settings (`tandem.AsyncEngineArgs`, that is EngineConfig),
+        its engine thread started; `usage_context` is vLLM's telemetry label (none here), and
+        custom `stat_loggers` are refused (the "tandem.metrics" logger and /metrics report)."""
+        del usage_context
+        if start_engine_loop is not True:
+            raise ValueError("start_engine_loop=False is not supported: the engine thread starts")
+        if stat_loggers:
+            raise ValueError(
+                "custom stat_loggers are not supported: disable_log_stats=False logs a line "
+                "every 10 s, and the server's /metrics serves the counters"
+            )
         return cls(Engine(replace(engine_args)))
 
     @property
@@ -504,14 +520,15 @@ class AsyncLLM:
             raise next(r for r in results if not isinstance(r, RequestStream))
         return streams
 
-    async def abort(self, request_id: str | Iterable[str]) -> None:
+    async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
         """Stop a request, or each of several (as vLLM's: an id or an iterable of them; all
         samples of every open `generate` or `encode` of that id, from the moment it is called);
-        its stream ends with finish_reason "abort". Unknown ids are ignored."""
+        its stream ends with finish_reason "abort". Unknown ids are ignored. `internal`
+        (vLLM's): the ids are the engine's own (a sample's, as its outputs' engine ids)."""
         engine_ids = []
         for one in [request_id] if isinstance(request_id, str) else list(request_id):
-            calls = self._samples.get(one)
-            if calls is None:  # add_request's own id
+            calls = None if internal else self._samples.get(one)
+            if calls is None:  # add_request's own id, or an engine id
                 engine_ids.append(one)
                 continue
             for tag, ids in calls.items():
@@ -519,11 +536,12 @@ class AsyncLLM:
                 engine_ids += ids
         self._abort_all_soon(engine_ids)
 
-    def shutdown(self) -> None:
-        """Stop the engine thread; streams still open get EngineDeadError."""
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the engine thread; streams still open get EngineDeadError. `timeout` (vLLM's):
+        wait at most that many seconds for the thread (it ends after its current step)."""
         with contextlib.suppress(EngineDeadError):  # already dead: nothing to stop
             self._submit(_Stop())
-        self._thread.join()
+        self._thread.join(timeout)
 
     # ---- RL hooks: run on the engine thread between two steps -----------------------------
 

@@ -400,6 +400,8 @@ def test_stream_events_open_and_close_items_in_order():
     kinds = ["reasoning", "message", "function_call", "function_call"]
     assert [item["type"] for item in output] == kinds
     assert output[0]["content"] == [{"type": "reasoning_text", "text": "think more"}]
+    added = next(e for e in got if e["type"] == "response.output_item.added")
+    assert (added["item"]["status"], output[0]["status"]) == ("in_progress", "completed")
     assert output[1]["content"][0]["text"] == "Hello there"
     assert [(o["call_id"], o["arguments"]) for o in output[2:]] == [
         ("c0", '{"a": 1}'),

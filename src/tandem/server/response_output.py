@@ -48,9 +48,9 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
     content = [{"type": "reasoning_text", "text": text}] if text else []
-    return {"type": "reasoning", "id": item_id, "summary": [], "content": content}
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
 def message_item(
@@ -237,7 +237,7 @@ class StreamEvents:
             return []
         events = self.close()
         if kind == "reasoning":
-            item = reasoning_item(new_id("rs"), "")
+            item = reasoning_item(new_id("rs"), "", "in_progress")
         else:
             item = message_item(new_id("msg"), None, "in_progress")
         self.open, self.open_text, self.open_logprobs = item, "", []

@@ -709,13 +709,8 @@ class AsyncLLM:
             return self.engine.step()
         except StepFailed as failed:
             logger.exception("a step's sampling failed; its requests get the error")
-            per_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
-            for request in failed.failed:
-                sent = self._sent.pop(request.request_id, None)
-                if sent is not None:
-                    per_loop[sent.stream.loop].append((sent.stream, failed))
-            for loop, items in per_loop.items():
-                _post(loop, _deliver, items)
+            sents = [self._sent.pop(request.request_id, None) for request in failed.failed]
+            _deliver_each([(sent.stream, failed) for sent in sents if sent is not None])
             return failed.updated
 
     def _apply_commands(self, block: bool) -> bool:
@@ -800,7 +795,7 @@ class AsyncLLM:
     def _publish(self, updated: list[Request]) -> None:
         """Turn what each updated request gained into StreamOutputs, one post per event loop."""
         now = time.perf_counter()
-        per_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        items = []
         interval = self.engine.config.stream_interval
         for request in updated:
             sent = self._sent.get(request.request_id)
@@ -812,9 +807,8 @@ class AsyncLLM:
             output = self._delta(request, sent, now)
             if request.finished:
                 del self._sent[request.request_id]
-            per_loop[sent.stream.loop].append((sent.stream, output))
-        for loop, items in per_loop.items():
-            _post(loop, _deliver, items)
+            items.append((sent.stream, output))
+        _deliver_each(items)
 
     def _delta(self, request: Request, sent: _Sent, now: float) -> StreamOutput:
         tokens = request.output_token_ids
@@ -850,9 +844,7 @@ class AsyncLLM:
         """Fail every open stream and every command still queued; later submissions raise."""
         with self._lock:
             self._dead = error
-        per_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
-        for sent in self._sent.values():
-            per_loop[sent.stream.loop].append((sent.stream, error))
+        items = [(sent.stream, error) for sent in self._sent.values()]
         self._sent.clear()
         for loop, drained in self._pause_waiters:
             _post(loop, _settle, [(drained, None, error)])
@@ -866,8 +858,7 @@ class AsyncLLM:
                 _post(command.stream.loop, _resolve, [(command.accepted, error)])
             elif isinstance(command, _Call):
                 _post(command.loop, _settle, [(command.done, None, error)])
-        for loop, items in per_loop.items():
-            _post(loop, _deliver, items)
+        _deliver_each(items)
 
 
 def check_rank(data_parallel_rank: int | None) -> None:
@@ -901,6 +892,15 @@ async def _take_all(outputs: asyncio.Queue) -> list:
     while not outputs.empty():
         items.append(outputs.get_nowait())
     return items
+
+
+def _deliver_each(items: list[tuple[RequestStream, StreamOutput | BaseException]]) -> None:
+    """Hand each stream its item from the engine thread: one post per event loop, in order."""
+    per_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+    for stream, item in items:
+        per_loop[stream.loop].append((stream, item))
+    for loop, its_items in per_loop.items():
+        _post(loop, _deliver, its_items)
 
 
 def _deliver(items: list[tuple[RequestStream, StreamOutput | BaseException]]) -> None:

@@ -121,7 +121,7 @@ class RaisesLater(AdapterLogitsProcessor):
         return fn
 
 folder = make_tiny_model(sys.argv[1], "llama")
-llm = LLM(str(folder), max_model_len=128, logits_processors=[RaisesLater])
+llm = LLM(str(folder), max_model_len=128, num_blocks=64, logits_processors=[RaisesLater])
 greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 failing = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, extra_args={"raise": 1})
 prompts = [{"prompt_token_ids": list(range(3 + 7 * i, 20 + 9 * i))} for i in range(4)]

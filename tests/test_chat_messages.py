@@ -58,6 +58,27 @@ ACCEPTED = {
         [USER, {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}, USER],
         [USER, {"role": "assistant", "content": "No."}, USER],
     ),
+    "thinking_part": (
+        [USER, {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "Greet.", "closed": True}, {"type": "text", "text": "Hi"}
+        ]}, USER],
+        [USER, {"role": "assistant", "content": "Greet.\nHi"}, USER],
+    ),
+    "tool_reference_part": (
+        [{"role": "user", "content": [{"type": "tool_reference", "name": "weather"}, "Hi"]}],
+        [{"role": "user", "content": "weather\nHi"}],
+    ),
+    "empty_text_parts": (
+        [{"role": "user", "content": ["a", {"type": "text", "text": ""}, "", "b"]}],
+        [{"role": "user", "content": "a\nb"}],
+    ),
+    "custom_role_parts_without_text": (
+        [USER, {"role": "ipython", "content": [
+            {"type": "text", "text": None}, {"type": "text"}, {"type": "refusal", "refusal": None},
+            {"type": "thinking"}, {"type": "input_text", "text": None}, "4",
+        ]}],
+        [USER, {"role": "ipython", "content": "4"}],
+    ),
     "tool_call_arguments_no_json": (
         [USER, {"role": "assistant", "content": None, "tool_calls": [CALL]}],
         [USER, {"role": "assistant", "content": "", "tool_calls": [
@@ -139,6 +160,73 @@ def test_a_content_of_none_is_no_parts_to_a_template_of_parts(folder, offline, s
     ])  # fmt: skip
     assert want == 'user=[]|assistant=[{"type": "text", "text": "Hi"}]|'
     assert_renders(offline, served, folder, template, messages, want)
+
+
+def test_parts_reach_a_template_of_parts_as_vllm_s_parser_gives_them(folder, offline, served):
+    """As parts, vLLM's parser makes a thinking part a text part, keeps a tool_reference part,
+    gives a custom role's input_text part without text a None text (and skips its text part
+    without text), and joins a tool's text parts, empty ones too."""
+    template = (
+        "{% for m in messages %}{% for p in m.content %}{% endfor %}"
+        "{{ m.role }}={{ m.content | tojson }}|{% endfor %}"
+    )
+    messages = [
+        {"role": "user", "content": [{"type": "tool_reference", "name": "w"}]},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "A"}]},
+        {"role": "tool", "content": ["1", "", "2"]},
+        {"role": "ipython", "content": [
+            {"type": "input_text", "text": None}, {"type": "text", "text": None}
+        ]},
+    ]  # fmt: skip
+    parsed = [
+        {"role": "user", "content": [{"type": "tool_reference", "name": "w"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A"}]},
+        {"role": "tool", "content": "1\n\n2"},
+        {"role": "ipython", "content": [{"type": "text", "text": None}]},
+    ]  # fmt: skip
+    want = transformers_text(folder, template, parsed)
+    assert 'tool="1\\n\\n2"|ipython=[{"type": "text", "text": null}]|' in want
+    assert_renders(offline, served, folder, template, messages, want)
+
+
+def test_a_text_part_without_text_is_skipped_offline_and_a_400_on_openai_roles_served(
+    folder, offline, served
+):
+    """vLLM's parser skips a text part whose text is null (LLM.chat takes the chat); its
+    server's request validation refuses such a part on a message of OpenAI's roles first."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": None}, "Hi"]}]
+    [out] = offline.chat(messages, GREEDY, use_tqdm=False, chat_template=TEMPLATE)
+    assert out.prompt == transformers_text(folder, TEMPLATE, [USER])
+    with client_of(served, chat_template=TEMPLATE) as client:
+        for path, body in (
+            ("/tokenize", {"messages": messages}),
+            ("/v1/chat/completions", {"messages": messages, "max_tokens": 1}),
+        ):
+            answer = client.post(path, json=body)
+            assert answer.status_code == 400, answer.text
+            assert answer.json()["error"]["param"] == "messages.0"
+            assert "text part of a user message needs its text" in answer.text
+
+
+def test_tool_calls_of_messages_not_the_assistants_are_dropped_as_vllm_s_parser_drops_them(
+    folder, served
+):
+    """vLLM's parser copies the tool calls of an assistant's message alone: on any other
+    role's message they are never read, whatever their shape."""
+    messages = [
+        {"role": "system", "content": "Be brief.", "tool_calls": [CALL]},
+        {**USER, "tool_calls": [{"function": "not a call"}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "20C", "tool_calls": [CALL]},
+    ]
+    parsed = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
+    want = ids_of(folder, transformers_text(folder, TEMPLATE, parsed))
+    with client_of(served, chat_template=TEMPLATE) as client:
+        tokens = client.post("/tokenize", json={"messages": messages})
+        assert tokens.status_code == 200, tokens.text
+        assert tokens.json()["tokens"] == want
+        chat = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["usage"]["prompt_tokens"] == len(want)
 
 
 def test_documents_reach_the_template_over_a_template_variable_of_that_name(folder, served):

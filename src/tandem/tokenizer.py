@@ -549,39 +549,61 @@ def loop_items(
 
 
 # vLLM's content parts that hold text (OpenAI's text and refusal parts, the Responses API's
-# input_text and output_text), and the key each holds it under
-TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+# input_text and output_text, vLLM's thinking part), and the key each holds it under
+TEXT_PARTS = {
+    "text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+    "thinking": "thinking",
+}  # fmt: skip
+# the kinds vLLM's parser skips where their text is null or missing; the others give a None text
+SKIPPED_WITHOUT_TEXT = ("text", "refusal")
 
 
-def text_part(part: Any) -> dict[str, str]:
-    """A content part as templates take it, as vLLM gives it to them: a bare string or a part of
-    TEXT_PARTS made a {"type": "text", "text": ...} part; a ValueError for any other part."""
+def text_part(part: Any) -> dict[str, Any] | None:
+    """A content part as templates take it, as vLLM's parser gives it to them: a bare string or
+    a part of TEXT_PARTS made a {"type": "text", "text": ...} part, a tool_reference part as
+    {"type": "tool_reference", "name": ...}; None for a text or refusal part without its text,
+    which vLLM skips. A ValueError for any other part."""
     if isinstance(part, str):
         return {"type": "text", "text": part}
     kind = part.get("type") if isinstance(part, dict) else None
-    text = part.get(TEXT_PARTS[kind]) if isinstance(kind, str) and kind in TEXT_PARTS else None
-    if not isinstance(text, str):
+    if kind == "tool_reference":  # a deferred tool the template expands, by its name
+        return {"type": "tool_reference", "name": part_string(part, "name")}
+    if not isinstance(kind, str) or kind not in TEXT_PARTS:
         raise ValueError(
             "a message's content parts must be text for a text model: a string, or a part "
-            f"{{'type': 'text', 'text': ...}} (input_text, output_text, refusal too); got "
-            f"{part!r:.80}"
+            f"{{'type': 'text', 'text': ...}} (input_text, output_text, refusal, thinking, "
+            f"tool_reference too); got {part!r:.80}"
         )
+    text = part_string(part, TEXT_PARTS[kind])
+    if text is None and kind in SKIPPED_WITHOUT_TEXT:
+        return None
     return {"type": "text", "text": text}
 
 
+def part_string(part: dict[str, Any], key: str) -> str | None:
+    value = part.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"a {part['type']} part's {key} must be a string, got {value!r:.40}")
+    return value
+
+
 def template_content(content: Any, content_format: str, role: Any = None) -> Any:
-    """A message's content (None, a string or a list of text parts) as a template of
-    `content_format` takes it: text parts joined by newlines (as vLLM renders them for a
-    string), or a text made one part; a tool's result is text whatever the format, as vLLM
-    gives it. None is no parts, as vLLM reads it: "" (or [] as parts)."""
+    """A message's content (None, a string or a list of text_part's parts) as a template of
+    `content_format` takes it, as vLLM's parser gives it: for a string, the parts' texts (a
+    tool_reference's name) joined by newlines, those empty or None left out; as parts, a text
+    made one part and the parts text_part skipped (None) left out. A tool's result of text
+    parts is their texts joined whatever the format. None is no parts: "" (or [] as parts)."""
     content = [] if content is None else content
-    if content_format == "openai" and role != "tool":
-        if isinstance(content, str):
-            return [{"type": "text", "text": content}]
-        return content
-    if isinstance(content, list):
-        return "\n".join(part["text"] for part in content)
-    return content
+    if isinstance(content, str):
+        as_parts = content_format == "openai" and role != "tool"
+        return [{"type": "text", "text": content}] if as_parts else content
+    parts = [part for part in content if part is not None]
+    if content_format != "openai":
+        texts = (p["name"] if p["type"] == "tool_reference" else p["text"] for p in parts)
+        return "\n".join(text for text in texts if text)
+    if role == "tool" and all(part["type"] == "text" for part in parts):
+        return "\n".join(part["text"] for part in parts)
+    return parts
 
 
 def template_tool_call(call: Any) -> Any:

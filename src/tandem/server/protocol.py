@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tandem.sampling import MAX_LOGPROBS, MAX_N, MAX_TOP_K
-from tandem.tokenizer import encodable, template_content, template_reasoning, template_tool_call
+from tandem.tokenizer import (
+    encodable,
+    template_content,
+    template_reasoning,
+    template_tool_call,
+    text_part,
+)
 
 Text = Annotated[str, AfterValidator(encodable)]
 MAX_TOKEN_ID = 2**32 - 1  # the tokenizer's u32
@@ -243,23 +249,45 @@ class CompletionRequest(SamplingRequest):
 
 class TextPart(MessagePart):
     # OpenAI's text part, and the Responses API's input_text and output_text, as vLLM reads them
+    text_key: ClassVar[str] = "text"  # the field that holds the part's text
     type: Literal["text", "input_text", "output_text"]
-    text: Text
+    text: Text | None = None  # None: see ChatMessage.check_part_texts
 
 
 class RefusalPart(MessagePart):
     """An assistant's refusal sent back with its message: text, as vLLM renders it."""
 
+    text_key: ClassVar[str] = "refusal"
     type: Literal["refusal"]
-    refusal: Text
-
-    @property
-    def text(self) -> str:
-        return self.refusal
+    refusal: Text | None = None
 
 
-# a part is text: one of those, or a bare string (vLLM's)
-ContentPart = Annotated[TextPart | RefusalPart, Field(discriminator="type")] | Text
+class ThinkingPart(MessagePart):
+    """vLLM's part of a model's thinking: text, as vLLM renders it."""
+
+    text_key: ClassVar[str] = "thinking"
+    type: Literal["thinking"]
+    thinking: Text | None = None
+    closed: bool | None = None  # whether the thinking ended; changes nothing in the text
+
+
+class ToolReferencePart(MessagePart):
+    """vLLM's reference to a deferred tool, by name, for the chat template to expand."""
+
+    text_key: ClassVar[str] = "name"
+    type: Literal["tool_reference"]
+    name: Text | None = None
+
+
+# a part is one of those, or a bare string (vLLM's)
+ContentPart = (
+    Annotated[
+        TextPart | RefusalPart | ThinkingPart | ToolReferencePart, Field(discriminator="type")
+    ]
+    | Text
+)
+# the roles of OpenAI's message types, whose parts vLLM's request validation checks
+OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class FunctionCall(MessagePart):
@@ -289,17 +317,36 @@ class ChatMessage(MessagePart):
     reasoning: Text | None = None
     reasoning_content: Text | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def drop_others_tool_calls(cls, data: Any) -> Any:
+        """vLLM's parser keeps an assistant's tool calls alone: others' are dropped unread."""
+        if isinstance(data, dict) and data.get("role") != "assistant" and "tool_calls" in data:
+            if data["tool_calls"] is not None:
+                logger.warning("ignored the tool_calls of a %s message", data.get("role"))
+            return {k: v for k, v in data.items() if k != "tool_calls"}
+        return data
+
     @model_validator(mode="after")
-    def check_role_fields(self) -> ChatMessage:
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError("tool_calls are an assistant message's")
+    def check_part_texts(self) -> ChatMessage:
+        """A part without its text is a 400 on a message of OpenAI's roles, as vLLM's request
+        validation has it; on another role's, vLLM's parser skips a text or refusal part and
+        gives the others a None text (tokenizer.text_part)."""
+        if self.role not in OPENAI_ROLES or not isinstance(self.content, list):
+            return self
+        for part in self.content:
+            if not isinstance(part, str) and getattr(part, part.text_key) is None:
+                raise ValueError(
+                    f"a {part.type} part of a {self.role} message needs its {part.text_key} as "
+                    "a string; leave the part out rather than send it without"
+                )
         return self
 
-    def openai_content(self) -> str | list[dict[str, str]] | None:
-        """The content, each part made OpenAI's text part (a bare string, a refusal, ...)."""
+    def openai_content(self) -> str | list[dict[str, Any] | None] | None:
+        """The content, each part as tokenizer.text_part gives it (None where vLLM skips it)."""
         if not isinstance(self.content, list):
             return self.content
-        return [{"type": "text", "text": p if isinstance(p, str) else p.text} for p in self.content]
+        return [text_part(p if isinstance(p, str) else p.model_dump()) for p in self.content]
 
     def text(self) -> str:
         """The content as text; text parts are joined by newlines, as vLLM renders them."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 
 import httpx
 import openai
@@ -45,13 +46,18 @@ TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def url(make_tiny):
+def served(make_tiny):
     llm = AsyncLLM.from_model(str(make_tiny("llama")), max_model_len=256)
     try:
         with running(build_app(llm, "tiny", options=ServerOptions(chat_template=TEMPLATE))) as url:
-            yield url
+            yield url, llm
     finally:
         llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def url(served):
+    return served[0]
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +146,89 @@ def test_previous_response_id_continues_the_conversation(client):
     unstored = client.responses.create(model="tiny", input="x", store=False, **GREEDY)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
+
+
+def test_a_request_id_is_the_response_s_id(client):
+    """vLLM's request_id names the response, as it is: stored, retrieved and continued by it;
+    a stored response's id again is a 400 (that response's turn would change under the turns
+    after it), an unstored one's is not."""
+    request_id = f"my-request-{uuid.uuid4().hex}"
+    named = {"model": "tiny", "input": "Name a cache.", **GREEDY}
+    response = client.responses.create(**named, extra_body={"request_id": request_id})
+    assert response.id == request_id
+    assert client.responses.retrieve(request_id).output_text == response.output_text
+    follow = client.responses.create(
+        model="tiny", input="Another?", previous_response_id=request_id, **GREEDY
+    )
+    again = client.responses.create(
+        model="tiny", input="Another?", previous_response_id=client.responses.create(**named).id,
+        **GREEDY,
+    )  # fmt: skip
+    assert follow.output_text == again.output_text
+    with pytest.raises(openai.BadRequestError, match="stored response") as taken:
+        client.responses.create(**named, extra_body={"request_id": request_id})
+    assert taken.value.body["param"] == "request_id"
+    for _ in range(2):  # not stored: nothing is replaced
+        unstored = client.responses.create(**named, store=False, extra_body={"request_id": "u"})
+        assert unstored.id == "u"
+    events = list(
+        client.responses.create(**named, stream=True, extra_body={"request_id": "streamed"})
+    )
+    assert {e.response.id for e in events if hasattr(e, "response")} == {"streamed"}
+
+
+def test_max_tool_calls_is_echoed_and_cuts_no_call(client):
+    """As vLLM's: taken and echoed, nothing more."""
+    named = {"type": "function", "name": "get_weather"}
+    fields = {"model": "tiny", "input": "Paris?", "tools": [WEATHER], "tool_choice": named}
+    response = client.responses.create(**fields, max_tool_calls=0, temperature=0.0)
+    assert response.max_tool_calls == 0
+    assert [item.type for item in response.output] == ["function_call"]
+    assert client.responses.create(**fields, temperature=0.0).max_tool_calls is None
+
+
+def test_a_response_echoes_the_sampling_it_did(served, monkeypatch):
+    """As vLLM's echo of its SamplingParams: temperature, top_p, presence_penalty and
+    frequency_penalty are the request's, else the model's generation config's, else 1, 1, 0
+    and 0; top_p is 1 when greedy; top_logprobs is null unless logprobs are included."""
+    url, llm = served
+
+    def echoed(**fields):
+        body = {"model": "tiny", "input": "x", "max_output_tokens": 2, **fields}
+        response = httpx.post(f"{url}/v1/responses", json=body, timeout=60).json()
+        names = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_logprobs")
+        return tuple(response[name] for name in names)
+
+    assert echoed() == (1.0, 1.0, 0.0, 0.0, None)  # the tiny model's config sets none
+    monkeypatch.setattr(llm, "sampling_defaults", {"temperature": 0.7, "top_p": 0.9,
+                                                   "presence_penalty": 0.5})  # fmt: skip
+    assert echoed() == (0.7, 0.9, 0.5, 0.0, None)
+    given = {"temperature": 0.3, "top_p": 0.8, "frequency_penalty": 0.2, "top_logprobs": 2}
+    assert echoed(**given) == (0.3, 0.8, 0.5, 0.2, None)  # top_logprobs: no logprobs asked
+    assert echoed(temperature=0.0, top_p=0.8)[:2] == (0.0, 1.0)  # greedy
+    included = {"include": ["message.output_text.logprobs"]}
+    assert echoed(**included)[-1] == 0 and echoed(**included, top_logprobs=2)[-1] == 2
+    body = {"model": "tiny", "input": "x", "max_output_tokens": 2, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/responses", json=body, timeout=60) as answer:
+        events = [json.loads(line[6:]) for line in answer.iter_lines() if line[:6] == "data: "]
+    assert {(e["response"]["temperature"], e["response"]["top_p"]) for e in events
+            if "response" in e} == {(0.7, 0.9)}  # fmt: skip
+
+
+def test_a_response_s_output_items_sent_back_continue_its_conversation(client):
+    """Its output items as input (an assistant's output message: type, id, status and
+    output_text parts) answer as previous_response_id does."""
+    first = client.responses.create(model="tiny", input="Name a cache.", **GREEDY)
+    items = [item.model_dump(exclude_none=True) for item in first.output]
+    assert items[0]["type"] == "message" and items[0]["content"][0]["type"] == "output_text"
+    sent_back = client.responses.create(
+        model="tiny", input=[{"role": "user", "content": "Name a cache."}, *items,
+                             {"role": "user", "content": "Another?"}], **GREEDY,
+    )  # fmt: skip
+    continued = client.responses.create(
+        model="tiny", input="Another?", previous_response_id=first.id, **GREEDY
+    )
+    assert sent_back.output_text == continued.output_text
 
 
 def test_a_named_tool_is_a_function_call_item_and_its_output_goes_back(client):
@@ -328,6 +417,29 @@ def test_a_cancelled_background_response_aborts_its_generation(client, url):
         ({"input": [{"type": "function_call", "call_id": "a", "arguments": "{}"}]},
          "input.0.name"),
         ({"input": [{"type": "function_call_output", "call_id": "a"}]}, "input.0.output"),
+        # as vLLM's pydantic model of OpenAI's input items
+        ({"input": [{"role": "user"}]}, "input.0.content"),
+        ({"input": [{"type": "message", "role": "user", "content": None}]}, "input.0.content"),
+        ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+         "input.0.content.0.text"),
+        # output_text is an assistant's output message's: none in another's, none untyped
+        ({"input": [{"role": "user", "content": [{"type": "output_text", "text": "x"}]}]},
+         "input.0.content.0.type"),
+        ({"input": [{"role": "assistant", "content": [{"type": "output_text", "text": "x"}]}]},
+         "input.0.content.0.type"),
+        ({"input": [{"type": "message", "role": "assistant", "content": [
+            {"type": "output_text", "text": "x"}, {"type": "input_text", "text": "y"}]}]},
+         "input.0.content.1.type"),
+        ({"input": [{"type": "message", "role": "assistant", "status": "done",
+                     "content": [{"type": "output_text", "text": "x"}]}]}, "input.0.status"),
+        ({"input": [{"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}",
+                     "status": "done"}]}, "input.0.status"),
+        ({"input": [{"type": "function_call_output", "call_id": "a", "output": "x", "id": 5}]},
+         "input.0.id"),
+        ({"input": [{"type": "reasoning"}, {"role": "user", "content": "x"}]},
+         "input.0.summary"),
+        ({"input": [{"type": "reasoning", "summary": [], "status": "thinking"},
+                    {"role": "user", "content": "x"}]}, "input.0.status"),
     ],
 )  # fmt: skip
 def test_what_is_not_supported_is_a_400_naming_it(url, fields, param):
@@ -383,8 +495,9 @@ def test_stream_events_open_and_close_items_in_order():
     got = asyncio.run(collect())
     assert [e["type"] for e in got] == [
         "response.created", "response.in_progress",
-        "response.output_item.added", "response.reasoning_text.delta",
-        "response.reasoning_text.delta", "response.reasoning_text.done",
+        "response.output_item.added", "response.reasoning_part.added",
+        "response.reasoning_text.delta", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.reasoning_part.done",
         "response.output_item.done",
         "response.output_item.added", "response.content_part.added",
         "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
@@ -397,6 +510,17 @@ def test_stream_events_open_and_close_items_in_order():
         "response.completed",
     ]  # fmt: skip
     output = got[-1]["response"]["output"]
+    # vLLM's reasoning part events: the thinking's part, empty, then whole, as the item's
+    parts = [e for e in got if e["type"].startswith("response.reasoning_part.")]
+    assert [e["part"] for e in parts] == [
+        {"type": "reasoning_text", "text": ""},
+        {"type": "reasoning_text", "text": "think more"},
+    ]
+    assert {(e["item_id"], e["output_index"], e["content_index"]) for e in parts} == {
+        (output[0]["id"], 0, 0)
+    }
+    done = [e for e in got if e["type"] == "response.function_call_arguments.done"]
+    assert [(e["name"], e["arguments"]) for e in done] == [("f", '{"a": 1}'), ("g", "{}")]
     kinds = ["reasoning", "message", "function_call", "function_call"]
     assert [item["type"] for item in output] == kinds
     assert output[0]["content"] == [{"type": "reasoning_text", "text": "think more"}]

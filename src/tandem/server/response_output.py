@@ -49,8 +49,13 @@ def new_id(prefix: str) -> str:
 
 
 def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    content = [{"type": "reasoning_text", "text": text}] if text else []
+    content = [thought(text)] if text else []
     return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
+def thought(text: str) -> dict[str, str]:
+    """A reasoning item's text part."""
+    return {"type": "reasoning_text", "text": text}
 
 
 def message_item(
@@ -244,9 +249,11 @@ class StreamEvents:
         events.append(
             self.event("response.output_item.added", output_index=len(self.output), item=item)
         )
+        place = {"item_id": item["id"], "output_index": len(self.output), "content_index": 0}
         if kind == "message":
-            place = {"item_id": item["id"], "output_index": len(self.output), "content_index": 0}
             events.append(self.event("response.content_part.added", **place, part=output_text("")))
+        else:  # vLLM's, around the thinking's text as OpenAI's content part events around text
+            events.append(self.event("response.reasoning_part.added", **place, part=thought("")))
         return events
 
     def text_delta(self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> str:
@@ -284,7 +291,10 @@ class StreamEvents:
         if item["type"] == "reasoning":
             item.update(reasoning_item(item["id"], text))
             events = [
-                self.event("response.reasoning_text.done", **place, content_index=0, text=text)
+                self.event("response.reasoning_text.done", **place, content_index=0, text=text),
+                self.event(
+                    "response.reasoning_part.done", **place, content_index=0, part=thought(text)
+                ),
             ]
         elif item["type"] == "message":
             logprobs = self.open_logprobs
@@ -303,10 +313,8 @@ class StreamEvents:
             ]
         else:
             item["status"] = "completed"
-            arguments = item["arguments"]
-            events = [
-                self.event("response.function_call_arguments.done", **place, arguments=arguments)
-            ]
+            done = {"arguments": item["arguments"], "name": item["name"]}  # name: vLLM's too
+            events = [self.event("response.function_call_arguments.done", **place, **done)]
         self.output.append(item)
         events.append(self.event("response.output_item.done", output_index=index, item=item))
         return events

@@ -21,6 +21,8 @@ request's `previous_response_id` to continue its conversation. With `background`
 the request is answered at once, queued, while a task of this server runs the chat stream and
 stores the response as it ends: GET reads it in progress and then ended, POST
 /v1/responses/{id}/cancel (or DELETE) ends it early, the generation aborted (`run_in_background`).
+As vLLM's: `request_id` is the response's id; `max_tool_calls` is echoed, with no effect; the
+sampling fields echoed are the sampling done (the model's defaults for those not given).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from tandem.sampling import GREEDY_BELOW, SamplingParams
 from tandem.server.protocol import ChatCompletionRequest, OpenAIError, Text, validated
 from tandem.server.response_output import (
     StreamEvents,
@@ -47,7 +50,7 @@ from tandem.server.response_output import (
     output_items,
     usage,
 )
-from tandem.server.serving import OpenAIServing
+from tandem.server.serving import OpenAIServing, sampling_params
 
 MAX_STORED = 1000  # responses kept for previous_response_id, the oldest dropped first
 LOGPROBS = "message.output_text.logprobs"  # the one `include` value served
@@ -102,6 +105,8 @@ class ResponsesRequest(BaseModel):
     safety_identifier: Text | None = None
     prompt_cache_key: Text | None = None
     service_tier: Text | None = None
+    max_tool_calls: int | None = None  # echoed, no effect (as vLLM's)
+    request_id: Text | None = None  # the response's id, as it is (vLLM's)
 
 
 class ResponseStore:
@@ -197,6 +202,13 @@ async def create(
 ) -> Response:
     """POST /v1/responses: the chat request's answer as a Response, or as its events."""
     refuse_unsupported(body)
+    response_id = store.new_id() if body.request_id is None else body.request_id
+    if body.store is not False and response_id in store.responses:  # its turn would be replaced
+        raise OpenAIError(
+            f"request_id {response_id!r} is the id of a stored response: give a new one, or "
+            "delete that response first",
+            param="request_id",
+        )
     history = store.conversation(body.previous_response_id) if body.previous_response_id else []
     inputs, items = input_messages(body.input)
     given = instructions(body)
@@ -207,9 +219,11 @@ async def create(
         *["previous_response_id"] * len(history),
         *[f"input.{i}" if i is not None else "input" for i in items],
     ]
-    base = response_base(store.new_id(), body, serving.answered_name(body.model))
     try:
         chat = chat_request(body, messages, stream=bool(body.stream or body.background))
+        # the sampling the chat will do, the model's defaults filled in, for the response to echo
+        params = sampling_params(chat, serving.llm.sampling_defaults, None, None)
+        base = response_base(response_id, body, serving.answered_name(body.model), params)
         if body.background:
             run = run_in_background(serving, store, base, inputs, chat, http, origins)
             store.running[base["id"]] = asyncio.ensure_future(run)
@@ -323,6 +337,7 @@ def instructions(body: ResponsesRequest) -> list[dict[str, Any]]:
 
 
 INPUT_ROLES = ("user", "assistant", "system", "developer")  # OpenAI's input message's
+STATUSES = ("in_progress", "completed", "incomplete")  # an input item's status, if it has one
 
 
 def input_messages(
@@ -363,36 +378,78 @@ def input_messages(
             messages.append(
                 {"role": "tool", "tool_call_id": item.get("call_id"), "content": output}
             )
-        elif kind != "reasoning":
+        elif kind == "reasoning":  # checked, then left out
+            check_fields(item, i, ())
+            if not isinstance(item.get("summary"), list):
+                raise OpenAIError(
+                    f"a reasoning item needs its summary as a list of summary_text parts ([] for "
+                    f"none), got {item.get('summary')!r:.40}",
+                    param=f"input.{i}.summary",
+                )
+        else:
             raise OpenAIError(f"input items of type {kind!r} are not supported", param=f"input.{i}")
         starts += [i] * (len(messages) - len(starts))  # the message it began, if any
     return messages, starts
 
 
 def check_fields(item: dict[str, Any], index: int, names: tuple[str, ...]) -> None:
-    """A 400 naming the first of an input item's required text fields it lacks (OpenAI's)."""
+    """A 400 naming the first of an input item's required text fields (`names`) it lacks, or
+    its id or status where they are not of OpenAI's types."""
     for name in names:
         if not isinstance(item.get(name), str):
             raise OpenAIError(
                 f"a {item.get('type')} item needs {name} as a string, got {item.get(name)!r:.40}",
                 param=f"input.{index}.{name}",
             )
+    if item.get("id") is not None and not isinstance(item["id"], str):
+        raise OpenAIError(
+            f"an input item's id is a string, got {item['id']!r:.40}", param=f"input.{index}.id"
+        )
+    if item.get("status") is not None and item["status"] not in STATUSES:
+        raise OpenAIError(
+            f"an input item's status is one of {', '.join(STATUSES)}, got {item['status']!r:.40}",
+            param=f"input.{index}.status",
+        )
 
 
-def message_text(item: dict[str, Any], index: int) -> Any:
-    """A message item's content as chat takes it: its text, or its text parts' texts."""
+def message_text(item: dict[str, Any], index: int) -> str | list[dict[str, Any]]:
+    """A message item's content as chat takes it: its text, or its text parts' texts. As in
+    OpenAI's types, the parts are all input_text, or all output_text in an assistant's output
+    message (an item of type "message", its id and status checked)."""
     content = item.get("content")
-    if not isinstance(content, list):
+    if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise OpenAIError(
+            f"a message needs its content as a string or a list of parts, got {content!r:.40}",
+            param=f"input.{index}.content",
+        )
+    kinds = [
+        part.get("type") if isinstance(part, dict) else type(part).__name__ for part in content
+    ]
+    output = item.get("type") == "message" and item["role"] == "assistant"
+    kind = "output_text" if output and kinds[:1] == ["output_text"] else "input_text"
+    if kind == "output_text":
+        check_fields(item, index, ())
     parts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text"):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kinds[j] not in ("input_text", "output_text"):
             raise OpenAIError(
-                f"content parts of type {kind!r} are not supported (text parts only)",
+                f"content parts of type {kinds[j]!r} are not supported (text parts only)",
                 param=f"input.{index}.content.{j}",
             )
-        parts.append({"type": "text", "text": part.get("text")})
+        if kinds[j] != kind:
+            raise OpenAIError(
+                f"this message's text parts are {kind}s, got an {kinds[j]}: output_text parts "
+                "are an assistant's output message's (type \"message\"), each of its parts",
+                param=f"input.{index}.content.{j}.type",
+            )
+        if not isinstance(part.get("text"), str):
+            raise OpenAIError(
+                f"a text part needs its text as a string, got {part.get('text')!r:.40}",
+                param=f"input.{index}.content.{j}.text",
+            )
+        parts.append({"type": "text", "text": part["text"]})
     return parts
 
 
@@ -452,8 +509,12 @@ def response_format(text_format: dict[str, Any]) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": schema}
 
 
-def response_base(response_id: str, body: ResponsesRequest, model: str) -> dict[str, Any]:
-    """The response object's fields that echo the request, status in progress."""
+def response_base(
+    response_id: str, body: ResponsesRequest, model: str, params: SamplingParams
+) -> dict[str, Any]:
+    """The response object's fields that echo the request, status in progress; its sampling
+    fields are `params`', the sampling done (vLLM's: the model's defaults for those not given,
+    top_p 1 when greedy)."""
     return {
         "id": response_id,
         "object": "response",
@@ -470,12 +531,15 @@ def response_base(response_id: str, body: ResponsesRequest, model: str) -> dict[
         "previous_response_id": body.previous_response_id,
         "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
         "store": body.store is not False,
-        "temperature": body.temperature,
+        "temperature": params.temperature,
         "text": body.text or {"format": {"type": "text"}},
         "tool_choice": body.tool_choice or "auto",
         "tools": body.tools or [],
-        "top_p": body.top_p,
-        "top_logprobs": body.top_logprobs,
+        "top_p": 1.0 if params.temperature < GREEDY_BELOW else params.top_p,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "top_logprobs": (body.top_logprobs or 0) if LOGPROBS in (body.include or ()) else None,
+        "max_tool_calls": body.max_tool_calls,
         "truncation": "disabled",
         "usage": None,
         "metadata": body.metadata or {},

@@ -330,7 +330,6 @@ def test_run_batch_takes_vllm_s_answer_flags(folder, tmp_path, monkeypatch, capf
         (["--port", "9000"], "--port: where --enable-metrics serves"),
         (["--enable-metrics", "--port", "70000"], "a port is in 0-65535"),
         (["--max-log-len", "-1"], "max_log_len must be"),
-        (["--output-tmp-dir", "/tmp"], "unrecognized arguments: --output-tmp-dir"),
     ],
 )
 def test_bad_run_batch_flags_end_the_command_with_one_line(
@@ -341,4 +340,40 @@ def test_bad_run_batch_flags_end_the_command_with_one_line(
         main(argv)
     said = f"{capsys.readouterr().err}{exit.value.code}"
     assert message in said, said
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_output_tmp_dir_is_taken_and_a_local_output_file_is_written_in_place(folder, tmp_path):
+    """vLLM's --output-tmp-dir stages an output URL's file before its upload; a local output
+    file is written where -o says and the directory is left alone, as vLLM's run-batch does."""
+    body = {"model": MODEL, "prompt": "The engine", "max_tokens": 6, "temperature": 0}
+    batch = tmp_path / "requests.jsonl"
+    batch.write_text(request("greedy", body) + "\n")
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    out = tmp_path / "results.jsonl"
+    main(["run-batch", folder, "-i", str(batch), "-o", str(out), "--quiet", *ENGINE_ARGS,
+          "--served-model-name", MODEL, "--output-tmp-dir", str(staging)])  # fmt: skip
+    [line] = read_output(out)
+    llm = LLM(folder, **ENGINE_KWARGS)
+    params = SamplingParams(max_tokens=6, temperature=0)
+    [want] = llm.generate("The engine", params, use_tqdm=False)[0].outputs
+    assert line["response"]["body"]["choices"][0]["text"] == want.text
+    assert list(staging.iterdir()) == []
+
+
+@pytest.mark.parametrize("flag", ["-i", "-o"])
+def test_a_url_input_or_output_is_refused_before_any_engine(folder, batch, tmp_path, flag, capsys):
+    """vLLM's run-batch GETs an http(s) input and PUTs its output to one; tandem's says it reads
+    and writes local files, with nothing written."""
+    files = {"-i": str(batch), "-o": str(tmp_path / "out.jsonl")}
+    files[flag] = "https://storage.example/batch.jsonl"
+    argv = ["run-batch", folder, "-i", files["-i"], "-o", files["-o"]]
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    said = f"{capsys.readouterr().err}{exit.value.code}"
+    assert (
+        "https://storage.example/batch.jsonl: tandem's run-batch reads and writes local files"
+        in said
+    )
     assert not (tmp_path / "out.jsonl").exists()

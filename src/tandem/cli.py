@@ -837,6 +837,8 @@ def check_data_parallel_size(size: int) -> None:
 def cmd_run_batch(args: argparse.Namespace) -> None:
     from tandem.run_batch import run_batch
 
+    check_local_file("--input-file", args.input_file)
+    check_local_file("--output-file", args.output_file)
     check_output_path("--output-file", args.output_file)
     check_data_parallel_size(args.data_parallel_size)
     options = answer_options(args)
@@ -856,6 +858,16 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
     )
     # on stderr: the output may be stdout (-o /dev/stdout), whose lines stay JSON
     print(f"{args.output_file}: {summary}", file=sys.stderr)
+
+
+def check_local_file(flag: str, path: str) -> None:
+    """vLLM's run-batch also reads an http(s) input and uploads its output to one; tandem's
+    reads and writes local files alone."""
+    if path.startswith(("http://", "https://")):
+        raise ValueError(
+            f"{flag} {path}: tandem's run-batch reads and writes local files, not URLs; "
+            "download the input or upload the output with another tool"
+        )
 
 
 def answer_options(args: argparse.Namespace) -> ServerOptions:
@@ -953,6 +965,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="engine replicas on Ray, tensor-parallel-size GPUs each (needs tandem[ray])",
+    )
+    run_batch.add_argument(
+        "--output-tmp-dir",
+        metavar="DIR",
+        help="vLLM's: where an output URL's file is written before its upload; tandem writes "
+        "a local --output-file only, so this is accepted and unused (as vLLM's for a file)",
     )
     run_batch.add_argument(
         "--served-model-name",

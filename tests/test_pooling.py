@@ -136,13 +136,14 @@ def test_a_sentence_transformers_model_normalizes_only_with_its_normalize_module
 
 
 def test_vllms_pooling_params_truncate_prompt_tokens_and_normalize(folder):
-    """PoolingParams(truncate_prompt_tokens=k) keeps the last k tokens as the call's argument
-    does; normalize=False (use_activation's older name) gives the raw states."""
+    """PoolingParams(truncate_prompt_tokens=k) keeps the first k tokens (vLLM's side for
+    pooling) as the call's argument does; normalize=False (use_activation's older name) gives
+    the raw states."""
     llm = LLM(folder, max_model_len=64)
     prompt = {"prompt_token_ids": list(range(3, 23))}
     [cut] = llm.embed(prompt, pooling_params=PoolingParams(truncate_prompt_tokens=5))
-    [short] = llm.embed({"prompt_token_ids": list(range(18, 23))})
-    assert cut.prompt_token_ids == list(range(18, 23)) and cut.outputs.embedding == pytest.approx(
+    [short] = llm.embed({"prompt_token_ids": list(range(3, 8))})
+    assert cut.prompt_token_ids == list(range(3, 8)) and cut.outputs.embedding == pytest.approx(
         short.outputs.embedding, abs=1e-5
     )
     with pytest.raises(ValueError, match="truncate_prompt_tokens is 4 in the call but 5"):
@@ -167,17 +168,17 @@ def test_embeddings_run_beside_generation_and_leave_its_tokens_alone(folder):
 
 def test_tokenization_kwargs_cut_pooled_prompts_as_truncate_prompt_tokens_does(folder):
     """vLLM's `tokenization_kwargs={"truncate_prompt_tokens": k}` on embed, encode and score:
-    the vectors of the prompts' last k tokens."""
+    the vectors of the prompts' first k tokens (vLLM's side for pooling)."""
     llm = LLM(folder, max_model_len=64, block_size=8)
     prompt = {"prompt_token_ids": list(range(10, 30))}
     kwargs = {"tokenization_kwargs": {"truncate_prompt_tokens": 4}}
     [by_argument] = llm.embed(prompt, truncate_prompt_tokens=4, use_tqdm=False)
     [by_kwargs] = llm.embed(prompt, use_tqdm=False, **kwargs)
-    [last] = llm.embed({"prompt_token_ids": list(range(26, 30))}, use_tqdm=False)
+    [first] = llm.embed({"prompt_token_ids": list(range(10, 14))}, use_tqdm=False)
     assert by_kwargs.outputs.embedding == by_argument.outputs.embedding
-    assert by_kwargs.outputs.embedding == last.outputs.embedding
+    assert by_kwargs.outputs.embedding == first.outputs.embedding
     [encoded] = llm.encode(prompt, use_tqdm=False, pooling_task="embed", **kwargs)
-    assert encoded.outputs.data.tolist() == last.outputs.embedding
+    assert encoded.outputs.data.tolist() == first.outputs.embedding
     with pytest.raises(ValueError, match="give one"):
         llm.embed(prompt, truncate_prompt_tokens=3, use_tqdm=False, **kwargs)
 
@@ -505,7 +506,7 @@ def test_a_pooled_prompt_may_fill_max_model_len(folder, engine_args):
     ids = list(range(10, 42))  # 32 tokens
     [full] = llm.embed({"prompt_token_ids": ids}, use_tqdm=False)
     assert_embeds(folder, [full])
-    [cut] = llm.embed({"prompt_token_ids": [5, *ids]}, truncate_prompt_tokens=-1, use_tqdm=False)
+    [cut] = llm.embed({"prompt_token_ids": [*ids, 5]}, truncate_prompt_tokens=-1, use_tqdm=False)
     assert cut.prompt_token_ids == ids
     with pytest.raises(ValueError, match="at most 32 tokens"):
         llm.embed({"prompt_token_ids": [5, *ids]}, use_tqdm=False)

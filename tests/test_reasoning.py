@@ -363,7 +363,10 @@ def test_a_thinking_budget_without_a_reasoning_parser_is_a_value_error(thinking_
     with pytest.raises(ValueError, match="reasoning_parser"):
         greedy(llm, PROMPT, thinking_token_budget=3)
     with pytest.raises(ValueError, match="thinking_token_budget"):
-        SamplingParams(thinking_token_budget=-1)
+        SamplingParams(thinking_token_budget=-2)
+    # vLLM's -1 is unlimited: no budget, which needs no parser
+    assert SamplingParams(thinking_token_budget=-1).thinking_token_budget is None
+    assert greedy(llm, PROMPT, thinking_token_budget=-1) == greedy(llm, PROMPT)
 
 
 def test_the_server_takes_a_thinking_budget(server):

@@ -620,15 +620,6 @@ def test_tools_tool_calls_and_tool_messages_go_through_the_chat_template(url, fo
     )
 
 
-def test_tool_calls_outside_an_assistant_message_are_a_400(url):
-    """A tool message without tool_call_id, or a message without content, is vLLM's too
-    (test_chat_messages.py); tool calls are an assistant's alone."""
-    message = {"role": "user", "content": "x", "tool_calls": []}
-    response = post(url, "/v1/chat/completions", {"messages": [*MESSAGES, message]})
-    message_text = assert_openai_error(response, 400, "messages.1")
-    assert "assistant message's" in message_text, message_text
-
-
 def test_serve_refuses_auto_tool_choice_without_a_parser_and_unknown_parsers(folder, capsys):
     with pytest.raises(SystemExit) as exited:
         main(["serve", folder, "--enable-auto-tool-choice"])

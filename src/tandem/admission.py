@@ -125,12 +125,13 @@ class Admission:
                 f"truncate_prompt_tokens ({keep}) is greater than max_model_len "
                 f"({self.max_model_len})"
             )
-        prompt_token_ids = self._check_token_ids(
-            truncate_prompt(list(ids), params.truncate_prompt_tokens, most), most
-        )
+        # as vLLM's tokenizer, where the request names no side: a generation keeps the
+        # prompt's last tokens, pooling its first
+        side = params.truncation_side or ("left" if pooling is None else "right")
+        prompt_token_ids = self._check_token_ids(truncate_prompt(list(ids), keep, most, side), most)
         self._check_n(params, len(prompt_token_ids))
-        if embeds is not None:  # truncate_prompt_tokens kept the last ones
-            embeds = embeds[len(embeds) - len(prompt_token_ids) :]
+        if embeds is not None:  # cut as their placeholder ids
+            embeds = truncate_prompt(embeds, keep, most, side)
         for token_id in params.stop_token_ids:
             if token_id >= self.model_config.vocab_size:
                 raise ValueError(

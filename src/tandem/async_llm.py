@@ -29,7 +29,7 @@ from typing import Any
 from tandem.batch import StepFailed
 from tandem.config import EngineConfig, check_flags
 from tandem.engine import Engine, check_pause_mode
-from tandem.inputs import truncation
+from tandem.inputs import Truncation, truncation
 from tandem.lora import AdapterCache, LoRARequest
 from tandem.metrics import EngineStats
 from tandem.outputs import (
@@ -385,9 +385,9 @@ class AsyncLLM:
         check_request_types(request_id, sampling_params)  # before the n samples' ids are made
         del trace_headers
         check_rank(data_parallel_rank)
-        keep = truncation(tokenization_kwargs)
-        if keep is not None:
-            sampling_params = sampling_params.with_truncation(keep)
+        cut = truncation(tokenization_kwargs)
+        if cut != Truncation():
+            sampling_params = sampling_params.with_truncation(cut)
         sampling_params.validate()  # n=0 would otherwise queue nothing to validate
         text, ids = split_prompt(prompt)
         salt = prompt_cache_salt(prompt)
@@ -467,8 +467,8 @@ class AsyncLLM:
         if not isinstance(pooling, PoolingParams):
             raise TypeError(f"pooling_params must be PoolingParams, got {type(pooling).__name__}")
         pooling = pooling.for_task(pooling.task or "embed")
-        keep = truncation(tokenization_kwargs, truncate_prompt_tokens)
-        carrier = pooling_carrier(pooling.truncation(keep))
+        cut = truncation(tokenization_kwargs, truncate_prompt_tokens)
+        carrier = pooling_carrier(pooling.truncation(cut.keep), cut.side)
         tag = uuid.uuid4().hex[:8]
         engine_id = f"{request_id}-{tag}"  # as generate's: one id may be open twice
         self._open(request_id, tag, [engine_id])

@@ -1127,7 +1127,7 @@ def truncate_at_stop(request: Request, delta_len: int) -> bool:
     hits = [(i, s) for s in params.stop if (i := text.find(s, max(0, new - len(s) + 1))) >= 0]
     if not hits:
         return False
-    index, stop = min(hits, key=lambda hit: hit[0])  # the earliest; at one place, the first given
+    index, stop = hits[0]  # the first given, wherever the others end, as vLLM's
     request.output_text = (
         text[: index + len(stop)] if params.include_stop_str_in_output else text[:index]
     )

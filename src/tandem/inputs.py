@@ -7,7 +7,7 @@ a question about a picture that the model never saw.
 
 from __future__ import annotations
 
-from typing import Any, NotRequired, TypedDict
+from typing import Any, NamedTuple, NotRequired, TypedDict
 
 
 class TextPrompt(TypedDict):
@@ -51,23 +51,36 @@ def asks_nothing(value: Any) -> bool:
     return value is None or (isinstance(value, dict | list) and not value)
 
 
-def truncation(tokenization_kwargs: dict[str, Any] | None, given: int | None = None) -> int | None:
+class Truncation(NamedTuple):
+    """How a call cuts its prompts: to `keep` tokens (None: all), on `side` ("left" keeps the
+    last, "right" the first; None: the model's, as vLLM's tokenizer)."""
+
+    keep: int | None = None
+    side: str | None = None
+
+
+def truncation(tokenization_kwargs: dict[str, Any] | None, given: int | None = None) -> Truncation:
     """vLLM's `tokenization_kwargs` as read here: its `truncate_prompt_tokens` (where vLLM moves
-    the methods' own argument), or `given`; another key is a ValueError."""
+    the methods' own argument), or `given`, and its `truncation_side`; another key is a
+    ValueError."""
     if tokenization_kwargs is None:
-        return given
+        return Truncation(given)
     if not isinstance(tokenization_kwargs, dict):
         raise TypeError(
             f"tokenization_kwargs must be a dict, got {type(tokenization_kwargs).__name__}"
         )
-    other = sorted(set(tokenization_kwargs) - {"truncate_prompt_tokens"})
+    other = sorted(set(tokenization_kwargs) - {"truncate_prompt_tokens", "truncation_side"})
     if other:
         raise ValueError(
-            f"tokenization_kwargs takes truncate_prompt_tokens alone here, got {other}"
+            "tokenization_kwargs takes truncate_prompt_tokens and truncation_side alone here, "
+            f"got {other}"
         )
     keep = tokenization_kwargs.get("truncate_prompt_tokens")
     if given is not None and keep is not None and keep != given:
         raise ValueError(
             f"truncate_prompt_tokens is {given} and tokenization_kwargs' is {keep}: give one"
         )
-    return given if keep is None else keep
+    side = tokenization_kwargs.get("truncation_side")
+    if side not in (None, "left", "right"):
+        raise ValueError(f"truncation_side must be 'left', 'right' or None, got {side!r:.40}")
+    return Truncation(given if keep is None else keep, side)

@@ -20,7 +20,7 @@ from tandem import scoring
 from tandem.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from tandem.config import EngineConfig, check_flags
 from tandem.engine import Engine, check_pause_mode
-from tandem.inputs import truncation
+from tandem.inputs import Truncation, truncation
 from tandem.lora import LoRARequest, check_one_adapter_per_id, per_prompt
 from tandem.metrics import Metric, engine_metrics
 from tandem.outputs import (
@@ -53,14 +53,7 @@ from tandem.request import (
     split_prompt,
 )
 from tandem.sampling import SamplingParams, seeded
-from tandem.tokenizer import (
-    Tokenizer,
-    content_format,
-    template_content,
-    template_reasoning,
-    template_tool_call,
-    text_part,
-)
+from tandem.tokenizer import Tokenizer, content_format, template_message
 from tandem.weight_transfer import request_field, required_field
 from tandem.weights import NamedTensors
 
@@ -330,8 +323,8 @@ class LLM:
         """vLLM's embeddings (pooling.py): each prompt's last token's final hidden state,
         L2-normalized unless its PoolingParams say not (`dimensions` keeps the first values);
         outputs in input order. The prompts run through the step loop beside any others."""
-        keep = truncation(tokenization_kwargs, truncate_prompt_tokens)
-        requests = self._pool(prompts, pooling_params, "embed", keep, use_tqdm, lora_request)
+        cut = truncation(tokenization_kwargs, truncate_prompt_tokens)
+        requests = self._pool(prompts, pooling_params, "embed", cut, use_tqdm, lora_request)
         return [EmbeddingRequestOutput(**_pooled(r, EmbeddingOutput)) for r in requests]
 
     def classify(
@@ -347,8 +340,8 @@ class LLM:
         """vLLM's classification with a sequence classifier (reward models among them): each
         prompt's last token's final hidden state through the checkpoint's score head, as
         probabilities (softmax; sigmoid for one label) unless `use_activation=False`."""
-        keep = truncation(tokenization_kwargs, truncate_prompt_tokens)
-        requests = self._pool(prompts, pooling_params, "classify", keep, use_tqdm, lora_request)
+        cut = truncation(tokenization_kwargs, truncate_prompt_tokens)
+        requests = self._pool(prompts, pooling_params, "classify", cut, use_tqdm, lora_request)
         return [ClassificationRequestOutput(**_pooled(r, ClassificationOutput)) for r in requests]
 
     def encode(
@@ -372,8 +365,8 @@ class LLM:
                 f"pooling_task must be 'embed' or 'classify' (a prompt pools its last token), "
                 f"got {pooling_task!r}"
             )
-        keep = truncation(tokenization_kwargs, truncate_prompt_tokens)
-        requests = self._pool(prompts, pooling_params, task, keep, use_tqdm, lora_request)
+        cut = truncation(tokenization_kwargs, truncate_prompt_tokens)
+        requests = self._pool(prompts, pooling_params, task, cut, use_tqdm, lora_request)
         return [PoolingRequestOutput(**_pooled(r, pooled_tensor)) for r in requests]
 
     def _pool(
@@ -381,7 +374,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None,
         task: str,
-        truncate_prompt_tokens: int | None,
+        cut: Truncation,
         use_tqdm: UseTqdm,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
     ) -> list[Request]:
@@ -399,7 +392,7 @@ class LLM:
                 raise TypeError(
                     f"pooling_params must be PoolingParams, got {type(pooling).__name__}"
                 )
-            carrier = pooling_carrier(pooling.truncation(truncate_prompt_tokens))
+            carrier = pooling_carrier(pooling.truncation(cut.keep), cut.side)
             text, ids = split_prompt(prompt)
             rid = str(next(self._ids))
             request = self.engine.make_request(
@@ -433,13 +426,14 @@ class LLM:
             )
         engine = self.engine
         loras = per_prompt(lora_request, len(firsts))
-        truncate_prompt_tokens = truncation(tokenization_kwargs, truncate_prompt_tokens)
+        keep, side = truncation(tokenization_kwargs, truncate_prompt_tokens)
         if pooling_params is not None:  # its truncate_prompt_tokens cuts the pair too
-            truncate_prompt_tokens = pooling_params.truncation(truncate_prompt_tokens)
+            keep = pooling_params.truncation(keep)
         if scoring.cross_encodes(engine.model_config.num_labels):
-            keep = engine.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            # a side named: the whole pair's ids, cut on it by the engine (as vLLM's)
+            pair_keep = None if side else engine.max_model_len if keep == -1 else keep
             prompts = scoring.pair_prompts(
-                engine.tokenizer, firsts, seconds, engine.separates_pairs, keep
+                engine.tokenizer, firsts, seconds, engine.separates_pairs, pair_keep
             )
             task = "score"
         else:  # the first texts, then every second, each embedded alone
@@ -447,7 +441,7 @@ class LLM:
             prompts, task = scoring.embedded_once(firsts, seconds, same), "embed"
             loras = loras[: len(prompts) - len(seconds)] + loras
         requests = self._pool(
-            prompts, pooling_params, task, truncate_prompt_tokens, use_tqdm, loras
+            prompts, pooling_params, task, Truncation(keep, side), use_tqdm, loras
         )
         if task == "embed":
             requests = scoring.spread(requests, len(seconds))
@@ -602,7 +596,7 @@ class LLM:
             )
         except jinja2.TemplateError as error:
             raise ValueError(f"chat template failed to parse: {error}") from error
-        conversations = [[_template_message(m, fmt) for m in c] for c in _conversations(messages)]
+        conversations = [[template_message(m, fmt) for m in c] for c in _conversations(messages)]
         if tools is not None and not (
             isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
         ):
@@ -658,9 +652,9 @@ class LLM:
     ) -> list[tuple[str, list[Request]]]:
         prompts = prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
-        keep = truncation(tokenization_kwargs)
-        if keep is not None:
-            params = [p.with_truncation(keep) for p in params]
+        cut = truncation(tokenization_kwargs)
+        if cut != Truncation():
+            params = [p.with_truncation(cut) for p in params]
         loras = per_prompt(lora_request, len(prompts))
         return self._make_requests(prompts, params, loras, _priorities(priority, len(prompts)))
 
@@ -882,27 +876,6 @@ def _conversations(messages: Any) -> list[list[dict[str, Any]]]:
         "messages must be a conversation (a list of message dicts such as {'role': 'user', "
         f"'content': ...}}) or a list of conversations, got {type(messages).__name__}"
     )
-
-
-def _template_message(message: Any, content_format: str) -> Any:
-    """A message whose content (a string or a list of text parts) is as a template of
-    `content_format` takes it (`tokenizer.template_content`), its tool calls' arguments objects
-    and its reasoning under both names, as vLLM gives them to templates. A role that is no
-    string, or a content that is neither, is a TypeError."""
-    role, content = message.get("role"), message.get("content")
-    if role is not None and not isinstance(role, str):
-        raise TypeError(f"a message's role must be a string such as 'user', got {role!r:.40}")
-    message = template_reasoning(message)
-    if isinstance(message.get("tool_calls"), list):
-        message = {**message, "tool_calls": [template_tool_call(c) for c in message["tool_calls"]]}
-    if content is not None and not isinstance(content, list | str):
-        raise TypeError(
-            "a message's content must be a string or a list of text parts, got "
-            f"{type(content).__name__}"
-        )
-    if isinstance(content, list):
-        content = [text_part(part) for part in content]
-    return {**message, "content": template_content(content, content_format, role)}
 
 
 def pooled_tensor(vector: list[float] | None) -> PoolingOutput:

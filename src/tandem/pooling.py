@@ -110,11 +110,12 @@ class PoolingParams:
             raise ValueError(f"dimensions={d} is more than the model's {hidden_size} values")
 
 
-def pooling_carrier(truncate_prompt_tokens: int | None) -> SamplingParams:
-    """The SamplingParams a pooling request travels with: one greedy step, no text."""
+def pooling_carrier(truncate_prompt_tokens: int | None, side: str | None = None) -> SamplingParams:
+    """The SamplingParams a pooling request travels with: one greedy step, no text; its prompt
+    cut to `truncate_prompt_tokens` on `side` (None: pooling's, the first tokens kept)."""
     return SamplingParams(
         max_tokens=1, temperature=0.0, detokenize=False,
-        truncate_prompt_tokens=truncate_prompt_tokens,
+        truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=side,
     )  # fmt: skip
 
 

@@ -9,15 +9,20 @@ import logging
 import math
 from collections.abc import Collection
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
 
 from tandem.config import check_bools, check_int
+from tandem.inputs import Truncation
 from tandem.model import fused
 from tandem.repetition import RepetitionDetectionParams, as_params
 from tandem.structured import StructuredOutputsParams
+
+TruncationSide = Literal["left", "right"]
+# a prompt's token ids, or its [tokens, hidden] embeddings
+PromptRows = TypeVar("PromptRows", list[int], torch.Tensor)
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +37,7 @@ FLOAT32_MAX = 3.4028234663852886e38  # past it a float32 is inf: inf temperature
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32 (below: 0 or denormal)
 GREEDY_BELOW = 1e-5  # a temperature under it is greedy (0: those in (0, 0.01) are raised below)
 MIN_TEMPERATURE = 1e-2  # vLLM's: a temperature in (0, it) samples at it
+MAX_TEMPERATURE = 2.0  # vLLM's bound
 LOGIT_BIAS_LIMIT = 100.0  # a bias is clamped to [-it, it], as vLLM's server clamps it
 
 
@@ -88,8 +94,11 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)  # never completed in the output
     # the output follows a JSON schema, regex, choice or grammar (structured.py)
     structured_outputs: StructuredOutputsParams | None = None
-    # keep only the prompt's last k tokens (-1: as many as max_model_len leaves room for)
+    # keep only k of the prompt's tokens (-1: as many as max_model_len leaves room for)
     truncate_prompt_tokens: int | None = None
+    # vLLM's: "left" keeps the prompt's last k tokens, "right" its first k; None: the model's
+    # side, as vLLM's tokenizer has it (left for a generation, right for pooling)
+    truncation_side: TruncationSide | None = None
     # what AsyncLLM.generate yields; the offline LLM.generate returns final outputs whatever it is
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # True: no blocks from the prefix cache (its own are still published for others); None: as
@@ -122,6 +131,8 @@ class SamplingParams:
             self.temperature = MIN_TEMPERATURE
         if self.seed == -1:  # as vLLM: the engine draws one
             self.seed = None
+        if self.thinking_token_budget == -1:  # vLLM's "unlimited"
+            self.thinking_token_budget = None
         if self.max_tokens is None:  # each request is cut where it fills max_model_len
             self.max_tokens = MAX_TOKENS
         if self.skip_reading_prefix_cache is None:
@@ -143,14 +154,9 @@ class SamplingParams:
         check_int("n", self.n, 1)
         if self.n > MAX_N:
             raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
-        if (
-            not _is_number(self.temperature)
-            or not math.isfinite(self.temperature)
-            or not 0 <= self.temperature <= FLOAT32_MAX
-        ):
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
             raise ValueError(
-                f"temperature must be a finite number >= 0 (at most {FLOAT32_MAX:.4g}, it "
-                f"travels as a float32), got {self.temperature!r}"
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}"
             )
         if self.temperature < GREEDY_BELOW and self.n > 1:  # n identical answers (vLLM's check)
             raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}")
@@ -158,10 +164,11 @@ class SamplingParams:
             self, "ignore_eos", "detokenize", "skip_special_tokens", "include_stop_str_in_output",
             "skip_reading_prefix_cache", "flat_logprobs",
         )  # fmt: skip
-        if self.spaces_between_special_tokens is not True:
+        if not (self.spaces_between_special_tokens or self.skip_special_tokens):
             raise ValueError(
-                "spaces_between_special_tokens must be True (vLLM's default), the only way "
-                f"tandem decodes; got {self.spaces_between_special_tokens!r}"
+                "spaces_between_special_tokens=False needs skip_special_tokens=True here (where "
+                "vLLM's has no effect either): tandem decodes special tokens as the tokenizer "
+                "does"
             )
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -174,6 +181,10 @@ class SamplingParams:
             check_seed(self.seed)
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
             check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, "or -1")
+        if self.truncation_side not in (None, "left", "right"):
+            raise ValueError(
+                f"truncation_side must be 'left', 'right' or None, got {self.truncation_side!r}"
+            )
         check_int("max_tokens", self.max_tokens, 0)
         if self.max_tokens > MAX_TOKENS:
             raise ValueError(f"max_tokens must be <= {MAX_TOKENS}, got {self.max_tokens}")
@@ -296,22 +307,39 @@ class SamplingParams:
 
     @staticmethod
     def from_optional(**fields: Any) -> SamplingParams:
-        """vLLM's: the fields given a value other than None, the rest at their defaults;
-        logit_bias's keys as ints (a JSON body's are strings)."""
-        given = {name: value for name, value in fields.items() if value is not None}
+        """vLLM's: the fields given a value other than None, the rest at their defaults
+        (max_tokens None too: what the context leaves); logit_bias's keys as ints (a JSON
+        body's are strings)."""
+        given = {
+            name: value
+            for name, value in fields.items()
+            if value is not None or name == "max_tokens"
+        }
         if isinstance(given.get("logit_bias"), dict):
             given["logit_bias"] = {int(t): bias for t, bias in given["logit_bias"].items()}
         return SamplingParams(**given)
 
-    def with_truncation(self, keep: int) -> SamplingParams:
-        """These params cutting the prompt to its last `keep` tokens (LLM's tokenization_kwargs);
-        a ValueError where they cut it otherwise."""
-        if self.truncate_prompt_tokens not in (None, keep):
+    def with_truncation(self, cut: Truncation) -> SamplingParams:
+        """These params cutting the prompt as `cut` says (LLM's tokenization_kwargs); a
+        ValueError where they cut it otherwise."""
+        if (
+            None not in (cut.keep, self.truncate_prompt_tokens)
+            and cut.keep != self.truncate_prompt_tokens
+        ):
             raise ValueError(
                 f"truncate_prompt_tokens is {self.truncate_prompt_tokens} in the SamplingParams "
-                f"and {keep} in tokenization_kwargs: give one"
+                f"and {cut.keep} in tokenization_kwargs: give one"
             )
-        return replace(self, truncate_prompt_tokens=keep)
+        if None not in (cut.side, self.truncation_side) and cut.side != self.truncation_side:
+            raise ValueError(
+                f"truncation_side is {self.truncation_side!r} in the SamplingParams and "
+                f"{cut.side!r} in tokenization_kwargs: give one"
+            )
+        return replace(
+            self,
+            truncate_prompt_tokens=self.truncate_prompt_tokens if cut.keep is None else cut.keep,
+            truncation_side=cut.side or self.truncation_side,
+        )
 
     @property
     def num_top_logprobs(self) -> int | None:
@@ -540,11 +568,17 @@ def top_logprobs(
     return ids, top.float() - shift[:, None]
 
 
-def truncate_prompt(ids: list[int], keep: int | None, most: int) -> list[int]:
-    """The prompt's last `keep` tokens (SamplingParams.truncate_prompt_tokens, as vLLM's); -1
-    keeps `most`, the longest prompt the engine takes (max_model_len - 1 for a generation,
-    which needs room for a new token; max_model_len to pool); None keeps all."""
+def truncate_prompt(
+    prompt: PromptRows, keep: int | None, most: int, side: TruncationSide
+) -> PromptRows:
+    """A prompt's ids (or [tokens, hidden] embeddings) cut to `keep` tokens
+    (SamplingParams.truncate_prompt_tokens, as vLLM's), its last on `side` "left" and its
+    first on "right"; -1 keeps `most`, the longest prompt the engine takes (max_model_len - 1
+    for a generation, which needs room for a new token; max_model_len to pool); None keeps all."""
+    # E.g. [1, 2, 3, 4], keep 2: left -> [3, 4], right -> [1, 2]
     if keep is None:
-        return ids
+        return prompt
     keep = most if keep == -1 else keep
-    return ids[-keep:] if len(ids) > keep else ids
+    if len(prompt) <= keep:
+        return prompt
+    return prompt[:keep] if side == "right" else prompt[-keep:]

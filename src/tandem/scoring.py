@@ -90,7 +90,8 @@ def pair_prompts(
 ) -> list[dict[str, Any]]:
     """A cross-encoder's prompt of each pair: token ids and their text. With `max_length` (the
     request's truncate_prompt_tokens), a pair of the tokenizer's is cut as vLLM cuts it, the
-    longer text first and its special tokens kept (joined texts keep their last tokens)."""
+    longer text first and its special tokens kept (joined texts are cut by the engine: their
+    first tokens kept, as pooling keeps them)."""
     if tokenizer is None:
         raise ValueError("scoring texts needs a tokenizer (skip_tokenizer_init=True, or none)")
     prompts = []

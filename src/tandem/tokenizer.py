@@ -556,13 +556,20 @@ TEXT_PARTS = {
 }  # fmt: skip
 # the kinds vLLM's parser skips where their text is null or missing; the others give a None text
 SKIPPED_WITHOUT_TEXT = ("text", "refusal")
+# the keys of the content part types vLLM knows (OpenAI's, of the openai 2.48 it ships with,
+# among them): a text part's other keys (cache_control, a thinking part's signature) stay on it
+KNOWN_PART_KEYS = frozenset({
+    "type", "text", "refusal", "thinking", "closed", "name", "uuid", "image_url", "image_pil",
+    "image_embeds", "audio_url", "audio_embeds", "video_url", "input_audio", "file", "data",
+    "prompt_cache_breakpoint",
+})  # fmt: skip
 
 
 def text_part(part: Any) -> dict[str, Any] | None:
     """A content part as templates take it, as vLLM's parser gives it to them: a bare string or
-    a part of TEXT_PARTS made a {"type": "text", "text": ...} part, a tool_reference part as
-    {"type": "tool_reference", "name": ...}; None for a text or refusal part without its text,
-    which vLLM skips. A ValueError for any other part."""
+    a part of TEXT_PARTS made a {"type": "text", "text": ...} part with the keys vLLM does not
+    know, a tool_reference part as {"type": "tool_reference", "name": ...}; None for a text or
+    refusal part without its text, which vLLM skips. A ValueError for any other part."""
     if isinstance(part, str):
         return {"type": "text", "text": part}
     kind = part.get("type") if isinstance(part, dict) else None
@@ -577,7 +584,8 @@ def text_part(part: Any) -> dict[str, Any] | None:
     text = part_string(part, TEXT_PARTS[kind])
     if text is None and kind in SKIPPED_WITHOUT_TEXT:
         return None
-    return {"type": "text", "text": text}
+    unknown = {key: value for key, value in part.items() if key not in KNOWN_PART_KEYS}
+    return {"type": "text", "text": text, **unknown}
 
 
 def part_string(part: dict[str, Any], key: str) -> str | None:
@@ -606,31 +614,76 @@ def template_content(content: Any, content_format: str, role: Any = None) -> Any
     return parts
 
 
-def template_tool_call(call: Any) -> Any:
-    """An assistant's tool call as templates take it, as vLLM gives it to them: its function's
-    arguments an object, since templates write them with tojson: the JSON text parsed, else {}
-    (none, or text that is no JSON)."""
+def template_message(message: dict[str, Any], content_format: str) -> dict[str, Any]:
+    """A chat message as vLLM's parser gives it to a template of `content_format`: its role, its
+    content (template_content) and only the keys vLLM reads for that role: any role's name and
+    task (strings), an assistant's tool_calls (template_tool_call; none for []) and reasoning
+    (as reasoning_content too), a tool's tool_call_id, a developer's tools (None without). A
+    role or content of another type is a TypeError."""
+    role, content = message.get("role"), message.get("content")
+    if role is not None and not isinstance(role, str):
+        raise TypeError(f"a message's role must be a string such as 'user', got {role!r:.40}")
+    if content is not None and not isinstance(content, list | str):
+        raise TypeError(
+            "a message's content must be a string or a list of text parts, got "
+            f"{type(content).__name__}"
+        )
+    if isinstance(content, list):
+        content = [text_part(part) for part in content]
+    kept = {"role": role, "content": template_content(content, content_format, role)}
+    if role == "assistant":
+        kept |= assistant_fields(message)
+    elif role == "tool" and "tool_call_id" in message:
+        kept["tool_call_id"] = message["tool_call_id"]
+    kept |= {key: message[key] for key in ("name", "task") if isinstance(message.get(key), str)}
+    if role == "developer":
+        kept["tools"] = message.get("tools")
+    return kept
+
+
+def assistant_fields(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's tool calls (left out where empty, so that templates take their
+    path without calls, as vLLM's) and reasoning as templates take them."""
+    fields: dict[str, Any] = {}
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None and not isinstance(tool_calls, list | tuple):
+        raise TypeError(
+            "an assistant's tool_calls must be a list of tool calls "
+            f"({{'id': ..., 'type': 'function', 'function': ...}}), got {tool_calls!r:.60}"
+        )
+    if tool_calls:
+        fields["tool_calls"] = [template_tool_call(call) for call in tool_calls]
+    if message.get("reasoning") is not None:  # as vLLM's, under the name templates read too
+        fields["reasoning"] = fields["reasoning_content"] = message["reasoning"]
+    return fields
+
+
+def template_tool_call(call: Any) -> dict[str, Any]:
+    """An assistant's tool call as templates take it, as vLLM's parser gives it to them: its
+    function's arguments parsed from their JSON text (templates write them with tojson; none,
+    "" or null give {}). A call that is no function call, or arguments of no JSON, is a
+    ValueError, as vLLM's."""
     function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(call, dict) or call.get("type", "function") != "function":
+        raise ValueError(
+            f"an assistant's tool_calls are function calls (objects), got {call!r:.60}"
+        )
     if not isinstance(function, dict):
-        return call
+        raise ValueError(f"a tool call's function must be an object, got {function!r:.60}")
     arguments = function.get("arguments")
-    if isinstance(arguments, str):
+    if not arguments:
+        arguments = {}
+    elif isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            arguments = {}
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"a tool call's arguments must be JSON text, got {arguments!r:.60}: {error}"
+            ) from error
+        arguments = {} if arguments is None else arguments
     elif not isinstance(arguments, dict | list):
-        arguments = {}
+        raise TypeError(f"a tool call's arguments must be JSON text, got {arguments!r:.60}")
     return {**call, "function": {**function, "arguments": arguments}}
-
-
-def template_reasoning(message: dict[str, Any]) -> dict[str, Any]:
-    """An assistant message's `reasoning` (vLLM's name) also as `reasoning_content`, the
-    name chat templates (Qwen3's, DeepSeek-R1's) read, and the other way round."""
-    reasoning = message.get("reasoning") or message.get("reasoning_content")
-    if reasoning is None:
-        return message
-    return {**message, "reasoning": reasoning, "reasoning_content": reasoning}
 
 
 @functools.lru_cache(maxsize=16)  # LLM.chat(chat_template=...) renders it once per conversation

@@ -21,6 +21,7 @@ from pydantic import Field
 
 from tandem import scoring
 from tandem.pooling import PoolingParams
+from tandem.sampling import truncate_prompt
 from tandem.server.protocol import MAX_TOKEN_ID, OpenAIError, RequestOption, Text
 from tandem.server.serving import OpenAIServing
 
@@ -35,6 +36,8 @@ class PoolingRequest(RequestOption):
     user: str | None = None  # labels the request only
     use_activation: bool | None = None  # vLLM's: normalize / softmax (None: on)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None  # vLLM's; -1: all that fit
+    # vLLM's: "left" keeps an input's last tokens, "right" its first; None: "right" (pooling's)
+    truncation_side: Literal["left", "right"] | None = None
     add_special_tokens: bool = True  # vLLM's: a text input gets the tokenizer's BOS (or others)
     priority: int = 0  # vLLM's (scheduling_policy "priority": lower first)
     request_id: Text | None = None  # vLLM's: the response's id, after its prefix
@@ -74,6 +77,7 @@ class ScoreRequest(RequestOption):
     text_1: Text | list[Text]
     text_2: Text | list[Text]
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None  # as PoolingRequest's
     use_activation: bool | None = None  # a cross-encoder's sigmoid (None: on)
     priority: int = 0
     request_id: Text | None = None
@@ -87,6 +91,7 @@ class RerankRequest(RequestOption):
     documents: list[Text]
     top_n: Annotated[int, Field(ge=0)] = 0  # the best top_n results; 0: all
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None  # as PoolingRequest's
     use_activation: bool | None = None
     priority: int = 0
     request_id: Text | None = None
@@ -113,6 +118,8 @@ async def pooled(
                 {"prompt_token_ids": tokenizer.encode(p, False)} if isinstance(p, str) else p
                 for p in prompts
             ]
+    if body.truncation_side is not None and body.truncate_prompt_tokens is not None:
+        prompts = cut_on_side(serving, body, prompts)
     limit = serving.options.max_sequences_per_request
     if len(prompts) > limit:
         message = f"this request has {len(prompts)} inputs; at most {limit} are allowed"
@@ -139,6 +146,23 @@ async def pooled(
     finally:
         for task in tasks:  # the others, when one failed: their streams abort as they end
             task.cancel()
+
+
+def cut_on_side(
+    serving: OpenAIServing, body: PoolingRequest | ScoreRequest | RerankRequest, prompts: list
+) -> list[dict[str, list[int]]]:
+    """Each prompt's token ids (a text's all of them) cut here to the body's
+    truncate_prompt_tokens on its truncation_side, as vLLM's; the engine's cut, to that many on
+    pooling's side, then keeps them all."""
+    keep, most, side = body.truncate_prompt_tokens, serving.llm.max_model_len, body.truncation_side
+    cut = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            ids = serving.tokenizer().encode(prompt)
+        else:
+            ids = prompt["prompt_token_ids"]
+        cut.append({"prompt_token_ids": truncate_prompt(ids, keep, most, side)})
+    return cut
 
 
 def answer(
@@ -226,6 +250,8 @@ async def scored(
             tokenizer, separate = engine.tokenizer, engine.separates_pairs
             keep = body.truncate_prompt_tokens
             keep = engine.max_model_len if keep == -1 else keep
+            if body.truncation_side is not None:  # the whole pair's ids, cut on it (pooled)
+                keep = None
             prompts = scoring.pair_prompts(tokenizer, firsts, seconds, separate, keep)
         else:  # one adapter serves the whole call
             prompts = scoring.embedded_once(firsts, seconds, same_adapter=True)

@@ -9,13 +9,7 @@ from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tandem.sampling import MAX_LOGPROBS, MAX_N, MAX_TOP_K
-from tandem.tokenizer import (
-    encodable,
-    template_content,
-    template_reasoning,
-    template_tool_call,
-    text_part,
-)
+from tandem.tokenizer import encodable, template_content, template_message, text_part
 
 Text = Annotated[str, AfterValidator(encodable)]
 MAX_TOKEN_ID = 2**32 - 1  # the tokenizer's u32
@@ -28,10 +22,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "tools": ([],),  # /v1/completions: chat declares tools and tool_choice
     "tool_choice": ("none", "auto"),
     "modalities": (["text"],),  # OpenAI's chat: text, its default
-    # vLLM's, at its default
-    "spaces_between_special_tokens": (True,),
-    # vLLM's: the side truncate_prompt_tokens cuts; left, keeping the last tokens, as tandem does
-    "truncation_side": ("left",),
 }
 # OpenAI's labels of a request: `safety_identifier` replaces `user`, `prompt_cache_key` routes
 IGNORED_FIELDS = (
@@ -202,8 +192,11 @@ class SamplingRequest(BaseModel):
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:<id>"
     request_id: Text | None = None  # the response's id, after "cmpl-" (X-Request-Id wins)
     skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None  # vLLM's (SamplingParams checks it)
     include_stop_str_in_output: bool | None = None
-    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: all that fit)
+    truncate_prompt_tokens: int | None = None  # keep k of the prompt's tokens (-1: all that fit)
+    # vLLM's: "left" keeps the prompt's last k tokens, "right" its first k; None: "left"
+    truncation_side: Literal["left", "right"] | None = None
     # each prompt token's logprob and the top k at its position (not with stream)
     prompt_logprobs: int | None = Field(None, ge=0)
     # shares cached blocks only with requests of the same salt
@@ -300,10 +293,6 @@ class ToolCall(MessagePart):
     type: Literal["function"] = "function"
     function: FunctionCall
 
-    def as_template_input(self) -> dict[str, Any]:
-        function = {"name": self.function.name, "arguments": self.function.arguments}
-        return template_tool_call({"id": self.id, "type": "function", "function": function})
-
 
 class ChatMessage(MessagePart):
     # OpenAI's roles (system, developer, user, assistant, tool) or any other the chat template
@@ -316,6 +305,8 @@ class ChatMessage(MessagePart):
     # an assistant's thinking before its content or calls (vLLM's two names of it)
     reasoning: Text | None = None
     reasoning_content: Text | None = None
+    tools: list[dict[str, Any]] | None = None  # a developer's, as vLLM gives them to templates
+    task: Text | None = None  # a model's task marker (DeepSeek V4's), as vLLM passes it
 
     @model_validator(mode="before")
     @classmethod
@@ -353,15 +344,12 @@ class ChatMessage(MessagePart):
         return template_content(self.openai_content(), "string")
 
     def as_template_input(self, content_format: str = "string") -> dict[str, Any]:
-        """The message as a chat template of `content_format` (tokenizer.content_format) takes it."""
-        content = template_content(self.openai_content(), content_format, self.role)
-        message: dict[str, Any] = {"role": self.role, "content": content}
-        if self.tool_calls:
-            message["tool_calls"] = [call.as_template_input() for call in self.tool_calls]
-        for name in ("tool_call_id", "name", "reasoning", "reasoning_content"):
-            if getattr(self, name) is not None:
-                message[name] = getattr(self, name)
-        return template_reasoning(message)  # under both names, as vLLM gives it to templates
+        """The message as vLLM's server gives it to a chat template of `content_format`
+        (tokenizer.template_message), reasoning_content read as reasoning where that is null."""
+        message = self.model_dump(include=self.model_fields_set - {"reasoning_content"})
+        if self.reasoning is None and self.reasoning_content is not None:
+            message["reasoning"] = self.reasoning_content
+        return template_message(message, content_format)
 
 
 class FunctionDefinition(RequestOption):

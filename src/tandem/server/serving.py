@@ -24,7 +24,7 @@ from tandem.outputs import token_text
 from tandem.prompt_embeds import decode as decode_embeds
 from tandem.reasoning import PARSERS as REASONING_PARSERS
 from tandem.reasoning import ReasoningSplitter, split
-from tandem.sampling import SamplingParams, seeded, truncate_prompt
+from tandem.sampling import PromptRows, SamplingParams, seeded, truncate_prompt
 from tandem.server import beam_search
 from tandem.server.constraints import ToolMode, constraint_field, output_constraint, tool_mode
 from tandem.server.metrics import LatencyTracker, ServerMetrics
@@ -226,16 +226,12 @@ class OpenAIServing:
                 self._completion_prompts, body.prompt, body.add_special_tokens
             )
         defaults = self.llm.sampling_defaults
-        # as vLLM's: left out, max_tokens is 16 (the generation config's at most), and the
-        # context must hold them; null, each prompt's room in the context (None), or the
-        # generation config's
-        asked = body.max_tokens
-        if asked is None and "max_tokens" not in body.model_fields_set:
+        # as vLLM's: left out or null, max_tokens is 16 (the generation config's at most), and
+        # the context must hold them
+        asked = max_tokens = body.max_tokens
+        if asked is None:
             asked = DEFAULT_COMPLETION_MAX_TOKENS
-        max_tokens = asked
-        if body.max_tokens is None:
-            max_tokens = defaults.get("max_tokens", asked)
-            max_tokens = max_tokens if asked is None else min(asked, max_tokens)
+            max_tokens = min(asked, defaults.get("max_tokens", asked))
         if max_tokens == 0 and not body.echo:
             raise OpenAIError("max_tokens must be >= 1 unless echo is true", param="max_tokens")
         if max_tokens == 0 and body.logprob_token_ids:
@@ -249,22 +245,31 @@ class OpenAIServing:
         params = sampling_params(
             body, defaults, max_tokens, logprobs, prompt_logprobs, output_constraint(body)
         )
-        keep = params.truncate_prompt_tokens
-        if embeds is None:  # the engine cuts embeddings itself
-            prompts = [self._kept(text, ids, keep, asked) for text, ids in prompts]
+        if embeds is not None:  # their placeholder ids follow them
+            embeds = [self._cut(e, body, asked) for e in embeds]
+            prompts = [(None, [0] * len(e)) for e in embeds]
+        else:
+            prompts = [self._kept(text, ids, body, asked) for text, ids in prompts]
         self.check_room([ids for _, ids in prompts], asked, "max_tokens")
         return prompts, params, max_tokens, embeds
 
     def _kept(
-        self, text: str | None, ids: list[int], keep: int | None, max_tokens: int | None
+        self, text: str | None, ids: list[int], body: SamplingRequest, max_tokens: int | None
     ) -> tuple[str | None, list[int]]:
-        """The prompt the model reads: its last `keep` ids (truncate_prompt_tokens; their text
-        left to decoding where that cut them), else the prompt as given. The engine's own cut
-        then keeps them all. As in vLLM, -1 leaves room for the `max_tokens` asked for."""
+        """The prompt the model reads: its ids `_cut` (their text left to decoding where that
+        cut them), else the prompt as given. The engine's own cut then keeps them all."""
+        kept = self._cut(ids, body, max_tokens)
+        return (text, ids) if len(kept) == len(ids) else (None, kept)
+
+    def _cut(self, prompt: PromptRows, body: SamplingRequest, max_tokens: int | None) -> PromptRows:
+        """A prompt's ids or embeddings cut to the body's truncate_prompt_tokens: the last ones
+        unless truncation_side is "right". As in vLLM, -1 leaves room for the `max_tokens`
+        asked for."""
+        keep = body.truncate_prompt_tokens
         if keep == -1 and max_tokens and max_tokens < self.llm.max_model_len:
             keep = self.llm.max_model_len - max_tokens
-        kept = truncate_prompt(ids, keep, self.llm.max_model_len - 1)
-        return (text, ids) if len(kept) == len(ids) else (None, kept)
+        side = body.truncation_side or "left"
+        return truncate_prompt(prompt, keep, self.llm.max_model_len - 1, side)
 
     def check_room(self, prompts: list[list[int]], max_tokens: int | None, field: str) -> None:
         """A 400, as vLLM's, for a `max_tokens` the context cannot hold after a prompt (one too
@@ -319,7 +324,7 @@ class OpenAIServing:
         asked = getattr(body, field)
         if asked is not None and asked < 1:  # a chat cannot score its prompt alone
             raise OpenAIError(f"{field} must be >= 1, got {asked}", param=field)
-        text, ids = self._kept(text, ids, body.truncate_prompt_tokens, asked)
+        text, ids = self._kept(text, ids, body, asked)
         self.check_room([ids], asked, field)
         defaults = self.llm.sampling_defaults
         room = max(1, self.llm.max_model_len - len(ids))
@@ -952,7 +957,9 @@ def sampling_params(
         "allowed_token_ids",
         "bad_words",
         "truncate_prompt_tokens",
+        "truncation_side",
         "skip_special_tokens",
+        "spaces_between_special_tokens",
         "include_stop_str_in_output",
         "repetition_detection",
         "thinking_token_budget",

@@ -84,6 +84,10 @@ def test_truncate_prompt_tokens_cuts_a_pair_as_transformers_truncation_does(cros
         assert same.prompt_token_ids == want
     [whole] = llm.score(QUERY, document, truncate_prompt_tokens=-1, use_tqdm=False)
     assert whole.prompt_token_ids == hf_pair(folder, QUERY, document)
+    for keep in (2**64 - 1, 2**64):  # past the tokenizer's usize: the engine's own refusal
+        with pytest.raises(ValueError, match="greater than max_model_len"):
+            llm.score(QUERY, document, truncate_prompt_tokens=keep, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
 
 
 def test_use_sep_token_false_joins_the_two_texts(cross_encoder, tmp_path):
@@ -203,6 +207,11 @@ def test_the_server_s_score_and_rerank_answer_what_llm_score_does(classifiers): 
                     "return_documents",
                 ),
                 ("/score", {"text_1": "a", "text_2": "b", "model": "other"}, "model"),
+                (
+                    "/rerank",
+                    {"query": "a", "documents": ["b"], "truncate_prompt_tokens": 2**64},
+                    "documents",  # the engine's refusal of the documents' requests
+                ),
             ]:
                 answer = httpx.post(f"{url}{path}", json=request)
                 assert answer.status_code in (400, 404), answer.text

@@ -610,3 +610,49 @@ def test_a_tab_pushed_by_logit_bias_never_breaks_a_string_with_a_length(folder):
         out = llm.generate(["x"], params, use_tqdm=False)[0].outputs[0]
         assert out.finish_reason == "stop"
         jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_served_constraints_compile_in_grammar_threads_and_a_slow_regex_is_refused(
+    folder, monkeypatch
+):
+    """AsyncLLM compiles a constraint on its own grammar threads (a slow grammar never holds
+    the threads that tokenize other prompts); a regex still compiling after vLLM's limit is a
+    ValueError, and the engine serves on; compiled grammars are cached up to vLLM's 512 MiB."""
+    import asyncio
+    import threading
+
+    from tandem import async_llm, structured
+    from tandem.async_llm import AsyncLLM
+
+    llm = AsyncLLM.from_model(folder, max_model_len=256)
+    backend = llm.engine.admission.grammars()
+    assert backend.compiler.cache_limit_bytes == structured.CACHE_BYTES == 512 * 2**20
+    threads = []
+    compile = backend.compile
+
+    def recorded(constraint):
+        threads.append(threading.current_thread().name)
+        return compile(constraint)
+
+    monkeypatch.setattr(backend, "compile", recorded)
+
+    async def answer(params: SamplingParams, request_id: str) -> str:
+        stream = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, request_id)
+        return [out async for out in stream][-1].outputs[0].text
+
+    digits = SamplingParams(max_tokens=8, seed=1, structured_outputs={"regex": r"\d{3}"})
+    try:
+        assert re.fullmatch(r"\d{3}", asyncio.run(answer(digits, "a")))
+        # first on a grammar thread; the engine's own call then hits xgrammar's cache
+        assert threads[0].startswith("tandem-grammar") and threads[1:] == ["tandem-engine"]
+        monkeypatch.setattr(async_llm, "REGEX_COMPILE_SECONDS", 0.001)
+        slow = "".join(f"(c{{{i}}}|b)*" for i in range(1, 300))
+        refused = SamplingParams(max_tokens=4, structured_outputs={"regex": slow})
+        with pytest.raises(ValueError, match=r"took more than 0\.001 s to compile"):
+            asyncio.run(answer(refused, "b"))
+        monkeypatch.setattr(async_llm, "REGEX_COMPILE_SECONDS", 5.0)
+        free = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        assert asyncio.run(answer(free, "c")) == asyncio.run(answer(free, "d"))
+        assert not llm.engine.has_unfinished()
+    finally:
+        llm.shutdown()

@@ -16,12 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,7 @@ from tandem.request import (
     split_prompt,
 )
 from tandem.sampling import SamplingParams, seeded
+from tandem.structured import REGEX_COMPILE_SECONDS, StructuredOutputsParams
 from tandem.tokenizer import Tokenizer
 from tandem.weight_transfer import request_field, required_field
 from tandem.weights import NamedTensors, check_named_tensors
@@ -190,6 +193,8 @@ class AsyncLLM:
         self._sent: dict[str, _Sent] = {}  # engine thread only
         # pause_generation("wait") callers, answered once the engine paused (engine thread only)
         self._pause_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        # constraints compile here, half the CPUs as vLLM's (xgrammar's own threads beside)
+        self._grammars = ThreadPoolExecutor((os.cpu_count() or 2) // 2 or 1, "tandem-grammar")
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -334,7 +339,7 @@ class AsyncLLM:
             # compiled in a worker thread first: a grammar new to the backend's cache takes up
             # to a second to compile, which the engine thread would spend between two steps,
             # with the GPU idle; there it is then a cache hit
-            await loop.run_in_executor(None, self._compile, params)
+            await self._compiled(params.structured_outputs)
         if lora_request is not None and self.engine.adapter_cache is not None:
             # likewise an adapter's folder, read in a worker thread first (a bad one is
             # refused by the engine's own check, which raises its error to the caller)
@@ -353,8 +358,21 @@ class AsyncLLM:
             raise
         return stream
 
-    def _compile(self, params: SamplingParams) -> None:
-        self.engine.admission.grammars().compile(params.structured_outputs)
+    async def _compiled(self, constraint: StructuredOutputsParams) -> None:
+        """`constraint` compiled in the grammar threads, which slow grammars never take from the
+        prompts' tokenization (asyncio's default threads); a regex within vLLM's time limit."""
+        compile = self.engine.admission.grammars().compile
+        compiling = asyncio.get_running_loop().run_in_executor(self._grammars, compile, constraint)
+        if constraint.regex is None:
+            await compiling
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(compiling), REGEX_COMPILE_SECONDS)
+        except TimeoutError:
+            raise ValueError(
+                f"the regex took more than {REGEX_COMPILE_SECONDS:g} s to compile (as vLLM, "
+                "refused: nested quantifiers such as (a+)+ explode the automaton); simplify it"
+            ) from None
 
     async def generate(
         self,
@@ -542,6 +560,7 @@ class AsyncLLM:
         with contextlib.suppress(EngineDeadError):  # already dead: nothing to stop
             self._submit(_Stop())
         self._thread.join(timeout)
+        self._grammars.shutdown(wait=False, cancel_futures=True)
 
     # ---- RL hooks: run on the engine thread between two steps -----------------------------
 

@@ -297,6 +297,14 @@ def available() -> bool:
     return True
 
 
+# vLLM's VLLM_XGRAMMAR_CACHE_MB: past it the least recently used compiled grammars are dropped
+# (without a limit every distinct grammar a server was sent stayed in memory)
+CACHE_BYTES = 512 * 2**20
+# vLLM's VLLM_REGEX_COMPILATION_TIMEOUT_S: a served request's regex still compiling after it is
+# a ValueError (nested quantifiers can explode the automaton); its compile ends unwatched
+REGEX_COMPILE_SECONDS = 5.0
+
+
 class GrammarBackend:
     """xgrammar's compiler for one tokenizer and model vocabulary: constraints -> compiled
     grammars (cached by xgrammar), and a fresh matcher per request."""
@@ -316,7 +324,7 @@ class GrammarBackend:
         info = xgr.TokenizerInfo.from_huggingface(
             hf, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
         )
-        self.compiler = xgr.GrammarCompiler(info, max_threads=2)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_limit_bytes=CACHE_BYTES)
         self.vocab_size = vocab_size
         self.disable_any_whitespace = disable_any_whitespace
         self.words = cdiv(vocab_size, 32)  # int32 words of one bitmask row

@@ -155,7 +155,8 @@ class Tokenizer:
         With `max_length`, at most that many, the longer text cut first and the special tokens
         kept (transformers' `truncation=True`, as vLLM truncates a pair)."""
         backend = self.backend
-        if max_length is not None:
+        if max_length is not None and max_length < 2**32:  # longer: no text to cut (and past
+            # 2**64 the tokenizer's usize overflows)
             with PAIR_TRUNCATION:  # a copy of its own: truncation is the tokenizer's state
                 if self._truncating is None:
                     self._truncating = copy.deepcopy(self.backend)

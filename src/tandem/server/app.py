@@ -172,7 +172,7 @@ def build_app(
     async def invoke(http: HttpRequest) -> Any:
         try:
             body = await http.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser
             raise OpenAIError("the request body is not valid JSON") from None
         field = next((f for f in invocations if isinstance(body, dict) and f in body), None)
         if field is None:

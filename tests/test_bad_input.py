@@ -116,6 +116,11 @@ BAD_SAMPLING = {
     ),
     "skip_special_tokens_not_bool": ({"skip_special_tokens": 0}, "skip_special_tokens", "True"),
     "ignore_eos_not_bool": ({"ignore_eos": "yes"}, "ignore_eos", "False"),
+    "spaces_between_special_tokens_not_bool": (
+        {"spaces_between_special_tokens": "no"},
+        "spaces_between_special_tokens",
+        "True",
+    ),
     "spaces_between_special_tokens_false_keeping_specials": (
         {"spaces_between_special_tokens": False, "skip_special_tokens": False},
         "spaces_between_special_tokens",

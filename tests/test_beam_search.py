@@ -161,6 +161,7 @@ def test_a_concurrency_limit_searches_a_few_prompts_at_a_time_to_the_same_beams(
         (BeamSearchParams(beam_width=0, max_tokens=4), "beam_width"),
         (BeamSearchParams(beam_width=2, max_tokens=0), "max_tokens"),
         (BeamSearchParams(beam_width=2, max_tokens=4, temperature=-1.0), "temperature"),
+        (BeamSearchParams(2, 4, temperature=3.0), r"temperature must be in \[0, 2\]"),
         (BeamSearchParams(beam_width=2, max_tokens=4, structured_outputs=object()), "structured"),
         (BeamSearchParams(2, 4, length_penalty=float("nan")), "length_penalty must be finite"),
         (BeamSearchParams(2, 4, ignore_eos="no"), "ignore_eos must be True or False"),  # was on

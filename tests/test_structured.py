@@ -612,12 +612,11 @@ def test_a_tab_pushed_by_logit_bias_never_breaks_a_string_with_a_length(folder):
         jsonschema.validate(json.loads(out.text), schema)
 
 
-def test_served_constraints_compile_in_grammar_threads_and_a_slow_regex_is_refused(
-    folder, monkeypatch
-):
-    """AsyncLLM compiles a constraint on its own grammar threads (a slow grammar never holds
-    the threads that tokenize other prompts); a regex still compiling after vLLM's limit is a
-    ValueError, and the engine serves on; compiled grammars are cached up to vLLM's 512 MiB."""
+def test_served_constraints_compile_off_the_loop_and_a_slow_regex_is_refused(folder, monkeypatch):
+    """AsyncLLM builds the grammar backend and compiles a constraint on its grammar threads (a
+    slow grammar never holds the threads that tokenize other prompts, nor the event loop), a
+    regex on a thread of its own, as vLLM's; one still compiling after vLLM's limit is a
+    ValueError and the engine serves on. Compiled grammars are cached up to vLLM's 512 MiB."""
     import asyncio
     import threading
 
@@ -625,34 +624,40 @@ def test_served_constraints_compile_in_grammar_threads_and_a_slow_regex_is_refus
     from tandem.async_llm import AsyncLLM
 
     llm = AsyncLLM.from_model(folder, max_model_len=256)
-    backend = llm.engine.admission.grammars()
-    assert backend.compiler.cache_limit_bytes == structured.CACHE_BYTES == 512 * 2**20
+    admission = llm.engine.admission
     threads = []
-    compile = backend.compile
+    grammars = admission.grammars
 
-    def recorded(constraint):
+    def recorded():
         threads.append(threading.current_thread().name)
-        return compile(constraint)
+        return grammars()
 
-    monkeypatch.setattr(backend, "compile", recorded)
+    monkeypatch.setattr(admission, "grammars", recorded)
 
     async def answer(params: SamplingParams, request_id: str) -> str:
         stream = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, request_id)
         return [out async for out in stream][-1].outputs[0].text
 
     digits = SamplingParams(max_tokens=8, seed=1, structured_outputs={"regex": r"\d{3}"})
+    choice = SamplingParams(max_tokens=8, seed=1, structured_outputs={"choice": ["yes", "no"]})
     try:
-        assert re.fullmatch(r"\d{3}", asyncio.run(answer(digits, "a")))
-        # first on a grammar thread; the engine's own call then hits xgrammar's cache
-        assert threads[0].startswith("tandem-grammar") and threads[1:] == ["tandem-engine"]
+        assert asyncio.run(answer(choice, "a")) in ("yes", "no")
+        # the backend built on a grammar thread; the engine's own call then finds it built
+        assert threads[0].startswith("tandem-grammar") and "tandem-engine" in threads
+        threads.clear()
+        assert re.fullmatch(r"\d{3}", asyncio.run(answer(digits, "b")))
+        assert threads[0] == "tandem-regex"
         monkeypatch.setattr(async_llm, "REGEX_COMPILE_SECONDS", 0.001)
         slow = "".join(f"(c{{{i}}}|b)*" for i in range(1, 300))
         refused = SamplingParams(max_tokens=4, structured_outputs={"regex": slow})
         with pytest.raises(ValueError, match=r"took more than 0\.001 s to compile"):
-            asyncio.run(answer(refused, "b"))
+            asyncio.run(answer(refused, "c"))
         monkeypatch.setattr(async_llm, "REGEX_COMPILE_SECONDS", 5.0)
         free = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-        assert asyncio.run(answer(free, "c")) == asyncio.run(answer(free, "d"))
+        assert asyncio.run(answer(free, "d")) == asyncio.run(answer(free, "e"))
         assert not llm.engine.has_unfinished()
+        assert grammars().compiler.cache_limit_bytes == structured.CACHE_BYTES == 512 * 2**20
     finally:
         llm.shutdown()
+    with pytest.raises(async_llm.EngineDeadError):  # not the grammar threads' RuntimeError
+        asyncio.run(answer(choice, "f"))

@@ -251,3 +251,42 @@ def test_tokenization_kwargs_name_the_side_offline_as_vllm_s(folder):
             engine.shutdown()
 
     assert asyncio.run(first_ids()) == ids[:6]
+
+
+def test_a_text_cut_without_a_side_keeps_its_special_tokens_as_vllm_s_tokenizer(folder, tmp_path):
+    """Where no side is named vLLM's tokenizer cuts a text itself (transformers'
+    truncation=True): a generation keeps its BOS and last tokens, and a last-token embedder
+    whose tokenizer appends EOS keeps that EOS with the first tokens, the token it pools."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    appends = Path(shutil.copytree(folder, tmp_path / "appends_eos"))
+    spec = json.loads((appends / "tokenizer.json").read_text())
+    template = spec["post_processor"]["processors"][1]
+    template["single"] = [
+        {"Sequence": {"id": "A", "type_id": 0}},
+        {"SpecialToken": {"id": "<|end_of_text|>", "type_id": 0}},
+    ]
+    template["special_tokens"] = {
+        "<|end_of_text|>": {"id": "<|end_of_text|>", "ids": [641], "tokens": ["<|end_of_text|>"]}
+    }
+    (appends / "tokenizer.json").write_text(json.dumps(spec))
+    for model, side, pooled in ((folder, "left", False), (appends, "right", True)):
+        hf = AutoTokenizer.from_pretrained(model, truncation_side=side)
+        want = hf(PROMPT, truncation=True, max_length=5)["input_ids"]
+        whole = hf(PROMPT)["input_ids"]
+        assert len(want) == 5 and want != (whole[:5] if side == "right" else whole[-5:])
+        llm = LLM(str(model), max_model_len=MAX_LEN, block_size=8)
+        if pooled:
+            [out] = llm.embed(PROMPT, truncate_prompt_tokens=5, use_tqdm=False)
+            assert out.prompt_token_ids == want and want[-1] == 641
+            vector = normalized(reference(str(model), tuple(want)))
+            np.testing.assert_allclose(out.outputs.embedding, vector, rtol=1e-4, atol=1e-5)
+        else:
+            params = SamplingParams(temperature=0, max_tokens=3, truncate_prompt_tokens=5)
+            [out] = llm.generate(PROMPT, params, use_tqdm=False)
+            assert out.prompt_token_ids == want and want[0] == 640
+            assert out.outputs[0].token_ids == transformers_greedy(folder, tuple(want), 3)
+        del llm

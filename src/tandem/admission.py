@@ -112,11 +112,6 @@ class Admission:
                     "no tokenizer here (skip_tokenizer_init=True, or the model has no "
                     "tokenizer.json); pass prompt_token_ids instead of text"
                 )
-            prompt_token_ids = self.tokenizer.encode(prompt)
-        # a numpy array or a torch tensor as its Python ints (a tensor's items are tensors)
-        ids = prompt_token_ids.tolist() if hasattr(prompt_token_ids, "tolist") else prompt_token_ids
-        if not isinstance(ids, Iterable) or isinstance(ids, str | bytes | dict):
-            raise ValueError(f"prompt_token_ids must be a list of token ids, got {ids!r:.80}")
         # the longest prompt: a generation leaves room for a token, pooling needs none
         most = self.max_model_len - (pooling is None)
         keep = params.truncate_prompt_tokens
@@ -128,6 +123,14 @@ class Admission:
         # as vLLM's tokenizer, where the request names no side: a generation keeps the
         # prompt's last tokens, pooling its first
         side = params.truncation_side or ("left" if pooling is None else "right")
+        if prompt_token_ids is None:  # a text: where no side is named, vLLM's tokenizer cuts
+            # it, the special tokens kept (a last-token embedder's EOS among them)
+            cut = None if params.truncation_side or keep is None else most if keep == -1 else keep
+            prompt_token_ids = self.tokenizer.encode(prompt, max_length=cut, side=side)
+        # a numpy array or a torch tensor as its Python ints (a tensor's items are tensors)
+        ids = prompt_token_ids.tolist() if hasattr(prompt_token_ids, "tolist") else prompt_token_ids
+        if not isinstance(ids, Iterable) or isinstance(ids, str | bytes | dict):
+            raise ValueError(f"prompt_token_ids must be a list of token ids, got {ids!r:.80}")
         prompt_token_ids = self._check_token_ids(truncate_prompt(list(ids), keep, most, side), most)
         self._check_n(params, len(prompt_token_ids))
         if embeds is not None:  # cut as their placeholder ids

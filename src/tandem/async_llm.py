@@ -359,20 +359,38 @@ class AsyncLLM:
         return stream
 
     async def _compiled(self, constraint: StructuredOutputsParams) -> None:
-        """`constraint` compiled in the grammar threads, which slow grammars never take from the
-        prompts' tokenization (asyncio's default threads); a regex within vLLM's time limit."""
-        compile = self.engine.admission.grammars().compile
-        compiling = asyncio.get_running_loop().run_in_executor(self._grammars, compile, constraint)
+        """`constraint` compiled off the event loop, in grammar threads of its own that slow
+        grammars never take from the prompts' tokenization (asyncio's default threads). A regex,
+        as vLLM's, compiles on a thread of its own within vLLM's time limit (its compile ends
+        unwatched past it: no regex waits behind another)."""
+        if self._dead is not None:  # no thread takes work once the engine stopped
+            raise self._dead
+        loop = asyncio.get_running_loop()
         if constraint.regex is None:
-            await compiling
+            await loop.run_in_executor(self._grammars, self._compile, constraint)
             return
+        compiled = loop.create_future()
+
+        def compile_regex() -> None:
+            try:
+                self._compile(constraint)
+                outcome = (compiled.set_result, None)
+            except BaseException as error:  # handed to the waiting request
+                outcome = (compiled.set_exception, error)
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(lambda: compiled.done() or outcome[0](outcome[1]))
+
+        threading.Thread(target=compile_regex, name="tandem-regex", daemon=True).start()
         try:
-            await asyncio.wait_for(asyncio.shield(compiling), REGEX_COMPILE_SECONDS)
+            await asyncio.wait_for(asyncio.shield(compiled), REGEX_COMPILE_SECONDS)
         except TimeoutError:
             raise ValueError(
                 f"the regex took more than {REGEX_COMPILE_SECONDS:g} s to compile (as vLLM, "
                 "refused: nested quantifiers such as (a+)+ explode the automaton); simplify it"
             ) from None
+
+    def _compile(self, constraint: StructuredOutputsParams) -> None:
+        self.engine.admission.grammars().compile(constraint)  # the backend built here too
 
     async def generate(
         self,

@@ -22,7 +22,7 @@ from tandem.config import check_bools, check_int
 from tandem.lora import LoRARequest, per_prompt
 from tandem.outputs import Logprob
 from tandem.request import Prompt, prompt_list, split_prompt
-from tandem.sampling import MAX_LOGPROBS, SamplingParams
+from tandem.sampling import MAX_LOGPROBS, MAX_TEMPERATURE, SamplingParams
 
 if TYPE_CHECKING:
     from tandem.llm import LLM
@@ -56,8 +56,10 @@ class BeamSearchParams:
                 raise ValueError(f"{name} must be a number, got {value!r}")
             if not math.isfinite(value):  # a NaN score would rank the beams at random
                 raise ValueError(f"{name} must be finite, got {value!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:  # SamplingParams' (vLLM's) bound
+            raise ValueError(
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}"
+            )
         check_bools(self, "ignore_eos", "include_stop_str_in_output")  # "no" would be true
 
 

@@ -33,7 +33,7 @@ MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # an int64, as vLLM takes it; -1 means
 MAX_TOP_K = 2**31 - 1
 MAX_TOKENS = 2**31 - 1  # past any context (where max_tokens is cut); min_tokens fits an int64
 MAX_BAD_WORDS = 1024  # each is tokenized as the request is made, on the engine's thread
-FLOAT32_MAX = 3.4028234663852886e38  # past it a float32 is inf: inf temperatures make NaN logits
+FLOAT32_MAX = 3.4028234663852886e38  # past it a float32 is inf: an inf penalty makes NaN logits
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32 (below: 0 or denormal)
 GREEDY_BELOW = 1e-5  # a temperature under it is greedy (0: those in (0, 0.01) are raised below)
 MIN_TEMPERATURE = 1e-2  # vLLM's: a temperature in (0, it) samples at it
@@ -131,7 +131,9 @@ class SamplingParams:
             self.temperature = MIN_TEMPERATURE
         if self.seed == -1:  # as vLLM: the engine draws one
             self.seed = None
-        if self.thinking_token_budget == -1:  # vLLM's "unlimited"
+        if (
+            type(self.thinking_token_budget) is int and self.thinking_token_budget == -1
+        ):  # vLLM's "unlimited"
             self.thinking_token_budget = None
         if self.max_tokens is None:  # each request is cut where it fills max_model_len
             self.max_tokens = MAX_TOKENS
@@ -162,7 +164,7 @@ class SamplingParams:
             raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}")
         check_bools(
             self, "ignore_eos", "detokenize", "skip_special_tokens", "include_stop_str_in_output",
-            "skip_reading_prefix_cache", "flat_logprobs",
+            "skip_reading_prefix_cache", "flat_logprobs", "spaces_between_special_tokens",
         )  # fmt: skip
         if not (self.spaces_between_special_tokens or self.skip_special_tokens):
             raise ValueError(

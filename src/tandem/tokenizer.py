@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar, NoReturn
@@ -23,7 +24,7 @@ from tandem.model_files import read_json
 NAMED_SPECIAL_TOKENS = (
     "bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token",
 )  # fmt: skip
-PAIR_TRUNCATION = threading.Lock()  # encode_pair's truncating copies are set under it
+PAIR_TRUNCATION = threading.Lock()  # the truncating copies are set and read under it
 DETOKENIZE_CONTEXT = 5  # prompt tokens a detokenizer window starts with, so spacing decodes right
 
 
@@ -71,7 +72,7 @@ class Tokenizer:
         chat_templates: dict[str, str] | None = None,
     ) -> None:
         self.backend = backend
-        self._truncating: tokenizers.Tokenizer | None = None  # encode_pair's, made when needed
+        self._truncating: tokenizers.Tokenizer | None = None  # _truncation's, made when needed
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.chat_template = chat_template  # the default one
@@ -140,33 +141,48 @@ class Tokenizer:
         """Number of token ids the tokenizer knows, added tokens included."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(
+        self,
+        text: str,
+        add_special_tokens: bool = True,
+        max_length: int | None = None,
+        side: str = "right",
+    ) -> list[int]:
         """Token ids of `text`; add_special_tokens runs tokenizer.json's post-processor (e.g. BOS).
-        A lone surrogate in it is a ValueError saying where."""
-        try:
-            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        except TypeError:  # the backend's "TextInputSequence must be str"
-            _check_unicode(text)
-            raise
+        With `max_length`, at most that many, cut on `side` ("left" keeps the last) with the
+        special tokens kept (transformers' truncation=True, as vLLM's tokenizer cuts a prompt
+        whose request names no side). A lone surrogate in it is a ValueError saying where."""
+        with self._truncation(max_length, side) as backend:
+            try:
+                return backend.encode(text, add_special_tokens=add_special_tokens).ids
+            except TypeError:  # the backend's "TextInputSequence must be str"
+                _check_unicode(text)
+                raise
 
     def encode_pair(self, text: str, pair: str, max_length: int | None = None) -> list[int]:
         """Token ids of two texts as one sequence, joined by tokenizer.json's post-processor's
         pair template (as transformers' `tokenizer(text, text_pair)`): a cross-encoder's input.
         With `max_length`, at most that many, the longer text cut first and the special tokens
         kept (transformers' `truncation=True`, as vLLM truncates a pair)."""
-        backend = self.backend
-        if max_length is not None and max_length < 2**32:  # longer: no text to cut (and past
-            # 2**64 the tokenizer's usize overflows)
-            with PAIR_TRUNCATION:  # a copy of its own: truncation is the tokenizer's state
-                if self._truncating is None:
-                    self._truncating = copy.deepcopy(self.backend)
-                backend = self._truncating
-                backend.enable_truncation(max_length, strategy="longest_first")
-                try:
-                    return self._encode_pair(backend, text, pair)
-                finally:
-                    backend.no_truncation()
-        return self._encode_pair(backend, text, pair)
+        with self._truncation(max_length, "right") as backend:
+            return self._encode_pair(backend, text, pair)
+
+    @contextlib.contextmanager
+    def _truncation(self, max_length: int | None, side: str) -> Iterator[tokenizers.Tokenizer]:
+        """The backend cutting to `max_length` on `side` (the longer of a pair first): a copy of
+        its own, since truncation is the tokenizer's state. None, or a length past any text's
+        (past 2**64 the tokenizer's usize overflows), cuts nothing: the backend itself."""
+        if max_length is None or max_length >= 2**32:
+            yield self.backend
+            return
+        with PAIR_TRUNCATION:
+            if self._truncating is None:
+                self._truncating = copy.deepcopy(self.backend)
+            self._truncating.enable_truncation(max_length, direction=side)
+            try:
+                yield self._truncating
+            finally:
+                self._truncating.no_truncation()
 
     @staticmethod
     def _encode_pair(backend: tokenizers.Tokenizer, text: str, pair: str) -> list[int]:

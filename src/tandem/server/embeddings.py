@@ -110,20 +110,23 @@ async def pooled(
     else the body's, each under the body's model's adapter and at its priority. The response's
     id is the body's request_id when it gives one; the engine's stay unique."""
     serving.check_model(body.model)
-    if prompts is None:
-        prompts = body.prompts()
-        if not body.add_special_tokens:  # the texts as their tokens alone
-            tokenizer = serving.tokenizer()
-            prompts = [
-                {"prompt_token_ids": tokenizer.encode(p, False)} if isinstance(p, str) else p
-                for p in prompts
-            ]
-    if body.truncation_side is not None and body.truncate_prompt_tokens is not None:
-        prompts = cut_on_side(serving, body, prompts)
+    own_tokens = prompts is None and not body.add_special_tokens
+    prompts = body.prompts() if prompts is None else prompts
     limit = serving.options.max_sequences_per_request
     if len(prompts) > limit:
         message = f"this request has {len(prompts)} inputs; at most {limit} are allowed"
         raise OpenAIError(message, param=param)
+    # tokenized off the event loop, as the generation routes tokenize
+    if own_tokens:  # the texts as their tokens alone
+        tokenizer = serving.tokenizer()
+        prompts = await asyncio.to_thread(
+            lambda: [
+                {"prompt_token_ids": tokenizer.encode(p, False)} if isinstance(p, str) else p
+                for p in prompts
+            ]
+        )
+    if body.truncation_side is not None and body.truncate_prompt_tokens is not None:
+        prompts = await asyncio.to_thread(cut_on_side, serving, body, prompts)
     call_id = f"{kind}-{uuid.uuid4().hex}"
 
     adapter = serving.adapter(body.model)

@@ -192,10 +192,7 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, http: HttpRequest) -> Response:
         prompts, params, max_tokens, embeds = await self.completion_inputs(body)
         if body.use_beam_search:
-            starts = [ids for _, ids in prompts]
-            if max_tokens is None:  # null: the room the longest prompt leaves
-                max_tokens = max(1, self.llm.max_model_len - max(map(len, starts)))
-            return await self._beam_search(body, starts, max_tokens)
+            return await self._beam_search(body, [ids for _, ids in prompts], max_tokens)
         generation = await self._start("cmpl", prompts, params, body, http, embeds)
         if body.echo:
             for i, choice in enumerate(generation.choices):
@@ -205,11 +202,9 @@ class OpenAIServing:
 
     async def completion_inputs(
         self, body: CompletionRequest
-    ) -> tuple[
-        list[tuple[str | None, list[int]]], SamplingParams, int | None, list[torch.Tensor] | None
-    ]:
+    ) -> tuple[list[tuple[str | None, list[int]]], SamplingParams, int, list[torch.Tensor] | None]:
         """A checked completion request's prompts as the model reads them (text, ids), their
-        SamplingParams and max_tokens (None: each prompt's room in the context); with prompt_embeds, the embeddings of each prompt
+        SamplingParams and max_tokens; with prompt_embeds, the embeddings of each prompt
         (whose ids are then placeholders, one per embedding)."""
         self.check_model(body.model)
         self.check_request(body)

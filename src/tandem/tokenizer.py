@@ -24,7 +24,7 @@ from tandem.model_files import read_json
 NAMED_SPECIAL_TOKENS = (
     "bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token",
 )  # fmt: skip
-PAIR_TRUNCATION = threading.Lock()  # the truncating copies are set and read under it
+TRUNCATION = threading.Lock()  # the truncating copies are set and read under it
 DETOKENIZE_CONTEXT = 5  # prompt tokens a detokenizer window starts with, so spacing decodes right
 
 
@@ -175,7 +175,7 @@ class Tokenizer:
         if max_length is None or max_length >= 2**32:
             yield self.backend
             return
-        with PAIR_TRUNCATION:
+        with TRUNCATION:
             if self._truncating is None:
                 self._truncating = copy.deepcopy(self.backend)
             self._truncating.enable_truncation(max_length, direction=side)

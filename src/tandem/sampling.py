@@ -131,10 +131,8 @@ class SamplingParams:
             self.temperature = MIN_TEMPERATURE
         if self.seed == -1:  # as vLLM: the engine draws one
             self.seed = None
-        if (
-            type(self.thinking_token_budget) is int and self.thinking_token_budget == -1
-        ):  # vLLM's "unlimited"
-            self.thinking_token_budget = None
+        if type(self.thinking_token_budget) is int and self.thinking_token_budget == -1:
+            self.thinking_token_budget = None  # vLLM's "unlimited" (an int, as it checks)
         if self.max_tokens is None:  # each request is cut where it fills max_model_len
             self.max_tokens = MAX_TOKENS
         if self.skip_reading_prefix_cache is None:

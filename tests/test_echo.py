@@ -157,9 +157,12 @@ def test_bad_echo_requests_are_400s_naming_the_field(server, path, body, field):
 
 
 def test_echo_of_a_truncated_prompt_is_the_part_the_model_read(client, server, folder):
-    """truncate_prompt_tokens=3: the echo is the prompt's last 3 tokens, their text and their
+    """truncate_prompt_tokens=3: the echo is the 3 tokens the tokenizer's cut kept (the BOS
+    and the prompt's last 2, as transformers' truncation on the left), their text and their
     logprobs (the first of them has none: nothing before it was read)."""
-    ids = prompt_ids(server)[-3:]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, truncation_side="left")
+    ids = tokenizer(PROMPT, truncation=True, max_length=3).input_ids
+    assert ids == prompt_ids(server)[:1] + prompt_ids(server)[-2:]
     response = client.completions.create(
         model=MODEL, prompt=PROMPT, echo=True, max_tokens=0, logprobs=1,
         extra_body={"truncate_prompt_tokens": 3},

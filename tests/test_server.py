@@ -302,12 +302,17 @@ def test_add_special_tokens_sets_whether_the_prompt_gets_the_tokenizers_bos(
         assert post(server, "/tokenize", body).json()["tokens"] == ids
 
 
-def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, offline):
-    """As vLLM's field: the completion reads only the last k prompt tokens (usage counts them),
-    and a chat without max_tokens may fill the context left after the cut."""
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, offline, folder):
+    """As vLLM's field: the completion reads k prompt tokens (usage counts them), a text's cut
+    by the tokenizer with its BOS kept (transformers' truncation on the left), and a chat
+    without max_tokens may fill the context left after the cut."""
+    from transformers import AutoTokenizer
+
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
     response = client.completions.create(**body, extra_body={"truncate_prompt_tokens": 2})
-    ids = offline.get_tokenizer().encode(PROMPT)[-2:]
+    reference = AutoTokenizer.from_pretrained(folder, truncation_side="left")
+    ids = reference(PROMPT, truncation=True, max_length=2).input_ids
+    assert ids[0] == reference(PROMPT).input_ids[0] != reference(PROMPT).input_ids[-2]  # the BOS
     [want] = offline.generate(
         {"prompt_token_ids": ids}, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False
     )

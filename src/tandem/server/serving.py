@@ -244,7 +244,9 @@ class OpenAIServing:
             embeds = [self._cut(e, body, asked) for e in embeds]
             prompts = [(None, [0] * len(e)) for e in embeds]
         else:
-            prompts = [self._kept(text, ids, body, asked) for text, ids in prompts]
+            prompts = await asyncio.to_thread(  # a cut text is tokenized again
+                lambda: [self._kept(text, ids, body, asked) for text, ids in prompts]
+            )
         self.check_room([ids for _, ids in prompts], asked, "max_tokens")
         return prompts, params, max_tokens, embeds
 
@@ -252,9 +254,16 @@ class OpenAIServing:
         self, text: str | None, ids: list[int], body: SamplingRequest, max_tokens: int | None
     ) -> tuple[str | None, list[int]]:
         """The prompt the model reads: its ids `_cut` (their text left to decoding where that
-        cut them), else the prompt as given. The engine's own cut then keeps them all."""
+        cut them), else the prompt as given. A text cut on no named side is cut by the
+        tokenizer with its special tokens kept (a BOS stays first), as vLLM's. The engine's own
+        cut then keeps them all."""
         kept = self._cut(ids, body, max_tokens)
-        return (text, ids) if len(kept) == len(ids) else (None, kept)
+        if len(kept) == len(ids):
+            return text, ids
+        if text is not None and body.truncation_side is None:
+            add = bool(body.add_special_tokens)
+            kept = self.tokenizer().encode(text, add, max_length=len(kept), side="left")
+        return None, kept
 
     def _cut(self, prompt: PromptRows, body: SamplingRequest, max_tokens: int | None) -> PromptRows:
         """A prompt's ids or embeddings cut to the body's truncate_prompt_tokens: the last ones
@@ -319,7 +328,7 @@ class OpenAIServing:
         asked = getattr(body, field)
         if asked is not None and asked < 1:  # a chat cannot score its prompt alone
             raise OpenAIError(f"{field} must be >= 1, got {asked}", param=field)
-        text, ids = self._kept(text, ids, body, asked)
+        text, ids = await asyncio.to_thread(self._kept, text, ids, body, asked)
         self.check_room([ids], asked, field)
         defaults = self.llm.sampling_defaults
         room = max(1, self.llm.max_model_len - len(ids))

@@ -35,9 +35,9 @@ ACCEPTED = {
         [USER, {"role": "ipython", "content": "4"}],
         [USER, {"role": "ipython", "content": "4"}],
     ),
-    "developer_role": (
-        [{"role": "developer", "content": "Be brief."}, USER],
-        [{"role": "developer", "content": "Be brief."}, USER],
+    "developer_role_to_a_template_that_never_names_it": (  # vLLM's renderer makes it a system
+        [{"role": "developer", "content": "Be brief.", "name": "d"}, USER],
+        [{"role": "system", "content": "Be brief.", "name": "d"}, USER],
     ),
     "tool_without_call_id": (
         [USER, {"role": "tool", "name": "weather", "content": "20C"}],
@@ -238,6 +238,8 @@ KEYS_TEMPLATE = (
     "{% for m in messages %}{% for key, value in m.items() %}"
     "{{ key }}={{ value | tojson(sort_keys=true) }};{% endfor %}|{% endfor %}"
 )
+# the same, naming the developer role: its messages reach it as developer messages
+DEVELOPER_KEYS_TEMPLATE = KEYS_TEMPLATE + "{% if messages[0].role == 'developer' %}!{% endif %}"
 TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
 JSON_CALL = {
     "id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "P"}'}
@@ -272,9 +274,9 @@ def test_only_the_fields_vllm_s_parser_reads_for_a_role_reach_the_template(folde
         {"role": "ipython", "content": "4", "name": "py"},
         {"role": "developer", "content": "Use tools.", "tools": None},
     ]  # fmt: skip
-    want = transformers_text(folder, KEYS_TEMPLATE, parsed)
+    want = transformers_text(folder, DEVELOPER_KEYS_TEMPLATE, parsed)
     assert 'role="tool";content="20C";tool_call_id="c1";name="weather";|' in want
-    assert_renders(offline, served, folder, KEYS_TEMPLATE, messages, want)
+    assert_renders(offline, served, folder, DEVELOPER_KEYS_TEMPLATE, messages, want)
 
 
 def test_reasoning_content_is_read_as_reasoning_by_the_server_alone_as_in_vllm(
@@ -317,11 +319,41 @@ def test_a_developer_s_tools_and_any_role_s_task_reach_the_template_as_vllm_s_pa
         {"role": "developer", "content": "D", "task": "plan", "tools": [TOOL]},
         {"role": "user", "content": "Hi", "task": "chat"},
     ]
-    want = transformers_text(folder, KEYS_TEMPLATE, parsed)
-    assert_renders(offline, served, folder, KEYS_TEMPLATE, messages, want)
+    want = transformers_text(folder, DEVELOPER_KEYS_TEMPLATE, parsed)
+    assert want.endswith("|!")
+    assert_renders(offline, served, folder, DEVELOPER_KEYS_TEMPLATE, messages, want)
     not_strings = [{"role": "user", "content": "Hi", "name": 5, "task": 7}]
     [out] = offline.chat(not_strings, GREEDY, use_tqdm=False, chat_template=KEYS_TEMPLATE)
     assert out.prompt == transformers_text(folder, KEYS_TEMPLATE, [USER])
+
+
+def test_developer_messages_merge_into_the_first_system_message_where_the_template_never_names_the_role(
+    folder, offline, served
+):
+    """vLLM's renderer, for a template without the developer role: each developer message is a
+    system message without its tools, and system messages anywhere but first are merged into
+    one first message, their texts joined by a blank line (a message of parts by lines)."""
+    messages = [
+        {"role": "system", "content": "A", "name": "s"},
+        {"role": "user", "content": "Hi"},
+        {"role": "developer", "content": "B", "tools": [TOOL]},
+        {"role": "assistant", "content": "Yes"},
+        {"role": "developer", "content": ["C", {"type": "text", "text": "D"}]},
+        {"role": "developer", "content": ""},
+    ]
+    parsed = [
+        {"role": "system", "content": "A\n\nB\n\nC\nD"},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Yes"},
+    ]
+    want = transformers_text(folder, KEYS_TEMPLATE, parsed)
+    assert_renders(offline, served, folder, KEYS_TEMPLATE, messages, want)
+    # one developer message first: a system message, kept whole but for its tools
+    alone = [{"role": "developer", "content": "B", "tools": [TOOL], "task": "plan"}, USER]
+    want = transformers_text(
+        folder, KEYS_TEMPLATE, [{"role": "system", "content": "B", "task": "plan"}, USER]
+    )
+    assert_renders(offline, served, folder, KEYS_TEMPLATE, alone, want)
 
 
 def test_a_text_part_s_unknown_fields_reach_a_template_of_parts_offline_as_in_vllm(

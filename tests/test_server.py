@@ -1556,15 +1556,24 @@ def test_tokenizing_runs_off_the_event_loop(server, monkeypatch):
     slow.join()
 
 
-def test_the_developer_role_reaches_the_template_as_llm_chat_gives_it(server, offline):
-    """As vLLM's, served and offline: "developer" is no "system" to the template; the tiny
-    model's, which knows system, user and assistant only, refuses it."""
+def test_the_developer_role_is_the_system_message_to_a_template_that_never_names_it(
+    server, offline, folder
+):
+    """As vLLM's, served and offline: the tiny model's template knows system, user and
+    assistant only (another role is its error), so a developer message reaches it as the
+    system message."""
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(folder)
+    text = reference.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     developer = [{"role": "developer", "content": "You are terse."}, *MESSAGES[1:]]
-    body = {"messages": developer, "max_tokens": 2}
+    [out] = offline.chat(developer, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert out.prompt == text
+    tokens = post(server, "/tokenize", {"messages": developer}).json()["tokens"]
+    assert tokens == reference(text, add_special_tokens=False).input_ids
+    body = {"messages": [{"role": "ipython", "content": "4"}], "max_tokens": 2}
     message = assert_openai_error(post(server, "/v1/chat/completions", body), 400, "messages")
-    assert "unknown role developer" in message
-    with pytest.raises(ValueError, match="unknown role developer"):
-        offline.chat(developer, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert "unknown role ipython" in message
 
 
 def test_the_bearer_scheme_is_case_insensitive(server):

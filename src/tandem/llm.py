@@ -53,7 +53,7 @@ from tandem.request import (
     split_prompt,
 )
 from tandem.sampling import SamplingParams, seeded
-from tandem.tokenizer import Tokenizer, content_format, template_message
+from tandem.tokenizer import Tokenizer, content_format, developer_as_system, template_message
 from tandem.weight_transfer import request_field, required_field
 from tandem.weights import NamedTensors
 
@@ -591,12 +591,14 @@ class LLM:
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         try:
-            fmt = content_format(
-                tokenizer.get_chat_template(chat_template, tools), chat_template_content_format
-            )
+            source = tokenizer.get_chat_template(chat_template, tools)
+            fmt = content_format(source, chat_template_content_format)
         except jinja2.TemplateError as error:
             raise ValueError(f"chat template failed to parse: {error}") from error
-        conversations = [[template_message(m, fmt) for m in c] for c in _conversations(messages)]
+        conversations = [
+            developer_as_system([template_message(m, fmt) for m in c], source)
+            for c in _conversations(messages)
+        ]
         if tools is not None and not (
             isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
         ):

@@ -658,6 +658,42 @@ def template_message(message: dict[str, Any], content_format: str) -> dict[str, 
     return kept
 
 
+def developer_as_system(
+    messages: list[dict[str, Any]], template: str | None
+) -> list[dict[str, Any]]:
+    """Template messages for a template that never names the developer role, as vLLM renders
+    them: each developer message a system message (without its tools), and where a system
+    message then stands anywhere but first, all of them merged into one first (their texts
+    joined by a blank line; templates such as Qwen's need it first). Else as given."""
+    # e.g. [system "A", user, developer "B"] -> [system "A\n\nB", user]
+    if (
+        not isinstance(template, str)  # none, or not Jinja source: apply_chat_template's error
+        or '"developer"' in template
+        or "'developer'" in template
+        or all(m["role"] != "developer" for m in messages)
+    ):
+        return messages
+    converted = [
+        {key: value for key, value in m.items() if key != "tools"} | {"role": "system"}
+        if m["role"] == "developer"
+        else m
+        for m in messages
+    ]
+    if [i for i, m in enumerate(converted) if m["role"] == "system"] == [0]:
+        return converted
+    texts = [system_text(m["content"]) for m in converted if m["role"] == "system"]
+    merged = {"role": "system", "content": "\n\n".join(text for text in texts if text)}
+    return [merged, *(m for m in converted if m["role"] != "system")]
+
+
+def system_text(content: Any) -> str:
+    """A system message's text for merging: a string, or its parts' texts one a line."""
+    if not isinstance(content, list):
+        return content or ""
+    texts = (part if isinstance(part, str) else part.get("text") for part in content)
+    return "\n".join(text for text in texts if isinstance(text, str))
+
+
 def assistant_fields(message: dict[str, Any]) -> dict[str, Any]:
     """An assistant message's tool calls (left out where empty, so that templates take their
     path without calls, as vLLM's) and reasoning as templates take them."""

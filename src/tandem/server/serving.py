@@ -41,7 +41,7 @@ from tandem.server.protocol import (
 from tandem.server.tool_calls import NamedToolOutput, OutputReader, PlainOutput, collect
 from tandem.structured import BACKEND as GRAMMAR_BACKEND
 from tandem.structured import StructuredOutputsParams
-from tandem.tokenizer import Tokenizer, content_format, encodable
+from tandem.tokenizer import Tokenizer, content_format, developer_as_system, encodable
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 logger = logging.getLogger("uvicorn.error")  # the logger `tandem serve` prints
@@ -920,7 +920,7 @@ def chat_prompt(
     try:
         return encodable(
             tokenizer.apply_chat_template(
-                [m.as_template_input(fmt) for m in body.messages],
+                developer_as_system([m.as_template_input(fmt) for m in body.messages], template),
                 tools,
                 chat_template=body.chat_template or options.chat_template,
                 add_generation_prompt=body.add_generation_prompt,

@@ -146,7 +146,7 @@ def test_echo_scores_a_batch_of_token_id_prompts(client, folder):
         ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
         ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0, "echo": False}, "max_tokens"),
         ("/v1/completions", {"prompt": PROMPT, "echo": True, "logprobs": 21}, "logprobs"),
-        ("/v1/completions", {"prompt": PROMPT, "echo": True, "logprobs": -1}, "logprobs"),
+        ("/v1/completions", {"prompt": PROMPT, "echo": True, "logprobs": -2}, "logprobs"),
     ],
 )  # fmt: skip
 def test_bad_echo_requests_are_400s_naming_the_field(server, path, body, field):

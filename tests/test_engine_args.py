@@ -43,8 +43,62 @@ def test_requests_asking_more_top_ids_than_max_logprobs_are_value_errors(folder)
     assert not llm.engine.has_unfinished()  # the refused requests left nothing behind
 
 
-@pytest.mark.parametrize("bad", [21, -1, 2.5])
-def test_max_logprobs_outside_0_to_20_is_a_value_error(folder, bad):
+def reference_rows(folder: str, ids: list[int]) -> torch.Tensor:
+    """[len(ids) - 1, vocab] float64: transformers' log-softmax after each of `ids` but the last."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([ids[:-1]])).logits[0].double().log_softmax(-1)
+
+
+def assert_top(entry: dict, row: torch.Tensor, k: int) -> None:
+    """A position's logprobs hold the top k ids of `row` (ranks 1..k) with its values."""
+    top = {token: value for token, value in entry.items() if value.rank <= k}
+    want = row.topk(k)
+    assert set(top) == set(want.indices.tolist())
+    for token, value in top.items():
+        assert abs(value.logprob - row[token].item()) < 1e-4
+        assert value.rank == int((row > row[token] + 1e-6).sum()) + 1
+
+
+def test_max_logprobs_past_20_and_minus_1_return_the_top_ids_transformers_gives(folder):
+    """vLLM's max_logprobs above 20, and -1 (the whole vocabulary, also what a request's -1
+    asks for): the sampled positions' and the prompt's top ids and values are those of
+    transformers' log-softmax, the whole vocabulary for -1."""
+    llm = LLM(folder, max_model_len=64, max_logprobs=-1)
+    vocab = llm.engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=3, temperature=0, logprobs=-1, prompt_logprobs=50)
+    [out] = llm.generate("Hello there", params, use_tqdm=False)
+    prompt, tokens = out.prompt_token_ids, out.outputs[0].token_ids
+    rows = reference_rows(folder, prompt + tokens)
+    for k, entry in enumerate(out.outputs[0].logprobs):
+        assert len(entry) == vocab and next(iter(entry)) == tokens[k]  # the sampled id first
+        assert_top(entry, rows[len(prompt) - 1 + k], vocab)
+    for p in range(1, len(prompt)):
+        assert_top(out.prompt_logprobs[p], rows[p - 1], 50)
+    wide = LLM(folder, max_model_len=64, max_logprobs=30)
+    [out] = wide.generate("Hello there", SamplingParams(max_tokens=3, logprobs=30), use_tqdm=False)
+    rows = reference_rows(folder, prompt + out.outputs[0].token_ids)
+    for k, entry in enumerate(out.outputs[0].logprobs):
+        assert_top(entry, rows[len(prompt) - 1 + k], 30)
+    with pytest.raises(ValueError, match="logprobs asks for 31 top ids, more than max_logprobs"):
+        wide.generate("Hello", SamplingParams(max_tokens=1, logprobs=31), use_tqdm=False)
+    with pytest.raises(ValueError, match="logprobs asks for -1 top ids"):
+        wide.generate("Hello", SamplingParams(max_tokens=1, logprobs=-1), use_tqdm=False)
+
+
+def test_logprob_buffers_past_their_limit_are_a_value_error_naming_max_logprobs(
+    folder, monkeypatch
+):
+    monkeypatch.setattr("tandem.io_slot.MAX_LOGPROB_BUFFER_BYTES", 4 << 20)
+    with pytest.raises(ValueError, match=r"max_logprobs=-1 \(704 ids a position\) needs 90 MiB"):
+        LLM(folder, max_model_len=64, max_logprobs=-1)
+    LLM(folder, max_model_len=64, max_logprobs=20)  # 2.6 MiB
+
+
+@pytest.mark.parametrize("bad", [-2, 2.5])
+def test_max_logprobs_below_minus_1_or_not_an_int_is_a_value_error(folder, bad):
     with pytest.raises(ValueError, match="max_logprobs"):
         LLM(folder, max_logprobs=bad)
 

@@ -212,8 +212,7 @@ def test_scoring_a_one_token_prompt_finishes_at_once(make_tiny):
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"prompt_logprobs": 21}, "prompt_logprobs"),
-        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": -2}, "prompt_logprobs"),
         ({"prompt_logprobs": 1.5}, "prompt_logprobs"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": -1, "prompt_logprobs": 0}, "max_tokens"),

@@ -1143,7 +1143,7 @@ def test_special_tokens_and_stop_strings_in_the_text_as_the_offline_llm(client, 
         assert want.text.endswith(stop) == keep
 
 
-def test_chat_top_logprobs_needs_logprobs_and_is_at_most_20(server):
+def test_chat_top_logprobs_needs_logprobs_and_is_at_most_max_logprobs(server):
     body = {"messages": MESSAGES, "max_tokens": 2}
     without_logprobs = {**body, "top_logprobs": 3}
     assert_openai_error(post(server, "/v1/chat/completions", without_logprobs), 400, "top_logprobs")

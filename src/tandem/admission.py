@@ -84,7 +84,7 @@ class Admission:
         self.check_priority(priority)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r:.80}")
-        self._check_num_logprobs(params)
+        params = self._num_logprobs(params)
         if lora_request is not None:
             self._check_lora(lora_request)
         if pooling is not None:
@@ -267,16 +267,27 @@ class Admission:
             raise ValueError("bad_words need the model's tokenizer.json; use logit_bias instead")
         return penalties.bad_word_token_ids(self.tokenizer, params.bad_words)
 
-    def _check_num_logprobs(self, params: SamplingParams) -> None:
-        """vLLM's max_logprobs: the most top ids a request may ask for."""
-        most = self.config.max_logprobs
-        asked = (("logprobs", params.num_top_logprobs), ("prompt_logprobs", params.prompt_logprobs))
-        for name, num in asked:
-            if num is not None and num > most:
+    def _num_logprobs(self, params: SamplingParams) -> SamplingParams:
+        """`params`, checked against vLLM's max_logprobs (the most top ids a request may ask
+        for); a copy with the vocabulary's size for a count of -1 (vLLM's: all of it)."""
+        vocab = self.model_config.vocab_size
+        most = self.config.logprobs_width(vocab)
+        asked = {"logprobs": params.num_top_logprobs, "prompt_logprobs": params.prompt_logprobs}
+        for name, num in asked.items():
+            if num is not None and (vocab if num == -1 else num) > most:
                 raise ValueError(
-                    f"{name}={num} asks for more top ids than max_logprobs={most} allows "
-                    "(an engine argument)"
+                    f"{name} asks for {num} top ids, more than max_logprobs="
+                    f"{self.config.max_logprobs} allows (an engine argument; -1: the whole "
+                    f"vocabulary of {vocab})"
                 )
+        if -1 not in asked.values():
+            return params
+        params = params.clone()
+        if asked["logprobs"] == -1:
+            params.logprobs = vocab
+        if asked["prompt_logprobs"] == -1:
+            params.prompt_logprobs = vocab
+        return params
 
     def _check_token_ids(self, ids: list[int], most: int) -> list[int]:
         if not ids:

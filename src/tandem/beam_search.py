@@ -22,7 +22,7 @@ from tandem.config import check_bools, check_int
 from tandem.lora import LoRARequest, per_prompt
 from tandem.outputs import Logprob
 from tandem.request import Prompt, prompt_list, split_prompt
-from tandem.sampling import MAX_LOGPROBS, MAX_TEMPERATURE, SamplingParams
+from tandem.sampling import MAX_TEMPERATURE, SamplingParams
 
 if TYPE_CHECKING:
     from tandem.llm import LLM
@@ -42,11 +42,6 @@ class BeamSearchParams:
 
     def validate(self) -> None:
         check_int("beam_width", self.beam_width, 1)
-        if 2 * self.beam_width > MAX_LOGPROBS:
-            raise ValueError(
-                f"beam_width must be at most {MAX_LOGPROBS // 2} (each round reads the top "
-                f"2 x beam_width logprobs, at most {MAX_LOGPROBS}), got {self.beam_width}"
-            )
         check_int("max_tokens", self.max_tokens, 1)
         if self.structured_outputs is not None:
             raise ValueError("beam search does not take structured_outputs here; use generate")
@@ -139,6 +134,12 @@ class BeamSearch:
         loras: list[LoRARequest | None] | None = None,
     ):
         params.validate()
+        if 2 * params.beam_width > engine.logprobs_width:
+            raise ValueError(
+                f"beam_width must be at most {engine.logprobs_width // 2} (each round reads the "
+                f"top 2 x beam_width logprobs, at most max_logprobs={engine.logprobs_width}: an "
+                f"engine argument), got {params.beam_width}"
+            )
         for index, tokens in enumerate(starts, first):
             if not tokens:
                 raise ValueError(f"prompts[{index}] has no tokens")

@@ -730,8 +730,8 @@ class EngineConfig:
     structured_outputs_config: Any = None
     # one of LOGPROBS_MODES: what sample logprobs hold (prompt logprobs stay raw_logprobs)
     logprobs_mode: str = "raw_logprobs"
-    # the most top ids a request's logprobs or prompt_logprobs may ask for (vLLM's; at most 20,
-    # the width of the slots' logprob buffers)
+    # the most top ids a request's logprobs or prompt_logprobs may ask for (vLLM's; -1: the
+    # whole vocabulary): the width of the slots' logprob buffers (`logprobs_width`)
     max_logprobs: int = 20
     # vLLM's: a stream (AsyncLLM, the server) sends a request's tokens once this many have come,
     # the first token and the last at once; 1: every step's
@@ -815,9 +815,13 @@ class EngineConfig:
                 raise ValueError(f"{name}={value!r} is not supported: {why}")
         check_bools(self, "disable_mm_preprocessor_cache")
 
+    def logprobs_width(self, vocab_size: int) -> int:
+        """The most top ids a position returns: max_logprobs, the whole vocabulary for -1."""
+        return vocab_size if self.max_logprobs == -1 else min(self.max_logprobs, vocab_size)
+
     def validate(self) -> None:
         from tandem.reasoning import check_parser
-        from tandem.sampling import MAX_LOGPROBS, check_seed
+        from tandem.sampling import check_seed
         from tandem.torch_profile import checked_config
         from tandem.weight_transfer import as_config  # torch.distributed, only when validating
 
@@ -893,12 +897,7 @@ class EngineConfig:
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
         self.check_vllm_choices()
-        check_int("max_logprobs", self.max_logprobs, 0)
-        if self.max_logprobs > MAX_LOGPROBS:
-            raise ValueError(
-                f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the engine returns at most "
-                f"{MAX_LOGPROBS} top ids a position), got {self.max_logprobs}"
-            )
+        check_int("max_logprobs", self.max_logprobs, -1, "(-1: the whole vocabulary)")
         self.profiler_config = checked_config(self.profiler_config)
         self.check_vllm_only_values()
         if self.logprobs_mode not in LOGPROBS_MODES:

@@ -23,6 +23,7 @@ from tandem.batch import BatchBuilder, StepBatch, StepFailed
 from tandem.batch_invariant import invariant_attention, make_batch_invariant
 from tandem.compilation import graph_plan
 from tandem.config import FIT_TO_CACHE, EngineConfig, ModelConfig, cdiv
+from tandem.io_slot import check_logprobs_width
 from tandem.kv_cache import BlockAllocator, allocate_kv_cache, bytes_per_block
 from tandem.logits_processors import LogitsProcessors
 from tandem.lora import AdapterCache, AdapterSlots, read_adapter
@@ -158,6 +159,14 @@ class Engine:
         self.sampling_defaults = generation_config.sampling_defaults(
             folder, config.generation_config, config.override_generation_config
         )
+        # the most top ids a position's logprobs return: the width of the slots' buffers
+        self.logprobs_width = config.logprobs_width(cfg.vocab_size)
+        check_logprobs_width(
+            self.logprobs_width,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            config.max_logprobs,
+        )
         self.model = build_model(
             cfg,
             hf_config,
@@ -291,6 +300,7 @@ class Engine:
             logprobs_mode=config.logprobs_mode,
             logits_processors=self.logits_processors,
             prompt_embeds=config.enable_prompt_embeds,
+            max_top=self.logprobs_width,
         )
         if self.runner.cuda and (self.runner.graph_sizes or self.runner.token_buckets):
             self.runner.capture_graphs()
@@ -911,7 +921,7 @@ class Engine:
     def _append_outputs(self, batch: StepBatch, out: dict[str, np.ndarray]) -> list[Request]:
         num_seqs = len(batch.requests)
         sampled = out["sampled"][:num_seqs].tolist()
-        logprobs = None if batch.num_top_logprobs is None else _step_logprobs(out, num_seqs, batch)
+        logprobs = None if batch.num_top_logprobs is None else _step_logprobs(out, batch)
         updated = self._append_prompt_logprobs(batch) if batch.prompt_logprobs else []
         if batch.pooling is not None:
             updated += self._append_embeddings(batch)
@@ -1085,13 +1095,12 @@ class StepLogprobs(NamedTuple):
     top_values: list[list[float]]
 
 
-def _step_logprobs(out: dict[str, np.ndarray], num_seqs: int, batch: StepBatch) -> StepLogprobs:
-    width = batch.num_top_logprobs
+def _step_logprobs(out: dict[str, np.ndarray], batch: StepBatch) -> StepLogprobs:
+    num_seqs = len(batch.requests)
     return StepLogprobs(
         out["sampled_logprob"][:num_seqs].tolist(),
         out["sampled_rank"][:num_seqs].tolist(),
-        out["top_ids"][:num_seqs, :width].tolist(),
-        out["top_logprobs"][:num_seqs, :width].tolist(),
+        *batch.slot.top_logprobs.read(num_seqs, batch.num_top_logprobs),
     )
 
 

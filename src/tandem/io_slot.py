@@ -15,11 +15,12 @@ import torch
 from tandem.pooling import PoolingBuffers
 from tandem.prompt_embeds import PromptEmbedBuffers
 from tandem.prompt_logprobs import PromptLogprobBuffers
-from tandem.sampling import MAX_LOGPROBS
 from tandem.structured import MaskBuffers
-from tandem.token_logprobs import TokenLogprobBuffers
+from tandem.token_logprobs import TokenLogprobBuffers, TopLogprobBuffers
 
 MAX_BANNED_IDS = 32  # EOS ids plus stop_token_ids suppressed while a request is under min_tokens
+# the most device memory the two slots' logprob buffers may take (each has a pinned host twin)
+MAX_LOGPROB_BUFFER_BYTES = 4 << 30
 
 
 def input_fields(
@@ -71,11 +72,29 @@ def output_fields(max_seqs: int) -> dict[str, tuple[tuple[int, ...], torch.dtype
     b = max_seqs
     return {
         "sampled": ((b,), torch.int32),
-        "top_ids": ((b, MAX_LOGPROBS), torch.int32),
         "sampled_logprob": ((b,), torch.float32),
         "sampled_rank": ((b,), torch.int32),  # 1 + the tokens at least as likely, itself counted
-        "top_logprobs": ((b, MAX_LOGPROBS), torch.float32),
     }
+
+
+def logprob_buffer_bytes(max_top: int, max_tokens: int, max_seqs: int) -> int:
+    """Device bytes of the two slots' logprob buffers `max_top` ids wide: every prompt-logprob
+    row of a step (max_num_batched_tokens: values, ids) and every sampled row (max_num_seqs: ids,
+    values) has room for them. The KV cache is sized after them."""
+    return 2 * 4 * (max_tokens * (2 * max_top + 1) + max_seqs * 2 * max_top)
+
+
+def check_logprobs_width(max_top: int, max_tokens: int, max_seqs: int, max_logprobs: int) -> None:
+    """A ValueError where `max_top` ids a position (max_logprobs') make the two slots' logprob
+    buffers larger than MAX_LOGPROB_BUFFER_BYTES."""
+    size = logprob_buffer_bytes(max_top, max_tokens, max_seqs)
+    if size > MAX_LOGPROB_BUFFER_BYTES:
+        raise ValueError(
+            f"max_logprobs={max_logprobs} ({max_top} ids a position) needs {size >> 20:,} MiB of "
+            f"logprob buffers at max_num_batched_tokens={max_tokens} and max_num_seqs="
+            f"{max_seqs}, over {MAX_LOGPROB_BUFFER_BYTES >> 20:,} MiB; lower max_logprobs or "
+            "max_num_batched_tokens"
+        )
 
 
 def fill_padding(x: dict[str, np.ndarray], start: int, end: int) -> None:
@@ -149,7 +168,9 @@ class IOSlot:
         num_labels: int = 0,
         lora: bool = False,
         embeds_dtype: torch.dtype | None = None,
+        max_top: int = 20,
     ):
+        """`max_top`: the most top ids a position's logprobs return (`logprobs_width`)."""
         pin = device.type == "cuda"
         self.index = index
         fields = input_fields(max_tokens, max_seqs, max_blocks, lora)
@@ -161,8 +182,10 @@ class IOSlot:
         )
         self.np_in = self.host_in.numpy()
         self.np_out = self.host_out.numpy()
+        # sample logprobs' top ids, copied only in steps with logprobs, and only their k
+        self.top_logprobs = TopLogprobBuffers(max_seqs, max_top, device)
         # copied only in steps with prompt-logprob rows, and only those rows
-        self.prompt_logprobs = PromptLogprobBuffers(max_tokens, device)
+        self.prompt_logprobs = PromptLogprobBuffers(max_tokens, max_top, device)
         # logprob_token_ids' ids and values, copied only in steps with rows that name ids
         self.token_logprobs = TokenLogprobBuffers(max_seqs, device)
         # embedding requests' rows and vectors, copied only in steps that pool rows

@@ -8,6 +8,7 @@ import torch
 
 from tandem.attention import AttentionBackend, AttentionMetadata
 from tandem.config import FIT_TO_CACHE, EngineConfig, ModelConfig, cdiv
+from tandem.io_slot import logprob_buffer_bytes
 from tandem.kv_cache import allocate_kv_cache, bytes_per_block
 from tandem.model.decoder import Decoder
 from tandem.sampling import SamplingTensors, sample
@@ -45,7 +46,12 @@ def num_kv_blocks(
         # the weights, and whatever else this process holds
         held = torch.cuda.memory_allocated(device)
         peak = peak_step_memory(config, cfg, kv_cache_dtype, device, max_model_len, model, attend)
-        budget = wanted - peak
+        width = config.logprobs_width(cfg.vocab_size)  # the IO slots' logprob buffers come later
+        budget = (
+            wanted
+            - peak
+            - logprob_buffer_bytes(width, config.max_num_batched_tokens, config.max_num_seqs)
+        )
         if budget < per_block:
             weights = sum(t.nbytes for t in itertools.chain(model.parameters(), model.buffers()))
             raise ValueError(

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 from tandem.model import fused
 from tandem.request import Request
-from tandem.sampling import MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from tandem.model.decoder import Decoder
@@ -57,9 +56,8 @@ class PromptLogprobBuffers:
     """One slot's prompt-logprob inputs and outputs, host (pinned on CUDA) and device, each a
     flat buffer so that a step's first rows are one contiguous copy."""
 
-    def __init__(self, max_tokens: int, device: torch.device):
+    def __init__(self, max_tokens: int, max_top: int, device: torch.device):
         pin = device.type == "cuda"
-        width = 1 + MAX_LOGPROBS
 
         def pair(size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
             host = torch.zeros(size, dtype=dtype, pin_memory=pin)
@@ -67,10 +65,10 @@ class PromptLogprobBuffers:
 
         # [rows, 2] int32: (the row's index among the step's tokens, its target token id)
         self.host_pairs, self.dev_pairs = pair(2 * max_tokens, torch.int32)
-        # [rows, 1 + k] float32: the target's logprob, then the top k
-        self.host_values, self.dev_values = pair(width * max_tokens, torch.float32)
+        # [rows, 1 + k] float32: the target's logprob, then the top k (k <= max_top)
+        self.host_values, self.dev_values = pair((1 + max_top) * max_tokens, torch.float32)
         # [rows, k] int32: the top k ids
-        self.host_ids, self.dev_ids = pair(MAX_LOGPROBS * max_tokens, torch.int32)
+        self.host_ids, self.dev_ids = pair(max_top * max_tokens, torch.int32)
         # [rows] int32: the target's rank, the ids at least as likely (itself included: vLLM's)
         self.host_ranks, self.dev_ranks = pair(max_tokens, torch.int32)
         self.np_pairs = self.host_pairs.numpy()

@@ -103,7 +103,9 @@ class Runner:
         logprobs_mode: str = "raw_logprobs",
         prompt_embeds: bool = False,
         logits_processors: LogitsProcessors | None = None,
+        max_top: int = 20,
     ):
+        """`max_top`: the most top ids a position's logprobs return (`logprobs_width`)."""
         self.model = model
         self.logprobs_mode = logprobs_mode  # config.LOGPROBS_MODES: what sample logprobs hold
         # custom processors (logits_processors.py): every step's sampling runs them, eagerly
@@ -121,7 +123,7 @@ class Runner:
         # prompts of embeddings: the slots carry their rows, in the model's dtype
         embeds_dtype = model.embed_tokens.weight.dtype if prompt_embeds else None
         args = (max_tokens, max_seqs, max_blocks, device, mask_vocab_size, hidden, labels)
-        self.slots = [IOSlot(i, *args, lora, embeds_dtype) for i in range(2)]
+        self.slots = [IOSlot(i, *args, lora, embeds_dtype, max_top) for i in range(2)]
         self.cuda = device.type == "cuda"
         # decode-only steps of up to max_seqs rows replay a graph captured for the next size up
         self.graph_sizes = graph_sizes  # e.g. graph_batch_sizes; [] without whole graphs
@@ -272,6 +274,8 @@ class Runner:
             self.d2h_stream.wait_event(self.compute_done[i])
             timing.start(2)
             slot.host_out.copy_from(slot.dev_out)
+            if batch.num_top_logprobs:
+                slot.top_logprobs.copy_out(len(batch.requests), batch.num_top_logprobs)
             if batch.prompt_logprobs is not None:
                 slot.prompt_logprobs.copy_out(
                     batch.prompt_logprobs.num_rows, batch.prompt_logprobs.num_top
@@ -483,9 +487,7 @@ class Runner:
             out["sampled_rank"][:num_seqs],
         )  # fmt: skip
         if num_top_logprobs:
-            top_ids, top_values = top_logprobs(source, shift, num_top_logprobs)
-            out["top_ids"][:num_seqs, :num_top_logprobs].copy_(top_ids)
-            out["top_logprobs"][:num_seqs, :num_top_logprobs].copy_(top_values)
+            slot.top_logprobs.write(*top_logprobs(source, shift, num_top_logprobs))
         if token_logprobs is not None:
             gather_token_logprobs(source, shift, slot.token_logprobs, token_logprobs)
 

@@ -26,7 +26,6 @@ PromptRows = TypeVar("PromptRows", list[int], torch.Tensor)
 
 logger = logging.getLogger(__name__)
 
-MAX_LOGPROBS = 20
 MAX_LOGPROB_TOKEN_IDS = 128  # the width of token_logprobs.TokenLogprobBuffers' rows (vLLM's)
 MAX_N = 128  # samples per prompt (OpenAI's limit): one call must not queue millions of requests
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # an int64, as vLLM takes it; -1 means no seed
@@ -207,10 +206,8 @@ class SamplingParams:
             )
         for token_id in self.stop_token_ids:
             check_int("stop_token_ids", token_id, 0)
-        if self.logprobs is not None:
-            check_int("logprobs", self.logprobs, 0)
-            if self.logprobs > MAX_LOGPROBS and self.logprob_token_ids is None:
-                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.logprobs is not None:  # vLLM's -1: the whole vocabulary (max_logprobs caps it)
+            check_int("logprobs", self.logprobs, -1, "(-1: the whole vocabulary)")
         if self.logprob_token_ids is not None:
             self._validate_logprob_token_ids()
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
@@ -295,11 +292,7 @@ class SamplingParams:
         if self.thinking_token_budget is not None:
             check_int("thinking_token_budget", self.thinking_token_budget, 0)
         if self.prompt_logprobs is not None:
-            check_int("prompt_logprobs", self.prompt_logprobs, 0)
-            if self.prompt_logprobs > MAX_LOGPROBS:
-                raise ValueError(
-                    f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
-                )
+            check_int("prompt_logprobs", self.prompt_logprobs, -1, "(-1: the whole vocabulary)")
 
     def clone(self) -> SamplingParams:
         """A deep copy: changing its lists, dicts or constraint leaves this one as it is."""

@@ -1,4 +1,5 @@
-"""Logprobs of chosen tokens: `SamplingParams.logprob_token_ids`, as vLLM returns them.
+"""Logprobs of chosen tokens: `SamplingParams.logprob_token_ids`, as vLLM returns them; and the
+slots' buffers of each row's top ids (`TopLogprobBuffers`), which share their layout.
 
 A request that names token ids gets, at each output position, the logprobs of exactly those
 ids (and of the sampled token, as with `logprobs`) in place of the top ones: a label set
@@ -30,24 +31,55 @@ class TokenLogprobStep:
     width: int  # the most ids any of its requests named
 
 
-class TokenLogprobBuffers:
-    """One slot's ids and their logprobs, host (pinned on CUDA) and device, each flat so that a
-    step's [rows, width] is one contiguous copy."""
+class RowLogprobBuffers:
+    """One slot's ids of each row and their logprobs, host (pinned on CUDA) and device, each flat
+    so that a step's [rows, width] is one contiguous copy."""
 
-    def __init__(self, max_seqs: int, device: torch.device):
+    def __init__(self, max_seqs: int, max_width: int, device: torch.device):
         pin = device.type == "cuda"
-        size = max_seqs * MAX_LOGPROB_TOKEN_IDS
+        size = max_seqs * max_width
 
         def pair(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
             host = torch.zeros(size, dtype=dtype, pin_memory=pin)
             return host, (torch.zeros(size, dtype=dtype, device=device) if pin else host)
 
-        # [rows, width] int32: each row's ids, padded with id 0 (read, never returned)
+        # [rows, width] int32: each row's ids
         self.host_ids, self.dev_ids = pair(torch.int32)
         # [rows, width] float32: their logprobs
         self.host_values, self.dev_values = pair(torch.float32)
         self.np_ids = self.host_ids.numpy()
         self.np_values = self.host_values.numpy()
+
+
+class TopLogprobBuffers(RowLogprobBuffers):
+    """Each row's top k ids, in rank order, and their logprobs (k <= max_logprobs): written by
+    the step's sampling, copied back only in steps with logprobs, only the step's [rows, k]."""
+
+    def write(self, ids: torch.Tensor, values: torch.Tensor) -> None:
+        """The step's [rows, k] top ids and logprobs into the device buffers' first rows."""
+        n = ids.numel()
+        self.dev_ids[:n].view_as(ids).copy_(ids)
+        self.dev_values[:n].view_as(values).copy_(values)
+
+    def copy_out(self, num_rows: int, k: int) -> None:
+        """D2H of the step's [rows, k], on the current stream (the caller's d2h_stream)."""
+        n = num_rows * k
+        self.host_ids[:n].copy_(self.dev_ids[:n], non_blocking=True)
+        self.host_values[:n].copy_(self.dev_values[:n], non_blocking=True)
+
+    def read(self, num_rows: int, k: int) -> tuple[list[list[int]], list[list[float]]]:
+        """The read-back step's top ids and logprobs, as lists of its rows."""
+        n = num_rows * k
+        ids, values = self.np_ids[:n].reshape(num_rows, k), self.np_values[:n].reshape(num_rows, k)
+        return ids.tolist(), values.tolist()
+
+
+class TokenLogprobBuffers(RowLogprobBuffers):
+    """The ids each row names (padded with id 0: read, never returned), at most
+    MAX_LOGPROB_TOKEN_IDS, in; their logprobs out."""
+
+    def __init__(self, max_seqs: int, device: torch.device):
+        super().__init__(max_seqs, MAX_LOGPROB_TOKEN_IDS, device)
 
     def copy_in(self, step: TokenLogprobStep) -> None:
         """H2D of the step's ids, on the current stream (the caller's h2d_stream)."""

@@ -201,6 +201,50 @@ def test_logprob_steps_replay_the_forward_graph_and_equal_eager_steps(
             assert_entries_close(entry_a, entry_b, token, tolerance=2e-3)
 
 
+def test_logprobs_of_the_whole_vocabulary_match_transformers_and_wait_only_on_d2h_done(
+    make_tiny, counted_waits
+):
+    """max_logprobs=-1 on the async graphed engine: rows asking for 40 top ids and for every id
+    (-1, with the prompt's too) beside rows asking for none or 0 get transformers' ids and
+    log-softmax values (TF32 apart) from the slots' top-logprob buffers, and the step loop still
+    waits only on d2h_done."""
+    from transformers import AutoModelForCausalLM
+
+    folder = str(make_tiny("llama"))
+    llm = LLM(folder, dtype="float32", max_model_len=256, num_blocks=64, max_logprobs=-1)
+    vocab = llm.engine.model_config.vocab_size
+    kinds = [{"logprobs": 40}, {}, {"logprobs": -1, "prompt_logprobs": -1}, {"logprobs": 0}]
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, **k) for k in kinds]
+    counted_waits.clear()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = llm.generate(prompts(vocab)[:4], params, use_tqdm=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sorted(counted_waits) == list(range(llm.engine.num_steps))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda()
+    for out, kind in zip(outs, kinds, strict=True):
+        prompt, tokens = out.prompt_token_ids, out.outputs[0].token_ids
+        with torch.no_grad():
+            rows = model(torch.tensor([prompt + tokens[:-1]]).cuda()).logits[0]
+        rows = rows.double().log_softmax(-1).cpu()
+        width = {None: None, 0: 0, 40: 40, -1: vocab}[kind.get("logprobs")]
+        if width is None:
+            assert out.outputs[0].logprobs is None
+            continue
+        for k, entry in enumerate(out.outputs[0].logprobs):
+            row = rows[len(prompt) - 1 + k]
+            assert len(entry) == width + (tokens[k] not in row.topk(width).indices.tolist())
+            for token, value in entry.items():
+                assert value.logprob == pytest.approx(row[token].item(), abs=2e-3)
+        if "prompt_logprobs" in kind:
+            for p in range(1, len(prompt)):
+                entry = out.prompt_logprobs[p]
+                assert len(entry) == vocab
+                got = torch.tensor([entry[t].logprob for t in range(vocab)], dtype=torch.float64)
+                torch.testing.assert_close(got, rows[p - 1], atol=2e-3, rtol=0)
+
+
 def assert_entries_close(a: dict, b: dict, sampled: int, tolerance: float) -> None:
     """Two runs' logprob entries of one position (whose sampled token is `sampled`): the same
     ids with values within `tolerance` and the same ranks, but where rounding breaks a near-tie

@@ -194,3 +194,25 @@ def test_logprob_token_ids_are_clean_under_the_stream_sanitizer(run_sanitized):
         print("ok")
     """)
     assert run_sanitized(script).strip().endswith("ok")
+
+
+def test_logprobs_of_the_whole_vocabulary_are_clean_under_the_stream_sanitizer(run_sanitized):
+    """max_logprobs=-1: the slots' top-logprob buffers (written on the compute stream, copied
+    on the D2H stream, as wide as the vocabulary) beside a plain row and prompt logprobs."""
+    script = textwrap.dedent("""
+        import sys
+        from tandem import LLM, SamplingParams
+        from tandem.model.tiny import make_tiny_model
+        llm = LLM(str(make_tiny_model(sys.argv[1], "llama")), max_model_len=128,
+                  num_blocks=32, max_logprobs=-1)  # the test process holds the device too
+        vocab = llm.engine.model_config.vocab_size
+        params = [SamplingParams(max_tokens=12, ignore_eos=True, logprobs=-1, prompt_logprobs=50),
+                  SamplingParams(max_tokens=9, ignore_eos=True),
+                  SamplingParams(max_tokens=10, ignore_eos=True, logprobs=40)]
+        outs = llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 3, params, use_tqdm=False)
+        assert all(len(e) == vocab for e in outs[0].outputs[0].logprobs)
+        assert all(len(e) in (50, 51) for e in outs[0].prompt_logprobs[1:])
+        assert all(len(e) in (40, 41) for e in outs[2].outputs[0].logprobs)
+        print("ok")
+    """)
+    assert run_sanitized(script).strip().endswith("ok")

@@ -72,8 +72,9 @@ async def search(
     `priority`, under `lora_request`'s adapter)."""
     try:
         beams = BeamSearch(starts, params, llm.engine)
-    except ValueError as error:
-        raise OpenAIError(str(error), param="prompt") from error
+    except ValueError as error:  # the width max_logprobs allows (n), or a prompt's length
+        param = BODY_FIELDS.get(str(error).split(" ", 1)[0], "prompt")
+        raise OpenAIError(str(error), param=param) from error
     round_params = replace(beams.round_params, output_kind=RequestOutputKind.FINAL_ONLY)
     call = uuid.uuid4().hex
     for index in range(params.max_tokens):

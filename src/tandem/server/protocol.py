@@ -8,7 +8,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tandem.sampling import MAX_LOGPROBS, MAX_N, MAX_TOP_K
+from tandem.sampling import MAX_N, MAX_TOP_K
 from tandem.tokenizer import encodable, template_content, template_message, text_part
 
 Text = Annotated[str, AfterValidator(encodable)]
@@ -198,7 +198,7 @@ class SamplingRequest(BaseModel):
     # vLLM's: "left" keeps the prompt's last k tokens, "right" its first k; None: "left"
     truncation_side: Literal["left", "right"] | None = None
     # each prompt token's logprob and the top k at its position (not with stream)
-    prompt_logprobs: int | None = Field(None, ge=0)
+    prompt_logprobs: int | None = Field(None, ge=-1)  # vLLM's -1: the whole vocabulary
     # shares cached blocks only with requests of the same salt
     cache_salt: Annotated[str, Field(min_length=1), AfterValidator(encodable)] | None = None
     response_format: ResponseFormat | None = None
@@ -377,7 +377,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=-1)  # vLLM's -1: the whole vocabulary
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # False: one call at most, the first

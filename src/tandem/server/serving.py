@@ -1003,6 +1003,8 @@ def invalid_request(error: ValueError, body: SamplingRequest) -> OpenAIError:
     word, fields = str(error).split(" ", 1)[0], type(body).model_fields
     if word in (GRAMMAR_BACKEND, "structured_outputs"):  # the engine's constraint errors
         word = constraint_field(body)
+    if word == "logprobs" and "top_logprobs" in fields:  # a chat's count of top ids
+        word = "top_logprobs"
     if word.startswith("prompt") and word not in fields:  # prompt_token_ids: the body's field
         word = next(name for name in ("prompt", "messages", "token_ids") if name in fields)
     param = word if word in fields else None

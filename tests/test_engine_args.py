@@ -103,6 +103,18 @@ def test_max_logprobs_below_minus_1_or_not_an_int_is_a_value_error(folder, bad):
         LLM(folder, max_logprobs=bad)
 
 
+def test_llm_engine_and_model_config_are_vllm_s_names_for_the_engine_and_its_context(folder):
+    """vLLM scripts read `llm.llm_engine.model_config.max_model_len`, `llm.model_config` and
+    `llm.llm_engine.get_tokenizer()`: the context the engine serves (fitted to the KV cache for
+    -1) and the model's tokenizer."""
+    llm = LLM(folder, max_model_len=64)
+    assert llm.llm_engine is llm.engine
+    assert llm.llm_engine.model_config.max_model_len == llm.model_config.max_model_len == 64
+    assert llm.llm_engine.get_tokenizer() is llm.get_tokenizer() is not None
+    fitted = LLM(folder, max_model_len=-1, num_blocks=5, block_size=8)
+    assert fitted.model_config.max_model_len == fitted.engine.max_model_len == 5 * 8
+
+
 def test_skip_tokenizer_init_takes_token_ids_and_gives_token_ids_without_text(folder):
     llm = LLM(folder, max_model_len=64, skip_tokenizer_init=True)
     assert llm.engine.tokenizer is None

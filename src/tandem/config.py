@@ -284,6 +284,9 @@ class ModelConfig:
     embedding_multiplier: float | None = None
     residual_multiplier: float | None = None
     logits_scaling: float | None = None
+    # the context the engine serves (vLLM's model_config.max_model_len): set by the engine once
+    # it is known (a length fitted to the KV cache too); None in a config read from a file
+    max_model_len: int | None = None
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from tandem import scoring
 from tandem.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from tandem.config import EngineConfig, check_flags
+from tandem.config import EngineConfig, ModelConfig, check_flags
 from tandem.engine import Engine, check_pause_mode
 from tandem.inputs import Truncation, truncation
 from tandem.lora import LoRARequest, check_one_adapter_per_id, per_prompt
@@ -110,6 +110,17 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer | None:
         """The model's tokenizer, called as transformers' is (None for a model without one)."""
         return self.engine.tokenizer
+
+    @property
+    def llm_engine(self) -> Engine:
+        """vLLM's name for the engine, as scripts read it: `llm.llm_engine.model_config
+        .max_model_len`, `llm.llm_engine.get_tokenizer()`."""
+        return self.engine
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """vLLM's: the model's config, its `max_model_len` the context the engine serves."""
+        return self.engine.model_config
 
     def start_profile(self) -> None:
         """vLLM's: every rank's profiler on (the engine's profiler_config), between two steps."""

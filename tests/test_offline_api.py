@@ -543,6 +543,26 @@ def test_enqueue_chat_queues_conversations_that_wait_for_completion_answers_as_c
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
 
 
+def test_enqueue_and_enqueue_chat_take_vllm_s_positional_order(llm):
+    """vLLM's orders, which are not generate's: enqueue(prompts, sampling_params, lora_request,
+    priority, use_tqdm, ...) and enqueue_chat(messages, sampling_params, use_tqdm,
+    lora_request, priority, chat_template, ...); a positional priority is the priority."""
+    import inspect
+
+    assert list(inspect.signature(llm.enqueue).parameters)[:5] == [
+        "prompts", "sampling_params", "lora_request", "priority", "use_tqdm"
+    ]  # fmt: skip
+    assert list(inspect.signature(llm.enqueue_chat).parameters)[:6] == [
+        "messages", "sampling_params", "use_tqdm", "lora_request", "priority", "chat_template"
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="1 priorities for 2 prompts"):
+        llm.enqueue([PROMPT, PROMPT], GREEDY, None, [0])  # one priority for two prompts
+    chat = [[{"role": "user", "content": "Red?"}]] * 2
+    with pytest.raises(ValueError, match="1 priorities for 2 prompts"):
+        llm.enqueue_chat(chat, GREEDY, False, None, [0])
+    assert llm.wait_for_completion(use_tqdm=False) == []  # nothing was queued
+
+
 def test_a_groups_output_is_built_when_it_finishes_not_when_the_run_ends(llm, monkeypatch):
     """generate builds each prompt's RequestOutput (its Logprob objects) once its samples have
     finished, while the device runs the next step, so the end of a run builds only the last."""

@@ -283,13 +283,14 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: list[int] | None = None,
+        use_tqdm: UseTqdm = True,
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[str]:
-        """Queue prompts without running them, as vLLM's: `wait_for_completion` runs them (a
-        `generate` in between runs them too). Their request ids, in input order."""
+        """Queue prompts without running them, as vLLM's (its argument order, which is not
+        `generate`'s): `wait_for_completion` runs them (a `generate` in between runs them too).
+        Their request ids, in input order."""
         del use_tqdm  # queueing shows no progress
         groups = self._requests_for(
             prompts, sampling_params, lora_request, priority, tokenization_kwargs
@@ -563,6 +564,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: list[int] | None = None,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
@@ -571,8 +573,9 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[str]:
-        """`chat`'s conversations queued as `enqueue` queues prompts (vLLM's): their request
-        ids; `wait_for_completion` runs them."""
+        """`chat`'s conversations queued as `enqueue` queues prompts (vLLM's, in its argument
+        order: `priority` after `lora_request`): their request ids; `wait_for_completion` runs
+        them."""
         prompts = self._chat_prompts(
             messages,
             add_generation_prompt,
@@ -583,7 +586,7 @@ class LLM:
             chat_template_content_format,
         )
         return self.enqueue(
-            prompts, sampling_params, use_tqdm, lora_request,
+            prompts, sampling_params, lora_request, priority,
             tokenization_kwargs=tokenization_kwargs,
         )  # fmt: skip
 

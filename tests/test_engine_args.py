@@ -275,6 +275,13 @@ def test_the_executor_backends_of_one_process_per_rank_are_taken(folder, backend
         ({"worker_extension_cls": "my.Extension"}, "pass the function itself"),
         ({"served_model_name": "m"}, "--served-model-name"),
         ({"enable_return_routed_experts": True}, "routing"),
+        ({"offload_group_size": 8}, "stay in device memory"),
+        ({"offload_params": {"gate_up_proj"}}, "stay in device memory"),
+        ({"chat_template": "{{ messages }}"}, "LLM.chat takes chat_template per call"),
+        ({"pooler_config": {"pooling_type": "MEAN"}}, "PoolingParams"),
+        ({"quantization_config": {"activation_scheme": "dynamic"}}, "quantization names"),
+        ({"spec_method": "ngram"}, "no speculative decoding"),
+        ({"spec_tokens": 4}, "no speculative decoding"),
     ],
 )  # fmt: skip
 def test_vllm_s_other_values_are_value_errors_saying_why(folder, args, words):
@@ -293,6 +300,10 @@ def test_vllm_s_options_at_tandem_s_behaviour_generate_as_without_them(folder):
         mm_processor_kwargs=None, allowed_local_media_path="", allowed_media_domains=None,
         attention_config=None, enable_return_routed_experts=False, disable_sliding_window=False,
         data_parallel_size=1, worker_extension_cls="", served_model_name=None,
+        # vLLM's LLM(...) keywords at their defaults
+        offload_group_size=0, offload_num_in_group=1, offload_prefetch_step=1,
+        offload_params=None, chat_template=None, pooler_config=None, quantization_config=None,
+        spec_method=None, spec_model=None, spec_tokens=None,
         # vLLM's EngineArgs' None: the engine decides (tandem's defaults); no reasoning parser
         enable_prefix_caching=None, enable_chunked_prefill=None, max_num_seqs=None,
         max_num_batched_tokens=None, reasoning_parser="",

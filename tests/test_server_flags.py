@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient
 
 from tandem import LLM, SamplingParams
 from tandem.async_llm import AsyncLLM
-from tandem.cli import build_parser, main, server_options
+from tandem.cli import build_parser, engine_kwargs, main, server_options
 from tandem.server.app import build_app
 from tandem.server.lifecycle import uvicorn_config
 from tandem.server.options import ServerOptions
@@ -122,6 +122,7 @@ def test_the_cli_reads_a_template_file_or_the_template_itself(tmp_path, folder):
     for value in (str(path), TEMPLATE):
         args = parser.parse_args(["serve", folder, "--chat-template", value])
         assert args.chat_template == TEMPLATE
+        assert "chat_template" not in engine_kwargs(args)  # the server's, not the engine's
     args = parser.parse_args(["serve", folder, "--default-chat-template-kwargs", '{"tone": "x"}'])
     assert args.default_chat_template_kwargs == {"tone": "x"}
     for flags in (

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 # the serving commands' own flags of these names name the server's model and its replicas
 ENGINE_ARGS = {f.name for f in fields(EngineConfig)} - {
     "model", "served_model_name", "data_parallel_size",
+    "chat_template",  # --chat-template is the server's (ServerOptions), not the engine's
 }  # fmt: skip
 
 

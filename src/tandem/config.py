@@ -160,6 +160,32 @@ UNUSED_VLLM_OPTIONS: dict[str, tuple[Any, str]] = {
         "an FP8 KV cache's scales are the checkpoint's k_scale and v_scale (1.0 without them)",
     ),
     "kv_transfer_config": (lambda v: v is None, "no KV cache moves between engines"),
+    # vLLM's LLM(...) keywords at their defaults
+    **{
+        name: (lambda v, default=default: v == default and not isinstance(v, bool), why)
+        for name, default, why in [
+            ("offload_group_size", 0, "the weights stay in device memory"),
+            ("offload_num_in_group", 1, "the weights stay in device memory"),
+            ("offload_prefetch_step", 1, "the weights stay in device memory"),
+        ]
+    },
+    "offload_params": (lambda v: not v, "the weights stay in device memory"),
+    "chat_template": (
+        lambda v: v is None,
+        "LLM.chat takes chat_template per call, the server --chat-template",
+    ),
+    "pooler_config": (
+        lambda v: v is None,
+        "pooling is set per call by PoolingParams (normalize, use_activation, dimensions)",
+    ),
+    "quantization_config": (
+        lambda v: v is None,
+        "quantization names the scheme; a checkpoint's own settings are read from its config",
+    ),
+    **{
+        name: (lambda v: v is None, "tandem has no speculative decoding")
+        for name in ("spec_method", "spec_model", "spec_tokens")
+    },
     # vLLM's scheduler options at their defaults: prompts chunked by the step's token budget
     # alone, no speculative lookahead
     **{
@@ -759,6 +785,16 @@ class EngineConfig:
     cpu_offload_gb: float = 0
     calculate_kv_scales: bool = False
     kv_transfer_config: dict | None = None
+    offload_group_size: int = 0
+    offload_num_in_group: int = 1
+    offload_prefetch_step: int = 1
+    offload_params: set | None = None
+    chat_template: str | None = None
+    pooler_config: Any = None
+    quantization_config: Any = None
+    spec_method: str | None = None
+    spec_model: str | None = None
+    spec_tokens: int | None = None
     limit_mm_per_prompt: dict | None = None  # a text model's: None, or every count 0
     disable_mm_preprocessor_cache: bool = False  # no effect: tandem has no multi-modal inputs
     max_num_partial_prefills: int = 1

@@ -681,3 +681,20 @@ def test_generate_leaves_no_cyclic_garbage(llm):
     outputs = llm.generate(["cycles?"] * 3, params, use_tqdm=False)
     del outputs
     assert gc.collect() == 0
+
+
+def test_vllm_s_sampling_params_module_path_names_the_same_classes():
+    """`from vllm.sampling_params import ...` carries over: the classes vLLM's module defines
+    that tandem has, the very ones `tandem` exports."""
+    import tandem
+    from tandem import sampling_params
+
+    for name in ("SamplingParams", "BeamSearchParams", "StructuredOutputsParams"):
+        assert getattr(sampling_params, name) is getattr(tandem, name)
+    params = sampling_params.SamplingParams(
+        max_tokens=2, output_kind=sampling_params.RequestOutputKind.DELTA,
+        repetition_detection=sampling_params.RepetitionDetectionParams(
+            max_pattern_size=4, min_count=3
+        ),
+    )  # fmt: skip
+    params.validate()

@@ -168,8 +168,8 @@ def test_tokenization_kwargs_truncate_prompts_as_vllm_moved_the_argument_there(l
     [chat] = llm.chat([{"role": "user", "content": "hello " * 20}], greedy, use_tqdm=False,
                       **kwargs)  # fmt: skip
     assert len(chat.prompt_token_ids) == 5
-    with pytest.raises(ValueError, match="truncate_prompt_tokens and truncation_side alone"):
-        llm.generate(prompt, greedy, use_tqdm=False, tokenization_kwargs={"truncation": True})
+    with pytest.raises(ValueError, match="tokenization_kwargs takes truncate_prompt_tokens"):
+        llm.generate(prompt, greedy, use_tqdm=False, tokenization_kwargs={"padding": True})
     twice = replace(greedy, truncate_prompt_tokens=3)
     with pytest.raises(ValueError, match="give one"):
         llm.generate(prompt, twice, use_tqdm=False, **kwargs)

@@ -169,6 +169,13 @@ def test_a_cross_encoder_cuts_the_whole_pair_on_the_side_asked(classifiers):  # 
         llm.shutdown()
 
 
+def test_a_cross_encoder_refuses_add_special_tokens_false(classifiers):  # noqa: F811
+    """Its pair template's special tokens are how it reads a pair: a ValueError, not ignored."""
+    llm = LLM(classifiers[1][0], max_model_len=64)
+    with pytest.raises(ValueError, match="pair template, special tokens included"):
+        llm.score(QUERY, DOCUMENT, tokenization_kwargs={"add_special_tokens": False})
+
+
 def test_prompt_embeds_keep_their_first_k_embeddings_on_the_right(folder):
     """/v1/completions' prompt_embeds (usage counts the kept ones) and LLM.generate's."""
     embeds = random_embeds(folder, 10, seed=3)
@@ -251,6 +258,56 @@ def test_tokenization_kwargs_name_the_side_offline_as_vllm_s(folder):
             engine.shutdown()
 
     assert asyncio.run(first_ids()) == ids[:6]
+
+
+def test_tokenization_kwargs_add_special_tokens_and_truncation_as_vllm_reads_them(folder):
+    """vLLM's other tokenization_kwargs: add_special_tokens=False reads a text without the
+    tokenizer's BOS (generate, embed, AsyncLLM's generate and encode), True gives a chat's
+    rendered text one; transformers' truncation=True cuts to max_length, as
+    truncate_prompt_tokens does (-1 without it). The ids are transformers' tokenizer's."""
+    import asyncio
+
+    hf = AutoTokenizer.from_pretrained(folder, truncation_side="left")
+    bare, whole = hf(PROMPT, add_special_tokens=False).input_ids, hf(PROMPT).input_ids
+    assert whole[1:] == bare  # the tokenizer adds a BOS
+    llm = LLM(str(folder), max_model_len=MAX_LEN, block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=3)
+    no_bos = {"add_special_tokens": False}
+    [out] = llm.generate(PROMPT, params, use_tqdm=False, tokenization_kwargs=no_bos)
+    assert out.prompt_token_ids == bare and out.prompt == PROMPT
+    assert out.outputs[0].token_ids == transformers_greedy(folder, tuple(bare), 3)
+    [vector] = llm.embed(PROMPT, use_tqdm=False, tokenization_kwargs=no_bos)
+    want = normalized(reference(str(folder), tuple(bare)))
+    np.testing.assert_allclose(vector.outputs.embedding, want, rtol=1e-4, atol=1e-5)
+    template = hf.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    [chat] = llm.chat(MESSAGES, params, use_tqdm=False,
+                      tokenization_kwargs={"add_special_tokens": True})  # fmt: skip
+    assert chat.prompt_token_ids == hf(template).input_ids
+    cut = {"truncation": True, "max_length": 5}
+    [out] = llm.generate(PROMPT, params, use_tqdm=False, tokenization_kwargs=cut)
+    assert out.prompt_token_ids == hf(PROMPT, truncation=True, max_length=5).input_ids
+    for bad, words in (
+        ({"max_length": 5}, "max_length cuts prompts with truncation=True"),
+        ({"truncation": "only_second"}, "truncation must be"),
+        ({"add_special_tokens": "no"}, "add_special_tokens must be True or False"),
+        ({"padding": "max_length"}, "tokenization_kwargs takes"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            llm.generate(PROMPT, params, use_tqdm=False, tokenization_kwargs=bad)
+
+    async def streamed() -> tuple[list[int], list[float]]:
+        engine = AsyncLLM.from_model(str(folder), max_model_len=MAX_LEN, block_size=8)
+        try:
+            stream = engine.generate(PROMPT, params, "r", tokenization_kwargs=no_bos)
+            ids = [out.prompt_token_ids async for out in stream][-1]
+            pooled = engine.encode(PROMPT, None, "e", tokenization_kwargs=no_bos)
+            return ids, [out async for out in pooled][-1].outputs.embedding
+        finally:
+            engine.shutdown()
+
+    ids, embedding = asyncio.run(streamed())
+    assert ids == bare
+    np.testing.assert_allclose(embedding, want, rtol=1e-4, atol=1e-5)
 
 
 def test_a_text_cut_without_a_side_keeps_its_special_tokens_as_vllm_s_tokenizer(folder, tmp_path):

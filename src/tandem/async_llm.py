@@ -51,6 +51,7 @@ from tandem.request import (
     prompt_cache_salt,
     prompt_embeds,
     split_prompt,
+    without_special_tokens,
 )
 from tandem.sampling import SamplingParams, seeded
 from tandem.structured import REGEX_COMPILE_SECONDS, StructuredOutputsParams
@@ -320,6 +321,13 @@ class AsyncLLM:
             request_id, params, prompt, prompt_token_ids, cache_salt, priority
         )
 
+    async def _tokenized(self, prompt: Prompt, cut: Truncation) -> Prompt:
+        """The prompt, its text as ids without special tokens where `tokenization_kwargs` said
+        add_special_tokens=False (vLLM's), tokenized off the event loop."""
+        if cut.add_special_tokens is not False:
+            return prompt
+        return await asyncio.to_thread(without_special_tokens, prompt, self.tokenizer)
+
     async def _add_request(
         self,
         request_id: str,
@@ -425,6 +433,7 @@ class AsyncLLM:
         if cut != Truncation():
             sampling_params = sampling_params.with_truncation(cut)
         sampling_params.validate()  # n=0 would otherwise queue nothing to validate
+        prompt = await self._tokenized(prompt, cut)
         text, ids = split_prompt(prompt)
         salt = prompt_cache_salt(prompt)
         n = sampling_params.n
@@ -497,13 +506,14 @@ class AsyncLLM:
         `trace_headers` and `tokenization_kwargs` too. Raises ValueError if the engine
         rejects it."""
         del trace_headers
+        cut = truncation(tokenization_kwargs, truncate_prompt_tokens)
+        prompt = await self._tokenized(prompt, cut)
         text, ids = split_prompt(prompt)
         prompt_ids = ids
         pooling = pooling_params or PoolingParams()
         if not isinstance(pooling, PoolingParams):
             raise TypeError(f"pooling_params must be PoolingParams, got {type(pooling).__name__}")
         pooling = pooling.for_task(pooling.task or "embed")
-        cut = truncation(tokenization_kwargs, truncate_prompt_tokens)
         carrier = pooling_carrier(pooling.truncation(cut.keep), cut.side)
         tag = uuid.uuid4().hex[:8]
         engine_id = f"{request_id}-{tag}"  # as generate's: one id may be open twice

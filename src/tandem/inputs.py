@@ -52,30 +52,52 @@ def asks_nothing(value: Any) -> bool:
 
 
 class Truncation(NamedTuple):
-    """How a call cuts its prompts: to `keep` tokens (None: all), on `side` ("left" keeps the
-    last, "right" the first; None: the model's, as vLLM's tokenizer)."""
+    """How a call tokenizes and cuts its prompts: to `keep` tokens (None: all), on `side`
+    ("left" keeps the last, "right" the first; None: the model's, as vLLM's tokenizer); a text
+    prompt with the tokenizer's special tokens unless `add_special_tokens` is False (None: the
+    call's default)."""
 
     keep: int | None = None
     side: str | None = None
+    add_special_tokens: bool | None = None
+
+
+TOKENIZATION_KWARGS = (
+    "truncate_prompt_tokens", "truncation_side", "add_special_tokens", "truncation", "max_length",
+)  # fmt: skip
 
 
 def truncation(tokenization_kwargs: dict[str, Any] | None, given: int | None = None) -> Truncation:
     """vLLM's `tokenization_kwargs` as read here: its `truncate_prompt_tokens` (where vLLM moves
-    the methods' own argument), or `given`, and its `truncation_side`; another key is a
-    ValueError."""
+    the methods' own argument), or `given`, its `truncation_side` and `add_special_tokens`, and
+    transformers' `truncation=True` (to `max_length`, else all that fit: -1), as vLLM reads
+    them; another key is a ValueError."""
     if tokenization_kwargs is None:
         return Truncation(given)
     if not isinstance(tokenization_kwargs, dict):
         raise TypeError(
             f"tokenization_kwargs must be a dict, got {type(tokenization_kwargs).__name__}"
         )
-    other = sorted(set(tokenization_kwargs) - {"truncate_prompt_tokens", "truncation_side"})
+    other = sorted(set(tokenization_kwargs) - set(TOKENIZATION_KWARGS))
     if other:
         raise ValueError(
-            "tokenization_kwargs takes truncate_prompt_tokens and truncation_side alone here, "
-            f"got {other}"
+            f"tokenization_kwargs takes {', '.join(TOKENIZATION_KWARGS)} here, got {other}"
         )
     keep = tokenization_kwargs.get("truncate_prompt_tokens")
+    cut, most = tokenization_kwargs.get("truncation"), tokenization_kwargs.get("max_length")
+    if cut not in (None, True, False, "longest_first", "do_not_truncate"):
+        raise ValueError(
+            f"truncation must be True, False, 'longest_first' or 'do_not_truncate', got {cut!r:.40}"
+        )
+    if most is not None and cut not in (True, "longest_first"):
+        raise ValueError("max_length cuts prompts with truncation=True; give truncation too")
+    if cut in (True, "longest_first"):
+        if keep is not None:
+            raise ValueError("give truncate_prompt_tokens or truncation, not both")
+        keep = -1 if most is None else most
+    add = tokenization_kwargs.get("add_special_tokens")
+    if add is not None and not isinstance(add, bool):
+        raise ValueError(f"add_special_tokens must be True or False, got {add!r:.40}")
     if given is not None and keep is not None and keep != given:
         raise ValueError(
             f"truncate_prompt_tokens is {given} and tokenization_kwargs' is {keep}: give one"
@@ -83,4 +105,4 @@ def truncation(tokenization_kwargs: dict[str, Any] | None, given: int | None = N
     side = tokenization_kwargs.get("truncation_side")
     if side not in (None, "left", "right"):
         raise ValueError(f"truncation_side must be 'left', 'right' or None, got {side!r:.40}")
-    return Truncation(given if keep is None else keep, side)
+    return Truncation(given if keep is None else keep, side, add)

@@ -51,6 +51,7 @@ from tandem.request import (
     prompt_embeds,
     prompt_list,
     split_prompt,
+    without_special_tokens,
 )
 from tandem.sampling import SamplingParams, seeded
 from tandem.tokenizer import Tokenizer, content_format, developer_as_system, template_message
@@ -391,7 +392,7 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
     ) -> list[Request]:
         """Run the prompts as pooling requests of `task` (pooling.py), in input order."""
-        prompts = prompt_list(prompts)
+        prompts = self._tokenized(prompt_list(prompts), cut)
         loras = per_prompt(lora_request, len(prompts))
         check_one_adapter_per_id(loras)  # before any is read (as `_make_requests`)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
@@ -438,10 +439,15 @@ class LLM:
             )
         engine = self.engine
         loras = per_prompt(lora_request, len(firsts))
-        keep, side = truncation(tokenization_kwargs, truncate_prompt_tokens)
+        keep, side, add = truncation(tokenization_kwargs, truncate_prompt_tokens)
         if pooling_params is not None:  # its truncate_prompt_tokens cuts the pair too
             keep = pooling_params.truncation(keep)
         if scoring.cross_encodes(engine.model_config.num_labels):
+            if add is False:
+                raise ValueError(
+                    "add_special_tokens=False: a cross-encoder reads each pair with its "
+                    "tokenizer's pair template, special tokens included"
+                )
             # a side named: the whole pair's ids, cut on it by the engine (as vLLM's)
             pair_keep = None if side else engine.max_model_len if keep == -1 else keep
             prompts = scoring.pair_prompts(
@@ -453,7 +459,7 @@ class LLM:
             prompts, task = scoring.embedded_once(firsts, seconds, same), "embed"
             loras = loras[: len(prompts) - len(seconds)] + loras
         requests = self._pool(
-            prompts, pooling_params, task, Truncation(keep, side), use_tqdm, loras
+            prompts, pooling_params, task, Truncation(keep, side, add), use_tqdm, loras
         )
         if task == "embed":
             requests = scoring.spread(requests, len(seconds))
@@ -552,6 +558,7 @@ class LLM:
             chat_template_kwargs,
             chat_template,
             chat_template_content_format,
+            truncation(tokenization_kwargs).add_special_tokens,
         )
         return self.generate(
             prompts, sampling_params, use_tqdm, lora_request,
@@ -584,6 +591,7 @@ class LLM:
             chat_template_kwargs,
             chat_template,
             chat_template_content_format,
+            truncation(tokenization_kwargs).add_special_tokens,
         )
         return self.enqueue(
             prompts, sampling_params, lora_request, priority,
@@ -599,8 +607,11 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None,
         chat_template: str | None,
         chat_template_content_format: str = "auto",
+        add_special_tokens: bool | None = None,
     ) -> list[dict[str, Any]]:
-        """Each conversation rendered by the chat template, as a prompt of ids and text."""
+        """Each conversation rendered by the chat template, as a prompt of ids and text; the
+        text's ids without the tokenizer's special tokens (the template writes its own) unless
+        `add_special_tokens` (tokenization_kwargs', vLLM's) is True."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
@@ -630,7 +641,7 @@ class LLM:
             for c in conversations
         ]
         return [
-            {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text}
+            {"prompt_token_ids": tokenizer.encode(text, bool(add_special_tokens)), "prompt": text}
             for text in texts
         ]
 
@@ -666,13 +677,19 @@ class LLM:
         priority: Sequence[int] | None = None,
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[tuple[str, list[Request]]]:
-        prompts = prompt_list(prompts)
+        prompts = self._tokenized(prompt_list(prompts), cut := truncation(tokenization_kwargs))
         params = self._params_per_prompt(sampling_params, len(prompts))
-        cut = truncation(tokenization_kwargs)
         if cut != Truncation():
             params = [p.with_truncation(cut) for p in params]
         loras = per_prompt(lora_request, len(prompts))
         return self._make_requests(prompts, params, loras, _priorities(priority, len(prompts)))
+
+    def _tokenized(self, prompts: list[Prompt], cut: Truncation) -> list[Prompt]:
+        """The prompts, each text as its ids without special tokens where `tokenization_kwargs`
+        said add_special_tokens=False (vLLM's)."""
+        if cut.add_special_tokens is not False:
+            return prompts
+        return [without_special_tokens(p, self.engine.tokenizer) for p in prompts]
 
     def _make_requests(
         self,

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from tandem.lora import LoRARequest
     from tandem.pooling import PoolingParams
-    from tandem.tokenizer import IncrementalDetokenizer
+    from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 # text, {"prompt": text}, {"prompt_token_ids": [...]} or {"prompt_embeds": tensor}; a dict may
@@ -185,6 +185,18 @@ def split_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None]:
         "a prompt is a string, a list of token ids, {'prompt': text} or "
         f"{{'prompt_token_ids': [...]}}, got {prompt!r:.80}"
     )
+
+
+def without_special_tokens(prompt: Prompt, tokenizer: Tokenizer | None) -> Prompt:
+    """A text prompt as its token ids without the tokenizer's special tokens (vLLM's
+    add_special_tokens=False), its text kept for the outputs; any other prompt, or any prompt
+    where there is no tokenizer (the engine's error then), as given."""
+    # e.g. "Hi" -> {"prompt": "Hi", "prompt_token_ids": [13347]} (no BOS)
+    text, ids = split_prompt(prompt)
+    if text is None or ids is not None or tokenizer is None:
+        return prompt
+    fields = prompt if isinstance(prompt, dict) else {"prompt": text}
+    return {**fields, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
 def _token_ids(prompt: Sequence) -> bool:

@@ -677,7 +677,8 @@ class LLM:
         priority: Sequence[int] | None = None,
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[tuple[str, list[Request]]]:
-        prompts = self._tokenized(prompt_list(prompts), cut := truncation(tokenization_kwargs))
+        cut = truncation(tokenization_kwargs)
+        prompts = self._tokenized(prompt_list(prompts), cut)
         params = self._params_per_prompt(sampling_params, len(prompts))
         if cut != Truncation():
             params = [p.with_truncation(cut) for p in params]

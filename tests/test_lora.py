@@ -548,6 +548,12 @@ def test_bad_adapters_are_refused_and_harm_no_other_request(lora_models, tmp_pat
         llm.generate(["x"], GREEDY, False, [None, None])
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("zero", 0, str(adapters[1][0]))
+    # vLLM's other fields: at their defaults the same adapter, else a ValueError saying why
+    assert LoRARequest("a", 1, "/p", None, None, False, False) == LoRARequest("a", 1, "/p")
+    with pytest.raises(ValueError, match="give the new weights a new lora_int_id"):
+        LoRARequest("a", 1, "/p", load_inplace=True)
+    with pytest.raises(ValueError, match="PEFT folder"):
+        LoRARequest("a", 1, "/p", is_3d_lora_weight=True)
     outputs = llm.wait_for_completion(use_tqdm=False)  # the queued requests are whole
     assert [o.request_id for o in outputs] == queued
     assert tokens(outputs) == [transformers_greedy(str(adapters[1][1]), p) for p in PROMPTS[:2]]

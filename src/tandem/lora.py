@@ -54,6 +54,11 @@ class LoRARequest:
     lora_int_id: int
     lora_path: str = ""
     base_model_name: str | None = None
+    # vLLM's, taken at their defaults: an id names one adapter here (new weights take a new
+    # id, as the server's /v1/load_lora_adapter gives them); adapters are PEFT folders
+    tensorizer_config_dict: dict | None = None
+    load_inplace: bool = False
+    is_3d_lora_weight: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.lora_path, os.PathLike):
@@ -66,6 +71,16 @@ class LoRARequest:
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise ValueError(
                 f"lora_path must name the adapter's PEFT folder, got {self.lora_path!r}"
+            )
+        if self.load_inplace is not False:
+            raise ValueError(
+                "load_inplace=True: here one lora_int_id names one adapter's weights; give the "
+                "new weights a new lora_int_id (requests under the old one keep theirs)"
+            )
+        if self.tensorizer_config_dict is not None or self.is_3d_lora_weight is not False:
+            raise ValueError(
+                "tensorizer_config_dict and is_3d_lora_weight are not supported: an adapter is a "
+                "PEFT folder (adapter_config.json and its safetensors)"
             )
 
     @property

@@ -21,10 +21,10 @@ from pydantic import Field
 
 from tandem import scoring
 from tandem.pooling import PoolingParams
+from tandem.request import without_special_tokens
 from tandem.sampling import truncate_prompt
 from tandem.server.protocol import MAX_TOKEN_ID, OpenAIError, RequestOption, Text
 from tandem.server.serving import OpenAIServing
-from tandem.tokenizer import Tokenizer
 
 TokenIds = list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]]
 
@@ -119,7 +119,10 @@ async def pooled(
         raise OpenAIError(message, param=param)
     # tokenized off the event loop, as the generation routes tokenize
     if own_tokens:
-        prompts = await asyncio.to_thread(without_special_tokens, serving.tokenizer(), prompts)
+        tokenizer = serving.tokenizer()
+        prompts = await asyncio.to_thread(
+            lambda: [without_special_tokens(p, tokenizer) for p in prompts]
+        )
     if body.truncation_side is not None and body.truncate_prompt_tokens is not None:
         prompts = await asyncio.to_thread(cut_on_side, serving, body, prompts)
     call_id = f"{kind}-{uuid.uuid4().hex}"
@@ -144,14 +147,6 @@ async def pooled(
     finally:
         for task in tasks:  # the others, when one failed: their streams abort as they end
             task.cancel()
-
-
-def without_special_tokens(tokenizer: Tokenizer, prompts: list) -> list:
-    """Each text input as its tokens alone (vLLM's add_special_tokens false)."""
-    return [
-        {"prompt_token_ids": tokenizer.encode(p, False)} if isinstance(p, str) else p
-        for p in prompts
-    ]
 
 
 def cut_on_side(

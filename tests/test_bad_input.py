@@ -541,9 +541,21 @@ def test_sampling_params_that_are_not_a_list_are_a_type_error(llm):
         llm.generate(GOOD_PROMPT, {"max_tokens": 4}, use_tqdm=False)
 
 
-def test_n_is_capped_at_max_n():
-    from tandem.sampling import MAX_N
+def test_n_is_capped_at_vllms_limit():
+    assert SamplingParams(n=16384).n == 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
+    with pytest.raises(ValueError, match="n must be <= 16384, got 16385"):
+        SamplingParams(n=16385)
 
-    assert SamplingParams(n=MAX_N).n == MAX_N
-    with pytest.raises(ValueError, match=f"n must be <= {MAX_N}, got {MAX_N + 1}"):
-        SamplingParams(n=MAX_N + 1)
+
+def test_more_samples_than_running_rows_all_come_back_with_the_prompt_computed_once(folder):
+    """n past max_num_seqs (and past OpenAI's 128): the samples run in waves, every one returned
+    in order, and all but the first find the prompt's full blocks in the cache."""
+    llm = LLM(str(folder), max_model_len=MAX_LEN, block_size=8, max_num_seqs=32, num_blocks=512)
+    prompt = {"prompt_token_ids": list(range(3, 28))}  # 25 tokens: 3 full blocks
+    params = SamplingParams(n=200, max_tokens=3, seed=7, ignore_eos=True)
+    [out] = llm.generate(prompt, params, use_tqdm=False)
+    assert [c.index for c in out.outputs] == list(range(200))
+    assert all(len(c.token_ids) == 3 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # each sample draws its own
+    assert llm.engine.stats().prefix_cache_hits == 199 * 24
+    assert not llm.engine.has_unfinished()

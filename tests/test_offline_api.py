@@ -129,6 +129,17 @@ def test_clone_is_an_equal_deep_copy_as_vllms():
     assert params.structured_outputs.regex == "a+"
 
 
+def test_clone_with_skip_clone_is_a_shallow_copy_as_vllms():
+    params = SamplingParams(stop=["\n"], logit_bias={5: 1.0}, skip_clone=True)
+    copy = params.clone()
+    assert copy == params and copy is not params
+    copy.max_tokens = 3  # its own fields
+    assert params.max_tokens == 16
+    assert copy.stop is params.stop and copy.logit_bias is params.logit_bias  # shared
+    with pytest.raises(ValueError, match="skip_clone must be True or False"):
+        SamplingParams(skip_clone="yes")
+
+
 def test_a_completion_output_says_whether_it_finished_as_vllms(llm):
     [out] = llm.generate("Hi", SamplingParams(max_tokens=3), use_tqdm=False)
     assert out.outputs[0].finished() is True

@@ -816,7 +816,7 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
         ("top_k", -2),
         ("min_p", 1.5),
         ("n", 0),
-        ("n", 129),
+        ("n", 16385),
         ("max_tokens", 0),
         ("min_tokens", 99),
         ("seed", 2**63),

@@ -27,7 +27,9 @@ PromptRows = TypeVar("PromptRows", list[int], torch.Tensor)
 logger = logging.getLogger(__name__)
 
 MAX_LOGPROB_TOKEN_IDS = 128  # the width of token_logprobs.TokenLogprobBuffers' rows (vLLM's)
-MAX_N = 128  # samples per prompt (OpenAI's limit): one call must not queue millions of requests
+# samples per prompt (vLLM's VLLM_MAX_N_SEQUENCES default): one call must not queue millions of
+# requests; the KV cache's own limit for a prompt is admission's (`Admission._check_n`)
+MAX_N = 16384
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # an int64, as vLLM takes it; -1 means no seed
 MAX_TOP_K = 2**31 - 1
 MAX_TOKENS = 2**31 - 1  # past any context (where max_tokens is cut); min_tokens fits an int64
@@ -109,6 +111,8 @@ class SamplingParams:
     repetition_detection: RepetitionDetectionParams | None = None
     # with reasoning_parser: after this many thinking tokens, </think> is the only one allowed
     thinking_token_budget: int | None = None
+    # vLLM's: the caller keeps this object to one request, so `clone` may copy it shallowly
+    skip_clone: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):  # numpy scalars (an RL config's) as the Python numbers they hold
@@ -162,6 +166,7 @@ class SamplingParams:
         check_bools(
             self, "ignore_eos", "detokenize", "skip_special_tokens", "include_stop_str_in_output",
             "skip_reading_prefix_cache", "flat_logprobs", "spaces_between_special_tokens",
+            "skip_clone",
         )  # fmt: skip
         if not (self.spaces_between_special_tokens or self.skip_special_tokens):
             raise ValueError(
@@ -295,8 +300,9 @@ class SamplingParams:
             check_int("prompt_logprobs", self.prompt_logprobs, -1, "(-1: the whole vocabulary)")
 
     def clone(self) -> SamplingParams:
-        """A deep copy: changing its lists, dicts or constraint leaves this one as it is."""
-        return copy.deepcopy(self)
+        """A deep copy: changing its lists, dicts or constraint leaves this one as it is (with
+        skip_clone, as vLLM's, a shallow one: the caller shares them with no other request)."""
+        return copy.copy(self) if self.skip_clone else copy.deepcopy(self)
 
     @staticmethod
     def from_optional(**fields: Any) -> SamplingParams:

@@ -21,7 +21,7 @@ from tandem import LLM, BeamSearchParams, LoRARequest, SamplingParams
 from tandem.async_llm import AsyncLLM
 from tandem.cli import build_parser, lora_modules, server_options
 from tandem.engine import Engine
-from tandem.lora import check_adapter_config
+from tandem.lora.adapters import check_adapter_config
 from tandem.model import fused, splitk
 from tandem.model.decoder import to_residual
 from tandem.model.lora import LoRALayers, LoRAProjection

@@ -4,6 +4,8 @@ behave as vLLM documents them, checked against transformers on the same tiny che
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -709,3 +711,29 @@ def test_vllm_s_sampling_params_module_path_names_the_same_classes():
         ),
     )  # fmt: skip
     params.validate()
+
+
+def test_vllm_s_logprobs_and_lora_request_module_paths_name_the_same_classes(llm):
+    """`from vllm.logprobs import Logprob` and `from vllm.lora.request import LoRARequest` carry
+    over as `tandem.logprobs` and `tandem.lora.request`."""
+    import tandem
+    from tandem.logprobs import FlatLogprobs, Logprob, LogprobsOnePosition
+    from tandem.lora.request import LoRARequest
+
+    assert Logprob is tandem.Logprob and LoRARequest is tandem.LoRARequest
+    [out] = llm.generate("Hi", SamplingParams(max_tokens=2, logprobs=1), use_tqdm=False)
+    position: LogprobsOnePosition = out.outputs[0].logprobs[0]
+    assert all(isinstance(v, Logprob) for v in position.values())
+    flat = SamplingParams(max_tokens=2, logprobs=1, flat_logprobs=True)
+    [out] = llm.generate("Hi", flat, use_tqdm=False)
+    assert isinstance(out.outputs[0].logprobs, FlatLogprobs)
+
+
+def test_a_lora_request_is_made_without_loading_torch():
+    """A client that only builds requests (`tandem.lora.request`, as vLLM's module) stays light."""
+    code = (
+        "import sys; from tandem.lora.request import LoRARequest; "
+        "LoRARequest('a', 1, '/adapters/a'); assert 'torch' not in sys.modules, 'torch loaded'"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

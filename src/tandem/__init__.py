@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from tandem.config import AsyncEngineArgs, EngineArgs
     from tandem.inputs import EmbedsPrompt, PromptType, TextPrompt, TokensPrompt
     from tandem.llm import LLM
-    from tandem.lora import LoRARequest
+    from tandem.lora.request import LoRARequest
     from tandem.outputs import (
         ClassificationOutput,
         ClassificationRequestOutput,
@@ -81,7 +81,7 @@ _LAZY = {
     "PoolingOutput": "tandem.outputs",
     "PoolingParams": "tandem.pooling",
     "PoolingRequestOutput": "tandem.outputs",
-    "LoRARequest": "tandem.lora",
+    "LoRARequest": "tandem.lora.request",
     "Logprob": "tandem.outputs",
     "RequestOutput": "tandem.outputs",
     "SamplingParams": "tandem.sampling",

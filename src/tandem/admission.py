@@ -15,7 +15,8 @@ import torch
 from tandem import penalties
 from tandem.config import EngineConfig, ModelConfig, cdiv
 from tandem.io_slot import MAX_BANNED_IDS
-from tandem.lora import AdapterCache, LoRARequest
+from tandem.lora.adapters import AdapterCache
+from tandem.lora.request import LoRARequest
 from tandem.pooling import ModelPooling, PoolingParams
 from tandem.prefix_cache import PrefixCache
 from tandem.prompt_embeds import cache_key as embeds_key

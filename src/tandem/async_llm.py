@@ -32,7 +32,8 @@ from tandem.batch import StepFailed
 from tandem.config import EngineConfig, check_flags
 from tandem.engine import Engine, check_pause_mode
 from tandem.inputs import Truncation, truncation
-from tandem.lora import AdapterCache, LoRARequest
+from tandem.lora.adapters import AdapterCache
+from tandem.lora.request import LoRARequest
 from tandem.metrics import EngineStats
 from tandem.outputs import (
     ClassificationOutput,

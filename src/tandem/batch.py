@@ -8,7 +8,7 @@ import numpy as np
 
 from tandem import penalties
 from tandem.io_slot import MAX_BANNED_IDS, IOSlot, fill_padding, fill_token_padding
-from tandem.lora import Adapter
+from tandem.lora.adapters import Adapter
 from tandem.pooling import PoolingStep
 from tandem.pooling import plan_rows as plan_pooled_rows
 from tandem.prompt_embeds import PromptEmbedStep
@@ -47,7 +47,7 @@ class StepBatch:
     use_penalties: bool = False  # some row keeps penalty state (penalties.py)
     # (state rows, their requests) that penalized requests took for this step: reset first
     penalty_admissions: tuple[list[int], list[Request]] | None = None
-    # (slot, adapter): LoRA adapters loaded before the forward (lora.py)
+    # (slot, adapter): LoRA adapters loaded before the forward (lora/adapters.py)
     adapter_loads: list[tuple[int, Adapter]] = field(default_factory=list)
     uses_lora: bool = False  # some row runs under a LoRA adapter
     prompt_logprobs: PromptLogprobStep | None = None  # rows at prompt positions that want them
@@ -103,7 +103,8 @@ class RunningRows:
         self.needs_penalties = np.zeros(max_seqs, dtype=bool)
         self.constrained = np.zeros(max_seqs, dtype=bool)  # masked rows: see `take`
         self.pooled = np.zeros(max_seqs, dtype=bool)  # embedding requests (pooling.py)
-        self.lora_slot = np.full(max_seqs, -1, dtype=np.int32)  # its adapter's slot (lora.py)
+        # its adapter's slot (lora/adapters.py)
+        self.lora_slot = np.full(max_seqs, -1, dtype=np.int32)
         # its admission's copy on write (Request.copied_block): the index, -1 for none, and the
         # copied publication
         self.copy_index = np.full(max_seqs, -1, dtype=np.int32)

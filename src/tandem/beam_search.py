@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from tandem.config import check_bools, check_int
-from tandem.lora import LoRARequest, per_prompt
+from tandem.lora.request import LoRARequest, per_prompt
 from tandem.outputs import Logprob
 from tandem.request import Prompt, prompt_list, split_prompt
 from tandem.sampling import MAX_TEMPERATURE, SamplingParams

@@ -574,7 +574,7 @@ def env_flag(name: str) -> bool:
 
 def lora_modules(specs: list[str] | None, enable_lora: bool) -> tuple:
     """--lora-modules' NAME=PATH (or vLLM's JSON {"name", "path"}) as LoRARequests, ids from 1."""
-    from tandem.lora import LoRARequest
+    from tandem.lora.request import LoRARequest
 
     if specs and not enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")

@@ -724,8 +724,8 @@ class EngineConfig:
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
-    # LoRA adapters (lora.py): up to max_loras in one step, each of rank <= max_lora_rank;
-    # max_cpu_loras adapters kept read in host memory (None: max_loras)
+    # LoRA adapters (lora/adapters.py): up to max_loras in one step, each of rank <=
+    # max_lora_rank; max_cpu_loras adapters kept read in host memory (None: max_loras)
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16

@@ -26,7 +26,7 @@ from tandem.config import FIT_TO_CACHE, EngineConfig, ModelConfig, cdiv
 from tandem.io_slot import check_logprobs_width
 from tandem.kv_cache import BlockAllocator, allocate_kv_cache, bytes_per_block
 from tandem.logits_processors import LogitsProcessors
-from tandem.lora import AdapterCache, AdapterSlots, read_adapter
+from tandem.lora.adapters import AdapterCache, AdapterSlots, read_adapter
 from tandem.memory import num_kv_blocks
 from tandem.metrics import EngineStats, RequestCounts, StatLogger
 from tandem.model.loader import build_model, read_hf_config

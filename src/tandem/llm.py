@@ -21,7 +21,7 @@ from tandem.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from tandem.config import EngineConfig, ModelConfig, check_flags
 from tandem.engine import Engine, check_pause_mode
 from tandem.inputs import Truncation, truncation
-from tandem.lora import LoRARequest, check_one_adapter_per_id, per_prompt
+from tandem.lora.request import LoRARequest, check_one_adapter_per_id, per_prompt
 from tandem.metrics import Metric, engine_metrics
 from tandem.outputs import (
     ClassificationOutput,

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from tandem.async_llm import StreamOutput
-    from tandem.lora import LoRARequest
+    from tandem.lora.request import LoRARequest
 
 
 Pooled = TypeVar("Pooled")  # a pooling request's output: PoolingOutput, EmbeddingOutput, ...

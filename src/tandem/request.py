@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     import torch
     import xgrammar
 
-    from tandem.lora import LoRARequest
+    from tandem.lora.request import LoRARequest
     from tandem.pooling import PoolingParams
     from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -45,7 +45,7 @@ class Request:
     # the model dtype (its prompt_token_ids are placeholders), and its prefix-cache key
     prompt_embeds: torch.Tensor | None = None
     embeds_key: bytes = b""
-    lora_request: LoRARequest | None = None  # its adapter (lora.py); None: the base model
+    lora_request: LoRARequest | None = None  # its adapter (lora/); None: the base model
     lora_slot: int = -1  # while running, the device slot of its adapter (-1: none)
     # vLLM's: under scheduling_policy "priority", lower values are served first, then earlier
     # arrivals (its place in the order requests were queued: Scheduler.add)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from tandem.config import cdiv
 from tandem.kv_cache import BlockAllocator, BlockCopy
-from tandem.lora import Adapter, AdapterSlots
+from tandem.lora.adapters import Adapter, AdapterSlots
 from tandem.prefix_cache import PrefixCache
 from tandem.queues import ArrivalQueue, PriorityQueue, by_priority
 from tandem.request import Request, Status
@@ -24,7 +24,7 @@ class StepPlan:
     preempted: list[Request] = field(default_factory=list)
     # copy-on-write of cached blocks, run before the step's forward (prefix_cache.py)
     copies: list[BlockCopy] = field(default_factory=list)
-    # LoRA adapters loaded into device slots before the step's forward (lora.py)
+    # LoRA adapters loaded into device slots before the step's forward (lora/adapters.py)
     adapter_loads: list[tuple[int, Adapter]] = field(default_factory=list)
 
     @property
@@ -66,8 +66,8 @@ class Scheduler:
     earlier in the same step count, so the samples of one prompt prefill it once. One whose last
     token's block is cached whole computes that token alone, in a copy of the block; when the
     block was computed in this same step, it waits for the next (admission goes on behind it).
-    A request of a LoRA adapter holds its adapter's device slot while it runs (lora.py); where
-    every slot is held by other adapters it waits likewise, admission going on behind it.
+    A request of a LoRA adapter holds its adapter's device slot while it runs (lora/adapters.py);
+    where every slot is held by other adapters it waits likewise, admission going on behind it.
     """
 
     def __init__(

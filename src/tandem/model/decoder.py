@@ -284,7 +284,7 @@ class Decoder(nn.Module):
             else nn.Linear(cfg.hidden_size, self.embed_tokens.per_rank, bias=False)
         )
         self.linear = F.linear  # the LM head's product (batch_invariant.py swaps it)
-        # LoRA adapters' weights and the step's mask, where the engine runs adapters (lora.py)
+        # LoRA adapters' weights and the step's mask, where the engine runs adapters (lora/adapters.py)
         self.lora: LoRALayers | None = None
         # a sequence classifier's head, read at a prompt's last token (pooling.py); replicated
         self.score = (

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.lora import PROJECTIONS, Adapter, ProjectionShape
+from tandem.lora.adapters import PROJECTIONS, Adapter, ProjectionShape
 
 
 class LoRAProjection:

@@ -15,7 +15,7 @@ from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 from pydantic import Field
 
-from tandem.lora import LoRARequest
+from tandem.lora.request import LoRARequest
 from tandem.server.protocol import OpenAIError, RequestOption, Text
 from tandem.server.serving import OpenAIServing
 

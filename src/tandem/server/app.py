@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tandem import __version__
 from tandem.async_llm import AsyncLLM, EngineDeadError
-from tandem.lora import LoRARequest
+from tandem.lora.request import LoRARequest
 from tandem.server import responses, tokens
 from tandem.server.adapters import adapter_router
 from tandem.server.admin import admin_router

@@ -12,7 +12,7 @@ from typing import Any
 
 from tandem.async_llm import AsyncLLM
 from tandem.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from tandem.lora import LoRARequest
+from tandem.lora.request import LoRARequest
 from tandem.sampling import RequestOutputKind
 from tandem.server.protocol import (
     ChatCompletionRequest,

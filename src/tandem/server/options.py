@@ -8,7 +8,7 @@ from typing import Any
 
 import jinja2
 
-from tandem.lora import LoRARequest
+from tandem.lora.request import LoRARequest
 from tandem.server.tool_calls import PARSERS
 from tandem.tokenizer import compile_chat_template, content_format
 

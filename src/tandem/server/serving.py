@@ -18,7 +18,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.async_llm import AsyncLLM, EngineDeadError, RequestStream, StreamOutput
-from tandem.lora import LoRARequest
+from tandem.lora.request import LoRARequest
 from tandem.outputs import prompt_logprobs as logprob_objects
 from tandem.outputs import token_text
 from tandem.prompt_embeds import decode as decode_embeds

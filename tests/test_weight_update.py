@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import re
 
 import pytest
@@ -193,6 +194,67 @@ def test_two_ranks_take_their_shards_of_an_update(checkpoints, fresh):
     finally:
         llm.shutdown()
     assert updated == [t for t, _ in fresh[b]]
+
+
+class LoadWeights:
+    """vLLM's `apply_model(lambda model: model.load_weights(...))`, picklable for other ranks."""
+
+    def __init__(self, path: str):
+        self.state = load_file(f"{path}/model.safetensors")
+
+    def __call__(self, model: torch.nn.Module) -> set[str]:
+        return model.load_weights(self.state.items())
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_apply_model_load_weights_updates_every_rank_as_update_weights(
+    checkpoints, fresh, tensor_parallel_size
+):
+    """vLLM's RL idiom: the model's own load_weights, called on each rank through apply_model,
+    gives what a fresh engine on the new checkpoint gives, and forgets the cached KV."""
+    a, b = checkpoints
+    llm = LLM(a, tensor_parallel_size=tensor_parallel_size, **ENGINE_ARGS)
+    try:
+        tokens_and_logprobs(llm)
+        tokens_and_logprobs(llm)  # hits: A's KV is cached
+        load = LoadWeights(b)
+        taken = llm.apply_model(load)
+        updated = tokens_and_logprobs(llm)
+        stats = llm.engine.stats()
+    finally:
+        llm.shutdown()
+    assert taken == [set(load.state)] * tensor_parallel_size
+    assert [t for t, _ in updated] == [t for t, _ in fresh[b]]
+    if tensor_parallel_size == 1:
+        assert updated == fresh[b]
+    # each prompt's one full block found in the second round, none in the third
+    assert stats.prefix_cache_hits == len(PROMPTS) * ENGINE_ARGS["block_size"]
+
+
+def test_one_rank_s_update_copies_no_tensor_to_host_memory(checkpoints, fresh, monkeypatch):
+    """On one rank nothing goes through pipes: a trainer's device tensors are copied in place,
+    not to the host first (16 GB of an 8B model's would be)."""
+    a, b = checkpoints
+    llm = LLM(a, **ENGINE_ARGS)
+    state = load_file(f"{b}/model.safetensors")
+
+    def no_host_copy(tensor, *args, **kwargs):
+        raise AssertionError("a weight was copied to host memory")
+
+    monkeypatch.setattr(torch.Tensor, "cpu", no_host_copy)
+    assert llm.engine.update_weights(state.items()) == set(state)
+    monkeypatch.undo()
+    assert tokens_and_logprobs(llm) == fresh[b]
+
+
+def test_load_weights_on_a_model_no_engine_serves_is_a_runtime_error(checkpoints):
+    llm = LLM(checkpoints[0], **ENGINE_ARGS)
+    model = llm.engine.model
+    llm.shutdown()
+    del llm
+    gc.collect()
+    with pytest.raises(RuntimeError, match="the engine that serves this model, and none does"):
+        model.load_weights([])
 
 
 def test_two_ranks_take_stacked_names_and_name_a_wrong_shape(checkpoints, fresh):

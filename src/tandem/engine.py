@@ -7,6 +7,7 @@ import functools
 import logging
 import random
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -185,6 +186,9 @@ class Engine:
         self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
         if config.deterministic:
             make_batch_invariant(self.model)
+        # vLLM's `model.load_weights`, as `apply_model` hands the model over: through this
+        # engine's update (weak: the model keeps no engine alive)
+        self.model.weight_loader = weakref.WeakMethod(self.update_weights)
         # LoRA adapters: their device slots (before the KV cache takes what memory is left), and
         # the adapters read from disk as requests name them
         self.adapter_cache: AdapterCache | None = None
@@ -494,18 +498,24 @@ class Engine:
 
     # ---- RL hooks: weight updates, pause, sleep (between steps, on every rank) -------------
 
-    def update_weights(self, named_tensors: NamedTensors) -> None:
+    def update_weights(self, named_tensors: NamedTensors) -> set[str]:
         """Copy (Hugging Face name, tensor) pairs into the weights in place, then forget the
-        prefix cache. Every name and shape is checked before anything is copied (ValueError
-        naming the first bad one). Steps launched before use the old weights, later ones the new."""
+        prefix cache; returns the names taken. Every name and shape is checked before anything
+        is copied (ValueError naming the first bad one). Steps launched before use the old
+        weights, later ones the new."""
         pairs = check_named_tensors(named_tensors)
-        self._update_weights(pairs, ("update_weights", [(n, t.detach().cpu()) for n, t in pairs]))
+        # the other ranks' tensors go through pipes from host memory; one rank copies none there
+        to_others = self.workers and ("update_weights", [(n, t.detach().cpu()) for n, t in pairs])
+        self._update_weights(pairs, to_others)
+        return {name for name, _ in pairs}
 
     def update_weights_from_path(self, path: str | Path) -> None:
         """`update_weights` with every tensor of a checkpoint folder's safetensors files."""
         self._update_weights(read_checkpoint(path), ("update_weights_from_path", str(path)))
 
-    def _update_weights(self, pairs: list[tuple[str, torch.Tensor]], on_others: tuple) -> None:
+    def _update_weights(
+        self, pairs: list[tuple[str, torch.Tensor]], on_others: tuple | None
+    ) -> None:
         self._check_weights_awake()
         copies = plan_update(self.model, self.model_config, self.tp, pairs)  # raises first
         if self.workers is not None:  # the other ranks validate alike: same names and shapes

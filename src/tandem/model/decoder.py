@@ -267,6 +267,8 @@ class Decoder(nn.Module):
     ):
         super().__init__()
         self.cfg = cfg
+        # the engine's update_weights (a weakref.WeakMethod), behind `load_weights`
+        self.weight_loader: Callable[[], Callable | None] | None = None
         self.tp = tp = tp or TensorParallel()
         from tandem.model.layers import embed_scale, make_layer, rotary_embeddings  # they use us
 
@@ -284,7 +286,8 @@ class Decoder(nn.Module):
             else nn.Linear(cfg.hidden_size, self.embed_tokens.per_rank, bias=False)
         )
         self.linear = F.linear  # the LM head's product (batch_invariant.py swaps it)
-        # LoRA adapters' weights and the step's mask, where the engine runs adapters (lora/adapters.py)
+        # LoRA adapters' weights and the step's mask, where the engine runs adapters
+        # (lora/adapters.py)
         self.lora: LoRALayers | None = None
         # a sequence classifier's head, read at a prompt's last token (pooling.py); replicated
         self.score = (
@@ -338,3 +341,16 @@ class Decoder(nn.Module):
         logits = self.tp.gather_columns(self.linear(hidden, weight))
         logits = soft_cap(logits[:, : self.cfg.vocab_size], self.cfg.final_logit_softcapping)
         return logits if out is None else out.copy_(logits)
+
+    def load_weights(self, weights) -> set[str]:
+        """vLLM's, as `llm.apply_model(lambda model: model.load_weights(pairs))` calls it: the
+        (Hugging Face name, tensor) pairs go through the engine serving this model
+        (`Engine.update_weights`: checked whole first, copied after the steps launched before,
+        its prefix cache forgotten); returns the names taken."""
+        engine_update = self.weight_loader and self.weight_loader()
+        if engine_update is None:
+            raise RuntimeError(
+                "load_weights copies through the engine that serves this model, and none does "
+                "(never built by one, or shut down)"
+            )
+        return engine_update(weights)

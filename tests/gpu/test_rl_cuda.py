@@ -25,13 +25,19 @@ def tokens(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-def test_update_weights_under_captured_graphs_equals_a_fresh_engine(checkpoints):
+@pytest.mark.parametrize("call", ["update_weights", "apply_model"])
+def test_update_weights_under_captured_graphs_equals_a_fresh_engine(checkpoints, call):
+    """Device tensors copied in place, by `update_weights` or by the model's `load_weights`
+    in `apply_model` (vLLM's RL idiom), while a decode step may still be in flight."""
     a, b = checkpoints
     llm = LLM(a, **ENGINE_ARGS)
     assert llm.engine.runner.graphs  # the decode steps replay graphs
     on_a = tokens(llm)
     state = {k: v.cuda() for k, v in load_file(f"{b}/model.safetensors").items()}
-    llm.update_weights(state.items())
+    if call == "update_weights":
+        llm.update_weights(state.items())
+    else:
+        assert llm.apply_model(lambda model: model.load_weights(state.items())) == [set(state)]
     on_b = tokens(LLM(b, **ENGINE_ARGS))
     assert on_a != on_b
     assert tokens(llm) == on_b

@@ -115,6 +115,29 @@ def test_llm_engine_and_model_config_are_vllm_s_names_for_the_engine_and_its_con
     assert fitted.model_config.max_model_len == fitted.engine.max_model_len == 5 * 8
 
 
+def test_model_config_hf_config_reads_config_json_as_transformers_config_does(folder, tmp_path):
+    """`llm.llm_engine.model_config.hf_config` (vLLM's): scripts read the model's shape from it
+    (`num_hidden_layers`, `getattr(cfg, "num_experts", 0)`, a sub-config's fields), with
+    hf_overrides in, as vLLM's has them."""
+    from transformers import AutoConfig
+
+    overrides = {"max_position_embeddings": 96}
+    cfg = LLM(folder, max_model_len=64, hf_overrides=overrides).llm_engine.model_config.hf_config
+    reference = AutoConfig.from_pretrained(folder, **overrides)
+    for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                 "vocab_size", "max_position_embeddings", "model_type", "architectures"):  # fmt: skip
+        assert getattr(cfg, name) == getattr(reference, name), name
+    assert getattr(cfg, "num_experts", 0) == 0
+    assert cfg.to_dict() == {**json.loads((Path(folder) / "config.json").read_text()), **overrides}
+    nested = tmp_path / "nested"
+    shutil.copytree(folder, nested)
+    on_disk = json.loads((nested / "config.json").read_text())
+    on_disk["text_config"] = {"hidden_size": on_disk["hidden_size"], "rope_scaling": None}
+    (nested / "config.json").write_text(json.dumps(on_disk))
+    text = LLM(str(nested), max_model_len=64).model_config.hf_config.text_config
+    assert text.hidden_size == on_disk["hidden_size"] and text.rope_scaling is None
+
+
 def test_skip_tokenizer_init_takes_token_ids_and_gives_token_ids_without_text(folder):
     llm = LLM(folder, max_model_len=64, skip_tokenizer_init=True)
     assert llm.engine.tokenizer is None

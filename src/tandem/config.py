@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -255,6 +256,25 @@ QUANTIZATIONS = ("fp8", *INT4_QUANTIZATIONS)
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
+class HFConfig(SimpleNamespace):
+    """A config.json read by attribute, as transformers' config is (`cfg.num_hidden_layers`,
+    `getattr(cfg, "num_experts", 0)`): a sub-config (a `*_config` object, e.g. a multimodal
+    model's `text_config`) likewise, every other value as the JSON has it."""
+
+    def __init__(self, values: dict[str, Any] | None = None):  # None: pickle's, then filled
+        super().__init__(**{
+            key: HFConfig(value) if key.endswith("_config") and isinstance(value, dict) else value
+            for key, value in (values or {}).items()
+        })  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON's dict again (transformers' name)."""
+        return {
+            key: value.to_dict() if isinstance(value, HFConfig) else value
+            for key, value in vars(self).items()
+        }
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -313,6 +333,8 @@ class ModelConfig:
     # the context the engine serves (vLLM's model_config.max_model_len): set by the engine once
     # it is known (a length fitted to the KV cache too); None in a config read from a file
     max_model_len: int | None = None
+    # vLLM's model_config.hf_config: config.json as read (hf_overrides merged in), by attribute
+    hf_config: HFConfig | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -397,6 +419,7 @@ class ModelConfig:
             rotary_interleaved=arch in INTERLEAVED_ROTARY,
             rope_layers=parse_rope_layers(hf, arch, num_layers),
             **parse_multipliers(hf, arch),
+            hf_config=HFConfig(hf),
         )
 
     @property

@@ -145,6 +145,30 @@ def test_decode_takes_arrays_and_tensors_as_transformers(make_tiny, to_array):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_tokenize_and_return_tensors_match_transformers(make_tiny, arch):
+    """`tok.tokenize(text)` (scripts count tokens by it) and `tok(text, return_tensors=...)`."""
+    folder = make_tiny(arch)
+    ours, reference = Tokenizer.from_dir(folder), hf_tokenizer(folder)
+    for text in TEXTS:
+        assert ours.tokenize(text) == reference.tokenize(text), text
+        with_special = reference.tokenize(text, add_special_tokens=True)
+        assert ours.tokenize(text, add_special_tokens=True) == with_special, text
+    same_length = ["Hello world", "Hello there"]
+    assert len(set(map(len, reference(same_length).input_ids))) == 1
+    for texts in (TEXTS[2], same_length):
+        for kind in ("pt", "np"):
+            got, expected = ours(texts, return_tensors=kind), reference(texts, return_tensors=kind)
+            for name in ("input_ids", "attention_mask"):
+                assert type(got[name]) is type(expected[name])
+                assert got[name].dtype == expected[name].dtype
+                assert got[name].tolist() == expected[name].tolist()
+    with pytest.raises(ValueError, match="texts of one length"):
+        ours(TEXTS[1:3], return_tensors="pt")
+    with pytest.raises(ValueError, match="return_tensors must be"):
+        ours("hi", return_tensors="tf")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_vocab_and_token_lookups_match_transformers(make_tiny, arch):
     folder = make_tiny(arch)
     ours, reference = Tokenizer.from_dir(folder), hf_tokenizer(folder)

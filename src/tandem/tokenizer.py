@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, ClassVar, NoReturn
 
 import jinja2
+import numpy as np
 import tokenizers
 from jinja2 import nodes
 from jinja2.ext import Extension
@@ -56,6 +57,25 @@ class BatchEncoding(dict):
             return self[name]
         except KeyError:
             raise AttributeError(name) from None
+
+
+def as_tensors(encoding: BatchEncoding, kind: str | None, rows: bool) -> BatchEncoding:
+    """The encoding's lists as [texts, tokens] torch tensors ("pt") or numpy arrays ("np"), one
+    row for a single text (not `rows`); texts of different lengths are a ValueError (no padding
+    here), as in transformers without padding."""
+    if kind is None:
+        return encoding
+    lists = {name: value if rows else [value] for name, value in encoding.items()}
+    if len({len(row) for row in lists["input_ids"]}) > 1:
+        raise ValueError(
+            f'return_tensors="{kind}" needs texts of one length in tokens; these differ '
+            "(pad them, or leave return_tensors out for lists)"
+        )
+    if kind == "np":
+        return BatchEncoding({name: np.array(value, np.int64) for name, value in lists.items()})
+    import torch  # here: the tokenizer alone loads no torch
+
+    return BatchEncoding({name: torch.tensor(value) for name, value in lists.items()})
 
 
 class Tokenizer:
@@ -125,17 +145,36 @@ class Tokenizer:
             named,
         )  # fmt: skip
 
-    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> BatchEncoding:
-        """`input_ids` and `attention_mask` of a text, or lists of them for a list of texts."""
+    def __call__(
+        self,
+        text: str | list[str],
+        add_special_tokens: bool = True,
+        return_tensors: str | None = None,
+    ) -> BatchEncoding:
+        """`input_ids` and `attention_mask` of a text, or lists of them for a list of texts;
+        with transformers' `return_tensors` ("pt" or "np"), [texts, tokens] arrays of them."""
+        if return_tensors not in (None, "pt", "np"):
+            raise ValueError(f'return_tensors must be "pt", "np" or None, got {return_tensors!r}')
         if isinstance(text, str):
             ids = self.encode(text, add_special_tokens)
-            return BatchEncoding(input_ids=ids, attention_mask=[1] * len(ids))
+            encoding = BatchEncoding(input_ids=ids, attention_mask=[1] * len(ids))
+            return as_tensors(encoding, return_tensors, rows=False)
         if not isinstance(text, list | tuple) or not all(isinstance(t, str) for t in text):
             raise TypeError(
                 f"text must be a string or a list of strings, got {type(text).__name__}"
             )
         ids = [self.encode(t, add_special_tokens) for t in text]
-        return BatchEncoding(input_ids=ids, attention_mask=[[1] * len(i) for i in ids])
+        encoding = BatchEncoding(input_ids=ids, attention_mask=[[1] * len(i) for i in ids])
+        return as_tensors(encoding, return_tensors, rows=True)
+
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[str]:
+        """The vocabulary entries `text` is cut into (e.g. "Ġthe"), special tokens left out
+        unless asked for, as transformers' `tokenize`."""
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).tokens
+        except TypeError:  # the backend's "TextInputSequence must be str"
+            _check_unicode(text)
+            raise
 
     def __len__(self) -> int:
         """Number of token ids the tokenizer knows, added tokens included."""

@@ -17,6 +17,7 @@ from dataclasses import fields
 
 import httpx
 import pytest
+from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 
 from tandem import LLM, SamplingParams
@@ -219,6 +220,83 @@ def test_docs_and_the_root_path(llm):
         for path in ("/docs", "/redoc", "/openapi.json"):
             assert client.get(path).status_code == 404
         assert client.get("/v1/models").status_code == 200
+
+
+class StampMiddleware:
+    """An ASGI middleware class, as --middleware takes one: stamps every HTTP response."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        async def stamped(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-stamp", b"class")]
+            await send(message)
+
+        await self.app(scope, receive, stamped if scope["type"] == "http" else send)
+
+
+async def refuse_teapots(request, call_next):
+    """A function middleware (FastAPI's @app.middleware("http")): answers before the server."""
+    if request.headers.get("x-teapot"):
+        return JSONResponse({"teapot": True}, status_code=418)
+    return await call_next(request)
+
+
+NOT_MIDDLEWARE = 42
+
+
+def test_middleware_classes_and_functions_wrap_the_server_as_vllm_s(llm):
+    """--middleware (vLLM's): each runs outside the server's own, the API key's too."""
+    paths = ("test_server_flags.StampMiddleware", "test_server_flags.refuse_teapots")
+    with client_of(llm, middleware=paths, api_key="k") as client:
+        models = client.get("/v1/models", headers={"Authorization": "Bearer k"})
+        assert models.status_code == 200 and models.headers["x-stamp"] == "class"
+        refused = client.get("/v1/models")  # no key: the server's 401, stamped
+        assert refused.status_code == 401 and refused.headers["x-stamp"] == "class"
+        teapot = client.get("/v1/models", headers={"x-teapot": "1"})
+        assert teapot.status_code == 418 and teapot.json() == {"teapot": True}
+    args = build_parser().parse_args(["serve", "m", "--middleware", paths[0], "--middleware",
+                                      paths[1]])  # fmt: skip
+    assert server_options(args, ()).middleware == paths
+
+
+@pytest.mark.parametrize(
+    ("path", "match"),
+    [
+        ("no_such_module.Middleware", "cannot import it"),
+        ("test_server_flags.Missing", "cannot import it"),
+        ("test_server_flags.NOT_MIDDLEWARE", "a middleware class or an async function"),
+        ("Middleware", "import paths such as package.module.name"),
+    ],
+)
+def test_a_middleware_that_is_none_is_refused_naming_the_flag(llm, path, match):
+    with pytest.raises(ValueError, match=match):
+        build_app(llm, "tiny", options=ServerOptions(middleware=(path,)))
+
+
+def test_the_log_config_file_is_uvicorn_s_logging_config(llm, tmp_path):
+    """--log-config-file (vLLM's): a JSON dictConfig that uvicorn configures its logging by;
+    a file that is no JSON object is refused before serving."""
+    config = {"version": 1, "disable_existing_loggers": False,
+              "formatters": {"plain": {"format": "tandem-test %(message)s"}},
+              "handlers": {"out": {"class": "logging.StreamHandler", "formatter": "plain"}},
+              "loggers": {"uvicorn": {"handlers": ["out"], "level": "INFO"}}}  # fmt: skip
+    path = tmp_path / "logging.json"
+    path.write_text(json.dumps(config))
+    options = ServerOptions(log_config_file=str(path))
+    options.validate()
+    assert uvicorn_config(build_app(llm, "tiny", options=options), "h", 1, options).log_config == (
+        config
+    )
+    assert uvicorn_config(build_app(llm, "tiny"), "h", 1, ServerOptions()).log_config != config
+    for text in ("{not json", "[1, 2]"):
+        path.write_text(text)
+        with pytest.raises(ValueError, match="--log-config-file"):
+            options.validate()
+    with pytest.raises(ValueError, match="--log-config-file"):
+        ServerOptions(log_config_file=str(tmp_path / "none.json")).validate()
 
 
 def test_tls_serves_https_with_the_certificate(folder, tmp_path):

@@ -737,6 +737,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--uvicorn-log-level", choices=LOG_LEVELS, help="uvicorn's log level (default: info)"
     )
+    parser.add_argument(
+        "--log-config-file", metavar="JSON", help="uvicorn's logging config (dictConfig's) file"
+    )
+    parser.add_argument(
+        "--middleware",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an ASGI middleware class or async function (request, call_next) by import path, "
+        "e.g. mypackage.auth.Middleware, outside the server's own (again for more)",
+    )
     add_answer_args(parser)
     add_off_switch(
         parser,

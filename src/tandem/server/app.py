@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
+import inspect
 import secrets
 import time
 import uuid
@@ -91,6 +93,8 @@ def build_app(
         allow_headers=options.allowed_headers,
         allow_credentials=options.allow_credentials,
     )
+    for path in options.middleware:  # vLLM's --middleware, outermost as there
+        add_middleware(app, path)
     add_error_handlers(app)
     app.include_router(admin_router(llm))  # RL: pause, sleep, weights (behind the API key)
     if options.allow_runtime_lora_updating:
@@ -277,6 +281,25 @@ def model_permission(created: int) -> dict[str, Any]:
         "group": None,
         "is_blocking": False,
     }
+
+
+def add_middleware(app: FastAPI, path: str) -> None:
+    """vLLM's --middleware: the class or async function at the import path `path`, as
+    app.add_middleware or @app.middleware("http") takes it; ValueError naming the flag else."""
+    module_name, _, name = path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"--middleware {path}: cannot import it ({error})") from error
+    if inspect.isclass(found):
+        app.add_middleware(found)
+    elif inspect.iscoroutinefunction(found):
+        app.middleware("http")(found)
+    else:
+        raise ValueError(
+            f"--middleware {path}: a middleware class or an async function (request, call_next) "
+            f"is needed, got {type(found).__name__}"
+        )
 
 
 def add_error_handlers(app: FastAPI) -> None:

@@ -80,6 +80,7 @@ def uvicorn_config(app: FastAPI, host: str, port: int, options: ServerOptions) -
         access_log=options.access_log,
         timeout_graceful_shutdown=options.drain_timeout_s + SHUTDOWN_MARGIN_S,
         log_level=options.uvicorn_log_level,
+        **({"log_config": options.log_config()} if options.log_config_file else {}),
         ssl_keyfile=options.ssl_keyfile,
         ssl_certfile=options.ssl_certfile,
         ssl_ca_certs=options.ssl_ca_certs,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,7 @@ from tandem.server.tool_calls import PARSERS
 from tandem.tokenizer import compile_chat_template, content_format
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
+MIDDLEWARE_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")  # a module's name in it
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,11 @@ class ServerOptions:
     # vLLM's --enable-request-id-headers: every response carries X-Request-Id (the client's
     # own, else a new one)
     enable_request_id_headers: bool = False
+    # vLLM's --middleware: import paths ("package.module.name") of ASGI middleware classes or
+    # async functions (FastAPI's @app.middleware("http")), each outside the server's own
+    middleware: tuple[str, ...] = ()
+    # vLLM's --log-config-file: uvicorn's logging as a JSON file (logging.config.dictConfig's)
+    log_config_file: str | None = None
 
     def validate(self) -> None:
         for name in ("max_request_bytes", "max_sequences_per_request", "max_stop_strings"):
@@ -132,10 +140,36 @@ class ServerOptions:
                 f"uvicorn_log_level must be one of {', '.join(LOG_LEVELS)}, got "
                 f"{self.uvicorn_log_level!r}"
             )
+        self.log_config()  # a ValueError where it is no JSON object
+        bad = [path for path in self.middleware if not MIDDLEWARE_PATH.fullmatch(str(path))]
+        if bad or not isinstance(self.middleware, tuple):
+            raise ValueError(
+                f"middleware (--middleware) takes import paths such as package.module.name, "
+                f"got {bad or self.middleware!r}"
+            )
+
+    def log_config(self) -> dict[str, Any] | None:
+        """--log-config-file's logging config (None: uvicorn's own)."""
+        if self.log_config_file is None:
+            return None
+        try:
+            config = json.loads(Path(self.log_config_file).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise ValueError(
+                f"log_config_file (--log-config-file) {self.log_config_file!r} is no readable "
+                f"JSON: {error}"
+            ) from error
+        if not isinstance(config, dict):
+            raise ValueError(
+                f"log_config_file (--log-config-file) {self.log_config_file!r} holds no JSON "
+                "object (logging.config.dictConfig's)"
+            )
+        return config
 
     def one_server_only(self) -> list[str]:
         """The flags Ray Serve's proxy does not take (--data-parallel-size): those set."""
-        names = ("root_path", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "uvicorn_log_level")
+        names = ("root_path", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "uvicorn_log_level",
+                 "log_config_file")  # fmt: skip
         return [f"--{name.replace('_', '-')}" for name in names if getattr(self, name) is not None]
 
     def validate_chat_options(self) -> None:

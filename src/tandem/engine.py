@@ -505,7 +505,9 @@ class Engine:
         weights, later ones the new."""
         pairs = check_named_tensors(named_tensors)
         # the other ranks' tensors go through pipes from host memory; one rank copies none there
-        to_others = self.workers and ("update_weights", [(n, t.detach().cpu()) for n, t in pairs])
+        to_others = None
+        if self.workers is not None:
+            to_others = ("update_weights", [(n, t.detach().cpu()) for n, t in pairs])
         self._update_weights(pairs, to_others)
         return {name for name, _ in pairs}
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import pytest
+import torch
 
 from tandem import LLM, RequestOutput, SamplingParams, async_llm
 from tandem.async_llm import AsyncLLM, EngineDeadError
@@ -737,8 +738,8 @@ def test_vllms_engine_client_arguments_are_taken(folder):
 
     args = AsyncEngineArgs(model=folder, **ENGINE_ARGS)
     with pytest.raises(ValueError, match="start_engine_loop"):
-        AsyncLLM.from_engine_args(args, start_engine_loop=False)
-    llm = AsyncLLM.from_engine_args(args, True, "ENGINE_CONTEXT", None)
+        AsyncLLM.from_engine_args(args, start_engine_loop="no")
+    llm = AsyncLLM.from_engine_args(args, False, "ENGINE_CONTEXT", None)  # vLLM reads it no more
     params = SamplingParams(max_tokens=200, ignore_eos=True)
 
     async def main():
@@ -753,3 +754,37 @@ def test_vllms_engine_client_arguments_are_taken(folder):
     finally:
         llm.shutdown(timeout=30)
     assert llm.errored
+
+
+def test_dropping_the_last_reference_stops_the_engine_and_frees_it(folder):
+    """`del engine` (vLLM's AsyncLLM shuts down when collected): the engine thread ends and the
+    engine gives its memory back, with no gc.collect() and no shutdown() called."""
+    llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    assert len(asyncio.run(collect(llm, PROMPTS[0], params, "a"))[-1].outputs[0].token_ids) == 3
+    engine, thread = llm.engine, llm._thread
+    del llm
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert engine.closed
+
+
+def test_vllms_engine_client_attributes_and_awaitables(folder):
+    """`engine.model_config` (max_model_len, model, dtype, hf_config), `await
+    engine.get_supported_tasks()` and `await engine.reset_encoder_cache()`, as vLLM's."""
+    from transformers import AutoConfig
+
+    llm = AsyncLLM.from_model(folder, **ENGINE_ARGS, dtype="float32")
+    try:
+        config = llm.model_config
+        assert (config.model, config.max_model_len, config.dtype) == (folder, 256, torch.float32)
+        layers = AutoConfig.from_pretrained(folder).num_hidden_layers
+        assert config.hf_config.num_hidden_layers == layers
+
+        async def main():
+            await llm.reset_encoder_cache()
+            return await llm.get_supported_tasks()
+
+        assert asyncio.run(main()) == ("generate", "embed")
+    finally:
+        llm.shutdown()

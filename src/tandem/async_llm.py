@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.batch import StepFailed
-from tandem.config import EngineConfig, check_flags
+from tandem.config import EngineConfig, ModelConfig, check_flags
 from tandem.engine import Engine, check_pause_mode
 from tandem.inputs import Truncation, truncation
 from tandem.lora.adapters import AdapterCache
@@ -159,6 +160,22 @@ class _Call:
     done: asyncio.Future[Any]
 
 
+Command = _Add | _Abort | _Stop | _Call
+
+
+def _engine_thread(llm: weakref.ref[AsyncLLM], commands: queue.SimpleQueue, engine: Engine) -> None:
+    """The engine thread: the AsyncLLM works (`_work`) until nothing is due, then the thread
+    waits for a command holding no reference to it, so that dropping the last one ends the
+    thread (its finalizer's _Stop wakes the wait) and frees the engine."""
+    command = None
+    try:
+        while (served := llm()) is not None and served._work(command):
+            del served, command  # neither held while it waits (a command's stream holds `llm`)
+            command = commands.get()
+    finally:
+        engine.shutdown()  # tensor-parallel workers, if any; the device memory
+
+
 @dataclass
 class _Sent:
     """How much of a request the engine thread has already put into StreamOutputs."""
@@ -184,7 +201,7 @@ class AsyncLLM:
         self._samples: dict[str, dict[str, list[str]]] = {}
         self._aborted: set[str] = set()  # the tags of those aborted (maybe before queued)
         self.stats = EngineStats(num_blocks=engine.num_blocks, num_free_blocks=engine.num_blocks)
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop | _Call] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders submissions against the thread's death
         self._dead: EngineDeadError | None = None
         self.failure: BaseException | None = None  # what stopped the engine thread, if it raised
@@ -197,7 +214,15 @@ class AsyncLLM:
         self._pause_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         # constraints compile here, half the CPUs as vLLM's (xgrammar's own threads beside)
         self._grammars = ThreadPoolExecutor((os.cpu_count() or 2) // 2 or 1, "tandem-grammar")
-        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self._thread = threading.Thread(
+            target=_engine_thread,
+            args=(weakref.ref(self), self._commands, engine),
+            name="tandem-engine",
+            daemon=True,
+        )
+        # `del llm` (its last reference) stops the thread, which gives the engine's device memory
+        # back, as vLLM's AsyncLLM shuts down when it is collected
+        weakref.finalize(self, self._commands.put, _Stop()).atexit = False
         self._thread.start()
 
     @classmethod
@@ -214,11 +239,11 @@ class AsyncLLM:
         stat_loggers: list | None = None,
     ) -> AsyncLLM:
         """vLLM's: an AsyncLLM of these settings (`tandem.AsyncEngineArgs`, that is EngineConfig),
-        its engine thread started; `usage_context` is vLLM's telemetry label (none here), and
-        custom `stat_loggers` are refused (the "tandem.metrics" logger and /metrics report)."""
+        its engine thread started either way (vLLM 0.26 reads `start_engine_loop` no more);
+        `usage_context` is vLLM's telemetry label (none here), and custom `stat_loggers` are
+        refused (the "tandem.metrics" logger and /metrics report)."""
         del usage_context
-        if start_engine_loop is not True:
-            raise ValueError("start_engine_loop=False is not supported: the engine thread starts")
+        check_flags(start_engine_loop=start_engine_loop)
         if stat_loggers:
             raise ValueError(
                 "custom stat_loggers are not supported: disable_log_stats=False logs a line "
@@ -247,7 +272,13 @@ class AsyncLLM:
         if self._dead is not None:
             raise self._dead
 
-    def get_supported_tasks(self) -> tuple[str, ...]:
+    @property
+    def model_config(self) -> ModelConfig:
+        """vLLM's: the model's config, with the `model` it was built from, the `max_model_len`
+        it serves, its `dtype` and `hf_config`."""
+        return self.engine.model_config
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
         """vLLM's: what this engine serves; any model generates and embeds its last token, and a
         checkpoint with a score head classifies and scores too."""
         classifies = ("classify", "score") if self.engine.model_config.num_labels else ()
@@ -267,6 +298,9 @@ class AsyncLLM:
 
     async def reset_mm_cache(self) -> None:
         """vLLM's: tandem serves text models alone, so there is no multi-modal cache."""
+
+    async def reset_encoder_cache(self) -> None:
+        """vLLM's: nor an encoder cache (a multi-modal model's encoder outputs)."""
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """vLLM's: read an adapter into the engine's adapter cache (enable_lora=True) before any
@@ -732,14 +766,21 @@ class AsyncLLM:
 
     # ---- engine thread --------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _work(self, first: Command | None) -> bool:
+        """Apply `first` (the command the thread waited for) and every queued one, stepping while
+        steps are due; True once nothing is (the thread then waits for a command), False once
+        stopped or failed."""
         try:
-            while self._apply_commands(block=not self._can_step()):
+            while self._apply_commands(first):
+                first = None
                 if self._can_step():
                     self._publish(self._step())
                 self._settle_pause_waiters()
                 self._progress_at = time.monotonic()
                 self.stats = self.engine.stats()
+                if not self._can_step():
+                    self._idle = True
+                    return True
             self._die(EngineDeadError("the engine was shut down"))
         except BaseException as error:
             logger.exception("the engine thread failed")
@@ -747,8 +788,7 @@ class AsyncLLM:
             dead = EngineDeadError(f"the engine thread failed: {error!r}")
             dead.__cause__ = error
             self._die(dead)
-        finally:
-            self.engine.shutdown()  # tensor-parallel workers, if any
+        return False
 
     def _step(self) -> list[Request]:
         """One engine step's updated requests; where its sampling failed (StepFailed), the
@@ -761,17 +801,17 @@ class AsyncLLM:
             _deliver_each([(sent.stream, failed) for sent in sents if sent is not None])
             return failed.updated
 
-    def _apply_commands(self, block: bool) -> bool:
-        """Apply every queued command, waiting for one if `block`; False once told to stop."""
-        try:
-            self._idle = block
-            command = self._commands.get(block=block)
-        except queue.Empty:
-            return True
-        finally:
-            if self._idle:  # woken by a command: the wait for work does not count as a stall
-                self._progress_at = time.monotonic()
-                self._idle = False
+    def _apply_commands(self, first: Command | None) -> bool:
+        """Apply `first` and every queued command; False once told to stop."""
+        if self._idle:  # woken by a command: the wait for work does not count as a stall
+            self._progress_at = time.monotonic()
+            self._idle = False
+        command = first
+        if command is None:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
         aborted: list[Request] = []  # their outputs posted together, once the commands are done
         while True:
             if isinstance(command, _Stop):

@@ -335,6 +335,10 @@ class ModelConfig:
     max_model_len: int | None = None
     # vLLM's model_config.hf_config: config.json as read (hf_overrides merged in), by attribute
     hf_config: HFConfig | None = field(default=None, compare=False, repr=False)
+    # vLLM's model_config.model and .dtype: the folder, preset or Hub id the engine loaded, and
+    # its weights' dtype; set by the engine, as max_model_len
+    model: str | None = None
+    dtype: torch.dtype | None = None
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:

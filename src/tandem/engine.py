@@ -238,7 +238,9 @@ class Engine:
         if config.max_model_len == FIT_TO_CACHE:  # vLLM's -1: the longest the cache holds
             self.max_model_len = min(self.max_model_len, self.num_blocks * config.block_size)
             logger.info("max_model_len fitted to the KV cache: %d", self.max_model_len)
-        self.model_config = cfg = replace(cfg, max_model_len=self.max_model_len)
+        self.model_config = cfg = replace(
+            cfg, max_model_len=self.max_model_len, model=config.model, dtype=self.dtype
+        )
         self.block_size = config.block_size
         max_blocks_per_seq = cdiv(self.max_model_len, config.block_size)
         self.kv_caches = allocate_kv_cache(

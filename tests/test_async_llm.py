@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -787,4 +788,30 @@ def test_vllms_engine_client_attributes_and_awaitables(folder):
 
         assert asyncio.run(main()) == ("generate", "embed")
     finally:
+        llm.shutdown()
+
+
+def test_enable_log_requests_logs_each_request_added_and_aborted_as_vllm_s(folder, caplog):
+    """vLLM's AsyncEngineArgs(enable_log_requests=...): INFO lines naming the request."""
+    from tandem import AsyncEngineArgs
+
+    quiet = AsyncLLM.from_engine_args(AsyncEngineArgs(model=folder, enable_log_requests=False))
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=folder, enable_log_requests=True))
+    params = SamplingParams(max_tokens=2)
+
+    async def main(engine: AsyncLLM, request_id: str) -> None:
+        [_ async for _ in engine.generate(PROMPTS[0], params, request_id)]
+        await engine.abort("gone")
+
+    try:
+        with caplog.at_level(logging.INFO, logger="tandem.async_llm"):
+            asyncio.run(main(quiet, "q"))
+            assert not [r for r in caplog.records if r.name == "tandem.async_llm"]
+            asyncio.run(main(llm, "r"))
+        lines = [r.getMessage() for r in caplog.records if r.name == "tandem.async_llm"]
+        assert lines[0].startswith("Added request r-") and lines[-1] == "Aborted request(s) gone."
+        with pytest.raises(ValueError, match="enable_log_requests must be True or False"):
+            AsyncEngineArgs(model=folder, enable_log_requests="yes").validate()
+    finally:
+        quiet.shutdown()
         llm.shutdown()

@@ -195,6 +195,7 @@ class AsyncLLM:
         self.tokenizer: Tokenizer | None = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.sampling_defaults = engine.sampling_defaults  # the model's (generation_config.py)
+        self.log_requests = engine.config.enable_log_requests  # vLLM's lines: added, aborted
         self._token_text = token_text(self.tokenizer)  # decoded on the asyncio side, cached
         # the open generate and encode calls of each request id (vLLM takes one id twice: its
         # engine ids carry a random tag): tag -> the engine ids of its samples
@@ -399,6 +400,8 @@ class AsyncLLM:
         except asyncio.CancelledError:
             self._abort_soon(request_id)  # it may have been queued already
             raise
+        if self.log_requests:
+            logger.info("Added request %s.", request_id)
         return stream
 
     async def _compiled(self, constraint: StructuredOutputsParams) -> None:
@@ -615,6 +618,8 @@ class AsyncLLM:
             for tag, ids in calls.items():
                 self._aborted.add(tag)
                 engine_ids += ids
+        if self.log_requests:
+            logger.info("Aborted request(s) %s.", ",".join(engine_ids))
         self._abort_all_soon(engine_ids)
 
     def shutdown(self, timeout: float | None = None) -> None:

@@ -839,6 +839,9 @@ class EngineConfig:
     served_model_name: str | list | None = None
     # False: a line of stats every 10 s of stepping, on the "tandem.metrics" logger (vLLM's)
     disable_log_stats: bool = True
+    # vLLM's AsyncEngineArgs field: AsyncLLM logs each request it adds and each abort (INFO, on
+    # the "tandem.async_llm" logger; `tandem serve --enable-log-requests` its prompts too)
+    enable_log_requests: bool = False
     # vLLM's: {"profiler": "torch", "torch_profiler_dir": "/abs/dir", ...} lets
     # LLM.start_profile()/stop_profile() run torch.profiler ("cuda": the CUDA profiler's range)
     profiler_config: dict | None = None
@@ -941,6 +944,7 @@ class EngineConfig:
             self, "enable_prefix_caching", "deterministic", "trust_remote_code", "enforce_eager",
             "skip_tokenizer_init", "enable_sleep_mode", "disable_custom_all_reduce",
             "enable_chunked_prefill", "disable_log_stats", "disable_cascade_attn",
+            "enable_log_requests",
         )  # fmt: skip
         self.check_lora()
         self.compilation_config = with_graph_sizes(

@@ -815,3 +815,23 @@ def test_enable_log_requests_logs_each_request_added_and_aborted_as_vllm_s(folde
     finally:
         quiet.shutdown()
         llm.shutdown()
+
+
+def test_each_output_carries_the_request_s_timings_as_vllm_s_metrics(llm, folder):
+    """vLLM's RequestOutput.metrics (RequestStateStats) of an AsyncLLM request: arrival on the
+    wall clock, then queued <= first admitted <= first token <= last token on the engine's,
+    the tokens of every sample counted; offline outputs carry none, as vLLM's."""
+    params = SamplingParams(n=2, max_tokens=4, ignore_eos=True, seed=1)
+    wall, start = time.time(), time.perf_counter()
+    outputs = asyncio.run(collect(llm, PROMPTS[1], params, "timed"))
+    end = time.perf_counter()
+    stats = outputs[-1].metrics
+    assert all(out.metrics is stats for out in outputs)  # one object, as vLLM's
+    assert wall <= stats.arrival_time <= time.time()
+    assert start <= stats.queued_ts <= stats.scheduled_ts <= stats.first_token_ts
+    assert stats.first_token_ts <= stats.last_token_ts <= end
+    assert stats.first_token_latency == stats.first_token_ts - stats.queued_ts > 0
+    assert stats.num_generation_tokens == 8 and stats.is_corrupted is False
+    [offline] = LLM(folder, **ENGINE_ARGS).generate(PROMPTS[1], params, use_tqdm=False)
+    assert offline.metrics is None
+

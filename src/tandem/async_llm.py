@@ -43,6 +43,7 @@ from tandem.outputs import (
     EmbeddingRequestOutput,
     OutputCollector,
     RequestOutput,
+    RequestStateStats,
     token_text,
 )
 from tandem.pooling import PoolingParams, pooling_carrier
@@ -484,8 +485,9 @@ class AsyncLLM:
         index = {sample_id: k for k, sample_id in enumerate(sample_ids)}
         outputs: asyncio.Queue[StreamOutput | BaseException] = asyncio.Queue()
         shown = text if prompt_text is None else prompt_text
+        stats = RequestStateStats(arrival_time=time.time(), queued_ts=time.perf_counter())
         collector = OutputCollector(
-            request_id, shown, sampling_params, self._token_text, lora_request
+            request_id, shown, sampling_params, self._token_text, lora_request, stats
         )
         embeds = prompt_embeds(prompt)
         samples = [

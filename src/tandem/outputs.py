@@ -78,7 +78,7 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool = True
-    metrics: Any = None  # vLLM's per-request stats; tandem keeps none per request
+    metrics: RequestStateStats | None = None  # AsyncLLM's (vLLM's); None offline, as vLLM's
     lora_request: LoRARequest | None = None  # the LoRA adapter it ran under
     encoder_prompt: str | None = None  # a decoder-only model's: None
     encoder_prompt_token_ids: list[int] | None = None
@@ -335,6 +335,23 @@ class _Sample:
     stop_reason: int | str | None = None
 
 
+@dataclass
+class RequestStateStats:
+    """vLLM's `RequestOutput.metrics` of an AsyncLLM request, one object updated as its outputs
+    come (every output of the request carries it): the wall-clock arrival, and on the engine's
+    clock (time.perf_counter() seconds) when it was queued, first admitted and got its first
+    and latest tokens; `first_token_latency` from queued to the first token."""
+
+    num_generation_tokens: int = 0  # over its n samples
+    arrival_time: float = 0.0  # time.time()
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
+    first_token_ts: float = 0.0
+    last_token_ts: float = 0.0
+    first_token_latency: float = 0.0
+    is_corrupted: bool = False  # vLLM's NaN-logits flag: tandem's sampler never sees NaN
+
+
 class OutputCollector:
     """Folds the StreamOutputs of one request's n samples into vLLM's RequestOutputs, as
     `params.output_kind` says: each carries the samples that changed since the last one, whole
@@ -348,10 +365,12 @@ class OutputCollector:
         params: SamplingParams,
         text: TokenText,
         lora_request: LoRARequest | None = None,
+        stats: RequestStateStats | None = None,
     ):
         self.request_id = request_id
         self.prompt = prompt
         self.lora_request = lora_request
+        self.stats = stats  # updated from the outputs' times, where given
         self.kind = params.output_kind
         self.num_top, self.num_prompt_top = params.num_top_logprobs, params.prompt_logprobs
         self.text = text if params.detokenize else no_text
@@ -389,6 +408,8 @@ class OutputCollector:
                     self.text,
                     self.flat,
                 )
+        if self.stats is not None:
+            self._timed(output)
         sample = self.samples[index]
         sample.text += output.text
         sample.token_ids += output.token_ids
@@ -404,6 +425,17 @@ class OutputCollector:
             sample.finish_reason, sample.stop_reason = output.finish_reason, output.stop_reason
             self.num_unfinished -= 1
         self.changed.add(index)
+
+    def _timed(self, output: StreamOutput) -> None:
+        stats = self.stats
+        if output.scheduled_time is not None and not stats.scheduled_ts:
+            stats.scheduled_ts = output.scheduled_time
+        if output.token_ids:
+            if not stats.first_token_ts:
+                stats.first_token_ts = output.time
+                stats.first_token_latency = output.time - stats.queued_ts
+            stats.last_token_ts = max(stats.last_token_ts, output.time)
+            stats.num_generation_tokens += len(output.token_ids)
 
     def take(self) -> RequestOutput | None:
         """The RequestOutput of what was added since the last one; None while FINAL_ONLY waits."""
@@ -421,6 +453,7 @@ class OutputCollector:
             num_cached_tokens=self.num_cached_tokens,
             prompt_logprobs=self.prompt_logprobs,
             lora_request=self.lora_request,
+            metrics=self.stats,
         )
         if self.kind is RequestOutputKind.DELTA:  # sent once
             self.prompt_logprobs = None

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.async_llm import AsyncLLM
+from tandem.async_llm import AsyncLLM, EngineGenerateError
 from tandem.batch import StepFailed
 from tandem.logits_processors import (
     WAITED,
@@ -360,7 +360,9 @@ def test_a_processor_raising_under_async_llm_fails_its_steps_requests_and_the_en
 
     try:
         first, after = asyncio.run(main())
-        assert isinstance(first[1], StepFailed) and "the processor failed" in str(first[1])
+        assert isinstance(first[1], EngineGenerateError)  # vLLM's, its cause the step's
+        assert isinstance(first[1].__cause__, StepFailed)
+        assert "the processor failed" in str(first[1])
         assert not llm.errored
         assert after == transformers_greedy(
             folder, tuple(llm.engine.tokenizer.encode(PROMPTS[2])), 6
@@ -394,7 +396,8 @@ def test_a_request_that_finished_before_the_failed_step_keeps_its_output(folder)
         a, b = asyncio.run(main())
     finally:
         llm.shutdown()
-    assert isinstance(b, StepFailed)
+    assert isinstance(b, EngineGenerateError) and isinstance(b.__cause__, StepFailed)  # vLLM's
+    assert "the processor failed" in str(b)
     assert a.outputs[0].token_ids == greedy[: greedy.index(greedy[2]) + 1]
     assert a.outputs[0].finish_reason == "stop"
 

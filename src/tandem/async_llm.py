@@ -69,6 +69,21 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped (it raised, or `shutdown` was called); nothing more is served."""
 
 
+class EngineGenerateError(Exception):
+    """vLLM's: one request of `generate` failed while it ran (its step's sampling raised:
+    `__cause__` says how); the engine serves on."""
+
+
+def generate_error(request_id: str, error: BaseException) -> BaseException:
+    """What `generate` raises for an error its request's stream ended with: a bad request's
+    ValueError and EngineDeadError as they are, others as EngineGenerateError."""
+    if isinstance(error, ValueError | EngineDeadError | asyncio.CancelledError):
+        return error
+    failed = EngineGenerateError(f"request {request_id!r} failed: {error}")
+    failed.__cause__ = error
+    return failed
+
+
 @dataclass(frozen=True)
 class StreamOutput:
     """What one request gained in one step: deltas, not the whole output so far."""
@@ -507,7 +522,7 @@ class AsyncLLM:
                 # what came while the consumer was away goes into one output, as in vLLM
                 for item in await _take_all(outputs):
                     if isinstance(item, BaseException):
-                        raise item
+                        raise generate_error(request_id, item)
                     k = index[item.request_id]
                     streams[k].finished = item.finished  # read here, not through the stream
                     collector.add(k, item)

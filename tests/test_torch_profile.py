@@ -38,6 +38,21 @@ def test_the_trace_between_start_and_stop_holds_the_steps_ops(folder, tmp_path, 
         llm.stop_profile()
 
 
+def test_a_profile_prefix_names_each_rank_s_trace_file_as_vllm_s(folder, tmp_path):
+    config = {"profiler": "torch", "torch_profiler_dir": str(tmp_path),
+              "torch_profiler_use_gzip": False}  # fmt: skip
+    llm = LLM(folder, max_model_len=64, profiler_config=config)
+    for bad in ("../escape", "", 7):
+        with pytest.raises(ValueError, match="profile_prefix must be"):
+            llm.start_profile(bad)
+    llm.start_profile(profile_prefix="step-7")  # the bad ones started nothing
+    llm.generate("Profile this", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.stop_profile() == [str(tmp_path / "step-7_tp0.pt.trace.json")]
+    llm.start_profile()  # no prefix: the default name again
+    [path] = llm.stop_profile()
+    assert path.startswith(str(tmp_path / "tandem-rank0-"))
+
+
 def test_profiling_without_a_profiler_config_or_twice_is_a_runtime_error(folder, tmp_path):
     with pytest.raises(RuntimeError, match="profiler_config"):
         LLM(folder, max_model_len=64).start_profile()

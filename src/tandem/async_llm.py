@@ -659,9 +659,9 @@ class AsyncLLM:
         """vLLM's: `method` on every rank's engine between two steps (see LLM.collective_rpc)."""
         return await self._call(lambda engine: engine.collective_rpc(method, timeout, args, kwargs))
 
-    async def start_profile(self) -> None:
+    async def start_profile(self, profile_prefix: str | None = None) -> None:
         """vLLM's: every rank's profiler on (see LLM.start_profile)."""
-        await self.collective_rpc("start_profile")
+        await self.collective_rpc("start_profile", args=(profile_prefix,))
 
     async def stop_profile(self) -> list[str | None]:
         """vLLM's: every rank's profiler off; each rank's trace file (see LLM.stop_profile)."""

@@ -458,14 +458,14 @@ class Engine:
             self.commands.append(("reset_prefix_cache",))
         return []
 
-    def start_profile(self) -> None:
+    def start_profile(self, profile_prefix: str | None = None) -> None:
         """This rank's profiler on, between two steps (profiler_config; LLM.start_profile)."""
         if self.profile is None:
             raise RuntimeError(
                 "profiling is off: pass profiler_config={'profiler': 'torch', "
                 "'torch_profiler_dir': '/an/absolute/dir'} to the engine"
             )
-        self.profile.start()
+        self.profile.start(profile_prefix)
 
     def stop_profile(self) -> str | None:
         """This rank's profiler off; the trace file it wrote (torch), or None (cuda)."""

@@ -123,9 +123,10 @@ class LLM:
         """vLLM's: the model's config, its `max_model_len` the context the engine serves."""
         return self.engine.model_config
 
-    def start_profile(self) -> None:
-        """vLLM's: every rank's profiler on (the engine's profiler_config), between two steps."""
-        self.collective_rpc("start_profile")
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        """vLLM's: every rank's profiler on (the engine's profiler_config), between two steps;
+        with `profile_prefix`, each rank's trace file is `<prefix>_tp<rank>.pt.trace.json`."""
+        self.collective_rpc("start_profile", args=(profile_prefix,))
 
     def stop_profile(self) -> list[str | None]:
         """vLLM's: every rank's profiler off; each rank's trace file (None: the CUDA profiler)."""

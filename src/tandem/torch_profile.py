@@ -6,6 +6,7 @@ Systems (`nsys profile --capture-range=cudaProfilerApi`). tandem's own step time
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 
 PROFILERS = ("torch", "cuda")
+FILE_PREFIX = re.compile(r"[\w.-]+")  # a trace file's name prefix: no folders
 # option -> its default (vLLM's names and defaults)
 TORCH_OPTIONS = {
     "torch_profiler_record_shapes": False,
@@ -54,10 +56,20 @@ class Profile:
     def __init__(self, config: dict[str, Any], rank: int, device: torch.device):
         self.config, self.rank, self.device = config, rank, device
         self.running: torch.profiler.profile | bool | None = None  # the torch profile, or True
+        self.prefix: str | None = None  # the trace's file name before "_tp<rank>" (vLLM's)
 
-    def start(self) -> None:
+    def start(self, profile_prefix: str | None = None) -> None:
+        """`profile_prefix` (vLLM's): the trace file is `<prefix>_tp<rank>.pt.trace.json`."""
         if self.running is not None:
             raise RuntimeError("the profiler is already running: stop_profile() first")
+        if profile_prefix is not None and not (
+            isinstance(profile_prefix, str) and FILE_PREFIX.fullmatch(profile_prefix)
+        ):
+            raise ValueError(
+                "profile_prefix must be a file name's start (letters, digits, '.', '_', '-'), "
+                f"got {profile_prefix!r}"
+            )
+        self.prefix = profile_prefix
         if self.config["profiler"] == "cuda":
             torch.cuda.profiler.start()
             self.running = True
@@ -87,6 +99,11 @@ class Profile:
         folder = Path(self.config["torch_profiler_dir"])
         folder.mkdir(parents=True, exist_ok=True)
         suffix = ".gz" if self.config["torch_profiler_use_gzip"] else ""
-        path = folder / f"tandem-rank{self.rank}-{time.time_ns()}.pt.trace.json{suffix}"
+        name = (
+            f"tandem-rank{self.rank}-{time.time_ns()}"
+            if self.prefix is None
+            else (f"{self.prefix}_tp{self.rank}")
+        )
+        path = folder / f"{name}.pt.trace.json{suffix}"
         running.export_chrome_trace(str(path))
         return str(path)

@@ -834,4 +834,3 @@ def test_each_output_carries_the_request_s_timings_as_vllm_s_metrics(llm, folder
     assert stats.num_generation_tokens == 8 and stats.is_corrupted is False
     [offline] = LLM(folder, **ENGINE_ARGS).generate(PROMPTS[1], params, use_tqdm=False)
     assert offline.metrics is None
-

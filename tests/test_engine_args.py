@@ -138,6 +138,20 @@ def test_model_config_hf_config_reads_config_json_as_transformers_config_does(fo
     assert text.hidden_size == on_disk["hidden_size"] and text.rope_scaling is None
 
 
+def test_the_tokenizer_s_name_or_path_is_what_the_engine_was_given_as_transformers(
+    folder, tmp_path
+):
+    """`tok.name_or_path`: scripts tell model families by it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = LLM(folder, max_model_len=64).get_tokenizer()
+    assert tokenizer.name_or_path == AutoTokenizer.from_pretrained(folder).name_or_path == folder
+    other = tmp_path / "tokenizer"
+    shutil.copytree(folder, other)
+    named = LLM(folder, max_model_len=64, tokenizer=str(other)).get_tokenizer().name_or_path
+    assert named == str(other)
+
+
 def test_skip_tokenizer_init_takes_token_ids_and_gives_token_ids_without_text(folder):
     llm = LLM(folder, max_model_len=64, skip_tokenizer_init=True)
     assert llm.engine.tokenizer is None

@@ -146,7 +146,8 @@ class Engine:
         self.max_model_len = config.resolve_max_model_len(cfg)
         tokenizer_dir = None if config.skip_tokenizer_init else hub.tokenizer_folder(config, folder)
         found = tokenizer_dir and (tokenizer_dir / "tokenizer.json").is_file()
-        self.tokenizer = Tokenizer.from_dir(tokenizer_dir) if found else None
+        named = config.tokenizer or config.model  # as the caller named it (a Hub id, say)
+        self.tokenizer = Tokenizer.from_dir(tokenizer_dir, named) if found else None
         self.eos_token_ids = _eos_token_ids(cfg, folder, self.tokenizer)
         self.primary_eos_token_id = None if self.tokenizer is None else self.tokenizer.eos_token_id
         self.model_pooling = ModelPooling.of(folder, hf_config, cfg.num_labels)

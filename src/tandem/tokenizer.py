@@ -92,6 +92,7 @@ class Tokenizer:
         chat_templates: dict[str, str] | None = None,
     ) -> None:
         self.backend = backend
+        self.name_or_path = ""  # transformers': the model or folder it came from (from_dir's)
         self._truncating: tokenizers.Tokenizer | None = None  # _truncation's, made when needed
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -114,8 +115,9 @@ class Tokenizer:
         self.all_special_tokens = [added[i].content for i in self.all_special_ids]
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load tokenizer.json, tokenizer_config.json and chat_template.jinja the way transformers does."""
+    def from_dir(cls, path: str | Path, name_or_path: str | None = None) -> Tokenizer:
+        """Load tokenizer.json, tokenizer_config.json and chat_template.jinja the way transformers
+        does; `name_or_path` (transformers'): the name it was asked for (a Hub id), else `path`."""
         folder = Path(path)
         tokenizer_file = folder / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -140,10 +142,12 @@ class Tokenizer:
         else:
             chat_template = named.get("default") if isinstance(configured, list) else configured
         template_tokens = {name: text for name, text in special.items() if text is not None}
-        return cls(
+        tokenizer = cls(
             backend, special["bos_token"], special["eos_token"], chat_template, template_tokens,
             named,
         )  # fmt: skip
+        tokenizer.name_or_path = name_or_path or str(path)
+        return tokenizer
 
     def __call__(
         self,

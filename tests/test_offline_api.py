@@ -737,3 +737,31 @@ def test_a_lora_request_is_made_without_loading_torch():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+class FinishingRequest:
+    """A request as _FinishedGroups reads it, counting the reads of `finished`."""
+
+    reads = 0
+
+    def __init__(self):
+        self._finished, self.logprobs = False, None
+
+    @property
+    def finished(self) -> bool:
+        FinishingRequest.reads += 1
+        return self._finished
+
+
+def test_a_group_of_many_samples_is_built_once_its_last_finishes_in_linear_work(monkeypatch):
+    """n up to 16,384: each finished sample is counted once, never the group scanned again (a
+    scan per finished sample was n^2: 14.6 s of 8,192 samples' 2-token run on a 2-core CPU)."""
+    group = [FinishingRequest() for _ in range(2_000)]
+    monkeypatch.setattr(llm_module._FinishedGroups, "_output", lambda self, i: f"group {i}")
+    groups = llm_module._FinishedGroups([("r", group)], text=lambda token_id: None)
+    for step in range(0, len(group), 100):
+        for request in group[step : step + 100]:
+            request._finished = True
+        groups.add(group[max(0, step - 100) : step + 100])  # the last step's come again
+        assert groups.built == ({0: "group 0"} if step + 100 == len(group) else {})
+    assert FinishingRequest.reads <= 2 * len(group)  # each read as it comes: no group scans

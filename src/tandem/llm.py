@@ -856,6 +856,9 @@ class _FinishedGroups:
     def __init__(self, groups: list[tuple[str, list[Request]]], text: TokenText):
         self.groups, self.text = groups, text
         self.group_of = {id(r): i for i, (_, group) in enumerate(groups) for r in group}
+        # each group's requests not yet seen finished (counted, not scanned: n may be 16,384)
+        self.unfinished = [len(group) for _, group in groups]
+        self.seen_finished: set[int] = set()  # id(request)
         self.built: dict[int, RequestOutput] = {}
         self.logprobs: dict[int, SampleLogprobs] = {}  # id(request) -> so far
 
@@ -867,9 +870,11 @@ class _FinishedGroups:
                 continue
             if request.logprobs is not None:
                 self._logprobs_of(request)
-            if not request.finished or i in self.built:
+            if not request.finished or id(request) in self.seen_finished:
                 continue
-            if all(r.finished for r in self.groups[i][1]):
+            self.seen_finished.add(id(request))
+            self.unfinished[i] -= 1
+            if self.unfinished[i] == 0:
                 self.built[i] = self._output(i)
 
     def outputs(self) -> list[RequestOutput]:

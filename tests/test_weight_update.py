@@ -231,6 +231,26 @@ def test_apply_model_load_weights_updates_every_rank_as_update_weights(
     assert stats.prefix_cache_hits == len(PROMPTS) * ENGINE_ARGS["block_size"]
 
 
+def load_as_a_worker_extension(engine, path: str) -> tuple[int, int]:
+    """A vLLM worker extension's method: `self.model_runner.model.load_weights`, `self.rank`."""
+    state = load_file(f"{path}/model.safetensors")
+    return engine.rank, len(engine.model_runner.model.load_weights(state.items()))
+
+
+def test_collective_rpc_reads_vllm_s_worker_attributes_on_every_rank(checkpoints, fresh):
+    """RL code written as a vLLM worker extension, run by collective_rpc on each rank."""
+    a, b = checkpoints
+    llm = LLM(a, tensor_parallel_size=2, **ENGINE_ARGS)
+    try:
+        answers = llm.collective_rpc(load_as_a_worker_extension, args=(b,))
+        updated = [t for t, _ in tokens_and_logprobs(llm)]
+    finally:
+        llm.shutdown()
+    count = len(load_file(f"{b}/model.safetensors"))
+    assert answers == [(0, count), (1, count)]
+    assert updated == [t for t, _ in fresh[b]]
+
+
 def test_one_rank_s_update_copies_no_tensor_to_host_memory(checkpoints, fresh, monkeypatch):
     """On one rank nothing goes through pipes: a trainer's device tensors are copied in place,
     not to the host first (16 GB of an 8B model's would be)."""

@@ -495,6 +495,18 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self.in_flight or self.finished_unscheduled)
 
+    # vLLM's worker attributes, as functions run by `collective_rpc` read them
+    # (`self.model_runner.model.load_weights(pairs)`, `self.rank`)
+    @property
+    def model_runner(self) -> Runner:
+        """This rank's runner; its `model` is the rank's model."""
+        return self.runner
+
+    @property
+    def rank(self) -> int:
+        """This engine's tensor-parallel rank."""
+        return self.tp.rank
+
     def get_tokenizer(self) -> Tokenizer | None:
         """vLLM's LLMEngine's: the model's tokenizer (None for a model without one)."""
         return self.tokenizer

@@ -251,6 +251,28 @@ def test_collective_rpc_reads_vllm_s_worker_attributes_on_every_rank(checkpoints
     assert updated == [t for t, _ in fresh[b]]
 
 
+def test_reload_weights_is_vllm_s_worker_method_over_collective_rpc(checkpoints, fresh):
+    """`collective_rpc("reload_weights", kwargs=...)`: a weights_path, the pairs given, or
+    with neither the model's own checkpoint again."""
+    a, b = checkpoints
+    llm = LLM(a, **ENGINE_ARGS)
+    assert llm.collective_rpc("reload_weights", kwargs={"weights_path": b}) == [None]
+    assert tokens_and_logprobs(llm) == fresh[b]
+    llm.collective_rpc("reload_weights")
+    assert tokens_and_logprobs(llm) == fresh[a]
+    pairs = list(load_file(f"{b}/model.safetensors").items())
+    llm.collective_rpc("reload_weights", args=(pairs,))
+    assert tokens_and_logprobs(llm) == fresh[b]
+    with pytest.raises(ValueError, match="is_checkpoint_format must be True"):
+        llm.collective_rpc("reload_weights", kwargs={"is_checkpoint_format": False})
+    small = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128,
+             "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 512,
+             "eos_token_id": 2, "bos_token_id": 1}  # fmt: skip
+    preset = LLM("qwen2.5-0.5b", load_format="dummy", hf_overrides=small, max_model_len=32)
+    with pytest.raises(ValueError, match="a preset with no checkpoint folder"):
+        preset.collective_rpc("reload_weights")
+
+
 def test_one_rank_s_update_copies_no_tensor_to_host_memory(checkpoints, fresh, monkeypatch):
     """On one rank nothing goes through pipes: a trainer's device tensors are copied in place,
     not to the host first (16 GB of an 8B model's would be)."""

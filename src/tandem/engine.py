@@ -144,6 +144,7 @@ class Engine:
     ) -> None:
         self.dtype = config.resolve_dtype(cfg, self.device)
         self.max_model_len = config.resolve_max_model_len(cfg)
+        self.model_folder = folder  # the checkpoint's (None: a preset): reload_weights reads it
         tokenizer_dir = None if config.skip_tokenizer_init else hub.tokenizer_folder(config, folder)
         found = tokenizer_dir and (tokenizer_dir / "tokenizer.json").is_file()
         named = config.tokenizer or config.model  # as the caller named it (a Hub id, say)
@@ -529,6 +530,32 @@ class Engine:
     def update_weights_from_path(self, path: str | Path) -> None:
         """`update_weights` with every tensor of a checkpoint folder's safetensors files."""
         self._update_weights(read_checkpoint(path), ("update_weights_from_path", str(path)))
+
+    def reload_weights(
+        self,
+        weights_iterator: NamedTensors | None = None,
+        weights_path: str | Path | None = None,
+        is_checkpoint_format: bool = True,
+    ) -> None:
+        """vLLM's worker method (`collective_rpc("reload_weights", kwargs=...)`): the pairs
+        given, else the safetensors of `weights_path`, else those of the model's own folder,
+        copied in as `update_weights` copies them."""
+        if is_checkpoint_format is not True:
+            raise ValueError(
+                "is_checkpoint_format must be True: tandem takes weights under the checkpoint's "
+                "(Hugging Face) names and layouts"
+            )
+        if weights_iterator is not None:
+            self.update_weights(weights_iterator)
+        elif weights_path is not None:
+            self.update_weights_from_path(weights_path)
+        elif self.model_folder is None:
+            raise ValueError(
+                "this engine's model is a preset with no checkpoint folder: give weights_path "
+                "or weights_iterator"
+            )
+        else:
+            self.update_weights_from_path(self.model_folder)
 
     def _update_weights(
         self, pairs: list[tuple[str, torch.Tensor]], on_others: tuple | None

@@ -359,6 +359,31 @@ def test_vllm_s_options_at_tandem_s_behaviour_generate_as_without_them(folder):
         LLM(folder, **engine_kwargs(args))
 
 
+@pytest.mark.parametrize(
+    ("flags", "refused"),
+    [
+        (["--limit-mm-per-prompt", '{"image": 0, "video": 0}'], None),
+        (["--limit-mm-per-prompt", '{"image": 2}'], "limit_mm_per_prompt"),
+        (["--disable-sliding-window"], "disable_sliding_window=True"),
+        (["--calculate-kv-scales"], "calculate_kv_scales=True"),
+        (["--kv-transfer-config", '{"kv_connector": "X"}'], "kv_transfer_config"),
+        (["--worker-extension-cls", "rl.Ext"], "worker_extension_cls"),
+    ],
+)
+def test_vllm_s_serve_flags_at_tandem_s_behaviour_are_taken_and_others_say_why(
+    folder, flags, refused
+):
+    """A vLLM command line with these flags parses: where the value asks for what tandem does it
+    runs, else the engine's ValueError says why (not argparse's "unrecognized arguments")."""
+    args = ["serve", folder, "--max-model-len", "64", *flags]
+    kwargs = engine_kwargs(build_parser().parse_args(args))
+    if refused is None:
+        assert LLM(folder, **kwargs).generate("Hi", use_tqdm=False)
+        return
+    with pytest.raises(ValueError, match=f"{refused}.*is not supported: "):
+        LLM(folder, **kwargs)
+
+
 @pytest.mark.parametrize("fit", [-1, "auto"])
 def test_max_model_len_minus_one_is_the_longest_the_kv_cache_holds_as_vllms(folder, fit):
     """vLLM's -1 / "auto": 12 blocks of 8 hold 96 tokens, fewer than the model's positions, so

@@ -241,6 +241,30 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: str = "position
         default=0,
         help="vLLM's; only 0: the weights stay in device memory",
     )
+    # more of vLLM's flags that tandem takes at the values asking for its own behaviour (the
+    # engine says why another is refused: config.UNUSED_VLLM_OPTIONS)
+    for flag, what in (
+        ("--disable-sliding-window", "a windowed model attends over its window"),
+        ("--calculate-kv-scales", "an FP8 cache's scales are the checkpoint's"),
+    ):
+        parser.add_argument(flag, action="store_true", help=f"vLLM's; refused: {what}")
+    parser.add_argument(
+        "--limit-mm-per-prompt",
+        type=json_object,
+        metavar="JSON",
+        help='vLLM\'s; only counts of 0 (e.g. {"image": 0}): tandem serves text models',
+    )
+    parser.add_argument(
+        "--kv-transfer-config",
+        type=json_object,
+        metavar="JSON",
+        help="vLLM's; refused: no KV cache moves between engines",
+    )
+    parser.add_argument(
+        "--worker-extension-cls",
+        metavar="PATH",
+        help="vLLM's; refused: collective_rpc runs a function on each rank (pass it itself)",
+    )
     for flag, default in (
         ("--max-num-partial-prefills", 1),
         ("--max-long-partial-prefills", 1),

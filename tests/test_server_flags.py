@@ -399,6 +399,34 @@ def test_requests_are_logged_with_their_prompt_cut_to_max_log_len(llm, caplog):
     assert "seed=4" in line and prompt[:9] not in line
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_outputs_are_logged_as_each_choice_finishes_with_enable_log_outputs(llm, caplog, stream):
+    """vLLM's --enable-log-outputs: a line per finished choice, text and ids cut as prompts are;
+    without --enable-log-requests it is refused, as vLLM's."""
+    body = {"prompt": "Log what comes", "max_tokens": 12, "n": 2, "seed": 4,
+            "ignore_eos": True, "stream": stream}  # fmt: skip
+    options = {"enable_log_requests": True, "max_log_len": 3}
+    with client_of(llm, **options) as client, caplog.at_level("INFO", logger="uvicorn.error"):
+        assert client.post("/v1/completions", json=body).status_code == 200
+        assert not [r for r in caplog.records if "generated response" in r.getMessage()]
+    logging_outputs = client_of(llm, **options, enable_log_outputs=True)
+    with logging_outputs as client, caplog.at_level("INFO", logger="uvicorn.error"):
+        response = client.post("/v1/completions", json=body)
+    texts = ["", ""]  # each choice's whole text, as the client read it
+    events = [json.loads(line[6:]) for line in response.text.splitlines() if line[6:7] == "{"]
+    for choice in (
+        c for event in (events if stream else [response.json()]) for c in event["choices"]
+    ):
+        texts[choice["index"]] += choice["text"]
+    lines = [r.getMessage() for r in caplog.records if "generated response" in r.getMessage()]
+    assert len(lines) == 2  # one a choice
+    logged = {line.split("output ")[1].split(", output_token_ids")[0] for line in lines}
+    assert logged == {repr(text[:3]) for text in texts}
+    assert all("finish_reason length" in line for line in lines)
+    with pytest.raises(ValueError, match="--enable-log-outputs needs --enable-log-requests"):
+        ServerOptions(enable_log_outputs=True).validate()
+
+
 def test_forced_usage_ends_every_stream_and_token_ids_name_every_logprob(llm):
     body = {"prompt": "Hi", "max_tokens": 3, "stream": True, "logprobs": 1}
     options = {"enable_force_include_usage": True, "return_tokens_as_token_ids": True}

@@ -824,6 +824,11 @@ def add_answer_args(parser: argparse.ArgumentParser) -> None:
         help="log each generation request: its prompt, prompt ids and sampling parameters",
     )
     parser.add_argument(
+        "--enable-log-outputs",
+        action="store_true",
+        help="with --enable-log-requests: log each finished choice's text, ids and finish reason",
+    )
+    parser.add_argument(
         "--max-log-len",
         type=int,
         help="--enable-log-requests: the prompt's first that many characters and ids (default: all)",
@@ -910,7 +915,8 @@ def answer_options(args: argparse.Namespace) -> ServerOptions:
     """The ServerOptions run-batch's flags set (add_answer_args), the rest ServerOptions'."""
     from tandem.server.options import ServerOptions
 
-    names = ("response_role", "enable_log_requests", "max_log_len", "enable_force_include_usage")
+    names = ("response_role", "enable_log_requests", "enable_log_outputs", "max_log_len",
+             "enable_force_include_usage")  # fmt: skip
     return ServerOptions(**{name: getattr(args, name) for name in names})
 
 

@@ -67,6 +67,9 @@ class ServerOptions:
     # characters and ids, None: whole) and its sampling parameters
     enable_log_requests: bool = False
     max_log_len: int | None = None
+    # vLLM's --enable-log-outputs (with --enable-log-requests): a line per finished choice, its
+    # text and ids cut to max_log_len, and its finish reason
+    enable_log_outputs: bool = False
     # vLLM's --enable-force-include-usage: every stream ends with its usage, asked or not
     enable_force_include_usage: bool = False
     # vLLM's --return-tokens-as-token-ids: every request's logprobs name tokens by id
@@ -140,6 +143,8 @@ class ServerOptions:
                 f"uvicorn_log_level must be one of {', '.join(LOG_LEVELS)}, got "
                 f"{self.uvicorn_log_level!r}"
             )
+        if self.enable_log_outputs and not self.enable_log_requests:
+            raise ValueError("--enable-log-outputs needs --enable-log-requests (as vLLM's)")
         self.log_config()  # a ValueError where it is no JSON object
         bad = [path for path in self.middleware if not MIDDLEWARE_PATH.fullmatch(str(path))]
         if bad or not isinstance(self.middleware, tuple):

@@ -71,6 +71,9 @@ class Choice:
     prompt_token_ids: list[int] | None = None  # from the first output
     reader: OutputReader | None = None  # chat: its streamed text read into content and tool calls
     splitter: ReasoningSplitter | None = None  # chat with a reasoning parser: its thinking apart
+    # --enable-log-outputs: a line once it finishes, its text and ids cut to max_log_len
+    log_output: bool = False
+    log_cut: int | None = None
 
     def add(self, output: StreamOutput) -> None:
         self.tracker.observe(output)
@@ -84,6 +87,12 @@ class Choice:
         self.logprobs += output.logprobs or []
         self.finish_reason = output.finish_reason
         self.stop_reason = output.stop_reason
+        if output.finished and self.log_output:
+            cut = self.log_cut
+            logger.info(
+                "generated response %s: output %r, output_token_ids %s, finish_reason %s",
+                self.stream.request_id, self.text[:cut], self.token_ids[:cut], self.finish_reason,
+            )  # fmt: skip
 
 
 @dataclass(eq=False)  # by identity: OpenAIServing.open holds them
@@ -443,8 +452,13 @@ class OpenAIServing:
         except ValueError as error:
             raise invalid_request(error, body) from error
         self.metrics.n.observe(params.n)
+        logged = {
+            "log_output": self.options.enable_log_outputs,
+            "log_cut": self.options.max_log_len,
+        }
         choices = [
-            Choice(s, LatencyTracker(self.metrics, arrival, params.max_tokens)) for s in streams
+            Choice(s, LatencyTracker(self.metrics, arrival, params.max_tokens), **logged)
+            for s in streams
         ]
         client_id = http.headers.get("X-Request-Id", body.request_id)
         return Generation(

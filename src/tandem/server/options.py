@@ -15,7 +15,7 @@ from tandem.server.tool_calls import PARSERS
 from tandem.tokenizer import compile_chat_template, content_format
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
-MIDDLEWARE_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")  # a module's name in it
+MIDDLEWARE_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")  # "module.name", dotted
 
 
 @dataclass(frozen=True)

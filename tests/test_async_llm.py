@@ -21,7 +21,9 @@ from tandem.outputs import FlatLogprobs
 from tandem.sampling import RequestOutputKind
 from test_bad_input import transformers_greedy
 
-ENGINE_ARGS = {"max_model_len": 256, "block_size": 8}
+# a set cache size (the CPU default's 8,192 blocks), so that the module's engines fit side by side
+# on a GPU too, where each would otherwise size its cache at 0.9 of the device
+ENGINE_ARGS = {"max_model_len": 256, "block_size": 8, "kv_cache_memory_bytes": 32 << 20}
 PROMPTS = ["Our scheduler reads", "The quick brown fox", "Paged attention", "Hello"]
 KINDS = list(RequestOutputKind)
 CUMULATIVE, DELTA, FINAL_ONLY = KINDS

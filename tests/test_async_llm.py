@@ -382,18 +382,19 @@ def test_params_or_request_id_of_a_wrong_type_is_a_type_error_and_others_still_r
 
 
 def test_generate_takes_the_cache_salt_of_a_prompt_dict(llm):
-    """Only a request of the same salt finds the blocks a salted prompt left in the cache."""
+    """Only a request of the same salt finds the blocks a salted prompt left in the cache;
+    each other writes them (vLLM's num_cache_creation_tokens)."""
     ids = list(range(40, 60))  # 20 tokens: 2 full blocks of 8
 
-    async def cached(salt: str | None, request_id: str) -> int:
+    async def cached(salt: str | None, request_id: str) -> tuple[int, int]:
         prompt = {"prompt_token_ids": ids, "cache_salt": salt}
         outputs = await collect(llm, prompt, SamplingParams(max_tokens=2), request_id)
-        return outputs[0].num_cached_tokens
+        return outputs[0].num_cached_tokens, outputs[0].num_cache_creation_tokens
 
     async def main():
         return [await cached(salt, f"salted-{k}") for k, salt in enumerate(["a", "b", None, "a"])]
 
-    assert asyncio.run(main()) == [0, 0, 0, 16]
+    assert asyncio.run(main()) == [(0, 16), (0, 16), (0, 16), (16, 0)]
     with pytest.raises(ValueError, match="cache_salt"):
         asyncio.run(cached("", "empty-salt"))
 

@@ -171,26 +171,33 @@ def test_num_cached_tokens_counts_whole_blocks_of_the_prompt(make_tiny):
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 
     def run(prompt):
-        return llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+        """(num_cached_tokens, num_cache_creation_tokens): vLLM's second is the prompt tokens
+        in full blocks (written to the cache) less those found there."""
+        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+        return out.num_cached_tokens, out.num_cache_creation_tokens
 
-    assert run(list(range(1, 11))).num_cached_tokens == 0  # first time: nothing cached
+    assert run(list(range(1, 11))) == (0, 8)  # first time: nothing cached; 2 full blocks written
     # the same 10 tokens: 2 full blocks cached (the third holds tokens 8-9 only, never cached)
-    assert run(list(range(1, 11))).num_cached_tokens == 8
+    assert run(list(range(1, 11))) == (8, 0)
     # 12 tokens, a multiple of the block size: 2 blocks again, the first request's only (its
-    # third block held 2 tokens)
-    assert run(list(range(1, 13))).num_cached_tokens == 8
+    # third block held 2 tokens); the third is written now
+    assert run(list(range(1, 13))) == (8, 4)
     # the same 12: the block of the last prompt token is cached whole now, so it is copied on
-    # write and only that token computed
+    # write and only that token computed (and written: vLLM counts it so too)
     cache = llm.engine.scheduler.cache
     queried, hits = cache.num_queried_tokens, cache.num_hit_tokens
-    assert run(list(range(1, 13))).num_cached_tokens == 11
+    assert run(list(range(1, 13))) == (11, 1)
     assert (cache.num_queried_tokens - queried, cache.num_hit_tokens - hits) == (12, 11)
     assert llm.engine.scheduler.num_block_copies == 1
-    # a prompt that parts after 5 tokens: one shared block
-    assert run([1, 2, 3, 4, 5, 99, 98, 97, 96]).num_cached_tokens == 4
+    # a prompt that parts after 5 tokens: one shared block, its second written
+    assert run([1, 2, 3, 4, 5, 99, 98, 97, 96]) == (4, 4)
     # 36 other tokens need 9 of the 10 blocks: every cached block of range(1, 13) is evicted
-    assert run(list(range(100, 136))).num_cached_tokens == 0
-    assert run(list(range(1, 11))).num_cached_tokens == 0
+    assert run(list(range(100, 136))) == (0, 36)
+    assert run(list(range(1, 11))) == (0, 8)
+    # caching off: nothing found, nothing written
+    plain = LLM(folder, block_size=4, num_blocks=10, max_model_len=40, enable_prefix_caching=False)
+    out = plain.generate({"prompt_token_ids": list(range(1, 11))}, params, use_tqdm=False)[0]
+    assert (out.num_cached_tokens, out.num_cache_creation_tokens) == (0, 0)
 
 
 @pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
@@ -609,3 +616,21 @@ def test_penalized_requests_compute_every_token_and_match_an_uncached_run(make_t
         assert out.num_cached_tokens == 0
         outputs[caching] = out.outputs[0].token_ids
     assert outputs[True] == outputs[False]
+
+
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+def test_cache_creation_tokens_are_counted_once_the_chunked_prompt_is_computed(
+    make_tiny, async_batching
+):
+    """A 10-token prompt fed 4 tokens a step: its 2 full blocks (8 tokens) are written, not the
+    first chunk's 1; the n samples' output is the first sample's, as num_cached_tokens."""
+    folder = str(make_tiny("llama"))
+    args = dict(block_size=4, num_blocks=32, max_model_len=40, async_batching=async_batching)
+    llm = LLM(folder, **args, max_num_batched_tokens=4, max_num_seqs=4)
+    params = SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=3, ignore_eos=True)
+    first, again = (
+        llm.generate({"prompt_token_ids": list(range(1, 11))}, params, use_tqdm=False)[0]
+        for _ in range(2)
+    )
+    assert (first.num_cached_tokens, first.num_cache_creation_tokens) == (0, 8)
+    assert (again.num_cached_tokens, again.num_cache_creation_tokens) == (8, 0)

@@ -357,18 +357,23 @@ def test_an_embedding_prompt_may_fill_the_context_and_minus_one_keeps_that_much(
 
 def test_cache_salt_shares_cached_prompt_tokens_only_within_a_salt_on_both_routes(server):
     """vLLM's cache_salt: usage.prompt_tokens_details.cached_tokens counts only blocks cached
-    under the request's own salt (none: shared with unsalted requests only)."""
+    under the request's own salt (none: shared with unsalted requests only); its
+    created_cache_tokens, the prompt's other tokens in full blocks (written to the cache)."""
     ids = list(range(300, 340))  # 40 token ids: 5 full blocks of 8, in no other test
     messages = [{"role": "user", "content": "Salted tenants keep their prefixes apart. " * 4}]
     for path, body in [
         ("/v1/completions", {"prompt": ids, "max_tokens": 2}),
         ("/v1/chat/completions", {"messages": messages, "max_tokens": 2}),
     ]:
-        cached = []
+        cached, created = [], []
         for salt in ("tenant-a", "tenant-a", "tenant-b", None):
             response = post(server, path, {**body, "cache_salt": salt}).json()
-            cached.append(response["usage"]["prompt_tokens_details"]["cached_tokens"])
+            details = response["usage"]["prompt_tokens_details"]
+            cached.append(details["cached_tokens"])
+            created.append(details["created_cache_tokens"])
         assert cached[0] == 0 and cached[1] >= 16 and cached[2:] == [0, 0], (path, cached)
+        full = response["usage"]["prompt_tokens"] // 8 * 8  # in full blocks of 8
+        assert [c + k for c, k in zip(cached, created, strict=True)] == [full] * 4, (path, created)
 
 
 @pytest.mark.parametrize("salt", ["", 5, ["a"]], ids=["empty", "int", "list"])

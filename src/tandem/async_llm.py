@@ -98,6 +98,7 @@ class StreamOutput:
     num_output_tokens: int  # all tokens so far
     time: float  # time.perf_counter() when the engine thread produced it
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    num_cache_creation_tokens: int = 0  # prompt tokens written into it
     # with SamplingParams.prompt_logprobs, in the request's first output: per prompt position
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_ranks: list[int | None] | None = None  # beside prompt_logprobs: each token's rank
@@ -939,6 +940,7 @@ class AsyncLLM:
             num_output_tokens=len(tokens),
             time=now,
             num_cached_tokens=request.num_cached_tokens or 0,
+            num_cache_creation_tokens=request.num_cache_creation_tokens or 0,
             prompt_logprobs=request.prompt_logprobs if first else None,
             prompt_ranks=request.prompt_ranks if first else None,
             stop_reason=request.stop_reason,

@@ -836,7 +836,8 @@ def add_answer_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--enable-prompt-tokens-details",
         action="store_true",
-        help="vLLM's: taken; every usage carries prompt_tokens_details (its cached_tokens)",
+        help="vLLM's: taken; every usage carries prompt_tokens_details (cached_tokens, "
+        "created_cache_tokens)",
     )
     parser.add_argument(
         "--enable-force-include-usage",

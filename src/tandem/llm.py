@@ -967,6 +967,7 @@ def _request_output(
             for k, r in enumerate(group)
         ],
         num_cached_tokens=first.num_cached_tokens or 0,
+        num_cache_creation_tokens=first.num_cache_creation_tokens or 0,
         prompt_logprobs=_prompt_logprobs(first, text),
         lora_request=first.lora_request,
     )

@@ -83,6 +83,7 @@ class RequestOutput:
     encoder_prompt: str | None = None  # a decoder-only model's: None
     encoder_prompt_token_ids: list[int] | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    num_cache_creation_tokens: int = 0  # prompt tokens it wrote into the prefix cache
     kv_transfer_params: dict[str, Any] | None = None  # no KV moves between engines: None
 
 
@@ -387,6 +388,7 @@ class OutputCollector:
         self.num_unfinished = params.n
         self.prompt_token_ids: list[int] = []
         self.num_cached_tokens = 0
+        self.num_cache_creation_tokens = 0
         self.prompt_logprobs: PromptLogprobs | None = None
 
     @property
@@ -399,6 +401,7 @@ class OutputCollector:
             self.prompt_token_ids = output.prompt_token_ids
         if index == 0:
             self.num_cached_tokens = output.num_cached_tokens
+            self.num_cache_creation_tokens = output.num_cache_creation_tokens
             if output.prompt_logprobs is not None:
                 self.prompt_logprobs = prompt_logprobs(
                     output.prompt_logprobs,
@@ -451,6 +454,7 @@ class OutputCollector:
             outputs=[self._completion(k) for k in indexes],
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
+            num_cache_creation_tokens=self.num_cache_creation_tokens,
             prompt_logprobs=self.prompt_logprobs,
             lora_request=self.lora_request,
             metrics=self.stats,

@@ -175,6 +175,12 @@ class PrefixCache:
                 self.num_publications += 1
         request.num_published_blocks = num_full
 
+    def num_created(self, request: Request) -> int:
+        """vLLM's num_cache_creation_tokens of a request whose prompt is computed: the prompt
+        tokens in its published blocks, less those its first admission found cached."""
+        published = min(request.num_published_blocks * self.block_size, request.num_prompt_tokens)
+        return max(published - (request.num_cached_tokens or 0), 0)
+
     def reset(self) -> None:
         """Forget every cached block (e.g. the weights changed); held blocks stay with their owners."""
         self.block_of.clear()

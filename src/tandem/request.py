@@ -85,6 +85,9 @@ class Request:
     # it is recomputed)
     publishes: bool = True
     num_cached_tokens: int | None = None
+    # vLLM's: once its prompt is computed, the prompt tokens its published blocks hold past
+    # those it found cached (what it wrote into the prefix cache)
+    num_cache_creation_tokens: int | None = None
     scheduled_time: float | None = None  # time.perf_counter() at its first admission
     # (index, publication) where its admission copied a cached block on write: the block at
     # that index of its table holds that publication's first block_size - 1 slots

@@ -158,6 +158,8 @@ class Scheduler:
         plan.num_new_tokens.append(num_new)
         request.num_computed_tokens += num_new
         self.cache.publish(request)
+        if request.num_cache_creation_tokens is None and not self.num_to_compute(request):
+            request.num_cache_creation_tokens = self.cache.num_created(request)
 
     def _resume(self, plan: StepPlan, budget: int) -> int:
         """Swap requests back in, in the queue's order, while their blocks fit; returns the

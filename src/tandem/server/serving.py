@@ -64,6 +64,7 @@ class Choice:
     stop_reason: int | str | None = None  # once finished: the stop string or stop token id
     started: bool = False  # a chunk was sent (chat sends the role first)
     num_cached_tokens: int = 0  # of its prompt, found in the prefix cache
+    num_cache_creation_tokens: int = 0  # of its prompt, written into the prefix cache
     # with echo: the prompt's text and ids, and its logprobs from the first output
     echo: tuple[str, list[int]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
@@ -78,6 +79,7 @@ class Choice:
     def add(self, output: StreamOutput) -> None:
         self.tracker.observe(output)
         self.num_cached_tokens = output.num_cached_tokens
+        self.num_cache_creation_tokens = output.num_cache_creation_tokens
         if output.prompt_logprobs is not None:
             self.prompt_logprobs, self.prompt_ranks = output.prompt_logprobs, output.prompt_ranks
         if output.prompt_token_ids is not None:
@@ -124,15 +126,18 @@ class Generation:
     def usage(self) -> dict:
         completion_tokens = sum(len(c.token_ids) for c in self.choices)
         # prompt tokens count each prompt once, and so do its cached ones: its first sample's
-        cached = sum(c.num_cached_tokens for c in self.choices[:: self.n])
-        return usage(sum(self.prompt_lengths), completion_tokens, cached)
+        firsts = self.choices[:: self.n]
+        cached = sum(c.num_cached_tokens for c in firsts)
+        created = sum(c.num_cache_creation_tokens for c in firsts)
+        return usage(sum(self.prompt_lengths), completion_tokens, cached, created)
 
     def choice_usage(self, index: int) -> dict:
         """What one choice has used so far: its prompt and its own tokens (vLLM's usage of a
         chunk with continuous_usage_stats)."""
         choice = self.choices[index]
         prompt_tokens = self.prompt_lengths[index // self.n]
-        return usage(prompt_tokens, len(choice.token_ids), choice.num_cached_tokens)
+        cached, created = choice.num_cached_tokens, choice.num_cache_creation_tokens
+        return usage(prompt_tokens, len(choice.token_ids), cached, created)
 
     def abort_unfinished(self) -> None:
         for choice in self.choices:
@@ -853,12 +858,15 @@ def json_logprob(logprob: float) -> float:
     return max(logprob, -9999.0)
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int, created_cache_tokens: int
+) -> dict[str, Any]:
+    details = {"cached_tokens": cached_tokens, "created_cache_tokens": created_cache_tokens}
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": details,
     }
 
 

@@ -774,8 +774,9 @@ def test_dropping_the_last_reference_stops_the_engine_and_frees_it(folder):
 
 
 def test_vllms_engine_client_attributes_and_awaitables(folder):
-    """`engine.model_config` (max_model_len, model, dtype, hf_config), `await
-    engine.get_supported_tasks()` and `await engine.reset_encoder_cache()`, as vLLM's."""
+    """`engine.model_config` (max_model_len, model, dtype, hf_config), `engine.tokenizer`,
+    `await engine.get_supported_tasks()`, `await engine.reset_encoder_cache()` and `await
+    engine.wait_for_requests_to_drain()`, as vLLM's."""
     from transformers import AutoConfig
 
     llm = AsyncLLM.from_model(folder, **ENGINE_ARGS, dtype="float32")
@@ -785,8 +786,20 @@ def test_vllms_engine_client_attributes_and_awaitables(folder):
         layers = AutoConfig.from_pretrained(folder).num_hidden_layers
         assert config.hf_config.num_hidden_layers == layers
 
+        assert llm.tokenizer is llm.get_tokenizer() is not None
+        params = SamplingParams(max_tokens=20, ignore_eos=True)
+
         async def main():
             await llm.reset_encoder_cache()
+            await llm.wait_for_requests_to_drain()  # none: at once
+            running = asyncio.ensure_future(collect(llm, PROMPTS[0], params, "draining"))
+            await until(lambda: llm.stats.num_running == 1)
+            await llm.pause_generation(mode="keep")
+            with pytest.raises(TimeoutError, match=r"0\.2 seconds"):
+                await llm.wait_for_requests_to_drain(0.2)  # paused: the request waits
+            await llm.resume_generation()
+            await llm.wait_for_requests_to_drain(30)
+            assert running.done() and len(running.result()[-1].outputs[0].token_ids) == 20
             return await llm.get_supported_tasks()
 
         assert asyncio.run(main()) == ("generate", "embed")

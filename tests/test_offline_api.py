@@ -765,3 +765,27 @@ def test_a_group_of_many_samples_is_built_once_its_last_finishes_in_linear_work(
         groups.add(group[max(0, step - 100) : step + 100])  # the last step's come again
         assert groups.built == ({0: "group 0"} if step + 100 == len(group) else {})
     assert FinishingRequest.reads <= 2 * len(group)  # each read as it comes: no group scans
+
+
+def test_vllm_s_mm_processor_kwargs_at_nothing_generate_and_others_are_refused(llm):
+    """vLLM's per-call mm_processor_kwargs: None or {} generate as without it; options for a
+    multi-modal processor a text model lacks are a ValueError naming the argument, on generate,
+    chat, enqueue and enqueue_chat alike, and queue nothing. reset_mm_cache() is taken."""
+    chat = [{"role": "user", "content": "Red?"}]
+    want = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    got = llm.generate(PROMPT, GREEDY, use_tqdm=False, mm_processor_kwargs={})
+    assert got[0].outputs[0].token_ids == want
+    want_chat = llm.chat(chat, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    got_chat = llm.chat(chat, GREEDY, use_tqdm=False, mm_processor_kwargs=None)
+    assert got_chat[0].outputs[0].token_ids == want_chat
+    options = {"num_crops": 4}
+    for call in (
+        lambda: llm.generate(PROMPT, GREEDY, use_tqdm=False, mm_processor_kwargs=options),
+        lambda: llm.chat(chat, GREEDY, use_tqdm=False, mm_processor_kwargs=options),
+        lambda: llm.enqueue(PROMPT, GREEDY, mm_processor_kwargs=options),
+        lambda: llm.enqueue_chat(chat, GREEDY, mm_processor_kwargs=options),
+    ):
+        with pytest.raises(ValueError, match=r"mm_processor_kwargs=.*num_crops.*text models"):
+            call()
+    llm.reset_mm_cache()
+    assert llm.wait_for_completion(use_tqdm=False) == []

@@ -231,7 +231,7 @@ def test_no_step_runs_between_start_and_finish(checkpoints, fresh):
     assert llm.engine.num_steps == steps and not results  # held
     state = state_of(b)
     sender = trainer.send(state)
-    llm.update_weights({"update_info": update_info_for(state)})
+    llm.update_weights(request={"update_info": update_info_for(state)})  # vLLM's keyword
     sender.join(JOIN_S)
     assert llm.engine.num_steps == steps
     llm.finish_weight_update()
@@ -361,7 +361,7 @@ def test_async_llm_takes_an_update_while_a_request_waits(checkpoints, fresh):
             assert not late.done()  # held until the update finishes
             state = state_of(b)
             sender = trainer.send(state)
-            await llm.update_weights({"update_info": update_info_for(state)})
+            await llm.update_weights(request={"update_info": update_info_for(state)})
             sender.join(JOIN_S)
             await llm.finish_weight_update()
             return await asyncio.wait_for(late, JOIN_S)

@@ -349,6 +349,17 @@ class AsyncLLM:
         one)."""
         return self.engine.tokenizer
 
+    async def wait_for_requests_to_drain(self, drain_timeout: float = 300) -> None:
+        """vLLM's: return once the engine holds no unfinished request; TimeoutError after
+        `drain_timeout` seconds (a paused engine's requests wait, as vLLM's)."""
+        deadline = time.monotonic() + drain_timeout
+        while await self._call(lambda engine: engine.has_unfinished()):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"Timeout reached after {drain_timeout} seconds waiting for requests to drain"
+                )
+            await asyncio.sleep(0.05)
+
     def seconds_without_progress(self) -> float:
         """How long the engine thread has had work but finished no step (0 while it waits)."""
         if self._idle:
@@ -668,15 +679,15 @@ class AsyncLLM:
         """vLLM's: every rank's profiler off; each rank's trace file (see LLM.stop_profile)."""
         return await self.collective_rpc("stop_profile")
 
-    async def update_weights(self, named_tensors: NamedTensors | dict | Any) -> None:
+    async def update_weights(self, request: NamedTensors | dict | Any) -> None:
         """Copy (Hugging Face name, tensor) pairs into the weights in place (see Engine), or
         receive the tensors a trainer broadcasts (vLLM's `{"update_info": {...}}`; see
         LLM.update_weights)."""
-        update_info = request_field(named_tensors, "update_info")
+        update_info = request_field(request, "update_info")
         if update_info is not None:
             await self._call(lambda engine: engine.receive_weights(update_info))
             return
-        pairs = check_named_tensors(named_tensors)  # a generator is drained on this thread
+        pairs = check_named_tensors(request)  # a generator is drained on this thread
         await self._call(lambda engine: engine.update_weights(pairs))
 
     async def init_weight_transfer_engine(self, request: dict | Any) -> None:

@@ -51,6 +51,16 @@ def asks_nothing(value: Any) -> bool:
     return value is None or (isinstance(value, dict | list) and not value)
 
 
+def check_mm_processor_kwargs(mm_processor_kwargs: dict[str, Any] | None) -> None:
+    """vLLM's per-call options of a multi-modal processor: None or {} alone (tandem serves text
+    models, which have none)."""
+    if not asks_nothing(mm_processor_kwargs):
+        raise ValueError(
+            f"mm_processor_kwargs={mm_processor_kwargs!r}: tandem serves text models alone, "
+            "which have no multi-modal processor to pass options to"
+        )
+
+
 class Truncation(NamedTuple):
     """How a call tokenizes and cuts its prompts: to `keep` tokens (None: all), on `side`
     ("left" keeps the last, "right" the first; None: the model's, as vLLM's tokenizer); a text

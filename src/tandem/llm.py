@@ -20,7 +20,7 @@ from tandem import scoring
 from tandem.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from tandem.config import EngineConfig, ModelConfig, check_flags
 from tandem.engine import Engine, check_pause_mode
-from tandem.inputs import Truncation, truncation
+from tandem.inputs import Truncation, check_mm_processor_kwargs, truncation
 from tandem.lora.request import LoRARequest, check_one_adapter_per_id, per_prompt
 from tandem.metrics import Metric, engine_metrics
 from tandem.outputs import (
@@ -176,14 +176,14 @@ class LLM:
         with self._hook():
             return self.engine.apply_model(func)
 
-    def update_weights(self, named_tensors: NamedTensors | dict | Any) -> None:
+    def update_weights(self, request: NamedTensors | dict | Any) -> None:
         """Copy (Hugging Face name, tensor) pairs into the weights in place (see Engine); or,
         given vLLM's `{"update_info": {...}}` (or a WeightTransferUpdateRequest), receive the
         tensors it announces from the trainer (see weight_transfer/)."""
-        update_info = request_field(named_tensors, "update_info")
+        update_info = request_field(request, "update_info")
         with self._hook():
             if update_info is None:
-                self.engine.update_weights(named_tensors)
+                self.engine.update_weights(request)
             else:
                 self.engine.receive_weights(update_info)
 
@@ -207,6 +207,9 @@ class LLM:
     def update_weights_from_path(self, path: str | Path) -> None:
         with self._hook():
             self.engine.update_weights_from_path(path)
+
+    def reset_mm_cache(self) -> None:
+        """vLLM's: tandem serves text models alone, so there is no multi-modal cache."""
 
     def reset_prefix_cache(
         self, reset_running_requests: bool = False, reset_connector: bool = False
@@ -270,12 +273,15 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: list[int] | None = None,
         tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, {"prompt": text} or {"prompt_token_ids": [...]}, a
         dict with an optional "cache_salt"); outputs in input order. `lora_request`: one LoRA
         adapter for all, or one per prompt (None: the base model; needs enable_lora=True).
         `priority` is vLLM's, one per prompt (scheduling_policy "priority": lower first; "fcfs":
-        0s alone). `tokenization_kwargs`: vLLM's, its `truncate_prompt_tokens` alone."""
+        0s alone). `tokenization_kwargs`: vLLM's, its `truncate_prompt_tokens` alone;
+        `mm_processor_kwargs` (vLLM's): None or {} alone."""
+        check_mm_processor_kwargs(mm_processor_kwargs)
         groups = self._requests_for(
             prompts, sampling_params, lora_request, priority, tokenization_kwargs
         )
@@ -289,11 +295,13 @@ class LLM:
         priority: list[int] | None = None,
         use_tqdm: UseTqdm = True,
         tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[str]:
         """Queue prompts without running them, as vLLM's (its argument order, which is not
         `generate`'s): `wait_for_completion` runs them (a `generate` in between runs them too).
         Their request ids, in input order."""
         del use_tqdm  # queueing shows no progress
+        check_mm_processor_kwargs(mm_processor_kwargs)
         groups = self._requests_for(
             prompts, sampling_params, lora_request, priority, tokenization_kwargs
         )
@@ -545,6 +553,7 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate. The template's
         options as vLLM's LLM.chat takes them, in its order (`Tokenizer.apply_chat_template`); a
@@ -563,7 +572,7 @@ class LLM:
         )
         return self.generate(
             prompts, sampling_params, use_tqdm, lora_request,
-            tokenization_kwargs=tokenization_kwargs,
+            tokenization_kwargs=tokenization_kwargs, mm_processor_kwargs=mm_processor_kwargs,
         )  # fmt: skip
 
     def enqueue_chat(
@@ -580,6 +589,7 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[str]:
         """`chat`'s conversations queued as `enqueue` queues prompts (vLLM's, in its argument
         order: `priority` after `lora_request`): their request ids; `wait_for_completion` runs
@@ -596,7 +606,7 @@ class LLM:
         )
         return self.enqueue(
             prompts, sampling_params, lora_request, priority,
-            tokenization_kwargs=tokenization_kwargs,
+            tokenization_kwargs=tokenization_kwargs, mm_processor_kwargs=mm_processor_kwargs,
         )  # fmt: skip
 
     def _chat_prompts(

@@ -403,6 +403,76 @@ def test_generation_tags_and_every_special_token_render_as_in_transformers(make_
     assert Tokenizer.from_dir(folder).apply_chat_template(chat, tokenize=False) == expected
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_offsets_mapping_matches_transformers(make_tiny, arch):
+    """`tok(text, return_offsets_mapping=True)`: each token's characters, as lists and arrays."""
+    folder = make_tiny(arch)
+    ours, reference = Tokenizer.from_dir(folder), hf_tokenizer(folder)
+    for add in (False, True):
+        for text in TEXTS:
+            got = ours(text, add_special_tokens=add, return_offsets_mapping=True)
+            expected = reference(text, add_special_tokens=add, return_offsets_mapping=True)
+            assert got["offset_mapping"] == expected["offset_mapping"], text
+            assert got.input_ids == expected.input_ids
+        batch = ours(TEXTS, add_special_tokens=add, return_offsets_mapping=True)
+        want = reference(TEXTS, add_special_tokens=add, return_offsets_mapping=True)
+        assert batch["offset_mapping"] == want["offset_mapping"]
+    got = ours("Hello world", return_tensors="pt", return_offsets_mapping=True)
+    expected = reference("Hello world", return_tensors="pt", return_offsets_mapping=True)
+    assert got["offset_mapping"].tolist() == expected["offset_mapping"].tolist()
+    assert "offset_mapping" not in ours("Hello world")
+
+
+# an assistant-loss template: the assistant's text in {% generation %}, once inline and once
+# inside a macro (placed as transformers places it), with a loop and a namespace around them
+GENERATION_TEMPLATE = (
+    "{%- macro say(m) %}{% generation %}{{ m.content | trim }}{% endgeneration %}{% endmacro -%}"
+    "{{ bos_token }}{% set ns = namespace(turns=0) %}{% for m in messages %}"
+    "{% if m.role == 'assistant' %}{% set ns.turns = ns.turns + 1 %}<a{{ ns.turns }}>"
+    "{% if loop.last %}{{ say(m) }}{% else %}{% generation %}{{ m.content }}{{ eos_token }}"
+    "{% endgeneration %}{% endif %}{% else %}<{{ m.role }}>{{ m.content }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_assistant_tokens_mask_matches_transformers(make_tiny, tmp_path, arch):
+    """apply_chat_template(return_assistant_tokens_mask=True): `assistant_masks` marks the
+    tokens of the text inside {% generation %}, one list per chat, as transformers marks them;
+    a template without the tags marks none."""
+    folder = variant(
+        make_tiny(arch), tmp_path / "m", drop_template=True, chat_template=GENERATION_TEMPLATE
+    )
+    ours, reference = Tokenizer.from_dir(folder), AutoTokenizer.from_pretrained(folder)
+    chats = [
+        CHATS[1] + [{"role": "assistant", "content": " 東京 is big. "}],
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo café"}] * 2,
+        CHATS[0],
+    ]
+    for chat in chats:
+        for prompt in (False, True):
+            args = dict(add_generation_prompt=prompt, return_assistant_tokens_mask=True)
+            got = ours.apply_chat_template(chat, **args)
+            expected = reference.apply_chat_template(chat, return_dict=True, **args)
+            assert got.input_ids == expected["input_ids"]
+            assert got["assistant_masks"] == expected["assistant_masks"], chat
+    assert any(
+        ours.apply_chat_template(chats[0], return_assistant_tokens_mask=True).assistant_masks
+    )
+    batch = ours.apply_chat_template(chats, return_assistant_tokens_mask=True)
+    want = reference.apply_chat_template(chats, return_dict=True, return_assistant_tokens_mask=True)
+    assert batch["assistant_masks"] == want["assistant_masks"]
+    plain = Tokenizer.from_dir(make_tiny(arch))
+    unmarked = plain.apply_chat_template(chats[0], return_assistant_tokens_mask=True)
+    assert unmarked.assistant_masks == [0] * len(unmarked.input_ids)
+    with pytest.raises(ValueError, match="tokenize=True and return_dict=True"):
+        ours.apply_chat_template(chats[0], tokenize=False, return_assistant_tokens_mask=True)
+    with pytest.raises(ValueError, match="continued final message"):
+        ours.apply_chat_template(
+            chats[0], continue_final_message=True, return_assistant_tokens_mask=True
+        )
+
+
 def test_chat_template_jinja_file_takes_precedence_over_config(make_tiny, tmp_path):
     folder = variant(make_tiny("qwen2"), tmp_path / "m", chat_template="IGNORED")
     assert Tokenizer.from_dir(folder).chat_template == CHAT_TEMPLATE

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from transformers import AutoTokenizer
 
 from tandem import LLM, SamplingParams
 from tandem.async_llm import AsyncLLM
@@ -152,6 +153,107 @@ def test_a_rendered_chat_holds_its_template_and_generates_what_the_chat_does(url
     answer = post(url, "/v1/chat/completions", return_token_ids=True, **fields).json()
     out = generate(url, **rendered).json()["choices"][0]
     assert out["token_ids"] == answer["choices"][0]["token_ids"]
+
+
+def test_a_render_gives_token_offsets_of_text_prompts_where_asked(url, folder):
+    """vLLM's return_token_offsets: each token's (start, end) characters in its text prompt (the
+    rendered template for a chat), as the tokenizer's offset mapping gives them; null for a
+    prompt of ids, and unless asked. The render, offsets and all, still generates."""
+    reference = AutoTokenizer.from_pretrained(folder)
+    text = "The quick brown fox"
+
+    def render(prompt, **fields):
+        return post(url, "/v1/completions/render", prompt=prompt, max_tokens=3, **fields).json()
+
+    assert [r["token_offsets"] for r in render([text, "café"])] == [None, None]
+    rendered = render([text, "café"], return_token_offsets=True)
+    for given, got in zip([text, "café"], rendered, strict=True):
+        expected = reference(given, return_offsets_mapping=True)
+        assert got["token_ids"] == expected["input_ids"]  # a BOS first: (0, 0)
+        assert got["token_offsets"] == [list(pair) for pair in expected["offset_mapping"]]
+    assert render([5, 6, 7], return_token_offsets=True)[0]["token_offsets"] is None
+    assert generate(url, **rendered[0]).status_code == 200
+    messages = [{"role": "user", "content": "Hi café"}]
+    chat = post(url, "/v1/chat/completions/render", messages=messages, return_token_offsets=True)
+    text = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    expected = reference(text, add_special_tokens=False, return_offsets_mapping=True)
+    assert chat.json()["token_ids"] == expected["input_ids"]
+    assert chat.json()["token_offsets"] == [list(pair) for pair in expected["offset_mapping"]]
+    assert chat.json()["assistant_tokens_mask"] is None  # not asked (nor tagged: below)
+
+
+# an assistant-loss template: the assistant's turns in {% generation %} tags
+MARKED_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' %}{% generation %}"
+    "{{ m.content }}{{ eos_token }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def test_a_chat_render_marks_the_assistants_tokens_as_the_tokenizer_does(folder):
+    """vLLM's return_assistant_tokens_mask on /v1/chat/completions/render: transformers'
+    assistant_masks of the rendered prompt under a template with {% generation %} tags (0 for a
+    BOS that add_special_tokens put first); null under a template without them."""
+    from tandem.server.options import ServerOptions
+
+    reference = AutoTokenizer.from_pretrained(folder)
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello café"},
+        {"role": "user", "content": "More"},
+    ]
+    options = ServerOptions(chat_template=MARKED_TEMPLATE, trust_request_chat_template=True)
+    llm = AsyncLLM.from_model(folder, **ENGINE_ARGS)
+    try:
+        with running(build_app(llm, "tiny", options=options)) as served:
+            body = {"messages": messages, "return_assistant_tokens_mask": True, "max_tokens": 3}
+            rendered = post(served, "/v1/chat/completions/render", **body).json()
+            expected = reference.apply_chat_template(
+                messages, chat_template=MARKED_TEMPLATE, add_generation_prompt=True,
+                return_dict=True, return_assistant_tokens_mask=True,
+            )  # fmt: skip
+            assert rendered["token_ids"] == expected["input_ids"]
+            assert rendered["assistant_tokens_mask"] == expected["assistant_masks"]
+            assert 0 < sum(rendered["assistant_tokens_mask"]) < len(rendered["token_ids"])
+            with_bos = post(
+                served, "/v1/chat/completions/render", add_special_tokens=True, **body
+            ).json()
+            assert with_bos["token_ids"][1:] == expected["input_ids"]
+            assert with_bos["assistant_tokens_mask"] == [0, *expected["assistant_masks"]]
+            assert generate(served, **rendered).status_code == 200  # taken back as given
+            plain = MARKED_TEMPLATE.replace("{% generation %}", "").replace(
+                "{% endgeneration %}", ""
+            )
+            untagged = post(
+                served, "/v1/chat/completions/render", chat_template=plain, **body
+            ).json()
+            assert untagged["assistant_tokens_mask"] is None
+    finally:
+        llm.shutdown()
+
+
+def test_a_chat_answers_with_its_rendered_prompt_where_asked(url, folder):
+    """vLLM's return_prompt_text: the chat-templated prompt beside the answer, and in each
+    choice's first chunk of a stream; absent unless asked."""
+    reference = AutoTokenizer.from_pretrained(folder)
+    messages = [{"role": "user", "content": "Hi café"}]
+    text = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    fields = {"messages": messages, "max_tokens": 3, "n": 2}
+    answer = post(url, "/v1/chat/completions", return_prompt_text=True, **fields).json()
+    assert answer["prompt_text"] == text
+    assert "prompt_text" not in post(url, "/v1/chat/completions", **fields).json()
+    stream = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": "tiny", "stream": True, "return_prompt_text": True, **fields},
+        timeout=60,
+    )
+    chunks = [
+        json.loads(line[6:]) for line in stream.text.splitlines() if line.startswith("data: {")
+    ]
+    shown = [c["choices"][0]["index"] for c in chunks if "prompt_text" in c]
+    assert sorted(shown) == [0, 1] and all(
+        c["prompt_text"] == text for c in chunks if "prompt_text" in c
+    )
 
 
 @pytest.mark.parametrize(

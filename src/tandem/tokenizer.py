@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import functools
 import json
+import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar, NoReturn
@@ -50,7 +52,8 @@ def _check_unicode(text: Any) -> None:
 
 
 class BatchEncoding(dict):
-    """`input_ids` and `attention_mask`, read as keys or as attributes (`enc.input_ids`)."""
+    """`input_ids` and `attention_mask` (and where asked `offset_mapping` or a chat's
+    `assistant_masks`), read as keys or as attributes (`enc.input_ids`)."""
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -154,22 +157,32 @@ class Tokenizer:
         text: str | list[str],
         add_special_tokens: bool = True,
         return_tensors: str | None = None,
+        return_offsets_mapping: bool = False,
     ) -> BatchEncoding:
         """`input_ids` and `attention_mask` of a text, or lists of them for a list of texts;
-        with transformers' `return_tensors` ("pt" or "np"), [texts, tokens] arrays of them."""
+        with transformers' `return_tensors` ("pt" or "np"), [texts, tokens] arrays of them;
+        with `return_offsets_mapping`, each token's (start, end) characters in its text too
+        (`offset_mapping`; (0, 0) for a special token the post-processor added)."""
         if return_tensors not in (None, "pt", "np"):
             raise ValueError(f'return_tensors must be "pt", "np" or None, got {return_tensors!r}')
-        if isinstance(text, str):
-            ids = self.encode(text, add_special_tokens)
-            encoding = BatchEncoding(input_ids=ids, attention_mask=[1] * len(ids))
-            return as_tensors(encoding, return_tensors, rows=False)
-        if not isinstance(text, list | tuple) or not all(isinstance(t, str) for t in text):
+        rows = not isinstance(text, str)
+        if rows and (
+            not isinstance(text, list | tuple) or not all(isinstance(t, str) for t in text)
+        ):
             raise TypeError(
                 f"text must be a string or a list of strings, got {type(text).__name__}"
             )
-        ids = [self.encode(t, add_special_tokens) for t in text]
-        encoding = BatchEncoding(input_ids=ids, attention_mask=[[1] * len(i) for i in ids])
-        return as_tensors(encoding, return_tensors, rows=True)
+        encodings = [self._encoding(t, add_special_tokens) for t in (text if rows else [text])]
+        fields = {
+            "input_ids": [e.ids for e in encodings],
+            "attention_mask": [[1] * len(e.ids) for e in encodings],
+        }
+        if return_offsets_mapping:
+            fields["offset_mapping"] = [e.offsets for e in encodings]
+        encoding = BatchEncoding(
+            {name: value if rows else value[0] for name, value in fields.items()}
+        )
+        return as_tensors(encoding, return_tensors, rows=rows)
 
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[str]:
         """The vocabulary entries `text` is cut into (e.g. "Ġthe"), special tokens left out
@@ -196,11 +209,17 @@ class Tokenizer:
         special tokens kept (transformers' truncation=True, as vLLM's tokenizer cuts a prompt
         whose request names no side). A lone surrogate in it is a ValueError saying where."""
         with self._truncation(max_length, side) as backend:
-            try:
-                return backend.encode(text, add_special_tokens=add_special_tokens).ids
-            except TypeError:  # the backend's "TextInputSequence must be str"
-                _check_unicode(text)
-                raise
+            return self._encoding(text, add_special_tokens, backend).ids
+
+    def _encoding(
+        self, text: str, add_special_tokens: bool, backend: tokenizers.Tokenizer | None = None
+    ) -> tokenizers.Encoding:
+        """The backend's whole encoding of `text` (ids, offsets, char_to_token)."""
+        try:
+            return (backend or self.backend).encode(text, add_special_tokens=add_special_tokens)
+        except TypeError:  # the backend's "TextInputSequence must be str"
+            _check_unicode(text)
+            raise
 
     def encode_pair(self, text: str, pair: str, max_length: int | None = None) -> list[int]:
         """Token ids of two texts as one sequence, joined by tokenizer.json's post-processor's
@@ -323,12 +342,15 @@ class Tokenizer:
         tokenize: bool = True,
         return_dict: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        return_assistant_tokens_mask: bool = False,
         **kwargs: Any,
     ) -> str | list[str] | list[int] | list[list[int]] | BatchEncoding:
         """Render a chat (or a list of chats) and the tools it may call (OpenAI's {"type":
         "function", "function": {...}} objects) with the chat template, as transformers does:
         by default to a BatchEncoding of its ids (encoded with add_special_tokens=False), to the
         ids alone with return_dict=False, to the text with tokenize=False.
+        `return_assistant_tokens_mask` adds `assistant_masks`: 1 for each token of what the
+        template renders inside `{% generation %}` tags, 0 elsewhere (all 0 without the tags).
 
         `continue_final_message` ends the text right after the last message's content, so that
         the model continues that message (with add_generation_prompt=False); `chat_template_kwargs`
@@ -357,6 +379,12 @@ class Tokenizer:
                 "add_generation_prompt and continue_final_message cannot both be true: set "
                 "add_generation_prompt to false to continue the final message"
             )
+        if return_assistant_tokens_mask and not (tokenize and return_dict):
+            raise ValueError(
+                "return_assistant_tokens_mask needs tokenize=True and return_dict=True"
+            )
+        if return_assistant_tokens_mask and continue_final_message:
+            raise ValueError("return_assistant_tokens_mask cannot mark a continued final message")
         # like transformers, special tokens that are unset stay undefined in the template, and
         # documents (vLLM's request field, for retrieval) is None unless given
         variables = {
@@ -366,16 +394,19 @@ class Tokenizer:
             **kwargs,
         }
         batched = bool(conversation) and isinstance(conversation[0], list | tuple)
-        texts = []
+        texts, spans = [], []
         for messages in conversation if batched else [conversation]:
             if continue_final_message:
                 messages = tagged(messages)
             try:
-                text = template.render(
-                    **variables,
-                    messages=messages,
-                    tools=tools,
-                    add_generation_prompt=add_generation_prompt,
+                text, marked = render_marking_generation(
+                    template,
+                    {
+                        **variables,
+                        "messages": messages,
+                        "tools": tools,
+                        "add_generation_prompt": add_generation_prompt,
+                    },
                 )
             except ValueError:  # raise_exception's, in the template's own words
                 raise
@@ -386,9 +417,15 @@ class Tokenizer:
                     f"chat template failed on the messages: {type(error).__name__}: {error}"
                 ) from error
             texts.append(cut_at_tag(text) if continue_final_message else text)
+            spans.append(marked)
         if not tokenize:
             return texts if batched else texts[0]
         encoding = self(texts, add_special_tokens=False)
+        if return_assistant_tokens_mask:
+            encoding["assistant_masks"] = [
+                assistant_mask(self._encoding(text, False), marked)
+                for text, marked in zip(texts, spans, strict=True)
+            ]
         if not batched:
             encoding = BatchEncoding({name: rows[0] for name, rows in encoding.items()})
         return encoding if return_dict else encoding.input_ids
@@ -516,14 +553,79 @@ class IncrementalDetokenizer:
 
 class GenerationTag(Extension):
     """`{% generation %}...{% endgeneration %}`, which templates trained with an assistant-only
-    loss put around the assistant's text: transformers marks where it is; a prompt needs only
-    the text inside."""
+    loss put around the assistant's text: it renders as its text, and a render that marks
+    generation (render_marking_generation) records where that text lies."""
 
     tags: ClassVar[set[str]] = {"generation"}
 
-    def parse(self, parser: jinja2.parser.Parser) -> list[nodes.Node]:
-        next(parser.stream)  # the tag's name
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+    def parse(self, parser: jinja2.parser.Parser) -> nodes.Node:
+        line = next(parser.stream).lineno  # the tag's name
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(line)
+
+    @staticmethod
+    def _mark(caller: Callable[[], str]) -> str:
+        text = caller()
+        marks = GENERATION_MARKS.get()
+        if marks is not None:  # the text rendered so far ends where this block starts
+            marks.spans.append((marks.length, marks.length + len(text)))
+        return text
+
+
+def marks_generation(source: str | None) -> bool:
+    """Whether a template has `{% generation %}` tags (vLLM's test of whether it can mark the
+    assistant's tokens)."""
+    return source is not None and GENERATION_TAG.search(source) is not None
+
+
+GENERATION_TAG = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")
+
+
+class GenerationMarks:
+    """A render's characters yielded so far, and the (start, end) of each generation block."""
+
+    def __init__(self) -> None:
+        self.length = 0
+        self.spans: list[tuple[int, int]] = []
+
+
+# the marks of the render running in this context (None: no render marks generation)
+GENERATION_MARKS: contextvars.ContextVar[GenerationMarks | None] = contextvars.ContextVar(
+    "generation_marks", default=None
+)
+
+
+def render_marking_generation(
+    template: jinja2.Template, variables: dict[str, Any]
+) -> tuple[str, list[tuple[int, int]]]:
+    """The template's text and the (start, end) characters of each `{% generation %}` block in
+    it, as transformers finds them: a block starts at the length of the text the template had
+    yielded when the block rendered (inside a macro: the text before the macro's output)."""
+    marks = GenerationMarks()
+    token = GENERATION_MARKS.set(marks)
+    try:
+        parts = []
+        for part in template.generate(**variables):
+            parts.append(part)
+            marks.length += len(part)
+    finally:
+        GENERATION_MARKS.reset(token)
+    return "".join(parts), marks.spans
+
+
+def assistant_mask(encoding: tokenizers.Encoding, spans: list[tuple[int, int]]) -> list[int]:
+    """1 for each token from the one holding a span's first character to the one holding its
+    last, as transformers marks them (a span whose first character no token holds ends the
+    marking; one whose last character falls in the first token, or in none, runs to the end)."""
+    mask = [0] * len(encoding.ids)
+    for start, end in spans:
+        first = encoding.char_to_token(start)
+        if first is None:
+            break
+        last = encoding.char_to_token(end - 1)
+        stop = last + 1 if last else len(mask)
+        mask[first:stop] = [1] * (stop - first)
+    return mask
 
 
 CONTENT_FORMATS = ("auto", "string", "openai")  # vLLM's chat_template_content_format

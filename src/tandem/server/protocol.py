@@ -238,6 +238,8 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
     echo: bool | None = None  # the prompt before the completion, with logprobs if asked
     add_special_tokens: bool = True  # a text prompt gets the tokenizer's BOS
+    # vLLM's, read by /v1/completions/render alone: each token's characters in its text prompt
+    return_token_offsets: bool | None = False
 
 
 class TextPart(MessagePart):
@@ -395,6 +397,11 @@ class ChatCompletionRequest(SamplingRequest):
     include_reasoning: bool = True  # False: message.reasoning is left out (--reasoning-parser)
     # vLLM's: texts for retrieval-augmented generation, the template's `documents`
     documents: list[dict[str, Text]] | None = None
+    return_prompt_text: bool | None = None  # vLLM's: the rendered prompt in the response
+    # vLLM's, read by /v1/chat/completions/render alone: each token's characters in the
+    # rendered prompt, and which tokens the template marks as the assistant's
+    return_token_offsets: bool | None = False
+    return_assistant_tokens_mask: bool = False
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """The chat template's variables: chat_template_kwargs, with reasoning_effort over a

@@ -115,6 +115,7 @@ class Generation:
     reasoning: Callable[[], ReasoningSplitter] | None = None
     include_reasoning: bool = True
     echoed: str = ""  # chat with echo: the text before each answer
+    prompt_text: str | None = None  # chat with return_prompt_text: the rendered prompt, shown
     role: str = "assistant"  # chat: the answer's
 
     @property
@@ -317,6 +318,8 @@ class OpenAIServing:
         role = self.options.response_role
         generation.reader, generation.echoed = mode.reader, body.echoed(role)
         generation.role = body.answer_role(role)
+        if body.return_prompt_text:
+            generation.prompt_text = self._prompt_text(text, ids)
         name, think = self.llm.engine.config.reasoning_parser, self.llm.engine.think_tokens
         if name is not None:  # the answer thinks first unless its prompt closed the thinking
             thinking = not think.ended(ids)
@@ -545,6 +548,8 @@ class OpenAIServing:
             fmt.add_prompt_logprobs(response)
         if generation.return_token_ids:
             fmt.add_prompt_token_ids(response, generation.choices)
+        if generation.prompt_text is not None:
+            response["prompt_text"] = generation.prompt_text
         return response
 
     async def _events(
@@ -566,6 +571,8 @@ class OpenAIServing:
                     chunk = {**chunk_envelope, "choices": [delta], **usage_field}
                     if generation.return_token_ids and not choice.started:  # its first chunk
                         fmt.add_prompt_token_ids(chunk, [choice])
+                    if generation.prompt_text is not None and not choice.started:
+                        chunk["prompt_text"] = generation.prompt_text
                     choice.started = True
                     yield sse(chunk)
             if include_usage:
@@ -917,40 +924,60 @@ def chat_ids(
     return text, tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
 
 
-def chat_prompt(
+def request_tools(body: ChatCompletionRequest | TokenizeRequest) -> list[dict] | None:
+    return [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+
+
+def chat_template_of(
     tokenizer: Tokenizer, body: ChatCompletionRequest | TokenizeRequest, options: ServerOptions
-) -> str:
-    """The request's messages rendered by the chat template with its options: the request's
-    template where the server trusts it, else the server's (--chat-template), else the model's;
-    the server's default variables under the request's. A 400 if the template or the options
-    refuse them."""
+) -> str | None:
+    """The template a chat request renders with: the request's where the server trusts it, else
+    the server's (--chat-template), else the model's for its tools. A 400 where it may not."""
     if body.chat_template is not None and not options.trust_request_chat_template:
         raise OpenAIError(
             "this server renders chats with its own template; a request's chat_template needs "
             "--trust-request-chat-template",
             param="chat_template",
         )
-    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     try:
-        template = tokenizer.get_chat_template(body.chat_template or options.chat_template, tools)
+        return tokenizer.get_chat_template(
+            body.chat_template or options.chat_template, request_tools(body)
+        )
+    except ValueError as error:  # named templates and no default
+        raise OpenAIError(str(error), param="chat_template") from error
+
+
+def chat_prompt(
+    tokenizer: Tokenizer,
+    body: ChatCompletionRequest | TokenizeRequest,
+    options: ServerOptions,
+    **render: Any,
+) -> Any:
+    """The request's messages rendered by the chat template with its options (the template
+    `chat_template_of` picks; the server's default variables under the request's): the text, or
+    what apply_chat_template's `render` options ask for. A 400 if the template or the options
+    refuse them."""
+    template = chat_template_of(tokenizer, body, options)
+    tools = request_tools(body)
+    try:
         fmt = content_format(template, options.chat_template_content_format)
     except jinja2.TemplateError as error:  # a request's template that does not parse
         message = f"the chat template failed on these messages: {error}"
         raise OpenAIError(message, param="messages") from error
-    except ValueError as error:  # named templates and no default
+    except ValueError as error:
         raise OpenAIError(str(error), param="chat_template") from error
     try:
-        return encodable(
-            tokenizer.apply_chat_template(
-                developer_as_system([m.as_template_input(fmt) for m in body.messages], template),
-                tools,
-                chat_template=body.chat_template or options.chat_template,
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                tokenize=False,
-                chat_template_kwargs=options.chat_template_kwargs(body.template_kwargs()),
-            )
-        )  # JSON the template renders may unescape a lone surrogate ("\\ud800") into it
+        rendered = tokenizer.apply_chat_template(
+            developer_as_system([m.as_template_input(fmt) for m in body.messages], template),
+            tools,
+            chat_template=body.chat_template or options.chat_template,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            chat_template_kwargs=options.chat_template_kwargs(body.template_kwargs()),
+            **({"tokenize": False} | render),
+        )
+        # JSON the template renders may unescape a lone surrogate ("\\ud800") into it
+        return encodable(rendered) if isinstance(rendered, str) else rendered
     except ValueError as error:  # no template, the template's own error or raise_exception,
         # a surrogate
         raise OpenAIError(str(error), param="messages") from error

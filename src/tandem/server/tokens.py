@@ -13,6 +13,7 @@ chat's template rendered) and every SamplingParams field, run nowhere.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import uuid
 from typing import Annotated, Any
@@ -34,11 +35,13 @@ from tandem.server.serving import (
     ChatFormat,
     Choice,
     OpenAIServing,
+    chat_prompt,
+    chat_template_of,
     check_stream_options,
     check_streamed_prompt_logprobs,
     token_id_keys,
 )
-from tandem.tokenizer import encodable
+from tandem.tokenizer import encodable, marks_generation
 
 PARAMS = {f.name for f in dataclasses.fields(SamplingParams)}
 SET_BY_THE_SERVER = ("output_kind",)  # as vLLM's: a stream gets deltas, others the final output
@@ -55,6 +58,9 @@ class GenerateRequest(RequestOption):
     stream_options: StreamOptions | None = None
     cache_salt: Annotated[str, Field(min_length=1), AfterValidator(encodable)] | None = None
     priority: int = 0  # lower is served first under --scheduling-policy priority; fcfs: 0
+    # what a render may add, taken back as it gave them: they change nothing generated
+    token_offsets: list[tuple[int, int]] | None = None
+    assistant_tokens_mask: list[Annotated[int, Field(ge=0, le=1)]] | None = None
 
     # what OpenAIServing reads of a request body
     return_token_ids = property(lambda self: True)
@@ -131,32 +137,57 @@ async def generate(serving: OpenAIServing, body: GenerateRequest, http: HttpRequ
 
 
 async def render_completion(serving: OpenAIServing, body: CompletionRequest) -> list[dict]:
-    """The generate request of each prompt of a completion request."""
+    """The generate request of each prompt of a completion request (with return_token_offsets,
+    a text prompt's token offsets)."""
     prompts, params, _, embeds = await serving.completion_inputs(body)
     if embeds is not None:
         raise OpenAIError("prompt_embeds have no token ids to render", param="prompt_embeds")
     if body.use_beam_search:
         raise OpenAIError("the render endpoints take no use_beam_search", param="use_beam_search")
     call_id = uuid.uuid4().hex
+    add, wants_offsets = body.add_special_tokens, body.return_token_offsets
     return [
-        rendered(f"cmpl-{call_id}-{i}", ids, params, body) for i, (_, ids) in enumerate(prompts)
+        rendered(
+            f"cmpl-{call_id}-{i}",
+            ids,
+            params,
+            body,
+            token_offsets=offsets(serving, text, ids, add) if wants_offsets else None,
+        )
+        for i, (text, ids) in enumerate(prompts)
     ]
 
 
 async def render_chat(serving: OpenAIServing, body: ChatCompletionRequest) -> dict:
-    """The generate request of a chat request: its template rendered, its fields as params."""
-    _, ids, params, _ = await serving.chat_inputs(body)
+    """The generate request of a chat request: its template rendered, its fields as params;
+    vLLM's token offsets in the rendered text and assistant tokens mask where asked."""
+    text, ids, params, _ = await serving.chat_inputs(body)
     if body.use_beam_search:
         raise OpenAIError("the render endpoints take no use_beam_search", param="use_beam_search")
-    return rendered(f"chatcmpl-{uuid.uuid4().hex}", ids, params, body)
+    add = body.add_special_tokens
+    found = {"token_offsets": None, "assistant_tokens_mask": None}
+    if body.return_token_offsets:
+        found["token_offsets"] = offsets(serving, text, ids, add)
+    if body.return_assistant_tokens_mask:
+        found["assistant_tokens_mask"] = await asyncio.to_thread(assistant_mask, serving, body, ids)
+    return rendered(f"chatcmpl-{uuid.uuid4().hex}", ids, params, body, **found)
 
 
-def rendered(request_id: str, ids: list[int], params: SamplingParams, body) -> dict:
+def rendered(
+    request_id: str,
+    ids: list[int],
+    params: SamplingParams,
+    body: CompletionRequest | ChatCompletionRequest,
+    token_offsets: list[tuple[int, int]] | None = None,
+    assistant_tokens_mask: list[int] | None = None,
+) -> dict:
     stream = bool(body.stream)
     options = body.stream_options.model_dump() if stream and body.stream_options else None
     return {
         "request_id": request_id,
         "token_ids": ids,
+        "assistant_tokens_mask": assistant_tokens_mask,
+        "token_offsets": token_offsets,
         "sampling_params": as_fields(params),
         "model": body.model,
         "stream": stream,
@@ -164,6 +195,36 @@ def rendered(request_id: str, ids: list[int], params: SamplingParams, body) -> d
         "cache_salt": body.cache_salt,
         "priority": body.priority,
     }
+
+
+def offsets(
+    serving: OpenAIServing, text: str | None, ids: list[int], add_special_tokens: bool
+) -> list[tuple[int, int]] | None:
+    """vLLM's token_offsets: each of a text prompt's tokens' (start, end) characters in it;
+    None for a prompt of ids, or one cut to fewer tokens (its text is no longer theirs)."""
+    if text is None:
+        return None
+    encoding = serving.tokenizer()(text, add_special_tokens, return_offsets_mapping=True)
+    return encoding["offset_mapping"] if encoding.input_ids == ids else None
+
+
+def assistant_mask(
+    serving: OpenAIServing, body: ChatCompletionRequest, ids: list[int]
+) -> list[int] | None:
+    """vLLM's assistant_tokens_mask: 1 for the rendered prompt's tokens the template puts in
+    `{% generation %}` tags (Tokenizer.apply_chat_template's assistant_masks), 0 for the special
+    tokens add_special_tokens put before them; None for a template without the tags, or a
+    prompt cut to fewer tokens."""
+    tokenizer = serving.tokenizer()
+    if not marks_generation(chat_template_of(tokenizer, body, serving.options)):
+        return None
+    encoding = chat_prompt(
+        tokenizer, body, serving.options, tokenize=True, return_assistant_tokens_mask=True
+    )
+    added = len(ids) - len(encoding.input_ids)
+    if added < 0 or ids[added:] != encoding.input_ids:
+        return None
+    return [0] * added + encoding.assistant_masks
 
 
 def as_fields(params: SamplingParams) -> dict[str, Any]:

@@ -309,7 +309,7 @@ def test_the_executor_backends_of_one_process_per_rank_are_taken(folder, backend
         ({"attention_config": {"backend": "x"}}, "attention_backend"),
         ({"disable_sliding_window": True}, "over their window"),
         ({"data_parallel_size": 2}, "--data-parallel-size"),
-        ({"worker_extension_cls": "my.Extension"}, "pass the function itself"),
+        ({"worker_extension_cls": "my.Extension"}, "does not import"),
         ({"served_model_name": "m"}, "--served-model-name"),
         ({"enable_return_routed_experts": True}, "routing"),
         ({"offload_group_size": 8}, "stay in device memory"),
@@ -367,7 +367,7 @@ def test_vllm_s_options_at_tandem_s_behaviour_generate_as_without_them(folder):
         (["--disable-sliding-window"], "disable_sliding_window=True"),
         (["--calculate-kv-scales"], "calculate_kv_scales=True"),
         (["--kv-transfer-config", '{"kv_connector": "X"}'], "kv_transfer_config"),
-        (["--worker-extension-cls", "rl.Ext"], "worker_extension_cls"),
+        (["--worker-extension-cls", "test_weight_update.WeightSync"], None),
     ],
 )
 def test_vllm_s_serve_flags_at_tandem_s_behaviour_are_taken_and_others_say_why(

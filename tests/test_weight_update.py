@@ -251,6 +251,66 @@ def test_collective_rpc_reads_vllm_s_worker_attributes_on_every_rank(checkpoints
     assert updated == [t for t, _ in fresh[b]]
 
 
+class WeightSync:
+    """An RL trainer's vLLM worker extension, written as OpenRLHF and verl write theirs: methods
+    that read the worker's rank, device and model, and keep state on the worker."""
+
+    def describe(self) -> tuple[int, str]:
+        return self.rank, self.device.type
+
+    def remember(self, path: str) -> None:
+        self.checkpoint = path  # this rank's, until a later call reads it
+
+    def load_remembered(self) -> int:
+        return self.load_from(self.checkpoint)  # another of the extension's methods
+
+    def load_from(self, path: str) -> int:
+        state = load_file(f"{path}/model.safetensors")
+        return len(self.model_runner.model.load_weights(weights=state.items()))
+
+
+class Clashing:
+    def sleep(self) -> None:
+        """The engine's own name: vLLM refuses such an extension too."""
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_worker_extension_methods_run_by_name_on_every_rank(
+    checkpoints, fresh, tensor_parallel_size
+):
+    """vLLM's worker_extension_cls: collective_rpc names the class's methods, each rank's engine
+    their self; what one call sets there, a later call reads."""
+    a, b = checkpoints
+    tp = tensor_parallel_size
+    extension = f"{__name__}.WeightSync"
+    llm = LLM(a, tensor_parallel_size=tp, worker_extension_cls=extension, **ENGINE_ARGS)
+    try:
+        assert llm.collective_rpc("describe") == [(rank, "cpu") for rank in range(tp)]
+        assert llm.collective_rpc("remember", args=(b,)) == [None] * tp
+        counts = llm.collective_rpc("load_remembered")
+        updated = tokens_and_logprobs(llm)
+        with pytest.raises(ValueError, match="no public method 'forget'"):
+            llm.collective_rpc("forget")
+    finally:
+        llm.shutdown()
+    assert counts == [len(load_file(f"{b}/model.safetensors"))] * tp
+    assert [t for t, _ in updated] == [t for t, _ in fresh[b]]
+
+
+@pytest.mark.parametrize(
+    ("name", "words"),
+    [
+        ("nowhere.Extension", "'nowhere.Extension' does not import"),
+        ("WeightSync", "qualified name"),
+        (f"{__name__}.ENGINE_ARGS", "is no class"),
+        (f"{__name__}.Clashing", "defines sleep, which the engine has"),
+    ],
+)
+def test_a_worker_extension_that_cannot_serve_is_a_value_error_saying_why(checkpoints, name, words):
+    with pytest.raises(ValueError, match=words):
+        LLM(checkpoints[0], worker_extension_cls=name, **ENGINE_ARGS)
+
+
 def test_reload_weights_is_vllm_s_worker_method_over_collective_rpc(checkpoints, fresh):
     """`collective_rpc("reload_weights", kwargs=...)`: a weights_path, the pairs given, or
     with neither the model's own checkpoint again."""

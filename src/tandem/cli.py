@@ -263,7 +263,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: str = "position
     parser.add_argument(
         "--worker-extension-cls",
         metavar="PATH",
-        help="vLLM's; refused: collective_rpc runs a function on each rank (pass it itself)",
+        help="vLLM's: package.module.Class, whose methods collective_rpc may name (each rank's "
+        "engine their self); this server has no /collective_rpc route",
     )
     for flag, default in (
         ("--max-num-partial-prefills", 1),

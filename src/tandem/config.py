@@ -219,11 +219,6 @@ UNUSED_VLLM_OPTIONS: dict[str, tuple[Any, str]] = {
         lambda v: v == 1 and not isinstance(v, bool),
         "one LLM is one engine; tandem serve --data-parallel-size runs replicas (Ray)",
     ),
-    "worker_extension_cls": (
-        lambda v: v in (None, ""),
-        "collective_rpc runs a function (a callable, or a method name of the model) on each "
-        "rank: pass the function itself",
-    ),
     "served_model_name": (
         lambda v: v is None,
         "an LLM serves no names; tandem serve --served-model-name names the server's model",
@@ -835,7 +830,8 @@ class EngineConfig:
     enable_return_routed_experts: bool = False
     disable_sliding_window: bool = False
     data_parallel_size: int = 1
-    worker_extension_cls: str = ""
+    # vLLM's: "package.module.Class", whose methods collective_rpc may name (rpc.py)
+    worker_extension_cls: str | None = ""
     served_model_name: str | list | None = None
     # False: a line of stats every 10 s of stepping, on the "tandem.metrics" logger (vLLM's)
     disable_log_stats: bool = True

@@ -51,7 +51,7 @@ from tandem.reasoning import ThinkTokens
 from tandem.repetition import ends_in_repetition
 from tandem.request import Request
 from tandem.roofline import step_work
-from tandem.rpc import apply_to_model, check_call, pickled, run_call
+from tandem.rpc import apply_to_model, check_call, pickled, run_call, worker_extension
 from tandem.runner import Runner, graph_batch_sizes
 from tandem.sampling import SamplingParams
 from tandem.scheduler import Scheduler
@@ -107,6 +107,8 @@ class Engine:
         self.workers: Workers | None = None
         self.commands: list[tuple] = []  # for the other ranks, sent with the next step
         self.closed = False  # shutdown ran: a second call does nothing, a step raises
+        # vLLM's worker_extension_cls: its object, whose methods collective_rpc may name (rpc.py)
+        self.worker_extension = worker_extension(self, config.worker_extension_cls)
         # what the step wait calls while it polls (tensor parallelism): are the other ranks alive?
         self.check_ranks: Callable[[], None] | None = None
         if self.tp.size > 1:
@@ -809,7 +811,7 @@ class Engine:
         every rank at once, between steps (see rpc.py); each rank's result, rank 0's first. On
         each rank the call sees that rank's engine alone: a method that drives the other ranks
         itself (update_weights, sleep) does not drive them from rank 0 here."""
-        check_call(type(self), method, args, kwargs)
+        check_call(self, method, args, kwargs)
         self._check_open()
         call = (method, tuple(args), kwargs or {})
         workers = self.workers

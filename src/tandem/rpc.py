@@ -5,25 +5,76 @@ The call is an Engine method's name, or a function taking the rank's Engine firs
 each rank waits for its device's launched work before and after the call, so the call sees
 finished steps and later steps see what it wrote. A function for other ranks must pickle (a
 module-level function, as multiprocessing sends it); that is checked before any rank runs it.
+
+vLLM's `worker_extension_cls` names a class whose methods a call may name too: each rank's
+engine holds an object of it (`worker_extension`) whose `self` reads as that rank's engine does
+(`self.model_runner.model`, `self.rank`, `self.device`, the engine's methods) and keeps what the
+methods set on it, as vLLM mixes the class into its worker.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import pickle
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 
+def worker_extension(engine: Any, qualified_name: str) -> object | None:
+    """The object of the class `qualified_name` names ("package.module.Class") that the engine's
+    calls by name reach (None for ""); its `__init__` is not run, as vLLM's worker runs none. A
+    ValueError for a name that names no class, or a class that would hide an engine attribute."""
+    if not qualified_name:
+        return None
+    cls = import_class(qualified_name)
+    clashes = sorted(
+        name for name in dir(cls) if not name.startswith("__") and hasattr(type(engine), name)
+    )
+    if clashes:
+        raise ValueError(
+            f"worker_extension_cls {qualified_name!r} defines {', '.join(clashes)}, which the "
+            "engine has already: rename them"
+        )
+    engine_ref = weakref.ref(engine)  # the engine holds the extension, not the other way round
+
+    def engine_attribute(self: object, name: str) -> Any:
+        return getattr(engine_ref(), name)
+
+    extended = type(cls.__name__, (cls,), {"__getattr__": engine_attribute})
+    return extended.__new__(extended)
+
+
+def import_class(qualified_name: str) -> type:
+    module_name, _, name = qualified_name.rpartition(".")
+    if not module_name or not name:
+        raise ValueError(
+            f"worker_extension_cls must be a class's qualified name (package.module.Class), "
+            f"got {qualified_name!r}"
+        )
+    try:
+        found = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(
+            f"worker_extension_cls {qualified_name!r} does not import: {error}"
+        ) from error
+    if not isinstance(found, type):
+        raise ValueError(f"worker_extension_cls {qualified_name!r} is no class")
+    return found
+
+
 def check_call(
-    engine_type: type, method: str | Callable[..., Any], args: tuple, kwargs: dict | None
+    engine: Any, method: str | Callable[..., Any], args: tuple, kwargs: dict | None
 ) -> None:
-    """ValueError for a name that is no public method of `engine_type`, TypeError for a method
-    that is neither a name nor a callable, or arguments that are not a tuple and a dict."""
+    """ValueError for a name that is no public method of the engine or its worker extension,
+    TypeError for a method that is neither a name nor a callable, or arguments that are not a
+    tuple and a dict."""
     if isinstance(method, str):
-        if method.startswith("_") or not callable(getattr(engine_type, method, None)):
+        if method.startswith("_") or not callable(bound(engine, method)):
             raise ValueError(f"the engine has no public method {method!r}")
     elif not callable(method):
         raise TypeError(
@@ -43,15 +94,24 @@ def pickled(method: str | Callable[..., Any], args: tuple, kwargs: dict | None) 
         ) from error
 
 
+def bound(engine: Any, name: str) -> Callable[..., Any] | None:
+    """The engine's method of that name, else its worker extension's; None if neither has it."""
+    if callable(getattr(type(engine), name, None)):
+        return getattr(engine, name)
+    extension = engine.worker_extension
+    if extension is not None and callable(getattr(type(extension), name, None)):
+        return getattr(extension, name)
+    return None
+
+
 def run_call(engine: Any, method: str | Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """`method(*args, **kwargs)` on this rank's engine (a name checked by `check_call`), after
-    its device's launched work."""
-    if isinstance(method, str):
-        method = getattr(type(engine), method)
+    """`method(*args, **kwargs)` on this rank's engine (a name checked by `check_call`: the
+    engine's method or its worker extension's), after its device's launched work."""
+    call = bound(engine, method) if isinstance(method, str) else functools.partial(method, engine)
     cuda = engine.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(engine.device)
-    result = method(engine, *args, **kwargs)
+    result = call(*args, **kwargs)
     if cuda:
         torch.cuda.synchronize(engine.device)
     return result

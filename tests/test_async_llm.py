@@ -811,8 +811,12 @@ def test_enable_log_requests_logs_each_request_added_and_aborted_as_vllm_s(folde
     """vLLM's AsyncEngineArgs(enable_log_requests=...): INFO lines naming the request."""
     from tandem import AsyncEngineArgs
 
-    quiet = AsyncLLM.from_engine_args(AsyncEngineArgs(model=folder, enable_log_requests=False))
-    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=folder, enable_log_requests=True))
+    quiet, llm = (
+        AsyncLLM.from_engine_args(
+            AsyncEngineArgs(model=folder, enable_log_requests=logs, **ENGINE_ARGS)
+        )
+        for logs in (False, True)
+    )
     params = SamplingParams(max_tokens=2)
 
     async def main(engine: AsyncLLM, request_id: str) -> None:

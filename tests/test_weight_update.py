@@ -311,6 +311,49 @@ def test_a_worker_extension_that_cannot_serve_is_a_value_error_saying_why(checkp
         LLM(checkpoints[0], worker_extension_cls=name, **ENGINE_ARGS)
 
 
+def test_collective_rpc_route_runs_worker_extension_methods_in_dev_mode(checkpoints, monkeypatch):
+    """vLLM's POST /collective_rpc under VLLM_SERVER_DEV_MODE=1 (and `tandem serve
+    --worker-extension-cls`): each rank's result, as JSON has it or as text; then the server
+    generates with the weights the extension loaded. Without dev mode there is no such route;
+    a method neither the engine nor the extension has is a 400 naming it."""
+    from fastapi.testclient import TestClient
+
+    from tandem.async_llm import AsyncLLM
+    from tandem.cli import build_parser, server_options
+    from tandem.server.app import build_app
+
+    a, b = checkpoints
+    args = build_parser().parse_args(
+        ["serve", a, "--worker-extension-cls", f"{__name__}.WeightSync"]
+    )
+    assert not server_options(args, ()).server_dev_mode
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    options = server_options(args, ())
+    assert options.server_dev_mode
+    llm = AsyncLLM.from_model(a, worker_extension_cls=args.worker_extension_cls, **ENGINE_ARGS)
+    prompt = PROMPTS[0]["prompt_token_ids"]
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
+    try:
+        with TestClient(build_app(llm, "tiny")) as client:
+            assert client.post("/collective_rpc", json={"method": "describe"}).status_code == 404
+        with TestClient(build_app(llm, "tiny", options=options)) as client:
+            rpc = client.post("/collective_rpc", json={"method": "describe"})
+            assert rpc.json() == {"results": ["(0, 'cpu')"]}
+            rpc = client.post("/collective_rpc", json={"method": "remember", "args": [b]})
+            assert rpc.json() == {"results": [None]}
+            loaded = client.post("/collective_rpc", json={"method": "load_remembered"}).json()
+            answer = client.post("/v1/completions", json={**body, "return_token_ids": True})
+            missing = client.post("/collective_rpc", json={"method": "forget"})
+    finally:
+        llm.shutdown()
+    assert loaded == {"results": [str(len(load_file(f"{b}/model.safetensors")))]}
+    [want] = LLM(b, **ENGINE_ARGS).generate(
+        {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
+    )
+    assert answer.json()["choices"][0]["token_ids"] == want.outputs[0].token_ids
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "method"
+
+
 def test_reload_weights_is_vllm_s_worker_method_over_collective_rpc(checkpoints, fresh):
     """`collective_rpc("reload_weights", kwargs=...)`: a weights_path, the pairs given, or
     with neither the model's own checkpoint again."""

@@ -264,7 +264,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: str = "position
         "--worker-extension-cls",
         metavar="PATH",
         help="vLLM's: package.module.Class, whose methods collective_rpc may name (each rank's "
-        "engine their self); this server has no /collective_rpc route",
+        "engine their self): POST /collective_rpc with VLLM_SERVER_DEV_MODE=1",
     )
     for flag, default in (
         ("--max-num-partial-prefills", 1),
@@ -589,6 +589,7 @@ def server_options(args: argparse.Namespace, adapters: tuple) -> ServerOptions:
     if not given.get("api_key"):  # vLLM's: the flag, else the environment's key
         given["api_key"] = os.environ.get("VLLM_API_KEY") or None
     given["allow_runtime_lora_updating"] |= env_flag("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    given["server_dev_mode"] |= env_flag("VLLM_SERVER_DEV_MODE")
     return ServerOptions(**{**given, "lora_modules": adapters})
 
 
@@ -665,6 +666,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (also on with vLLM's "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 or true)",
+    )
+    parser.add_argument(
+        "--server-dev-mode",
+        action="store_true",
+        help="serve vLLM's development route POST /collective_rpc, which runs any engine or "
+        "worker extension method by name (also on with vLLM's VLLM_SERVER_DEV_MODE=1 or true)",
     )
     parser.add_argument(
         "--max-request-bytes",

@@ -5,7 +5,8 @@ vLLM's routes take its query parameters and answer its shapes (/pause, /resume, 
 /sleep, /wake_up, /is_sleeping); /pause_generation and /resume_generation, tandem's older
 spelling, take a JSON body and answer {"paused": ...}.
 
-They sit behind the same API key as the OpenAI routes (app.py's middleware guards every path
+vLLM's /collective_rpc is served only with VLLM_SERVER_DEV_MODE=1, as vLLM serves it (it runs
+any of the engine's methods). They sit behind the same API key as the OpenAI routes (app.py's middleware guards every path
 but /health and /metrics). Engine errors the caller caused come back as 400s naming the field,
 as does a field a body does not declare (a misspelt "levle" never falls back to the default).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
+from pydantic import Field
 
 from tandem.async_llm import AsyncLLM
 from tandem.server.protocol import OpenAIError, RequestOption, Text
@@ -42,6 +44,13 @@ class InitWeightTransferRequest(RequestOption):
 
 class WeightTransferUpdateRequest(RequestOption):
     update_info: dict[str, Any]
+
+
+class CollectiveRpcRequest(RequestOption):
+    method: Text  # the engine's method, or its worker extension's (worker_extension_cls)
+    timeout: float | None = None
+    args: list[Any] = Field(default_factory=list)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
 def admin_router(llm: AsyncLLM) -> APIRouter:
@@ -152,6 +161,24 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
     async def update_weights_from_path(body: UpdateWeightsRequest) -> dict[str, bool]:
         await _engine_call(llm.update_weights_from_path(body.path), param="path")
         return {"updated": True}
+
+    return router
+
+
+def dev_router(llm: AsyncLLM) -> APIRouter:
+    """vLLM's development route, served under VLLM_SERVER_DEV_MODE=1 alone: /collective_rpc
+    runs a method by name on every rank (LLM.collective_rpc), a worker extension's (RL code's)
+    or the engine's own; each rank's result as JSON gives it if a dict, list or null, else as
+    its text (vLLM's answer)."""
+    router = APIRouter()
+
+    @router.post("/collective_rpc")
+    async def collective_rpc(body: CollectiveRpcRequest) -> dict[str, list]:
+        call = llm.collective_rpc(body.method, body.timeout, tuple(body.args), body.kwargs)
+        results = await _engine_call(call, param="method")
+        return {
+            "results": [r if r is None or isinstance(r, dict | list) else str(r) for r in results]
+        }
 
     return router
 

@@ -24,7 +24,7 @@ from tandem.async_llm import AsyncLLM, EngineDeadError
 from tandem.lora.request import LoRARequest
 from tandem.server import responses, tokens
 from tandem.server.adapters import adapter_router
-from tandem.server.admin import admin_router
+from tandem.server.admin import admin_router, dev_router
 from tandem.server.embeddings import (
     ClassificationRequest,
     EmbeddingRequest,
@@ -48,6 +48,7 @@ from tandem.server.protocol import (
     Text,
     TokenizeRequest,
     invalid,
+    logger,
     validated,
 )
 from tandem.server.serving import OpenAIServing, ServerShuttingDown, chat_ids
@@ -97,6 +98,9 @@ def build_app(
         add_middleware(app, path)
     add_error_handlers(app)
     app.include_router(admin_router(llm))  # RL: pause, sleep, weights (behind the API key)
+    if options.server_dev_mode:
+        logger.warning("VLLM_SERVER_DEV_MODE: /collective_rpc runs any engine method by name")
+        app.include_router(dev_router(llm))
     if options.allow_runtime_lora_updating:
         app.include_router(adapter_router(serving))
 

@@ -38,6 +38,8 @@ class ServerOptions:
     # vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (its
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING): off, they are 404s
     allow_runtime_lora_updating: bool = False
+    # vLLM's VLLM_SERVER_DEV_MODE: its development route /collective_rpc (admin.dev_router)
+    server_dev_mode: bool = False
     # the chat template of every chat request, Jinja source (--chat-template reads it from a
     # file or takes it inline); None: the model's
     chat_template: str | None = None

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tandem import __version__
 from tandem.async_llm import AsyncLLM, EngineDeadError
 from tandem.lora.request import LoRARequest
-from tandem.server import responses, tokens
+from tandem.server import anthropic, responses, tokens
 from tandem.server.adapters import adapter_router
 from tandem.server.admin import admin_router, dev_router
 from tandem.server.embeddings import (
@@ -153,6 +153,14 @@ def build_app(
     async def delete_response(response_id: str) -> dict[str, Any]:
         stored.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.post("/v1/messages")  # Anthropic's Messages API (anthropic.py)
+    async def create_message(body: anthropic.MessagesRequest, http: HttpRequest) -> Response:
+        return await anthropic.create(serving, body, http)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(body: anthropic.CountTokensRequest) -> dict[str, int]:
+        return await anthropic.count_tokens(serving, body)
 
     @app.post("/abort_requests")  # vLLM's, for RL trainers: end these calls where they are
     async def abort_requests(body: AbortRequest) -> dict[str, list[str]]:
@@ -308,28 +316,35 @@ def add_middleware(app: FastAPI, path: str) -> None:
 
 def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def openai_error(_: HttpRequest, error: OpenAIError) -> JSONResponse:
-        return error.response()
+    async def openai_error(http: HttpRequest, error: OpenAIError) -> JSONResponse:
+        return answered(http.url.path, error)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: HttpRequest, error: RequestValidationError) -> JSONResponse:
-        return invalid(error.errors()).response()
+    async def invalid_body(http: HttpRequest, error: RequestValidationError) -> JSONResponse:
+        return answered(http.url.path, invalid(error.errors()))
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: HttpRequest, error: HTTPException) -> JSONResponse:
-        return OpenAIError(str(error.detail), error.status_code).response()
+    async def http_error(http: HttpRequest, error: HTTPException) -> JSONResponse:
+        return answered(http.url.path, OpenAIError(str(error.detail), error.status_code))
 
     @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: HttpRequest, error: EngineDeadError) -> JSONResponse:
-        return closing(OpenAIError(str(error), 500, "server_error").response())
+    async def engine_dead(http: HttpRequest, error: EngineDeadError) -> JSONResponse:
+        return closing(answered(http.url.path, OpenAIError(str(error), 500, "server_error")))
 
     @app.exception_handler(ServerShuttingDown)
-    async def shutting_down(_: HttpRequest, error: ServerShuttingDown) -> JSONResponse:
-        return closing(OpenAIError(str(error), 503, "server_error").response())
+    async def shutting_down(http: HttpRequest, error: ServerShuttingDown) -> JSONResponse:
+        return closing(answered(http.url.path, OpenAIError(str(error), 503, "server_error")))
 
     @app.exception_handler(Exception)  # after the response, starlette re-raises it to be logged
-    async def unexpected(_: HttpRequest, error: Exception) -> JSONResponse:
-        return closing(OpenAIError(f"internal error: {error!r}", 500, "server_error").response())
+    async def unexpected(http: HttpRequest, error: Exception) -> JSONResponse:
+        failure = OpenAIError(f"internal error: {error!r}", 500, "server_error")
+        return closing(answered(http.url.path, failure))
+
+
+def answered(path: str, error: OpenAIError) -> JSONResponse:
+    """`error` in the shape of the API that `path` is of: Anthropic's on the Messages API's
+    routes, else OpenAI's."""
+    return anthropic.error_response(error) if anthropic.serves(path) else error.response()
 
 
 def closing(response: JSONResponse) -> JSONResponse:
@@ -344,7 +359,8 @@ class AbortRequest(RequestOption):
 
 class ApiKeyMiddleware:
     """401 unless `Authorization: Bearer <key>` (the scheme in any case) with one of the keys,
-    but on OPEN_PATHS."""
+    or on the Messages API's routes `x-api-key: <key>` (Anthropic's clients'), but on
+    OPEN_PATHS."""
 
     def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]):
         self.app = app
@@ -352,16 +368,23 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            headers, anthropic_api = dict(scope["headers"]), anthropic.serves(scope["path"])
+            scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
+            given = [key.strip()] if scheme.lower() == b"bearer" else []
+            if anthropic_api and b"x-api-key" in headers:
+                given.append(headers[b"x-api-key"])
             # every key compared, each in constant time: the answer's time names none of them
-            matches = [secrets.compare_digest(key.strip(), expected) for expected in self.expected]
-            if scheme.lower() != b"bearer" or not any(matches):
+            matches = [
+                secrets.compare_digest(k, expected) for k in given for expected in self.expected
+            ]
+            if not any(matches):
+                how = "'x-api-key: <key>' or " if anthropic_api else ""
                 error = OpenAIError(
-                    "missing or wrong API key; send it as 'Authorization: Bearer <key>'",
+                    f"missing or wrong API key; send it as {how}'Authorization: Bearer <key>'",
                     401,
                     code="invalid_api_key",
                 )
-                await error.response()(scope, receive, send)
+                await answered(scope["path"], error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

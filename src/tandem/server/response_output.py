@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from tandem.server.responses import ResponseStore
@@ -164,22 +164,12 @@ class StreamEvents:
         payload = {"type": kind, "sequence_number": self.number, **fields}
         return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
 
-    async def run(self, chunks: AsyncIterator[str | bytes]) -> AsyncIterator[str]:
-        yield self.event("response.created", response=self.base)
-        yield self.event("response.in_progress", response=self.base)
-        try:
-            async for raw in chunks:
-                for chunk in sse_data(raw):
-                    if "error" in chunk:  # the chat stream's error event: the response failed
-                        for event in self.failed(chunk["error"]):
-                            yield event
-                        return
-                    for event in self.read(chunk):
-                        yield event
-        finally:  # a client gone: the chat stream ends, and its request is aborted
-            await chunks.aclose()
-        for event in self.finish():
-            yield event
+    def run(self, chunks: AsyncIterator[str | bytes]) -> AsyncIterator[str]:
+        opening = [
+            self.event("response.created", response=self.base),
+            self.event("response.in_progress", response=self.base),
+        ]
+        return chat_stream(chunks, self, opening)
 
     def read(self, chunk: dict[str, Any]) -> list[str]:
         """One chat chunk's events."""
@@ -318,6 +308,38 @@ class StreamEvents:
         self.output.append(item)
         events.append(self.event("response.output_item.done", output_index=index, item=item))
         return events
+
+
+class ChunkReader(Protocol):
+    """Another API's events of a chat stream: a chunk's, the stream's error event's (the
+    stream ends there), and those after its last chunk."""
+
+    def read(self, chunk: dict[str, Any]) -> list[str]: ...
+
+    def failed(self, error: dict[str, Any]) -> list[str]: ...
+
+    def finish(self) -> list[str]: ...
+
+
+async def chat_stream(
+    chunks: AsyncIterator[str | bytes], reader: ChunkReader, opening: Sequence[str] = ()
+) -> AsyncIterator[str]:
+    """A chat stream's chunks as `reader`'s events, after the `opening` ones."""
+    try:
+        for event in opening:
+            yield event
+        async for raw in chunks:
+            for chunk in sse_data(raw):
+                if "error" in chunk:  # the chat stream's error event: the answer failed
+                    for event in reader.failed(chunk["error"]):
+                        yield event
+                    return
+                for event in reader.read(chunk):
+                    yield event
+    finally:  # a client gone: the chat stream ends, and its request is aborted
+        await chunks.aclose()
+    for event in reader.finish():
+        yield event
 
 
 def sse_data(raw: str | bytes) -> list[dict[str, Any]]:

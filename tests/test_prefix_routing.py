@@ -43,6 +43,28 @@ def test_chats_with_one_system_prompt_share_a_key_whatever_the_question():
     assert a == b != c
 
 
+def test_anthropic_messages_with_one_system_prompt_share_a_key_whatever_the_billing_block():
+    """/v1/messages: the system text leads the key, as it leads the prompt; Claude Code's
+    billing block, a hash per request, is left out of both."""
+
+    def messages(system, question: str) -> bytes:
+        body = {"system": system, "messages": [{"role": "user", "content": question}]}
+        return json.dumps(body).encode()
+
+    def blocks(billing: str) -> list[dict]:
+        return [
+            {"type": "text", "text": f"x-anthropic-billing-header: cch={billing};"},
+            {"type": "text", "text": SYSTEM},
+        ]
+
+    a = prefix_key("/v1/messages", messages(SYSTEM, "Name a cache."), BLOCK)
+    b = prefix_key("/v1/messages", messages(blocks("1"), "Name a river."), BLOCK)
+    c = prefix_key("/v1/messages", messages(blocks("2"), "Name a cache."), BLOCK)
+    d = prefix_key("/v1/messages", messages("Be brief.", "Name a cache."), BLOCK)
+    assert a == b == c != d
+    assert a == prefix_key("/v1/chat/completions", chat(SYSTEM, "Name a cache."), BLOCK)
+
+
 def test_requests_of_different_cache_salts_have_different_keys():
     """Only requests of one salt (or all without) can share cached blocks, so only they must meet."""
     for path, body in [

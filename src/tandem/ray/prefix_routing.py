@@ -17,6 +17,7 @@ import hashlib
 import json
 from typing import Any
 
+from tandem.server.anthropic import BILLING_HEADER
 from tandem.tokenizer import encodable
 
 CHARS_PER_TOKEN = 4  # about, for English text
@@ -24,7 +25,8 @@ POINTS_PER_REPLICA = 64  # ring points per replica: keys spread evenly over a fe
 
 
 def prefix_key(path: str, body: bytes, block_size: int) -> str | None:
-    """The routing key of a POST body to /v1/completions or /v1/chat/completions, else None."""
+    """The routing key of a POST body to /v1/completions, /v1/chat/completions or /v1/messages
+    (Anthropic's: its system text a first message), else None."""
     try:
         request = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
@@ -35,6 +37,8 @@ def prefix_key(path: str, body: bytes, block_size: int) -> str | None:
         key = _prompt_key(request.get("prompt"), block_size)
     elif path == "/v1/chat/completions":
         key = _messages_key(request.get("messages"), block_size)
+    elif path == "/v1/messages":
+        key = _messages_key(_with_system(request), block_size)
     else:
         return None
     if key is None:
@@ -56,6 +60,20 @@ def _prompt_key(prompt: Any, block_size: int) -> str | None:
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         return "ids:" + ",".join(map(str, prompt[:block_size]))
     return None
+
+
+def _with_system(request: dict[str, Any]) -> Any:
+    """An Anthropic request's messages after its system text, as the prompt renders them
+    (Claude Code's per-request billing block left out)."""
+    messages, system = request.get("messages"), request.get("system")
+    if isinstance(system, list):
+        system = [
+            block for block in system
+            if not (isinstance(block, dict) and str(block.get("text")).startswith(BILLING_HEADER))
+        ]  # fmt: skip
+    if not system or not isinstance(messages, list):
+        return messages
+    return [{"role": "system", "content": system}, *messages]
 
 
 def _messages_key(messages: Any, block_size: int) -> str | None:

@@ -1528,6 +1528,12 @@ def test_a_body_past_max_request_bytes_is_a_413_by_length_or_as_it_streams(folde
             assert_openai_error(response, 413)
             small = {"prompt": PROMPT, "max_tokens": 1}
             assert httpx.post(f"{url}/v1/completions", json=small).status_code == 200
+            # Anthropic's Messages API answers in its own shape, by length or as it streams
+            for content in (big, chunks()):
+                response = httpx.post(f"{url}/v1/messages", content=content,
+                                      headers={"Content-Type": "application/json"})  # fmt: skip
+                assert response.status_code == 413
+                assert response.json()["error"]["type"] == "request_too_large"
     finally:
         llm.shutdown()
 

@@ -424,7 +424,7 @@ class BodyLimitMiddleware:
             return
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
-            await closing(self.too_large().response())(scope, receive, send)
+            await closing(answered(scope["path"], self.too_large()))(scope, receive, send)
             return
         received = 0
 

@@ -223,6 +223,23 @@ UNUSED_VLLM_OPTIONS: dict[str, tuple[Any, str]] = {
         lambda v: v is None,
         "an LLM serves no names; tandem serve --served-model-name names the server's model",
     ),
+    # how vLLM loads and keys, which changes no output: tandem's way serves each
+    "max_parallel_loading_workers": (
+        lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0),
+        "a count of workers (a positive int) or None; the weights load as tandem loads them",
+    ),
+    "use_tqdm_on_load": (lambda v: isinstance(v, bool), "it is True or False"),
+    "prefix_caching_hash_algo": (
+        lambda v: v in ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"),
+        "vLLM's algorithms are sha256, sha256_cbor, xxhash and xxhash_cbor; tandem keys blocks "
+        "by blake2b for each",
+    ),
+    "ignore_patterns": (
+        lambda v: v in (None, [], "", "original/**/*", ["original/**/*"]),
+        "tandem reads a checkpoint's config, tokenizer and safetensors files alone (never "
+        "original/), so only vLLM's default pattern is taken",
+    ),
+    "otlp_traces_endpoint": (lambda v: v is None, "tandem exports no OpenTelemetry traces"),
 }
 
 # max_model_len's vLLM value (or "auto") for the longest the KV cache holds, the model's at most
@@ -833,6 +850,11 @@ class EngineConfig:
     # vLLM's: "package.module.Class", whose methods collective_rpc may name (rpc.py)
     worker_extension_cls: str | None = ""
     served_model_name: str | list | None = None
+    max_parallel_loading_workers: int | None = None
+    use_tqdm_on_load: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    ignore_patterns: str | list | None = None
+    otlp_traces_endpoint: str | None = None
     # False: a line of stats every 10 s of stepping, on the "tandem.metrics" logger (vLLM's)
     disable_log_stats: bool = True
     # vLLM's AsyncEngineArgs field: AsyncLLM logs each request it adds and each abort (INFO, on

@@ -235,6 +235,8 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
         ("/v1/messages", {"max_tokens": None}, 400, "invalid_request_error", "max_tokens"),
         ("/v1/messages", {"max_tokens": 0}, 400, "invalid_request_error", "max_tokens"),
         ("/v1/messages", {"top_n": 3}, 400, "invalid_request_error", "top_n"),
+        ("/v1/messages", {"service_tier": "priority"}, 400, "invalid_request_error",
+         "service_tier"),
         ("/v1/messages", {"messages": [{"role": "assistant", "content": [
             {"type": "tool_result", "tool_use_id": "t", "content": "x"}]}]}, 400,
          "invalid_request_error", "tool_result"),
@@ -253,6 +255,9 @@ def test_bad_input_is_an_error_in_anthropic_s_shape(url, path, fields, status, k
     assert got == {"type": "error", "error": {"type": kind, "message": got["error"]["message"]}}
     assert said in got["error"]["message"]
     ok = message(url, messages=[{"role": "user", "content": "Hi"}], top_n=None)  # null: taken
+    assert ok["content"][0]["type"] == "text"
+    labelled = {"metadata": {"user_id": "u1"}, "service_tier": "auto"}  # labels: no effect
+    ok = message(url, messages=[{"role": "user", "content": "Hi"}], **labelled)
     assert ok["content"][0]["type"] == "text"
 
 

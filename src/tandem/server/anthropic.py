@@ -13,7 +13,7 @@ enable_thinking on or off (its budget_tokens taken, with no effect). As vLLM's:
 `output_config.effort` is the chat's
 `reasoning_effort`, a json_schema `output_config.format` its `response_format`; tool_choice
 "any" is "required"; a tool_result's `is_error` and the request's `metadata` are taken, with no
-effect; `usage.input_tokens` leaves out the prompt tokens read from or written into the prefix
+effect (and `service_tier`, a label); `usage.input_tokens` leaves out the prompt tokens read from or written into the prefix
 cache (`cache_read_input_tokens`, `cache_creation_input_tokens`). Errors take Anthropic's shape
 (`error_response`), and Anthropic's clients may send the API key as `x-api-key`.
 """
@@ -173,6 +173,8 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = None
     top_k: int | None = None
     metadata: dict[str, Any] | None = None  # taken, no effect
+    # Anthropic's capacity tier, a label of the request as OpenAI's service_tier: no effect
+    service_tier: Literal["auto", "standard_only"] | None = None
 
 
 async def create(serving: OpenAIServing, body: MessagesRequest, http: HttpRequest) -> Response:

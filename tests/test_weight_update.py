@@ -311,6 +311,11 @@ def test_a_worker_extension_that_cannot_serve_is_a_value_error_saying_why(checkp
         LLM(checkpoints[0], worker_extension_cls=name, **ENGINE_ARGS)
 
 
+def test_a_worker_extension_given_as_a_class_is_a_type_error_asking_for_its_name(checkpoints):
+    with pytest.raises(TypeError, match=r"qualified name \(a string\), got type"):
+        LLM(checkpoints[0], worker_extension_cls=WeightSync, **ENGINE_ARGS)
+
+
 def test_collective_rpc_route_runs_worker_extension_methods_in_dev_mode(checkpoints, monkeypatch):
     """vLLM's POST /collective_rpc under VLLM_SERVER_DEV_MODE=1 (and `tandem serve
     --worker-extension-cls`): each rank's result, as JSON has it or as text; then the server

@@ -50,6 +50,11 @@ def worker_extension(engine: Any, qualified_name: str) -> object | None:
 
 
 def import_class(qualified_name: str) -> type:
+    if not isinstance(qualified_name, str):
+        raise TypeError(
+            "worker_extension_cls must be a class's qualified name (a string), got "
+            f"{type(qualified_name).__name__}"
+        )
     module_name, _, name = qualified_name.rpartition(".")
     if not module_name or not name:
         raise ValueError(

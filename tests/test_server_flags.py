@@ -8,12 +8,14 @@ serving."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
 import ssl
 import subprocess
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 import httpx
 import pytest
@@ -523,3 +525,86 @@ def test_every_server_option_is_a_serve_flag_with_its_default(folder):
     flags = ["serve", folder, "--drain-timeout", "5", "--allowed-origins", '["https://a"]']
     options = server_options(build_parser().parse_args(flags), ())
     assert (options.drain_timeout_s, options.allowed_origins) == (5.0, ("https://a",))
+
+
+def vllm_tokenizer_info(folder: str) -> dict:
+    """vLLM's /tokenizer_info answer built from transformers' tokenizer: its init_kwargs without
+    file paths, objects as their text (an added token's content), with its chat template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    kwargs = {
+        name: getattr(value, "content", value)
+        for name, value in tokenizer.init_kwargs.items()
+        if name not in ("vocab_file", "merges_file", "is_local", "local_files_only", "backend")
+    }  # transformers' own loading flags left out: no file holds them
+    added = {str(i): token.content for i, token in kwargs.pop("added_tokens_decoder").items()}
+    return {**kwargs, "added_tokens_decoder": added, "chat_template": tokenizer.chat_template}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "llama-serialized-tokens"])
+def test_tokenizer_info_answers_the_settings_transformers_reads(make_tiny, arch, tmp_path):
+    """--enable-tokenizer-info-endpoint: GET /tokenizer_info answers what transformers reads
+    from the tokenizer's files (its tokenizer_config.json settings, added tokens by id, chat
+    template; a token the file writes as an AddedToken object, as its text) and the class the
+    file names; a server's own --chat-template replaces the model's. Off (the default) the
+    route is a 404."""
+    folder = str(make_tiny(arch.removesuffix("-serialized-tokens")))
+    if arch.endswith("-serialized-tokens"):
+        folder = shutil.copytree(folder, tmp_path / "model")
+        config_file = folder / "tokenizer_config.json"
+        config = json.loads(config_file.read_text())
+        config["bos_token"] = {"__type": "AddedToken", "content": config["bos_token"],
+                               "lstrip": False, "normalized": False, "rstrip": False,
+                               "single_word": False, "special": True}  # fmt: skip
+        config_file.write_text(json.dumps(config))
+        folder = str(folder)
+    args = build_parser().parse_args(["serve", folder, "--enable-tokenizer-info-endpoint"])
+    options = server_options(args, ())
+    assert options.enable_tokenizer_info_endpoint
+    llm = AsyncLLM.from_model(folder, max_model_len=64)
+    try:
+        with client_of(llm) as client:
+            assert client.get("/tokenizer_info").status_code == 404
+        with TestClient(build_app(llm, "tiny", options=options)) as client:
+            info = client.get("/tokenizer_info").json()
+        with client_of(llm, enable_tokenizer_info_endpoint=True, chat_template=TEMPLATE) as client:
+            served = client.get("/tokenizer_info").json()
+    finally:
+        llm.shutdown()
+    want = vllm_tokenizer_info(folder)
+    assert {name: info.get(name) for name in want} == want
+    config = json.loads(Path(folder, "tokenizer_config.json").read_text())
+    assert info["tokenizer_class"] == config["tokenizer_class"]
+    assert served["chat_template"] == TEMPLATE
+
+
+def test_dev_mode_serves_server_info_and_the_cache_resets(llm, monkeypatch):
+    """Under VLLM_SERVER_DEV_MODE=1: GET /server_info answers the engine's settings (as text, or
+    as JSON with config_format=json), the VLLM_ variables set (none holding a key) and the
+    TANDEM_ switches, and the machine's software as torch's collect_env reports it;
+    /reset_mm_cache and /reset_encoder_cache answer 200. Outside dev mode each is a 404."""
+    import torch
+
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    monkeypatch.setenv("VLLM_API_KEY_FILE", "secret")
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    monkeypatch.setenv("TANDEM_PDL", "0")
+    options = server_options(build_parser().parse_args(["serve", "tiny"]), ())
+    with client_of(llm) as client:
+        assert client.get("/server_info").status_code == 404
+        assert client.post("/reset_mm_cache").status_code == 404
+    with TestClient(build_app(llm, "tiny", options=options)) as client:
+        text = client.get("/server_info").json()
+        as_json = client.get("/server_info", params={"config_format": "json"}).json()
+        bad = client.get("/server_info", params={"config_format": "yaml"})
+        resets = [client.post(path) for path in ("/reset_mm_cache", "/reset_encoder_cache")]
+    config = llm.engine.config
+    assert text["vllm_config"] == str(config)
+    assert as_json["vllm_config"]["model"] == config.model
+    assert as_json["vllm_config"]["max_model_len"] == config.max_model_len
+    assert text["vllm_env"] == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+    assert text["tandem_env"]["TANDEM_PDL"] == "False"
+    assert text["system_env"]["torch_version"] == torch.__version__
+    assert bad.status_code == 400
+    assert [(r.status_code, r.content) for r in resets] == [(200, b"")] * 2

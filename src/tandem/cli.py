@@ -670,8 +670,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--server-dev-mode",
         action="store_true",
-        help="serve vLLM's development route POST /collective_rpc, which runs any engine or "
-        "worker extension method by name (also on with vLLM's VLLM_SERVER_DEV_MODE=1 or true)",
+        help="serve vLLM's development routes: POST /collective_rpc, which runs any engine or "
+        "worker extension method by name, GET /server_info (the engine's settings and the "
+        "machine's software), POST /reset_mm_cache and /reset_encoder_cache (also on with "
+        "vLLM's VLLM_SERVER_DEV_MODE=1 or true)",
+    )
+    parser.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info: the tokenizer's settings (its tokenizer_config.json, "
+        "added tokens by id) and the chat template, which a client may render prompts with",
     )
     parser.add_argument(
         "--max-request-bytes",

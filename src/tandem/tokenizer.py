@@ -96,6 +96,9 @@ class Tokenizer:
     ) -> None:
         self.backend = backend
         self.name_or_path = ""  # transformers': the model or folder it came from (from_dir's)
+        # transformers': tokenizer_config.json's settings as read (from_dir's), e.g. its
+        # model_max_length, tokenizer_class and added tokens
+        self.init_kwargs: dict[str, Any] = {}
         self._truncating: tokenizers.Tokenizer | None = None  # _truncation's, made when needed
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -150,6 +153,7 @@ class Tokenizer:
             named,
         )  # fmt: skip
         tokenizer.name_or_path = name_or_path or str(path)
+        tokenizer.init_kwargs = config
         return tokenizer
 
     def __call__(
@@ -919,6 +923,11 @@ def raise_template_error(message: str) -> NoReturn:
 def token_text(value: str | dict[str, Any] | None) -> str | None:
     # tokenizer_config.json spells a token as a string or as a serialized AddedToken
     return value.get("content") if isinstance(value, dict) else value
+
+
+def is_added_token(value: Any) -> bool:
+    """Whether a tokenizer_config.json value is a serialized AddedToken ({"content": ...})."""
+    return isinstance(value, dict) and value.get("__type") == "AddedToken"
 
 
 def named_templates(value: Any) -> dict[str, str]:

@@ -5,19 +5,28 @@ vLLM's routes take its query parameters and answer its shapes (/pause, /resume, 
 /sleep, /wake_up, /is_sleeping); /pause_generation and /resume_generation, tandem's older
 spelling, take a JSON body and answer {"paused": ...}.
 
-vLLM's /collective_rpc is served only with VLLM_SERVER_DEV_MODE=1, as vLLM serves it (it runs
-any of the engine's methods). They sit behind the same API key as the OpenAI routes (app.py's middleware guards every path
+vLLM's /collective_rpc, /server_info, /reset_mm_cache and /reset_encoder_cache are served only
+with VLLM_SERVER_DEV_MODE=1, as vLLM serves them (the first runs any of the engine's methods).
+They sit behind the same API key as the OpenAI routes (app.py's middleware guards every path
 but /health and /metrics). Engine errors the caller caused come back as 400s naming the field,
 as does a field a body does not declare (a misspelt "levle" never falls back to the default).
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import functools
+import json
+import os
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
+from fastapi.responses import Response
 from pydantic import Field
+from torch.utils import collect_env
 
+from tandem import envs
 from tandem.async_llm import AsyncLLM
 from tandem.server.protocol import OpenAIError, RequestOption, Text
 
@@ -166,11 +175,42 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
 
 
 def dev_router(llm: AsyncLLM) -> APIRouter:
-    """vLLM's development route, served under VLLM_SERVER_DEV_MODE=1 alone: /collective_rpc
+    """vLLM's development routes, served under VLLM_SERVER_DEV_MODE=1 alone: /collective_rpc
     runs a method by name on every rank (LLM.collective_rpc), a worker extension's (RL code's)
     or the engine's own; each rank's result as JSON gives it if a dict, list or null, else as
-    its text (vLLM's answer)."""
+    its text (vLLM's answer). /server_info answers the engine's settings, the vLLM and tandem
+    environment variables it reads and the machine's software; /reset_mm_cache and
+    /reset_encoder_cache answer 200 (a text model has neither cache)."""
     router = APIRouter()
+
+    @router.get("/server_info")
+    async def server_info(config_format: Literal["text", "json"] = "text") -> dict[str, Any]:
+        config = llm.engine.config
+        return {
+            # vLLM's key names; the settings are tandem's EngineConfig
+            "vllm_config": (
+                str(config)
+                if config_format == "text"
+                else json.loads(json.dumps(dataclasses.asdict(config), default=str))
+            ),
+            "vllm_env": {
+                name: value
+                for name, value in os.environ.items()
+                if name.startswith("VLLM_") and "KEY" not in name
+            },
+            "tandem_env": {name: str(value) for name, value in envs.current().items()},
+            "system_env": await asyncio.to_thread(system_env),
+        }
+
+    @router.post("/reset_mm_cache")
+    async def reset_mm_cache() -> Response:
+        await llm.reset_mm_cache()
+        return Response(status_code=200)
+
+    @router.post("/reset_encoder_cache")
+    async def reset_encoder_cache() -> Response:
+        await llm.reset_encoder_cache()
+        return Response(status_code=200)
 
     @router.post("/collective_rpc")
     async def collective_rpc(body: CollectiveRpcRequest) -> dict[str, list]:
@@ -181,6 +221,13 @@ def dev_router(llm: AsyncLLM) -> APIRouter:
         }
 
     return router
+
+
+@functools.cache
+def system_env() -> dict[str, Any]:
+    """The machine's software as torch's collect_env reports it (versions of torch, CUDA,
+    Python, the driver and GPUs, pip packages), read once: it runs pip and nvidia-smi."""
+    return collect_env.get_env_info()._asdict()
 
 
 async def _engine_call(call, param: str | None = None):

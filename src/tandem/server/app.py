@@ -53,6 +53,7 @@ from tandem.server.protocol import (
 )
 from tandem.server.serving import OpenAIServing, ServerShuttingDown, chat_ids
 from tandem.server.tokens import GenerateRequest
+from tandem.tokenizer import Tokenizer, is_added_token, token_text
 
 OPEN_PATHS = ("/health", "/ping", "/metrics")  # reachable without the API key
 DOCS_ROUTES = ("docs_url", "redoc_url", "openapi_url")  # FastAPI's; None: not served
@@ -274,7 +275,33 @@ def build_app(
         # as vLLM's: special tokens (a chat template's markers, BOS) stay in the text
         return {"prompt": serving.tokenizer().decode(body.tokens, skip_special_tokens=False)}
 
+    if options.enable_tokenizer_info_endpoint:
+
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info() -> dict[str, Any]:
+            return tokenizer_info(serving.tokenizer(), options.chat_template)
+
     return app
+
+
+def tokenizer_info(tokenizer: Tokenizer, chat_template: str | None) -> dict[str, Any]:
+    """vLLM's /tokenizer_info: the tokenizer's settings as its tokenizer_config.json gives them
+    (file paths left out, a token written as an AddedToken object as its text), its added
+    tokens as {id: text}, the class the file names (tokenizer_class) and the chat template
+    requests are rendered with."""
+    info = {
+        name: token_text(value) if is_added_token(value) else value
+        for name, value in tokenizer.init_kwargs.items()
+        if name not in ("vocab_file", "merges_file")
+    }
+    added = tokenizer.backend.get_added_tokens_decoder()
+    info["added_tokens_decoder"] = {str(i): token.content for i, token in sorted(added.items())}
+    info["name_or_path"] = tokenizer.name_or_path
+    info["tokenizer_class"] = info.get("tokenizer_class") or "PreTrainedTokenizerFast"
+    template = chat_template or tokenizer.chat_template
+    if template:
+        info["chat_template"] = template
+    return info
 
 
 def model_permission(created: int) -> dict[str, Any]:

@@ -38,8 +38,12 @@ class ServerOptions:
     # vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (its
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING): off, they are 404s
     allow_runtime_lora_updating: bool = False
-    # vLLM's VLLM_SERVER_DEV_MODE: its development route /collective_rpc (admin.dev_router)
+    # vLLM's VLLM_SERVER_DEV_MODE: its development routes /collective_rpc, /server_info,
+    # /reset_mm_cache and /reset_encoder_cache (admin.dev_router)
     server_dev_mode: bool = False
+    # vLLM's --enable-tokenizer-info-endpoint: GET /tokenizer_info answers the tokenizer's
+    # settings (tokenizer_config.json's) and chat template; off, it is a 404
+    enable_tokenizer_info_endpoint: bool = False
     # the chat template of every chat request, Jinja source (--chat-template reads it from a
     # file or takes it inline); None: the model's
     chat_template: str | None = None

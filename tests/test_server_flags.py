@@ -608,3 +608,8 @@ def test_dev_mode_serves_server_info_and_the_cache_resets(llm, monkeypatch):
     assert text["system_env"]["torch_version"] == torch.__version__
     assert bad.status_code == 400
     assert [(r.status_code, r.content) for r in resets] == [(200, b"")] * 2
+    monkeypatch.setattr(llm.engine.config, "hf_token", "hf_secret")
+    with TestClient(build_app(llm, "tiny", options=options)) as client:
+        for config_format in ("text", "json"):
+            info = client.get("/server_info", params={"config_format": config_format})
+            assert "hf_secret" not in info.text and "<hidden>" in info.text

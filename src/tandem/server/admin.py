@@ -178,7 +178,8 @@ def dev_router(llm: AsyncLLM) -> APIRouter:
     """vLLM's development routes, served under VLLM_SERVER_DEV_MODE=1 alone: /collective_rpc
     runs a method by name on every rank (LLM.collective_rpc), a worker extension's (RL code's)
     or the engine's own; each rank's result as JSON gives it if a dict, list or null, else as
-    its text (vLLM's answer). /server_info answers the engine's settings, the vLLM and tandem
+    its text (vLLM's answer). /server_info answers the engine's settings (the Hub token hidden),
+    the vLLM and tandem
     environment variables it reads and the machine's software; /reset_mm_cache and
     /reset_encoder_cache answer 200 (a text model has neither cache)."""
     router = APIRouter()
@@ -186,6 +187,8 @@ def dev_router(llm: AsyncLLM) -> APIRouter:
     @router.get("/server_info")
     async def server_info(config_format: Literal["text", "json"] = "text") -> dict[str, Any]:
         config = llm.engine.config
+        if isinstance(config.hf_token, str):  # the Hub's token is a secret: its place shown
+            config = dataclasses.replace(config, hf_token="<hidden>")
         return {
             # vLLM's key names; the settings are tandem's EngineConfig
             "vllm_config": (

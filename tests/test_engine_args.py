@@ -5,6 +5,7 @@ calls run unchanged: lora_request and priority too), by LLM, AsyncLLM and the CL
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import shutil
@@ -14,13 +15,79 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem import LLM, SamplingParams
+from tandem import LLM, EngineArgs, SamplingParams
 from tandem.async_llm import AsyncLLM
-from tandem.cli import build_parser, engine_kwargs
-from tandem.config import EngineConfig
+from tandem.cli import build_parser, engine_kwargs, server_options
+from tandem.config import UNUSED_VLLM_OPTIONS, EngineConfig
 from tandem.metrics import LOG_INTERVAL_S, EngineStats, StatLogger
 from tandem.model.loader import merged
 from test_bad_input import transformers_greedy
+
+# vLLM 0.26's EngineArgs fields, in its order (the private _api_process_* left out)
+VLLM_ENGINE_ARGS = [
+    "model", "enable_return_routed_experts", "model_weights", "served_model_name", "tokenizer",
+    "hf_config_path", "runner", "convert", "skip_tokenizer_init", "enable_prompt_embeds",
+    "tokenizer_mode", "trust_remote_code", "allowed_local_media_path", "allowed_media_domains",
+    "download_dir", "safetensors_load_strategy", "safetensors_prefetch_num_threads",
+    "safetensors_prefetch_block_size", "load_format", "config_format", "dtype",
+    "kv_cache_dtype", "seed", "max_model_len", "cudagraph_capture_sizes",
+    "max_cudagraph_capture_size", "ir_op_priority", "distributed_executor_backend",
+    "pipeline_parallel_size", "master_addr", "master_port", "nnodes", "node_rank",
+    "distributed_timeout_seconds", "cpu_distributed_timeout_seconds", "numa_bind",
+    "numa_bind_nodes", "numa_bind_cpus", "device_ids", "tensor_parallel_size",
+    "prefill_context_parallel_size", "decode_context_parallel_size", "dcp_comm_backend",
+    "dcp_kv_cache_interleave_size", "cp_kv_cache_interleave_size", "data_parallel_size",
+    "data_parallel_rank", "data_parallel_start_rank", "data_parallel_size_local",
+    "data_parallel_address", "data_parallel_rpc_port", "data_parallel_hybrid_lb",
+    "data_parallel_external_lb", "data_parallel_multi_port_external_lb",
+    "data_parallel_backend", "enable_expert_parallel", "enable_ep_weight_filter",
+    "moe_backend", "linear_backend", "all2all_backend", "enable_elastic_ep", "enable_dbo",
+    "ubatch_size", "dbo_decode_token_threshold", "dbo_prefill_token_threshold",
+    "disable_nccl_for_dp_synchronization", "eplb_config", "enable_eplb",
+    "expert_placement_strategy", "max_parallel_loading_workers", "block_size",
+    "enable_prefix_caching", "prefix_caching_hash_algo", "disable_sliding_window",
+    "disable_cascade_attn", "offload_backend", "cpu_offload_gb", "cpu_offload_params",
+    "offload_group_size", "offload_num_in_group", "offload_prefetch_step", "offload_params",
+    "gpu_memory_utilization", "kv_cache_memory_bytes", "max_num_batched_tokens",
+    "max_num_scheduled_tokens", "max_num_partial_prefills", "max_long_partial_prefills",
+    "long_prefill_token_threshold", "max_num_seqs", "max_logprobs", "logprobs_mode",
+    "use_fp64_gumbel", "disable_log_stats", "aggregate_engine_logging", "revision",
+    "code_revision", "hf_token", "hf_overrides", "model_class_overrides", "tokenizer_revision",
+    "quantization", "quantization_config", "allow_deprecated_quantization", "enforce_eager",
+    "disable_custom_all_reduce", "language_model_only", "limit_mm_per_prompt",
+    "enable_mm_embeds", "interleave_mm_strings", "media_io_kwargs", "mm_processor_kwargs",
+    "mm_processor_cache_gb", "mm_processor_cache_type", "mm_shm_cache_max_object_size_mb",
+    "mm_encoder_only", "mm_encoder_tp_mode", "mm_encoder_attn_backend",
+    "mm_encoder_attn_dtype", "mm_encoder_fp8_scale_path", "mm_encoder_fp8_scale_save_path",
+    "mm_encoder_fp8_scale_save_margin", "io_processor_plugin", "renderer_num_workers",
+    "skip_mm_profiling", "video_pruning_rate", "mm_tensor_ipc", "mm_ipc_gpu_memory_gb",
+    "enable_lora", "max_loras", "max_lora_rank", "default_mm_loras", "fully_sharded_loras",
+    "max_cpu_loras", "lora_dtype", "lora_target_modules", "enable_tower_connector_lora",
+    "specialize_active_lora", "enable_mixed_moe_lora_format", "enable_moe_shared_loras",
+    "ray_workers_use_nsight", "num_gpu_blocks_override", "model_loader_extra_config",
+    "ignore_patterns", "enable_chunked_prefill", "disable_chunked_mm_input",
+    "scheduler_reserve_full_isl", "prefill_schedule_interval", "watermark",
+    "disable_hybrid_kv_cache_manager", "structured_outputs_config", "reasoning_parser",
+    "reasoning_parser_plugin", "speculative_config", "spec_method", "spec_model",
+    "spec_tokens", "diffusion_config", "show_hidden_metrics_for_version",
+    "otlp_traces_endpoint", "collect_detailed_traces", "kv_cache_metrics",
+    "kv_cache_metrics_sample", "cudagraph_metrics", "enable_layerwise_nvtx_tracing",
+    "enable_mfu_metrics", "enable_logging_iteration_details", "jit_monitor_mode",
+    "jit_monitor_verbose", "enable_mm_processor_stats", "scheduling_policy", "scheduler_cls",
+    "pooler_config", "compilation_config", "attention_config", "mamba_config", "kernel_config",
+    "enable_flashinfer_autotune", "enable_bf16x3_router_gemm", "worker_cls",
+    "worker_extension_cls", "profiler_config", "kv_transfer_config", "kv_events_config",
+    "ec_transfer_config", "reasoning_config", "generation_config", "enable_sleep_mode",
+    "enable_cumem_allocator", "override_generation_config", "model_impl",
+    "override_attention_dtype", "attention_backend", "calculate_kv_scales",
+    "kv_cache_dtype_skip_layers", "mamba_cache_dtype", "mamba_ssm_cache_dtype",
+    "mamba_block_size", "prefix_match_unit", "mamba_cache_mode", "mamba_backend",
+    "enable_mamba_cache_stochastic_rounding", "mamba_cache_philox_rounds", "additional_config",
+    "use_tqdm_on_load", "pt_load_map_location", "logits_processors", "async_scheduling",
+    "stream_interval", "kv_sharing_fast_prefill", "optimization_level", "performance_mode",
+    "kv_offloading_size", "kv_offloading_backend", "tokens_only", "shutdown_timeout",
+    "weight_transfer_config", "fail_on_environ_validation", "gdn_prefill_backend",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -324,6 +391,39 @@ def test_the_executor_backends_of_one_process_per_rank_are_taken(folder, backend
         ({"quantization_config": {"activation_scheme": "dynamic"}}, "quantization names"),
         ({"spec_method": "ngram"}, "no speculative decoding"),
         ({"spec_tokens": 4}, "no speculative decoding"),
+        ({"nnodes": 2}, "processes tandem starts on one machine"),
+        ({"nnodes": True}, "processes tandem starts on one machine"),
+        ({"distributed_timeout_seconds": 3600}, "default timeouts"),
+        ({"device_ids": [2, 3]}, "CUDA_VISIBLE_DEVICES"),
+        ({"decode_context_parallel_size": 2}, "no context parallelism"),
+        ({"data_parallel_size_local": 2}, "--data-parallel-size"),
+        ({"enable_eplb": True}, "split by tensor parallelism"),
+        ({"eplb_config": {"window_size": 1000}}, "split by tensor parallelism"),
+        ({"enable_dbo": True}, "micro-batches"),
+        ({"kv_offloading_size": 8.0}, "preemption_mode"),
+        ({"cpu_offload_params": {"experts"}}, "stay in device memory"),
+        ({"mm_encoder_tp_mode": "data"}, "text models alone"),
+        ({"mm_processor_cache_gb": 8}, "no multi-modal processor cache"),
+        ({"language_model_only": 1}, "True or False"),
+        ({"mamba_cache_dtype": "float32"}, "no Mamba"),
+        ({"kv_cache_metrics": True}, "no KV cache residency metrics"),
+        ({"collect_detailed_traces": ["all"]}, "OpenTelemetry"),
+        ({"moe_backend": "triton"}, "its own kernels"),
+        ({"kernel_config": {"moe_backend": "triton"}}, "its own kernels"),
+        ({"optimization_level": 0}, "enforce_eager"),
+        ({"use_fp64_gumbel": True}, "float32"),
+        ({"hf_config_path": "other/config"}, "hf_overrides"),
+        ({"scheduler_reserve_full_isl": True}, "its first chunk"),
+        ({"watermark": 0.01}, "no free blocks back"),
+        ({"scheduler_cls": "my.Scheduler"}, "scheduling_policy"),
+        ({"lora_dtype": "float32"}, "model's dtype"),
+        ({"fully_sharded_loras": True}, "row-parallel"),
+        ({"enable_cumem_allocator": True}, "caching allocator"),
+        ({"shutdown_timeout": 30}, "--drain-timeout"),
+        ({"renderer_num_workers": 0}, "int >= 1"),
+        ({"disable_hybrid_kv_cache_manager": False}, "the same blocks"),
+        ({"max_num_scheduled_tokens": 9000}, "exceeds max_num_batched_tokens=8192"),
+        ({"tokens_only": "yes"}, "tokens_only must be True or False"),
     ],
 )  # fmt: skip
 def test_vllm_s_other_values_are_value_errors_saying_why(folder, args, words):
@@ -348,6 +448,22 @@ def test_vllm_s_options_at_tandem_s_behaviour_generate_as_without_them(folder):
         offload_group_size=0, offload_num_in_group=1, offload_prefetch_step=1,
         offload_params=None, chat_template=None, pooler_config=None, quantization_config=None,
         spec_method=None, spec_model=None, spec_tokens=None,
+        # vLLM 0.26's EngineArgs fields at their defaults (a config object's as None or {})
+        master_addr="127.0.0.1", master_port=29501, nnodes=1, node_rank=0, device_ids=None,
+        distributed_timeout_seconds=None, decode_context_parallel_size=1,
+        data_parallel_rank=None, data_parallel_backend="mp", enable_eplb=False, eplb_config={},
+        enable_dbo=False, dbo_prefill_token_threshold=512, offload_backend="auto",
+        cpu_offload_params=set(), kv_offloading_size=None, media_io_kwargs={},
+        mm_encoder_tp_mode="weights", mm_encoder_fp8_scale_save_margin=1.5, mamba_config=None,
+        mamba_cache_mode="none", mamba_backend="triton", kv_cache_metrics_sample=0.01,
+        kernel_config=None, moe_backend="auto", performance_mode="balanced",
+        safetensors_prefetch_block_size=16 * 2**20, kv_cache_dtype_skip_layers=[],
+        lora_dtype="auto", worker_cls="auto", scheduler_cls=None, watermark=0.0,
+        shutdown_timeout=0, model_weights="", prefix_match_unit=None,
+        # and the values that ask for what tandem does
+        language_model_only=True, mm_processor_cache_gb=0, optimization_level=3,
+        disable_hybrid_kv_cache_manager=True, config_format="hf", safetensors_load_strategy="lazy",
+        scheduler_reserve_full_isl=False, renderer_num_workers=4, code_revision="main",
         # vLLM's EngineArgs' None: the engine decides (tandem's defaults); no reasoning parser
         enable_prefix_caching=None, enable_chunked_prefill=None, max_num_seqs=None,
         max_num_batched_tokens=None, reasoning_parser="",
@@ -366,6 +482,46 @@ def test_vllm_s_options_at_tandem_s_behaviour_generate_as_without_them(folder):
         LLM(folder, **engine_kwargs(args))
 
 
+def test_every_field_of_vllm_s_engine_args_is_tandem_s_or_taken_at_its_behaviour():
+    """A vLLM script's EngineArgs(...) or LLM(...) keywords are never a TypeError: each is a
+    setting of tandem's, or taken where it asks for what tandem does (UNUSED_VLLM_OPTIONS)."""
+    known = {f.name for f in dataclasses.fields(EngineConfig)} | set(UNUSED_VLLM_OPTIONS)
+    assert [name for name in VLLM_ENGINE_ARGS if name not in known] == []
+    EngineArgs(model="m", master_port=29501, eplb_config={}, mamba_cache_mode="none").validate()
+    with pytest.raises(ValueError, match=r"master_port=29600 is not supported: .* one machine"):
+        EngineArgs(model="m", master_port=29600).validate()
+
+
+def test_vllm_s_tokens_only_loads_no_tokenizer(folder):
+    llm = LLM(folder, max_model_len=64, tokens_only=True)
+    assert llm.engine.tokenizer is None and llm.engine.config.skip_tokenizer_init
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    [out] = llm.generate({"prompt_token_ids": [5, 17, 300]}, params, use_tqdm=False)
+    assert out.outputs[0].text == "" and len(out.outputs[0].token_ids) == 3
+
+
+def test_vllm_s_max_num_scheduled_tokens_is_the_step_s_token_budget(folder):
+    """Without speculative tokens a step schedules max_num_scheduled_tokens at most: the engine
+    runs as with max_num_batched_tokens of that value (a 40-token prompt over three steps)."""
+    llm = LLM(folder, max_model_len=64, max_num_scheduled_tokens=16)
+    assert llm.engine.config.max_num_batched_tokens == 16
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    want = LLM(folder, max_model_len=64, max_num_batched_tokens=16)
+    prompt = {"prompt_token_ids": list(range(5, 45))}
+    [got] = llm.generate(prompt, params, use_tqdm=False)
+    [expected] = want.generate(prompt, params, use_tqdm=False)
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+    args = build_parser().parse_args(["serve", folder, "--max-num-scheduled-tokens", "16"])
+    assert engine_kwargs(args)["max_num_scheduled_tokens"] == 16
+
+
+def test_vllm_s_shutdown_timeout_flag_is_tandem_serve_s_drain_timeout(folder):
+    """vLLM's --shutdown-timeout: how long open requests go on after SIGTERM (0: none)."""
+    args = build_parser().parse_args(["serve", folder, "--shutdown-timeout", "5"])
+    assert server_options(args, ()).drain_timeout_s == 5.0
+    assert "shutdown_timeout" not in engine_kwargs(args)  # the engine's field stays at 0
+
+
 @pytest.mark.parametrize(
     ("flags", "refused"),
     [
@@ -375,6 +531,10 @@ def test_vllm_s_options_at_tandem_s_behaviour_generate_as_without_them(folder):
         (["--calculate-kv-scales"], "calculate_kv_scales=True"),
         (["--kv-transfer-config", '{"kv_connector": "X"}'], "kv_transfer_config"),
         (["--worker-extension-cls", "test_weight_update.WeightSync"], None),
+        (["--language-model-only"], None),
+        (["--max-num-scheduled-tokens", "32"], None),
+        (["--enable-eplb"], "enable_eplb=True"),
+        (["--enable-dbo"], "enable_dbo=True"),
     ],
 )
 def test_vllm_s_serve_flags_at_tandem_s_behaviour_are_taken_and_others_say_why(

@@ -125,6 +125,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: str = "position
     )
     parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step")
+    parser.add_argument(
+        "--max-num-scheduled-tokens",
+        type=int,
+        help="vLLM's: tokens per step, at most --max-num-batched-tokens, which it lowers",
+    )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     parser.add_argument(
         "--num-blocks", type=int, help="KV cache blocks (default: sized from the device memory)"
@@ -246,8 +251,15 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: str = "position
     for flag, what in (
         ("--disable-sliding-window", "a windowed model attends over its window"),
         ("--calculate-kv-scales", "an FP8 cache's scales are the checkpoint's"),
+        ("--enable-eplb", "tandem splits a MoE model's experts by tensor parallelism"),
+        ("--enable-dbo", "a step runs as one batch"),
     ):
         parser.add_argument(flag, action="store_true", help=f"vLLM's; refused: {what}")
+    parser.add_argument(
+        "--language-model-only",
+        action="store_true",
+        help="vLLM's; taken: tandem serves text models alone",
+    )
     parser.add_argument(
         "--limit-mm-per-prompt",
         type=json_object,
@@ -716,11 +728,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--drain-timeout",
+        "--shutdown-timeout",
         dest="drain_timeout_s",
         type=float,
         default=defaults.drain_timeout_s,
         metavar="SECONDS",
-        help="on SIGTERM, how long open requests may go on before they are ended",
+        help="on SIGTERM, how long open requests may go on before they are ended "
+        "(--shutdown-timeout: vLLM's name)",
     )
     parser.add_argument(
         "--access-log", action="store_true", help="log a line per request (off: the GIL is busy)"

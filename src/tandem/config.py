@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -139,6 +140,167 @@ DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+# why options of vLLM's are refused at other values, where several share the reason
+EXPERTS_BY_TENSOR_PARALLEL = (
+    "a MoE model's experts are split by tensor parallelism, each over every rank"
+)
+WEIGHTS_IN_DEVICE = "the weights stay in device memory"
+TEXT_ONLY = "tandem serves text models alone"
+DATA_PARALLEL = "one LLM is one engine; tandem serve --data-parallel-size runs replicas (Ray)"
+NO_TRACES = "tandem exports no OpenTelemetry traces"
+STATS = "its stats are /metrics (tandem serve) and disable_log_stats=False's line every 10 s"
+
+# vLLM 0.26's EngineArgs fields of what tandem does not have, by why another value is refused:
+# each is taken at vLLM's default alone, EngineConfig's too (VllmDefaults). Where that is an empty
+# dict, list or set, or a config object of vLLM's defaults, None or any empty one is taken (None
+# the field's).
+AT_VLLM_DEFAULTS: dict[str, dict[str, Any]] = {
+    "an engine's tensor-parallel ranks are processes tandem starts on one machine, meeting on a "
+    "free local port": {"master_addr": "127.0.0.1", "master_port": 29501, "nnodes": 1, "node_rank": 0},
+    "tandem's ranks keep torch.distributed's default timeouts": {
+        "distributed_timeout_seconds": None, "cpu_distributed_timeout_seconds": None,
+    },
+    "tandem binds its ranks to no NUMA node or CPU list": {
+        "numa_bind": False, "numa_bind_nodes": None, "numa_bind_cpus": None,
+    },
+    "rank i runs on GPU i of those CUDA_VISIBLE_DEVICES shows (with one rank, device='cuda:N' "
+    "picks the GPU)": {"device_ids": []},
+    "an engine's ranks are tandem's own processes, not Ray workers": {
+        "ray_workers_use_nsight": False,
+    },
+    "each rank runs tandem's engine (worker_extension_cls names methods collective_rpc may run "
+    "on it)": {"worker_cls": "auto"},
+    "tandem has no context parallelism: tensor parallelism splits the heads, each rank attending "
+    "over whole sequences": {
+        "prefill_context_parallel_size": 1, "decode_context_parallel_size": 1,
+        "dcp_comm_backend": "ag_rs", "dcp_kv_cache_interleave_size": 1,
+        "cp_kv_cache_interleave_size": 1,
+    },
+    DATA_PARALLEL: {
+        "data_parallel_rank": None, "data_parallel_start_rank": None,
+        "data_parallel_size_local": None, "data_parallel_address": None,
+        "data_parallel_rpc_port": None, "data_parallel_hybrid_lb": False,
+        "data_parallel_external_lb": False, "data_parallel_multi_port_external_lb": False,
+        "data_parallel_backend": "mp", "disable_nccl_for_dp_synchronization": None,
+        "aggregate_engine_logging": False,
+    },
+    EXPERTS_BY_TENSOR_PARALLEL: {
+        "enable_ep_weight_filter": False, "all2all_backend": "allgather_reducescatter",
+        "enable_elastic_ep": False, "enable_eplb": False, "eplb_config": {},
+        "expert_placement_strategy": "linear",
+    },
+    "a step runs as one batch: tandem splits none into micro-batches to overlap (dual batch "
+    "overlap)": {
+        "enable_dbo": False, "ubatch_size": 0, "dbo_decode_token_threshold": 32,
+        "dbo_prefill_token_threshold": 512,
+    },
+    WEIGHTS_IN_DEVICE: {"offload_backend": "auto", "cpu_offload_params": set()},
+    "the KV cache stays in device memory (a preempted request's blocks may go to host memory: "
+    "preemption_mode, swap_space)": {"kv_offloading_size": None, "kv_offloading_backend": "native"},
+    TEXT_ONLY: {
+        "enable_mm_embeds": False, "interleave_mm_strings": False, "media_io_kwargs": {},
+        "mm_processor_cache_type": "lru", "mm_shm_cache_max_object_size_mb": 128,
+        "mm_encoder_only": False, "mm_encoder_tp_mode": "weights", "mm_encoder_attn_backend": None,
+        "mm_encoder_attn_dtype": None, "mm_encoder_fp8_scale_path": None,
+        "mm_encoder_fp8_scale_save_path": None, "mm_encoder_fp8_scale_save_margin": 1.5,
+        "skip_mm_profiling": False, "video_pruning_rate": None, "mm_tensor_ipc": "direct_rpc",
+        "mm_ipc_gpu_memory_gb": 0, "disable_chunked_mm_input": False,
+        "enable_tower_connector_lora": False, "default_mm_loras": None,
+        "enable_mm_processor_stats": False, "ec_transfer_config": None,
+    },
+    "tandem runs no Mamba or other state-space or linear-attention layers: its models are "
+    "attention decoders": {
+        "mamba_config": {}, "mamba_cache_dtype": "auto", "mamba_ssm_cache_dtype": "auto",
+        "mamba_block_size": None, "mamba_cache_mode": "none", "mamba_backend": "triton",
+        "enable_mamba_cache_stochastic_rounding": False, "mamba_cache_philox_rounds": 0,
+        "gdn_prefill_backend": None,
+    },
+    "no model of tandem's shares KV between layers": {"kv_sharing_fast_prefill": False},
+    NO_TRACES: {"collect_detailed_traces": None},
+    f"tandem has no hidden metrics: {STATS}": {"show_hidden_metrics_for_version": None},
+    f"tandem has no KV cache residency metrics: {STATS}": {
+        "kv_cache_metrics": False, "kv_cache_metrics_sample": 0.01,
+    },
+    f"tandem has no CUDA graph metrics: {STATS}": {"cudagraph_metrics": False},
+    f"tandem has no MFU metrics: {STATS}": {"enable_mfu_metrics": False},
+    f"tandem logs no line per step: {STATS}": {"enable_logging_iteration_details": False},
+    "tandem marks no NVTX range per layer": {"enable_layerwise_nvtx_tracing": False},
+    "tandem watches for no compilation after warmup": {
+        "jit_monitor_mode": "warn", "jit_monitor_verbose": False,
+    },
+    "tandem runs its own kernels, none of vLLM's backends (attention_backend picks the "
+    "attention's)": {
+        "kernel_config": {}, "ir_op_priority": {}, "moe_backend": "auto", "linear_backend": "auto",
+        "enable_flashinfer_autotune": None, "enable_bf16x3_router_gemm": None,
+    },
+    "tandem has one performance mode: compilation_config shapes its CUDA graphs, max_num_seqs and "
+    "max_num_batched_tokens its batches": {"performance_mode": "balanced"},
+    "tandem has no platform plugins to configure": {"additional_config": {}},
+    "the attention runs in the model's dtype (kv_cache_dtype sets the cache's)": {
+        "override_attention_dtype": None,
+    },
+    "tandem's Gumbel noise is float32 (sampling.gumbel_noise)": {"use_fp64_gumbel": False},
+    "tandem loads the weights from `model` itself": {"model_weights": ""},
+    "tandem reads config.json from the model's folder or repository (hf_overrides changes its "
+    "fields)": {"hf_config_path": None},
+    "tandem does not prefetch checkpoint files into the page cache": {
+        "safetensors_prefetch_num_threads": 8, "safetensors_prefetch_block_size": 16 * 2**20,
+    },
+    "the weights load as tandem loads them (load_format: auto, safetensors or dummy)": {
+        "model_loader_extra_config": {},
+    },
+    "tandem reads safetensors files alone, never a PyTorch checkpoint (.bin, .pt)": {
+        "pt_load_map_location": "cpu",
+    },
+    "tandem runs its own quantizations alone (quantization: fp8, gptq, awq, compressed-tensors)": {
+        "allow_deprecated_quantization": False,
+    },
+    "the model code is the engine's own": {"model_class_overrides": {}},
+    "an FP8 KV cache (kv_cache_dtype) holds every layer's keys and values": {
+        "kv_cache_dtype_skip_layers": [],
+    },
+    "tandem admits a request whenever its blocks fit, keeping no free blocks back": {
+        "watermark": 0.0,
+    },
+    "tandem admits waiting requests at every step": {"prefill_schedule_interval": 1},
+    "the scheduler is tandem's own (scheduling_policy: fcfs or priority)": {"scheduler_cls": None},
+    "tandem's prefix cache matches whole blocks (block_size tokens)": {"prefix_match_unit": None},
+    "tandem slices an adapter as its projection's weight: A of a row-parallel projection, B of "
+    "the others": {"fully_sharded_loras": False},
+    "adapters run in the model's dtype": {"lora_dtype": "auto"},
+    "an adapter runs on every projection it has weights for": {"lora_target_modules": None},
+    "tandem's decode graphs are captured with LoRA and without, not per count of active "
+    "adapters": {"specialize_active_lora": False},
+    "LoRA on a mixture of experts is not supported": {
+        "enable_mixed_moe_lora_format": False, "enable_moe_shared_loras": False,
+    },
+    "tandem publishes no KV cache events": {"kv_events_config": None},
+    "tandem's reasoning parsers are its own (reasoning_parser: qwen3, deepseek_r1)": {
+        "reasoning_parser_plugin": None, "reasoning_config": None,
+    },
+    "tandem's models decode left to right (no diffusion language models)": {
+        "diffusion_config": None,
+    },
+    "tandem loads no IO processor plugins": {"io_processor_plugin": None},
+    "tandem checks no VLLM_* environment variables (a wrong TANDEM_* switch fails)": {
+        "fail_on_environ_validation": False,
+    },
+    "tandem allocates through torch's caching allocator (sleep mode needs no other)": {
+        "enable_cumem_allocator": False,
+    },
+    "an engine's shutdown waits for no open request (tandem serve --shutdown-timeout, its "
+    "--drain-timeout, does)": {"shutdown_timeout": 0},
+}  # fmt: skip
+
+
+def is_vllm_default(default: Any) -> Callable[[Any], bool]:
+    """Whether a value is `default`, of its kind (True is not 1); for an empty dict, list or set,
+    whether it is None or any empty one."""
+    if isinstance(default, dict | list | set):
+        return lambda v: v is None or (isinstance(v, dict | list | set | tuple) and not v)
+    return lambda v: isinstance(v, bool) == isinstance(default, bool) and v == default
+
+
 # vLLM's options tandem takes only where they ask for its own behaviour: name -> (whether a
 # value does, why another is refused)
 UNUSED_VLLM_OPTIONS: dict[str, tuple[Any, str]] = {
@@ -148,13 +310,10 @@ UNUSED_VLLM_OPTIONS: dict[str, tuple[Any, str]] = {
         "(max_num_batched_tokens) over steps",
     ),
     "speculative_config": (lambda v: v is None, "tandem has no speculative decoding"),
-    "enable_expert_parallel": (
-        lambda v: v is False,
-        "a MoE model's experts are split by tensor parallelism, each over every rank",
-    ),
+    "enable_expert_parallel": (lambda v: v is False, EXPERTS_BY_TENSOR_PARALLEL),
     "cpu_offload_gb": (
         lambda v: isinstance(v, int | float) and not isinstance(v, bool) and v == 0,
-        "the weights stay in device memory (a quantization shrinks them)",
+        f"{WEIGHTS_IN_DEVICE} (a quantization shrinks them)",
     ),
     "calculate_kv_scales": (
         lambda v: v is False,
@@ -163,14 +322,14 @@ UNUSED_VLLM_OPTIONS: dict[str, tuple[Any, str]] = {
     "kv_transfer_config": (lambda v: v is None, "no KV cache moves between engines"),
     # vLLM's LLM(...) keywords at their defaults
     **{
-        name: (lambda v, default=default: v == default and not isinstance(v, bool), why)
-        for name, default, why in [
-            ("offload_group_size", 0, "the weights stay in device memory"),
-            ("offload_num_in_group", 1, "the weights stay in device memory"),
-            ("offload_prefetch_step", 1, "the weights stay in device memory"),
+        name: (is_vllm_default(default), WEIGHTS_IN_DEVICE)
+        for name, default in [
+            ("offload_group_size", 0),
+            ("offload_num_in_group", 1),
+            ("offload_prefetch_step", 1),
         ]
     },
-    "offload_params": (lambda v: not v, "the weights stay in device memory"),
+    "offload_params": (lambda v: not v, WEIGHTS_IN_DEVICE),
     "chat_template": (
         lambda v: v is None,
         "LLM.chat takes chat_template per call, the server --chat-template",
@@ -190,7 +349,7 @@ UNUSED_VLLM_OPTIONS: dict[str, tuple[Any, str]] = {
     # vLLM's scheduler options at their defaults: prompts chunked by the step's token budget
     # alone, no speculative lookahead
     **{
-        name: (lambda v, default=default: v == default and not isinstance(v, bool), why)
+        name: (is_vllm_default(default), why)
         for name, default, why in [
             ("max_num_partial_prefills", 1, "tandem chunks prompts by the step's token budget"),
             ("max_long_partial_prefills", 1, "tandem chunks prompts by the step's token budget"),
@@ -203,7 +362,7 @@ UNUSED_VLLM_OPTIONS: dict[str, tuple[Any, str]] = {
         "tandem serves text models: a prompt holds no images, audio or video (every count 0)",
     ),
     **{
-        name: (lambda v: v is None or v == {} or v == "", "tandem serves text models alone")
+        name: (lambda v: v is None or v == {} or v == "", TEXT_ONLY)
         for name in ("mm_processor_kwargs", "allowed_local_media_path", "allowed_media_domains")
     },
     "attention_config": (
@@ -215,10 +374,7 @@ UNUSED_VLLM_OPTIONS: dict[str, tuple[Any, str]] = {
         lambda v: v is False,
         "a windowed model's layers attend over their window, as the checkpoint was trained",
     ),
-    "data_parallel_size": (
-        lambda v: v == 1 and not isinstance(v, bool),
-        "one LLM is one engine; tandem serve --data-parallel-size runs replicas (Ray)",
-    ),
+    "data_parallel_size": (is_vllm_default(1), DATA_PARALLEL),
     "served_model_name": (
         lambda v: v is None,
         "an LLM serves no names; tandem serve --served-model-name names the server's model",
@@ -239,7 +395,54 @@ UNUSED_VLLM_OPTIONS: dict[str, tuple[Any, str]] = {
         "tandem reads a checkpoint's config, tokenizer and safetensors files alone (never "
         "original/), so only vLLM's default pattern is taken",
     ),
-    "otlp_traces_endpoint": (lambda v: v is None, "tandem exports no OpenTelemetry traces"),
+    "otlp_traces_endpoint": (lambda v: v is None, NO_TRACES),
+    **{
+        name: (is_vllm_default(default), why)
+        for why, defaults in AT_VLLM_DEFAULTS.items()
+        for name, default in defaults.items()
+    },
+    # vLLM's defaults, and the values that ask for what tandem does
+    "language_model_only": (
+        lambda v: isinstance(v, bool),
+        f"it is True or False: {TEXT_ONLY}, as True asks",
+    ),
+    "mm_processor_cache_gb": (
+        lambda v: v in (0, 4) and not isinstance(v, bool),
+        f"{TEXT_ONLY}: there is no multi-modal processor cache to size (0 and vLLM's 4 taken)",
+    ),
+    "disable_hybrid_kv_cache_manager": (
+        lambda v: v is None or v is True,
+        "every layer, sliding or full, keeps a sequence's whole KV in the same blocks, as True asks",
+    ),
+    "optimization_level": (
+        lambda v: v in (2, 3) and not isinstance(v, bool),
+        "tandem's CUDA graphs are vLLM's -O2's (-O3 is the same): whole graphs of decode steps, "
+        "pieces of the others; compilation_config's cudagraph_mode or enforce_eager=True choose "
+        "others",
+    ),
+    "config_format": (
+        lambda v: v in ("auto", "hf"),
+        "tandem reads the model's config.json (Hugging Face's format), not Mistral's params.json",
+    ),
+    "safetensors_load_strategy": (
+        lambda v: v in (None, "lazy"),
+        "tandem memory-maps each safetensors file as it reads it (vLLM's 'lazy')",
+    ),
+    "scheduler_reserve_full_isl": (
+        lambda v: v is False,
+        "tandem admits a request once the blocks of its first chunk fit, not those of its whole "
+        "prompt",
+    ),
+    # taken where they change no output
+    "renderer_num_workers": (
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+        "a count of threads (an int >= 1); tandem serve tokenizes on asyncio's thread pool "
+        "whatever it is",
+    ),
+    "code_revision": (
+        lambda v: v is None or isinstance(v, str),
+        "None or a revision (a str): tandem runs no code from a checkpoint, at any revision",
+    ),
 }
 
 # max_model_len's vLLM value (or "auto") for the longest the KV cache holds, the model's at most
@@ -702,8 +905,21 @@ def parse_moe(hf: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
     }
 
 
+# EngineConfig's fields of AT_VLLM_DEFAULTS: keyword-only, left out of its repr
+VllmDefaults = make_dataclass(
+    "VllmDefaults",
+    [
+        (name, Any, field(default=None if isinstance(default, dict | list | set) else default,
+                          kw_only=True, repr=False))
+        for defaults in AT_VLLM_DEFAULTS.values()
+        for name, default in defaults.items()
+    ],
+    namespace={"__module__": __name__},
+)  # fmt: skip
+
+
 @dataclass
-class EngineConfig:
+class EngineConfig(VllmDefaults):
     """Settings of one engine; `validate` turns user mistakes into ValueErrors naming the field."""
 
     # a model folder, a preset name (random weights), or a Hugging Face Hub repository id
@@ -855,6 +1071,23 @@ class EngineConfig:
     prefix_caching_hash_algo: str = "sha256"
     ignore_patterns: str | list | None = None
     otlp_traces_endpoint: str | None = None
+    # vLLM's, taken at its defaults and at the values that ask for what tandem does
+    # (UNUSED_VLLM_OPTIONS; vLLM's scheduler_reserve_full_isl=True, its default, is refused)
+    language_model_only: bool = False
+    mm_processor_cache_gb: float = 4
+    disable_hybrid_kv_cache_manager: bool | None = None
+    optimization_level: int = 2
+    config_format: str = "auto"
+    safetensors_load_strategy: str | None = None
+    scheduler_reserve_full_isl: bool = False
+    renderer_num_workers: int = 1
+    code_revision: str | None = None
+    # vLLM's: True loads no tokenizer (skip_tokenizer_init=True)
+    tokens_only: bool = False
+    # vLLM's: the most tokens a step schedules (None: max_num_batched_tokens, which vLLM keeps
+    # it below for speculative tokens, tandem drafting none): a smaller value becomes
+    # max_num_batched_tokens, the step's token budget
+    max_num_scheduled_tokens: int | None = None
     # False: a line of stats every 10 s of stepping, on the "tandem.metrics" logger (vLLM's)
     disable_log_stats: bool = True
     # vLLM's AsyncEngineArgs field: AsyncLLM logs each request it adds and each abort (INFO, on
@@ -900,7 +1133,18 @@ class EngineConfig:
             value = getattr(self, name)
             if not neutral(value):
                 raise ValueError(f"{name}={value!r} is not supported: {why}")
-        check_bools(self, "disable_mm_preprocessor_cache")
+        check_bools(self, "disable_mm_preprocessor_cache", "tokens_only")
+        if self.tokens_only:
+            self.skip_tokenizer_init = True
+        scheduled = self.max_num_scheduled_tokens
+        if scheduled is not None:
+            check_int("max_num_scheduled_tokens", scheduled, 1)
+            if scheduled > self.max_num_batched_tokens:
+                raise ValueError(
+                    f"max_num_scheduled_tokens={scheduled} exceeds max_num_batched_tokens="
+                    f"{self.max_num_batched_tokens}, the most tokens a step's buffers hold"
+                )
+            self.max_num_batched_tokens = scheduled
 
     def logprobs_width(self, vocab_size: int) -> int:
         """The most top ids a position returns: max_logprobs, the whole vocabulary for -1."""

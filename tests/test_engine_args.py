@@ -413,7 +413,7 @@ def test_the_executor_backends_of_one_process_per_rank_are_taken(folder, backend
         ({"optimization_level": 0}, "enforce_eager"),
         ({"use_fp64_gumbel": True}, "float32"),
         ({"hf_config_path": "other/config"}, "hf_overrides"),
-        ({"scheduler_reserve_full_isl": True}, "its first chunk"),
+        ({"scheduler_reserve_full_isl": 1}, "True or False"),
         ({"watermark": 0.01}, "no free blocks back"),
         ({"scheduler_cls": "my.Scheduler"}, "scheduling_policy"),
         ({"lora_dtype": "float32"}, "model's dtype"),
@@ -463,7 +463,7 @@ def test_vllm_s_options_at_tandem_s_behaviour_generate_as_without_them(folder):
         # and the values that ask for what tandem does
         language_model_only=True, mm_processor_cache_gb=0, optimization_level=3,
         disable_hybrid_kv_cache_manager=True, config_format="hf", safetensors_load_strategy="lazy",
-        scheduler_reserve_full_isl=False, renderer_num_workers=4, code_revision="main",
+        scheduler_reserve_full_isl=True, renderer_num_workers=4, code_revision="main",
         # vLLM's EngineArgs' None: the engine decides (tandem's defaults); no reasoning parser
         enable_prefix_caching=None, enable_chunked_prefill=None, max_num_seqs=None,
         max_num_batched_tokens=None, reasoning_parser="",

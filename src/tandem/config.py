@@ -428,12 +428,12 @@ UNUSED_VLLM_OPTIONS: dict[str, tuple[Any, str]] = {
         lambda v: v in (None, "lazy"),
         "tandem memory-maps each safetensors file as it reads it (vLLM's 'lazy')",
     ),
-    "scheduler_reserve_full_isl": (
-        lambda v: v is False,
-        "tandem admits a request once the blocks of its first chunk fit, not those of its whole "
-        "prompt",
-    ),
     # taken where they change no output
+    "scheduler_reserve_full_isl": (
+        lambda v: isinstance(v, bool),
+        "it is True or False; tandem admits a request once the blocks of its first chunk fit "
+        "whatever it is (which moves when a request starts, never its tokens)",
+    ),
     "renderer_num_workers": (
         lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
         "a count of threads (an int >= 1); tandem serve tokenizes on asyncio's thread pool "
@@ -1072,14 +1072,14 @@ class EngineConfig(VllmDefaults):
     ignore_patterns: str | list | None = None
     otlp_traces_endpoint: str | None = None
     # vLLM's, taken at its defaults and at the values that ask for what tandem does
-    # (UNUSED_VLLM_OPTIONS; vLLM's scheduler_reserve_full_isl=True, its default, is refused)
+    # (UNUSED_VLLM_OPTIONS)
     language_model_only: bool = False
     mm_processor_cache_gb: float = 4
     disable_hybrid_kv_cache_manager: bool | None = None
     optimization_level: int = 2
     config_format: str = "auto"
     safetensors_load_strategy: str | None = None
-    scheduler_reserve_full_isl: bool = False
+    scheduler_reserve_full_isl: bool = True
     renderer_num_workers: int = 1
     code_revision: str | None = None
     # vLLM's: True loads no tokenizer (skip_tokenizer_init=True)

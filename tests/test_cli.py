@@ -180,6 +180,18 @@ def test_a_chat_message_the_engine_refuses_is_dropped_and_the_chat_goes_on(
     assert assistant_replies(out.out) == [expected]
 
 
+def test_quick_chat_answers_one_message_under_the_system_prompt(tiny_dir, capsys, monkeypatch):
+    """-q (vLLM's --quick): one message answered, stdin never read; --system-prompt is
+    --system's vLLM spelling."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("never read\n"))
+    main(["chat", str(tiny_dir), "--max-tokens", "6", "--system-prompt", "Be brief.", "-q",
+          "Hi there", *CLI_ENGINE_ARGS])  # fmt: skip
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    reply = reference_llm(tiny_dir).chat(messages, params, use_tqdm=False)[0].outputs[0].text
+    assert capsys.readouterr().out == f"{reply}\n"
+
+
 def test_chat_stops_at_an_empty_line(tiny_dir, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi there\n\nnever read\n"))
     main(["chat", str(tiny_dir), "--max-tokens", "2", *CLI_ENGINE_ARGS])

@@ -35,6 +35,9 @@ ENGINE_ARGS = {f.name for f in fields(EngineConfig)} - {
     "model", "served_model_name", "data_parallel_size",
     "chat_template",  # --chat-template is the server's (ServerOptions), not the engine's
 }  # fmt: skip
+# tandem chat's flags of a running server's (add_client_args), and those both of its kinds take
+CLIENT_ARGS = ("url", "model_name", "api_key", "stats")
+CHAT_ARGS = (*CLIENT_ARGS, "system", "quick")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -57,13 +60,16 @@ class Parser(argparse.ArgumentParser):
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_flag: str = "positional") -> None:
-    """model_flag: how the model is named: "positional" (MODEL), "option" (--model MODEL) or
-    "either" (as vLLM's serve and run-batch take it; `resolve_model` picks one)."""
+    """model_flag: how the model is named: "positional" (MODEL), "optional" (MODEL or none),
+    "option" (--model MODEL) or "either" (as vLLM's serve and run-batch take it;
+    `resolve_model` picks one)."""
     model_help = "a Hugging Face model folder or Hub repository id, or a preset name with --load-format dummy"
     if model_flag == "option":
         parser.add_argument("--model", required=True, help=model_help)
     elif model_flag == "positional":
         parser.add_argument("model", help=model_help)
+    elif model_flag == "optional":
+        parser.add_argument("model", nargs="?", help=model_help)
     else:
         parser.add_argument("model", nargs="?", help=model_help)
         parser.add_argument(
@@ -530,11 +536,28 @@ def cmd_trace_plot(args: argparse.Namespace) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
+    if args.model is None:  # vLLM's: a running server's
+        from tandem.server import client
+
+        if flags := [f for dest, f in given_options(args).items() if dest not in CHAT_ARGS]:
+            raise ValueError(
+                f"{', '.join(flags)}: with no MODEL the server's settings answer (give a MODEL "
+                "to chat with it loaded here)"
+            )
+        server = client.connect(args.url, args.model_name, args.api_key, sys.stdout)
+        client.chat(server, sys.stdin, sys.stdout, args.system, args.quick, args.stats)
+        return
+    if flags := [f for dest, f in given_options(args).items() if dest in CLIENT_ARGS]:
+        raise ValueError(f"{', '.join(flags)}: a running server's; MODEL is loaded here")
     from tandem.llm import LLM
 
     llm = LLM(args.model, **engine_kwargs(args))
     params = sampling_params(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
+    if args.quick is not None:
+        print(llm.chat([*messages, {"role": "user", "content": args.quick}], params,
+                       use_tqdm=False)[0].outputs[0].text)  # fmt: skip
+        return
     print("chat: empty line or Ctrl-D to quit")
     for line in sys.stdin:
         if not line.strip():
@@ -548,6 +571,52 @@ def cmd_chat(args: argparse.Namespace) -> None:
             continue
         messages.append({"role": "assistant", "content": reply})
         print(f"assistant: {reply}", flush=True)
+
+
+def cmd_complete(args: argparse.Namespace) -> None:
+    from tandem.server import client
+
+    server = client.connect(args.url, args.model_name, args.api_key, sys.stdout)
+    client.complete(server, sys.stdin, sys.stdout, args.max_tokens, args.quick, args.stats)
+
+
+def cmd_collect_env(args: argparse.Namespace) -> None:
+    from torch.utils import collect_env
+
+    from tandem import __version__
+
+    collect_env.main()
+    print(f"tandem version: {__version__}")
+
+
+def given_options(args: argparse.Namespace) -> dict[str, str]:
+    """Each option of the command that the command line set to other than its default: its
+    destination -> its flag."""
+    return {
+        action.dest: action.option_strings[0]
+        for action in args.command_parser._actions
+        if action.option_strings
+        and action.default is not argparse.SUPPRESS
+        and getattr(args, action.dest, action.default) != action.default
+    }
+
+
+def add_client_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's chat and complete flags: the running server to ask (tandem.server.client)."""
+    parser.add_argument(
+        "--url",
+        default="http://localhost:8000/v1",
+        help="the running server's OpenAI API root (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--model-name", help="the served model to ask (default: the first that /models lists)"
+    )
+    parser.add_argument("--api-key", help="the server's API key (default: OPENAI_API_KEY's)")
+    parser.add_argument(
+        "--stats",
+        action="store_true",
+        help="after each answer, its time to the first token and its tokens per second",
+    )
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -1006,11 +1075,33 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--trace", metavar="PATH", help="record a CPU/GPU timeline to this JSON")
     gen.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser("chat", help="chat on stdin with the model's chat template")
-    add_engine_args(chat)
+    chat = sub.add_parser(
+        "chat",
+        help="chat on stdin: with MODEL, loaded here; without, with a running server (vLLM's)",
+    )
+    add_engine_args(chat, model_flag="optional")
     add_sampling_args(chat)
-    chat.add_argument("--system", default="", help="a system message to start with")
+    chat.add_argument(
+        "--system", "--system-prompt", default=None, help="a system message to start with"
+    )
+    chat.add_argument("-q", "--quick", metavar="MESSAGE", help="answer this one message, then exit")
+    add_client_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    complete = sub.add_parser(
+        "complete", help="complete each prompt on stdin with a running server (vLLM's)"
+    )
+    add_client_args(complete)
+    complete.add_argument("--max-tokens", type=int, help="the most tokens of each completion")
+    complete.add_argument(
+        "-q", "--quick", metavar="PROMPT", help="complete this one prompt, then exit"
+    )
+    complete.set_defaults(func=cmd_complete)
+
+    collect_env = sub.add_parser(
+        "collect-env", help="the machine's software and GPUs, for a bug report (vLLM's)"
+    )
+    collect_env.set_defaults(func=cmd_collect_env)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(serve, model_flag="either")

@@ -282,7 +282,7 @@ AT_VLLM_DEFAULTS: dict[str, dict[str, Any]] = {
         "diffusion_config": None,
     },
     "tandem loads no IO processor plugins": {"io_processor_plugin": None},
-    "tandem checks no VLLM_* environment variables (a wrong TANDEM_* switch fails)": {
+    "tandem validates no VLLM_* variables (a wrong TANDEM_* switch fails)": {
         "fail_on_environ_validation": False,
     },
     "tandem allocates through torch's caching allocator (sleep mode needs no other)": {

@@ -627,6 +627,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
     cmd_bench(args, engine_kwargs(args))
 
 
+def cmd_bench_startup(args: argparse.Namespace) -> None:
+    from tandem.bench_startup import cmd_bench_startup
+
+    check_output_path("--output-json", args.output_json)
+    cmd_bench_startup(args, engine_kwargs(args))
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     from tandem.async_llm import AsyncLLM
     from tandem.server.lifecycle import serve
@@ -1155,9 +1162,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run_batch.add_argument("--quiet", action="store_true", help="no progress bar")
     run_batch.set_defaults(func=cmd_run_batch)
-    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve").add_subparsers(
-        dest="mode", required=True, metavar="MODE"
-    )
+    bench = sub.add_parser(
+        "bench", help="benchmarks: throughput, latency, serve, startup"
+    ).add_subparsers(dest="mode", required=True, metavar="MODE")
     from tandem.bench import add_bench_args
 
     throughput = bench.add_parser(
@@ -1179,6 +1186,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(latency, model_flag="option")
     add_bench_args(latency, latency=True)
     latency.set_defaults(func=cmd_bench)
+    startup = bench.add_parser(
+        "startup", help="how long an engine takes to start, with the compile caches empty and full"
+    )
+    add_engine_args(startup, model_flag="option")
+    from tandem.bench_startup import add_startup_args
+
+    add_startup_args(startup)
+    startup.set_defaults(func=cmd_bench_startup)
 
     trace = sub.add_parser("trace", help="read a Chrome trace written with --trace")
     actions = trace.add_subparsers(dest="action", required=True, metavar="ACTION")

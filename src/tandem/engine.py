@@ -92,6 +92,7 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig, rank: int = 0, port: int | None = None):
+        started = time.perf_counter()
         config.validate()
         self.config = config
         hf_config, folder = read_hf_config(
@@ -119,7 +120,7 @@ class Engine:
             else:
                 self.check_ranks = rank0_check()
         try:
-            self._start(config, cfg, hf_config, folder, rank, port)
+            self._start(config, cfg, hf_config, folder, rank, port, started)
         except BaseException:
             if self.workers is not None:
                 self._abandon_workers()
@@ -143,6 +144,7 @@ class Engine:
         folder: Path | None,
         rank: int,
         port: int | None,
+        started: float,  # perf_counter when __init__ began
     ) -> None:
         self.dtype = config.resolve_dtype(cfg, self.device)
         self.max_model_len = config.resolve_max_model_len(cfg)
@@ -185,6 +187,7 @@ class Engine:
             config.quantization,
             fp8_kv_cache=config.kv_cache_dtype != "auto",
         )
+        loaded = self._device_time()
         if self.tp.size > 1:  # after the rank-local start-up: a rank dying there raises here
             init_process_group(rank, self.tp.size, port, self.device, self.check_ranks)
         self.kv_cache_dtype = config.resolve_kv_cache_dtype(self.dtype)
@@ -313,8 +316,12 @@ class Engine:
             prompt_embeds=config.enable_prompt_embeds,
             max_top=self.logprobs_width,
         )
+        captured = self._device_time()
         if self.runner.cuda and (self.runner.graph_sizes or self.runner.token_buckets):
             self.runner.capture_graphs()
+            captured = self._device_time() - captured
+        else:
+            captured = 0.0
         self.async_batching = config.async_batching
         self.memory = DeviceMemory([p.detach() for p in self.model.parameters()], self.kv_caches[0])
         self.paused = False  # pause_generation: no step until resume_generation
@@ -353,6 +360,20 @@ class Engine:
         # (num_seqs, num_tokens, context_tokens, attention_pairs) per launched step, for the
         # roofline; recorded only while a caller holds a list here (the benchmark does)
         self.step_work: list[tuple[int, int, int, int]] | None = None
+        # seconds of the start-up: reading the config, tokenizer and checkpoint into device
+        # memory, compiling the kernels and capturing the CUDA graphs (0 without them), and all
+        # of it
+        self.startup_seconds = {
+            "load": loaded - started,
+            "graph_capture": captured,
+            "total": self._device_time() - started,
+        }
+
+    def _device_time(self) -> float:
+        """perf_counter once the device has done all it was given (start-up alone)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def byte_sizes(self) -> dict[str, int]:
         """Bytes per weight of the layers' matrices and per KV cache value (1 with FP8, about

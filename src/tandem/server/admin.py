@@ -179,9 +179,8 @@ def dev_router(llm: AsyncLLM) -> APIRouter:
     runs a method by name on every rank (LLM.collective_rpc), a worker extension's (RL code's)
     or the engine's own; each rank's result as JSON gives it if a dict, list or null, else as
     its text (vLLM's answer). /server_info answers the engine's settings (the Hub token hidden),
-    the vLLM and tandem
-    environment variables it reads and the machine's software; /reset_mm_cache and
-    /reset_encoder_cache answer 200 (a text model has neither cache)."""
+    the VLLM_ variables set and the TANDEM_ switches, and the machine's software;
+    /reset_mm_cache and /reset_encoder_cache answer 200 (a text model has neither cache)."""
     router = APIRouter()
 
     @router.get("/server_info")

@@ -19,6 +19,7 @@ API_KEY = "sk-test"
 # greedy, so that a streamed answer and the same request answered whole agree
 ENGINE_ARGS = {
     "max_model_len": 256,
+    "kv_cache_memory_bytes": 32 << 20,  # beside other engines on a GPU
     "override_generation_config": {"temperature": 0, "max_new_tokens": 8},
 }
 

@@ -39,6 +39,8 @@ TEMPLATE = (
 )
 OTHER_TEMPLATE = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+# a fixed KV cache, so that the module's engines fit side by side on a GPU
+KV_CACHE = {"kv_cache_memory_bytes": 32 << 20}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def folder(make_tiny) -> str:
 
 @pytest.fixture(scope="module")
 def llm(folder):
-    llm = AsyncLLM.from_model(folder, max_model_len=128)
+    llm = AsyncLLM.from_model(folder, max_model_len=128, **KV_CACHE)
     yield llm
     llm.shutdown()
 
@@ -503,7 +505,7 @@ def test_a_template_that_loops_over_parts_gets_parts_as_transformers_gives_them(
     ]  # fmt: skip
     want = transformers_text(folder, PARTS_TEMPLATE, openai_form)
     assert "[Hi][there]" in want and "[Hello]" in want
-    offline = LLM(folder, max_model_len=128)
+    offline = LLM(folder, max_model_len=128, **KV_CACHE)
     params = SamplingParams(max_tokens=1)
     [out] = offline.chat(PARTS, params, use_tqdm=False, chat_template=PARTS_TEMPLATE)
     assert out.prompt == want
@@ -562,7 +564,7 @@ def test_tokenizer_info_answers_the_settings_transformers_reads(make_tiny, arch,
     args = build_parser().parse_args(["serve", folder, "--enable-tokenizer-info-endpoint"])
     options = server_options(args, ())
     assert options.enable_tokenizer_info_endpoint
-    llm = AsyncLLM.from_model(folder, max_model_len=64)
+    llm = AsyncLLM.from_model(folder, max_model_len=64, **KV_CACHE)
     try:
         with client_of(llm) as client:
             assert client.get("/tokenizer_info").status_code == 404

@@ -61,10 +61,11 @@ def test_async_equals_sync_on_cuda(make_tiny, arch, dtype):
 def test_startup_seconds_split_the_start_into_loading_and_graph_capture(make_tiny):
     """Engine.startup_seconds (tandem bench startup): the CUDA graphs' capture takes time of
     its own, and loading and capture fit within the whole; without graphs none is captured."""
-    parts = LLM(str(make_tiny("llama")), max_model_len=128).engine.startup_seconds
+    engine_args = {"max_model_len": 128, "num_blocks": 64}  # two engines side by side
+    parts = LLM(str(make_tiny("llama")), **engine_args).engine.startup_seconds
     assert parts["graph_capture"] > 0 and parts["load"] > 0
     assert parts["load"] + parts["graph_capture"] <= parts["total"]
-    eager = LLM(str(make_tiny("llama")), max_model_len=128, enforce_eager=True)
+    eager = LLM(str(make_tiny("llama")), enforce_eager=True, **engine_args)
     assert eager.engine.startup_seconds["graph_capture"] == 0
 
 

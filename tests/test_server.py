@@ -95,18 +95,20 @@ def folder(make_tiny) -> str:
 
 
 @contextmanager
-def running(app) -> Iterator[str]:
-    """Serve `app` with uvicorn on a free port of 127.0.0.1 in a thread; yields its URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+def running(app, config: uvicorn.Config | None = None) -> Iterator[str]:
+    """Serve `app` with uvicorn on a free port of 127.0.0.1 in a thread (or as `config` says);
+    yields its URL (a Unix socket's path under `config.uds`)."""
+    config = config or uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    address = server.servers[0].sockets[0].getsockname()
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield config.uds or f"http://127.0.0.1:{address[1]}"
     finally:
         server.should_exit = True
         thread.join(timeout=10)

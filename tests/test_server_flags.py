@@ -355,6 +355,9 @@ def test_serve_listens_on_every_interface_without_host(folder):
         ({"ssl_cert_reqs": 3}, "ssl_cert_reqs"),
         ({"uvicorn_log_level": "loud"}, "uvicorn_log_level"),
         ({"allowed_origins": "https://a.example"}, "allowed_origins"),
+        ({"h11_max_header_count": 0}, "h11_max_header_count must be a positive int"),
+        ({"h11_max_incomplete_event_size": True}, "h11_max_incomplete_event_size must be"),
+        ({"uds": "/tmp/t.sock", "ssl_keyfile": __file__, "ssl_certfile": __file__}, "--uds"),
     ],
 )
 def test_bad_http_options_are_refused_before_serving(options, match):
@@ -615,3 +618,121 @@ def test_dev_mode_serves_server_info_and_the_cache_resets(llm, monkeypatch):
         for config_format in ("text", "json"):
             info = client.get("/server_info", params={"config_format": config_format})
             assert "hf_secret" not in info.text and "<hidden>" in info.text
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}[{{ tools | length }} tools] {% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+)
+TOOL = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("exclude", [False, True])
+def test_tool_choice_none_renders_without_the_tools_when_the_server_excludes_them(
+    llm, folder, exclude
+):
+    """--exclude-tools-when-tool-choice-none: a chat with tool_choice "none" is rendered as if
+    it had no tools; "required" keeps them either way."""
+    messages = [{"role": "user", "content": "Hi"}]
+    options = {"chat_template": TOOLS_TEMPLATE, "exclude_tools_when_tool_choice_none": exclude}
+    with client_of(llm, **options) as client:
+        ids = {
+            choice: client.post("/v1/chat/completions/render", json={
+                "messages": messages, "tools": [TOOL], "tool_choice": choice,
+                "add_generation_prompt": False,
+            }).json()["token_ids"]
+            for choice in ("none", "required")
+        }  # fmt: skip
+    tokenizer = Tokenizer.from_dir(folder)
+    with_tools = tokenizer.encode("[1 tools] user: Hi\n", add_special_tokens=False)
+    without = tokenizer.encode("user: Hi\n", add_special_tokens=False)
+    assert ids == {"none": without if exclude else with_tools, "required": with_tools}
+
+
+def test_too_many_or_too_large_headers_are_a_431(llm):
+    """--h11-max-header-count and --h11-max-incomplete-event-size: past either the request is
+    a 431 naming the flag, before the API key is asked; within them it is served."""
+    many = {f"x-extra-{i}": "1" for i in range(300)}
+    large = {"x-large": "a" * 5000}
+    with client_of(llm, api_key="k") as client:
+        crowded = client.get("/v1/models", headers=many)
+        assert client.get("/v1/models", headers=large).status_code == 401  # within 4 MiB
+    assert crowded.status_code == 431
+    assert "--h11-max-header-count" in crowded.json()["error"]["message"]
+    with client_of(llm, h11_max_header_count=400, h11_max_incomplete_event_size=4096) as client:
+        assert client.get("/v1/models", headers=many).status_code == 200
+        oversized = client.get("/v1/models", headers=large)
+    assert oversized.status_code == 431
+    assert "--h11-max-incomplete-event-size" in oversized.json()["error"]["message"]
+
+
+def test_error_answers_log_their_stack_with_log_error_stack(llm, caplog, monkeypatch):
+    """--log-error-stack (on under VLLM_SERVER_DEV_MODE, as vLLM's): an error answer is logged
+    with its exception's stack trace; off, it is not."""
+    body = {"prompt": "Hi", "max_tokens": -1}
+    for log_stack in (False, True):
+        caplog.clear()
+        with (
+            caplog.at_level("ERROR", logger="tandem"),
+            client_of(llm, log_error_stack=log_stack) as client,
+        ):
+            assert client.post("/v1/completions", json=body).status_code == 400
+        logged = [r for r in caplog.records if "POST /v1/completions answered 400" in r.message]
+        assert len(logged) == log_stack
+        assert all(r.exc_info is not None for r in logged)
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    assert server_options(build_parser().parse_args(["serve", "tiny"]), ()).log_error_stack
+
+
+def served(llm, options: ServerOptions):
+    """`tandem serve`'s uvicorn config of `options` over the app, run on a thread (running)."""
+    return running(None, uvicorn_config(build_app(llm, "tiny", options=options), "127.0.0.1", 0,
+                                        options))  # fmt: skip
+
+
+def test_uds_serves_on_a_unix_socket(llm, tmp_path):
+    socket_path = str(tmp_path / "tandem.sock")
+    with served(llm, ServerOptions(uds=socket_path)) as served_at:
+        assert served_at == socket_path
+        with httpx.Client(transport=httpx.HTTPTransport(uds=socket_path)) as client:
+            models = client.get("http://tandem/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+
+
+def test_the_access_log_leaves_out_the_quiet_endpoints(llm):
+    """--disable-access-log-for-endpoints: the access log has no line for those paths (their
+    queries aside), and one for each other request."""
+    import logging
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    options = ServerOptions(access_log=True, disable_access_log_for_endpoints="/health, /metrics")
+    server = served(llm, options)  # its config set uvicorn's logging up: the handler after it
+    keep = Keep()
+    logging.getLogger("uvicorn.access").addHandler(keep)
+    try:
+        with server as url:
+            for path in ("/health", "/metrics?x=1", "/v1/models", "/health"):
+                httpx.get(f"{url}{path}")
+    finally:
+        logging.getLogger("uvicorn.access").removeHandler(keep)
+    assert len(lines) == 1 and '"GET /v1/models HTTP/1.1" 200' in lines[0]
+
+
+def test_ssl_ciphers_set_the_tls_context_s_suites(tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out",
+         cert, "-days", "1", "-subj", "/CN=127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    suite = "ECDHE-RSA-AES256-GCM-SHA384"
+    options = ServerOptions(ssl_keyfile=str(key), ssl_certfile=str(cert), ssl_ciphers=suite)
+    config = uvicorn_config(None, "127.0.0.1", 0, options)
+    config.load()
+    tls12 = [c["name"] for c in config.ssl.get_ciphers() if c["protocol"] == "TLSv1.2"]
+    assert tls12 == [suite]

@@ -678,6 +678,7 @@ def server_options(args: argparse.Namespace, adapters: tuple) -> ServerOptions:
         given["api_key"] = os.environ.get("VLLM_API_KEY") or None
     given["allow_runtime_lora_updating"] |= env_flag("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
     given["server_dev_mode"] |= env_flag("VLLM_SERVER_DEV_MODE")
+    given["log_error_stack"] |= env_flag("VLLM_SERVER_DEV_MODE")  # vLLM's default
     return ServerOptions(**{**given, "lora_modules": adapters})
 
 
@@ -863,6 +864,43 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=defaults.ssl_cert_reqs,
         help="TLS: client certificates, 0 not asked, 1 optional, 2 required",
+    )
+    parser.add_argument(
+        "--ssl-ciphers",
+        help="TLS 1.2 and below: the cipher suites, in OpenSSL's list format "
+        "(default: uvicorn's, 'TLSv1')",
+    )
+    parser.add_argument(
+        "--uds", metavar="PATH", help="serve on this Unix socket instead of --host and --port"
+    )
+    parser.add_argument(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=defaults.h11_max_incomplete_event_size,
+        metavar="BYTES",
+        help="a request whose headers are larger is a 431",
+    )
+    parser.add_argument(
+        "--h11-max-header-count",
+        type=int,
+        default=defaults.h11_max_header_count,
+        help="a request with more headers is a 431",
+    )
+    parser.add_argument(
+        "--disable-access-log-for-endpoints",
+        metavar="PATHS",
+        help="comma-separated paths the access log leaves out, e.g. /health,/metrics",
+    )
+    parser.add_argument(
+        "--log-error-stack",
+        action="store_true",
+        help="log each error answer's exception with its stack trace (on with "
+        "VLLM_SERVER_DEV_MODE too)",
+    )
+    parser.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='a chat with tool_choice "none" is rendered without its tools',
     )
     parser.add_argument(
         "--uvicorn-log-level", choices=LOG_LEVELS, help="uvicorn's log level (default: info)"

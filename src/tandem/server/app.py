@@ -85,7 +85,7 @@ def build_app(
     app.state.llm, app.state.serving = llm, serving
     if options.api_keys():
         app.add_middleware(ApiKeyMiddleware, api_keys=options.api_keys())
-    app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_request_bytes)
+    app.add_middleware(RequestLimitMiddleware, options=options)
     if options.enable_request_id_headers:
         app.add_middleware(RequestIdMiddleware)
     app.add_middleware(  # the outermost: a preflight is answered before the API key is asked
@@ -97,7 +97,7 @@ def build_app(
     )
     for path in options.middleware:  # vLLM's --middleware, outermost as there
         add_middleware(app, path)
-    add_error_handlers(app)
+    add_error_handlers(app, options.log_error_stack)
     app.include_router(admin_router(llm))  # RL: pause, sleep, weights (behind the API key)
     if options.server_dev_mode:
         logger.warning("VLLM_SERVER_DEV_MODE: /collective_rpc runs any engine method by name")
@@ -341,26 +341,37 @@ def add_middleware(app: FastAPI, path: str) -> None:
         )
 
 
-def add_error_handlers(app: FastAPI) -> None:
+def add_error_handlers(app: FastAPI, log_stack: bool = False) -> None:
+    """Each error as the API's error JSON; with `log_stack` (--log-error-stack) each is logged
+    with its stack trace too."""
+
+    def answer(http: HttpRequest, cause: Exception, error: OpenAIError) -> JSONResponse:
+        if log_stack:
+            logger.error(
+                "%s %s answered %d: %s", http.method, http.url.path, error.status_code,
+                error.message, exc_info=cause,
+            )  # fmt: skip
+        return answered(http.url.path, error)
+
     @app.exception_handler(OpenAIError)
     async def openai_error(http: HttpRequest, error: OpenAIError) -> JSONResponse:
-        return answered(http.url.path, error)
+        return answer(http, error, error)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(http: HttpRequest, error: RequestValidationError) -> JSONResponse:
-        return answered(http.url.path, invalid(error.errors()))
+        return answer(http, error, invalid(error.errors()))
 
     @app.exception_handler(HTTPException)
     async def http_error(http: HttpRequest, error: HTTPException) -> JSONResponse:
-        return answered(http.url.path, OpenAIError(str(error.detail), error.status_code))
+        return answer(http, error, OpenAIError(str(error.detail), error.status_code))
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(http: HttpRequest, error: EngineDeadError) -> JSONResponse:
-        return closing(answered(http.url.path, OpenAIError(str(error), 500, "server_error")))
+        return closing(answer(http, error, OpenAIError(str(error), 500, "server_error")))
 
     @app.exception_handler(ServerShuttingDown)
     async def shutting_down(http: HttpRequest, error: ServerShuttingDown) -> JSONResponse:
-        return closing(answered(http.url.path, OpenAIError(str(error), 503, "server_error")))
+        return closing(answer(http, error, OpenAIError(str(error), 503, "server_error")))
 
     @app.exception_handler(Exception)  # after the response, starlette re-raises it to be logged
     async def unexpected(http: HttpRequest, error: Exception) -> JSONResponse:
@@ -438,18 +449,37 @@ class RequestIdMiddleware:
         await self.app(scope, receive, with_id)
 
 
-class BodyLimitMiddleware:
-    """413 for a request body past `max_bytes`, by its Content-Length or as it arrives."""
+class RequestLimitMiddleware:
+    """413 for a request body past `max_request_bytes`, by its Content-Length or as it arrives;
+    431 for headers past `h11_max_header_count` or `h11_max_incomplete_event_size` bytes."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
+    def __init__(self, app: ASGIApp, options: ServerOptions):
         self.app = app
-        self.max_bytes = max_bytes
+        self.max_bytes = options.max_request_bytes
+        self.max_headers = options.h11_max_header_count
+        self.max_header_bytes = options.h11_max_incomplete_event_size
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = dict(scope["headers"]).get(b"content-length", b"")
+        headers = scope["headers"]
+        if len(headers) > self.max_headers:
+            message = (
+                f"the request has more than {self.max_headers} headers (--h11-max-header-count)"
+            )
+            too_many = OpenAIError(message, 431, code="request_header_fields_too_large")
+            await closing(answered(scope["path"], too_many))(scope, receive, send)
+            return
+        if sum(len(name) + len(value) for name, value in headers) > self.max_header_bytes:
+            message = (
+                f"the request's headers are larger than {self.max_header_bytes} bytes "
+                "(--h11-max-incomplete-event-size)"
+            )
+            too_large = OpenAIError(message, 431, code="request_header_fields_too_large")
+            await closing(answered(scope["path"], too_large))(scope, receive, send)
+            return
+        length = dict(headers).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
             await closing(answered(scope["path"], self.too_large()))(scope, receive, send)
             return

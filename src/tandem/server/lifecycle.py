@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import threading
 from collections.abc import Iterator
@@ -70,12 +71,13 @@ class Server(uvicorn.Server):
 
 
 def uvicorn_config(app: FastAPI, host: str, port: int, options: ServerOptions) -> uvicorn.Config:
-    """How uvicorn serves `app`: the address, TLS, logging, the drain (the root path is the
-    app's: build_app)."""
-    return uvicorn.Config(
+    """How uvicorn serves `app`: the address (or a Unix socket), TLS, logging, the drain, the
+    parser's header limit (the root path is the app's: build_app)."""
+    config = uvicorn.Config(
         app,
         host=host,
         port=port,
+        uds=options.uds,
         # off by default: per-request lines would compete with the engine thread for the GIL
         access_log=options.access_log,
         timeout_graceful_shutdown=options.drain_timeout_s + SHUTDOWN_MARGIN_S,
@@ -85,7 +87,28 @@ def uvicorn_config(app: FastAPI, host: str, port: int, options: ServerOptions) -
         ssl_certfile=options.ssl_certfile,
         ssl_ca_certs=options.ssl_ca_certs,
         ssl_cert_reqs=options.ssl_cert_reqs,
+        **({"ssl_ciphers": options.ssl_ciphers} if options.ssl_ciphers else {}),
+        h11_max_incomplete_event_size=options.h11_max_incomplete_event_size,
     )
+    access = logging.getLogger("uvicorn.access")  # configured by the Config just made
+    for old in [f for f in access.filters if isinstance(f, QuietPaths)]:
+        access.removeFilter(old)
+    if options.quiet_paths():
+        access.addFilter(QuietPaths(options.quiet_paths()))
+    return config
+
+
+class QuietPaths(logging.Filter):
+    """Leaves out the access log's lines of requests to these paths (their query aside)."""
+
+    def __init__(self, paths: frozenset[str]):
+        super().__init__()
+        self.paths = paths
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # uvicorn's access line: (client, method, path with its query, HTTP version, status)
+        args = record.args if isinstance(record.args, tuple) else ()
+        return len(args) < 3 or str(args[2]).split("?", 1)[0] not in self.paths
 
 
 def serve(llm: AsyncLLM, model_name: str, host: str, port: int, options: ServerOptions) -> int:

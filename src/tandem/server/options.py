@@ -68,6 +68,22 @@ class ServerOptions:
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
+    ssl_ciphers: str | None = None  # TLS 1.2 and below's cipher suites, OpenSSL's list (vLLM's)
+    # vLLM's --uds: serve on this Unix socket instead of the host and port
+    uds: str | None = None
+    # vLLM's header limits: a request's headers past this many bytes (uvicorn's h11 parser's
+    # limit too) or past this many headers is a 431
+    h11_max_incomplete_event_size: int = 4 * 2**20
+    h11_max_header_count: int = 256
+    # vLLM's --disable-access-log-for-endpoints: comma-separated paths whose requests the
+    # access log (--access-log) leaves out, e.g. "/health,/metrics"
+    disable_access_log_for_endpoints: str | None = None
+    # vLLM's --log-error-stack (on by default under VLLM_SERVER_DEV_MODE): every error answer
+    # logs its exception with its stack trace
+    log_error_stack: bool = False
+    # vLLM's --exclude-tools-when-tool-choice-none: a chat with tool_choice "none" is rendered
+    # without its tools (its template sees none)
+    exclude_tools_when_tool_choice_none: bool = False
     uvicorn_log_level: str | None = None  # None: uvicorn's ("info")
     # vLLM's --enable-log-requests: a line per request (its prompt cut to max_log_len
     # characters and ids, None: whole) and its sampling parameters
@@ -139,6 +155,12 @@ class ServerOptions:
                 raise ValueError(f"{name} (--{name.replace('_', '-')}) {path!r} is not a file")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile")
+        for name in ("h11_max_incomplete_event_size", "h11_max_header_count"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.uds is not None and (self.ssl_keyfile is not None):
+            raise ValueError("--uds serves plain HTTP on a Unix socket: no --ssl-keyfile with it")
         if self.ssl_cert_reqs not in (0, 1, 2):
             raise ValueError(
                 f"ssl_cert_reqs must be 0 (none), 1 (optional) or 2 (required), got "
@@ -177,10 +199,15 @@ class ServerOptions:
             )
         return config
 
+    def quiet_paths(self) -> frozenset[str]:
+        """The paths --disable-access-log-for-endpoints leaves out of the access log."""
+        given = self.disable_access_log_for_endpoints or ""
+        return frozenset(path.strip() for path in given.split(",") if path.strip())
+
     def one_server_only(self) -> list[str]:
         """The flags Ray Serve's proxy does not take (--data-parallel-size): those set."""
         names = ("root_path", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "uvicorn_log_level",
-                 "log_config_file")  # fmt: skip
+                 "log_config_file", "ssl_ciphers", "uds", "disable_access_log_for_endpoints")  # fmt: skip
         return [f"--{name.replace('_', '-')}" for name in names if getattr(self, name) is not None]
 
     def validate_chat_options(self) -> None:

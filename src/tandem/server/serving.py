@@ -924,7 +924,13 @@ def chat_ids(
     return text, tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
 
 
-def request_tools(body: ChatCompletionRequest | TokenizeRequest) -> list[dict] | None:
+def request_tools(
+    body: ChatCompletionRequest | TokenizeRequest, options: ServerOptions
+) -> list[dict] | None:
+    """The tools the chat template is given: the request's, none under tool_choice "none"
+    with --exclude-tools-when-tool-choice-none."""
+    if options.exclude_tools_when_tool_choice_none and getattr(body, "tool_choice", None) == "none":
+        return None
     return [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
 
 
@@ -941,7 +947,7 @@ def chat_template_of(
         )
     try:
         return tokenizer.get_chat_template(
-            body.chat_template or options.chat_template, request_tools(body)
+            body.chat_template or options.chat_template, request_tools(body, options)
         )
     except ValueError as error:  # named templates and no default
         raise OpenAIError(str(error), param="chat_template") from error
@@ -958,7 +964,7 @@ def chat_prompt(
     what apply_chat_template's `render` options ask for. A 400 if the template or the options
     refuse them."""
     template = chat_template_of(tokenizer, body, options)
-    tools = request_tools(body)
+    tools = request_tools(body, options)
     try:
         fmt = content_format(template, options.chat_template_content_format)
     except jinja2.TemplateError as error:  # a request's template that does not parse

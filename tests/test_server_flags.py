@@ -736,3 +736,67 @@ def test_ssl_ciphers_set_the_tls_context_s_suites(tmp_path):
     config.load()
     tls12 = [c["name"] for c in config.ssl.get_ciphers() if c["protocol"] == "TLSv1.2"]
     assert tls12 == [suite]
+
+
+def fingerprints(client, stream_options: dict | None = None) -> tuple[object, list]:
+    """A whole chat answer's system_fingerprint, and each chunk's of the same request streamed
+    (absent: "-")."""
+    body = {"messages": MESSAGES, "max_tokens": 3, "n": 2}
+    whole = client.post("/v1/chat/completions", json=body).json()["system_fingerprint"]
+    streamed = {
+        **body,
+        "stream": True,
+        **({"stream_options": stream_options} if stream_options else {}),
+    }
+    with client.stream("POST", "/v1/chat/completions", json=streamed) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: {")]  # fmt: skip
+    return whole, [(c.get("system_fingerprint", "-"), bool(c["choices"]) and
+                    c["choices"][0]["finish_reason"] is not None) for c in chunks]  # fmt: skip
+
+
+def test_system_fingerprint_names_the_version_and_the_engine_s_settings(llm, folder):
+    """--fingerprint-mode full (the default): tandem-<version>-<hash8>, the hash of the engine's
+    settings (the same for an engine of the same settings, another for other settings); on a
+    stream, each choice's last chunk carries it, or the usage chunk alone when one ends it.
+    custom: --fingerprint-value; none: null, and no chunk carries it."""
+    import re
+
+    from tandem import __version__
+
+    with client_of(llm) as client:
+        whole, chunks = fingerprints(client)
+        _, with_usage = fingerprints(client, {"include_usage": True})
+    assert re.fullmatch(rf"tandem-{re.escape(__version__)}-[0-9a-f]{{8}}", whole)
+    assert [f for f, last in chunks if last] == [whole, whole]  # one last chunk per choice
+    assert all(f == "-" for f, last in chunks if not last)
+    assert [f for f, _ in with_usage if f != "-"] == [whole] and with_usage[-1][0] == whole
+    same = AsyncLLM.from_model(folder, max_model_len=128, **KV_CACHE)
+    other = AsyncLLM.from_model(folder, max_model_len=96, **KV_CACHE)
+    try:
+        found = []
+        for engine in (same, other):
+            with client_of(engine) as client:
+                found.append(fingerprints(client)[0])
+    finally:
+        same.shutdown()
+        other.shutdown()
+    assert found[0] == whole and found[1] != whole
+    with client_of(llm, fingerprint_mode="custom", fingerprint_value="build-7") as client:
+        assert fingerprints(client)[0] == "build-7"
+    with client_of(llm, fingerprint_mode="none") as client:
+        whole, chunks = fingerprints(client)
+    assert whole is None and all(f == "-" for f, _ in chunks)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"fingerprint_mode": "short"}, "fingerprint_mode must be one of"),
+        ({"fingerprint_mode": "custom"}, "--fingerprint-value goes with"),
+        ({"fingerprint_value": "x"}, "--fingerprint-value goes with"),
+    ],
+)
+def test_bad_fingerprint_options_are_refused(options, match):
+    with pytest.raises(ValueError, match=match):
+        ServerOptions(**options).validate()

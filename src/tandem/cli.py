@@ -725,7 +725,7 @@ def add_off_switch(parser: argparse.ArgumentParser, flag: str, dest: str, help: 
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    from tandem.server.options import LOG_LEVELS, ServerOptions
+    from tandem.server.options import FINGERPRINT_MODES, LOG_LEVELS, ServerOptions
     from tandem.server.tool_calls import PARSERS
     from tandem.tokenizer import CONTENT_FORMATS
 
@@ -897,6 +897,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="log each error answer's exception with its stack trace (on with "
         "VLLM_SERVER_DEV_MODE too)",
     )
+    parser.add_argument(
+        "--fingerprint-mode",
+        choices=FINGERPRINT_MODES,
+        default=defaults.fingerprint_mode,
+        help="the answers' system_fingerprint: full (tandem's version, parallel sizes and a hash "
+        "of the engine's settings), hash (no sizes), custom (--fingerprint-value), none (null)",
+    )
+    parser.add_argument("--fingerprint-value", help="the fingerprint of --fingerprint-mode custom")
     parser.add_argument(
         "--exclude-tools-when-tool-choice-none",
         action="store_true",

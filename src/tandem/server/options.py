@@ -16,6 +16,7 @@ from tandem.tokenizer import compile_chat_template, content_format
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 MIDDLEWARE_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")  # "module.name", dotted
+FINGERPRINT_MODES = ("full", "hash", "custom", "none")  # vLLM's --fingerprint-mode
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,11 @@ class ServerOptions:
     # vLLM's --log-error-stack (on by default under VLLM_SERVER_DEV_MODE): every error answer
     # logs its exception with its stack trace
     log_error_stack: bool = False
+    # vLLM's --fingerprint-mode: the answers' system_fingerprint, "full" (tandem's version, the
+    # parallel sizes and a hash of the engine's settings), "hash" (no sizes), "custom"
+    # (fingerprint_value) or "none" (null)
+    fingerprint_mode: str = "full"
+    fingerprint_value: str | None = None
     # vLLM's --exclude-tools-when-tool-choice-none: a chat with tool_choice "none" is rendered
     # without its tools (its template sees none)
     exclude_tools_when_tool_choice_none: bool = False
@@ -155,6 +161,13 @@ class ServerOptions:
                 raise ValueError(f"{name} (--{name.replace('_', '-')}) {path!r} is not a file")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile")
+        if self.fingerprint_mode not in FINGERPRINT_MODES:
+            raise ValueError(
+                f"fingerprint_mode must be one of {', '.join(FINGERPRINT_MODES)}, got "
+                f"{self.fingerprint_mode!r}"
+            )
+        if (self.fingerprint_mode == "custom") != (self.fingerprint_value is not None):
+            raise ValueError("--fingerprint-value goes with --fingerprint-mode custom, and only")
         for name in ("h11_max_incomplete_event_size", "h11_max_header_count"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
 import json
 import logging
 import time
@@ -17,6 +19,7 @@ import torch
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tandem import __version__
 from tandem.async_llm import AsyncLLM, EngineDeadError, RequestStream, StreamOutput
 from tandem.lora.request import LoRARequest
 from tandem.outputs import prompt_logprobs as logprob_objects
@@ -164,6 +167,8 @@ class OpenAIServing:
         self.metrics = metrics
         self.options = options
         self.open: set[Generation] = set()  # the calls being answered, for `end_all`
+        # OpenAI's system_fingerprint of the answers (--fingerprint-mode; None: none)
+        self.system_fingerprint = system_fingerprint(llm, options)
 
     def adapter(self, model: str | None) -> LoRARequest | None:
         """The LoRA adapter a request's model names, None for the base model."""
@@ -550,6 +555,8 @@ class OpenAIServing:
             fmt.add_prompt_token_ids(response, generation.choices)
         if generation.prompt_text is not None:
             response["prompt_text"] = generation.prompt_text
+        if fmt.object:  # OpenAI's answers (not the token-in, token-out endpoint's)
+            response["system_fingerprint"] = self.system_fingerprint
         return response
 
     async def _events(
@@ -559,6 +566,8 @@ class OpenAIServing:
         says "usage": null, or with `continuous` its choice's usage so far)."""
         chunk_envelope = fmt.envelope(chunk=True)
         usage_field = {"usage": None} if include_usage else {}
+        # as vLLM's: the fingerprint on each choice's last chunk, or on the usage chunk after them
+        stamp = bool(fmt.object) and self.system_fingerprint is not None
         ended = False  # the stream reached its end, or an error event; else the client left
         try:
             async for index, output in merge([c.stream for c in generation.choices]):
@@ -573,10 +582,15 @@ class OpenAIServing:
                         fmt.add_prompt_token_ids(chunk, [choice])
                     if generation.prompt_text is not None and not choice.started:
                         chunk["prompt_text"] = generation.prompt_text
+                    if stamp and not include_usage and delta.get("finish_reason") is not None:
+                        chunk["system_fingerprint"] = self.system_fingerprint  # a last chunk
                     choice.started = True
                     yield sse(chunk)
             if include_usage:
-                yield sse({**chunk_envelope, "choices": [], "usage": generation.usage()})
+                last = {**chunk_envelope, "choices": [], "usage": generation.usage()}
+                yield sse(
+                    {**last, "system_fingerprint": self.system_fingerprint} if stamp else last
+                )
             ended = True
         except EngineDeadError as error:
             ended = True
@@ -922,6 +936,27 @@ def chat_ids(
     """The rendered chat prompt of a request's messages and its token ids."""
     text = chat_prompt(tokenizer, body, options)
     return text, tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+
+
+def system_fingerprint(llm: AsyncLLM, options: ServerOptions) -> str | None:
+    """OpenAI's system_fingerprint as vLLM's --fingerprint-mode makes it: "full"
+    tandem-<version>[-tp<N>][-pp<N>]-<hash8> (hash8: of the engine's settings, the model's
+    name, dtype and quantization among them), "hash" without the parallel sizes, "custom"
+    --fingerprint-value, "none" None."""
+    mode = options.fingerprint_mode
+    if mode in ("none", "custom"):
+        return options.fingerprint_value if mode == "custom" else None
+    config = dataclasses.asdict(llm.engine.config)
+    config.pop("hf_token", None)  # a secret, and no part of what answers
+    settings = json.dumps(config, sort_keys=True, default=lambda v: type(v).__qualname__)
+    hash8 = hashlib.blake2b(settings.encode(), digest_size=4).hexdigest()
+    sizes = [
+        f"{name}{size}"
+        for name, size in (("tp", config["tensor_parallel_size"]),
+                           ("pp", config["pipeline_parallel_size"]))
+        if size > 1 and mode == "full"
+    ]  # fmt: skip
+    return "-".join([f"tandem-{__version__}", *sizes, hash8])
 
 
 def request_tools(

@@ -800,3 +800,34 @@ def test_system_fingerprint_names_the_version_and_the_engine_s_settings(llm, fol
 def test_bad_fingerprint_options_are_refused(options, match):
     with pytest.raises(ValueError, match=match):
         ServerOptions(**options).validate()
+
+
+def test_per_request_metrics_time_an_answer_of_one_choice(llm):
+    """--enable-per-request-metrics: an answer of one choice carries vLLM's "metrics", whose
+    times add up within the request's own wall time and agree with each other (the mean gap is
+    the generation time over the gaps, the rate the tokens over the time from admission); a
+    stream's ride on its usage chunk. Several choices, or the flag off: none."""
+    import time
+
+    body = {"prompt": "Hi", "max_tokens": 6, "ignore_eos": True}
+    with client_of(llm, enable_per_request_metrics=True) as client:
+        began = time.perf_counter()
+        answer = client.post("/v1/completions", json=body).json()
+        wall_ms = (time.perf_counter() - began) * 1000
+        several = client.post("/v1/completions", json={**body, "n": 2}).json()
+        streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        with client.stream("POST", "/v1/completions", json=streamed) as response:
+            chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                      if line.startswith("data: {")]  # fmt: skip
+    with client_of(llm) as client:
+        plain = client.post("/v1/completions", json=body).json()
+    metrics = answer["metrics"]
+    tokens = answer["usage"]["completion_tokens"]
+    assert tokens == 6 and all(v is not None and v >= 0 for v in metrics.values())
+    first, generation = metrics["time_to_first_token_ms"], metrics["generation_time_ms"]
+    assert metrics["queue_time_ms"] + first + generation <= wall_ms
+    assert metrics["mean_itl_ms"] == pytest.approx(generation / (tokens - 1))
+    assert metrics["tokens_per_second"] == pytest.approx(tokens / ((first + generation) / 1000))
+    assert "metrics" not in several and "metrics" not in plain
+    assert [set(c["metrics"]) for c in chunks if "metrics" in c] == [set(metrics)]
+    assert "metrics" in chunks[-1] and chunks[-1]["choices"] == []

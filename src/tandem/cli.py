@@ -898,6 +898,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "VLLM_SERVER_DEV_MODE too)",
     )
     parser.add_argument(
+        "--enable-per-request-metrics",
+        action="store_true",
+        help="an answer of one choice carries its timings (metrics: queue, first token, "
+        "generation and inter-token ms, tokens per second); a stream's on its usage chunk",
+    )
+    parser.add_argument(
         "--fingerprint-mode",
         choices=FINGERPRINT_MODES,
         default=defaults.fingerprint_mode,

@@ -141,6 +141,8 @@ class LatencyTracker:
         self.max_tokens = max_tokens  # None: up to max_model_len
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+        self.scheduled_time: float | None = None  # its first admission, once finished
+        self.num_output_tokens = 0  # once finished
 
     def observe(self, output: StreamOutput) -> None:
         if output.token_ids:
@@ -163,7 +165,8 @@ class LatencyTracker:
         metrics.generation_tokens.observe(output.num_output_tokens)
         room = metrics.max_model_len - output.num_prompt_tokens
         metrics.max_tokens.observe(room if self.max_tokens is None else min(room, self.max_tokens))
-        scheduled = output.scheduled_time
+        scheduled = self.scheduled_time = output.scheduled_time
+        self.num_output_tokens = output.num_output_tokens
         if scheduled is None:
             return  # aborted before its first admission: it had no phases
         metrics.queue_time.observe(max(0.0, scheduled - self.arrival))
@@ -175,3 +178,21 @@ class LatencyTracker:
         metrics.inference_time.observe(self.last_token_time - scheduled)
         if output.num_output_tokens > 1:
             metrics.time_per_output_token.observe(decode / (output.num_output_tokens - 1))
+
+    def timing(self) -> dict[str, float | None]:
+        """vLLM's per-request metrics of the finished request (--enable-per-request-metrics), in
+        ms: queued until its first admission, from there to its first token, first to last
+        token and their mean gap; and its tokens per second from its admission on. None where
+        it had no such phase."""
+        scheduled, first, last, n = (
+            self.scheduled_time, self.first_token_time, self.last_token_time,
+            self.num_output_tokens,
+        )  # fmt: skip
+        tokens = scheduled is not None and first is not None and last is not None
+        return {
+            "time_to_first_token_ms": (first - scheduled) * 1000 if tokens else None,
+            "generation_time_ms": (last - first) * 1000 if tokens else None,
+            "queue_time_ms": (scheduled - self.arrival) * 1000 if scheduled is not None else None,
+            "mean_itl_ms": (last - first) / (n - 1) * 1000 if tokens and n > 1 else None,
+            "tokens_per_second": n / (last - scheduled) if tokens and last > scheduled else None,
+        }

@@ -82,6 +82,10 @@ class ServerOptions:
     # vLLM's --log-error-stack (on by default under VLLM_SERVER_DEV_MODE): every error answer
     # logs its exception with its stack trace
     log_error_stack: bool = False
+    # vLLM's --enable-per-request-metrics: an answer of one choice carries its timings
+    # ("metrics": queue, first token, generation, mean inter-token ms, tokens per second; a
+    # stream's on its usage chunk)
+    enable_per_request_metrics: bool = False
     # vLLM's --fingerprint-mode: the answers' system_fingerprint, "full" (tandem's version, the
     # parallel sizes and a hash of the engine's settings), "hash" (no sizes), "custom"
     # (fingerprint_value) or "none" (null)

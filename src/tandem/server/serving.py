@@ -557,7 +557,16 @@ class OpenAIServing:
             response["prompt_text"] = generation.prompt_text
         if fmt.object:  # OpenAI's answers (not the token-in, token-out endpoint's)
             response["system_fingerprint"] = self.system_fingerprint
+            if timing := self.timing(generation):
+                response["metrics"] = timing
         return response
+
+    def timing(self, generation: Generation) -> dict[str, float | None] | None:
+        """--enable-per-request-metrics: the answer's timings (LatencyTracker.timing), where it
+        is one choice (as vLLM's: several choices' times are no one request's)."""
+        if not self.options.enable_per_request_metrics or len(generation.choices) != 1:
+            return None
+        return generation.choices[0].tracker.timing()
 
     async def _events(
         self, generation: Generation, fmt: Format, include_usage: bool, continuous: bool = False
@@ -588,9 +597,11 @@ class OpenAIServing:
                     yield sse(chunk)
             if include_usage:
                 last = {**chunk_envelope, "choices": [], "usage": generation.usage()}
-                yield sse(
-                    {**last, "system_fingerprint": self.system_fingerprint} if stamp else last
-                )
+                if stamp:
+                    last["system_fingerprint"] = self.system_fingerprint
+                if fmt.object and (timing := self.timing(generation)):
+                    last["metrics"] = timing  # a stream's: on its usage chunk
+                yield sse(last)
             ended = True
         except EngineDeadError as error:
             ended = True

@@ -8,6 +8,7 @@ serving."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import socket
@@ -356,6 +357,7 @@ def test_serve_listens_on_every_interface_without_host(folder):
         ({"uvicorn_log_level": "loud"}, "uvicorn_log_level"),
         ({"allowed_origins": "https://a.example"}, "allowed_origins"),
         ({"h11_max_header_count": 0}, "h11_max_header_count must be a positive int"),
+        ({"enable_ssl_refresh": True}, "--enable-ssl-refresh reloads --ssl-certfile"),
         ({"h11_max_incomplete_event_size": True}, "h11_max_incomplete_event_size must be"),
         ({"uds": "/tmp/t.sock", "ssl_keyfile": __file__, "ssl_certfile": __file__}, "--uds"),
     ],
@@ -831,3 +833,55 @@ def test_per_request_metrics_time_an_answer_of_one_choice(llm):
     assert "metrics" not in several and "metrics" not in plain
     assert [set(c["metrics"]) for c in chunks if "metrics" in c] == [set(metrics)]
     assert "metrics" in chunks[-1] and chunks[-1]["choices"] == []
+
+
+def self_signed(key: Path, cert: Path, name: str) -> None:
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out",
+         cert, "-days", "1", "-subj", f"/CN={name}"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+
+
+def test_ssl_refresh_serves_the_new_certificate_once_its_files_change(llm, tmp_path):
+    """--enable-ssl-refresh: the running server reads the certificate files again when they
+    change, and a new connection gets the new certificate; without it, the first stays."""
+    import threading
+    import time
+
+    from tandem.server.lifecycle import Server
+
+    served_certificates, originals = {}, {}
+    for refresh in (True, False):
+        key, cert = tmp_path / f"key-{refresh}.pem", tmp_path / f"cert-{refresh}.pem"
+        self_signed(key, cert, "first")
+        originals[refresh] = cert.read_text()
+        options = ServerOptions(ssl_keyfile=str(key), ssl_certfile=str(cert),
+                                enable_ssl_refresh=refresh)  # fmt: skip
+        app = build_app(llm, "tiny", options=options)
+        server = Server(uvicorn_config(app, "127.0.0.1", 0, options), llm, app.state.serving,
+                        options)  # fmt: skip
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 30
+            while not server.started:
+                assert thread.is_alive() and time.monotonic() < deadline
+                time.sleep(0.01)
+            address = server.servers[0].sockets[0].getsockname()[:2]
+            first = ssl.get_server_certificate(address)
+            self_signed(tmp_path / "new-key.pem", tmp_path / "new-cert.pem", "second")
+            for new, old in (("new-key.pem", key), ("new-cert.pem", cert)):
+                os.replace(tmp_path / new, old)
+            time.sleep(2.5)  # the files are looked at every second
+            served_certificates[refresh] = (first, ssl.get_server_certificate(address))
+        finally:
+            server.should_exit = True
+            thread.join(timeout=10)
+    der = ssl.PEM_cert_to_DER_cert
+    for refresh, (first, then) in served_certificates.items():
+        assert der(first) == der(originals[refresh])
+        now = (tmp_path / f"cert-{refresh}.pem").read_text()  # the second certificate
+        assert (
+            der(then) == der(now if refresh else originals[refresh]) and now != originals[refresh]
+        )

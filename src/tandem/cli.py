@@ -871,6 +871,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "(default: uvicorn's, 'TLSv1')",
     )
     parser.add_argument(
+        "--enable-ssl-refresh",
+        action="store_true",
+        help="read the certificate files again when they change (new connections get them)",
+    )
+    parser.add_argument(
         "--uds", metavar="PATH", help="serve on this Unix socket instead of --host and --port"
     )
     parser.add_argument(

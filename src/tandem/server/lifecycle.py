@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import ssl
 import threading
 from collections.abc import Iterator
 
@@ -22,9 +24,11 @@ from fastapi import FastAPI
 from tandem.async_llm import AsyncLLM
 from tandem.server.app import build_app
 from tandem.server.options import ServerOptions
+from tandem.server.protocol import logger
 from tandem.server.serving import OpenAIServing
 
 SHUTDOWN_MARGIN_S = 5  # past the drain: for the ended streams to send their error event
+CERTIFICATE_CHECK_TICKS = 10  # --enable-ssl-refresh looks at the files every second
 
 
 class Server(uvicorn.Server):
@@ -38,6 +42,9 @@ class Server(uvicorn.Server):
         super().__init__(config)
         self.llm, self.serving, self.options = llm, serving, options
         self.engine_failed = False
+        # --enable-ssl-refresh: the certificate files, read again into the TLS context when
+        # they change (new connections get them; open ones keep theirs)
+        self.certificates = CertificateFiles(options) if options.enable_ssl_refresh else None
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -54,10 +61,12 @@ class Server(uvicorn.Server):
             for sig, handler in original.items():
                 signal.signal(sig, handler)
 
-    async def on_tick(self, counter: int) -> bool:
+    async def on_tick(self, counter: int) -> bool:  # every 0.1 s
         if self.llm.failure is not None:
             self.engine_failed = True
             return True
+        if self.certificates is not None and counter % CERTIFICATE_CHECK_TICKS == 0:
+            self.certificates.refresh(self.config.ssl)
         return await super().on_tick(counter)
 
     async def shutdown(self, sockets=None) -> None:
@@ -68,6 +77,41 @@ class Server(uvicorn.Server):
             await super().shutdown(sockets)
         finally:
             end.cancel()
+
+
+class CertificateFiles:
+    """The TLS files of --ssl-certfile, --ssl-keyfile and --ssl-ca-certs, by their last change;
+    `refresh` loads them into the context again once one changed."""
+
+    def __init__(self, options: ServerOptions):
+        self.options = options
+        self.paths = [p for p in (options.ssl_certfile, options.ssl_keyfile, options.ssl_ca_certs)
+                      if p is not None]  # fmt: skip
+        self.seen = self.stamps()
+
+    def stamps(self) -> list[tuple[int, int] | None]:
+        found = []
+        for path in self.paths:
+            try:
+                status = os.stat(path)
+                found.append((status.st_mtime_ns, status.st_size))
+            except OSError:  # being replaced: read next time
+                found.append(None)
+        return found
+
+    def refresh(self, context: ssl.SSLContext) -> None:
+        stamps = self.stamps()
+        if stamps == self.seen or None in stamps:
+            return
+        try:
+            context.load_cert_chain(self.options.ssl_certfile, self.options.ssl_keyfile)
+            if self.options.ssl_ca_certs is not None:
+                context.load_verify_locations(self.options.ssl_ca_certs)
+        except (OSError, ssl.SSLError) as error:  # half written, or a key of another cert:
+            logger.warning("TLS files changed but do not load yet: %s", error)  # next time
+            return
+        self.seen = stamps
+        logger.info("TLS certificate reloaded from %s", self.options.ssl_certfile)
 
 
 def uvicorn_config(app: FastAPI, host: str, port: int, options: ServerOptions) -> uvicorn.Config:

@@ -70,6 +70,8 @@ class ServerOptions:
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
     ssl_ciphers: str | None = None  # TLS 1.2 and below's cipher suites, OpenSSL's list (vLLM's)
+    # vLLM's --enable-ssl-refresh: the certificate files are read again once they change
+    enable_ssl_refresh: bool = False
     # vLLM's --uds: serve on this Unix socket instead of the host and port
     uds: str | None = None
     # vLLM's header limits: a request's headers past this many bytes (uvicorn's h11 parser's
@@ -176,6 +178,8 @@ class ServerOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.enable_ssl_refresh and self.ssl_certfile is None:
+            raise ValueError("--enable-ssl-refresh reloads --ssl-certfile: give it")
         if self.uds is not None and (self.ssl_keyfile is not None):
             raise ValueError("--uds serves plain HTTP on a Unix socket: no --ssl-keyfile with it")
         if self.ssl_cert_reqs not in (0, 1, 2):
@@ -224,7 +228,8 @@ class ServerOptions:
     def one_server_only(self) -> list[str]:
         """The flags Ray Serve's proxy does not take (--data-parallel-size): those set."""
         names = ("root_path", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "uvicorn_log_level",
-                 "log_config_file", "ssl_ciphers", "uds", "disable_access_log_for_endpoints")  # fmt: skip
+                 "log_config_file", "ssl_ciphers", "uds", "disable_access_log_for_endpoints",
+                 "enable_ssl_refresh")  # fmt: skip
         return [f"--{name.replace('_', '-')}" for name in names if getattr(self, name) is not None]
 
     def validate_chat_options(self) -> None:

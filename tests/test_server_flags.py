@@ -727,11 +727,7 @@ def test_the_access_log_leaves_out_the_quiet_endpoints(llm):
 
 def test_ssl_ciphers_set_the_tls_context_s_suites(tmp_path):
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out",
-         cert, "-days", "1", "-subj", "/CN=127.0.0.1"],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    self_signed(key, cert, "127.0.0.1")
     suite = "ECDHE-RSA-AES256-GCM-SHA384"
     options = ServerOptions(ssl_keyfile=str(key), ssl_certfile=str(cert), ssl_ciphers=suite)
     config = uvicorn_config(None, "127.0.0.1", 0, options)

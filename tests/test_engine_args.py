@@ -237,6 +237,8 @@ def test_the_cli_takes_both_as_vllm_spells_them(folder):
     )
     kwargs = engine_kwargs(args)
     assert (kwargs["max_logprobs"], kwargs["skip_tokenizer_init"]) == (5, True)
+    args = build_parser().parse_args(["serve", folder, "--tokens-only"])
+    assert engine_kwargs(args)["tokens_only"] is True
 
 
 def test_an_rl_framework_s_vllm_arguments_are_taken(folder):

@@ -373,6 +373,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: str = "position
         action="store_true",
         help="load no tokenizer: prompts come as token ids, outputs carry no text",
     )
+    parser.add_argument(
+        "--tokens-only",
+        action="store_true",
+        help="vLLM's: token ids in and out (/inference/v1/generate), as --skip-tokenizer-init",
+    )
     for flag in ("--enable-sleep-mode", "--disable-custom-all-reduce"):
         parser.add_argument(flag, action="store_true", help="taken as vLLM's; no effect here")
     parser.add_argument(

@@ -427,11 +427,24 @@ def test_outputs_are_logged_as_each_choice_finishes_with_enable_log_outputs(llm,
         c for event in (events if stream else [response.json()]) for c in event["choices"]
     ):
         texts[choice["index"]] += choice["text"]
-    lines = [r.getMessage() for r in caplog.records if "generated response" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "generated response" in r.getMessage()]
+    lines = [line for line in said if "(streaming delta)" not in line]
     assert len(lines) == 2  # one a choice
     logged = {line.split("output ")[1].split(", output_token_ids")[0] for line in lines}
     assert logged == {repr(text[:3]) for text in texts}
     assert all("finish_reason length" in line for line in lines)
+    # a stream's outputs each a line too (vLLM's --enable-log-deltas, on by default), of each
+    # choice, each with its new tokens
+    deltas = [line for line in said if "(streaming delta)" in line]
+    requests = {line.split(" ")[2].rstrip(":") for line in lines}
+    assert {line.split(" ")[2] for line in deltas} == (requests if stream else set())
+    assert all(line.split("output_token_ids [")[1] != "]" for line in deltas)
+    assert not stream or len(deltas) >= 2 * 2  # outputs of several tokens each, in 12 tokens
+    caplog.clear()
+    quiet = client_of(llm, **options, enable_log_outputs=True, enable_log_deltas=False)
+    with quiet as client, caplog.at_level("INFO", logger="uvicorn.error"):
+        assert client.post("/v1/completions", json=body).status_code == 200
+    assert not [r for r in caplog.records if "(streaming delta)" in r.getMessage()]
     with pytest.raises(ValueError, match="--enable-log-outputs needs --enable-log-requests"):
         ServerOptions(enable_log_outputs=True).validate()
 

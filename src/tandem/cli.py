@@ -997,6 +997,12 @@ def add_answer_args(parser: argparse.ArgumentParser) -> None:
         help="with --enable-log-requests: log each finished choice's text, ids and finish reason",
     )
     parser.add_argument(
+        "--enable-log-deltas",
+        action=argparse.BooleanOptionalAction,
+        default=ServerOptions.enable_log_deltas,
+        help="with --enable-log-outputs, a line for each of a stream's outputs too",
+    )
+    parser.add_argument(
         "--max-log-len",
         type=int,
         help="--enable-log-requests: the prompt's first that many characters and ids (default: all)",

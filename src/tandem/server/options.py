@@ -104,6 +104,9 @@ class ServerOptions:
     # vLLM's --enable-log-outputs (with --enable-log-requests): a line per finished choice, its
     # text and ids cut to max_log_len, and its finish reason
     enable_log_outputs: bool = False
+    # vLLM's --enable-log-deltas (on by default; --no-enable-log-deltas): with
+    # --enable-log-outputs, a stream's outputs get a line each too, as they are sent
+    enable_log_deltas: bool = True
     # vLLM's --enable-force-include-usage: every stream ends with its usage, asked or not
     enable_force_include_usage: bool = False
     # vLLM's --return-tokens-as-token-ids: every request's logprobs name tokens by id

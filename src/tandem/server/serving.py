@@ -78,6 +78,7 @@ class Choice:
     # --enable-log-outputs: a line once it finishes, its text and ids cut to max_log_len
     log_output: bool = False
     log_cut: int | None = None
+    log_deltas: bool = False  # a stream's, with --enable-log-deltas: a line per output too
 
     def add(self, output: StreamOutput) -> None:
         self.tracker.observe(output)
@@ -92,6 +93,12 @@ class Choice:
         self.logprobs += output.logprobs or []
         self.finish_reason = output.finish_reason
         self.stop_reason = output.stop_reason
+        if self.log_deltas and output.token_ids:
+            cut = self.log_cut
+            logger.info(
+                "generated response %s (streaming delta): output %r, output_token_ids %s",
+                self.stream.request_id, output.text[:cut], output.token_ids[:cut],
+            )  # fmt: skip
         if output.finished and self.log_output:
             cut = self.log_cut
             logger.info(
@@ -468,6 +475,9 @@ class OpenAIServing:
         logged = {
             "log_output": self.options.enable_log_outputs,
             "log_cut": self.options.max_log_len,
+            "log_deltas": self.options.enable_log_outputs
+            and self.options.enable_log_deltas
+            and bool(getattr(body, "stream", False)),
         }
         choices = [
             Choice(s, LatencyTracker(self.metrics, arrival, params.max_tokens), **logged)

@@ -6,12 +6,14 @@ depend on what else is in the batch, so a server busy with other requests must a
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import concurrent.futures
 import importlib.metadata
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -41,6 +43,7 @@ from tandem.cli import build_parser, main
 from tandem.config import EngineConfig
 from tandem.engine import Engine
 from tandem.server.app import build_app
+from tandem.server.bench import arrival_times
 from tandem.server.metrics import buckets_1_2_5
 from tandem.server.options import ServerOptions
 from tandem.server.protocol import CompletionRequest, OpenAIError
@@ -1417,6 +1420,38 @@ def test_bench_serve_completes_every_request(server, capsys):
     out = capsys.readouterr().out
     assert "completed 24/24 requests (0 failed)" in out
     assert all(name in out for name in ("TTFT", "TPOT", "ITL", "output tok/s"))
+    server.wait_until_idle()
+
+
+@pytest.mark.parametrize(("rate", "burstiness"), [(50.0, 1.0), (50.0, 4.0), (200.0, 0.5)])
+def test_arrivals_are_gamma_gaps_of_the_request_rate_and_burstiness(rate, burstiness):
+    """vLLM's arrivals: the first at 0, then gaps of mean 1 / rate whose squared coefficient of
+    variation is 1 / burstiness (a gamma distribution of that shape; 1 is Poisson)."""
+    args = argparse.Namespace(request_rate=rate, burstiness=burstiness, num_prompts=40001, seed=3)
+    times = np.asarray(arrival_times(args))
+    gaps = np.diff(times)
+    assert times[0] == 0 and (gaps >= 0).all() and len(times) == 40001
+    assert gaps.mean() == pytest.approx(1 / rate, rel=0.03)
+    assert gaps.var() / gaps.mean() ** 2 == pytest.approx(1 / burstiness, rel=0.06)
+    args.request_rate = math.inf
+    assert arrival_times(args) == [0.0] * 40001
+
+
+def test_bench_serve_sends_each_request_at_its_arrival(server, tmp_path):
+    """--request-rate: each request leaves at its drawn arrival time (vLLM's --host and --port
+    name the server here), not before it, and soon after it."""
+    host, port = server.url.removeprefix("http://").split(":")
+    report = tmp_path / "report.json"
+    flags = ["--host", host, "--port", port, "--api-key", API_KEY, "--num-prompts", "6",
+             "--request-rate", "8", "--random-input-len", "8", "--random-output-len", "3",
+             "--output-json", str(report)]  # fmt: skip
+    main(["bench", "serve", *flags])
+    result = json.loads(report.read_text())
+    args = argparse.Namespace(request_rate=8.0, burstiness=1.0, num_prompts=6, seed=0)
+    planned = arrival_times(args)
+    assert result["completed"] == 6 and result["request_rate"] == 8.0
+    for sent, due in zip(result["send_times_s"], planned, strict=True):
+        assert due - 0.005 <= sent <= due + 0.25
     server.wait_until_idle()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -40,19 +41,42 @@ class RequestResult:
 
 
 def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server")
+    parser.add_argument("--base-url", help="the server (default: http://HOST:PORT)")
+    parser.add_argument("--host", default="127.0.0.1", help="the server's host, without --base-url")
+    parser.add_argument("--port", type=int, default=8000, help="the server's port, likewise")
     parser.add_argument("--model", help="default: the first model the server lists")
     parser.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (default: none)")
     parser.add_argument("--num-prompts", type=at_least(1), default=200, help="requests to send")
     parser.add_argument(
         "--max-concurrency", type=at_least(1), help="requests in flight at once (default: all)"
     )
-    parser.add_argument("--input-len", type=at_least(1), default=128, help="prompt tokens")
     parser.add_argument(
-        "--output-len", type=at_least(1), default=128, help="new tokens per request"
+        "--request-rate",
+        type=positive_rate,
+        default=math.inf,
+        help="requests sent per second on average, their gaps drawn as --burstiness says "
+        "(inf: all at once)",
+    )
+    parser.add_argument(
+        "--burstiness",
+        type=positive_rate,
+        default=1.0,
+        help="the gaps' gamma shape: 1 Poisson arrivals, below 1 burstier, above steadier",
+    )
+    # vLLM's --random-* names too
+    parser.add_argument(
+        "--input-len", "--random-input-len", type=at_least(1), default=128, help="prompt tokens"
+    )
+    parser.add_argument(
+        "--output-len",
+        "--random-output-len",
+        type=at_least(1),
+        default=128,
+        help="new tokens per request",
     )
     parser.add_argument(
         "--range-ratio",
+        "--random-range-ratio",
         type=fraction,
         default=0.0,
         help="lengths uniform in [len x (1 - r), len x (1 + r)]",
@@ -73,14 +97,35 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
             json.dump(report, f, indent=2)
 
 
+def positive_rate(text: str) -> float:
+    """An argparse type: a number above 0 ("inf" too)."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
+
+
+def arrival_times(args: argparse.Namespace) -> list[float]:
+    """Seconds from the start at which each request is sent, as vLLM's benchmark spaces them:
+    all at 0 at an infinite --request-rate, else the first at 0 and each next after a gap drawn
+    from a gamma distribution of mean 1 / rate and shape --burstiness (1: a Poisson process)."""
+    if math.isinf(args.request_rate):
+        return [0.0] * args.num_prompts
+    rng = np.random.default_rng([args.seed, 1])  # a stream apart from the prompts'
+    scale = 1.0 / (args.request_rate * args.burstiness)
+    gaps = rng.gamma(args.burstiness, scale, size=args.num_prompts - 1)
+    return [0.0, *np.cumsum(gaps).tolist()]
+
+
 async def run_bench(args: argparse.Namespace) -> dict:
     import httpx  # only this command needs an HTTP client
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     concurrency = args.max_concurrency or args.num_prompts
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    base_url = args.base_url or f"http://{args.host}:{args.port}"
     async with httpx.AsyncClient(
-        base_url=args.base_url, headers=headers, timeout=None, limits=limits
+        base_url=base_url, headers=headers, timeout=None, limits=limits
     ) as client:
         model = args.model or (await checked(client.get("/v1/models")))["data"][0]["id"]
         vocabulary = sorted(
@@ -88,22 +133,23 @@ async def run_bench(args: argparse.Namespace) -> dict:
         )
         prompts, output_lens = random_requests(args, vocabulary)
         slots = asyncio.Semaphore(concurrency)
+        start = time.perf_counter()
 
-        async def limited(prompt: list[int], max_tokens: int, seed: int) -> RequestResult:
+        async def limited(
+            prompt: list[int], max_tokens: int, seed: int, at: float
+        ) -> RequestResult:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))  # its arrival
             async with slots:
                 return await stream_completion(
                     client, model, prompt, max_tokens, args.temperature, seed
                 )
 
-        start = time.perf_counter()
+        requests = zip(prompts, output_lens, arrival_times(args), strict=True)
         results = await asyncio.gather(
-            *(
-                limited(p, n, args.seed + i)
-                for i, (p, n) in enumerate(zip(prompts, output_lens, strict=True))
-            )
+            *(limited(p, n, args.seed + i, at) for i, (p, n, at) in enumerate(requests))
         )
         duration = time.perf_counter() - start
-    return summarize(results, duration, model, args)
+    return summarize(results, duration, model, args, base_url)
 
 
 def random_requests(
@@ -171,7 +217,11 @@ async def stream_completion(
 
 
 def summarize(
-    results: list[RequestResult], duration: float, model: str, args: argparse.Namespace
+    results: list[RequestResult],
+    duration: float,
+    model: str,
+    args: argparse.Namespace,
+    base_url: str,
 ) -> dict:
     done = [r for r in results if r.ok]
     output_tokens = sum(r.num_output_tokens for r in done)
@@ -187,7 +237,10 @@ def summarize(
 
     return {
         "model": model,
-        "base_url": args.base_url,
+        "base_url": base_url,
+        "request_rate": args.request_rate,  # inf: all at once
+        "burstiness": args.burstiness,
+        "send_times_s": [r.start - results[0].start for r in results] if results else [],
         "num_prompts": len(results),
         "completed": len(done),
         "failed": len(results) - len(done),
@@ -205,10 +258,12 @@ def summarize(
 
 
 def print_report(report: dict) -> None:
+    rate = report["request_rate"]
+    arrivals = "all at once" if math.isinf(rate) else f"{rate:g} req/s sent"
     print(
         f"completed {report['completed']}/{report['num_prompts']} requests "
         f"({report['failed']} failed) in {report['duration_s']:.2f} s, "
-        f"concurrency {report['max_concurrency']}"
+        f"concurrency {report['max_concurrency']}, {arrivals}"
     )
     for error in report["errors"]:
         print(f"  error: {error}")

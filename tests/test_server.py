@@ -1444,15 +1444,24 @@ def test_bench_serve_sends_each_request_at_its_arrival(server, tmp_path):
     report = tmp_path / "report.json"
     flags = ["--host", host, "--port", port, "--api-key", API_KEY, "--num-prompts", "6",
              "--request-rate", "8", "--random-input-len", "8", "--random-output-len", "3",
-             "--output-json", str(report)]  # fmt: skip
+             "--output-json", str(report), "--max-concurrency", "3", "--save-result",
+             "--result-dir", str(tmp_path / "results")]  # fmt: skip
     main(["bench", "serve", *flags])
     result = json.loads(report.read_text())
+    [saved] = (tmp_path / "results").iterdir()  # vLLM's --save-result name
+    assert re.fullmatch(r"tandem-8\.0qps-concurrency3-tiny-llama-\d{8}-\d{6}\.json", saved.name)
+    assert json.loads(saved.read_text()) == result
     args = argparse.Namespace(request_rate=8.0, burstiness=1.0, num_prompts=6, seed=0)
     planned = arrival_times(args)
     assert result["completed"] == 6 and result["request_rate"] == 8.0
     for sent, due in zip(result["send_times_s"], planned, strict=True):
         assert due - 0.005 <= sent <= due + 0.25
     server.wait_until_idle()
+
+
+def test_a_result_file_needs_save_result():
+    with pytest.raises(SystemExit, match="--result-dir and --result-filename name --save-result"):
+        main(["bench", "serve", "--result-filename", "r.json"])
 
 
 def test_tandem_serve_starts_a_server_from_the_command_line(folder):

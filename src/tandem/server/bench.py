@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -84,17 +85,44 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--output-json", help="write the report here (default: none)")
+    # vLLM's way to save the report
+    parser.add_argument(
+        "--save-result",
+        action="store_true",
+        help="write the report to --result-dir/--result-filename, by default "
+        "LABEL-RATEqps[-concurrencyN]-MODEL-DATETIME.json in the working folder",
+    )
+    parser.add_argument("--result-dir", help="the folder of --save-result's file (made if new)")
+    parser.add_argument("--result-filename", help="the name of --save-result's file")
+    parser.add_argument("--label", default="tandem", help="the start of --save-result's name")
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> None:
     from tandem.cli import check_output_path
 
     check_output_path("--output-json", args.output_json)
+    if (args.result_dir or args.result_filename) and not args.save_result:
+        raise ValueError("--result-dir and --result-filename name --save-result's file: add it")
     report = asyncio.run(run_bench(args))
     print_report(report)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
+    paths = [args.output_json] if args.output_json else []
+    if args.save_result:
+        paths.append(result_path(args, report["model"], time.strftime("%Y%m%d-%H%M%S")))
+    for path in paths:
+        with open(path, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def result_path(args: argparse.Namespace, model: str, when: str) -> str:
+    """--save-result's file, named as vLLM's benchmark names it unless --result-filename."""
+    concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
+    name = args.result_filename or (
+        f"{args.label}-{args.request_rate}qps{concurrency}-{model.split('/')[-1]}-{when}.json"
+    )
+    if args.result_dir:
+        os.makedirs(args.result_dir, exist_ok=True)
+        return os.path.join(args.result_dir, name)
+    return name
 
 
 def positive_rate(text: str) -> float:

@@ -1459,6 +1459,21 @@ def test_bench_serve_sends_each_request_at_its_arrival(server, tmp_path):
     server.wait_until_idle()
 
 
+def test_bench_serve_chats_as_vllm_s_openai_chat_backend(server, tmp_path):
+    """--backend openai-chat: each prompt's text as a chat's user message on
+    /v1/chat/completions, every request answered with its tokens, its prompt counted by the
+    server (the template's tokens with the prompt's)."""
+    report = tmp_path / "report.json"
+    main(["bench", "serve", "--base-url", server.url, "--api-key", API_KEY, "--backend",
+          "openai-chat", "--num-prompts", "4", "--input-len", "8", "--output-len", "4",
+          "--output-json", str(report)])  # fmt: skip
+    result = json.loads(report.read_text())
+    assert (result["completed"], result["backend"]) == (4, "openai-chat")
+    assert result["output_tokens_per_s"] * result["duration_s"] == pytest.approx(16)
+    assert result["ttft_ms"] and result["itl_ms"]
+    server.wait_until_idle()
+
+
 def test_a_result_file_needs_save_result():
     with pytest.raises(SystemExit, match="--result-dir and --result-filename name --save-result"):
         main(["bench", "serve", "--result-filename", "r.json"])

@@ -20,6 +20,8 @@ SAMPLE_TEXT = (
     "batching admits and retires requests every step over a paged key-value cache. 0123456789"
 )
 PERCENTILES = (50, 90, 99)
+# --backend -> its default endpoint (vLLM's names)
+ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 
 
 @dataclass
@@ -45,6 +47,14 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", help="the server (default: http://HOST:PORT)")
     parser.add_argument("--host", default="127.0.0.1", help="the server's host, without --base-url")
     parser.add_argument("--port", type=int, default=8000, help="the server's port, likewise")
+    parser.add_argument(
+        "--backend",
+        choices=tuple(ENDPOINTS),
+        default="openai",
+        help="vLLM's: openai sends completions of the token-id prompts, openai-chat sends "
+        "each prompt's text as a user message",
+    )
+    parser.add_argument("--endpoint", help="the path (default: the backend's /v1/... path)")
     parser.add_argument("--model", help="default: the first model the server lists")
     parser.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (default: none)")
     parser.add_argument("--num-prompts", type=at_least(1), default=200, help="requests to send")
@@ -160,16 +170,22 @@ async def run_bench(args: argparse.Namespace) -> dict:
             set((await checked(client.post("/tokenize", json={"prompt": SAMPLE_TEXT})))["tokens"])
         )
         prompts, output_lens = random_requests(args, vocabulary)
+        endpoint = args.endpoint or ENDPOINTS[args.backend]
+        if args.backend == "openai-chat":  # the prompts' text, as the chat's user messages
+            texts = await asyncio.gather(*(
+                checked(client.post("/detokenize", json={"tokens": p})) for p in prompts
+            ))  # fmt: skip
+            prompts = [t["prompt"] for t in texts]
         slots = asyncio.Semaphore(concurrency)
         start = time.perf_counter()
 
         async def limited(
-            prompt: list[int], max_tokens: int, seed: int, at: float
+            prompt: list[int] | str, max_tokens: int, seed: int, at: float
         ) -> RequestResult:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))  # its arrival
             async with slots:
                 return await stream_completion(
-                    client, model, prompt, max_tokens, args.temperature, seed
+                    client, endpoint, model, prompt, max_tokens, args.temperature, seed
                 )
 
         requests = zip(prompts, output_lens, arrival_times(args), strict=True)
@@ -198,11 +214,20 @@ def random_requests(
 
 
 async def stream_completion(
-    client, model: str, prompt: list[int], max_tokens: int, temperature: float, seed: int
+    client,
+    endpoint: str,
+    model: str,
+    prompt: list[int] | str,
+    max_tokens: int,
+    temperature: float,
+    seed: int,
 ) -> RequestResult:
+    """One streamed request: a completion of token ids, or (a text prompt) a chat's user
+    message; its prompt tokens as the server counted them."""
+    chat = isinstance(prompt, str)
     body = {
         "model": model,
-        "prompt": prompt,
+        **({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}),
         "max_tokens": max_tokens,
         "temperature": temperature,
         "seed": seed,
@@ -211,10 +236,10 @@ async def stream_completion(
         "stream_options": {"include_usage": True},
         "return_token_ids": True,  # a chunk per token, even while text is held back
     }
-    result = RequestResult(start=time.perf_counter(), num_prompt_tokens=len(prompt))
+    result = RequestResult(start=time.perf_counter())
     last = result.start
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
+        async with client.stream("POST", endpoint, json=body) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()}"
                 return result
@@ -227,7 +252,8 @@ async def stream_completion(
                     return result
                 if chunk.get("usage"):
                     result.num_output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk["choices"]:
+                    result.num_prompt_tokens = chunk["usage"]["prompt_tokens"]
+                if chunk["choices"] and carries_tokens(chunk["choices"][0]):
                     now = time.perf_counter()
                     if result.ttft == 0.0:
                         result.ttft = now - result.start
@@ -242,6 +268,13 @@ async def stream_completion(
     if not result.ok:
         result.error = f"got {result.num_output_tokens} of {max_tokens} tokens"
     return result
+
+
+def carries_tokens(choice: dict) -> bool:
+    """Whether a streamed choice brings tokens (a chat's first chunk may bring its role alone,
+    its last the finish reason alone)."""
+    return bool(choice.get("token_ids") or choice.get("text") or
+                (choice.get("delta") or {}).get("content"))  # fmt: skip
 
 
 def summarize(
@@ -266,6 +299,7 @@ def summarize(
     return {
         "model": model,
         "base_url": base_url,
+        "backend": args.backend,
         "request_rate": args.request_rate,  # inf: all at once
         "burstiness": args.burstiness,
         "send_times_s": [r.start - results[0].start for r in results] if results else [],

@@ -99,8 +99,8 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--save-result",
         action="store_true",
-        help="write the report to --result-dir/--result-filename, by default "
-        "LABEL-RATEqps[-concurrencyN]-MODEL-DATETIME.json in the working folder",
+        help="write the report to --result-dir/--result-filename (unnamed: "
+        "LABEL-RATEqps[-concurrencyN]-MODEL-DATETIME.json in the working folder)",
     )
     parser.add_argument("--result-dir", help="the folder of --save-result's file (made if new)")
     parser.add_argument("--result-filename", help="the name of --save-result's file")

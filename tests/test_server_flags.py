@@ -894,3 +894,11 @@ def test_ssl_refresh_serves_the_new_certificate_once_its_files_change(llm, tmp_p
         assert (
             der(then) == der(now if refresh else originals[refresh]) and now != originals[refresh]
         )
+
+
+def test_one_server_s_flags_are_named_only_where_set():
+    """Ray Serve's replicas (--data-parallel-size) take none of one uvicorn server's flags:
+    those set are named, a flag left off (False, None) is not."""
+    assert ServerOptions().one_server_only() == []
+    options = ServerOptions(enable_ssl_refresh=True, uds="/tmp/s", ssl_ciphers="HIGH")
+    assert options.one_server_only() == ["--ssl-ciphers", "--uds", "--enable-ssl-refresh"]

@@ -233,7 +233,7 @@ class ServerOptions:
         names = ("root_path", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "uvicorn_log_level",
                  "log_config_file", "ssl_ciphers", "uds", "disable_access_log_for_endpoints",
                  "enable_ssl_refresh")  # fmt: skip
-        return [f"--{name.replace('_', '-')}" for name in names if getattr(self, name) is not None]
+        return [f"--{name.replace('_', '-')}" for name in names if getattr(self, name)]
 
     def validate_chat_options(self) -> None:
         if self.chat_template is not None:

@@ -316,12 +316,11 @@ class Engine:
             prompt_embeds=config.enable_prompt_embeds,
             max_top=self.logprobs_width,
         )
-        captured = self._device_time()
+        captured = 0.0  # seconds of kernel compilation and graph capture
         if self.runner.cuda and (self.runner.graph_sizes or self.runner.token_buckets):
+            capture_began = self._device_time()
             self.runner.capture_graphs()
-            captured = self._device_time() - captured
-        else:
-            captured = 0.0
+            captured = self._device_time() - capture_began
         self.async_batching = config.async_batching
         self.memory = DeviceMemory([p.detach() for p in self.model.parameters()], self.kv_caches[0])
         self.paused = False  # pause_generation: no step until resume_generation
